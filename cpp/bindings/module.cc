@@ -1,0 +1,456 @@
+// _pdkv: the native module behind `import pdkv`.
+//
+// Thin on purpose: python/pdkv wraps it with documented, typed classes. Every
+// non-OK Status becomes the pdkv.errors exception of its code (one table, in
+// errors.py). The GIL is released in every call that can block or does work
+// proportional to its input.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "pdkv/agent.h"
+#include "pdkv/kv_layout.h"
+#include "pdkv/metadata.h"
+#include "pdkv/registry.h"
+#include "pdkv/status.h"
+
+namespace py = pybind11;
+using namespace pdkv;
+
+namespace {
+
+struct StatusError : std::exception {
+  Status st;
+  explicit StatusError(Status s) : st(std::move(s)) {}
+  const char* what() const noexcept override { return st.message().c_str(); }
+};
+
+void check(const Status& st) {
+  if (!st.ok()) throw StatusError(st);
+}
+
+template <typename T>
+T unwrap(Result<T>&& r) {
+  if (!r.ok()) throw StatusError(r.status());
+  return std::move(r).value();
+}
+
+py::bytes to_bytes(const std::string& s) { return py::bytes(s.data(), s.size()); }
+
+std::vector<uint32_t> ids_from(const py::object& o) {
+  // Accepts any sequence or buffer of non-negative ints (list, range, numpy array).
+  std::vector<uint32_t> v;
+  if (py::isinstance<py::buffer>(o) && !py::isinstance<py::bytes>(o)) {
+    py::buffer_info bi = py::reinterpret_borrow<py::buffer>(o).request();
+    if (bi.ndim != 1) throw StatusError(InvalidArgument("block ids must be one-dimensional"));
+    v.reserve(static_cast<size_t>(bi.shape[0]));
+    auto push = [&](int64_t x) {
+      if (x < 0 || x > 0xFFFFFFFFll) throw StatusError(OutOfRange("block id " + std::to_string(x) + " is negative or too large"));
+      v.push_back(static_cast<uint32_t>(x));
+    };
+    const char* base = static_cast<const char*>(bi.ptr);
+    for (py::ssize_t i = 0; i < bi.shape[0]; ++i) {
+      const char* p = base + i * bi.strides[0];
+      const std::string& f = bi.format;
+      if (f == "i" || f == "=i" || f == "<i") { int32_t x; std::memcpy(&x, p, 4); push(x); }
+      else if (f == "I" || f == "=I" || f == "<I") { uint32_t x; std::memcpy(&x, p, 4); push(x); }
+      else if (f == "l" || f == "q" || f == "=q" || f == "<q" || f == "=l" || f == "<l") { int64_t x; std::memcpy(&x, p, 8); push(x); }
+      else if (f == "L" || f == "Q" || f == "=Q" || f == "<Q") { uint64_t x; std::memcpy(&x, p, 8); push(x > 0xFFFFFFFFull ? -1 : int64_t(x)); }
+      else if (f == "h" || f == "H" || f == "b" || f == "B") {
+        int64_t x = 0;
+        if (f == "h") { int16_t t; std::memcpy(&t, p, 2); x = t; }
+        else if (f == "H") { uint16_t t; std::memcpy(&t, p, 2); x = t; }
+        else if (f == "b") { int8_t t; std::memcpy(&t, p, 1); x = t; }
+        else { uint8_t t; std::memcpy(&t, p, 1); x = t; }
+        push(x);
+      } else {
+        throw StatusError(InvalidArgument("block ids must be integers, got buffer format '" + f + "'"));
+      }
+    }
+    return v;
+  }
+  for (auto item : o) {
+    int64_t x = py::cast<int64_t>(item);
+    if (x < 0 || x > 0xFFFFFFFFll) throw StatusError(OutOfRange("block id " + std::to_string(x) + " is negative or too large"));
+    v.push_back(static_cast<uint32_t>(x));
+  }
+  return v;
+}
+
+py::dict region_dict(const RegionDesc& d) {
+  py::dict o;
+  o["id"] = d.id;
+  o["addr"] = d.addr;
+  o["len"] = d.len;
+  o["kind"] = std::string(mem_kind_name(d.kind));
+  o["device"] = d.device;
+  o["remote_access"] = d.remote_access;
+  return o;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_pdkv, m) {
+  m.doc() = "pdkv native core (use the `pdkv` package, not this module)";
+
+  static py::object errors_mod;
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      py::gil_scoped_acquire gil;
+      py::object mod = py::module_::import("pdkv.errors");
+      py::object cls = mod.attr("error_class")(std::string(status_code_name(e.st.code())));
+      py::object exc = cls(e.st.message());
+      PyErr_SetObject(cls.ptr(), exc.ptr());
+    }
+  });
+
+  py::enum_<XferState>(m, "XferState")
+      .value("PENDING", XferState::kPending)
+      .value("DONE", XferState::kDone)
+      .value("FAILED", XferState::kFailed)
+      .value("CANCELLED", XferState::kCancelled);
+  py::enum_<OpKind>(m, "OpKind").value("WRITE", OpKind::kWrite).value("READ", OpKind::kRead);
+  py::enum_<MemKind>(m, "MemKind").value("HOST", MemKind::kHost).value("CUDA", MemKind::kCuda);
+  py::enum_<TokenOrder>(m, "TokenOrder").value("NHD", TokenOrder::kNHD).value("HND", TokenOrder::kHND);
+
+  m.def("dtype_size", [](const std::string& name) { return dtype_size(unwrap(parse_dtype(name))); });
+  m.def("dtype_name", [](const std::string& name) { return std::string(dtype_name(unwrap(parse_dtype(name)))); });
+  m.def("registered_transports", &registered_transports);
+  m.def("available_transports", &available_transports);
+  m.def("status_code_names", [] {
+    std::vector<std::string> out;
+    for (int c = 0; c <= static_cast<int>(StatusCode::kInternal); ++c)
+      out.emplace_back(status_code_name(static_cast<StatusCode>(c)));
+    return out;
+  });
+  m.def("buffer_info", [](py::buffer b) {
+    py::buffer_info bi = b.request();
+    // Contiguity: a C-contiguous view covers itemsize * size bytes from ptr.
+    py::ssize_t expect = bi.itemsize;
+    bool contiguous = true;
+    for (py::ssize_t d = bi.ndim - 1; d >= 0; --d) {
+      if (bi.shape[d] != 1 && bi.strides[d] != expect) contiguous = false;
+      expect *= bi.shape[d];
+    }
+    return py::make_tuple(reinterpret_cast<uintptr_t>(bi.ptr), bi.itemsize * bi.size, bi.readonly, contiguous);
+  });
+
+  py::class_<KVGeometry>(m, "KVGeometry")
+      .def(py::init([](uint32_t layers, uint32_t blocks, uint32_t block_tokens, uint32_t kv_heads, uint32_t head_dim,
+                       const std::string& dtype, uint32_t kv_parts, TokenOrder order) {
+             KVGeometry g;
+             g.num_layers = layers;
+             g.num_blocks = blocks;
+             g.block_tokens = block_tokens;
+             g.kv_heads = kv_heads;
+             g.head_dim = head_dim;
+             g.kv_parts = kv_parts;
+             g.dtype = unwrap(parse_dtype(dtype));
+             g.order = order;
+             check(g.validate());
+             return g;
+           }),
+           py::arg("num_layers"), py::arg("num_blocks"), py::arg("block_tokens"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("dtype"), py::arg("kv_parts"), py::arg("order"))
+      .def_readonly("num_layers", &KVGeometry::num_layers)
+      .def_readonly("num_blocks", &KVGeometry::num_blocks)
+      .def_readonly("block_tokens", &KVGeometry::block_tokens)
+      .def_readonly("kv_heads", &KVGeometry::kv_heads)
+      .def_readonly("head_dim", &KVGeometry::head_dim)
+      .def_readonly("kv_parts", &KVGeometry::kv_parts)
+      .def_readonly("order", &KVGeometry::order)
+      .def_property_readonly("dtype", [](const KVGeometry& g) { return std::string(dtype_name(g.dtype)); })
+      .def_property_readonly("block_half_bytes", &KVGeometry::block_half_bytes)
+      .def("__eq__", [](const KVGeometry& a, const KVGeometry& b) { return a == b; });
+
+  py::class_<KVLayout>(m, "KVLayout")
+      .def_static("make",
+                  [](const KVGeometry& g, const std::vector<std::pair<uint64_t, uint64_t>>& segs) {
+                    std::vector<KVSegment> s;
+                    for (auto& [a, st] : segs) s.push_back(KVSegment{a, st});
+                    return unwrap(KVLayout::make(g, std::move(s)));
+                  })
+      .def_static("contiguous", [](const KVGeometry& g, uint64_t base, bool interleaved) {
+        return unwrap(KVLayout::contiguous(g, base, interleaved));
+      })
+      .def_static("contiguous_bytes", &KVLayout::contiguous_bytes)
+      .def_property_readonly("geometry", &KVLayout::geometry)
+      .def_property_readonly("segments",
+                             [](const KVLayout& l) {
+                               py::list out;
+                               for (auto& s : l.segments()) {
+                                 py::dict d;
+                                 d["addr"] = s.addr;
+                                 d["block_stride"] = s.block_stride;
+                                 d["region_id"] = s.region_id == KVSegment::kUnbound ? py::object(py::none())
+                                                                                       : py::object(py::int_(s.region_id));
+                                 d["region_offset"] = s.region_offset;
+                                 out.append(d);
+                               }
+                               return out;
+                             })
+      .def_property_readonly("bound", &KVLayout::bound)
+      .def_property_readonly("min_addr", &KVLayout::min_addr)
+      .def_property_readonly("end_addr", &KVLayout::end_addr);
+
+  m.def(
+      "plan_blocks",
+      [](const KVLayout& local, py::object lids, const KVLayout& remote, py::object rids, uint64_t num_tokens,
+         uint32_t num_heads, uint32_t local_head_offset, uint32_t remote_head_offset) {
+        auto l = ids_from(lids);
+        auto r = ids_from(rids);
+        PlanOptions o{num_tokens, num_heads, local_head_offset, remote_head_offset};
+        std::vector<Extent> ex;
+        {
+          py::gil_scoped_release rel;
+          auto res = plan_blocks(local, l, remote, r, o);
+          if (!res.ok()) {
+            py::gil_scoped_acquire acq;
+            throw StatusError(res.status());
+          }
+          ex = std::move(res).value();
+        }
+        py::list out;
+        for (auto& e : ex) out.append(py::make_tuple(e.local_region, e.local_offset, e.remote_region, e.remote_offset, e.len));
+        return out;
+      },
+      py::arg("local"), py::arg("local_ids"), py::arg("remote"), py::arg("remote_ids"), py::arg("num_tokens") = 0,
+      py::arg("num_heads") = 0, py::arg("local_head_offset") = 0, py::arg("remote_head_offset") = 0);
+
+  m.def("decode_metadata", [](py::bytes blob) {
+    std::string b = blob;
+    AgentMetadata md = unwrap(decode_metadata(b));
+    py::dict d;
+    d["version"] = kMetadataVersion;
+    d["name"] = md.name;
+    d["instance_id"] = md.instance_id;
+    d["host_id"] = md.host_id;
+    d["pid"] = md.pid;
+    py::list eps;
+    for (auto& e : md.endpoints) eps.append(py::make_tuple(e.transport, e.address));
+    d["endpoints"] = eps;
+    py::list regs;
+    for (auto& r : md.regions) regs.append(region_dict(r));
+    d["regions"] = regs;
+    py::dict lays;
+    for (auto& [n, l] : md.layouts) lays[py::str(n)] = l;
+    d["layouts"] = lays;
+    return d;
+  });
+
+  py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer")
+      .def_property_readonly("id", &Transfer::id)
+      .def_property_readonly("op", &Transfer::op)
+      .def_property_readonly("peer", &Transfer::peer)
+      .def_property_readonly("transport", &Transfer::transport)
+      .def_property_readonly("state", &Transfer::state)
+      .def_property_readonly("bytes_total", &Transfer::bytes_total)
+      .def_property_readonly("bytes_done", &Transfer::bytes_done)
+      .def_property_readonly("elapsed_s", &Transfer::elapsed_s)
+      .def("error_info",
+           [](const Transfer& t) -> py::object {
+             Status st = t.error();
+             if (st.ok()) return py::none();
+             return py::make_tuple(std::string(status_code_name(st.code())), st.message());
+           })
+      .def("wait", &Transfer::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def("cancel", &Transfer::cancel, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<PreparedTransfer, std::shared_ptr<PreparedTransfer>>(m, "PreparedTransfer")
+      .def_readonly("peer", &PreparedTransfer::peer)
+      .def_readonly("transport", &PreparedTransfer::transport)
+      .def_readonly("op", &PreparedTransfer::op)
+      .def_readonly("bytes", &PreparedTransfer::bytes)
+      .def_readonly("num_extents", &PreparedTransfer::num_extents);
+
+  py::class_<Agent>(m, "Agent")
+      .def(py::init([](const std::string& name, const std::string& secret, const std::vector<std::string>& transports,
+                       const std::string& listen_host, uint16_t listen_port, uint32_t conns_per_peer,
+                       uint32_t progress_threads, uint32_t spin_us, uint64_t batch_bytes, uint32_t batch_extents,
+                       uint32_t rcvlowat_bytes, double connect_timeout_s, double default_timeout_s,
+                       uint32_t max_notif_bytes, uint32_t wait_spin_us) {
+             AgentConfig c;
+             c.name = name;
+             c.secret = secret;
+             c.transports = transports;
+             c.tcp.listen_host = listen_host;
+             c.tcp.listen_port = listen_port;
+             c.tcp.conns_per_peer = conns_per_peer;
+             c.tcp.progress_threads = progress_threads;
+             c.tcp.spin_us = spin_us;
+             c.tcp.batch_bytes = batch_bytes;
+             c.tcp.batch_extents = batch_extents;
+             c.tcp.rcvlowat_bytes = rcvlowat_bytes;
+             c.tcp.connect_timeout_s = connect_timeout_s;
+             c.default_timeout_s = default_timeout_s;
+             c.max_notif_bytes = max_notif_bytes;
+             c.wait_spin_us = wait_spin_us;
+             std::unique_ptr<Agent> a;
+             {
+               py::gil_scoped_release rel;
+               auto r = Agent::create(std::move(c));
+               if (!r.ok()) {
+                 py::gil_scoped_acquire acq;
+                 throw StatusError(r.status());
+               }
+               a = std::move(r).value();
+             }
+             return a;
+           }),
+           py::arg("name"), py::arg("secret"), py::arg("transports"), py::arg("listen_host"), py::arg("listen_port"),
+           py::arg("conns_per_peer"), py::arg("progress_threads"), py::arg("spin_us"), py::arg("batch_bytes"),
+           py::arg("batch_extents"), py::arg("rcvlowat_bytes"), py::arg("connect_timeout_s"),
+           py::arg("default_timeout_s"), py::arg("max_notif_bytes"), py::arg("wait_spin_us"))
+      .def_property_readonly("name", &Agent::name)
+      .def_property_readonly("secret", [](const Agent& a) { return to_bytes(a.secret()); })
+      .def_property_readonly("instance_id", &Agent::instance_id)
+      .def_property_readonly("transports", &Agent::transports)
+      .def_property_readonly("endpoints",
+                             [](const Agent& a) {
+                               py::list out;
+                               for (auto& e : a.endpoints()) out.append(py::make_tuple(e.transport, e.address));
+                               return out;
+                             })
+      .def("register_memory",
+           [](Agent& a, uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote) {
+             return region_dict(unwrap(a.register_memory(addr, len, kind, device, remote)));
+           })
+      .def("deregister_memory",
+           [](Agent& a, uint64_t id) {
+             Status st;
+             {
+               py::gil_scoped_release rel;
+               st = a.deregister_memory(id);
+             }
+             check(st);
+           })
+      .def("regions",
+           [](const Agent& a) {
+             py::list out;
+             for (auto& r : a.regions()) out.append(region_dict(r));
+             return out;
+           })
+      .def("add_layout", [](Agent& a, const std::string& n, const KVLayout& l) { check(a.add_layout(n, l)); })
+      .def("remove_layout", [](Agent& a, const std::string& n) { check(a.remove_layout(n)); })
+      .def("layout", [](const Agent& a, const std::string& n) { return unwrap(a.layout(n)); })
+      .def("layout_names", &Agent::layout_names)
+      .def("metadata", [](Agent& a) { return to_bytes(a.metadata()); })
+      .def("add_peer",
+           [](Agent& a, py::bytes blob, py::bytes secret, const std::string& transport) {
+             return unwrap(a.add_peer(std::string(blob), std::string(secret), transport));
+           })
+      .def("remove_peer",
+           [](Agent& a, const std::string& n) {
+             Status st;
+             {
+               py::gil_scoped_release rel;
+               st = a.remove_peer(n);
+             }
+             check(st);
+           })
+      .def("peer_names", &Agent::peer_names)
+      .def("peer_transport", [](const Agent& a, const std::string& n) { return unwrap(a.peer_transport(n)); })
+      .def("peer_metadata", [](const Agent& a, const std::string& n) {
+        auto p = unwrap(a.peer(n));
+        return to_bytes(encode_metadata(p->md));
+      })
+      .def("fetch_metadata",
+           [](Agent& a, const std::string& addr, py::bytes secret, double timeout_s) {
+             std::string s = secret;
+             Result<std::string> r = Status();
+             {
+               py::gil_scoped_release rel;
+               r = a.fetch_metadata(addr, s, timeout_s);
+             }
+             return to_bytes(unwrap(std::move(r)));
+           })
+      .def("connect",
+           [](Agent& a, const std::string& n, double timeout_s) {
+             Status st;
+             {
+               py::gil_scoped_release rel;
+               st = a.connect(n, timeout_s);
+             }
+             check(st);
+           })
+      .def("prepare_blocks",
+           [](Agent& a, const std::string& peer, OpKind op, const std::string& ll, py::object lids,
+              const std::string& rl, py::object rids, uint64_t num_tokens, uint32_t num_heads, uint32_t lho,
+              uint32_t rho, const std::string& transport) {
+             auto l = ids_from(lids);
+             auto r = ids_from(rids);
+             PlanOptions po{num_tokens, num_heads, lho, rho};
+             XferOptions xo{transport};
+             Result<std::shared_ptr<PreparedTransfer>> res = Status();
+             {
+               py::gil_scoped_release rel;
+               res = a.prepare_blocks(peer, op, ll, l, rl, r, po, xo);
+             }
+             return unwrap(std::move(res));
+           })
+      .def("prepare_extents",
+           [](Agent& a, const std::string& peer, OpKind op,
+              const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>>& ex,
+              const std::string& transport) {
+             std::vector<Extent> v;
+             v.reserve(ex.size());
+             for (auto& [lr, lo, rr, ro, len] : ex) v.push_back(Extent{lr, lo, rr, ro, len});
+             Result<std::shared_ptr<PreparedTransfer>> res = Status();
+             {
+               py::gil_scoped_release rel;
+               res = a.prepare_extents(peer, op, v, XferOptions{transport});
+             }
+             return unwrap(std::move(res));
+           })
+      .def("post",
+           [](Agent& a, const PreparedTransfer& p, py::bytes notif, double timeout_s) {
+             std::string n = notif;
+             Result<std::shared_ptr<Transfer>> res = Status();
+             {
+               py::gil_scoped_release rel;
+               res = a.post(p, std::move(n), timeout_s);
+             }
+             return unwrap(std::move(res));
+           })
+      .def("send_notification",
+           [](Agent& a, const std::string& peer, py::bytes notif, double timeout_s) {
+             std::string n = notif;
+             Result<std::shared_ptr<Transfer>> res = Status();
+             {
+               py::gil_scoped_release rel;
+               res = a.send_notification(peer, std::move(n), timeout_s);
+             }
+             return unwrap(std::move(res));
+           })
+      .def("take_notifications",
+           [](Agent& a, size_t max) {
+             auto v = a.notifications().take(max);
+             py::list out;
+             for (auto& n : v) out.append(py::make_tuple(n.peer, to_bytes(n.data)));
+             return out;
+           })
+      .def("wait_notifications",
+           [](Agent& a, double timeout_s, size_t max) {
+             std::vector<Notification> v;
+             {
+               py::gil_scoped_release rel;
+               v = a.notifications().wait(timeout_s, max);
+             }
+             py::list out;
+             for (auto& n : v) out.append(py::make_tuple(n.peer, to_bytes(n.data)));
+             return out;
+           })
+      .def_property_readonly("notification_fd", [](Agent& a) { return a.notifications().fd(); });
+
+  // Benchmark helpers: raw-socket and memcpy ceilings measured with the same code
+  // path quality as the transport (C++, no Python in the loop).
+  py::module_ bench = m.def_submodule("bench", "ceilings for `pdkv bench transfer`");
+  bench::bind(bench);
+}

@@ -1,0 +1,126 @@
+// pdkv/kv_layout.h: how a paged KV pool is laid out, and how block ids become
+// byte extents.
+//
+// A KV pool has, for every layer, a K part and a V part (or a single latent
+// part, kv_parts == 1, for MLA-style caches). Each (layer, part) is a
+// "segment": `num_blocks` blocks of `block_tokens * kv_heads * head_dim`
+// elements, the first at `addr`, consecutive blocks `block_stride` bytes
+// apart. Inside one block the elements are contiguous in either
+//   NHD order: [block_tokens, kv_heads, head_dim]   (vLLM, FlashInfer "NHD")
+//   HND order: [kv_heads, block_tokens, head_dim]   (FlashInfer "HND")
+// This covers per-layer K and V tensors [num_blocks, T, H, D] (stride = one
+// block-half), K/V interleaved per block [num_blocks, 2, T, H, D] (stride = two
+// block-halves, V = K + one block-half), vLLM's [2, num_blocks, T, H, D], and one
+// big pool holding every layer.
+//
+// Thread safety: KVLayout is an immutable value after construction.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "pdkv/status.h"
+#include "pdkv/types.h"
+
+namespace pdkv {
+
+enum class TokenOrder : uint8_t { kNHD = 0, kHND = 1 };
+
+// Shape of a KV pool; no addresses.
+struct KVGeometry {
+  uint32_t num_layers = 0;
+  uint32_t num_blocks = 0;
+  uint32_t block_tokens = 0;  // tokens per block (page size)
+  uint32_t kv_heads = 0;      // KV heads held by this pool (after any TP split)
+  uint32_t head_dim = 0;
+  uint32_t kv_parts = 2;      // 2: K and V; 1: a single latent cache (MLA)
+  DType dtype = DType::kBF16;
+  TokenOrder order = TokenOrder::kNHD;
+
+  // Bytes of one (layer, part) of one block: block_tokens*kv_heads*head_dim*dtype size.
+  uint64_t block_half_bytes() const;
+  uint32_t num_segments() const { return num_layers * kv_parts; }
+  Status validate() const;
+  bool operator==(const KVGeometry& o) const;
+};
+
+// One (layer, part) of the pool.
+struct KVSegment {
+  static constexpr uint64_t kUnbound = ~0ull;
+  uint64_t addr = 0;          // address of block 0 in the owner's address space
+  uint64_t block_stride = 0;  // bytes between block b and block b+1 (>= block_half_bytes)
+  uint64_t region_id = kUnbound;  // registered region holding the segment (set by Agent)
+  uint64_t region_offset = 0;     // addr - region base
+};
+
+// Geometry plus one segment per (layer, part), index layer * kv_parts + part.
+class KVLayout {
+ public:
+  KVLayout() = default;
+  // General form; validates that segments are consistent with the geometry.
+  static Result<KVLayout> make(const KVGeometry& geo, std::vector<KVSegment> segments);
+  // Per-layer K and V tensors, each [num_blocks, ...] with blocks contiguous.
+  // k_addrs/v_addrs: [num_layers]; v_addrs must be empty when kv_parts == 1.
+  static Result<KVLayout> per_layer(const KVGeometry& geo, const std::vector<uint64_t>& k_addrs,
+                                    const std::vector<uint64_t>& v_addrs);
+  // Bytes needed for a pool that `contiguous()` lays out.
+  static uint64_t contiguous_bytes(const KVGeometry& geo);
+  // One buffer at `base` holding every layer: [layers, num_blocks, parts, <block>] when
+  // interleaved (K/V interleaved per block), else [layers, parts, num_blocks, <block>].
+  static Result<KVLayout> contiguous(const KVGeometry& geo, uint64_t base, bool interleaved);
+
+  const KVGeometry& geometry() const { return geo_; }
+  const std::vector<KVSegment>& segments() const { return segs_; }
+  std::vector<KVSegment>& mutable_segments() { return segs_; }
+  const KVSegment& segment(uint32_t layer, uint32_t part) const {
+    return segs_[static_cast<size_t>(layer) * geo_.kv_parts + part];
+  }
+  bool bound() const;  // every segment has a region_id
+  // Lowest and one-past-highest byte address any block touches.
+  uint64_t min_addr() const;
+  uint64_t end_addr() const;
+
+ private:
+  KVGeometry geo_;
+  std::vector<KVSegment> segs_;
+};
+
+// One contiguous byte range on each side of a transfer.
+struct Extent {
+  uint64_t local_region = 0;
+  uint64_t local_offset = 0;
+  uint64_t remote_region = 0;
+  uint64_t remote_offset = 0;
+  uint64_t len = 0;
+};
+
+// Merges neighbours whose local and remote ranges both continue each other.
+// Order is preserved; the result is equivalent byte for byte. O(n), in place.
+void coalesce_extents(std::vector<Extent>& extents);
+
+// Which tokens and heads to move when the two layouts' geometries differ.
+struct PlanOptions {
+  // Tokens to move, counted from the start of the first block; 0 = all tokens the
+  // shorter side's block list covers.
+  uint64_t num_tokens = 0;
+  // Heads to move and where they start on each side (tensor-parallel splits); 0 = all
+  // of local's heads.
+  uint32_t num_heads = 0;
+  uint32_t local_head_offset = 0;
+  uint32_t remote_head_offset = 0;
+};
+
+// Extents that move blocks `local_ids` of `local` to or from blocks `remote_ids` of
+// `remote`, in (layer, part, block) order, coalesced. Both layouts must be bound.
+// With identical geometry (and default options) each block maps to one block and
+// consecutive ids on both sides coalesce into one extent per (layer, part); otherwise
+// bytes are mapped token by token and head by head (different block sizes, NHD vs HND,
+// head subsets), then coalesced.
+// Errors: InvalidArgument (mismatched dtype/head_dim/layers/parts, id counts),
+// OutOfRange (block id >= num_blocks, tokens or heads beyond a side).
+Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector<uint32_t>& local_ids,
+                                        const KVLayout& remote, const std::vector<uint32_t>& remote_ids,
+                                        const PlanOptions& opts = {});
+
+}  // namespace pdkv

@@ -1,0 +1,96 @@
+// pdkv/region.h: registered memory and the table that validates every access.
+//
+// A region is [addr, addr + len) of host or device memory that an Agent may read
+// from or write into. Rules (deterministic, and tested):
+//   * Registering a range that overlaps an existing region (including the exact same
+//     range) fails with AlreadyExists naming the other region. Register a pool once.
+//   * A zero-length range fails with InvalidArgument.
+//   * Deregistration removes the region at once (new transfers and inbound requests
+//     that name it fail with NotFound), then blocks until every transfer already
+//     using it has finished, so the memory may be freed as soon as it returns.
+//
+// Thread safety: RegionTable is safe to use from any thread. RegionPin is a
+// move-only token; destroy it from any thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "pdkv/status.h"
+#include "pdkv/types.h"
+
+namespace pdkv {
+
+struct RegionDesc {
+  uint64_t id = 0;
+  uint64_t addr = 0;   // in the owner's address space (device pointer for kCuda)
+  uint64_t len = 0;    // bytes
+  MemKind kind = MemKind::kHost;
+  int32_t device = -1;  // CUDA ordinal for kCuda, -1 for host
+  bool remote_access = true;  // peers may read/write it (exported in metadata)
+};
+
+namespace detail {
+struct RegionEntry {
+  RegionDesc desc;
+  std::atomic<int64_t> inflight{0};
+  std::atomic<bool> revoked{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  void unpin();
+};
+}  // namespace detail
+
+// Keeps a region alive (deregistration waits) while a transfer uses it.
+class RegionPin {
+ public:
+  RegionPin() = default;
+  explicit RegionPin(std::shared_ptr<detail::RegionEntry> e) : e_(std::move(e)) {}
+  RegionPin(RegionPin&&) noexcept = default;
+  RegionPin& operator=(RegionPin&& o) noexcept {
+    if (this != &o) { reset(); e_ = std::move(o.e_); }
+    return *this;
+  }
+  RegionPin(const RegionPin&) = delete;
+  RegionPin& operator=(const RegionPin&) = delete;
+  ~RegionPin() { reset(); }
+  void reset();
+  const RegionDesc* desc() const { return e_ ? &e_->desc : nullptr; }
+
+ private:
+  std::shared_ptr<detail::RegionEntry> e_;
+};
+
+class RegionTable {
+ public:
+  // Adds a region and returns its descriptor (ids start at 1 and are never reused).
+  Result<RegionDesc> add(uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote_access);
+  // Removes a region, then waits for its pins to drop (see file comment).
+  Status remove(uint64_t id);
+  // Pins region `id` after checking [offset, offset+len) lies inside it and, when
+  // `inbound` is true, that peers may access it and its kind is in `kinds_mask`
+  // (bit per MemKind). On success *ptr is the address of byte `offset`.
+  Result<RegionPin> pin(uint64_t id, uint64_t offset, uint64_t len, bool inbound,
+                        uint32_t kinds_mask, uint64_t* addr_out) const;
+  // The region holding [addr, addr+len), if any.
+  Result<RegionDesc> find(uint64_t addr, uint64_t len) const;
+  Result<RegionDesc> get(uint64_t id) const;
+  std::vector<RegionDesc> list() const;
+
+ private:
+  mutable std::shared_mutex mu_;
+  uint64_t next_id_ = 1;
+  std::unordered_map<uint64_t, std::shared_ptr<detail::RegionEntry>> by_id_;
+  std::map<uint64_t, uint64_t> by_addr_;  // start addr -> id (host and device share one UVA space)
+};
+
+inline constexpr uint32_t mem_kind_bit(MemKind k) { return 1u << static_cast<uint32_t>(k); }
+
+}  // namespace pdkv

@@ -1,0 +1,97 @@
+// pdkv/transfer.h: the state of one posted transfer.
+//
+// A Transfer is created by Agent::post and completed by a transport's progress
+// thread. It is split into "parts" (batches, per connection); it becomes terminal
+// only when every part has resolved, so once state() is terminal pdkv will never
+// touch the transfer's memory again and the buffers may be reused or freed.
+//
+// Lifetime rule (as in Mooncake's ScatterTransferOperation): a wait() timeout does
+// not cancel the transfer. Keep the memory registered and alive until state() is
+// terminal; deregistration blocks until then anyway.
+//
+// Thread safety: every public method is safe from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "pdkv/region.h"
+#include "pdkv/status.h"
+#include "pdkv/types.h"
+
+namespace pdkv {
+
+using Clock = std::chrono::steady_clock;
+
+class Transfer {
+ public:
+  Transfer(uint64_t id, OpKind op, std::string peer, std::string transport, uint64_t bytes_total,
+           Clock::time_point deadline, uint32_t wait_spin_us);
+  Transfer(const Transfer&) = delete;
+  Transfer& operator=(const Transfer&) = delete;
+
+  uint64_t id() const { return id_; }
+  OpKind op() const { return op_; }
+  const std::string& peer() const { return peer_; }
+  const std::string& transport() const { return transport_; }
+  XferState state() const { return state_.load(std::memory_order_acquire); }
+  bool terminal() const { return state() != XferState::kPending; }
+  uint64_t bytes_total() const { return bytes_total_; }
+  // Bytes confirmed landed so far (monotonic; equals bytes_total when kDone).
+  uint64_t bytes_done() const { return bytes_done_.load(std::memory_order_relaxed); }
+  // OK unless state() is kFailed or kCancelled.
+  Status error() const;
+  Clock::time_point deadline() const { return deadline_; }
+  // Seconds from post to completion (0 while pending).
+  double elapsed_s() const;
+
+  // Blocks until terminal or `timeout_s` passes (< 0: no limit); returns state().
+  // Spins briefly first (wait_spin_us) to catch fast completions without a wakeup.
+  XferState wait(double timeout_s) const;
+  // Requests cancellation: parts not yet started are dropped; parts already on the
+  // wire finish. Terminal state is kCancelled unless everything had already been sent.
+  void cancel();
+  bool cancel_requested() const { return cancel_requested_.load(std::memory_order_acquire); }
+
+  // ---- for transports ----
+  // Declares how many parts will resolve. Call once, before any part can resolve.
+  void set_parts(uint32_t n);
+  // Resolves one part: OK with its byte count, or an error (kCancelled for dropped
+  // parts). Returns true if this made the transfer terminal.
+  bool resolve_part(uint64_t bytes, const Status& st);
+  void set_cancel_hook(std::function<void()> hook);
+  void hold_pins(std::vector<RegionPin> pins) { pins_ = std::move(pins); }
+  // Fails the transfer at once when no parts were started.
+  void fail_now(const Status& st);
+
+ private:
+  void finish();
+
+  const uint64_t id_;
+  const OpKind op_;
+  const std::string peer_;
+  const std::string transport_;
+  const uint64_t bytes_total_;
+  const Clock::time_point start_;
+  const Clock::time_point deadline_;
+  const uint32_t wait_spin_us_;
+  std::atomic<XferState> state_{XferState::kPending};
+  std::atomic<uint64_t> bytes_done_{0};
+  std::atomic<uint32_t> parts_left_{0};
+  std::atomic<bool> cancel_requested_{false};
+  std::atomic<int64_t> end_ns_{0};
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  Status error_;              // first error, guarded by mu_
+  bool saw_cancel_ = false;   // guarded by mu_
+  std::function<void()> cancel_hook_;  // guarded by mu_
+  std::vector<RegionPin> pins_;  // released when terminal
+};
+
+}  // namespace pdkv

@@ -1,0 +1,120 @@
+// pdkv/transport.h: THE backend interface. Nothing backend-specific lives here.
+//
+// A transport moves bytes between this agent's registered memory and a peer's.
+// The agent does all validation against regions and layouts before calling
+// prepare(); prepare() does the transport's own setup once (batching, wire
+// descriptors); post() only queues work and must not block on the network except
+// to (re)establish a connection, bounded by the connect timeout.
+//
+// Inbound requests are validated by the transport through AgentHooks::regions()
+// (every remote access is checked against what this agent exported).
+//
+// Thread safety: prepare(), post(), connect(), drop_peer() and fetch_metadata() may
+// be called concurrently from any thread. start() and shutdown() are called once.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pdkv/metadata.h"
+#include "pdkv/notify.h"
+#include "pdkv/region.h"
+#include "pdkv/status.h"
+#include "pdkv/transfer.h"
+#include "pdkv/types.h"
+
+namespace pdkv {
+
+struct TransportCaps {
+  bool write = true;
+  bool read = true;
+  bool notify = true;
+  bool cross_host = true;        // false: both agents must share a host
+  uint32_t local_mem_kinds = 0;  // bit per MemKind this transport can read/write locally
+  uint32_t remote_mem_kinds = 0; // bit per MemKind it can reach in a peer
+};
+
+// What a transport may ask of the agent that owns it.
+class AgentHooks {
+ public:
+  virtual ~AgentHooks() = default;
+  virtual const std::string& agent_name() const = 0;
+  virtual uint64_t instance_id() const = 0;
+  // Constant-time comparison with this agent's secret.
+  virtual bool secret_matches(std::string_view presented) const = 0;
+  virtual const RegionTable& region_table() const = 0;
+  virtual void deliver_notification(Notification n) = 0;
+  virtual std::string metadata_blob() = 0;
+  virtual uint32_t max_notif_bytes() const = 0;
+};
+
+// A known peer: its metadata and the secret to present to it.
+struct Peer {
+  AgentMetadata md;
+  std::string secret;
+};
+
+// One resolved piece of a transfer: local pointer, remote (region, offset), length.
+struct ResolvedExtent {
+  uint64_t local_addr = 0;
+  uint64_t remote_region = 0;
+  uint64_t remote_offset = 0;
+  uint64_t len = 0;
+};
+
+// Transport-owned, immutable result of prepare(); may be posted many times.
+class PreparedOps {
+ public:
+  virtual ~PreparedOps() = default;
+};
+
+class Transport {
+ public:
+  Transport() = default;
+  virtual ~Transport() = default;
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+  Transport(Transport&&) = delete;
+  Transport& operator=(Transport&&) = delete;
+
+  virtual std::string_view name() const = 0;
+  virtual TransportCaps caps() const = 0;
+  // Binds listeners and starts progress threads. `hooks` outlives the transport.
+  virtual Status start(AgentHooks* hooks) = 0;
+  // Fails everything in flight (ConnectionError "agent shutting down") and joins threads.
+  virtual void shutdown() = 0;
+  // Addresses to publish in metadata.
+  virtual std::vector<Endpoint> endpoints() const = 0;
+  // Opaque extra metadata this transport publishes (may be empty).
+  virtual std::string metadata_extra() const { return {}; }
+  // Whether this transport can reach `peer` from here (e.g. same host for shm).
+  virtual bool can_reach(const AgentMetadata& peer) const = 0;
+
+  virtual Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
+                                                             std::vector<ResolvedExtent> extents) = 0;
+  // Queues a prepared transfer. Completion (and any error) arrives through `xfer`.
+  // `notif` (may be empty = none) reaches the peer only after all bytes landed.
+  virtual void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
+                    std::string notif) = 0;
+  // Sends a notification with no data.
+  virtual void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer,
+                      std::string notif) = 0;
+  // Establishes connections now instead of on first use (optional).
+  virtual Status connect(std::shared_ptr<const Peer> peer, double timeout_s) {
+    (void)peer; (void)timeout_s;
+    return Status::Ok();
+  }
+  // Closes connections to a peer; its in-flight transfers fail with ConnectionError.
+  virtual void drop_peer(const std::string& name) = 0;
+  // Fetches a remote agent's metadata blob given only an address (optional).
+  virtual Result<std::string> fetch_metadata(const std::string& address, std::string_view secret,
+                                             double timeout_s) {
+    (void)address; (void)secret; (void)timeout_s;
+    return NotSupported(std::string(name()) + " cannot fetch metadata");
+  }
+};
+
+}  // namespace pdkv

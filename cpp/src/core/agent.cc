@@ -1,0 +1,428 @@
+#include "pdkv/agent.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <random>
+#include <unordered_map>
+
+#include "pdkv/registry.h"
+#include "util/log.h"
+
+namespace pdkv {
+namespace {
+
+std::string random_hex(size_t bytes) {
+  std::random_device rd;
+  static const char* hex = "0123456789abcdef";
+  std::string s;
+  for (size_t i = 0; i < bytes; ++i) {
+    unsigned v = rd() & 0xff;
+    s += hex[v >> 4];
+    s += hex[v & 15];
+  }
+  return s;
+}
+
+uint64_t random_u64() {
+  std::random_device rd;
+  uint64_t v = 0;
+  while (v == 0) v = (uint64_t(rd()) << 32) ^ rd();
+  return v;
+}
+
+std::string read_host_id() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (f && std::getline(f, id) && !id.empty()) return id;
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  return std::string("host:") + host;
+}
+
+}  // namespace
+
+Agent::Agent(AgentConfig cfg) : cfg_(std::move(cfg)) {}
+
+Result<std::unique_ptr<Agent>> Agent::create(AgentConfig cfg) {
+  PDKV_RETURN_IF_ERROR(validate_name("agent name", cfg.name));
+  if (cfg.secret.empty()) cfg.secret = random_hex(16);
+  if (cfg.secret.size() > 1024) return InvalidArgument("agent secret is longer than 1024 bytes");
+  if (cfg.transports.empty()) return InvalidArgument("an agent needs at least one transport");
+  if (cfg.default_timeout_s < 0) return InvalidArgument("default_timeout_s must be >= 0");
+  std::unique_ptr<Agent> a(new Agent(std::move(cfg)));
+  a->instance_id_ = random_u64();
+  a->host_id_ = read_host_id();
+  for (const auto& tname : a->cfg_.transports) {
+    const TransportFactory* f = find_transport(tname);
+    if (!f) {
+      std::string known;
+      for (auto& n : registered_transports()) known += (known.empty() ? "" : ", ") + n;
+      return NotFound("unknown transport '" + tname + "' (compiled in: " + known + ")");
+    }
+    if (!f->is_viable()) return NotSupported("transport '" + tname + "' cannot run on this host: " + f->description);
+    if (a->transport_by_name(tname)) return InvalidArgument("transport '" + tname + "' listed twice");
+    PDKV_ASSIGN_OR_RETURN(auto t, f->create(a->cfg_));
+    PDKV_RETURN_IF_ERROR(t->start(a.get()).with_context("starting transport '" + tname + "'"));
+    a->transports_.push_back(std::move(t));
+  }
+  PDKV_LOG_INFO("agent '%s' started (transports: %zu)", a->cfg_.name.c_str(), a->transports_.size());
+  return a;
+}
+
+Agent::~Agent() {
+  notifs_.close();
+  for (auto& t : transports_) t->shutdown();
+  transports_.clear();
+}
+
+std::vector<std::string> Agent::transports() const {
+  std::vector<std::string> out;
+  for (auto& t : transports_) out.emplace_back(t->name());
+  return out;
+}
+
+std::vector<Endpoint> Agent::endpoints() const {
+  std::vector<Endpoint> out;
+  for (auto& t : transports_)
+    for (auto& e : t->endpoints()) out.push_back(e);
+  return out;
+}
+
+Transport* Agent::transport_by_name(std::string_view name) const {
+  for (auto& t : transports_)
+    if (t->name() == name) return t.get();
+  return nullptr;
+}
+
+bool Agent::secret_matches(std::string_view presented) const {
+  const std::string& s = cfg_.secret;
+  unsigned diff = presented.size() != s.size();
+  for (size_t i = 0; i < presented.size(); ++i) diff |= unsigned(presented[i]) ^ unsigned(s[i % s.size()]);
+  return diff == 0;
+}
+
+Result<RegionDesc> Agent::register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
+                                          bool remote_access) {
+  return regions_.add(addr, len, kind, device, remote_access);
+}
+
+Status Agent::deregister_memory(uint64_t id) {
+  PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.get(id));
+  (void)d;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto it = layouts_.begin(); it != layouts_.end();) {
+      bool uses = std::any_of(it->second.segments().begin(), it->second.segments().end(),
+                              [id](const KVSegment& s) { return s.region_id == id; });
+      it = uses ? layouts_.erase(it) : std::next(it);
+    }
+  }
+  return regions_.remove(id);
+}
+
+Status Agent::add_layout(const std::string& name, KVLayout layout) {
+  PDKV_RETURN_IF_ERROR(validate_name("layout name", name));
+  const KVGeometry& g = layout.geometry();
+  PDKV_RETURN_IF_ERROR(g.validate());
+  const uint64_t span = uint64_t(g.num_blocks - 1);
+  const uint64_t half = g.block_half_bytes();
+  auto& segs = layout.mutable_segments();
+  for (size_t i = 0; i < segs.size(); ++i) {
+    auto& s = segs[i];
+    auto r = regions_.find(s.addr, span * s.block_stride + half);
+    if (!r.ok())
+      return NotFound("layout '" + name + "' segment " + std::to_string(i) + " (layer " +
+                      std::to_string(i / g.kv_parts) + (g.kv_parts == 2 ? (i % 2 ? ", V" : ", K") : "") +
+                      ") is not inside registered memory: " + r.status().message() + "; register the pool first");
+    s.region_id = r->id;
+    s.region_offset = s.addr - r->addr;
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!layouts_.emplace(name, std::move(layout)).second)
+    return AlreadyExists("a layout named '" + name + "' already exists");
+  return Status::Ok();
+}
+
+Status Agent::remove_layout(const std::string& name) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (layouts_.erase(name) == 0) return NotFound("no layout named '" + name + "'");
+  return Status::Ok();
+}
+
+Result<KVLayout> Agent::layout(const std::string& name) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = layouts_.find(name);
+  if (it == layouts_.end()) return NotFound("no local layout named '" + name + "'");
+  return it->second;
+}
+
+std::vector<std::string> Agent::layout_names() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<std::string> out;
+  for (auto& [n, l] : layouts_) out.push_back(n);
+  return out;
+}
+
+std::string Agent::metadata() {
+  AgentMetadata md;
+  md.name = cfg_.name;
+  md.instance_id = instance_id_;
+  md.host_id = host_id_;
+  md.pid = static_cast<uint32_t>(getpid());
+  md.endpoints = endpoints();
+  for (const auto& r : regions_.list())
+    if (r.remote_access) md.regions.push_back(r);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& [n, l] : layouts_) {
+      bool exported = std::all_of(l.segments().begin(), l.segments().end(), [&](const KVSegment& s) {
+        return md.find_region(s.region_id) != nullptr;
+      });
+      if (exported) md.layouts.emplace_back(n, l);
+    }
+  }
+  for (auto& t : transports_) {
+    std::string extra = t->metadata_extra();
+    if (!extra.empty()) md.extras.emplace_back(std::string(t->name()), std::move(extra));
+  }
+  return encode_metadata(md);
+}
+
+Result<std::string> Agent::add_peer(std::string_view blob, std::string secret, std::string transport) {
+  PDKV_ASSIGN_OR_RETURN(AgentMetadata md, decode_metadata(blob));
+  auto peer = std::make_shared<Peer>();
+  peer->md = std::move(md);
+  peer->secret = secret.empty() ? cfg_.secret : std::move(secret);
+  Transport* chosen = nullptr;
+  if (!transport.empty()) {
+    chosen = transport_by_name(transport);
+    if (!chosen) return NotFound("transport '" + transport + "' is not enabled on agent '" + cfg_.name + "'");
+    if (!chosen->can_reach(peer->md))
+      return NotSupported("transport '" + transport + "' cannot reach peer '" + peer->md.name + "'");
+  } else {
+    for (auto& t : transports_)
+      if (t->can_reach(peer->md)) {
+        chosen = t.get();
+        break;
+      }
+    if (!chosen)
+      return NotSupported("no enabled transport of agent '" + cfg_.name + "' can reach peer '" + peer->md.name + "'");
+  }
+  const std::string name = peer->md.name;
+  Transport* old_transport = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = peers_.find(name);
+    if (it != peers_.end() && (it->second.peer->md.instance_id != peer->md.instance_id || it->second.transport != chosen))
+      old_transport = it->second.transport;
+    peers_[name] = PeerEntry{peer, chosen};
+  }
+  if (old_transport) old_transport->drop_peer(name);
+  PDKV_LOG_INFO("agent '%s': peer '%s' uses transport %s", cfg_.name.c_str(), name.c_str(),
+                std::string(chosen->name()).c_str());
+  return name;
+}
+
+Status Agent::remove_peer(const std::string& name) {
+  Transport* t = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) return NotFound("no peer named '" + name + "'");
+    t = it->second.transport;
+    peers_.erase(it);
+  }
+  t->drop_peer(name);
+  return Status::Ok();
+}
+
+std::vector<std::string> Agent::peer_names() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<std::string> out;
+  for (auto& [n, p] : peers_) out.push_back(n);
+  return out;
+}
+
+Result<std::shared_ptr<const Peer>> Agent::peer(const std::string& name) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = peers_.find(name);
+  if (it == peers_.end()) return NotFound("no peer named '" + name + "'; add it with add_peer() first");
+  return it->second.peer;
+}
+
+Result<std::string> Agent::peer_transport(const std::string& name) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = peers_.find(name);
+  if (it == peers_.end()) return NotFound("no peer named '" + name + "'");
+  return std::string(it->second.transport->name());
+}
+
+Result<std::string> Agent::fetch_metadata(const std::string& address, std::string secret, double timeout_s) {
+  Transport* t = transport_by_name("tcp");
+  if (!t) return NotSupported("fetching metadata by address needs the tcp transport");
+  return t->fetch_metadata(address, secret.empty() ? cfg_.secret : secret, timeout_s);
+}
+
+Status Agent::connect(const std::string& name, double timeout_s) {
+  PeerEntry e;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) return NotFound("no peer named '" + name + "'");
+    e = it->second;
+  }
+  return e.transport->connect(e.peer, timeout_s);
+}
+
+Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_blocks(
+    const std::string& peer_name, OpKind op, const std::string& local_layout, const std::vector<uint32_t>& local_ids,
+    const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
+    const XferOptions& opts) {
+  PDKV_ASSIGN_OR_RETURN(KVLayout local, layout(local_layout));
+  PDKV_ASSIGN_OR_RETURN(auto p, peer(peer_name));
+  const KVLayout* remote = p->md.find_layout(remote_layout);
+  if (!remote) return NotFound("peer '" + peer_name + "' exports no layout named '" + remote_layout + "'");
+  if (local_ids.empty()) return InvalidArgument("no blocks to transfer");
+  PDKV_ASSIGN_OR_RETURN(std::vector<Extent> ex, plan_blocks(local, local_ids, *remote, remote_ids, plan));
+  return prepare_resolved(peer_name, op, ex, opts);
+}
+
+Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_extents(const std::string& peer_name, OpKind op,
+                                                                 const std::vector<Extent>& extents,
+                                                                 const XferOptions& opts) {
+  return prepare_resolved(peer_name, op, extents, opts);
+}
+
+Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_resolved(const std::string& peer_name, OpKind op,
+                                                                  const std::vector<Extent>& ex,
+                                                                  const XferOptions& opts) {
+  if (ex.empty()) return InvalidArgument("no extents to transfer");
+  PeerEntry e;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = peers_.find(peer_name);
+    if (it == peers_.end()) return NotFound("no peer named '" + peer_name + "'; add it with add_peer() first");
+    e = it->second;
+  }
+  Transport* t = e.transport;
+  if (!opts.transport.empty()) {
+    t = transport_by_name(opts.transport);
+    if (!t) return NotFound("transport '" + opts.transport + "' is not enabled on this agent");
+    if (!t->can_reach(e.peer->md))
+      return NotSupported("transport '" + opts.transport + "' cannot reach peer '" + peer_name + "'");
+  }
+  const TransportCaps caps = t->caps();
+  if (op == OpKind::kRead && !caps.read) return NotSupported(std::string(t->name()) + " cannot read");
+  if (op == OpKind::kWrite && !caps.write) return NotSupported(std::string(t->name()) + " cannot write");
+  // Region lookups: a handful of regions, millions of extents; cache the last hit.
+  std::unordered_map<uint64_t, RegionDesc> local;
+  std::unordered_map<uint64_t, const RegionDesc*> remote;
+  for (const auto& r : e.peer->md.regions) remote[r.id] = &r;
+  auto prep = std::make_shared<PreparedTransfer>();
+  std::vector<ResolvedExtent> out;
+  out.reserve(ex.size());
+  uint64_t last_l = ~0ull, last_r = ~0ull;
+  const RegionDesc* ld = nullptr;
+  const RegionDesc* rd = nullptr;
+  for (size_t i = 0; i < ex.size(); ++i) {
+    const Extent& x = ex[i];
+    if (x.len == 0) return InvalidArgument("extent " + std::to_string(i) + " has length 0");
+    if (x.local_region != last_l) {
+      auto it = local.find(x.local_region);
+      if (it == local.end()) {
+        PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.get(x.local_region));
+        if (!(caps.local_mem_kinds & mem_kind_bit(d.kind)))
+          return NotSupported("transport '" + std::string(t->name()) + "' cannot access local " +
+                              std::string(mem_kind_name(d.kind)) + " region " + std::to_string(d.id));
+        it = local.emplace(d.id, d).first;
+        prep->local_regions.push_back(d.id);
+      }
+      ld = &it->second;
+      last_l = x.local_region;
+    }
+    if (x.remote_region != last_r) {
+      auto it = remote.find(x.remote_region);
+      if (it == remote.end())
+        return NotFound("peer '" + peer_name + "' exports no region " + std::to_string(x.remote_region));
+      rd = it->second;
+      if (!(caps.remote_mem_kinds & mem_kind_bit(rd->kind)))
+        return NotSupported("transport '" + std::string(t->name()) + "' cannot access the peer's " +
+                            std::string(mem_kind_name(rd->kind)) + " region " + std::to_string(rd->id));
+      last_r = x.remote_region;
+    }
+    if (x.local_offset > ld->len || x.len > ld->len - x.local_offset)
+      return OutOfRange("extent " + std::to_string(i) + ": local bytes [" + std::to_string(x.local_offset) + ", +" +
+                        std::to_string(x.len) + ") fall outside region " + std::to_string(ld->id) + " (" +
+                        std::to_string(ld->len) + " bytes)");
+    if (x.remote_offset > rd->len || x.len > rd->len - x.remote_offset)
+      return OutOfRange("extent " + std::to_string(i) + ": remote bytes [" + std::to_string(x.remote_offset) + ", +" +
+                        std::to_string(x.len) + ") fall outside the peer's region " + std::to_string(rd->id) + " (" +
+                        std::to_string(rd->len) + " bytes)");
+    out.push_back(ResolvedExtent{ld->addr + x.local_offset, x.remote_region, x.remote_offset, x.len});
+    prep->bytes += x.len;
+  }
+  prep->peer = peer_name;
+  prep->transport = std::string(t->name());
+  prep->op = op;
+  prep->num_extents = ex.size();
+  prep->instance_id = e.peer->md.instance_id;
+  PDKV_ASSIGN_OR_RETURN(prep->ops, t->prepare(e.peer, op, std::move(out)));
+  return prep;
+}
+
+Result<std::shared_ptr<Transfer>> Agent::post(const PreparedTransfer& prep, std::string notif, double timeout_s) {
+  if (notif.size() > cfg_.max_notif_bytes)
+    return InvalidArgument("notification is " + std::to_string(notif.size()) + " bytes (limit " +
+                           std::to_string(cfg_.max_notif_bytes) + ")");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = peers_.find(prep.peer);
+    if (it == peers_.end()) return NotFound("peer '" + prep.peer + "' was removed since this transfer was prepared");
+    if (it->second.peer->md.instance_id != prep.instance_id)
+      return StalePeer("peer '" + prep.peer + "' was re-added (restarted) since this transfer was prepared; prepare it again");
+  }
+  Transport* t = transport_by_name(prep.transport);
+  if (!t || !prep.ops) return InvalidArgument("prepared transfer is empty");
+  std::vector<RegionPin> pins;
+  pins.reserve(prep.local_regions.size());
+  for (uint64_t id : prep.local_regions) {
+    PDKV_ASSIGN_OR_RETURN(RegionPin pin, regions_.pin(id, 0, 0, false, ~0u, nullptr));
+    pins.push_back(std::move(pin));
+  }
+  if (timeout_s < 0) timeout_s = cfg_.default_timeout_s;
+  auto deadline = timeout_s == 0 ? Clock::time_point::max()
+                                 : Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                      std::chrono::duration<double>(timeout_s));
+  auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
+                                         deadline, cfg_.wait_spin_us);
+  xfer->hold_pins(std::move(pins));
+  t->post(prep.ops, xfer, std::move(notif));
+  return xfer;
+}
+
+Result<std::shared_ptr<Transfer>> Agent::send_notification(const std::string& peer_name, std::string notif,
+                                                           double timeout_s) {
+  if (notif.empty()) return InvalidArgument("notification is empty");
+  if (notif.size() > cfg_.max_notif_bytes)
+    return InvalidArgument("notification is " + std::to_string(notif.size()) + " bytes (limit " +
+                           std::to_string(cfg_.max_notif_bytes) + ")");
+  PeerEntry e;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = peers_.find(peer_name);
+    if (it == peers_.end()) return NotFound("no peer named '" + peer_name + "'");
+    e = it->second;
+  }
+  if (timeout_s < 0) timeout_s = cfg_.default_timeout_s;
+  auto deadline = timeout_s == 0 ? Clock::time_point::max()
+                                 : Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                      std::chrono::duration<double>(timeout_s));
+  auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), OpKind::kWrite, peer_name,
+                                         std::string(e.transport->name()), 0, deadline, cfg_.wait_spin_us);
+  e.transport->notify(e.peer, xfer, std::move(notif));
+  return xfer;
+}
+
+}  // namespace pdkv

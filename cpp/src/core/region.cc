@@ -1,0 +1,116 @@
+#include "pdkv/region.h"
+
+#include <string>
+
+namespace pdkv {
+namespace {
+std::string range_str(uint64_t addr, uint64_t len) {
+  char buf[64];
+  snprintf(buf, sizeof buf, "[0x%llx, 0x%llx)", (unsigned long long)addr, (unsigned long long)(addr + len));
+  return buf;
+}
+}  // namespace
+
+void detail::RegionEntry::unpin() {
+  if (inflight.fetch_sub(1, std::memory_order_acq_rel) == 1 && revoked.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lk(mu);
+    cv.notify_all();
+  }
+}
+
+void RegionPin::reset() {
+  if (e_) {
+    e_->unpin();
+    e_.reset();
+  }
+}
+
+Result<RegionDesc> RegionTable::add(uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote_access) {
+  if (len == 0) return InvalidArgument("cannot register an empty memory range");
+  if (addr == 0) return InvalidArgument("cannot register memory at address 0");
+  if (addr > ~0ull - len) return OutOfRange("memory range " + range_str(addr, len) + " wraps around");
+  if (kind == MemKind::kHost && device != -1) return InvalidArgument("host memory takes device -1");
+  if (kind == MemKind::kCuda && device < 0) return InvalidArgument("CUDA memory needs a device ordinal >= 0");
+  std::unique_lock<std::shared_mutex> lk(mu_);
+  // Overlap with the region starting at or before addr, or the first one after it.
+  auto it = by_addr_.upper_bound(addr);
+  if (it != by_addr_.begin()) {
+    auto prev = std::prev(it);
+    const RegionDesc& d = by_id_.at(prev->second)->desc;
+    if (d.addr + d.len > addr)
+      return AlreadyExists("memory " + range_str(addr, len) + " overlaps registered region " + std::to_string(d.id) +
+                           " " + range_str(d.addr, d.len) + "; register each pool once");
+  }
+  if (it != by_addr_.end() && it->first < addr + len) {
+    const RegionDesc& d = by_id_.at(it->second)->desc;
+    return AlreadyExists("memory " + range_str(addr, len) + " overlaps registered region " + std::to_string(d.id) +
+                         " " + range_str(d.addr, d.len) + "; register each pool once");
+  }
+  auto e = std::make_shared<detail::RegionEntry>();
+  e->desc = RegionDesc{next_id_++, addr, len, kind, device, remote_access};
+  by_addr_[addr] = e->desc.id;
+  by_id_[e->desc.id] = e;
+  return e->desc;
+}
+
+Status RegionTable::remove(uint64_t id) {
+  std::shared_ptr<detail::RegionEntry> e;
+  {
+    std::unique_lock<std::shared_mutex> lk(mu_);
+    auto it = by_id_.find(id);
+    if (it == by_id_.end()) return NotFound("no registered region " + std::to_string(id));
+    e = it->second;
+    by_addr_.erase(e->desc.addr);
+    by_id_.erase(it);
+    e->revoked.store(true, std::memory_order_release);
+  }
+  std::unique_lock<std::mutex> lk(e->mu);
+  e->cv.wait(lk, [&] { return e->inflight.load(std::memory_order_acquire) == 0; });
+  return Status::Ok();
+}
+
+Result<RegionPin> RegionTable::pin(uint64_t id, uint64_t offset, uint64_t len, bool inbound, uint32_t kinds_mask,
+                                   uint64_t* addr_out) const {
+  std::shared_lock<std::shared_mutex> lk(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return NotFound("region " + std::to_string(id) + " is not registered");
+  const auto& e = it->second;
+  const RegionDesc& d = e->desc;
+  if (inbound && !d.remote_access) return NotFound("region " + std::to_string(id) + " is not exported to peers");
+  if (!(kinds_mask & mem_kind_bit(d.kind)))
+    return NotSupported("region " + std::to_string(id) + " holds " + std::string(mem_kind_name(d.kind)) +
+                        " memory, which this transport cannot access");
+  if (offset > d.len || len > d.len - offset)
+    return OutOfRange("bytes [" + std::to_string(offset) + ", " + std::to_string(offset) + "+" + std::to_string(len) +
+                      ") fall outside region " + std::to_string(id) + " (" + std::to_string(d.len) + " bytes)");
+  e->inflight.fetch_add(1, std::memory_order_acq_rel);
+  if (addr_out) *addr_out = d.addr + offset;
+  return RegionPin(e);
+}
+
+Result<RegionDesc> RegionTable::find(uint64_t addr, uint64_t len) const {
+  std::shared_lock<std::shared_mutex> lk(mu_);
+  auto it = by_addr_.upper_bound(addr);
+  if (it != by_addr_.begin()) {
+    const RegionDesc& d = by_id_.at(std::prev(it)->second)->desc;
+    if (addr >= d.addr && addr - d.addr <= d.len && len <= d.len - (addr - d.addr)) return d;
+  }
+  return NotFound("memory " + range_str(addr, len) + " is not inside one registered region");
+}
+
+Result<RegionDesc> RegionTable::get(uint64_t id) const {
+  std::shared_lock<std::shared_mutex> lk(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return NotFound("region " + std::to_string(id) + " is not registered");
+  return it->second->desc;
+}
+
+std::vector<RegionDesc> RegionTable::list() const {
+  std::shared_lock<std::shared_mutex> lk(mu_);
+  std::vector<RegionDesc> out;
+  out.reserve(by_addr_.size());
+  for (const auto& [addr, id] : by_addr_) out.push_back(by_id_.at(id)->desc);
+  return out;
+}
+
+}  // namespace pdkv

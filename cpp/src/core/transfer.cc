@@ -1,0 +1,115 @@
+#include "pdkv/transfer.h"
+
+#include <thread>
+
+namespace pdkv {
+
+Transfer::Transfer(uint64_t id, OpKind op, std::string peer, std::string transport, uint64_t bytes_total,
+                   Clock::time_point deadline, uint32_t wait_spin_us)
+    : id_(id),
+      op_(op),
+      peer_(std::move(peer)),
+      transport_(std::move(transport)),
+      bytes_total_(bytes_total),
+      start_(Clock::now()),
+      deadline_(deadline),
+      wait_spin_us_(wait_spin_us) {}
+
+Status Transfer::error() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return error_;
+}
+
+double Transfer::elapsed_s() const {
+  return static_cast<double>(end_ns_.load(std::memory_order_acquire)) * 1e-9;
+}
+
+XferState Transfer::wait(double timeout_s) const {
+  XferState s = state();
+  if (s != XferState::kPending) return s;
+  const auto t0 = Clock::now();
+  if (wait_spin_us_ > 0) {
+    const auto spin_end = t0 + std::chrono::microseconds(wait_spin_us_);
+    while (Clock::now() < spin_end) {
+      s = state();
+      if (s != XferState::kPending) return s;
+      std::this_thread::yield();
+    }
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  auto done = [&] { return state() != XferState::kPending; };
+  if (timeout_s < 0) {
+    cv_.wait(lk, done);
+  } else {
+    cv_.wait_until(lk, t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s)),
+                   done);
+  }
+  return state();
+}
+
+void Transfer::cancel() {
+  if (terminal()) return;
+  cancel_requested_.store(true, std::memory_order_release);
+  std::function<void()> hook;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    hook = cancel_hook_;
+  }
+  if (hook) hook();
+}
+
+void Transfer::set_parts(uint32_t n) {
+  parts_left_.store(n, std::memory_order_release);
+  if (n == 0) finish();
+}
+
+void Transfer::set_cancel_hook(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lk(mu_);
+  cancel_hook_ = std::move(hook);
+}
+
+bool Transfer::resolve_part(uint64_t bytes, const Status& st) {
+  if (st.ok()) {
+    bytes_done_.fetch_add(bytes, std::memory_order_relaxed);
+  } else {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (st.code() == StatusCode::kCancelled) {
+      saw_cancel_ = true;
+    } else if (error_.ok()) {
+      error_ = st;
+    }
+  }
+  if (parts_left_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    finish();
+    return true;
+  }
+  return false;
+}
+
+void Transfer::fail_now(const Status& st) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (error_.ok()) error_ = st;
+  }
+  finish();
+}
+
+void Transfer::finish() {
+  std::vector<RegionPin> pins = std::move(pins_);
+  pins.clear();  // unpin before waking waiters, so deregister-after-wait never blocks
+  std::lock_guard<std::mutex> lk(mu_);
+  XferState s = XferState::kDone;
+  if (!error_.ok()) {
+    s = XferState::kFailed;
+  } else if (saw_cancel_) {
+    s = XferState::kCancelled;
+    error_ = Cancelled("transfer " + std::to_string(id_) + " to '" + peer_ + "' was cancelled");
+  }
+  cancel_hook_ = nullptr;
+  end_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start_).count(),
+                std::memory_order_release);
+  state_.store(s, std::memory_order_release);
+  cv_.notify_all();
+}
+
+}  // namespace pdkv

@@ -1,0 +1,1476 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "pdkv/registry.h"
+#include "transport/tcp/wire.h"
+#include "util/bytes.h"
+#include "util/log.h"
+#include "util/socket.h"
+
+namespace pdkv::tcp {
+namespace {
+
+constexpr int kIovMax = 1024;
+constexpr size_t kHdr = sizeof(FrameHeader);
+constexpr uint64_t kAllocChunk = 1ull << 20;
+
+using util::errno_str;
+
+struct TcpPrepared;
+struct TcpPost;
+class TcpConn;
+class ProgressThread;
+class TcpTransport;
+
+struct TcpBatch {
+  uint32_t first = 0;  // index into descs/iov
+  uint32_t count = 0;
+  uint64_t bytes = 0;
+};
+
+struct TcpPrepared final : PreparedOps {
+  std::shared_ptr<const Peer> peer;
+  OpKind op = OpKind::kWrite;
+  std::vector<WireExtent> descs;  // remote side
+  std::vector<iovec> iov;         // local side, parallel to descs
+  std::vector<TcpBatch> batches;
+  uint64_t total = 0;
+};
+
+struct PeerConns : std::enable_shared_from_this<PeerConns> {
+  std::shared_ptr<const Peer> peer;
+  util::HostPort hp;
+  std::mutex mu;
+  std::vector<std::shared_ptr<TcpConn>> conns;
+  std::atomic<uint32_t> rr{0};
+};
+
+// State of one posted transfer inside the transport.
+struct TcpPost {
+  std::shared_ptr<Transfer> xfer;
+  std::shared_ptr<const TcpPrepared> prep;  // null for a notification-only post
+  std::shared_ptr<PeerConns> pc;
+  std::string notif;
+  bool separate_notif = false;  // sent as kNotify after every data batch is acked
+  std::atomic<uint32_t> data_left{0};
+  std::atomic<bool> data_failed{false};
+  std::mutex mu;
+  std::vector<std::weak_ptr<TcpConn>> conns;  // for cancel
+};
+
+struct PendingPart {
+  std::shared_ptr<TcpPost> post;
+  uint32_t batch = 0;
+  uint64_t bytes = 0;
+  const iovec* dst = nullptr;  // kReadReq: where the response lands
+  uint32_t ndst = 0;
+};
+
+inline uint64_t pkey(uint64_t xfer, uint32_t batch) { return (xfer << 32) ^ batch; }
+
+struct OutMsg {
+  FrameHeader hdr{};
+  const void* descs = nullptr;
+  size_t desc_bytes = 0;
+  std::string aux;
+  const iovec* data = nullptr;
+  size_t ndata = 0;
+  std::vector<iovec> own_iov;
+  std::vector<RegionPin> pins;        // released once sent (read responses)
+  std::shared_ptr<const void> keep;   // keeps descs/data alive
+  uint64_t total = 0;
+  uint64_t sent = 0;
+  size_t seg = 0;
+  size_t seg_off = 0;
+
+  size_t nsegs() const { return 3 + ndata; }
+  iovec segment(size_t i) const {
+    switch (i) {
+      case 0: return {const_cast<FrameHeader*>(&hdr), kHdr};
+      case 1: return {const_cast<void*>(descs), desc_bytes};
+      case 2: return {const_cast<char*>(aux.data()), aux.size()};
+      default: return data[i - 3];
+    }
+  }
+  void finalize() {
+    hdr.aux_len = static_cast<uint32_t>(aux.size());
+    if (!own_iov.empty()) {
+      data = own_iov.data();
+      ndata = own_iov.size();
+    }
+    total = kHdr + desc_bytes + aux.size();
+    for (size_t i = 0; i < ndata; ++i) total += data[i].iov_len;
+  }
+  void advance(size_t w) {
+    sent += w;
+    while (w > 0) {
+      iovec v = segment(seg);
+      size_t left = v.iov_len - seg_off;
+      if (w >= left) {
+        w -= left;
+        ++seg;
+        seg_off = 0;
+      } else {
+        seg_off += w;
+        w = 0;
+      }
+    }
+  }
+};
+
+FrameHeader make_hdr(FrameType t, uint64_t xfer, uint32_t batch) {
+  FrameHeader h{};
+  h.magic = kFrameMagic;
+  h.type = static_cast<uint16_t>(t);
+  h.xfer_id = xfer;
+  h.batch = batch;
+  return h;
+}
+
+// Sends as much of `m` as the socket takes. 1: all sent, 0: would block, -1: error (*err).
+int send_some(int fd, OutMsg& m, int* err) {
+  iovec iov[kIovMax];
+  while (m.sent < m.total) {
+    int n = 0;
+    size_t off = m.seg_off;
+    for (size_t s = m.seg; s < m.nsegs() && n < kIovMax; ++s) {
+      iovec v = m.segment(s);
+      if (v.iov_len > off) {
+        iov[n].iov_base = static_cast<char*>(v.iov_base) + off;
+        iov[n].iov_len = v.iov_len - off;
+        ++n;
+      }
+      off = 0;
+    }
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = static_cast<size_t>(n);
+    ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+      *err = errno;
+      return -1;
+    }
+    m.advance(static_cast<size_t>(w));
+  }
+  return 1;
+}
+
+enum class RxStage { kHeader, kControl, kPayload };
+
+class TcpConn : public std::enable_shared_from_this<TcpConn> {
+ public:
+  TcpConn(int fd, bool outbound, std::string desc) : fd(fd), outbound(outbound), desc(std::move(desc)) {}
+  ~TcpConn() {
+    if (fd >= 0) ::close(fd);
+  }
+  int fd;
+  const bool outbound;
+  std::string desc;          // "peer 'x' at 1.2.3.4:5" for messages
+  std::string peer_name;     // remote agent's name once known
+  ProgressThread* owner = nullptr;
+  std::weak_ptr<PeerConns> pc;
+  uint32_t slot = 0;
+
+  // Guarded by both pmu and smu (set while holding both).
+  bool dead = false;
+  // Send side.
+  std::mutex smu;
+  std::deque<std::unique_ptr<OutMsg>> sq;
+  bool want_out = false;
+  // Pending parts (initiator side).
+  std::mutex pmu;
+  std::unordered_map<uint64_t, PendingPart> pending;
+  Clock::time_point earliest_deadline = Clock::time_point::max();  // guarded by pmu
+
+  // Owner thread only.
+  bool authed = false;
+  bool draining = false;
+  Clock::time_point hs_deadline = Clock::time_point::max();
+  RxStage stage = RxStage::kHeader;
+  FrameHeader hdr{};  // next header being read
+  size_t hdr_got = 0;
+  FrameHeader cur{};  // frame being processed
+  std::string ctrl;
+  size_t ctrl_got = 0;
+  std::vector<iovec> dst_own;
+  const iovec* dst = nullptr;
+  size_t ndst = 0;
+  size_t dst_idx = 0;
+  size_t dst_off = 0;
+  uint64_t remaining = 0;
+  std::vector<RegionPin> rx_pins;
+  PendingPart rx_part;
+  int cur_lowat = 1;
+  std::atomic<bool> kill_requested{false};
+  Status kill_reason;  // guarded by smu
+};
+
+class ProgressThread {
+ public:
+  ProgressThread(TcpTransport* t, uint32_t index, uint32_t spin_us) : t_(t), index_(index), spin_us_(spin_us) {}
+  ~ProgressThread() {
+    if (epfd_ >= 0) ::close(epfd_);
+    if (evfd_ >= 0) ::close(evfd_);
+  }
+  Status start(int listen_fd);
+  void stop();
+  void wake() {
+    uint64_t one = 1;
+    ssize_t r = ::write(evfd_, &one, sizeof one);
+    (void)r;
+  }
+  void wake_if_idle() {
+    if (idle_.load(std::memory_order_acquire)) wake();
+  }
+  void add(const std::shared_ptr<TcpConn>& c);
+  void arm_out(TcpConn& c, bool on);
+  void request_kill(const std::shared_ptr<TcpConn>& c);
+  std::atomic<int64_t> npending{0};
+
+ private:
+  void run();
+  void accept_all();
+  void on_readable(const std::shared_ptr<TcpConn>& c);
+  void flush(TcpConn& c);
+  void scan_deadlines();
+  void drain(const std::shared_ptr<TcpConn>& c);
+  bool handle_header(const std::shared_ptr<TcpConn>& c);
+  bool handle_control(const std::shared_ptr<TcpConn>& c);
+  void payload_done(const std::shared_ptr<TcpConn>& c);
+  void set_lowat(TcpConn& c, int v);
+  // Sends an error frame (best effort), then kills the connection.
+  void fail_conn(const std::shared_ptr<TcpConn>& c, const Status& st, uint64_t xfer = 0, uint32_t batch = 0);
+
+  TcpTransport* t_;
+  uint32_t index_;
+  uint32_t spin_us_;
+  int epfd_ = -1;
+  int evfd_ = -1;
+  int listen_fd_ = -1;
+  std::thread th_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> idle_{false};
+  std::mutex mu_;
+  std::unordered_map<TcpConn*, std::shared_ptr<TcpConn>> conns_;
+  std::vector<std::shared_ptr<TcpConn>> kill_q_;
+  std::vector<std::shared_ptr<TcpConn>> graveyard_;
+  std::atomic<int> nslow_{0};  // handshaking or draining connections
+  friend class TcpTransport;
+};
+
+class TcpTransport final : public Transport {
+ public:
+  explicit TcpTransport(const AgentConfig& cfg) : opts_(cfg.tcp) {}
+  ~TcpTransport() override { shutdown(); }
+
+  std::string_view name() const override { return "tcp"; }
+  TransportCaps caps() const override {
+    TransportCaps c;
+    c.local_mem_kinds = mem_kind_bit(MemKind::kHost);
+    c.remote_mem_kinds = mem_kind_bit(MemKind::kHost);
+    return c;
+  }
+  Status start(AgentHooks* hooks) override;
+  void shutdown() override;
+  std::vector<Endpoint> endpoints() const override { return {Endpoint{"tcp", addr_.str()}}; }
+  bool can_reach(const AgentMetadata& peer) const override { return peer.find_endpoint("tcp") != nullptr; }
+  Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
+                                                     std::vector<ResolvedExtent> extents) override;
+  void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
+            std::string notif) override;
+  void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) override;
+  Status connect(std::shared_ptr<const Peer> peer, double timeout_s) override;
+  void drop_peer(const std::string& name) override;
+  Result<std::string> fetch_metadata(const std::string& address, std::string_view secret, double timeout_s) override;
+
+  // Used by connections and threads.
+  AgentHooks* hooks() const { return hooks_; }
+  const TcpOptions& opts() const { return opts_; }
+  void enqueue(const std::shared_ptr<TcpConn>& c, std::unique_ptr<OutMsg> m);
+  void kill(const std::shared_ptr<TcpConn>& c, const Status& why, uint64_t culprit_xfer = 0);
+  void resolve(const PendingPart& p, uint64_t bytes, const Status& st);
+  ProgressThread* pick_thread() { return threads_[next_thread_++ % threads_.size()].get(); }
+
+ private:
+  Result<std::shared_ptr<PeerConns>> peer_conns(const std::shared_ptr<const Peer>& peer);
+  Result<std::shared_ptr<TcpConn>> get_conn(PeerConns& pc, uint32_t slot, bool may_connect);
+  Result<util::ScopedFd> dial(const util::HostPort& hp, const std::string& target, uint64_t instance,
+                              std::string_view secret, double timeout_s, std::string* peer_name);
+  bool track(const std::shared_ptr<TcpConn>& c, PendingPart part, uint64_t xfer_id);
+  void send_separate_notify(const std::shared_ptr<TcpPost>& p);
+  void cancel(const std::shared_ptr<TcpPost>& p);
+
+  TcpOptions opts_;
+  AgentHooks* hooks_ = nullptr;
+  util::HostPort addr_;
+  util::ScopedFd listen_fd_;
+  std::vector<std::unique_ptr<ProgressThread>> threads_;
+  std::atomic<uint32_t> next_thread_{0};
+  std::atomic<bool> shut_{false};
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<PeerConns>> peers_;
+};
+
+// ---------------------------------------------------------------- ProgressThread
+
+Status ProgressThread::start(int listen_fd) {
+  epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  evfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (epfd_ < 0 || evfd_ < 0) return Internal("epoll/eventfd: " + errno_str(errno));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.ptr = nullptr;  // the eventfd
+  epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
+  if (listen_fd >= 0) {
+    listen_fd_ = listen_fd;
+    ev.data.ptr = this;  // the listener
+    epoll_ctl(epfd_, EPOLL_CTL_ADD, listen_fd_, &ev);
+  }
+  th_ = std::thread([this] { run(); });
+  return Status::Ok();
+}
+
+void ProgressThread::stop() {
+  stop_.store(true);
+  wake();
+  if (th_.joinable()) th_.join();
+  std::vector<std::shared_ptr<TcpConn>> all;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [p, c] : conns_) all.push_back(c);
+  }
+  for (auto& c : all) t_->kill(c, ConnectionError("agent is shutting down"));
+  std::lock_guard<std::mutex> lk(mu_);
+  conns_.clear();
+  graveyard_.clear();
+}
+
+void ProgressThread::add(const std::shared_ptr<TcpConn>& c) {
+  c->owner = this;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    conns_[c.get()] = c;
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.ptr = c.get();
+  epoll_ctl(epfd_, EPOLL_CTL_ADD, c->fd, &ev);
+  if (!c->authed) wake();  // start the handshake timer
+}
+
+void ProgressThread::arm_out(TcpConn& c, bool on) {
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | (on ? EPOLLOUT : 0);
+  ev.data.ptr = &c;
+  epoll_ctl(epfd_, EPOLL_CTL_MOD, c.fd, &ev);
+}
+
+void ProgressThread::request_kill(const std::shared_ptr<TcpConn>& c) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    kill_q_.push_back(c);
+  }
+  wake();
+}
+
+void ProgressThread::run() {
+  epoll_event evs[64];
+  auto last_active = Clock::now();
+  auto next_scan = Clock::now();
+  const auto spin = std::chrono::microseconds(spin_us_);
+  while (!stop_.load(std::memory_order_acquire)) {
+    const auto now = Clock::now();
+    const bool busy = npending.load(std::memory_order_acquire) > 0 || nslow_.load() > 0;
+    int timeout = -1;
+    if (spin_us_ > 0 && now - last_active < spin) {
+      timeout = 0;
+    } else if (busy) {
+      timeout = 20;
+    }
+    if (timeout < 0) idle_.store(true, std::memory_order_release);
+    int n = ::epoll_wait(epfd_, evs, 64, timeout);
+    idle_.store(false, std::memory_order_release);
+    if (n < 0 && errno != EINTR) {
+      PDKV_LOG_ERROR("epoll_wait: %s", errno_str(errno).c_str());
+      break;
+    }
+    if (n > 0) last_active = Clock::now();
+    for (int i = 0; i < n; ++i) {
+      void* p = evs[i].data.ptr;
+      if (p == nullptr) {
+        uint64_t v;
+        ssize_t r = ::read(evfd_, &v, sizeof v);
+        (void)r;
+        std::vector<std::shared_ptr<TcpConn>> kq;
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          kq.swap(kill_q_);
+        }
+        for (auto& c : kq) {
+          Status why;
+          {
+            std::lock_guard<std::mutex> lk(c->smu);
+            why = c->kill_reason;
+          }
+          t_->kill(c, why.ok() ? ConnectionError("connection to " + c->desc + " failed") : why);
+        }
+        continue;
+      }
+      if (p == this) {
+        accept_all();
+        continue;
+      }
+      std::shared_ptr<TcpConn> c;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        auto it = conns_.find(static_cast<TcpConn*>(p));
+        if (it == conns_.end()) continue;
+        c = it->second;
+      }
+      if (c->fd < 0) continue;
+      if (c->draining) {
+        drain(c);
+        continue;
+      }
+      if (evs[i].events & EPOLLOUT) flush(*c);
+      if (evs[i].events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) on_readable(c);
+    }
+    if (busy && Clock::now() >= next_scan) {
+      scan_deadlines();
+      next_scan = Clock::now() + std::chrono::milliseconds(10);
+    }
+    graveyard_.clear();
+  }
+}
+
+void ProgressThread::accept_all() {
+  for (;;) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR) continue;
+      return;  // EAGAIN, or a transient error such as EMFILE
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    char host[64] = "?";
+    uint16_t port = 0;
+    if (ss.ss_family == AF_INET) {
+      auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+      inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+      port = ntohs(a->sin_port);
+    } else if (ss.ss_family == AF_INET6) {
+      auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+      inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+      port = ntohs(a->sin6_port);
+    }
+    auto c = std::make_shared<TcpConn>(fd, false, "inbound connection from " + std::string(host) + ":" +
+                                                      std::to_string(port));
+    c->hs_deadline = util::deadline_after(t_->opts().handshake_timeout_s);
+    ProgressThread* owner = t_->pick_thread();
+    ++owner->nslow_;
+    owner->add(c);
+  }
+}
+
+void ProgressThread::set_lowat(TcpConn& c, int v) {
+  if (v == c.cur_lowat) return;
+  if (::setsockopt(c.fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) c.cur_lowat = v;
+}
+
+void ProgressThread::flush(TcpConn& c) {
+  std::lock_guard<std::mutex> lk(c.smu);
+  if (c.dead) return;
+  while (!c.sq.empty()) {
+    int err = 0;
+    int r = send_some(c.fd, *c.sq.front(), &err);
+    if (r == 0) return;  // EPOLLOUT stays armed
+    if (r < 0) {
+      c.kill_reason = ConnectionError("sending to " + c.desc + " failed: " + errno_str(err));
+      c.kill_requested = true;
+      break;
+    }
+    c.sq.pop_front();  // sent: pins (read responses) are released here
+  }
+  if (c.want_out) {
+    c.want_out = false;
+    arm_out(c, false);
+  }
+  if (c.kill_requested) {
+    std::lock_guard<std::mutex> lk2(mu_);
+    auto it = conns_.find(&c);
+    if (it != conns_.end()) kill_q_.push_back(it->second);
+    wake();
+  }
+}
+
+void ProgressThread::drain(const std::shared_ptr<TcpConn>& c) {
+  char buf[65536];
+  for (;;) {
+    ssize_t r = ::recv(c->fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (r > 0) continue;
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && Clock::now() < c->hs_deadline) return;
+    break;  // EOF, error or drain deadline: close for good
+  }
+  epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
+  ::close(c->fd);
+  c->fd = -1;
+  c->draining = false;
+  --nslow_;
+  std::lock_guard<std::mutex> lk(mu_);
+  graveyard_.push_back(c);
+  conns_.erase(c.get());
+}
+
+void ProgressThread::scan_deadlines() {
+  const auto now = Clock::now();
+  std::vector<std::pair<std::shared_ptr<TcpConn>, Status>> doomed;
+  std::vector<uint64_t> culprits;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [p, c] : conns_) {
+      if (c->fd < 0) continue;
+      if (c->draining) {
+        if (now >= c->hs_deadline) doomed.emplace_back(c, Status::Ok());
+        continue;
+      }
+      if (!c->authed && !c->outbound && now >= c->hs_deadline) {
+        doomed.emplace_back(c, TimeoutError(c->desc + " did not complete the handshake in time"));
+        culprits.push_back(0);
+        continue;
+      }
+      std::lock_guard<std::mutex> lk2(c->pmu);
+      if (c->earliest_deadline > now) continue;
+      // Find the transfer that expired.
+      Clock::time_point earliest = Clock::time_point::max();
+      uint64_t culprit = 0;
+      for (auto& [k, part] : c->pending) {
+        auto d = part.post->xfer->deadline();
+        if (d <= now && culprit == 0) culprit = part.post->xfer->id();
+        earliest = std::min(earliest, d);
+      }
+      c->earliest_deadline = earliest;
+      if (culprit) {
+        doomed.emplace_back(c, TimeoutError("transfer " + std::to_string(culprit) + " to " + c->desc +
+                                            " timed out; the peer stalled or the link is too slow"));
+        culprits.push_back(culprit);
+      }
+    }
+  }
+  size_t ci = 0;
+  for (auto& [c, st] : doomed) {
+    if (c->draining) {
+      drain(c);
+      continue;
+    }
+    t_->kill(c, st, culprits[ci++]);
+  }
+}
+
+void ProgressThread::fail_conn(const std::shared_ptr<TcpConn>& c, const Status& st, uint64_t xfer, uint32_t batch) {
+  PDKV_LOG_WARN("closing %s: %s", c->desc.c_str(), st.to_string().c_str());
+  {
+    // Best effort: tell the peer why, unless output is already queued.
+    std::lock_guard<std::mutex> lk(c->smu);
+    if (!c->dead && c->sq.empty()) {
+      OutMsg m;
+      m.hdr = make_hdr(FrameType::kError, xfer, batch);
+      m.hdr.status = static_cast<uint32_t>(st.code());
+      m.aux = st.message().substr(0, kMaxErrorBytes);
+      m.finalize();
+      int err = 0;
+      send_some(c->fd, m, &err);
+    }
+  }
+  t_->kill(c, st);
+}
+
+// Reads until EAGAIN. Returns early if the connection was killed.
+void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
+  iovec iov[kIovMax];
+  uint64_t budget = 64ull << 20;  // fairness between connections
+  while (c->fd >= 0 && !c->draining && budget > 0) {
+    ssize_t r = 0;
+    switch (c->stage) {
+      case RxStage::kHeader: {
+        r = ::recv(c->fd, reinterpret_cast<char*>(&c->hdr) + c->hdr_got, kHdr - c->hdr_got, MSG_DONTWAIT);
+        if (r > 0) {
+          c->hdr_got += static_cast<size_t>(r);
+          if (c->hdr_got == kHdr && !handle_header(c)) return;
+          continue;
+        }
+        break;
+      }
+      case RxStage::kControl: {
+        r = ::recv(c->fd, c->ctrl.data() + c->ctrl_got, c->ctrl.size() - c->ctrl_got, MSG_DONTWAIT);
+        if (r > 0) {
+          c->ctrl_got += static_cast<size_t>(r);
+          if (c->ctrl_got == c->ctrl.size() && !handle_control(c)) return;
+          continue;
+        }
+        break;
+      }
+      case RxStage::kPayload: {
+        int n = 0;
+        size_t i = c->dst_idx;
+        for (; i < c->ndst && n < kIovMax - 1; ++i) {
+          size_t off = (i == c->dst_idx) ? c->dst_off : 0;
+          iov[n].iov_base = static_cast<char*>(c->dst[i].iov_base) + off;
+          iov[n].iov_len = c->dst[i].iov_len - off;
+          ++n;
+        }
+        const bool last = (i == c->ndst);
+        if (last) iov[n++] = {&c->hdr, kHdr};  // pick up the next header in the same call
+        msghdr mh{};
+        mh.msg_iov = iov;
+        mh.msg_iovlen = static_cast<size_t>(n);
+        r = ::recvmsg(c->fd, &mh, MSG_DONTWAIT);
+        if (r > 0) {
+          budget -= std::min<uint64_t>(budget, static_cast<uint64_t>(r));
+          uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), c->remaining);
+          uint64_t extra = static_cast<uint64_t>(r) - take;
+          c->remaining -= take;
+          while (take > 0) {
+            size_t left = c->dst[c->dst_idx].iov_len - c->dst_off;
+            if (take >= left) {
+              take -= left;
+              ++c->dst_idx;
+              c->dst_off = 0;
+            } else {
+              c->dst_off += take;
+              take = 0;
+            }
+          }
+          if (c->remaining == 0) {
+            c->hdr_got = extra;
+            payload_done(c);
+            if (c->fd < 0) return;
+            if (c->hdr_got == kHdr && !handle_header(c)) return;
+          }
+          continue;
+        }
+        break;
+      }
+    }
+    if (r == 0) {
+      const bool mid = c->stage != RxStage::kHeader || c->hdr_got != 0;
+      t_->kill(c, ConnectionError(mid ? c->desc + " closed the connection in the middle of a frame"
+                                      : c->desc + " closed the connection"));
+      return;
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (c->stage == RxStage::kPayload && t_->opts().rcvlowat_bytes > 0) {
+        set_lowat(*c, static_cast<int>(std::max<uint64_t>(
+                          1, std::min<uint64_t>(t_->opts().rcvlowat_bytes, c->remaining / 2))));
+      }
+      return;
+    }
+    t_->kill(c, ConnectionError("receiving from " + c->desc + " failed: " + errno_str(errno)));
+    return;
+  }
+}
+
+// A full header is in c->hdr. Validates it and sets up the next stage.
+bool ProgressThread::handle_header(const std::shared_ptr<TcpConn>& c) {
+  c->cur = c->hdr;
+  c->hdr_got = 0;
+  const FrameHeader& h = c->cur;
+  auto bad = [&](const std::string& why) {
+    fail_conn(c, ProtocolError(why), h.xfer_id, h.batch);
+    return false;
+  };
+  if (h.magic != kFrameMagic) {
+    char m[16];
+    snprintf(m, sizeof m, "0x%08x", h.magic);
+    return bad("bad frame magic " + std::string(m) + " from " + c->desc + " (not a pdkv peer, or the stream is out of sync)");
+  }
+  const auto type = static_cast<FrameType>(h.type);
+  if (!c->outbound && !c->authed && type != FrameType::kHello)
+    return bad("the first frame from " + c->desc + " must be a hello, got type " + std::to_string(h.type));
+  uint64_t ctrl = uint64_t(h.count) * sizeof(WireExtent) + h.aux_len;
+  const uint32_t max_notif = t_->hooks()->max_notif_bytes();
+  switch (type) {
+    case FrameType::kHello:
+      if (c->outbound || c->authed) return bad("unexpected hello from " + c->desc);
+      if (h.aux_len == 0 || h.aux_len > kMaxHelloBytes || h.count || h.payload)
+        return bad("malformed hello from " + c->desc + " (aux " + std::to_string(h.aux_len) + " bytes)");
+      break;
+    case FrameType::kMetaReq:
+      if (c->outbound || h.count || h.payload || h.aux_len) return bad("malformed metadata request");
+      break;
+    case FrameType::kWrite:
+    case FrameType::kReadReq: {
+      if (c->outbound) return bad("unexpected request frame on an outbound connection");
+      if (h.count == 0 || h.count > kMaxExtentsPerFrame)
+        return bad("frame declares " + std::to_string(h.count) + " extents (allowed 1.." +
+                   std::to_string(kMaxExtentsPerFrame) + ")");
+      if (type == FrameType::kWrite) {
+        if (h.payload == 0 || h.payload > kMaxPayloadPerFrame)
+          return bad("write frame declares a payload of " + std::to_string(h.payload) + " bytes (allowed 1.." +
+                     std::to_string(kMaxPayloadPerFrame) + ")");
+        if ((h.flags & kFlagNotif) ? h.aux_len > max_notif : h.aux_len != 0)
+          return bad("write frame carries " + std::to_string(h.aux_len) + " bytes of notification (limit " +
+                     std::to_string(max_notif) + ")");
+      } else if (h.payload || h.aux_len) {
+        return bad("read request frame carries data");
+      }
+      break;
+    }
+    case FrameType::kNotify:
+      if (c->outbound || h.count || h.payload || h.aux_len > max_notif)
+        return bad("malformed notification frame (" + std::to_string(h.aux_len) + " bytes, limit " +
+                   std::to_string(max_notif) + ")");
+      break;
+    case FrameType::kAck: {
+      if (!c->outbound || h.count || h.payload || h.aux_len) return bad("unexpected ack frame");
+      PendingPart part;
+      bool found = false;
+      {
+        std::lock_guard<std::mutex> lk(c->pmu);
+        auto it = c->pending.find(pkey(h.xfer_id, h.batch));
+        if (it != c->pending.end()) {
+          part = std::move(it->second);
+          c->pending.erase(it);
+          found = true;
+        }
+      }
+      if (!found) return bad("ack for unknown transfer " + std::to_string(h.xfer_id));
+      npending.fetch_sub(1, std::memory_order_acq_rel);
+      t_->resolve(part, part.bytes,
+                  h.status == 0 ? Status::Ok()
+                                : Status(static_cast<StatusCode>(h.status), "peer reported failure"));
+      c->stage = RxStage::kHeader;
+      return true;
+    }
+    case FrameType::kReadResp: {
+      if (!c->outbound || h.count || h.aux_len) return bad("unexpected read response frame");
+      {
+        std::lock_guard<std::mutex> lk(c->pmu);
+        auto it = c->pending.find(pkey(h.xfer_id, h.batch));
+        if (it == c->pending.end() || it->second.dst == nullptr)
+          return bad("read response for unknown transfer " + std::to_string(h.xfer_id));
+        c->rx_part = it->second;
+      }
+      if (h.payload != c->rx_part.bytes)
+        return bad("read response carries " + std::to_string(h.payload) + " bytes, expected " +
+                   std::to_string(c->rx_part.bytes));
+      c->dst = c->rx_part.dst;
+      c->ndst = c->rx_part.ndst;
+      c->dst_idx = 0;
+      c->dst_off = 0;
+      c->remaining = h.payload;
+      c->stage = RxStage::kPayload;
+      return true;
+    }
+    case FrameType::kError:
+      if (h.aux_len > kMaxErrorBytes) return bad("oversized error frame");
+      break;
+    case FrameType::kHelloAck:
+    case FrameType::kMetaResp:
+    default:
+      return bad("unexpected frame type " + std::to_string(h.type) + " from " + c->desc);
+  }
+  if (ctrl == 0) return handle_control(c);
+  c->ctrl.resize(ctrl);
+  c->ctrl_got = 0;
+  c->stage = RxStage::kControl;
+  return true;
+}
+
+bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
+  const FrameHeader& h = c->cur;
+  const auto type = static_cast<FrameType>(h.type);
+  AgentHooks* hooks = t_->hooks();
+  c->stage = RxStage::kHeader;
+  switch (type) {
+    case FrameType::kHello: {
+      util::ByteReader r(c->ctrl);
+      uint16_t ver = 0, reserved = 0;
+      uint32_t slot = 0;
+      uint64_t expect = 0;
+      std::string from, to, secret;
+      Status st = r.get(&ver, "hello version");
+      if (st.ok() && ver != kWireVersion) {
+        fail_conn(c, VersionMismatch("wire protocol version " + std::to_string(ver) + " is not supported (this pdkv speaks " +
+                                     std::to_string(kWireVersion) + ")"));
+        return false;
+      }
+      if (st.ok()) st = r.get(&reserved, "hello reserved");
+      if (st.ok()) st = r.get(&slot, "hello slot");
+      if (st.ok()) st = r.get(&expect, "hello instance");
+      if (st.ok()) st = r.get_str(&from, "hello initiator", 128);
+      if (st.ok()) st = r.get_str(&to, "hello target", 128);
+      if (st.ok()) st = r.get_str(&secret, "hello secret", 1024);
+      if (st.ok()) st = validate_name("initiator name", from);
+      if (!st.ok()) {
+        fail_conn(c, ProtocolError("malformed hello from " + c->desc + ": " + st.message()));
+        return false;
+      }
+      if (!hooks->secret_matches(secret)) {
+        fail_conn(c, AuthFailed("agent '" + from + "' presented the wrong secret to agent '" + hooks->agent_name() + "'"));
+        return false;
+      }
+      if (!to.empty() && to != hooks->agent_name()) {
+        fail_conn(c, AuthFailed("this is agent '" + hooks->agent_name() + "', not '" + to + "'"));
+        return false;
+      }
+      if (expect != 0 && expect != hooks->instance_id()) {
+        fail_conn(c, StalePeer("agent '" + hooks->agent_name() +
+                               "' restarted since its metadata was fetched; fetch it again and re-add the peer"));
+        return false;
+      }
+      c->authed = true;
+      c->peer_name = from;
+      c->desc = "peer '" + from + "' (" + c->desc + ")";
+      --nslow_;
+      auto m = std::make_unique<OutMsg>();
+      m->hdr = make_hdr(FrameType::kHelloAck, 0, 0);
+      util::ByteWriter w;
+      w.put<uint64_t>(hooks->instance_id());
+      w.put_str(hooks->agent_name());
+      m->aux = w.take();
+      m->finalize();
+      t_->enqueue(c, std::move(m));
+      return true;
+    }
+    case FrameType::kMetaReq: {
+      auto m = std::make_unique<OutMsg>();
+      m->hdr = make_hdr(FrameType::kMetaResp, 0, 0);
+      m->aux = hooks->metadata_blob();
+      m->finalize();
+      t_->enqueue(c, std::move(m));
+      return true;
+    }
+    case FrameType::kWrite:
+    case FrameType::kReadReq: {
+      const auto* d = reinterpret_cast<const WireExtent*>(c->ctrl.data());
+      const uint32_t n = h.count;
+      std::vector<iovec> iov;
+      std::vector<RegionPin> pins;
+      iov.reserve(n);
+      uint64_t sum = 0;
+      uint64_t last_region = 0;
+      const RegionDesc* last = nullptr;
+      for (uint32_t i = 0; i < n; ++i) {
+        WireExtent e;
+        std::memcpy(&e, d + i, sizeof e);
+        Status err;
+        if (e.len == 0) {
+          err = ProtocolError("extent " + std::to_string(i) + " has length 0");
+        } else if (last && e.region == last_region) {
+          if (e.offset > last->len || e.len > last->len - e.offset)
+            err = OutOfRange("bytes [" + std::to_string(e.offset) + ", +" + std::to_string(e.len) +
+                             ") fall outside region " + std::to_string(e.region) + " (" + std::to_string(last->len) +
+                             " bytes)");
+        } else {
+          uint64_t addr = 0;
+          auto pin = hooks->region_table().pin(e.region, e.offset, e.len, true, mem_kind_bit(MemKind::kHost), &addr);
+          if (!pin.ok()) {
+            err = pin.status();
+          } else {
+            last = pin->desc();
+            last_region = e.region;
+            pins.push_back(std::move(pin).value());
+          }
+        }
+        if (!err.ok()) {
+          fail_conn(c, Status(err.code(), std::string(type == FrameType::kWrite ? "write" : "read") +
+                                              " request from " + c->desc + " rejected: " + err.message()),
+                    h.xfer_id, h.batch);
+          return false;
+        }
+        iov.push_back({reinterpret_cast<void*>(last->addr + e.offset), e.len});
+        sum += e.len;
+        if (sum > kMaxPayloadPerFrame) {
+          fail_conn(c, ProtocolError("request from " + c->desc + " asks for more than " +
+                                     std::to_string(kMaxPayloadPerFrame) + " bytes in one frame"),
+                    h.xfer_id, h.batch);
+          return false;
+        }
+      }
+      if (type == FrameType::kReadReq) {
+        auto m = std::make_unique<OutMsg>();
+        m->hdr = make_hdr(FrameType::kReadResp, h.xfer_id, h.batch);
+        m->hdr.payload = sum;
+        m->own_iov = std::move(iov);
+        m->pins = std::move(pins);
+        m->finalize();
+        t_->enqueue(c, std::move(m));
+        return true;
+      }
+      if (sum != h.payload) {
+        fail_conn(c, ProtocolError("write frame from " + c->desc + " declares " + std::to_string(h.payload) +
+                                   " payload bytes but its extents add up to " + std::to_string(sum)),
+                  h.xfer_id, h.batch);
+        return false;
+      }
+      c->dst_own = std::move(iov);
+      c->dst = c->dst_own.data();
+      c->ndst = c->dst_own.size();
+      c->dst_idx = 0;
+      c->dst_off = 0;
+      c->remaining = sum;
+      c->rx_pins = std::move(pins);
+      c->stage = RxStage::kPayload;
+      return true;
+    }
+    case FrameType::kNotify: {
+      hooks->deliver_notification(Notification{c->peer_name, c->ctrl});
+      auto m = std::make_unique<OutMsg>();
+      m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
+      m->finalize();
+      t_->enqueue(c, std::move(m));
+      return true;
+    }
+    case FrameType::kError: {
+      const auto code = static_cast<StatusCode>(h.status);
+      Status st(code == StatusCode::kOk || h.status > static_cast<uint32_t>(StatusCode::kInternal)
+                    ? StatusCode::kProtocolError
+                    : code,
+                c->desc + " refused the request: " + c->ctrl);
+      PendingPart part;
+      bool found = false;
+      {
+        std::lock_guard<std::mutex> lk(c->pmu);
+        auto it = c->pending.find(pkey(h.xfer_id, h.batch));
+        if (it != c->pending.end()) {
+          part = std::move(it->second);
+          c->pending.erase(it);
+          found = true;
+        }
+      }
+      if (found) {
+        npending.fetch_sub(1, std::memory_order_acq_rel);
+        t_->resolve(part, 0, st);
+      }
+      t_->kill(c, ConnectionError(c->desc + " closed the connection after an error: " + c->ctrl));
+      return false;
+    }
+    default:
+      fail_conn(c, Internal("unhandled frame type " + std::to_string(h.type)));
+      return false;
+  }
+}
+
+void ProgressThread::payload_done(const std::shared_ptr<TcpConn>& c) {
+  const FrameHeader& h = c->cur;
+  c->stage = RxStage::kHeader;
+  set_lowat(*c, 1);
+  if (static_cast<FrameType>(h.type) == FrameType::kWrite) {
+    c->rx_pins.clear();
+    c->dst_own.clear();
+    if (h.flags & kFlagNotif)
+      t_->hooks()->deliver_notification(Notification{c->peer_name, c->ctrl.substr(size_t(h.count) * sizeof(WireExtent))});
+    auto m = std::make_unique<OutMsg>();
+    m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
+    m->finalize();
+    t_->enqueue(c, std::move(m));
+    return;
+  }
+  // Read response complete.
+  PendingPart part;
+  bool found = false;
+  {
+    std::lock_guard<std::mutex> lk(c->pmu);
+    auto it = c->pending.find(pkey(h.xfer_id, h.batch));
+    if (it != c->pending.end()) {
+      part = std::move(it->second);
+      c->pending.erase(it);
+      found = true;
+    }
+  }
+  c->rx_part = PendingPart{};
+  c->dst = nullptr;
+  if (found) {
+    npending.fetch_sub(1, std::memory_order_acq_rel);
+    t_->resolve(part, part.bytes, Status::Ok());
+  }
+}
+
+// ---------------------------------------------------------------- TcpTransport
+
+Status TcpTransport::start(AgentHooks* hooks) {
+  hooks_ = hooks;
+  if (opts_.conns_per_peer == 0 || opts_.conns_per_peer > 64)
+    return InvalidArgument("tcp conns_per_peer must be 1..64, got " + std::to_string(opts_.conns_per_peer));
+  if (opts_.progress_threads == 0 || opts_.progress_threads > 64)
+    return InvalidArgument("tcp progress_threads must be 1..64, got " + std::to_string(opts_.progress_threads));
+  if (opts_.batch_extents == 0 || opts_.batch_extents > kIovMax - 4)
+    return InvalidArgument("tcp batch_extents must be 1.." + std::to_string(kIovMax - 4));
+  if (opts_.batch_bytes == 0 || opts_.batch_bytes > kMaxPayloadPerFrame)
+    return InvalidArgument("tcp batch_bytes must be 1.." + std::to_string(kMaxPayloadPerFrame));
+  util::HostPort hp{opts_.listen_host, opts_.listen_port};
+  uint16_t port = 0;
+  PDKV_ASSIGN_OR_RETURN(listen_fd_, util::listen_tcp(hp, &port));
+  PDKV_RETURN_IF_ERROR(util::set_nonblocking(listen_fd_.get(), true));
+  addr_ = util::HostPort{opts_.listen_host, port};
+  for (uint32_t i = 0; i < opts_.progress_threads; ++i) {
+    threads_.push_back(std::make_unique<ProgressThread>(this, i, opts_.spin_us));
+    PDKV_RETURN_IF_ERROR(threads_.back()->start(i == 0 ? listen_fd_.get() : -1));
+  }
+  return Status::Ok();
+}
+
+void TcpTransport::shutdown() {
+  if (shut_.exchange(true)) return;
+  for (auto& t : threads_) t->stop();
+  std::lock_guard<std::mutex> lk(mu_);
+  peers_.clear();
+}
+
+Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr<const Peer> peer, OpKind op,
+                                                                 std::vector<ResolvedExtent> extents) {
+  if (!peer->md.find_endpoint("tcp"))
+    return NotSupported("peer '" + peer->md.name + "' publishes no tcp endpoint");
+  auto p = std::make_shared<TcpPrepared>();
+  p->peer = std::move(peer);
+  p->op = op;
+  size_t n = 0;
+  for (const auto& e : extents) n += (e.len + opts_.batch_bytes - 1) / opts_.batch_bytes;
+  p->descs.reserve(n);
+  p->iov.reserve(n);
+  TcpBatch cur;
+  auto close_batch = [&] {
+    if (cur.count) p->batches.push_back(cur);
+    cur = TcpBatch{static_cast<uint32_t>(p->descs.size()), 0, 0};
+  };
+  for (const auto& e : extents) {
+    uint64_t off = 0;
+    while (off < e.len) {
+      uint64_t room = opts_.batch_bytes - cur.bytes;
+      if (room == 0 || cur.count == opts_.batch_extents) {
+        close_batch();
+        room = opts_.batch_bytes;
+      }
+      uint64_t len = std::min(e.len - off, room);
+      p->descs.push_back(WireExtent{e.remote_region, e.remote_offset + off, len});
+      p->iov.push_back({reinterpret_cast<void*>(e.local_addr + off), len});
+      ++cur.count;
+      cur.bytes += len;
+      p->total += len;
+      off += len;
+    }
+  }
+  close_batch();
+  if (p->descs.size() > 0xFFFFFFFFull) return InvalidArgument("transfer has too many extents");
+  return std::shared_ptr<const PreparedOps>(std::move(p));
+}
+
+Result<util::ScopedFd> TcpTransport::dial(const util::HostPort& hp, const std::string& target, uint64_t instance,
+                                          std::string_view secret, double timeout_s, std::string* peer_name) {
+  const auto deadline = util::deadline_after(timeout_s);
+  PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, util::connect_tcp(hp, timeout_s));
+  util::ByteWriter body;
+  body.put<uint16_t>(kWireVersion);
+  body.put<uint16_t>(0);
+  body.put<uint32_t>(0);
+  body.put<uint64_t>(instance);
+  body.put_str(hooks_->agent_name());
+  body.put_str(target);
+  body.put_str(secret);
+  FrameHeader h = make_hdr(FrameType::kHello, 0, 0);
+  h.aux_len = static_cast<uint32_t>(body.str().size());
+  std::string frame(reinterpret_cast<const char*>(&h), kHdr);
+  frame += body.str();
+  const std::string where = target.empty() ? hp.str() : "'" + target + "' at " + hp.str();
+  PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), frame.data(), frame.size(), deadline).with_context("hello to " + where));
+  FrameHeader r{};
+  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), &r, kHdr, deadline).with_context("waiting for " + where + " to answer the hello"));
+  if (r.magic != kFrameMagic) return ProtocolError(where + " is not a pdkv agent (bad frame magic)");
+  if (r.aux_len > kMaxErrorBytes) return ProtocolError(where + " sent an oversized handshake reply");
+  std::string aux(r.aux_len, '\0');
+  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), aux.data(), aux.size(), deadline).with_context("handshake with " + where));
+  if (r.type == static_cast<uint16_t>(FrameType::kError)) {
+    auto code = static_cast<StatusCode>(r.status);
+    if (r.status == 0 || r.status > static_cast<uint32_t>(StatusCode::kInternal)) code = StatusCode::kProtocolError;
+    return Status(code, where + " refused the connection: " + aux);
+  }
+  if (r.type != static_cast<uint16_t>(FrameType::kHelloAck)) return ProtocolError(where + " answered the hello with frame type " + std::to_string(r.type));
+  util::ByteReader rd(aux);
+  uint64_t inst = 0;
+  std::string name;
+  PDKV_RETURN_IF_ERROR(rd.get(&inst, "hello-ack instance"));
+  PDKV_RETURN_IF_ERROR(rd.get_str(&name, "hello-ack name", 128));
+  if (peer_name) *peer_name = name;
+  return fd;
+}
+
+Result<std::shared_ptr<PeerConns>> TcpTransport::peer_conns(const std::shared_ptr<const Peer>& peer) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = peers_.find(peer->md.name);
+  if (it != peers_.end() && it->second->peer->md.instance_id == peer->md.instance_id) return it->second;
+  const Endpoint* ep = peer->md.find_endpoint("tcp");
+  if (!ep) return NotSupported("peer '" + peer->md.name + "' publishes no tcp endpoint");
+  PDKV_ASSIGN_OR_RETURN(util::HostPort hp, util::parse_host_port(ep->address));
+  auto pc = std::make_shared<PeerConns>();
+  pc->peer = peer;
+  pc->hp = hp;
+  pc->conns.resize(opts_.conns_per_peer);
+  if (it != peers_.end()) {
+    // The peer restarted: connections to the old instance are useless.
+    auto old = it->second;
+    std::vector<std::shared_ptr<TcpConn>> cs;
+    {
+      std::lock_guard<std::mutex> lk2(old->mu);
+      cs = old->conns;
+    }
+    for (auto& c : cs)
+      if (c && c->owner) {
+        {
+          std::lock_guard<std::mutex> lk3(c->smu);
+          c->kill_reason = StalePeer("peer '" + peer->md.name + "' was replaced by a new instance");
+        }
+        c->owner->request_kill(c);
+      }
+  }
+  peers_[peer->md.name] = pc;
+  return pc;
+}
+
+Result<std::shared_ptr<TcpConn>> TcpTransport::get_conn(PeerConns& pc, uint32_t slot, bool may_connect) {
+  std::lock_guard<std::mutex> lk(pc.mu);
+  auto& c = pc.conns[slot];
+  if (c) {
+    std::lock_guard<std::mutex> lk2(c->smu);
+    if (!c->dead) return c;
+  }
+  if (!may_connect) return ConnectionError("no open connection to peer '" + pc.peer->md.name + "'");
+  if (shut_) return ConnectionError("agent is shutting down");
+  std::string name;
+  PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, dial(pc.hp, pc.peer->md.name, pc.peer->md.instance_id, pc.peer->secret,
+                                                opts_.connect_timeout_s, &name));
+  PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
+  auto conn = std::make_shared<TcpConn>(fd.release(), true, "peer '" + pc.peer->md.name + "' at " + pc.hp.str());
+  conn->peer_name = name;
+  conn->authed = true;
+  conn->slot = slot;
+  conn->pc = pc.weak_from_this();
+  c = conn;
+  pick_thread()->add(conn);
+  return conn;
+}
+
+void TcpTransport::enqueue(const std::shared_ptr<TcpConn>& c, std::unique_ptr<OutMsg> m) {
+  std::lock_guard<std::mutex> lk(c->smu);
+  if (c->dead) return;  // tracked parts are resolved by kill()
+  if (c->sq.empty()) {
+    int err = 0;
+    int r = send_some(c->fd, *m, &err);
+    if (r == 1) return;
+    if (r < 0) {
+      c->kill_reason = ConnectionError("sending to " + c->desc + " failed: " + errno_str(err));
+      c->kill_requested = true;
+      c->sq.push_back(std::move(m));
+      c->owner->request_kill(c);
+      return;
+    }
+  }
+  c->sq.push_back(std::move(m));
+  if (!c->want_out) {
+    c->want_out = true;
+    c->owner->arm_out(*c, true);
+  }
+}
+
+bool TcpTransport::track(const std::shared_ptr<TcpConn>& c, PendingPart part, uint64_t xfer_id) {
+  std::lock_guard<std::mutex> lk(c->pmu);
+  if (c->dead) return false;
+  const auto d = part.post->xfer->deadline();
+  if (d < c->earliest_deadline) c->earliest_deadline = d;
+  c->pending.emplace(pkey(xfer_id, part.batch), std::move(part));
+  c->owner->npending.fetch_add(1, std::memory_order_acq_rel);
+  return true;
+}
+
+void TcpTransport::kill(const std::shared_ptr<TcpConn>& c, const Status& why, uint64_t culprit) {
+  std::unordered_map<uint64_t, PendingPart> pend;
+  std::deque<std::unique_ptr<OutMsg>> sq;
+  {
+    std::lock_guard<std::mutex> lk1(c->pmu);
+    std::lock_guard<std::mutex> lk2(c->smu);
+    if (c->dead) return;
+    c->dead = true;
+    pend.swap(c->pending);
+    sq.swap(c->sq);
+  }
+  ProgressThread* owner = c->owner;
+  if (owner) owner->npending.fetch_sub(static_cast<int64_t>(pend.size()), std::memory_order_acq_rel);
+  if (!c->authed && !c->outbound && owner) --owner->nslow_;
+  c->rx_pins.clear();
+  c->rx_part = PendingPart{};
+  if (auto pc = c->pc.lock()) {
+    std::lock_guard<std::mutex> lk(pc->mu);
+    if (c->slot < pc->conns.size() && pc->conns[c->slot] == c) pc->conns[c->slot].reset();
+  }
+  if (why.code() != StatusCode::kOk && !why.message().empty() && why.code() != StatusCode::kConnectionError)
+    PDKV_LOG_DEBUG("connection to %s closed: %s", c->desc.c_str(), why.to_string().c_str());
+  sq.clear();  // releases pins of unsent read responses
+  for (auto& [k, part] : pend) {
+    Status st = why;
+    if (culprit && part.post->xfer->id() != culprit && why.code() == StatusCode::kTimeout)
+      st = ConnectionError("connection to " + c->desc + " was closed because transfer " + std::to_string(culprit) +
+                           " on it timed out");
+    resolve(part, 0, st);
+  }
+  if (owner && c->fd >= 0) {
+    // Stop reading and writing; linger briefly so an error frame we sent is read
+    // before the peer sees a reset.
+    ::shutdown(c->fd, SHUT_WR);
+    c->draining = true;
+    c->hs_deadline = util::deadline_after(0.5);
+    ++owner->nslow_;
+  }
+}
+
+void TcpTransport::resolve(const PendingPart& p, uint64_t bytes, const Status& st) {
+  const auto& post = p.post;
+  if (post->separate_notif && p.batch != kNotifyBatch) {
+    if (!st.ok()) post->data_failed = true;
+    const bool last_data = post->data_left.fetch_sub(1, std::memory_order_acq_rel) == 1;
+    post->xfer->resolve_part(bytes, st);
+    if (last_data) {
+      if (post->data_failed || post->xfer->cancel_requested()) {
+        post->xfer->resolve_part(0, Cancelled("notification not sent: the data did not all land"));
+      } else {
+        send_separate_notify(post);
+      }
+    }
+    return;
+  }
+  post->xfer->resolve_part(bytes, st);
+}
+
+void TcpTransport::send_separate_notify(const std::shared_ptr<TcpPost>& p) {
+  // Never connect from here (this may run on a progress thread).
+  auto conn = get_conn(*p->pc, 0, false);
+  if (!conn.ok()) {
+    p->xfer->resolve_part(0, conn.status().with_context("sending the notification"));
+    return;
+  }
+  auto m = std::make_unique<OutMsg>();
+  m->hdr = make_hdr(FrameType::kNotify, p->xfer->id(), kNotifyBatch);
+  m->aux = p->notif;
+  m->finalize();
+  if (!track(*conn, PendingPart{p, kNotifyBatch, 0}, p->xfer->id())) {
+    p->xfer->resolve_part(0, ConnectionError("connection to peer '" + p->pc->peer->md.name + "' closed"));
+    return;
+  }
+  enqueue(*conn, std::move(m));
+  (*conn)->owner->wake_if_idle();
+}
+
+void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
+                        std::string notif) {
+  auto prep = std::static_pointer_cast<const TcpPrepared>(ops);
+  auto pcr = peer_conns(prep->peer);
+  if (!pcr.ok()) {
+    xfer->fail_now(pcr.status());
+    return;
+  }
+  auto post = std::make_shared<TcpPost>();
+  post->xfer = xfer;
+  post->prep = prep;
+  post->pc = *pcr;
+  post->notif = std::move(notif);
+  const uint32_t nconn = opts_.conns_per_peer;
+  const uint32_t nb = static_cast<uint32_t>(prep->batches.size());
+  const uint32_t base = post->pc->rr.fetch_add(1, std::memory_order_relaxed);
+  const bool spread = nconn > 1 && nb > 1;
+  post->separate_notif = !post->notif.empty() && (prep->op == OpKind::kRead || spread);
+  post->data_left = nb;
+  xfer->set_parts(nb + (post->separate_notif ? 1 : 0));
+  std::weak_ptr<TcpPost> wp = post;
+  xfer->set_cancel_hook([this, wp] {
+    if (auto p = wp.lock()) cancel(p);
+  });
+  Status connect_err;
+  std::vector<ProgressThread*> woken;
+  for (uint32_t i = 0; i < nb; ++i) {
+    const TcpBatch& b = prep->batches[i];
+    const uint32_t slot = (base + i) % nconn;
+    PendingPart part{post, i, b.bytes, prep->op == OpKind::kRead ? &prep->iov[b.first] : nullptr, b.count};
+    if (!connect_err.ok() || xfer->cancel_requested()) {
+      resolve(part, 0, connect_err.ok() ? Cancelled("cancelled") : connect_err);
+      continue;
+    }
+    auto cr = get_conn(*post->pc, slot, true);
+    if (!cr.ok()) {
+      connect_err = cr.status();
+      resolve(part, 0, connect_err);
+      continue;
+    }
+    auto& conn = *cr;
+    {
+      std::lock_guard<std::mutex> lk(post->mu);
+      post->conns.push_back(conn);
+    }
+    auto m = std::make_unique<OutMsg>();
+    m->hdr = make_hdr(prep->op == OpKind::kWrite ? FrameType::kWrite : FrameType::kReadReq, xfer->id(), i);
+    m->hdr.count = b.count;
+    m->descs = &prep->descs[b.first];
+    m->desc_bytes = size_t(b.count) * sizeof(WireExtent);
+    if (prep->op == OpKind::kWrite) {
+      m->hdr.payload = b.bytes;
+      m->data = &prep->iov[b.first];
+      m->ndata = b.count;
+      if (!post->separate_notif && !post->notif.empty() && i == nb - 1) {
+        m->hdr.flags |= kFlagNotif;
+        m->aux = post->notif;
+      }
+    }
+    m->keep = prep;
+    m->finalize();
+    if (!track(conn, std::move(part), xfer->id())) {
+      resolve(PendingPart{post, i, b.bytes}, 0, ConnectionError("connection to " + conn->desc + " closed"));
+      continue;
+    }
+    enqueue(conn, std::move(m));
+    if (std::find(woken.begin(), woken.end(), conn->owner) == woken.end()) {
+      conn->owner->wake_if_idle();  // so it spins for the ack and enforces the deadline
+      woken.push_back(conn->owner);
+    }
+  }
+}
+
+void TcpTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
+  auto pcr = peer_conns(peer);
+  if (!pcr.ok()) {
+    xfer->fail_now(pcr.status());
+    return;
+  }
+  auto post = std::make_shared<TcpPost>();
+  post->xfer = xfer;
+  post->pc = *pcr;
+  post->notif = std::move(notif);
+  post->separate_notif = true;
+  xfer->set_parts(1);
+  auto cr = get_conn(*post->pc, 0, true);
+  if (!cr.ok()) {
+    xfer->resolve_part(0, cr.status());
+    return;
+  }
+  send_separate_notify(post);
+}
+
+void TcpTransport::cancel(const std::shared_ptr<TcpPost>& p) {
+  std::vector<std::shared_ptr<TcpConn>> conns;
+  {
+    std::lock_guard<std::mutex> lk(p->mu);
+    for (auto& w : p->conns)
+      if (auto c = w.lock()) conns.push_back(c);
+  }
+  const uint64_t id = p->xfer->id();
+  for (auto& c : conns) {
+    std::vector<PendingPart> dropped;
+    {
+      std::lock_guard<std::mutex> lk1(c->pmu);
+      std::lock_guard<std::mutex> lk2(c->smu);
+      if (c->dead) continue;
+      for (auto it = c->sq.begin(); it != c->sq.end();) {
+        OutMsg& m = **it;
+        if (m.hdr.xfer_id == id && m.sent == 0 &&
+            (m.hdr.type == static_cast<uint16_t>(FrameType::kWrite) ||
+             m.hdr.type == static_cast<uint16_t>(FrameType::kReadReq))) {
+          auto pit = c->pending.find(pkey(id, m.hdr.batch));
+          if (pit != c->pending.end()) {
+            dropped.push_back(std::move(pit->second));
+            c->pending.erase(pit);
+          }
+          it = c->sq.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    if (c->owner) c->owner->npending.fetch_sub(static_cast<int64_t>(dropped.size()), std::memory_order_acq_rel);
+    for (auto& part : dropped) resolve(part, 0, Cancelled("cancelled before it was sent"));
+  }
+}
+
+Status TcpTransport::connect(std::shared_ptr<const Peer> peer, double timeout_s) {
+  (void)timeout_s;
+  PDKV_ASSIGN_OR_RETURN(auto pc, peer_conns(peer));
+  for (uint32_t i = 0; i < opts_.conns_per_peer; ++i) {
+    auto c = get_conn(*pc, i, true);
+    if (!c.ok()) return c.status();
+  }
+  return Status::Ok();
+}
+
+void TcpTransport::drop_peer(const std::string& name) {
+  std::shared_ptr<PeerConns> pc;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = peers_.find(name);
+    if (it == peers_.end()) return;
+    pc = it->second;
+    peers_.erase(it);
+  }
+  std::vector<std::shared_ptr<TcpConn>> cs;
+  {
+    std::lock_guard<std::mutex> lk(pc->mu);
+    cs = pc->conns;
+  }
+  for (auto& c : cs)
+    if (c && c->owner) {
+      {
+        std::lock_guard<std::mutex> lk(c->smu);
+        c->kill_reason = ConnectionError("peer '" + name + "' was removed");
+      }
+      c->owner->request_kill(c);
+    }
+}
+
+Result<std::string> TcpTransport::fetch_metadata(const std::string& address, std::string_view secret,
+                                                 double timeout_s) {
+  PDKV_ASSIGN_OR_RETURN(util::HostPort hp, util::parse_host_port(address));
+  const auto deadline = util::deadline_after(timeout_s);
+  PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, dial(hp, "", 0, secret, timeout_s, nullptr));
+  FrameHeader h = make_hdr(FrameType::kMetaReq, 0, 0);
+  PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), &h, kHdr, deadline));
+  FrameHeader r{};
+  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), &r, kHdr, deadline).with_context("fetching metadata from " + address));
+  if (r.magic != kFrameMagic || r.type != static_cast<uint16_t>(FrameType::kMetaResp) || r.aux_len > kMaxMetadataBytes)
+    return ProtocolError(address + " answered the metadata request with a malformed frame");
+  std::string blob(r.aux_len, '\0');
+  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), blob.data(), blob.size(), deadline).with_context("fetching metadata from " + address));
+  return blob;
+}
+
+bool registered = register_transport(TransportFactory{
+    "tcp", "TCP sockets: any host to any host (host memory)", [] { return true; },
+    [](const AgentConfig& cfg) -> Result<std::unique_ptr<Transport>> {
+      return std::unique_ptr<Transport>(std::make_unique<TcpTransport>(cfg));
+    }});
+
+}  // namespace
+
+Result<std::unique_ptr<Transport>> create_tcp_transport(const AgentConfig& cfg) {
+  return std::unique_ptr<Transport>(std::make_unique<TcpTransport>(cfg));
+}
+
+}  // namespace pdkv::tcp

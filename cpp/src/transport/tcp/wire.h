@@ -1,0 +1,58 @@
+// The tcp transport's wire format (version 1). Documented in docs/wire.md.
+//
+// Every frame starts with a 40-byte FrameHeader, followed by `count` 24-byte
+// WireExtents, then `aux_len` bytes of aux data (notification, message, hello body),
+// then `payload` bytes of data. All integers little endian.
+#pragma once
+
+#include <cstdint>
+
+namespace pdkv::tcp {
+
+inline constexpr uint32_t kFrameMagic = 0x464b4450;  // "PDKF"
+inline constexpr uint16_t kWireVersion = 1;
+
+enum class FrameType : uint16_t {
+  kHello = 1,     // initiator -> target, first frame; aux = HelloBody
+  kHelloAck = 2,  // target -> initiator; status OK, aux = u64 instance id + agent name
+  kMetaReq = 3,   // -> target: send me your metadata
+  kMetaResp = 4,  // <- aux = metadata blob
+  kWrite = 5,     // descs (target region/offset/len), aux = notification if kFlagNotif, payload
+  kReadReq = 6,   // descs to read from the target
+  kReadResp = 7,  // payload for (xfer_id, batch) of an earlier kReadReq
+  kAck = 8,       // (xfer_id, batch) landed (write) or notification delivered
+  kNotify = 9,    // aux = notification
+  kError = 10,    // status = StatusCode, aux = message; the sender then closes
+};
+
+inline constexpr uint16_t kFlagNotif = 1;  // kWrite: aux is a notification, deliver after payload
+
+struct FrameHeader {
+  uint32_t magic;
+  uint16_t type;
+  uint16_t flags;
+  uint64_t xfer_id;
+  uint32_t batch;
+  uint32_t count;    // number of WireExtents
+  uint64_t payload;  // payload bytes
+  uint32_t aux_len;
+  uint32_t status;   // kAck / kError / kHelloAck: a pdkv::StatusCode
+};
+static_assert(sizeof(FrameHeader) == 40, "wire header must be 40 bytes");
+
+struct WireExtent {
+  uint64_t region;
+  uint64_t offset;
+  uint64_t len;
+};
+static_assert(sizeof(WireExtent) == 24, "wire extent must be 24 bytes");
+
+// Limits a receiver enforces before allocating or reading anything.
+inline constexpr uint32_t kMaxExtentsPerFrame = 65536;
+inline constexpr uint64_t kMaxPayloadPerFrame = 1ull << 30;
+inline constexpr uint32_t kMaxHelloBytes = 4096;
+inline constexpr uint32_t kMaxErrorBytes = 4096;
+inline constexpr uint32_t kMaxMetadataBytes = 64u << 20;
+inline constexpr uint32_t kNotifyBatch = 0xFFFFFFFFu;  // batch index of a standalone notification
+
+}  // namespace pdkv::tcp

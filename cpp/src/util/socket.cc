@@ -1,0 +1,167 @@
+#include "util/socket.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace pdkv::util {
+
+std::string errno_str(int err) {
+  char buf[128];
+  // GNU strerror_r returns a char*.
+  const char* s = strerror_r(err, buf, sizeof buf);
+  return s;
+}
+
+std::chrono::steady_clock::time_point deadline_after(double seconds) {
+  if (seconds <= 0 || seconds > 1e7) return std::chrono::steady_clock::time_point::max();
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+std::string HostPort::str() const {
+  if (host.find(':') != std::string::npos) return "[" + host + "]:" + std::to_string(port);
+  return host + ":" + std::to_string(port);
+}
+
+Result<HostPort> parse_host_port(const std::string& s) {
+  HostPort hp;
+  std::string port;
+  if (!s.empty() && s[0] == '[') {
+    auto close = s.find(']');
+    if (close == std::string::npos || close + 1 >= s.size() || s[close + 1] != ':')
+      return InvalidArgument("address '" + s + "' is not of the form [ipv6]:port");
+    hp.host = s.substr(1, close - 1);
+    port = s.substr(close + 2);
+  } else {
+    auto colon = s.rfind(':');
+    if (colon == std::string::npos) return InvalidArgument("address '" + s + "' is not of the form host:port");
+    hp.host = s.substr(0, colon);
+    port = s.substr(colon + 1);
+  }
+  if (hp.host.empty()) return InvalidArgument("address '" + s + "' has no host");
+  if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos)
+    return InvalidArgument("address '" + s + "' has an invalid port");
+  unsigned long p = std::stoul(port);
+  if (p > 65535) return InvalidArgument("address '" + s + "' has a port above 65535");
+  hp.port = static_cast<uint16_t>(p);
+  return hp;
+}
+
+Result<sockaddr_storage> resolve(const HostPort& hp, socklen_t* len) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  std::string port = std::to_string(hp.port);
+  int rc = getaddrinfo(hp.host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0 || !res)
+    return InvalidArgument("cannot resolve host '" + hp.host + "': " + std::string(gai_strerror(rc)));
+  sockaddr_storage ss{};
+  std::memcpy(&ss, res->ai_addr, res->ai_addrlen);
+  *len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return ss;
+}
+
+Status set_nonblocking(int fd, bool on) {
+  int fl = fcntl(fd, F_GETFL, 0);
+  if (fl < 0) return Internal("fcntl(F_GETFL): " + errno_str(errno));
+  fl = on ? (fl | O_NONBLOCK) : (fl & ~O_NONBLOCK);
+  if (fcntl(fd, F_SETFL, fl) < 0) return Internal("fcntl(F_SETFL): " + errno_str(errno));
+  return Status::Ok();
+}
+
+Result<ScopedFd> listen_tcp(const HostPort& hp, uint16_t* port, int backlog) {
+  socklen_t len = 0;
+  PDKV_ASSIGN_OR_RETURN(sockaddr_storage ss, resolve(hp, &len));
+  ScopedFd fd(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return Internal("socket(): " + errno_str(errno));
+  int one = 1;
+  setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&ss), len) != 0)
+    return ConnectionError("cannot listen on " + hp.str() + ": bind: " + errno_str(errno));
+  if (::listen(fd.get(), backlog) != 0) return ConnectionError("listen on " + hp.str() + ": " + errno_str(errno));
+  sockaddr_storage bound{};
+  socklen_t blen = sizeof bound;
+  getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &blen);
+  *port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  return fd;
+}
+
+static int remaining_ms(std::chrono::steady_clock::time_point deadline) {
+  if (deadline == std::chrono::steady_clock::time_point::max()) return -1;
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  return left.count() < 0 ? 0 : static_cast<int>(std::min<int64_t>(left.count() + 1, 1 << 30));
+}
+
+Result<ScopedFd> connect_tcp(const HostPort& hp, double timeout_s) {
+  socklen_t len = 0;
+  PDKV_ASSIGN_OR_RETURN(sockaddr_storage ss, resolve(hp, &len));
+  ScopedFd fd(::socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd) return Internal("socket(): " + errno_str(errno));
+  auto deadline = deadline_after(timeout_s);
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&ss), len) != 0) {
+    if (errno != EINPROGRESS) return ConnectionError("cannot connect to " + hp.str() + ": " + errno_str(errno));
+    pollfd p{fd.get(), POLLOUT, 0};
+    int rc;
+    do {
+      rc = ::poll(&p, 1, remaining_ms(deadline));
+    } while (rc < 0 && errno == EINTR);
+    if (rc == 0)
+      return TimeoutError("connecting to " + hp.str() + " timed out after " + std::to_string(timeout_s) + " s");
+    int err = 0;
+    socklen_t el = sizeof err;
+    getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &el);
+    if (err != 0) return ConnectionError("cannot connect to " + hp.str() + ": " + errno_str(err));
+  }
+  int one = 1;
+  setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  PDKV_RETURN_IF_ERROR(set_nonblocking(fd.get(), false));
+  return fd;
+}
+
+Status send_all(int fd, const void* buf, size_t n, std::chrono::steady_clock::time_point deadline) {
+  const char* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    pollfd pf{fd, POLLOUT, 0};
+    int rc = ::poll(&pf, 1, remaining_ms(deadline));
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc == 0) return TimeoutError("send timed out");
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      return ConnectionError("send: " + errno_str(errno));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return Status::Ok();
+}
+
+Status recv_all(int fd, void* buf, size_t n, std::chrono::steady_clock::time_point deadline) {
+  char* p = static_cast<char*>(buf);
+  while (n > 0) {
+    pollfd pf{fd, POLLIN, 0};
+    int rc = ::poll(&pf, 1, remaining_ms(deadline));
+    if (rc < 0 && errno == EINTR) continue;
+    if (rc == 0) return TimeoutError("timed out waiting for the peer to answer");
+    ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (r == 0) return ConnectionError("peer closed the connection");
+    if (r < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      return ConnectionError("recv: " + errno_str(errno));
+    }
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return Status::Ok();
+}
+
+}  // namespace pdkv::util

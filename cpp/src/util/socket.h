@@ -1,0 +1,66 @@
+// Small POSIX socket helpers shared by the tcp transport and the benchmarks.
+#pragma once
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "pdkv/status.h"
+
+namespace pdkv::util {
+
+// Owns a file descriptor; closes it on destruction.
+class ScopedFd {
+ public:
+  ScopedFd() = default;
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ScopedFd(ScopedFd&& o) noexcept : fd_(o.release()) {}
+  ScopedFd& operator=(ScopedFd&& o) noexcept {
+    if (this != &o) reset(o.release());
+    return *this;
+  }
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+  ~ScopedFd() { reset(); }
+  int get() const { return fd_; }
+  int release() {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  void reset(int fd = -1) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
+  explicit operator bool() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+struct HostPort {
+  std::string host;
+  uint16_t port = 0;
+  std::string str() const;
+};
+
+// Parses "host:port" or "[v6]:port".
+Result<HostPort> parse_host_port(const std::string& s);
+// Resolves host (numeric or name) to a socket address.
+Result<sockaddr_storage> resolve(const HostPort& hp, socklen_t* len);
+// Creates a listening TCP socket bound to hp (port 0: any). Returns the bound port in *port.
+Result<ScopedFd> listen_tcp(const HostPort& hp, uint16_t* port, int backlog = 128);
+// Connects with a timeout; returns a blocking socket with TCP_NODELAY set.
+Result<ScopedFd> connect_tcp(const HostPort& hp, double timeout_s);
+Status set_nonblocking(int fd, bool on);
+// Blocking full send/recv with a deadline (poll-based). Fail with Timeout/ConnectionError.
+Status send_all(int fd, const void* buf, size_t n, std::chrono::steady_clock::time_point deadline);
+Status recv_all(int fd, void* buf, size_t n, std::chrono::steady_clock::time_point deadline);
+std::string errno_str(int err);
+std::chrono::steady_clock::time_point deadline_after(double seconds);
+
+}  // namespace pdkv::util
