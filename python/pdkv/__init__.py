@@ -1,3 +1,77 @@
-"""pdkv: KV-cache transfer for prefill/decode disaggregated LLM serving."""
+"""pdkv: KV-cache transfer for prefill/decode disaggregated LLM serving.
+
+Core objects (see each one's docstring):
+
+* :class:`Agent` — one endpoint per process: registers memory and KV layouts, meets
+  peers (``connect("host:port")`` or ``add_peer(metadata)``), and moves blocks with
+  asynchronous ``write``/``read`` that notify the peer once the bytes have landed.
+* :class:`KVGeometry`, :class:`KVLayout` — how a paged KV pool is laid out.
+* :mod:`pdkv.errors` — the exception hierarchy (every error is a :class:`PdkvError`).
+
+Importing pdkv needs neither torch, transformers, CUDA nor NIXL.
+"""
+
+from __future__ import annotations
+
+from .agent import Agent, Notification, PreparedTransfer, Region, TcpOptions, Transfer, XferState
+from .errors import (
+    AlreadyExists,
+    AuthFailed,
+    Cancelled,
+    InvalidArgument,
+    NotFound,
+    NotSupported,
+    OutOfRange,
+    PdkvError,
+    PeerConnectionError,
+    ProtocolError,
+    StalePeer,
+    TransferTimeout,
+    VersionMismatch,
+)
+from .layout import KVGeometry, KVLayout, plan_blocks, tensor_address
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Agent",
+    "AlreadyExists",
+    "AuthFailed",
+    "Cancelled",
+    "InvalidArgument",
+    "KVGeometry",
+    "KVLayout",
+    "NotFound",
+    "NotSupported",
+    "Notification",
+    "OutOfRange",
+    "PdkvError",
+    "PeerConnectionError",
+    "PreparedTransfer",
+    "ProtocolError",
+    "Region",
+    "StalePeer",
+    "TcpOptions",
+    "Transfer",
+    "TransferTimeout",
+    "VersionMismatch",
+    "XferState",
+    "available_transports",
+    "decode_metadata",
+    "plan_blocks",
+    "tensor_address",
+]
+
+
+def available_transports() -> list[str]:
+    """Transports compiled in and viable on this host (e.g. ``['tcp']``)."""
+    from . import _native
+
+    return _native.module().available_transports()
+
+
+def decode_metadata(blob: bytes) -> dict:
+    """Decodes an agent's metadata blob into a dict (for inspection and debugging)."""
+    from . import _native
+
+    return _native.module().decode_metadata(bytes(blob))

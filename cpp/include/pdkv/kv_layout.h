@@ -112,7 +112,9 @@ struct PlanOptions {
 };
 
 // Extents that move blocks `local_ids` of `local` to or from blocks `remote_ids` of
-// `remote`, in (layer, part, block) order, coalesced. Both layouts must be bound.
+// `remote`, in (layer, part, block) order, coalesced. Offsets are relative to each
+// segment's region; for an unbound layout the region is KVSegment::kUnbound and the
+// offset is the absolute address.
 // With identical geometry (and default options) each block maps to one block and
 // consecutive ids on both sides coalesce into one extent per (layer, part); otherwise
 // bytes are mapped token by token and head by head (different block sizes, NHD vs HND,

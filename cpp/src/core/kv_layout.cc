@@ -31,6 +31,11 @@ inline void push_extent(std::vector<Extent>& out, uint64_t lreg, uint64_t lo, ui
   out.push_back(Extent{lreg, lo, rreg, ro, len});
 }
 
+// Offset of block 0 within its region, or its address when the layout is unbound.
+inline uint64_t seg_base(const KVSegment& s) {
+  return s.region_id == KVSegment::kUnbound ? s.addr : s.region_offset;
+}
+
 }  // namespace
 
 uint64_t KVGeometry::block_half_bytes() const {
@@ -157,8 +162,6 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
                                         const PlanOptions& opts) {
   const KVGeometry& lg = local.geometry();
   const KVGeometry& rg = remote.geometry();
-  if (!local.bound()) return InvalidArgument("local layout is not bound to registered memory");
-  if (!remote.bound()) return InvalidArgument("remote layout is not bound to registered memory");
   if (lg.num_layers != rg.num_layers || lg.kv_parts != rg.kv_parts || lg.head_dim != rg.head_dim ||
       lg.dtype != rg.dtype)
     return InvalidArgument("layouts cannot exchange blocks: layers, parts, head_dim and dtype must match (local " +
@@ -187,9 +190,10 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
     for (size_t s = 0; s < ls.size(); ++s) {
       const KVSegment& L = ls[s];
       const KVSegment& R = rs[s];
+      const uint64_t lbase = seg_base(L), rbase = seg_base(R);
       for (size_t i = 0; i < lids.size(); ++i)
-        push_extent(out, L.region_id, L.region_offset + lids[i] * L.block_stride, R.region_id,
-                    R.region_offset + rids[i] * R.block_stride, half);
+        push_extent(out, L.region_id, lbase + lids[i] * L.block_stride, R.region_id, rbase + rids[i] * R.block_stride,
+                    half);
     }
     return out;
   }
@@ -220,12 +224,12 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
   for (size_t s = 0; s < ls.size(); ++s) {
     const KVSegment& L = ls[s];
     const KVSegment& R = rs[s];
+    const uint64_t lbase = seg_base(L), rbase = seg_base(R);
     auto emit = [&](uint64_t t, uint64_t h) {
       const uint64_t lb = lids[t / lg.block_tokens], ls_ = t % lg.block_tokens;
       const uint64_t rb = rids[t / rg.block_tokens], rs_ = t % rg.block_tokens;
-      push_extent(out, L.region_id, L.region_offset + lb * L.block_stride + in_block(lg, ls_, opts.local_head_offset + h),
-                  R.region_id, R.region_offset + rb * R.block_stride + in_block(rg, rs_, opts.remote_head_offset + h),
-                  row);
+      push_extent(out, L.region_id, lbase + lb * L.block_stride + in_block(lg, ls_, opts.local_head_offset + h),
+                  R.region_id, rbase + rb * R.block_stride + in_block(rg, rs_, opts.remote_head_offset + h), row);
     };
     if (head_major) {
       // Walk each block's head rows so contiguous [tokens, dim] runs merge.

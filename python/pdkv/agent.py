@@ -1,0 +1,574 @@
+"""The pdkv Agent: register memory and KV layouts, meet peers, move blocks.
+
+One Agent per process. Its native progress threads move the bytes; Python only
+sets transfers up. Every blocking call releases the GIL.
+
+Example
+-------
+Two agents in one process (the same calls work across processes and hosts; ship
+``metadata()`` however you like, or let the decode side ``connect("host:port")``):
+
+>>> import numpy as np, pdkv
+>>> geo = pdkv.KVGeometry(num_layers=2, num_blocks=16, block_tokens=16, kv_heads=2,
+...                       head_dim=64, dtype="float16")
+>>> with pdkv.Agent("prefill", secret="s") as p, pdkv.Agent("decode", secret="s") as d:
+...     pools = {a: np.zeros(geo.pool_bytes, np.uint8) for a in ("p", "d")}
+...     _ = p.register(pools["p"]); _ = d.register(pools["d"])
+...     p.add_layout("kv", pdkv.KVLayout.contiguous(geo, pools["p"]))
+...     d.add_layout("kv", pdkv.KVLayout.contiguous(geo, pools["d"]))
+...     pools["p"][:] = 7
+...     peer = p.connect(d.address)                 # fetch decode's metadata by address
+...     xfer = p.write(peer, "kv", [0, 1, 2], "kv", [5, 9, 3], notify=b"req-1")
+...     xfer.wait(5.0)
+...     [n.data for n in d.wait_notifications(5.0)]
+True
+[b'req-1']
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterable, Sequence
+
+from . import _native
+from .errors import InvalidArgument, PdkvError, error_class
+from .layout import KVLayout, tensor_address
+
+__all__ = ["Agent", "TcpOptions", "Region", "Transfer", "PreparedTransfer", "Notification", "XferState"]
+
+
+class XferState(enum.Enum):
+    """Lifecycle of a transfer."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+_STATE = {}
+
+
+def _state(native_state) -> XferState:
+    if not _STATE:
+        m = _native.module().XferState
+        _STATE.update({m.PENDING: XferState.PENDING, m.DONE: XferState.DONE, m.FAILED: XferState.FAILED,
+                       m.CANCELLED: XferState.CANCELLED})
+    return _STATE[native_state]
+
+
+@dataclass(frozen=True)
+class TcpOptions:
+    """Tuning of the tcp transport (defaults measured on 2-core loopback; see README).
+
+    Attributes
+    ----------
+    conns_per_peer : int
+        Parallel connections to each peer; batches are spread over them.
+    progress_threads : int
+        Native epoll threads; connections are spread over them.
+    spin_us : int
+        Progress threads poll this long after activity before sleeping (latency).
+    batch_bytes : int
+        Max payload bytes per wire batch (one ``sendmsg``).
+    batch_extents : int
+        Max extents per batch (bounded by IOV_MAX).
+    rcvlowat_bytes : int
+        Receiver ``SO_RCVLOWAT`` cap while a large payload arrives (0 disables).
+    connect_timeout_s : float
+        TCP connect plus handshake.
+    """
+
+    conns_per_peer: int = 1
+    progress_threads: int = 1
+    spin_us: int = 50
+    batch_bytes: int = 16 << 20
+    batch_extents: int = 1020
+    rcvlowat_bytes: int = 1 << 20
+    connect_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A notification from ``peer``, queued after every byte of its transfer landed."""
+
+    peer: str
+    data: bytes
+
+
+class Region:
+    """Memory registered with an agent. ``close()`` (or leaving a ``with`` block)
+    deregisters it, waiting for transfers that use it. Keeps the registered object
+    alive while registered."""
+
+    def __init__(self, agent: "Agent", desc: dict, obj: Any) -> None:
+        self._agent = agent
+        self._desc = desc
+        self._obj = obj
+        self._closed = False
+
+    id = property(lambda self: self._desc["id"], doc="Region id (unique in this agent, never reused).")
+    addr = property(lambda self: self._desc["addr"], doc="Start address.")
+    nbytes = property(lambda self: self._desc["len"], doc="Length in bytes.")
+    kind = property(lambda self: self._desc["kind"], doc="'host' or 'cuda'.")
+    device = property(lambda self: self._desc["device"], doc="CUDA ordinal, or -1 for host.")
+    remote_access = property(lambda self: self._desc["remote_access"], doc="Exported to peers.")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Deregisters; blocks until transfers using this region finish. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._agent._deregister(self)
+            self._obj = None
+
+    def __enter__(self) -> "Region":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Region(id={self.id}, addr=0x{self.addr:x}, nbytes={self.nbytes}, kind={self.kind!r})"
+
+
+class Transfer:
+    """A posted transfer. Completes asynchronously in native threads.
+
+    A ``wait`` timeout does not cancel it: keep the memory alive until
+    :attr:`done` (deregistration waits for it anyway).
+    """
+
+    __slots__ = ("_n",)
+
+    def __init__(self, native: Any) -> None:
+        self._n = native
+
+    id = property(lambda self: self._n.id)
+    peer = property(lambda self: self._n.peer, doc="Peer name.")
+    transport = property(lambda self: self._n.transport, doc="Transport carrying it ('tcp', ...).")
+    bytes_total = property(lambda self: self._n.bytes_total)
+    bytes_done = property(lambda self: self._n.bytes_done, doc="Bytes confirmed landed so far.")
+    elapsed = property(lambda self: self._n.elapsed_s, doc="Seconds from post to completion (0 while pending).")
+
+    @property
+    def state(self) -> XferState:
+        return _state(self._n.state)
+
+    @property
+    def done(self) -> bool:
+        """True once terminal (done, failed or cancelled)."""
+        return self.state is not XferState.PENDING
+
+    @property
+    def error(self) -> PdkvError | None:
+        """The failure as an exception (None while pending or when done)."""
+        info = self._n.error_info()
+        if info is None:
+            return None
+        return error_class(info[0])(info[1])
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until terminal or ``timeout`` seconds pass.
+
+        Returns
+        -------
+        bool
+            True when the transfer completed, False if still pending at the timeout.
+
+        Raises
+        ------
+        PdkvError
+            The transfer's error if it failed (:class:`~pdkv.errors.Cancelled` if cancelled).
+        """
+        state = _state(self._n.wait(-1.0 if timeout is None else float(timeout)))
+        if state is XferState.PENDING:
+            return False
+        if state is not XferState.DONE:
+            raise self.error  # type: ignore[misc]
+        return True
+
+    def cancel(self) -> None:
+        """Drops the parts not yet on the wire; the state becomes CANCELLED unless all
+        bytes were already sent (then it completes normally)."""
+        self._n.cancel()
+
+    async def wait_async(self, timeout: float | None = None) -> bool:
+        """``await``-able :meth:`wait` (runs the blocking wait in a thread)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.wait, timeout)
+
+    def __repr__(self) -> str:
+        return (f"Transfer(id={self.id}, peer={self.peer!r}, {self.state.value}, "
+                f"{self.bytes_done}/{self.bytes_total} bytes)")
+
+
+class PreparedTransfer:
+    """A transfer validated and laid out once (``Agent.prepare_*``); post it many times."""
+
+    __slots__ = ("_agent", "_n")
+
+    def __init__(self, agent: "Agent", native: Any) -> None:
+        self._agent = agent
+        self._n = native
+
+    peer = property(lambda self: self._n.peer)
+    transport = property(lambda self: self._n.transport)
+    nbytes = property(lambda self: self._n.bytes)
+    num_extents = property(lambda self: self._n.num_extents, doc="Extents after coalescing.")
+
+    def post(self, *, notify: bytes | str | None = None, timeout: float | None = None) -> Transfer:
+        """Starts the transfer; returns at once.
+
+        Parameters
+        ----------
+        notify : bytes or str, optional
+            Delivered to the peer after every byte of this transfer has landed.
+        timeout : float, optional
+            Seconds until the transfer fails with TransferTimeout (None: the agent's
+            default; 0: no limit).
+        """
+        return self._agent._post(self._n, notify, timeout)
+
+    def __repr__(self) -> str:
+        return (f"PreparedTransfer(peer={self.peer!r}, transport={self.transport!r}, "
+                f"{self.nbytes} bytes in {self.num_extents} extents)")
+
+
+class _Closed:
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        raise InvalidArgument(f"agent {self._name!r} is closed")
+
+
+def _as_bytes(v: bytes | str | None) -> bytes:
+    if v is None:
+        return b""
+    if isinstance(v, str):
+        return v.encode()
+    return bytes(v)
+
+
+class Agent:
+    """One pdkv endpoint per process.
+
+    Parameters
+    ----------
+    name : str
+        Unique among the agents that talk to each other (printable ASCII, no spaces).
+    secret : str or bytes, optional
+        Peers must present it to read or write this agent's memory. Defaults to the
+        ``PDKV_SECRET`` environment variable, else a random one (see :attr:`secret`).
+        By default this agent presents its own secret to peers, so a deployment that
+        shares one secret needs no per-peer configuration.
+    listen : str
+        ``"host:port"`` the tcp transport binds and publishes (port 0: any free port).
+        Use an address peers can reach (not 127.0.0.1) across hosts.
+    transports : sequence of str
+        Enabled transports in order of preference; see :func:`pdkv.available_transports`.
+    tcp : TcpOptions
+        TCP tuning.
+    default_timeout : float
+        Deadline of transfers posted without one (0: none).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        secret: str | bytes | None = None,
+        listen: str = "127.0.0.1:0",
+        transports: Sequence[str] = ("tcp",),
+        tcp: TcpOptions = TcpOptions(),
+        default_timeout: float = 60.0,
+        max_notif_bytes: int = 1 << 20,
+        wait_spin_us: int = 50,
+    ) -> None:
+        if secret is None:
+            secret = os.environ.get("PDKV_SECRET", "")
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"listen must be 'host:port', got {listen!r}")
+        host = host.strip("[]")
+        self._n = _native.module().Agent(
+            name, _as_bytes(secret).decode("latin-1"), list(transports), host, int(port),
+            tcp.conns_per_peer, tcp.progress_threads, tcp.spin_us, tcp.batch_bytes, tcp.batch_extents,
+            tcp.rcvlowat_bytes, tcp.connect_timeout_s, float(default_timeout), max_notif_bytes, wait_spin_us,
+        )
+        self._regions: dict[int, Region] = {}
+        self._layout_keep: dict[str, KVLayout] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def name(self) -> str:
+        return self._n.name
+
+    @property
+    def secret(self) -> bytes:
+        """The secret peers must present (give it to peers that do not share yours)."""
+        return self._n.secret
+
+    @property
+    def instance_id(self) -> int:
+        """Random per Agent object; peers use it to detect restarts."""
+        return self._n.instance_id
+
+    @property
+    def transports(self) -> list[str]:
+        return self._n.transports
+
+    @property
+    def address(self) -> str:
+        """The tcp endpoint ``host:port`` peers can ``connect()`` to."""
+        for t, a in self._n.endpoints:
+            if t == "tcp":
+                return a
+        raise InvalidArgument("this agent has no tcp endpoint")
+
+    # ------------------------------------------------------------------ memory
+    def register(self, obj: Any, *, remote_access: bool = True) -> Region:
+        """Registers the memory of ``obj``: a numpy array, a torch tensor (CPU or CUDA;
+        its whole storage extent), or any contiguous buffer-protocol object.
+
+        Overlapping an existing registration raises :class:`~pdkv.errors.AlreadyExists`:
+        register each pool once. ``remote_access=False`` keeps it local (a source for
+        writes and a destination for reads, invisible to peers).
+        """
+        addr, nbytes, kind, device = tensor_address(obj)
+        return self._register(addr, nbytes, kind, device, remote_access, obj)
+
+    def register_address(self, addr: int, nbytes: int, *, kind: str = "host", device: int = -1,
+                         remote_access: bool = True, keepalive: Any = None) -> Region:
+        """Registers raw memory ``[addr, addr + nbytes)``; the caller keeps it alive."""
+        return self._register(int(addr), int(nbytes), kind, device, remote_access, keepalive)
+
+    def _register(self, addr: int, nbytes: int, kind: str, device: int, remote: bool, obj: Any) -> Region:
+        m = _native.module()
+        if kind not in ("host", "cuda"):
+            raise InvalidArgument(f"kind must be 'host' or 'cuda', got {kind!r}")
+        mk = m.MemKind.HOST if kind == "host" else m.MemKind.CUDA
+        desc = self._n.register_memory(addr, nbytes, mk, device if kind == "cuda" else -1, remote)
+        region = Region(self, desc, obj)
+        with self._lock:
+            self._regions[region.id] = region
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Same as ``region.close()``."""
+        region.close()
+
+    def _deregister(self, region: Region) -> None:
+        self._n.deregister_memory(region.id)
+        with self._lock:
+            self._regions.pop(region.id, None)
+            for name in [n for n in self._layout_keep if n not in self._n.layout_names()]:
+                del self._layout_keep[name]
+
+    @property
+    def regions(self) -> list[Region]:
+        with self._lock:
+            return list(self._regions.values())
+
+    # ------------------------------------------------------------------ layouts
+    def add_layout(self, name: str, layout: KVLayout) -> None:
+        """Makes ``layout``'s blocks transferable under ``name`` and exports it to peers.
+        Every segment must lie inside one registered region."""
+        self._n.add_layout(name, layout.native)
+        with self._lock:
+            self._layout_keep[name] = layout
+
+    def remove_layout(self, name: str) -> None:
+        self._n.remove_layout(name)
+        with self._lock:
+            self._layout_keep.pop(name, None)
+
+    def layout(self, name: str) -> KVLayout:
+        return KVLayout(self._n.layout(name))
+
+    # ------------------------------------------------------------------ peers
+    def metadata(self) -> bytes:
+        """Versioned binary description of this agent (endpoints, exported regions,
+        layouts); give it to peers' :meth:`add_peer`. Contains no secret."""
+        return self._n.metadata()
+
+    def add_peer(self, metadata: bytes, *, secret: str | bytes | None = None, transport: str | None = None) -> str:
+        """Imports a peer's :meth:`metadata`; returns its name. Re-adding a name replaces
+        it. ``secret``: the peer's, if it differs from ours. ``transport`` forces one."""
+        return self._n.add_peer(bytes(metadata), _as_bytes(secret), transport or "")
+
+    def fetch_metadata(self, address: str, *, secret: str | bytes | None = None, timeout: float = 10.0) -> bytes:
+        """Fetches a peer's metadata from its tcp ``address`` (``"host:port"``)."""
+        return self._n.fetch_metadata(address, _as_bytes(secret), float(timeout))
+
+    def connect(self, address: str, *, secret: str | bytes | None = None, transport: str | None = None,
+                timeout: float = 10.0) -> str:
+        """Fetches the metadata of the agent at ``address`` and adds it; returns its name."""
+        md = self.fetch_metadata(address, secret=secret, timeout=timeout)
+        return self.add_peer(md, secret=secret, transport=transport)
+
+    def remove_peer(self, name: str) -> None:
+        """Forgets a peer; its in-flight transfers fail with PeerConnectionError."""
+        self._n.remove_peer(name)
+
+    @property
+    def peers(self) -> list[str]:
+        return self._n.peer_names()
+
+    def peer_transport(self, name: str) -> str:
+        """The transport that transfers to ``name`` use."""
+        return self._n.peer_transport(name)
+
+    def peer_info(self, name: str) -> dict:
+        """The peer's decoded metadata (name, endpoints, regions, layouts, ...)."""
+        return _native.module().decode_metadata(self._n.peer_metadata(name))
+
+    def warm_up(self, peer: str, timeout: float = 10.0) -> None:
+        """Opens the connections to ``peer`` now instead of on the first transfer."""
+        self._n.connect(peer, float(timeout))
+
+    # ------------------------------------------------------------------ transfers
+    def _op(self, op: str):
+        m = _native.module().OpKind
+        if op == "write":
+            return m.WRITE
+        if op == "read":
+            return m.READ
+        raise InvalidArgument(f"op must be 'write' or 'read', got {op!r}")
+
+    def prepare(
+        self,
+        op: str,
+        peer: str,
+        local_layout: str,
+        local_blocks: Iterable[int],
+        remote_layout: str | None = None,
+        remote_blocks: Iterable[int] | None = None,
+        *,
+        num_tokens: int = 0,
+        num_heads: int = 0,
+        local_head_offset: int = 0,
+        remote_head_offset: int = 0,
+        transport: str | None = None,
+    ) -> PreparedTransfer:
+        """Validates and lays out a block transfer once; ``.post()`` it many times.
+
+        Parameters
+        ----------
+        op : {"write", "read"}
+            ``"write"`` pushes local blocks into the peer's; ``"read"`` pulls the peer's
+            blocks into local ones.
+        peer : str
+            A name returned by :meth:`add_peer` / :meth:`connect`.
+        local_layout, remote_layout : str
+            Layout names (``remote_layout`` defaults to ``local_layout``).
+        local_blocks, remote_blocks : sequence of int
+            Block ids, position i of one mapped to position i of the other
+            (``remote_blocks`` defaults to ``local_blocks``). Numpy arrays are fine.
+        num_tokens, num_heads, local_head_offset, remote_head_offset : int
+            For layouts of different shape (block size, NHD/HND, TP head split).
+        """
+        lids = list(local_blocks) if not hasattr(local_blocks, "__array_interface__") else local_blocks
+        rids = lids if remote_blocks is None else (
+            list(remote_blocks) if not hasattr(remote_blocks, "__array_interface__") else remote_blocks)
+        native = self._n.prepare_blocks(peer, self._op(op), local_layout, lids, remote_layout or local_layout, rids,
+                                        num_tokens, num_heads, local_head_offset, remote_head_offset,
+                                        transport or "")
+        return PreparedTransfer(self, native)
+
+    def prepare_extents(self, op: str, peer: str, extents: Sequence[tuple[int, int, int, int, int]], *,
+                        transport: str | None = None) -> PreparedTransfer:
+        """Raw form: ``(local_region_id, local_offset, remote_region_id, remote_offset,
+        nbytes)`` tuples (remote ids from :meth:`peer_info`)."""
+        native = self._n.prepare_extents(peer, self._op(op), [tuple(map(int, e)) for e in extents], transport or "")
+        return PreparedTransfer(self, native)
+
+    def write(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
+              remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
+              timeout: float | None = None, **plan: Any) -> Transfer:
+        """Pushes local blocks into the peer's blocks; returns at once. See :meth:`prepare`
+        and :meth:`PreparedTransfer.post`."""
+        return self.prepare("write", peer, local_layout, local_blocks, remote_layout, remote_blocks,
+                            **plan).post(notify=notify, timeout=timeout)
+
+    def read(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
+             remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
+             timeout: float | None = None, **plan: Any) -> Transfer:
+        """Pulls the peer's blocks into local blocks; ``notify`` reaches the peer once
+        every byte has landed here."""
+        return self.prepare("read", peer, local_layout, local_blocks, remote_layout, remote_blocks,
+                            **plan).post(notify=notify, timeout=timeout)
+
+    def _post(self, native_prep: Any, notify: bytes | str | None, timeout: float | None) -> Transfer:
+        return Transfer(self._n.post(native_prep, _as_bytes(notify), -1.0 if timeout is None else float(timeout)))
+
+    def notify(self, peer: str, data: bytes | str, *, timeout: float | None = None) -> Transfer:
+        """Sends a notification alone (ordered after earlier transfers on the same connection)."""
+        return Transfer(self._n.send_notification(peer, _as_bytes(data), -1.0 if timeout is None else float(timeout)))
+
+    # ------------------------------------------------------------------ notifications
+    def get_notifications(self, max_count: int = 0) -> list[Notification]:
+        """Takes queued notifications without blocking (``max_count=0``: all)."""
+        return [Notification(p, d) for p, d in self._n.take_notifications(max_count)]
+
+    def wait_notifications(self, timeout: float | None = None, max_count: int = 0) -> list[Notification]:
+        """Blocks (without spinning) until at least one notification is queued or
+        ``timeout`` passes; returns them (possibly empty on timeout)."""
+        return [Notification(p, d)
+                for p, d in self._n.wait_notifications(-1.0 if timeout is None else float(timeout), max_count)]
+
+    @property
+    def notification_fd(self) -> int:
+        """An eventfd readable exactly while notifications are queued (for select/epoll)."""
+        return self._n.notification_fd
+
+    async def notifications(self) -> AsyncIterator[Notification]:
+        """Async iterator over incoming notifications (uses :attr:`notification_fd`)."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        loop.add_reader(self.notification_fd, ready.set)
+        try:
+            while True:
+                batch = self.get_notifications()
+                for n in batch:
+                    yield n
+                if not batch:
+                    # The fd is level-triggered: a notification that lands after the
+                    # take above makes the reader fire on the next loop iteration.
+                    ready.clear()
+                    await ready.wait()
+        finally:
+            loop.remove_reader(self.notification_fd)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Stops the transports (failing in-flight transfers) and frees the agent."""
+        if self._closed:
+            return
+        self._closed = True
+        name = self._n.name
+        n, self._n = self._n, _Closed(name)
+        del n
+        with self._lock:
+            self._regions.clear()
+            self._layout_keep.clear()
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return "Agent(closed)"
+        return f"Agent({self.name!r}, transports={self.transports}, address={self.address!r})"

@@ -1,0 +1,388 @@
+"""Paged KV-cache layouts: geometry, where each (layer, K/V) lives, block ids -> bytes.
+
+A KV pool has ``num_layers`` layers, each with a K and a V part (``kv_parts=2``) or a
+single latent part (``kv_parts=1``, MLA). Each (layer, part) holds ``num_blocks``
+blocks of ``block_tokens x kv_heads x head_dim`` elements, contiguous inside a block
+in ``"NHD"`` order ``[block_tokens, kv_heads, head_dim]`` or ``"HND"`` order
+``[kv_heads, block_tokens, head_dim]``. Consecutive blocks of one (layer, part) are
+``block_stride`` bytes apart, which covers:
+
+* per-layer K and V tensors ``[num_blocks, T, H, D]`` (vLLM, FlashInfer NHD),
+* K/V interleaved per block ``[num_blocks, 2, T, H, D]`` (pass ``t[:, 0]``, ``t[:, 1]``),
+* vLLM's ``[2, num_blocks, T, H, D]`` per layer (pass ``t[0]``, ``t[1]``),
+* one buffer holding every layer (:meth:`KVLayout.contiguous`).
+
+Example
+-------
+>>> import numpy as np, pdkv
+>>> geo = pdkv.KVGeometry(num_layers=2, num_blocks=8, block_tokens=16, kv_heads=2,
+...                       head_dim=64, dtype="float16")
+>>> pool = np.zeros(geo.pool_bytes, dtype=np.uint8)
+>>> layout = pdkv.KVLayout.contiguous(geo, pool)
+>>> layout.block_bytes
+4096
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from . import _native
+from .errors import InvalidArgument
+
+__all__ = ["KVGeometry", "KVLayout", "plan_blocks", "tensor_address"]
+
+_ORDERS = ("NHD", "HND")
+
+
+def _order_enum(order: str):
+    if order not in _ORDERS:
+        raise InvalidArgument(f"order must be 'NHD' or 'HND', got {order!r}")
+    m = _native.module()
+    return m.TokenOrder.NHD if order == "NHD" else m.TokenOrder.HND
+
+
+def _dtype_name(dtype: Any) -> str:
+    """Normalises numpy/torch/str dtypes to pdkv's names ('bfloat16', 'float16', ...)."""
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        name = str(dtype)
+        if name.startswith("torch."):
+            name = name[len("torch."):]
+        elif hasattr(dtype, "name"):  # numpy dtype
+            name = dtype.name
+    name = {"half": "float16", "float": "float32", "double": "float64", "bool": "uint8"}.get(name, name)
+    _native.module().dtype_size(name)  # raises InvalidArgument for unknown names
+    return _native.module().dtype_name(name)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Shape of a paged KV pool (no addresses).
+
+    Parameters
+    ----------
+    num_layers, num_blocks, block_tokens, kv_heads, head_dim : int
+        ``kv_heads`` is the number of KV heads this pool holds (after any TP split).
+    dtype : str
+        Element type: ``"bfloat16"``, ``"float16"``, ``"float32"``, ``"float8_e4m3fn"``, ...
+    kv_parts : int
+        2 for K and V, 1 for a single latent cache.
+    order : str
+        ``"NHD"`` or ``"HND"``: element order inside one block.
+    """
+
+    num_layers: int
+    num_blocks: int
+    block_tokens: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    kv_parts: int = 2
+    order: str = "NHD"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
+        self.native()  # validates
+
+    def native(self):
+        return _native.module().KVGeometry(
+            self.num_layers, self.num_blocks, self.block_tokens, self.kv_heads, self.head_dim,
+            self.dtype, self.kv_parts, _order_enum(self.order),
+        )
+
+    @property
+    def itemsize(self) -> int:
+        return _native.module().dtype_size(self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one (layer, part): ``block_tokens*kv_heads*head_dim*itemsize``."""
+        return self.block_tokens * self.kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies across all layers and parts."""
+        return self.num_layers * self.kv_parts * self.kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the whole pool: ``num_layers * kv_parts * num_blocks * block_bytes``."""
+        return self.num_layers * self.kv_parts * self.num_blocks * self.block_bytes
+
+    def with_blocks(self, num_blocks: int) -> "KVGeometry":
+        return KVGeometry(self.num_layers, num_blocks, self.block_tokens, self.kv_heads, self.head_dim,
+                          self.dtype, self.kv_parts, self.order)
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Any,
+        *,
+        num_blocks: int,
+        block_tokens: int = 16,
+        dtype: Any = None,
+        tp_size: int = 1,
+        order: str = "NHD",
+    ) -> "KVGeometry":
+        """Geometry of a Hugging Face causal LM's KV cache.
+
+        Parameters
+        ----------
+        config : transformers.PretrainedConfig or dict
+            Reads ``num_hidden_layers``, ``num_key_value_heads`` (falls back to
+            ``num_attention_heads``), ``head_dim`` (falls back to
+            ``hidden_size // num_attention_heads``) and ``torch_dtype``/``dtype``.
+        num_blocks, block_tokens : int
+            Pool size and page size.
+        dtype : optional
+            Overrides the config's dtype.
+        tp_size : int
+            Tensor-parallel degree: each rank holds ``kv_heads / tp_size`` heads.
+        """
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        text = get("text_config")
+        if text is not None and get("num_hidden_layers") is None:
+            return cls.from_hf_config(text, num_blocks=num_blocks, block_tokens=block_tokens, dtype=dtype,
+                                      tp_size=tp_size, order=order)
+        layers = get("num_hidden_layers")
+        heads = get("num_attention_heads")
+        if layers is None or heads is None:
+            raise InvalidArgument("config lacks num_hidden_layers / num_attention_heads")
+        kv_heads = get("num_key_value_heads") or heads
+        head_dim = get("head_dim") or get("hidden_size") // heads
+        if kv_heads % tp_size:
+            raise InvalidArgument(f"{kv_heads} kv heads do not split over tp_size={tp_size}")
+        if dtype is None:
+            dtype = get("torch_dtype") or get("dtype") or "float32"
+        return cls(int(layers), int(num_blocks), int(block_tokens), int(kv_heads) // tp_size, int(head_dim),
+                   _dtype_name(dtype), 2, order)
+
+
+def tensor_address(t: Any) -> tuple[int, int, str, int]:
+    """Returns ``(address, nbytes, kind, device)`` of a tensor-like object's memory.
+
+    Accepts numpy arrays (and any buffer-protocol object), torch tensors (CPU or CUDA,
+    without importing torch), and objects with ``__cuda_array_interface__``. The bytes
+    are those of the object's *extent*: for a strided view, from its first to one
+    past its last element.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(t, torch.Tensor):
+        if t.numel() == 0:
+            raise InvalidArgument("cannot use an empty tensor")
+        span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+        nbytes = span * t.element_size()
+        if t.device.type == "cuda":
+            return t.data_ptr(), nbytes, "cuda", t.device.index or 0
+        if t.device.type != "cpu":
+            raise InvalidArgument(f"tensors on {t.device} are not supported (cpu or cuda only)")
+        return t.data_ptr(), nbytes, "host", -1
+    cai = getattr(t, "__cuda_array_interface__", None)
+    if cai is not None:
+        raise InvalidArgument("objects with __cuda_array_interface__ need an explicit register_address(...)")
+    ai = getattr(t, "__array_interface__", None)
+    if ai is not None:
+        addr = ai["data"][0]
+        shape = ai["shape"]
+        itemsize = int(ai["typestr"][2:])
+        strides = ai.get("strides")
+        if strides is None:
+            n = 1
+            for s in shape:
+                n *= s
+            return addr, n * itemsize, "host", -1
+        span = 1 + sum((s - 1) * st // itemsize for s, st in zip(shape, strides))
+        return addr, span * itemsize, "host", -1
+    addr, nbytes, _readonly, contiguous = _native.module().buffer_info(t)
+    if not contiguous:
+        raise InvalidArgument("buffer is not contiguous")
+    return addr, nbytes, "host", -1
+
+
+def _strides_bytes(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, str]:
+    """(shape, strides in bytes, address, dtype name) of a numpy array or torch tensor."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(t, torch.Tensor):
+        es = t.element_size()
+        return tuple(t.shape), tuple(s * es for s in t.stride()), t.data_ptr(), _dtype_name(t.dtype)
+    ai = getattr(t, "__array_interface__", None)
+    if ai is None:
+        raise InvalidArgument(f"expected a numpy array or torch tensor, got {type(t).__name__}")
+    shape = tuple(ai["shape"])
+    itemsize = int(ai["typestr"][2:])
+    strides = ai.get("strides")
+    if strides is None:
+        strides, acc = [], itemsize
+        for s in reversed(shape):
+            strides.append(acc)
+            acc *= s
+        strides = tuple(reversed(strides))
+    return shape, tuple(strides), ai["data"][0], _dtype_name(t.dtype)
+
+
+class KVLayout:
+    """A KV pool's geometry plus where each (layer, part) lives.
+
+    Build with :meth:`from_tensors`, :meth:`contiguous` or :meth:`from_segments`;
+    register the memory with an :class:`~pdkv.Agent`, then ``agent.add_layout(name,
+    layout)`` to make its blocks transferable and visible to peers.
+    """
+
+    def __init__(self, native: Any, *, keepalive: Any = None) -> None:
+        self._n = native
+        self._keepalive = keepalive
+
+    @property
+    def native(self):
+        return self._n
+
+    @property
+    def geometry(self) -> KVGeometry:
+        g = self._n.geometry
+        return KVGeometry(g.num_layers, g.num_blocks, g.block_tokens, g.kv_heads, g.head_dim, g.dtype,
+                          g.kv_parts, "NHD" if g.order == _native.module().TokenOrder.NHD else "HND")
+
+    @property
+    def block_bytes(self) -> int:
+        return self._n.geometry.block_half_bytes
+
+    @property
+    def segments(self) -> list[dict]:
+        """One dict per (layer, part): ``addr``, ``block_stride``, ``region_id``, ``region_offset``."""
+        return self._n.segments
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``(lowest address, one past the highest)`` that any block touches."""
+        return self._n.min_addr, self._n.end_addr
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        return (f"KVLayout(layers={g.num_layers}, blocks={g.num_blocks}, block_tokens={g.block_tokens}, "
+                f"kv_heads={g.kv_heads}, head_dim={g.head_dim}, dtype={g.dtype}, parts={g.kv_parts}, "
+                f"order={g.order})")
+
+    @classmethod
+    def from_segments(cls, geometry: KVGeometry, segments: Sequence[tuple[int, int]]) -> "KVLayout":
+        """General form: ``segments[layer * kv_parts + part] = (address of block 0, block stride)``."""
+        return cls(_native.module().KVLayout.make(geometry.native(), [(int(a), int(s)) for a, s in segments]))
+
+    @classmethod
+    def contiguous(cls, geometry: KVGeometry, base: Any, *, interleaved: bool = False) -> "KVLayout":
+        """One buffer holding the whole pool.
+
+        Parameters
+        ----------
+        base : int or array/tensor
+            Address of the buffer, or an object whose memory is used (kept alive).
+            It must hold at least ``geometry.pool_bytes`` bytes.
+        interleaved : bool
+            ``False``: ``[layers, parts, num_blocks, <block>]``;
+            ``True``: ``[layers, num_blocks, parts, <block>]`` (K/V interleaved per block).
+        """
+        keep = None
+        if isinstance(base, int):
+            addr = base
+        else:
+            addr, nbytes, _kind, _dev = tensor_address(base)
+            if nbytes < geometry.pool_bytes:
+                raise InvalidArgument(f"buffer holds {nbytes} bytes, the pool needs {geometry.pool_bytes}")
+            keep = base
+        return cls(_native.module().KVLayout.contiguous(geometry.native(), addr, interleaved), keepalive=keep)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        k_caches: Sequence[Any],
+        v_caches: Sequence[Any] | None = None,
+        *,
+        order: str = "NHD",
+        dtype: Any = None,
+    ) -> "KVLayout":
+        """Layout of per-layer K and V cache tensors (numpy arrays or torch tensors).
+
+        Parameters
+        ----------
+        k_caches, v_caches : sequence of arrays, one per layer
+            Each ``[num_blocks, block_tokens, kv_heads, head_dim]`` for ``order="NHD"``
+            or ``[num_blocks, kv_heads, block_tokens, head_dim]`` for ``"HND"``; the
+            last three dimensions must be contiguous, the block dimension may be strided
+            (views such as ``t[:, 0]`` of a ``[num_blocks, 2, T, H, D]`` tensor work).
+            ``v_caches=None`` describes a single latent cache (``kv_parts=1``).
+        dtype : optional
+            Overrides the element type read from the tensors (e.g. when bf16 data is
+            held in a uint16 numpy array).
+        """
+        k_caches = list(k_caches)
+        v_caches = None if v_caches is None else list(v_caches)
+        if not k_caches:
+            raise InvalidArgument("need at least one layer")
+        if v_caches is not None and len(v_caches) != len(k_caches):
+            raise InvalidArgument(f"{len(k_caches)} K caches but {len(v_caches)} V caches")
+        parts = [k_caches] if v_caches is None else [k_caches, v_caches]
+        geo = None
+        segs: list[tuple[int, int]] = []
+        for layer in range(len(k_caches)):
+            for p, lst in enumerate(parts):
+                shape, strides, addr, dt = _strides_bytes(lst[layer])
+                if len(shape) != 4:
+                    raise InvalidArgument(
+                        f"layer {layer} {'KV'[p] if len(parts) == 2 else ''} cache has shape {shape}; "
+                        f"expected [num_blocks, {'block_tokens, kv_heads' if order == 'NHD' else 'kv_heads, block_tokens'}, head_dim]")
+                itemsize = _native.module().dtype_size(dt)
+                if dtype is not None:
+                    dt = _dtype_name(dtype)
+                    if _native.module().dtype_size(dt) != itemsize:
+                        raise InvalidArgument(f"dtype {dt} does not match the tensors' element size {itemsize}")
+                nb, a, b, d = shape
+                if strides[3] != itemsize or strides[2] != d * itemsize or strides[1] != b * d * itemsize:
+                    raise InvalidArgument(f"layer {layer}: the block's inner dimensions must be contiguous "
+                                          f"(strides {strides})")
+                t, h = (a, b) if order == "NHD" else (b, a)
+                g = KVGeometry(len(k_caches), nb, t, h, d, dt, len(parts), order)
+                if geo is None:
+                    geo = g
+                elif g != geo:
+                    raise InvalidArgument(f"layer {layer} has geometry {g}, layer 0 has {geo}")
+                segs.append((addr, strides[0] if nb > 1 else g.block_bytes))
+        assert geo is not None
+        return cls(_native.module().KVLayout.make(geo.native(), segs), keepalive=(k_caches, v_caches))
+
+    def block_extents(self, block_ids: Iterable[int]) -> list[tuple[int, int]]:
+        """Absolute ``(address, nbytes)`` ranges holding ``block_ids``, in (layer, part,
+        block) order, consecutive ids coalesced."""
+        ids = list(block_ids)
+        return [(lo, n) for (_lr, lo, _rr, _ro, n) in _native.module().plan_blocks(self._n, ids, self._n, ids)]
+
+
+def plan_blocks(
+    local: KVLayout,
+    local_ids: Iterable[int],
+    remote: KVLayout,
+    remote_ids: Iterable[int],
+    *,
+    num_tokens: int = 0,
+    num_heads: int = 0,
+    local_head_offset: int = 0,
+    remote_head_offset: int = 0,
+) -> list[tuple[int, int, int, int, int]]:
+    """Byte extents that move ``local_ids`` of ``local`` to/from ``remote_ids`` of ``remote``.
+
+    Returns ``(local_region, local_offset, remote_region, remote_offset, nbytes)`` tuples;
+    for layouts not yet added to an agent the region is ``2**64-1`` and the offset is
+    the absolute address. With equal geometry each block maps to one block and
+    consecutive ids coalesce; otherwise bytes are mapped per token and head (different
+    block sizes, NHD vs HND, head subsets for tensor-parallel splits).
+    """
+    return _native.module().plan_blocks(local.native, _ids(local_ids), remote.native, _ids(remote_ids),
+                                        num_tokens, num_heads, local_head_offset, remote_head_offset)
+
+
+def _ids(ids: Iterable[int]) -> Any:
+    if hasattr(ids, "__array_interface__") or hasattr(ids, "__len__"):
+        return ids
+    return list(ids)
