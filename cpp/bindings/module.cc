@@ -106,7 +106,10 @@ PYBIND11_MODULE(_pdkv, m) {
       py::gil_scoped_acquire gil;
       py::object mod = py::module_::import("pdkv.errors");
       py::object cls = mod.attr("error_class")(std::string(status_code_name(e.st.code())));
-      py::object exc = cls(e.st.message());
+      // Messages may echo bytes a peer sent: never fail on invalid UTF-8.
+      const std::string& m = e.st.message();
+      py::object msg = py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(m.data(), py::ssize_t(m.size()), "replace"));
+      py::object exc = cls(msg);
       PyErr_SetObject(cls.ptr(), exc.ptr());
     }
   });

@@ -203,12 +203,12 @@ def tensor_address(t: Any) -> tuple[int, int, str, int]:
     return addr, nbytes, "host", -1
 
 
-def _strides_bytes(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, str]:
-    """(shape, strides in bytes, address, dtype name) of a numpy array or torch tensor."""
+def _strides_bytes(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, Any, int]:
+    """(shape, strides in bytes, address, dtype, itemsize) of a numpy array or torch tensor."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(t, torch.Tensor):
         es = t.element_size()
-        return tuple(t.shape), tuple(s * es for s in t.stride()), t.data_ptr(), _dtype_name(t.dtype)
+        return tuple(t.shape), tuple(s * es for s in t.stride()), t.data_ptr(), t.dtype, es
     ai = getattr(t, "__array_interface__", None)
     if ai is None:
         raise InvalidArgument(f"expected a numpy array or torch tensor, got {type(t).__name__}")
@@ -221,7 +221,7 @@ def _strides_bytes(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, str]:
             strides.append(acc)
             acc *= s
         strides = tuple(reversed(strides))
-    return shape, tuple(strides), ai["data"][0], _dtype_name(t.dtype)
+    return shape, tuple(strides), ai["data"][0], t.dtype, itemsize
 
 
 class KVLayout:
@@ -328,14 +328,13 @@ class KVLayout:
         segs: list[tuple[int, int]] = []
         for layer in range(len(k_caches)):
             for p, lst in enumerate(parts):
-                shape, strides, addr, dt = _strides_bytes(lst[layer])
+                shape, strides, addr, raw_dtype, itemsize = _strides_bytes(lst[layer])
                 if len(shape) != 4:
                     raise InvalidArgument(
                         f"layer {layer} {'KV'[p] if len(parts) == 2 else ''} cache has shape {shape}; "
                         f"expected [num_blocks, {'block_tokens, kv_heads' if order == 'NHD' else 'kv_heads, block_tokens'}, head_dim]")
-                itemsize = _native.module().dtype_size(dt)
+                dt = _dtype_name(raw_dtype if dtype is None else dtype)
                 if dtype is not None:
-                    dt = _dtype_name(dtype)
                     if _native.module().dtype_size(dt) != itemsize:
                         raise InvalidArgument(f"dtype {dt} does not match the tensors' element size {itemsize}")
                 nb, a, b, d = shape

@@ -36,9 +36,19 @@ Status validate_name(std::string_view what, std::string_view name) {
   if (name.empty() || name.size() > 128)
     return InvalidArgument(std::string(what) + " must be 1 to 128 characters, got " + std::to_string(name.size()));
   for (char c : name)
-    if (c <= ' ' || c > '~')
-      return InvalidArgument(std::string(what) + " '" + std::string(name) +
-                             "' may contain only printable ASCII without spaces");
+    if (c <= ' ' || c > '~') {
+      std::string shown;
+      for (char d : name) {
+        if (d > ' ' && d <= '~') {
+          shown += d;
+        } else {
+          char esc[8];
+          snprintf(esc, sizeof esc, "\\x%02x", static_cast<unsigned char>(d));
+          shown += esc;
+        }
+      }
+      return InvalidArgument(std::string(what) + " '" + shown + "' may contain only printable ASCII without spaces");
+    }
   return Status::Ok();
 }
 

@@ -1,0 +1,132 @@
+"""Shared fixtures: peer processes, agents, and automatic skips for hardware markers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+SECRET = "test-secret"
+
+
+def _has_cuda() -> bool:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = None if _has_cuda() else pytest.mark.skip(reason="needs an NVIDIA GPU and driver (libcuda.so.1)")
+    skip_nixl = None if importlib.util.find_spec("nixl") else pytest.mark.skip(
+        reason="needs NIXL: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1")
+    for item in items:
+        if skip_cuda and "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
+        if skip_nixl and "nixl" in item.keywords:
+            item.add_marker(skip_nixl)
+
+
+class PeerProc:
+    """A pdkv agent in another process (tests/peer_proc.py), driven by JSON lines."""
+
+    def __init__(self, name: str, spec, seed: int | None, *, secret: str = SECRET, listen: str = "127.0.0.1:0",
+                 tcp: dict | None = None, prefix: list[str] | None = None) -> None:
+        cmd = (prefix or []) + [sys.executable, os.path.join(HERE, "peer_proc.py"), "--name", name, "--secret", secret,
+                                "--spec", json.dumps(spec.to_dict()), "--listen", listen, "--tcp", json.dumps(tcp or {})]
+        if seed is not None:
+            cmd += ["--seed", str(seed)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        hello = self._read(60)
+        self.address = hello["address"]
+        self.pid = hello["pid"]
+        self.name = name
+
+    def _read(self, timeout: float) -> dict:
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not r:
+            raise TimeoutError("peer process did not answer")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"peer process exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def call(self, timeout: float = 60, **req) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.resume()
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def spawn_peer():
+    procs: list[PeerProc] = []
+
+    def start(name, spec, seed=None, **kw) -> PeerProc:
+        p = PeerProc(name, spec, seed, **kw)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()
+
+
+@pytest.fixture
+def agent_pair():
+    """Two connected agents in this process: (initiator, target, peer name of target)."""
+    import pdkv
+
+    a = pdkv.Agent("initiator", secret=SECRET)
+    b = pdkv.Agent("target", secret=SECRET)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def wait_until(pred, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()

@@ -1,0 +1,92 @@
+"""Test helpers: KV pools of several layouts and dtypes, filled deterministically,
+and their logical (layer, part, token, head, dim) view for bit-exact comparison.
+
+Used in-process and by ``peer_proc.py`` (the other side of two-process tests), so
+both sides can generate and check the same bytes from a seed without shipping them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+import pdkv
+
+# numpy has no bfloat16/fp8: hold their bits in same-sized integer arrays.
+NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float8_e4m3fn": np.uint8}
+
+STYLES = ("nhd", "hnd", "interleaved", "vllm")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    layers: int = 2
+    blocks: int = 16
+    block_tokens: int = 4
+    heads: int = 2
+    head_dim: int = 8
+    dtype: str = "float16"
+    style: str = "nhd"
+
+    @property
+    def order(self) -> str:
+        return "HND" if self.style == "hnd" else "NHD"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Pool:
+    """Numpy arrays laid out per ``spec.style`` plus the matching KVLayout."""
+
+    def __init__(self, spec: PoolSpec, seed: int | None = None) -> None:
+        self.spec = spec
+        L, B, T, H, D = spec.layers, spec.blocks, spec.block_tokens, spec.heads, spec.head_dim
+        dt = NP_DTYPE[spec.dtype]
+        if spec.style in ("nhd", "hnd"):
+            shape = (B, T, H, D) if spec.style == "nhd" else (B, H, T, D)
+            self.arrays = [np.zeros(shape, dt) for _ in range(2 * L)]
+            self.k = self.arrays[0::2]
+            self.v = self.arrays[1::2]
+        elif spec.style == "interleaved":
+            self.arrays = [np.zeros((L, B, 2, T, H, D), dt)]
+            self.k = [self.arrays[0][l, :, 0] for l in range(L)]
+            self.v = [self.arrays[0][l, :, 1] for l in range(L)]
+        elif spec.style == "vllm":
+            self.arrays = [np.zeros((2, B, T, H, D), dt) for _ in range(L)]
+            self.k = [a[0] for a in self.arrays]
+            self.v = [a[1] for a in self.arrays]
+        else:
+            raise ValueError(spec.style)
+        self.layout = pdkv.KVLayout.from_tensors(self.k, self.v, order=spec.order, dtype=spec.dtype)
+        if seed is not None:
+            self.fill(seed)
+
+    def fill(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for a in self.arrays:
+            a.view(np.uint8)[...] = rng.integers(0, 256, size=a.nbytes, dtype=np.uint8).reshape(a.view(np.uint8).shape)
+
+    def register(self, agent: pdkv.Agent, name: str = "kv") -> None:
+        for a in self.arrays:
+            agent.register(a)
+        agent.add_layout(name, self.layout)
+
+    def logical(self, block_ids) -> np.ndarray:
+        """Bytes of ``block_ids`` as ``[layers, 2, len(ids) * T, H, D * itemsize]`` uint8."""
+        out = []
+        for l in range(self.spec.layers):
+            parts = []
+            for cache in (self.k[l], self.v[l]):
+                x = cache[np.asarray(block_ids, dtype=np.int64)]
+                if self.spec.style == "hnd":
+                    x = x.transpose(0, 2, 1, 3)
+                n, T, H, D = x.shape
+                parts.append(np.ascontiguousarray(x).view(np.uint8).reshape(n * T, H, -1))
+            out.append(np.stack(parts))
+        return np.stack(out)
+
+    def digest(self, block_ids) -> str:
+        return hashlib.sha256(self.logical(block_ids).tobytes()).hexdigest()

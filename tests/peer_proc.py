@@ -1,0 +1,87 @@
+"""The other side of two-process tests: a pdkv agent driven by JSON lines on stdin.
+
+Start: ``python peer_proc.py --name N --secret S --spec JSON --seed K [--listen H:P]``;
+it prints ``{"address": ..., "pid": ...}`` and then answers one JSON line per command:
+
+* ``{"cmd": "digest", "blocks": [...]}`` -> ``{"digest": sha256 of the blocks' logical bytes}``
+* ``{"cmd": "logical", "blocks": [...]}`` -> ``{"data": base64}``
+* ``{"cmd": "expect", "items": [{"notif", "blocks", "digest"}], "timeout": s}``: for
+  each notification as it arrives, checks *at once* that its blocks already hold the
+  expected bytes -> ``{"results": [{"notif", "ok"}], "missing": [...]}``
+* ``{"cmd": "xfer", "op": "write"|"read", "address": ..., "lblocks", "rblocks", "notify"}``:
+  acts as initiator against another agent -> ``{"ok": bool, "error": str|null}``
+* ``{"cmd": "exit"}``
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pdkv  # noqa: E402
+from kvpools import Pool, PoolSpec  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--secret", required=True)
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--listen", default="127.0.0.1:0")
+    ap.add_argument("--tcp", default="{}")
+    args = ap.parse_args()
+    spec = PoolSpec(**json.loads(args.spec))
+    agent = pdkv.Agent(args.name, secret=args.secret, listen=args.listen, tcp=pdkv.TcpOptions(**json.loads(args.tcp)))
+    pool = Pool(spec, args.seed)
+    pool.register(agent)
+
+    def out(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    out({"address": agent.address, "pid": os.getpid()})
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req["cmd"]
+        if cmd == "exit":
+            break
+        if cmd == "digest":
+            out({"digest": pool.digest(req["blocks"])})
+        elif cmd == "logical":
+            out({"data": base64.b64encode(pool.logical(req["blocks"]).tobytes()).decode()})
+        elif cmd == "expect":
+            want = {it["notif"]: it for it in req["items"]}
+            results = []
+            import time
+
+            deadline = time.monotonic() + req.get("timeout", 30)
+            while want and time.monotonic() < deadline:
+                for n in agent.wait_notifications(timeout=max(0.0, deadline - time.monotonic())):
+                    key = n.data.decode()
+                    it = want.pop(key, None)
+                    if it is not None:
+                        results.append({"notif": key, "ok": pool.digest(it["blocks"]) == it["digest"],
+                                        "peer": n.peer})
+            out({"results": results, "missing": sorted(want)})
+        elif cmd == "xfer":
+            try:
+                peer = agent.connect(req["address"])
+                x = (agent.write if req["op"] == "write" else agent.read)(
+                    peer, "kv", req["lblocks"], "kv", req["rblocks"], notify=req.get("notify"), timeout=30)
+                x.wait(30)
+                out({"ok": True, "error": None, "transport": x.transport})
+            except pdkv.PdkvError as e:
+                out({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        else:
+            out({"error": f"unknown command {cmd}"})
+    agent.close()
+
+
+if __name__ == "__main__":
+    main()
