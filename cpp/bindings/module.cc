@@ -277,8 +277,8 @@ PYBIND11_MODULE(_pdkv, m) {
       .def(py::init([](const std::string& name, const std::string& secret, const std::vector<std::string>& transports,
                        const std::string& listen_host, uint16_t listen_port, uint32_t conns_per_peer,
                        uint32_t progress_threads, uint32_t spin_us, uint64_t batch_bytes, uint32_t batch_extents,
-                       uint32_t rcvlowat_bytes, double connect_timeout_s, double default_timeout_s,
-                       uint32_t max_notif_bytes, uint32_t wait_spin_us) {
+                       uint32_t rcvlowat_bytes, double connect_timeout_s, double handshake_timeout_s,
+                       double default_timeout_s, uint32_t max_notif_bytes, uint32_t wait_spin_us) {
              AgentConfig c;
              c.name = name;
              c.secret = secret;
@@ -292,6 +292,7 @@ PYBIND11_MODULE(_pdkv, m) {
              c.tcp.batch_extents = batch_extents;
              c.tcp.rcvlowat_bytes = rcvlowat_bytes;
              c.tcp.connect_timeout_s = connect_timeout_s;
+             c.tcp.handshake_timeout_s = handshake_timeout_s;
              c.default_timeout_s = default_timeout_s;
              c.max_notif_bytes = max_notif_bytes;
              c.wait_spin_us = wait_spin_us;
@@ -310,7 +311,7 @@ PYBIND11_MODULE(_pdkv, m) {
            py::arg("name"), py::arg("secret"), py::arg("transports"), py::arg("listen_host"), py::arg("listen_port"),
            py::arg("conns_per_peer"), py::arg("progress_threads"), py::arg("spin_us"), py::arg("batch_bytes"),
            py::arg("batch_extents"), py::arg("rcvlowat_bytes"), py::arg("connect_timeout_s"),
-           py::arg("default_timeout_s"), py::arg("max_notif_bytes"), py::arg("wait_spin_us"))
+           py::arg("handshake_timeout_s"), py::arg("default_timeout_s"), py::arg("max_notif_bytes"), py::arg("wait_spin_us"))
       .def_property_readonly("name", &Agent::name)
       .def_property_readonly("secret", [](const Agent& a) { return to_bytes(a.secret()); })
       .def_property_readonly("instance_id", &Agent::instance_id)

@@ -81,6 +81,8 @@ class TcpOptions:
         Receiver ``SO_RCVLOWAT`` cap while a large payload arrives (0 disables).
     connect_timeout_s : float
         TCP connect plus handshake.
+    handshake_timeout_s : float
+        Inbound connections that do not authenticate within this are closed.
     """
 
     conns_per_peer: int = 1
@@ -90,6 +92,7 @@ class TcpOptions:
     batch_extents: int = 1020
     rcvlowat_bytes: int = 1 << 20
     connect_timeout_s: float = 5.0
+    handshake_timeout_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -301,7 +304,7 @@ class Agent:
         self._n = _native.module().Agent(
             name, _as_bytes(secret).decode("latin-1"), list(transports), host, int(port),
             tcp.conns_per_peer, tcp.progress_threads, tcp.spin_us, tcp.batch_bytes, tcp.batch_extents,
-            tcp.rcvlowat_bytes, tcp.connect_timeout_s, float(default_timeout), max_notif_bytes, wait_spin_us,
+            tcp.rcvlowat_bytes, tcp.connect_timeout_s, tcp.handshake_timeout_s, float(default_timeout), max_notif_bytes, wait_spin_us,
         )
         self._regions: dict[int, Region] = {}
         self._layout_keep: dict[str, KVLayout] = {}

@@ -586,7 +586,12 @@ void ProgressThread::scan_deadlines() {
       drain(c);
       continue;
     }
-    t_->kill(c, st, culprits[ci++]);
+    const uint64_t culprit = culprits[ci++];
+    if (!c->authed && !c->outbound) {
+      fail_conn(c, st);  // tell the silent client why it is dropped
+    } else {
+      t_->kill(c, st, culprit);
+    }
   }
 }
 
