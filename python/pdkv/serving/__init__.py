@@ -1,0 +1,76 @@
+"""Reference serving for pdkv: a paged-KV, continuous-batching engine for Hugging Face
+causal LMs whose KV pool pdkv can ship between prefill and decode workers.
+
+Needs ``torch`` and ``transformers`` (``pip install pdkv[serve]``). Importing
+``pdkv.serving`` itself does not import them; the names below are loaded on first
+access, so ``import pdkv`` and ``import pdkv.serving`` work without torch.
+
+Modules
+-------
+:mod:`pdkv.serving.engine`
+    :class:`Engine`, :class:`EngineConfig`, scheduling modes, request handles and
+    token events, plus the hooks disaggregation uses.
+:mod:`pdkv.serving.kv_pool`
+    :class:`PagedKVPool` (per-layer NHD K/V caches in one registrable tensor) and
+    :class:`BlockAllocator`.
+:mod:`pdkv.serving.attention`
+    The paged attention function registered with transformers' ``AttentionInterface``.
+:mod:`pdkv.serving.sampling`
+    :class:`SamplingParams` and token selection.
+:mod:`pdkv.serving.models`
+    :func:`load_model`, the default demo model (:func:`default_model_dir`).
+
+Example
+-------
+>>> from pdkv.serving import Engine, EngineConfig, SamplingParams, load_model  # doctest: +SKIP
+>>> model = load_model(model_dir, dtype="float32")                            # doctest: +SKIP
+>>> engine = Engine(model, EngineConfig(num_blocks=512, mode="chunked"))     # doctest: +SKIP
+>>> engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8))               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Engine": "engine",
+    "EngineConfig": "engine",
+    "FinishReason": "engine",
+    "RequestHandle": "engine",
+    "SchedulingMode": "engine",
+    "StepStats": "engine",
+    "TokenEvent": "engine",
+    "BlockAllocator": "kv_pool",
+    "PagedKVPool": "kv_pool",
+    "PAGED_ATTENTION": "attention",
+    "PagedBatch": "attention",
+    "SeqSpan": "attention",
+    "paged_attention_forward": "attention",
+    "register_paged_attention": "attention",
+    "SamplingParams": "sampling",
+    "sample_tokens": "sampling",
+    "DEFAULT_MODEL": "models",
+    "cache_dir": "models",
+    "convert_gguf": "models",
+    "default_model_dir": "models",
+    "load_model": "models",
+    "load_tokenizer": "models",
+    "pin_threads": "models",
+    "smollm2_gguf_path": "models",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pdkv.serving' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
