@@ -1,0 +1,331 @@
+"""``pdkv bench serve --url``: sweep request rates against one OpenAI-compatible server.
+
+Example (every flag is optional except ``--url``)::
+
+    pdkv bench serve --url http://127.0.0.1:8000 --preset mixed --rates 0.5,1,2 \\
+        --duration 60 --out bench/results/serve-x
+
+For each rate it generates the preset's trace at that rate (same seed, so the same
+requests, only closer together: see :mod:`pdkv.bench.serve_trace`), replays it with
+:func:`~pdkv.bench.serve_client.run_trace`, waits for every answer, and then writes
+``results.json``, ``report.md``, ``itl_cdf.png``, ``rate_sweep.png`` and the traces it
+used (``traces/rate-<r>.jsonl``) into ``--out``, and prints the table and the
+recommendation.
+
+Drivers that launch serving modes themselves (the multi-mode ``pdkv bench serve``)
+call :func:`run_sweep` once per mode, concatenate the :class:`RunResult` lists into one
+:class:`~pdkv.bench.serve_metrics.BenchResults`, and call
+:func:`~pdkv.bench.serve_report.write_report`. :func:`add_arguments` and
+:func:`run_from_args` let a parent CLI reuse this parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import math
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .serve_client import ServerUnavailable, fetch_model, normalize_base_url, run_trace, wait_until_ready
+from .serve_metrics import SLO, BenchResults, RunResult
+from .serve_report import markdown_table, recommend, write_report
+from .serve_trace import (
+    PRESETS,
+    Trace,
+    TraceSpec,
+    get_preset,
+    load_trace,
+    parse_arrival,
+    parse_length_dist,
+    saturation_rate,
+    save_trace,
+    utilisation,
+)
+
+__all__ = ["add_arguments", "build_traces", "main", "run_from_args", "run_sweep", "warmup"]
+
+
+async def warmup(url: str, *, model: str, requests: int = 2, prompt_len: int = 16, output_len: int = 4, **client_kwargs: Any) -> None:
+    """Send a few small requests one after the other and discard them.
+
+    First requests often pay one-off costs (lazy initialisation, allocator growth,
+    connection set-up) that do not belong in the measurement.
+
+    Parameters
+    ----------
+    url : str
+        Server base URL.
+    model : str
+        Model name.
+    requests : int
+        How many.
+    prompt_len, output_len : int
+        Their size in tokens.
+    **client_kwargs
+        Passed to :func:`~pdkv.bench.serve_client.run_trace` (endpoint, prompt kind...).
+    """
+    from .serve_trace import TraceRequest
+
+    for i in range(requests):
+        await run_trace(url, [TraceRequest(i, 0.0, prompt_len, output_len)], model=model, **client_kwargs)
+
+
+async def run_sweep(
+    url: str,
+    traces: Sequence[Tuple[float, Trace]],
+    *,
+    mode: str = "url",
+    pd_ratio: Optional[str] = None,
+    config: Optional[Dict[str, Any]] = None,
+    cooldown_s: float = 1.0,
+    progress: bool = True,
+    **client_kwargs: Any,
+) -> List[RunResult]:
+    """Replay one trace per rate against ``url``, one rate after the other.
+
+    Parameters
+    ----------
+    url : str
+        Server base URL.
+    traces : sequence of (float, Trace)
+        ``(rate, trace)`` pairs, run in the given order.
+    mode : str
+        Label of the deployment (``"colocated"``, ``"disagg"``, ``"url"``...).
+    pd_ratio : str, optional
+        Prefill:decode ratio label for disaggregated deployments (``"1:1"``).
+    config : dict, optional
+        Details of the deployment stored with each run.
+    cooldown_s : float
+        Pause between rates, so one rate's tail does not bleed into the next.
+    progress : bool
+        Progress line on stderr.
+    **client_kwargs
+        Passed to :func:`~pdkv.bench.serve_client.run_trace` (``model``,
+        ``concurrency``, ``endpoint``, ...).
+
+    Returns
+    -------
+    list of RunResult
+        One per rate, in order.
+    """
+    runs: List[RunResult] = []
+    for i, (rate, trace) in enumerate(traces):
+        if i and cooldown_s > 0:
+            await asyncio.sleep(cooldown_s)
+        label = f"{mode}{' ' + pd_ratio if pd_ratio else ''} @ {rate:g} req/s"
+        records = await run_trace(url, trace, progress=progress, label=label, **client_kwargs)
+        runs.append(RunResult(mode=mode, rate=rate, records=records, pd_ratio=pd_ratio, config=dict(config or {})))
+    return runs
+
+
+def _floats(text: str) -> List[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--url`` mode's options to ``parser`` (for a parent CLI)."""
+    src = parser.add_argument_group("trace")
+    src.add_argument("--preset", default="mixed", help=f"trace preset: {', '.join(PRESETS)} (default: mixed)")
+    src.add_argument("--trace", metavar="JSONL", help="replay this JSONL trace instead of a preset")
+    src.add_argument("--time-scale", type=float, default=1.0, help="multiply --trace timestamps by this to get seconds")
+    src.add_argument("--rates", type=_floats, help="comma-separated request rates (req/s); default: the preset's rate, or the trace as recorded")
+    src.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default 60)")
+    src.add_argument("--num-requests", type=int, help="at most this many requests per rate")
+    src.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    src.add_argument("--arrival", help="override the arrival process: poisson, periodic or gamma:CV")
+    src.add_argument("--prompt-len", help="override prompt lengths, e.g. 1024, uniform:64:512, lognormal:256:0.5:16:2048, 0.8*128+0.2*1024")
+    src.add_argument("--output-len", help="override output lengths (same syntax)")
+    src.add_argument("--list-presets", action="store_true", help="print the presets and their estimated saturation, then exit")
+
+    cli = parser.add_argument_group("client")
+    cli.add_argument("--url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    cli.add_argument("--model", help="model name (default: the first one /v1/models lists)")
+    cli.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    cli.add_argument("--prompt-format", choices=("tokens", "text"), help="token-id or text prompts (default: tokens for completions, text for chat)")
+    cli.add_argument("--vocab-size", type=int, default=1000, help="token ids are drawn from [100, VOCAB_SIZE) (default 1000)")
+    cli.add_argument("--concurrency", type=int, help="cap on requests in flight (default: none)")
+    cli.add_argument("--temperature", type=float, default=0.0)
+    cli.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help='do not send "ignore_eos": true')
+    cli.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    cli.add_argument("--warmup", type=int, default=2, help="small requests sent before measuring (default 2)")
+    cli.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for /health first")
+    cli.add_argument("--cooldown", type=float, default=1.0, help="pause between rates in seconds (default 1)")
+    cli.add_argument("--mode-name", default="url", help="label of this deployment in the results (default: url)")
+    cli.add_argument("--no-progress", dest="progress", action="store_false")
+
+    out = parser.add_argument_group("report")
+    out.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT objective in seconds (default 2)")
+    out.add_argument("--itl-slo", type=float, default=0.1, help="ITL objective in seconds (default 0.1)")
+    out.add_argument("--itl-percentile", type=float, default=90.0, help="per-request ITL percentile checked against --itl-slo (default 90)")
+    out.add_argument("--out", help="directory for results.json, report.md, PNGs and traces")
+    out.add_argument("--no-plots", dest="plots", action="store_false")
+
+
+def build_traces(args: argparse.Namespace) -> Tuple[List[Tuple[float, Trace]], Dict[str, Any]]:
+    """Build the ``(rate, trace)`` list and the trace provenance from parsed arguments.
+
+    Raises
+    ------
+    ValueError
+        Bad preset, length or arrival specification, or a trace that cannot be rescaled.
+    """
+    if args.trace:
+        base = load_trace(args.trace, time_scale=args.time_scale, seed=args.seed)
+        if args.num_requests is not None:
+            base = Trace(base.requests[: args.num_requests], base.seed, base.info)
+        info = {**base.info, "description": f"replay of {args.trace}"}
+        if not args.rates:
+            observed = base.mean_rate
+            return [(observed if math.isfinite(observed) else 0.0, base)], info
+        return [(r, base.scaled_to_rate(r)) for r in args.rates], info
+    spec: TraceSpec = get_preset(args.preset)
+    if args.arrival:
+        spec = TraceSpec(spec.name + "*", spec.description, parse_arrival(args.arrival, spec.rate), spec.prompt_len, spec.output_len)
+    if args.prompt_len:
+        spec = TraceSpec(spec.name.rstrip("*") + "*", spec.description, spec.arrival, parse_length_dist(args.prompt_len), spec.output_len)
+    if args.output_len:
+        spec = TraceSpec(spec.name.rstrip("*") + "*", spec.description, spec.arrival, spec.prompt_len, parse_length_dist(args.output_len))
+    rates = args.rates or [spec.rate]
+    traces = [
+        (r, spec.with_rate(r).generate(seed=args.seed, duration_s=args.duration, num_requests=args.num_requests))
+        for r in rates
+    ]
+    info = {
+        "preset": spec.name,
+        "description": f"{spec.name}: {spec.description}",
+        "spec": spec.to_dict(),
+        "seed": args.seed,
+        "duration_s": args.duration,
+        "num_requests": args.num_requests,
+    }
+    return traces, info
+
+
+def _list_presets() -> str:
+    lines = ["preset          rate    rho(1 core)  saturation(1 core)  prompt / output"]
+    for name, s in PRESETS.items():
+        lines.append(
+            f"{name:<15} {s.rate:<7g} {utilisation(s):<12.2f} {saturation_rate(s):<19.2f} "
+            f"{s.prompt_len.spec()} / {s.output_len.spec()}"
+        )
+    lines.append("(rho and saturation from pdkv.bench.serve_trace.CostModel: a ~40M model on one CPU core)")
+    return "\n".join(lines)
+
+
+async def _run(args: argparse.Namespace, traces: List[Tuple[float, Trace]]) -> Tuple[List[RunResult], str]:
+    if args.wait_ready > 0:
+        await wait_until_ready(args.url, timeout_s=args.wait_ready)
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        model = args.model or await fetch_model(session, args.url)
+    client = dict(
+        model=model,
+        concurrency=args.concurrency,
+        endpoint=args.endpoint,
+        prompt_kind=args.prompt_format,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        request_timeout_s=args.request_timeout,
+        vocab_size=args.vocab_size,
+    )
+    if args.warmup > 0:
+        await warmup(args.url, requests=args.warmup, **client)
+    runs = await run_sweep(args.url, traces, mode=args.mode_name, cooldown_s=args.cooldown, progress=args.progress, **client)
+    return runs, model
+
+
+def run_from_args(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``--url`` mode from parsed arguments (see :func:`add_arguments`).
+
+    Returns
+    -------
+    int
+        0 on success; 1 when the server is unreachable or every request failed;
+        2 on bad arguments.
+    """
+    if args.list_presets:
+        print(_list_presets())
+        return 0
+    if not args.url:
+        print("error: --url is required", file=sys.stderr)
+        return 2
+    try:
+        normalize_base_url(args.url)
+        slo = SLO(args.ttft_slo, args.itl_slo, args.itl_percentile)
+        traces, trace_info = build_traces(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    try:
+        runs, model = asyncio.run(_run(args, traces))
+    except ServerUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    command = "pdkv bench serve " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    meta = {
+        "command": command,
+        "url": args.url,
+        "model": model,
+        "started_at": started,
+        "trace": trace_info,
+        "client": {
+            "endpoint": args.endpoint,
+            "prompt_format": args.prompt_format or ("tokens" if args.endpoint == "completions" else "text"),
+            "concurrency": args.concurrency,
+            "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos,
+            "warmup": args.warmup,
+        },
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+    }
+    results = BenchResults(runs, slo, meta)
+    print(markdown_table(results, slo))
+    print(recommend(results, slo).text)
+    if args.out:
+        paths = write_report(results, args.out, slo=slo, plots=args.plots)
+        tdir = Path(args.out) / "traces"
+        tdir.mkdir(exist_ok=True)
+        for rate, trace in traces:
+            save_trace(trace, tdir / f"rate-{rate:g}.jsonl")
+        print("wrote " + ", ".join(str(p) for p in paths.values()) + f", {tdir}/", file=sys.stderr)
+    total = sum(len(r.records) for r in runs)
+    failed = sum(1 for r in runs for rec in r.records if not rec.ok)
+    return 1 if total and failed == total else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: parse ``argv`` (default ``sys.argv[1:]``) and run.
+
+    Returns
+    -------
+    int
+        Process exit status (see :func:`run_from_args`).
+    """
+    parser = argparse.ArgumentParser(
+        prog="pdkv bench serve",
+        description="Replay a request trace against an OpenAI-compatible server: TTFT, ITL, goodput per rate.",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_from_args(args, argv)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
