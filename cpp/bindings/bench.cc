@@ -60,9 +60,9 @@ bool send_full(int fd, const void* p, size_t n) {
 // A sink: accepts connections and swallows messages into a reusable buffer.
 class Sink {
  public:
-  Sink(const std::string& host, size_t buf_bytes) : buf_(buf_bytes) {
+  Sink(const std::string& host, uint16_t want_port, size_t buf_bytes) : buf_(buf_bytes) {
     uint16_t port = 0;
-    auto r = pdkv::util::listen_tcp({host, 0}, &port);
+    auto r = pdkv::util::listen_tcp({host, want_port}, &port);
     if (!r.ok()) throw std::runtime_error(r.status().message());
     lfd_ = std::move(r).value();
     port_ = port;
@@ -252,7 +252,8 @@ double memcpy_extents(const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>
 
 void bind(py::module_& m) {
   py::class_<Sink>(m, "Sink")
-      .def(py::init<const std::string&, size_t>(), py::arg("host"), py::arg("buf_bytes") = size_t(64) << 20)
+      .def(py::init<const std::string&, uint16_t, size_t>(), py::arg("host"), py::arg("port") = 0,
+           py::arg("buf_bytes") = size_t(64) << 20)
       .def_property_readonly("port", &Sink::port)
       .def("stop", &Sink::stop, py::call_guard<py::gil_scoped_release>());
   m.def("stream", &stream, py::arg("host"), py::arg("port"), py::arg("conns"), py::arg("total"), py::arg("msg_bytes"),

@@ -355,7 +355,15 @@ class KVLayout:
         """Absolute ``(address, nbytes)`` ranges holding ``block_ids``, in (layer, part,
         block) order, consecutive ids coalesced."""
         ids = list(block_ids)
-        return [(lo, n) for (_lr, lo, _rr, _ro, n) in _native.module().plan_blocks(self._n, ids, self._n, ids)]
+        u = self.unbound().native
+        return [(lo, n) for (_lr, lo, _rr, _ro, n) in _native.module().plan_blocks(u, ids, u, ids)]
+
+    def unbound(self) -> "KVLayout":
+        """A copy not tied to any agent's regions: :func:`plan_blocks` on it yields
+        absolute addresses."""
+        return KVLayout(_native.module().KVLayout.make(self._n.geometry,
+                                                       [(s["addr"], s["block_stride"]) for s in self.segments]),
+                        keepalive=self._keepalive)
 
 
 def plan_blocks(

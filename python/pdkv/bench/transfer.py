@@ -1,0 +1,457 @@
+"""``pdkv bench transfer``: pdkv's GB/s and latency beside the raw limits, in one run.
+
+Two processes, an initiator and a target (on 127.0.0.1 by default, or across hosts
+with ``--serve`` on one and ``--target HOST:PORT`` on the other). Each payload is a
+set of KV blocks of a model preset; the destination blocks are a seeded random
+permutation so no two extents coalesce. Measured in the same run:
+
+* ``socket_plain``: a plain socket pair, default options, one connection, streaming
+  the same number of bytes from contiguous memory (blocking send/recv, C++);
+* ``socket_tuned``: a plain socket pair with the transport's socket options and
+  number of connections (TCP_NODELAY, SO_RCVLOWAT, header and data in one sendmsg);
+* ``memcpy``: one thread copying the same scattered extents between two local pools;
+
+then pdkv's throughput, the ratios, and write latency (one 32 KiB block-half, one
+whole block across all layers) next to a raw socket round trip of the same size.
+Received bytes are verified by reading them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import Agent, KVLayout, TcpOptions, _native, plan_blocks
+from ..errors import InvalidArgument, PdkvError
+from . import models
+
+SECRET_ENV = "PDKV_BENCH_SECRET"
+
+
+def parse_size(s: str) -> int:
+    """'64M', '1G', '32K', '4096' -> bytes (binary units)."""
+    s = s.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    num = s[:-1] if s[-1:] in "KMG" else s
+    try:
+        v = float(num) * mult
+    except ValueError:
+        raise InvalidArgument(f"cannot parse size {s!r} (use e.g. 64M, 1G)") from None
+    if v <= 0:
+        raise InvalidArgument(f"size must be positive, got {s!r}")
+    return int(v)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    if not ys:
+        return float("nan")
+    k = (len(ys) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ys[lo] + (ys[hi] - ys[lo]) * (k - lo)
+
+
+def tcp_options(args: argparse.Namespace) -> TcpOptions:
+    return TcpOptions(conns_per_peer=args.conns, progress_threads=args.threads)
+
+
+def _pool(geo, seed: int | None) -> tuple[np.ndarray, KVLayout]:
+    buf = np.empty(geo.pool_bytes, np.uint8)
+    if seed is None:
+        buf[:] = 0
+    else:
+        rng = np.random.default_rng(seed)
+        buf[:] = rng.integers(0, 256, geo.pool_bytes, dtype=np.uint8)
+    return buf, KVLayout.contiguous(geo, buf)
+
+
+# ---------------------------------------------------------------- target process
+def serve(args: argparse.Namespace) -> None:
+    """Target side: an agent exporting a pool, plus a raw-socket sink for the ceilings."""
+    bench = _native.module().bench
+    geo = models.geometry(args.model, args.blocks)
+    agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
+                  tcp=tcp_options(args))
+    buf, layout = _pool(geo, None)
+    agent.register(buf)
+    agent.add_layout("kv", layout)
+    host, _, port = agent.address.rpartition(":")
+    sink = bench.Sink(host.strip("[]"), 0 if args.child else int(port) + 1)
+    sys.stdout.write(json.dumps({"address": agent.address, "sink_port": sink.port}) + "\n")
+    sys.stdout.flush()
+    if not args.child:
+        print(f"serving {args.model} x {args.blocks} blocks ({human(geo.pool_bytes)}) at {agent.address}; "
+              f"raw sink at port {sink.port}; Ctrl-C to stop", file=sys.stderr)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+    else:
+        sys.stdin.read()  # until the initiator closes our stdin
+    sink.stop()
+    agent.close()
+
+
+@dataclass
+class Target:
+    address: str
+    sink_host: str
+    sink_port: int
+    proc: subprocess.Popen | None = None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=20)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+
+
+def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
+    cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--child", "--model", args.model,
+           "--blocks", str(blocks),
+           "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads)]
+    pre = None
+    if args.pin and len(os.sched_getaffinity(0)) >= 2:
+        cpus = sorted(os.sched_getaffinity(0))
+
+        def pre() -> None:  # noqa: F811 - runs in the child
+            os.sched_setaffinity(0, {cpus[1]})
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=pre)
+    line = proc.stdout.readline()
+    if not line:
+        raise PdkvError(f"benchmark target failed to start (exit code {proc.wait()})")
+    info = json.loads(line)
+    return Target(info["address"], info["address"].rsplit(":", 1)[0].strip("[]"), info["sink_port"], proc)
+
+
+# ---------------------------------------------------------------- measurements
+def time_transfers(prep, iters: int, timeout: float = 120.0) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        prep.post(timeout=timeout).wait(timeout)
+    return time.perf_counter() - t0
+
+
+def latency_us(prep, iters: int) -> list[float]:
+    out = []
+    for i in range(iters + 20):
+        t0 = time.perf_counter()
+        prep.post().wait(10)
+        if i >= 20:
+            out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def prepare_cost(model: str, num_blocks: int) -> dict:
+    """Seconds to validate and lay out a write of ``num_blocks`` scattered blocks.
+
+    Reserves (without touching) virtual memory for two pools of ``num_blocks`` blocks
+    and prepares against the agent itself, so no network is involved.
+    """
+    import mmap
+
+    geo = models.geometry(model, num_blocks)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+    maps = [mmap.mmap(-1, geo.pool_bytes, flags=flags) for _ in range(2)]
+    addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
+    try:
+        with Agent("bench-prepare", secret="x") as a:
+            for i, addr in enumerate(addrs):
+                a.register_address(addr, geo.pool_bytes)
+                a.add_layout(f"kv{i}", KVLayout.contiguous(geo, addr))
+            me = a.add_peer(a.metadata())
+            rng = np.random.default_rng(0)
+            lids = rng.permutation(num_blocks).astype(np.uint32)
+            rids = rng.permutation(num_blocks).astype(np.uint32)
+            t0 = time.perf_counter()
+            prep = a.prepare("write", me, "kv0", lids, "kv1", rids)
+            dt = time.perf_counter() - t0
+            extents = prep.num_extents
+            del prep
+            for r in a.regions:
+                r.close()
+    finally:
+        import gc
+
+        gc.collect()
+        for m in maps:
+            try:
+                m.close()
+            except BufferError:  # a ctypes view may still be alive; the OS frees it at exit
+                pass
+    return {"blocks": num_blocks, "extents": extents, "seconds": dt, "ns_per_extent": dt / extents * 1e9,
+            "payload_bytes": geo.pool_bytes}
+
+
+def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, scratch_layout_name: str) -> dict:
+    bench = _native.module().bench
+    geo = models.geometry(args.model, 1)
+    block = geo.num_layers * geo.kv_parts * geo.block_bytes
+    nblocks = max(1, payload // block)
+    payload = nblocks * block
+    iters = args.iters or max(3, math.ceil(args.min_bytes / payload))
+    rng = np.random.default_rng(args.seed)
+    lids = rng.permutation(args.local_blocks)[:nblocks].astype(np.uint32)
+    rids = rng.permutation(args.remote_blocks)[:nblocks].astype(np.uint32)
+    prep = agent.prepare("write", peer, "kv", lids, "kv", rids)
+    time_transfers(prep, 1)  # warm-up: connections, page faults on the target
+    secs = time_transfers(prep, iters)
+    gbps = payload * iters / secs / 1e9
+    # Verify: read the destination blocks back into scratch blocks and compare.
+    verified = None
+    if not args.no_verify:
+        back = agent.prepare("read", peer, scratch_layout_name, np.arange(nblocks, dtype=np.uint32), "kv", rids)
+        back.post().wait(120)
+        pairs = plan_blocks(agent.layout("kv").unbound(), lids, agent.layout(scratch_layout_name).unbound(),
+                            np.arange(nblocks, dtype=np.uint32))
+        verified = all(np.array_equal(_view(lo, n), _view(ro, n)) for _, lo, _, ro, n in pairs)
+    total = payload * iters
+    ceilings = {}
+    s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
+    ceilings["socket_plain"] = total / s / 1e9
+    s = bench.stream(target.sink_host, target.sink_port, args.conns, total, payload, True,
+                     TcpOptions().rcvlowat_bytes)
+    ceilings["socket_tuned"] = total / s / 1e9
+    # memcpy of the same scattered extents between two local pools.
+    ext = [(ro, lo, n) for _, lo, _, ro, n in plan_blocks(
+        agent.layout("kv").unbound(), lids, agent.layout(scratch_layout_name).unbound(),
+        rng.permutation(args.local_blocks)[:nblocks].astype(np.uint32))]
+    bench.memcpy_extents(ext, 1)
+    mi = max(1, iters)
+    ceilings["memcpy"] = payload * mi / bench.memcpy_extents(ext, mi) / 1e9
+    return {
+        "transport": agent.peer_transport(peer),
+        "model": args.model,
+        "payload_bytes": payload,
+        "block_bytes": geo.block_bytes,
+        "blocks": nblocks,
+        "extents": prep.num_extents,
+        "iters": iters,
+        "gbps": gbps,
+        "ceilings": ceilings,
+        "ratios": {k: gbps / v for k, v in ceilings.items()},
+        "verified": verified,
+        "conns": args.conns,
+        "threads": args.threads,
+    }
+
+
+def _view(addr: int, n: int) -> np.ndarray:
+    return np.frombuffer((ctypes.c_uint8 * n).from_address(addr), np.uint8)
+
+
+def run_latency(args, target: Target, agent: Agent, peer: str) -> dict:
+    bench = _native.module().bench
+    geo = models.geometry(args.model, 1)
+    src = agent.layout("kv")
+    # One block-half (e.g. 32 KiB): a single extent.
+    seg = src.segments[0]
+    rseg = agent.peer_info(peer)["layouts"]["kv"].segments[0]
+    one = agent.prepare_extents("write", peer, [(seg["region_id"], seg["region_offset"], rseg["region_id"],
+                                                 rseg["region_offset"], geo.block_bytes)])
+    lat_half = latency_us(one, args.lat_iters)
+    whole = agent.prepare("write", peer, "kv", [0], "kv", [1])
+    lat_block = latency_us(whole, max(20, args.lat_iters // 4))
+    raw = [x / 1000 for x in bench.pingpong(target.sink_host, target.sink_port, geo.block_bytes, args.lat_iters)]
+    raw_block = [x / 1000 for x in bench.pingpong(target.sink_host, target.sink_port,
+                                                  geo.num_layers * geo.kv_parts * geo.block_bytes,
+                                                  max(20, args.lat_iters // 4))]
+    return {
+        "block_half_bytes": geo.block_bytes,
+        "lat_p50_us": percentile(lat_half, 50),
+        "lat_p99_us": percentile(lat_half, 99),
+        "raw_rtt_p50_us": percentile(raw, 50),
+        "raw_rtt_p99_us": percentile(raw, 99),
+        "whole_block_bytes": geo.num_layers * geo.kv_parts * geo.block_bytes,
+        "block_lat_p50_us": percentile(lat_block, 50),
+        "block_lat_p99_us": percentile(lat_block, 99),
+        "raw_block_rtt_p50_us": percentile(raw_block, 50),
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    payloads = [parse_size(p) for p in args.payload.split(",")]
+    geo1 = models.geometry(args.model, 1)
+    block = geo1.num_layers * geo1.kv_parts * geo1.block_bytes
+    max_blocks = max(max(1, p // block) for p in payloads)
+    args.remote_blocks = max(max_blocks, 2)
+    args.local_blocks = max(max_blocks, 2)
+    if args.pin and len(os.sched_getaffinity(0)) >= 2:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    if args.target:
+        host, _, port = args.target.rpartition(":")
+        target = Target(args.target, host.strip("[]"), int(port) + 1)
+    else:
+        target = spawn_target(args, args.remote_blocks)
+    results = []
+    try:
+        secret = os.environ.get(SECRET_ENV, "pdkv-bench")
+        with Agent("bench-initiator", secret=secret, listen=f"{args.host}:0", tcp=tcp_options(args)) as agent:
+            geo = models.geometry(args.model, args.local_blocks)
+            src, src_layout = _pool(geo, args.seed)
+            scratch, scratch_layout = _pool(geo, None)
+            agent.register(src)
+            agent.register(scratch)
+            agent.add_layout("kv", src_layout)
+            agent.add_layout("scratch", scratch_layout)
+            peer = agent.connect(target.address)
+            info = agent.peer_info(peer)["layouts"]["kv"].geometry
+            if info.num_blocks < args.remote_blocks:
+                raise InvalidArgument(f"the target pool has {info.num_blocks} blocks; this run needs "
+                                      f"{args.remote_blocks} (start it with --blocks {args.remote_blocks})")
+            lat = run_latency(args, target, agent, peer)
+            for p in payloads:
+                r = run_case(args, target, agent, peer, p, src, "scratch")
+                r.update(lat)
+                r["lat_ratio_vs_raw_rtt"] = r["lat_p50_us"] / r["raw_rtt_p50_us"]
+                r["peers"] = run_peers(args, r) if args.compare else {}
+                results.append(r)
+                if args.json:
+                    print(json.dumps(r), flush=True)
+    finally:
+        target.close()
+    if args.prepare_blocks:
+        pc = prepare_cost(args.model, args.prepare_blocks)
+        for r in results:
+            r["prepare"] = pc
+    if not args.json:
+        print_table(args, results)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(["pdkv", "bench", "transfer"] + args.argv), "results": results}, f,
+                      indent=2)
+    return results
+
+
+def run_peers(args, r: dict) -> dict:
+    """The same workload through NIXL and/or Mooncake (pdkv.bench.peers)."""
+    try:
+        from . import peers
+    except ImportError as e:  # pragma: no cover
+        return {"error": f"peer benchmarks unavailable: {e}"}
+    out = {}
+    w = peers.Workload(block_bytes=r["block_bytes"], num_blocks=r["payload_bytes"] // r["block_bytes"],
+                       iters=max(2, min(r["iters"], 8)), seed=args.seed, lat_iters=min(args.lat_iters, 200))
+    for name in args.compare.split(","):
+        name = name.strip()
+        try:
+            fn = {"nixl": peers.run_nixl, "mooncake": peers.run_mooncake}[name]
+        except KeyError:
+            out[name] = {"error": f"unknown peer {name!r} (nixl, mooncake)"}
+            continue
+        try:
+            res = fn(w)
+            res["ratio_pdkv_over_peer"] = r["gbps"] / res["gbps"] if res.get("gbps") else None
+            out[name] = res
+        except Exception as e:  # noqa: BLE001 - reported, never fatal
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def print_table(args, results: list[dict]) -> None:
+    if not results:
+        return
+    r0 = results[0]
+    print(f"\npdkv bench transfer — transport {r0['transport']}, model {args.model} "
+          f"({human(r0['block_bytes'])} block-halves, destinations permuted), conns={args.conns}, "
+          f"threads={args.threads}, target {'remote ' + args.target if args.target else 'local process'}")
+    print(f"{'payload':>9} {'extents':>8} {'pdkv':>7} {'plain':>7} {'tuned':>7} {'memcpy':>7} "
+          f"{'/plain':>7} {'/tuned':>7} {'/memcpy':>8}  verified  (GB/s)")
+    for r in results:
+        c, q = r["ceilings"], r["ratios"]
+        print(f"{human(r['payload_bytes']):>9} {r['extents']:>8} {r['gbps']:7.2f} {c['socket_plain']:7.2f} "
+              f"{c['socket_tuned']:7.2f} {c['memcpy']:7.2f} {q['socket_plain']:7.2f}x {q['socket_tuned']:6.2f}x "
+              f"{q['memcpy']:7.2f}x  {r['verified']}")
+        for name, p in r.get("peers", {}).items():
+            if "error" in p:
+                print(f"{'':>9} {name}: {p['error']}")
+            else:
+                print(f"{'':>9} {name:>8} {p['gbps']:7.2f} GB/s (pdkv {r['gbps'] / p['gbps']:.2f}x), "
+                      f"{human(p['block_bytes'])} write p50 {p['lat_p50_us']:.1f} us p99 {p['lat_p99_us']:.1f} us, "
+                      f"verified {p.get('verified')}")
+    print(f"latency: {human(r0['block_half_bytes'])} write p50 {r0['lat_p50_us']:.1f} us, p99 "
+          f"{r0['lat_p99_us']:.1f} us; raw socket {human(r0['block_half_bytes'])} round trip p50 "
+          f"{r0['raw_rtt_p50_us']:.1f} us, p99 {r0['raw_rtt_p99_us']:.1f} us "
+          f"(pdkv/raw {r0['lat_ratio_vs_raw_rtt']:.2f}x)")
+    print(f"         one block ({human(r0['whole_block_bytes'])}, all layers) write p50 {r0['block_lat_p50_us']:.1f} us, "
+          f"p99 {r0['block_lat_p99_us']:.1f} us; raw round trip p50 {r0['raw_block_rtt_p50_us']:.1f} us")
+    if "prepare" in r0:
+        p = r0["prepare"]
+        print(f"prepare: {p['blocks']:,} blocks -> {p['extents']:,} extents in {p['seconds'] * 1e3:.0f} ms "
+              f"({p['ns_per_extent']:.0f} ns/extent; moving them would take "
+              f"{p['payload_bytes'] / (r0['gbps'] * 1e9):.0f} s at the measured rate)")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--transport", default="tcp", help="transport to measure (default tcp)")
+    ap.add_argument("--model", default="llama-3-8b", help="KV geometry preset:\n" + models.describe())
+    ap.add_argument("--payload", default="64M,256M,1G", help="comma-separated payload sizes (default 64M,256M,1G)")
+    ap.add_argument("--iters", type=int, default=0, help="timed repetitions per payload (default: >= --min-bytes)")
+    ap.add_argument("--min-bytes", type=lambda s: parse_size(s), default=parse_size("2G"),
+                    help="bytes moved per measurement when --iters is 0 (default 2G)")
+    ap.add_argument("--lat-iters", type=int, default=1000, help="latency samples (default 1000)")
+    ap.add_argument("--conns", type=int, default=TcpOptions().conns_per_peer, help="tcp connections per peer")
+    ap.add_argument("--threads", type=int, default=TcpOptions().progress_threads, help="tcp progress threads")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (local mode: both sides)")
+    ap.add_argument("--target", default="", help="HOST:PORT of a `pdkv bench transfer --serve` on another host")
+    ap.add_argument("--serve", action="store_true", help="run as the target (see --target)")
+    ap.add_argument("--listen", default="0.0.0.0:7500", help="with --serve: pdkv address; the raw sink uses PORT+1")
+    ap.add_argument("--blocks", type=int, default=512, help="with --serve: pool size in blocks")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="pin initiator and target to different CPUs (default on)")
+    ap.add_argument("--compare", default="", help="also run the workload through peers: nixl,mooncake")
+    ap.add_argument("--prepare-blocks", type=int, default=100_000, help="report prepare cost for N blocks (0: skip)")
+    ap.add_argument("--no-verify", action="store_true", help="skip reading the bytes back")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object per payload instead of a table")
+    ap.add_argument("--out", default="", help="also write all results to this JSON file")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdkv bench transfer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
+    args.argv = argv
+    if args.transport != "tcp":
+        print(f"pdkv bench transfer: transport {args.transport!r} is not available here "
+              f"(available: {', '.join(_native.module().available_transports())})", file=sys.stderr)
+        return 2
+    if args.serve:
+        if args.target:
+            ap.error("--serve and --target are exclusive")
+        serve(args)
+        return 0
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The ``pdkv`` command: ``info``, ``bench transfer``, ``bench serve``, ``serve``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+USAGE = """pdkv <command> [options]
+
+commands:
+  demo               start a proxy, a prefill and a decode worker with a small model and chat with it
+  serve ROLE         run one serving process: prefill | decode | proxy | colocated
+  bench transfer     transport GB/s and latency against the raw limits (and NIXL/Mooncake)
+  bench serve        TTFT / ITL / goodput of each serving mode on one trace
+  info               version, transports available here, optional dependencies
+
+run `pdkv <command> --help` for a command's options
+"""
+
+# command -> module:function taking argv
+COMMANDS = {
+    ("demo",): "pdkv.serving.demo:main",
+    ("serve",): "pdkv.serving.cli:main",
+    ("bench", "transfer"): "pdkv.bench.transfer:main",
+    ("bench", "serve"): "pdkv.bench.serve_cli:main",
+    ("info",): "pdkv.cli:info",
+}
+
+
+def info(argv: list[str]) -> int:
+    """Prints what this installation can do."""
+    argparse.ArgumentParser(prog="pdkv info").parse_args(argv)
+    import pdkv
+
+    print(f"pdkv {pdkv.__version__}")
+    print(f"transports available here: {', '.join(pdkv.available_transports())}")
+    for mod, what in (("numpy", "tests, benchmarks"), ("torch", "serving"), ("transformers", "serving"),
+                      ("aiohttp", "serving, bench serve"), ("matplotlib", "bench serve plots"),
+                      ("nixl", "nixl transport, bench --compare nixl"),
+                      ("mooncake", "bench --compare mooncake")):
+        try:
+            m = importlib.import_module(mod)
+            ver = getattr(m, "__version__", "installed")
+        except Exception as e:  # noqa: BLE001 - report any import failure
+            ver = f"not available ({type(e).__name__})"
+        print(f"  {mod:13s} {ver}  ({what})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    for key in sorted(COMMANDS, key=len, reverse=True):
+        if tuple(argv[: len(key)]) == key:
+            target = COMMANDS[key]
+            mod_name, fn_name = target.split(":")
+            try:
+                mod = importlib.import_module(mod_name)
+            except ImportError as e:
+                print(f"pdkv {' '.join(key)}: missing dependency: {e}\n"
+                      f"install the extras, e.g. `pip install -e .[serve,bench]`", file=sys.stderr)
+                return 2
+            return int(getattr(mod, fn_name)(argv[len(key):]) or 0)
+    print(f"pdkv: unknown command {' '.join(argv[:2])!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
