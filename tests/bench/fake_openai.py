@@ -5,7 +5,8 @@ It streams ``max_tokens`` tokens: the first chunk after ``ttft_s``, then one chu
 server's ``behaviour``) selects a failure: ``"http500"``, ``"malformed"`` (a non-JSON
 ``data:`` line after two chunks), ``"truncate"`` (the body ends after two chunks without
 ``[DONE]``), ``"stream_error"`` (an ``{"error": ...}`` object mid-stream) or
-``"json"`` (ignores ``stream`` and answers with one JSON body).
+``"json"`` (ignores ``stream`` and answers with one JSON body); ``behaviour_by_max_tokens``
+picks a behaviour per request by its ``max_tokens``, so one run can mix them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class FakeOpenAI:
         tokens_per_chunk: int = 1,
         continuous_usage: bool = False,
         behaviour: str = "ok",
+        behaviour_by_max_tokens: Optional[Dict[int, str]] = None,
         model: str = "fake-model",
     ) -> None:
         self.ttft_s = ttft_s
@@ -36,6 +38,7 @@ class FakeOpenAI:
         self.tokens_per_chunk = tokens_per_chunk
         self.continuous_usage = continuous_usage
         self.behaviour = behaviour
+        self.behaviour_by_max_tokens = dict(behaviour_by_max_tokens or {})
         self.model = model
         self.bodies: List[Dict[str, Any]] = []
         self.in_flight = 0
@@ -49,7 +52,7 @@ class FakeOpenAI:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -81,7 +84,7 @@ class FakeOpenAI:
     async def _stream(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
-        behaviour = body.get("fake", self.behaviour)
+        behaviour = body.get("fake") or self.behaviour_by_max_tokens.get(int(body["max_tokens"]), self.behaviour)
         if behaviour == "http500":
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
         n = int(body["max_tokens"])

@@ -1,0 +1,160 @@
+"""Report files, the markdown table, the recommendation, and the ``--url`` CLI end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fake_openai import FakeOpenAIThread
+from pdkv.bench.serve_cli import main
+from pdkv.bench.serve_metrics import SLO, BenchResults, RequestRecord, RunResult
+from pdkv.bench.serve_report import markdown_table, recommend, write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _record(index: int, *, ttft: float, itl: float, tokens: int = 4, error: str | None = None) -> RequestRecord:
+    send = float(index)
+    r = RequestRecord(index=index, scheduled_s=send, prompt_len=16, max_tokens=tokens, send_s=send)
+    if error is None:
+        for k in range(tokens):
+            r.add_chunk(send + ttft + k * itl)
+        r.output_tokens = tokens
+        r.finish_reason = "length"
+        r.end_s = r.chunk_times_s[-1]
+    else:
+        r.error, r.end_s = error, send + 0.01
+    return r
+
+
+def _run(mode, rate, n, *, bad=(), pd=None, slow_itl=0.5):
+    """``n`` requests with TTFT 0.1 s, ITL 20 ms, except indices in ``bad`` (ITL ``slow_itl``)."""
+    recs = [_record(i, ttft=0.1, itl=slow_itl if i in bad else 0.02) for i in range(n)]
+    return RunResult(mode, rate, recs, pd_ratio=pd)
+
+
+SLO_ = SLO(ttft_s=1.0, itl_s=0.1)
+
+
+def _results(b_bad_at_2):
+    runs = [
+        _run("disagg", 1.0, 20, pd="1:1"),
+        _run("disagg", 2.0, 20, pd="1:1"),
+        _run("chunked", 1.0, 20),
+        _run("chunked", 2.0, 20, bad=b_bad_at_2),
+    ]
+    return BenchResults(runs, SLO_, {"command": "pdkv bench serve --test", "trace": {"preset": "mixed", "seed": 0}})
+
+
+def test_recommend_beyond_noise():
+    rec = recommend(_results(b_bad_at_2=range(10)))
+    assert rec.best.candidate == "disagg 1:1" and rec.best.mode == "disagg" and rec.best.pd_ratio == "1:1"
+    assert (rec.best.good, rec.best.total) == (40, 40)
+    assert [c.candidate for c in rec.ranking] == ["disagg 1:1", "chunked"]
+    cmp = rec.comparisons["chunked"]
+    assert cmp["method"] == "paired" and (cmp["best_only"], cmp["other_only"]) == (10, 0)
+    assert not cmp["within_noise"] and rec.within_noise == []  # 10 > 2 * sqrt(10)
+    assert rec.rates == [1.0, 2.0]
+    assert rec.best.per_rate[2.0]["good"] == 20 and rec.ranking[1].per_rate[2.0]["good"] == 10
+    assert "40 of 40 requests (100.0%)" in rec.text and "beyond noise" in rec.text
+    assert "met the SLO for 10 that chunked missed, and missed 0" in rec.text
+    json.dumps(rec.to_dict(), allow_nan=False)
+
+
+def test_recommend_within_noise():
+    rec = recommend(_results(b_bad_at_2={3, 7}))
+    assert rec.best.candidate == "disagg 1:1"
+    assert rec.within_noise == ["chunked"]  # 2 <= 2 * sqrt(2)
+    assert "within noise" in rec.text and "not clearly better than chunked" in rec.text
+
+
+def test_recommend_uses_the_slo_it_is_given():
+    res = _results(b_bad_at_2=range(10))
+    loose = recommend(res, SLO(ttft_s=1.0, itl_s=1.0))
+    assert all(c.fraction == 1.0 for c in loose.ranking) and loose.within_noise == ["chunked"]
+    nothing = recommend(res, SLO(ttft_s=0.05, itl_s=1.0))
+    assert nothing.best.good == 0 and "No candidate met the SLO" in nothing.text
+
+
+def test_recommend_only_compares_common_rates_and_handles_edge_cases():
+    res = _results(b_bad_at_2=range(10))
+    res.runs.append(_run("hybrid", 3.0, 5))
+    rec = recommend(res)
+    assert rec.rates == [] and "no common rate" in rec.text
+    single = recommend(BenchResults([_run("url", 1.0, 3)], SLO_))
+    assert single.best.candidate == "url" and "Only one candidate" in single.text
+    assert recommend(BenchResults([], SLO_)).best is None
+
+
+def test_markdown_table():
+    md = markdown_table(_results(b_bad_at_2=range(10)))
+    lines = md.strip().splitlines()
+    assert lines[0].startswith("| Mode | P:D | Rate (req/s) |") and "Goodput |" in lines[0]
+    assert len(lines) == 2 + 4
+    assert lines[2].startswith("| disagg | 1:1 | 1 | 20 | 0 |")
+    assert lines[5].startswith("| chunked | - | 2 | 20 | 0 |") and "50.0%" in lines[5]
+    assert "| 20 | 20 | 20 |" in lines[2]  # ITL p50/p90/p99 in ms
+
+
+def test_write_report_without_plots(tmp_path):
+    res = _results(b_bad_at_2=range(10))
+    paths = write_report(res, tmp_path / "out", plots=False, slo=SLO(1.0, 0.2))
+    assert set(paths) == {"json", "markdown"}
+    back = BenchResults.load(paths["json"])
+    assert back.slo == SLO(1.0, 0.2) and len(back.runs) == 4
+    md = paths["markdown"].read_text()
+    assert "pdkv bench serve --test" in md and "## Recommendation" in md and "| Mode |" in md
+
+
+def test_write_report_with_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = _results(b_bad_at_2=range(10))
+    res.runs.append(RunResult("hybrid", 1.0, [_record(0, ttft=0.1, itl=0.0, error="HTTP 500: x")]))
+    paths = write_report(res, tmp_path)
+    for key in ("itl_cdf", "rate_sweep"):
+        assert paths[key].read_bytes()[:8] == PNG
+    assert "![ITL CDF](itl_cdf.png)" in paths["markdown"].read_text()
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "serve-x"
+    with FakeOpenAIThread(ttft_s=0.01, itl_s=0.001) as srv:
+        rc = main([
+            "--url", srv.url, "--preset", "chat-short", "--rates", "4,8", "--duration", "0.75",
+            "--output-len", "uniform:2:6", "--out", str(out), "--cooldown", "0", "--warmup", "1",
+            "--itl-slo", "0.05", "--no-progress",
+        ])
+        warm_and_measured = len(srv.bodies)
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "| url | - | 4 |" in stdout and "Recommended: url" in stdout
+    res = BenchResults.load(out / "results.json")
+    assert [r.rate for r in res.runs] == [4.0, 8.0] and res.slo == SLO(2.0, 0.05)
+    n = sum(len(r.records) for r in res.runs)
+    assert warm_and_measured == n + 1
+    assert all(rec.ok for r in res.runs for rec in r.records)
+    assert res.meta["model"] == "fake-model" and res.meta["trace"]["preset"] == "chat-short*"
+    for name in ("report.md", "itl_cdf.png", "rate_sweep.png", "traces/rate-4.jsonl", "traces/rate-8.jsonl"):
+        assert (out / name).is_file(), name
+    assert len((out / "traces/rate-8.jsonl").read_text().splitlines()) == len(res.runs[1].records)
+
+
+def test_cli_replay_and_failures(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 0.1 * i, "prompt_len": 4, "output_len": 2}) + "\n" for i in range(4)))
+    with FakeOpenAIThread(ttft_s=0.005, itl_s=0.001) as srv:
+        assert main(["--url", srv.url, "--trace", str(trace), "--warmup", "0", "--no-progress"]) == 0
+        assert main(["--url", srv.url, "--trace", str(trace), "--rates", "20", "--warmup", "0", "--no-progress"]) == 0
+        assert len(srv.bodies) == 8
+    stdout = capsys.readouterr().out
+    assert "| url | - | 10 | 4 |" in stdout and "| url | - | 20 | 4 |" in stdout
+    assert main(["--list-presets"]) == 0 and "prefill-heavy" in capsys.readouterr().out
+    assert main(["--preset", "mixed"]) == 2  # no --url
+    assert main(["--url", "http://127.0.0.1:1", "--preset", "nope"]) == 2
+    assert main(["--url", "http://127.0.0.1:1", "--prompt-len", "uniform:9"]) == 2
+    with pytest.raises(SystemExit):
+        main(["--url", "http://127.0.0.1:1", "--rates", "0,-1"])
+    assert main(["--url", "http://127.0.0.1:1", "--duration", "1", "--warmup", "0", "--no-progress"]) == 1
+    assert "cannot list models" in capsys.readouterr().err
