@@ -627,7 +627,7 @@ class Engine:
             with self._lock:
                 sampled = dict(zip((id(r) for r in samplers), tokens))
                 for req, n in sched:
-                    was_decode = req.pending == 1 and n == 1
+                    was_decode = req.num_computed > 0 and req.pending == 1
                     req.num_computed += n
                     n_decode += n if was_decode else 0
                     n_prefill += 0 if was_decode else n
