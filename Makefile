@@ -25,9 +25,9 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml CMakeLists.txt
 	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	$(BIN)/pip install -q --no-deps $(NODEPS)
 	$(BIN)/pip install -q mooncake-transfer-engine-non-cuda || echo "mooncake not installed: its comparison will be skipped"
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)
