@@ -116,7 +116,8 @@ class FakeOpenAI:
                 k = min(self.tokens_per_chunk, n - sent)
                 sent += k
                 chunks += 1
-                chunk: Dict[str, Any] = {"object": "chunk", "choices": [self._choice(chat, k, "length" if sent == n else None)]}
+                choice = self._choice(chat, k, "length" if sent == n else None)
+                chunk: Dict[str, Any] = {"object": "chunk", "choices": [choice]}
                 if self.continuous_usage:
                     chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": sent}
                 await send(chunk)

@@ -97,7 +97,8 @@ def test_chat_endpoint_and_text_prompts():
     assert "prompt" not in body and body["messages"][0]["role"] == "user"
     assert len(body["messages"][0]["content"].split()) == 20
     with pytest.raises(ValueError, match="text"):
-        _run(run_trace("http://127.0.0.1:1", [TraceRequest(0, 0.0, 2, 2)], model="m", endpoint="chat", prompt_kind="tokens"))
+        _run(run_trace("http://127.0.0.1:1", [TraceRequest(0, 0.0, 2, 2)], model="m", endpoint="chat",
+                       prompt_kind="tokens"))
     replayed = Trace((TraceRequest(0, 0.0, 2, 2, prompt=[1, 2]),))
     with pytest.raises(ValueError, match="token-id"):
         _run(run_trace("http://127.0.0.1:1", replayed, model="m", endpoint="chat"))
@@ -162,7 +163,8 @@ def test_progress_bar_output():
 
     async def go():
         async with FakeOpenAI(ttft_s=0.005, itl_s=0.001) as srv:
-            await run_trace(srv.url, [TraceRequest(i, 0.0, 2, 2) for i in range(5)], model="m", progress=out, label="x @ 1 req/s")
+            reqs = [TraceRequest(i, 0.0, 2, 2) for i in range(5)]
+            await run_trace(srv.url, reqs, model="m", progress=out, label="x @ 1 req/s")
 
     _run(go())
     lines = out.getvalue().splitlines()
@@ -207,9 +209,12 @@ def test_url_body_and_config_validation():
     assert normalize_base_url(" https://h ") == "https://h"
     with pytest.raises(ValueError):
         normalize_base_url("127.0.0.1:8000")
-    cfg = ClientConfig(model="m", ignore_eos=False, include_usage=False, extra_body={"min_tokens": 2, "temperature": 0.5})
+    extra = {"min_tokens": 2, "temperature": 0.5}
+    cfg = ClientConfig(model="m", ignore_eos=False, include_usage=False, extra_body=extra)
     body = build_body(cfg, [1, 2], 9)
-    assert body == {"model": "m", "prompt": [1, 2], "max_tokens": 9, "temperature": 0.5, "stream": True, "min_tokens": 2}
+    assert body == {
+        "model": "m", "prompt": [1, 2], "max_tokens": 9, "temperature": 0.5, "stream": True, "min_tokens": 2
+    }
     assert "api_key" not in ClientConfig(model="m", api_key="secret").to_dict()
     for bad in ({"endpoint": "embeddings"}, {"prompt_kind": "bytes"}, {"concurrency": 0}, {"request_timeout_s": 0}):
         with pytest.raises(ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import json
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdkv.bench import serve_metrics, serve_trace
 from pdkv.bench.serve_metrics import (
     SCHEMA,
     SLO,
@@ -166,3 +168,9 @@ def test_properties_of_random_timelines(send, rel, ttft, itl, pct):
     expected = bool(chunks) and r.ttft_s <= ttft and (not gaps or np.percentile(gaps, pct) <= itl)
     assert meets_slo(r, slo) == expected
     assert RequestRecord.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+
+
+@pytest.mark.parametrize("mod", [serve_metrics, serve_trace], ids=lambda m: m.__name__)
+def test_docstring_examples(mod):
+    res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert res.attempted > 0 and res.failed == 0

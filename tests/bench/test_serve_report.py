@@ -9,7 +9,7 @@ import pytest
 from fake_openai import FakeOpenAIThread
 from pdkv.bench.serve_cli import main
 from pdkv.bench.serve_metrics import SLO, BenchResults, RequestRecord, RunResult
-from pdkv.bench.serve_report import markdown_table, recommend, write_report
+from pdkv.bench.serve_report import LAG_WARN_S, markdown_table, recommend, sanity_notes, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -97,6 +97,21 @@ def test_markdown_table():
     assert "| 20 | 20 | 20 |" in lines[2]  # ITL p50/p90/p99 in ms
 
 
+def test_sanity_notes_flag_errors_and_client_lag(tmp_path):
+    clean = _results(b_bad_at_2=())
+    assert sanity_notes(clean) == []
+    late = _run("colocated", 1.0, 10)
+    for r in late.records[5:]:
+        r.scheduled_s = r.send_s - 2 * LAG_WARN_S
+    failed = RunResult("disagg", 1.0, [_record(0, ttft=0.1, itl=0.02), _record(1, ttft=0, itl=0, error="HTTP 503: busy")])
+    notes = sanity_notes(BenchResults([late, failed], SLO_))
+    assert len(notes) == 2
+    assert notes[0].startswith("colocated @ 1 req/s: the client sent requests late (lag p99 100 ms")
+    assert notes[1] == "disagg @ 1 req/s: 1 of 2 requests failed (HTTP 503 x1)."
+    md = write_report(BenchResults([late, failed], SLO_), tmp_path, plots=False)["markdown"].read_text()
+    assert "## Checks" in md and "HTTP 503 x1" in md
+
+
 def test_write_report_without_plots(tmp_path):
     res = _results(b_bad_at_2=range(10))
     paths = write_report(res, tmp_path / "out", plots=False, slo=SLO(1.0, 0.2))
@@ -143,7 +158,8 @@ def test_cli_end_to_end(tmp_path, capsys):
 
 def test_cli_replay_and_failures(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": 0.1 * i, "prompt_len": 4, "output_len": 2}) + "\n" for i in range(4)))
+    rows = [{"timestamp": 0.1 * i, "prompt_len": 4, "output_len": 2} for i in range(4)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with FakeOpenAIThread(ttft_s=0.005, itl_s=0.001) as srv:
         assert main(["--url", srv.url, "--trace", str(trace), "--warmup", "0", "--no-progress"]) == 0
         assert main(["--url", srv.url, "--trace", str(trace), "--rates", "20", "--warmup", "0", "--no-progress"]) == 0

@@ -29,12 +29,13 @@ import os
 import platform
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .serve_client import ServerUnavailable, fetch_model, normalize_base_url, run_trace, wait_until_ready
 from .serve_metrics import SLO, BenchResults, RunResult
-from .serve_report import markdown_table, recommend, write_report
+from .serve_report import markdown_table, recommend, sanity_notes, write_report
 from .serve_trace import (
     PRESETS,
     Trace,
@@ -51,7 +52,9 @@ from .serve_trace import (
 __all__ = ["add_arguments", "build_traces", "main", "run_from_args", "run_sweep", "warmup"]
 
 
-async def warmup(url: str, *, model: str, requests: int = 2, prompt_len: int = 16, output_len: int = 4, **client_kwargs: Any) -> None:
+async def warmup(
+    url: str, *, model: str, requests: int = 2, prompt_len: int = 16, output_len: int = 4, **client_kwargs: Any
+) -> None:
     """Send a few small requests one after the other and discard them.
 
     First requests often pay one-off costs (lazy initialisation, allocator growth,
@@ -140,21 +143,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", default="mixed", help=f"trace preset: {', '.join(PRESETS)} (default: mixed)")
     src.add_argument("--trace", metavar="JSONL", help="replay this JSONL trace instead of a preset")
     src.add_argument("--time-scale", type=float, default=1.0, help="multiply --trace timestamps by this to get seconds")
-    src.add_argument("--rates", type=_floats, help="comma-separated request rates (req/s); default: the preset's rate, or the trace as recorded")
+    src.add_argument(
+        "--rates", type=_floats,
+        help="comma-separated request rates (req/s); default: the preset's rate, or the trace as recorded",
+    )
     src.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default 60)")
     src.add_argument("--num-requests", type=int, help="at most this many requests per rate")
     src.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     src.add_argument("--arrival", help="override the arrival process: poisson, periodic or gamma:CV")
-    src.add_argument("--prompt-len", help="override prompt lengths, e.g. 1024, uniform:64:512, lognormal:256:0.5:16:2048, 0.8*128+0.2*1024")
+    src.add_argument(
+        "--prompt-len",
+        help="override prompt lengths, e.g. 1024, uniform:64:512, lognormal:256:0.5:16:2048, 0.8*128+0.2*1024",
+    )
     src.add_argument("--output-len", help="override output lengths (same syntax)")
-    src.add_argument("--list-presets", action="store_true", help="print the presets and their estimated saturation, then exit")
+    src.add_argument(
+        "--list-presets", action="store_true", help="print the presets and their estimated saturation, then exit"
+    )
 
     cli = parser.add_argument_group("client")
     cli.add_argument("--url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     cli.add_argument("--model", help="model name (default: the first one /v1/models lists)")
     cli.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    cli.add_argument("--prompt-format", choices=("tokens", "text"), help="token-id or text prompts (default: tokens for completions, text for chat)")
-    cli.add_argument("--vocab-size", type=int, default=1000, help="token ids are drawn from [100, VOCAB_SIZE) (default 1000)")
+    cli.add_argument(
+        "--prompt-format", choices=("tokens", "text"),
+        help="token-id or text prompts (default: tokens for completions, text for chat)",
+    )
+    cli.add_argument(
+        "--vocab-size", type=int, default=1000, help="token ids are drawn from [100, VOCAB_SIZE) (default 1000)"
+    )
     cli.add_argument("--concurrency", type=int, help="cap on requests in flight (default: none)")
     cli.add_argument("--temperature", type=float, default=0.0)
     cli.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help='do not send "ignore_eos": true')
@@ -168,7 +184,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("report")
     out.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT objective in seconds (default 2)")
     out.add_argument("--itl-slo", type=float, default=0.1, help="ITL objective in seconds (default 0.1)")
-    out.add_argument("--itl-percentile", type=float, default=90.0, help="per-request ITL percentile checked against --itl-slo (default 90)")
+    out.add_argument(
+        "--itl-percentile", type=float, default=90.0,
+        help="per-request ITL percentile checked against --itl-slo (default 90)",
+    )
     out.add_argument("--out", help="directory for results.json, report.md, PNGs and traces")
     out.add_argument("--no-plots", dest="plots", action="store_false")
 
@@ -191,12 +210,17 @@ def build_traces(args: argparse.Namespace) -> Tuple[List[Tuple[float, Trace]], D
             return [(observed if math.isfinite(observed) else 0.0, base)], info
         return [(r, base.scaled_to_rate(r)) for r in args.rates], info
     spec: TraceSpec = get_preset(args.preset)
+    overrides: Dict[str, Any] = {}
     if args.arrival:
-        spec = TraceSpec(spec.name + "*", spec.description, parse_arrival(args.arrival, spec.rate), spec.prompt_len, spec.output_len)
+        overrides["arrival"] = parse_arrival(args.arrival, spec.rate)
     if args.prompt_len:
-        spec = TraceSpec(spec.name.rstrip("*") + "*", spec.description, spec.arrival, parse_length_dist(args.prompt_len), spec.output_len)
+        overrides["prompt_len"] = parse_length_dist(args.prompt_len)
     if args.output_len:
-        spec = TraceSpec(spec.name.rstrip("*") + "*", spec.description, spec.arrival, spec.prompt_len, parse_length_dist(args.output_len))
+        overrides["output_len"] = parse_length_dist(args.output_len)
+    if overrides:  # "preset*": the preset with some parameters replaced
+        changed = ", ".join(f"{k} -> {v.spec()}" for k, v in overrides.items())
+        description = f"{spec.description} Overridden: {changed}."
+        spec = replace(spec, name=spec.name + "*", description=description, **overrides)
     rates = args.rates or [spec.rate]
     traces = [
         (r, spec.with_rate(r).generate(seed=args.seed, duration_s=args.duration, num_requests=args.num_requests))
@@ -243,7 +267,9 @@ async def _run(args: argparse.Namespace, traces: List[Tuple[float, Trace]]) -> T
     )
     if args.warmup > 0:
         await warmup(args.url, requests=args.warmup, **client)
-    runs = await run_sweep(args.url, traces, mode=args.mode_name, cooldown_s=args.cooldown, progress=args.progress, **client)
+    runs = await run_sweep(
+        args.url, traces, mode=args.mode_name, cooldown_s=args.cooldown, progress=args.progress, **client
+    )
     return runs, model
 
 
@@ -297,6 +323,8 @@ def run_from_args(args: argparse.Namespace, argv: Optional[Sequence[str]] = None
     }
     results = BenchResults(runs, slo, meta)
     print(markdown_table(results, slo))
+    for note in sanity_notes(results):
+        print(f"warning: {note}")
     print(recommend(results, slo).text)
     if args.out:
         paths = write_report(results, args.out, slo=slo, plots=args.plots)

@@ -36,6 +36,11 @@ sleeps until each arrival time and starts the request; with a concurrency cap th
 request then waits for a slot, and ``send_s`` is when it actually went out. The HTTP
 connection pool is unbounded unless a cap is given (aiohttp's default of 100
 connections would otherwise queue requests silently).
+
+The client is one Python thread parsing one small JSON object per token. On a machine
+where it shares cores with the servers it measures (the 2-core reference setup), it
+takes CPU from them; ``lag`` in the results (and the report's checks) shows when it
+could not keep up.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO, Union
+from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, TextIO, Union
 
 import aiohttp
 
@@ -111,8 +116,8 @@ class ClientConfig:
     """
 
     model: str
-    endpoint: str = "completions"
-    prompt_kind: str = "tokens"
+    endpoint: Literal["completions", "chat"] = "completions"
+    prompt_kind: Literal["tokens", "text"] = "tokens"
     vocab_size: int = 1000
     first_token_id: int = 100
     temperature: float = 0.0
@@ -520,7 +525,8 @@ async def wait_until_ready(url: str, *, timeout_s: float = 60.0, interval_s: flo
         while True:
             for path in ("/health", "/v1/models"):
                 try:
-                    async with session.get(base + path, timeout=aiohttp.ClientTimeout(total=max(interval_s * 4, 1.0))) as resp:
+                    timeout = aiohttp.ClientTimeout(total=max(interval_s * 4, 1.0))
+                    async with session.get(base + path, timeout=timeout) as resp:
                         await resp.read()
                         if resp.status == 200:
                             return
@@ -538,8 +544,8 @@ async def run_trace(
     *,
     model: Optional[str] = None,
     concurrency: Optional[int] = None,
-    endpoint: str = "completions",
-    prompt_kind: Optional[str] = None,
+    endpoint: Literal["completions", "chat"] = "completions",
+    prompt_kind: Optional[Literal["tokens", "text"]] = None,
     temperature: float = 0.0,
     ignore_eos: bool = True,
     include_usage: bool = True,

@@ -165,7 +165,8 @@ class RequestRecord:
     @property
     def last_event_s(self) -> Optional[float]:
         """The latest time anything happened to this request."""
-        times = [t for t in (self.end_s, self.chunk_times_s[-1] if self.chunk_times_s else None, self.send_s) if t is not None]
+        last_chunk = self.chunk_times_s[-1] if self.chunk_times_s else None
+        times = [t for t in (self.end_s, last_chunk, self.send_s) if t is not None]
         return max(times) if times else None
 
     def to_dict(self) -> Dict[str, Any]:
@@ -266,6 +267,15 @@ def meets_slo(record: RequestRecord, slo: SLO) -> bool:
     -------
     bool
         Succeeded, TTFT <= ``slo.ttft_s`` and percentile of its ITLs <= ``slo.itl_s``.
+
+    Examples
+    --------
+    TTFT 0.5 s; gaps 0.125, 0.125, 0.25 s, whose p90 is 0.225 s:
+
+    >>> r = RequestRecord(0, 0.0, send_s=1.0, chunk_times_s=[1.5, 1.625, 1.75, 2.0],
+    ...                   chunk_tokens=[1, 1, 1, 1], end_s=2.0, output_tokens=4)
+    >>> meets_slo(r, SLO(ttft_s=0.5, itl_s=0.25)), meets_slo(r, SLO(ttft_s=0.5, itl_s=0.2))
+    (True, False)
     """
     if not record.ok:
         return False
@@ -314,7 +324,9 @@ class Stats:
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-serialisable form."""
-        return {"count": self.count, "mean": self.mean, "p50": self.p50, "p90": self.p90, "p99": self.p99, "max": self.max}
+        return {
+            "count": self.count, "mean": self.mean, "p50": self.p50, "p90": self.p90, "p99": self.p99, "max": self.max
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Stats":
@@ -518,7 +530,12 @@ class BenchResults:
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-serialisable form (``schema`` = :data:`SCHEMA`)."""
-        return {"schema": SCHEMA, "slo": self.slo.to_dict(), "meta": dict(self.meta), "runs": [r.to_dict(self.slo) for r in self.runs]}
+        return {
+            "schema": SCHEMA,
+            "slo": self.slo.to_dict(),
+            "meta": dict(self.meta),
+            "runs": [r.to_dict(self.slo) for r in self.runs],
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "BenchResults":

@@ -4,7 +4,8 @@
 
 * ``results.json``: :class:`~pdkv.bench.serve_metrics.BenchResults` with every
   request's timeline, so any other SLO can be evaluated later;
-* ``report.md``: provenance, the SLO, :func:`markdown_table` and :func:`recommend`'s text;
+* ``report.md``: provenance, the SLO, :func:`markdown_table`, :func:`sanity_notes` and
+  :func:`recommend`'s text;
 * ``itl_cdf.png``: the ITL distribution of each mode (one panel per rate);
 * ``rate_sweep.png``: goodput, p90 ITL and p90 TTFT against the request rate.
 
@@ -45,8 +46,12 @@ __all__ = [
     "plot_itl_cdf",
     "plot_rate_sweep",
     "recommend",
+    "sanity_notes",
     "write_report",
 ]
+
+#: Client lag (send time minus scheduled time, p99) above which a run is flagged.
+LAG_WARN_S = 0.05
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -132,6 +137,38 @@ def markdown_table(results: BenchResults, slo: Optional[SLO] = None) -> str:
             ]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def sanity_notes(results: BenchResults) -> List[str]:
+    """Warnings about runs whose numbers should not be taken at face value.
+
+    Flags runs with failed requests (and their kinds), and runs where the client sent
+    requests late (p99 of ``send_s - scheduled_s`` above :data:`LAG_WARN_S`: a
+    concurrency cap, or a client starved of CPU, changed the offered load).
+
+    Parameters
+    ----------
+    results : BenchResults
+        Measured runs.
+
+    Returns
+    -------
+    list of str
+        One line per problem; empty when every run is clean.
+    """
+    notes = []
+    for run in results.runs:
+        s = run.summary(results.slo)
+        where = f"{run.candidate} @ {_fmt_rate(run.rate)} req/s"
+        if s.num_errors:
+            kinds = ", ".join(f"{k} x{n}" for k, n in s.errors.items())
+            notes.append(f"{where}: {s.num_errors} of {s.num_requests} requests failed ({kinds}).")
+        if s.lag.p99 is not None and s.lag.p99 > LAG_WARN_S:
+            notes.append(
+                f"{where}: the client sent requests late (lag p99 {s.lag.p99 * 1e3:.0f} ms, max "
+                f"{(s.lag.max or 0) * 1e3:.0f} ms), so the offered load was lower than the trace's."
+            )
+    return notes
 
 
 # --------------------------------------------------------------------------------------
@@ -235,7 +272,10 @@ class Recommendation:
         }
 
 
-def _score(candidate: str, runs: Sequence[RunResult], rates: Sequence[float], slo: SLO) -> Tuple[CandidateScore, Dict[Any, bool]]:
+_Scored = Tuple[CandidateScore, Dict[Any, bool]]  # a score, and each request's outcome by (rate, repeat, index)
+
+
+def _score(candidate: str, runs: Sequence[RunResult], rates: Sequence[float], slo: SLO) -> _Scored:
     good = total = 0
     per_rate: Dict[float, Dict[str, Any]] = {}
     outcome: Dict[Any, bool] = {}
@@ -255,26 +295,34 @@ def _score(candidate: str, runs: Sequence[RunResult], rates: Sequence[float], sl
         gp = sum(rates_gp) / len(rates_gp) if rates_gp else None
         if gp is not None and (best_rate is None or gp > best_rate):
             best_rate = gp
-        per_rate[rate] = {"good": g, "total": len(recs), "itl_p90_s": s.itl.p90, "ttft_p90_s": s.ttft.p90, "goodput_rate": gp}
+        per_rate[rate] = {
+            "good": g, "total": len(recs), "itl_p90_s": s.itl.p90, "ttft_p90_s": s.ttft.p90, "goodput_rate": gp
+        }
     first = runs[0]
     return CandidateScore(candidate, first.mode, first.pd_ratio, good, total, best_rate, per_rate), outcome
 
 
-def _compare(best: Tuple[CandidateScore, Dict[Any, bool]], other: Tuple[CandidateScore, Dict[Any, bool]]) -> Dict[str, Any]:
+def _compare(best: _Scored, other: _Scored) -> Dict[str, Any]:
     (bs, bo), (os_, oo) = best, other
     common = bo.keys() & oo.keys()
     if common:
         b = sum(1 for k in common if bo[k] and not oo[k])
         c = sum(1 for k in common if oo[k] and not bo[k])
         threshold = max(2.0 * math.sqrt(b + c), 1.0)
-        return {"method": "paired", "best_only": b, "other_only": c, "threshold": threshold, "within_noise": abs(b - c) <= threshold}
+        return {
+            "method": "paired", "best_only": b, "other_only": c, "threshold": threshold,
+            "within_noise": abs(b - c) <= threshold,
+        }
     # Unpaired: two-proportion z-test at ~95%.
     n1, n2 = max(bs.total, 1), max(os_.total, 1)
     p = (bs.good + os_.good) / (n1 + n2)
     se = math.sqrt(max(p * (1 - p), 0.0) * (1 / n1 + 1 / n2))
     diff = abs(bs.fraction - os_.fraction)
     threshold = max(2.0 * se, 1.0 / min(n1, n2))
-    return {"method": "unpaired", "best_only": None, "other_only": None, "threshold": threshold, "within_noise": diff <= threshold}
+    return {
+        "method": "unpaired", "best_only": None, "other_only": None, "threshold": threshold,
+        "within_noise": diff <= threshold,
+    }
 
 
 def recommend(results: BenchResults, slo: Optional[SLO] = None) -> Recommendation:
@@ -308,7 +356,7 @@ def recommend(results: BenchResults, slo: Optional[SLO] = None) -> Recommendatio
         for name, runs in groups.items()
     }
 
-    def key(item: Tuple[CandidateScore, Dict[Any, bool]]) -> Tuple[float, float, float]:
+    def key(item: _Scored) -> Tuple[float, float, float]:
         cs = item[0]
         itl = [v["itl_p90_s"] for v in cs.per_rate.values() if v["itl_p90_s"] is not None]
         return (-cs.fraction, -(cs.best_goodput_rate or 0.0), max(itl) if itl else math.inf)
@@ -555,7 +603,11 @@ def write_report(
     for k in ("url", "model", "started_at"):
         if meta.get(k):
             md.append(f"- {k}: {meta[k]}")
-    md += ["", f"SLO: {slo.describe()}.", "", markdown_table(results, slo), "## Recommendation", "", "```", rec.text.rstrip(), "```", ""]
+    md += ["", f"SLO: {slo.describe()}.", "", markdown_table(results, slo)]
+    notes = sanity_notes(results)
+    if notes:
+        md += ["## Checks", ""] + [f"- {n}" for n in notes] + [""]
+    md += ["## Recommendation", "", "```", rec.text.rstrip(), "```", ""]
     if "itl_cdf" in paths:
         md += ["![ITL CDF](itl_cdf.png)", "", "![Goodput and p90 ITL against rate](rate_sweep.png)", ""]
     md.append(plot_note)

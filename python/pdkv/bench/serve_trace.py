@@ -67,7 +67,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, ClassVar, Dict, Iterable, List, Literal, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -642,7 +642,14 @@ class Trace:
         reqs = tuple(replace(r, arrival_s=(r.arrival_s - t0) * factor) for r in self.requests)
         return Trace(reqs, self.seed, {**self.info, "rate": rate, "rescaled_from": current})
 
-    def prompt(self, request: TraceRequest, *, kind: str = "tokens", vocab_size: int = 1000, first_id: int = 100) -> Prompt:
+    def prompt(
+        self,
+        request: TraceRequest,
+        *,
+        kind: Literal["tokens", "text"] = "tokens",
+        vocab_size: int = 1000,
+        first_id: int = 100,
+    ) -> Prompt:
         """The prompt to send for ``request``.
 
         Parameters
@@ -659,7 +666,9 @@ class Trace:
         if request.prompt is not None:
             return request.prompt
         if kind == "tokens":
-            return token_prompt(request.prompt_len, seed=self.seed, index=request.index, vocab_size=vocab_size, first_id=first_id)
+            return token_prompt(
+                request.prompt_len, seed=self.seed, index=request.index, vocab_size=vocab_size, first_id=first_id
+            )
         if kind == "text":
             return text_prompt(request.prompt_len, seed=self.seed, index=request.index)
         raise ValueError(f"prompt kind must be 'tokens' or 'text', got {kind!r}")
@@ -696,7 +705,9 @@ class TraceSpec:
         """The same spec at another mean rate."""
         return replace(self, arrival=self.arrival.with_rate(rate))
 
-    def generate(self, *, seed: int = 0, duration_s: Optional[float] = None, num_requests: Optional[int] = None) -> Trace:
+    def generate(
+        self, *, seed: int = 0, duration_s: Optional[float] = None, num_requests: Optional[int] = None
+    ) -> Trace:
         """Shorthand for :func:`generate_trace`."""
         return generate_trace(self, seed=seed, duration_s=duration_s, num_requests=num_requests)
 
@@ -752,6 +763,14 @@ def generate_trace(
     ------
     ValueError
         Neither limit given, or a limit is negative.
+
+    Examples
+    --------
+    >>> trace = generate_trace(get_preset("chat-short"), seed=0, num_requests=3)
+    >>> [r.index for r in trace], trace.requests[0].arrival_s
+    ([0, 1, 2], 0.0)
+    >>> trace.requests == generate_trace(get_preset("chat-short"), seed=0, num_requests=3).requests
+    True
     """
     if duration_s is None and num_requests is None:
         raise ValueError("give duration_s, num_requests or both")
@@ -784,7 +803,14 @@ def generate_trace(
     reqs = tuple(
         TraceRequest(i, float(arrivals[i]), int(prompt_lens[i]), int(output_lens[i])) for i in range(n)
     )
-    info = {"preset": spec.name, "spec": spec.to_dict(), "seed": seed, "rate": rate, "duration_s": duration_s, "num_requests": num_requests}
+    info = {
+        "preset": spec.name,
+        "spec": spec.to_dict(),
+        "seed": seed,
+        "rate": rate,
+        "duration_s": duration_s,
+        "num_requests": num_requests,
+    }
     return Trace(reqs, seed, info)
 
 
@@ -805,7 +831,9 @@ _WORDS = (
 ).split()
 
 
-def token_prompt(length: int, *, seed: int = 0, index: int = 0, vocab_size: int = 1000, first_id: int = 100) -> List[int]:
+def token_prompt(
+    length: int, *, seed: int = 0, index: int = 0, vocab_size: int = 1000, first_id: int = 100
+) -> List[int]:
     """Deterministic token ids, exactly ``length`` of them.
 
     Parameters
@@ -969,10 +997,13 @@ class CostModel:
 
     def request_cost_s(self, prompt_len: float, output_len: float) -> float:
         """Core-seconds for one request; the first output token comes from prefill."""
-        return prompt_len * self.prefill_s_per_token + max(output_len - 1.0, 0.0) * self.decode_step_s / self.decode_batch
+        decode_tokens = max(output_len - 1.0, 0.0)
+        return prompt_len * self.prefill_s_per_token + decode_tokens * self.decode_step_s / self.decode_batch
 
 
-def utilisation(spec: TraceSpec, *, rate: Optional[float] = None, cores: int = 1, model: CostModel = CostModel()) -> float:
+def utilisation(
+    spec: TraceSpec, *, rate: Optional[float] = None, cores: int = 1, model: CostModel = CostModel()
+) -> float:
     """Expected busy fraction of ``cores`` cores serving ``spec`` at ``rate``.
 
     Parameters
