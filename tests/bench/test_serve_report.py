@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from fake_openai import FakeOpenAIThread
-from pdkv.bench.serve_cli import main
+from fake_openai import FakeOpenAI, FakeOpenAIThread
+from pdkv.bench.serve_cli import main, run_sweep
+from pdkv.bench.serve_trace import Fixed, Periodic, TraceSpec
 from pdkv.bench.serve_metrics import SLO, BenchResults, RequestRecord, RunResult
 from pdkv.bench.serve_report import LAG_WARN_S, markdown_table, recommend, sanity_notes, write_report
 
@@ -130,6 +132,27 @@ def test_write_report_with_plots(tmp_path):
     for key in ("itl_cdf", "rate_sweep"):
         assert paths[key].read_bytes()[:8] == PNG
     assert "![ITL CDF](itl_cdf.png)" in paths["markdown"].read_text()
+
+
+def test_two_modes_through_run_sweep_and_recommend():
+    spec = TraceSpec("t", "test", Periodic(20.0), Fixed(8), Fixed(4))
+    traces = [(r, spec.with_rate(r).generate(seed=1, duration_s=0.3)) for r in (20.0, 40.0)]
+
+    async def go():
+        async with FakeOpenAI(ttft_s=0.01, itl_s=0.002) as fast, FakeOpenAI(ttft_s=0.01, itl_s=0.06) as slow:
+            runs = await run_sweep(fast.url, traces, mode="disagg", pd_ratio="1:1", model="m", cooldown_s=0,
+                                   progress=False)
+            runs += await run_sweep(slow.url, traces, mode="colocated", model="m", cooldown_s=0, progress=False)
+            return runs
+
+    runs = asyncio.run(go())
+    assert [(r.candidate, r.rate, len(r.records)) for r in runs] == [
+        ("disagg 1:1", 20.0, 6), ("disagg 1:1", 40.0, 12), ("colocated", 20.0, 6), ("colocated", 40.0, 12)
+    ]
+    rec = recommend(BenchResults(runs, SLO(ttft_s=1.0, itl_s=0.03)))
+    assert rec.best.candidate == "disagg 1:1" and (rec.best.good, rec.best.total) == (18, 18)
+    assert rec.ranking[1].good == 0 and rec.within_noise == []
+    assert rec.comparisons["colocated"]["best_only"] == 18
 
 
 def test_cli_end_to_end(tmp_path, capsys):

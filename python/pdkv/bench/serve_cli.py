@@ -12,11 +12,19 @@ requests, only closer together: see :mod:`pdkv.bench.serve_trace`), replays it w
 used (``traces/rate-<r>.jsonl``) into ``--out``, and prints the table and the
 recommendation.
 
-Drivers that launch serving modes themselves (the multi-mode ``pdkv bench serve``)
-call :func:`run_sweep` once per mode, concatenate the :class:`RunResult` lists into one
-:class:`~pdkv.bench.serve_metrics.BenchResults`, and call
-:func:`~pdkv.bench.serve_report.write_report`. :func:`add_arguments` and
-:func:`run_from_args` let a parent CLI reuse this parser.
+A driver that launches the serving modes itself (the multi-mode ``pdkv bench serve``)
+reuses the pieces::
+
+    add_arguments(parser)                  # plus its own --modes etc.
+    args = parser.parse_args(argv)
+    traces, info = build_traces(args)      # the same (rate, trace) list for every mode
+    runs = []
+    for mode in modes:                     # launch mode, wait_until_ready(url), then:
+        runs += asyncio.run(run_sweep(url, traces, mode=mode, pd_ratio=...,
+                                      **client_kwargs(args, model)))
+    results = BenchResults(runs, slo_from_args(args),
+                           build_meta(args, model=model, trace_info=info, started_at=t0, argv=argv))
+    emit_results(results, out=args.out, traces=traces)
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .serve_client import ServerUnavailable, fetch_model, normalize_base_url, run_trace, wait_until_ready
 from .serve_metrics import SLO, BenchResults, RunResult
@@ -49,7 +57,18 @@ from .serve_trace import (
     utilisation,
 )
 
-__all__ = ["add_arguments", "build_traces", "main", "run_from_args", "run_sweep", "warmup"]
+__all__ = [
+    "add_arguments",
+    "build_meta",
+    "build_traces",
+    "client_kwargs",
+    "emit_results",
+    "main",
+    "run_from_args",
+    "run_sweep",
+    "slo_from_args",
+    "warmup",
+]
 
 
 async def warmup(
@@ -248,14 +267,17 @@ def _list_presets() -> str:
     return "\n".join(lines)
 
 
-async def _run(args: argparse.Namespace, traces: List[Tuple[float, Trace]]) -> Tuple[List[RunResult], str]:
-    if args.wait_ready > 0:
-        await wait_until_ready(args.url, timeout_s=args.wait_ready)
-    import aiohttp
+def client_kwargs(args: argparse.Namespace, model: str) -> Dict[str, Any]:
+    """The :func:`~pdkv.bench.serve_client.run_trace` keyword arguments that ``args`` select.
 
-    async with aiohttp.ClientSession() as session:
-        model = args.model or await fetch_model(session, args.url)
-    client = dict(
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed by a parser that :func:`add_arguments` set up.
+    model : str
+        Model name (resolved with :func:`~pdkv.bench.serve_client.fetch_model` if not given).
+    """
+    return dict(
         model=model,
         concurrency=args.concurrency,
         endpoint=args.endpoint,
@@ -265,6 +287,108 @@ async def _run(args: argparse.Namespace, traces: List[Tuple[float, Trace]]) -> T
         request_timeout_s=args.request_timeout,
         vocab_size=args.vocab_size,
     )
+
+
+def slo_from_args(args: argparse.Namespace) -> SLO:
+    """The SLO that ``--ttft-slo``, ``--itl-slo`` and ``--itl-percentile`` describe.
+
+    Raises
+    ------
+    ValueError
+        Non-positive times or a percentile outside [0, 100].
+    """
+    return SLO(args.ttft_slo, args.itl_slo, args.itl_percentile)
+
+
+def build_meta(
+    args: argparse.Namespace,
+    *,
+    model: str,
+    trace_info: Mapping[str, Any],
+    started_at: str,
+    argv: Optional[Sequence[str]] = None,
+) -> Dict[str, Any]:
+    """Provenance stored in the results: command line, trace, client options, machine.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed arguments.
+    model : str
+        Model that was measured.
+    trace_info : mapping
+        From :func:`build_traces`.
+    started_at : str
+        ISO-8601 start time.
+    argv : sequence of str, optional
+        Arguments after ``pdkv bench serve`` (``sys.argv[1:]`` by default).
+    """
+    words = argv if argv is not None else sys.argv[1:]
+    return {
+        "command": "pdkv bench serve " + " ".join(shlex.quote(a) for a in words),
+        "url": args.url,
+        "model": model,
+        "started_at": started_at,
+        "trace": dict(trace_info),
+        "client": {
+            "endpoint": args.endpoint,
+            "prompt_format": args.prompt_format or ("tokens" if args.endpoint == "completions" else "text"),
+            "concurrency": args.concurrency,
+            "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos,
+            "warmup": args.warmup,
+        },
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+    }
+
+
+def emit_results(
+    results: BenchResults, *, out: Optional[str], traces: Sequence[Tuple[float, Trace]] = (), plots: bool = True
+) -> Dict[str, Path]:
+    """Print the table, the checks and the recommendation; write the report when ``out`` is set.
+
+    Parameters
+    ----------
+    results : BenchResults
+        Everything measured (its SLO is used).
+    out : str or None
+        Report directory (:func:`~pdkv.bench.serve_report.write_report`), or ``None``
+        to print only.
+    traces : sequence of (float, Trace)
+        Saved as ``traces/rate-<r>.jsonl`` under ``out`` so the run can be replayed.
+    plots : bool
+        Draw the PNGs.
+
+    Returns
+    -------
+    dict of str to pathlib.Path
+        What was written (empty without ``out``).
+    """
+    print(markdown_table(results))
+    for note in sanity_notes(results):
+        print(f"warning: {note}")
+    print(recommend(results).text)
+    if not out:
+        return {}
+    paths = write_report(results, out, plots=plots)
+    if traces:
+        tdir = Path(out) / "traces"
+        tdir.mkdir(exist_ok=True)
+        for rate, trace in traces:
+            save_trace(trace, tdir / f"rate-{rate:g}.jsonl")
+        paths["traces"] = tdir
+    print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
+    return paths
+
+
+async def _run(args: argparse.Namespace, traces: List[Tuple[float, Trace]]) -> Tuple[List[RunResult], str]:
+    if args.wait_ready > 0:
+        await wait_until_ready(args.url, timeout_s=args.wait_ready)
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        model = args.model or await fetch_model(session, args.url)
+    client = client_kwargs(args, model)
     if args.warmup > 0:
         await warmup(args.url, requests=args.warmup, **client)
     runs = await run_sweep(
@@ -275,6 +399,13 @@ async def _run(args: argparse.Namespace, traces: List[Tuple[float, Trace]]) -> T
 
 def run_from_args(args: argparse.Namespace, argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``--url`` mode from parsed arguments (see :func:`add_arguments`).
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed arguments.
+    argv : sequence of str, optional
+        The raw arguments, recorded as the command line in the results.
 
     Returns
     -------
@@ -290,7 +421,7 @@ def run_from_args(args: argparse.Namespace, argv: Optional[Sequence[str]] = None
         return 2
     try:
         normalize_base_url(args.url)
-        slo = SLO(args.ttft_slo, args.itl_slo, args.itl_percentile)
+        slo = slo_from_args(args)
         traces, trace_info = build_traces(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -304,35 +435,9 @@ def run_from_args(args: argparse.Namespace, argv: Optional[Sequence[str]] = None
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    command = "pdkv bench serve " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    meta = {
-        "command": command,
-        "url": args.url,
-        "model": model,
-        "started_at": started,
-        "trace": trace_info,
-        "client": {
-            "endpoint": args.endpoint,
-            "prompt_format": args.prompt_format or ("tokens" if args.endpoint == "completions" else "text"),
-            "concurrency": args.concurrency,
-            "temperature": args.temperature,
-            "ignore_eos": args.ignore_eos,
-            "warmup": args.warmup,
-        },
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
-    }
+    meta = build_meta(args, model=model, trace_info=trace_info, started_at=started, argv=argv)
     results = BenchResults(runs, slo, meta)
-    print(markdown_table(results, slo))
-    for note in sanity_notes(results):
-        print(f"warning: {note}")
-    print(recommend(results, slo).text)
-    if args.out:
-        paths = write_report(results, args.out, slo=slo, plots=args.plots)
-        tdir = Path(args.out) / "traces"
-        tdir.mkdir(exist_ok=True)
-        for rate, trace in traces:
-            save_trace(trace, tdir / f"rate-{rate:g}.jsonl")
-        print("wrote " + ", ".join(str(p) for p in paths.values()) + f", {tdir}/", file=sys.stderr)
+    emit_results(results, out=args.out, traces=traces, plots=args.plots)
     total = sum(len(r.records) for r in runs)
     failed = sum(1 for r in runs for rec in r.records if not rec.ok)
     return 1 if total and failed == total else 0
