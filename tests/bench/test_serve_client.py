@@ -16,6 +16,7 @@ import pytest
 from fake_openai import FakeOpenAI
 from pdkv.bench.serve_client import (
     ClientConfig,
+    _StreamState,
     ProgressBar,
     ServerUnavailable,
     SSEParser,
@@ -24,7 +25,7 @@ from pdkv.bench.serve_client import (
     run_trace,
     wait_until_ready,
 )
-from pdkv.bench.serve_metrics import SLO, summarize
+from pdkv.bench.serve_metrics import SLO, RequestRecord, summarize
 from pdkv.bench.serve_trace import Trace, TraceRequest
 
 
@@ -83,6 +84,39 @@ def test_multi_token_chunks_counted_from_usage():
     no_usage = _run(go(include_usage=False))
     assert no_usage.output_tokens == 3  # no usage at all: one token per chunk
     assert no_usage.ok
+
+
+def _chunk(text, finish=None, usage=None, chat=False):
+    choice = {"index": 0, "finish_reason": finish}
+    choice.update({"delta": {"content": text}} if chat else {"text": text})
+    obj = {"choices": [choice]}
+    if usage is not None:
+        obj["usage"] = {"prompt_tokens": 5, "completion_tokens": usage}
+    return obj
+
+
+def test_usage_on_the_last_content_chunk_is_a_total_not_a_chunk_count():
+    r = RequestRecord(0, 0.0)
+    state = _StreamState(r)
+    state.handle_object(_chunk("a"), 0.1)
+    state.handle_object(_chunk("b"), 0.2)
+    state.handle_object(_chunk("c", finish="length", usage=6), 0.3)  # 6 tokens in 3 chunks
+    state.finish()
+    assert r.chunk_tokens == [1, 1, 1] and r.output_tokens == 6 and r.prompt_tokens == 5
+    assert r.finish_reason == "length"
+
+
+def test_chunks_without_output_are_not_token_arrivals():
+    r = RequestRecord(0, 0.0)
+    state = _StreamState(r)
+    state.handle_object({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}, 0.1)
+    state.handle_object(_chunk("", chat=True), 0.15)
+    state.handle_object({"choices": [{"index": 0, "delta": {"reasoning": "hm"}}]}, 0.2)
+    state.handle_object(_chunk("x", chat=True), 0.3)
+    state.handle_object(_chunk("", finish="stop", chat=True), 0.4)
+    state.handle_object({"choices": [], "usage": {"completion_tokens": 2}}, 0.5)
+    state.finish()
+    assert r.chunk_times_s == [0.2, 0.3] and r.output_tokens == 2 and r.finish_reason == "stop"
 
 
 def test_chat_endpoint_and_text_prompts():

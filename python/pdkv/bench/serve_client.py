@@ -20,8 +20,8 @@ output length, ``temperature`` (0: greedy), ``stream: true``,
 Counting tokens
 ---------------
 A chunk *carries output* when a choice has non-empty ``text`` (completions) or
-``delta.content`` / ``delta.reasoning_content`` (chat), or when a per-chunk
-``usage.completion_tokens`` (vLLM's ``continuous_usage_stats``) grew. Each such chunk
+``delta.content`` / ``delta.reasoning_content`` / ``delta.reasoning`` (chat), or when
+a per-chunk ``usage.completion_tokens`` (vLLM's ``continuous_usage_stats``) grew. Each such chunk
 is timestamped when its bytes arrive; it counts for the growth of
 ``usage.completion_tokens`` when the server reports per-chunk usage, otherwise for one
 token. The request's total output tokens is the final ``usage.completion_tokens`` when
@@ -372,6 +372,7 @@ class _StreamState:
                 choice.get("text"),
                 delta.get("content"),
                 delta.get("reasoning_content"),
+                delta.get("reasoning"),
                 message.get("content"),
             ):
                 if isinstance(piece, str) and piece:
@@ -383,7 +384,11 @@ class _StreamState:
         if isinstance(usage, dict):
             ct = usage.get("completion_tokens")
             if isinstance(ct, int):
-                if choices:  # per-chunk usage: the growth is this chunk's token count
+                # Per-chunk usage (present from the first output chunk on): the growth is
+                # this chunk's token count. Usage that first shows up on a later content
+                # chunk is a final total, not a per-chunk count.
+                per_chunk = self.usage_tokens is not None or not self.record.chunk_times_s
+                if choices and per_chunk:
                     grew = max(ct - (self.usage_tokens or 0), 0)
                 self.usage_tokens = ct
             pt = usage.get("prompt_tokens")

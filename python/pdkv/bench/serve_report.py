@@ -378,8 +378,12 @@ def _explain(
     noise: Sequence[str],
 ) -> str:
     best = ranking[0]
-    rate_txt = ", ".join(_fmt_rate(r) for r in (rates or sorted(best.per_rate))) + " req/s"
-    lines = [f"SLO: {slo.describe()}; compared at {rate_txt}."]
+    all_rates = sorted({r for cs in ranking for r in cs.per_rate})
+    if rates:
+        rate_txt = "compared at " + ", ".join(_fmt_rate(r) for r in rates) + " req/s"
+    else:
+        rate_txt = "each candidate scored on its own rates"
+    lines = [f"SLO: {slo.describe()}; {rate_txt}."]
     if best.good == 0:
         lines.append(
             f"No candidate met the SLO for any request. Closest: {best.candidate} "
@@ -393,7 +397,7 @@ def _explain(
         )
     lines.append("")
     lines.append("Per rate (good/total, p90 ITL, p90 TTFT):")
-    for rate in sorted(best.per_rate):
+    for rate in all_rates:
         cells = []
         for cs in ranking:
             v = cs.per_rate.get(rate)
@@ -412,16 +416,19 @@ def _explain(
         c = comparisons[cs.candidate]
         head = f"{cs.candidate}: {cs.good}/{cs.total} ({100 * cs.fraction:.1f}%)."
         if c["method"] == "paired":
+            b, o = c["best_only"], c["other_only"]
             detail = (
-                f" On the same requests, {best.candidate} met the SLO for {c['best_only']} that {cs.candidate} "
-                f"missed, and missed {c['other_only']} that it met"
+                f" On the same requests, {best.candidate} met the SLO for {b} that {cs.candidate} "
+                f"missed, and missed {o} that it met"
             )
+            test = f"|{b} - {o}| {'<=' if c['within_noise'] else '>'} max(1, 2*sqrt({b} + {o})) = {c['threshold']:.1f}"
         else:
-            detail = f" Difference {100 * (best.fraction - cs.fraction):.1f} points (unpaired)"
+            detail = f" Difference {100 * (best.fraction - cs.fraction):.1f} points (requests not paired)"
+            test = f"{'within' if c['within_noise'] else 'beyond'} {100 * c['threshold']:.1f} points"
         verdict = (
-            f"; within noise (threshold {c['threshold']:.1f}): treat them as equal."
+            f"; within noise ({test}): treat them as equal."
             if c["within_noise"]
-            else f"; beyond noise (threshold {c['threshold']:.1f})."
+            else f"; beyond noise ({test})."
         )
         lines.append(head + detail + verdict)
     if noise:
