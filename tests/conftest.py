@@ -44,9 +44,13 @@ class PeerProc:
     """A pdkv agent in another process (tests/peer_proc.py), driven by JSON lines."""
 
     def __init__(self, name: str, spec, seed: int | None, *, secret: str = SECRET, listen: str = "127.0.0.1:0",
-                 tcp: dict | None = None, prefix: list[str] | None = None) -> None:
+                 tcp: dict | None = None, prefix: list[str] | None = None, transports=("tcp",),
+                 shared: bool = False) -> None:
         cmd = (prefix or []) + [sys.executable, os.path.join(HERE, "peer_proc.py"), "--name", name, "--secret", secret,
-                                "--spec", json.dumps(spec.to_dict()), "--listen", listen, "--tcp", json.dumps(tcp or {})]
+                                "--spec", json.dumps(spec.to_dict()), "--listen", listen, "--tcp", json.dumps(tcp or {}),
+                                "--transports", ",".join(transports)]
+        if shared:
+            cmd.append("--shared")
         if seed is not None:
             cmd += ["--seed", str(seed)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -111,16 +115,63 @@ def spawn_peer():
         p.stop()
 
 
-@pytest.fixture
-def agent_pair():
-    """Two connected agents in this process: (initiator, target, peer name of target)."""
+class Flavor:
+    """One way of moving bytes that every transport test runs under.
+
+    tcp:      the tcp transport, plain numpy pools;
+    shm:      the shm transport, pools pdkv allocated (memfd, mapped by the peer);
+    shm-cma:  the shm transport, plain numpy pools (cross-memory attach).
+    """
+
+    TABLE = {"tcp": (["tcp"], False), "shm": (["shm", "tcp"], True), "shm-cma": (["shm", "tcp"], False)}
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.transports, self.shared = self.TABLE[name]
+        self.transport = self.transports[0]
+
+    def agent(self, name: str, **kw):
+        import pdkv
+
+        kw.setdefault("secret", SECRET)
+        a = pdkv.Agent(name, transports=self.transports, **kw)
+        a.test_shared_pools = self.shared
+        return a
+
+    def peer_args(self) -> dict:
+        return {"transports": self.transports, "shared": self.shared}
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _flavors() -> list[str]:
     import pdkv
 
-    a = pdkv.Agent("initiator", secret=SECRET)
-    b = pdkv.Agent("target", secret=SECRET)
+    avail = pdkv.available_transports()
+    return [f for f, (ts, _) in Flavor.TABLE.items() if ts[0] in avail]
+
+
+@pytest.fixture(params=_flavors())
+def flavor(request) -> Flavor:
+    return Flavor(request.param)
+
+
+@pytest.fixture
+def agent_pair(flavor):
+    """Two agents in this process using ``flavor``'s transport: (initiator, target)."""
+    a = flavor.agent("initiator")
+    b = flavor.agent("target")
     yield a, b
     a.close()
     b.close()
+
+
+def make_pool(spec, seed, agent):
+    """A test pool for ``agent``: in shareable memory when its flavor says so."""
+    from kvpools import Pool
+
+    return Pool(spec, seed, shared_by=agent if getattr(agent, "test_shared_pools", False) else None)
 
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.01) -> bool:

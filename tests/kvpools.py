@@ -39,23 +39,35 @@ class PoolSpec:
 
 
 class Pool:
-    """Numpy arrays laid out per ``spec.style`` plus the matching KVLayout."""
+    """Numpy arrays laid out per ``spec.style`` plus the matching KVLayout.
 
-    def __init__(self, spec: PoolSpec, seed: int | None = None) -> None:
+    With ``shared_by=agent`` the arrays live in memory that agent allocated
+    (``Agent.alloc``: memfd pages a same-host peer maps); otherwise in plain numpy
+    memory (reached by the shm transport through cross-memory attach).
+    """
+
+    def __init__(self, spec: PoolSpec, seed: int | None = None, *, shared_by: pdkv.Agent | None = None) -> None:
         self.spec = spec
+        self.shared_by = shared_by
         L, B, T, H, D = spec.layers, spec.blocks, spec.block_tokens, spec.heads, spec.head_dim
         dt = NP_DTYPE[spec.dtype]
+
+        def zeros(shape):
+            if shared_by is None:
+                return np.zeros(shape, dt)
+            return shared_by.alloc(int(np.prod(shape)) * np.dtype(dt).itemsize).array(dt, shape)
+
         if spec.style in ("nhd", "hnd"):
             shape = (B, T, H, D) if spec.style == "nhd" else (B, H, T, D)
-            self.arrays = [np.zeros(shape, dt) for _ in range(2 * L)]
+            self.arrays = [zeros(shape) for _ in range(2 * L)]
             self.k = self.arrays[0::2]
             self.v = self.arrays[1::2]
         elif spec.style == "interleaved":
-            self.arrays = [np.zeros((L, B, 2, T, H, D), dt)]
+            self.arrays = [zeros((L, B, 2, T, H, D))]
             self.k = [self.arrays[0][l, :, 0] for l in range(L)]
             self.v = [self.arrays[0][l, :, 1] for l in range(L)]
         elif spec.style == "vllm":
-            self.arrays = [np.zeros((2, B, T, H, D), dt) for _ in range(L)]
+            self.arrays = [zeros((2, B, T, H, D)) for _ in range(L)]
             self.k = [a[0] for a in self.arrays]
             self.v = [a[1] for a in self.arrays]
         else:
@@ -70,8 +82,11 @@ class Pool:
             a.view(np.uint8)[...] = rng.integers(0, 256, size=a.nbytes, dtype=np.uint8).reshape(a.view(np.uint8).shape)
 
     def register(self, agent: pdkv.Agent, name: str = "kv") -> None:
-        for a in self.arrays:
-            agent.register(a)
+        if self.shared_by is None:
+            for a in self.arrays:
+                agent.register(a)
+        elif self.shared_by is not agent:
+            raise ValueError("a shared pool belongs to the agent that allocated it")
         agent.add_layout(name, self.layout)
 
     def logical(self, block_ids) -> np.ndarray:

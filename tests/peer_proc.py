@@ -35,10 +35,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--tcp", default="{}")
+    ap.add_argument("--transports", default="tcp")
+    ap.add_argument("--shared", action="store_true", help="KV pool in pdkv-allocated shared memory")
     args = ap.parse_args()
     spec = PoolSpec(**json.loads(args.spec))
-    agent = pdkv.Agent(args.name, secret=args.secret, listen=args.listen, tcp=pdkv.TcpOptions(**json.loads(args.tcp)))
-    pool = Pool(spec, args.seed)
+    agent = pdkv.Agent(args.name, secret=args.secret, listen=args.listen, tcp=pdkv.TcpOptions(**json.loads(args.tcp)),
+                       transports=args.transports.split(","))
+    pool = Pool(spec, args.seed, shared_by=agent if args.shared else None)
     pool.register(agent)
 
     def out(obj: dict) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pdkv
-from conftest import SECRET, wait_until
+from conftest import SECRET, make_pool, wait_until
 from kvpools import Pool, PoolSpec
 
 
@@ -140,10 +140,10 @@ def test_metadata_fuzz_never_crashes(agent_pair):
             pass
 
 
-def test_peers_add_remove_and_self(agent_pair):
+def test_peers_add_remove_and_self(agent_pair, flavor):
     a, b = agent_pair
     name = a.add_peer(b.metadata())
-    assert name == "target" and a.peers == ["target"] and a.peer_transport("target") == "tcp"
+    assert name == "target" and a.peers == ["target"] and a.peer_transport("target") == flavor.transport
     assert a.add_peer(a.metadata()) == "initiator"  # talking to oneself is allowed
     a.remove_peer("target")
     assert a.peers == ["initiator"]
@@ -182,7 +182,7 @@ def test_default_secret_is_random_and_env(monkeypatch):
 
 # ---------------------------------------------------------------- transfers
 def connected(a, b, spec=PoolSpec(), seeds=(1, None)):
-    pa, pb = Pool(spec, seeds[0]), Pool(spec, seeds[1])
+    pa, pb = make_pool(spec, seeds[0], a), make_pool(spec, seeds[1], b)
     pa.register(a)
     pb.register(b)
     return pa, pb, a.connect(b.address)
@@ -260,7 +260,8 @@ def test_transfer_errors_before_post(agent_pair):
 def test_big_multi_batch_transfer_over_several_connections():
     spec = PoolSpec(layers=2, blocks=64, block_tokens=16, heads=4, head_dim=64, dtype="float16")
     tcp = pdkv.TcpOptions(conns_per_peer=3, progress_threads=2, batch_bytes=64 << 10, batch_extents=7)
-    with pdkv.Agent("a", secret=SECRET, tcp=tcp) as a, pdkv.Agent("b", secret=SECRET, tcp=tcp) as b:
+    with pdkv.Agent("a", secret=SECRET, tcp=tcp, transports=["tcp"]) as a, \
+            pdkv.Agent("b", secret=SECRET, tcp=tcp, transports=["tcp"]) as b:
         pa, pb, peer = connected(a, b, spec)
         rng = np.random.default_rng(0)
         lids = rng.permutation(64)[:48].tolist()
@@ -393,9 +394,8 @@ def test_remote_region_deregistered_fails_transfer_not_agent(agent_pair):
     peer = a.connect(b.address)
     prep = a.prepare_extents("write", peer, [(rs.id, 0, rd.id, 0, 1024)])
     rd.close()
-    x = prep.post(timeout=5)
-    with pytest.raises(pdkv.NotFound, match="not registered"):
-        x.wait(5)
+    with pytest.raises(pdkv.NotFound, match="region"):
+        prep.post(timeout=5).wait(5)
     assert not dst.any()
     # The agent still serves: a new region works.
     dst2 = np.zeros(1024, np.uint8)
@@ -405,15 +405,15 @@ def test_remote_region_deregistered_fails_transfer_not_agent(agent_pair):
     assert dst2.all()
 
 
-def test_cancel_before_send(agent_pair):
+def test_cancel_before_send(agent_pair, flavor):
     a, b = agent_pair
     spec = PoolSpec(layers=4, blocks=64, block_tokens=16, heads=8, head_dim=128, dtype="float16")
     pa, pb, peer = connected(a, b, spec)
     b_regions = b.regions
     # Many small batches so most are still queued when cancel() runs.
     tcp = pdkv.TcpOptions(batch_bytes=64 << 10)
-    with pdkv.Agent("c", secret=SECRET, tcp=tcp) as c:
-        pc = Pool(spec, 3)
+    with flavor.agent("c", tcp=tcp) as c:
+        pc = make_pool(spec, 3, c)
         pc.register(c)
         p2 = c.connect(b.address)
         x = c.write(p2, "kv", range(64), "kv", range(64), notify=b"never")
@@ -437,13 +437,12 @@ def test_stale_peer_is_detected(agent_pair):
     old_md = b.metadata()
     spec = PoolSpec()
     b.close()
-    with pdkv.Agent("target", secret=SECRET) as b2:
-        Pool(spec).register(b2)
+    with pdkv.Agent("target", secret=SECRET, transports=a.transports) as b2:
+        make_pool(spec, None, b2).register(b2)
         # Same name, stale metadata pointing at a dead address: connection error.
         a.add_peer(old_md)
-        x = a.write(peer, "kv", [0], timeout=5)
         with pytest.raises(pdkv.PeerConnectionError):
-            x.wait(10)
+            a.write(peer, "kv", [0], timeout=5).wait(10)
         # Re-fetching the new instance's metadata fixes it.
         assert a.connect(b2.address) == "target"
         assert a.write(peer, "kv", [0]).wait(5)
@@ -453,8 +452,8 @@ def test_prepared_transfer_rejects_restarted_peer(agent_pair):
     a, b = agent_pair
     pa, pb, peer = connected(a, b)
     prep = a.prepare("write", peer, "kv", [0])
-    with pdkv.Agent("target", secret=SECRET) as b2:
-        Pool(PoolSpec()).register(b2)
+    with pdkv.Agent("target", secret=SECRET, transports=a.transports) as b2:
+        make_pool(PoolSpec(), None, b2).register(b2)
         a.connect(b2.address)
         with pytest.raises(pdkv.StalePeer, match="prepare it again"):
             prep.post()
@@ -470,9 +469,8 @@ def test_hello_to_wrong_instance_is_refused(agent_pair):
     i = md.find(inst)
     md[i:i + 8] = struct.pack("<Q", info["instance_id"] ^ 1)
     a.add_peer(bytes(md))
-    x = a.write(peer, "kv", [0], timeout=5)
     with pytest.raises(pdkv.StalePeer, match="restarted"):
-        x.wait(10)
+        a.write(peer, "kv", [0], timeout=5).wait(10)  # shm connects (and fails) at prepare
 
 
 def test_closed_agent_raises_clearly():

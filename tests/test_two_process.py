@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pdkv
-from conftest import SECRET
+from conftest import SECRET, make_pool
 from kvpools import Pool, PoolSpec
 
 CASES = [
@@ -28,14 +28,14 @@ def ids_for(spec: PoolSpec, n_tokens: int, rng) -> list[int]:
 
 
 @pytest.mark.parametrize("lspec, rspec", CASES, ids=lambda s: f"{s.style}-{s.dtype}-bt{s.block_tokens}")
-def test_write_and_read_between_processes_bit_exact(spawn_peer, lspec, rspec):
+def test_write_and_read_between_processes_bit_exact(spawn_peer, flavor, lspec, rspec):
     rng = np.random.default_rng(0)
-    peer = spawn_peer("decode", rspec, seed=99)
-    with pdkv.Agent("prefill", secret=SECRET) as a:
-        local = Pool(lspec, 1)
+    peer = spawn_peer("decode", rspec, seed=99, **flavor.peer_args())
+    with flavor.agent("prefill") as a:
+        local = make_pool(lspec, 1, a)
         local.register(a)
         name = a.connect(peer.address)
-        assert name == "decode"
+        assert name == "decode" and a.peer_transport(name) == flavor.transport
         ntok = min(lspec.blocks * lspec.block_tokens, rspec.blocks * rspec.block_tokens) - 3
         lids, rids = ids_for(lspec, ntok, rng), ids_for(rspec, ntok, rng)
         x = a.write(name, "kv", lids, "kv", rids, notify=b"kv-ready", num_tokens=ntok)
@@ -45,8 +45,8 @@ def test_write_and_read_between_processes_bit_exact(spawn_peer, lspec, rspec):
         theirs = theirs.reshape(local.logical(lids).shape[:2] + (-1,) + local.logical(lids).shape[3:])
         assert np.array_equal(theirs[:, :, :ntok], local.logical(lids)[:, :, :ntok])
         # READ: pull the peer's (seeded) blocks into fresh local blocks.
-        fresh = Pool(lspec)
-        with pdkv.Agent("reader", secret=SECRET) as r:
+        with flavor.agent("reader") as r:
+            fresh = make_pool(lspec, None, r)
             fresh.register(r)
             rn = r.connect(peer.address)
             src_ids = ids_for(rspec, ntok, rng)
@@ -64,12 +64,12 @@ def test_write_and_read_between_processes_bit_exact(spawn_peer, lspec, rspec):
 
 @pytest.mark.parametrize("tcp", [{}, {"conns_per_peer": 2, "batch_bytes": 32768, "batch_extents": 5}],
                          ids=["one-conn-piggyback", "multi-conn-separate-notify"])
-def test_notifications_never_arrive_before_their_data(spawn_peer, tcp):
+def test_notifications_never_arrive_before_their_data(spawn_peer, flavor, tcp):
     spec = PoolSpec(layers=2, blocks=128, block_tokens=16, heads=4, head_dim=64, dtype="float16")
-    peer = spawn_peer("decode", spec, seed=None)
+    peer = spawn_peer("decode", spec, seed=None, **flavor.peer_args())
     rng = np.random.default_rng(3)
-    with pdkv.Agent("prefill", secret=SECRET, tcp=pdkv.TcpOptions(**tcp)) as a:
-        local = Pool(spec, 5)
+    with flavor.agent("prefill", tcp=pdkv.TcpOptions(**tcp)) as a:
+        local = make_pool(spec, 5, a)
         local.register(a)
         name = a.connect(peer.address)
         # 16 transfers of 8 blocks each to disjoint destinations; each notifies. The
@@ -91,39 +91,40 @@ def test_notifications_never_arrive_before_their_data(spawn_peer, tcp):
         assert all(r["peer"] == "prefill" for r in result["results"])
 
 
-def test_dead_peer_is_detected_and_restarted_peer_works(spawn_peer):
+def test_dead_peer_is_detected_and_restarted_peer_works(spawn_peer, flavor):
     spec = PoolSpec(layers=4, blocks=256, block_tokens=16, heads=8, head_dim=128, dtype="float16")  # 128 MiB
-    peer = spawn_peer("decode", spec)
-    with pdkv.Agent("prefill", secret=SECRET, tcp=pdkv.TcpOptions(batch_bytes=1 << 20)) as a:
-        local = Pool(spec, 1)
+    peer = spawn_peer("decode", spec, **flavor.peer_args())
+    with flavor.agent("prefill", tcp=pdkv.TcpOptions(batch_bytes=1 << 20)) as a:
+        local = make_pool(spec, 1, a)
         local.register(a)
         name = a.connect(peer.address)
         assert a.write(name, "kv", [0], "kv", [0]).wait(10)
-        x = a.write(name, "kv", range(256), "kv", range(256), timeout=20)
+        x = a.write(name, "kv", range(256), "kv", range(256), timeout=20, notify=b"all-landed")
         peer.kill()
         with pytest.raises(pdkv.PeerConnectionError):
             assert x.wait(20)
         # Other work of this agent is unaffected: a new peer process, same name.
-        peer2 = spawn_peer("decode", spec)
+        peer2 = spawn_peer("decode", spec, **flavor.peer_args())
         a.connect(peer2.address)
         assert a.write(name, "kv", [1, 2], "kv", [3, 4], notify=b"ok").wait(10)
         assert peer2.call(cmd="digest", blocks=[3, 4])["digest"] == local.digest([1, 2])
 
 
-def test_stalled_peer_times_out_within_deadline(spawn_peer):
+def test_stalled_peer_times_out_within_deadline(spawn_peer, flavor):
     import time
 
     spec = PoolSpec(layers=4, blocks=256, block_tokens=16, heads=8, head_dim=128, dtype="float16")
-    peer = spawn_peer("decode", spec)
-    with pdkv.Agent("prefill", secret=SECRET) as a:
-        local = Pool(spec, 1)
+    peer = spawn_peer("decode", spec, **flavor.peer_args())
+    with flavor.agent("prefill") as a:
+        local = make_pool(spec, 1, a)
         local.register(a)
         name = a.connect(peer.address)
         assert a.write(name, "kv", [0]).wait(10)
         peer.pause()
         try:
             t0 = time.monotonic()
-            x = a.write(name, "kv", range(256), "kv", range(256), timeout=1.5)
+            # (with shm the bytes land in shared memory; the notification waits on the peer)
+            x = a.write(name, "kv", range(256), "kv", range(256), timeout=1.5, notify=b"stalled")
             with pytest.raises(pdkv.TransferTimeout, match="timed out"):
                 x.wait(10)
             elapsed = time.monotonic() - t0

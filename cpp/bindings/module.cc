@@ -90,6 +90,7 @@ py::dict region_dict(const RegionDesc& d) {
   o["kind"] = std::string(mem_kind_name(d.kind));
   o["device"] = d.device;
   o["remote_access"] = d.remote_access;
+  o["shareable"] = d.shareable;
   return o;
 }
 
@@ -278,7 +279,8 @@ PYBIND11_MODULE(_pdkv, m) {
                        const std::string& listen_host, uint16_t listen_port, uint32_t conns_per_peer,
                        uint32_t progress_threads, uint32_t spin_us, uint64_t batch_bytes, uint32_t batch_extents,
                        uint32_t rcvlowat_bytes, double connect_timeout_s, double handshake_timeout_s,
-                       double default_timeout_s, uint32_t max_notif_bytes, uint32_t wait_spin_us) {
+                       uint32_t shm_copy_threads, uint64_t shm_inline_bytes, double default_timeout_s,
+                       uint32_t max_notif_bytes, uint32_t wait_spin_us) {
              AgentConfig c;
              c.name = name;
              c.secret = secret;
@@ -293,6 +295,8 @@ PYBIND11_MODULE(_pdkv, m) {
              c.tcp.rcvlowat_bytes = rcvlowat_bytes;
              c.tcp.connect_timeout_s = connect_timeout_s;
              c.tcp.handshake_timeout_s = handshake_timeout_s;
+             c.shm.copy_threads = shm_copy_threads;
+             c.shm.inline_bytes = shm_inline_bytes;
              c.default_timeout_s = default_timeout_s;
              c.max_notif_bytes = max_notif_bytes;
              c.wait_spin_us = wait_spin_us;
@@ -311,7 +315,8 @@ PYBIND11_MODULE(_pdkv, m) {
            py::arg("name"), py::arg("secret"), py::arg("transports"), py::arg("listen_host"), py::arg("listen_port"),
            py::arg("conns_per_peer"), py::arg("progress_threads"), py::arg("spin_us"), py::arg("batch_bytes"),
            py::arg("batch_extents"), py::arg("rcvlowat_bytes"), py::arg("connect_timeout_s"),
-           py::arg("handshake_timeout_s"), py::arg("default_timeout_s"), py::arg("max_notif_bytes"), py::arg("wait_spin_us"))
+           py::arg("handshake_timeout_s"), py::arg("shm_copy_threads"), py::arg("shm_inline_bytes"),
+           py::arg("default_timeout_s"), py::arg("max_notif_bytes"), py::arg("wait_spin_us"))
       .def_property_readonly("name", &Agent::name)
       .def_property_readonly("secret", [](const Agent& a) { return to_bytes(a.secret()); })
       .def_property_readonly("instance_id", &Agent::instance_id)
@@ -323,9 +328,11 @@ PYBIND11_MODULE(_pdkv, m) {
                                return out;
                              })
       .def("register_memory",
-           [](Agent& a, uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote) {
-             return region_dict(unwrap(a.register_memory(addr, len, kind, device, remote)));
-           })
+           [](Agent& a, uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote, int shm_fd) {
+             return region_dict(unwrap(a.register_memory(addr, len, kind, device, remote, shm_fd)));
+           },
+           py::arg("addr"), py::arg("len"), py::arg("kind"), py::arg("device"), py::arg("remote_access"),
+           py::arg("shm_fd") = -1)
       .def("deregister_memory",
            [](Agent& a, uint64_t id) {
              Status st;

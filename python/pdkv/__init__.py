@@ -13,7 +13,17 @@ Importing pdkv needs neither torch, transformers, CUDA nor NIXL.
 
 from __future__ import annotations
 
-from .agent import Agent, Notification, PreparedTransfer, Region, TcpOptions, Transfer, XferState
+from .agent import (
+    Agent,
+    Notification,
+    PreparedTransfer,
+    Region,
+    SharedRegion,
+    ShmOptions,
+    TcpOptions,
+    Transfer,
+    XferState,
+)
 from .errors import (
     AlreadyExists,
     AuthFailed,
@@ -50,6 +60,8 @@ __all__ = [
     "PreparedTransfer",
     "ProtocolError",
     "Region",
+    "SharedRegion",
+    "ShmOptions",
     "StalePeer",
     "TcpOptions",
     "Transfer",

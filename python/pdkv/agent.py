@@ -38,7 +38,8 @@ from . import _native
 from .errors import InvalidArgument, PdkvError, error_class
 from .layout import KVLayout, tensor_address
 
-__all__ = ["Agent", "TcpOptions", "Region", "Transfer", "PreparedTransfer", "Notification", "XferState"]
+__all__ = ["Agent", "TcpOptions", "ShmOptions", "Region", "SharedRegion", "Transfer", "PreparedTransfer",
+           "Notification", "XferState"]
 
 
 class XferState(enum.Enum):
@@ -96,6 +97,23 @@ class TcpOptions:
 
 
 @dataclass(frozen=True)
+class ShmOptions:
+    """Tuning of the shm (same-host) transport.
+
+    Attributes
+    ----------
+    copy_threads : int
+        Threads that copy large transfers.
+    inline_bytes : int
+        Transfers up to this many bytes are copied by the posting thread itself
+        (lowest latency); larger ones go to the copy threads (``post`` returns at once).
+    """
+
+    copy_threads: int = 1
+    inline_bytes: int = 256 << 10
+
+
+@dataclass(frozen=True)
 class Notification:
     """A notification from ``peer``, queued after every byte of its transfer landed."""
 
@@ -112,6 +130,7 @@ class Region:
         self._agent = agent
         self._desc = desc
         self._obj = obj
+        self._mm = obj
         self._closed = False
 
     id = property(lambda self: self._desc["id"], doc="Region id (unique in this agent, never reused).")
@@ -131,6 +150,7 @@ class Region:
             self._closed = True
             self._agent._deregister(self)
             self._obj = None
+            self._mm = None
 
     def __enter__(self) -> "Region":
         return self
@@ -140,6 +160,40 @@ class Region:
 
     def __repr__(self) -> str:
         return f"Region(id={self.id}, addr=0x{self.addr:x}, nbytes={self.nbytes}, kind={self.kind!r})"
+
+
+class SharedRegion(Region):
+    """Memory pdkv allocated as shareable (memfd) pages: same-host peers map it once
+    and copy straight into it (the shm transport). Use it as your KV pool through
+    :meth:`array` or :meth:`tensor` views; views stay valid even after ``close()``."""
+
+    @property
+    def shareable(self) -> bool:
+        return True
+
+    def array(self, dtype: Any = "uint8", shape: Sequence[int] | None = None, offset: int = 0) -> Any:
+        """A numpy view of the memory (``shape=None``: 1-D over everything after ``offset``)."""
+        import numpy as np
+
+        dt = np.dtype(dtype)
+        count = -1 if shape is None else int(np.prod(shape))
+        a = np.frombuffer(self._mmap, dtype=dt, count=count, offset=offset)
+        return a if shape is None else a.reshape(shape)
+
+    def tensor(self, dtype: Any, shape: Sequence[int], offset: int = 0) -> Any:
+        """A torch CPU tensor view of the memory (needs torch)."""
+        import torch
+
+        n = 1
+        for d in shape:
+            n *= int(d)
+        return torch.frombuffer(self._mmap, dtype=dtype, count=n, offset=offset).view(*shape)
+
+    @property
+    def _mmap(self) -> Any:
+        if self._mm is None:
+            raise InvalidArgument("region is closed")
+        return self._mm
 
 
 class Transfer:
@@ -275,10 +329,14 @@ class Agent:
     listen : str
         ``"host:port"`` the tcp transport binds and publishes (port 0: any free port).
         Use an address peers can reach (not 127.0.0.1) across hosts.
-    transports : sequence of str
-        Enabled transports in order of preference; see :func:`pdkv.available_transports`.
+    transports : sequence of str, optional
+        Enabled transports in order of preference (default: every available one,
+        ``shm`` before ``tcp``); each peer uses the first one that can reach it
+        (:meth:`peer_transport`), or the one ``add_peer(..., transport=)`` forces.
     tcp : TcpOptions
         TCP tuning.
+    shm : ShmOptions
+        Shared-memory tuning.
     default_timeout : float
         Deadline of transfers posted without one (0: none).
     """
@@ -289,8 +347,9 @@ class Agent:
         *,
         secret: str | bytes | None = None,
         listen: str = "127.0.0.1:0",
-        transports: Sequence[str] = ("tcp",),
+        transports: Sequence[str] | None = None,
         tcp: TcpOptions = TcpOptions(),
+        shm: ShmOptions = ShmOptions(),
         default_timeout: float = 60.0,
         max_notif_bytes: int = 1 << 20,
         wait_spin_us: int = 50,
@@ -301,10 +360,14 @@ class Agent:
         if not host or not port.isdigit():
             raise InvalidArgument(f"listen must be 'host:port', got {listen!r}")
         host = host.strip("[]")
+        if transports is None:
+            avail = _native.module().available_transports()
+            transports = [t for t in ("shm", "tcp") if t in avail]
         self._n = _native.module().Agent(
             name, _as_bytes(secret).decode("latin-1"), list(transports), host, int(port),
             tcp.conns_per_peer, tcp.progress_threads, tcp.spin_us, tcp.batch_bytes, tcp.batch_extents,
-            tcp.rcvlowat_bytes, tcp.connect_timeout_s, tcp.handshake_timeout_s, float(default_timeout), max_notif_bytes, wait_spin_us,
+            tcp.rcvlowat_bytes, tcp.connect_timeout_s, tcp.handshake_timeout_s, shm.copy_threads, shm.inline_bytes,
+            float(default_timeout), max_notif_bytes, wait_spin_us,
         )
         self._regions: dict[int, Region] = {}
         self._layout_keep: dict[str, KVLayout] = {}
@@ -349,6 +412,35 @@ class Agent:
         """
         addr, nbytes, kind, device = tensor_address(obj)
         return self._register(addr, nbytes, kind, device, remote_access, obj)
+
+    def alloc(self, nbytes: int, *, remote_access: bool = True) -> SharedRegion:
+        """Allocates ``nbytes`` of shareable memory (a memfd) and registers it.
+
+        Same-host peers then reach it with one memcpy (the ``shm`` transport) instead
+        of a socket. Build your KV pool on it with ``region.array(...)`` or
+        ``region.tensor(...)``; the memory is zero-filled.
+        """
+        import mmap
+
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise InvalidArgument(f"cannot allocate {nbytes} bytes")
+        fd = os.memfd_create(f"pdkv:{self.name}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            import ctypes
+
+            view = ctypes.c_char.from_buffer(mm)
+            addr = ctypes.addressof(view)
+            del view
+            desc = self._n.register_memory(addr, nbytes, _native.module().MemKind.HOST, -1, remote_access, fd)
+        finally:
+            os.close(fd)  # the agent keeps its own dup for peers
+        region = SharedRegion(self, desc, mm)
+        with self._lock:
+            self._regions[region.id] = region
+        return region
 
     def register_address(self, addr: int, nbytes: int, *, kind: str = "host", device: int = -1,
                          remote_access: bool = True, keepalive: Any = None) -> Region:

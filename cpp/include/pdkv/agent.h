@@ -65,14 +65,16 @@ class Agent final : private AgentHooks {
   const std::string& name() const { return cfg_.name; }
   const std::string& secret() const { return cfg_.secret; }
   uint64_t instance_id() const override { return instance_id_; }
+  const std::string& host_id() const override { return host_id_; }
   const AgentConfig& config() const { return cfg_; }
   std::vector<std::string> transports() const;
   std::vector<Endpoint> endpoints() const;
 
   // ---- memory ----
   // Registers [addr, addr+len). See region.h for overlap and lifetime rules.
+  // `shm_fd` >= 0 marks the memory as a MAP_SHARED mapping of that memfd (see region.h).
   Result<RegionDesc> register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
-                                     bool remote_access);
+                                     bool remote_access, int shm_fd = -1);
   // Removes a region; blocks until transfers using it finish. Layouts on it are removed.
   Status deregister_memory(uint64_t id);
   std::vector<RegionDesc> regions() const { return regions_.list(); }

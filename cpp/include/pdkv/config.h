@@ -23,11 +23,17 @@ struct TcpOptions {
   double handshake_timeout_s = 5.0;       // inbound connections must say hello within this
 };
 
+struct ShmOptions {
+  uint32_t copy_threads = 1;             // threads copying large transfers
+  uint64_t inline_bytes = 256u << 10;    // transfers up to this size copy in the posting thread
+};
+
 struct AgentConfig {
   std::string name;                        // unique among peers; printable ASCII
   std::string secret;                      // peers must present it; empty: random
   std::vector<std::string> transports = {"tcp"};  // in order of preference
   TcpOptions tcp;
+  ShmOptions shm;
   double default_timeout_s = 60.0;         // transfers without an explicit timeout
   uint32_t max_notif_bytes = 1u << 20;
   uint32_t wait_spin_us = 50;              // Transfer::wait spins this long before sleeping

@@ -35,11 +35,14 @@ struct RegionDesc {
   MemKind kind = MemKind::kHost;
   int32_t device = -1;  // CUDA ordinal for kCuda, -1 for host
   bool remote_access = true;  // peers may read/write it (exported in metadata)
+  bool shareable = false;     // backed by a memfd a same-host peer can map (shm transport)
 };
 
 namespace detail {
 struct RegionEntry {
+  ~RegionEntry();
   RegionDesc desc;
+  int shm_fd = -1;  // owned dup of the backing memfd, or -1
   std::atomic<int64_t> inflight{0};
   std::atomic<bool> revoked{false};
   std::mutex mu;
@@ -71,9 +74,18 @@ class RegionPin {
 class RegionTable {
  public:
   // Adds a region and returns its descriptor (ids start at 1 and are never reused).
-  Result<RegionDesc> add(uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote_access);
+  // `shm_fd` >= 0: the memory is a MAP_SHARED mapping of that memfd (offset 0, at
+  // least `len` bytes); the table keeps a dup of it so peers on this host can map it.
+  Result<RegionDesc> add(uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote_access,
+                         int shm_fd = -1);
+  // A new dup of region `id`'s memfd (caller closes it). NotFound / NotSupported.
+  Result<int> dup_shm_fd(uint64_t id) const;
   // Removes a region, then waits for its pins to drop (see file comment).
   Status remove(uint64_t id);
+  // The two halves of remove(): take the region out of the table (new lookups fail),
+  // then wait until no transfer pins it.
+  Result<std::shared_ptr<detail::RegionEntry>> take(uint64_t id);
+  static void wait_unpinned(const std::shared_ptr<detail::RegionEntry>& e);
   // Pins region `id` after checking [offset, offset+len) lies inside it and, when
   // `inbound` is true, that peers may access it and its kind is in `kinds_mask`
   // (bit per MemKind). On success *ptr is the address of byte `offset`.

@@ -43,6 +43,8 @@ class AgentHooks {
   virtual ~AgentHooks() = default;
   virtual const std::string& agent_name() const = 0;
   virtual uint64_t instance_id() const = 0;
+  // Equal for two agents iff they share a kernel (boot id).
+  virtual const std::string& host_id() const = 0;
   // Constant-time comparison with this agent's secret.
   virtual bool secret_matches(std::string_view presented) const = 0;
   virtual const RegionTable& region_table() const = 0;
@@ -109,6 +111,9 @@ class Transport {
   }
   // Closes connections to a peer; its in-flight transfers fail with ConnectionError.
   virtual void drop_peer(const std::string& name) = 0;
+  // Called before an exported region is removed: a transport through which peers
+  // access it directly (shm) must make them stop, and return once none does.
+  virtual void region_removed(const RegionDesc& region) { (void)region; }
   // Fetches a remote agent's metadata blob given only an address (optional).
   virtual Result<std::string> fetch_metadata(const std::string& address, std::string_view secret,
                                              double timeout_s) {

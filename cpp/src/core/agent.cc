@@ -104,13 +104,12 @@ bool Agent::secret_matches(std::string_view presented) const {
 }
 
 Result<RegionDesc> Agent::register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
-                                          bool remote_access) {
-  return regions_.add(addr, len, kind, device, remote_access);
+                                          bool remote_access, int shm_fd) {
+  return regions_.add(addr, len, kind, device, remote_access, shm_fd);
 }
 
 Status Agent::deregister_memory(uint64_t id) {
   PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.get(id));
-  (void)d;
   {
     std::lock_guard<std::mutex> lk(mu_);
     for (auto it = layouts_.begin(); it != layouts_.end();) {
@@ -119,7 +118,12 @@ Status Agent::deregister_memory(uint64_t id) {
       it = uses ? layouts_.erase(it) : std::next(it);
     }
   }
-  return regions_.remove(id);
+  PDKV_ASSIGN_OR_RETURN(auto entry, regions_.take(id));
+  // Peers with direct access (shm mappings, cross-memory attach) stop using it first.
+  if (d.remote_access)
+    for (auto& t : transports_) t->region_removed(d);
+  RegionTable::wait_unpinned(entry);
+  return Status::Ok();
 }
 
 Status Agent::add_layout(const std::string& name, KVLayout layout) {

@@ -70,6 +70,7 @@ std::string encode_metadata(const AgentMetadata& md) {
     body.put<uint64_t>(r.len);
     body.put<uint8_t>(static_cast<uint8_t>(r.kind));
     body.put<int32_t>(r.device);
+    body.put<uint8_t>(r.shareable ? 1 : 0);
   }
   body.put<uint32_t>(static_cast<uint32_t>(md.layouts.size()));
   for (const auto& [name, l] : md.layouts) {
@@ -134,7 +135,7 @@ Result<AgentMetadata> decode_metadata(std::string_view blob) {
     PDKV_RETURN_IF_ERROR(r.get_str(&e.address, "endpoint address", kMaxStr));
     md.endpoints.push_back(std::move(e));
   }
-  PDKV_RETURN_IF_ERROR(r.get_count(&n, "region count", 29, kMaxItems));
+  PDKV_RETURN_IF_ERROR(r.get_count(&n, "region count", 30, kMaxItems));
   std::set<uint64_t> ids;
   for (uint32_t i = 0; i < n; ++i) {
     RegionDesc d;
@@ -144,6 +145,10 @@ Result<AgentMetadata> decode_metadata(std::string_view blob) {
     PDKV_RETURN_IF_ERROR(r.get(&d.len, "region len"));
     PDKV_RETURN_IF_ERROR(r.get(&kind, "region kind"));
     PDKV_RETURN_IF_ERROR(r.get(&d.device, "region device"));
+    uint8_t flags = 0;
+    PDKV_RETURN_IF_ERROR(r.get(&flags, "region flags"));
+    if (flags > 1) return ProtocolError("region " + std::to_string(d.id) + " has unknown flags " + std::to_string(flags));
+    d.shareable = flags & 1;
     if (kind > static_cast<uint8_t>(MemKind::kCuda))
       return ProtocolError("region " + std::to_string(d.id) + " has unknown memory kind " + std::to_string(kind));
     if (d.len == 0 || d.addr > ~0ull - d.len)

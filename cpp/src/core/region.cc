@@ -1,5 +1,10 @@
 #include "pdkv/region.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <string>
 
 namespace pdkv {
@@ -10,6 +15,10 @@ std::string range_str(uint64_t addr, uint64_t len) {
   return buf;
 }
 }  // namespace
+
+detail::RegionEntry::~RegionEntry() {
+  if (shm_fd >= 0) ::close(shm_fd);
+}
 
 void detail::RegionEntry::unpin() {
   if (inflight.fetch_sub(1, std::memory_order_acq_rel) == 1 && revoked.load(std::memory_order_acquire)) {
@@ -25,12 +34,30 @@ void RegionPin::reset() {
   }
 }
 
-Result<RegionDesc> RegionTable::add(uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote_access) {
+Result<RegionDesc> RegionTable::add(uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote_access,
+                                    int shm_fd) {
   if (len == 0) return InvalidArgument("cannot register an empty memory range");
   if (addr == 0) return InvalidArgument("cannot register memory at address 0");
   if (addr > ~0ull - len) return OutOfRange("memory range " + range_str(addr, len) + " wraps around");
   if (kind == MemKind::kHost && device != -1) return InvalidArgument("host memory takes device -1");
   if (kind == MemKind::kCuda && device < 0) return InvalidArgument("CUDA memory needs a device ordinal >= 0");
+  int fd = -1;
+  if (shm_fd >= 0) {
+    if (kind != MemKind::kHost) return InvalidArgument("only host memory can be backed by a memfd");
+    struct stat st {};
+    if (::fstat(shm_fd, &st) != 0) return InvalidArgument("shm fd " + std::to_string(shm_fd) + " is not open");
+    if (static_cast<uint64_t>(st.st_size) < len)
+      return InvalidArgument("shm fd holds " + std::to_string(st.st_size) + " bytes, less than the " +
+                             std::to_string(len) + " registered");
+    fd = ::fcntl(shm_fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return Internal("dup of shm fd failed: errno " + std::to_string(errno));
+  }
+  struct FdGuard {
+    int& fd;
+    ~FdGuard() {
+      if (fd >= 0) ::close(fd);
+    }
+  } guard{fd};
   std::unique_lock<std::shared_mutex> lk(mu_);
   // Overlap with the region starting at or before addr, or the first one after it.
   auto it = by_addr_.upper_bound(addr);
@@ -47,25 +74,33 @@ Result<RegionDesc> RegionTable::add(uint64_t addr, uint64_t len, MemKind kind, i
                          " " + range_str(d.addr, d.len) + "; register each pool once");
   }
   auto e = std::make_shared<detail::RegionEntry>();
-  e->desc = RegionDesc{next_id_++, addr, len, kind, device, remote_access};
+  e->desc = RegionDesc{next_id_++, addr, len, kind, device, remote_access, fd >= 0};
+  e->shm_fd = fd;
+  fd = -1;
   by_addr_[addr] = e->desc.id;
   by_id_[e->desc.id] = e;
   return e->desc;
 }
 
-Status RegionTable::remove(uint64_t id) {
-  std::shared_ptr<detail::RegionEntry> e;
-  {
-    std::unique_lock<std::shared_mutex> lk(mu_);
-    auto it = by_id_.find(id);
-    if (it == by_id_.end()) return NotFound("no registered region " + std::to_string(id));
-    e = it->second;
-    by_addr_.erase(e->desc.addr);
-    by_id_.erase(it);
-    e->revoked.store(true, std::memory_order_release);
-  }
+Result<std::shared_ptr<detail::RegionEntry>> RegionTable::take(uint64_t id) {
+  std::unique_lock<std::shared_mutex> lk(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return NotFound("no registered region " + std::to_string(id));
+  auto e = it->second;
+  by_addr_.erase(e->desc.addr);
+  by_id_.erase(it);
+  e->revoked.store(true, std::memory_order_release);
+  return e;
+}
+
+void RegionTable::wait_unpinned(const std::shared_ptr<detail::RegionEntry>& e) {
   std::unique_lock<std::mutex> lk(e->mu);
   e->cv.wait(lk, [&] { return e->inflight.load(std::memory_order_acquire) == 0; });
+}
+
+Status RegionTable::remove(uint64_t id) {
+  PDKV_ASSIGN_OR_RETURN(auto e, take(id));
+  wait_unpinned(e);
   return Status::Ok();
 }
 
@@ -96,6 +131,17 @@ Result<RegionDesc> RegionTable::find(uint64_t addr, uint64_t len) const {
     if (addr >= d.addr && addr - d.addr <= d.len && len <= d.len - (addr - d.addr)) return d;
   }
   return NotFound("memory " + range_str(addr, len) + " is not inside one registered region");
+}
+
+Result<int> RegionTable::dup_shm_fd(uint64_t id) const {
+  std::shared_lock<std::shared_mutex> lk(mu_);
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) return NotFound("region " + std::to_string(id) + " is not registered");
+  if (!it->second->desc.remote_access) return NotFound("region " + std::to_string(id) + " is not exported to peers");
+  if (it->second->shm_fd < 0) return NotSupported("region " + std::to_string(id) + " is not backed by shared memory");
+  int fd = ::fcntl(it->second->shm_fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return Internal("dup failed: errno " + std::to_string(errno));
+  return fd;
 }
 
 Result<RegionDesc> RegionTable::get(uint64_t id) const {
