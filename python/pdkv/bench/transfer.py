@@ -74,11 +74,10 @@ def tcp_options(args: argparse.Namespace) -> TcpOptions:
     return TcpOptions(conns_per_peer=args.conns, progress_threads=args.threads)
 
 
-def _pool(geo, seed: int | None) -> tuple[np.ndarray, KVLayout]:
-    buf = np.empty(geo.pool_bytes, np.uint8)
-    if seed is None:
-        buf[:] = 0
-    else:
+def _pool(agent: Agent, geo, seed: int | None) -> tuple[np.ndarray, KVLayout]:
+    """A KV pool in pdkv-allocated shared memory (so every transport can use it)."""
+    buf = agent.alloc(geo.pool_bytes).array()
+    if seed is not None:
         rng = np.random.default_rng(seed)
         buf[:] = rng.integers(0, 256, geo.pool_bytes, dtype=np.uint8)
     return buf, KVLayout.contiguous(geo, buf)
@@ -91,8 +90,7 @@ def serve(args: argparse.Namespace) -> None:
     geo = models.geometry(args.model, args.blocks)
     agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
                   tcp=tcp_options(args))
-    buf, layout = _pool(geo, None)
-    agent.register(buf)
+    buf, layout = _pool(agent, geo, None)
     agent.add_layout("kv", layout)
     host, _, port = agent.address.rpartition(":")
     sink = bench.Sink(host.strip("[]"), 0 if args.child else int(port) + 1)
@@ -312,13 +310,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         secret = os.environ.get(SECRET_ENV, "pdkv-bench")
         with Agent("bench-initiator", secret=secret, listen=f"{args.host}:0", tcp=tcp_options(args)) as agent:
             geo = models.geometry(args.model, args.local_blocks)
-            src, src_layout = _pool(geo, args.seed)
-            scratch, scratch_layout = _pool(geo, None)
-            agent.register(src)
-            agent.register(scratch)
+            src, src_layout = _pool(agent, geo, args.seed)
+            scratch, scratch_layout = _pool(agent, geo, None)
             agent.add_layout("kv", src_layout)
             agent.add_layout("scratch", scratch_layout)
-            peer = agent.connect(target.address)
+            peer = agent.connect(target.address, transport=args.transport)
             info = agent.peer_info(peer)["layouts"]["kv"].geometry
             if info.num_blocks < args.remote_blocks:
                 raise InvalidArgument(f"the target pool has {info.num_blocks} blocks; this run needs "
@@ -408,7 +404,7 @@ def print_table(args, results: list[dict]) -> None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--transport", default="tcp", help="transport to measure (default tcp)")
+    ap.add_argument("--transport", default="tcp", help="transport to measure: tcp or shm (default tcp)")
     ap.add_argument("--model", default="llama-3-8b", help="KV geometry preset:\n" + models.describe())
     ap.add_argument("--payload", default="64M,256M,1G", help="comma-separated payload sizes (default 64M,256M,1G)")
     ap.add_argument("--iters", type=int, default=0, help="timed repetitions per payload (default: >= --min-bytes)")
@@ -440,10 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     args.argv = argv
-    if args.transport != "tcp":
+    avail = _native.module().available_transports()
+    if args.transport not in avail:
         print(f"pdkv bench transfer: transport {args.transport!r} is not available here "
-              f"(available: {', '.join(_native.module().available_transports())})", file=sys.stderr)
+              f"(available: {', '.join(avail)})", file=sys.stderr)
         return 2
+    if args.transport == "shm" and args.target:
+        ap.error("the shm transport needs both sides on this host (drop --target)")
     if args.serve:
         if args.target:
             ap.error("--serve and --target are exclusive")
