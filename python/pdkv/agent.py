@@ -51,7 +51,9 @@ class XferState(enum.Enum):
     CANCELLED = "cancelled"
 
 
-_STATE = {}
+_STATE: dict = {}
+_NATIVE_DONE: list = []
+_NATIVE_PENDING: list = []
 
 
 def _state(native_state) -> XferState:
@@ -60,6 +62,14 @@ def _state(native_state) -> XferState:
         _STATE.update({m.PENDING: XferState.PENDING, m.DONE: XferState.DONE, m.FAILED: XferState.FAILED,
                        m.CANCELLED: XferState.CANCELLED})
     return _STATE[native_state]
+
+
+def _native_states():
+    if not _NATIVE_DONE:
+        m = _native.module().XferState
+        _NATIVE_DONE.append(m.DONE)
+        _NATIVE_PENDING.append(m.PENDING)
+    return _NATIVE_DONE[0], _NATIVE_PENDING[0]
 
 
 @dataclass(frozen=True)
@@ -245,12 +255,13 @@ class Transfer:
         PdkvError
             The transfer's error if it failed (:class:`~pdkv.errors.Cancelled` if cancelled).
         """
-        state = _state(self._n.wait(-1.0 if timeout is None else float(timeout)))
-        if state is XferState.PENDING:
+        done, pending = _native_states()
+        state = self._n.wait(-1.0 if timeout is None else float(timeout))
+        if state == done:
+            return True
+        if state == pending:
             return False
-        if state is not XferState.DONE:
-            raise self.error  # type: ignore[misc]
-        return True
+        raise self.error  # type: ignore[misc]
 
     def cancel(self) -> None:
         """Drops the parts not yet on the wire; the state becomes CANCELLED unless all
@@ -291,7 +302,8 @@ class PreparedTransfer:
             Seconds until the transfer fails with TransferTimeout (None: the agent's
             default; 0: no limit).
         """
-        return self._agent._post(self._n, notify, timeout)
+        return Transfer(self._agent._n.post(self._n, b"" if notify is None else _as_bytes(notify),
+                                            -1.0 if timeout is None else float(timeout)))
 
     def __repr__(self) -> str:
         return (f"PreparedTransfer(peer={self.peer!r}, transport={self.transport!r}, "
@@ -602,9 +614,6 @@ class Agent:
         every byte has landed here."""
         return self.prepare("read", peer, local_layout, local_blocks, remote_layout, remote_blocks,
                             **plan).post(notify=notify, timeout=timeout)
-
-    def _post(self, native_prep: Any, notify: bytes | str | None, timeout: float | None) -> Transfer:
-        return Transfer(self._n.post(native_prep, _as_bytes(notify), -1.0 if timeout is None else float(timeout)))
 
     def notify(self, peer: str, data: bytes | str, *, timeout: float | None = None) -> Transfer:
         """Sends a notification alone (ordered after earlier transfers on the same connection)."""

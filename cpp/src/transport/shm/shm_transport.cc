@@ -14,7 +14,6 @@
 // peers get the fds. When the target deregisters an exported region it tells
 // every connected peer to stop (kRevoke) and waits for their acknowledgements.
 #include <fcntl.h>
-#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -108,6 +107,7 @@ struct ShmConn {
   pid_t peer_pid = 0;
   Clock::time_point hs_deadline = Clock::time_point::max();
   bool authed = false;
+  std::atomic<bool> gone{false};  // set with `dead`, readable without the lock
   std::mutex send_mu;
   std::mutex map_mu;  // one map request in flight per connection
   // Receive state (progress thread).
@@ -650,6 +650,7 @@ void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
     std::lock_guard<std::mutex> lk(c->mu);
     if (c->dead) return;
     c->dead = true;
+    c->gone = true;
     c->dead_reason = why;
     pend.swap(c->notifies);
     c->cv.notify_all();
@@ -923,13 +924,10 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
 
 void ShmTransport::finish_job(Job& job, Status st) {
   unpin(*job.prep);
-  if (st.ok()) {
-    // The bytes are in memory the peer shares with us; make sure the peer is still
-    // there to use them (its socket end closes the moment it dies).
-    pollfd pf{job.prep->conn->fd, POLLRDHUP, 0};
-    if (::poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR)))
-      st = ConnectionError(job.prep->conn->desc + " went away during the transfer");
-  }
+  // The bytes are in memory the peer shares with us; fail the transfer if the peer
+  // died meanwhile (the progress thread sees its socket close at once).
+  if (st.ok() && job.prep->conn->gone.load(std::memory_order_acquire))
+    st = ConnectionError(job.prep->conn->desc + " went away during the transfer");
   if (!st.ok() || job.notif.empty()) {
     job.xfer->resolve_part(st.ok() ? job.prep->total : 0, st);
     if (!job.notif.empty()) job.xfer->resolve_part(0, Cancelled("notification not sent: the copy failed"));
