@@ -246,6 +246,9 @@ PYBIND11_MODULE(_pdkv, m) {
     py::dict lays;
     for (auto& [n, l] : md.layouts) lays[py::str(n)] = l;
     d["layouts"] = lays;
+    py::dict extras;
+    for (auto& [n, b] : md.extras) extras[py::str(n)] = to_bytes(b);
+    d["extras"] = extras;
     return d;
   });
 
@@ -458,7 +461,13 @@ PYBIND11_MODULE(_pdkv, m) {
              for (auto& n : v) out.append(py::make_tuple(n.peer, to_bytes(n.data)));
              return out;
            })
-      .def_property_readonly("notification_fd", [](Agent& a) { return a.notifications().fd(); });
+      .def_property_readonly("notification_fd", [](Agent& a) { return a.notifications().fd(); })
+      .def("set_metadata_extra",
+           [](Agent& a, const std::string& name, py::bytes blob) { a.set_metadata_extra(name, std::string(blob)); })
+      .def("push_notification",
+           [](Agent& a, const std::string& peer, py::bytes data) {
+             a.push_notification(Notification{peer, std::string(data)});
+           });
 
   // Benchmark helpers: raw-socket and memcpy ceilings measured with the same code
   // path quality as the transport (C++, no Python in the loop).

@@ -76,10 +76,12 @@ __all__ = [
 
 
 def available_transports() -> list[str]:
-    """Transports compiled in and viable on this host (e.g. ``['tcp']``)."""
-    from . import _native
+    """Transports usable on this host: the compiled-in ones that are viable (``tcp``,
+    ``shm``) plus Python ones whose library is installed (``nixl``)."""
+    from . import _native, backends
 
-    return _native.module().available_transports()
+    return _native.module().available_transports() + [
+        t for t in backends.PY_TRANSPORTS if backends.py_transport_available(t)]
 
 
 def decode_metadata(blob: bytes) -> dict:

@@ -372,11 +372,21 @@ class Agent:
         if not host or not port.isdigit():
             raise InvalidArgument(f"listen must be 'host:port', got {listen!r}")
         host = host.strip("[]")
+        from . import backends
+
         if transports is None:
             avail = _native.module().available_transports()
             transports = [t for t in ("shm", "tcp") if t in avail]
+            # RDMA: NIXL (UCX) when the host has an RDMA device and NIXL is installed.
+            if backends.rdma_device_present() and backends.py_transport_available("nixl"):
+                transports.insert(0, "nixl")
+        self._order = list(transports)
+        py_names = [t for t in self._order if t in backends.PY_TRANSPORTS]
+        native = [t for t in self._order if t not in backends.PY_TRANSPORTS]
+        if py_names and "tcp" not in native:
+            native.append("tcp")  # metadata side channel (connect/fetch_metadata)
         self._n = _native.module().Agent(
-            name, _as_bytes(secret).decode("latin-1"), list(transports), host, int(port),
+            name, _as_bytes(secret).decode("latin-1"), native, host, int(port),
             tcp.conns_per_peer, tcp.progress_threads, tcp.spin_us, tcp.batch_bytes, tcp.batch_extents,
             tcp.rcvlowat_bytes, tcp.connect_timeout_s, tcp.handshake_timeout_s, shm.copy_threads, shm.inline_bytes,
             float(default_timeout), max_notif_bytes, wait_spin_us,
@@ -385,6 +395,21 @@ class Agent:
         self._layout_keep: dict[str, KVLayout] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._py: dict[str, backends.PyTransport] = {}
+        self._py_peers: dict[str, backends.PyTransport] = {}
+        try:
+            for t in py_names:
+                if not backends.py_transport_available(t):
+                    from .errors import NotSupported
+
+                    raise NotSupported(f"transport {t!r} needs the {t} package: "
+                                       "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1")
+                self._py[t] = backends.create(t)
+                self._py[t].start(self)
+                self._n.set_metadata_extra(t, self._py[t].metadata_extra())
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ identity
     @property
@@ -403,7 +428,9 @@ class Agent:
 
     @property
     def transports(self) -> list[str]:
-        return self._n.transports
+        """Enabled transports in order of preference (tcp is added for metadata exchange
+        when only a Python transport such as nixl was asked for)."""
+        return list(self._order) + [t for t in self._n.transports if t not in self._order]
 
     @property
     def address(self) -> str:
@@ -452,6 +479,7 @@ class Agent:
         region = SharedRegion(self, desc, mm)
         with self._lock:
             self._regions[region.id] = region
+        self._py_registered(region)
         return region
 
     def register_address(self, addr: int, nbytes: int, *, kind: str = "host", device: int = -1,
@@ -468,13 +496,26 @@ class Agent:
         region = Region(self, desc, obj)
         with self._lock:
             self._regions[region.id] = region
+        self._py_registered(region)
         return region
+
+    def _py_registered(self, region: Region) -> None:
+        try:
+            for t in self._py.values():
+                t.on_register(region)
+                self._n.set_metadata_extra(t.name, t.metadata_extra())
+        except BaseException:
+            region.close()
+            raise
 
     def deregister(self, region: Region) -> None:
         """Same as ``region.close()``."""
         region.close()
 
     def _deregister(self, region: Region) -> None:
+        for t in self._py.values():
+            t.on_deregister(region)
+            self._n.set_metadata_extra(t.name, t.metadata_extra())
         self._n.deregister_memory(region.id)
         with self._lock:
             self._regions.pop(region.id, None)
@@ -510,8 +551,36 @@ class Agent:
 
     def add_peer(self, metadata: bytes, *, secret: str | bytes | None = None, transport: str | None = None) -> str:
         """Imports a peer's :meth:`metadata`; returns its name. Re-adding a name replaces
-        it. ``secret``: the peer's, if it differs from ours. ``transport`` forces one."""
-        return self._n.add_peer(bytes(metadata), _as_bytes(secret), transport or "")
+        it. ``secret``: the peer's, if it differs from ours. ``transport`` forces one;
+        otherwise the first of this agent's transports that can reach the peer is used
+        (see :meth:`peer_transport`)."""
+        blob = bytes(metadata)
+        if transport is not None and transport not in self._order:
+            from .errors import NotFound
+
+            raise NotFound(f"transport {transport!r} is not enabled on agent {self.name!r} "
+                           f"(enabled: {', '.join(self._order)})")
+        native_forced = transport if transport is not None and transport not in self._py else ""
+        name = self._n.add_peer(blob, _as_bytes(secret), native_forced)
+        old = self._py_peers.pop(name, None)
+        if old is not None:
+            old.remove_peer(name)
+        if self._py:
+            md = _native.module().decode_metadata(blob)
+            native_choice = self._n.peer_transport(name)
+            for t in ([transport] if transport is not None else self._order):
+                if t in self._py:
+                    if self._py[t].can_reach(md):
+                        self._py[t].add_peer(name, md, _as_bytes(secret) or self.secret)
+                        self._py_peers[name] = self._py[t]
+                        break
+                    if transport is not None:
+                        from .errors import NotSupported
+
+                        raise NotSupported(f"transport {t!r} cannot reach peer {name!r}")
+                elif t == native_choice:
+                    break
+        return name
 
     def fetch_metadata(self, address: str, *, secret: str | bytes | None = None, timeout: float = 10.0) -> bytes:
         """Fetches a peer's metadata from its tcp ``address`` (``"host:port"``)."""
@@ -526,6 +595,9 @@ class Agent:
     def remove_peer(self, name: str) -> None:
         """Forgets a peer; its in-flight transfers fail with PeerConnectionError."""
         self._n.remove_peer(name)
+        t = self._py_peers.pop(name, None)
+        if t is not None:
+            t.remove_peer(name)
 
     @property
     def peers(self) -> list[str]:
@@ -533,7 +605,8 @@ class Agent:
 
     def peer_transport(self, name: str) -> str:
         """The transport that transfers to ``name`` use."""
-        return self._n.peer_transport(name)
+        t = self._py_peers.get(name)
+        return t.name if t is not None else self._n.peer_transport(name)
 
     def peer_info(self, name: str) -> dict:
         """The peer's decoded metadata (name, endpoints, regions, layouts, ...)."""
@@ -587,6 +660,17 @@ class Agent:
         lids = list(local_blocks) if not hasattr(local_blocks, "__array_interface__") else local_blocks
         rids = lids if remote_blocks is None else (
             list(remote_blocks) if not hasattr(remote_blocks, "__array_interface__") else remote_blocks)
+        py = self._py_transport_for(peer, transport)
+        if py is not None:
+            self._op(op)
+            remote = self.peer_info(peer)["layouts"].get(remote_layout or local_layout)
+            if remote is None:
+                from .errors import NotFound
+
+                raise NotFound(f"peer {peer!r} exports no layout named {remote_layout or local_layout!r}")
+            rel = _native.module().plan_blocks(self._n.layout(local_layout), lids, remote, rids, num_tokens,
+                                               num_heads, local_head_offset, remote_head_offset)
+            return py.prepare(op, peer, self._absolute(peer, rel))
         native = self._n.prepare_blocks(peer, self._op(op), local_layout, lids, remote_layout or local_layout, rids,
                                         num_tokens, num_heads, local_head_offset, remote_head_offset,
                                         transport or "")
@@ -596,8 +680,40 @@ class Agent:
                         transport: str | None = None) -> PreparedTransfer:
         """Raw form: ``(local_region_id, local_offset, remote_region_id, remote_offset,
         nbytes)`` tuples (remote ids from :meth:`peer_info`)."""
+        py = self._py_transport_for(peer, transport)
+        if py is not None:
+            self._op(op)
+            return py.prepare(op, peer, self._absolute(peer, [tuple(map(int, e)) for e in extents]))
         native = self._n.prepare_extents(peer, self._op(op), [tuple(map(int, e)) for e in extents], transport or "")
         return PreparedTransfer(self, native)
+
+    def _py_transport_for(self, peer: str, transport: str | None):
+        if transport is not None:
+            return self._py.get(transport)
+        return self._py_peers.get(peer)
+
+    def _absolute(self, peer: str, extents) -> list[tuple[int, int, int]]:
+        """Region-relative extents -> (local_addr, remote_addr, nbytes), bounds-checked."""
+        from .errors import InvalidArgument as _IA, NotFound, OutOfRange
+
+        local = {r["id"]: r for r in self._n.regions()}
+        remote = {r["id"]: r for r in self.peer_info(peer)["regions"]}
+        out = []
+        for i, (lr, lo, rr, ro, n) in enumerate(extents):
+            if n <= 0:
+                raise _IA(f"extent {i} has length {n}")
+            if lr not in local:
+                raise NotFound(f"region {lr} is not registered")
+            if rr not in remote:
+                raise NotFound(f"peer {peer!r} exports no region {rr}")
+            if lo < 0 or lo + n > local[lr]["len"]:
+                raise OutOfRange(f"extent {i}: local bytes [{lo}, +{n}) fall outside region {lr}")
+            if ro < 0 or ro + n > remote[rr]["len"]:
+                raise OutOfRange(f"extent {i}: remote bytes [{ro}, +{n}) fall outside the peer's region {rr}")
+            out.append((local[lr]["addr"] + lo, remote[rr]["addr"] + ro, n))
+        if not out:
+            raise _IA("no extents to transfer")
+        return out
 
     def write(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
               remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
@@ -617,6 +733,11 @@ class Agent:
 
     def notify(self, peer: str, data: bytes | str, *, timeout: float | None = None) -> Transfer:
         """Sends a notification alone (ordered after earlier transfers on the same connection)."""
+        py = self._py_peers.get(peer)
+        if py is not None:
+            if not _as_bytes(data):
+                raise InvalidArgument("notification is empty")
+            return py.notify(peer, _as_bytes(data), timeout)
         return Transfer(self._n.send_notification(peer, _as_bytes(data), -1.0 if timeout is None else float(timeout)))
 
     # ------------------------------------------------------------------ notifications
@@ -659,6 +780,13 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        for t in self._py.values():
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001 - closing must not stop the rest
+                pass
+        self._py.clear()
+        self._py_peers.clear()
         name = self._n.name
         n, self._n = self._n, _Closed(name)
         del n

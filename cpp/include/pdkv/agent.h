@@ -122,6 +122,12 @@ class Agent final : private AgentHooks {
   // ---- notifications ----
   NotifQueue& notifications() { return notifs_; }
 
+  // ---- for transports implemented outside the core (Python: NIXL) ----
+  // Publishes `blob` under `name` in metadata extras (empty blob removes it).
+  void set_metadata_extra(const std::string& name, std::string blob);
+  // Queues a notification as if a core transport had received it.
+  void push_notification(Notification n) { notifs_.push(std::move(n)); }
+
   // ---- AgentHooks ----
   const std::string& agent_name() const override { return cfg_.name; }
   bool secret_matches(std::string_view presented) const override;
@@ -154,6 +160,7 @@ class Agent final : private AgentHooks {
   mutable std::mutex mu_;  // guards layouts_ and peers_
   std::map<std::string, KVLayout> layouts_;
   std::map<std::string, PeerEntry> peers_;
+  std::map<std::string, std::string> extras_;
 };
 
 }  // namespace pdkv

@@ -191,7 +191,20 @@ std::string Agent::metadata() {
     std::string extra = t->metadata_extra();
     if (!extra.empty()) md.extras.emplace_back(std::string(t->name()), std::move(extra));
   }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (const auto& [n, blob] : extras_) md.extras.emplace_back(n, blob);
+  }
   return encode_metadata(md);
+}
+
+void Agent::set_metadata_extra(const std::string& name, std::string blob) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (blob.empty()) {
+    extras_.erase(name);
+  } else {
+    extras_[name] = std::move(blob);
+  }
 }
 
 Result<std::string> Agent::add_peer(std::string_view blob, std::string secret, std::string transport) {

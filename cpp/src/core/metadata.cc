@@ -203,7 +203,7 @@ Result<AgentMetadata> decode_metadata(std::string_view blob) {
   for (uint32_t i = 0; i < n; ++i) {
     std::string t, b;
     PDKV_RETURN_IF_ERROR(r.get_str(&t, "extra transport", 64));
-    PDKV_RETURN_IF_ERROR(r.get_str(&b, "extra blob", 1u << 20));
+    PDKV_RETURN_IF_ERROR(r.get_str(&b, "extra blob", 16u << 20));
     md.extras.emplace_back(std::move(t), std::move(b));
   }
   if (r.remaining() != 0)
