@@ -203,3 +203,17 @@ def test_serving_package_imports_lazily() -> None:
         pytest.skip("stale editable install: pdkv.serving/__init__.py was added after `pip install -e .`")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_waiting_request_stalls_until_blocks_are_released() -> None:
+    tm = tiny_model("llama_gqa")
+    eng = engine(num_blocks=16)
+    held = eng.reserve("held", 60)  # 15 of 16 blocks
+    assert len(held) == 15
+    h = eng.add_request("r", tm.prompts[3], GREEDY)  # 23 tokens: needs 6 blocks to start
+    assert eng.run_until_idle() == 0 and eng.has_work()
+    assert eng.wait_for_work(0.01) is False  # nothing can progress: a loop would sleep here
+    eng.release("held")
+    assert eng.wait_for_work(0) is True
+    eng.run_until_idle()
+    assert h.output_ids == tm.refs[3]

@@ -55,7 +55,7 @@ def make_prompts(lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lens]
 
 
-def reference_generate(model: Any, prompts: list[list[int]], max_new: int
+def reference_generate(model: Any, prompts: list[list[int]], max_new: int, *, device: str = "cpu"
                        ) -> tuple[list[list[int]], list[Any]]:
     """``model.generate(do_sample=False)`` per prompt (no padding involved).
 
@@ -67,11 +67,11 @@ def reference_generate(model: Any, prompts: list[list[int]], max_new: int
     """
     outs, logits = [], []
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=device)
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         outs.append(gen.sequences[0, len(p):].tolist())
-        logits.append(torch.cat([lg.float() for lg in gen.logits]))
+        logits.append(torch.cat([lg.float() for lg in gen.logits]).cpu())
     return outs, logits
 
 

@@ -342,6 +342,7 @@ class Engine:
         self._running: list[_Request] = []
         self._requests: dict[str, _Request] = {}     # waiting, running and held
         self._reserved: dict[str, list[int]] = {}    # decode-side reservations
+        self._stalled = False  # the last step could schedule none of the waiting requests
         self.num_preemptions = 0
         self.num_recomputes = 0
         self.num_steps = 0
@@ -383,7 +384,7 @@ class Engine:
             self._check_new_id(request_id)
             self._requests[request_id] = req
             self._waiting.append(req)
-            self._work.notify_all()
+            self._wake()
         return handle
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
@@ -467,7 +468,7 @@ class Engine:
             else:
                 req.state = _State.RUNNING
                 self._running.append(req)
-                self._work.notify_all()
+                self._wake()
         self._emit(events)
         return handle
 
@@ -504,6 +505,7 @@ class Engine:
             blocks = self._reserved.pop(request_id, None)
             if blocks is not None:
                 self.pool.allocator.free(blocks)
+                self._wake()
             self._check_new_id(request_id)
             self.num_recomputes += 1
             self._requests[request_id] = req
@@ -512,7 +514,7 @@ class Engine:
                 self._finish(req, reason, events, token=None)
             else:
                 self._waiting.append(req)
-                self._work.notify_all()
+                self._wake()
         self._emit(events)
         return handle
 
@@ -528,6 +530,7 @@ class Engine:
             blocks = self._reserved.pop(request_id, None)
             if blocks is not None:
                 self.pool.allocator.free(blocks)
+                self._wake()
                 return
             req = self._requests.get(request_id)
             if req is None or req.state is not _State.HELD:
@@ -536,6 +539,7 @@ class Engine:
             req.block_ids = []
             req.state = _State.FINISHED
             del self._requests[request_id]
+            self._wake()
 
     def abort(self, request_id: str) -> bool:
         """Stops a request (its last event has :attr:`FinishReason.ABORT`); also
@@ -544,6 +548,7 @@ class Engine:
         with self._lock:
             if request_id in self._reserved:
                 self.pool.allocator.free(self._reserved.pop(request_id))
+                self._wake()
                 return True
             req = self._requests.get(request_id)
             if req is None:
@@ -553,26 +558,45 @@ class Engine:
                 req.block_ids = []
                 req.state = _State.FINISHED
                 del self._requests[request_id]
+                self._wake()
             elif req.state is _State.WAITING:
                 self._waiting.remove(req)
                 self._finish(req, FinishReason.ABORT, events, token=None)
             else:  # running: finished by the stepping thread (a step may be using its blocks now)
                 req.abort_requested = True
-                self._work.notify_all()
+                self._wake()
         self._emit(events)
         return True
 
     # ------------------------------------------------------------------ stepping
     def has_work(self) -> bool:
-        """True when a :meth:`step` would compute something."""
+        """True while requests are waiting or running."""
         with self._lock:
             return bool(self._waiting or self._running)
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
-        """Blocks until there is work (or ``timeout`` passes); returns :meth:`has_work`."""
+        """Blocks until a :meth:`step` can make progress (or ``timeout`` passes).
+
+        A step can make progress when requests are running, or waiting requests may
+        now fit: after a step that could schedule nothing (every waiting request needs
+        blocks that reservations or prefilled requests hold), this waits for a new
+        request, a release or an abort.
+
+        Returns
+        -------
+        bool
+            True when a step can make progress.
+        """
         with self._work:
-            self._work.wait_for(lambda: bool(self._waiting or self._running), timeout)
-            return bool(self._waiting or self._running)
+            return self._work.wait_for(self._ready, timeout)
+
+    def _ready(self) -> bool:
+        return bool(self._running) or (bool(self._waiting) and not self._stalled)
+
+    def _wake(self) -> None:
+        """Something changed that may let a stalled step progress (lock held)."""
+        self._stalled = False
+        self._work.notify_all()
 
     def step(self) -> StepStats | None:
         """Schedules, runs the model once over the packed batch, samples, streams events.
@@ -598,6 +622,7 @@ class Engine:
                 preempted_before = self.num_preemptions
                 sched = self._schedule()
                 num_preempted = self.num_preemptions - preempted_before
+                self._stalled = not sched and bool(self._waiting)
                 plan = self._build_inputs(sched) if sched else None
             if plan is None:
                 self._emit(events)
@@ -655,7 +680,9 @@ class Engine:
                              time.perf_counter() - t0)
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
-        """Steps in the calling thread until no request is waiting or running.
+        """Steps in the calling thread until no request is waiting or running, or a step
+        can schedule nothing (waiting requests need blocks held by reservations or
+        prefilled requests that only :meth:`release` frees).
 
         Returns
         -------
@@ -663,9 +690,10 @@ class Engine:
             Steps run.
         """
         steps = 0
-        while self.has_work() and (max_steps is None or steps < max_steps):
-            if self.step() is not None:
-                steps += 1
+        while max_steps is None or steps < max_steps:
+            if self.step() is None:
+                break
+            steps += 1
         return steps
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None

@@ -14,6 +14,23 @@ block ``block_ids[p // block_tokens]``, row ``p % block_tokens``: its *slot* is
 
 Thread safety: :class:`BlockAllocator` is not thread-safe; the engine guards it with
 its own lock. Tensor contents are written only by the engine's step.
+
+Example
+-------
+>>> import pdkv
+>>> from pdkv.serving.kv_pool import PagedKVPool
+>>> geo = pdkv.KVGeometry(num_layers=2, num_blocks=8, block_tokens=4, kv_heads=2, head_dim=16,
+...                       dtype="bfloat16")
+>>> pool = PagedKVPool(geo)
+>>> tuple(pool.k_caches[0].shape)
+(8, 4, 2, 16)
+>>> table = pool.allocator.alloc(pool.blocks_for(6))   # a 6-token prompt
+>>> table, pool.slots(table, 4, 6).tolist()
+([0, 1], [4, 5])
+>>> with pdkv.Agent("doc", secret="s") as agent:
+...     region = pool.register(agent, "kv")            # one registration for the whole pool
+...     agent.layout("kv").geometry == geo
+True
 """
 
 from __future__ import annotations

