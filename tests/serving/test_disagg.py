@@ -168,3 +168,27 @@ def test_prefill_only_blocks_are_held_until_release() -> None:
     a.run_until_idle()
     assert a.abort("q") is True
     assert a.num_free_blocks == a.pool.num_blocks
+
+
+def test_prefilled_requests_respect_max_num_seqs_and_go_first() -> None:
+    tm = tiny_model("llama_gqa")
+    a, _ = engines(tm.model)
+    # 20 blocks: the local 37-token prompt (10 blocks to start, colocated) cannot
+    # start while the prefilled requests hold 11; they must not queue behind it.
+    b = Engine(tm.model, EngineConfig(num_blocks=20, block_tokens=4, mode="colocated", max_num_seqs=2),
+               block_order=shuffled(20, 3))
+    pre = prefill_all(a, tm.prompts[:4])
+    local = b.add_request("local", tm.prompts[4], GREEDY)
+    decoded = []
+    for i, (p, h) in enumerate(zip(tm.prompts[:4], pre)):
+        dst = b.reserve(f"r{i}", len(p))
+        a.pool.copy_blocks_to(b.pool, h.block_ids, dst)
+        a.release(f"r{i}")
+        decoded.append(b.admit_prefilled(f"r{i}", p, h.output_ids[0], GREEDY, seed=h.seed))
+    most_running = 0
+    while b.has_work():
+        assert b.step() is not None, "stalled"
+        most_running = max(most_running, b.num_running)
+    assert most_running == 2
+    tm.check([d.output_ids for d in decoded] + [local.output_ids])
+    assert b.num_free_blocks == 20

@@ -40,6 +40,8 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     # Qwen2 with mixed full/sliding layers and a window not aligned to blocks.
     "qwen2_mixed": ("Qwen2Config", dict(num_key_value_heads=1, use_sliding_window=True, sliding_window=5,
                                         layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
+    # Qwen3: q/k RMSNorm inside attention, explicit head_dim, GQA.
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16)),
     # Mistral: every layer slides, window shorter than most sequences.
     "mistral_sw": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=6)),
 }

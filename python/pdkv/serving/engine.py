@@ -338,7 +338,8 @@ class Engine:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._step_lock = threading.Lock()
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[_Request] = deque()     # new, preempted and recompute requests
+        self._prefilled: deque[_Request] = deque()   # admit_prefilled: KV present, waiting for a slot
         self._running: list[_Request] = []
         self._requests: dict[str, _Request] = {}     # waiting, running and held
         self._reserved: dict[str, list[int]] = {}    # decode-side reservations
@@ -466,8 +467,8 @@ class Engine:
             if reason is not None:
                 self._finish(req, reason, events, token=None)
             else:
-                req.state = _State.RUNNING
-                self._running.append(req)
+                # Queued (max_num_seqs applies) ahead of new prompts: it already holds its KV.
+                self._prefilled.append(req)
                 self._wake()
         self._emit(events)
         return handle
@@ -560,7 +561,7 @@ class Engine:
                 del self._requests[request_id]
                 self._wake()
             elif req.state is _State.WAITING:
-                self._waiting.remove(req)
+                (self._prefilled if req in self._prefilled else self._waiting).remove(req)
                 self._finish(req, FinishReason.ABORT, events, token=None)
             else:  # running: finished by the stepping thread (a step may be using its blocks now)
                 req.abort_requested = True
@@ -572,7 +573,7 @@ class Engine:
     def has_work(self) -> bool:
         """True while requests are waiting or running."""
         with self._lock:
-            return bool(self._waiting or self._running)
+            return bool(self._waiting or self._prefilled or self._running)
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Blocks until a :meth:`step` can make progress (or ``timeout`` passes).
@@ -591,7 +592,7 @@ class Engine:
             return self._work.wait_for(self._ready, timeout)
 
     def _ready(self) -> bool:
-        return bool(self._running) or (bool(self._waiting) and not self._stalled)
+        return bool(self._running) or (bool(self._waiting or self._prefilled) and not self._stalled)
 
     def _wake(self) -> None:
         """Something changed that may let a stalled step progress (lock held)."""
@@ -622,7 +623,7 @@ class Engine:
                 preempted_before = self.num_preemptions
                 sched = self._schedule()
                 num_preempted = self.num_preemptions - preempted_before
-                self._stalled = not sched and bool(self._waiting)
+                self._stalled = not sched and bool(self._waiting or self._prefilled)
                 plan = self._build_inputs(sched) if sched else None
             if plan is None:
                 self._emit(events)
@@ -717,7 +718,7 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         with self._lock:
-            return len(self._waiting)
+            return len(self._waiting) + len(self._prefilled)
 
     @property
     def num_running(self) -> int:
@@ -821,22 +822,25 @@ class Engine:
         return True
 
     def _admit_waiting(self, budget: int, *, whole: bool, batch: list) -> int:
-        """Moves waiting requests to running while they fit (lock held)."""
+        """Moves waiting requests to running while they fit (lock held): first those
+        admitted with their KV present (they hold blocks, so they go first and cannot be
+        blocked by a new prompt waiting for blocks), then the others, in order."""
         alloc = self.pool.allocator
-        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
-            req = self._waiting[0]
-            n = req.pending if whole else min(req.pending, budget)
-            if whole and batch and n > budget:
-                break
-            need = self.pool.blocks_for(n)
-            if need > alloc.num_free:
-                break
-            self._waiting.popleft()
-            req.block_ids = alloc.alloc(need)
-            req.state = _State.RUNNING
-            self._running.append(req)
-            batch.append((req, n))
-            budget -= n
+        for queue in (self._prefilled, self._waiting):
+            while queue and budget > 0 and len(self._running) < self.config.max_num_seqs:
+                req = queue[0]
+                n = req.pending if whole else min(req.pending, budget)
+                if whole and batch and n > budget:
+                    break
+                need = self.pool.blocks_for(req.num_computed + n) - len(req.block_ids)
+                if need > alloc.num_free:
+                    break
+                queue.popleft()
+                req.block_ids.extend(alloc.alloc(need))
+                req.state = _State.RUNNING
+                self._running.append(req)
+                batch.append((req, n))
+                budget -= n
         return budget
 
     def _schedule(self) -> list[tuple[_Request, int]]:
