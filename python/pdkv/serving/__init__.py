@@ -19,6 +19,8 @@ Modules
     :class:`SamplingParams` and token selection.
 :mod:`pdkv.serving.models`
     :func:`load_model`, the default demo model (:func:`default_model_dir`).
+:mod:`pdkv.serving.stepbench`
+    ``python -m pdkv.serving.stepbench``: engine decode step vs plain HF decode.
 
 Example
 -------
