@@ -95,21 +95,26 @@ void Transfer::fail_now(const Status& st) {
 }
 
 void Transfer::finish() {
-  std::vector<RegionPin> pins = std::move(pins_);
-  pins.clear();  // unpin before waking waiters, so deregister-after-wait never blocks
-  std::lock_guard<std::mutex> lk(mu_);
-  XferState s = XferState::kDone;
-  if (!error_.ok()) {
-    s = XferState::kFailed;
-  } else if (saw_cancel_) {
-    s = XferState::kCancelled;
-    error_ = Cancelled("transfer " + std::to_string(id_) + " to '" + peer_ + "' was cancelled");
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    XferState s = XferState::kDone;
+    if (!error_.ok()) {
+      s = XferState::kFailed;
+    } else if (saw_cancel_) {
+      s = XferState::kCancelled;
+      error_ = Cancelled("transfer " + std::to_string(id_) + " to '" + peer_ + "' was cancelled");
+    }
+    cancel_hook_ = nullptr;
+    end_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start_).count(),
+                  std::memory_order_release);
+    state_.store(s, std::memory_order_release);
+    cv_.notify_all();
   }
-  cancel_hook_ = nullptr;
-  end_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start_).count(),
-                std::memory_order_release);
-  state_.store(s, std::memory_order_release);
-  cv_.notify_all();
+  // Unpin only after the state is terminal: a deregistration waiting on these pins
+  // then always observes a finished transfer. (A caller that waits for the transfer
+  // and then deregisters may block for the few instructions until this runs.)
+  std::vector<RegionPin> pins = std::move(pins_);
+  pins.clear();
 }
 
 }  // namespace pdkv
