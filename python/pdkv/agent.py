@@ -83,7 +83,9 @@ class TcpOptions:
     progress_threads : int
         Native epoll threads; connections are spread over them.
     spin_us : int
-        Progress threads poll this long after activity before sleeping (latency).
+        Progress threads poll this long after activity before sleeping. Off by default:
+        on small machines a spinning progress thread competes with the peer and the
+        waiting thread (see README, latency).
     batch_bytes : int
         Max payload bytes per wire batch (one ``sendmsg``).
     batch_extents : int
@@ -98,7 +100,7 @@ class TcpOptions:
 
     conns_per_peer: int = 1
     progress_threads: int = 1
-    spin_us: int = 50
+    spin_us: int = 0
     batch_bytes: int = 16 << 20
     batch_extents: int = 1020
     rcvlowat_bytes: int = 1 << 20

@@ -15,7 +15,7 @@ struct TcpOptions {
   uint16_t listen_port = 0;               // 0: pick a free port
   uint32_t conns_per_peer = 1;            // parallel connections to each peer
   uint32_t progress_threads = 1;          // epoll threads (connections spread over them)
-  uint32_t spin_us = 20;                  // spin this long before sleeping in epoll_wait
+  uint32_t spin_us = 0;                   // poll this long after activity before sleeping (latency vs CPU)
   uint64_t batch_bytes = 16ull << 20;     // max payload bytes per wire batch
   uint32_t batch_extents = 1020;          // max extents per batch (one sendmsg, IOV_MAX)
   uint32_t rcvlowat_bytes = 1u << 20;     // SO_RCVLOWAT cap while receiving payload (0: off)

@@ -399,13 +399,19 @@ void ProgressThread::run() {
   auto last_active = Clock::now();
   auto next_scan = Clock::now();
   const auto spin = std::chrono::microseconds(spin_us_);
+  // After activity the thread keeps waking every 20 ms for a while instead of sleeping
+  // indefinitely, so the next post needs no eventfd wake-up (and deadlines are
+  // enforced); a fully idle agent sleeps in epoll_wait and uses no CPU.
+  constexpr auto kLinger = std::chrono::milliseconds(200);
+  auto last_busy = Clock::now() - kLinger;
   while (!stop_.load(std::memory_order_acquire)) {
     const auto now = Clock::now();
     const bool busy = npending.load(std::memory_order_acquire) > 0 || nslow_.load() > 0;
+    if (busy) last_busy = now;
     int timeout = -1;
     if (spin_us_ > 0 && now - last_active < spin) {
       timeout = 0;
-    } else if (busy) {
+    } else if (busy || now - last_busy < kLinger) {
       timeout = 20;
     }
     if (timeout < 0) idle_.store(true, std::memory_order_release);
