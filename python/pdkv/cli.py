@@ -63,7 +63,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"pdkv {' '.join(key)}: missing dependency: {e}\n"
                       f"install the extras, e.g. `pip install -e .[serve,bench]`", file=sys.stderr)
                 return 2
-            return int(getattr(mod, fn_name)(argv[len(key):]) or 0)
+            from .errors import InvalidArgument, PdkvError
+
+            try:
+                return int(getattr(mod, fn_name)(argv[len(key):]) or 0)
+            except PdkvError as e:
+                print(f"pdkv {' '.join(key)}: {type(e).__name__}: {e}", file=sys.stderr)
+                return 2 if isinstance(e, InvalidArgument) else 1
+            except KeyboardInterrupt:
+                return 130
     print(f"pdkv: unknown command {' '.join(argv[:2])!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -184,7 +184,7 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
       return InvalidArgument("local and remote block lists differ in length (" + std::to_string(lids.size()) +
                              " vs " + std::to_string(rids.size()) + ")");
     const uint64_t half = lg.block_half_bytes();
-    out.reserve(std::min<size_t>(lids.size() * lg.num_segments(), 1 << 20));
+    out.reserve(lids.size() * lg.num_segments());  // upper bound: nothing coalesces
     const auto& ls = local.segments();
     const auto& rs = remote.segments();
     for (size_t s = 0; s < ls.size(); ++s) {

@@ -167,40 +167,26 @@ def latency_us(prep, iters: int) -> list[float]:
 def prepare_cost(model: str, num_blocks: int) -> dict:
     """Seconds to validate and lay out a write of ``num_blocks`` scattered blocks.
 
-    Reserves (without touching) virtual memory for two pools of ``num_blocks`` blocks
-    and prepares against the agent itself, so no network is involved.
+    ``prepare()`` never touches the memory, so two synthetic, never-mapped address
+    ranges of the pool's size are registered (no allocation, whatever the size) and the
+    agent prepares against itself: no network either.
     """
-    import mmap
-
     geo = models.geometry(model, num_blocks)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
-    maps = [mmap.mmap(-1, geo.pool_bytes, flags=flags) for _ in range(2)]
-    addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
-    try:
-        with Agent("bench-prepare", secret="x") as a:
-            for i, addr in enumerate(addrs):
-                a.register_address(addr, geo.pool_bytes)
-                a.add_layout(f"kv{i}", KVLayout.contiguous(geo, addr))
-            me = a.add_peer(a.metadata())
-            rng = np.random.default_rng(0)
-            lids = rng.permutation(num_blocks).astype(np.uint32)
-            rids = rng.permutation(num_blocks).astype(np.uint32)
-            t0 = time.perf_counter()
-            prep = a.prepare("write", me, "kv0", lids, "kv1", rids)
-            dt = time.perf_counter() - t0
-            extents = prep.num_extents
-            del prep
-            for r in a.regions:
-                r.close()
-    finally:
-        import gc
-
-        gc.collect()
-        for m in maps:
-            try:
-                m.close()
-            except BufferError:  # a ctypes view may still be alive; the OS frees it at exit
-                pass
+    bases = [1 << 44, (1 << 44) + (1 << 43)]  # far apart, inside the user address space
+    if geo.pool_bytes > 1 << 43:
+        raise InvalidArgument(f"{num_blocks} blocks of {model} exceed the synthetic address range")
+    with Agent("bench-prepare", secret="x", transports=["tcp"]) as a:
+        for i, base in enumerate(bases):
+            a.register_address(base, geo.pool_bytes, remote_access=True)
+            a.add_layout(f"kv{i}", KVLayout.contiguous(geo, base))
+        me = a.add_peer(a.metadata())
+        rng = np.random.default_rng(0)
+        lids = rng.permutation(num_blocks).astype(np.uint32)
+        rids = rng.permutation(num_blocks).astype(np.uint32)
+        t0 = time.perf_counter()
+        prep = a.prepare("write", me, "kv0", lids, "kv1", rids)
+        dt = time.perf_counter() - t0
+        extents = prep.num_extents
     return {"blocks": num_blocks, "extents": extents, "seconds": dt, "ns_per_extent": dt / extents * 1e9,
             "payload_bytes": geo.pool_bytes}
 

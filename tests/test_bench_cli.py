@@ -1,0 +1,56 @@
+"""`pdkv bench transfer` end to end at a small payload (numbers are not asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pdkv
+
+
+def run_bench(*args: str, timeout: float = 240) -> list[dict]:
+    env = dict(os.environ, UCX_NET_DEVICES="lo")
+    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--payload", "4M,8M", "--iters", "2",
+                          "--lat-iters", "30", "--prepare-blocks", "1000", "--json", *args],
+                         capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t in pdkv.available_transports()])
+def test_bench_transfer_json(transport):
+    rows = run_bench("--transport", transport)
+    assert [r["payload_bytes"] for r in rows] == [4 << 20, 8 << 20]
+    for r in rows:
+        assert r["transport"] == transport and r["verified"] is True
+        assert r["block_bytes"] == 32 << 10 and r["extents"] == r["payload_bytes"] // (32 << 10)
+        assert set(r["ceilings"]) == {"socket_plain", "socket_tuned", "memcpy"}
+        assert set(r["ratios"]) == set(r["ceilings"])
+        assert r["gbps"] > 0 and r["lat_p50_us"] > 0 and r["lat_p99_us"] >= r["lat_p50_us"]
+
+
+def test_bench_transfer_compare_peers():
+    from pdkv.bench import peers
+
+    avail = peers.available_peers()
+    if not avail:
+        pytest.skip("neither NIXL nor Mooncake is installed")
+    rows = run_bench("--transport", "tcp", "--compare", ",".join(avail), timeout=400)
+    for r in rows:
+        for name in avail:
+            p = r["peers"][name]
+            assert "error" not in p, p
+            assert p["verified"] is True and p["gbps"] > 0 and p["payload_bytes"] == r["payload_bytes"]
+
+
+def test_bench_transfer_rejects_bad_arguments():
+    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--payload", "lots"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "cannot parse size" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--transport", "warp"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "not available" in out.stderr
