@@ -184,19 +184,7 @@ double stream(const std::string& host, uint16_t port, int conns, uint64_t total,
                 return;
               }
               done += size_t(w);
-              // Advance iovecs.
-              size_t adv = size_t(w);
-              while (adv && mh.msg_iovlen) {
-                if (adv >= mh.msg_iov[0].iov_len) {
-                  adv -= mh.msg_iov[0].iov_len;
-                  ++mh.msg_iov;
-                  --mh.msg_iovlen;
-                } else {
-                  mh.msg_iov[0].iov_base = static_cast<char*>(mh.msg_iov[0].iov_base) + adv;
-                  mh.msg_iov[0].iov_len -= adv;
-                  adv = 0;
-                }
-              }
+              pdkv::util::advance_iov(mh, size_t(w));
             }
             first = false;
             sent += c;

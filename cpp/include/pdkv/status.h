@@ -37,6 +37,9 @@ enum class StatusCode : uint8_t {
 
 // Human-readable name of a code, e.g. "ConnectionError".
 std::string_view status_code_name(StatusCode code);
+// A code received from a peer: unknown values (and OK, where an error was announced)
+// become kProtocolError.
+StatusCode status_code_from_wire(uint32_t v);
 
 // A code plus a message that names the cause. Cheap to copy when OK.
 class [[nodiscard]] Status {

@@ -25,6 +25,11 @@ std::string_view status_code_name(StatusCode code) {
   return "Unknown";
 }
 
+StatusCode status_code_from_wire(uint32_t v) {
+  if (v == 0 || v > static_cast<uint32_t>(StatusCode::kInternal)) return StatusCode::kProtocolError;
+  return static_cast<StatusCode>(v);
+}
+
 std::string Status::to_string() const {
   if (ok()) return "OK";
   std::string s(status_code_name(code_));

@@ -18,6 +18,20 @@ std::string errno_str(int err) {
   return s;
 }
 
+void advance_iov(msghdr& mh, size_t n) {
+  while (n && mh.msg_iovlen) {
+    if (n >= mh.msg_iov[0].iov_len) {
+      n -= mh.msg_iov[0].iov_len;
+      ++mh.msg_iov;
+      --mh.msg_iovlen;
+    } else {
+      mh.msg_iov[0].iov_base = static_cast<char*>(mh.msg_iov[0].iov_base) + n;
+      mh.msg_iov[0].iov_len -= n;
+      n = 0;
+    }
+  }
+}
+
 std::chrono::steady_clock::time_point deadline_after(double seconds) {
   if (seconds <= 0 || seconds > 1e7) return std::chrono::steady_clock::time_point::max();
   return std::chrono::steady_clock::now() +

@@ -61,6 +61,8 @@ Status set_nonblocking(int fd, bool on);
 Status send_all(int fd, const void* buf, size_t n, std::chrono::steady_clock::time_point deadline);
 Status recv_all(int fd, void* buf, size_t n, std::chrono::steady_clock::time_point deadline);
 std::string errno_str(int err);
+// Skips the first `n` bytes of mh's iovec array (after a partial sendmsg/recvmsg).
+void advance_iov(msghdr& mh, size_t n);
 std::chrono::steady_clock::time_point deadline_after(double seconds);
 
 }  // namespace pdkv::util

@@ -192,18 +192,7 @@ Status send_frame(ShmConn& c, Ctl type, uint64_t id, std::string_view aux, uint3
     done += static_cast<size_t>(w);
     mh.msg_control = nullptr;  // the fd went with the first byte
     mh.msg_controllen = 0;
-    size_t adv = static_cast<size_t>(w);
-    while (adv && mh.msg_iovlen) {
-      if (adv >= mh.msg_iov[0].iov_len) {
-        adv -= mh.msg_iov[0].iov_len;
-        ++mh.msg_iov;
-        --mh.msg_iovlen;
-      } else {
-        mh.msg_iov[0].iov_base = static_cast<char*>(mh.msg_iov[0].iov_base) + adv;
-        mh.msg_iov[0].iov_len -= adv;
-        adv = 0;
-      }
-    }
+    util::advance_iov(mh, static_cast<size_t>(w));
   }
   return Status::Ok();
 }
@@ -591,7 +580,7 @@ void ShmTransport::handle_frame(const std::shared_ptr<ShmConn>& c) {
           c->map_results[h.id] = {Status::Ok(), {fd, len}};
         }
       } else {
-        auto code = static_cast<StatusCode>(std::min<uint32_t>(h.status, static_cast<uint32_t>(StatusCode::kInternal)));
+        const StatusCode code = status_code_from_wire(h.status);
         c->map_results[h.id] = {Status(code, c->aux), {-1, 0}};
       }
       c->cv.notify_all();
@@ -629,8 +618,8 @@ void ShmTransport::handle_frame(const std::shared_ptr<ShmConn>& c) {
       return;
     }
     case Ctl::kError: {
-      auto code = static_cast<StatusCode>(std::min<uint32_t>(h.status, static_cast<uint32_t>(StatusCode::kInternal)));
-      kill(c, Status(code == StatusCode::kOk ? StatusCode::kProtocolError : code, c->desc + " refused: " + c->aux));
+      const StatusCode code = status_code_from_wire(h.status);
+      kill(c, Status(code, c->desc + " refused: " + c->aux));
       return;
     }
     default:
@@ -689,9 +678,8 @@ Result<std::shared_ptr<ShmConn>> ShmTransport::dial(const Peer& peer) {
   std::string aux(r.aux_len, '\0');
   PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), aux.data(), aux.size(), deadline));
   if (r.type == static_cast<uint16_t>(Ctl::kError)) {
-    auto code = static_cast<StatusCode>(std::min<uint32_t>(r.status, static_cast<uint32_t>(StatusCode::kInternal)));
-    return Status(code == StatusCode::kOk ? StatusCode::kProtocolError : code,
-                  "peer '" + peer.md.name + "' refused the connection: " + aux);
+    const StatusCode code = status_code_from_wire(r.status);
+    return Status(code, "peer '" + peer.md.name + "' refused the connection: " + aux);
   }
   if (r.type != static_cast<uint16_t>(Ctl::kHelloAck)) return ProtocolError("unexpected handshake reply");
   util::ByteReader rd(aux);

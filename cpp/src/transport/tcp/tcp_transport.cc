@@ -259,6 +259,8 @@ class ProgressThread {
   bool handle_control(const std::shared_ptr<TcpConn>& c);
   void payload_done(const std::shared_ptr<TcpConn>& c);
   void set_lowat(TcpConn& c, int v);
+  // Removes the pending part (xfer, batch) of `c` into *out; false if there is none.
+  bool take_pending(TcpConn& c, uint64_t xfer, uint32_t batch, PendingPart* out);
   // Sends an error frame (best effort), then kills the connection.
   void fail_conn(const std::shared_ptr<TcpConn>& c, const Status& st, uint64_t xfer = 0, uint32_t batch = 0);
 
@@ -499,6 +501,18 @@ void ProgressThread::accept_all() {
     ++owner->nslow_;
     owner->add(c);
   }
+}
+
+bool ProgressThread::take_pending(TcpConn& c, uint64_t xfer, uint32_t batch, PendingPart* out) {
+  {
+    std::lock_guard<std::mutex> lk(c.pmu);
+    auto it = c.pending.find(pkey(xfer, batch));
+    if (it == c.pending.end()) return false;
+    *out = std::move(it->second);
+    c.pending.erase(it);
+  }
+  npending.fetch_sub(1, std::memory_order_acq_rel);
+  return true;
 }
 
 void ProgressThread::set_lowat(TcpConn& c, int v) {
@@ -759,21 +773,10 @@ bool ProgressThread::handle_header(const std::shared_ptr<TcpConn>& c) {
     case FrameType::kAck: {
       if (!c->outbound || h.count || h.payload || h.aux_len) return bad("unexpected ack frame");
       PendingPart part;
-      bool found = false;
-      {
-        std::lock_guard<std::mutex> lk(c->pmu);
-        auto it = c->pending.find(pkey(h.xfer_id, h.batch));
-        if (it != c->pending.end()) {
-          part = std::move(it->second);
-          c->pending.erase(it);
-          found = true;
-        }
-      }
-      if (!found) return bad("ack for unknown transfer " + std::to_string(h.xfer_id));
-      npending.fetch_sub(1, std::memory_order_acq_rel);
+      if (!take_pending(*c, h.xfer_id, h.batch, &part))
+        return bad("ack for unknown transfer " + std::to_string(h.xfer_id));
       t_->resolve(part, part.bytes,
-                  h.status == 0 ? Status::Ok()
-                                : Status(static_cast<StatusCode>(h.status), "peer reported failure"));
+                  h.status == 0 ? Status::Ok() : Status(status_code_from_wire(h.status), "peer reported failure"));
       c->stage = RxStage::kHeader;
       return true;
     }
@@ -958,26 +961,9 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
       return true;
     }
     case FrameType::kError: {
-      const auto code = static_cast<StatusCode>(h.status);
-      Status st(code == StatusCode::kOk || h.status > static_cast<uint32_t>(StatusCode::kInternal)
-                    ? StatusCode::kProtocolError
-                    : code,
-                c->desc + " refused the request: " + c->ctrl);
+      Status st(status_code_from_wire(h.status), c->desc + " refused the request: " + c->ctrl);
       PendingPart part;
-      bool found = false;
-      {
-        std::lock_guard<std::mutex> lk(c->pmu);
-        auto it = c->pending.find(pkey(h.xfer_id, h.batch));
-        if (it != c->pending.end()) {
-          part = std::move(it->second);
-          c->pending.erase(it);
-          found = true;
-        }
-      }
-      if (found) {
-        npending.fetch_sub(1, std::memory_order_acq_rel);
-        t_->resolve(part, 0, st);
-      }
+      if (take_pending(*c, h.xfer_id, h.batch, &part)) t_->resolve(part, 0, st);
       t_->kill(c, ConnectionError(c->desc + " closed the connection after an error: " + c->ctrl));
       return false;
     }
@@ -1004,22 +990,10 @@ void ProgressThread::payload_done(const std::shared_ptr<TcpConn>& c) {
   }
   // Read response complete.
   PendingPart part;
-  bool found = false;
-  {
-    std::lock_guard<std::mutex> lk(c->pmu);
-    auto it = c->pending.find(pkey(h.xfer_id, h.batch));
-    if (it != c->pending.end()) {
-      part = std::move(it->second);
-      c->pending.erase(it);
-      found = true;
-    }
-  }
+  const bool found = take_pending(*c, h.xfer_id, h.batch, &part);
   c->rx_part = PendingPart{};
   c->dst = nullptr;
-  if (found) {
-    npending.fetch_sub(1, std::memory_order_acq_rel);
-    t_->resolve(part, part.bytes, Status::Ok());
-  }
+  if (found) t_->resolve(part, part.bytes, Status::Ok());
 }
 
 // ---------------------------------------------------------------- TcpTransport
@@ -1115,11 +1089,8 @@ Result<util::ScopedFd> TcpTransport::dial(const util::HostPort& hp, const std::s
   if (r.aux_len > kMaxErrorBytes) return ProtocolError(where + " sent an oversized handshake reply");
   std::string aux(r.aux_len, '\0');
   PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), aux.data(), aux.size(), deadline).with_context("handshake with " + where));
-  if (r.type == static_cast<uint16_t>(FrameType::kError)) {
-    auto code = static_cast<StatusCode>(r.status);
-    if (r.status == 0 || r.status > static_cast<uint32_t>(StatusCode::kInternal)) code = StatusCode::kProtocolError;
-    return Status(code, where + " refused the connection: " + aux);
-  }
+  if (r.type == static_cast<uint16_t>(FrameType::kError))
+    return Status(status_code_from_wire(r.status), where + " refused the connection: " + aux);
   if (r.type != static_cast<uint16_t>(FrameType::kHelloAck)) return ProtocolError(where + " answered the hello with frame type " + std::to_string(r.type));
   util::ByteReader rd(aux);
   uint64_t inst = 0;
