@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from pdkv.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from pdkv.layout import KVGeometry
 
 from .attention import BATCH_KWARG, PAGED_ATTENTION, PagedBatch, SeqSpan
 from .kv_pool import PagedKVPool
@@ -310,6 +311,11 @@ class Engine:
     config : EngineConfig
     block_order : sequence of int, optional
         Initial free-list order of the pool's blocks (tests use a shuffled one).
+    pool : PagedKVPool, optional
+        A pool to compute into instead of a new one (for example
+        :meth:`PagedKVPool.shared`, in pdkv-allocated memory). Its geometry must be the
+        model's at ``config.num_blocks`` and ``config.block_tokens``, in the model's dtype
+        and on its device; ``block_order`` must then be None.
 
     Examples
     --------
@@ -318,7 +324,8 @@ class Engine:
     >>> engine.run_until_idle(); h.output_ids                                  # doctest: +SKIP
     """
 
-    def __init__(self, model: Any, config: EngineConfig, *, block_order: Sequence[int] | None = None) -> None:
+    def __init__(self, model: Any, config: EngineConfig, *, block_order: Sequence[int] | None = None,
+                 pool: PagedKVPool | None = None) -> None:
         impl = getattr(model.config, "_attn_implementation", None)
         if impl != PAGED_ATTENTION:
             raise InvalidArgument(
@@ -328,9 +335,19 @@ class Engine:
         self.model = model
         self.config = config
         param = next(model.parameters())
-        self.pool = PagedKVPool.from_hf_config(model.config, num_blocks=config.num_blocks,
-                                               block_tokens=config.block_tokens, dtype=param.dtype,
-                                               device=param.device, block_order=block_order)
+        if pool is None:
+            pool = PagedKVPool.from_hf_config(model.config, num_blocks=config.num_blocks,
+                                              block_tokens=config.block_tokens, dtype=param.dtype,
+                                              device=param.device, block_order=block_order)
+        else:
+            want = KVGeometry.from_hf_config(model.config, num_blocks=config.num_blocks,
+                                                  block_tokens=config.block_tokens, dtype=param.dtype)
+            if block_order is not None:
+                raise InvalidArgument("give block_order to the pool, not to the engine, when passing a pool")
+            if pool.geometry != want or pool.device != param.device:
+                raise InvalidArgument(f"the pool ({pool.geometry}, on {pool.device}) does not match the model "
+                                      f"and config ({want}, on {param.device})")
+        self.pool = pool
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = config.eos_token_ids if config.eos_token_ids is not None else _eos_ids(model)
         self.max_model_len = config.max_model_len or getattr(model.config, "max_position_embeddings", None) \
@@ -387,6 +404,22 @@ class Engine:
             self._waiting.append(req)
             self._wake()
         return handle
+
+    def validate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *,
+                 prefill_only: bool = False) -> tuple[int, ...]:
+        """Checks a request as :meth:`add_request` would, without queuing it (a decode
+        worker checks a prompt before it reserves blocks for it).
+
+        Returns
+        -------
+        tuple of int
+            The prompt.
+
+        Raises
+        ------
+        InvalidArgument
+        """
+        return self._check_prompt(request_id, prompt_ids, params, prefill_only=prefill_only)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
         """Decode side: allocates blocks for the KV of a ``num_tokens``-token prompt.

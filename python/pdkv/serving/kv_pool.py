@@ -123,9 +123,13 @@ class PagedKVPool:
         ``kv_parts=2`` and ``order="NHD"``. Build it with
         :meth:`pdkv.KVGeometry.from_hf_config` or use :meth:`from_hf_config`.
     device : str or torch.device
-        Where the pool lives (``"cpu"`` or a CUDA device).
+        Where the pool lives (``"cpu"`` or a CUDA device). Ignored with ``storage``.
     block_order : sequence of int, optional
         Initial free-list order of the allocator (see :class:`BlockAllocator`).
+    storage : torch.Tensor, optional
+        Memory to build the pool on instead of a new allocation: a contiguous tensor of
+        :meth:`storage_shape` ``(geometry)`` in the geometry's dtype (for example a view
+        of :meth:`pdkv.Agent.alloc` memory, see :meth:`shared`). It is zero-filled.
 
     Attributes
     ----------
@@ -134,25 +138,77 @@ class PagedKVPool:
     k_caches, v_caches : list of torch.Tensor
         Views ``[num_blocks, block_tokens, kv_heads, head_dim]``, one per layer.
     allocator : BlockAllocator
+    region : pdkv.SharedRegion or None
+        The pdkv-allocated memory under the pool when built by :meth:`shared`.
     """
 
     def __init__(self, geometry: pdkv.KVGeometry, *, device: str | torch.device = "cpu",
-                 block_order: Sequence[int] | None = None) -> None:
+                 block_order: Sequence[int] | None = None, storage: torch.Tensor | None = None) -> None:
         if geometry.kv_parts != 2 or geometry.order != "NHD":
             raise InvalidArgument(f"PagedKVPool needs kv_parts=2 and order='NHD', got {geometry}")
         dtype = getattr(torch, geometry.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise InvalidArgument(f"torch has no dtype {geometry.dtype!r}")
         self.geometry = geometry
+        self.region: pdkv.SharedRegion | None = None
         g = geometry
-        self.storage = torch.zeros((g.num_layers, 2, g.num_blocks, g.block_tokens, g.kv_heads, g.head_dim),
-                                   dtype=dtype, device=device)
+        shape = self.storage_shape(g)
+        if storage is None:
+            self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            if tuple(storage.shape) != shape or storage.dtype != dtype or not storage.is_contiguous():
+                raise InvalidArgument(f"storage must be a contiguous {dtype} tensor of shape {shape}, got "
+                                      f"{storage.dtype} {tuple(storage.shape)}"
+                                      f"{'' if storage.is_contiguous() else ' (not contiguous)'}")
+            storage.zero_()
+            self.storage = storage
         self.k_caches: list[torch.Tensor] = [self.storage[i, 0] for i in range(g.num_layers)]
         self.v_caches: list[torch.Tensor] = [self.storage[i, 1] for i in range(g.num_layers)]
         # [num_blocks * block_tokens, kv_heads, head_dim] views for slot indexing.
         self._k_flat = [k.view(-1, g.kv_heads, g.head_dim) for k in self.k_caches]
         self._v_flat = [v.view(-1, g.kv_heads, g.head_dim) for v in self.v_caches]
         self.allocator = BlockAllocator(g.num_blocks, order=block_order)
+
+    @staticmethod
+    def storage_shape(geometry: pdkv.KVGeometry) -> tuple[int, ...]:
+        """Shape of the pool's one tensor: ``(num_layers, 2, num_blocks, block_tokens,
+        kv_heads, head_dim)``."""
+        g = geometry
+        return (g.num_layers, 2, g.num_blocks, g.block_tokens, g.kv_heads, g.head_dim)
+
+    @classmethod
+    def shared(cls, agent: pdkv.Agent, geometry: pdkv.KVGeometry, *, layout_name: str = "kv",
+               block_order: Sequence[int] | None = None) -> "PagedKVPool":
+        """A CPU pool in memory ``agent`` allocates (:meth:`pdkv.Agent.alloc`), registered
+        and exported under ``layout_name``.
+
+        Same-host peers then move its blocks with the ``shm`` transport (one memcpy)
+        instead of a socket; other peers use tcp as with any registered memory. Do not
+        call :meth:`register` on it (it is registered already). Close
+        :attr:`region` (or the agent) before dropping the pool; the tensor views stay
+        valid after that.
+
+        Parameters
+        ----------
+        agent : pdkv.Agent
+        geometry : pdkv.KVGeometry
+            See the class parameters.
+        layout_name : str
+            Name of the layout peers address its blocks by.
+        block_order : sequence of int, optional
+        """
+        dtype = getattr(torch, geometry.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidArgument(f"torch has no dtype {geometry.dtype!r}")
+        region = agent.alloc(geometry.pool_bytes)
+        try:
+            pool = cls(geometry, block_order=block_order, storage=region.tensor(dtype, cls.storage_shape(geometry)))
+            agent.add_layout(layout_name, pool.layout())
+        except BaseException:
+            region.close()
+            raise
+        pool.region = region
+        return pool
 
     @classmethod
     def from_hf_config(cls, config: Any, *, num_blocks: int, block_tokens: int = 16, dtype: Any = None,
@@ -246,7 +302,14 @@ class PagedKVPool:
         -------
         pdkv.Region
             Close it (or the agent) before dropping the pool.
+
+        Raises
+        ------
+        AlreadyExists
+            The pool was built by :meth:`shared` (already registered) or registered before.
         """
+        if self.region is not None:
+            raise pdkv.AlreadyExists("this pool lives in pdkv-allocated memory and is registered already")
         region = agent.register(self.storage)
         agent.add_layout(layout_name, self.layout())
         return region

