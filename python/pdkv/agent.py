@@ -345,7 +345,8 @@ class Agent:
         Use an address peers can reach (not 127.0.0.1) across hosts.
     transports : sequence of str, optional
         Enabled transports in order of preference (default: every available one,
-        ``shm`` before ``tcp``); each peer uses the first one that can reach it
+        ``cuda_ipc`` (GPU pools on this node), then ``shm``, then ``tcp``; ``nixl`` first
+        when the host has an RDMA device); each peer uses the first one that can reach it
         (:meth:`peer_transport`), or the one ``add_peer(..., transport=)`` forces.
     tcp : TcpOptions
         TCP tuning.
@@ -378,7 +379,7 @@ class Agent:
 
         if transports is None:
             avail = _native.module().available_transports()
-            transports = [t for t in ("shm", "tcp") if t in avail]
+            transports = [t for t in ("cuda_ipc", "shm", "tcp") if t in avail]
             # RDMA: NIXL (UCX) when the host has an RDMA device and NIXL is installed.
             if backends.rdma_device_present() and backends.py_transport_available("nixl"):
                 transports.insert(0, "nixl")

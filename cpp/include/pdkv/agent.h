@@ -138,6 +138,8 @@ class Agent final : private AgentHooks {
   void deliver_notification(Notification n) override { notifs_.push(std::move(n)); }
   std::string metadata_blob() override { return metadata(); }
   uint32_t max_notif_bytes() const override { return cfg_.max_notif_bytes; }
+  void relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
+                          std::string notif, const Transport* from) override;
 
   Transport* transport_by_name(std::string_view name) const;
   Result<std::shared_ptr<PreparedTransfer>> prepare_resolved(const std::string& peer, OpKind op,

@@ -19,7 +19,7 @@ namespace pdkv {
 struct TransportFactory {
   std::string name;
   std::string description;
-  std::function<bool()> is_viable;                                       // can run on this host
+  std::function<Status()> viable;  // OK if it can run on this host, else why not
   std::function<Result<std::unique_ptr<Transport>>(const AgentConfig&)> create;
 };
 

@@ -37,6 +37,14 @@ struct TransportCaps {
   uint32_t remote_mem_kinds = 0; // bit per MemKind it can reach in a peer
 };
 
+// A known peer: its metadata and the secret to present to it.
+struct Peer {
+  AgentMetadata md;
+  std::string secret;
+};
+
+class Transport;
+
 // What a transport may ask of the agent that owns it.
 class AgentHooks {
  public:
@@ -51,12 +59,11 @@ class AgentHooks {
   virtual void deliver_notification(Notification n) = 0;
   virtual std::string metadata_blob() = 0;
   virtual uint32_t max_notif_bytes() const = 0;
-};
-
-// A known peer: its metadata and the secret to present to it.
-struct Peer {
-  AgentMetadata md;
-  std::string secret;
+  // Delivers a notification to `peer` through another transport that can reach it
+  // (for transports without a control channel of their own); resolves one part of
+  // `xfer`, with ConnectionError when no other transport reaches the peer.
+  virtual void relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
+                                  std::string notif, const Transport* from) = 0;
 };
 
 // One resolved piece of a transfer: local pointer, remote (region, offset), length.
@@ -101,7 +108,8 @@ class Transport {
   // `notif` (may be empty = none) reaches the peer only after all bytes landed.
   virtual void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
                     std::string notif) = 0;
-  // Sends a notification with no data.
+  // Sends a notification with no data; resolves exactly one part of `xfer` (the
+  // caller has declared it with set_parts) once the peer has queued it.
   virtual void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer,
                       std::string notif) = 0;
   // Establishes connections now instead of on first use (optional).

@@ -61,7 +61,8 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig cfg) {
       for (auto& n : registered_transports()) known += (known.empty() ? "" : ", ") + n;
       return NotFound("unknown transport '" + tname + "' (compiled in: " + known + ")");
     }
-    if (!f->is_viable()) return NotSupported("transport '" + tname + "' cannot run on this host: " + f->description);
+    if (Status v = f->viable(); !v.ok())
+      return NotSupported("transport '" + tname + "' (" + f->description + ") cannot run on this host: " + v.message());
     if (a->transport_by_name(tname)) return InvalidArgument("transport '" + tname + "' listed twice");
     PDKV_ASSIGN_OR_RETURN(auto t, f->create(a->cfg_));
     PDKV_RETURN_IF_ERROR(t->start(a.get()).with_context("starting transport '" + tname + "'"));
@@ -438,8 +439,24 @@ Result<std::shared_ptr<Transfer>> Agent::send_notification(const std::string& pe
                                                       std::chrono::duration<double>(timeout_s));
   auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), OpKind::kWrite, peer_name,
                                          std::string(e.transport->name()), 0, deadline, cfg_.wait_spin_us);
-  e.transport->notify(e.peer, xfer, std::move(notif));
+  xfer->set_parts(1);
+  if (e.transport->caps().notify) {
+    e.transport->notify(e.peer, xfer, std::move(notif));
+  } else {
+    relay_notification(e.peer, xfer, std::move(notif), e.transport);
+  }
   return xfer;
+}
+
+void Agent::relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
+                               std::string notif, const Transport* from) {
+  for (auto& t : transports_) {
+    if (t.get() == from || !t->caps().notify || !t->can_reach(peer->md)) continue;
+    t->notify(peer, xfer, std::move(notif));
+    return;
+  }
+  xfer->resolve_part(0, ConnectionError("no transport of agent '" + cfg_.name + "' can carry a notification to '" +
+                                        peer->md.name + "' (enable tcp or shm)"));
 }
 
 }  // namespace pdkv

@@ -44,7 +44,7 @@ std::vector<std::string> available_transports() {
   }
   std::vector<std::string> out;
   for (auto& e : copy)
-    if (e.is_viable()) out.push_back(e.name);
+    if (e.viable().ok()) out.push_back(e.name);
   return out;
 }
 

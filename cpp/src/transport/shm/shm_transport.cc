@@ -982,7 +982,6 @@ void ShmTransport::copy_loop() {
 }
 
 void ShmTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
-  xfer->set_parts(1);
   auto ps = peer_state(peer);
   if (!ps.ok()) {
     xfer->resolve_part(0, ps.status());
@@ -1045,11 +1044,11 @@ void ShmTransport::region_removed(const RegionDesc& region) {
   }
 }
 
-bool shm_viable() {
+Status shm_viable() {
   int fd = ::memfd_create("pdkv-probe", MFD_CLOEXEC);
-  if (fd < 0) return false;
+  if (fd < 0) return NotSupported("memfd_create failed: " + errno_str(errno));
   ::close(fd);
-  return true;
+  return Status::Ok();
 }
 
 bool registered = register_transport(TransportFactory{

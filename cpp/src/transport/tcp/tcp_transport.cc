@@ -1349,7 +1349,6 @@ void TcpTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_pt
   post->pc = *pcr;
   post->notif = std::move(notif);
   post->separate_notif = true;
-  xfer->set_parts(1);
   auto cr = get_conn(*post->pc, 0, true);
   if (!cr.ok()) {
     xfer->resolve_part(0, cr.status());
@@ -1444,7 +1443,7 @@ Result<std::string> TcpTransport::fetch_metadata(const std::string& address, std
 }
 
 bool registered = register_transport(TransportFactory{
-    "tcp", "TCP sockets: any host to any host (host memory)", [] { return true; },
+    "tcp", "TCP sockets: any host to any host (host memory)", [] { return Status::Ok(); },
     [](const AgentConfig& cfg) -> Result<std::unique_ptr<Transport>> {
       return std::unique_ptr<Transport>(std::make_unique<TcpTransport>(cfg));
     }});

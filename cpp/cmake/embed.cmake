@@ -1,0 +1,8 @@
+# Turns a binary file into a C++ byte array: cmake -DIN=file -DOUT=file.cc -P embed.cmake
+file(READ ${IN} hex HEX)
+string(LENGTH "${hex}" n)
+math(EXPR size "${n} / 2")
+string(REGEX REPLACE "([0-9a-f][0-9a-f])" "0x\\1," bytes "${hex}")
+file(WRITE ${OUT} "// Generated from ${IN}; do not edit.\n")
+file(APPEND ${OUT} "alignas(8) extern const unsigned char kPdkvBatchCopyFatbin[] = {${bytes}};\n")
+file(APPEND ${OUT} "extern const unsigned long kPdkvBatchCopyFatbinSize = ${size};\n")

@@ -1,0 +1,89 @@
+#include "cuda/driver.h"
+
+#include <dlfcn.h>
+
+#include <mutex>
+
+namespace pdkv::cuda {
+namespace {
+
+struct Loaded {
+  CudaDriver drv{};
+  Status status;
+};
+
+template <typename F>
+bool load(void* lib, const char* name, F* out) {
+  void* p = ::dlsym(lib, name);
+  *out = reinterpret_cast<F>(p);
+  return p != nullptr;
+}
+
+Loaded load_driver() {
+  Loaded l;
+  void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    l.status = NotSupported(std::string("the CUDA driver (libcuda.so.1) is not installed: ") + ::dlerror());
+    return l;
+  }
+  CudaDriver& d = l.drv;
+  // The _v2 entry points are the 64-bit versions current drivers export.
+  bool ok = load(lib, "cuInit", &d.cuInit) && load(lib, "cuDeviceGetCount", &d.cuDeviceGetCount) &&
+            load(lib, "cuDeviceGet", &d.cuDeviceGet) &&
+            load(lib, "cuDevicePrimaryCtxRetain", &d.cuDevicePrimaryCtxRetain) &&
+            load(lib, "cuCtxSetCurrent", &d.cuCtxSetCurrent) &&
+            load(lib, "cuMemGetAddressRange_v2", &d.cuMemGetAddressRange) &&
+            load(lib, "cuIpcGetMemHandle", &d.cuIpcGetMemHandle) &&
+            load(lib, "cuIpcOpenMemHandle_v2", &d.cuIpcOpenMemHandle) &&
+            load(lib, "cuIpcCloseMemHandle", &d.cuIpcCloseMemHandle) &&
+            load(lib, "cuMemcpyAsync", &d.cuMemcpyAsync) && load(lib, "cuMemcpyHtoD_v2", &d.cuMemcpyHtoD) &&
+            load(lib, "cuMemcpyDtoH_v2", &d.cuMemcpyDtoH) && load(lib, "cuStreamCreate", &d.cuStreamCreate) &&
+            load(lib, "cuStreamDestroy_v2", &d.cuStreamDestroy) && load(lib, "cuEventCreate", &d.cuEventCreate) &&
+            load(lib, "cuEventRecord", &d.cuEventRecord) && load(lib, "cuEventSynchronize", &d.cuEventSynchronize) &&
+            load(lib, "cuEventDestroy_v2", &d.cuEventDestroy) &&
+            load(lib, "cuPointerGetAttribute", &d.cuPointerGetAttribute) &&
+            load(lib, "cuGetErrorString", &d.cuGetErrorString) && load(lib, "cuMemHostAlloc", &d.cuMemHostAlloc) &&
+            load(lib, "cuMemFreeHost", &d.cuMemFreeHost) && load(lib, "cuMemAlloc_v2", &d.cuMemAlloc) &&
+            load(lib, "cuMemFree_v2", &d.cuMemFree) && load(lib, "cuModuleLoadData", &d.cuModuleLoadData) &&
+            load(lib, "cuModuleGetFunction", &d.cuModuleGetFunction) && load(lib, "cuLaunchKernel", &d.cuLaunchKernel);
+  if (!ok) {
+    l.status = NotSupported("the CUDA driver is too old (missing driver API symbols)");
+    return l;
+  }
+  CUresult r = d.cuInit(0);
+  if (r != kSuccess) {
+    l.status = d.check(r, "cuInit");
+    l.status = NotSupported("no usable CUDA device: " + l.status.message());
+    return l;
+  }
+  int n = 0;
+  if (d.cuDeviceGetCount(&n) != kSuccess || n == 0) l.status = NotSupported("no CUDA device found");
+  return l;
+}
+
+}  // namespace
+
+Result<const CudaDriver*> CudaDriver::get() {
+  static Loaded l = load_driver();
+  if (!l.status.ok()) return l.status;
+  return &l.drv;
+}
+
+Status CudaDriver::check(CUresult r, const char* what) const {
+  if (r == kSuccess) return Status::Ok();
+  const char* s = nullptr;
+  if (cuGetErrorString) cuGetErrorString(r, &s);
+  return Internal(std::string(what) + " failed: CUDA error " + std::to_string(r) + (s ? std::string(" (") + s + ")" : ""));
+}
+
+Status CudaDriver::use_device(int ordinal) const {
+  CUdevice dev;
+  PDKV_RETURN_IF_ERROR(check(cuDeviceGet(&dev, ordinal), "cuDeviceGet"));
+  CUcontext ctx;
+  PDKV_RETURN_IF_ERROR(check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain"));
+  return check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+}
+
+bool cuda_available() { return CudaDriver::get().ok(); }
+
+}  // namespace pdkv::cuda

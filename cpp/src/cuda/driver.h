@@ -1,0 +1,85 @@
+// The CUDA driver API, loaded at run time.
+//
+// pdkv never links against CUDA: libcuda.so.1 is dlopen()ed on first use, so the
+// package builds, imports and runs on machines without a GPU, and the CUDA paths
+// report a clear NotSupported there. Only the few driver types pdkv uses are
+// declared here (ABI-stable since CUDA 4), so no CUDA headers are needed to build.
+//
+// Thread safety: CudaDriver::get() is thread-safe; the function pointers are
+// immutable after loading.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "pdkv/status.h"
+
+namespace pdkv::cuda {
+
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = struct CUctx_st*;
+using CUstream = struct CUstream_st*;
+using CUevent = struct CUevent_st*;
+using CUdeviceptr = unsigned long long;
+using CUmodule = struct CUmod_st*;
+using CUfunction = struct CUfunc_st*;
+struct CUipcMemHandle {
+  char reserved[64];
+};
+
+inline constexpr CUresult kSuccess = 0;
+inline constexpr CUresult kNotReady = 600;
+inline constexpr unsigned kIpcLazyEnablePeerAccess = 0x1;
+inline constexpr unsigned kEventBlockingSync = 0x1;
+inline constexpr unsigned kEventDisableTiming = 0x2;
+inline constexpr unsigned kStreamNonBlocking = 0x1;
+inline constexpr int kPointerAttrContext = 1;
+inline constexpr int kPointerAttrMemoryType = 2;
+inline constexpr int kPointerAttrDeviceOrdinal = 9;
+inline constexpr unsigned kMemHostAllocPortable = 0x1;
+
+struct CudaDriver {
+  CUresult (*cuInit)(unsigned);
+  CUresult (*cuDeviceGetCount)(int*);
+  CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*cuCtxSetCurrent)(CUcontext);
+  CUresult (*cuMemGetAddressRange)(CUdeviceptr*, size_t*, CUdeviceptr);
+  CUresult (*cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
+  CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned);
+  CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
+  CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+  CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
+  CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
+  CUresult (*cuStreamCreate)(CUstream*, unsigned);
+  CUresult (*cuStreamDestroy)(CUstream);
+  CUresult (*cuEventCreate)(CUevent*, unsigned);
+  CUresult (*cuEventRecord)(CUevent, CUstream);
+  CUresult (*cuEventSynchronize)(CUevent);
+  CUresult (*cuEventDestroy)(CUevent);
+  CUresult (*cuPointerGetAttribute)(void*, int, CUdeviceptr);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned);
+  CUresult (*cuMemFreeHost)(void*);
+  CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
+  CUresult (*cuMemFree)(CUdeviceptr);
+  CUresult (*cuModuleLoadData)(CUmodule*, const void*);
+  CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             CUstream, void**, void**);
+
+  // Loads libcuda.so.1 and calls cuInit(0) once. NotSupported with the reason when
+  // there is no driver or no device.
+  static Result<const CudaDriver*> get();
+  // OK, or `what` failed with the driver's error string.
+  Status check(CUresult r, const char* what) const;
+  // Makes device `ordinal`'s primary context current on this thread.
+  Status use_device(int ordinal) const;
+};
+
+// True when a CUDA driver and at least one device are present (never throws or aborts).
+bool cuda_available();
+
+}  // namespace pdkv::cuda
