@@ -111,9 +111,10 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> str:
         """Binds and serves; returns ``http://host:port`` (the real port if ``port`` is 0)."""
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=self.shutdown_timeout)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True, shutdown_timeout=self.shutdown_timeout)
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
         try:
             await site.start()
         except OSError:

@@ -281,10 +281,14 @@ class _Run:
             if stopped:
                 finish = "stop"
             elif finish is not None:
-                if self.detok is not None and finish != "stop":
-                    text += self.detok.flush()
-                    text, stopped = self.stop.feed("")
-                text += self.stop.flush() if not stopped else ""
+                tail = self.detok.flush() if self.detok is not None and finish != "stop" else ""
+                if tail:
+                    more, stopped = self.stop.feed(tail)
+                    text += more
+                    if stopped:
+                        finish = "stop"
+                if not stopped:
+                    text += self.stop.flush()
             if finish is not None:
                 self.finish_reason = finish
                 yield text, [tok.token_id], finish

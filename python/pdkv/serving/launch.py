@@ -165,6 +165,21 @@ class ServerProcess:
         return f"ServerProcess({self.name!r}, pid={self.pid}, url={self.url!r})"
 
 
+def _wait_all(procs: Sequence[ServerProcess], deadline: float) -> None:
+    """Waits for every process's ready file; fails as soon as one of them exits."""
+    pending = list(procs)
+    while pending:
+        for p in list(pending):
+            try:
+                p.wait_ready(0.0)
+                pending.remove(p)
+            except StartupError:
+                if not p.alive() or time.monotonic() >= deadline:
+                    raise
+        if pending:
+            time.sleep(0.05)
+
+
 def cpu_plan(n_workers: int, cpus: Sequence[int] | None = None) -> list[str | None]:
     """One CPU per worker, in order, while there are enough; else None (unpinned).
 
@@ -265,8 +280,7 @@ class Deployment:
                 self.processes.append(ServerProcess(role, args, log_path=log_dir / f"{name}.log", cpus=cpus,
                                                     env=env, name=name).start())
             deadline = time.monotonic() + timeout
-            for p in list(self.processes):
-                p.wait_ready(max(deadline - time.monotonic(), 0.1))
+            _wait_all(self.processes, deadline)
             prefill = ",".join(p.url for p in self.processes if p.role == "prefill")
             decode = ",".join(p.url for p in self.processes if p.role != "prefill")
             pargs = ["--mode", self.mode if disagg else "colocated", "--decode", decode]
