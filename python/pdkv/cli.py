@@ -23,7 +23,7 @@ COMMANDS = {
     ("demo",): "pdkv.serving.demo:main",
     ("serve",): "pdkv.serving.cli:main",
     ("bench", "transfer"): "pdkv.bench.transfer:main",
-    ("bench", "serve"): "pdkv.bench.serve_cli:main",
+    ("bench", "serve"): "pdkv.bench.serve_modes:main",
     ("info",): "pdkv.cli:info",
 }
 

@@ -1,0 +1,175 @@
+"""``pdkv bench serve``: one trace replayed against every serving mode, same core budget.
+
+Without ``--url`` this driver starts each serving mode on this machine in turn (a
+proxy plus workers, :class:`pdkv.serving.launch.Deployment`), replays the same trace
+at each request rate, stops the mode, and at the end writes one report comparing
+them (JSON, markdown table, ITL CDF and rate-sweep plots) with a recommendation.
+With ``--url`` it measures a server you started yourself (vLLM, SGLang, pdkv's proxy):
+see :mod:`pdkv.bench.serve_cli`.
+
+Same hardware budget: with ``N`` = prefill + decode workers of the disaggregated
+modes (``--pd``, default 1:1), colocated and chunked run ``N`` single-core replicas
+behind the proxy (``--replicas`` overrides), and every worker is pinned to its own
+core where there are enough. On a 2-core machine: colocated = 2 replicas, chunked =
+2 replicas with chunked prefill, disagg = 1 prefill core + 1 decode core, hybrid =
+the same with short prompts prefilled by the decode worker.
+
+Example::
+
+    pdkv bench serve --serve-model tiny-40m --preset prefill-heavy --rates 0.25,0.5 \\
+        --duration 60 --out bench/results/serve-tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from . import serve_cli
+from .serve_metrics import BenchResults, RunResult
+
+MODES = ("colocated", "chunked", "disagg", "hybrid")
+
+#: Generated model presets: ``save_tiny_model`` keyword arguments. "tiny-40m" is the
+#: ~40M-parameter Llama the issue's expectations were measured with.
+GENERATED = {
+    "tiny-40m": dict(arch="llama", hidden_size=640, num_layers=10, num_heads=10, dtype="float32"),
+    "tiny-4m": dict(arch="llama", hidden_size=128, num_layers=4, num_heads=4, dtype="float32"),
+}
+
+
+def resolve_model(spec: str, cache: Path) -> Path:
+    """A model directory for ``--serve-model``: a path, ``smollm2`` (the demo model) or a
+    generated preset (:data:`GENERATED`), written once under ``cache``."""
+    if spec == "smollm2":
+        from pdkv.serving.models import default_model_dir
+
+        return Path(default_model_dir())
+    if spec in GENERATED:
+        from pdkv.serving.tiny import save_tiny_model
+
+        out = cache / spec
+        if not (out / "config.json").exists():
+            save_tiny_model(out, seed=0, **GENERATED[spec])
+        return out
+    p = Path(spec)
+    if not (p / "config.json").exists():
+        raise SystemExit(f"error: --serve-model {spec!r} is neither a model directory (no config.json) nor one of "
+                         f"smollm2, {', '.join(GENERATED)}")
+    return p
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    serve_cli.add_arguments(parser)
+    g = parser.add_argument_group("modes (when --url is not given)")
+    g.add_argument("--modes", default=",".join(MODES), help=f"modes to compare (default: {','.join(MODES)})")
+    g.add_argument("--serve-model", default="smollm2",
+                   help=f"model directory, smollm2 (the demo model) or a generated one: {', '.join(GENERATED)}")
+    g.add_argument("--pd", default="1:1", help="prefill:decode workers of disagg and hybrid (default 1:1)")
+    g.add_argument("--replicas", type=int, help="colocated/chunked replicas (default: prefill + decode of --pd)")
+    g.add_argument("--max-batch-tokens", type=int, default=128, help="chunked mode's per-step token budget")
+    g.add_argument("--hybrid-threshold", type=int, help="hybrid proxy: prompts up to this many tokens skip prefill")
+    g.add_argument("--worker-arg", action="append", default=[],
+                   help="extra option for every worker, e.g. --worker-arg=--num-blocks=4096 (repeatable)")
+    g.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin workers to cores")
+    g.add_argument("--keep-logs", metavar="DIR", help="keep every process's log under DIR")
+
+
+def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir: Optional[Path]):
+    from pdkv.serving.launch import Deployment
+
+    p, d = (int(x) for x in args.pd.split(":"))
+    worker_args = [a for w in args.worker_arg for a in w.split("=", 1)] if args.worker_arg else []
+    if mode in ("colocated", "chunked"):
+        replicas = args.replicas or (p + d)
+        extra = ["--max-batch-tokens", str(args.max_batch_tokens)] if mode == "chunked" else []
+        return Deployment(mode, model_dir, num_prefill=0, num_decode=replicas, worker_args=worker_args,
+                          decode_args=extra, pin=args.pin, log_dir=log_dir), f"{replicas}x1"
+    proxy_args = []
+    if mode == "hybrid" and args.hybrid_threshold is not None:
+        proxy_args = ["--hybrid-threshold", str(args.hybrid_threshold)]
+    return Deployment(mode, model_dir, num_prefill=p, num_decode=d, worker_args=worker_args, proxy_args=proxy_args,
+                      pin=args.pin, log_dir=log_dir), f"{p}:{d}"
+
+
+async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
+                   model_name: Optional[str]) -> tuple[list[RunResult], str]:
+    import aiohttp
+
+    from .serve_client import fetch_model, wait_until_ready
+
+    await wait_until_ready(url, timeout_s=120)
+    async with aiohttp.ClientSession() as session:
+        model = model_name or await fetch_model(session, url)
+    client = serve_cli.client_kwargs(args, model)
+    if args.warmup > 0:
+        await serve_cli.warmup(url, requests=args.warmup, **client)
+    runs = await serve_cli.run_sweep(url, traces, mode=mode, pd_ratio=pd_ratio, cooldown_s=args.cooldown,
+                                     progress=args.progress, config={"mode": mode, "pd": pd_ratio}, **client)
+    return runs, model
+
+
+def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        print(f"error: unknown mode(s) {bad}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
+    try:
+        p, d = (int(x) for x in args.pd.split(":"))
+        if p < 1 or d < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --pd must look like 1:1, got {args.pd!r}", file=sys.stderr)
+        return 2
+    try:
+        slo = serve_cli.slo_from_args(args)
+        traces, trace_info = serve_cli.build_traces(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cache = Path(os.environ.get("PDKV_CACHE_DIR", Path.home() / ".cache" / "pdkv")) / "models"
+    model_dir = resolve_model(args.serve_model, cache)
+    # Token-id prompts must stay inside the model's vocabulary.
+    import json
+
+    vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+    if vocab and args.vocab_size > vocab:
+        args.vocab_size = int(vocab)
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    runs: list[RunResult] = []
+    model_name = args.model
+    for mode in modes:
+        log_dir = Path(args.keep_logs) / mode if args.keep_logs else None
+        dep, pd_ratio = deployment_for(mode, model_dir, args, log_dir)
+        print(f"== {mode} ({pd_ratio}) on {model_dir}", file=sys.stderr, flush=True)
+        with dep:
+            got, model_name = asyncio.run(_measure(dep.url, traces, mode, pd_ratio, args, model_name))
+        runs += got
+    args.url = "launched by pdkv bench serve"
+    meta = serve_cli.build_meta(args, model=model_name or str(model_dir), trace_info=trace_info, started_at=started,
+                                argv=argv)
+    meta["deployment"] = {"modes": modes, "pd": args.pd, "replicas": args.replicas, "model_dir": str(model_dir),
+                          "pinned": args.pin, "cpus": sorted(os.sched_getaffinity(0))}
+    serve_cli.emit_results(BenchResults(runs, slo, meta), out=args.out, traces=traces, plots=args.plots)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="pdkv bench serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.url or args.list_presets:
+        return serve_cli.run_from_args(args, argv)
+    return run_modes(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
