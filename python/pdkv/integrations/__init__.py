@@ -1,0 +1,1 @@
+"""Integrations of pdkv with serving engines (vLLM). Importing this package imports no engine."""

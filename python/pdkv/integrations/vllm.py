@@ -1,0 +1,636 @@
+"""pdkv as a vLLM KV connector: prefill/decode disaggregation through pdkv.
+
+vLLM loads :class:`PdkvConnector` from ``--kv-transfer-config``::
+
+    {"kv_connector": "PdkvConnector",
+     "kv_connector_module_path": "pdkv.integrations.vllm",
+     "kv_role": "kv_producer",                # prefill; "kv_consumer" on decode
+     "kv_load_failure_policy": "recompute",   # decode: recompute the prompt if a pull fails
+     "kv_connector_extra_config": {"listen": "127.0.0.1:0"}}
+
+Both instances need the same ``PDKV_SECRET`` in their environment (or
+``"secret"`` in the extra config). A proxy (:mod:`pdkv.integrations.vllm_proxy`)
+sends each request to prefill with ``max_tokens=1`` and
+``kv_transfer_params={"do_remote_decode": true}``, then to decode with the
+``kv_transfer_params`` prefill returned.
+
+How a request flows (pull, like vLLM's NixlConnector):
+
+1. Prefill runs the prompt. :meth:`PdkvConnector.request_finished` keeps the
+   request's blocks (``delay_free``) and returns ``kv_transfer_params`` naming
+   them, the prefill workers' pdkv agents (``host:port``, one per TP rank) and a
+   lease deadline.
+2. Decode's scheduler claims the prompt's tokens (``get_num_new_matched_tokens``
+   returns them as loaded asynchronously), vLLM allocates blocks, and
+   ``update_state_after_alloc`` pairs each local block with the prefill block at
+   the same position in the prompt (local prefix-cache hits are skipped).
+3. Decode's worker reads those blocks straight from prefill's KV cache into its
+   own (``Agent.read``: one copy on the same host via ``shm``, scatter-gather TCP
+   across hosts; no staging buffer) and reports them in ``get_finished``. The read
+   carries a notification that reaches prefill once every byte has landed; the
+   prefill worker then reports the request as sent and vLLM frees its blocks.
+4. A failed pull (peer gone, timeout, lease expired, bad parameters) reports the
+   request's blocks through ``get_block_ids_with_load_errors``; with
+   ``kv_load_failure_policy="recompute"`` vLLM recomputes the prompt locally and
+   the request still completes. Prefill frees blocks nobody pulled once the lease
+   (``kv_lease_s``) runs out.
+
+Extra config keys (``kv_connector_extra_config``):
+
+``listen``
+    ``"host:port"`` of the worker's pdkv agent (default ``"127.0.0.1:0"``; give an
+    address decode can reach across hosts). A non-zero port is offset by the TP rank.
+``secret``
+    Shared secret (default: ``$PDKV_SECRET``; one of them is required).
+``transports``
+    pdkv transports in order of preference (default: all available, ``shm`` first).
+``kv_lease_s``
+    Seconds prefill keeps a finished request's blocks for decode (default 120).
+``transfer_timeout_s``
+    Deadline of one pull (default 30).
+``stats_path``
+    Append one JSON line per pull (request, blocks, bytes, seconds) to this file.
+
+Only vLLM's own attention layouts with one KV cache group are supported (no
+hybrid/sliding-window groups), with equal block size, KV heads and TP size on both
+sides; the connector checks the geometry at the first pull and fails the pull
+(so vLLM recomputes) when it differs.
+
+This module imports vLLM and torch; ``import pdkv`` does not import it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+import pdkv
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["PdkvConnector", "PdkvConnectorMetadata", "PdkvHandshakeMetadata"]
+
+logger = init_logger("vllm.kv_connector.pdkv")  # under "vllm": shown with vLLM's own logs
+
+#: Notification payload prefix: ``b"pdkv-vllm release <prefill request id>"``.
+_RELEASE = b"pdkv-vllm release "
+#: A pull must complete this many seconds before the lease ends to be trusted.
+_LEASE_MARGIN_S = 5.0
+_LAYOUT = "vllm-kv"
+
+
+@dataclass
+class PdkvHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What one worker tells its scheduler: its agent's name and ``host:port``."""
+
+    agent_name: str
+    address: str
+
+
+@dataclass
+class _Recv:
+    """Decode: pull ``remote_block_ids`` of the prefill request into ``local_block_ids``."""
+
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_agents: list[str]
+    remote_request_id: str
+    expires_at: float
+    num_tokens: int
+
+
+@dataclass
+class _Release:
+    """Decode: tell prefill to free a request's blocks without pulling them."""
+
+    remote_agents: list[str]
+    remote_request_id: str
+
+
+@dataclass
+class PdkvConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per engine step."""
+
+    reqs_to_recv: dict[str, _Recv] = field(default_factory=dict)
+    reqs_to_release: dict[str, _Release] = field(default_factory=dict)
+    #: Prefill: request id -> wall-clock lease deadline of its held blocks.
+    reqs_to_send: dict[str, float] = field(default_factory=dict)
+
+
+def _extra(vllm_config: "VllmConfig") -> dict[str, Any]:
+    return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+
+
+class PdkvConnector(KVConnectorBase_V1):
+    """vLLM KV connector (``KVConnectorBase_V1``) that moves KV blocks with pdkv.
+
+    vLLM builds one instance with ``role=SCHEDULER`` inside the scheduler and one
+    with ``role=WORKER`` per worker; each delegates to its half
+    (:class:`_Scheduler`, :class:`_Worker`).
+    """
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._sched: _Scheduler | None = None
+        self._worker: _Worker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _Scheduler(vllm_config)
+        else:
+            self._worker = _Worker(vllm_config, kv_cache_config)
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta()
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        assert self._sched is not None
+        self._sched.set_agents(metadata)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        assert self._worker is not None
+        return self._worker.handshake_metadata()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdkvConnectorMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Pulls complete between engine steps (the request waits in
+        ``WAITING_FOR_REMOTE_KVS``), so no forward pass ever waits on a layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        """Nothing to save: decode pulls straight from prefill's KV cache."""
+
+    def wait_for_save(self) -> None:
+        """Nothing to save (see :meth:`save_kv_layer`)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+class _Scheduler:
+    """Scheduler half: which tokens decode claims, which blocks pair up, and what
+    prefill returns to the proxy."""
+
+    def __init__(self, vllm_config: "VllmConfig") -> None:
+        extra = _extra(vllm_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = vllm_config.kv_transfer_config.engine_id
+        self.lease_s = float(extra.get("kv_lease_s", 120.0))
+        self.agents: list[str] = []
+        self._recv: dict[str, _Recv] = {}
+        self._release: dict[str, _Release] = {}
+        self._send: dict[str, float] = {}
+        policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+        if vllm_config.kv_transfer_config.is_kv_consumer and policy != "recompute":
+            logger.warning("pdkv connector: kv_load_failure_policy=%r fails a request whose KV pull fails; "
+                           "set \"kv_load_failure_policy\": \"recompute\" to recompute it instead", policy)
+
+    def set_agents(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """Workers' agent addresses, ordered by TP rank."""
+        agents = []
+        for rank in sorted(metadata):
+            md = metadata[rank]
+            if not isinstance(md, PdkvHandshakeMetadata):
+                raise TypeError(f"pdkv connector: worker {rank} sent {type(md).__name__}, "
+                                "expected PdkvHandshakeMetadata")
+            agents.append(md.address)
+        self.agents = agents
+        logger.info("pdkv connector: worker agents %s", agents)
+
+    @staticmethod
+    def _pull_params(params: dict[str, Any] | None) -> bool:
+        return bool(params and params.get("do_remote_prefill") and params.get("remote_agents")
+                    and params.get("remote_request_id") is not None
+                    and isinstance(params.get("remote_block_ids"), list))
+
+    def _loaded_end(self, request: "Request", params: dict[str, Any]) -> int:
+        """Prompt tokens whose KV prefill holds (the whole prompt in practice)."""
+        n = request.num_prompt_tokens
+        remote = params.get("remote_num_tokens")
+        return n if remote is None else max(0, min(int(remote), n))
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not self._pull_params(params):
+            return 0, False
+        count = self._loaded_end(request, params) - num_computed_tokens
+        # vLLM recomputes the last prompt token itself when every token is loaded.
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not self._pull_params(params):
+            return
+        params["do_remote_prefill"] = False  # one pull per request, even if rescheduled
+        agents = list(params["remote_agents"])
+        rid = str(params["remote_request_id"])
+        if num_external_tokens <= 0:
+            # Everything is cached here already: prefill may free its blocks.
+            self._release[request.request_id] = _Release(agents, rid)
+            return
+        end = self._loaded_end(request, params)
+        start = end - num_external_tokens  # local prefix-cache hits are whole blocks
+        first, last = start // self.block_size, -(-end // self.block_size)
+        (local_all,) = blocks.get_block_ids()[:1]
+        remote_all = [int(b) for b in params["remote_block_ids"]]
+        self._recv[request.request_id] = _Recv(
+            local_block_ids=list(local_all[first:last]), remote_block_ids=remote_all[first:last],
+            remote_agents=agents, remote_request_id=rid,
+            expires_at=float(params.get("remote_expires_at") or 0.0), num_tokens=num_external_tokens)
+
+    def build_connector_meta(self) -> PdkvConnectorMetadata:
+        meta = PdkvConnectorMetadata(self._recv, self._release, self._send)
+        self._recv, self._release, self._send = {}, {}, {}
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if self._pull_params(params):
+            # Decode request finished (aborted) before its blocks were allocated:
+            # nothing was pulled, let prefill free its blocks now.
+            params["do_remote_prefill"] = False
+            self._release[request.request_id] = _Release(list(params["remote_agents"]),
+                                                         str(params["remote_request_id"]))
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted or failed prefill: nothing to hand over
+        if not block_ids or not self.agents:
+            if not self.agents:
+                logger.warning("pdkv connector: no worker agent known; %s is not handed over", request.request_id)
+            return False, None
+        expires = time.time() + self.lease_s
+        self._send[request.request_id] = expires
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": [int(b) for b in block_ids],
+            "remote_num_tokens": int(request.num_computed_tokens),
+            "remote_agents": list(self.agents),
+            "remote_expires_at": expires,
+        }
+
+
+class _Worker:
+    """Worker half: owns the pdkv agent, registers vLLM's KV cache, pulls blocks
+    (decode) and frees held blocks when decode says so (prefill)."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> None:
+        extra = _extra(vllm_config)
+        kvt = vllm_config.kv_transfer_config
+        self.kv_cache_config = kv_cache_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.timeout_s = float(extra.get("transfer_timeout_s", 30.0))
+        self.stats_path = extra.get("stats_path")
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # noqa: BLE001 - no TP group (e.g. a unit test): rank 0
+            self.tp_rank = 0
+        secret = extra.get("secret") or os.environ.get("PDKV_SECRET")
+        if not secret:
+            raise ValueError("pdkv connector: set PDKV_SECRET (or kv_connector_extra_config.secret) to the same "
+                             "value on prefill and decode")
+        host, _, port = str(extra.get("listen", "127.0.0.1:0")).rpartition(":")
+        port_n = int(port) + self.tp_rank if int(port) else 0
+        name = f"vllm-{kvt.engine_id}-tp{self.tp_rank}".replace(" ", "_")
+        transports = extra.get("transports")
+        self.agent = pdkv.Agent(name, secret=secret, listen=f"{host}:{port_n}",
+                                transports=list(transports) if transports else None,
+                                default_timeout=self.timeout_s)
+        self._regions: list[pdkv.Region] = []
+        self._caches: list[torch.Tensor] = []
+        self.geometry: pdkv.KVGeometry | None = None
+        self.phys_per_block = 1
+        self.block_bytes = 0
+        # decode
+        self._lock = threading.Lock()
+        self._peers: dict[str, concurrent.futures.Future] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect")
+        self._parked: dict[str, tuple[_Recv, str, concurrent.futures.Future, float]] = {}
+        self._recving: dict[str, tuple[pdkv.Transfer, _Recv, str, float]] = {}
+        self._done_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        # prefill
+        self._sending: dict[str, float] = {}
+        self._released: dict[str, float] = {}
+        logger.info("pdkv connector: agent %s on %s (transports %s)", name, self.agent.address,
+                    ", ".join(self.agent.transports))
+
+    # ---------------------------------------------------------------- registration
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Registers every KV cache storage once and describes it as one pdkv layout.
+
+        Each layer's cache is split into parts whose blocks are contiguous: the CPU
+        backend's ``[num_blocks, kv_heads, block_size, 2*head_size]`` is one part
+        per layer (K and V interleaved per head inside a block); GPU layouts
+        ``[2, num_blocks, ...]`` and ``[num_blocks, 2, ...]`` are a K and a V part.
+        Blocks move whole, between identical layouts only, so the order of elements
+        inside a block does not matter.
+        """
+        caches = list(kv_caches.values())
+        if not caches:
+            raise ValueError("pdkv connector: no KV caches to register")
+        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec if self.kv_cache_config else None
+        if self.kv_cache_config is not None and len(self.kv_cache_config.kv_cache_groups) != 1:
+            raise NotImplementedError("pdkv connector: models with several KV cache groups are not supported")
+        segments: list[tuple[int, int]] = []
+        geo_key = None
+        nparts = 0
+        for name, t in kv_caches.items():
+            if t.dim() == 5 and t.shape[0] == 2:
+                parts = [t[0], t[1]]
+            elif t.dim() == 5 and t.shape[1] == 2:
+                parts = [t[:, 0], t[:, 1]]
+            else:
+                parts = [t]
+            for p in parts:
+                if not p[0].is_contiguous():
+                    raise NotImplementedError(f"pdkv connector: layer {name}: a block of shape {tuple(p.shape[1:])} "
+                                              f"(strides {p.stride()}) is not contiguous")
+                key = (len(parts), p.shape[0], p[0].numel(), t.dtype)
+                if geo_key is None:
+                    geo_key = key
+                elif key != geo_key:
+                    raise NotImplementedError(f"pdkv connector: layer {name} differs from the first layer "
+                                              f"({key} vs {geo_key})")
+                segments.append((p.data_ptr(), p.stride(0) * p.element_size()))
+            nparts = len(parts)
+        assert geo_key is not None
+        _, num_phys, elems, dtype = geo_key
+        num_logical = self.kv_cache_config.num_blocks if self.kv_cache_config else num_phys
+        if num_phys % num_logical:
+            raise NotImplementedError(f"pdkv connector: {num_phys} kernel blocks do not split into "
+                                      f"{num_logical} logical blocks")
+        self.phys_per_block = num_phys // num_logical
+        phys_tokens = self.block_size // self.phys_per_block
+        heads = int(getattr(spec, "num_kv_heads", 1) or 1)
+        if elems % (phys_tokens * heads):
+            heads = 1
+        head_elems = elems // (phys_tokens * heads)
+        self.geometry = pdkv.KVGeometry(num_layers=len(kv_caches), num_blocks=num_phys, block_tokens=phys_tokens,
+                                        kv_heads=heads, head_dim=head_elems, dtype=dtype, kv_parts=nparts,
+                                        order="HND")
+        # Register each underlying storage once (layers may share one).
+        seen: dict[int, tuple[int, torch.Tensor]] = {}
+        for t in caches:
+            st = t.untyped_storage()
+            seen.setdefault(st.data_ptr(), (st.nbytes(), t))
+        for addr, (nbytes, t) in sorted(seen.items()):
+            self._regions.append(self.agent.register_address(addr, nbytes))
+            self._caches.append(t)
+        self.agent.add_layout(_LAYOUT, pdkv.KVLayout.from_segments(self.geometry, segments))
+        self.block_bytes = self.geometry.block_bytes * self.geometry.kv_parts * self.geometry.num_layers \
+            * self.phys_per_block
+        logger.info("pdkv connector: registered %d layers x %d parts, %d blocks of %d bytes per logical block "
+                    "in %d region(s)", len(kv_caches), nparts, num_logical, self.block_bytes, len(self._regions))
+
+    def handshake_metadata(self) -> PdkvHandshakeMetadata:
+        return PdkvHandshakeMetadata(agent_name=self.agent.name, address=self.agent.address)
+
+    def _phys(self, ids: list[int]) -> list[int]:
+        k = self.phys_per_block
+        if k == 1:
+            return list(ids)
+        return [b * k + i for b in ids for i in range(k)]
+
+    # ---------------------------------------------------------------- decode: pulls
+    def _agent_for(self, agents: list[str]) -> str:
+        """The prefill agent serving this TP rank's KV heads."""
+        if len(agents) == 1:
+            return agents[0]
+        if self.tp_rank >= len(agents):
+            raise pdkv.InvalidArgument(f"prefill has {len(agents)} TP ranks, this is rank {self.tp_rank}")
+        return agents[self.tp_rank]
+
+    def _connect(self, address: str) -> str:
+        """Runs in the connect thread: fetch the peer's metadata and check its layout."""
+        peer = self.agent.connect(address, timeout=min(self.timeout_s, 10.0))
+        remote = self.agent.peer_info(peer)["layouts"].get(_LAYOUT)
+        if remote is None:
+            raise pdkv.NotFound(f"peer {peer} at {address} exports no vLLM KV layout")
+        rgeo, mine = pdkv.KVLayout(remote).geometry, self.geometry
+        assert mine is not None
+        if rgeo.with_blocks(1) != mine.with_blocks(1):
+            raise pdkv.InvalidArgument(f"prefill's KV layout {rgeo} differs from this one {mine}")
+        logger.info("pdkv connector: connected to %s at %s over %s", peer, address, self.agent.peer_transport(peer))
+        return peer
+
+    def _peer_future(self, address: str) -> concurrent.futures.Future:
+        """The (possibly still running) connection to ``address``; a failed one is retried."""
+        with self._lock:
+            fut = self._peers.get(address)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                fut = self._pool.submit(self._connect, address)
+                self._peers[address] = fut
+            return fut
+
+    def _forget_peer(self, address: str) -> None:
+        with self._lock:
+            self._peers.pop(address, None)
+
+    def start_load_kv(self, meta: PdkvConnectorMetadata) -> None:
+        for req_id, deadline in meta.reqs_to_send.items():
+            self._sending[req_id] = deadline
+        for req_id, rel in meta.reqs_to_release.items():
+            self._release(rel.remote_agents, rel.remote_request_id)
+        now = time.perf_counter()
+        for req_id, r in meta.reqs_to_recv.items():
+            try:
+                addr = self._agent_for(r.remote_agents)
+                fut = self._peer_future(addr)
+            except Exception as e:  # noqa: BLE001 - every failure becomes a recompute
+                self._fail(req_id, r, None, e)
+                continue
+            self._parked[req_id] = (r, addr, fut, now)
+        self._post_parked()
+
+    def _post_parked(self) -> None:
+        """Posts the pulls whose peer is connected (reads run in pdkv's native threads)."""
+        for req_id in list(self._parked):
+            r, addr, fut, t_seen = self._parked[req_id]
+            if not fut.done():
+                continue
+            del self._parked[req_id]
+            try:
+                peer = fut.result()
+                if r.expires_at and time.time() > r.expires_at - _LEASE_MARGIN_S:
+                    raise pdkv.TransferTimeout(f"prefill's lease on {r.remote_request_id} ran out before the pull")
+                if len(r.remote_block_ids) != len(r.local_block_ids) or not r.local_block_ids:
+                    raise pdkv.InvalidArgument(f"{len(r.local_block_ids)} local blocks for "
+                                               f"{len(r.remote_block_ids)} prefill blocks")
+                xfer = self.agent.read(peer, _LAYOUT, self._phys(r.local_block_ids), _LAYOUT,
+                                       self._phys(r.remote_block_ids),
+                                       notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - every failure becomes a recompute
+                self._fail(req_id, r, addr, e)
+                continue
+            self._recving[req_id] = (xfer, r, addr, t_seen)
+
+    def _poll_recving(self) -> None:
+        for req_id in list(self._recving):
+            xfer, r, addr, t_seen = self._recving[req_id]
+            if not xfer.done:
+                continue
+            del self._recving[req_id]
+            err = xfer.error
+            if err is None and r.expires_at and time.time() > r.expires_at - _LEASE_MARGIN_S:
+                # Prefill may already have reused these blocks: do not trust them.
+                err = pdkv.TransferTimeout("the pull completed after prefill's lease ran out")
+            if err is not None:
+                self._fail(req_id, r, addr, err, xfer)
+                continue
+            self._done_recving.add(req_id)
+            self._record(req_id, r, xfer, None, time.perf_counter() - t_seen)
+
+    def _fail(self, req_id: str, r: _Recv, addr: str | None, err: BaseException,
+              xfer: pdkv.Transfer | None = None) -> None:
+        """Reports the request's blocks as not loaded (vLLM recomputes them) and lets
+        prefill free its copy."""
+        logger.warning("pdkv connector: pull of %s (prefill request %s, %d blocks) failed: %s: %s; "
+                       "reporting its blocks as load errors", req_id, r.remote_request_id, len(r.local_block_ids),
+                       type(err).__name__, err)
+        self._load_errors.update(r.local_block_ids)
+        self._done_recving.add(req_id)
+        self._record(req_id, r, xfer, err)
+        if addr is not None and isinstance(err, (pdkv.PeerConnectionError, pdkv.StalePeer, pdkv.NotFound)):
+            self._forget_peer(addr)  # reconnect on the next request
+        try:
+            self._release(r.remote_agents, r.remote_request_id)
+        except Exception:  # noqa: BLE001 - best effort: prefill's lease frees the blocks anyway
+            pass
+
+    def _release(self, agents: list[str], remote_request_id: str) -> None:
+        """Tells prefill (asynchronously) that it may free ``remote_request_id``'s blocks."""
+        payload = _RELEASE + remote_request_id.encode()
+
+        def send(f: concurrent.futures.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                return
+            try:
+                self.agent.notify(f.result(), payload, timeout=self.timeout_s)
+            except pdkv.PdkvError as e:
+                logger.info("pdkv connector: could not tell prefill to free %s (%s); its lease will",
+                            remote_request_id, e)
+
+        self._peer_future(self._agent_for(agents)).add_done_callback(send)
+
+    def _record(self, req_id: str, r: _Recv, xfer: pdkv.Transfer | None, err: BaseException | None,
+                seconds: float | None = None) -> None:
+        """Appends one JSON line per pull to ``stats_path`` (if configured)."""
+        if not self.stats_path:
+            return
+        row = {"request_id": req_id, "remote_request_id": r.remote_request_id, "blocks": len(r.local_block_ids),
+               "tokens": r.num_tokens, "bytes": xfer.bytes_total if xfer is not None else 0,
+               "transfer_s": xfer.elapsed if xfer is not None and err is None else None,
+               "seen_to_done_s": seconds, "transport": xfer.transport if xfer is not None else None,
+               "error": None if err is None else f"{type(err).__name__}: {err}", "time": time.time()}
+        with open(self.stats_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    # ---------------------------------------------------------------- prefill: releases
+    def _poll_released(self) -> set[str]:
+        now = time.time()
+        for n in self.agent.get_notifications():
+            if n.data.startswith(_RELEASE):
+                self._released[n.data[len(_RELEASE):].decode(errors="replace")] = now
+        done = set()
+        for req_id, deadline in list(self._sending.items()):
+            if req_id in self._released:
+                done.add(req_id)
+            elif now > deadline:
+                logger.warning("pdkv connector: decode did not pull %s within its lease; freeing its blocks", req_id)
+                done.add(req_id)
+        for req_id in done:
+            del self._sending[req_id]
+            self._released.pop(req_id, None)
+        # A release can arrive before the scheduler hands the request over; forget
+        # stale ones (aborted elsewhere) after a while.
+        for req_id, t in list(self._released.items()):
+            if now - t > 600:
+                del self._released[req_id]
+        return done
+
+    # ---------------------------------------------------------------- per step
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        if self._parked:
+            self._post_parked()
+        if self._recving:
+            self._poll_recving()
+        sent = self._poll_released()
+        recvd, self._done_recving = self._done_recving, set()
+        return (sent or None), (recvd or None)
+
+    def take_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for xfer, *_ in self._recving.values():
+            xfer.cancel()
+        self.agent.close()
