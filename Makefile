@@ -33,7 +33,7 @@ $(STAMP): $(BIN)/python pyproject.toml CMakeLists.txt
 install: $(STAMP)
 
 demo: install
-	$(BIN)/pdkv bench transfer --payload 64M,256M
+	$(BIN)/pdkv demo
 
 test: install
 	$(BIN)/python -m pytest
