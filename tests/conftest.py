@@ -16,6 +16,9 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+# NIXL/UCX in tests (this process and the peer processes it spawns): loopback only.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
 SECRET = "test-secret"
 
 
@@ -121,9 +124,12 @@ class Flavor:
     tcp:      the tcp transport, plain numpy pools;
     shm:      the shm transport, pools pdkv allocated (memfd, mapped by the peer);
     shm-cma:  the shm transport, plain numpy pools (cross-memory attach).
+    nixl:     the nixl transport (NIXL, UCX's defaults as pdkv sets them: tcp here),
+              plain numpy pools; only when NIXL is installed.
     """
 
-    TABLE = {"tcp": (["tcp"], False), "shm": (["shm", "tcp"], True), "shm-cma": (["shm", "tcp"], False)}
+    TABLE = {"tcp": (["tcp"], False), "shm": (["shm", "tcp"], True), "shm-cma": (["shm", "tcp"], False),
+             "nixl": (["nixl", "tcp"], False)}
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -141,6 +147,11 @@ class Flavor:
     def peer_args(self) -> dict:
         return {"transports": self.transports, "shared": self.shared}
 
+    def skip_if(self, *names: str, reason: str) -> None:
+        """Skips the running test under the named flavors, saying why."""
+        if self.name in names:
+            pytest.skip(f"{self.name}: {reason}")
+
     def __repr__(self) -> str:
         return self.name
 
@@ -152,7 +163,7 @@ def _flavors() -> list[str]:
     return [f for f, (ts, _) in Flavor.TABLE.items() if ts[0] in avail]
 
 
-@pytest.fixture(params=_flavors())
+@pytest.fixture(params=[pytest.param(f, marks=pytest.mark.nixl) if f == "nixl" else f for f in _flavors()])
 def flavor(request) -> Flavor:
     return Flavor(request.param)
 

@@ -65,6 +65,8 @@ def test_write_and_read_between_processes_bit_exact(spawn_peer, flavor, lspec, r
 @pytest.mark.parametrize("tcp", [{}, {"conns_per_peer": 2, "batch_bytes": 32768, "batch_extents": 5}],
                          ids=["one-conn-piggyback", "multi-conn-separate-notify"])
 def test_notifications_never_arrive_before_their_data(spawn_peer, flavor, tcp):
+    if tcp:
+        flavor.skip_if("nixl", reason="tcp connection options do not apply (one NIXL/UCX endpoint per peer)")
     spec = PoolSpec(layers=2, blocks=128, block_tokens=16, heads=4, head_dim=64, dtype="float16")
     peer = spawn_peer("decode", spec, seed=None, **flavor.peer_args())
     rng = np.random.default_rng(3)

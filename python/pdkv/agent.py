@@ -352,6 +352,8 @@ class Agent:
         TCP tuning.
     shm : ShmOptions
         Shared-memory tuning.
+    nixl : pdkv.backends.nixl.NixlOptions, optional
+        Tuning of the ``nixl`` transport (RDMA through NIXL/UCX), when enabled.
     default_timeout : float
         Deadline of transfers posted without one (0: none).
     """
@@ -365,6 +367,7 @@ class Agent:
         transports: Sequence[str] | None = None,
         tcp: TcpOptions = TcpOptions(),
         shm: ShmOptions = ShmOptions(),
+        nixl: Any = None,
         default_timeout: float = 60.0,
         max_notif_bytes: int = 1 << 20,
         wait_spin_us: int = 50,
@@ -394,6 +397,9 @@ class Agent:
             tcp.rcvlowat_bytes, tcp.connect_timeout_s, tcp.handshake_timeout_s, shm.copy_threads, shm.inline_bytes,
             float(default_timeout), max_notif_bytes, wait_spin_us,
         )
+        # Python transports read these (the native agent keeps its own copies).
+        self._default_timeout = float(default_timeout)
+        self._max_notif_bytes = int(max_notif_bytes)
         self._regions: dict[int, Region] = {}
         self._layout_keep: dict[str, KVLayout] = {}
         self._lock = threading.Lock()
@@ -407,7 +413,7 @@ class Agent:
 
                     raise NotSupported(f"transport {t!r} needs the {t} package: "
                                        "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1")
-                self._py[t] = backends.create(t)
+                self._py[t] = backends.create(t, nixl if t == "nixl" else None)
                 self._py[t].start(self)
                 self._n.set_metadata_extra(t, self._py[t].metadata_extra())
         except BaseException:
@@ -566,23 +572,35 @@ class Agent:
         native_forced = transport if transport is not None and transport not in self._py else ""
         name = self._n.add_peer(blob, _as_bytes(secret), native_forced)
         old = self._py_peers.pop(name, None)
-        if old is not None:
-            old.remove_peer(name)
-        if self._py:
-            md = _native.module().decode_metadata(blob)
-            native_choice = self._n.peer_transport(name)
-            for t in ([transport] if transport is not None else self._order):
-                if t in self._py:
-                    if self._py[t].can_reach(md):
-                        self._py[t].add_peer(name, md, _as_bytes(secret) or self.secret)
-                        self._py_peers[name] = self._py[t]
-                        break
-                    if transport is not None:
-                        from .errors import NotSupported
+        chosen = None
+        try:
+            if self._py:
+                try:
+                    md = _native.module().decode_metadata(blob)
+                except UnicodeDecodeError as e:
+                    from .errors import ProtocolError
 
-                        raise NotSupported(f"transport {t!r} cannot reach peer {name!r}")
-                elif t == native_choice:
-                    break
+                    self._n.remove_peer(name)
+                    raise ProtocolError(f"metadata of peer {name!r} has a field that is not UTF-8: {e}") from None
+                native_choice = self._n.peer_transport(name)
+                for t in ([transport] if transport is not None else self._order):
+                    if t in self._py:
+                        if self._py[t].can_reach(md):
+                            chosen = self._py[t]
+                            # A transport re-adding a peer it already has replaces it
+                            # itself (keeping connections when nothing changed).
+                            chosen.add_peer(name, md, _as_bytes(secret) or self.secret)
+                            self._py_peers[name] = chosen
+                            break
+                        if transport is not None:
+                            from .errors import NotSupported
+
+                            raise NotSupported(f"transport {t!r} cannot reach peer {name!r}")
+                    elif t == native_choice:
+                        break
+        finally:
+            if old is not None and self._py_peers.get(name) is not old:
+                old.remove_peer(name)
         return name
 
     def fetch_metadata(self, address: str, *, secret: str | bytes | None = None, timeout: float = 10.0) -> bytes:

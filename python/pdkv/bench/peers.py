@@ -89,6 +89,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pdkv.backends import _nixl as _nixl_setup
 from pdkv.errors import InvalidArgument, NotSupported, PdkvError, TransferTimeout
 
 __all__ = [
@@ -99,14 +100,14 @@ __all__ = [
     "run_nixl",
 ]
 
-_NIXL_PIP = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
+_NIXL_PIP = _nixl_setup.PIP
 _MOONCAKE_PIP = "apt-get install -y libibverbs1 && pip install mooncake-transfer-engine-non-cuda"
 
 # Upper bound of the NIXL UCX progress thread's poll() timeout (microseconds; the backend
 # rounds it up to whole milliseconds). It only bounds how late the thread notices work
 # whose event-fd wake-up UCX missed; normal wake-ups are immediate. 0 (NIXL's Python
 # default) turns the poll into a busy loop.
-_NIXL_PTHR_DELAY_US = 10_000
+_NIXL_PTHR_DELAY_US = _nixl_setup.PTHR_DELAY_US
 
 # Mooncake's TCP per-peer queue limits (defaults 1024 + 1024, maximum 65535 each).
 _MC_QUEUE_MAX = 65535
@@ -370,28 +371,13 @@ def _pthr_delay_us(env: dict[str, str]) -> int:
     return int(env.get("PDKV_NIXL_PTHR_DELAY_US", _NIXL_PTHR_DELAY_US))
 
 
-def _has_rdma_device() -> bool:
-    try:
-        return bool(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return False
+_has_rdma_device = _nixl_setup.rdma_device_present
 
 
 def _ucx_error_mode(env: dict[str, str]) -> str:
-    """``"none"`` when ``UCX_TLS`` names only transports that cannot detect a dead peer.
-
-    UCX's shared-memory transports (shm, posix, sysv, knem, xpmem, self) have no
-    peer-failure detection; under NIXL's default ``"peer"`` mode none of them qualifies
-    and ``create_backend("UCX")`` raises ``NIXL_ERR_BACKEND``. Anything that includes a
-    network transport keeps ``"peer"``, so a dead peer fails transfers instead of
-    hanging them.
-    """
-    tls = env.get("UCX_TLS", "").strip()
-    if not tls or tls.startswith("^"):
-        return "peer"
-    names = {t.strip().split(":")[0] for t in tls.split(",") if t.strip()}
-    local_only = {"shm", "posix", "sysv", "cma", "knem", "xpmem", "self", "sm"}
-    return "none" if names and names <= local_only else "peer"
+    """``"none"`` when ``UCX_TLS`` names only transports that cannot detect a dead peer
+    (shared with the nixl transport: :func:`pdkv.backends._nixl.ucx_error_mode`)."""
+    return _nixl_setup.ucx_error_mode(env.get("UCX_TLS", ""))
 
 
 # ---------------------------------------------------------------------------------------
@@ -669,8 +655,10 @@ def _nixl_agent(name: str) -> tuple[Any, str]:
     own default), or ``"caller"`` (no progress thread: whoever waits must poll; used when
     ``PDKV_NIXL_PTHR_DELAY_US`` is negative or pthrDelay cannot be set).
     """
-    import nixl._api as api
-    from nixl._api import nixl_agent, nixl_agent_config
+    # The backend wheel's _api directly: ``import nixl`` would import torch (see
+    # pdkv.backends._nixl.import_bindings).
+    api = _nixl_setup.import_api()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
     delay_us = _pthr_delay_us(dict(os.environ))
     real = getattr(api, "nixlBind", None)

@@ -1,0 +1,1270 @@
+"""The ``nixl`` transport: pdkv transfers carried by NIXL (UCX), for RDMA networks.
+
+Select it with ``pdkv.Agent(name, transports=["nixl", ...])`` or per peer with
+``agent.add_peer(md, transport="nixl")``; an Agent created without ``transports`` puts
+it first when the host has an RDMA device and NIXL is installed. ``agent.peer_transport
+(peer)`` shows the choice. Install NIXL with ``pip install --no-deps nixl-cu12==1.5.1
+nixl==1.5.1`` (``nixl-cu12`` declares torch as a dependency: without ``--no-deps`` pip
+pulls a multi-GB CUDA build even on CPU-only machines).
+
+The pdkv Agent keeps layouts, planning, metadata and validation; this transport gets
+resolved byte extents and moves them with one NIXL agent (UCX backend) per pdkv Agent:
+
+* every registered region is registered with NIXL (``DRAM``; ``VRAM`` for CUDA regions);
+  the agent's metadata carries NIXL's metadata for the *exported* regions only (under
+  ``extras["nixl"]``), re-published whenever regions change;
+* ``prepare`` builds the NIXL descriptor lists and a request once; ``post`` reposts a
+  pooled request (a transfer's notification is attached to its NIXL request, so the
+  peer gets it only after every byte landed, for WRITE and for READ alike);
+* transfers return :class:`NixlTransfer` handles that behave like :class:`pdkv.Transfer`;
+  NIXL failures become pdkv exceptions that name the cause;
+* received NIXL notifications are pushed into the agent's queue, so
+  ``wait_notifications``, ``notification_fd`` and ``notifications()`` work unchanged.
+
+Example
+-------
+>>> import numpy as np, pdkv
+>>> from pdkv.backends.nixl import NixlOptions
+>>> with pdkv.Agent("p", secret="s", transports=["nixl"], nixl=NixlOptions()) as p, \\
+...         pdkv.Agent("d", secret="s", transports=["nixl"]) as d:
+...     src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, np.uint8)
+...     rs, rd = p.register(src), d.register(dst)
+...     peer = p.connect(d.address)                    # metadata over tcp, data over NIXL
+...     p.peer_transport(peer)
+...     p.prepare_extents("write", peer, [(rs.id, 0, rd.id, 0, 4096)]).post(notify=b"kv").wait(5)
+...     [n.data for n in d.wait_notifications(5)]
+'nixl'
+True
+[b'kv']
+
+NIXL and UCX traps (NIXL 1.5.1, measured on a 2-core loopback-only host) and what pdkv does
+-------------------------------------------------------------------------------------------
+Each default applies only when the caller has not set the variable; ``NixlTransport.info()``
+lists the ones applied.
+
+* **Idle progress thread spins a core.** ``nixl_agent`` hard-codes the UCX progress
+  thread's ``poll()`` timeout (``pthrDelay``) to 0: one core at 100% while idle (0.999
+  CPU-s/s). pdkv builds NIXL's agent config itself with ``pthrDelay`` = 10 ms
+  (:attr:`NixlOptions.pthr_delay_us`): the thread sleeps in ``poll()`` until UCX has
+  work; throughput is unchanged.
+* **``UCX_TLS=shm`` fails** unless the UCX backend uses error handling mode ``"none"``
+  (shared-memory transports cannot detect a dead peer; under NIXL's default ``"peer"``
+  the backend is not created). pdkv picks ``"none"`` exactly when ``UCX_TLS`` names only
+  same-host transports; then a dead peer cannot be detected, only timed out.
+* **Segfault at exit** of every NIXL process when Debian's ``libibverbs1`` is installed
+  and there is no RDMA device (UCX's ib module crashes in teardown): pdkv sets
+  ``UCX_MODULES=^ib`` in the process environment before NIXL loads UCX.
+* **UCX over TCP uses every interface.** When the agent listens on a loopback address
+  (every peer it can meet is on this host) pdkv restricts UCX to ``lo``; otherwise UCX
+  keeps all devices, as multi-host deployments need. Set ``UCX_NET_DEVICES`` to choose.
+* **UCX's own choice on one host is cma** (``process_vm_writev``), a path that exists
+  only between processes of one host. Without an RDMA device (and without a GPU) pdkv
+  uses ``UCX_TLS=tcp``, the path peers on other hosts get (pdkv's own ``shm`` transport
+  is the fast same-host path). With an RDMA device (or a GPU) UCX chooses. These two
+  settings go through the backend's ``engine_config``, per agent, not the environment.
+* **``import nixl`` imports torch** (2.1 s instead of 0.3 s, plus its memory) when a
+  CPU-only torch is installed; pdkv imports the one installed backend wheel
+  (``nixl_cu12``) directly.
+* **NIXL's Python wrapper logs INFO lines to stdout**, corrupting programs that speak a
+  protocol there; pdkv uses NIXL's bindings (what the wrapper calls), whose C++ logger
+  writes to stderr.
+* **A transfer's notification is sent only when the initiator checks the finished
+  request** (NIXL's UCX backend sends it from ``getXferStatus``), and a posted request is
+  only progressed to that point by whoever checks it. pdkv's poller thread checks
+  transfers nobody waits on, so ``write(..., notify=...)`` without ``wait()`` delivers.
+* **Reposting a request without a notification re-sends the previous one.** pdkv keeps
+  requests that have carried a notification apart from those that never did.
+* **One-sided writes are not checked against deregistration over UCX's TCP/shm
+  emulation** (measured: a write through the old key lands in memory the target has
+  deregistered; with RDMA the NIC refuses the invalidated key). pdkv revokes access
+  first: a deregistering agent tells every peer that holds its metadata, waits for
+  their in-flight transfers touching the region, and only then deregisters; later
+  posts into that region fail with NotFound until the peer's metadata is re-added.
+* **Prepared descriptor lists point into NIXL's registration records**: posting one
+  after its memory was deregistered reads freed memory. pdkv drops prepared requests
+  when their regions go away (posting them raises NotFound), and re-prepares
+  transparently when a peer's metadata is re-added (StalePeer if it restarted).
+* **Loading a peer's metadata again only adds to it**: regions the peer dropped stay
+  known, and a region at the same address keeps the *old* key. When a re-added peer only
+  gained or lost regions, pdkv loads the new metadata on top (connections, prepared
+  requests and in-flight transfers stay); when a new region overlaps a dropped one it
+  reconnects from scratch, failing that peer's in-flight transfers with
+  PeerConnectionError.
+* **NIXL has no wake-up for notifications**: pdkv polls in a thread that backs off from
+  :attr:`NixlOptions.poll_min_s` to :attr:`~NixlOptions.poll_idle_max_s` (10 ms) when
+  idle, so an idle agent uses about 1% of one core here (a Python thread wake-up costs
+  ~50 us on this VM) and a notification after a quiet spell waits up to 10 ms.
+* **Neither NIXL nor UCX authenticates peers**: anyone who can reach the UCX endpoint
+  can issue RMA to registered memory (over UCX's TCP emulation, to any address). pdkv's
+  secret guards only the metadata and the handshake. Use the nixl transport on trusted
+  networks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import base64
+import hashlib
+import hmac
+import itertools
+import json
+import os
+import struct
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ..errors import (
+    Cancelled,
+    InvalidArgument,
+    NotFound,
+    PdkvError,
+    PeerConnectionError,
+    ProtocolError,
+    StalePeer,
+    TransferTimeout,
+)
+from . import PyTransport
+from ._nixl import PTHR_DELAY_US, NixlEngine, UcxSetup, is_loopback_host, to_pdkv, ucx_setup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..agent import Agent, Region, XferState
+
+__all__ = ["NixlOptions", "NixlTransport", "NixlPrepared", "NixlTransfer", "nixl_agent_name"]
+
+
+@dataclass(frozen=True)
+class NixlOptions:
+    """Tuning of the nixl transport (``pdkv.Agent(..., nixl=NixlOptions(...))``).
+
+    Attributes
+    ----------
+    pthr_delay_us : int
+        NIXL's UCX progress thread wakes at least this often (microseconds, rounded up
+        to ms). 0 is NIXL's busy-polling default; negative runs without a progress
+        thread (the poller and waiters then progress UCX).
+    poll_min_s, poll_busy_max_s, poll_idle_max_s : float
+        The notification/completion poller sleeps ``poll_min_s`` after activity and
+        doubles that while nothing happens, up to ``poll_busy_max_s`` while transfers
+        are in flight and ``poll_idle_max_s`` when idle (the worst-case delay of a
+        notification after a quiet spell, and the idle CPU cost).
+    wait_spin_s : float
+        ``Transfer.wait`` checks continuously this long before sleeping between checks.
+    handshake_timeout_s : float
+        ``add_peer`` waits this long for the peer's NIXL handshake answer.
+    revoke_timeout_s : float
+        Deregistering an exported region waits this long for each peer holding this
+        agent's metadata to confirm it stopped using it (a peer that does not answer is
+        forgotten).
+    max_idle_requests : int
+        NIXL requests kept for reuse per prepared transfer (per notification kind).
+    """
+
+    pthr_delay_us: int = PTHR_DELAY_US
+    poll_min_s: float = 100e-6
+    poll_busy_max_s: float = 1e-3
+    poll_idle_max_s: float = 10e-3
+    wait_spin_s: float = 200e-6
+    handshake_timeout_s: float = 5.0
+    revoke_timeout_s: float = 5.0
+    max_idle_requests: int = 4
+
+
+def nixl_agent_name(name: str, instance_id: int) -> str:
+    """The NIXL agent name of a pdkv agent: unique per agent *instance*, so a restarted
+    peer (same pdkv name) never collides with its predecessor inside NIXL."""
+    return f"{name}#{instance_id:016x}"
+
+
+def _pdkv_name(nixl_name: str) -> str:
+    return nixl_name.rpartition("#")[0] or nixl_name  # pdkv names never contain spaces; '#' may
+
+
+# ---------------------------------------------------------------------------- metadata
+_MAGIC = b"PDKVNIXL"
+_VERSION = 1
+
+
+def _encode_extra(nixl_name: str, mds: Sequence[bytes]) -> bytes:
+    """``extras["nixl"]``: magic, version, NIXL agent name, NIXL metadata blobs, sha256."""
+    name = nixl_name.encode()
+    out = [_MAGIC, struct.pack("<HH", _VERSION, len(name)), name, struct.pack("<H", len(mds))]
+    for md in mds:
+        out += [struct.pack("<I", len(md)), md]
+    body = b"".join(out)
+    return body + hashlib.sha256(body).digest()
+
+
+def _decode_extra(blob: bytes) -> tuple[str, list[bytes]]:
+    """Inverse of :func:`_encode_extra`; raises ProtocolError on anything malformed
+    (NIXL's own deserializer never sees bytes that fail the checksum)."""
+    if len(blob) < len(_MAGIC) + 6 + 32 or not blob.startswith(_MAGIC):
+        raise ProtocolError("nixl metadata extra: bad magic or truncated")
+    body, digest = blob[:-32], blob[-32:]
+    if not hmac.compare_digest(hashlib.sha256(body).digest(), digest):
+        raise ProtocolError("nixl metadata extra: checksum mismatch (corrupted metadata)")
+    version, nlen = struct.unpack_from("<HH", body, len(_MAGIC))
+    if version != _VERSION:
+        from ..errors import VersionMismatch
+
+        raise VersionMismatch(f"nixl metadata extra version {version} (this pdkv speaks {_VERSION})")
+    pos = len(_MAGIC) + 4
+    try:
+        name = body[pos:pos + nlen].decode()
+        pos += nlen
+        (count,) = struct.unpack_from("<H", body, pos)
+        pos += 2
+        mds = []
+        for _ in range(count):
+            (n,) = struct.unpack_from("<I", body, pos)
+            pos += 4
+            if pos + n > len(body):
+                raise ProtocolError("nixl metadata extra: length past the end")
+            mds.append(body[pos:pos + n])
+            pos += n
+    except (struct.error, UnicodeDecodeError) as e:
+        raise ProtocolError(f"nixl metadata extra: {e}") from None
+    if pos != len(body) or not name:
+        raise ProtocolError("nixl metadata extra: trailing bytes or empty name")
+    return name, mds
+
+
+# Every NIXL notification between pdkv agents starts with a tag byte: user data, or a
+# control message of the transport's own protocol (JSON; control path only).
+_USER = b"U"
+_CTL = b"C"
+
+
+def _ctl(**msg: Any) -> bytes:
+    return _CTL + json.dumps(msg, separators=(",", ":")).encode()
+
+
+def _hello_mac(secret: bytes, sender: str, target: str, epoch: int, md: bytes) -> str:
+    data = b"pdkv-nixl-hello\0%s\0%s\0%d\0" % (sender.encode(), target.encode(), epoch) + md
+    return hmac.new(secret, data, hashlib.sha256).hexdigest()
+
+
+# ---------------------------------------------------------------------------- state
+class _Region:
+    __slots__ = ("id", "addr", "end", "kind", "device", "exported", "dlist")
+
+    def __init__(self, region: "Region", dlist: Any) -> None:
+        self.id = int(region.id)
+        self.addr = int(region.addr)
+        self.end = self.addr + int(region.nbytes)
+        self.kind = region.kind
+        self.device = max(0, int(region.device))
+        self.exported = bool(getattr(region, "remote_access", True))
+        self.dlist = dlist
+
+
+class _RegionIndex:
+    """Sorted (addr, end, id, kind, device) table; maps extents to their regions."""
+
+    def __init__(self, rows: Sequence[tuple[int, int, int, str, int]]) -> None:
+        rows = sorted(rows)
+        self.starts = np.array([r[0] for r in rows], dtype=np.uint64)
+        self.ends = np.array([r[1] for r in rows], dtype=np.uint64)
+        self.ids = np.array([r[2] for r in rows], dtype=np.int64)
+        self.kinds = [r[3] for r in rows]
+        self.devices = np.array([r[4] for r in rows], dtype=np.uint64)
+
+    def lookup(self, addrs: np.ndarray, lens: np.ndarray, side: str) -> np.ndarray:
+        """Row index of the region holding each ``[addr, addr + len)``; raises NotFound."""
+        if not len(self.starts):
+            raise NotFound(f"no {side} region is registered with the nixl transport")
+        i = np.searchsorted(self.starts, addrs, side="right").astype(np.int64) - 1
+        bad = (i < 0) | (addrs + lens > self.ends[np.maximum(i, 0)])
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise NotFound(f"{side} bytes [0x{int(addrs[k]):x}, +{int(lens[k])}) are not in a region "
+                           "registered with the nixl transport (region not registered)")
+        return i
+
+
+class _Peer:
+    """One peer as this transport knows it (replaced, never mutated, on re-add)."""
+
+    def __init__(self, name: str, md: dict, nixl_name: str, extra: bytes, secret: bytes) -> None:
+        self.name = name
+        self.instance = int(md["instance_id"])
+        self.nixl_name = nixl_name
+        self.update(md, extra, secret)
+        self.error: PdkvError | None = None  # set: transfers to this peer raise it
+        self.is_self = False
+        self.loaded = False  # its NIXL metadata is loaded
+        self.epoch = 0  # of the handshake that made the peer hold our metadata
+        self.hello_ok = False
+        self.revoked: set[int] = set()
+        self.dropped = False
+
+    def update(self, md: dict, extra: bytes, secret: bytes) -> None:
+        self.extra = extra
+        self.secret = secret
+        self.rows = [(int(r["addr"]), int(r["addr"]) + int(r["len"]), int(r["id"]), r.get("kind", "host"),
+                      max(0, int(r.get("device", -1)))) for r in md.get("regions", [])]
+        self.index = _RegionIndex(self.rows)
+        self.region_ids = {row[2] for row in self.rows}
+
+    def reuses_freed_range(self, md: dict) -> bool:
+        """Whether ``md`` (same instance) has a region overlapping one this peer dropped:
+        NIXL would keep the dropped region's key for it (reloading only adds entries)."""
+        new = [(int(r["addr"]), int(r["addr"]) + int(r["len"]), int(r["id"])) for r in md.get("regions", [])]
+        ids = {n[2] for n in new}
+        gone = [row for row in self.rows if row[2] not in ids]
+        return any(a < ge and ga < e for a, e, _ in new for ga, ge, *_ in gone)
+
+
+class _Group:
+    """The extents of a prepared transfer that share a (local, remote) memory kind: one
+    pair of NIXL descriptor lists and a pool of NIXL requests built from them."""
+
+    __slots__ = ("lkind", "rkind", "ldesc", "rdesc", "nbytes", "ldl", "rdl", "idle_plain", "idle_notif", "busy")
+
+    def __init__(self, lkind: str, rkind: str, ldesc: np.ndarray, rdesc: np.ndarray) -> None:
+        self.lkind, self.rkind = lkind, rkind
+        self.ldesc, self.rdesc = ldesc, rdesc
+        self.nbytes = int(ldesc[:, 1].sum())
+        self.ldl: int | None = None
+        self.rdl: int | None = None
+        self.idle_plain: list[int] = []  # requests that never carried a notification
+        self.idle_notif: list[int] = []  # requests that did (a plain repost would resend it)
+        self.busy = 0
+
+
+# XferState is imported lazily from pdkv.agent (which imports this package lazily too).
+_S: dict[str, Any] = {}
+
+
+def _states() -> dict[str, Any]:
+    if not _S:
+        from ..agent import XferState
+
+        _S.update(PENDING=XferState.PENDING, DONE=XferState.DONE, FAILED=XferState.FAILED,
+                  CANCELLED=XferState.CANCELLED)
+    return _S
+
+
+class NixlTransfer:
+    """A posted nixl transfer; the same interface as :class:`pdkv.Transfer`.
+
+    A ``wait`` timeout does not cancel it: keep the memory alive until :attr:`done`
+    (deregistration waits for it anyway). :attr:`bytes_done` is 0 until the transfer
+    completes (NIXL reports no partial progress), then :attr:`bytes_total`.
+    """
+
+    transport = "nixl"
+
+    def __init__(self, owner: "NixlTransport", xid: int, peer: "_Peer", op: str, nbytes: int,
+                 notify: bytes | None, deadline: float, prep: "NixlPrepared | None") -> None:
+        self._owner = owner
+        self.id = xid
+        self._peer_state = peer
+        self.peer = peer.name
+        self._op = op
+        self.bytes_total = nbytes
+        self._notify = notify
+        self._deadline = deadline
+        self._prep = prep
+        self._local_ids: frozenset = prep._local_ids if prep is not None else frozenset()
+        self._remote_ids: frozenset = prep._remote_ids if prep is not None else frozenset()
+        self._reqs: list[tuple[_Group, int]] = []
+        self._pending: list[int] = []
+        self._manual_notify = False  # several NIXL requests: notify after all of them
+        self._carried = False  # its requests carry the notification (NIXL sends it)
+        self._state = _states()["PENDING"]
+        self._error: PdkvError | None = None
+        self._t_post = time.monotonic()
+        self._t_done = 0.0
+        self._event = threading.Event()
+
+    @property
+    def state(self) -> "XferState":
+        if self._state is _S["PENDING"]:
+            self._owner._check(self)
+        return self._state
+
+    @property
+    def done(self) -> bool:
+        """True once terminal (done, failed or cancelled)."""
+        return self.state is not _S["PENDING"]
+
+    @property
+    def bytes_done(self) -> int:
+        return self.bytes_total if self.state is _S["DONE"] else 0
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds from post to completion (0 while pending)."""
+        return self._t_done - self._t_post if self._t_done else 0.0
+
+    @property
+    def error(self) -> PdkvError | None:
+        """The failure as an exception (None while pending or when done)."""
+        st = self.state
+        return self._error if st is _S["FAILED"] or st is _S["CANCELLED"] else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until terminal or ``timeout`` seconds pass.
+
+        Returns True when the transfer completed, False if still pending at the timeout;
+        raises the transfer's error if it failed (:class:`~pdkv.errors.Cancelled` if
+        cancelled). Checks continuously for ``wait_spin_s``, then sleeps between checks
+        (woken at once when the poller sees completion).
+        """
+        owner = self._owner
+        pending = _S["PENDING"]
+        st = owner._check(self)
+        if st is pending:
+            opts = owner._opts
+            now = time.monotonic()
+            end = None if timeout is None else now + max(0.0, float(timeout))
+            spin_end = now + opts.wait_spin_s
+            pause = opts.poll_min_s
+            while True:
+                now = time.monotonic()
+                if end is not None and now >= end:
+                    break
+                if now >= spin_end:
+                    self._event.wait(pause if end is None else min(pause, end - now))
+                    pause = min(pause * 2, opts.poll_busy_max_s)
+                st = owner._check(self)
+                if st is not pending:
+                    break
+        if st is _S["DONE"]:
+            return True
+        if st is pending:
+            return False
+        raise self._error  # type: ignore[misc]
+
+    def cancel(self) -> None:
+        """Aborts the transfer's NIXL requests; the state becomes CANCELLED unless it had
+        already completed (then it stays DONE). A cancelled transfer's notification is
+        never sent."""
+        self._owner._cancel(self)
+
+    async def wait_async(self, timeout: float | None = None) -> bool:
+        """``await``-able :meth:`wait` (runs the blocking wait in a thread)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.wait, timeout)
+
+    def __repr__(self) -> str:
+        return (f"NixlTransfer(id={self.id}, peer={self.peer!r}, {self.state.value}, "
+                f"{self.bytes_done}/{self.bytes_total} bytes)")
+
+
+class NixlPrepared:
+    """A nixl transfer laid out once (descriptor lists and a NIXL request built); post it
+    many times. Same interface as :class:`pdkv.PreparedTransfer`."""
+
+    transport = "nixl"
+
+    def __init__(self, owner: "NixlTransport", peer: "_Peer", op: str, ldesc: np.ndarray, rdesc: np.ndarray,
+                 lkinds: list[str], rkinds: list[str], local_ids: frozenset, remote_ids: frozenset) -> None:
+        self._owner = owner
+        self._peer = peer
+        self.peer = peer.name
+        self._op = op
+        self._ldesc, self._rdesc = ldesc, rdesc
+        self._lkinds, self._rkinds = lkinds, rkinds
+        self._local_ids, self._remote_ids = local_ids, remote_ids
+        self.nbytes = int(ldesc[:, 1].sum())
+        self.num_extents = len(ldesc)
+        self._groups: list[_Group] | None = None
+        self._invalid: PdkvError | None = None
+
+    def post(self, *, notify: bytes | str | None = None, timeout: float | None = None) -> NixlTransfer:
+        """Starts the transfer; returns at once.
+
+        Parameters
+        ----------
+        notify : bytes or str, optional
+            Delivered to the peer after every byte of this transfer has landed (for a
+            READ: landed here).
+        timeout : float, optional
+            Seconds until the transfer fails with TransferTimeout (None: the agent's
+            default; 0: no limit).
+        """
+        return self._owner._post(self, notify, timeout)
+
+    def __del__(self) -> None:
+        groups, self._groups = self._groups, None
+        if groups:
+            # No locks in a finalizer: the owner releases these on its next pass.
+            self._owner._graveyard.append(groups)
+
+    def __repr__(self) -> str:
+        return (f"NixlPrepared(peer={self.peer!r}, {self._op}, {self.nbytes} bytes in "
+                f"{self.num_extents} extents)")
+
+
+# ---------------------------------------------------------------------------- transport
+_LIVE: "weakref.WeakSet[NixlTransport]" = weakref.WeakSet()
+_ATEXIT = []
+
+
+def _close_live() -> None:
+    # Before interpreter teardown: NIXL's threads must stop while Python still runs.
+    for t in list(_LIVE):
+        try:
+            t.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+
+
+class NixlTransport(PyTransport):
+    """The nixl transport of one :class:`pdkv.Agent` (created by the agent; see the
+    module docstring). Thread-safe: one lock guards its state, NIXL runs in STRICT sync
+    mode, and a poller thread delivers notifications and completes unwaited transfers.
+    """
+
+    name = "nixl"
+
+    def __init__(self, options: NixlOptions | None = None) -> None:
+        if options is not None and not isinstance(options, NixlOptions):
+            raise InvalidArgument(f"nixl options must be NixlOptions, got {type(options).__name__}")
+        self._opts = options or NixlOptions()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._wake = threading.Event()
+        self._eng: NixlEngine | None = None
+        self._closed = False
+        self._regions: dict[int, _Region] = {}
+        self._index = _RegionIndex([])
+        self._peers: dict[str, _Peer] = {}
+        self._by_nixl: dict[str, _Peer] = {}
+        self._watchers: dict[str, tuple[int, bytes]] = {}  # NIXL name -> (epoch, conn md)
+        self._preps: "weakref.WeakSet[NixlPrepared]" = weakref.WeakSet()
+        self._inflight: dict[int, NixlTransfer] = {}
+        self._acks: dict[int, set[str]] = {}
+        self._hello_acks: dict[int, str] = {}
+        self._deferred_acks: list[tuple[str, int, _Peer, frozenset]] = []
+        self._graveyard: list[list[_Group]] = []
+        self._zombies: list[int] = []
+        self._ids = itertools.count(1)
+        self._md_cache: bytes | None = None
+        self._poll_interval = 0.0
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self, agent: "Agent") -> None:
+        self._agent = weakref.ref(agent)
+        self._agent_name = agent.name
+        self._secret = bytes(agent.secret)
+        self._default_timeout = float(getattr(agent, "_default_timeout", 60.0))
+        self._max_notif = int(getattr(agent, "_max_notif_bytes", 1 << 20))
+        self._nixl_name = nixl_agent_name(agent.name, agent.instance_id)
+        host = agent.address.rpartition(":")[0]
+        self._setup: UcxSetup = ucx_setup(os.environ, loopback=is_loopback_host(host))
+        for k, v in self._setup.env.items():
+            os.environ.setdefault(k, v)  # before NIXL loads UCX (process-wide)
+        self._eng = NixlEngine(self._nixl_name, self._setup.backend_params, pthr_delay_us=self._opts.pthr_delay_us)
+        self._conn_md = self._eng.partial_md(self._eng.reg_dlist("host", []))
+        _LIVE.add(self)
+        if not _ATEXIT:
+            _ATEXIT.append(atexit.register(_close_live))
+        self._thread = threading.Thread(target=_poll_loop, args=(weakref.ref(self), self._wake),
+                                        name=f"pdkv-nixl-{agent.name}", daemon=True)
+        self._thread.start()
+
+    def info(self) -> dict:
+        """How this transport runs: NIXL agent name, UCX defaults applied, options."""
+        return {"nixl_name": self._nixl_name, "ucx_tls": self._setup.tls or "UCX's choice",
+                "ucx_error_mode": self._setup.backend_params["ucx_error_handling_mode"],
+                "backend_params": dict(self._setup.backend_params), "env_defaults": dict(self._setup.env),
+                "applied": list(self._setup.applied), "pthr_delay_us": self._opts.pthr_delay_us,
+                "options": self._opts}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake.set()
+        th = self._thread
+        if th is not None and th is not threading.current_thread():
+            th.join(5.0)
+        with self._lock:
+            eng = self._eng
+            for x in list(self._inflight.values()):
+                self._finish(x, _states()["CANCELLED"], Cancelled(
+                    f"agent {self._agent_name!r} closed while the transfer to {x.peer!r} was in flight"))
+            for p in list(self._peers.values()):
+                # No goodbye: destroying the NIXL agent closes its UCX endpoints, which
+                # peers notice (a notification to a peer already gone only logs errors).
+                self._drop_peer(p, None, bye=False)
+            self._peers.clear()
+            for prep in list(self._preps):
+                self._detach(prep)
+            self._collect_garbage()
+            if eng is not None:
+                for n in list(self._watchers):
+                    eng.forget(n)
+                for r in self._regions.values():
+                    try:
+                        eng.deregister(r.dlist)
+                    except PdkvError:
+                        pass
+            self._watchers.clear()
+            self._regions.clear()
+            self._eng = None
+        _LIVE.discard(self)
+        if eng is not None:
+            eng.close()
+
+    def _engine(self) -> NixlEngine:
+        if self._closed or self._eng is None:
+            raise InvalidArgument(f"the nixl transport of agent {self._agent_name!r} is closed")
+        return self._eng
+
+    # -------------------------------------------------------------- memory
+    def on_register(self, region: "Region") -> None:
+        eng = self._engine()
+        kind = region.kind
+        dlist = eng.reg_dlist(kind, [(int(region.addr), int(region.nbytes), max(0, int(region.device)))])
+        eng.register(dlist)
+        with self._lock:
+            self._regions[int(region.id)] = _Region(region, dlist)
+            self._reindex()
+
+    def on_deregister(self, region: "Region") -> None:
+        rid = int(region.id)
+        with self._lock:
+            r = self._regions.get(rid)
+            if r is None or self._closed:
+                return
+            if r.exported and self._watchers:
+                self._revoke(rid)
+            # In-flight transfers that use the region (as source/destination here, or as
+            # the "remote" side of transfers to ourselves) finish first.
+            self._kick()
+            while True:
+                busy = [x for x in self._inflight.values()
+                        if rid in x._local_ids or (x._peer_state.is_self and rid in x._remote_ids)]
+                if not busy:
+                    break
+                now = time.monotonic()
+                for x in busy:
+                    self._progress(x, now)
+                if any(x._state is _S["PENDING"] for x in busy):
+                    self._cond.wait(self._opts.poll_busy_max_s)
+            gone = NotFound(f"region {rid} is not registered any more (deregistered); prepare the transfer again")
+            for prep in list(self._preps):
+                if rid in prep._local_ids or (prep._peer.is_self and rid in prep._remote_ids):
+                    prep._invalid = gone
+                    self._detach(prep)
+            del self._regions[rid]
+            self._reindex()
+            eng = self._eng
+        if eng is not None:
+            eng.deregister(r.dlist)
+
+    def _reindex(self) -> None:
+        self._index = _RegionIndex([(r.addr, r.end, r.id, r.kind, r.device) for r in self._regions.values()])
+        self._md_cache = None
+
+    def metadata_extra(self) -> bytes:
+        with self._lock:
+            if self._md_cache is None:
+                eng = self._engine()
+                mds = []
+                for kind in ("host", "cuda"):
+                    rows = [(r.addr, r.end - r.addr, r.device) for r in self._regions.values()
+                            if r.exported and r.kind == kind]
+                    if rows:
+                        mds.append(eng.partial_md(eng.reg_dlist(kind, rows)))
+                self._md_cache = _encode_extra(self._nixl_name, mds or [self._conn_md])
+            return self._md_cache
+
+    # -------------------------------------------------------------- peers
+    def can_reach(self, peer_md: dict) -> bool:
+        blob = peer_md.get("extras", {}).get(self.name)
+        if not blob:
+            return False
+        try:
+            _decode_extra(blob)
+        except PdkvError:
+            return False
+        return True
+
+    def add_peer(self, name: str, peer_md: dict, secret: bytes) -> None:
+        """Loads the peer's NIXL metadata and introduces this agent to it (a handshake
+        that lets the peer revoke access when it deregisters memory). Connection
+        failures do not raise here: transfers to the peer raise them."""
+        blob = bytes(peer_md.get("extras", {}).get(self.name, b""))
+        nixl_name, mds = _decode_extra(blob)  # ProtocolError if missing or corrupted
+        with self._lock:
+            eng = self._engine()
+            old = self._peers.get(name)
+            if (old is not None and old.error is None and old.nixl_name == nixl_name
+                    and old.instance == int(peer_md["instance_id"]) and (old.loaded or old.is_self)):
+                if old.extra == blob:
+                    old.secret = secret
+                    return  # unchanged: keep connections, prepared requests and transfers
+                if not old.reuses_freed_range(peer_md) and self._load_more(old, peer_md, mds, blob, secret):
+                    return  # regions added or removed: NIXL learned the new ones in place
+            if old is not None:
+                self._drop_peer(old, PeerConnectionError(
+                    f"peer {name!r} was re-added with new metadata while this transfer was in flight"),
+                    bye=old.nixl_name != nixl_name)
+            p = _Peer(name, peer_md, nixl_name, blob, secret)
+            self._peers[name] = p
+            expected = nixl_agent_name(str(peer_md["name"]), int(peer_md["instance_id"]))
+            if nixl_name != expected:
+                p.error = StalePeer(
+                    f"peer {name!r} restarted or its metadata is inconsistent: it names instance "
+                    f"{int(peer_md['instance_id']):016x} but its NIXL endpoint belongs to {nixl_name!r}; "
+                    "fetch its metadata again and re-add it")
+                return
+            if nixl_name == self._nixl_name:
+                p.is_self = True
+                return
+            try:
+                for md in mds:
+                    got = eng.load_md(md)
+                    if got != nixl_name:
+                        eng.forget(got)
+                        raise ProtocolError(f"NIXL metadata of peer {name!r} names agent {got!r}, "
+                                            f"expected {nixl_name!r}")
+                    p.loaded = True
+            except PdkvError as e:
+                p.error = PeerConnectionError(f"cannot connect to peer {name!r} through NIXL: {e}")
+                if p.loaded:
+                    eng.forget(nixl_name)
+                    p.loaded = False
+                return
+            self._by_nixl[nixl_name] = p
+            p.epoch = next(self._ids)
+            mac = _hello_mac(secret, self._nixl_name, nixl_name, p.epoch, self._conn_md)
+            try:
+                eng.notify(nixl_name, _ctl(k="hello", epoch=p.epoch, md=base64.b64encode(self._conn_md).decode(),
+                                           mac=mac))
+            except PdkvError as e:
+                p.error = PeerConnectionError(f"cannot reach peer {name!r} through NIXL: {e}")
+                return
+            self._hello_acks[p.epoch] = ""
+            self._kick()
+            deadline = time.monotonic() + self._opts.handshake_timeout_s
+            while self._hello_acks.get(p.epoch) == "" and time.monotonic() < deadline and not p.dropped:
+                self._cond.wait(min(self._opts.poll_busy_max_s * 10, max(0.0, deadline - time.monotonic())))
+            answer = self._hello_acks.pop(p.epoch, "")
+            if p.dropped:
+                return
+            if answer == "ok":
+                p.hello_ok = True
+            elif not answer:
+                p.error = PeerConnectionError(
+                    f"peer {name!r} did not answer the NIXL handshake within {self._opts.handshake_timeout_s:g} s "
+                    "(unreachable over UCX, stopped, or not using the secret given to add_peer)")
+            else:
+                p.error = PeerConnectionError(f"peer {name!r} refused the NIXL handshake: {answer}")
+
+    def _load_more(self, p: _Peer, md: dict, mds: list[bytes], blob: bytes, secret: bytes) -> bool:
+        """Updates a known peer in place (lock held): loads its new NIXL metadata on top of
+        the old (NIXL only adds regions), and fails prepared transfers into regions it
+        dropped. In-flight transfers and connections stay. False if NIXL refused."""
+        if not p.is_self:
+            try:
+                for m in mds:
+                    self._engine().load_md(m)
+            except PdkvError:
+                return False
+        before = set(p.region_ids)
+        p.update(md, blob, secret)
+        gone = frozenset(before - p.region_ids)
+        if gone:
+            p.revoked |= gone
+            err = NotFound(f"peer {p.name!r} no longer exports region {min(gone)}; prepare the transfer again")
+            for prep in list(self._preps):
+                if prep._peer is p and prep._remote_ids & gone:
+                    prep._invalid = err
+                    self._detach(prep)
+        return True
+
+    def remove_peer(self, name: str) -> None:
+        with self._lock:
+            p = self._peers.pop(name, None)
+            if p is not None:
+                self._drop_peer(p, PeerConnectionError(f"peer {name!r} was removed while the transfer was in flight"),
+                                bye=True)
+
+    def _drop_peer(self, p: _Peer, err: PdkvError | None, *, bye: bool) -> None:
+        """Fails ``p``'s in-flight transfers, releases its prepared requests and forgets
+        its NIXL metadata (in that order: requests point into the metadata)."""
+        p.dropped = True
+        self._cond.notify_all()
+        if self._peers.get(p.name) is p:
+            del self._peers[p.name]
+        if self._by_nixl.get(p.nixl_name) is p:
+            del self._by_nixl[p.nixl_name]
+        for x in list(self._inflight.values()):
+            if x._peer_state is p:
+                self._finish(x, _states()["FAILED"], err or Cancelled("the transfer's peer was dropped"))
+        for prep in list(self._preps):
+            if prep._peer is p:
+                self._detach(prep)
+        eng = self._eng
+        if eng is None or not p.loaded:
+            return
+        if bye and p.hello_ok:
+            try:
+                eng.notify(p.nixl_name, _ctl(k="bye", epoch=p.epoch))
+            except PdkvError:
+                pass
+        eng.forget(p.nixl_name)
+        p.loaded = False
+        w = self._watchers.get(p.nixl_name)
+        if w is not None and not self._closed:  # it still holds our metadata: keep a way to reach it
+            try:
+                eng.load_md(w[1])
+            except PdkvError:
+                del self._watchers[p.nixl_name]
+
+    # -------------------------------------------------------------- transfers
+    def prepare(self, op: str, peer: str, extents: Sequence[tuple[int, int, int]]) -> NixlPrepared:
+        if op not in ("write", "read"):
+            raise InvalidArgument(f"op must be 'write' or 'read', got {op!r}")
+        ext = np.asarray(extents, dtype=np.uint64).reshape(-1, 3)
+        if not len(ext):
+            raise InvalidArgument("no extents to transfer")
+        with self._lock:
+            self._engine()
+            p = self._peers.get(peer)
+            if p is None:
+                raise NotFound(f"peer {peer!r} is not known to the nixl transport of agent {self._agent_name!r}")
+            if p.error is not None:
+                raise type(p.error)(str(p.error))
+            prep = self._build(p, op, ext)
+            self._preps.add(prep)
+            return prep
+
+    def _build(self, p: _Peer, op: str, ext: np.ndarray) -> NixlPrepared:
+        ext = _coalesce(ext)
+        laddr, raddr, lens = ext[:, 0], ext[:, 1], ext[:, 2]
+        li = self._index.lookup(laddr, lens, "local")
+        rindex = self._index if p.is_self else p.index
+        ri = rindex.lookup(raddr, lens, f"peer {p.name!r}")
+        local_ids = frozenset(int(i) for i in np.unique(self._index.ids[li]))
+        remote_ids = frozenset(int(i) for i in np.unique(rindex.ids[ri]))
+        if p.is_self:
+            exported = {r.id for r in self._regions.values() if r.exported}
+            if not remote_ids <= exported:
+                raise NotFound(f"region {min(remote_ids - exported)} is not exported to peers")
+        revoked = remote_ids & p.revoked
+        if revoked:
+            raise NotFound(f"peer {p.name!r} deregistered its region {min(revoked)}; re-add its metadata")
+        ldesc = np.stack([laddr, lens, self._index.devices[li]], axis=1)
+        rdesc = np.stack([raddr, lens, rindex.devices[ri]], axis=1)
+        lkinds = [self._index.kinds[i] for i in li] if len(set(self._index.kinds)) > 1 else \
+            [self._index.kinds[0]] * len(li)
+        rkinds = [rindex.kinds[i] for i in ri] if len(set(rindex.kinds)) > 1 else [rindex.kinds[0]] * len(ri)
+        prep = NixlPrepared(self, p, op, ldesc, rdesc, lkinds, rkinds, local_ids, remote_ids)
+        self._make_groups(prep)
+        return prep
+
+    def _make_groups(self, prep: NixlPrepared) -> None:
+        eng = self._engine()
+        p = prep._peer
+        remote = self._nixl_name if p.is_self else p.nixl_name
+        keys = list(zip(prep._lkinds, prep._rkinds))
+        groups = []
+        try:
+            for key in dict.fromkeys(keys):
+                sel = np.array([k == key for k in keys]) if len(set(keys)) > 1 else slice(None)
+                g = _Group(key[0], key[1], np.ascontiguousarray(prep._ldesc[sel]),
+                           np.ascontiguousarray(prep._rdesc[sel]))
+                groups.append(g)
+                g.ldl = eng.xfer_dlist(None, g.lkind, g.ldesc)
+                g.rdl = eng.xfer_dlist(remote, g.rkind, g.rdesc)
+                g.idle_plain.append(eng.make_req(prep._op, g.ldl, g.rdl, np.arange(len(g.ldesc), dtype=np.int32)))
+        except PdkvError:
+            self._release_groups(groups)
+            raise
+        prep._groups = groups
+
+    def _post(self, prep: NixlPrepared, notify: bytes | str | None, timeout: float | None) -> NixlTransfer:
+        data = _as_bytes(notify)
+        if data is not None and len(data) > self._max_notif:
+            raise InvalidArgument(f"notification of {len(data)} bytes exceeds the limit of {self._max_notif} bytes")
+        tmo = self._default_timeout if timeout is None else float(timeout)
+        with self._lock:
+            eng = self._engine()
+            if prep._invalid is not None:
+                raise type(prep._invalid)(str(prep._invalid))
+            cur = self._peers.get(prep.peer)
+            if cur is not prep._peer:
+                if cur is None:
+                    raise NotFound(f"peer {prep.peer!r} was removed; add it and prepare again")
+                if cur.instance != prep._peer.instance:
+                    raise StalePeer(f"peer {prep.peer!r} restarted since this transfer was prepared; prepare it again")
+                if cur.error is not None:
+                    raise type(cur.error)(str(cur.error))
+                gone = prep._remote_ids - cur.region_ids
+                if gone:
+                    raise NotFound(f"peer {prep.peer!r} no longer exports region {min(gone)}")
+                self._detach(prep)
+                prep._peer = cur  # same instance, re-added metadata: rebuild against it
+            p = prep._peer
+            if p.error is not None:
+                raise type(p.error)(str(p.error))
+            revoked = prep._remote_ids & p.revoked
+            if revoked:
+                raise NotFound(f"peer {p.name!r} deregistered its region {min(revoked)}; re-add its metadata "
+                               "and prepare again")
+            if prep._groups is None:
+                self._make_groups(prep)
+            groups = prep._groups
+            x = NixlTransfer(self, next(self._ids), p, prep._op, prep.nbytes, data,
+                             time.monotonic() + tmo if tmo > 0 else 0.0, prep)
+            x._manual_notify = data is not None and len(groups) > 1
+            x._carried = data is not None and not x._manual_notify
+            wire = b"" if data is None else _USER + data
+            try:
+                for g in groups:
+                    pool = (g.idle_notif or g.idle_plain) if x._carried else g.idle_plain
+                    req = pool.pop() if pool else eng.make_req(prep._op, g.ldl, g.rdl,
+                                                               np.arange(len(g.ldesc), dtype=np.int32))
+                    g.busy += 1
+                    x._reqs.append((g, req))
+                    x._pending.append(req)
+            except PdkvError as e:
+                self._finish(x, _S["FAILED"], e)
+                return x
+            self._inflight[x.id] = x
+            try:
+                for g, req in x._reqs:
+                    if eng.post(req, b"" if x._manual_notify else wire):
+                        x._pending.remove(req)
+            except eng.errors as e:
+                self._finish(x, _S["FAILED"], to_pdkv(e, f"NIXL {prep._op} to peer {p.name!r}", PeerConnectionError))
+                return x
+            if not x._pending:
+                self._progress(x, time.monotonic())
+            elif data is not None:
+                # Its notification leaves only when someone checks the finished request:
+                # have the poller do so promptly in case nobody waits on it. (Without a
+                # notification there is no hurry; not waking the poller keeps it off the
+                # GIL while a waiter spins.)
+                self._kick()
+            return x
+
+    def notify(self, peer: str, data: bytes, timeout: float | None) -> NixlTransfer:
+        """Sends a notification alone, after the transfers to ``peer`` posted before it."""
+        if len(data) > self._max_notif:
+            raise InvalidArgument(f"notification of {len(data)} bytes exceeds the limit of {self._max_notif} bytes")
+        tmo = self._default_timeout if timeout is None else float(timeout)
+        with self._lock:
+            self._engine()
+            p = self._peers.get(peer)
+            if p is None:
+                raise NotFound(f"peer {peer!r} is not known to the nixl transport of agent {self._agent_name!r}")
+            if p.error is not None:
+                raise type(p.error)(str(p.error))
+            x = NixlTransfer(self, next(self._ids), p, "notify", 0, data,
+                             time.monotonic() + tmo if tmo > 0 else 0.0, None)
+            x._manual_notify = True
+            self._inflight[x.id] = x
+            self._progress(x, time.monotonic())
+            if x._state is _S["PENDING"]:
+                self._kick()
+            return x
+
+    def _check(self, x: NixlTransfer) -> "XferState":
+        if x._state is _S["PENDING"]:
+            with self._lock:
+                if x._state is _S["PENDING"] and not self._closed:
+                    self._progress(x, time.monotonic())
+        return x._state
+
+    def _progress(self, x: NixlTransfer, now: float) -> bool:
+        """Advances ``x`` (lock held); True if it became terminal."""
+        eng = self._eng
+        if eng is None:
+            return False
+        try:
+            while x._pending:
+                if not eng.done(x._pending[-1]):
+                    break
+                x._pending.pop()
+        except eng.errors as e:
+            self._finish(x, _S["FAILED"], to_pdkv(e, f"NIXL {x._op} to peer {x.peer!r} failed", PeerConnectionError))
+            return True
+        if not x._pending and x._manual_notify:
+            if any(y.id < x.id and y._peer_state is x._peer_state for y in self._inflight.values()):
+                pass  # a standalone notification follows earlier transfers to its peer
+            else:
+                p = x._peer_state
+                try:
+                    eng.notify(self._nixl_name if p.is_self else p.nixl_name, _USER + (x._notify or b""))
+                except PdkvError as e:
+                    what = "the data landed but " if x.bytes_total else ""
+                    self._finish(x, _S["FAILED"], PeerConnectionError(
+                        f"{what}the notification to peer {x.peer!r} could not be sent: {e}"))
+                    return True
+                x._manual_notify = False
+        if not x._pending and not x._manual_notify:
+            self._finish(x, _S["DONE"], None)
+            return True
+        if x._deadline and now >= x._deadline:
+            what = "notification" if x._op == "notify" else f"{x._op} of {x.bytes_total} bytes"
+            self._finish(x, _S["FAILED"], TransferTimeout(
+                f"NIXL {what} to peer {x.peer!r} timed out after {now - x._t_post:.3g} s "
+                "(the peer stalled or the link is too slow)"))
+            return True
+        return False
+
+    def _cancel(self, x: NixlTransfer) -> None:
+        with self._lock:
+            if x._state is not _S["PENDING"] or self._closed:
+                return
+            if self._progress(x, time.monotonic()):
+                return
+            self._finish(x, _S["CANCELLED"], Cancelled(f"transfer {x.id} to peer {x.peer!r} was cancelled"))
+
+    def _finish(self, x: NixlTransfer, state: Any, err: PdkvError | None) -> None:
+        """Makes ``x`` terminal (lock held): its requests go back to their pool when it
+        completed, else they are released (which aborts whatever is still in flight)."""
+        x._state = state
+        x._error = err
+        x._t_done = time.monotonic()
+        prep = x._prep
+        keep = state is _S["DONE"] and prep is not None and prep._invalid is None
+        for g, req in x._reqs:
+            g.busy -= 1
+            pool = g.idle_notif if x._carried else g.idle_plain
+            if keep and prep._groups is not None and g in prep._groups and len(pool) < self._opts.max_idle_requests:
+                pool.append(req)
+            else:
+                self._release_req(req)
+            if g.busy == 0 and (prep is None or prep._groups is None or g not in prep._groups):
+                self._release_groups([g])
+        x._reqs = []
+        x._pending = []
+        x._prep = None
+        self._inflight.pop(x.id, None)
+        x._event.set()
+        self._cond.notify_all()
+
+    def _detach(self, prep: NixlPrepared) -> None:
+        """Releases ``prep``'s idle requests and descriptor lists now, the busy ones when
+        their transfers end; the next post rebuilds (or raises ``prep._invalid``)."""
+        groups, prep._groups = prep._groups, None
+        if groups:
+            self._release_groups(groups)
+
+    def _release_groups(self, groups: list[_Group]) -> None:
+        eng = self._eng
+        for g in groups:
+            for req in g.idle_plain + g.idle_notif:
+                self._release_req(req)
+            g.idle_plain, g.idle_notif = [], []
+            if g.busy == 0 and eng is not None:
+                for h in (g.ldl, g.rdl):
+                    if h is not None:
+                        eng.release_dlist(h)
+                g.ldl = g.rdl = None
+
+    def _release_req(self, req: int) -> None:
+        eng = self._eng
+        if eng is not None and not eng.release_req(req):
+            self._zombies.append(req)  # NIXL refused (still cancelling): retried by the poller
+
+    def _collect_garbage(self) -> None:
+        while self._graveyard:
+            self._release_groups(self._graveyard.pop())
+        zombies, self._zombies = self._zombies, []
+        for req in zombies:
+            self._release_req(req)
+
+    # -------------------------------------------------------------- revocation protocol
+    def _revoke(self, rid: int) -> None:
+        """Tells every peer holding our metadata that region ``rid`` goes away and waits
+        until each confirms it no longer uses it (lock held; the wait releases it)."""
+        eng = self._engine()
+        seq = next(self._ids)
+        waiting: set[str] = set()
+        for n in list(self._watchers):
+            try:
+                eng.notify(n, _ctl(k="revoke", regions=[rid], seq=seq))
+                waiting.add(n)
+            except PdkvError:
+                self._forget_watcher(n)
+        if not waiting:
+            return
+        self._acks[seq] = waiting
+        self._kick()
+        deadline = time.monotonic() + self._opts.revoke_timeout_s
+        while self._acks[seq] and time.monotonic() < deadline and not self._closed:
+            self._cond.wait(min(self._opts.poll_busy_max_s * 10, max(0.0, deadline - time.monotonic())))
+        for n in self._acks.pop(seq):
+            self._forget_watcher(n)  # silent past the deadline: it is not told again
+
+    def _forget_watcher(self, n: str) -> None:
+        self._watchers.pop(n, None)
+        p = self._by_nixl.get(n)
+        if (p is None or not p.loaded) and self._eng is not None:
+            self._eng.forget(n)
+
+    def _control(self, sender: str, raw: bytes) -> None:
+        """One control message from NIXL agent ``sender`` (poller thread, lock held)."""
+        try:
+            msg = json.loads(raw)
+            kind = msg["k"]
+        except (ValueError, KeyError, TypeError):
+            return
+        eng = self._eng
+        if eng is None:
+            return
+        try:
+            if kind == "hello":
+                md = base64.b64decode(msg["md"])
+                epoch = int(msg["epoch"])
+                good = _hello_mac(self._secret, sender, self._nixl_name, epoch, md)
+                if sender not in self._by_nixl and sender not in self._watchers:
+                    eng.load_md(md)
+                if not hmac.compare_digest(good, str(msg.get("mac", ""))):
+                    eng.notify(sender, _ctl(k="hello-ack", epoch=epoch, error="wrong secret"))
+                    if sender not in self._by_nixl and sender not in self._watchers:
+                        eng.forget(sender)
+                    return
+                self._watchers[sender] = (epoch, md)
+                eng.notify(sender, _ctl(k="hello-ack", epoch=epoch, error=""))
+            elif kind == "hello-ack":
+                epoch = int(msg["epoch"])
+                if epoch in self._hello_acks:
+                    self._hello_acks[epoch] = str(msg.get("error") or "ok")
+                    self._cond.notify_all()
+            elif kind == "bye":
+                w = self._watchers.get(sender)
+                if w is not None and w[0] == int(msg["epoch"]):
+                    self._forget_watcher(sender)
+            elif kind == "revoke":
+                ids = frozenset(int(i) for i in msg["regions"])
+                seq = int(msg["seq"])
+                p = self._by_nixl.get(sender)
+                if p is not None:
+                    p.revoked |= ids
+                    gone = NotFound(f"peer {p.name!r} deregistered its region {min(ids)}; re-add its metadata "
+                                    "and prepare again")
+                    for prep in list(self._preps):
+                        if prep._peer is p and prep._remote_ids & ids:
+                            prep._invalid = gone
+                            self._detach(prep)
+                    self._deferred_acks.append((sender, seq, p, ids))
+                else:
+                    eng.notify(sender, _ctl(k="revoke-ack", seq=seq))
+            elif kind == "revoke-ack":
+                waiting = self._acks.get(int(msg["seq"]))
+                if waiting is not None:
+                    waiting.discard(sender)
+                    self._cond.notify_all()
+        except (PdkvError, ValueError, KeyError, TypeError):
+            pass  # a malformed or unanswerable control message changes nothing
+
+    def _send_deferred_acks(self) -> None:
+        eng = self._eng
+        keep = []
+        for sender, seq, p, ids in self._deferred_acks:
+            if any(x._peer_state is p and x._remote_ids & ids for x in self._inflight.values()):
+                keep.append((sender, seq, p, ids))
+                continue
+            try:
+                eng.notify(sender, _ctl(k="revoke-ack", seq=seq))
+            except PdkvError:
+                pass
+        self._deferred_acks = keep
+
+    # -------------------------------------------------------------- poller
+    def _kick(self) -> None:
+        if self._poll_interval > self._opts.poll_min_s:
+            self._wake.set()
+
+    def _poll_once(self) -> tuple[bool, bool]:
+        """One pass: notifications, control messages, unwaited transfers. Returns
+        (something happened, transfers still in flight)."""
+        eng = self._eng
+        if eng is None:
+            return False, False
+        active = False
+        try:
+            got = eng.notifs()
+        except eng.errors:
+            got = {}
+        if got:
+            active = True
+            agent = self._agent()
+            for sender, msgs in got.items():
+                for m in msgs:
+                    m = bytes(m)
+                    if m[:1] == _USER:
+                        if agent is not None:
+                            try:
+                                agent._n.push_notification(_pdkv_name(sender), m[1:])
+                            except PdkvError:
+                                pass  # the agent is closing
+                    elif m[:1] == _CTL:
+                        with self._lock:
+                            self._control(sender, m[1:])
+        with self._lock:
+            if self._closed:
+                return active, False
+            if self._graveyard or self._zombies:
+                self._collect_garbage()
+            now = time.monotonic()
+            for x in list(self._inflight.values()):
+                if x._state is _S["PENDING"] and self._progress(x, now):
+                    active = True
+            if self._deferred_acks:
+                self._send_deferred_acks()
+            busy = bool(self._inflight) or bool(self._deferred_acks) or bool(self._acks) or bool(self._hello_acks)
+        return active, busy
+
+
+def _poll_loop(ref: "weakref.ref[NixlTransport]", wake: threading.Event) -> None:
+    """The poller thread. Holds its transport only weakly between passes, so an agent
+    dropped without close() is still collected (the thread then ends)."""
+    interval = 0.0
+    while True:
+        t = ref()
+        if t is None or t._closed:
+            return
+        opts = t._opts
+        try:
+            active, busy = t._poll_once()
+        except Exception:  # noqa: BLE001 - keep delivering; the next pass retries
+            active, busy = True, True
+        if active:
+            interval = opts.poll_min_s
+        else:
+            interval = min(max(interval * 2, opts.poll_min_s), opts.poll_busy_max_s if busy else opts.poll_idle_max_s)
+        t._poll_interval = interval
+        del t
+        if wake.wait(interval):
+            wake.clear()
+            interval = 0.0
+
+
+def _coalesce(ext: np.ndarray) -> np.ndarray:
+    """Merges extents adjacent on both sides: ``[n, 3]`` (local, remote, nbytes) uint64."""
+    if len(ext) < 2:
+        return ext
+    ends_l = ext[:-1, 0] + ext[:-1, 2]
+    ends_r = ext[:-1, 1] + ext[:-1, 2]
+    joins = (ends_l == ext[1:, 0]) & (ends_r == ext[1:, 1])
+    if not joins.any():
+        return ext
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    out = ext[starts].copy()
+    out[:, 2] = np.add.reduceat(ext[:, 2], starts)
+    return out
+
+
+def _as_bytes(v: bytes | str | None) -> bytes | None:
+    if v is None:
+        return None
+    b = v.encode() if isinstance(v, str) else bytes(v)
+    return b or None
