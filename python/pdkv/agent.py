@@ -713,12 +713,50 @@ class Agent:
             return self._py.get(transport)
         return self._py_peers.get(peer)
 
-    def _absolute(self, peer: str, extents) -> list[tuple[int, int, int]]:
-        """Region-relative extents -> (local_addr, remote_addr, nbytes), bounds-checked."""
-        from .errors import InvalidArgument as _IA, NotFound, OutOfRange
+    def _absolute(self, peer: str, extents) -> Any:
+        """Region-relative extents -> ``[n, 3]`` int64 (local_addr, remote_addr, nbytes),
+        bounds-checked (vectorized: Python transports only, which need numpy anyway)."""
+        import numpy as np
 
         local = {r["id"]: r for r in self._n.regions()}
         remote = {r["id"]: r for r in self.peer_info(peer)["regions"]}
+        try:
+            e = np.asarray(extents, dtype=np.int64).reshape(-1, 5)
+        except (TypeError, ValueError, OverflowError):
+            return self._absolute_checked(peer, extents, local, remote)
+
+        def table(regs: dict):
+            ids = np.array(sorted(regs), dtype=np.int64)
+            return (ids, np.array([regs[i]["addr"] for i in ids.tolist()], dtype=np.int64),
+                    np.array([regs[i]["len"] for i in ids.tolist()], dtype=np.int64))
+
+        def find(ids, want):
+            if not len(ids):
+                return np.zeros(len(want), dtype=np.int64), np.zeros(len(want), dtype=bool)
+            i = np.minimum(np.searchsorted(ids, want), len(ids) - 1)
+            return i, ids[i] == want
+
+        if not len(e):
+            return self._absolute_checked(peer, extents, local, remote)  # raises "no extents"
+        lids, laddr, llen = table(local)
+        rids, raddr, rlen = table(remote)
+        li, lok = find(lids, e[:, 0])
+        ri, rok = find(rids, e[:, 2])
+        lo, ro, n = e[:, 1], e[:, 3], e[:, 4]
+        good = (n > 0) & lok & rok
+        if good.all():  # written so that no sum can overflow
+            good &= (lo >= 0) & (lo <= llen[li]) & (n <= llen[li] - lo)
+            good &= (ro >= 0) & (ro <= rlen[ri]) & (n <= rlen[ri] - ro)
+        if not good.all():
+            return self._absolute_checked(peer, extents, local, remote)  # raises, naming the first bad extent
+        out = np.empty((len(e), 3), dtype=np.int64)
+        out[:, 0], out[:, 1], out[:, 2] = laddr[li] + lo, raddr[ri] + ro, n
+        return out
+
+    @staticmethod
+    def _absolute_checked(peer: str, extents, local: dict, remote: dict) -> list[tuple[int, int, int]]:
+        from .errors import InvalidArgument as _IA, NotFound, OutOfRange
+
         out = []
         for i, (lr, lo, rr, ro, n) in enumerate(extents):
             if n <= 0:

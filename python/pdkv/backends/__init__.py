@@ -78,7 +78,8 @@ class PyTransport:
         raise NotImplementedError
 
     def prepare(self, op: str, peer: str, extents: Sequence[tuple[int, int, int]]) -> "PreparedTransfer":
-        """Lays out a transfer of absolute ``(local_addr, remote_addr, nbytes)`` extents.
+        """Lays out a transfer of absolute ``(local_addr, remote_addr, nbytes)`` extents
+        (the agent passes a ``[n, 3]`` int64 numpy array, already bounds-checked).
 
         The result must behave like :class:`pdkv.PreparedTransfer` (``post(notify=, timeout=)``
         returning a :class:`pdkv.Transfer`-like handle, ``nbytes``, ``num_extents``,
