@@ -337,3 +337,28 @@ def test_ucx_shared_memory_between_processes(spawn_peer, monkeypatch):
         assert res["results"] and all(r["ok"] for r in res["results"]), res
         assert a.read(name, "kv", [3], "kv", [9]).wait(10)
         assert local.digest([3]) == Pool(spec, 5).digest([9])
+
+
+@pytest.mark.nixl
+@pytest.mark.cuda
+def test_vram_regions_between_two_agents():
+    """CUDA pools over NIXL (VRAM registration; UCX picks cuda_copy/cuda_ipc). Unrun on
+    CPU-only machines: run ``pytest -m cuda tests/test_nixl.py`` where a GPU is lent."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    with nixl_agent("a") as a, nixl_agent("b") as b:
+        src = torch.arange(1 << 20, dtype=torch.int32, device="cuda")
+        dst = torch.zeros(1 << 20, dtype=torch.int32, device="cuda")
+        rs, rd = a.register(src), b.register(dst)
+        assert (rs.kind, rd.kind) == ("cuda", "cuda")
+        peer = a.connect(b.address)
+        assert a.peer_transport(peer) == "nixl"
+        torch.cuda.synchronize()
+        assert a.prepare_extents("write", peer, [(rs.id, 0, rd.id, 4096, 1 << 20)]).post(notify="gpu").wait(10)
+        assert [n.data for n in b.wait_notifications(5)] == [b"gpu"]
+        assert torch.equal(dst[1024:1024 + (1 << 18)], src[:1 << 18])
+        host = np.zeros(4096, np.uint8)
+        rh = a.register(host)
+        assert a.prepare_extents("read", peer, [(rh.id, 0, rd.id, 4096, 4096)]).post().wait(10)  # VRAM -> DRAM
+        assert np.array_equal(host.view(np.int32), src[:1024].cpu().numpy())

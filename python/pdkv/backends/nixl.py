@@ -712,10 +712,9 @@ class NixlTransport(PyTransport):
                     return  # unchanged: keep connections, prepared requests and transfers
                 if not old.reuses_freed_range(peer_md) and self._load_more(old, peer_md, mds, blob, secret):
                     return  # regions added or removed: NIXL learned the new ones in place
-            if old is not None:
+            if old is not None:  # (no goodbye: a replaced instance is usually gone)
                 self._drop_peer(old, PeerConnectionError(
-                    f"peer {name!r} was re-added with new metadata while this transfer was in flight"),
-                    bye=old.nixl_name != nixl_name)
+                    f"peer {name!r} was re-added with new metadata while this transfer was in flight"), bye=False)
             p = _Peer(name, peer_md, nixl_name, blob, secret)
             self._peers[name] = p
             expected = nixl_agent_name(str(peer_md["name"]), int(peer_md["instance_id"]))
