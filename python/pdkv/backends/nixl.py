@@ -382,11 +382,12 @@ class NixlTransfer:
         self._pending: list[int] = []
         self._manual_notify = False  # several NIXL requests: notify after all of them
         self._carried = False  # its requests carry the notification (NIXL sends it)
+        self._waiting = 0  # threads in wait(): they check it, so the poller need not hurry
         self._state = _states()["PENDING"]
         self._error: PdkvError | None = None
         self._t_post = time.monotonic()
         self._t_done = 0.0
-        self._event = threading.Event()
+        self._event: threading.Event | None = None  # made by the first waiter that sleeps
 
     @property
     def state(self) -> "XferState":
@@ -426,26 +427,43 @@ class NixlTransfer:
         pending = _S["PENDING"]
         st = owner._check(self)
         if st is pending:
-            opts = owner._opts
-            now = time.monotonic()
-            end = None if timeout is None else now + max(0.0, float(timeout))
-            spin_end = now + opts.wait_spin_s
-            pause = opts.poll_min_s
-            while True:
-                now = time.monotonic()
-                if end is not None and now >= end:
-                    break
-                if now >= spin_end:
-                    self._event.wait(pause if end is None else min(pause, end - now))
-                    pause = min(pause * 2, opts.poll_busy_max_s)
-                st = owner._check(self)
-                if st is not pending:
-                    break
+            with owner._lock:
+                self._waiting += 1
+            try:
+                st = self._wait_loop(timeout)
+            finally:
+                with owner._lock:
+                    self._waiting -= 1
         if st is _S["DONE"]:
             return True
         if st is pending:
             return False
         raise self._error  # type: ignore[misc]
+
+    def _wait_loop(self, timeout: float | None) -> "XferState":
+        owner = self._owner
+        opts = owner._opts
+        pending = st = _S["PENDING"]
+        now = time.monotonic()
+        end = None if timeout is None else now + max(0.0, float(timeout))
+        spin_end = now + opts.wait_spin_s
+        pause = opts.poll_min_s
+        while True:
+            now = time.monotonic()
+            if end is not None and now >= end:
+                return st
+            if now >= spin_end:
+                ev = self._event
+                if ev is None:
+                    with owner._lock:  # _finish sets it under the same lock: no lost wake-up
+                        if self._state is not pending:
+                            return self._state
+                        ev = self._event = self._event or threading.Event()
+                ev.wait(pause if end is None else min(pause, end - now))
+                pause = min(pause * 2, opts.poll_busy_max_s)
+            st = owner._check(self)
+            if st is not pending:
+                return st
 
     def cancel(self) -> None:
         """Aborts the transfer's NIXL requests; the state becomes CANCELLED unless it had
@@ -1051,7 +1069,8 @@ class NixlTransport(PyTransport):
         x._pending = []
         x._prep = None
         self._inflight.pop(x.id, None)
-        x._event.set()
+        if x._event is not None:
+            x._event.set()
         self._cond.notify_all()
 
     def _detach(self, prep: NixlPrepared) -> None:
@@ -1225,7 +1244,8 @@ class NixlTransport(PyTransport):
                     active = True
             if self._deferred_acks:
                 self._send_deferred_acks()
-            busy = bool(self._inflight) or bool(self._deferred_acks) or bool(self._acks) or bool(self._hello_acks)
+            busy = (any(not x._waiting for x in self._inflight.values()) or bool(self._deferred_acks)
+                    or bool(self._acks) or bool(self._hello_acks))
         return active, busy
 
 
