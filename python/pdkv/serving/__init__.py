@@ -21,6 +21,24 @@ Modules
     :func:`load_model`, the default demo model (:func:`default_model_dir`).
 :mod:`pdkv.serving.stepbench`
     ``python -m pdkv.serving.stepbench``: engine decode step vs plain HF decode.
+:mod:`pdkv.serving.worker`
+    :class:`Worker` (prefill, decode or colocated role: an engine behind an aiohttp
+    server; prefill workers push KV into decode workers' blocks through pdkv).
+:mod:`pdkv.serving.proxy`
+    :class:`Proxy`: the OpenAI-compatible API over the workers (disagg, hybrid,
+    colocated modes), load spreading, retries, recompute on KV failure.
+:mod:`pdkv.serving.frontend`, :mod:`pdkv.serving.openai_api`, :mod:`pdkv.serving.protocol`
+    OpenAI requests/responses, the proxy-worker protocol (both torch-free).
+:mod:`pdkv.serving.metrics`
+    Prometheus text-format counters, gauges and histograms.
+:mod:`pdkv.serving.launch`
+    :class:`Deployment` / :class:`ServerProcess`: serving processes on this machine.
+:mod:`pdkv.serving.cli`, :mod:`pdkv.serving.demo`
+    ``pdkv serve ROLE`` and ``pdkv demo``.
+:mod:`pdkv.serving.calibrate`
+    ``python -m pdkv.serving.calibrate``: measures the hybrid threshold on a machine.
+:mod:`pdkv.serving.tiny`
+    :func:`save_tiny_model`: random-weight model directories for tests and benchmarks.
 
 Example
 -------
@@ -60,6 +78,17 @@ _EXPORTS = {
     "load_tokenizer": "models",
     "pin_threads": "models",
     "smollm2_gguf_path": "models",
+    "Worker": "worker",
+    "WorkerConfig": "worker",
+    "WorkerRole": "worker",
+    "Proxy": "proxy",
+    "ProxyConfig": "proxy",
+    "ProxyMode": "proxy",
+    "DEFAULT_HYBRID_THRESHOLD": "proxy",
+    "Deployment": "launch",
+    "ServerProcess": "launch",
+    "ServerThread": "aio",
+    "save_tiny_model": "tiny",
 }
 
 __all__ = sorted(_EXPORTS)

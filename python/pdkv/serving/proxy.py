@@ -53,10 +53,12 @@ __all__ = ["DEFAULT_HYBRID_THRESHOLD", "Proxy", "ProxyBackend", "ProxyConfig", "
 log = logging.getLogger("pdkv.serving")
 
 #: Default prompt length (tokens) up to which hybrid mode prefills on the decode
-#: worker. Chosen from ``python -m pdkv.serving.calibrate`` on the 2-core development
-#: machine with SmolLM2-135M (see the README's Serving section): below it, a local
-#: prefill delays the decode batch by less than the KV hop would delay the request.
-DEFAULT_HYBRID_THRESHOLD = 64
+#: worker. Measured with ``python -m pdkv.serving.calibrate`` on the 2-core development
+#: machine with SmolLM2-135M (README, "The hybrid threshold"): the KV hop (proxy round
+#: trips, shm write, notification) costs a request about 10 ms there, while a local
+#: prefill stalls a decode batch of 8 by about 15-25 ms at 8 tokens and 60-80 ms at 16;
+#: so only prompts of up to 8 tokens are cheaper to prefill locally.
+DEFAULT_HYBRID_THRESHOLD = 8
 
 
 class ProxyMode(str, enum.Enum):

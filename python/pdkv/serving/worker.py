@@ -38,6 +38,7 @@ import os
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -190,6 +191,8 @@ class Worker:
         self._peers: dict[str, str] = {}          # decode agent address -> peer name
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
+        # Threads that wait for transfers and connect to peers (blocking native calls).
+        self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pdkv-wait")
         self._in_flight = 0
         self._closed = False
         self._setup_metrics()
@@ -255,6 +258,7 @@ class Worker:
         if self.agent is not None:
             agent, self.agent = self.agent, None
             await loop.run_in_executor(None, agent.close)
+        self._executor.shutdown(wait=True)
 
     def _step_loop(self) -> None:
         engine = self.engine
@@ -579,7 +583,7 @@ class Worker:
         except InvalidArgument as e:
             return json_error(400, str(e), code="invalid_request")
         self._in_flight += 1
-        xfer: pdkv.Transfer | None = None
+        posted: list[pdkv.Transfer] = []  # the write reading this request's blocks, once posted
         try:
             resp = await start_ndjson(request)
             ev = await events.queue.get()
@@ -592,17 +596,18 @@ class Worker:
             await resp.write(dumps_line({"first": {"t": ev.token_id, "seed": h.seed,
                                                    "f": finish.value if ended else None,
                                                    "prefill_s": time.perf_counter() - h.arrival_time}}))
-            result, xfer = await self._push(req, h, ev.token_id, with_kv=not ended,
-                                            deadline=t_recv + req.kv_timeout_s)
+            result = await self._push(req, h, ev.token_id, with_kv=not ended, deadline=t_recv + req.kv_timeout_s,
+                                      posted=posted)
             await resp.write(dumps_line({"kv": result.to_json()}))
             await resp.write_eof()
             return resp
         finally:
             self._in_flight -= 1
+            pending = [x for x in posted if not x.done]
             if not h.finished:
                 eng.abort(req.rid)
-            elif xfer is not None and not xfer.done:
-                task = asyncio.ensure_future(self._release_after(req.rid, xfer))
+            elif pending:
+                task = asyncio.ensure_future(self._release_after(req.rid, pending[0]))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
             else:
@@ -617,11 +622,18 @@ class Worker:
     async def _release_after(self, rid: str, xfer: pdkv.Transfer) -> None:
         """Frees a prefill request's blocks once the write reading them is over."""
         try:
-            await xfer.wait_async()
+            await self._wait_transfer(xfer)
         except PdkvError:
             pass
         finally:
             self._release_held(rid)
+
+    async def _wait_transfer(self, xfer: pdkv.Transfer) -> None:
+        """Waits for a transfer (bounded by its own timeout) without blocking the loop."""
+        if not xfer.done:
+            await asyncio.get_running_loop().run_in_executor(self._executor, xfer.wait, None)
+        else:
+            xfer.wait(0)  # raises its error if it failed
 
     async def _peer(self, dst: Reservation, timeout: float) -> str:
         """The agent peer name of a decode worker (connects once per address)."""
@@ -635,26 +647,28 @@ class Worker:
             name = self._peers.get(dst.agent)
             if name != dst.name:
                 loop = asyncio.get_running_loop()
-                name = await loop.run_in_executor(None, lambda: agent.connect(dst.agent, timeout=timeout))
+                name = await loop.run_in_executor(self._executor, lambda: agent.connect(dst.agent, timeout=timeout))
                 self._peers[dst.agent] = name
                 if name != dst.name:
                     raise pdkv.StalePeer(f"the agent at {dst.agent} is {name!r}, not {dst.name!r}")
             return name
 
     async def _push(self, req: PrefillRequest, h: RequestHandle, first_token: int, *, with_kv: bool,
-                    deadline: float) -> tuple[KVResult, pdkv.Transfer | None]:
-        """Writes the prompt's KV (or only the notification) to the decode worker."""
+                    deadline: float, posted: list[pdkv.Transfer]) -> KVResult:
+        """Writes the prompt's KV (or only the notification) to the decode worker; every
+        transfer it posts is appended to ``posted`` at once (the caller must not free the
+        blocks before it is over, even if this coroutine is cancelled)."""
         agent = self.agent
         assert agent is not None
         loop = asyncio.get_running_loop()
         ready = KVReady(req.rid, first_token, h.seed, kv=with_kv)
         if self.config.debug_drop_kv:
             self.m_kv.inc(("dropped",))
-            return KVResult(ok=True, posted=False, error="debug: KV dropped on purpose"), None
+            return KVResult(ok=True, posted=False, error="debug: KV dropped on purpose")
         remaining = deadline - loop.time()
         if remaining <= 0:
             self.m_kv.inc(("late",))
-            return KVResult(False, False, error=f"prefill finished {-remaining:.2f} s after the KV deadline"), None
+            return KVResult(False, False, error=f"prefill finished {-remaining:.2f} s after the KV deadline")
         xfer = None
         transport = ""
         for attempt in range(2):
@@ -669,7 +683,8 @@ class Worker:
                                        notify=ready.encode(), timeout=max(deadline - loop.time(), 0.001), **plan)
                 else:
                     xfer = agent.notify(peer, ready.encode(), timeout=max(deadline - loop.time(), 0.001))
-                await xfer.wait_async()
+                posted.append(xfer)
+                await self._wait_transfer(xfer)
                 break
             except pdkv.StalePeer as e:
                 self._peers.pop(req.dst.agent, None)
@@ -677,20 +692,18 @@ class Worker:
                     xfer = None
                     continue  # the decode worker restarted: fetch its metadata again
                 self.m_kv.inc(("failed",))
-                return KVResult(False, xfer is not None, error=f"{type(e).__name__}: {e}",
-                                transport=transport), xfer
+                return KVResult(False, xfer is not None, error=f"{type(e).__name__}: {e}", transport=transport)
             except PdkvError as e:
                 if isinstance(e, pdkv.PeerConnectionError):
                     self._peers.pop(req.dst.agent, None)
                 self.m_kv.inc(("failed",))
                 log.warning("request %s: KV push to %s failed: %s: %s", req.rid, req.dst.agent, type(e).__name__, e)
-                return KVResult(False, xfer is not None, error=f"{type(e).__name__}: {e}",
-                                transport=transport), xfer
+                return KVResult(False, xfer is not None, error=f"{type(e).__name__}: {e}", transport=transport)
         assert xfer is not None
         self.m_kv.inc(("ok",))
         self.m_kv_bytes.inc((transport,), xfer.bytes_total)
         self.m_kv_time.observe(xfer.elapsed, (transport,))
-        return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport), xfer
+        return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport)
 
 
 class LocalBackend:
