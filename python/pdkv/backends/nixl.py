@@ -14,8 +14,10 @@ resolved byte extents and moves them with one NIXL agent (UCX backend) per pdkv 
   the agent's metadata carries NIXL's metadata for the *exported* regions only (under
   ``extras["nixl"]``), re-published whenever regions change;
 * ``prepare`` builds the NIXL descriptor lists and a request once; ``post`` reposts a
-  pooled request (a transfer's notification is attached to its NIXL request, so the
-  peer gets it only after every byte landed, for WRITE and for READ alike);
+  pooled request. A transfer's notification goes out (on the same UCX endpoint) once
+  NIXL reports the request complete, which it does only after flushing the endpoint:
+  the peer gets it after every byte landed, for WRITE and for READ alike (for READ:
+  landed here);
 * transfers return :class:`NixlTransfer` handles that behave like :class:`pdkv.Transfer`;
   NIXL failures become pdkv exceptions that name the cause;
 * received NIXL notifications are pushed into the agent's queue, so
@@ -68,12 +70,15 @@ lists the ones applied.
 * **NIXL's Python wrapper logs INFO lines to stdout**, corrupting programs that speak a
   protocol there; pdkv uses NIXL's bindings (what the wrapper calls), whose C++ logger
   writes to stderr.
-* **A transfer's notification is sent only when the initiator checks the finished
-  request** (NIXL's UCX backend sends it from ``getXferStatus``), and a posted request is
-  only progressed to that point by whoever checks it. pdkv's poller thread checks
-  transfers nobody waits on, so ``write(..., notify=...)`` without ``wait()`` delivers.
-* **Reposting a request without a notification re-sends the previous one.** pdkv keeps
-  requests that have carried a notification apart from those that never did.
+* **A notification attached to a NIXL request is sent only when the initiator checks
+  the finished request** (NIXL's UCX backend sends it from ``getXferStatus``), and while
+  it is on its way the request still reads "in progress": cancelling or timing out then
+  reports a failure for a transfer whose peer was told the data is there. And
+  **reposting a request without a notification re-sends the previous one.** pdkv
+  attaches none: it sends the notification itself right after it saw the request
+  complete (data flushed), under the same lock that decides the transfer's state, so a
+  transfer is either DONE and notified or failed and silent. Its poller checks transfers
+  nobody waits on, so ``write(..., notify=...)`` without ``wait()`` delivers.
 * **One-sided writes are not checked against deregistration over UCX's TCP/shm
   emulation** (measured: a write through the old key lands in memory the target has
   deregistered; with RDMA the NIC refuses the invalidated key). pdkv revokes access
@@ -164,7 +169,7 @@ class NixlOptions:
         agent's metadata to confirm it stopped using it (a peer that does not answer is
         forgotten).
     max_idle_requests : int
-        NIXL requests kept for reuse per prepared transfer (per notification kind).
+        Completed NIXL requests kept for reuse per prepared transfer.
     """
 
     pthr_delay_us: int = PTHR_DELAY_US
@@ -329,7 +334,7 @@ class _Group:
     """The extents of a prepared transfer that share a (local, remote) memory kind: one
     pair of NIXL descriptor lists and a pool of NIXL requests built from them."""
 
-    __slots__ = ("lkind", "rkind", "ldesc", "rdesc", "nbytes", "ldl", "rdl", "idle_plain", "idle_notif", "busy")
+    __slots__ = ("lkind", "rkind", "ldesc", "rdesc", "nbytes", "ldl", "rdl", "idle", "busy")
 
     def __init__(self, lkind: str, rkind: str, ldesc: np.ndarray, rdesc: np.ndarray) -> None:
         self.lkind, self.rkind = lkind, rkind
@@ -337,8 +342,7 @@ class _Group:
         self.nbytes = int(ldesc[:, 1].sum())
         self.ldl: int | None = None
         self.rdl: int | None = None
-        self.idle_plain: list[int] = []  # requests that never carried a notification
-        self.idle_notif: list[int] = []  # requests that did (a plain repost would resend it)
+        self.idle: list[int] = []  # completed requests, ready to repost (never given a notification)
         self.busy = 0
 
 
@@ -380,8 +384,7 @@ class NixlTransfer:
         self._remote_ids: frozenset = prep._remote_ids if prep is not None else frozenset()
         self._reqs: list[tuple[_Group, int]] = []
         self._pending: list[int] = []
-        self._manual_notify = False  # several NIXL requests: notify after all of them
-        self._carried = False  # its requests carry the notification (NIXL sends it)
+        self._manual_notify = False  # a notification to send once every request completed
         self._waiting = 0  # threads in wait(): they check it, so the poller need not hurry
         self._state = _states()["PENDING"]
         self._error: PdkvError | None = None
@@ -903,7 +906,7 @@ class NixlTransport(PyTransport):
                 groups.append(g)
                 g.ldl = eng.xfer_dlist(None, g.lkind, g.ldesc)
                 g.rdl = eng.xfer_dlist(remote, g.rkind, g.rdesc)
-                g.idle_plain.append(eng.make_req(prep._op, g.ldl, g.rdl, np.arange(len(g.ldesc), dtype=np.int32)))
+                g.idle.append(eng.make_req(prep._op, g.ldl, g.rdl, np.arange(len(g.ldesc), dtype=np.int32)))
         except PdkvError:
             self._release_groups(groups)
             raise
@@ -943,13 +946,10 @@ class NixlTransport(PyTransport):
             groups = prep._groups
             x = NixlTransfer(self, next(self._ids), p, prep._op, prep.nbytes, data,
                              time.monotonic() + tmo if tmo > 0 else 0.0, prep)
-            x._manual_notify = data is not None and len(groups) > 1
-            x._carried = data is not None and not x._manual_notify
-            wire = b"" if data is None else _USER + data
+            x._manual_notify = data is not None
             try:
                 for g in groups:
-                    pool = (g.idle_notif or g.idle_plain) if x._carried else g.idle_plain
-                    req = pool.pop() if pool else eng.make_req(prep._op, g.ldl, g.rdl,
+                    req = g.idle.pop() if g.idle else eng.make_req(prep._op, g.ldl, g.rdl,
                                                                np.arange(len(g.ldesc), dtype=np.int32))
                     g.busy += 1
                     x._reqs.append((g, req))
@@ -960,7 +960,7 @@ class NixlTransport(PyTransport):
             self._inflight[x.id] = x
             try:
                 for g, req in x._reqs:
-                    if eng.post(req, b"" if x._manual_notify else wire):
+                    if eng.post(req, b""):
                         x._pending.remove(req)
             except eng.errors as e:
                 self._finish(x, _S["FAILED"], to_pdkv(e, f"NIXL {prep._op} to peer {p.name!r}", PeerConnectionError))
@@ -1017,7 +1017,8 @@ class NixlTransport(PyTransport):
             self._finish(x, _S["FAILED"], to_pdkv(e, f"NIXL {x._op} to peer {x.peer!r} failed", PeerConnectionError))
             return True
         if not x._pending and x._manual_notify:
-            if any(y.id < x.id and y._peer_state is x._peer_state for y in self._inflight.values()):
+            if x._op == "notify" and any(y.id < x.id and y._peer_state is x._peer_state
+                                         for y in self._inflight.values()):
                 pass  # a standalone notification follows earlier transfers to its peer
             else:
                 p = x._peer_state
@@ -1058,9 +1059,8 @@ class NixlTransport(PyTransport):
         keep = state is _S["DONE"] and prep is not None and prep._invalid is None
         for g, req in x._reqs:
             g.busy -= 1
-            pool = g.idle_notif if x._carried else g.idle_plain
-            if keep and prep._groups is not None and g in prep._groups and len(pool) < self._opts.max_idle_requests:
-                pool.append(req)
+            if keep and prep._groups is not None and g in prep._groups and len(g.idle) < self._opts.max_idle_requests:
+                g.idle.append(req)
             else:
                 self._release_req(req)
             if g.busy == 0 and (prep is None or prep._groups is None or g not in prep._groups):
@@ -1083,9 +1083,9 @@ class NixlTransport(PyTransport):
     def _release_groups(self, groups: list[_Group]) -> None:
         eng = self._eng
         for g in groups:
-            for req in g.idle_plain + g.idle_notif:
+            for req in g.idle:
                 self._release_req(req)
-            g.idle_plain, g.idle_notif = [], []
+            g.idle = []
             if g.busy == 0 and eng is not None:
                 for h in (g.ldl, g.rdl):
                     if h is not None:
