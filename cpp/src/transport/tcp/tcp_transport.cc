@@ -963,8 +963,11 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
     case FrameType::kError: {
       Status st(status_code_from_wire(h.status), c->desc + " refused the request: " + c->ctrl);
       PendingPart part;
-      if (take_pending(*c, h.xfer_id, h.batch, &part)) t_->resolve(part, 0, st);
+      const bool found = take_pending(*c, h.xfer_id, h.batch, &part);
+      // Retire the connection before the caller can learn of the failure, so its next
+      // transfer opens a fresh connection instead of racing onto this closing one.
       t_->kill(c, ConnectionError(c->desc + " closed the connection after an error: " + c->ctrl));
+      if (found) t_->resolve(part, 0, st);
       return false;
     }
     default:
