@@ -21,7 +21,7 @@ def run_bench(*args: str, timeout: float = 240) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t in pdkv.available_transports()])
+@pytest.mark.parametrize("transport", [t for t in ("tcp", "shm", "nixl") if t in pdkv.available_transports()])
 def test_bench_transfer_json(transport):
     rows = run_bench("--transport", transport)
     assert [r["payload_bytes"] for r in rows] == [4 << 20, 8 << 20]

@@ -88,8 +88,11 @@ def serve(args: argparse.Namespace) -> None:
     """Target side: an agent exporting a pool, plus a raw-socket sink for the ceilings."""
     bench = _native.module().bench
     geo = models.geometry(args.model, args.blocks)
+    # The target offers every transport available here; the initiator picks one.
+    from .. import available_transports
+
     agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
-                  tcp=tcp_options(args))
+                  tcp=tcp_options(args), transports=[t for t in available_transports() if t != "cuda_ipc"])
     buf, layout = _pool(agent, geo, None)
     agent.add_layout("kv", layout)
     host, _, port = agent.address.rpartition(":")
@@ -294,7 +297,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     results = []
     try:
         secret = os.environ.get(SECRET_ENV, "pdkv-bench")
-        with Agent("bench-initiator", secret=secret, listen=f"{args.host}:0", tcp=tcp_options(args)) as agent:
+        transports = [args.transport] + (["tcp"] if args.transport != "tcp" else [])
+        with Agent("bench-initiator", secret=secret, listen=f"{args.host}:0", tcp=tcp_options(args),
+                   transports=transports) as agent:
             geo = models.geometry(args.model, args.local_blocks)
             src, src_layout = _pool(agent, geo, args.seed)
             scratch, scratch_layout = _pool(agent, geo, None)
@@ -390,7 +395,8 @@ def print_table(args, results: list[dict]) -> None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--transport", default="tcp", help="transport to measure: tcp or shm (default tcp)")
+    ap.add_argument("--transport", default="tcp",
+                    help="transport to measure: tcp, shm or nixl (default tcp; cuda_ipc: bench/gpu_bench.py)")
     ap.add_argument("--model", default="llama-3-8b", help="KV geometry preset:\n" + models.describe())
     ap.add_argument("--payload", default="64M,256M,1G", help="comma-separated payload sizes (default 64M,256M,1G)")
     ap.add_argument("--iters", type=int, default=0, help="timed repetitions per payload (default: >= --min-bytes)")
@@ -422,11 +428,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     args.argv = argv
-    avail = _native.module().available_transports()
+    from .. import available_transports
+
+    avail = [t for t in available_transports() if t != "cuda_ipc"]
     if args.transport not in avail:
         print(f"pdkv bench transfer: transport {args.transport!r} is not available here "
               f"(available: {', '.join(avail)})", file=sys.stderr)
         return 2
+    if args.transport == "nixl":
+        os.environ.setdefault("UCX_NET_DEVICES", "lo" if args.host.startswith("127.") else "all")
     if args.transport == "shm" and args.target:
         ap.error("the shm transport needs both sides on this host (drop --target)")
     if args.serve:
