@@ -30,7 +30,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dep(tiny, tmp_path_factory):
     d = Deployment("hybrid", tiny.model_dir, num_prefill=1, num_decode=2,
-                   worker_args=["--block-tokens", "4", "--num-blocks", "256", "--max-batch-tokens", "16", "--max-num-seqs", "8"],
+                   worker_args=["--block-tokens", "4", "--num-blocks", "256", "--max-batch-tokens", "16",
+                                "--max-num-seqs", "8"],
                    proxy_args=["--hybrid-threshold", "10", "--kv-timeout", "5", "--read-timeout", "10"],
                    log_dir=tmp_path_factory.mktemp("logs"))
     d.start(timeout=180)

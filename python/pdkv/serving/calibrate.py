@@ -22,8 +22,9 @@ every shorter one's) is at most the ``hop`` (the median over lengths): such shor
 prompts cost each running decode less than the hop would cost the request; longer ones
 would stall the decode batch longer than a hop takes, so they go to a prefill worker.
 The hop is measured with an idle prefill worker; a busy one adds its queueing delay to
-the hop, which makes local prefill pay off for longer prompts (raise the threshold). Timings depend on the machine and on
-whatever else runs on it; the output says what was measured.
+the hop, which makes local prefill pay off for longer prompts (raise the threshold).
+Timings depend on the machine and on whatever else runs on it; the output says what
+was measured.
 """
 
 from __future__ import annotations
@@ -249,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         s, h = stall[n], hop[n]
         print(f"{n:>5} {s['prefill_alone_s'] * 1e3:>7.1f}ms {s['decode_s'] * 1e3:>6.1f}ms "
               f"{s['mixed_s'] * 1e3:>7.1f}ms {s['stall_s'] * 1e3:>6.1f}ms | {h['ttft_local_s'] * 1e3:>7.1f}ms "
-              f"{h['ttft_disagg_s'] * 1e3:>7.1f}ms {h['ttst_local_s'] * 1e3:>7.1f}ms {h['ttst_disagg_s'] * 1e3:>7.1f}ms "
+              f"{h['ttft_disagg_s'] * 1e3:>7.1f}ms {h['ttst_local_s'] * 1e3:>7.1f}ms "
+              f"{h['ttst_disagg_s'] * 1e3:>7.1f}ms "
               f"{h['hop_s'] * 1e3:>6.1f}ms")
     th, hop_s = suggest_threshold(stall, hop)
     print(f"hop (median over lengths): {hop_s * 1e3:.1f} ms; suggested --hybrid-threshold: {th} "

@@ -105,6 +105,8 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="seconds past a request's KV timeout before recomputing (default 2)")
         p.add_argument("--kv-quarantine", type=float, default=30.0,
                        help="seconds reserved blocks of a lost KV stay unused (default 30)")
+        p.add_argument("--reserve-wait", type=float, default=60.0,
+                       help="seconds a request may wait for free KV blocks before a 503 (default 60)")
     if role == "prefill":
         p.add_argument("--debug-drop-kv", action="store_true",
                        help="testing only: skip every KV write but report success")
@@ -147,6 +149,8 @@ def _setup_logging(level: str) -> None:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
+    from pdkv.errors import InvalidArgument
+
     from .aio import run_until_signal
     from .engine import EngineConfig
     from .models import default_model_dir, load_model, pin_threads
@@ -154,6 +158,9 @@ def _run_worker(args: argparse.Namespace) -> int:
     from .worker import Worker, WorkerConfig
 
     role = args.role
+    if role != "colocated" and not (args.secret or os.environ.get("PDKV_SECRET")):
+        raise InvalidArgument("prefill and decode workers need a shared pdkv secret: set PDKV_SECRET (the same "
+                              "value in every prefill and decode worker) or pass --secret")
     model_dir = Path(args.model) if args.model else default_model_dir()
     pin_threads(args.threads)
     model = load_model(model_dir, dtype=args.dtype)
@@ -166,7 +173,9 @@ def _run_worker(args: argparse.Namespace) -> int:
                        agent_listen=getattr(args, "agent_listen", None) or f"{host}:0",
                        agent_advertise=getattr(args, "agent_advertise", None),
                        secret=getattr(args, "secret", None),
-                       kv_margin_s=getattr(args, "kv_margin", 2.0), kv_quarantine_s=getattr(args, "kv_quarantine", 30.0),
+                       kv_margin_s=getattr(args, "kv_margin", 2.0),
+                       kv_quarantine_s=getattr(args, "kv_quarantine", 30.0),
+                       reserve_wait_s=getattr(args, "reserve_wait", 60.0),
                        debug_drop_kv=getattr(args, "debug_drop_kv", False))
     codec = None
     if role == "colocated" and (model_dir / "tokenizer_config.json").exists():
@@ -209,7 +218,8 @@ def _run_proxy(args: argparse.Namespace) -> int:
                       read_timeout_s=args.read_timeout, retries=args.retries)
     proxy = Proxy(cfg)
     return run_until_signal(_ReadyProxy(proxy, args.startup_timeout), args.host, args.port,
-                            ready_file=args.ready_file, ready_info=lambda url: {"role": "proxy", "mode": cfg.mode.value})
+                            ready_file=args.ready_file,
+                            ready_info=lambda url: {"role": "proxy", "mode": cfg.mode.value})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

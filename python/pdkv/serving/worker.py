@@ -94,7 +94,7 @@ class WorkerConfig:
         Decode: blocks whose KV never came stay out of use this long past the prefill
         side's deadline, unless the late notification arrives first.
     reserve_wait_s : float
-        Decode: how long to wait for free blocks before answering 503.
+        Decode: how long a request may wait for free blocks before a 503.
     debug_drop_kv : bool
         Prefill, testing only: skip the KV write and its notification but report
         success (the decode worker then times out and recomputes).
@@ -108,7 +108,7 @@ class WorkerConfig:
     secret: str | None = None
     kv_margin_s: float = 2.0
     kv_quarantine_s: float = 30.0
-    reserve_wait_s: float = 10.0
+    reserve_wait_s: float = 60.0
     debug_drop_kv: bool = False
 
     def __post_init__(self) -> None:
