@@ -5,6 +5,7 @@ workers."""
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -317,3 +318,16 @@ def test_dead_workers_are_skipped_or_answered_clearly(tiny, stack) -> None:
         assert "decode worker" in obj["error"]["message"]
     status, health = get(base + "/health")
     assert status == 503 and '"up": false' in health
+
+
+def test_requests_spread_over_workers_by_load(tiny, stack) -> None:
+    p2 = stack.worker(tiny, "prefill")
+    d2 = stack.worker(tiny, "decode")
+    base = stack.proxy("disagg", prefill=[stack.p, p2], decode=[stack.d, d2])
+    prompts = tiny.prompts * 2
+    results = concurrently(lambda p: completion_ids(base, tiny.name, p), prompts)
+    assert [ids for ids, _ in results] == tiny.refs * 2
+    assert {st["decode_worker"] for _, st in results} == {stack.d, d2}
+    assert {st["prefill_worker"] for _, st in results} == {stack.p, p2}
+    health = json.loads(get(base + "/health")[1])
+    assert all(w["in_flight"] == 0 and w["up"] for w in health["workers"])
