@@ -76,7 +76,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import pdkv
 
@@ -89,7 +91,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["PdkvConnector", "PdkvConnectorMetadata", "PdkvHandshakeMetadata"]
+__all__ = ["PdkvConnector", "PdkvConnectorMetadata", "PdkvConnectorStats", "PdkvHandshakeMetadata"]
 
 logger = init_logger("vllm.kv_connector.pdkv")  # under "vllm": shown with vLLM's own logs
 
@@ -138,6 +140,45 @@ class PdkvConnectorMetadata(KVConnectorMetadata):
     reqs_to_send: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class PdkvConnectorStats(KVConnectorStats):
+    """Pull statistics a decode worker reports to vLLM's stats logger
+    ("KV Transfer metrics: ..." every logging interval)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"transfer_s": [], "bytes": [], "failed": 0}
+
+    def record(self, seconds: float, nbytes: int) -> None:
+        self.data["transfer_s"].append(float(seconds))
+        self.data["bytes"].append(int(nbytes))
+
+    def aggregate(self, other: KVConnectorStats) -> "PdkvConnectorStats":
+        if not other.is_empty():
+            self.data["transfer_s"] += other.data["transfer_s"]
+            self.data["bytes"] += other.data["bytes"]
+            self.data["failed"] += other.data["failed"]
+        return self
+
+    def is_empty(self) -> bool:
+        return not self.data["transfer_s"] and not self.data["failed"]
+
+    def reduce(self) -> dict[str, int | float]:
+        t = sorted(self.data["transfer_s"])
+        total_mb = sum(self.data["bytes"]) / 2**20
+        return {
+            "Num successful pulls": len(t),
+            "Num failed pulls": self.data["failed"],
+            "Avg pull time (ms)": round(1e3 * sum(t) / len(t), 3) if t else 0,
+            "P90 pull time (ms)": round(1e3 * t[min(len(t) - 1, int(0.9 * len(t)))], 3) if t else 0,
+            "MB pulled": round(total_mb, 1),
+            "Throughput (MB/s)": round(total_mb / sum(t), 1) if t and sum(t) > 0 else 0,
+        }
+
+
 def _extra(vllm_config: "VllmConfig") -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
 
@@ -149,6 +190,8 @@ class PdkvConnector(KVConnectorBase_V1):
     with ``role=WORKER`` per worker; each delegates to its half
     (:class:`_Scheduler`, :class:`_Worker`).
     """
+
+    _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -217,6 +260,16 @@ class PdkvConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None or self._worker.stats.is_empty():
+            return None
+        stats, self._worker.stats = self._worker.stats, PdkvConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PdkvConnectorStats(data=data) if data is not None else PdkvConnectorStats()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -375,6 +428,7 @@ class _Worker:
         self._recving: dict[str, tuple[pdkv.Transfer, _Recv, str, float]] = {}
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self.stats = PdkvConnectorStats()
         # prefill
         self._sending: dict[str, float] = {}
         self._released: dict[str, float] = {}
@@ -545,6 +599,7 @@ class _Worker:
                 self._fail(req_id, r, addr, err, xfer)
                 continue
             self._done_recving.add(req_id)
+            self.stats.record(xfer.elapsed, xfer.bytes_total)
             self._record(req_id, r, xfer, None, time.perf_counter() - t_seen)
 
     def _fail(self, req_id: str, r: _Recv, addr: str | None, err: BaseException,
@@ -556,6 +611,7 @@ class _Worker:
                        type(err).__name__, err)
         self._load_errors.update(r.local_block_ids)
         self._done_recving.add(req_id)
+        self.stats.data["failed"] += 1
         self._record(req_id, r, xfer, err)
         if addr is not None and isinstance(err, (pdkv.PeerConnectionError, pdkv.StalePeer, pdkv.NotFound)):
             self._forget_peer(addr)  # reconnect on the next request

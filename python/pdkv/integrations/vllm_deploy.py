@@ -82,6 +82,16 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class _Proc:
     """A subprocess in its own process group, logged to a file, stopped on close."""
 
@@ -119,15 +129,17 @@ class _Proc:
         if p is None:
             return
         if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            # The server alone: it shuts its engine processes down and frees their
+            # shared memory; signalling the whole group at once leaks it.
+            p.send_signal(signal.SIGTERM)
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
                 pass
-        try:  # children (vLLM's engine core) share the group
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _group_alive(p.pid):
+            time.sleep(0.2)
+        try:  # whatever is left of the group (engine core, workers)
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
