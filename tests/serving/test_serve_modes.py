@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import pytest
 
@@ -271,8 +272,6 @@ def test_lost_kv_times_out_and_recomputes(tiny, stack) -> None:
     assert ids == tiny.refs[4]
     assert st["recomputed"] is True and st["recompute_reason"] == "kv_timeout"
     worker = stack.workers[d2]
-    import time
-
     deadline = time.monotonic() + 10
     while worker.stats()["quarantined"] and time.monotonic() < deadline:
         time.sleep(0.1)
