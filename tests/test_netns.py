@@ -61,3 +61,16 @@ def test_transfer_across_namespaces(spawn_peer, netns_pair, op):
         assert target.call(cmd="digest", blocks=rids)["digest"] == Pool(spec, 1).digest(lids)
     else:
         assert initiator.call(cmd="digest", blocks=lids)["digest"] == Pool(spec, 2).digest(rids)
+
+
+def test_wildcard_listener_is_reachable_across_namespaces(spawn_peer, netns_pair):
+    """A target bound to 0.0.0.0 advertises a real address; connect() uses the one it dialed."""
+    (ns_a, ip_a), (ns_b, ip_b) = netns_pair
+    spec = PoolSpec(layers=1, blocks=8, block_tokens=4, heads=2, head_dim=8, dtype="float16")
+    target = spawn_peer("decode", spec, seed=2, listen="0.0.0.0:0", prefix=["ip", "netns", "exec", ns_b])
+    assert not target.address.startswith("0.0.0.0")
+    port = target.address.rsplit(":", 1)[1]
+    initiator = spawn_peer("prefill", spec, seed=1, listen=f"{ip_a}:0", prefix=["ip", "netns", "exec", ns_a])
+    res = initiator.call(cmd="xfer", op="write", address=f"{ip_b}:{port}", lblocks=[1, 2], rblocks=[3, 4])
+    assert res["ok"], res
+    assert target.call(cmd="digest", blocks=[3, 4])["digest"] == Pool(spec, 1).digest([1, 2])

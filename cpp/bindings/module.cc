@@ -357,9 +357,10 @@ PYBIND11_MODULE(_pdkv, m) {
       .def("layout_names", &Agent::layout_names)
       .def("metadata", [](Agent& a) { return to_bytes(a.metadata()); })
       .def("add_peer",
-           [](Agent& a, py::bytes blob, py::bytes secret, const std::string& transport) {
-             return unwrap(a.add_peer(std::string(blob), std::string(secret), transport));
-           })
+           [](Agent& a, py::bytes blob, py::bytes secret, const std::string& transport, const std::string& via_host) {
+             return unwrap(a.add_peer(std::string(blob), std::string(secret), transport, via_host));
+           },
+           py::arg("blob"), py::arg("secret"), py::arg("transport"), py::arg("via_host") = "")
       .def("remove_peer",
            [](Agent& a, const std::string& n) {
              Status st;

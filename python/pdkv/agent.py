@@ -558,11 +558,14 @@ class Agent:
         layouts); give it to peers' :meth:`add_peer`. Contains no secret."""
         return self._n.metadata()
 
-    def add_peer(self, metadata: bytes, *, secret: str | bytes | None = None, transport: str | None = None) -> str:
+    def add_peer(self, metadata: bytes, *, secret: str | bytes | None = None, transport: str | None = None,
+                 via_host: str | None = None) -> str:
         """Imports a peer's :meth:`metadata`; returns its name. Re-adding a name replaces
         it. ``secret``: the peer's, if it differs from ours. ``transport`` forces one;
         otherwise the first of this agent's transports that can reach the peer is used
-        (see :meth:`peer_transport`)."""
+        (see :meth:`peer_transport`). ``via_host``: the host the metadata came from
+        (:meth:`connect` passes it): it replaces a wildcard or loopback tcp address that
+        would not be reachable from here."""
         blob = bytes(metadata)
         if transport is not None and transport not in self._order:
             from .errors import NotFound
@@ -570,7 +573,7 @@ class Agent:
             raise NotFound(f"transport {transport!r} is not enabled on agent {self.name!r} "
                            f"(enabled: {', '.join(self._order)})")
         native_forced = transport if transport is not None and transport not in self._py else ""
-        name = self._n.add_peer(blob, _as_bytes(secret), native_forced)
+        name = self._n.add_peer(blob, _as_bytes(secret), native_forced, via_host or "")
         old = self._py_peers.pop(name, None)
         chosen = None
         try:
@@ -611,7 +614,8 @@ class Agent:
                 timeout: float = 10.0) -> str:
         """Fetches the metadata of the agent at ``address`` and adds it; returns its name."""
         md = self.fetch_metadata(address, secret=secret, timeout=timeout)
-        return self.add_peer(md, secret=secret, transport=transport)
+        host = address.rsplit(":", 1)[0].strip("[]")
+        return self.add_peer(md, secret=secret, transport=transport, via_host=host)
 
     def remove_peer(self, name: str) -> None:
         """Forgets a peer; its in-flight transfers fail with PeerConnectionError."""

@@ -91,7 +91,10 @@ class Agent final : private AgentHooks {
   std::string metadata();
   // Imports a peer's blob; returns its name. Re-adding a name replaces it (and drops
   // its connections). `secret`: the peer's secret ("" = ours). `transport` forces one.
-  Result<std::string> add_peer(std::string_view blob, std::string secret, std::string transport);
+  // `via_host`: the host the blob was fetched from; replaces a wildcard or loopback
+  // tcp endpoint host that would not be reachable from here.
+  Result<std::string> add_peer(std::string_view blob, std::string secret, std::string transport,
+                               std::string via_host = "");
   Status remove_peer(const std::string& name);
   std::vector<std::string> peer_names() const;
   Result<std::shared_ptr<const Peer>> peer(const std::string& name) const;

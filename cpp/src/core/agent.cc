@@ -9,6 +9,7 @@
 
 #include "pdkv/registry.h"
 #include "util/log.h"
+#include "util/socket.h"
 
 namespace pdkv {
 namespace {
@@ -208,8 +209,21 @@ void Agent::set_metadata_extra(const std::string& name, std::string blob) {
   }
 }
 
-Result<std::string> Agent::add_peer(std::string_view blob, std::string secret, std::string transport) {
+Result<std::string> Agent::add_peer(std::string_view blob, std::string secret, std::string transport,
+                                    std::string via_host) {
   PDKV_ASSIGN_OR_RETURN(AgentMetadata md, decode_metadata(blob));
+  if (!via_host.empty()) {
+    for (auto& e : md.endpoints) {
+      if (e.transport != "tcp") continue;
+      auto hp = util::parse_host_port(e.address);
+      if (!hp.ok()) continue;
+      const std::string& h = hp->host;
+      const bool unusable = h == "0.0.0.0" || h == "::" ||
+                            ((h.rfind("127.", 0) == 0 || h == "::1" || h == "localhost") &&
+                             via_host.rfind("127.", 0) != 0 && via_host != "::1" && via_host != "localhost");
+      if (unusable) e.address = util::HostPort{via_host, hp->port}.str();
+    }
+  }
   auto peer = std::make_shared<Peer>();
   peer->md = std::move(md);
   peer->secret = secret.empty() ? cfg_.secret : std::move(secret);

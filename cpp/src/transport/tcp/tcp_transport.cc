@@ -1,6 +1,8 @@
 #include "transport/tcp/tcp_transport.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/epoll.h>
@@ -1001,6 +1003,35 @@ void ProgressThread::payload_done(const std::shared_ptr<TcpConn>& c) {
 
 // ---------------------------------------------------------------- TcpTransport
 
+// The host to publish: the listen host, or for a wildcard bind (0.0.0.0 / ::) the
+// first non-loopback address of an interface that is up (peers cannot dial a
+// wildcard). Agent.connect() also substitutes the host it actually reached.
+std::string advertised_host(const std::string& listen) {
+  if (listen != "0.0.0.0" && listen != "::" && listen != "[::]") return listen;
+  const bool v6 = listen != "0.0.0.0";
+  ifaddrs* ifs = nullptr;
+  std::string found;
+  if (::getifaddrs(&ifs) == 0) {
+    for (ifaddrs* i = ifs; i && found.empty(); i = i->ifa_next) {
+      if (!i->ifa_addr || !(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
+      char buf[INET6_ADDRSTRLEN] = {0};
+      if (i->ifa_addr->sa_family == AF_INET && !v6) {
+        inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+        found = buf;
+      } else if (i->ifa_addr->sa_family == AF_INET6 && v6) {
+        auto* a = reinterpret_cast<sockaddr_in6*>(i->ifa_addr);
+        if (IN6_IS_ADDR_LINKLOCAL(&a->sin6_addr)) continue;
+        inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof buf);
+        found = buf;
+      }
+    }
+    ::freeifaddrs(ifs);
+  }
+  if (found.empty()) found = v6 ? "::1" : "127.0.0.1";
+  PDKV_LOG_INFO("tcp: listening on %s, advertising %s", listen.c_str(), found.c_str());
+  return found;
+}
+
 Status TcpTransport::start(AgentHooks* hooks) {
   hooks_ = hooks;
   if (opts_.conns_per_peer == 0 || opts_.conns_per_peer > 64)
@@ -1015,7 +1046,7 @@ Status TcpTransport::start(AgentHooks* hooks) {
   uint16_t port = 0;
   PDKV_ASSIGN_OR_RETURN(listen_fd_, util::listen_tcp(hp, &port));
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(listen_fd_.get(), true));
-  addr_ = util::HostPort{opts_.listen_host, port};
+  addr_ = util::HostPort{advertised_host(opts_.listen_host), port};
   for (uint32_t i = 0; i < opts_.progress_threads; ++i) {
     threads_.push_back(std::make_unique<ProgressThread>(this, i, opts_.spin_us));
     PDKV_RETURN_IF_ERROR(threads_.back()->start(i == 0 ? listen_fd_.get() : -1));
