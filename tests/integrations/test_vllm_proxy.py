@@ -148,3 +148,16 @@ def test_tiny_llama_doc_example():
 
     res = doctest.testmod(tl)
     assert res.attempted > 0 and res.failed == 0
+
+
+def test_bench_table_and_percentiles():
+    from pdkv.integrations.vllm_bench import _pct, table
+
+    assert _pct([], 50) is None
+    assert _pct([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and _pct([5.0], 90) == 5.0
+    row = {"connector": "pdkv", "transport": ["shm"], "kv_wait_s": {"p50": 0.0067, "p90": 0.0214},
+           "ttft_s": {"p50": 0.296, "p90": 0.41}, "bytes_per_request": 16 << 20, "bytes_total": 320 << 20,
+           "pulls": 20, "failed_pulls": 1, "idle_cores": {"prefill": 0.016, "decode": 0.015}}
+    lines = table([row]).splitlines()
+    assert lines[0].startswith("| connector | KV pull p50 (ms)")
+    assert lines[2] == "| pdkv (shm) | 6.7 | 21.4 | 296.0 | 410.0 | 16 | 320 | 19/20 | 0.03 |"
