@@ -66,6 +66,12 @@ class Transfer {
   // parts). Returns true if this made the transfer terminal.
   bool resolve_part(uint64_t bytes, const Status& st);
   void set_cancel_hook(std::function<void()> hook);
+  // Optional: lets a waiting thread make progress itself (read its own ack) instead of
+  // waiting for a progress thread to wake it. Called by wait() with the wait's
+  // deadline and spin budget; returns when the transfer is terminal, the deadline
+  // passed, or it could not drive (another thread is). Cleared once terminal.
+  using Driver = std::function<void(Transfer&, Clock::time_point deadline, uint32_t spin_us)>;
+  void set_driver(Driver d);
   void hold_pins(std::vector<RegionPin> pins) { pins_ = std::move(pins); }
   // Fails the transfer at once when no parts were started.
   void fail_now(const Status& st);
@@ -91,6 +97,7 @@ class Transfer {
   Status error_;              // first error, guarded by mu_
   bool saw_cancel_ = false;   // guarded by mu_
   std::function<void()> cancel_hook_;  // guarded by mu_
+  Driver driver_;                      // guarded by mu_
   std::vector<RegionPin> pins_;  // released when terminal
 };
 

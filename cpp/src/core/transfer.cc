@@ -28,6 +28,19 @@ XferState Transfer::wait(double timeout_s) const {
   XferState s = state();
   if (s != XferState::kPending) return s;
   const auto t0 = Clock::now();
+  const auto until = timeout_s < 0 ? Clock::time_point::max()
+                                   : t0 + std::chrono::duration_cast<Clock::duration>(
+                                              std::chrono::duration<double>(timeout_s));
+  Driver drive;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    drive = driver_;
+  }
+  if (drive) {
+    drive(const_cast<Transfer&>(*this), until, wait_spin_us_);
+    s = state();
+    if (s != XferState::kPending || Clock::now() >= until) return s;
+  }
   if (wait_spin_us_ > 0) {
     const auto spin_end = t0 + std::chrono::microseconds(wait_spin_us_);
     while (Clock::now() < spin_end) {
@@ -41,10 +54,14 @@ XferState Transfer::wait(double timeout_s) const {
   if (timeout_s < 0) {
     cv_.wait(lk, done);
   } else {
-    cv_.wait_until(lk, t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s)),
-                   done);
+    cv_.wait_until(lk, until, done);
   }
   return state();
+}
+
+void Transfer::set_driver(Driver d) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (state() == XferState::kPending) driver_ = std::move(d);
 }
 
 void Transfer::cancel() {
@@ -105,6 +122,7 @@ void Transfer::finish() {
       error_ = Cancelled("transfer " + std::to_string(id_) + " to '" + peer_ + "' was cancelled");
     }
     cancel_hook_ = nullptr;
+    driver_ = nullptr;
     end_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start_).count(),
                   std::memory_order_release);
     state_.store(s, std::memory_order_release);

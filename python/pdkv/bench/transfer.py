@@ -71,7 +71,8 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def tcp_options(args: argparse.Namespace) -> TcpOptions:
-    return TcpOptions(conns_per_peer=args.conns, progress_threads=args.threads)
+    return TcpOptions(conns_per_peer=args.conns, progress_threads=args.threads, rcvlowat_bytes=args.rcvlowat,
+                      batch_bytes=args.batch_bytes)
 
 
 def _pool(agent: Agent, geo, seed: int | None) -> tuple[np.ndarray, KVLayout]:
@@ -133,7 +134,7 @@ class Target:
 
 def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
     cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--child", "--model", args.model,
-           "--blocks", str(blocks),
+           "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
            "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads)]
     pre = None
     if args.pin and len(os.sched_getaffinity(0)) >= 2:
@@ -221,7 +222,7 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
     s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
     ceilings["socket_plain"] = total / s / 1e9
     s = bench.stream(target.sink_host, target.sink_port, args.conns, total, payload, True,
-                     TcpOptions().rcvlowat_bytes)
+                     args.rcvlowat or 0)
     ceilings["socket_tuned"] = total / s / 1e9
     # memcpy of the same scattered extents between two local pools.
     ext = [(ro, lo, n) for _, lo, _, ro, n in plan_blocks(
@@ -405,6 +406,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lat-iters", type=int, default=1000, help="latency samples (default 1000)")
     ap.add_argument("--conns", type=int, default=TcpOptions().conns_per_peer, help="tcp connections per peer")
     ap.add_argument("--threads", type=int, default=TcpOptions().progress_threads, help="tcp progress threads")
+    ap.add_argument("--rcvlowat", type=lambda v: parse_size(v) if v != "0" else 0,
+                    default=TcpOptions().rcvlowat_bytes, help="tcp SO_RCVLOWAT cap (default 1M; 0 disables)")
+    ap.add_argument("--batch-bytes", type=parse_size, default=TcpOptions().batch_bytes,
+                    help="tcp payload bytes per wire batch (default 16M)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (local mode: both sides)")
     ap.add_argument("--target", default="", help="HOST:PORT of a `pdkv bench transfer --serve` on another host")
     ap.add_argument("--serve", action="store_true", help="run as the target (see --target)")

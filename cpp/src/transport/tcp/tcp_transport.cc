@@ -5,6 +5,7 @@
 #include <net/if.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -200,14 +201,17 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   std::mutex smu;
   std::deque<std::unique_ptr<OutMsg>> sq;
   bool want_out = false;
+  bool driven = false;  // a waiting caller is reading this connection (EPOLLIN off)
   // Pending parts (initiator side).
   std::mutex pmu;
   std::unordered_map<uint64_t, PendingPart> pending;
   Clock::time_point earliest_deadline = Clock::time_point::max();  // guarded by pmu
 
-  // Owner thread only.
+  // The receive state below is touched by whoever holds rx_mu: the owner thread, or a
+  // caller waiting on a small transfer that reads its own ack (TcpTransport::drive).
+  std::recursive_mutex rx_mu;
   bool authed = false;
-  bool draining = false;
+  std::atomic<bool> draining{false};
   Clock::time_point hs_deadline = Clock::time_point::max();
   RxStage stage = RxStage::kHeader;
   FrameHeader hdr{};  // next header being read
@@ -246,14 +250,15 @@ class ProgressThread {
     if (idle_.load(std::memory_order_acquire)) wake();
   }
   void add(const std::shared_ptr<TcpConn>& c);
-  void arm_out(TcpConn& c, bool on);
+  // Re-registers c's epoll interest from c.want_out and c.driven (caller holds c.smu).
+  void set_interest(TcpConn& c);
+  void on_readable(const std::shared_ptr<TcpConn>& c);
   void request_kill(const std::shared_ptr<TcpConn>& c);
   std::atomic<int64_t> npending{0};
 
  private:
   void run();
   void accept_all();
-  void on_readable(const std::shared_ptr<TcpConn>& c);
   void flush(TcpConn& c);
   void scan_deadlines();
   void drain(const std::shared_ptr<TcpConn>& c);
@@ -315,6 +320,9 @@ class TcpTransport final : public Transport {
   void kill(const std::shared_ptr<TcpConn>& c, const Status& why, uint64_t culprit_xfer = 0);
   void resolve(const PendingPart& p, uint64_t bytes, const Status& st);
   ProgressThread* pick_thread() { return threads_[next_thread_++ % threads_.size()].get(); }
+  // Reads `c` in the calling thread until `x` is terminal or `deadline` (see
+  // Transfer::set_driver). Gives up at once if another thread holds the connection.
+  void drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::time_point deadline, uint32_t spin_us);
 
  private:
   Result<std::shared_ptr<PeerConns>> peer_conns(const std::shared_ptr<const Peer>& peer);
@@ -383,9 +391,9 @@ void ProgressThread::add(const std::shared_ptr<TcpConn>& c) {
   if (!c->authed) wake();  // start the handshake timer
 }
 
-void ProgressThread::arm_out(TcpConn& c, bool on) {
+void ProgressThread::set_interest(TcpConn& c) {
   epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP | (on ? EPOLLOUT : 0);
+  ev.events = (c.driven ? 0u : uint32_t(EPOLLIN | EPOLLRDHUP)) | (c.want_out ? uint32_t(EPOLLOUT) : 0u);
   ev.data.ptr = &c;
   epoll_ctl(epfd_, EPOLL_CTL_MOD, c.fd, &ev);
 }
@@ -458,12 +466,14 @@ void ProgressThread::run() {
         if (it == conns_.end()) continue;
         c = it->second;
       }
-      if (c->fd < 0) continue;
+      if (evs[i].events & EPOLLOUT) flush(*c);
+      // A waiting caller may be reading this connection itself: leave it to them.
+      std::unique_lock<std::recursive_mutex> rl(c->rx_mu, std::try_to_lock);
+      if (!rl || c->fd < 0) continue;
       if (c->draining) {
         drain(c);
         continue;
       }
-      if (evs[i].events & EPOLLOUT) flush(*c);
       if (evs[i].events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) on_readable(c);
     }
     if (busy && Clock::now() >= next_scan) {
@@ -538,7 +548,7 @@ void ProgressThread::flush(TcpConn& c) {
   }
   if (c.want_out) {
     c.want_out = false;
-    arm_out(c, false);
+    set_interest(c);
   }
   if (c.kill_requested) {
     std::lock_guard<std::mutex> lk2(mu_);
@@ -604,6 +614,8 @@ void ProgressThread::scan_deadlines() {
   }
   size_t ci = 0;
   for (auto& [c, st] : doomed) {
+    std::lock_guard<std::recursive_mutex> rl(c->rx_mu);
+    if (c->fd < 0) continue;
     if (c->draining) {
       drain(c);
       continue;
@@ -1208,7 +1220,7 @@ void TcpTransport::enqueue(const std::shared_ptr<TcpConn>& c, std::unique_ptr<Ou
   c->sq.push_back(std::move(m));
   if (!c->want_out) {
     c->want_out = true;
-    c->owner->arm_out(*c, true);
+    c->owner->set_interest(*c);
   }
 }
 
@@ -1223,6 +1235,7 @@ bool TcpTransport::track(const std::shared_ptr<TcpConn>& c, PendingPart part, ui
 }
 
 void TcpTransport::kill(const std::shared_ptr<TcpConn>& c, const Status& why, uint64_t culprit) {
+  std::lock_guard<std::recursive_mutex> rl(c->rx_mu);  // the receive state is reset below
   std::unordered_map<uint64_t, PendingPart> pend;
   std::deque<std::unique_ptr<OutMsg>> sq;
   {
@@ -1364,12 +1377,51 @@ void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
       resolve(PendingPart{post, i, b.bytes}, 0, ConnectionError("connection to " + conn->desc + " closed"));
       continue;
     }
+    if (nb == 1) {
+      // Small transfers: the caller's wait() reads the ack itself (one thread hop
+      // fewer, the latency of a plain socket round trip).
+      std::weak_ptr<TcpConn> wc = conn;
+      xfer->set_driver([this, wc](Transfer& x, Clock::time_point deadline, uint32_t spin_us) {
+        if (auto c = wc.lock()) drive(c, x, deadline, spin_us);
+      });
+    }
     enqueue(conn, std::move(m));
     if (std::find(woken.begin(), woken.end(), conn->owner) == woken.end()) {
       conn->owner->wake_if_idle();  // so it spins for the ack and enforces the deadline
       woken.push_back(conn->owner);
     }
   }
+}
+
+void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::time_point deadline,
+                         uint32_t spin_us) {
+  std::unique_lock<std::recursive_mutex> rl(c->rx_mu, std::try_to_lock);
+  if (!rl || c->fd < 0 || c->draining) return;
+  {
+    std::lock_guard<std::mutex> lk(c->smu);
+    if (c->dead) return;
+    c->driven = true;  // the owner thread stops watching EPOLLIN while we read
+    c->owner->set_interest(*c);
+  }
+  deadline = std::min(deadline, x.deadline());
+  const auto spin_end = Clock::now() + std::chrono::microseconds(spin_us);
+  while (!x.terminal() && c->fd >= 0 && !c->draining) {
+    const auto now = Clock::now();
+    if (now >= deadline) break;
+    // Spin briefly (the ack of a small write is usually microseconds away), then
+    // block in short slices so deadlines and shutdown are noticed.
+    int timeout = 0;
+    if (now >= spin_end) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1;
+      timeout = static_cast<int>(std::min<int64_t>(left, 10));
+    }
+    pollfd pf{c->fd, POLLIN | POLLRDHUP, 0};
+    const int r = ::poll(&pf, 1, timeout);
+    if (r > 0) c->owner->on_readable(c);
+  }
+  std::lock_guard<std::mutex> lk(c->smu);
+  c->driven = false;
+  if (!c->dead && c->fd >= 0) c->owner->set_interest(*c);
 }
 
 void TcpTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
