@@ -31,7 +31,7 @@ import asyncio
 import enum
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Sequence
 
 from . import _native

@@ -28,7 +28,7 @@ import datetime as _dt
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from . import serve_cli
 from .serve_metrics import BenchResults, RunResult

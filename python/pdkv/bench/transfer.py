@@ -23,12 +23,10 @@ import ctypes
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -136,12 +134,13 @@ def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
     cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--child", "--model", args.model,
            "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
            "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads)]
-    pre = None
-    if args.pin and len(os.sched_getaffinity(0)) >= 2:
-        cpus = sorted(os.sched_getaffinity(0))
+    cpus = sorted(os.sched_getaffinity(0))
+    pin_to = {cpus[1]} if args.pin and len(cpus) >= 2 else None
 
-        def pre() -> None:  # noqa: F811 - runs in the child
-            os.sched_setaffinity(0, {cpus[1]})
+    def pre() -> None:  # runs in the child before exec
+        if pin_to is not None:
+            os.sched_setaffinity(0, pin_to)
+
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=pre)
     line = proc.stdout.readline()
     if not line:

@@ -93,6 +93,34 @@ async def ndjson_lines(content: Any, *, timeout: float | None) -> AsyncIterator[
         yield obj
 
 
+async def sse_events(response: Any) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+    """Parsed events of an OpenAI-style SSE stream (an aiohttp response), each with the
+    ``time.perf_counter()`` at which its chunk arrived; stops at ``[DONE]`` or the end.
+
+    Raises
+    ------
+    RuntimeError
+        On a non-200 status or an ``{"error": ...}`` event in the stream.
+    """
+    import time
+
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {await response.text()}")
+    buf = b""
+    async for chunk in response.content.iter_any():
+        now = time.perf_counter()
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            data = event.decode().removeprefix("data: ")
+            if data == "[DONE]":
+                return
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"the stream failed: {obj['error'].get('message')}")
+            yield now, obj
+
+
 class HttpServer:
     """An aiohttp application listening on one TCP address.
 

@@ -120,25 +120,14 @@ async def _timed(session: Any, url: str, model: str, prompt: list[int]) -> tuple
     """(TTFT, time to the second token) of one streamed greedy request."""
     body = {"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
+    from .aio import sse_events
+
     t0 = time.perf_counter()
     times: list[float] = []
-    buf = b""
     async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-        async for chunk in r.content.iter_any():
-            now = time.perf_counter()
-            buf += chunk
-            while b"\n\n" in buf:
-                ev, buf = buf.split(b"\n\n", 1)
-                data = ev.decode().removeprefix("data: ")
-                if data == "[DONE]":
-                    continue
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise RuntimeError(obj["error"]["message"])
-                for ch in obj.get("choices", []):
-                    times.extend([now] * len(ch.get("token_ids", [])))
+        async for now, obj in sse_events(r):
+            for ch in obj.get("choices", []):
+                times.extend([now] * len(ch.get("token_ids", [])))
     if len(times) < 2:
         raise RuntimeError("fewer than two tokens came back")
     return times[0] - t0, times[1] - t0

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -43,37 +42,26 @@ async def _chat(url: str, model: str, question: str, max_tokens: int, out: TextI
     """One streamed chat request; prints the answer as it arrives; returns its figures."""
     import aiohttp
 
+    from .aio import sse_events
+
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "pdkv_stats": True}
     t0 = time.perf_counter()
     token_times: list[float] = []
     stats: dict[str, Any] = {}
     usage: dict[str, Any] = {}
-    buf = b""
     timeout = aiohttp.ClientTimeout(total=300, sock_connect=10)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async with session.post(url + "/v1/chat/completions", json=body) as r:
-            if r.status != 200:
-                raise RuntimeError(f"the proxy answered HTTP {r.status}: {await r.text()}")
-            async for chunk in r.content.iter_any():
-                now = time.perf_counter()
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    data = event.decode().removeprefix("data: ")
-                    if data == "[DONE]":
-                        continue
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        raise RuntimeError(f"the stream failed: {obj['error']['message']}")
-                    for ch in obj.get("choices", []):
-                        text = ch.get("delta", {}).get("content")
-                        if text:
-                            token_times.append(now)
-                            out.write(text)
-                            out.flush()
-                    stats = obj.get("pdkv", stats)
-                    usage = obj.get("usage") or usage
+            async for now, obj in sse_events(r):
+                for ch in obj.get("choices", []):
+                    text = ch.get("delta", {}).get("content")
+                    if text:
+                        token_times.append(now)
+                        out.write(text)
+                        out.flush()
+                stats = obj.get("pdkv", stats)
+                usage = obj.get("usage") or usage
     out.write("\n")
     itl = [b - a for a, b in zip(token_times, token_times[1:])]
     return {"ttft": token_times[0] - t0 if token_times else None, "itl": itl,
