@@ -100,11 +100,8 @@ class _Metric:
         raise NotImplementedError
 
 
-class Counter(_Metric):
-    """A value that only goes up (``inc``), or is read at render time from a callback
-    that returns a monotonic value (``set_function``); rendered as ``name{labels} value``."""
-
-    kind = "counter"
+class _ValueMetric(_Metric):
+    """A value per label set, kept here or read at render time from a callback."""
 
     def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(name, help_text, labelnames)
@@ -115,16 +112,13 @@ class Counter(_Metric):
         """Reads the series from ``fn()`` (pairs of label values and value) at every render."""
         self._fn = fn
 
-    def inc(self, labels: Sequence[str] | None = None, amount: float = 1.0) -> None:
-        """Adds ``amount`` (>= 0) to the series ``labels``."""
-        if amount < 0:
-            raise InvalidArgument(f"counter {self.name!r} cannot decrease (inc by {amount})")
+    def _add(self, labels: Sequence[str] | None, amount: float) -> None:
         key = self._key(labels)
         with self._lock:
             self._values[key] = self._values.get(key, 0.0) + amount
 
     def value(self, labels: Sequence[str] | None = None) -> float:
-        """The current value of a series (0 if never incremented)."""
+        """The current value of a series (0 if never set)."""
         with self._lock:
             return self._values.get(self._key(labels), 0.0)
 
@@ -137,16 +131,24 @@ class Counter(_Metric):
         return self._header() + [f"{self.name}{_labels(self.labelnames, k)} {_fmt(v)}" for k, v in items]
 
 
-class Gauge(_Metric):
+class Counter(_ValueMetric):
+    """A value that only goes up (``inc``), or is read at render time from a callback
+    that returns a monotonic value (``set_function``); rendered as ``name{labels} value``."""
+
+    kind = "counter"
+
+    def inc(self, labels: Sequence[str] | None = None, amount: float = 1.0) -> None:
+        """Adds ``amount`` (>= 0) to the series ``labels``."""
+        if amount < 0:
+            raise InvalidArgument(f"counter {self.name!r} cannot decrease (inc by {amount})")
+        self._add(labels, amount)
+
+
+class Gauge(_ValueMetric):
     """A value that goes up and down (``set``/``inc``/``dec``), or is read at render time
     from a callback (``set_function``)."""
 
     kind = "gauge"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labelnames)
-        self._values: dict[LabelValues, float] = {} if labelnames else {(): 0.0}
-        self._fn: Callable[[], Iterable[tuple[Sequence[str], float]]] | None = None
 
     def set(self, value: float, labels: Sequence[str] | None = None) -> None:
         key = self._key(labels)
@@ -154,33 +156,15 @@ class Gauge(_Metric):
             self._values[key] = float(value)
 
     def inc(self, labels: Sequence[str] | None = None, amount: float = 1.0) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        self._add(labels, amount)
 
     def dec(self, labels: Sequence[str] | None = None, amount: float = 1.0) -> None:
-        self.inc(labels, -amount)
+        self._add(labels, -amount)
 
     def clear(self) -> None:
         """Forgets every labelled series."""
         with self._lock:
             self._values = {} if self.labelnames else {(): 0.0}
-
-    def value(self, labels: Sequence[str] | None = None) -> float:
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def set_function(self, fn: Callable[[], Iterable[tuple[Sequence[str], float]]]) -> None:
-        """Reads the series from ``fn()`` (pairs of label values and value) at every render."""
-        self._fn = fn
-
-    def render(self) -> list[str]:
-        if self._fn is not None:
-            items = sorted((self._key(k), float(v)) for k, v in self._fn())
-        else:
-            with self._lock:
-                items = sorted(self._values.items())
-        return self._header() + [f"{self.name}{_labels(self.labelnames, k)} {_fmt(v)}" for k, v in items]
 
 
 class Histogram(_Metric):
