@@ -850,6 +850,16 @@ class NixlTransport(PyTransport):
                 del self._watchers[p.nixl_name]
 
     # -------------------------------------------------------------- transfers
+    def _live_peer(self, peer: str):
+        """The peer's state (caller holds the lock); raises NotFound, or the error that
+        broke the peer."""
+        p = self._peers.get(peer)
+        if p is None:
+            raise NotFound(f"peer {peer!r} is not known to the nixl transport of agent {self._agent_name!r}")
+        if p.error is not None:
+            raise type(p.error)(str(p.error))
+        return p
+
     def prepare(self, op: str, peer: str, extents: Sequence[tuple[int, int, int]]) -> NixlPrepared:
         if op not in ("write", "read"):
             raise InvalidArgument(f"op must be 'write' or 'read', got {op!r}")
@@ -858,11 +868,7 @@ class NixlTransport(PyTransport):
             raise InvalidArgument("no extents to transfer")
         with self._lock:
             self._engine()
-            p = self._peers.get(peer)
-            if p is None:
-                raise NotFound(f"peer {peer!r} is not known to the nixl transport of agent {self._agent_name!r}")
-            if p.error is not None:
-                raise type(p.error)(str(p.error))
+            p = self._live_peer(peer)
             prep = self._build(p, op, ext)
             self._preps.add(prep)
             return prep
@@ -982,11 +988,7 @@ class NixlTransport(PyTransport):
         tmo = self._default_timeout if timeout is None else float(timeout)
         with self._lock:
             self._engine()
-            p = self._peers.get(peer)
-            if p is None:
-                raise NotFound(f"peer {peer!r} is not known to the nixl transport of agent {self._agent_name!r}")
-            if p.error is not None:
-                raise type(p.error)(str(p.error))
+            p = self._live_peer(peer)
             x = NixlTransfer(self, next(self._ids), p, "notify", 0, data,
                              time.monotonic() + tmo if tmo > 0 else 0.0, None)
             x._manual_notify = True

@@ -449,6 +449,20 @@ class ProxyBackend:
                        f"{' (last error: ' + last + ')' if last else ' (none is available)'}",
                        code="no_worker_available")
 
+    async def _open_stream(self, d: _Worker, path: str, body: dict) -> aiohttp.ClientResponse:
+        """POSTs ``body`` to a decode/engine worker and returns its 200 streaming response;
+        a request the worker never received raises _WorkerFailed (safe to retry)."""
+        try:
+            r = await self.session.post(d.url + path, json=body, timeout=self._timeout())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise _WorkerFailed(d, f"{type(e).__name__}: {e}", before_response=True) from None
+        try:
+            await self._check_status(d, r)
+        except BaseException:
+            _done_with(r)
+            raise
+        return r
+
     async def _check_status(self, w: _Worker, r: aiohttp.ClientResponse) -> None:
         if r.status == 200:
             return
@@ -472,12 +486,8 @@ class ProxyBackend:
         body = GenerateRequest(rid, tuple(prompt), params).to_json()
         d.in_flight += 1
         try:
+            r = await self._open_stream(d, "/pd/generate", body)
             try:
-                r = await self.session.post(d.url + "/pd/generate", json=body, timeout=self._timeout())
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                raise _WorkerFailed(d, f"{type(e).__name__}: {e}", before_response=True) from None
-            try:
-                await self._check_status(d, r)
                 async for line in self._lines(d, r, self.config.read_timeout_s):
                     if "error" in line:
                         raise APIError(502, f"decode worker {d.url}: {_msg(line)}", code="worker_error")
@@ -499,12 +509,8 @@ class ProxyBackend:
         body = GenerateRequest(rid, tuple(prompt), params, cfg.kv_timeout_s).to_json()
         d.in_flight += 1
         try:
+            r = await self._open_stream(d, "/pd/decode", body)
             try:
-                r = await self.session.post(d.url + "/pd/decode", json=body, timeout=self._timeout())
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                raise _WorkerFailed(d, f"{type(e).__name__}: {e}", before_response=True) from None
-            try:
-                await self._check_status(d, r)
                 lines = self._lines(d, r, cfg.read_timeout_s)
                 try:
                     first = await lines.__anext__()
