@@ -363,12 +363,10 @@ def test_deregister_waits_for_inflight_transfer(agent_pair):
     pa, pb, peer = connected(a, b, spec)
     regions = list(a.regions)
     x = a.write(peer, "kv", range(64), "kv", range(64))
-    t0 = time.monotonic()
     for r in regions:
         r.close()  # must block until x no longer touches the memory
     assert x.done
     assert x.wait(0) is True
-    assert time.monotonic() - t0 >= 0
     assert np.array_equal(pb.logical(range(64)), pa.logical(range(64)))
     with pytest.raises(pdkv.NotFound):
         a.write(peer, "kv", [0])  # layout was dropped with its regions
