@@ -2,7 +2,10 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <mutex>
+
+#include "util/log.h"
 
 namespace pdkv::cuda {
 namespace {
@@ -21,11 +24,17 @@ bool load(void* lib, const char* name, F* out) {
 
 Loaded load_driver() {
   Loaded l;
-  void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  const char* env = std::getenv("PDKV_CUDA_DRIVER");
+  const bool overridden = env != nullptr && env[0] != '\0';
+  const std::string path = overridden ? env : "libcuda.so.1";
+  void* lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
-    l.status = NotSupported(std::string("the CUDA driver (libcuda.so.1) is not installed: ") + ::dlerror());
+    const char* err = ::dlerror();
+    l.status = NotSupported(overridden ? "cannot load the CUDA driver " + path + " (PDKV_CUDA_DRIVER): " + err
+                                       : "the CUDA driver (libcuda.so.1) is not installed: " + std::string(err));
     return l;
   }
+  if (overridden) PDKV_LOG_INFO("CUDA driver loaded from %s (PDKV_CUDA_DRIVER)", path.c_str());
   CudaDriver& d = l.drv;
   // The _v2 entry points are the 64-bit versions current drivers export.
   bool ok = load(lib, "cuInit", &d.cuInit) && load(lib, "cuDeviceGetCount", &d.cuDeviceGetCount) &&

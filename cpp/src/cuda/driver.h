@@ -5,6 +5,12 @@
 // report a clear NotSupported there. Only the few driver types pdkv uses are
 // declared here (ABI-stable since CUDA 4), so no CUDA headers are needed to build.
 //
+// The environment variable PDKV_CUDA_DRIVER, when set and non-empty, names the
+// library to load instead (a path or a soname, as dlopen() takes it): a libcuda
+// outside the loader's search path, or tests/fakecuda (the driver API emulated on
+// host memory, so the CUDA paths run in CI without a GPU). It is read once, on the
+// first CudaDriver::get() in the process.
+//
 // Thread safety: CudaDriver::get() is thread-safe; the function pointers are
 // immutable after loading.
 #pragma once
@@ -70,8 +76,8 @@ struct CudaDriver {
   CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              CUstream, void**, void**);
 
-  // Loads libcuda.so.1 and calls cuInit(0) once. NotSupported with the reason when
-  // there is no driver or no device.
+  // Loads libcuda.so.1 (or $PDKV_CUDA_DRIVER) and calls cuInit(0) once. NotSupported
+  // with the reason when there is no driver or no device.
   static Result<const CudaDriver*> get();
   // OK, or `what` failed with the driver's error string.
   Status check(CUresult r, const char* what) const;
