@@ -19,6 +19,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -55,10 +56,13 @@ struct Opened {
   CUdeviceptr base = 0;  // mapped allocation base in this process
   uint64_t offset = 0;
   uint64_t len = 0;
+  int device = 0;  // whose context mapped it
   ~Opened() {
+    // The last holder may be any thread (drop_peer from a progress thread, a Python
+    // thread dropping a prepared transfer): closing needs the context current there.
     if (base) {
       auto d = CudaDriver::get();
-      if (d.ok()) (*d)->cuIpcCloseMemHandle(base);
+      if (d.ok() && (*d)->use_device(device).ok()) (*d)->cuIpcCloseMemHandle(base);
     }
   }
 };
@@ -122,6 +126,17 @@ Result<std::vector<Exported>> decode(std::string_view blob) {
   return out;
 }
 
+// Instance ids of this process's agents using cuda_ipc. CUDA refuses to open an IPC
+// handle in the process that created it, so such a peer is out of cuda_ipc's reach.
+// (Comparing pids would not do: containers share a boot id but not a pid namespace.)
+std::mutex g_local_mu;
+std::set<uint64_t> g_local_agents;
+
+bool in_this_process(uint64_t instance_id) {
+  std::lock_guard<std::mutex> lk(g_local_mu);
+  return g_local_agents.count(instance_id) != 0;
+}
+
 class CudaIpcTransport final : public Transport {
  public:
   explicit CudaIpcTransport(const AgentConfig&) {}
@@ -140,6 +155,8 @@ class CudaIpcTransport final : public Transport {
     hooks_ = hooks;
     PDKV_ASSIGN_OR_RETURN(drv_, CudaDriver::get());
     th_ = std::thread([this] { complete_loop(); });
+    std::lock_guard<std::mutex> lk(g_local_mu);
+    g_local_agents.insert(hooks_->instance_id());
     return Status::Ok();
   }
   void shutdown() override {
@@ -148,6 +165,10 @@ class CudaIpcTransport final : public Transport {
       if (stop_) return;
       stop_ = true;
       cv_.notify_all();
+    }
+    if (hooks_) {
+      std::lock_guard<std::mutex> lk(g_local_mu);
+      g_local_agents.erase(hooks_->instance_id());
     }
     if (th_.joinable()) th_.join();
     std::lock_guard<std::mutex> lk(mu_);
@@ -158,7 +179,7 @@ class CudaIpcTransport final : public Transport {
   std::vector<Endpoint> endpoints() const override { return {Endpoint{"cuda_ipc", hooks_->host_id()}}; }
   std::string metadata_extra() const override;
   bool can_reach(const AgentMetadata& peer) const override {
-    if (peer.host_id != hooks_->host_id()) return false;
+    if (peer.host_id != hooks_->host_id() || in_this_process(peer.instance_id)) return false;
     for (const auto& [n, b] : peer.extras)
       if (n == "cuda_ipc") return true;
     return false;
@@ -289,15 +310,22 @@ Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared
   auto p = std::make_shared<CudaPrepared>();
   p->peer = peer;
   // The local device: the first local CUDA region's, else device 0 (host-side extents).
-  p->device = 0;
+  // The kernel can copy only when every local extent is device memory: on a GPU it
+  // cannot dereference pageable host memory (an illegal address).
+  p->device = -1;
+  bool local_all_device = true;
+  RegionDesc local{};
   for (const auto& e : extents) {
-    int ord = -1;
-    if (drv_->cuPointerGetAttribute(&ord, cuda::kPointerAttrDeviceOrdinal, e.local_addr) == cuda::kSuccess &&
-        ord >= 0) {
-      p->device = ord;
-      break;
+    if (local.len == 0 || e.local_addr < local.addr || e.local_addr - local.addr + e.len > local.len) {
+      PDKV_ASSIGN_OR_RETURN(local, hooks_->region_table().find(e.local_addr, e.len));
+    }
+    if (local.kind != MemKind::kCuda) {
+      local_all_device = false;
+    } else if (p->device < 0) {
+      p->device = local.device;
     }
   }
+  if (p->device < 0) p->device = 0;
   PDKV_RETURN_IF_ERROR(drv_->use_device(p->device));
   std::unordered_map<uint64_t, std::shared_ptr<Opened>> by_id;
   for (const auto& e : extents) {
@@ -318,6 +346,7 @@ Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared
         o = std::make_shared<Opened>();
         o->offset = ex->offset;
         o->len = ex->len;
+        o->device = p->device;
         PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuIpcOpenMemHandle(&o->base, ex->handle, cuda::kIpcLazyEnablePeerAccess),
                                          "cuIpcOpenMemHandle").with_context("opening region " +
                                                                             std::to_string(ex->id) + " of '" +
@@ -338,9 +367,9 @@ Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared
     }
     p->total += e.len;
   }
-  // Many extents: one kernel launch moves them all (device-accessible memory only).
+  // Many extents: one kernel launch moves them all (device memory only, see above).
   PDKV_ASSIGN_OR_RETURN(p->kernel, kernel_for(p->device));
-  if (p->kernel && p->ops.size() > 1) {
+  if (p->kernel && p->ops.size() > 1 && local_all_device) {
     PDKV_RETURN_IF_ERROR(upload_descriptors(*p));
   } else {
     p->kernel = nullptr;
