@@ -1,0 +1,228 @@
+"""A pdkv agent whose KV pool lives in fake-CUDA "device" memory, driven by JSON lines.
+
+Run with ``PDKV_CUDA_DRIVER`` naming the fake driver (tests/fakecuda_lib.py builds it):
+the CUDA driver is loaded once per process, so every fake-GPU agent lives in a process
+of its own. Start: ``python fake_peer.py --name N --spec JSON --seed K [--memory
+device|host] [--alloc one|per-array]``; it prints ``{"address", "pid", "available"}``
+and then answers one JSON line per command:
+
+* ``{"cmd": "digest", "blocks": [...]}`` -> ``{"digest"}`` of the blocks' logical bytes
+  (read back from device memory).
+* ``{"cmd": "expect", "items": [{"notif", "blocks", "digest"}], "timeout": s}``: as each
+  notification arrives, checks *at once* that its blocks hold the expected bytes
+  (``digest: null``: only that it arrived) ->
+  ``{"results": [{"notif", "ok"}], "missing": [...]}``.
+* ``{"cmd": "xfer", "op", "address", "lblocks", "rblocks", "notify", "fail_after_prepare",
+  "repeat"}``: acts as initiator (connecting to ``address`` on first use only) ->
+  ``{"ok", "error", "transport", "peer_transport"}``; ``fail_after_prepare=n``: the
+  next n copies after prepare fail.
+* ``{"cmd": "burst", "address", "items": [{"lblocks", "rblocks", "notify"}]}``: posts
+  the writes back to back, then waits for all -> ``{"ok", "error"}``.
+* ``{"cmd": "fail_copies", "n"}``, ``{"cmd": "stats"}`` -> fake driver counters.
+* ``{"cmd": "close"}``: closes the agent -> ``{"stats"}`` afterwards (leak checks).
+* ``{"cmd": "same_process_pair"}``: two agents in this process over device memory ->
+  ``{"peer_transport", "ok", "error"}``.
+* ``{"cmd": "exit"}``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import numpy as np  # noqa: E402
+
+import pdkv  # noqa: E402
+from fakecuda_lib import FakeCuda  # noqa: E402
+from kvpools import Pool, PoolSpec  # noqa: E402
+
+ALIGN = 256  # cudaMalloc alignment; the caching allocator hands out sub-ranges like this
+
+
+class DevicePool:
+    """A kvpools.Pool mirrored in device memory: ``host`` holds the reference bytes and
+    the layout's geometry; the agent sees only the device copy."""
+
+    def __init__(self, cuda: FakeCuda, spec: PoolSpec, seed: int | None, alloc: str) -> None:
+        self.cuda = cuda
+        self.host = Pool(spec, seed)
+        sizes = [a.nbytes for a in self.host.arrays]
+        if alloc == "one":  # one allocation, sub-ranges per array (torch's caching allocator)
+            offs, total = [], 0
+            for n in sizes:
+                offs.append(total)
+                total += -(-n // ALIGN) * ALIGN
+            base = cuda.alloc(total)
+            self.ptrs = [base + o for o in offs]
+        else:
+            self.ptrs = [cuda.alloc(n) for n in sizes]
+        self.upload()
+
+    def upload(self) -> None:
+        for p, a in zip(self.ptrs, self.host.arrays):
+            self.cuda.htod(p, np.ascontiguousarray(a))
+
+    def download(self) -> None:
+        for p, a in zip(self.ptrs, self.host.arrays):
+            a.view(np.uint8).reshape(-1)[:] = self.cuda.dtoh(p, a.nbytes, np.uint8)
+
+    def layout(self) -> pdkv.KVLayout:
+        segs = []
+        for s in self.host.layout.segments:
+            for p, a in zip(self.ptrs, self.host.arrays):
+                lo = a.ctypes.data
+                if lo <= s["addr"] < lo + a.nbytes:
+                    segs.append((p + s["addr"] - lo, s["block_stride"]))
+                    break
+            else:
+                raise AssertionError("segment outside the pool")
+        return pdkv.KVLayout.from_segments(self.host.layout.geometry, segs)
+
+    def register(self, agent: pdkv.Agent) -> None:
+        for p, a in zip(self.ptrs, self.host.arrays):
+            agent.register_address(p, a.nbytes, kind="cuda", device=0)
+        agent.add_layout("kv", self.layout())
+
+    def digest(self, blocks) -> str:
+        self.download()
+        return self.host.digest(blocks)
+
+
+class HostPool:
+    """Pageable host memory (plain numpy), for host <-> device transfers."""
+
+    def __init__(self, spec: PoolSpec, seed: int | None) -> None:
+        self.host = Pool(spec, seed)
+
+    def register(self, agent: pdkv.Agent) -> None:
+        self.host.register(agent)
+
+    def digest(self, blocks) -> str:
+        return self.host.digest(blocks)
+
+
+def same_process_pair(cuda: FakeCuda, spec: PoolSpec, transports: list[str]) -> dict:
+    a = pdkv.Agent("sp-a", secret="s", transports=transports)
+    b = pdkv.Agent("sp-b", secret="s", transports=transports)
+    try:
+        pa, pb = DevicePool(cuda, spec, 1, "per-array"), DevicePool(cuda, spec, 2, "per-array")
+        pa.register(a)
+        pb.register(b)
+        peer = a.connect(b.address)
+        out = {"peer_transport": a.peer_transport(peer)}
+        try:
+            a.write(peer, "kv", [0, 2], "kv", [1, 3]).wait(30)
+            out.update(ok=pb.digest([1, 3]) == pa.digest([0, 2]), error=None)
+        except pdkv.PdkvError as e:
+            out.update(ok=False, error=f"{type(e).__name__}: {e}")
+        return out
+    finally:
+        a.close()
+        b.close()
+
+
+def xfer(agent: pdkv.Agent, cuda: FakeCuda, peers: dict, req: dict) -> dict:
+    res: dict = {"ok": False, "error": None, "transport": None, "peer_transport": None}
+    try:
+        if req["address"] not in peers:
+            peers[req["address"]] = agent.connect(req["address"])
+        peer = peers[req["address"]]
+        res["peer_transport"] = agent.peer_transport(peer)
+        prep = agent.prepare(req["op"], peer, "kv", req["lblocks"], "kv", req["rblocks"])
+        if req.get("fail_after_prepare"):
+            cuda.fail_copies(req["fail_after_prepare"])
+        for _ in range(req.get("repeat", 1)):
+            x = prep.post(notify=req.get("notify"), timeout=30)
+            res["transport"] = x.transport
+            x.wait(30)
+        res["ok"] = True
+    except pdkv.PdkvError as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        cuda.fail_copies(0)
+    return res
+
+
+def burst(agent: pdkv.Agent, peers: dict, req: dict) -> dict:
+    """Posts every item's write back to back, then waits for all of them."""
+    try:
+        if req["address"] not in peers:
+            peers[req["address"]] = agent.connect(req["address"])
+        peer = peers[req["address"]]
+        preps = [agent.prepare("write", peer, "kv", it["lblocks"], "kv", it["rblocks"]) for it in req["items"]]
+        xs = [p.post(notify=it["notify"], timeout=30) for p, it in zip(preps, req["items"])]
+        for x in xs:
+            x.wait(30)
+        return {"ok": True, "error": None}
+    except pdkv.PdkvError as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--secret", default="s")
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--transports", default="cuda_ipc,tcp")
+    ap.add_argument("--memory", choices=("device", "host"), default="device")
+    ap.add_argument("--alloc", choices=("one", "per-array"), default="per-array")
+    args = ap.parse_args()
+    cuda = FakeCuda(os.environ["PDKV_CUDA_DRIVER"])
+    spec = PoolSpec(**json.loads(args.spec))
+    transports = args.transports.split(",")
+    agent = pdkv.Agent(args.name, secret=args.secret, transports=transports)
+    pool = DevicePool(cuda, spec, args.seed, args.alloc) if args.memory == "device" else HostPool(spec, args.seed)
+    pool.register(agent)
+
+    def out(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    out({"address": agent.address, "pid": os.getpid(), "available": pdkv.available_transports()})
+    peers: dict[str, str] = {}  # address -> peer name (connected once, like a serving engine)
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req["cmd"]
+        if cmd == "exit":
+            break
+        if cmd == "digest":
+            out({"digest": pool.digest(req["blocks"])})
+        elif cmd == "expect":
+            want = {it["notif"]: it for it in req["items"]}
+            results = []
+            deadline = time.monotonic() + req.get("timeout", 30)
+            while want and time.monotonic() < deadline:
+                for n in agent.wait_notifications(timeout=max(0.0, deadline - time.monotonic())):
+                    it = want.pop(n.data.decode(), None)
+                    if it is not None:
+                        ok = it["digest"] is None or pool.digest(it["blocks"]) == it["digest"]
+                        results.append({"notif": n.data.decode(), "ok": ok})
+            out({"results": results, "missing": sorted(want)})
+        elif cmd == "xfer":
+            out(xfer(agent, cuda, peers, req))
+        elif cmd == "burst":
+            out(burst(agent, peers, req))
+        elif cmd == "fail_copies":
+            cuda.fail_copies(req["n"])
+            out({})
+        elif cmd == "stats":
+            out({"stats": cuda.stats()})
+        elif cmd == "close":
+            agent.close()
+            out({"stats": cuda.stats()})
+        elif cmd == "same_process_pair":
+            out(same_process_pair(cuda, spec, transports))
+        else:
+            out({"error": f"unknown command {cmd}"})
+    agent.close()
+
+
+if __name__ == "__main__":
+    main()

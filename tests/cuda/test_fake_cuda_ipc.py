@@ -1,0 +1,287 @@
+"""cuda_ipc between two processes over a fake GPU (tests/fakecuda): runs without one.
+
+Each agent runs in a child process (fake_peer.py) whose PDKV_CUDA_DRIVER names the
+fake driver: device memory that is not host-accessible, asynchronous streams and
+events, CUDA IPC through /proc/<pid>/fd, the batched-copy kernel emulated. Copies
+are slowed (FAKECUDA_COPY_DELAY_US) so a notification sent before its bytes landed
+would be caught. Not marked ``cuda``: these run in every ``pytest``.
+
+The fixtures live here rather than in a tests/cuda/conftest.py: test modules import
+tests/conftest.py as ``conftest``, and a second conftest.py would shadow it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import subprocess
+import sys
+
+import pytest
+
+from kvpools import PoolSpec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+@pytest.fixture(scope="session")
+def fakecuda_path() -> str:
+    import fakecuda_lib
+
+    try:
+        return fakecuda_lib.build(os.path.join(REPO, "build", "fakecuda"))
+    except fakecuda_lib.CompilerMissing as e:  # a compile error fails the tests instead
+        pytest.skip(str(e))
+
+
+class FakePeer:
+    """A pdkv agent over fake-CUDA memory in a child process (fake_peer.py)."""
+
+    def __init__(self, driver: str, name: str, spec, seed: int | None, *, env: dict | None = None,
+                 **opts) -> None:
+        cmd = [sys.executable, os.path.join(HERE, "fake_peer.py"), "--name", name,
+               "--spec", json.dumps(spec.to_dict())]
+        if seed is not None:
+            cmd += ["--seed", str(seed)]
+        for k, v in opts.items():
+            cmd += [f"--{k}", str(v)]
+        e = dict(os.environ, PDKV_CUDA_DRIVER=driver, **(env or {}))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=e)
+        hello = self._read(60)
+        self.address, self.pid, self.available = hello["address"], hello["pid"], hello["available"]
+        self.name = name
+
+    def _read(self, timeout: float) -> dict:
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not r:
+            raise TimeoutError("fake-GPU peer did not answer")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"fake-GPU peer exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def send(self, **req) -> None:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout: float = 60) -> dict:
+        return self._read(timeout)
+
+    def call(self, timeout: float = 60, **req) -> dict:
+        self.send(**req)
+        return self._read(timeout)
+
+    def stats(self) -> dict:
+        return self.call(cmd="stats")["stats"]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> int:
+        """Ends the process cleanly; returns its exit status (negative: killed by a signal)."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=20)
+            except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        return self.proc.returncode
+
+
+@pytest.fixture
+def fake_peer(fakecuda_path):
+    """``fake_peer(name, spec, seed=None, env=None, memory=..., alloc=...) -> FakePeer``;
+    asserts at teardown that every peer exited cleanly (no crash in the fake driver)."""
+    procs: list[FakePeer] = []
+
+    def start(name, spec, seed=None, **kw) -> FakePeer:
+        p = FakePeer(fakecuda_path, name, spec, seed, **kw)
+        procs.append(p)
+        return p
+
+    yield start
+    bad = []
+    for p in procs:
+        killed_by_test = p.proc.returncode is not None
+        code = p.stop()
+        if code != 0 and not killed_by_test:
+            bad.append((p.name, code))
+    assert not bad, f"fake-GPU peers exited badly: {bad}"
+
+
+SPEC = dict(layers=2, blocks=64, block_tokens=4, heads=2, head_dim=16, dtype="float16")
+SLOW = {"FAKECUDA_COPY_DELAY_US": "2000"}
+PATHS = {"kernel": {}, "fallback": {"FAKECUDA_NO_KERNEL": "1"}}
+
+
+def scattered(seed, n: int = 40, blocks: int = 64) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    return rng.sample(range(blocks), n), rng.sample(range(blocks), n)
+
+
+def write_expecting(init, target, lids, rids, notif: str, wait: float = 10, **xfer) -> tuple[dict, dict]:
+    """Writes with a notification while ``target`` checks the bytes the moment it arrives
+    (waiting up to ``wait`` seconds for it)."""
+    want = init.call(cmd="digest", blocks=lids)["digest"]
+    target.send(cmd="expect", items=[{"notif": notif, "blocks": rids, "digest": want}], timeout=wait)
+    r = init.call(cmd="xfer", op="write", address=target.address, lblocks=lids, rblocks=rids, notify=notif, **xfer)
+    return r, target.recv(30)
+
+
+def spec_arrays(spec: PoolSpec) -> list:
+    """The pool's arrays (one device allocation each in a per-array peer)."""
+    from kvpools import Pool
+
+    return Pool(spec).arrays
+
+
+def assert_path(stats: dict, path: str) -> None:
+    if path == "kernel":
+        if stats["module_loads"] == 0:
+            pytest.skip("pdkv was built without nvcc: no batched-copy kernel to emulate")
+        assert stats["kernel_launches"] > 0
+    else:
+        assert stats["module_loads"] == 0 and stats["kernel_launches"] == 0
+        assert stats["async_copies"] > 0
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("style", ["vllm", "hnd"])
+def test_write_then_read_bit_exact(fake_peer, path, style):
+    spec = PoolSpec(style=style, **SPEC)
+    env = {**SLOW, **PATHS[path]}
+    # The target's arrays share one allocation (torch's caching allocator): each region
+    # exports the same IPC handle at its own offset.
+    target = fake_peer("target", spec, 1, env=env, alloc="one")
+    init = fake_peer("init", spec, 2, env=env)
+    assert "cuda_ipc" in init.available
+    lids, rids = scattered(style)
+    r, got = write_expecting(init, target, lids, rids, "w1")
+    assert r["ok"], r["error"]
+    assert r["peer_transport"] == "cuda_ipc" and r["transport"] == "cuda_ipc"
+    assert got == {"results": [{"notif": "w1", "ok": True}], "missing": []}
+
+    # Read other blocks back into other local blocks, notifying the target afterwards;
+    # the prepared transfer is posted twice.
+    lids2, rids2 = scattered(style + "read", 24)
+    target.send(cmd="expect", items=[{"notif": "r1", "blocks": [], "digest": None}], timeout=10)
+    r = init.call(cmd="xfer", op="read", address=target.address, lblocks=lids2, rblocks=rids2, notify="r1",
+                  repeat=2)
+    assert r["ok"], r["error"]
+    assert target.recv(30)["missing"] == []
+    assert init.call(cmd="digest", blocks=lids2) == target.call(cmd="digest", blocks=rids2)
+
+    s = init.stats()
+    assert_path(s, path)
+    assert s["ipc_opens"] == 1 and s["live_ipc_mappings"] == 1  # one allocation, opened once
+    assert target.stats()["ipc_opens"] == 0
+    closed = init.call(cmd="close")["stats"]
+    assert closed["live_ipc_mappings"] == 0, str(closed)
+    assert closed["live_streams"] == 0 and closed["live_events"] == 0
+    assert closed["live_allocs"] == len(spec_arrays(spec))  # descriptor buffers freed
+    assert closed["no_context_errors"] == 0
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_back_to_back_writes_each_notify_after_their_bytes(fake_peer, path):
+    """Several transfers in flight on one stream; every notification after its own bytes."""
+    spec = PoolSpec(style="vllm", **SPEC)
+    env = {**SLOW, **PATHS[path]}
+    target = fake_peer("target", spec, 1, env=env)
+    init = fake_peer("init", spec, 2, env=env)
+    lids, rids = scattered(11, 64)
+    items = [{"lblocks": lids[i::8], "rblocks": rids[i::8], "notify": f"n{i}"} for i in range(8)]
+    expect = [{"notif": it["notify"], "blocks": it["rblocks"],
+               "digest": init.call(cmd="digest", blocks=it["lblocks"])["digest"]} for it in items]
+    target.send(cmd="expect", items=expect, timeout=20)
+    r = init.call(cmd="burst", address=target.address, items=items)
+    assert r["ok"], r["error"]
+    got = target.recv(30)
+    assert got["missing"] == [] and all(x["ok"] for x in got["results"]), got
+    assert_path(init.stats(), path)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_host_pool_to_device_pool(fake_peer, path):
+    """The initiator's pool is pageable host memory (not GPU-visible); the target's is on the GPU."""
+    spec = PoolSpec(style="nhd", **SPEC)
+    env = {**SLOW, **PATHS[path]}
+    target = fake_peer("target", spec, 1, env=env)
+    init = fake_peer("init", spec, 2, env=env, memory="host")
+    lids, rids = scattered(7)
+    r, got = write_expecting(init, target, lids, rids, "h1")
+    assert r["ok"], r["error"]
+    assert r["transport"] == "cuda_ipc"
+    assert got["results"] == [{"notif": "h1", "ok": True}]
+    r = init.call(cmd="xfer", op="read", address=target.address, lblocks=lids[:10], rblocks=rids[10:20])
+    assert r["ok"], r["error"]
+    assert init.call(cmd="digest", blocks=lids[:10]) == target.call(cmd="digest", blocks=rids[10:20])
+    assert init.stats()["kernel_launches"] == 0  # a kernel cannot touch pageable memory
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_copy_failure_fails_the_transfer_and_the_agent_recovers(fake_peer, path):
+    spec = PoolSpec(style="nhd", **SPEC)
+    target = fake_peer("target", spec, 1, env=PATHS[path])
+    init = fake_peer("init", spec, 2, env=PATHS[path])
+    lids, rids = scattered(3)
+    # A copy fails on the stream: reported by the event, the notification withheld.
+    r, got = write_expecting(init, target, lids, rids, "bad", wait=1, fail_after_prepare=1)
+    assert not r["ok"]
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in r["error"], r["error"]
+    assert got["missing"] == ["bad"], "notification sent although the copy failed"
+    # A read fails the same way.
+    r = init.call(cmd="xfer", op="read", address=target.address, lblocks=lids, rblocks=rids, fail_after_prepare=1)
+    assert not r["ok"] and "CUDA_ERROR_ILLEGAL_ADDRESS" in r["error"], r["error"]
+    # A failure while preparing (the kernel path uploads its descriptors then).
+    init.call(cmd="fail_copies", n=1)
+    r = init.call(cmd="xfer", op="write", address=target.address, lblocks=lids[:5], rblocks=rids[:5])
+    assert not r["ok"] and "CUDA_ERROR_ILLEGAL_ADDRESS" in r["error"], r["error"]
+    assert init.stats()["failed_copies"] == 3
+    # The agent keeps working: the same transfer, bit exact.
+    r, got = write_expecting(init, target, lids, rids, "good")
+    assert r["ok"], r["error"]
+    assert got == {"results": [{"notif": "good", "ok": True}], "missing": []}
+    assert init.call(cmd="close")["stats"]["live_ipc_mappings"] == 0
+
+
+def test_peer_death_fails_transfers_without_crashing(fake_peer):
+    spec = PoolSpec(style="vllm", **SPEC)
+    target = fake_peer("target", spec, 1)
+    init = fake_peer("init", spec, 2)
+    lids, rids = scattered(5)
+    r, got = write_expecting(init, target, lids, rids, "before")
+    assert r["ok"] and got["missing"] == []
+    target.kill()
+    # The mapping outlives the exporter (as with CUDA), but the notification has no way
+    # to reach it: the transfer fails.
+    r = init.call(cmd="xfer", op="write", address=target.address, lblocks=lids, rblocks=rids, notify="after")
+    assert not r["ok"], r
+    assert "Connection" in r["error"] or "connect" in r["error"], r["error"]
+    # A restarted target at a new address: the initiator's agent still works.
+    target2 = fake_peer("target", spec, 3)
+    r, got = write_expecting(init, target2, lids, rids, "again")
+    assert r["ok"], r["error"]
+    assert got == {"results": [{"notif": "again", "ok": True}], "missing": []}
+    assert init.stats()["live_ipc_mappings"] >= 1
+
+
+def test_same_process_agents_do_not_pick_cuda_ipc(fake_peer):
+    """CUDA refuses IPC handles in the process that made them; cuda_ipc must not claim such a peer."""
+    spec = PoolSpec(style="nhd", **SPEC)
+    p = fake_peer("solo", spec, 1)
+    r = p.call(cmd="same_process_pair")
+    assert r["peer_transport"] != "cuda_ipc"
+    assert not r["ok"] and r["error"].startswith("NotSupported"), r

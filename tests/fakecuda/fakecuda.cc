@@ -1,0 +1,777 @@
+// fakecuda: the subset of the CUDA driver API that pdkv loads (cpp/src/cuda/driver.cc),
+// emulated on host memory, so pdkv's CUDA paths run in CI on machines without a GPU.
+// Point pdkv at it with PDKV_CUDA_DRIVER=/path/to/libfakecuda.so.
+//
+// Faithful where it catches real bugs:
+// * Device memory is not host-accessible. cuMemAlloc hands out an address range
+//   mapped PROT_NONE; the bytes live in a memfd that only the fake's copy engine
+//   reaches (through a second, hidden mapping). A memcpy straight from a device
+//   pointer faults (SIGSEGV), a sendmsg/recvmsg fails (EFAULT), as on a GPU.
+// * Copies on a stream are asynchronous: each stream is a worker thread running its
+//   operations in order; events complete when the stream reaches them.
+//   FAKECUDA_COPY_DELAY_US=N delays every stream copy by N us to widen race windows.
+// * IPC handles name (pid, memfd); a peer opens /proc/<pid>/fd/<fd>. Opening a handle
+//   in the process that made it fails (201), as with real CUDA; opening one twice
+//   returns the same pointer (reference counted).
+// * A kernel (pdkv_batch_copy, emulated) may only touch device or pinned memory: a
+//   pageable host pointer in its descriptors is an illegal address (700).
+//   FAKECUDA_NO_KERNEL=1 makes cuModuleLoadData fail (209), as on a GPU the fatbin
+//   has no code for, so callers take their no-kernel path.
+// * Calls that need a context fail with 201 on a thread without a current one.
+//
+// Not emulated: timing, multiple devices, sticky context errors (an injected 700 is
+// reported once, by the next synchronization on that stream, and the context stays
+// usable so tests can check recovery).
+//
+// Test hooks (extern "C"): fakecuda_fail_copies(n) makes the next n copies (stream,
+// synchronous or kernel) fail with 700; fakecuda_stats(out, n) fills counters, see
+// enum Stat. Build: g++ -std=c++17 -O2 -shared -fPIC -pthread fakecuda.cc -o libfakecuda.so
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+using CUresult = int;
+using CUdeviceptr = unsigned long long;
+struct CUipcMemHandle {
+  char reserved[64];
+};
+struct CUctx_st {};
+struct CUmod_st {};
+struct CUfunc_st {};
+struct CUstream_st;
+struct CUevent_st;
+
+namespace {
+
+constexpr CUresult kOk = 0;
+constexpr CUresult kInvalidValue = 1;
+constexpr CUresult kInvalidDevice = 101;
+constexpr CUresult kInvalidImage = 200;
+constexpr CUresult kInvalidContext = 201;
+constexpr CUresult kNoBinary = 209;
+constexpr CUresult kInvalidHandle = 400;
+constexpr CUresult kNotFound = 500;
+constexpr CUresult kNotReady = 600;
+constexpr CUresult kIllegalAddress = 700;
+
+const char* error_name(CUresult r) {
+  switch (r) {
+    case kOk: return "CUDA_SUCCESS";
+    case kInvalidValue: return "CUDA_ERROR_INVALID_VALUE";
+    case kInvalidDevice: return "CUDA_ERROR_INVALID_DEVICE";
+    case kInvalidImage: return "CUDA_ERROR_INVALID_IMAGE";
+    case kInvalidContext: return "CUDA_ERROR_INVALID_CONTEXT";
+    case kNoBinary: return "CUDA_ERROR_NO_BINARY_FOR_GPU";
+    case kInvalidHandle: return "CUDA_ERROR_INVALID_HANDLE";
+    case kNotFound: return "CUDA_ERROR_NOT_FOUND";
+    case kNotReady: return "CUDA_ERROR_NOT_READY";
+    case kIllegalAddress: return "CUDA_ERROR_ILLEGAL_ADDRESS";
+    default: return nullptr;
+  }
+}
+
+// Counters for tests (fakecuda_stats); keep tests/fakecuda_lib.py STATS in sync.
+enum Stat {
+  kAsyncCopies, kKernelLaunches, kH2D, kD2H, kBytesCopied, kFailedCopies, kModuleLoads, kIpcOpens,
+  kIpcCloses, kNoContextErrors, kLiveAllocs, kLiveIpcMappings, kLivePinned, kLiveStreams, kLiveEvents,
+  kNumStats
+};
+std::atomic<unsigned long long> g_stats[kNumStats];
+void bump(Stat s, unsigned long long by = 1) { g_stats[s].fetch_add(by, std::memory_order_relaxed); }
+void drop(Stat s) { g_stats[s].fetch_sub(1, std::memory_order_relaxed); }
+
+std::atomic<int> g_fail_copies{0};
+// Consumes one injected failure, if any is left.
+bool take_failure() {
+  int n = g_fail_copies.load();
+  while (n > 0)
+    if (g_fail_copies.compare_exchange_weak(n, n - 1)) {
+      bump(kFailedCopies);
+      return true;
+    }
+  return false;
+}
+
+unsigned copy_delay_us() {
+  static const unsigned v = [] {
+    const char* s = std::getenv("FAKECUDA_COPY_DELAY_US");
+    return s ? static_cast<unsigned>(std::strtoul(s, nullptr, 10)) : 0u;
+  }();
+  return v;
+}
+
+CUctx_st g_ctx;
+CUmod_st g_module;
+CUfunc_st g_batch_copy;
+thread_local CUctx_st* t_current = nullptr;
+
+// CUDA needs a current context for most calls; a thread that never set one fails.
+#define NEED_CONTEXT()             \
+  do {                             \
+    if (t_current == nullptr) {    \
+      bump(kNoContextErrors);      \
+      return kInvalidContext;      \
+    }                              \
+  } while (0)
+
+// The memfd behind a device allocation, mapped read-write where only the fake looks.
+struct Backing {
+  char* alias = nullptr;
+  size_t size = 0;
+  int fd = -1;
+  ~Backing() {
+    if (alias) ::munmap(alias, size);
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+using IpcKey = std::tuple<uint32_t, int32_t, uint64_t>;  // exporter pid, fd, serial
+
+// A device address range: this process's allocation or a mapping of a peer's.
+struct DevRange {
+  uint64_t base = 0;
+  size_t size = 0;
+  std::shared_ptr<Backing> mem;
+  uint64_t serial = 0;  // ours: the allocation's serial, for handles
+  bool imported = false;
+  IpcKey key{};
+  int refs = 1;  // imported: opens of the same handle
+};
+
+struct HandleBytes {
+  char magic[8];
+  uint32_t pid;
+  int32_t fd;
+  uint64_t size;
+  uint64_t serial;
+  char pad[64 - 32];
+};
+static_assert(sizeof(HandleBytes) == sizeof(CUipcMemHandle), "IPC handle is 64 bytes");
+constexpr char kMagic[8] = {'F', 'A', 'K', 'E', 'C', 'U', 'D', 'A'};
+
+std::mutex g_mu;
+std::map<uint64_t, DevRange> g_dev;       // by base address
+std::map<uint64_t, size_t> g_pinned;      // cuMemHostAlloc'ed: base -> size
+std::map<IpcKey, uint64_t> g_ipc_open;    // imported handle -> base in this process
+std::map<CUevent_st*, std::shared_ptr<CUevent_st>> g_events;
+std::map<CUstream_st*, std::unique_ptr<CUstream_st>> g_streams;
+uint64_t g_next_serial = 1;
+
+// The device range holding ptr, or nullptr (caller holds g_mu).
+DevRange* find_dev(uint64_t ptr) {
+  auto it = g_dev.upper_bound(ptr);
+  if (it == g_dev.begin()) return nullptr;
+  --it;
+  return ptr < it->first + it->second.size ? &it->second : nullptr;
+}
+
+bool in_pinned(uint64_t ptr, size_t len) {
+  auto it = g_pinned.upper_bound(ptr);
+  if (it == g_pinned.begin()) return false;
+  --it;
+  return ptr >= it->first && ptr - it->first + len <= it->second;
+}
+
+// Where the copy engine reads or writes [ptr, ptr+len): the hidden alias for device
+// memory (kept alive in `keep` while the copy runs), ptr itself for host memory.
+struct Span {
+  char* p = nullptr;
+  std::shared_ptr<Backing> keep;
+};
+enum class Access { kAny, kDevice, kKernel };  // kKernel: device or pinned memory
+
+CUresult translate(uint64_t ptr, size_t len, Access access, Span* out) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (DevRange* d = find_dev(ptr)) {
+    if (len > d->size - (ptr - d->base)) return kInvalidValue;  // runs past the allocation
+    out->p = d->mem->alias + (ptr - d->base);
+    out->keep = d->mem;
+    return kOk;
+  }
+  if (access == Access::kDevice) return kInvalidValue;
+  if (access == Access::kKernel && !in_pinned(ptr, len)) return kIllegalAddress;  // pageable: not GPU-visible
+  out->p = reinterpret_cast<char*>(ptr);
+  return kOk;
+}
+
+CUresult copy_now(uint64_t dst, uint64_t src, size_t n, Access da, Access sa) {
+  Span d, s;
+  CUresult r = translate(dst, n, da, &d);
+  if (r == kOk) r = translate(src, n, sa, &s);
+  if (r != kOk) return r;
+  std::memmove(d.p, s.p, n);
+  bump(kBytesCopied, n);
+  return kOk;
+}
+
+}  // namespace
+
+// A stream: one worker thread running operations in FIFO order. A failing operation
+// leaves its error for the next event or synchronization on the stream to report.
+struct CUstream_st {
+  struct Op {
+    bool is_copy;
+    std::function<CUresult()> fn;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Op> q;
+  bool busy = false;
+  bool stop = false;
+  CUresult err = kOk;  // touched by the worker only
+  std::thread th;
+
+  CUstream_st() : th([this] { run(); }) {}
+  ~CUstream_st() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    th.join();
+  }
+  void push(bool is_copy, std::function<CUresult()> fn) {
+    std::lock_guard<std::mutex> lk(mu);
+    q.push_back(Op{is_copy, std::move(fn)});
+    cv.notify_all();
+  }
+  void wait_idle() {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] { return q.empty() && !busy; });
+  }
+  // The error left by operations since the last call, cleared (worker thread only).
+  CUresult take_error() { return std::exchange(err, kOk); }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lk(mu);
+    for (;;) {
+      cv.wait(lk, [&] { return stop || !q.empty(); });
+      if (q.empty()) return;  // stop, drained
+      Op op = std::move(q.front());
+      q.pop_front();
+      busy = true;
+      lk.unlock();
+      if (op.is_copy && copy_delay_us()) ::usleep(copy_delay_us());
+      CUresult r = op.fn();
+      if (r != kOk && err == kOk) err = r;
+      lk.lock();
+      busy = false;
+      cv.notify_all();
+    }
+  }
+};
+
+struct CUevent_st {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t recorded = 0;  // generation of the last cuEventRecord
+  uint64_t reached = 0;   // generation the stream last reached
+  CUresult err = kOk;     // error the stream reported at `reached`
+};
+
+namespace {
+
+// Stream handles: nullptr and the legacy/per-thread sentinels are the default stream,
+// which the fake runs synchronously in the caller.
+bool is_default_stream(CUstream_st* s) {
+  return s == nullptr || s == reinterpret_cast<CUstream_st*>(0x1) || s == reinterpret_cast<CUstream_st*>(0x2);
+}
+
+CUresult lookup_stream(CUstream_st* s, CUstream_st** out) {
+  if (is_default_stream(s)) {
+    *out = nullptr;
+    return kOk;
+  }
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (!g_streams.count(s)) return kInvalidHandle;
+  *out = s;
+  return kOk;
+}
+
+// Runs `fn` on stream `s` (or now, on the default stream) as a copy operation.
+CUresult submit_copy(CUstream_st* s, std::function<CUresult()> fn) {
+  if (s == nullptr) return fn();
+  s->push(true, std::move(fn));
+  return kOk;
+}
+
+void sync_all_streams() {
+  std::vector<CUstream_st*> all;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    for (auto& [p, s] : g_streams) all.push_back(p);
+  }
+  for (CUstream_st* s : all) s->wait_idle();
+}
+
+// Maps `size` bytes of memfd `fd` as device memory: a PROT_NONE range plus the alias.
+// Takes ownership of fd, also on failure.
+CUresult map_device(int fd, size_t size, uint64_t* base, std::shared_ptr<Backing>* mem) {
+  auto b = std::make_shared<Backing>();
+  b->fd = fd;
+  b->size = size;
+  b->alias = nullptr;
+  void* alias = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (alias == MAP_FAILED) return kInvalidValue;  // b closes fd
+  b->alias = static_cast<char*>(alias);
+  void* dev = ::mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (dev == MAP_FAILED) return kInvalidValue;
+  *base = reinterpret_cast<uint64_t>(dev);
+  *mem = std::move(b);
+  return kOk;
+}
+
+}  // namespace
+
+extern "C" {
+
+CUresult cuInit(unsigned flags) { return flags == 0 ? kOk : kInvalidValue; }
+CUresult cuDeviceGetCount(int* n) {
+  if (!n) return kInvalidValue;
+  *n = 1;
+  return kOk;
+}
+CUresult cuDeviceGet(int* dev, int ordinal) {
+  if (!dev) return kInvalidValue;
+  if (ordinal != 0) return kInvalidDevice;
+  *dev = 0;
+  return kOk;
+}
+CUresult cuDevicePrimaryCtxRetain(CUctx_st** ctx, int dev) {
+  if (!ctx) return kInvalidValue;
+  if (dev != 0) return kInvalidDevice;
+  *ctx = &g_ctx;
+  return kOk;
+}
+CUresult cuCtxSetCurrent(CUctx_st* ctx) {
+  if (ctx != nullptr && ctx != &g_ctx) return kInvalidContext;
+  t_current = ctx;
+  return kOk;
+}
+CUresult cuGetErrorString(CUresult r, const char** out) {
+  if (!out) return kInvalidValue;
+  *out = error_name(r);
+  return *out ? kOk : kInvalidValue;
+}
+
+// ---- memory ----
+
+CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t n) {
+  NEED_CONTEXT();
+  if (!out || n == 0) return kInvalidValue;
+  int fd = ::memfd_create("fakecuda", MFD_CLOEXEC);
+  if (fd < 0) return kInvalidValue;
+  if (::ftruncate(fd, static_cast<off_t>(n)) != 0) {
+    ::close(fd);
+    return kInvalidValue;
+  }
+  DevRange d;
+  d.size = n;
+  CUresult r = map_device(fd, n, &d.base, &d.mem);
+  if (r != kOk) return r;
+  std::lock_guard<std::mutex> lk(g_mu);
+  d.serial = g_next_serial++;
+  *out = d.base;
+  g_dev.emplace(d.base, std::move(d));
+  bump(kLiveAllocs);
+  return kOk;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr ptr) {
+  NEED_CONTEXT();
+  sync_all_streams();  // cuMemFree synchronizes, as cudaFree does
+  DevRange d;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_dev.find(ptr);
+    if (it == g_dev.end() || it->second.imported) return kInvalidValue;
+    d = std::move(it->second);
+    g_dev.erase(it);
+  }
+  ::munmap(reinterpret_cast<void*>(d.base), d.size);
+  drop(kLiveAllocs);
+  return kOk;
+}
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr ptr) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  DevRange* d = find_dev(ptr);
+  if (!d) return kInvalidValue;
+  if (base) *base = d->base;
+  if (size) *size = d->size;
+  return kOk;
+}
+
+CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
+  if (!data) return kInvalidValue;
+  std::lock_guard<std::mutex> lk(g_mu);
+  const bool dev = find_dev(ptr) != nullptr;
+  const bool pinned = !dev && in_pinned(ptr, 1);
+  switch (attr) {
+    case 1:  // CU_POINTER_ATTRIBUTE_CONTEXT
+      if (!dev && !pinned) return kInvalidValue;
+      *static_cast<CUctx_st**>(data) = &g_ctx;
+      return kOk;
+    case 2:  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE: 1 host, 2 device
+      if (!dev && !pinned) return kInvalidValue;
+      *static_cast<unsigned*>(data) = dev ? 2 : 1;
+      return kOk;
+    case 9:  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+      if (!dev) return kInvalidValue;
+      *static_cast<int*>(data) = 0;
+      return kOk;
+    default:
+      return kInvalidValue;
+  }
+}
+
+CUresult cuMemHostAlloc(void** out, size_t n, unsigned flags) {
+  NEED_CONTEXT();
+  if (!out || n == 0) return kInvalidValue;
+  void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return kInvalidValue;
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_pinned[reinterpret_cast<uint64_t>(p)] = n;
+  *out = p;
+  bump(kLivePinned);
+  return kOk;
+}
+
+CUresult cuMemFreeHost(void* p) {
+  size_t n = 0;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_pinned.find(reinterpret_cast<uint64_t>(p));
+    if (it == g_pinned.end()) return kInvalidValue;
+    n = it->second;
+    g_pinned.erase(it);
+  }
+  ::munmap(p, n);
+  drop(kLivePinned);
+  return kOk;
+}
+
+// ---- IPC ----
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr ptr) {
+  NEED_CONTEXT();
+  if (!handle) return kInvalidValue;
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_dev.find(ptr);
+  if (it == g_dev.end() || it->second.imported) return kInvalidValue;  // not an allocation base
+  HandleBytes h{};
+  std::memcpy(h.magic, kMagic, sizeof kMagic);
+  h.pid = static_cast<uint32_t>(::getpid());
+  h.fd = it->second.mem->fd;
+  h.size = it->second.size;
+  h.serial = it->second.serial;
+  std::memcpy(handle, &h, sizeof h);
+  return kOk;
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, CUipcMemHandle handle, unsigned flags) {
+  NEED_CONTEXT();
+  if (!out || (flags & ~1u)) return kInvalidValue;
+  HandleBytes h;
+  std::memcpy(&h, &handle, sizeof h);
+  if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0 || h.size == 0) return kInvalidHandle;
+  if (h.pid == static_cast<uint32_t>(::getpid())) return kInvalidContext;  // CUDA refuses own handles
+  const IpcKey key{h.pid, h.fd, h.serial};
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_ipc_open.find(key);
+    if (it != g_ipc_open.end()) {
+      g_dev.at(it->second).refs++;
+      *out = it->second;
+      return kOk;
+    }
+  }
+  const std::string path = "/proc/" + std::to_string(h.pid) + "/fd/" + std::to_string(h.fd);
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return kInvalidHandle;  // the exporter is gone
+  off_t sz = ::lseek(fd, 0, SEEK_END);
+  if (sz != static_cast<off_t>(h.size)) {
+    ::close(fd);
+    return kInvalidHandle;
+  }
+  DevRange d;
+  d.size = h.size;
+  d.imported = true;
+  d.key = key;
+  CUresult r = map_device(fd, h.size, &d.base, &d.mem);
+  if (r != kOk) return r;
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_ipc_open.find(key);
+  if (it != g_ipc_open.end()) {  // another thread opened it meanwhile: use that one
+    ::munmap(reinterpret_cast<void*>(d.base), d.size);
+    g_dev.at(it->second).refs++;
+    *out = it->second;
+    return kOk;
+  }
+  *out = d.base;
+  g_ipc_open[key] = d.base;
+  g_dev.emplace(d.base, std::move(d));
+  bump(kIpcOpens);
+  bump(kLiveIpcMappings);
+  return kOk;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr ptr) {
+  NEED_CONTEXT();
+  DevRange d;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_dev.find(ptr);
+    if (it == g_dev.end() || !it->second.imported) return kInvalidValue;
+    if (--it->second.refs > 0) return kOk;
+    d = std::move(it->second);
+    g_ipc_open.erase(d.key);
+    g_dev.erase(it);
+  }
+  ::munmap(reinterpret_cast<void*>(d.base), d.size);  // the alias goes with the last copy using it
+  bump(kIpcCloses);
+  drop(kLiveIpcMappings);
+  return kOk;
+}
+
+// ---- copies ----
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+  NEED_CONTEXT();
+  bump(kH2D);
+  if (take_failure()) return kIllegalAddress;
+  return copy_now(dst, reinterpret_cast<uint64_t>(src), n, Access::kDevice, Access::kAny);
+}
+
+CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+  NEED_CONTEXT();
+  bump(kD2H);
+  if (take_failure()) return kIllegalAddress;
+  return copy_now(reinterpret_cast<uint64_t>(dst), src, n, Access::kAny, Access::kDevice);
+}
+
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream_st* stream) {
+  NEED_CONTEXT();
+  CUstream_st* s = nullptr;
+  CUresult r = lookup_stream(stream, &s);
+  if (r != kOk) return r;
+  {  // ranges are checked at the call, addresses resolved when the copy runs
+    Span a, b;
+    if (translate(dst, n, Access::kAny, &a) != kOk || translate(src, n, Access::kAny, &b) != kOk)
+      return kInvalidValue;
+  }
+  bump(kAsyncCopies);
+  const bool fail = take_failure();
+  return submit_copy(s, [=]() -> CUresult {
+    if (fail) return kIllegalAddress;
+    return copy_now(dst, src, n, Access::kAny, Access::kAny) == kOk ? kOk : kIllegalAddress;
+  });
+}
+
+// ---- streams and events ----
+
+CUresult cuStreamCreate(CUstream_st** out, unsigned flags) {
+  NEED_CONTEXT();
+  if (!out) return kInvalidValue;
+  auto s = std::make_unique<CUstream_st>();
+  std::lock_guard<std::mutex> lk(g_mu);
+  *out = s.get();
+  g_streams.emplace(s.get(), std::move(s));
+  bump(kLiveStreams);
+  return kOk;
+}
+
+CUresult cuStreamDestroy_v2(CUstream_st* stream) {
+  std::unique_ptr<CUstream_st> s;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_streams.find(stream);
+    if (it == g_streams.end()) return kInvalidHandle;
+    s = std::move(it->second);
+    g_streams.erase(it);
+  }
+  s.reset();  // runs what was queued, then joins the worker
+  drop(kLiveStreams);
+  return kOk;
+}
+
+CUresult cuStreamSynchronize(CUstream_st* stream) {
+  CUstream_st* s = nullptr;
+  CUresult r = lookup_stream(stream, &s);
+  if (r != kOk || s == nullptr) return r;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  CUresult err = kOk;
+  s->push(false, [&, s] {
+    CUresult e = s->take_error();
+    std::lock_guard<std::mutex> lk(mu);
+    err = e;
+    done = true;
+    cv.notify_all();
+    return kOk;
+  });
+  std::unique_lock<std::mutex> lk(mu);
+  cv.wait(lk, [&] { return done; });
+  return err;
+}
+
+CUresult cuEventCreate(CUevent_st** out, unsigned flags) {
+  NEED_CONTEXT();
+  if (!out) return kInvalidValue;
+  auto e = std::make_shared<CUevent_st>();
+  std::lock_guard<std::mutex> lk(g_mu);
+  *out = e.get();
+  g_events.emplace(e.get(), std::move(e));
+  bump(kLiveEvents);
+  return kOk;
+}
+
+static std::shared_ptr<CUevent_st> lookup_event(CUevent_st* e) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  auto it = g_events.find(e);
+  return it == g_events.end() ? nullptr : it->second;
+}
+
+CUresult cuEventRecord(CUevent_st* event, CUstream_st* stream) {
+  auto e = lookup_event(event);
+  if (!e) return kInvalidHandle;
+  CUstream_st* s = nullptr;
+  CUresult r = lookup_stream(stream, &s);
+  if (r != kOk) return r;
+  uint64_t gen;
+  {
+    std::lock_guard<std::mutex> lk(e->mu);
+    gen = ++e->recorded;
+  }
+  auto reach = [e, gen](CUresult err) {
+    std::lock_guard<std::mutex> lk(e->mu);
+    e->reached = gen;
+    e->err = err;
+    e->cv.notify_all();
+  };
+  if (s == nullptr) {
+    reach(kOk);
+  } else {
+    s->push(false, [s, reach] {
+      reach(s->take_error());
+      return kOk;
+    });
+  }
+  return kOk;
+}
+
+CUresult cuEventSynchronize(CUevent_st* event) {
+  auto e = lookup_event(event);
+  if (!e) return kInvalidHandle;
+  std::unique_lock<std::mutex> lk(e->mu);
+  const uint64_t want = e->recorded;
+  e->cv.wait(lk, [&] { return e->reached >= want; });
+  return e->err;
+}
+
+CUresult cuEventQuery(CUevent_st* event) {
+  auto e = lookup_event(event);
+  if (!e) return kInvalidHandle;
+  std::lock_guard<std::mutex> lk(e->mu);
+  return e->reached < e->recorded ? kNotReady : e->err;
+}
+
+CUresult cuEventDestroy_v2(CUevent_st* event) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (!g_events.erase(event)) return kInvalidHandle;  // a pending record keeps its own reference
+  drop(kLiveEvents);
+  return kOk;
+}
+
+// ---- the batched-copy kernel ----
+
+CUresult cuModuleLoadData(CUmod_st** out, const void* image) {
+  NEED_CONTEXT();
+  if (!out || !image) return kInvalidValue;
+  const char* v = std::getenv("FAKECUDA_NO_KERNEL");
+  if (v && *v && std::strcmp(v, "0") != 0) return kNoBinary;
+  uint32_t magic;
+  std::memcpy(&magic, image, sizeof magic);
+  const bool fatbin = magic == 0xBA55ED50u, elf = std::memcmp(image, "\x7f" "ELF", 4) == 0;
+  if (!fatbin && !elf) return kInvalidImage;
+  bump(kModuleLoads);
+  *out = &g_module;
+  return kOk;
+}
+
+CUresult cuModuleGetFunction(CUfunc_st** out, CUmod_st* mod, const char* name) {
+  if (!out || !name) return kInvalidValue;
+  if (mod != &g_module) return kInvalidHandle;
+  if (std::strcmp(name, "pdkv_batch_copy") != 0) return kNotFound;
+  *out = &g_batch_copy;
+  return kOk;
+}
+
+// pdkv_batch_copy(const u64* src, const u64* dst, const u64* len, unsigned n): copies
+// extent i from src[i] to dst[i]; the arrays and every extent must be device-visible.
+CUresult cuLaunchKernel(CUfunc_st* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shmem, CUstream_st* stream, void** params, void** extra) {
+  if (f != &g_batch_copy) return kInvalidHandle;
+  if (!params || extra || gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024 ||
+      gy > 65535 || gz > 65535)
+    return kInvalidValue;
+  CUstream_st* s = nullptr;
+  CUresult r = lookup_stream(stream, &s);
+  if (r != kOk) return r;
+  // Arguments are copied at launch, as CUDA does: params may point at the caller's stack.
+  const CUdeviceptr src = *static_cast<CUdeviceptr*>(params[0]), dst = *static_cast<CUdeviceptr*>(params[1]),
+                    len = *static_cast<CUdeviceptr*>(params[2]);
+  const unsigned n = *static_cast<unsigned*>(params[3]);
+  bump(kKernelLaunches);
+  const bool fail = take_failure();
+  return submit_copy(s, [=]() -> CUresult {
+    if (fail) return kIllegalAddress;
+    Span S, D, L;
+    const size_t bytes = 8ull * n;
+    if (n == 0) return kOk;
+    if (translate(src, bytes, Access::kKernel, &S) != kOk || translate(dst, bytes, Access::kKernel, &D) != kOk ||
+        translate(len, bytes, Access::kKernel, &L) != kOk)
+      return kIllegalAddress;
+    for (unsigned i = 0; i < n; ++i) {
+      uint64_t si, di, li;
+      std::memcpy(&si, S.p + 8ull * i, 8);
+      std::memcpy(&di, D.p + 8ull * i, 8);
+      std::memcpy(&li, L.p + 8ull * i, 8);
+      if (li == 0) continue;
+      if (copy_now(di, si, li, Access::kKernel, Access::kKernel) != kOk) return kIllegalAddress;
+    }
+    return kOk;
+  });
+}
+
+// ---- test hooks ----
+
+// The next `n` copies (cuMemcpyAsync, cuMemcpyHtoD/DtoH, kernel launches) fail with
+// CUDA_ERROR_ILLEGAL_ADDRESS without moving bytes; n <= 0 clears.
+void fakecuda_fail_copies(int n) { g_fail_copies.store(n > 0 ? n : 0); }
+
+// Copies up to `n` counters (enum Stat order) into out; returns how many exist.
+int fakecuda_stats(unsigned long long* out, int n) {
+  for (int i = 0; i < n && i < kNumStats; ++i) out[i] = g_stats[i].load();
+  return kNumStats;
+}
+
+}  // extern "C"
