@@ -96,6 +96,13 @@ class TcpOptions:
         TCP connect plus handshake.
     handshake_timeout_s : float
         Inbound connections that do not authenticate within this are closed.
+    stage_chunk_bytes : int
+        Device (CUDA) memory travels through pinned host buffers of this size, which is
+        also the batch size of device transfers (copy of one chunk overlaps the send
+        of the previous one).
+    stage_buffers : int
+        Pinned chunks per agent for sending device memory (allocated on first use);
+        each connection receiving into device memory holds two more.
     """
 
     conns_per_peer: int = 1
@@ -106,6 +113,8 @@ class TcpOptions:
     rcvlowat_bytes: int = 1 << 20
     connect_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
+    stage_chunk_bytes: int = 4 << 20
+    stage_buffers: int = 4
 
 
 @dataclass(frozen=True)
@@ -395,7 +404,7 @@ class Agent:
             name, _as_bytes(secret).decode("latin-1"), native, host, int(port),
             tcp.conns_per_peer, tcp.progress_threads, tcp.spin_us, tcp.batch_bytes, tcp.batch_extents,
             tcp.rcvlowat_bytes, tcp.connect_timeout_s, tcp.handshake_timeout_s, shm.copy_threads, shm.inline_bytes,
-            float(default_timeout), max_notif_bytes, wait_spin_us,
+            float(default_timeout), max_notif_bytes, wait_spin_us, tcp.stage_chunk_bytes, tcp.stage_buffers,
         )
         # Python transports read these (the native agent keeps its own copies).
         self._default_timeout = float(default_timeout)

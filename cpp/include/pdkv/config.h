@@ -21,6 +21,12 @@ struct TcpOptions {
   uint32_t rcvlowat_bytes = 1u << 20;     // SO_RCVLOWAT cap while receiving payload (0: off)
   double connect_timeout_s = 5.0;         // TCP connect + handshake
   double handshake_timeout_s = 5.0;       // inbound connections must say hello within this
+  // Device memory is staged through pinned host buffers of this size (also the
+  // batch size of device transfers); `stage_buffers` of them per agent bound how far
+  // copies run ahead of the socket. Each connection receiving into device memory
+  // holds two more.
+  uint64_t stage_chunk_bytes = 4ull << 20;
+  uint32_t stage_buffers = 4;
 };
 
 struct ShmOptions {

@@ -72,6 +72,8 @@ struct ResolvedExtent {
   uint64_t remote_region = 0;
   uint64_t remote_offset = 0;
   uint64_t len = 0;
+  MemKind local_kind = MemKind::kHost;  // of the local region
+  int32_t local_device = -1;            // CUDA ordinal of the local region (-1: host)
 };
 
 // Transport-owned, immutable result of prepare(); may be posted many times.

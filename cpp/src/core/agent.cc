@@ -392,7 +392,7 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_resolved(const std::str
       return OutOfRange("extent " + std::to_string(i) + ": remote bytes [" + std::to_string(x.remote_offset) + ", +" +
                         std::to_string(x.len) + ") fall outside the peer's region " + std::to_string(rd->id) + " (" +
                         std::to_string(rd->len) + " bytes)");
-    out.push_back(ResolvedExtent{ld->addr + x.local_offset, x.remote_region, x.remote_offset, x.len});
+    out.push_back(ResolvedExtent{ld->addr + x.local_offset, x.remote_region, x.remote_offset, x.len, ld->kind, ld->device});
     prep->bytes += x.len;
   }
   prep->peer = peer_name;

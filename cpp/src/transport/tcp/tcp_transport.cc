@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <functional>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -23,6 +25,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cuda/staging.h"
 #include "pdkv/registry.h"
 #include "transport/tcp/wire.h"
 #include "util/bytes.h"
@@ -35,6 +38,7 @@ namespace {
 constexpr int kIovMax = 1024;
 constexpr size_t kHdr = sizeof(FrameHeader);
 constexpr uint64_t kAllocChunk = 1ull << 20;
+constexpr double kStageWaitS = 60.0;  // a read responder waits this long for a staging buffer
 
 using util::errno_str;
 
@@ -57,6 +61,10 @@ struct TcpPrepared final : PreparedOps {
   std::vector<iovec> iov;         // local side, parallel to descs
   std::vector<TcpBatch> batches;
   uint64_t total = 0;
+  // Local extents in device memory: WRITE batches are gathered into pinned buffers
+  // before sending, READ responses are scattered out of them (cuda/staging.h).
+  bool staged = false;
+  int device = -1;
 };
 
 struct PeerConns : std::enable_shared_from_this<PeerConns> {
@@ -76,8 +84,10 @@ struct TcpPost {
   bool separate_notif = false;  // sent as kNotify after every data batch is acked
   std::atomic<uint32_t> data_left{0};
   std::atomic<bool> data_failed{false};
+  std::atomic<bool> stage_failed{false};  // a staged batch never left: send no notification
   std::mutex mu;
   std::vector<std::weak_ptr<TcpConn>> conns;  // for cancel
+  Status connect_err;                          // guarded by mu: later batches fail fast
 };
 
 struct PendingPart {
@@ -100,6 +110,7 @@ struct OutMsg {
   std::vector<iovec> own_iov;
   std::vector<RegionPin> pins;        // released once sent (read responses)
   std::shared_ptr<const void> keep;   // keeps descs/data alive
+  std::shared_ptr<const void> lease;  // pinned staging buffer holding the data
   uint64_t total = 0;
   uint64_t sent = 0;
   size_t seg = 0;
@@ -227,6 +238,9 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   uint64_t remaining = 0;
   std::vector<RegionPin> rx_pins;
   PendingPart rx_part;
+  // Payload bound for device memory: received into pinned buffers, copied out.
+  std::unique_ptr<cuda::ScatterPipe> rx_pipe;
+  bool rx_staged = false;
   int cur_lowat = 1;
   std::atomic<bool> kill_requested{false};
   Status kill_reason;  // guarded by smu
@@ -265,6 +279,10 @@ class ProgressThread {
   bool handle_header(const std::shared_ptr<TcpConn>& c);
   bool handle_control(const std::shared_ptr<TcpConn>& c);
   void payload_done(const std::shared_ptr<TcpConn>& c);
+  // Routes the current payload of `c` through its ScatterPipe (device destination).
+  Status begin_staged_rx(TcpConn& c, int device);
+  // A copy into device memory failed while receiving the current payload.
+  void staged_rx_failed(const std::shared_ptr<TcpConn>& c, const Status& st);
   void set_lowat(TcpConn& c, int v);
   // Removes the pending part (xfer, batch) of `c` into *out; false if there is none.
   bool take_pending(TcpConn& c, uint64_t xfer, uint32_t batch, PendingPart* out);
@@ -296,9 +314,15 @@ class TcpTransport final : public Transport {
   std::string_view name() const override { return "tcp"; }
   TransportCaps caps() const override {
     TransportCaps c;
-    c.local_mem_kinds = mem_kind_bit(MemKind::kHost);
-    c.remote_mem_kinds = mem_kind_bit(MemKind::kHost);
+    c.local_mem_kinds = mem_kinds();
+    c.remote_mem_kinds = mem_kinds();
     return c;
+  }
+  // Host memory always; device memory (staged through pinned buffers) where a CUDA
+  // driver and device exist.
+  static uint32_t mem_kinds() {
+    static const uint32_t k = mem_kind_bit(MemKind::kHost) | (cuda::cuda_available() ? mem_kind_bit(MemKind::kCuda) : 0u);
+    return k;
   }
   Status start(AgentHooks* hooks) override;
   void shutdown() override;
@@ -323,6 +347,12 @@ class TcpTransport final : public Transport {
   // Reads `c` in the calling thread until `x` is terminal or `deadline` (see
   // Transfer::set_driver). Gives up at once if another thread holds the connection.
   void drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::time_point deadline, uint32_t spin_us);
+  // The pinned staging pool, created on first use.
+  Result<std::shared_ptr<cuda::Stager>> stager();
+  // Answers a read request for device memory: gathers it on the staging thread.
+  void respond_staged(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<iovec> src,
+                      std::vector<RegionPin> pins, uint64_t bytes, int device);
+  bool shutting_down() const { return shut_.load(std::memory_order_acquire); }
 
  private:
   Result<std::shared_ptr<PeerConns>> peer_conns(const std::shared_ptr<const Peer>& peer);
@@ -330,6 +360,14 @@ class TcpTransport final : public Transport {
   Result<util::ScopedFd> dial(const util::HostPort& hp, const std::string& target, uint64_t instance,
                               std::string_view secret, double timeout_s, std::string* peer_name);
   bool track(const std::shared_ptr<TcpConn>& c, PendingPart part, uint64_t xfer_id);
+  // Sends batch i of `post` (data from registered memory, or from `staged`).
+  void send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot,
+                  std::shared_ptr<cuda::PinnedBuffer> staged);
+  // Gathers batch i of a device-memory WRITE into a pinned buffer, then sends it.
+  void stage_and_send(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot);
+  // Runs `f` on the staging thread (in order).
+  void run_staged(std::function<void()> f);
+  void stage_loop();
   void send_separate_notify(const std::shared_ptr<TcpPost>& p);
   void cancel(const std::shared_ptr<TcpPost>& p);
 
@@ -342,6 +380,13 @@ class TcpTransport final : public Transport {
   std::atomic<bool> shut_{false};
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<PeerConns>> peers_;
+  // Device-memory staging: the pool, and one thread that gathers batches in order.
+  std::mutex stage_mu_;
+  std::shared_ptr<cuda::Stager> stager_;
+  std::condition_variable stage_cv_;
+  std::deque<std::function<void()>> stage_q_;
+  std::thread stage_th_;
+  bool stage_stop_ = false;
 };
 
 // ---------------------------------------------------------------- ProgressThread
@@ -673,6 +718,25 @@ void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
         break;
       }
       case RxStage::kPayload: {
+        if (c->rx_staged) {
+          const iovec sp = c->rx_pipe->space();
+          r = ::recv(c->fd, sp.iov_base, sp.iov_len, MSG_DONTWAIT);
+          if (r > 0) {
+            budget -= std::min<uint64_t>(budget, static_cast<uint64_t>(r));
+            c->remaining -= static_cast<uint64_t>(r);
+            Status st = c->rx_pipe->received(static_cast<uint64_t>(r));
+            if (!st.ok()) {
+              staged_rx_failed(c, st);
+              return;
+            }
+            if (c->remaining == 0) {
+              payload_done(c);
+              if (c->fd < 0) return;
+            }
+            continue;
+          }
+          break;
+        }
         int n = 0;
         size_t i = c->dst_idx;
         for (; i < c->ndst && n < kIovMax - 1; ++i) {
@@ -812,6 +876,13 @@ bool ProgressThread::handle_header(const std::shared_ptr<TcpConn>& c) {
       c->dst_off = 0;
       c->remaining = h.payload;
       c->stage = RxStage::kPayload;
+      if (c->rx_part.post->prep->staged) {
+        Status st = begin_staged_rx(*c, c->rx_part.post->prep->device);
+        if (!st.ok()) {
+          t_->kill(c, st.with_context("receiving a read response into device memory"));
+          return false;
+        }
+      }
       return true;
     }
     case FrameType::kError:
@@ -903,6 +974,7 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
       uint64_t sum = 0;
       uint64_t last_region = 0;
       const RegionDesc* last = nullptr;
+      int device = -1;  // set when a destination/source is device memory
       for (uint32_t i = 0; i < n; ++i) {
         WireExtent e;
         std::memcpy(&e, d + i, sizeof e);
@@ -916,12 +988,13 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
                              " bytes)");
         } else {
           uint64_t addr = 0;
-          auto pin = hooks->region_table().pin(e.region, e.offset, e.len, true, mem_kind_bit(MemKind::kHost), &addr);
+          auto pin = hooks->region_table().pin(e.region, e.offset, e.len, true, TcpTransport::mem_kinds(), &addr);
           if (!pin.ok()) {
             err = pin.status();
           } else {
             last = pin->desc();
             last_region = e.region;
+            if (last->kind == MemKind::kCuda && device < 0) device = last->device;
             pins.push_back(std::move(pin).value());
           }
         }
@@ -939,6 +1012,10 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
                     h.xfer_id, h.batch);
           return false;
         }
+      }
+      if (type == FrameType::kReadReq && device >= 0) {
+        t_->respond_staged(c, h, std::move(iov), std::move(pins), sum, device);
+        return true;
       }
       if (type == FrameType::kReadReq) {
         auto m = std::make_unique<OutMsg>();
@@ -964,6 +1041,15 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
       c->remaining = sum;
       c->rx_pins = std::move(pins);
       c->stage = RxStage::kPayload;
+      if (device >= 0) {
+        Status st = begin_staged_rx(*c, device);
+        if (!st.ok()) {
+          fail_conn(c, Status(st.code(), "write request from " + c->desc + " cannot be received into device memory: " +
+                                             st.message()),
+                    h.xfer_id, h.batch);
+          return false;
+        }
+      }
       return true;
     }
     case FrameType::kNotify: {
@@ -990,10 +1076,44 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
   }
 }
 
+Status ProgressThread::begin_staged_rx(TcpConn& c, int device) {
+  if (!c.rx_pipe) {
+    PDKV_ASSIGN_OR_RETURN(auto st, t_->stager());
+    c.rx_pipe = std::make_unique<cuda::ScatterPipe>(std::move(st));
+  }
+  PDKV_RETURN_IF_ERROR(c.rx_pipe->begin(device, c.dst, c.ndst, c.remaining));
+  c.rx_staged = true;
+  return Status::Ok();
+}
+
+void ProgressThread::staged_rx_failed(const std::shared_ptr<TcpConn>& c, const Status& st) {
+  const FrameHeader h = c->cur;
+  c->rx_staged = false;
+  c->rx_pipe->abandon();
+  if (static_cast<FrameType>(h.type) == FrameType::kWrite) {
+    fail_conn(c, Status(st.code(), "copying the payload from " + c->desc + " into device memory failed: " + st.message()),
+              h.xfer_id, h.batch);
+  } else {
+    // The rest of the payload is unread: the stream cannot be resynchronized.
+    t_->kill(c, st.with_context("copying a read response into device memory"));
+  }
+}
+
 void ProgressThread::payload_done(const std::shared_ptr<TcpConn>& c) {
   const FrameHeader& h = c->cur;
   c->stage = RxStage::kHeader;
   set_lowat(*c, 1);
+  Status staged;
+  if (c->rx_staged) {
+    c->rx_staged = false;
+    staged = c->rx_pipe->finish();  // every byte reached the device before the ack
+    if (!staged.ok() && static_cast<FrameType>(h.type) == FrameType::kWrite) {
+      fail_conn(c, Status(staged.code(), "copying the payload from " + c->desc + " into device memory failed: " +
+                                             staged.message()),
+                h.xfer_id, h.batch);
+      return;
+    }
+  }
   if (static_cast<FrameType>(h.type) == FrameType::kWrite) {
     c->rx_pins.clear();
     c->dst_own.clear();
@@ -1010,7 +1130,7 @@ void ProgressThread::payload_done(const std::shared_ptr<TcpConn>& c) {
   const bool found = take_pending(*c, h.xfer_id, h.batch, &part);
   c->rx_part = PendingPart{};
   c->dst = nullptr;
-  if (found) t_->resolve(part, part.bytes, Status::Ok());
+  if (found) t_->resolve(part, staged.ok() ? part.bytes : 0, staged.with_context("copying a read response into device memory"));
 }
 
 // ---------------------------------------------------------------- TcpTransport
@@ -1054,6 +1174,10 @@ Status TcpTransport::start(AgentHooks* hooks) {
     return InvalidArgument("tcp batch_extents must be 1.." + std::to_string(kIovMax - 4));
   if (opts_.batch_bytes == 0 || opts_.batch_bytes > kMaxPayloadPerFrame)
     return InvalidArgument("tcp batch_bytes must be 1.." + std::to_string(kMaxPayloadPerFrame));
+  if (opts_.stage_chunk_bytes < 4096 || opts_.stage_chunk_bytes > kMaxPayloadPerFrame)
+    return InvalidArgument("tcp stage_chunk_bytes must be 4096.." + std::to_string(kMaxPayloadPerFrame));
+  if (opts_.stage_buffers < 2 || opts_.stage_buffers > 1024)
+    return InvalidArgument("tcp stage_buffers must be 2..1024, got " + std::to_string(opts_.stage_buffers));
   util::HostPort hp{opts_.listen_host, opts_.listen_port};
   uint16_t port = 0;
   PDKV_ASSIGN_OR_RETURN(listen_fd_, util::listen_tcp(hp, &port));
@@ -1068,6 +1192,12 @@ Status TcpTransport::start(AgentHooks* hooks) {
 
 void TcpTransport::shutdown() {
   if (shut_.exchange(true)) return;
+  {
+    std::lock_guard<std::mutex> lk(stage_mu_);
+    stage_stop_ = true;
+  }
+  stage_cv_.notify_all();
+  if (stage_th_.joinable()) stage_th_.join();  // queued tasks fail fast once shut_ is set
   for (auto& t : threads_) t->stop();
   std::lock_guard<std::mutex> lk(mu_);
   peers_.clear();
@@ -1080,8 +1210,20 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
   auto p = std::make_shared<TcpPrepared>();
   p->peer = std::move(peer);
   p->op = op;
+  uint64_t batch_bytes = opts_.batch_bytes;
+  for (const auto& e : extents)
+    if (e.local_kind == MemKind::kCuda) {
+      p->staged = true;
+      p->device = e.local_device;
+      break;
+    }
+  if (p->staged) {
+    // Batches are staged through pinned chunks: no batch may exceed one.
+    PDKV_ASSIGN_OR_RETURN(auto st, stager());
+    batch_bytes = std::min(batch_bytes, st->chunk());
+  }
   size_t n = 0;
-  for (const auto& e : extents) n += (e.len + opts_.batch_bytes - 1) / opts_.batch_bytes;
+  for (const auto& e : extents) n += (e.len + batch_bytes - 1) / batch_bytes;
   p->descs.reserve(n);
   p->iov.reserve(n);
   TcpBatch cur;
@@ -1092,10 +1234,10 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
   for (const auto& e : extents) {
     uint64_t off = 0;
     while (off < e.len) {
-      uint64_t room = opts_.batch_bytes - cur.bytes;
+      uint64_t room = batch_bytes - cur.bytes;
       if (room == 0 || cur.count == opts_.batch_extents) {
         close_batch();
-        room = opts_.batch_bytes;
+        room = batch_bytes;
       }
       uint64_t len = std::min(e.len - off, room);
       p->descs.push_back(WireExtent{e.remote_region, e.remote_offset + off, len});
@@ -1249,6 +1391,8 @@ void TcpTransport::kill(const std::shared_ptr<TcpConn>& c, const Status& why, ui
   ProgressThread* owner = c->owner;
   if (owner) owner->npending.fetch_sub(static_cast<int64_t>(pend.size()), std::memory_order_acq_rel);
   if (!c->authed && !c->outbound && owner) --owner->nslow_;
+  if (c->rx_pipe) c->rx_pipe->abandon();  // no copy may land after this
+  c->rx_staged = false;
   c->rx_pins.clear();
   c->rx_part = PendingPart{};
   if (auto pc = c->pc.lock()) {
@@ -1336,61 +1480,179 @@ void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
   xfer->set_cancel_hook([this, wp] {
     if (auto p = wp.lock()) cancel(p);
   });
-  Status connect_err;
-  std::vector<ProgressThread*> woken;
   for (uint32_t i = 0; i < nb; ++i) {
-    const TcpBatch& b = prep->batches[i];
     const uint32_t slot = (base + i) % nconn;
-    PendingPart part{post, i, b.bytes, prep->op == OpKind::kRead ? &prep->iov[b.first] : nullptr, b.count};
-    if (!connect_err.ok() || xfer->cancel_requested()) {
-      resolve(part, 0, connect_err.ok() ? Cancelled("cancelled") : connect_err);
-      continue;
-    }
-    auto cr = get_conn(*post->pc, slot, true);
-    if (!cr.ok()) {
-      connect_err = cr.status();
-      resolve(part, 0, connect_err);
-      continue;
-    }
-    auto& conn = *cr;
-    {
-      std::lock_guard<std::mutex> lk(post->mu);
-      post->conns.push_back(conn);
-    }
-    auto m = std::make_unique<OutMsg>();
-    m->hdr = make_hdr(prep->op == OpKind::kWrite ? FrameType::kWrite : FrameType::kReadReq, xfer->id(), i);
-    m->hdr.count = b.count;
-    m->descs = &prep->descs[b.first];
-    m->desc_bytes = size_t(b.count) * sizeof(WireExtent);
-    if (prep->op == OpKind::kWrite) {
-      m->hdr.payload = b.bytes;
-      m->data = &prep->iov[b.first];
-      m->ndata = b.count;
-      if (!post->separate_notif && !post->notif.empty() && i == nb - 1) {
-        m->hdr.flags |= kFlagNotif;
-        m->aux = post->notif;
-      }
-    }
-    m->keep = prep;
-    m->finalize();
-    if (!track(conn, std::move(part), xfer->id())) {
-      resolve(PendingPart{post, i, b.bytes}, 0, ConnectionError("connection to " + conn->desc + " closed"));
-      continue;
-    }
-    if (nb == 1) {
-      // Small transfers: the caller's wait() reads the ack itself (one thread hop
-      // fewer, the latency of a plain socket round trip).
-      std::weak_ptr<TcpConn> wc = conn;
-      xfer->set_driver([this, wc](Transfer& x, Clock::time_point deadline, uint32_t spin_us) {
-        if (auto c = wc.lock()) drive(c, x, deadline, spin_us);
-      });
-    }
-    enqueue(conn, std::move(m));
-    if (std::find(woken.begin(), woken.end(), conn->owner) == woken.end()) {
-      conn->owner->wake_if_idle();  // so it spins for the ack and enforces the deadline
-      woken.push_back(conn->owner);
+    if (prep->staged && prep->op == OpKind::kWrite) {
+      run_staged([this, post, i, slot] { stage_and_send(post, i, slot); });
+    } else {
+      send_batch(post, i, slot, nullptr);
     }
   }
+}
+
+void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot,
+                              std::shared_ptr<cuda::PinnedBuffer> staged) {
+  const auto& prep = post->prep;
+  const auto& xfer = post->xfer;
+  const TcpBatch& b = prep->batches[i];
+  const uint32_t nb = static_cast<uint32_t>(prep->batches.size());
+  PendingPart part{post, i, b.bytes, prep->op == OpKind::kRead ? &prep->iov[b.first] : nullptr, b.count};
+  Status connect_err;
+  {
+    std::lock_guard<std::mutex> lk(post->mu);
+    connect_err = post->connect_err;
+  }
+  if (!connect_err.ok() || xfer->cancel_requested()) {
+    resolve(part, 0, connect_err.ok() ? Cancelled("cancelled") : connect_err);
+    return;
+  }
+  auto cr = get_conn(*post->pc, slot, true);
+  if (!cr.ok()) {
+    {
+      std::lock_guard<std::mutex> lk(post->mu);
+      post->connect_err = cr.status();
+    }
+    resolve(part, 0, cr.status());
+    return;
+  }
+  auto& conn = *cr;
+  {
+    std::lock_guard<std::mutex> lk(post->mu);
+    post->conns.push_back(conn);
+  }
+  auto m = std::make_unique<OutMsg>();
+  m->hdr = make_hdr(prep->op == OpKind::kWrite ? FrameType::kWrite : FrameType::kReadReq, xfer->id(), i);
+  m->hdr.count = b.count;
+  m->descs = &prep->descs[b.first];
+  m->desc_bytes = size_t(b.count) * sizeof(WireExtent);
+  if (prep->op == OpKind::kWrite) {
+    m->hdr.payload = b.bytes;
+    if (staged) {
+      m->own_iov.push_back({staged->data(), b.bytes});
+      m->lease = std::move(staged);
+    } else {
+      m->data = &prep->iov[b.first];
+      m->ndata = b.count;
+    }
+    if (!post->separate_notif && !post->notif.empty() && i == nb - 1 && !post->stage_failed) {
+      m->hdr.flags |= kFlagNotif;
+      m->aux = post->notif;
+    }
+  }
+  m->keep = prep;
+  m->finalize();
+  if (!track(conn, std::move(part), xfer->id())) {
+    resolve(PendingPart{post, i, b.bytes}, 0, ConnectionError("connection to " + conn->desc + " closed"));
+    return;
+  }
+  if (nb == 1 && !prep->staged) {
+    // Small transfers: the caller's wait() reads the ack itself (one thread hop
+    // fewer, the latency of a plain socket round trip). Not for device memory: the
+    // caller's thread would have to bind a CUDA context.
+    std::weak_ptr<TcpConn> wc = conn;
+    xfer->set_driver([this, wc](Transfer& x, Clock::time_point deadline, uint32_t spin_us) {
+      if (auto c = wc.lock()) drive(c, x, deadline, spin_us);
+    });
+  }
+  enqueue(conn, std::move(m));
+  conn->owner->wake_if_idle();  // so it spins for the ack and enforces the deadline
+}
+
+void TcpTransport::stage_and_send(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot) {
+  const auto& prep = post->prep;
+  const auto& xfer = post->xfer;
+  const TcpBatch& b = prep->batches[i];
+  auto fail = [&](const Status& st) {
+    post->stage_failed = true;
+    resolve(PendingPart{post, i, b.bytes}, 0, st);
+  };
+  if (shut_) return fail(ConnectionError("agent is shutting down"));
+  if (xfer->cancel_requested()) return fail(Cancelled("cancelled"));
+  if (post->stage_failed) return fail(Cancelled("an earlier batch of this transfer failed"));
+  auto st = stager();
+  if (!st.ok()) return fail(st.status());
+  auto buf = (*st)->acquire(xfer->deadline(), [&] { return xfer->cancel_requested() || shut_.load(); });
+  if (!buf.ok()) return fail(buf.status());
+  Status g = (*st)->gather(prep->device, &prep->iov[b.first], b.count, (*buf)->data());
+  if (!g.ok()) return fail(g.with_context("copying device memory into the staging buffer"));
+  send_batch(post, i, slot, std::move(buf).value());
+}
+
+void TcpTransport::run_staged(std::function<void()> f) {
+  {
+    std::lock_guard<std::mutex> lk(stage_mu_);
+    if (!stage_stop_) {
+      if (!stage_th_.joinable()) stage_th_ = std::thread([this] { stage_loop(); });
+      stage_q_.push_back(std::move(f));
+      stage_cv_.notify_one();
+      return;
+    }
+  }
+  f();  // shutting down: the task fails at once on this thread
+}
+
+void TcpTransport::stage_loop() {
+  for (;;) {
+    std::function<void()> f;
+    {
+      std::unique_lock<std::mutex> lk(stage_mu_);
+      stage_cv_.wait(lk, [&] { return stage_stop_ || !stage_q_.empty(); });
+      if (stage_q_.empty()) return;
+      f = std::move(stage_q_.front());
+      stage_q_.pop_front();
+    }
+    f();
+  }
+}
+
+Result<std::shared_ptr<cuda::Stager>> TcpTransport::stager() {
+  std::lock_guard<std::mutex> lk(stage_mu_);
+  if (!stager_) {
+    auto st = cuda::Stager::create(opts_.stage_chunk_bytes, opts_.stage_buffers);
+    if (!st.ok())
+      return Status(st.status().code(), "tcp cannot stage device memory: " + st.status().message());
+    stager_ = std::move(st).value();
+  }
+  return stager_;
+}
+
+void TcpTransport::respond_staged(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<iovec> src,
+                                  std::vector<RegionPin> pins, uint64_t bytes, int device) {
+  struct Job {
+    std::vector<iovec> src;
+    std::vector<RegionPin> pins;
+  };
+  auto job = std::make_shared<Job>(Job{std::move(src), std::move(pins)});
+  run_staged([this, c, h, job, bytes, device] {
+    auto fail = [&](const Status& st) {
+      if (!c->owner) return;
+      std::lock_guard<std::recursive_mutex> rl(c->rx_mu);
+      if (c->fd >= 0 && !c->draining)
+        c->owner->fail_conn(c, Status(st.code(), "read request from " + c->desc + " failed: " + st.message()),
+                            h.xfer_id, h.batch);
+    };
+    auto dead = [&] {
+      std::lock_guard<std::mutex> lk(c->smu);
+      return c->dead || shut_.load();
+    };
+    if (dead()) return;
+    auto st = stager();
+    if (!st.ok()) return fail(st.status());
+    auto buf = bytes <= (*st)->chunk()
+                   ? (*st)->acquire(util::deadline_after(kStageWaitS), dead)
+                   : (*st)->allocate(bytes);
+    if (!buf.ok()) return fail(buf.status());
+    Status g = (*st)->gather(device, job->src.data(), job->src.size(), (*buf)->data());
+    if (!g.ok()) return fail(g.with_context("copying device memory into the staging buffer"));
+    auto m = std::make_unique<OutMsg>();
+    m->hdr = make_hdr(FrameType::kReadResp, h.xfer_id, h.batch);
+    m->hdr.payload = bytes;
+    m->own_iov.push_back({(*buf)->data(), bytes});
+    m->lease = std::move(buf).value();
+    m->pins = std::move(job->pins);
+    m->finalize();
+    enqueue(c, std::move(m));
+  });
 }
 
 void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::time_point deadline,

@@ -1,0 +1,138 @@
+// Device memory through pinned host buffers, for transports that can only touch host
+// memory (tcp): GPU pools then work across hosts without RDMA.
+//
+// Sending side: Stager::gather() copies a batch's scattered device extents into one
+// pinned buffer (cuMemcpyAsync per extent on pdkv's own stream, one event wait); the
+// transport sends that buffer while the next batch is being gathered, so the copy and
+// the network overlap. Buffers come from a bounded pool (chunk x count pinned bytes,
+// allocated on first use), which also bounds how far staging runs ahead of the socket.
+//
+// Receiving side: ScatterPipe receives a payload into two pinned buffers in turn;
+// each full buffer is copied out to its device destinations asynchronously while the
+// next one fills (double buffering). finish() waits for every copy before the
+// transport acknowledges the batch, so an ack still means "the bytes landed".
+//
+// Thread safety: Stager is thread-safe. A ScatterPipe belongs to one connection and
+// is used under that connection's receive lock.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cuda/driver.h"
+#include "pdkv/status.h"
+#include "pdkv/transfer.h"
+
+namespace pdkv::cuda {
+
+class Stager;
+
+// Pinned host memory (cuMemHostAlloc). Returned to its pool, or freed, when the last
+// reference goes away.
+class PinnedBuffer {
+ public:
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer();
+  char* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  friend class Stager;
+  PinnedBuffer(std::shared_ptr<Stager> owner, char* data, uint64_t size, bool pooled)
+      : owner_(std::move(owner)), data_(data), size_(size), pooled_(pooled) {}
+  std::shared_ptr<Stager> owner_;
+  char* data_;
+  uint64_t size_;
+  bool pooled_;
+};
+
+class Stager : public std::enable_shared_from_this<Stager> {
+ public:
+  // NotSupported (with the reason) when no CUDA driver/device is usable.
+  static Result<std::shared_ptr<Stager>> create(uint64_t chunk_bytes, uint32_t count);
+  ~Stager();
+
+  const CudaDriver& driver() const { return *drv_; }
+  uint64_t chunk() const { return chunk_; }
+
+  // A pooled chunk-sized buffer. Waits for one to come back until `deadline`
+  // (TimeoutError) or until `cancelled()` returns true (Cancelled).
+  Result<std::shared_ptr<PinnedBuffer>> acquire(Clock::time_point deadline, const std::function<bool()>& cancelled);
+  // A dedicated buffer of `n` bytes (for payloads larger than a chunk), freed on release.
+  Result<std::shared_ptr<PinnedBuffer>> allocate(uint64_t n);
+
+  // Copies src[0..n) (device or host pointers of `device`'s address space) back to
+  // back into `dst` and waits until the bytes are there.
+  Status gather(int device, const iovec* src, size_t n, char* dst);
+
+  // Makes `device`'s primary context current on the calling thread (cached per thread).
+  Status bind(int device) const;
+
+ private:
+  friend class PinnedBuffer;
+  Stager(const CudaDriver* drv, uint64_t chunk, uint32_t count) : drv_(drv), chunk_(chunk), count_(count) {}
+  void give_back(char* data);
+
+  const CudaDriver* drv_;
+  const uint64_t chunk_;
+  const uint32_t count_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<char*> free_;   // pooled buffers not in use
+  uint32_t allocated_ = 0;    // pooled buffers allocated so far (<= count_)
+  std::mutex gather_mu_;      // one gather at a time per stager (its stream and event)
+  std::map<int, std::pair<CUstream, CUevent>> copy_;  // per device, guarded by gather_mu_
+};
+
+// Receives one payload at a time into pinned buffers and copies it out to its
+// (device) destinations, double buffered. See the file comment.
+class ScatterPipe {
+ public:
+  explicit ScatterPipe(std::shared_ptr<Stager> stager) : st_(std::move(stager)) {}
+  ~ScatterPipe();
+  ScatterPipe(const ScatterPipe&) = delete;
+  ScatterPipe& operator=(const ScatterPipe&) = delete;
+
+  // Starts a payload of `total` bytes for dst[0..n) (kept alive by the caller until
+  // finish() or abandon()).
+  Status begin(int device, const iovec* dst, size_t n, uint64_t total);
+  // Where the next received bytes go (never more than the payload has left).
+  iovec space() const;
+  // `n` bytes were received into space(); full buffers are copied out asynchronously.
+  Status received(uint64_t n);
+  // The whole payload was received: waits until every byte reached its destination.
+  Status finish();
+  // Drops the payload (the connection died): waits for copies already queued, so
+  // nothing writes into the destinations afterwards.
+  void abandon();
+  bool active() const { return active_; }
+
+ private:
+  Status flush();
+  Status wait_slot(int i);
+
+  std::shared_ptr<Stager> st_;
+  std::shared_ptr<PinnedBuffer> buf_[2];
+  CUevent ev_[2] = {nullptr, nullptr};
+  bool busy_[2] = {false, false};
+  CUstream stream_ = nullptr;
+  int device_ = -1;
+  int cur_ = 0;
+  uint64_t fill_ = 0;
+  uint64_t left_ = 0;  // payload bytes not yet received
+  const iovec* dst_ = nullptr;
+  size_t ndst_ = 0;
+  size_t di_ = 0;      // copy-out cursor
+  uint64_t doff_ = 0;
+  bool active_ = false;
+};
+
+}  // namespace pdkv::cuda
