@@ -40,7 +40,7 @@ Status Stager::bind(int device) const {
   return Status::Ok();
 }
 
-Result<std::shared_ptr<PinnedBuffer>> Stager::acquire(Clock::time_point deadline,
+Result<std::shared_ptr<PinnedBuffer>> Stager::acquire(int device, Clock::time_point deadline,
                                                       const std::function<bool()>& cancelled) {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
@@ -53,7 +53,8 @@ Result<std::shared_ptr<PinnedBuffer>> Stager::acquire(Clock::time_point deadline
       ++allocated_;
       lk.unlock();
       void* p = nullptr;
-      Status st = drv_->check(drv_->cuMemHostAlloc(&p, chunk_, kMemHostAllocPortable), "cuMemHostAlloc");
+      Status st = bind(device);
+      if (st.ok()) st = drv_->check(drv_->cuMemHostAlloc(&p, chunk_, kMemHostAllocPortable), "cuMemHostAlloc");
       if (!st.ok()) {
         lk.lock();
         --allocated_;
@@ -69,8 +70,9 @@ Result<std::shared_ptr<PinnedBuffer>> Stager::acquire(Clock::time_point deadline
   }
 }
 
-Result<std::shared_ptr<PinnedBuffer>> Stager::allocate(uint64_t n) {
+Result<std::shared_ptr<PinnedBuffer>> Stager::allocate(int device, uint64_t n) {
   void* p = nullptr;
+  PDKV_RETURN_IF_ERROR(bind(device));
   PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuMemHostAlloc(&p, std::max<uint64_t>(n, 1), kMemHostAllocPortable),
                                    "cuMemHostAlloc")
                            .with_context("allocating a " + std::to_string(n) + "-byte pinned staging buffer"));
@@ -149,7 +151,7 @@ Status ScatterPipe::begin(int device, const iovec* dst, size_t n, uint64_t total
   }
   for (auto& b : buf_) {
     if (!b) {
-      PDKV_ASSIGN_OR_RETURN(b, st_->allocate(st_->chunk()));
+      PDKV_ASSIGN_OR_RETURN(b, st_->allocate(device, st_->chunk()));
     }
   }
   dst_ = dst;

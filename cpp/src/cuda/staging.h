@@ -64,10 +64,12 @@ class Stager : public std::enable_shared_from_this<Stager> {
   uint64_t chunk() const { return chunk_; }
 
   // A pooled chunk-sized buffer. Waits for one to come back until `deadline`
-  // (TimeoutError) or until `cancelled()` returns true (Cancelled).
-  Result<std::shared_ptr<PinnedBuffer>> acquire(Clock::time_point deadline, const std::function<bool()>& cancelled);
+  // (TimeoutError) or until `cancelled()` returns true (Cancelled). Buffers are
+  // portable (usable with every device); `device` is the context to allocate in.
+  Result<std::shared_ptr<PinnedBuffer>> acquire(int device, Clock::time_point deadline,
+                                                const std::function<bool()>& cancelled);
   // A dedicated buffer of `n` bytes (for payloads larger than a chunk), freed on release.
-  Result<std::shared_ptr<PinnedBuffer>> allocate(uint64_t n);
+  Result<std::shared_ptr<PinnedBuffer>> allocate(int device, uint64_t n);
 
   // Copies src[0..n) (device or host pointers of `device`'s address space) back to
   // back into `dst` and waits until the bytes are there.

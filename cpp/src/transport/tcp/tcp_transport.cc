@@ -1571,7 +1571,7 @@ void TcpTransport::stage_and_send(const std::shared_ptr<TcpPost>& post, uint32_t
   if (post->stage_failed) return fail(Cancelled("an earlier batch of this transfer failed"));
   auto st = stager();
   if (!st.ok()) return fail(st.status());
-  auto buf = (*st)->acquire(xfer->deadline(), [&] { return xfer->cancel_requested() || shut_.load(); });
+  auto buf = (*st)->acquire(prep->device, xfer->deadline(), [&] { return xfer->cancel_requested() || shut_.load(); });
   if (!buf.ok()) return fail(buf.status());
   Status g = (*st)->gather(prep->device, &prep->iov[b.first], b.count, (*buf)->data());
   if (!g.ok()) return fail(g.with_context("copying device memory into the staging buffer"));
@@ -1639,8 +1639,8 @@ void TcpTransport::respond_staged(const std::shared_ptr<TcpConn>& c, const Frame
     auto st = stager();
     if (!st.ok()) return fail(st.status());
     auto buf = bytes <= (*st)->chunk()
-                   ? (*st)->acquire(util::deadline_after(kStageWaitS), dead)
-                   : (*st)->allocate(bytes);
+                   ? (*st)->acquire(device, util::deadline_after(kStageWaitS), dead)
+                   : (*st)->allocate(device, bytes);
     if (!buf.ok()) return fail(buf.status());
     Status g = (*st)->gather(device, job->src.data(), job->src.size(), (*buf)->data());
     if (!g.ok()) return fail(g.with_context("copying device memory into the staging buffer"));

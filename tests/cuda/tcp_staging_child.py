@@ -1,0 +1,163 @@
+"""Device memory over tcp, staged through pinned host buffers: every direction, bit exact.
+
+Run as a script in a fresh process (the CUDA driver is loaded once per process):
+``python tests/cuda/tcp_staging_child.py``. It talks to the driver pdkv loads
+(``$PDKV_CUDA_DRIVER``, else ``libcuda.so.1``) through ctypes, so the same checks run
+against the fake driver in CI (tests/cuda/test_tcp_staging.py) and against a real GPU
+(bench/gpu_check.sh). Prints one JSON line: {"ok": true, "checks": [...], "stats": ...};
+any mismatch raises (non-zero exit with the traceback).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from ctypes import byref, c_int, c_size_t, c_ulonglong, c_void_p
+
+import numpy as np
+
+import pdkv
+
+LIB = ctypes.CDLL(os.environ.get("PDKV_CUDA_DRIVER") or "libcuda.so.1")
+FAKE = hasattr(LIB, "fakecuda_fail_copies")
+
+
+def ck(r: int, what: str) -> None:
+    if r:
+        raise RuntimeError(f"{what}: CUDA error {r}")
+
+
+ck(LIB.cuInit(0), "cuInit")
+_dev = c_int()
+ck(LIB.cuDeviceGet(byref(_dev), 0), "cuDeviceGet")
+_ctx = c_void_p()
+ck(LIB.cuDevicePrimaryCtxRetain(byref(_ctx), _dev), "cuDevicePrimaryCtxRetain")
+ck(LIB.cuCtxSetCurrent(_ctx), "cuCtxSetCurrent")
+
+
+def dalloc(n: int) -> int:
+    p = c_ulonglong()
+    ck(LIB.cuMemAlloc_v2(byref(p), c_size_t(n)), "cuMemAlloc")
+    return p.value
+
+
+def htod(ptr: int, a: np.ndarray) -> None:
+    a = np.ascontiguousarray(a)
+    ck(LIB.cuMemcpyHtoD_v2(c_ulonglong(ptr), a.ctypes.data_as(c_void_p), c_size_t(a.nbytes)), "cuMemcpyHtoD")
+
+
+def dtoh(ptr: int, n: int) -> np.ndarray:
+    out = np.empty(n, np.uint8)
+    ck(LIB.cuMemcpyDtoH_v2(out.ctypes.data_as(c_void_p), c_ulonglong(ptr), c_size_t(n)), "cuMemcpyDtoH")
+    return out
+
+
+# Small blocks and small staging chunks: one transfer spans many batches, the two
+# pooled buffers are reused many times and the receiver's double buffer alternates.
+GEOM = pdkv.KVGeometry(num_layers=3, num_blocks=64, block_tokens=4, kv_heads=2, head_dim=64, dtype="float32")
+BB = GEOM.block_bytes
+TCP = pdkv.TcpOptions(stage_chunk_bytes=16384, stage_buffers=2)
+
+
+class Side:
+    """One agent with a device pool ("dev") and a host pool ("host"), same geometry."""
+
+    def __init__(self, name: str, seed: int) -> None:
+        self.agent = pdkv.Agent(name, secret="s", transports=["tcp"], tcp=TCP)
+        n = GEOM.pool_bytes
+        self.dev = dalloc(n)
+        rng = np.random.default_rng(seed)
+        htod(self.dev, rng.integers(0, 256, n, dtype=np.uint8))
+        self.host = rng.integers(0, 256, n, dtype=np.uint8)
+        self.agent.register_address(self.dev, n, kind="cuda", device=0)
+        self.agent.register(self.host)
+        self.agent.add_layout("dev", pdkv.KVLayout.contiguous(GEOM, self.dev))
+        self.agent.add_layout("host", pdkv.KVLayout.contiguous(GEOM, self.host))
+
+    def pool(self, which: str) -> np.ndarray:
+        return dtoh(self.dev, GEOM.pool_bytes) if which == "dev" else self.host.copy()
+
+
+def blocks(pool: np.ndarray, ids: list[int]) -> np.ndarray:
+    v = pool.reshape(GEOM.num_layers * GEOM.kv_parts, GEOM.num_blocks, BB)
+    return v[:, ids, :].copy()
+
+
+def failure(x: pdkv.Transfer) -> str:
+    try:
+        x.wait(30)
+    except pdkv.PdkvError as e:
+        return str(e)
+    raise AssertionError("the transfer should have failed")
+
+
+def main() -> None:
+    a, b = Side("dev-a", 1), Side("dev-b", 2)
+    peer = a.agent.connect(b.agent.address)
+    assert a.agent.peer_transport(peer) == "tcp", a.agent.peer_transport(peer)
+    checks = []
+    lids = [5, 9, 10, 11, 40, 2, 63, 17, 18, 30, 31, 32, 50, 1, 0, 44, 45, 46, 47, 12]
+    rids = [60, 3, 4, 5, 20, 21, 22, 7, 8, 9, 33, 34, 35, 36, 37, 38, 39, 0, 1, 2]
+
+    def write(src: str, dst: str, notif: bytes) -> None:
+        want = blocks(a.pool(src), lids)
+        x = a.agent.write(peer, src, lids, dst, rids, notify=notif)
+        # The notification must find every byte already in place.
+        got = b.agent.wait_notifications(timeout=30)
+        if not got:
+            x.wait(0)  # raises the transfer's error, if any
+        assert [n.data for n in got] == [notif], got
+        assert np.array_equal(blocks(b.pool(dst), rids), want), f"write {src}->{dst}: bytes differ at notification"
+        assert x.wait(30), x.error
+        assert x.bytes_done == x.bytes_total == len(lids) * GEOM.num_layers * GEOM.kv_parts * BB
+        checks.append(f"write {src}->{dst}")
+
+    def read(dst: str, src: str, ids: list[int], rids_: list[int]) -> None:
+        want = blocks(b.pool(src), rids_)
+        x = a.agent.read(peer, dst, ids, src, rids_)
+        assert x.wait(30), x.error
+        assert np.array_equal(blocks(a.pool(dst), ids), want), f"read {src}->{dst}: bytes differ"
+        checks.append(f"read {src}->{dst}")
+
+    write("dev", "dev", b"d2d")
+    write("host", "dev", b"h2d")
+    write("dev", "host", b"d2h")
+    read("dev", "dev", lids, rids)
+    read("host", "dev", lids[::-1], rids)
+    read("dev", "host", lids, rids[::-1])
+    # Whole pool at once: the responder's payload exceeds a chunk (dedicated buffer).
+    every = list(range(GEOM.num_blocks))
+    read("host", "dev", every, every)
+    # A prepared device transfer posted again moves the current bytes.
+    prep = a.agent.prepare("write", peer, "dev", lids, "dev", rids)
+    for _ in range(3):
+        htod(a.dev, np.random.default_rng(len(checks)).integers(0, 256, GEOM.pool_bytes, dtype=np.uint8))
+        assert prep.post().wait(30)
+        assert np.array_equal(blocks(b.pool("dev"), rids), blocks(a.pool("dev"), lids))
+    checks.append("prepared reposted")
+
+    if FAKE:
+        # A failing device copy fails that transfer with the CUDA error, nothing else.
+        LIB.fakecuda_fail_copies(1)  # the sender's gather
+        err = failure(a.agent.write(peer, "dev", lids, "dev", rids, notify=b"never"))
+        assert "CUDA error 700" in err, err
+        LIB.fakecuda_fail_copies(1)  # the receiver's copy into device memory
+        err = failure(a.agent.write(peer, "host", lids, "dev", rids, notify=b"never"))
+        assert "device memory" in err and "700" in err, err
+        assert b.agent.get_notifications() == [], "a failed transfer notified"
+        write("dev", "dev", b"after-failure")
+        checks.append("copy failures")
+    stats = None
+    if FAKE:
+        arr = (c_ulonglong * 16)()
+        LIB.fakecuda_stats(arr, 16)
+        stats = list(arr)
+    print(json.dumps({"ok": True, "checks": checks, "stats": stats}), flush=True)
+    a.agent.close()
+    b.agent.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

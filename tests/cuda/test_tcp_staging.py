@@ -1,0 +1,63 @@
+"""Device memory over tcp, staged through pinned host buffers, on the fake CUDA driver.
+
+The checks live in tcp_staging_child.py (a fresh process per run: the CUDA driver is
+loaded once per process); the same script runs on a real GPU from bench/gpu_check.sh.
+The fake's device memory is not host-accessible (PROT_NONE), so a send or receive
+straight from device memory fails here as it would on a GPU, and its copies are
+asynchronous with a delay, so acknowledging before a copy landed shows up as a
+mismatch at notification time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pdkv
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD = os.path.join(HERE, "tcp_staging_child.py")
+
+
+def run_child(driver: str, **env) -> dict:
+    e = dict(os.environ, PDKV_CUDA_DRIVER=driver, **env)
+    r = subprocess.run([sys.executable, CHILD], env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_device_memory_over_tcp_every_direction_bit_exact(fakecuda_path):
+    import fakecuda_lib
+
+    out = run_child(fakecuda_path, FAKECUDA_COPY_DELAY_US="100")
+    assert out["checks"] == [
+        "write dev->dev", "write host->dev", "write dev->host", "read dev->dev", "read dev->host",
+        "read host->dev", "read dev->host", "prepared reposted", "write dev->dev", "copy failures",
+    ]
+    stats = dict(zip(fakecuda_lib.STATS, out["stats"]))
+    # Everything moved through copies the driver performed (no kernel: tcp stages
+    # with cuMemcpyAsync), and both injected failures were hit.
+    assert stats["async_copies"] > 500
+    assert stats["kernel_launches"] == 0
+    assert stats["failed_copies"] == 2
+
+
+def test_device_regions_need_a_cuda_driver_for_tcp():
+    # This process has no CUDA driver: tcp cannot stage, and says so.
+    if "cuda_ipc" in pdkv.available_transports() or os.environ.get("PDKV_CUDA_DRIVER"):
+        pytest.skip("a CUDA driver is loaded in this process")
+    buf = bytearray(1 << 16)
+    import ctypes
+
+    addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+    with pdkv.Agent("a", secret="s", transports=["tcp"]) as a, pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
+        r = a.register_address(addr, len(buf), kind="cuda", device=0, keepalive=buf)
+        d = b.register(bytearray(4096))
+        peer = a.connect(b.address)
+        with pytest.raises(pdkv.NotSupported, match="cuda"):
+            a.prepare_extents("write", peer, [(r.id, 0, d.id, 0, 4096)])
+        r.close()
