@@ -1,9 +1,12 @@
-"""cuda_ipc GB/s vs a device-to-device copy of the same bytes, measured in one run.
+"""cuda_ipc GB/s vs a device-to-device copy of the same bytes, measured in one run;
+then device memory over tcp (pinned staging) vs host memory over tcp, same payload.
 
 Two processes on one GPU (the target spawned here), llama-3-8b blocks (32 KiB
-block-halves) with permuted destinations. The ceiling is this process copying the
-same scattered extents between two of its own device buffers with cudaMemcpyAsync
-(torch's copy_ on views), which is what cuda_ipc does across processes.
+block-halves) with permuted destinations. The cuda_ipc ceiling is this process copying
+the same scattered extents between two of its own device buffers with cudaMemcpyAsync
+(torch's copy_ on views), which is what cuda_ipc does across processes. The tcp
+comparison forces transports=["tcp"] on both sides and moves the same blocks from
+device pools and from host pools: the ratio is what staging costs over loopback.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import pdkv
 
 TARGET = textwrap.dedent("""
     import sys, torch, pdkv
-    blocks = int(sys.argv[1])
-    pool = torch.zeros(32, 2, blocks, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
-    a = pdkv.Agent("gpu-target", secret="s")
+    blocks, dev, transports = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
+    pool = torch.zeros(32, 2, blocks, 16, 8, 128, dtype=torch.bfloat16, device=dev)
+    a = pdkv.Agent("gpu-target", secret="s", transports=transports)
     a.register(pool)
     a.add_layout("kv", pdkv.KVLayout.from_tensors([pool[l, 0] for l in range(32)], [pool[l, 1] for l in range(32)]))
     print(a.address, flush=True)
@@ -38,8 +41,42 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_check.json")
     args = ap.parse_args()
     n = args.blocks
-    proc = subprocess.Popen([sys.executable, "-c", TARGET, str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    res = cuda_ipc(n, args.iters)
+    res["tcp"] = {dev: tcp_gbps(n, args.iters, dev) for dev in ("cuda", "cpu")}
+    res["tcp"]["staged_vs_host"] = res["tcp"]["cuda"] / res["tcp"]["cpu"]
+    print(json.dumps(res, indent=2))
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=2)
+
+
+def tcp_gbps(n: int, iters: int, dev: str) -> float:
+    """GB/s of writing n blocks over tcp between two processes, pools on `dev`."""
+    proc = subprocess.Popen([sys.executable, "-c", TARGET, str(n), dev, "tcp"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        addr = proc.stdout.readline().strip()
+        pool = torch.randn(32, 2, n, 16, 8, 128, dtype=torch.bfloat16, device=dev)
+        with pdkv.Agent("tcp-init", secret="s", transports=["tcp"]) as a:
+            a.register(pool)
+            a.add_layout("kv", pdkv.KVLayout.from_tensors([pool[l, 0] for l in range(32)],
+                                                          [pool[l, 1] for l in range(32)]))
+            peer = a.connect(addr)
+            assert a.peer_transport(peer) == "tcp"
+            prep = a.prepare("write", peer, "kv", list(range(n)), "kv", torch.randperm(n).tolist())
+            prep.post().wait(120)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                prep.post().wait(120)
+            return prep.nbytes * iters / (time.perf_counter() - t0) / 1e9
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+
+
+def cuda_ipc(n: int, iters: int) -> dict:
+    proc = subprocess.Popen([sys.executable, "-c", TARGET, str(n), "cuda", "cuda_ipc,shm,tcp"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    args = argparse.Namespace(iters=iters)
     try:
         addr = proc.stdout.readline().strip()
         pool = torch.randn(32, 2, n, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
@@ -79,9 +116,7 @@ def main() -> None:
                "gbps": nbytes / pdkv_s / 1e9, "ceilings": {"d2d_copy": nbytes / d2d_s / 1e9},
                "block_write_p50_us": lat[len(lat) // 2], "device": torch.cuda.get_device_name()}
         res["ratios"] = {"d2d_copy": res["gbps"] / res["ceilings"]["d2d_copy"]}
-        print(json.dumps(res, indent=2))
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+        return res
     finally:
         proc.stdin.close()
         proc.wait(60)

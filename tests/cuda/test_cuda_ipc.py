@@ -67,12 +67,10 @@ def test_cuda_ipc_write_read_bit_exact(target):
         assert torch.equal(pool[:, :, [50, 51, 52, 53, 54]], pool[:, :, lids])
 
 
-def test_cuda_regions_are_refused_by_tcp_with_a_clear_error():
-    t = torch.zeros(1024, device="cuda")
-    with pdkv.Agent("a", secret="s", transports=["tcp"]) as a, pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
-        r = a.register(t)
-        assert r.kind == "cuda"
-        d = b.register(bytearray(4096))
-        peer = a.connect(b.address)
-        with pytest.raises(pdkv.NotSupported, match="cuda"):
-            a.prepare_extents("write", peer, [(r.id, 0, d.id, 0, 4096)])
+def test_device_memory_over_tcp_on_the_real_driver():
+    """Pinned staging with the real driver: the fake-driver checks, run on the GPU."""
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_staging_child.py")
+    env = {k: v for k, v in os.environ.items() if k != "PDKV_CUDA_DRIVER"}
+    r = subprocess.run([sys.executable, child], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "prepared reposted" in r.stdout
