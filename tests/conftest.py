@@ -16,6 +16,18 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+
+@pytest.fixture(scope="session")
+def fakecuda_path() -> str:
+    """Path of the fake CUDA driver (tests/fakecuda), built once; see tests/fakecuda_lib.py."""
+    import fakecuda_lib
+
+    try:
+        return fakecuda_lib.build(os.path.join(os.path.dirname(HERE), "build", "fakecuda"))
+    except fakecuda_lib.CompilerMissing as e:  # a compile error fails the tests instead
+        pytest.skip(str(e))
+
+
 # NIXL/UCX in tests (this process and the peer processes it spawns): loopback only.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
