@@ -5,8 +5,13 @@
 #include <netdb.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 namespace pdkv::util {
@@ -30,6 +35,44 @@ void advance_iov(msghdr& mh, size_t n) {
       n = 0;
     }
   }
+}
+
+Result<ScopedFd> listen_unix(const std::string& agent_name, uint64_t instance, const std::string& suffix,
+                             std::string* path) {
+  const char* env = std::getenv("PDKV_SHM_DIR");
+  const std::string dir = env && *env ? std::string(env) : "/tmp/pdkv-" + std::to_string(::getuid());
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    return Internal("cannot create the socket directory " + dir + ": " + errno_str(errno));
+  std::string safe;
+  for (char ch : agent_name.substr(0, 40)) safe += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+  char inst[20];
+  snprintf(inst, sizeof inst, "%016llx", static_cast<unsigned long long>(instance));
+  *path = dir + "/" + safe + "-" + inst + suffix;
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path->size() >= sizeof sa.sun_path)
+    return InvalidArgument("socket path too long (" + *path + "); set PDKV_SHM_DIR to a shorter directory");
+  std::memcpy(sa.sun_path, path->c_str(), path->size() + 1);
+  ScopedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd) return Internal("socket(AF_UNIX): " + errno_str(errno));
+  ::unlink(path->c_str());
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
+    return Internal("cannot bind " + *path + ": " + errno_str(errno));
+  ::chmod(path->c_str(), 0600);
+  if (::listen(fd.get(), 128) != 0) return Internal("listen " + *path + ": " + errno_str(errno));
+  return fd;
+}
+
+Result<ScopedFd> connect_unix(const std::string& path) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof sa.sun_path) return InvalidArgument("bad Unix socket path '" + path + "'");
+  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+  ScopedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return Internal("socket(AF_UNIX): " + errno_str(errno));
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
+    return ConnectionError("cannot connect to " + path + ": " + errno_str(errno));
+  return fd;
 }
 
 std::chrono::steady_clock::time_point deadline_after(double seconds) {

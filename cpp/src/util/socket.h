@@ -56,6 +56,13 @@ Result<sockaddr_storage> resolve(const HostPort& hp, socklen_t* len);
 Result<ScopedFd> listen_tcp(const HostPort& hp, uint16_t* port, int backlog = 128);
 // Connects with a timeout; returns a blocking socket with TCP_NODELAY set.
 Result<ScopedFd> connect_tcp(const HostPort& hp, double timeout_s);
+// A listening Unix socket for a same-host control channel, non-blocking, mode 0600:
+// <dir>/<agent name, sanitized>-<instance hex><suffix>, dir = $PDKV_SHM_DIR or
+// /tmp/pdkv-<uid> (created 0700). The path is returned in *path (unlink it at exit).
+Result<ScopedFd> listen_unix(const std::string& agent_name, uint64_t instance, const std::string& suffix,
+                             std::string* path);
+// Connects to a Unix socket path; returns a blocking socket.
+Result<ScopedFd> connect_unix(const std::string& path);
 Status set_nonblocking(int fd, bool on);
 // Blocking full send/recv with a deadline (poll-based). Fail with Timeout/ConnectionError.
 Status send_all(int fd, const void* buf, size_t n, std::chrono::steady_clock::time_point deadline);

@@ -197,11 +197,6 @@ Status send_frame(ShmConn& c, Ctl type, uint64_t id, std::string_view aux, uint3
   return Status::Ok();
 }
 
-std::string socket_dir() {
-  if (const char* d = std::getenv("PDKV_SHM_DIR"); d && *d) return d;
-  return "/tmp/pdkv-" + std::to_string(::getuid());
-}
-
 class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(const AgentConfig& cfg) : opts_(cfg.shm), connect_timeout_(cfg.tcp.connect_timeout_s) {}
@@ -275,26 +270,7 @@ class ShmTransport final : public Transport {
 Status ShmTransport::start(AgentHooks* hooks) {
   hooks_ = hooks;
   if (opts_.copy_threads == 0 || opts_.copy_threads > 64) return InvalidArgument("shm copy_threads must be 1..64");
-  const std::string dir = socket_dir();
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
-    return Internal("cannot create the shm socket directory " + dir + ": " + errno_str(errno));
-  std::string safe;
-  for (char ch : hooks->agent_name().substr(0, 40)) safe += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
-  char inst[20];
-  snprintf(inst, sizeof inst, "%016llx", static_cast<unsigned long long>(hooks->instance_id()));
-  path_ = dir + "/" + safe + "-" + inst + ".sock";
-  sockaddr_un sa{};
-  sa.sun_family = AF_UNIX;
-  if (path_.size() >= sizeof sa.sun_path)
-    return InvalidArgument("shm socket path too long (" + path_ + "); set PDKV_SHM_DIR to a shorter directory");
-  std::memcpy(sa.sun_path, path_.c_str(), path_.size() + 1);
-  listen_fd_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!listen_fd_) return Internal("socket(AF_UNIX): " + errno_str(errno));
-  ::unlink(path_.c_str());
-  if (::bind(listen_fd_.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
-    return Internal("cannot bind " + path_ + ": " + errno_str(errno));
-  ::chmod(path_.c_str(), 0600);
-  if (::listen(listen_fd_.get(), 128) != 0) return Internal("listen " + path_ + ": " + errno_str(errno));
+  PDKV_ASSIGN_OR_RETURN(listen_fd_, util::listen_unix(hooks->agent_name(), hooks->instance_id(), ".sock", &path_));
   epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
   evfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_event ev{};
@@ -654,13 +630,9 @@ void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
 Result<std::shared_ptr<ShmConn>> ShmTransport::dial(const Peer& peer) {
   const Endpoint* e = peer.md.find_endpoint("shm");
   if (!e) return NotSupported("peer '" + peer.md.name + "' publishes no shm endpoint");
-  sockaddr_un sa{};
-  sa.sun_family = AF_UNIX;
-  if (e->address.size() >= sizeof sa.sun_path) return InvalidArgument("peer's shm socket path is too long");
-  std::memcpy(sa.sun_path, e->address.c_str(), e->address.size() + 1);
-  util::ScopedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
-    return ConnectionError("cannot connect to peer '" + peer.md.name + "' at " + e->address + ": " + errno_str(errno));
+  auto fdr = util::connect_unix(e->address);
+  if (!fdr.ok()) return Status(fdr.status().code(), "peer '" + peer.md.name + "': " + fdr.status().message());
+  util::ScopedFd fd = std::move(fdr).value();
   util::ByteWriter body;
   body.put<uint16_t>(kShmVersion);
   body.put<uint64_t>(peer.md.instance_id);
