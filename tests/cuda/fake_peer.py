@@ -18,6 +18,11 @@ and then answers one JSON line per command:
   next n copies after prepare fail.
 * ``{"cmd": "burst", "address", "items": [{"lblocks", "rblocks", "notify"}]}``: posts
   the writes back to back, then waits for all -> ``{"ok", "error"}``.
+  ``"keep": name`` stores the prepared transfer; ``"reuse": name`` posts a stored one
+  instead of preparing.
+* ``{"cmd": "post_async", "address", "items": [...]}``: posts like ``burst`` and answers
+  at once ``{"posted"}``; ``{"cmd": "wait_async"}`` then waits -> ``{"ok", "error"}``.
+* ``{"cmd": "deregister"}``: closes the device pool's regions -> ``{"elapsed"}`` seconds.
 * ``{"cmd": "fail_copies", "n"}``, ``{"cmd": "stats"}`` -> fake driver counters.
 * ``{"cmd": "close"}``: closes the agent -> ``{"stats"}`` afterwards (leak checks).
 * ``{"cmd": "same_process_pair"}``: two agents in this process over device memory ->
@@ -85,8 +90,8 @@ class DevicePool:
         return pdkv.KVLayout.from_segments(self.host.layout.geometry, segs)
 
     def register(self, agent: pdkv.Agent) -> None:
-        for p, a in zip(self.ptrs, self.host.arrays):
-            agent.register_address(p, a.nbytes, kind="cuda", device=0)
+        self.regions = [agent.register_address(p, a.nbytes, kind="cuda", device=0)
+                        for p, a in zip(self.ptrs, self.host.arrays)]
         agent.add_layout("kv", self.layout())
 
     def digest(self, blocks) -> str:
@@ -127,6 +132,9 @@ def same_process_pair(cuda: FakeCuda, spec: PoolSpec, transports: list[str]) -> 
         b.close()
 
 
+KEPT: dict = {}  # name -> prepared transfer ("keep" / "reuse")
+
+
 def xfer(agent: pdkv.Agent, cuda: FakeCuda, peers: dict, req: dict) -> dict:
     res: dict = {"ok": False, "error": None, "transport": None, "peer_transport": None}
     try:
@@ -134,7 +142,12 @@ def xfer(agent: pdkv.Agent, cuda: FakeCuda, peers: dict, req: dict) -> dict:
             peers[req["address"]] = agent.connect(req["address"])
         peer = peers[req["address"]]
         res["peer_transport"] = agent.peer_transport(peer)
-        prep = agent.prepare(req["op"], peer, "kv", req["lblocks"], "kv", req["rblocks"])
+        if req.get("reuse"):
+            prep = KEPT[req["reuse"]]
+        else:
+            prep = agent.prepare(req["op"], peer, "kv", req["lblocks"], "kv", req["rblocks"])
+        if req.get("keep"):
+            KEPT[req["keep"]] = prep
         if req.get("fail_after_prepare"):
             cuda.fail_copies(req["fail_after_prepare"])
         for _ in range(req.get("repeat", 1)):
@@ -209,6 +222,25 @@ def main() -> None:
             out(xfer(agent, cuda, peers, req))
         elif cmd == "burst":
             out(burst(agent, peers, req))
+        elif cmd == "post_async":
+            if req["address"] not in peers:
+                peers[req["address"]] = agent.connect(req["address"])
+            peer = peers[req["address"]]
+            inflight = [agent.prepare("write", peer, "kv", it["lblocks"], "kv", it["rblocks"]).post(timeout=60)
+                        for it in req["items"]]
+            out({"posted": len(inflight)})
+        elif cmd == "wait_async":
+            try:
+                for x in inflight:
+                    x.wait(60)
+                out({"ok": True, "error": None})
+            except pdkv.PdkvError as e:
+                out({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        elif cmd == "deregister":
+            t0 = time.monotonic()
+            for r in pool.regions:
+                r.close()
+            out({"elapsed": time.monotonic() - t0})
         elif cmd == "fail_copies":
             cuda.fail_copies(req["n"])
             out({})

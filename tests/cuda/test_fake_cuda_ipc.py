@@ -19,6 +19,7 @@ import random
 import select
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -267,6 +268,65 @@ def test_peer_death_fails_transfers_without_crashing(fake_peer):
     assert r["ok"], r["error"]
     assert got == {"results": [{"notif": "again", "ok": True}], "missing": []}
     assert init.stats()["live_ipc_mappings"] >= 1
+
+
+def test_deregistering_revokes_importers_after_their_copies_finish(fake_peer):
+    """The exporter's deregistration waits until every importer's copies in flight have
+    landed and its mapping is closed; afterwards the importer refuses to touch it."""
+    spec = PoolSpec(style="vllm", **SPEC)
+    target = fake_peer("target", spec, 1)
+    # Slow per-extent copies on the importer: ~0.8 s of copies in flight.
+    init = fake_peer("init", spec, 2, env={"FAKECUDA_COPY_DELAY_US": "5000", "FAKECUDA_NO_KERNEL": "1"})
+    lids, rids = scattered(7)
+    r = init.call(cmd="xfer", op="write", address=target.address, lblocks=lids, rblocks=rids, keep="p")
+    assert r["ok"] and r["transport"] == "cuda_ipc", r
+    assert init.stats()["live_ipc_mappings"] >= 1
+    # Different bytes in flight (a burst of writes from other blocks), then deregister.
+    items = [{"lblocks": lids[i:i + 10], "rblocks": rids[i:i + 10]} for i in range(0, 40, 10)]
+    src = [b for it in items for b in it["lblocks"]]
+    want = init.call(cmd="digest", blocks=src)["digest"]
+    assert init.call(cmd="post_async", address=target.address, items=items)["posted"] == 4
+    elapsed = target.call(cmd="deregister")["elapsed"]
+    # Every copy posted before the revocation landed before deregistration returned...
+    assert target.call(cmd="digest", blocks=rids)["digest"] == want
+    assert init.call(cmd="wait_async") == {"ok": True, "error": None}
+    assert elapsed > 0.05, elapsed  # it did wait for them
+    # ... and nothing lands afterwards: the importer closed its mappings,
+    assert init.stats()["live_ipc_mappings"] == 0
+    # refuses a prepared transfer that targets the revoked region,
+    r = init.call(cmd="xfer", op="write", address=target.address, reuse="p")
+    assert not r["ok"] and r["error"].startswith("NotFound") and "deregistered" in r["error"], r
+    # and refuses to prepare against the stale metadata.
+    r = init.call(cmd="xfer", op="write", address=target.address, lblocks=lids, rblocks=rids)
+    assert not r["ok"] and r["error"].startswith("NotFound") and "deregistered" in r["error"], r
+    assert target.call(cmd="digest", blocks=rids)["digest"] == want
+
+
+def test_deregistering_with_no_importer_or_a_dead_one_does_not_wait(fake_peer):
+    spec = PoolSpec(style="vllm", **SPEC)
+    target = fake_peer("target", spec, 1)
+    init = fake_peer("init", spec, 2)
+    lids, rids = scattered(8)
+    assert init.call(cmd="xfer", op="write", address=target.address, lblocks=lids, rblocks=rids)["ok"]
+    init.kill()
+    assert target.call(cmd="deregister")["elapsed"] < 5
+
+
+def test_transfers_to_a_dead_exporter_fail_even_without_a_notification(fake_peer):
+    spec = PoolSpec(style="vllm", **SPEC)
+    target = fake_peer("target", spec, 1)
+    init = fake_peer("init", spec, 2)
+    lids, rids = scattered(9)
+    r = init.call(cmd="xfer", op="write", address=target.address, lblocks=lids, rblocks=rids, keep="p")
+    assert r["ok"] and r["transport"] == "cuda_ipc", r
+    target.kill()
+    # The importer notices the control connection drop (asynchronously).
+    for _ in range(50):
+        r = init.call(cmd="xfer", op="write", address=target.address, reuse="p")
+        if not r["ok"]:
+            break
+        time.sleep(0.1)
+    assert not r["ok"] and r["error"].startswith("PeerConnectionError") and "gone" in r["error"], r
 
 
 def test_same_process_agents_use_tcp_staging_not_cuda_ipc(fake_peer):

@@ -47,7 +47,8 @@ Loaded load_driver() {
             load(lib, "cuIpcCloseMemHandle", &d.cuIpcCloseMemHandle) &&
             load(lib, "cuMemcpyAsync", &d.cuMemcpyAsync) && load(lib, "cuMemcpyHtoD_v2", &d.cuMemcpyHtoD) &&
             load(lib, "cuMemcpyDtoH_v2", &d.cuMemcpyDtoH) && load(lib, "cuStreamCreate", &d.cuStreamCreate) &&
-            load(lib, "cuStreamDestroy_v2", &d.cuStreamDestroy) && load(lib, "cuEventCreate", &d.cuEventCreate) &&
+            load(lib, "cuStreamDestroy_v2", &d.cuStreamDestroy) &&
+            load(lib, "cuStreamSynchronize", &d.cuStreamSynchronize) && load(lib, "cuEventCreate", &d.cuEventCreate) &&
             load(lib, "cuEventRecord", &d.cuEventRecord) && load(lib, "cuEventSynchronize", &d.cuEventSynchronize) &&
             load(lib, "cuEventDestroy_v2", &d.cuEventDestroy) &&
             load(lib, "cuPointerGetAttribute", &d.cuPointerGetAttribute) &&

@@ -11,9 +11,21 @@
 // The CUDA driver is loaded at run time (cuda/driver.h); without a GPU this
 // transport is simply not viable and never selected.
 //
-// Limitation: the exporter cannot force peers to close handles; deregister device
-// regions only after the peers using them finished (or were removed).
+// Revocation and liveness: every agent listens on a Unix socket (its path is in the
+// cuda_ipc metadata); an importer connects to the exporter and authenticates with
+// the exporter's secret before opening its first handle. When the exporter
+// deregisters a device region it sends kRevoke to every connected importer and
+// waits for kRevokeAck: the importer refuses new posts touching the region, lets the
+// copies in flight finish, closes its mapping, then acknowledges. If the control
+// connection drops (the exporter died), transfers to that peer fail at once with
+// PeerConnectionError instead of writing into orphaned memory.
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -28,6 +40,7 @@
 #include "pdkv/registry.h"
 #include "util/bytes.h"
 #include "util/log.h"
+#include "util/socket.h"
 
 extern const unsigned char kPdkvBatchCopyFatbin[];
 extern const unsigned long kPdkvBatchCopyFatbinSize;
@@ -52,20 +65,84 @@ struct Exported {
   CUipcMemHandle handle{};
 };
 
+struct CtlConn;
+
 struct Opened {
   CUdeviceptr base = 0;  // mapped allocation base in this process
   uint64_t offset = 0;
   uint64_t len = 0;
   int device = 0;  // whose context mapped it
-  ~Opened() {
-    // The last holder may be any thread (drop_peer from a progress thread, a Python
-    // thread dropping a prepared transfer): closing needs the context current there.
-    if (base) {
-      auto d = CudaDriver::get();
-      if (d.ok() && (*d)->use_device(device).ok()) (*d)->cuIpcCloseMemHandle(base);
-    }
+  uint64_t region = 0;
+  std::string peer;
+  std::weak_ptr<CtlConn> ctl;      // control connection to the exporter
+  std::atomic<int> inflight{0};    // posted copies not yet completed
+  std::atomic<bool> revoked{false};
+  std::atomic<bool> gone{false};   // the exporter's control connection dropped
+  std::atomic<bool> released{false};
+  std::mutex close_mu;
+  // The last holder may be any thread (drop_peer from a progress thread, a Python
+  // thread dropping a prepared transfer): closing needs the context current there.
+  void close() {
+    std::lock_guard<std::mutex> lk(close_mu);
+    if (!base) return;
+    auto d = CudaDriver::get();
+    if (d.ok() && (*d)->use_device(device).ok()) (*d)->cuIpcCloseMemHandle(base);
+    base = 0;
   }
+  ~Opened() { close(); }
 };
+
+// Control frames (Unix socket, little endian): header, then aux_len bytes.
+constexpr uint32_t kCtlMagic = 0x434b4450;  // "PDKC"
+constexpr uint16_t kCtlVersion = 1;
+constexpr uint32_t kMaxCtlAux = 4096;
+constexpr double kCtlTimeoutS = 5.0;       // connect + handshake
+constexpr double kRevokeTimeoutS = 10.0;   // deregistration waits this long for importers
+
+enum class Ctl : uint16_t {
+  kHello = 1,      // importer -> exporter; aux: u16 version, u64 expected instance, str from, str secret
+  kHelloAck = 2,   // exporter -> importer
+  kRevoke = 3,     // exporter -> importer: stop using region `id`
+  kRevokeAck = 4,  // importer -> exporter: region `id` is no longer mapped
+  kError = 5,      // status: StatusCode, aux: message; the sender then closes
+};
+
+struct CtlHdr {
+  uint32_t magic;
+  uint16_t type;
+  uint16_t reserved;
+  uint64_t id;
+  uint32_t aux_len;
+  uint32_t status;
+};
+static_assert(sizeof(CtlHdr) == 24, "control header must be 24 bytes");
+
+struct CtlConn {
+  CtlConn(util::ScopedFd f, bool out) : fd(std::move(f)), outbound(out) {}
+  util::ScopedFd fd;
+  const bool outbound;          // we are the importer
+  std::string peer;             // the other agent's name (once known)
+  uint64_t peer_instance = 0;   // outbound: the exporter's instance
+  Clock::time_point hs_deadline = Clock::time_point::max();
+  std::mutex wmu;               // serializes writes
+  // Guarded by the transport's mu_.
+  bool authed = false;
+  bool dead = false;
+  std::set<uint64_t> acks;      // inbound: regions the importer acknowledged
+  // Read state (control thread only).
+  CtlHdr hdr{};
+  size_t hdr_got = 0;
+  std::string aux;
+  size_t aux_got = 0;
+};
+
+Status send_ctl(CtlConn& c, Ctl type, uint64_t id, std::string_view aux = {}, uint32_t status = 0) {
+  CtlHdr h{kCtlMagic, static_cast<uint16_t>(type), 0, id, static_cast<uint32_t>(aux.size()), status};
+  std::string frame(reinterpret_cast<const char*>(&h), sizeof h);
+  frame.append(aux);
+  std::lock_guard<std::mutex> lk(c.wmu);
+  return util::send_all(c.fd.get(), frame.data(), frame.size(), util::deadline_after(kCtlTimeoutS));
+}
 
 struct Op {
   CUdeviceptr dst;
@@ -96,9 +173,11 @@ struct Pending {
   std::shared_ptr<const CudaPrepared> prep;
   std::shared_ptr<Transfer> xfer;
   std::string notif;
+  Status err;  // an enqueue failed: report it once the copies queued before it are done
 };
 
-std::string encode(const std::vector<Exported>& regions) {
+// The cuda_ipc metadata: the exported regions and the control socket's path.
+std::string encode(const std::vector<Exported>& regions, const std::string& ctl_path) {
   util::ByteWriter w;
   w.put<uint32_t>(static_cast<uint32_t>(regions.size()));
   for (const auto& r : regions) {
@@ -108,10 +187,11 @@ std::string encode(const std::vector<Exported>& regions) {
     w.put<uint64_t>(r.offset);
     w.put_raw(r.handle.reserved, sizeof r.handle.reserved);
   }
+  w.put_str(ctl_path);
   return w.take();
 }
 
-Result<std::vector<Exported>> decode(std::string_view blob) {
+Result<std::vector<Exported>> decode(std::string_view blob, std::string* ctl_path) {
   util::ByteReader r(blob);
   uint32_t n = 0;
   PDKV_RETURN_IF_ERROR(r.get_count(&n, "cuda_ipc region count", 92, 1u << 16));
@@ -123,6 +203,7 @@ Result<std::vector<Exported>> decode(std::string_view blob) {
     PDKV_RETURN_IF_ERROR(r.get(&e.offset, "region offset"));
     PDKV_RETURN_IF_ERROR(r.get(&e.handle, "ipc handle"));
   }
+  PDKV_RETURN_IF_ERROR(r.get_str(ctl_path, "cuda_ipc control socket", 4096));
   return out;
 }
 
@@ -154,7 +235,12 @@ class CudaIpcTransport final : public Transport {
   Status start(AgentHooks* hooks) override {
     hooks_ = hooks;
     PDKV_ASSIGN_OR_RETURN(drv_, CudaDriver::get());
+    PDKV_ASSIGN_OR_RETURN(listen_fd_,
+                          util::listen_unix(hooks->agent_name(), hooks->instance_id(), ".cuda.sock", &ctl_path_));
+    evfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (evfd_ < 0) return Internal("eventfd: " + util::errno_str(errno));
     th_ = std::thread([this] { complete_loop(); });
+    ctl_th_ = std::thread([this] { ctl_loop(); });
     std::lock_guard<std::mutex> lk(g_local_mu);
     g_local_agents.insert(hooks_->instance_id());
     return Status::Ok();
@@ -165,13 +251,19 @@ class CudaIpcTransport final : public Transport {
       if (stop_) return;
       stop_ = true;
       cv_.notify_all();
+      ctl_cv_.notify_all();
     }
     if (hooks_) {
       std::lock_guard<std::mutex> lk(g_local_mu);
       g_local_agents.erase(hooks_->instance_id());
     }
+    wake_ctl();
+    if (ctl_th_.joinable()) ctl_th_.join();
     if (th_.joinable()) th_.join();
+    if (evfd_ >= 0) ::close(evfd_);
+    if (!ctl_path_.empty()) ::unlink(ctl_path_.c_str());
     std::lock_guard<std::mutex> lk(mu_);
+    ctl_.clear();  // peers see the control connections close
     for (auto& [dev, s] : streams_) drv_->cuStreamDestroy(s);
     streams_.clear();
     opened_.clear();
@@ -195,9 +287,30 @@ class CudaIpcTransport final : public Transport {
     std::lock_guard<std::mutex> lk(mu_);
     for (auto it = opened_.begin(); it != opened_.end();)
       it = it->first.first == name ? opened_.erase(it) : std::next(it);
+    for (auto& c : ctl_)
+      if (c->outbound && c->peer == name) ::shutdown(c->fd.get(), SHUT_RDWR);  // the control thread reaps it
+    wake_ctl();
   }
+  void region_removed(const RegionDesc& region) override;
 
  private:
+  // Control channel (see the file comment).
+  void ctl_loop();
+  void wake_ctl() {
+    uint64_t one = 1;
+    if (evfd_ >= 0 && ::write(evfd_, &one, sizeof one) < 0) {
+    }
+  }
+  // The authenticated control connection to `peer` (dialed on first use).
+  Result<std::shared_ptr<CtlConn>> ctl_to(const Peer& peer, const std::string& path);
+  void on_ctl_readable(const std::shared_ptr<CtlConn>& c);
+  // Handles one complete frame; false when the connection must close.
+  bool on_ctl_frame(const std::shared_ptr<CtlConn>& c);
+  void ctl_closed(const std::shared_ptr<CtlConn>& c);
+  void on_revoke(const std::shared_ptr<CtlConn>& c, uint64_t region);
+  // Closes a revoked mapping and acknowledges once no copy uses it any more.
+  void maybe_release(const std::shared_ptr<Opened>& o);
+
   Result<CUstream> stream_for(int device);
   // The batched-copy kernel for `device`, or nullptr when it was not built.
   Result<cuda::CUfunction> kernel_for(int device);
@@ -216,6 +329,14 @@ class CudaIpcTransport final : public Transport {
   // (peer name, instance<<0 ^ region id) -> opened mapping
   std::map<std::pair<std::string, std::pair<uint64_t, uint64_t>>, std::shared_ptr<Opened>> opened_;
   mutable std::map<uint64_t, Exported> exported_cache_;
+  // Control channel; ctl_ and revoked_ guarded by mu_.
+  std::string ctl_path_;
+  util::ScopedFd listen_fd_;
+  int evfd_ = -1;
+  std::thread ctl_th_;
+  std::condition_variable ctl_cv_;
+  std::vector<std::shared_ptr<CtlConn>> ctl_;
+  std::set<std::pair<uint64_t, uint64_t>> revoked_;  // (exporter instance, region) we were told to drop
 };
 
 std::string CudaIpcTransport::metadata_extra() const {
@@ -247,7 +368,7 @@ std::string CudaIpcTransport::metadata_extra() const {
     bool live = std::any_of(out.begin(), out.end(), [&](const Exported& e) { return e.id == it->first; });
     it = live ? std::next(it) : exported_cache_.erase(it);
   }
-  return out.empty() ? std::string() : encode(out);
+  return out.empty() ? std::string() : encode(out, ctl_path_);
 }
 
 Result<CUstream> CudaIpcTransport::stream_for(int device) {
@@ -306,7 +427,8 @@ Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared
   std::string blob;
   for (const auto& [n, b] : peer->md.extras)
     if (n == "cuda_ipc") blob = b;
-  PDKV_ASSIGN_OR_RETURN(std::vector<Exported> regions, decode(blob));
+  std::string ctl_path;
+  PDKV_ASSIGN_OR_RETURN(std::vector<Exported> regions, decode(blob, &ctl_path));
   auto p = std::make_shared<CudaPrepared>();
   p->peer = peer;
   // The local device: the first local CUDA region's, else device 0 (host-side extents).
@@ -314,19 +436,17 @@ Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared
   // cannot dereference pageable host memory (an illegal address).
   p->device = -1;
   bool local_all_device = true;
-  RegionDesc local{};
   for (const auto& e : extents) {
-    if (local.len == 0 || e.local_addr < local.addr || e.local_addr - local.addr + e.len > local.len) {
-      PDKV_ASSIGN_OR_RETURN(local, hooks_->region_table().find(e.local_addr, e.len));
-    }
-    if (local.kind != MemKind::kCuda) {
+    if (e.local_kind != MemKind::kCuda) {
       local_all_device = false;
     } else if (p->device < 0) {
-      p->device = local.device;
+      p->device = e.local_device;
     }
   }
   if (p->device < 0) p->device = 0;
   PDKV_RETURN_IF_ERROR(drv_->use_device(p->device));
+  // Before mapping anything of the peer: the control connection that lets it revoke.
+  PDKV_ASSIGN_OR_RETURN(std::shared_ptr<CtlConn> ctl, ctl_to(*peer, ctl_path));
   std::unordered_map<uint64_t, std::shared_ptr<Opened>> by_id;
   for (const auto& e : extents) {
     auto it = by_id.find(e.remote_region);
@@ -339,6 +459,9 @@ Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared
       std::shared_ptr<Opened> o;
       {
         std::lock_guard<std::mutex> lk(mu_);
+        if (revoked_.count({peer->md.instance_id, e.remote_region}))
+          return NotFound("peer '" + peer->md.name + "' deregistered its region " + std::to_string(e.remote_region) +
+                          "; fetch its metadata again (connect() or add_peer())");
         auto oit = opened_.find(key);
         if (oit != opened_.end()) o = oit->second;
       }
@@ -347,11 +470,17 @@ Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared
         o->offset = ex->offset;
         o->len = ex->len;
         o->device = p->device;
+        o->region = e.remote_region;
+        o->peer = peer->md.name;
+        o->ctl = ctl;
         PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuIpcOpenMemHandle(&o->base, ex->handle, cuda::kIpcLazyEnablePeerAccess),
                                          "cuIpcOpenMemHandle").with_context("opening region " +
                                                                             std::to_string(ex->id) + " of '" +
                                                                             peer->md.name + "'"));
         std::lock_guard<std::mutex> lk(mu_);
+        if (revoked_.count({peer->md.instance_id, e.remote_region}) || ctl->dead)
+          return NotFound("peer '" + peer->md.name + "' deregistered its region " + std::to_string(e.remote_region) +
+                          " (or went away) while it was being mapped");
         opened_[key] = o;
       }
       it = by_id.emplace(e.remote_region, o).first;
@@ -385,8 +514,29 @@ void CudaIpcTransport::post(const std::shared_ptr<const PreparedOps>& ops, const
     xfer->resolve_part(0, st);
     if (!notif.empty()) xfer->resolve_part(0, Cancelled("notification not sent: the copy failed"));
   };
+  // Claim the mappings first, then check they are still valid: a revocation either
+  // sees the claim (and waits for the copies) or this post sees the revocation.
+  for (const auto& o : prep->opened) o->inflight.fetch_add(1);
+  auto unclaim = [&] {
+    for (const auto& o : prep->opened)
+      if (o->inflight.fetch_sub(1) == 1) maybe_release(o);
+  };
+  for (const auto& o : prep->opened) {
+    if (o->revoked || o->gone) {
+      const bool gone = o->gone;
+      const std::string who = o->peer;
+      const uint64_t region = o->region;
+      unclaim();
+      return fail(gone ? ConnectionError("peer '" + who + "' is gone (its cuda_ipc control connection closed)")
+                       : NotFound("peer '" + who + "' deregistered its region " + std::to_string(region) +
+                                  "; fetch its metadata again (connect() or add_peer())"));
+    }
+  }
   auto stream = stream_for(prep->device);
-  if (!stream.ok()) return fail(stream.status());
+  if (!stream.ok()) {
+    unclaim();
+    return fail(stream.status());
+  }
   Status st = drv_->use_device(prep->device);
   if (st.ok() && prep->kernel) {
     CUdeviceptr src = prep->d_desc, dst = src + 8ull * prep->n_chunks, len = dst + 8ull * prep->n_chunks;
@@ -401,16 +551,23 @@ void CudaIpcTransport::post(const std::shared_ptr<const PreparedOps>& ops, const
       st = drv_->check(drv_->cuMemcpyAsync(o.dst, o.src, o.len, *stream), "cuMemcpyAsync");
     }
   }
+  // Even when an enqueue failed, copies queued before it may still run: record an
+  // event and let the completion thread report the failure once they are done, so
+  // nothing (pins, mappings) is released under a running copy.
   CUevent ev = nullptr;
-  if (st.ok())
-    st = drv_->check(drv_->cuEventCreate(&ev, cuda::kEventBlockingSync | cuda::kEventDisableTiming), "cuEventCreate");
-  if (st.ok()) st = drv_->check(drv_->cuEventRecord(ev, *stream), "cuEventRecord");
-  if (!st.ok()) {
+  Status ev_st = drv_->check(drv_->cuEventCreate(&ev, cuda::kEventBlockingSync | cuda::kEventDisableTiming),
+                             "cuEventCreate");
+  if (ev_st.ok()) ev_st = drv_->check(drv_->cuEventRecord(ev, *stream), "cuEventRecord");
+  if (!ev_st.ok()) {
+    // Cannot track the queued copies: wait for the whole stream instead.
     if (ev) drv_->cuEventDestroy(ev);
-    return fail(st);
+    ev = nullptr;
+    drv_->cuStreamSynchronize(*stream);
+    unclaim();
+    return fail(st.ok() ? ev_st : st);
   }
   std::lock_guard<std::mutex> lk(mu_);
-  pending_.push_back(Pending{ev, prep, xfer, std::move(notif)});
+  pending_.push_back(Pending{ev, prep, xfer, std::move(notif), st});
   cv_.notify_one();
 }
 
@@ -427,6 +584,9 @@ void CudaIpcTransport::complete_loop() {
     // Copies on one stream complete in order, so waiting FIFO is exact.
     Status st = drv_->check(drv_->cuEventSynchronize(p.event), "cuEventSynchronize");
     drv_->cuEventDestroy(p.event);
+    if (st.ok()) st = p.err;
+    for (const auto& o : p.prep->opened)
+      if (o->inflight.fetch_sub(1) == 1) maybe_release(o);
     p.xfer->resolve_part(st.ok() ? p.prep->total : 0, st);
     if (p.notif.empty()) continue;
     if (!st.ok()) {
@@ -435,6 +595,270 @@ void CudaIpcTransport::complete_loop() {
     }
     hooks_->relay_notification(p.prep->peer, p.xfer, std::move(p.notif), this);
   }
+}
+
+// ---------------------------------------------------------------- control channel
+
+void CudaIpcTransport::region_removed(const RegionDesc& region) {
+  if (region.kind != MemKind::kCuda || !region.remote_access) return;
+  std::vector<std::shared_ptr<CtlConn>> importers;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    exported_cache_.erase(region.id);
+    for (auto& c : ctl_)
+      if (!c->outbound && c->authed && !c->dead) {
+        c->acks.erase(region.id);
+        importers.push_back(c);
+      }
+  }
+  std::vector<std::shared_ptr<CtlConn>> told;
+  for (auto& c : importers)
+    if (send_ctl(*c, Ctl::kRevoke, region.id).ok()) told.push_back(c);
+  const auto deadline = util::deadline_after(kRevokeTimeoutS);
+  std::unique_lock<std::mutex> lk(mu_);
+  for (auto& c : told) {
+    if (!ctl_cv_.wait_until(lk, deadline, [&] { return stop_ || c->dead || c->acks.count(region.id); })) {
+      PDKV_LOG_WARN("cuda_ipc: peer '%s' did not release region %llu within %.0f s; deregistering anyway",
+                    c->peer.c_str(), static_cast<unsigned long long>(region.id), kRevokeTimeoutS);
+    }
+    c->acks.erase(region.id);
+  }
+}
+
+void CudaIpcTransport::maybe_release(const std::shared_ptr<Opened>& o) {
+  if (!o->revoked.load() || o->inflight.load() != 0 || o->released.exchange(true)) return;
+  o->close();
+  if (auto c = o->ctl.lock()) {
+    Status st = send_ctl(*c, Ctl::kRevokeAck, o->region);
+    if (!st.ok()) PDKV_LOG_DEBUG("cuda_ipc: revoke ack to '%s' failed: %s", o->peer.c_str(), st.to_string().c_str());
+  }
+}
+
+void CudaIpcTransport::on_revoke(const std::shared_ptr<CtlConn>& c, uint64_t region) {
+  std::shared_ptr<Opened> o;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    revoked_.insert({c->peer_instance, region});
+    auto it = opened_.find({c->peer, {c->peer_instance, region}});
+    if (it != opened_.end()) {
+      o = it->second;
+      opened_.erase(it);
+    }
+  }
+  if (!o) {
+    (void)send_ctl(*c, Ctl::kRevokeAck, region);  // never mapped here
+    return;
+  }
+  o->revoked.store(true);
+  maybe_release(o);  // at once, or when the last copy in flight completes
+}
+
+Result<std::shared_ptr<CtlConn>> CudaIpcTransport::ctl_to(const Peer& peer, const std::string& path) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& c : ctl_)
+      if (c->outbound && c->peer == peer.md.name && c->peer_instance == peer.md.instance_id && !c->dead) return c;
+  }
+  auto fd = util::connect_unix(path);
+  if (!fd.ok())
+    return Status(fd.status().code(), "cuda_ipc control connection to peer '" + peer.md.name + "': " +
+                                          fd.status().message());
+  auto c = std::make_shared<CtlConn>(std::move(fd).value(), true);
+  c->peer = peer.md.name;
+  c->peer_instance = peer.md.instance_id;
+  util::ByteWriter body;
+  body.put<uint16_t>(kCtlVersion);
+  body.put<uint64_t>(peer.md.instance_id);
+  body.put_str(hooks_->agent_name());
+  body.put_str(peer.secret);
+  const std::string where = "peer '" + peer.md.name + "' (cuda_ipc control " + path + ")";
+  PDKV_RETURN_IF_ERROR(send_ctl(*c, Ctl::kHello, 0, body.str()).with_context("hello to " + where));
+  CtlHdr r{};
+  const auto deadline = util::deadline_after(kCtlTimeoutS);
+  PDKV_RETURN_IF_ERROR(util::recv_all(c->fd.get(), &r, sizeof r, deadline).with_context("handshake with " + where));
+  if (r.magic != kCtlMagic || r.aux_len > kMaxCtlAux) return ProtocolError(where + " sent a malformed reply");
+  std::string aux(r.aux_len, '\0');
+  PDKV_RETURN_IF_ERROR(util::recv_all(c->fd.get(), aux.data(), aux.size(), deadline).with_context("handshake with " + where));
+  if (r.type == static_cast<uint16_t>(Ctl::kError))
+    return Status(status_code_from_wire(r.status), where + " refused the connection: " + aux);
+  if (r.type != static_cast<uint16_t>(Ctl::kHelloAck)) return ProtocolError(where + " answered the hello wrongly");
+  PDKV_RETURN_IF_ERROR(util::set_nonblocking(c->fd.get(), true));
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) return ConnectionError("agent is shutting down");
+    c->authed = true;
+    // Another thread may have dialed concurrently: keep one.
+    for (auto& o : ctl_)
+      if (o->outbound && o->peer == c->peer && o->peer_instance == c->peer_instance && !o->dead) return o;
+    ctl_.push_back(c);
+  }
+  wake_ctl();
+  return c;
+}
+
+void CudaIpcTransport::ctl_loop() {
+  std::vector<pollfd> pfds;
+  std::vector<std::shared_ptr<CtlConn>> conns;
+  for (;;) {
+    pfds.clear();
+    conns.clear();
+    bool handshaking = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stop_) return;
+      for (auto& c : ctl_) {
+        conns.push_back(c);
+        handshaking |= !c->authed;
+      }
+    }
+    pfds.push_back({evfd_, POLLIN, 0});
+    pfds.push_back({listen_fd_.get(), POLLIN, 0});
+    for (auto& c : conns) pfds.push_back({c->fd.get(), POLLIN | POLLRDHUP, 0});
+    const int n = ::poll(pfds.data(), pfds.size(), handshaking ? 200 : -1);
+    if (n < 0 && errno != EINTR) {
+      PDKV_LOG_ERROR("cuda_ipc: poll: %s", util::errno_str(errno).c_str());
+      return;
+    }
+    if (pfds[0].revents) {
+      uint64_t v;
+      if (::read(evfd_, &v, sizeof v) < 0) {
+      }
+    }
+    if (pfds[1].revents & POLLIN) {
+      for (;;) {
+        int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) break;
+        auto c = std::make_shared<CtlConn>(util::ScopedFd(fd), false);
+        c->hs_deadline = util::deadline_after(kCtlTimeoutS);
+        std::lock_guard<std::mutex> lk(mu_);
+        ctl_.push_back(c);
+      }
+    }
+    const auto now = Clock::now();
+    for (size_t i = 0; i < conns.size(); ++i) {
+      auto& c = conns[i];
+      if (pfds[i + 2].revents) on_ctl_readable(c);
+      bool late = false;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        late = !c->dead && !c->authed && now >= c->hs_deadline;
+      }
+      if (late) ctl_closed(c);
+    }
+  }
+}
+
+void CudaIpcTransport::on_ctl_readable(const std::shared_ptr<CtlConn>& c) {
+  for (;;) {
+    ssize_t r;
+    if (c->hdr_got < sizeof c->hdr) {
+      r = ::recv(c->fd.get(), reinterpret_cast<char*>(&c->hdr) + c->hdr_got, sizeof c->hdr - c->hdr_got,
+                 MSG_DONTWAIT);
+      if (r > 0) {
+        c->hdr_got += static_cast<size_t>(r);
+        if (c->hdr_got < sizeof c->hdr) continue;
+        if (c->hdr.magic != kCtlMagic || c->hdr.aux_len > kMaxCtlAux) {
+          PDKV_LOG_WARN("cuda_ipc: malformed control frame from %s; closing",
+                        c->peer.empty() ? "an unauthenticated client" : ("'" + c->peer + "'").c_str());
+          return ctl_closed(c);
+        }
+        c->aux.assign(c->hdr.aux_len, '\0');
+        c->aux_got = 0;
+        if (c->hdr.aux_len > 0) continue;
+      }
+    } else {
+      r = ::recv(c->fd.get(), c->aux.data() + c->aux_got, c->aux.size() - c->aux_got, MSG_DONTWAIT);
+      if (r > 0) c->aux_got += static_cast<size_t>(r);
+    }
+    if (c->hdr_got == sizeof c->hdr && c->aux_got == c->aux.size()) {
+      c->hdr_got = 0;
+      if (!on_ctl_frame(c)) return ctl_closed(c);
+      continue;
+    }
+    if (r == 0) return ctl_closed(c);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    return ctl_closed(c);
+  }
+}
+
+bool CudaIpcTransport::on_ctl_frame(const std::shared_ptr<CtlConn>& c) {
+  const CtlHdr h = c->hdr;
+  const auto type = static_cast<Ctl>(h.type);
+  bool authed;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    authed = c->authed;
+  }
+  if (!c->outbound && !authed) {
+    auto refuse = [&](const Status& st) {
+      PDKV_LOG_WARN("cuda_ipc: refusing a control connection: %s", st.to_string().c_str());
+      (void)send_ctl(*c, Ctl::kError, 0, st.message(), static_cast<uint32_t>(st.code()));
+      return false;
+    };
+    if (type != Ctl::kHello) return refuse(ProtocolError("the first control frame must be a hello"));
+    util::ByteReader r(c->aux);
+    uint16_t ver = 0;
+    uint64_t expect = 0;
+    std::string from, secret;
+    Status st = r.get(&ver, "version");
+    if (st.ok() && ver != kCtlVersion)
+      return refuse(VersionMismatch("cuda_ipc control version " + std::to_string(ver) + " is not supported"));
+    if (st.ok()) st = r.get(&expect, "instance");
+    if (st.ok()) st = r.get_str(&from, "from", 128);
+    if (st.ok()) st = r.get_str(&secret, "secret", 1024);
+    if (!st.ok()) return refuse(ProtocolError("malformed hello: " + st.message()));
+    if (!hooks_->secret_matches(secret))
+      return refuse(AuthFailed("agent '" + from + "' presented the wrong secret to agent '" + hooks_->agent_name() + "'"));
+    if (expect != hooks_->instance_id())
+      return refuse(StalePeer("agent '" + hooks_->agent_name() + "' restarted since its metadata was fetched"));
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      c->peer = from;
+      c->authed = true;
+    }
+    return send_ctl(*c, Ctl::kHelloAck, 0).ok();
+  }
+  switch (type) {
+    case Ctl::kRevoke:
+      if (!c->outbound) return false;
+      on_revoke(c, h.id);
+      return true;
+    case Ctl::kRevokeAck: {
+      if (c->outbound) return false;
+      std::lock_guard<std::mutex> lk(mu_);
+      c->acks.insert(h.id);
+      ctl_cv_.notify_all();
+      return true;
+    }
+    default:
+      PDKV_LOG_WARN("cuda_ipc: unexpected control frame type %u from '%s'; closing", h.type, c->peer.c_str());
+      return false;
+  }
+}
+
+void CudaIpcTransport::ctl_closed(const std::shared_ptr<CtlConn>& c) {
+  std::vector<std::shared_ptr<Opened>> orphaned;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (c->dead) return;
+    c->dead = true;
+    ctl_.erase(std::remove(ctl_.begin(), ctl_.end(), c), ctl_.end());
+    ctl_cv_.notify_all();
+    if (c->outbound) {
+      // The exporter is gone (or dropped): its mappings must not be written any more.
+      for (auto it = opened_.begin(); it != opened_.end();) {
+        if (it->first.first == c->peer && it->first.second.first == c->peer_instance) {
+          orphaned.push_back(it->second);
+          it = opened_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }
+  for (auto& o : orphaned) o->gone.store(true);
+  ::shutdown(c->fd.get(), SHUT_RDWR);
 }
 
 bool registered = register_transport(TransportFactory{
