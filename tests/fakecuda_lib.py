@@ -17,6 +17,8 @@ import shutil
 import subprocess
 import tempfile
 
+from pdkv.bench.devmem import DeviceMemory
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fakecuda", "fakecuda.cc")
 
@@ -64,75 +66,15 @@ def build(dest_dir: str) -> str:
     return out
 
 
-class CudaError(RuntimeError):
-    def __init__(self, what: str, code: int) -> None:
-        super().__init__(f"{what} failed: CUDA error {code}")
-        self.code = code
-
-
-class FakeCuda:
-    """ctypes view of the fake driver at ``path`` (the instance pdkv uses in this process).
-
-    Device pointers are ints; their memory is not host-accessible, so read and write it
-    with :meth:`htod` and :meth:`dtoh` only.
-    """
+class FakeCuda(DeviceMemory):
+    """ctypes view of the fake driver at ``path`` (the instance pdkv uses in this process),
+    with the fake's test hooks."""
 
     def __init__(self, path: str) -> None:
-        self.lib = lib = ctypes.CDLL(path)
-        u64, vp, sz = ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t
-        lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(u64), sz]
-        lib.cuMemFree_v2.argtypes = [u64]
-        lib.cuMemcpyHtoD_v2.argtypes = [u64, vp, sz]
-        lib.cuMemcpyDtoH_v2.argtypes = [vp, u64, sz]
-        lib.cuCtxSetCurrent.argtypes = [vp]
-        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
-        lib.fakecuda_fail_copies.argtypes = [ctypes.c_int]
-        lib.fakecuda_stats.argtypes = [ctypes.POINTER(u64), ctypes.c_int]
-        self._check(lib.cuInit(0), "cuInit")
-        self._ctx = ctypes.c_void_p()
-        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(self._ctx), 0), "cuDevicePrimaryCtxRetain")
-
-    @staticmethod
-    def _check(code: int, what: str) -> None:
-        if code != 0:
-            raise CudaError(what, code)
-
-    def _call(self, fn, what: str, *args) -> None:
-        # The context is current only during the call: pdkv must not rely on a context
-        # someone else left on its thread (tests count calls made without one).
-        self._check(self.lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-        try:
-            self._check(fn(*args), what)
-        finally:
-            self.lib.cuCtxSetCurrent(None)
-
-    def alloc(self, nbytes: int) -> int:
-        """Device memory of ``nbytes`` bytes (zero-filled); returns its address."""
-        p = ctypes.c_ulonglong()
-        self._call(self.lib.cuMemAlloc_v2, "cuMemAlloc", ctypes.byref(p), nbytes)
-        return p.value
-
-    def free(self, ptr: int) -> None:
-        self._call(self.lib.cuMemFree_v2, "cuMemFree", ptr)
-
-    def htod(self, ptr: int, data) -> None:
-        """Copies ``data`` (bytes or a C-contiguous numpy array) to device address ``ptr``."""
-        buf = memoryview(data).cast("B")
-        if buf.readonly:
-            buf = memoryview(bytearray(buf))
-        c = (ctypes.c_char * buf.nbytes).from_buffer(buf)
-        self._call(self.lib.cuMemcpyHtoD_v2, "cuMemcpyHtoD", ptr, c, buf.nbytes)
-
-    def dtoh(self, ptr: int, nbytes: int, dtype=None, shape=None):
-        """``nbytes`` from device address ``ptr``: bytes, or a numpy array of ``dtype``/``shape``."""
-        out = ctypes.create_string_buffer(nbytes)
-        self._call(self.lib.cuMemcpyDtoH_v2, "cuMemcpyDtoH", out, ptr, nbytes)
-        if dtype is None:
-            return out.raw
-        import numpy as np
-
-        a = np.frombuffer(out.raw, dtype=dtype)
-        return a if shape is None else a.reshape(shape)
+        super().__init__(path)
+        u64 = ctypes.c_ulonglong
+        self.lib.fakecuda_fail_copies.argtypes = [ctypes.c_int]
+        self.lib.fakecuda_stats.argtypes = [ctypes.POINTER(u64), ctypes.c_int]
 
     def fail_copies(self, n: int) -> None:
         """The next ``n`` copies fail with CUDA_ERROR_ILLEGAL_ADDRESS (700)."""

@@ -10,48 +10,18 @@ any mismatch raises (non-zero exit with the traceback).
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import sys
-from ctypes import byref, c_int, c_size_t, c_ulonglong, c_void_p
+from ctypes import c_ulonglong
 
 import numpy as np
 
 import pdkv
+from pdkv.bench.devmem import DeviceMemory
 
-LIB = ctypes.CDLL(os.environ.get("PDKV_CUDA_DRIVER") or "libcuda.so.1")
+MEM = DeviceMemory()  # the driver pdkv loads: $PDKV_CUDA_DRIVER, else libcuda.so.1
+LIB = MEM.lib
 FAKE = hasattr(LIB, "fakecuda_fail_copies")
-
-
-def ck(r: int, what: str) -> None:
-    if r:
-        raise RuntimeError(f"{what}: CUDA error {r}")
-
-
-ck(LIB.cuInit(0), "cuInit")
-_dev = c_int()
-ck(LIB.cuDeviceGet(byref(_dev), 0), "cuDeviceGet")
-_ctx = c_void_p()
-ck(LIB.cuDevicePrimaryCtxRetain(byref(_ctx), _dev), "cuDevicePrimaryCtxRetain")
-ck(LIB.cuCtxSetCurrent(_ctx), "cuCtxSetCurrent")
-
-
-def dalloc(n: int) -> int:
-    p = c_ulonglong()
-    ck(LIB.cuMemAlloc_v2(byref(p), c_size_t(n)), "cuMemAlloc")
-    return p.value
-
-
-def htod(ptr: int, a: np.ndarray) -> None:
-    a = np.ascontiguousarray(a)
-    ck(LIB.cuMemcpyHtoD_v2(c_ulonglong(ptr), a.ctypes.data_as(c_void_p), c_size_t(a.nbytes)), "cuMemcpyHtoD")
-
-
-def dtoh(ptr: int, n: int) -> np.ndarray:
-    out = np.empty(n, np.uint8)
-    ck(LIB.cuMemcpyDtoH_v2(out.ctypes.data_as(c_void_p), c_ulonglong(ptr), c_size_t(n)), "cuMemcpyDtoH")
-    return out
 
 
 # Small blocks and small staging chunks: one transfer spans many batches, the two
@@ -67,9 +37,9 @@ class Side:
     def __init__(self, name: str, seed: int) -> None:
         self.agent = pdkv.Agent(name, secret="s", transports=["tcp"], tcp=TCP)
         n = GEOM.pool_bytes
-        self.dev = dalloc(n)
+        self.dev = MEM.alloc(n)
         rng = np.random.default_rng(seed)
-        htod(self.dev, rng.integers(0, 256, n, dtype=np.uint8))
+        MEM.htod(self.dev, rng.integers(0, 256, n, dtype=np.uint8))
         self.host = rng.integers(0, 256, n, dtype=np.uint8)
         self.agent.register_address(self.dev, n, kind="cuda", device=0)
         self.agent.register(self.host)
@@ -77,7 +47,7 @@ class Side:
         self.agent.add_layout("host", pdkv.KVLayout.contiguous(GEOM, self.host))
 
     def pool(self, which: str) -> np.ndarray:
-        return dtoh(self.dev, GEOM.pool_bytes) if which == "dev" else self.host.copy()
+        return MEM.dtoh(self.dev, GEOM.pool_bytes, np.uint8) if which == "dev" else self.host.copy()
 
 
 def blocks(pool: np.ndarray, ids: list[int]) -> np.ndarray:
@@ -133,7 +103,7 @@ def main() -> None:
     # A prepared device transfer posted again moves the current bytes.
     prep = a.agent.prepare("write", peer, "dev", lids, "dev", rids)
     for _ in range(3):
-        htod(a.dev, np.random.default_rng(len(checks)).integers(0, 256, GEOM.pool_bytes, dtype=np.uint8))
+        MEM.htod(a.dev, np.random.default_rng(len(checks)).integers(0, 256, GEOM.pool_bytes, dtype=np.uint8))
         assert prep.post().wait(30)
         assert np.array_equal(blocks(b.pool("dev"), rids), blocks(a.pool("dev"), lids))
     checks.append("prepared reposted")
