@@ -12,8 +12,8 @@ import pytest
 import pdkv
 
 
-def run_bench(*args: str, timeout: float = 240) -> list[dict]:
-    env = dict(os.environ, UCX_NET_DEVICES="lo")
+def run_bench(*args: str, timeout: float = 240, env: dict | None = None) -> list[dict]:
+    env = dict(os.environ, UCX_NET_DEVICES="lo", **(env or {}))
     out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--payload", "4M,8M", "--iters", "2",
                           "--lat-iters", "30", "--prepare-blocks", "1000", "--json", *args],
                          capture_output=True, text=True, timeout=timeout, env=env)
@@ -31,6 +31,16 @@ def test_bench_transfer_json(transport):
         assert set(r["ceilings"]) == {"socket_plain", "socket_tuned", "memcpy"}
         assert set(r["ratios"]) == set(r["ceilings"])
         assert r["gbps"] > 0 and r["lat_p50_us"] > 0 and r["lat_p99_us"] >= r["lat_p50_us"]
+
+
+def test_bench_transfer_device_memory_over_tcp(fakecuda_path):
+    """--memory cuda on the fake driver: both pools in device memory, staged over tcp."""
+    rows = run_bench("--transport", "tcp", "--memory", "cuda", env={"PDKV_CUDA_DRIVER": fakecuda_path})
+    assert [r["payload_bytes"] for r in rows] == [4 << 20, 8 << 20]
+    for r in rows:
+        assert r["transport"] == "tcp" and r["memory"] == "cuda" and r["verified"] is True
+        assert set(r["ceilings"]) == {"socket_plain", "socket_tuned"}  # no host memcpy ceiling
+        assert r["gbps"] > 0
 
 
 def test_bench_transfer_compare_peers():
@@ -54,3 +64,6 @@ def test_bench_transfer_rejects_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--transport", "warp"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "not available" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--memory", "cuda", "--compare",
+                          "nixl"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "host memory" in out.stderr

@@ -73,13 +73,39 @@ def tcp_options(args: argparse.Namespace) -> TcpOptions:
                       batch_bytes=args.batch_bytes)
 
 
-def _pool(agent: Agent, geo, seed: int | None) -> tuple[np.ndarray, KVLayout]:
-    """A KV pool in pdkv-allocated shared memory (so every transport can use it)."""
+def _pool(agent: Agent, geo, seed: int | None, memory: str = "host") -> tuple[object, KVLayout]:
+    """A KV pool in pdkv-allocated shared memory (so every transport can use it), or in
+    CUDA device memory (``memory="cuda"``, through the driver API)."""
+    fill = np.random.default_rng(seed).integers(0, 256, geo.pool_bytes, dtype=np.uint8) if seed is not None else None
+    if memory == "cuda":
+        mem = _device_memory()
+        ptr = mem.alloc(geo.pool_bytes)
+        mem.htod(ptr, fill if fill is not None else np.zeros(geo.pool_bytes, np.uint8))
+        agent.register_address(ptr, geo.pool_bytes, kind="cuda", device=mem.device)
+        return ptr, KVLayout.contiguous(geo, ptr)
     buf = agent.alloc(geo.pool_bytes).array()
-    if seed is not None:
-        rng = np.random.default_rng(seed)
-        buf[:] = rng.integers(0, 256, geo.pool_bytes, dtype=np.uint8)
+    if fill is not None:
+        buf[:] = fill
     return buf, KVLayout.contiguous(geo, buf)
+
+
+_DEVMEM = None
+
+
+def _device_memory():
+    global _DEVMEM
+    if _DEVMEM is None:
+        from .devmem import DeviceMemory
+
+        _DEVMEM = DeviceMemory()
+    return _DEVMEM
+
+
+def _read(args, addr: int, n: int) -> np.ndarray:
+    """n bytes at addr, from host or (``--memory cuda``) device memory."""
+    if args.memory == "cuda":
+        return _device_memory().dtoh(addr, n, np.uint8)
+    return _view(addr, n)
 
 
 # ---------------------------------------------------------------- target process
@@ -91,8 +117,9 @@ def serve(args: argparse.Namespace) -> None:
     from .. import available_transports
 
     agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
-                  tcp=tcp_options(args), transports=[t for t in available_transports() if t != "cuda_ipc"])
-    buf, layout = _pool(agent, geo, None)
+                  tcp=tcp_options(args),
+                  transports=["tcp"] if args.memory == "cuda" else [t for t in available_transports() if t != "cuda_ipc"])
+    buf, layout = _pool(agent, geo, None, args.memory)
     agent.add_layout("kv", layout)
     host, _, port = agent.address.rpartition(":")
     sink = bench.Sink(host.strip("[]"), 0 if args.child else int(port) + 1)
@@ -133,7 +160,8 @@ class Target:
 def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
     cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--child", "--model", args.model,
            "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
-           "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads)]
+           "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
+           "--memory", args.memory]
     cpus = sorted(os.sched_getaffinity(0))
     pin_to = {cpus[1]} if args.pin and len(cpus) >= 2 else None
 
@@ -215,7 +243,7 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
         back.post().wait(120)
         pairs = plan_blocks(agent.layout("kv").unbound(), lids, agent.layout(scratch_layout_name).unbound(),
                             np.arange(nblocks, dtype=np.uint32))
-        verified = all(np.array_equal(_view(lo, n), _view(ro, n)) for _, lo, _, ro, n in pairs)
+        verified = all(np.array_equal(_read(args, lo, n), _read(args, ro, n)) for _, lo, _, ro, n in pairs)
     total = payload * iters
     ceilings = {}
     s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
@@ -223,15 +251,17 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
     s = bench.stream(target.sink_host, target.sink_port, args.conns, total, payload, True,
                      args.rcvlowat or 0)
     ceilings["socket_tuned"] = total / s / 1e9
-    # memcpy of the same scattered extents between two local pools.
-    ext = [(ro, lo, n) for _, lo, _, ro, n in plan_blocks(
-        agent.layout("kv").unbound(), lids, agent.layout(scratch_layout_name).unbound(),
-        rng.permutation(args.local_blocks)[:nblocks].astype(np.uint32))]
-    bench.memcpy_extents(ext, 1)
-    mi = max(1, iters)
-    ceilings["memcpy"] = payload * mi / bench.memcpy_extents(ext, mi) / 1e9
+    if args.memory == "host":
+        # memcpy of the same scattered extents between two local pools.
+        ext = [(ro, lo, n) for _, lo, _, ro, n in plan_blocks(
+            agent.layout("kv").unbound(), lids, agent.layout(scratch_layout_name).unbound(),
+            rng.permutation(args.local_blocks)[:nblocks].astype(np.uint32))]
+        bench.memcpy_extents(ext, 1)
+        mi = max(1, iters)
+        ceilings["memcpy"] = payload * mi / bench.memcpy_extents(ext, mi) / 1e9
     return {
         "transport": agent.peer_transport(peer),
+        "memory": args.memory,
         "model": args.model,
         "payload_bytes": payload,
         "block_bytes": geo.block_bytes,
@@ -281,6 +311,10 @@ def run_latency(args, target: Target, agent: Agent, peer: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.memory == "cuda" and args.compare:
+        raise InvalidArgument("--compare runs NIXL/Mooncake on host memory; measure them without --memory cuda")
+    if args.memory == "cuda":
+        _device_memory()  # no driver or device: say so before starting the target
     payloads = [parse_size(p) for p in args.payload.split(",")]
     geo1 = models.geometry(args.model, 1)
     block = geo1.num_layers * geo1.kv_parts * geo1.block_bytes
@@ -301,8 +335,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         with Agent("bench-initiator", secret=secret, listen=f"{args.host}:0", tcp=tcp_options(args),
                    transports=transports) as agent:
             geo = models.geometry(args.model, args.local_blocks)
-            src, src_layout = _pool(agent, geo, args.seed)
-            scratch, scratch_layout = _pool(agent, geo, None)
+            src, src_layout = _pool(agent, geo, args.seed, args.memory)
+            scratch, scratch_layout = _pool(agent, geo, None, args.memory)
             agent.add_layout("kv", src_layout)
             agent.add_layout("scratch", scratch_layout)
             peer = agent.connect(target.address, transport=args.transport)
@@ -364,16 +398,18 @@ def print_table(args, results: list[dict]) -> None:
     if not results:
         return
     r0 = results[0]
-    print(f"\npdkv bench transfer — transport {r0['transport']}, model {args.model} "
+    print(f"\npdkv bench transfer — transport {r0['transport']}, {args.memory} memory, model {args.model} "
           f"({human(r0['block_bytes'])} block-halves, destinations permuted), conns={args.conns}, "
           f"threads={args.threads}, target {'remote ' + args.target if args.target else 'local process'}")
     print(f"{'payload':>9} {'extents':>8} {'pdkv':>7} {'plain':>7} {'tuned':>7} {'memcpy':>7} "
           f"{'/plain':>7} {'/tuned':>7} {'/memcpy':>8}  verified  (GB/s)")
     for r in results:
         c, q = r["ceilings"], r["ratios"]
+        mc = f"{c['memcpy']:7.2f}" if "memcpy" in c else f"{'-':>7}"
+        mq = f"{q['memcpy']:7.2f}x" if "memcpy" in q else f"{'-':>8}"
         print(f"{human(r['payload_bytes']):>9} {r['extents']:>8} {r['gbps']:7.2f} {c['socket_plain']:7.2f} "
-              f"{c['socket_tuned']:7.2f} {c['memcpy']:7.2f} {q['socket_plain']:7.2f}x {q['socket_tuned']:6.2f}x "
-              f"{q['memcpy']:7.2f}x  {r['verified']}")
+              f"{c['socket_tuned']:7.2f} {mc} {q['socket_plain']:7.2f}x {q['socket_tuned']:6.2f}x "
+              f"{mq}  {r['verified']}")
         for name, p in r.get("peers", {}).items():
             if "error" in p:
                 print(f"{'':>9} {name}: {p['error']}")
@@ -398,6 +434,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--transport", default="tcp",
                     help="transport to measure: tcp, shm or nixl (default tcp; cuda_ipc: bench/gpu_bench.py)")
     ap.add_argument("--model", default="llama-3-8b", help="KV geometry preset:\n" + models.describe())
+    ap.add_argument("--memory", choices=("host", "cuda"), default="host",
+                    help="where both sides' KV pools live: host memory (default) or CUDA device 0 "
+                         "(tcp stages it through pinned host buffers; needs a CUDA driver)")
     ap.add_argument("--payload", default="64M,256M,1G", help="comma-separated payload sizes (default 64M,256M,1G)")
     ap.add_argument("--iters", type=int, default=0, help="timed repetitions per payload (default: >= --min-bytes)")
     ap.add_argument("--min-bytes", type=lambda s: parse_size(s), default=parse_size("2G"),
