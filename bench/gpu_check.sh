@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # One-command proof of pdkv's CUDA paths on a GPU machine (< 5 minutes):
 #   bench/gpu_check.sh
-# Builds pdkv, runs the CUDA tests (two processes on one device through cuda_ipc),
-# then measures cuda_ipc GB/s against a device-to-device copy of the same scattered
-# blocks in the same run. Writes results to ${OUT:-.}/gpu_check.json.
+# Runs the CUDA tests (cuda_ipc between two processes on one device, tcp staging of
+# device memory in every direction, and the fake-driver tests), then measures cuda_ipc
+# GB/s against a device-to-device copy of the same scattered blocks, and staged tcp
+# from GPU pools against tcp from host pools, in the same run. Writes
+# ${OUT:-.}/gpu_check.json. Uses $PYTHON, else .venv/bin/python, else python3; installs
+# pdkv (and torch) only when they are missing, so it also runs on machines without
+# network access when the environment was carried over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 nvidia-smi -L || { echo "no NVIDIA GPU here"; exit 1; }
-$PY -c "import torch; assert torch.cuda.is_available(), 'torch without CUDA'" 2>/dev/null || \
-  $PY -m pip install -q torch
-$PY -m pip install -q -e ".[test]"
+$PY -c "import pdkv" 2>/dev/null || $PY -m pip install -q -e ".[test]"
+$PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || \
+  echo "note: torch with CUDA is missing; the torch-based GPU tests and gpu_bench.py need it (pip install torch)"
 $PY -m pytest tests/cuda -v -p no:cacheprovider
-$PY bench/gpu_bench.py --out "${OUT:-.}/gpu_check.json"
+if $PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  $PY bench/gpu_bench.py --out "${OUT:-.}/gpu_check.json"
+fi
+$PY -m pdkv.cli bench transfer --transport tcp --memory cuda --payload 256M,1G --prepare-blocks 0 \
+  --out "${OUT:-.}/gpu_tcp_staging.json"
