@@ -57,37 +57,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_nixl)
 
 
-class PeerProc:
-    """A pdkv agent in another process (tests/peer_proc.py), driven by JSON lines."""
+class JsonLineProc:
+    """A child process answering one JSON line per JSON-line request on stdin; its
+    first line (the hello) is kept in ``self.hello``."""
 
-    def __init__(self, name: str, spec, seed: int | None, *, secret: str = SECRET, listen: str = "127.0.0.1:0",
-                 tcp: dict | None = None, prefix: list[str] | None = None, transports=("tcp",),
-                 shared: bool = False) -> None:
-        cmd = (prefix or []) + [sys.executable, os.path.join(HERE, "peer_proc.py"), "--name", name, "--secret", secret,
-                                "--spec", json.dumps(spec.to_dict()), "--listen", listen, "--tcp", json.dumps(tcp or {}),
-                                "--transports", ",".join(transports)]
-        if shared:
-            cmd.append("--shared")
-        if seed is not None:
-            cmd += ["--seed", str(seed)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        hello = self._read(60)
-        self.address = hello["address"]
-        self.pid = hello["pid"]
+    def __init__(self, cmd: list[str], name: str, env: dict | None = None) -> None:
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
         self.name = name
+        self.hello = self._read(60)
+        self.address = self.hello["address"]
+        self.pid = self.hello["pid"]
 
     def _read(self, timeout: float) -> dict:
         r, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not r:
-            raise TimeoutError("peer process did not answer")
+            raise TimeoutError(f"peer process {self.name!r} did not answer")
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"peer process exited with {self.proc.wait()}")
+            raise RuntimeError(f"peer process {self.name!r} exited with {self.proc.wait()}")
         return json.loads(line)
 
-    def call(self, timeout: float = 60, **req) -> dict:
+    def send(self, **req) -> None:
         self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
+
+    def recv(self, timeout: float = 60) -> dict:
+        return self._read(timeout)
+
+    def call(self, timeout: float = 60, **req) -> dict:
+        self.send(**req)
         return self._read(timeout)
 
     def kill(self) -> None:
@@ -101,13 +99,13 @@ class PeerProc:
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """Ends the process cleanly; returns its exit status (negative: killed by a signal)."""
         if self.proc.poll() is None:
             try:
                 self.resume()
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=10)
+                self.send(cmd="exit")
+                self.proc.wait(timeout=20)
             except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
                 self.proc.kill()
                 self.proc.wait()
@@ -116,6 +114,23 @@ class PeerProc:
                 f.close()
             except OSError:
                 pass
+        return self.proc.returncode
+
+
+class PeerProc(JsonLineProc):
+    """A pdkv agent in another process (tests/peer_proc.py), driven by JSON lines."""
+
+    def __init__(self, name: str, spec, seed: int | None, *, secret: str = SECRET, listen: str = "127.0.0.1:0",
+                 tcp: dict | None = None, prefix: list[str] | None = None, transports=("tcp",),
+                 shared: bool = False) -> None:
+        cmd = (prefix or []) + [sys.executable, os.path.join(HERE, "peer_proc.py"), "--name", name, "--secret", secret,
+                                "--spec", json.dumps(spec.to_dict()), "--listen", listen, "--tcp", json.dumps(tcp or {}),
+                                "--transports", ",".join(transports)]
+        if shared:
+            cmd.append("--shared")
+        if seed is not None:
+            cmd += ["--seed", str(seed)]
+        super().__init__(cmd, name)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ both sides can generate and check the same bytes from a seed without shipping th
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -105,3 +106,22 @@ class Pool:
 
     def digest(self, block_ids) -> str:
         return hashlib.sha256(self.logical(block_ids).tobytes()).hexdigest()
+
+
+def expect_notifications(agent: pdkv.Agent, digest, req: dict, *, with_peer: bool = False) -> dict:
+    """Waits for the notifications ``req["items"]`` name (``{"notif", "blocks", "digest"}``)
+    and, as each arrives, checks *at once* that its blocks hold the expected bytes
+    (``digest(blocks) == item["digest"]``; a ``None`` digest checks only arrival) ->
+    ``{"results": [{"notif", "ok"[, "peer"]}], "missing": [...]}``."""
+    want = {it["notif"]: it for it in req["items"]}
+    results = []
+    deadline = time.monotonic() + req.get("timeout", 30)
+    while want and time.monotonic() < deadline:
+        for n in agent.wait_notifications(timeout=max(0.0, deadline - time.monotonic())):
+            it = want.pop(n.data.decode(), None)
+            if it is not None:
+                r = {"notif": n.data.decode(), "ok": it["digest"] is None or digest(it["blocks"]) == it["digest"]}
+                if with_peer:
+                    r["peer"] = n.peer
+                results.append(r)
+    return {"results": results, "missing": sorted(want)}

@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pdkv  # noqa: E402
-from kvpools import Pool, PoolSpec  # noqa: E402
+from kvpools import Pool, PoolSpec, expect_notifications  # noqa: E402
 
 
 def main() -> None:
@@ -59,19 +59,7 @@ def main() -> None:
         elif cmd == "logical":
             out({"data": base64.b64encode(pool.logical(req["blocks"]).tobytes()).decode()})
         elif cmd == "expect":
-            want = {it["notif"]: it for it in req["items"]}
-            results = []
-            import time
-
-            deadline = time.monotonic() + req.get("timeout", 30)
-            while want and time.monotonic() < deadline:
-                for n in agent.wait_notifications(timeout=max(0.0, deadline - time.monotonic())):
-                    key = n.data.decode()
-                    it = want.pop(key, None)
-                    if it is not None:
-                        results.append({"notif": key, "ok": pool.digest(it["blocks"]) == it["digest"],
-                                        "peer": n.peer})
-            out({"results": results, "missing": sorted(want)})
+            out(expect_notifications(agent, pool.digest, req, with_peer=True))
         elif cmd == "xfer":
             try:
                 peer = agent.connect(req["address"])

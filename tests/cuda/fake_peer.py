@@ -15,11 +15,10 @@ and then answers one JSON line per command:
 * ``{"cmd": "xfer", "op", "address", "lblocks", "rblocks", "notify", "fail_after_prepare",
   "repeat"}``: acts as initiator (connecting to ``address`` on first use only) ->
   ``{"ok", "error", "transport", "peer_transport"}``; ``fail_after_prepare=n``: the
-  next n copies after prepare fail.
+  next n copies after prepare fail; ``"keep": name`` stores the prepared transfer,
+  ``"reuse": name`` posts a stored one instead of preparing.
 * ``{"cmd": "burst", "address", "items": [{"lblocks", "rblocks", "notify"}]}``: posts
   the writes back to back, then waits for all -> ``{"ok", "error"}``.
-  ``"keep": name`` stores the prepared transfer; ``"reuse": name`` posts a stored one
-  instead of preparing.
 * ``{"cmd": "post_async", "address", "items": [...]}``: posts like ``burst`` and answers
   at once ``{"posted"}``; ``{"cmd": "wait_async"}`` then waits -> ``{"ok", "error"}``.
 * ``{"cmd": "deregister"}``: closes the device pool's regions -> ``{"elapsed"}`` seconds.
@@ -45,7 +44,7 @@ import numpy as np  # noqa: E402
 
 import pdkv  # noqa: E402
 from fakecuda_lib import FakeCuda  # noqa: E402
-from kvpools import Pool, PoolSpec  # noqa: E402
+from kvpools import Pool, PoolSpec, expect_notifications  # noqa: E402
 
 ALIGN = 256  # cudaMalloc alignment; the caching allocator hands out sub-ranges like this
 
@@ -208,16 +207,7 @@ def main() -> None:
         if cmd == "digest":
             out({"digest": pool.digest(req["blocks"])})
         elif cmd == "expect":
-            want = {it["notif"]: it for it in req["items"]}
-            results = []
-            deadline = time.monotonic() + req.get("timeout", 30)
-            while want and time.monotonic() < deadline:
-                for n in agent.wait_notifications(timeout=max(0.0, deadline - time.monotonic())):
-                    it = want.pop(n.data.decode(), None)
-                    if it is not None:
-                        ok = it["digest"] is None or pool.digest(it["blocks"]) == it["digest"]
-                        results.append({"notif": n.data.decode(), "ok": ok})
-            out({"results": results, "missing": sorted(want)})
+            out(expect_notifications(agent, pool.digest, req))
         elif cmd == "xfer":
             out(xfer(agent, cuda, peers, req))
         elif cmd == "burst":

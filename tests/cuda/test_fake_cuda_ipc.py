@@ -16,20 +16,19 @@ from __future__ import annotations
 import json
 import os
 import random
-import select
-import subprocess
 import sys
 import time
 
 import pytest
 
+from conftest import JsonLineProc
 from kvpools import PoolSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 
-class FakePeer:
+class FakePeer(JsonLineProc):
     """A pdkv agent over fake-CUDA memory in a child process (fake_peer.py)."""
 
     def __init__(self, driver: str, name: str, spec, seed: int | None, *, env: dict | None = None,
@@ -40,56 +39,11 @@ class FakePeer:
             cmd += ["--seed", str(seed)]
         for k, v in opts.items():
             cmd += [f"--{k}", str(v)]
-        e = dict(os.environ, PDKV_CUDA_DRIVER=driver, **(env or {}))
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=e)
-        hello = self._read(60)
-        self.address, self.pid, self.available = hello["address"], hello["pid"], hello["available"]
-        self.name = name
-
-    def _read(self, timeout: float) -> dict:
-        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not r:
-            raise TimeoutError("fake-GPU peer did not answer")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"fake-GPU peer exited with {self.proc.wait()}")
-        return json.loads(line)
-
-    def send(self, **req) -> None:
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-
-    def recv(self, timeout: float = 60) -> dict:
-        return self._read(timeout)
-
-    def call(self, timeout: float = 60, **req) -> dict:
-        self.send(**req)
-        return self._read(timeout)
+        super().__init__(cmd, name, env=dict(os.environ, PDKV_CUDA_DRIVER=driver, **(env or {})))
+        self.available = self.hello["available"]
 
     def stats(self) -> dict:
         return self.call(cmd="stats")["stats"]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> int:
-        """Ends the process cleanly; returns its exit status (negative: killed by a signal)."""
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=20)
-            except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
-                self.proc.kill()
-                self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except OSError:
-                pass
-        return self.proc.returncode
 
 
 @pytest.fixture
