@@ -119,6 +119,28 @@ def main() -> None:
         assert b.agent.get_notifications() == [], "a failed transfer notified"
         write("dev", "dev", b"after-failure")
         checks.append("copy failures")
+    # Cancelling a staged write in flight ends it (cancelled, or done if every batch
+    # was already on the wire) without hanging; the agent keeps working.
+    x = a.agent.write(peer, "dev", lids, "dev", rids)
+    x.cancel()
+    try:
+        x.wait(30)
+    except pdkv.Cancelled:
+        pass
+    write("dev", "dev", b"after-cancel")
+    checks.append("cancel")
+    # The peer going away in the middle of a staged write fails that transfer (or it
+    # completed first), never the process; the agent then works with a new peer.
+    x = a.agent.write(peer, "dev", lids, "dev", rids)
+    b.agent.close()
+    try:
+        x.wait(30)
+    except (pdkv.PeerConnectionError, pdkv.Cancelled):
+        pass
+    b = Side("dev-c", 3)
+    peer = a.agent.connect(b.agent.address)
+    write("dev", "dev", b"new-peer")
+    checks.append("peer closed")
     stats = None
     if FAKE:
         arr = (c_ulonglong * 16)()

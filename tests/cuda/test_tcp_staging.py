@@ -37,6 +37,7 @@ def test_device_memory_over_tcp_every_direction_bit_exact(fakecuda_path):
     assert out["checks"] == [
         "write dev->dev", "write host->dev", "write dev->host", "read dev->dev", "read dev->host",
         "read host->dev", "read dev->host", "prepared reposted", "write dev->dev", "copy failures",
+        "write dev->dev", "cancel", "write dev->dev", "peer closed",
     ]
     stats = dict(zip(fakecuda_lib.STATS, out["stats"]))
     # Everything moved through copies the driver performed (no kernel: tcp stages
