@@ -59,6 +59,12 @@ def test_device_regions_need_a_cuda_driver_for_tcp():
         r = a.register_address(addr, len(buf), kind="cuda", device=0, keepalive=buf)
         d = b.register(bytearray(4096))
         peer = a.connect(b.address)
-        with pytest.raises(pdkv.NotSupported, match="cuda"):
+        with pytest.raises(pdkv.NotSupported, match="CUDA driver"):
             a.prepare_extents("write", peer, [(r.id, 0, d.id, 0, 4096)])
+        # The receiving side says the same when a peer writes into its device region.
+        peer_a = b.connect(a.address)
+        x = b.prepare_extents("write", peer_a, [(d.id, 0, r.id, 0, 4096)]).post()
+        with pytest.raises(pdkv.NotSupported, match="device memory.*CUDA driver"):
+            x.wait(10)
+        assert not any(buf), "nothing may land in a device region that cannot be staged"
         r.close()

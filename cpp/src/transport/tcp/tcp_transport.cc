@@ -318,12 +318,11 @@ class TcpTransport final : public Transport {
     c.remote_mem_kinds = mem_kinds();
     return c;
   }
-  // Host memory always; device memory (staged through pinned buffers) where a CUDA
-  // driver and device exist.
-  static uint32_t mem_kinds() {
-    static const uint32_t k = mem_kind_bit(MemKind::kHost) | (cuda::cuda_available() ? mem_kind_bit(MemKind::kCuda) : 0u);
-    return k;
-  }
+  // Host memory, and device memory staged through pinned buffers. The CUDA driver is
+  // loaded only when a transfer touches device memory (never at start-up: cuInit in
+  // a process that later forks would break CUDA in its children); without one that
+  // transfer fails with NotSupported naming the reason.
+  static uint32_t mem_kinds() { return mem_kind_bit(MemKind::kHost) | mem_kind_bit(MemKind::kCuda); }
   Status start(AgentHooks* hooks) override;
   void shutdown() override;
   std::vector<Endpoint> endpoints() const override { return {Endpoint{"tcp", addr_.str()}}; }
