@@ -25,7 +25,7 @@ SOURCE = os.path.join(HERE, "fakecuda", "fakecuda.cc")
 # Counter names in fakecuda.cc's enum Stat order.
 STATS = ("async_copies", "kernel_launches", "h2d", "d2h", "bytes_copied", "failed_copies", "module_loads",
          "ipc_opens", "ipc_closes", "no_context_errors", "live_allocs", "live_ipc_mappings", "live_pinned",
-         "live_streams", "live_events")
+         "live_streams", "live_events", "inits")
 
 CU_ERROR_ILLEGAL_ADDRESS = 700
 

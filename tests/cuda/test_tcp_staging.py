@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -68,3 +69,29 @@ def test_device_regions_need_a_cuda_driver_for_tcp():
             x.wait(10)
         assert not any(buf), "nothing may land in a device region that cannot be staged"
         r.close()
+
+
+def test_agents_do_not_initialize_cuda_until_device_memory_is_used(fakecuda_path):
+    """cuInit in a process that later fork()s breaks CUDA in its children: creating
+    agents (cuda_ipc offered) and moving host memory must not call it."""
+    code = textwrap.dedent("""
+        import ctypes, json, numpy as np, pdkv
+        from fakecuda_lib import STATS
+        a, b = pdkv.Agent("a", secret="s"), pdkv.Agent("b", secret="s")
+        offered = "cuda_ipc" in pdkv.available_transports() and "cuda_ipc" in a.transports
+        src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, np.uint8)
+        ra, rb = a.register(src), b.register(dst)
+        peer = a.connect(b.address)
+        a.prepare_extents("write", peer, [(ra.id, 0, rb.id, 0, 4096)]).post().wait(10)
+        lib = ctypes.CDLL(__import__("os").environ["PDKV_CUDA_DRIVER"])
+        arr = (ctypes.c_ulonglong * len(STATS))()
+        lib.fakecuda_stats(arr, len(STATS))
+        print(json.dumps({"offered": offered, "inits": dict(zip(STATS, arr))["inits"],
+                          "copied": bool((dst == src).all())}))
+    """)
+    env = dict(os.environ, PDKV_CUDA_DRIVER=fakecuda_path, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"offered": True, "inits": 0, "copied": True}

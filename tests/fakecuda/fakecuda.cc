@@ -90,7 +90,7 @@ const char* error_name(CUresult r) {
 enum Stat {
   kAsyncCopies, kKernelLaunches, kH2D, kD2H, kBytesCopied, kFailedCopies, kModuleLoads, kIpcOpens,
   kIpcCloses, kNoContextErrors, kLiveAllocs, kLiveIpcMappings, kLivePinned, kLiveStreams, kLiveEvents,
-  kNumStats
+  kInits, kNumStats
 };
 std::atomic<unsigned long long> g_stats[kNumStats];
 void bump(Stat s, unsigned long long by = 1) { g_stats[s].fetch_add(by, std::memory_order_relaxed); }
@@ -342,7 +342,10 @@ CUresult map_device(int fd, size_t size, uint64_t* base, std::shared_ptr<Backing
 
 extern "C" {
 
-CUresult cuInit(unsigned flags) { return flags == 0 ? kOk : kInvalidValue; }
+CUresult cuInit(unsigned flags) {
+  bump(kInits);
+  return flags == 0 ? kOk : kInvalidValue;
+}
 CUresult cuDeviceGetCount(int* n) {
   if (!n) return kInvalidValue;
   *n = 1;

@@ -1,6 +1,11 @@
 #include "cuda/driver.h"
 
+#include <dirent.h>
 #include <dlfcn.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
 
 #include <cstdlib>
 #include <mutex>
@@ -22,11 +27,32 @@ bool load(void* lib, const char* name, F* out) {
   return p != nullptr;
 }
 
+std::atomic<bool> g_initialized{false};  // get() ran (the driver is loaded and cuInit was called)
+
+std::string driver_path(bool* overridden) {
+  const char* env = std::getenv("PDKV_CUDA_DRIVER");
+  *overridden = env != nullptr && env[0] != '\0';
+  return *overridden ? env : "libcuda.so.1";
+}
+
+// An NVIDIA device node or driver entry exists (containers expose /dev/nvidia*, WSL /dev/dxg).
+bool nvidia_device_present() {
+  if (::access("/dev/nvidiactl", F_OK) == 0 || ::access("/dev/nvidia0", F_OK) == 0 || ::access("/dev/dxg", F_OK) == 0)
+    return true;
+  DIR* d = ::opendir("/proc/driver/nvidia/gpus");
+  if (!d) return false;
+  bool any = false;
+  while (dirent* e = ::readdir(d))
+    if (e->d_name[0] != '.') any = true;
+  ::closedir(d);
+  return any;
+}
+
 Loaded load_driver() {
   Loaded l;
-  const char* env = std::getenv("PDKV_CUDA_DRIVER");
-  const bool overridden = env != nullptr && env[0] != '\0';
-  const std::string path = overridden ? env : "libcuda.so.1";
+  g_initialized = true;
+  bool overridden = false;
+  const std::string path = driver_path(&overridden);
   void* lib = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char* err = ::dlerror();
@@ -92,6 +118,21 @@ Status CudaDriver::use_device(int ordinal) const {
   CUcontext ctx;
   PDKV_RETURN_IF_ERROR(check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain"));
   return check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+}
+
+Status CudaDriver::probe() {
+  if (g_initialized) return get().status();  // already initialized: the real answer
+  bool overridden = false;
+  const std::string path = driver_path(&overridden);
+  void* lib = ::dlopen(path.c_str(), RTLD_LAZY | RTLD_LOCAL);
+  if (!lib) {
+    const char* err = ::dlerror();
+    return NotSupported(overridden ? "cannot load the CUDA driver " + path + " (PDKV_CUDA_DRIVER): " + err
+                                   : "the CUDA driver (libcuda.so.1) is not installed: " + std::string(err));
+  }
+  ::dlclose(lib);
+  if (!overridden && !nvidia_device_present()) return NotSupported("no NVIDIA GPU found (no /dev/nvidia* device)");
+  return Status::Ok();
 }
 
 bool cuda_available() { return CudaDriver::get().ok(); }

@@ -80,6 +80,10 @@ struct CudaDriver {
   // Loads libcuda.so.1 (or $PDKV_CUDA_DRIVER) and calls cuInit(0) once. NotSupported
   // with the reason when there is no driver or no device.
   static Result<const CudaDriver*> get();
+  // Whether get() is expected to succeed, WITHOUT initializing CUDA (cuInit in a
+  // process that later fork()s breaks CUDA in its children): the library loads and an
+  // NVIDIA device node exists. The real answer once get() has run.
+  static Status probe();
   // OK, or `what` failed with the driver's error string.
   Status check(CUresult r, const char* what) const;
   // Makes device `ordinal`'s primary context current on this thread.

@@ -234,7 +234,8 @@ class CudaIpcTransport final : public Transport {
   }
   Status start(AgentHooks* hooks) override {
     hooks_ = hooks;
-    PDKV_ASSIGN_OR_RETURN(drv_, CudaDriver::get());
+    // The driver is initialized on first use (a CUDA region exported or transferred),
+    // not here: an agent in a process that later forks must not have called cuInit.
     PDKV_ASSIGN_OR_RETURN(listen_fd_,
                           util::listen_unix(hooks->agent_name(), hooks->instance_id(), ".cuda.sock", &ctl_path_));
     evfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -264,7 +265,7 @@ class CudaIpcTransport final : public Transport {
     if (!ctl_path_.empty()) ::unlink(ctl_path_.c_str());
     std::lock_guard<std::mutex> lk(mu_);
     ctl_.clear();  // peers see the control connections close
-    for (auto& [dev, s] : streams_) drv_->cuStreamDestroy(s);
+    for (auto& [dev, s] : streams_) drv_->cuStreamDestroy(s);  // non-empty only once drv_ is set
     streams_.clear();
     opened_.clear();
   }
@@ -318,7 +319,11 @@ class CudaIpcTransport final : public Transport {
   void complete_loop();
 
   AgentHooks* hooks_ = nullptr;
-  const CudaDriver* drv_ = nullptr;
+  // The CUDA driver, loaded on first use (driver()). Set once under drv_mu_; read by
+  // post() and the completion thread only for work a successful prepare() created.
+  Result<const CudaDriver*> driver() const;
+  mutable std::mutex drv_mu_;
+  mutable const CudaDriver* drv_ = nullptr;
   std::thread th_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -352,6 +357,12 @@ std::string CudaIpcTransport::metadata_extra() const {
       e.device = r.device;
       CUdeviceptr base = 0;
       size_t size = 0;
+      auto drv = driver();
+      if (!drv.ok()) {
+        PDKV_LOG_WARN("cuda_ipc: region %llu cannot be exported: %s", static_cast<unsigned long long>(r.id),
+                      drv.status().to_string().c_str());
+        continue;
+      }
       if (!drv_->use_device(r.device).ok() || drv_->cuMemGetAddressRange(&base, &size, r.addr) != cuda::kSuccess ||
           drv_->cuIpcGetMemHandle(&e.handle, base) != cuda::kSuccess) {
         PDKV_LOG_WARN("cuda_ipc: region %llu cannot be exported (not cudaMalloc'ed device memory?)",
@@ -369,6 +380,14 @@ std::string CudaIpcTransport::metadata_extra() const {
     it = live ? std::next(it) : exported_cache_.erase(it);
   }
   return out.empty() ? std::string() : encode(out, ctl_path_);
+}
+
+Result<const CudaDriver*> CudaIpcTransport::driver() const {
+  std::lock_guard<std::mutex> lk(drv_mu_);
+  if (!drv_) {
+    PDKV_ASSIGN_OR_RETURN(drv_, CudaDriver::get());
+  }
+  return drv_;
 }
 
 Result<CUstream> CudaIpcTransport::stream_for(int device) {
@@ -429,6 +448,7 @@ Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared
     if (n == "cuda_ipc") blob = b;
   std::string ctl_path;
   PDKV_ASSIGN_OR_RETURN(std::vector<Exported> regions, decode(blob, &ctl_path));
+  PDKV_RETURN_IF_ERROR(driver().status());
   auto p = std::make_shared<CudaPrepared>();
   p->peer = peer;
   // The local device: the first local CUDA region's, else device 0 (host-side extents).
@@ -863,7 +883,7 @@ void CudaIpcTransport::ctl_closed(const std::shared_ptr<CtlConn>& c) {
 
 bool registered = register_transport(TransportFactory{
     "cuda_ipc", "same-node GPU memory via CUDA IPC (NVLink/PCIe)",
-    [] { return CudaDriver::get().status(); },
+    [] { return CudaDriver::probe(); },
     [](const AgentConfig& cfg) -> Result<std::unique_ptr<Transport>> {
       return std::unique_ptr<Transport>(std::make_unique<CudaIpcTransport>(cfg));
     }});
