@@ -69,6 +69,17 @@ def test_device_regions_need_a_cuda_driver_for_tcp():
             x.wait(10)
         assert not any(buf), "nothing may land in a device region that cannot be staged"
         r.close()
+    # A same-host peer gets shm, which cannot touch device memory: the error says which
+    # enabled transport can.
+    with pdkv.Agent("a", secret="s", transports=["shm", "tcp"]) as a, \
+            pdkv.Agent("b", secret="s", transports=["shm", "tcp"]) as b:
+        r = a.register_address(addr, len(buf), kind="cuda", device=0, keepalive=buf)
+        d = b.register(bytearray(4096))
+        peer = a.connect(b.address)
+        assert a.peer_transport(peer) == "shm"
+        with pytest.raises(pdkv.NotSupported, match="cannot access local cuda region .*enabled transports that can: tcp"):
+            a.prepare_extents("write", peer, [(r.id, 0, d.id, 0, 4096)])
+        r.close()
 
 
 def test_agents_do_not_initialize_cuda_until_device_memory_is_used(fakecuda_path):

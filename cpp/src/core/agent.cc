@@ -346,6 +346,18 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_resolved(const std::str
       return NotSupported("transport '" + opts.transport + "' cannot reach peer '" + peer_name + "'");
   }
   const TransportCaps caps = t->caps();
+  // For "cannot access" errors: the enabled transports that could carry this kind.
+  auto alternatives = [&](bool local_side, MemKind kind) {
+    std::string alt;
+    for (auto& other : transports_) {
+      if (other.get() == t || !other->can_reach(e.peer->md)) continue;
+      const TransportCaps oc = other->caps();
+      if ((local_side ? oc.local_mem_kinds : oc.remote_mem_kinds) & mem_kind_bit(kind))
+        alt += (alt.empty() ? "" : ", ") + std::string(other->name());
+    }
+    return alt.empty() ? std::string()
+                       : "; enabled transports that can: " + alt + " (choose one with transport=...)";
+  };
   if (op == OpKind::kRead && !caps.read) return NotSupported(std::string(t->name()) + " cannot read");
   if (op == OpKind::kWrite && !caps.write) return NotSupported(std::string(t->name()) + " cannot write");
   // Region lookups: a handful of regions, millions of extents; cache the last hit.
@@ -367,7 +379,8 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_resolved(const std::str
         PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.get(x.local_region));
         if (!(caps.local_mem_kinds & mem_kind_bit(d.kind)))
           return NotSupported("transport '" + std::string(t->name()) + "' cannot access local " +
-                              std::string(mem_kind_name(d.kind)) + " region " + std::to_string(d.id));
+                              std::string(mem_kind_name(d.kind)) + " region " + std::to_string(d.id) +
+                              alternatives(true, d.kind));
         it = local.emplace(d.id, d).first;
         prep->local_regions.push_back(d.id);
       }
@@ -381,7 +394,8 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_resolved(const std::str
       rd = it->second;
       if (!(caps.remote_mem_kinds & mem_kind_bit(rd->kind)))
         return NotSupported("transport '" + std::string(t->name()) + "' cannot access the peer's " +
-                            std::string(mem_kind_name(rd->kind)) + " region " + std::to_string(rd->id));
+                            std::string(mem_kind_name(rd->kind)) + " region " + std::to_string(rd->id) +
+                            alternatives(false, rd->kind));
       last_r = x.remote_region;
     }
     if (x.local_offset > ld->len || x.len > ld->len - x.local_offset)
