@@ -5,14 +5,16 @@
 # device memory in every direction, and the fake-driver tests), then measures cuda_ipc
 # GB/s against a device-to-device copy of the same scattered blocks, and staged tcp
 # from GPU pools against tcp from host pools, in the same run. Writes
-# ${OUT:-.}/gpu_check.json. Uses $PYTHON, else .venv/bin/python, else python3; installs
-# pdkv (and torch) only when they are missing, so it also runs on machines without
-# network access when the environment was carried over.
+# ${OUT:-.}/gpu_check.json. Uses $PYTHON, else .venv/bin/python, else python3; builds
+# pdkv only when it is missing, without network access (the lent H200 machines have
+# python3 with torch, numpy, pybind11, scikit-build-core, cmake, ninja, nvcc and pytest):
+#   device run: bash bench/gpu_check.sh   (timeout_s 600; results come back from $OUT)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 nvidia-smi -L || { echo "no NVIDIA GPU here"; exit 1; }
-$PY -c "import pdkv" 2>/dev/null || $PY -m pip install -q -e ".[test]"
+# Offline: build against what is installed (pybind11, scikit-build-core, cmake, numpy, pytest).
+$PY -c "import pdkv" 2>/dev/null || $PY -m pip install -q --no-build-isolation --no-deps -e .
 $PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || \
   echo "note: torch with CUDA is missing; the torch-based GPU tests and gpu_bench.py need it (pip install torch)"
 $PY -m pytest tests/cuda -v -p no:cacheprovider
