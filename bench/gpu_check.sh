@@ -17,9 +17,11 @@ nvidia-smi -L || { echo "no NVIDIA GPU here"; exit 1; }
 $PY -c "import pdkv" 2>/dev/null || $PY -m pip install -q --no-build-isolation --no-deps -e .
 $PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || \
   echo "note: torch with CUDA is missing; the torch-based GPU tests and gpu_bench.py need it (pip install torch)"
-$PY -m pytest tests/cuda -v -p no:cacheprovider
+rc=0
+$PY -m pytest tests/cuda -v -p no:cacheprovider || rc=$?   # measure even when a check fails
 if $PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   $PY bench/gpu_bench.py --out "${OUT:-.}/gpu_check.json"
 fi
 $PY -m pdkv.cli bench transfer --transport tcp --memory cuda --payload 256M,1G --prepare-blocks 0 \
   --out "${OUT:-.}/gpu_tcp_staging.json"
+exit $rc
