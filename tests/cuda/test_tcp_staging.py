@@ -46,6 +46,10 @@ def test_device_memory_over_tcp_every_direction_bit_exact(fakecuda_path):
     assert stats["async_copies"] > 500
     assert stats["kernel_launches"] == 0
     assert stats["failed_copies"] == 2
+    # Closed agents leave no pinned buffer, stream or event behind, and pdkv never
+    # called the driver on a thread without a context.
+    assert stats["live_pinned"] == 0 and stats["live_streams"] == 0 and stats["live_events"] == 0, stats
+    assert stats["no_context_errors"] == 0, stats
 
 
 def test_device_regions_need_a_cuda_driver_for_tcp():

@@ -458,6 +458,7 @@ CUresult cuMemHostAlloc(void** out, size_t n, unsigned flags) {
 }
 
 CUresult cuMemFreeHost(void* p) {
+  NEED_CONTEXT();
   size_t n = 0;
   {
     std::lock_guard<std::mutex> lk(g_mu);

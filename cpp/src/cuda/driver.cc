@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 
 #include <cstdlib>
 #include <mutex>
@@ -113,10 +115,24 @@ Status CudaDriver::check(CUresult r, const char* what) const {
 }
 
 Status CudaDriver::use_device(int ordinal) const {
-  CUdevice dev;
-  PDKV_RETURN_IF_ERROR(check(cuDeviceGet(&dev, ordinal), "cuDeviceGet"));
-  CUcontext ctx;
-  PDKV_RETURN_IF_ERROR(check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain"));
+  // Each device's primary context is retained once per process and kept; setting it
+  // current is cheap, so it is set on every call (the caller's thread may have had
+  // its context changed by anyone since).
+  static std::mutex mu;
+  static std::map<int, CUcontext> retained;
+  CUcontext ctx = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    auto it = retained.find(ordinal);
+    if (it != retained.end()) ctx = it->second;
+  }
+  if (!ctx) {
+    CUdevice dev;
+    PDKV_RETURN_IF_ERROR(check(cuDeviceGet(&dev, ordinal), "cuDeviceGet"));
+    PDKV_RETURN_IF_ERROR(check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain"));
+    std::lock_guard<std::mutex> lk(mu);
+    ctx = retained.emplace(ordinal, ctx).first->second;  // a racing retain is harmless (same context)
+  }
   return check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
 }
 

@@ -8,7 +8,7 @@ namespace pdkv::cuda {
 PinnedBuffer::~PinnedBuffer() {
   if (pooled_) {
     owner_->give_back(data_);
-  } else {
+  } else if (owner_->bind(device_).ok()) {
     owner_->drv_->cuMemFreeHost(data_);
   }
 }
@@ -23,7 +23,8 @@ Result<std::shared_ptr<Stager>> Stager::create(uint64_t chunk_bytes, uint32_t co
 
 Stager::~Stager() {
   // Every PinnedBuffer holds a reference to its Stager, so all pooled buffers are back.
-  for (char* p : free_) drv_->cuMemFreeHost(p);
+  if (!free_.empty() && bind(pool_device_).ok())
+    for (char* p : free_) drv_->cuMemFreeHost(p);
   for (auto& [dev, se] : copy_) {
     if (bind(dev).ok()) {
       drv_->cuEventDestroy(se.second);
@@ -32,13 +33,7 @@ Stager::~Stager() {
   }
 }
 
-Status Stager::bind(int device) const {
-  thread_local int bound = -1;
-  if (bound == device) return Status::Ok();
-  PDKV_RETURN_IF_ERROR(drv_->use_device(device));
-  bound = device;
-  return Status::Ok();
-}
+Status Stager::bind(int device) const { return drv_->use_device(device); }
 
 Result<std::shared_ptr<PinnedBuffer>> Stager::acquire(int device, Clock::time_point deadline,
                                                       const std::function<bool()>& cancelled) {
@@ -47,7 +42,7 @@ Result<std::shared_ptr<PinnedBuffer>> Stager::acquire(int device, Clock::time_po
     if (!free_.empty()) {
       char* p = free_.back();
       free_.pop_back();
-      return std::shared_ptr<PinnedBuffer>(new PinnedBuffer(shared_from_this(), p, chunk_, true));
+      return std::shared_ptr<PinnedBuffer>(new PinnedBuffer(shared_from_this(), p, chunk_, true, pool_device_));
     }
     if (allocated_ < count_) {
       ++allocated_;
@@ -55,12 +50,14 @@ Result<std::shared_ptr<PinnedBuffer>> Stager::acquire(int device, Clock::time_po
       void* p = nullptr;
       Status st = bind(device);
       if (st.ok()) st = drv_->check(drv_->cuMemHostAlloc(&p, chunk_, kMemHostAllocPortable), "cuMemHostAlloc");
+      lk.lock();
       if (!st.ok()) {
-        lk.lock();
         --allocated_;
         return st.with_context("allocating a " + std::to_string(chunk_) + "-byte pinned staging buffer");
       }
-      return std::shared_ptr<PinnedBuffer>(new PinnedBuffer(shared_from_this(), static_cast<char*>(p), chunk_, true));
+      if (pool_device_ < 0) pool_device_ = device;  // portable memory: any context frees it
+      return std::shared_ptr<PinnedBuffer>(
+          new PinnedBuffer(shared_from_this(), static_cast<char*>(p), chunk_, true, pool_device_));
     }
     if (cancelled && cancelled()) return Cancelled("cancelled while waiting for a staging buffer");
     const auto now = Clock::now();
@@ -76,7 +73,7 @@ Result<std::shared_ptr<PinnedBuffer>> Stager::allocate(int device, uint64_t n) {
   PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuMemHostAlloc(&p, std::max<uint64_t>(n, 1), kMemHostAllocPortable),
                                    "cuMemHostAlloc")
                            .with_context("allocating a " + std::to_string(n) + "-byte pinned staging buffer"));
-  return std::shared_ptr<PinnedBuffer>(new PinnedBuffer(shared_from_this(), static_cast<char*>(p), n, false));
+  return std::shared_ptr<PinnedBuffer>(new PinnedBuffer(shared_from_this(), static_cast<char*>(p), n, false, device));
 }
 
 void Stager::give_back(char* data) {

@@ -46,12 +46,13 @@ class PinnedBuffer {
 
  private:
   friend class Stager;
-  PinnedBuffer(std::shared_ptr<Stager> owner, char* data, uint64_t size, bool pooled)
-      : owner_(std::move(owner)), data_(data), size_(size), pooled_(pooled) {}
+  PinnedBuffer(std::shared_ptr<Stager> owner, char* data, uint64_t size, bool pooled, int device)
+      : owner_(std::move(owner)), data_(data), size_(size), pooled_(pooled), device_(device) {}
   std::shared_ptr<Stager> owner_;
   char* data_;
   uint64_t size_;
   bool pooled_;
+  int device_;  // context it was allocated in (freeing needs a current context)
 };
 
 class Stager : public std::enable_shared_from_this<Stager> {
@@ -75,7 +76,7 @@ class Stager : public std::enable_shared_from_this<Stager> {
   // back into `dst` and waits until the bytes are there.
   Status gather(int device, const iovec* src, size_t n, char* dst);
 
-  // Makes `device`'s primary context current on the calling thread (cached per thread).
+  // Makes `device`'s primary context current on the calling thread.
   Status bind(int device) const;
 
  private:
@@ -90,6 +91,7 @@ class Stager : public std::enable_shared_from_this<Stager> {
   std::condition_variable cv_;
   std::vector<char*> free_;   // pooled buffers not in use
   uint32_t allocated_ = 0;    // pooled buffers allocated so far (<= count_)
+  int pool_device_ = -1;      // context the pooled buffers were allocated in
   std::mutex gather_mu_;      // one gather at a time per stager (its stream and event)
   std::map<int, std::pair<CUstream, CUevent>> copy_;  // per device, guarded by gather_mu_
 };
