@@ -203,6 +203,71 @@ def test_copy_failure_fails_the_transfer_and_the_agent_recovers(fake_peer, path)
     assert init.call(cmd="close")["stats"]["live_ipc_mappings"] == 0
 
 
+def test_control_socket_rejects_bad_input_and_keeps_serving(fake_peer, tmp_path):
+    """The cuda_ipc control socket (revocation channel) is an entry point too: garbage,
+    a wrong secret, a stale instance, a non-hello first frame and a client that never
+    speaks are refused, and the exporter keeps serving real importers."""
+    import glob
+    import socket
+    import struct
+
+    spec = PoolSpec(style="vllm", **SPEC)
+    target = fake_peer("target", spec, 1, env={"PDKV_SHM_DIR": str(tmp_path)})
+    [path] = glob.glob(str(tmp_path / "target-*.cuda.sock"))
+    instance = int(path.rsplit("-", 1)[1].split(".")[0], 16)
+
+    def frame(type_: int, aux: bytes = b"", magic: int = 0x434B4450) -> bytes:
+        return struct.pack("<IHHQII", magic, type_, 0, 0, len(aux), 0) + aux
+
+    def hello(secret: str, inst: int = instance, version: int = 1) -> bytes:
+        def s(x: str) -> bytes:
+            return struct.pack("<I", len(x)) + x.encode()
+        return frame(1, struct.pack("<HQ", version, inst) + s("mallory") + s(secret))
+
+    def exchange(data: bytes) -> bytes:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(10)
+            c.connect(path)
+            c.sendall(data)
+            out = b""
+            while True:  # until the exporter closes (or answers and we stop)
+                try:
+                    chunk = c.recv(4096)
+                except ConnectionResetError:  # closed with our bytes unread
+                    return out
+                if not chunk:
+                    return out
+                out += chunk
+                if len(out) >= 24 and struct.unpack_from("<H", out, 4)[0] == 2:
+                    return out  # hello-ack: accepted
+
+    def error_of(reply: bytes) -> str:
+        assert len(reply) >= 24, reply
+        magic, type_, _, _, aux_len, _ = struct.unpack_from("<IHHQII", reply)
+        assert magic == 0x434B4450 and type_ == 5, reply  # an error frame, then closed
+        return reply[24:24 + aux_len].decode()
+
+    assert exchange(b"\x00" * 24 + b"garbage") == b""  # bad magic: dropped
+    assert "first control frame must be a hello" in error_of(exchange(frame(3)))
+    assert "wrong secret" in error_of(exchange(hello("nope")))
+    assert "restarted" in error_of(exchange(hello("s", inst=instance + 1)))
+    assert "version 9" in error_of(exchange(hello("s", version=9)))
+    assert "malformed hello" in error_of(exchange(frame(1, b"\x01\x00")))
+    assert exchange(frame(1, b"x" * 5000)) == b""  # oversized aux: dropped
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.settimeout(15)
+        silent.connect(path)
+        assert silent.recv(1) == b""  # never said hello: closed after the handshake timeout
+    # A correct hello is accepted.
+    assert struct.unpack_from("<H", exchange(hello("s")), 4)[0] == 2
+    # Real importers are unaffected.
+    init = fake_peer("init", spec, 2)
+    lids, rids = scattered(11)
+    r, got = write_expecting(init, target, lids, rids, "still-serving")
+    assert r["ok"] and r["transport"] == "cuda_ipc", r
+    assert got == {"results": [{"notif": "still-serving", "ok": True}], "missing": []}
+
+
 def test_peer_death_fails_transfers_without_crashing(fake_peer):
     spec = PoolSpec(style="vllm", **SPEC)
     target = fake_peer("target", spec, 1)
