@@ -11,6 +11,7 @@ any mismatch raises (non-zero exit with the traceback).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from ctypes import c_ulonglong
 
@@ -28,7 +29,10 @@ FAKE = hasattr(LIB, "fakecuda_fail_copies")
 # pooled buffers are reused many times and the receiver's double buffer alternates.
 GEOM = pdkv.KVGeometry(num_layers=3, num_blocks=64, block_tokens=4, kv_heads=2, head_dim=64, dtype="float32")
 BB = GEOM.block_bytes
-TCP = pdkv.TcpOptions(stage_chunk_bytes=16384, stage_buffers=2)
+# STAGING_CONNS=2: batches spread over two connections and progress threads (the
+# notification then travels separately, after every batch was acknowledged).
+_CONNS = int(os.environ.get("STAGING_CONNS", "1"))
+TCP = pdkv.TcpOptions(stage_chunk_bytes=16384, stage_buffers=2, conns_per_peer=_CONNS, progress_threads=_CONNS)
 
 
 class Side:

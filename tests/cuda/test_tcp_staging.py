@@ -31,10 +31,11 @@ def run_child(driver: str, **env) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_device_memory_over_tcp_every_direction_bit_exact(fakecuda_path):
+@pytest.mark.parametrize("conns", ["1", "2"])
+def test_device_memory_over_tcp_every_direction_bit_exact(fakecuda_path, conns):
     import fakecuda_lib
 
-    out = run_child(fakecuda_path, FAKECUDA_COPY_DELAY_US="100")
+    out = run_child(fakecuda_path, FAKECUDA_COPY_DELAY_US="100", STAGING_CONNS=conns)
     assert out["checks"] == [
         "write dev->dev", "write host->dev", "write dev->host", "read dev->dev", "read dev->host",
         "read host->dev", "read dev->host", "prepared reposted", "write dev->dev", "copy failures",
