@@ -9,7 +9,9 @@
 // travel through the agent's tcp/shm transport after the copy completed.
 //
 // The CUDA driver is loaded at run time (cuda/driver.h); without a GPU this
-// transport is simply not viable and never selected.
+// transport is simply not viable and never selected. Viability is a probe that does
+// not initialize CUDA; the driver is initialized on the first CUDA export or
+// transfer, so creating an agent never calls cuInit (a process may still fork).
 //
 // Revocation and liveness: every agent listens on a Unix socket (its path is in the
 // cuda_ipc metadata); an importer connects to the exporter and authenticates with

@@ -6,6 +6,11 @@
 // payload straight into the destination region, picking up the next frame header in
 // the same call. SO_RCVLOWAT keeps receiver wake-ups down on large batches.
 //
+// Device (CUDA) memory is staged through pinned host buffers (cuda/staging.h): a
+// staging thread gathers each outgoing batch from the GPU while the previous one is
+// on the wire, and a receiver scatters each payload to the GPU double buffered,
+// acknowledging only after the last copy completed.
+//
 // Threads: `progress_threads` epoll threads own the connections (accept, receive,
 // completion, deadlines). Posting threads send inline when the connection's send
 // queue is empty, so a small write costs one syscall on the caller's thread; the
