@@ -177,6 +177,25 @@ def test_host_pool_to_device_pool(fake_peer, path):
     assert init.stats()["kernel_launches"] == 0  # a kernel cannot touch pageable memory
 
 
+@pytest.mark.parametrize("style", ["vllm", "hnd"])
+def test_device_pools_over_tcp_between_processes(fake_peer, style):
+    """GPU pools in two processes that only share tcp (as across hosts): staged
+    through pinned buffers both ways, bit exact, notification after the bytes."""
+    spec = PoolSpec(style=style, **SPEC)
+    target = fake_peer("target", spec, 1, env=SLOW, transports="tcp")
+    init = fake_peer("init", spec, 2, env=SLOW, transports="tcp")
+    lids, rids = scattered(12)
+    r, got = write_expecting(init, target, lids, rids, "over-tcp")
+    assert r["ok"] and r["transport"] == "tcp", r
+    assert got == {"results": [{"notif": "over-tcp", "ok": True}], "missing": []}
+    r = init.call(cmd="xfer", op="read", address=target.address, lblocks=lids[:15], rblocks=rids[20:35])
+    assert r["ok"], r["error"]
+    assert init.call(cmd="digest", blocks=lids[:15]) == target.call(cmd="digest", blocks=rids[20:35])
+    for p in (init, target):
+        st = p.stats()
+        assert st["async_copies"] > 0 and st["ipc_opens"] == 0 and st["no_context_errors"] == 0, st
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 def test_copy_failure_fails_the_transfer_and_the_agent_recovers(fake_peer, path):
     spec = PoolSpec(style="nhd", **SPEC)
