@@ -5,6 +5,7 @@ deregistration, handle hygiene, and that ``import pdkv`` never imports NIXL."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -100,6 +101,18 @@ def nixl_agent(name: str, **kw) -> pdkv.Agent:
 
 def transport(agent: pdkv.Agent):
     return agent._py["nixl"]
+
+
+@contextlib.contextmanager
+def connected_pair():
+    """Agents a and b over nixl with 32 MiB pools (a's seeded, b's zero), a connected to b:
+    yields ``(a, b, pool_a, pool_b, peer)``."""
+    spec = PoolSpec(layers=4, blocks=64, block_tokens=16, heads=8, head_dim=128, dtype="float16")
+    with nixl_agent("a") as a, nixl_agent("b") as b:
+        pa, pb = Pool(spec, 1), Pool(spec)
+        pa.register(a)
+        pb.register(b)
+        yield a, b, pa, pb, a.connect(b.address)
 
 
 @pytest.mark.nixl
@@ -240,12 +253,7 @@ def test_handles_behave_like_pdkv_transfers_and_never_leak():
 
 @pytest.mark.nixl
 def test_standalone_notification_follows_earlier_transfers():
-    spec = PoolSpec(layers=4, blocks=64, block_tokens=16, heads=8, head_dim=128, dtype="float16")  # 32 MiB
-    with nixl_agent("a") as a, nixl_agent("b") as b:
-        pa, pb = Pool(spec, 1), Pool(spec)
-        pa.register(a)
-        pb.register(b)
-        peer = a.connect(b.address)
+    with connected_pair() as (a, b, pa, pb, peer):
         a.write(peer, "kv", range(64))  # nobody waits on it
         n = a.notify(peer, "after-the-write")
         got = b.wait_notifications(20)
@@ -256,12 +264,7 @@ def test_standalone_notification_follows_earlier_transfers():
 
 @pytest.mark.nixl
 def test_deregistration_waits_for_the_peers_inflight_write_then_revokes():
-    spec = PoolSpec(layers=4, blocks=64, block_tokens=16, heads=8, head_dim=128, dtype="float16")  # 32 MiB
-    with nixl_agent("a") as a, nixl_agent("b") as b:
-        pa, pb = Pool(spec, 1), Pool(spec)
-        pa.register(a)
-        pb.register(b)
-        peer = a.connect(b.address)
+    with connected_pair() as (a, b, pa, pb, peer):
         prep = a.prepare("write", peer, "kv", [0])
         x = a.write(peer, "kv", range(64))
         for r in b.regions:
@@ -281,12 +284,7 @@ def test_deregistration_waits_for_the_peers_inflight_write_then_revokes():
 
 @pytest.mark.nixl
 def test_readding_the_same_peer_keeps_transfers_and_prepared_requests():
-    spec = PoolSpec(layers=4, blocks=64, block_tokens=16, heads=8, head_dim=128, dtype="float16")  # 32 MiB
-    with nixl_agent("a") as a, nixl_agent("b") as b:
-        pa, pb = Pool(spec, 1), Pool(spec)
-        pa.register(a)
-        pb.register(b)
-        peer = a.connect(b.address)
+    with connected_pair() as (a, b, pa, pb, peer):
         prep = a.prepare("write", peer, "kv", [1, 2], "kv", [3, 4])
         assert prep.post().wait(5)
         state = transport(a)._peers[peer]
