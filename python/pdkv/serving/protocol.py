@@ -75,8 +75,8 @@ def dumps_line(obj: Any) -> bytes:
 
 @dataclass(frozen=True)
 class GenParams:
-    """Sampling and stopping parameters as they travel between processes (the torch-free
-    twin of :class:`pdkv.serving.sampling.SamplingParams`; see it for the meaning)."""
+    """Sampling and stopping parameters as they travel between processes (torch-free;
+    :class:`pdkv.serving.sampling.SamplingParams` adds validation, see it for the meaning)."""
 
     max_tokens: int = 16
     temperature: float = 0.0

@@ -17,14 +17,17 @@ import torch
 
 from pdkv.errors import InvalidArgument
 
+from .protocol import GenParams
+
 __all__ = ["SamplingParams", "sample_tokens"]
 
 _MASK63 = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How a request picks tokens and when it stops.
+class SamplingParams(GenParams):
+    """How a request picks tokens and when it stops: the wire form's fields
+    (:class:`~pdkv.serving.protocol.GenParams`), validated.
 
     Attributes
     ----------
@@ -45,13 +48,6 @@ class SamplingParams:
     ignore_eos : bool
         Do not stop at the model's EOS tokens.
     """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
