@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import math
 import os
@@ -89,16 +90,11 @@ def _pool(agent: Agent, geo, seed: int | None, memory: str = "host") -> tuple[ob
     return buf, KVLayout.contiguous(geo, buf)
 
 
-_DEVMEM = None
-
-
+@functools.cache
 def _device_memory():
-    global _DEVMEM
-    if _DEVMEM is None:
-        from .devmem import DeviceMemory
+    from .devmem import DeviceMemory
 
-        _DEVMEM = DeviceMemory()
-    return _DEVMEM
+    return DeviceMemory()
 
 
 def _read(args, addr: int, n: int) -> np.ndarray:

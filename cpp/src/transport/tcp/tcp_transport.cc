@@ -83,8 +83,7 @@ struct TcpPost {
   std::string notif;
   bool separate_notif = false;  // sent as kNotify after every data batch is acked
   std::atomic<uint32_t> data_left{0};
-  std::atomic<bool> data_failed{false};
-  std::atomic<bool> stage_failed{false};  // a staged batch never left: send no notification
+  std::atomic<bool> data_failed{false};  // a batch failed (or never left): send no notification
   std::mutex mu;
   std::vector<std::weak_ptr<TcpConn>> conns;  // for cancel
   Status connect_err;                          // guarded by mu: later batches fail fast
@@ -1533,7 +1532,7 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
       m->data = &prep->iov[b.first];
       m->ndata = b.count;
     }
-    if (!post->separate_notif && !post->notif.empty() && i == nb - 1 && !post->stage_failed) {
+    if (!post->separate_notif && !post->notif.empty() && i == nb - 1 && !post->data_failed) {
       m->hdr.flags |= kFlagNotif;
       m->aux = post->notif;
     }
@@ -1562,12 +1561,12 @@ void TcpTransport::stage_and_send(const std::shared_ptr<TcpPost>& post, uint32_t
   const auto& xfer = post->xfer;
   const TcpBatch& b = prep->batches[i];
   auto fail = [&](const Status& st) {
-    post->stage_failed = true;
+    post->data_failed = true;
     resolve(PendingPart{post, i, b.bytes}, 0, st);
   };
   if (shut_) return fail(ConnectionError("agent is shutting down"));
   if (xfer->cancel_requested()) return fail(Cancelled("cancelled"));
-  if (post->stage_failed) return fail(Cancelled("an earlier batch of this transfer failed"));
+  if (post->data_failed) return fail(Cancelled("an earlier batch of this transfer failed"));
   auto st = stager();
   if (!st.ok()) return fail(st.status());
   auto buf = (*st)->acquire(prep->device, xfer->deadline(), [&] { return xfer->cancel_requested() || shut_.load(); });
