@@ -30,6 +30,7 @@ own; it never imports torch for itself (transformers' tokenizer loading may).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import os
@@ -481,80 +482,75 @@ class ProxyBackend:
     def _lines(self, w: _Worker, r: aiohttp.ClientResponse, timeout: float) -> AsyncIterator[dict[str, Any]]:
         return _guard(w, ndjson_lines(r.content, timeout=timeout), timeout)
 
-    async def _local_on(self, d: _Worker, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace
-                        ) -> AsyncIterator[TokenOut]:
-        body = GenerateRequest(rid, tuple(prompt), params).to_json()
+    @contextlib.asynccontextmanager
+    async def _decode_stream(self, d: _Worker, path: str, body: dict) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Opens decode worker ``d``'s NDJSON stream at ``path`` (counted in its
+        ``in_flight``) and yields its lines."""
         d.in_flight += 1
         try:
-            r = await self._open_stream(d, "/pd/generate", body)
+            r = await self._open_stream(d, path, body)
             try:
-                async for line in self._lines(d, r, self.config.read_timeout_s):
-                    if "error" in line:
-                        raise APIError(502, f"decode worker {d.url}: {_msg(line)}", code="worker_error")
-                    if "done" in line:
-                        d.served += 1
-                        trace.extra.update(_dict(line["done"]))
-                        return
-                    if "t" in line or "f" in line:
-                        yield TokenOut(line.get("t"), line.get("f"))
-                raise _WorkerFailed(d, "the stream ended before the request finished")
+                yield self._lines(d, r, self.config.read_timeout_s)
             finally:
                 _done_with(r)
         finally:
             d.in_flight -= 1
 
+    async def _local_on(self, d: _Worker, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace
+                        ) -> AsyncIterator[TokenOut]:
+        body = GenerateRequest(rid, tuple(prompt), params).to_json()
+        async with self._decode_stream(d, "/pd/generate", body) as lines:
+            async for line in lines:
+                _raise_worker_error(d, line)
+                if "done" in line:
+                    d.served += 1
+                    trace.extra.update(_dict(line["done"]))
+                    return
+                if "t" in line or "f" in line:
+                    yield TokenOut(line.get("t"), line.get("f"))
+            raise _WorkerFailed(d, "the stream ended before the request finished")
+
     async def _disagg_on(self, d: _Worker, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace
                          ) -> AsyncIterator[TokenOut]:
-        cfg = self.config
-        body = GenerateRequest(rid, tuple(prompt), params, cfg.kv_timeout_s).to_json()
-        d.in_flight += 1
-        try:
-            r = await self._open_stream(d, "/pd/decode", body)
+        body = GenerateRequest(rid, tuple(prompt), params, self.config.kv_timeout_s).to_json()
+        async with self._decode_stream(d, "/pd/decode", body) as lines:
             try:
-                lines = self._lines(d, r, cfg.read_timeout_s)
-                try:
-                    first = await lines.__anext__()
-                except StopAsyncIteration:
-                    raise _WorkerFailed(d, "the decode worker closed the stream before reserving") from None
-                if "error" in first:
-                    raise APIError(502, f"decode worker {d.url}: {_msg(first)}", code="worker_error")
-                try:
-                    res = Reservation.from_json(first.get("reserved"))
-                except InvalidArgument as e:
-                    raise _WorkerFailed(d, f"bad reservation: {e}") from None
-                out = _PrefillOutcome()
-                async for tok in self._prefill(rid, prompt, params, res, trace, out):
-                    yield tok
-                if not out.kv_ok:
-                    await self._kv_failed(d, KVFailed(rid, out.first_token, out.error, out.terminal))
-                next_index = 0 if out.first_token is None else 1
-                finished = out.finish is not None
-                async for line in lines:
-                    if "error" in line:
-                        raise APIError(502, f"decode worker {d.url}: {_msg(line)}", code="worker_error")
-                    if "done" in line:
-                        done = _dict(line["done"])
-                        d.served += 1
-                        if done.get("recomputed"):
-                            trace.recomputed = True
-                            trace.recompute_reason = str(done.get("recompute_reason", ""))
-                            self.m_recompute.inc((trace.recompute_reason or "unknown",))
-                        trace.extra["kv_wait_s"] = done.get("kv_wait_s")
-                        return
-                    if "t" in line:
-                        i = int(line.get("i", next_index))
-                        if i < next_index:
-                            continue  # already sent (the prefill side's first token)
-                        next_index = i + 1
-                    if finished or not ("t" in line or "f" in line):
-                        continue
-                    finished = line.get("f") is not None
-                    yield TokenOut(line.get("t"), line.get("f"))
-                raise _WorkerFailed(d, "the stream ended before the request finished")
-            finally:
-                _done_with(r)
-        finally:
-            d.in_flight -= 1
+                first = await lines.__anext__()
+            except StopAsyncIteration:
+                raise _WorkerFailed(d, "the decode worker closed the stream before reserving") from None
+            _raise_worker_error(d, first)
+            try:
+                res = Reservation.from_json(first.get("reserved"))
+            except InvalidArgument as e:
+                raise _WorkerFailed(d, f"bad reservation: {e}") from None
+            out = _PrefillOutcome()
+            async for tok in self._prefill(rid, prompt, params, res, trace, out):
+                yield tok
+            if not out.kv_ok:
+                await self._kv_failed(d, KVFailed(rid, out.first_token, out.error, out.terminal))
+            next_index = 0 if out.first_token is None else 1
+            finished = out.finish is not None
+            async for line in lines:
+                _raise_worker_error(d, line)
+                if "done" in line:
+                    done = _dict(line["done"])
+                    d.served += 1
+                    if done.get("recomputed"):
+                        trace.recomputed = True
+                        trace.recompute_reason = str(done.get("recompute_reason", ""))
+                        self.m_recompute.inc((trace.recompute_reason or "unknown",))
+                    trace.extra["kv_wait_s"] = done.get("kv_wait_s")
+                    return
+                if "t" in line:
+                    i = int(line.get("i", next_index))
+                    if i < next_index:
+                        continue  # already sent (the prefill side's first token)
+                    next_index = i + 1
+                if finished or not ("t" in line or "f" in line):
+                    continue
+                finished = line.get("f") is not None
+                yield TokenOut(line.get("t"), line.get("f"))
+            raise _WorkerFailed(d, "the stream ended before the request finished")
 
     async def _kv_failed(self, d: _Worker, kf: KVFailed) -> None:
         try:
@@ -657,6 +653,12 @@ def _done_with(r: aiohttp.ClientResponse) -> None:
         r.release()
     else:
         r.close()
+
+
+def _raise_worker_error(d: _Worker, line: dict[str, Any]) -> None:
+    """An ``{"error": ...}`` line from decode worker ``d`` becomes a 502."""
+    if "error" in line:
+        raise APIError(502, f"decode worker {d.url}: {_msg(line)}", code="worker_error")
 
 
 def _msg(line: dict[str, Any]) -> str:
