@@ -1,5 +1,6 @@
 # pdkv developer entry points. Each target works on a fresh machine: it creates
-# .venv, installs what it needs (PyPI only, CPU torch from the local wheel cache),
+# .venv, installs what it needs (Debian packages via scripts/sysdeps.sh when root;
+# PyPI, CPU torch from the local wheel cache),
 # builds the C++ core, then runs.
 #
 #   make demo    the end-to-end demo (see README)
@@ -23,7 +24,8 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml CMakeLists.txt
+$(STAMP): $(BIN)/python pyproject.toml CMakeLists.txt scripts/sysdeps.sh
+	bash scripts/sysdeps.sh
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	$(BIN)/pip install -q --no-deps $(NODEPS)

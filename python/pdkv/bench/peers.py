@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import ctypes
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -215,9 +216,12 @@ def _nixl_installed() -> bool:
 
 def _mooncake_installed() -> bool:
     # find_spec("mooncake.engine") would import the mooncake package; look for the
-    # extension file instead.
+    # extension file instead. Its engine links libibverbs even for TCP: without
+    # Debian's libibverbs1 the import fails, so Mooncake counts as not installed.
     spec = importlib.util.find_spec("mooncake")
     if spec is None or not spec.submodule_search_locations:
+        return False
+    if not _loadable("libibverbs.so.1"):
         return False
     return any(
         name.startswith("engine.") and name.endswith(".so")
@@ -225,6 +229,14 @@ def _mooncake_installed() -> bool:
         if os.path.isdir(loc)
         for name in os.listdir(loc)
     )
+
+
+def _loadable(soname: str) -> bool:
+    try:
+        ctypes.CDLL(soname)
+    except OSError:
+        return False
+    return True
 
 
 def _version(*dists: str) -> str:
