@@ -40,6 +40,8 @@
 
 #include "cuda/driver.h"
 #include "pdkv/registry.h"
+#include "transport/cuda_ipc/cuda_ipc_ctl.h"
+#include "transport/shm/ctl_guard.h"
 #include "util/bytes.h"
 #include "util/log.h"
 #include "util/socket.h"
@@ -94,30 +96,7 @@ struct Opened {
   ~Opened() { close(); }
 };
 
-// Control frames (Unix socket, little endian): header, then aux_len bytes.
-constexpr uint32_t kCtlMagic = 0x434b4450;  // "PDKC"
-constexpr uint16_t kCtlVersion = 1;
-constexpr uint32_t kMaxCtlAux = 4096;
-constexpr double kCtlTimeoutS = 5.0;       // connect + handshake
-constexpr double kRevokeTimeoutS = 10.0;   // deregistration waits this long for importers
-
-enum class Ctl : uint16_t {
-  kHello = 1,      // importer -> exporter; aux: u16 version, u64 expected instance, str from, str secret
-  kHelloAck = 2,   // exporter -> importer
-  kRevoke = 3,     // exporter -> importer: stop using region `id`
-  kRevokeAck = 4,  // importer -> exporter: region `id` is no longer mapped
-  kError = 5,      // status: StatusCode, aux: message; the sender then closes
-};
-
-struct CtlHdr {
-  uint32_t magic;
-  uint16_t type;
-  uint16_t reserved;
-  uint64_t id;
-  uint32_t aux_len;
-  uint32_t status;
-};
-static_assert(sizeof(CtlHdr) == 24, "control header must be 24 bytes");
+// Control frames: cuda_ipc_ctl.h.
 
 struct CtlConn {
   CtlConn(util::ScopedFd f, bool out) : fd(std::move(f)), outbound(out) {}
@@ -126,6 +105,9 @@ struct CtlConn {
   std::string peer;             // the other agent's name (once known)
   uint64_t peer_instance = 0;   // outbound: the exporter's instance
   Clock::time_point hs_deadline = Clock::time_point::max();
+  Clock::time_point frame_deadline = Clock::time_point::max();  // a started frame must end by then
+  Clock::time_point reject_at = Clock::time_point::max();       // a refusal held back (back-off)
+  Status reject;
   std::mutex wmu;               // serializes writes
   // Guarded by the transport's mu_.
   bool authed = false;
@@ -344,7 +326,21 @@ class CudaIpcTransport final : public Transport {
   std::condition_variable ctl_cv_;
   std::vector<std::shared_ptr<CtlConn>> ctl_;
   std::set<std::pair<uint64_t, uint64_t>> revoked_;  // (exporter instance, region) we were told to drop
+  util::HandshakeThrottle throttle_;
+  util::LogLimiter refusal_log_;
+  void log_refusal(const Status& st);
+  void check_ctl_deadlines(const std::vector<std::shared_ptr<CtlConn>>& conns);
 };
+
+void CudaIpcTransport::log_refusal(const Status& st) {
+  uint64_t suppressed = 0;
+  if (!refusal_log_.allow(Clock::now(), &suppressed)) return;
+  if (suppressed)
+    PDKV_LOG_WARN("cuda_ipc: refusing a control connection: %s (and %llu similar in the last second)",
+                  st.to_string().c_str(), static_cast<unsigned long long>(suppressed));
+  else
+    PDKV_LOG_WARN("cuda_ipc: refusing a control connection: %s", st.to_string().c_str());
+}
 
 std::string CudaIpcTransport::metadata_extra() const {
   std::vector<Exported> out;
@@ -688,18 +684,14 @@ Result<std::shared_ptr<CtlConn>> CudaIpcTransport::ctl_to(const Peer& peer, cons
   auto c = std::make_shared<CtlConn>(std::move(fd).value(), true);
   c->peer = peer.md.name;
   c->peer_instance = peer.md.instance_id;
-  util::ByteWriter body;
-  body.put<uint16_t>(kCtlVersion);
-  body.put<uint64_t>(peer.md.instance_id);
-  body.put_str(hooks_->agent_name());
-  body.put_str(peer.secret);
+  const std::string body = encode_hello(Hello{kCtlVersion, peer.md.instance_id, hooks_->agent_name(), peer.secret});
   const std::string where = "peer '" + peer.md.name + "' (cuda_ipc control " + path + ")";
-  PDKV_RETURN_IF_ERROR(send_ctl(*c, Ctl::kHello, 0, body.str()).with_context("hello to " + where));
+  PDKV_RETURN_IF_ERROR(send_ctl(*c, Ctl::kHello, 0, body).with_context("hello to " + where));
   CtlHdr r{};
   const auto deadline = util::deadline_after(kCtlTimeoutS);
   PDKV_RETURN_IF_ERROR(util::recv_all(c->fd.get(), &r, sizeof r, deadline).with_context("handshake with " + where));
-  if (r.magic != kCtlMagic || r.aux_len > kMaxCtlAux) return ProtocolError(where + " sent a malformed reply");
-  std::string aux(r.aux_len, '\0');
+  PDKV_RETURN_IF_ERROR(check_ctl_header(r, CtlSide::kImporterHello).with_context("handshake with " + where));
+  std::string aux(r.aux_len, '\0');  // bounded by check_ctl_header
   PDKV_RETURN_IF_ERROR(util::recv_all(c->fd.get(), aux.data(), aux.size(), deadline).with_context("handshake with " + where));
   if (r.type == static_cast<uint16_t>(Ctl::kError))
     return Status(status_code_from_wire(r.status), where + " refused the connection: " + aux);
@@ -730,12 +722,16 @@ void CudaIpcTransport::ctl_loop() {
       if (stop_) return;
       for (auto& c : ctl_) {
         conns.push_back(c);
-        handshaking |= !c->authed;
+        handshaking |= !c->authed || c->frame_deadline != Clock::time_point::max();
       }
     }
     pfds.push_back({evfd_, POLLIN, 0});
     pfds.push_back({listen_fd_.get(), POLLIN, 0});
-    for (auto& c : conns) pfds.push_back({c->fd.get(), POLLIN | POLLRDHUP, 0});
+    for (auto& c : conns) {
+      std::lock_guard<std::mutex> lk(mu_);
+      // A held-back refusal is not read any more; its fd stays in the set, unpolled.
+      pfds.push_back({c->fd.get(), static_cast<short>(c->reject_at == Clock::time_point::max() ? POLLIN | POLLRDHUP : 0), 0});
+    }
     const int n = ::poll(pfds.data(), pfds.size(), handshaking ? 200 : -1);
     if (n < 0 && errno != EINTR) {
       PDKV_LOG_ERROR("cuda_ipc: poll: %s", util::errno_str(errno).c_str());
@@ -749,24 +745,52 @@ void CudaIpcTransport::ctl_loop() {
     if (pfds[1].revents & POLLIN) {
       for (;;) {
         int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) break;
+        if (fd < 0) {
+          if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          break;
+        }
         auto c = std::make_shared<CtlConn>(util::ScopedFd(fd), false);
         c->hs_deadline = util::deadline_after(kCtlTimeoutS);
         std::lock_guard<std::mutex> lk(mu_);
+        size_t pending = 0;
+        for (auto& o : ctl_) pending += !o->outbound && !o->authed;
+        if (pending >= kMaxPendingConns) {
+          log_refusal(ResourceExhausted(std::to_string(kMaxPendingConns) + " control connections are already handshaking"));
+          continue;  // c closes its fd
+        }
         ctl_.push_back(c);
       }
     }
-    const auto now = Clock::now();
-    for (size_t i = 0; i < conns.size(); ++i) {
-      auto& c = conns[i];
-      if (pfds[i + 2].revents) on_ctl_readable(c);
-      bool late = false;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        late = !c->dead && !c->authed && now >= c->hs_deadline;
+    for (size_t i = 0; i < conns.size(); ++i)
+      if (pfds[i + 2].revents) on_ctl_readable(conns[i]);
+    check_ctl_deadlines(conns);
+  }
+}
+
+// Handshakes, frames started and not finished, refusals held back.
+void CudaIpcTransport::check_ctl_deadlines(const std::vector<std::shared_ptr<CtlConn>>& conns) {
+  const auto now = Clock::now();
+  for (auto& c : conns) {
+    Status why;
+    bool answer = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (c->dead) continue;
+      if (c->reject_at != Clock::time_point::max()) {
+        if (now < c->reject_at) continue;
+        why = c->reject;
+        answer = true;
+      } else if (!c->authed && now >= c->hs_deadline) {
+        why = TimeoutError("a control connection did not complete its hello in time");
+      } else if (now >= c->frame_deadline) {
+        why = TimeoutError("a control frame from '" + c->peer + "' stalled mid-frame");
+      } else {
+        continue;
       }
-      if (late) ctl_closed(c);
     }
+    if (answer) (void)send_ctl(*c, Ctl::kError, 0, why.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(why.code()));
+    log_refusal(why);
+    ctl_closed(c);
   }
 }
 
@@ -777,14 +801,26 @@ void CudaIpcTransport::on_ctl_readable(const std::shared_ptr<CtlConn>& c) {
       r = ::recv(c->fd.get(), reinterpret_cast<char*>(&c->hdr) + c->hdr_got, sizeof c->hdr - c->hdr_got,
                  MSG_DONTWAIT);
       if (r > 0) {
+        if (c->hdr_got == 0) {
+          std::lock_guard<std::mutex> lk(mu_);
+          c->frame_deadline = util::deadline_after(kCtlTimeoutS);
+        }
         c->hdr_got += static_cast<size_t>(r);
         if (c->hdr_got < sizeof c->hdr) continue;
-        if (c->hdr.magic != kCtlMagic || c->hdr.aux_len > kMaxCtlAux) {
-          PDKV_LOG_WARN("cuda_ipc: malformed control frame from %s; closing",
-                        c->peer.empty() ? "an unauthenticated client" : ("'" + c->peer + "'").c_str());
+        bool authed;
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          authed = c->authed;
+        }
+        const CtlSide side = c->outbound ? CtlSide::kImporter : authed ? CtlSide::kExporter : CtlSide::kExporterPreHello;
+        Status st = check_ctl_header(c->hdr, side);
+        if (!st.ok()) {
+          if (!c->outbound)
+            (void)send_ctl(*c, Ctl::kError, 0, st.message(), static_cast<uint32_t>(StatusCode::kProtocolError));
+          log_refusal(st.with_context(c->peer.empty() ? "an unauthenticated client" : "'" + c->peer + "'"));
           return ctl_closed(c);
         }
-        c->aux.assign(c->hdr.aux_len, '\0');
+        c->aux.assign(c->hdr.aux_len, '\0');  // bounded by check_ctl_header
         c->aux_got = 0;
         if (c->hdr.aux_len > 0) continue;
       }
@@ -794,7 +830,15 @@ void CudaIpcTransport::on_ctl_readable(const std::shared_ptr<CtlConn>& c) {
     }
     if (c->hdr_got == sizeof c->hdr && c->aux_got == c->aux.size()) {
       c->hdr_got = 0;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        c->frame_deadline = Clock::time_point::max();
+      }
       if (!on_ctl_frame(c)) return ctl_closed(c);
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (c->reject_at != Clock::time_point::max()) return;  // answer held back; not read any more
+      }
       continue;
     }
     if (r == 0) return ctl_closed(c);
@@ -814,29 +858,28 @@ bool CudaIpcTransport::on_ctl_frame(const std::shared_ptr<CtlConn>& c) {
   }
   if (!c->outbound && !authed) {
     auto refuse = [&](const Status& st) {
-      PDKV_LOG_WARN("cuda_ipc: refusing a control connection: %s", st.to_string().c_str());
-      (void)send_ctl(*c, Ctl::kError, 0, st.message(), static_cast<uint32_t>(st.code()));
+      log_refusal(st);
+      (void)send_ctl(*c, Ctl::kError, 0, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
       return false;
     };
-    if (type != Ctl::kHello) return refuse(ProtocolError("the first control frame must be a hello"));
-    util::ByteReader r(c->aux);
-    uint16_t ver = 0;
-    uint64_t expect = 0;
-    std::string from, secret;
-    Status st = r.get(&ver, "version");
-    if (st.ok() && ver != kCtlVersion)
-      return refuse(VersionMismatch("cuda_ipc control version " + std::to_string(ver) + " is not supported"));
-    if (st.ok()) st = r.get(&expect, "instance");
-    if (st.ok()) st = r.get_str(&from, "from", 128);
-    if (st.ok()) st = r.get_str(&secret, "secret", 1024);
-    if (!st.ok()) return refuse(ProtocolError("malformed hello: " + st.message()));
-    if (!hooks_->secret_matches(secret))
-      return refuse(AuthFailed("agent '" + from + "' presented the wrong secret to agent '" + hooks_->agent_name() + "'"));
-    if (expect != hooks_->instance_id())
+    auto hello = parse_hello(c->aux);  // check_ctl_header admitted only a hello
+    if (!hello.ok())
+      return refuse(Status(hello.status().code(), "malformed hello: " + hello.status().message()));
+    if (!hooks_->secret_matches(hello->secret)) {
+      Status st = AuthFailed("agent '" + hello->from + "' presented the wrong secret to agent '" + hooks_->agent_name() + "'");
+      const auto delay = throttle_.on_failure(Clock::now());
+      if (delay == Clock::duration::zero()) return refuse(st);
+      log_refusal(st);
+      std::lock_guard<std::mutex> lk(mu_);
+      c->reject_at = Clock::now() + delay;  // answered (and closed) by check_ctl_deadlines
+      c->reject = st;
+      return true;
+    }
+    if (hello->expect_instance != hooks_->instance_id())
       return refuse(StalePeer("agent '" + hooks_->agent_name() + "' restarted since its metadata was fetched"));
     {
       std::lock_guard<std::mutex> lk(mu_);
-      c->peer = from;
+      c->peer = hello->from;
       c->authed = true;
     }
     return send_ctl(*c, Ctl::kHelloAck, 0).ok();

@@ -9,11 +9,21 @@
 // larger ones on pdkv's copy thread. Notifications go over the Unix socket after
 // every byte was copied and complete the transfer when the peer acknowledges them.
 //
-// Direct access means the target cannot check each write: the initiator's pdkv
-// enforces the bounds of the regions the target exported, and only authenticated
-// peers get the fds. When the target deregisters an exported region it tells
-// every connected peer to stop (kRevoke) and waits for their acknowledgements.
+// Direct access means the target cannot check each write, so the initiator never
+// trusts the metadata blob for bounds: before first use it asks the target, over
+// the authenticated socket, what region `id` is now (RegionReq), and uses only the
+// answer (a mismatch with the blob is an error). The target remembers which peer
+// confirmed which region; when it deregisters one it tells each of them to stop
+// (Revoke) and waits for their acknowledgements, at most kRevokeTimeoutS, after
+// which it closes that peer's connection (a peer must re-confirm on a new one).
+//
+// Peer faults never fail prepare(): connecting and confirming happen when a
+// transfer is first posted, and their errors fail that transfer.
+//
+// Protocol: shm_ctl.h and docs/wire.md.
+#include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -25,6 +35,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -37,6 +48,8 @@
 #include <vector>
 
 #include "pdkv/registry.h"
+#include "transport/shm/ctl_guard.h"
+#include "transport/shm/shm_ctl.h"
 #include "util/bytes.h"
 #include "util/log.h"
 #include "util/socket.h"
@@ -46,35 +59,21 @@ namespace {
 
 using util::errno_str;
 
-constexpr uint32_t kCtlMagic = 0x534b4450;  // "PDKS"
-constexpr uint16_t kShmVersion = 1;
-constexpr uint32_t kMaxAux = 2u << 20;
+constexpr size_t kMaxQueuedFds = 4;  // fds received ahead of their RegionResp
 
-enum class Ctl : uint16_t {
-  kHello = 1,      // aux: u16 version, u64 expected instance, str from, str to, str secret
-  kHelloAck = 2,   // aux: u64 instance, u32 pid, str name
-  kMapReq = 3,     // id: region
-  kMapResp = 4,    // id: region, status; aux: u64 len (OK, fd attached) or message
-  kNotify = 5,     // id: sequence, aux: notification
-  kNotifyAck = 6,  // id: sequence
-  kRevoke = 7,     // target -> initiator: stop using region id
-  kRevokeAck = 8,  // initiator -> target: region id no longer used
-  kError = 9,      // status + message; the sender closes
-};
+std::string hex_addr(uint64_t a) {
+  char buf[24];
+  snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(a));
+  return buf;
+}
 
-struct CtlHdr {
-  uint32_t magic;
-  uint16_t type;
-  uint16_t flags;
-  uint64_t id;
-  uint32_t aux_len;
-  uint32_t status;
-};
-static_assert(sizeof(CtlHdr) == 24);
+std::string deregistered(const std::string& peer, uint64_t id) {
+  return "peer '" + peer + "' deregistered region " + std::to_string(id) + "; fetch its metadata again";
+}
 
 class ShmTransport;
 
-// A peer's region this process accesses directly.
+// A peer's region this process accesses directly, as the peer confirmed it.
 struct RemoteRegion {
   uint64_t id = 0;
   uint64_t len = 0;
@@ -94,11 +93,19 @@ struct PendingNotify {
   Clock::time_point deadline;
 };
 
+struct RegionAnswer {
+  Status st;
+  RegionInfo info;
+  int fd = -1;
+};
+
 struct ShmConn {
   ShmConn(int fd, bool outbound, std::string desc) : fd(fd), outbound(outbound), desc(std::move(desc)) {}
   ~ShmConn() {
     if (fd >= 0) ::close(fd);
     for (int f : fds) ::close(f);
+    for (auto& [id, a] : answers)
+      if (a.fd >= 0) ::close(a.fd);
   }
   int fd;
   const bool outbound;
@@ -106,26 +113,38 @@ struct ShmConn {
   std::string peer_name;
   pid_t peer_pid = 0;
   Clock::time_point hs_deadline = Clock::time_point::max();
-  bool authed = false;
+  std::atomic<bool> authed{false};
   std::atomic<bool> gone{false};  // set with `dead`, readable without the lock
   std::mutex send_mu;
-  std::mutex map_mu;  // one map request in flight per connection
-  // Receive state (progress thread).
+  std::mutex map_mu;  // one region request in flight per connection
+  // Receive state, guarded by rx_mu (the progress thread, or a posting thread
+  // draining frames that arrived while it was not looking).
+  std::mutex rx_mu;
   CtlHdr hdr{};
   size_t hdr_got = 0;
   std::string aux;
   size_t aux_got = 0;
   bool in_aux = false;
   std::deque<int> fds;  // fds received with SCM_RIGHTS, in order
+  // A frame has started arriving and must be complete by then (steady-clock ticks).
+  std::atomic<Clock::rep> frame_deadline{Clock::time_point::max().time_since_epoch().count()};
   // Shared state.
   std::mutex mu;
   std::condition_variable cv;
   bool dead = false;
   Status dead_reason;
-  std::map<uint64_t, std::pair<Status, std::pair<int, uint64_t>>> map_results;  // region -> (status, (fd, len))
+  // Inbound, unauthenticated: a refused hello whose answer is held back (back-off).
+  Clock::time_point reject_at = Clock::time_point::max();
+  Status reject;
+  // Inbound (we are the target).
+  std::set<uint64_t> confirmed;    // regions this peer asked about and got
+  std::set<uint64_t> revoke_acks;  // regions the peer acknowledged
+  // Outbound (we are the initiator).
+  uint64_t pending_req = 0;                                // region asked about, 0: none
+  std::map<uint64_t, RegionAnswer> answers;                // at most one: pending_req's
   std::map<uint64_t, PendingNotify> notifies;
-  std::set<uint64_t> revoke_acks;  // inbound: regions the peer acknowledged
-  std::unordered_map<uint64_t, std::shared_ptr<RemoteRegion>> regions;  // outbound: by region id
+  std::unordered_map<uint64_t, std::shared_ptr<RemoteRegion>> regions;  // by region id
+  std::set<uint64_t> revoked_ids;  // confirmed (or being confirmed) here, then revoked
   uint64_t next_seq = 1;
 };
 
@@ -139,12 +158,12 @@ struct CopyOp {
   char* local;
   uint64_t remote;  // mapped pointer or the peer's address
   uint64_t len;
-  uint32_t region;  // index into ShmPrepared::regions
+  uint32_t region;  // index into Binding::regions
 };
 
-struct ShmPrepared final : PreparedOps {
-  std::shared_ptr<ShmPeerState> ps;
-  std::shared_ptr<ShmConn> conn;  // connection the mappings came from
+// A prepared transfer bound to one connection and the regions confirmed on it.
+struct Binding {
+  std::shared_ptr<ShmConn> conn;
   OpKind op = OpKind::kWrite;
   std::vector<CopyOp> ops;
   std::vector<std::shared_ptr<RemoteRegion>> regions;
@@ -153,8 +172,17 @@ struct ShmPrepared final : PreparedOps {
   uint64_t total = 0;
 };
 
+struct ShmPrepared final : PreparedOps {
+  std::shared_ptr<ShmPeerState> ps;
+  OpKind op = OpKind::kWrite;
+  std::vector<ResolvedExtent> extents;
+  // Bound on first post; re-bound when its connection died.
+  mutable std::mutex mu;
+  mutable std::shared_ptr<const Binding> bound;
+};
+
 struct Job {
-  std::shared_ptr<const ShmPrepared> prep;
+  std::shared_ptr<const Binding> b;
   std::shared_ptr<Transfer> xfer;
   std::string notif;
 };
@@ -229,24 +257,43 @@ class ShmTransport final : public Transport {
   void region_removed(const RegionDesc& region) override;
 
  private:
+  // Progress thread: accepting, reading frames, deadlines.
   void run();
-  void copy_loop();
+  void check_deadlines();
   void accept_all();
+  size_t pending_conns();
   void on_readable(const std::shared_ptr<ShmConn>& c);
+  void drain_control(const std::shared_ptr<ShmConn>& c);
   void handle_frame(const std::shared_ptr<ShmConn>& c);
+  void handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h);
+  void handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h);
+  void on_hello(const std::shared_ptr<ShmConn>& c);
+  void answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
+  void refuse(const std::shared_ptr<ShmConn>& c, const Status& st, uint64_t id = 0);
+  void log_refusal(const Status& st);
   void kill(const std::shared_ptr<ShmConn>& c, const Status& why);
   void add_conn(const std::shared_ptr<ShmConn>& c);
-  Result<std::shared_ptr<ShmPeerState>> peer_state(const std::shared_ptr<const Peer>& peer);
+  // Initiator side: connections, region confirmation, copies.
+  std::shared_ptr<ShmPeerState> peer_state(const std::shared_ptr<const Peer>& peer);
   Result<std::shared_ptr<ShmConn>> get_conn(ShmPeerState& ps);
   Result<std::shared_ptr<ShmConn>> dial(const Peer& peer);
   Result<std::shared_ptr<RemoteRegion>> remote_region(const std::shared_ptr<ShmConn>& c, const Peer& peer,
                                                       uint64_t id);
-  Status run_copies(const ShmPrepared& p);
+  Result<std::shared_ptr<RemoteRegion>> attach(const std::shared_ptr<ShmConn>& c, const Peer& peer,
+                                               const RegionDesc& d, RegionAnswer ans);
+  Result<std::shared_ptr<const Binding>> bind(const ShmPrepared& p);
+  Status run_copies(const Binding& b);
+  void copy_loop();
   void finish_job(Job& job, Status st);
   void send_notify(const std::shared_ptr<ShmConn>& c, const std::shared_ptr<Transfer>& xfer,
                    const std::string& notif);
-  static void unpin(const ShmPrepared& p);
-  void maybe_ack_revoke(const std::shared_ptr<RemoteRegion>& r);
+  static void unpin(const Binding& b);
+  static void maybe_ack_revoke(const std::shared_ptr<RemoteRegion>& r);
+  void wake() {
+    uint64_t one = 1;
+    if (evfd_ >= 0 && ::write(evfd_, &one, sizeof one) < 0) {
+    }
+  }
 
   ShmOptions opts_;
   double connect_timeout_;
@@ -265,6 +312,8 @@ class ShmTransport final : public Transport {
   std::mutex qmu_;
   std::condition_variable qcv_;
   std::deque<Job> queue_;
+  util::HandshakeThrottle throttle_;
+  util::LogLimiter refusal_log_;
 };
 
 Status ShmTransport::start(AgentHooks* hooks) {
@@ -287,9 +336,7 @@ Status ShmTransport::start(AgentHooks* hooks) {
 void ShmTransport::shutdown() {
   if (shut_.exchange(true)) return;
   stop_ = true;
-  uint64_t one = 1;
-  if (evfd_ >= 0 && ::write(evfd_, &one, sizeof one) < 0) {
-  }
+  wake();
   {
     std::lock_guard<std::mutex> lk(qmu_);
     qcv_.notify_all();
@@ -302,8 +349,9 @@ void ShmTransport::shutdown() {
     left.swap(queue_);
   }
   for (auto& j : left) {
-    unpin(*j.prep);
+    unpin(*j.b);
     j.xfer->resolve_part(0, ConnectionError("agent is shutting down"));
+    if (!j.notif.empty()) j.xfer->resolve_part(0, Cancelled("notification not sent"));
   }
   std::vector<std::shared_ptr<ShmConn>> cs;
   {
@@ -331,20 +379,21 @@ void ShmTransport::add_conn(const std::shared_ptr<ShmConn>& c) {
   ev.events = EPOLLIN | EPOLLRDHUP;
   ev.data.ptr = c.get();
   epoll_ctl(epfd_, EPOLL_CTL_ADD, c->fd, &ev);
-  uint64_t one = 1;
-  if (::write(evfd_, &one, sizeof one) < 0) {
-  }
+  wake();
 }
+
+// ---------------------------------------------------------------- progress thread
 
 void ShmTransport::run() {
   epoll_event evs[32];
   while (!stop_) {
-    bool busy = false;
+    bool busy = false;  // something has a deadline: poll for it
     {
       std::lock_guard<std::mutex> lk(mu_);
+      const auto never = Clock::time_point::max().time_since_epoch().count();
       for (auto& [p, c] : conns_) {
         std::lock_guard<std::mutex> lk2(c->mu);
-        if (!c->authed || !c->notifies.empty()) busy = true;
+        if (!c->authed || !c->notifies.empty() || c->frame_deadline.load() != never) busy = true;
       }
     }
     int n = ::epoll_wait(epfd_, evs, 32, busy ? 20 : -1);
@@ -368,44 +417,99 @@ void ShmTransport::run() {
       }
       if (c) on_readable(c);
     }
-    // Deadlines: handshakes and notification acknowledgements.
-    const auto now = Clock::now();
-    std::vector<std::pair<std::shared_ptr<ShmConn>, Status>> doomed;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      for (auto& [p, c] : conns_) {
-        std::lock_guard<std::mutex> lk2(c->mu);
-        if (!c->authed && now > c->hs_deadline) {
-          doomed.emplace_back(c, TimeoutError(c->desc + " did not complete the handshake in time"));
-          continue;
-        }
-        for (auto& [seq, pn] : c->notifies)
-          if (pn.deadline <= now) {
-            doomed.emplace_back(c, TimeoutError("transfer " + std::to_string(pn.xfer->id()) + " to " + c->desc +
-                                                " timed out waiting for the peer to take its notification"));
-            break;
-          }
-      }
-    }
-    for (auto& [c, st] : doomed) kill(c, st);
+    check_deadlines();
   }
+}
+
+// Handshakes, frames in progress, held-back refusals, notification acknowledgements.
+void ShmTransport::check_deadlines() {
+  const auto now = Clock::now();
+  std::vector<std::pair<std::shared_ptr<ShmConn>, Status>> doomed, refused;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [p, c] : conns_) {
+      std::lock_guard<std::mutex> lk2(c->mu);
+      if (c->dead) continue;
+      if (c->reject_at != Clock::time_point::max()) {
+        if (now >= c->reject_at) refused.emplace_back(c, c->reject);
+        continue;
+      }
+      if (!c->authed && now > c->hs_deadline) {
+        doomed.emplace_back(c, TimeoutError(c->desc + " did not complete the handshake within " +
+                                            std::to_string(int(kHandshakeTimeoutS)) + " s"));
+        continue;
+      }
+      if (now.time_since_epoch().count() > c->frame_deadline.load()) {
+        doomed.emplace_back(c, TimeoutError(c->desc + " started a control frame and did not finish it within " +
+                                            std::to_string(int(kFrameTimeoutS)) + " s"));
+        continue;
+      }
+      for (auto& [seq, pn] : c->notifies)
+        if (pn.deadline <= now) {
+          doomed.emplace_back(c, TimeoutError("transfer " + std::to_string(pn.xfer->id()) + " to " + c->desc +
+                                              " timed out waiting for the peer to take its notification"));
+          break;
+        }
+    }
+  }
+  for (auto& [c, st] : refused) {
+    (void)send_frame(*c, Ctl::kError, 0, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
+    kill(c, st);
+  }
+  for (auto& [c, st] : doomed) {
+    if (!c->authed) log_refusal(st);
+    kill(c, st);
+  }
+}
+
+size_t ShmTransport::pending_conns() {
+  std::lock_guard<std::mutex> lk(mu_);
+  size_t n = 0;
+  for (auto& [p, c] : conns_) n += !c->outbound && !c->authed;
+  return n;
 }
 
 void ShmTransport::accept_all() {
   for (;;) {
     int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;
+    if (fd < 0) {
+      // Out of fds (EMFILE/ENFILE) leaves the listen socket readable: stop polling
+      // it for a moment instead of spinning.
+      if (errno == EMFILE || errno == ENFILE) {
+        log_refusal(ResourceExhausted("cannot accept shm connections: " + errno_str(errno)));
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      return;
+    }
     ucred cr{};
     socklen_t len = sizeof cr;
     ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len);
+    if (pending_conns() >= kMaxPendingConns) {
+      ::close(fd);
+      log_refusal(ResourceExhausted("closed a connection from local process " + std::to_string(cr.pid) + ": " +
+                                    std::to_string(kMaxPendingConns) + " connections are already handshaking"));
+      continue;
+    }
     auto c = std::make_shared<ShmConn>(fd, false, "local process " + std::to_string(cr.pid));
     c->peer_pid = cr.pid;
-    c->hs_deadline = util::deadline_after(5.0);
+    c->hs_deadline = util::deadline_after(kHandshakeTimeoutS);
     add_conn(c);
   }
 }
 
+void ShmTransport::log_refusal(const Status& st) {
+  uint64_t suppressed = 0;
+  if (!refusal_log_.allow(Clock::now(), &suppressed)) return;
+  if (suppressed)
+    PDKV_LOG_WARN("shm: %s (and %llu similar in the last second)", st.to_string().c_str(),
+                  static_cast<unsigned long long>(suppressed));
+  else
+    PDKV_LOG_WARN("shm: %s", st.to_string().c_str());
+}
+
 void ShmTransport::on_readable(const std::shared_ptr<ShmConn>& c) {
+  std::lock_guard<std::mutex> rx(c->rx_mu);
+  if (c->gone) return;
   for (;;) {
     char* dst;
     size_t want;
@@ -417,11 +521,11 @@ void ShmTransport::on_readable(const std::shared_ptr<ShmConn>& c) {
       want = c->aux.size() - c->aux_got;
     }
     iovec iov{dst, want};
-    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * 4)];
+    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * kMaxQueuedFds)];
     msghdr mh{};
     mh.msg_iov = &iov;
     mh.msg_iovlen = 1;
-    if (c->outbound) {
+    if (c->outbound) {  // only a target sends fds (with RegionResp)
       mh.msg_control = cbuf;
       mh.msg_controllen = sizeof cbuf;
     }
@@ -446,14 +550,24 @@ void ShmTransport::on_readable(const std::shared_ptr<ShmConn>& c) {
         }
       }
     }
+    if (c->fds.size() > kMaxQueuedFds) {
+      kill(c, ProtocolError(c->desc + " sent more file descriptors than region responses"));
+      return;
+    }
     if (!c->in_aux) {
+      if (c->hdr_got == 0) {  // a frame starts: it must be complete in time
+        c->frame_deadline = util::deadline_after(kFrameTimeoutS).time_since_epoch().count();
+      }
       c->hdr_got += static_cast<size_t>(r);
       if (c->hdr_got < sizeof(CtlHdr)) continue;
-      if (c->hdr.magic != kCtlMagic || c->hdr.aux_len > kMaxAux) {
-        kill(c, ProtocolError("malformed frame from " + c->desc));
+      const CtlSide side =
+          c->outbound ? CtlSide::kInitiator : (c->authed ? CtlSide::kTarget : CtlSide::kTargetPreHello);
+      Status st = check_ctl_header(c->hdr, side, hooks_->max_notif_bytes());
+      if (!st.ok()) {
+        refuse(c, ProtocolError(c->desc + ": " + st.message()), c->hdr.id);
         return;
       }
-      c->aux.assign(c->hdr.aux_len, '\0');
+      c->aux.assign(c->hdr.aux_len, '\0');  // bounded by check_ctl_header
       c->aux_got = 0;
       c->in_aux = c->hdr.aux_len > 0;
       if (c->in_aux) continue;
@@ -463,104 +577,154 @@ void ShmTransport::on_readable(const std::shared_ptr<ShmConn>& c) {
     }
     c->in_aux = false;
     c->hdr_got = 0;
+    c->frame_deadline = Clock::time_point::max().time_since_epoch().count();
     handle_frame(c);
+    if (c->gone) return;
     {
       std::lock_guard<std::mutex> lk(c->mu);
-      if (c->dead) return;
+      if (c->reject_at != Clock::time_point::max()) return;  // no longer read: answer held back
     }
   }
 }
 
+// Processes control frames that already arrived (a revoke, a close) before a post
+// uses the connection: a peer resumed after being frozen acts on them first.
+void ShmTransport::drain_control(const std::shared_ptr<ShmConn>& c) {
+  pollfd pfd{c->fd, POLLIN | POLLRDHUP, 0};
+  if (!c->gone && ::poll(&pfd, 1, 0) > 0) on_readable(c);
+}
+
+// Sends an error frame (best effort), logs (rate-limited) and closes.
+void ShmTransport::refuse(const std::shared_ptr<ShmConn>& c, const Status& st, uint64_t id) {
+  (void)send_frame(*c, Ctl::kError, id, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
+  if (!c->outbound && !c->authed) log_refusal(st);
+  kill(c, st);
+}
+
 void ShmTransport::handle_frame(const std::shared_ptr<ShmConn>& c) {
   const CtlHdr h = c->hdr;
-  const auto type = static_cast<Ctl>(h.type);
-  auto fail = [&](Status st) {
-    send_frame(*c, Ctl::kError, h.id, st.message().substr(0, 4096), static_cast<uint32_t>(st.code()));
-    kill(c, st);
-  };
-  if (!c->outbound) {
-    if (!c->authed && type != Ctl::kHello) return fail(ProtocolError("the first frame must be a hello"));
-    switch (type) {
-      case Ctl::kHello: {
-        util::ByteReader r(c->aux);
-        uint16_t ver = 0;
-        uint64_t expect = 0;
-        std::string from, to, secret;
-        Status st = r.get(&ver, "version");
-        if (st.ok() && ver != kShmVersion)
-          return fail(VersionMismatch("shm protocol version " + std::to_string(ver) + " is not supported"));
-        if (st.ok()) st = r.get(&expect, "instance");
-        if (st.ok()) st = r.get_str(&from, "initiator", 128);
-        if (st.ok()) st = r.get_str(&to, "target", 128);
-        if (st.ok()) st = r.get_str(&secret, "secret", 1024);
-        if (st.ok()) st = validate_name("initiator name", from);
-        if (!st.ok()) return fail(ProtocolError("malformed hello: " + st.message()));
-        if (!hooks_->secret_matches(secret))
-          return fail(AuthFailed("agent '" + from + "' presented the wrong secret to agent '" + hooks_->agent_name() + "'"));
-        if (!to.empty() && to != hooks_->agent_name())
-          return fail(AuthFailed("this is agent '" + hooks_->agent_name() + "', not '" + to + "'"));
-        if (expect != 0 && expect != hooks_->instance_id())
-          return fail(StalePeer("agent '" + hooks_->agent_name() + "' restarted since its metadata was fetched"));
-        {
-          std::lock_guard<std::mutex> lk(c->mu);
-          c->authed = true;
-          c->peer_name = from;
-          c->desc = "peer '" + from + "' (" + c->desc + ")";
-        }
-        util::ByteWriter w;
-        w.put<uint64_t>(hooks_->instance_id());
-        w.put<uint32_t>(static_cast<uint32_t>(::getpid()));
-        w.put_str(hooks_->agent_name());
-        send_frame(*c, Ctl::kHelloAck, 0, w.str());
-        return;
-      }
-      case Ctl::kMapReq: {
-        auto fd = hooks_->region_table().dup_shm_fd(h.id);
-        if (!fd.ok()) {
-          send_frame(*c, Ctl::kMapResp, h.id, fd.status().message(), static_cast<uint32_t>(fd.status().code()));
-          return;
-        }
-        auto d = hooks_->region_table().get(h.id);
-        util::ByteWriter w;
-        w.put<uint64_t>(d.ok() ? d->len : 0);
-        send_frame(*c, Ctl::kMapResp, h.id, w.str(), 0, *fd);
-        ::close(*fd);
-        return;
-      }
-      case Ctl::kNotify:
-        hooks_->deliver_notification(Notification{c->peer_name, c->aux});
-        send_frame(*c, Ctl::kNotifyAck, h.id, {});
-        return;
-      case Ctl::kRevokeAck: {
-        std::lock_guard<std::mutex> lk(c->mu);
-        c->revoke_acks.insert(h.id);
-        c->cv.notify_all();
-        return;
-      }
-      default:
-        return fail(ProtocolError("unexpected frame type " + std::to_string(h.type) + " from " + c->desc));
-    }
+  if (c->outbound) {
+    handle_outbound(c, h);
+  } else if (!c->authed) {
+    on_hello(c);  // check_ctl_header let nothing else through
+  } else {
+    handle_inbound(c, h);
   }
-  // Outbound (we are the initiator).
-  switch (type) {
-    case Ctl::kMapResp: {
+}
+
+void ShmTransport::on_hello(const std::shared_ptr<ShmConn>& c) {
+  auto hello = parse_hello(c->aux);
+  if (!hello.ok()) {
+    const Status& st = hello.status();
+    return refuse(c, Status(st.code(), "malformed hello from " + c->desc + ": " + st.message()));
+  }
+  Status st;
+  if (!hooks_->secret_matches(hello->secret)) {
+    st = AuthFailed("agent '" + hello->from + "' (" + c->desc + ") presented the wrong secret to agent '" +
+                    hooks_->agent_name() + "'");
+  } else if (!hello->to.empty() && hello->to != hooks_->agent_name()) {
+    st = AuthFailed("this is agent '" + hooks_->agent_name() + "', not '" + hello->to + "'");
+  }
+  if (!st.ok()) {
+    // Back-off: once the failure budget is spent, hold the answer (and the slot).
+    const auto delay = throttle_.on_failure(Clock::now());
+    log_refusal(st);
+    if (delay == Clock::duration::zero()) {
+      (void)send_frame(*c, Ctl::kError, 0, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
+      return kill(c, st);
+    }
+    if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
+    std::lock_guard<std::mutex> lk(c->mu);
+    c->reject_at = Clock::now() + delay;
+    c->reject = st;
+    return;
+  }
+  if (hello->expect_instance != 0 && hello->expect_instance != hooks_->instance_id())
+    return refuse(c, StalePeer("agent '" + hooks_->agent_name() + "' restarted since its metadata was fetched"));
+  {
+    std::lock_guard<std::mutex> lk(c->mu);
+    c->peer_name = hello->from;
+    c->desc = "peer '" + hello->from + "' (" + c->desc + ")";
+    c->authed = true;
+  }
+  HelloAck ack{hooks_->instance_id(), static_cast<uint32_t>(::getpid()), hooks_->agent_name()};
+  (void)send_frame(*c, Ctl::kHelloAck, 0, encode_hello_ack(ack));
+}
+
+void ShmTransport::handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h) {
+  switch (static_cast<Ctl>(h.type)) {
+    case Ctl::kRegionReq:
+      return answer_region_req(c, h.id);
+    case Ctl::kNotify:
+      hooks_->deliver_notification(Notification{c->peer_name, c->aux});
+      (void)send_frame(*c, Ctl::kNotifyAck, h.id, {});
+      return;
+    case Ctl::kRevokeAck: {
       std::lock_guard<std::mutex> lk(c->mu);
-      if (h.status == 0) {
-        uint64_t len = 0;
-        util::ByteReader r(c->aux);
-        if (!r.get(&len, "len").ok() || c->fds.empty()) {
-          c->map_results[h.id] = {ProtocolError("malformed map response"), {-1, 0}};
-        } else {
-          int fd = c->fds.front();
-          c->fds.pop_front();
-          c->map_results[h.id] = {Status::Ok(), {fd, len}};
-        }
-      } else {
-        const StatusCode code = status_code_from_wire(h.status);
-        c->map_results[h.id] = {Status(code, c->aux), {-1, 0}};
-      }
+      c->revoke_acks.insert(h.id);
       c->cv.notify_all();
       return;
+    }
+    default:  // check_ctl_header admits nothing else
+      return refuse(c, ProtocolError("unexpected frame type " + std::to_string(h.type) + " from " + c->desc));
+  }
+}
+
+// Answers from the region table as it is now. The lookup, the record that this
+// peer confirmed the region and the answer happen under c->mu, so a concurrent
+// deregistration either makes the lookup fail or finds the record (and its revoke
+// then follows the answer on the socket).
+void ShmTransport::answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t id) {
+  std::lock_guard<std::mutex> lk(c->mu);
+  auto d = hooks_->region_table().get(id);
+  Status st;
+  if (!d.ok() || !d->remote_access)
+    st = NotFound("agent '" + hooks_->agent_name() + "' exports no region " + std::to_string(id) +
+                  " (deregistered, or never exported); fetch its metadata again");
+  else if (d->kind != MemKind::kHost)
+    st = NotSupported("region " + std::to_string(id) + " of agent '" + hooks_->agent_name() +
+                      "' is device memory; shm reaches host memory only");
+  int fd = -1;
+  if (st.ok() && d->shareable) {
+    auto f = hooks_->region_table().dup_shm_fd(id);
+    if (f.ok()) fd = *f; else st = f.status();
+  }
+  if (!st.ok()) {
+    (void)send_frame(*c, Ctl::kRegionResp, id, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
+    return;
+  }
+  c->confirmed.insert(id);
+  RegionInfo info{d->addr, d->len, d->kind, d->shareable};
+  (void)send_frame(*c, Ctl::kRegionResp, id, encode_region_info(info), 0, fd);
+  if (fd >= 0) ::close(fd);
+}
+
+void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h) {
+  switch (static_cast<Ctl>(h.type)) {
+    case Ctl::kRegionResp: {
+      RegionAnswer a;
+      if (h.status != 0) {
+        a.st = Status(status_code_from_wire(h.status), c->aux);
+      } else {
+        auto info = parse_region_info(c->aux);
+        if (!info.ok()) return kill(c, ProtocolError(c->desc + ": " + info.status().message()));
+        a.info = *info;
+        if (a.info.shareable) {
+          if (c->fds.empty()) return kill(c, ProtocolError(c->desc + " confirmed a shared region without its fd"));
+          a.fd = c->fds.front();
+          c->fds.pop_front();
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lk(c->mu);
+        if (c->pending_req == h.id && !c->answers.count(h.id)) {
+          c->answers.emplace(h.id, std::move(a));
+          c->cv.notify_all();
+          return;
+        }
+      }
+      if (a.fd >= 0) ::close(a.fd);
+      return kill(c, ProtocolError(c->desc + " answered a region request it was not asked"));
     }
     case Ctl::kNotifyAck: {
       std::shared_ptr<Transfer> x;
@@ -584,28 +748,26 @@ void ShmTransport::handle_frame(const std::shared_ptr<ShmConn>& c) {
           r = it->second;
           c->regions.erase(it);
         }
+        if (r || c->pending_req == h.id) c->revoked_ids.insert(h.id);
       }
       if (!r) {
-        send_frame(*c, Ctl::kRevokeAck, h.id, {});
+        (void)send_frame(*c, Ctl::kRevokeAck, h.id, {});
         return;
       }
       r->revoked = true;
       maybe_ack_revoke(r);
       return;
     }
-    case Ctl::kError: {
-      const StatusCode code = status_code_from_wire(h.status);
-      kill(c, Status(code, c->desc + " refused: " + c->aux));
-      return;
-    }
-    default:
-      kill(c, ProtocolError("unexpected frame type " + std::to_string(h.type) + " from " + c->desc));
+    case Ctl::kError:
+      return kill(c, Status(status_code_from_wire(h.status), c->desc + " refused: " + c->aux));
+    default:  // check_ctl_header admits nothing else
+      return kill(c, ProtocolError("unexpected frame type " + std::to_string(h.type) + " from " + c->desc));
   }
 }
 
 void ShmTransport::maybe_ack_revoke(const std::shared_ptr<RemoteRegion>& r) {
   if (r->revoked && r->inflight.load() == 0 && !r->ack_sent.exchange(true)) {
-    if (auto c = r->conn.lock()) send_frame(*c, Ctl::kRevokeAck, r->id, {});
+    if (auto c = r->conn.lock()) (void)send_frame(*c, Ctl::kRevokeAck, r->id, {});
   }
 }
 
@@ -627,48 +789,78 @@ void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
   conns_.erase(c.get());
 }
 
+// ---------------------------------------------------------------- initiator side
+
+// The peer's socket is gone. If another instance of the same agent now listens in
+// the same directory (`<name>-<16 hex instance>.sock`), the peer restarted.
+Status explain_unreachable(const Peer& peer, const std::string& path, const Status& st) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return st;
+  const std::string dir = path.substr(0, slash), base = path.substr(slash + 1);
+  const std::string suffix = ".sock";
+  const size_t tail = 1 + 16 + suffix.size();  // "-<instance>.sock"
+  if (base.size() <= tail || base.compare(base.size() - suffix.size(), suffix.size(), suffix) != 0) return st;
+  const std::string prefix = base.substr(0, base.size() - tail + 1);  // "<name>-"
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return st;
+  std::string other;
+  while (dirent* ent = ::readdir(d)) {
+    const std::string n = ent->d_name;
+    if (n == base || n.size() != base.size() || n.compare(0, prefix.size(), prefix) != 0 ||
+        n.compare(n.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    const std::string inst = n.substr(prefix.size(), 16);
+    if (!std::all_of(inst.begin(), inst.end(), [](char ch) { return std::isxdigit(static_cast<unsigned char>(ch)); }))
+      continue;
+    if (util::connect_unix(dir + "/" + n).ok()) {  // a live listener, not a stale file
+      other = inst;
+      break;
+    }
+  }
+  ::closedir(d);
+  if (other.empty()) return st;
+  return StalePeer("peer '" + peer.md.name + "' restarted: the instance in its metadata is gone and instance " +
+                   other + " listens now; fetch its metadata again (" + st.message() + ")");
+}
+
 Result<std::shared_ptr<ShmConn>> ShmTransport::dial(const Peer& peer) {
   const Endpoint* e = peer.md.find_endpoint("shm");
   if (!e) return NotSupported("peer '" + peer.md.name + "' publishes no shm endpoint");
   auto fdr = util::connect_unix(e->address);
-  if (!fdr.ok()) return Status(fdr.status().code(), "peer '" + peer.md.name + "': " + fdr.status().message());
+  if (!fdr.ok())
+    return explain_unreachable(peer, e->address,
+                               Status(fdr.status().code(), "peer '" + peer.md.name + "': " + fdr.status().message()));
   util::ScopedFd fd = std::move(fdr).value();
-  util::ByteWriter body;
-  body.put<uint16_t>(kShmVersion);
-  body.put<uint64_t>(peer.md.instance_id);
-  body.put_str(hooks_->agent_name());
-  body.put_str(peer.md.name);
-  body.put_str(peer.secret);
-  CtlHdr h{kCtlMagic, static_cast<uint16_t>(Ctl::kHello), 0, 0, static_cast<uint32_t>(body.str().size()), 0};
+  Hello hello{kShmVersion, peer.md.instance_id, hooks_->agent_name(), peer.md.name, peer.secret};
+  const std::string body = encode_hello(hello);
+  CtlHdr h{kCtlMagic, static_cast<uint16_t>(Ctl::kHello), 0, 0, static_cast<uint32_t>(body.size()), 0};
   std::string frame(reinterpret_cast<const char*>(&h), sizeof h);
-  frame += body.str();
+  frame += body;
+  const std::string where = "handshake with peer '" + peer.md.name + "'";
   const auto deadline = util::deadline_after(connect_timeout_);
-  PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), frame.data(), frame.size(), deadline));
+  PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), frame.data(), frame.size(), deadline).with_context(where));
   CtlHdr r{};
-  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), &r, sizeof r, deadline).with_context("handshake with '" + peer.md.name + "'"));
-  if (r.magic != kCtlMagic || r.aux_len > 4096) return ProtocolError("peer '" + peer.md.name + "' sent a malformed reply");
-  std::string aux(r.aux_len, '\0');
-  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), aux.data(), aux.size(), deadline));
-  if (r.type == static_cast<uint16_t>(Ctl::kError)) {
-    const StatusCode code = status_code_from_wire(r.status);
-    return Status(code, "peer '" + peer.md.name + "' refused the connection: " + aux);
-  }
-  if (r.type != static_cast<uint16_t>(Ctl::kHelloAck)) return ProtocolError("unexpected handshake reply");
-  util::ByteReader rd(aux);
-  uint64_t inst = 0;
-  uint32_t pid = 0;
-  PDKV_RETURN_IF_ERROR(rd.get(&inst, "instance"));
-  PDKV_RETURN_IF_ERROR(rd.get(&pid, "pid"));
+  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), &r, sizeof r, deadline).with_context(where));
+  PDKV_RETURN_IF_ERROR(check_ctl_header(r, CtlSide::kInitiatorHello, 0).with_context(where));
+  std::string aux(r.aux_len, '\0');  // bounded by check_ctl_header
+  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), aux.data(), aux.size(), deadline).with_context(where));
+  if (r.type == static_cast<uint16_t>(Ctl::kError))
+    return Status(status_code_from_wire(r.status), "peer '" + peer.md.name + "' refused the connection: " + aux);
+  PDKV_ASSIGN_OR_RETURN(HelloAck ack, parse_hello_ack(aux));
+  if (ack.instance != peer.md.instance_id)
+    return StalePeer("peer '" + peer.md.name + "' restarted since its metadata was fetched");
+  if (ack.name != peer.md.name)
+    return ProtocolError("agent '" + ack.name + "' answered at the shm address of peer '" + peer.md.name + "'");
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
   auto c = std::make_shared<ShmConn>(fd.release(), true, "peer '" + peer.md.name + "' (shm " + e->address + ")");
   c->authed = true;
   c->peer_name = peer.md.name;
-  c->peer_pid = static_cast<pid_t>(pid);
+  c->peer_pid = static_cast<pid_t>(ack.pid);
   add_conn(c);
   return c;
 }
 
-Result<std::shared_ptr<ShmPeerState>> ShmTransport::peer_state(const std::shared_ptr<const Peer>& peer) {
+std::shared_ptr<ShmPeerState> ShmTransport::peer_state(const std::shared_ptr<const Peer>& peer) {
   std::lock_guard<std::mutex> lk(mu_);
   auto& ps = peers_[peer->md.name];
   if (!ps || ps->peer->md.instance_id != peer->md.instance_id) {
@@ -689,6 +881,7 @@ Result<std::shared_ptr<ShmConn>> ShmTransport::get_conn(ShmPeerState& ps) {
   return ps.conn;
 }
 
+// The region as the peer confirms it now (cached per connection until revoked).
 Result<std::shared_ptr<RemoteRegion>> ShmTransport::remote_region(const std::shared_ptr<ShmConn>& c, const Peer& peer,
                                                                   uint64_t id) {
   std::lock_guard<std::mutex> map_lk(c->map_mu);
@@ -696,104 +889,152 @@ Result<std::shared_ptr<RemoteRegion>> ShmTransport::remote_region(const std::sha
     std::lock_guard<std::mutex> lk(c->mu);
     auto it = c->regions.find(id);
     if (it != c->regions.end()) return it->second;
+    if (c->revoked_ids.count(id)) return NotFound(deregistered(peer.md.name, id));
   }
   const RegionDesc* d = peer.md.find_region(id);
   if (!d) return NotFound("peer '" + peer.md.name + "' exports no region " + std::to_string(id));
-  auto r = std::make_shared<RemoteRegion>();
-  r->id = id;
-  r->len = d->len;
-  r->remote_addr = d->addr;
-  r->conn = c;
-  if (d->shareable) {
-    PDKV_RETURN_IF_ERROR(send_frame(*c, Ctl::kMapReq, id, {}));
+  RegionAnswer ans;
+  {
     std::unique_lock<std::mutex> lk(c->mu);
-    const bool got = c->cv.wait_for(lk, std::chrono::duration<double>(connect_timeout_),
-                                    [&] { return c->dead || c->map_results.count(id); });
     if (c->dead) return c->dead_reason;
-    if (!got) return TimeoutError("peer '" + peer.md.name + "' did not answer the map request");
-    auto res = c->map_results[id];
-    c->map_results.erase(id);
+    c->pending_req = id;
     lk.unlock();
-    if (!res.first.ok()) return res.first.with_context("mapping region " + std::to_string(id) + " of '" + peer.md.name + "'");
-    const int fd = res.second.first;
-    if (res.second.second < d->len) {
-      ::close(fd);
-      return ProtocolError("peer's region " + std::to_string(id) + " is smaller than its metadata says");
+    Status sent = send_frame(*c, Ctl::kRegionReq, id, {});
+    lk.lock();
+    const bool got = sent.ok() && c->cv.wait_for(lk, std::chrono::duration<double>(connect_timeout_),
+                                                 [&] { return c->dead || c->answers.count(id); });
+    c->pending_req = 0;
+    auto it = c->answers.find(id);
+    if (it != c->answers.end()) {
+      ans = std::move(it->second);
+      c->answers.erase(it);
     }
-    void* p = ::mmap(nullptr, d->len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    ::close(fd);
+    if (c->dead) {
+      if (ans.fd >= 0) ::close(ans.fd);
+      return c->dead_reason;
+    }
+    if (!sent.ok()) return sent;
+    if (!got) return TimeoutError("peer '" + peer.md.name + "' did not confirm region " + std::to_string(id) + " within " +
+                                  std::to_string(connect_timeout_) + " s");
+  }
+  if (!ans.st.ok()) return ans.st.with_context("region " + std::to_string(id) + " of peer '" + peer.md.name + "'");
+  PDKV_ASSIGN_OR_RETURN(auto r, attach(c, peer, *d, std::move(ans)));
+  std::lock_guard<std::mutex> lk(c->mu);
+  if (c->revoked_ids.count(id)) return NotFound(deregistered(peer.md.name, id));  // revoked while we attached
+  return c->regions.emplace(id, r).first->second;
+}
+
+// Checks the confirmation against the metadata, then maps the memfd or checks that
+// cross-memory attach works. Only the confirmed address and length are used.
+Result<std::shared_ptr<RemoteRegion>> ShmTransport::attach(const std::shared_ptr<ShmConn>& c, const Peer& peer,
+                                                           const RegionDesc& d, RegionAnswer ans) {
+  util::ScopedFd fd(ans.fd);
+  const RegionInfo& ri = ans.info;
+  auto show = [](uint64_t addr, uint64_t len, bool shareable) {
+    return "[" + hex_addr(addr) + ", +" + std::to_string(len) + ")" + (shareable ? " shared" : " private");
+  };
+  if (ri.addr != d.addr || ri.len != d.len || ri.shareable != d.shareable || ri.kind != d.kind)
+    return OutOfRange("peer '" + peer.md.name + "' confirms region " + std::to_string(d.id) + " as " +
+                      show(ri.addr, ri.len, ri.shareable) + " but its metadata says " +
+                      show(d.addr, d.len, d.shareable) + "; fetch its metadata again");
+  auto r = std::make_shared<RemoteRegion>();
+  r->id = d.id;
+  r->len = ri.len;
+  r->remote_addr = ri.addr;
+  r->conn = c;
+  if (ri.shareable) {
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < ri.len)
+      return ProtocolError("peer's region " + std::to_string(d.id) + " is smaller than it confirms");
+    void* p = ::mmap(nullptr, ri.len, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
     if (p == MAP_FAILED) return Internal("mmap of the peer's region failed: " + errno_str(errno));
     r->base = static_cast<char*>(p);
-  } else {
-    // Cross-memory attach: check once that the kernel lets us reach the peer.
-    char probe;
-    iovec l{&probe, 1}, rm{reinterpret_cast<void*>(d->addr), 1};
-    if (::process_vm_readv(c->peer_pid, &l, 1, &rm, 1, 0) != 1) {
-      const int err = errno;
-      return NotSupported("region " + std::to_string(id) + " of peer '" + peer.md.name +
-                          "' is not shared memory and cross-memory attach to pid " + std::to_string(c->peer_pid) +
-                          " is not permitted (" + errno_str(err) +
-                          "); let pdkv allocate the pool (Agent.alloc), allow ptrace (kernel.yama.ptrace_scope=0 or "
-                          "CAP_SYS_PTRACE), or use the tcp transport");
-    }
+    return r;
   }
-  std::lock_guard<std::mutex> lk(c->mu);
-  auto [it, inserted] = c->regions.emplace(id, r);
-  return it->second;
+  // Cross-memory attach: check once that the kernel lets us reach the peer.
+  char probe;
+  iovec l{&probe, 1}, rm{reinterpret_cast<void*>(ri.addr), 1};
+  if (::process_vm_readv(c->peer_pid, &l, 1, &rm, 1, 0) != 1) {
+    const int err = errno;
+    return NotSupported("region " + std::to_string(d.id) + " of peer '" + peer.md.name +
+                        "' is not shared memory and cross-memory attach to pid " + std::to_string(c->peer_pid) +
+                        " is not permitted (" + errno_str(err) +
+                        "); let pdkv allocate the pool (Agent.alloc), allow ptrace (kernel.yama.ptrace_scope=0 or "
+                        "CAP_SYS_PTRACE), or use the tcp transport");
+  }
+  return r;
 }
 
 Result<std::shared_ptr<const PreparedOps>> ShmTransport::prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                                  std::vector<ResolvedExtent> extents) {
-  PDKV_ASSIGN_OR_RETURN(auto ps, peer_state(peer));
-  PDKV_ASSIGN_OR_RETURN(auto conn, get_conn(*ps));
+  // No peer I/O here: connecting and confirming regions happen at the first post,
+  // so a peer fault fails the transfer rather than the call.
   auto p = std::make_shared<ShmPrepared>();
-  p->ps = ps;
-  p->conn = conn;
+  p->ps = peer_state(peer);
   p->op = op;
-  p->pid = conn->peer_pid;
-  p->ops.reserve(extents.size());
+  p->extents = std::move(extents);
+  return std::shared_ptr<const PreparedOps>(std::move(p));
+}
+
+// Binds a prepared transfer to a live connection and the regions confirmed on it;
+// every extent is checked against the confirmed lengths.
+Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) {
+  std::lock_guard<std::mutex> lk(p.mu);
+  const Peer& peer = *p.ps->peer;
+  if (p.bound) {
+    for (auto& r : p.bound->regions)
+      if (r->revoked) return NotFound(deregistered(peer.md.name, r->id));
+    if (!p.bound->conn->gone) return p.bound;
+  }
+  PDKV_ASSIGN_OR_RETURN(auto conn, get_conn(*p.ps));
+  auto b = std::make_shared<Binding>();
+  b->conn = conn;
+  b->op = p.op;
+  b->pid = conn->peer_pid;
+  b->ops.reserve(p.extents.size());
   std::unordered_map<uint64_t, uint32_t> index;
   uint64_t last_id = ~0ull;
   uint32_t last_idx = 0;
-  for (const auto& e : extents) {
+  for (const auto& e : p.extents) {
     if (e.remote_region != last_id) {
       auto it = index.find(e.remote_region);
       if (it == index.end()) {
-        PDKV_ASSIGN_OR_RETURN(auto r, remote_region(conn, *peer, e.remote_region));
-        if (!r->base) p->cma = true;
-        it = index.emplace(e.remote_region, static_cast<uint32_t>(p->regions.size())).first;
-        p->regions.push_back(std::move(r));
+        PDKV_ASSIGN_OR_RETURN(auto r, remote_region(conn, peer, e.remote_region));
+        if (!r->base) b->cma = true;
+        it = index.emplace(e.remote_region, static_cast<uint32_t>(b->regions.size())).first;
+        b->regions.push_back(std::move(r));
       }
       last_id = e.remote_region;
       last_idx = it->second;
     }
-    const RemoteRegion& r = *p->regions[last_idx];
+    const RemoteRegion& r = *b->regions[last_idx];
+    if (e.remote_offset > r.len || e.len > r.len - e.remote_offset)
+      return OutOfRange("remote bytes [" + std::to_string(e.remote_offset) + ", +" + std::to_string(e.len) +
+                        ") fall outside region " + std::to_string(r.id) + " of peer '" + peer.md.name + "' (" +
+                        std::to_string(r.len) + " bytes as the peer confirms it)");
     const uint64_t remote = r.base ? reinterpret_cast<uint64_t>(r.base) + e.remote_offset : r.remote_addr + e.remote_offset;
     // Coalesce neighbours (already coalesced by the planner for block transfers).
-    if (!p->ops.empty()) {
-      CopyOp& b = p->ops.back();
-      if (b.region == last_idx && b.local + b.len == reinterpret_cast<char*>(e.local_addr) && b.remote + b.len == remote) {
-        b.len += e.len;
-        p->total += e.len;
+    if (!b->ops.empty()) {
+      CopyOp& o = b->ops.back();
+      if (o.region == last_idx && o.local + o.len == reinterpret_cast<char*>(e.local_addr) && o.remote + o.len == remote) {
+        o.len += e.len;
+        b->total += e.len;
         continue;
       }
     }
-    p->ops.push_back(CopyOp{reinterpret_cast<char*>(e.local_addr), remote, e.len, last_idx});
-    p->total += e.len;
+    b->ops.push_back(CopyOp{reinterpret_cast<char*>(e.local_addr), remote, e.len, last_idx});
+    b->total += e.len;
   }
-  return std::shared_ptr<const PreparedOps>(std::move(p));
+  p.bound = b;
+  return std::shared_ptr<const Binding>(b);
 }
 
-void ShmTransport::unpin(const ShmPrepared& p) {
-  for (auto& r : p.regions)
-    if (r->inflight.fetch_sub(1) == 1 && r->revoked) {
-      // The progress thread may be waiting to acknowledge a revoke.
-      if (!r->ack_sent.exchange(true))
-        if (auto c = r->conn.lock()) send_frame(*c, Ctl::kRevokeAck, r->id, {});
-    }
+void ShmTransport::unpin(const Binding& b) {
+  for (auto& r : b.regions)
+    if (r->inflight.fetch_sub(1) == 1 && r->revoked) maybe_ack_revoke(r);
 }
 
-Status ShmTransport::run_copies(const ShmPrepared& p) {
+Status ShmTransport::run_copies(const Binding& p) {
   if (!p.cma) {
     if (p.op == OpKind::kWrite) {
       for (const auto& o : p.ops) std::memcpy(reinterpret_cast<void*>(o.remote), o.local, o.len);
@@ -877,54 +1118,53 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
     if (mine) xfer->resolve_part(0, st);
     return;
   }
-  uint64_t one = 1;
-  if (::write(evfd_, &one, sizeof one) < 0) {  // start the deadline clock
-  }
+  wake();  // start the deadline clock
 }
 
 void ShmTransport::finish_job(Job& job, Status st) {
-  unpin(*job.prep);
+  unpin(*job.b);
   // The bytes are in memory the peer shares with us; fail the transfer if the peer
   // died meanwhile (the progress thread sees its socket close at once).
-  if (st.ok() && job.prep->conn->gone.load(std::memory_order_acquire))
-    st = ConnectionError(job.prep->conn->desc + " went away during the transfer");
+  if (st.ok() && job.b->conn->gone.load(std::memory_order_acquire))
+    st = ConnectionError(job.b->conn->desc + " went away during the transfer");
   if (!st.ok() || job.notif.empty()) {
-    job.xfer->resolve_part(st.ok() ? job.prep->total : 0, st);
+    job.xfer->resolve_part(st.ok() ? job.b->total : 0, st);
     if (!job.notif.empty()) job.xfer->resolve_part(0, Cancelled("notification not sent: the copy failed"));
     return;
   }
   // Data landed: one part for the bytes, one for the acknowledged notification.
-  job.xfer->resolve_part(job.prep->total, Status::Ok());
-  send_notify(job.prep->conn, job.xfer, job.notif);
+  job.xfer->resolve_part(job.b->total, Status::Ok());
+  send_notify(job.b->conn, job.xfer, job.notif);
 }
 
 void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
                         std::string notif) {
   auto prep = std::static_pointer_cast<const ShmPrepared>(ops);
   xfer->set_parts(notif.empty() ? 1 : 2);
+  auto fail = [&](const Status& st) {
+    xfer->resolve_part(0, st);
+    if (!notif.empty()) xfer->resolve_part(0, Cancelled("notification not sent"));
+  };
+  auto bound = bind(*prep);
+  if (!bound.ok()) return fail(bound.status());
+  auto b = std::move(bound).value();
+  drain_control(b->conn);
   {
-    std::lock_guard<std::mutex> lk(prep->conn->mu);
-    if (prep->conn->dead) {
-      Status why = prep->conn->dead_reason;
-      xfer->resolve_part(0, why);
-      if (!notif.empty()) xfer->resolve_part(0, Cancelled("notification not sent"));
-      return;
-    }
+    std::lock_guard<std::mutex> lk(b->conn->mu);
+    if (b->conn->dead) return fail(b->conn->dead_reason);
   }
-  for (size_t i = 0; i < prep->regions.size(); ++i) {
-    auto& r = prep->regions[i];
+  for (size_t i = 0; i < b->regions.size(); ++i) {
+    auto& r = b->regions[i];
     r->inflight.fetch_add(1);
     if (r->revoked) {
       for (size_t j = 0; j <= i; ++j)
-        if (prep->regions[j]->inflight.fetch_sub(1) == 1) maybe_ack_revoke(prep->regions[j]);
-      xfer->resolve_part(0, NotFound("peer deregistered region " + std::to_string(r->id) + "; prepare again"));
-      if (!notif.empty()) xfer->resolve_part(0, Cancelled("notification not sent"));
-      return;
+        if (b->regions[j]->inflight.fetch_sub(1) == 1) maybe_ack_revoke(b->regions[j]);
+      return fail(NotFound(deregistered(prep->ps->peer->md.name, r->id)));
     }
   }
-  Job job{prep, xfer, std::move(notif)};
-  if (prep->total <= opts_.inline_bytes) {
-    Status st = run_copies(*prep);
+  Job job{b, xfer, std::move(notif)};
+  if (b->total <= opts_.inline_bytes) {
+    Status st = run_copies(*b);
     finish_job(job, st);
     return;
   }
@@ -944,22 +1184,17 @@ void ShmTransport::copy_loop() {
       queue_.pop_front();
     }
     if (job.xfer->cancel_requested()) {
-      unpin(*job.prep);
+      unpin(*job.b);
       job.xfer->resolve_part(0, Cancelled("cancelled before the copy started"));
       if (!job.notif.empty()) job.xfer->resolve_part(0, Cancelled("notification not sent"));
       continue;
     }
-    finish_job(job, run_copies(*job.prep));
+    finish_job(job, run_copies(*job.b));
   }
 }
 
 void ShmTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
-  auto ps = peer_state(peer);
-  if (!ps.ok()) {
-    xfer->resolve_part(0, ps.status());
-    return;
-  }
-  auto c = get_conn(**ps);
+  auto c = get_conn(*peer_state(peer));
   if (!c.ok()) {
     xfer->resolve_part(0, c.status());
     return;
@@ -969,8 +1204,7 @@ void ShmTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_pt
 
 Status ShmTransport::connect(std::shared_ptr<const Peer> peer, double timeout_s) {
   (void)timeout_s;
-  PDKV_ASSIGN_OR_RETURN(auto ps, peer_state(peer));
-  PDKV_ASSIGN_OR_RETURN(auto c, get_conn(*ps));
+  PDKV_ASSIGN_OR_RETURN(auto c, get_conn(*peer_state(peer)));
   (void)c;
   return Status::Ok();
 }
@@ -992,27 +1226,48 @@ void ShmTransport::drop_peer(const std::string& name) {
   if (c) kill(c, ConnectionError("peer '" + name + "' was removed"));
 }
 
+// ---------------------------------------------------------------- target side
+
+// Revokes `region` at every peer that confirmed it and waits for their
+// acknowledgements (they finish copies in flight first). A peer that does not
+// answer within kRevokeTimeoutS (frozen, or stuck) loses its connection: it must
+// dial again and re-confirm, which now fails with NotFound.
 void ShmTransport::region_removed(const RegionDesc& region) {
-  std::vector<std::shared_ptr<ShmConn>> inbound;
+  std::vector<std::shared_ptr<ShmConn>> holders;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (auto& [p, c] : conns_)
-      if (!c->outbound && c->authed) inbound.push_back(c);
+    for (auto& [p, c] : conns_) {
+      if (c->outbound || !c->authed) continue;
+      std::lock_guard<std::mutex> lk2(c->mu);
+      if (c->confirmed.erase(region.id)) {
+        c->revoke_acks.erase(region.id);
+        holders.push_back(c);
+      }
+    }
   }
-  for (auto& c : inbound) {
+  std::vector<std::shared_ptr<ShmConn>> told;
+  for (auto& c : holders) {
+    Status st = send_frame(*c, Ctl::kRevoke, region.id, {});
+    if (st.ok()) {
+      told.push_back(c);
+    } else {
+      kill(c, st.with_context("revoking region " + std::to_string(region.id)));
+    }
+  }
+  const auto deadline = util::deadline_after(kRevokeTimeoutS);
+  for (auto& c : told) {
+    bool acked;
     {
-      std::lock_guard<std::mutex> lk(c->mu);
+      std::unique_lock<std::mutex> lk(c->mu);
+      acked = c->cv.wait_until(lk, deadline, [&] { return c->dead || c->revoke_acks.count(region.id); });
       c->revoke_acks.erase(region.id);
     }
-    if (!send_frame(*c, Ctl::kRevoke, region.id, {}).ok()) continue;
-  }
-  const auto deadline = Clock::now() + std::chrono::seconds(10);
-  for (auto& c : inbound) {
-    std::unique_lock<std::mutex> lk(c->mu);
-    if (!c->cv.wait_until(lk, deadline, [&] { return c->dead || c->revoke_acks.count(region.id); }))
-      PDKV_LOG_WARN("%s did not confirm it stopped using region %llu within 10 s", c->desc.c_str(),
-                    static_cast<unsigned long long>(region.id));
-    c->revoke_acks.erase(region.id);
+    if (!acked) {
+      PDKV_LOG_WARN("shm: %s did not release region %llu within %.0f s; closing its connection", c->desc.c_str(),
+                    static_cast<unsigned long long>(region.id), kRevokeTimeoutS);
+      kill(c, TimeoutError(c->desc + " did not release region " + std::to_string(region.id) + " within " +
+                           std::to_string(int(kRevokeTimeoutS)) + " s"));
+    }
   }
 }
 

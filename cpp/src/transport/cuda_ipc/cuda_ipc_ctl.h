@@ -1,0 +1,66 @@
+// cuda_ipc control protocol (Unix socket next to the exporter): frame layout,
+// per-state limits and the hello codec.
+//
+// Pure functions (no sockets, no CUDA): the transport calls them on every frame and
+// fuzz/targets/cuda_ipc_ctl_fuzz.cc on arbitrary bytes. Specification: docs/wire.md
+// ("cuda_ipc control channel").
+//
+// Thread safety: stateless.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "pdkv/status.h"
+
+namespace pdkv::cuda_ipc {
+
+constexpr uint32_t kCtlMagic = 0x434b4450;  // "PDKC"
+constexpr uint16_t kCtlVersion = 1;
+constexpr uint32_t kMaxHelloAux = 4096;
+constexpr uint32_t kMaxErrorAux = 4096;
+constexpr double kCtlTimeoutS = 5.0;       // connect + handshake; and a started frame -> its last byte
+constexpr double kRevokeTimeoutS = 10.0;   // deregistration waits this long for importers
+constexpr size_t kMaxPendingConns = 64;    // unauthenticated control connections at once
+
+enum class Ctl : uint16_t {
+  kHello = 1,      // importer -> exporter; aux: u16 version, u64 expected instance, str from, str secret
+  kHelloAck = 2,   // exporter -> importer
+  kRevoke = 3,     // exporter -> importer: stop using region `id`
+  kRevokeAck = 4,  // importer -> exporter: region `id` is no longer mapped
+  kError = 5,      // status: StatusCode, aux: message; the sender then closes
+};
+
+struct CtlHdr {
+  uint32_t magic;
+  uint16_t type;
+  uint16_t reserved;  // 0
+  uint64_t id;
+  uint32_t aux_len;
+  uint32_t status;  // a StatusCode in kError, else 0
+};
+static_assert(sizeof(CtlHdr) == 24, "control header must be 24 bytes");
+
+enum class CtlSide : uint8_t {
+  kExporterPreHello,  // accepted, nothing but a hello yet
+  kExporter,          // accepted, authenticated
+  kImporterHello,     // dialed, waiting for the hello reply
+  kImporter,          // dialed, authenticated
+};
+
+// OK when reading h.aux_len more bytes is allowed on `side`.
+Status check_ctl_header(const CtlHdr& h, CtlSide side);
+
+struct Hello {
+  uint16_t version = 0;
+  uint64_t expect_instance = 0;
+  std::string from, secret;
+};
+std::string encode_hello(const Hello& h);
+Result<Hello> parse_hello(std::string_view aux);
+
+// Header limits plus the body of types that have one.
+Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side);
+
+}  // namespace pdkv::cuda_ipc

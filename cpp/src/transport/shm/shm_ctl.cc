@@ -1,0 +1,146 @@
+#include "transport/shm/shm_ctl.h"
+
+#include "pdkv/metadata.h"
+#include "util/bytes.h"
+
+namespace pdkv::shm {
+namespace {
+
+std::string type_name(uint16_t t) {
+  static const char* names[] = {"?", "hello", "hello-ack", "region-req", "region-resp", "notify",
+                                "notify-ack", "revoke", "revoke-ack", "error"};
+  return t >= 1 && t <= 9 ? names[t] : "type " + std::to_string(t);
+}
+
+// The largest aux a frame of `type` may carry on `side`; -1: the type is not allowed there.
+int64_t aux_limit(Ctl type, CtlSide side, uint32_t max_notif) {
+  switch (side) {
+    case CtlSide::kTargetPreHello:
+      return type == Ctl::kHello ? kMaxHelloAux : -1;
+    case CtlSide::kTarget:
+      switch (type) {
+        case Ctl::kRegionReq: return 0;
+        case Ctl::kNotify: return max_notif;
+        case Ctl::kRevokeAck: return 0;
+        default: return -1;
+      }
+    case CtlSide::kInitiatorHello:
+      return type == Ctl::kHelloAck ? kMaxHelloAux : type == Ctl::kError ? kMaxErrorAux : -1;
+    case CtlSide::kInitiator:
+      switch (type) {
+        case Ctl::kRegionResp: return kMaxErrorAux;
+        case Ctl::kNotifyAck: return 0;
+        case Ctl::kRevoke: return 0;
+        case Ctl::kError: return kMaxErrorAux;
+        default: return -1;
+      }
+  }
+  return -1;
+}
+
+}  // namespace
+
+Status check_ctl_header(const CtlHdr& h, CtlSide side, uint32_t max_notif) {
+  if (h.magic != kCtlMagic) return ProtocolError("bad control frame magic " + std::to_string(h.magic));
+  if (h.flags != 0) return ProtocolError("control frame flags must be 0, got " + std::to_string(h.flags));
+  const auto type = static_cast<Ctl>(h.type);
+  const int64_t limit = aux_limit(type, side, max_notif);
+  if (limit < 0) {
+    if (side == CtlSide::kTargetPreHello)
+      return ProtocolError("the first frame must be a hello, got " + type_name(h.type));
+    return ProtocolError("unexpected control frame " + type_name(h.type));
+  }
+  if (h.aux_len > limit)
+    return ProtocolError("control frame " + type_name(h.type) + " declares " + std::to_string(h.aux_len) +
+                         " aux bytes (limit " + std::to_string(limit) + ")");
+  if (h.status != 0 && type != Ctl::kRegionResp && type != Ctl::kError)
+    return ProtocolError("control frame " + type_name(h.type) + " carries a status");
+  return Status::Ok();
+}
+
+std::string encode_hello(const Hello& h) {
+  util::ByteWriter w;
+  w.put<uint16_t>(h.version);
+  w.put<uint64_t>(h.expect_instance);
+  w.put_str(h.from);
+  w.put_str(h.to);
+  w.put_str(h.secret);
+  return w.take();
+}
+
+Result<Hello> parse_hello(std::string_view aux) {
+  util::ByteReader r(aux);
+  Hello h;
+  PDKV_RETURN_IF_ERROR(r.get(&h.version, "version"));
+  if (h.version != kShmVersion)
+    return VersionMismatch("shm protocol version " + std::to_string(h.version) + " is not supported (this is " +
+                           std::to_string(kShmVersion) + ")");
+  PDKV_RETURN_IF_ERROR(r.get(&h.expect_instance, "instance"));
+  PDKV_RETURN_IF_ERROR(r.get_str(&h.from, "initiator", kMaxNameLen));
+  PDKV_RETURN_IF_ERROR(r.get_str(&h.to, "target", kMaxNameLen));
+  PDKV_RETURN_IF_ERROR(r.get_str(&h.secret, "secret", kMaxSecretLen));
+  if (r.remaining() != 0) return ProtocolError("hello has " + std::to_string(r.remaining()) + " trailing bytes");
+  PDKV_RETURN_IF_ERROR(validate_name("initiator name", h.from));
+  return h;
+}
+
+std::string encode_hello_ack(const HelloAck& a) {
+  util::ByteWriter w;
+  w.put<uint64_t>(a.instance);
+  w.put<uint32_t>(a.pid);
+  w.put_str(a.name);
+  return w.take();
+}
+
+Result<HelloAck> parse_hello_ack(std::string_view aux) {
+  util::ByteReader r(aux);
+  HelloAck a;
+  PDKV_RETURN_IF_ERROR(r.get(&a.instance, "instance"));
+  PDKV_RETURN_IF_ERROR(r.get(&a.pid, "pid"));
+  PDKV_RETURN_IF_ERROR(r.get_str(&a.name, "name", kMaxNameLen));
+  if (a.pid == 0) return ProtocolError("hello-ack names pid 0");
+  return a;
+}
+
+std::string encode_region_info(const RegionInfo& ri) {
+  util::ByteWriter w;
+  w.put<uint64_t>(ri.addr);
+  w.put<uint64_t>(ri.len);
+  w.put<uint32_t>(static_cast<uint32_t>(ri.kind));
+  w.put<uint32_t>(ri.shareable ? 1u : 0u);
+  return w.take();
+}
+
+Result<RegionInfo> parse_region_info(std::string_view aux) {
+  if (aux.size() != kRegionInfoLen)
+    return ProtocolError("region confirmation is " + std::to_string(aux.size()) + " bytes, expected " +
+                         std::to_string(kRegionInfoLen));
+  util::ByteReader r(aux);
+  RegionInfo ri;
+  uint32_t kind = 0, flags = 0;
+  PDKV_RETURN_IF_ERROR(r.get(&ri.addr, "addr"));
+  PDKV_RETURN_IF_ERROR(r.get(&ri.len, "len"));
+  PDKV_RETURN_IF_ERROR(r.get(&kind, "kind"));
+  PDKV_RETURN_IF_ERROR(r.get(&flags, "flags"));
+  if (kind > static_cast<uint32_t>(MemKind::kCuda)) return ProtocolError("region confirmation names memory kind " + std::to_string(kind));
+  if (flags > 1) return ProtocolError("region confirmation has unknown flags " + std::to_string(flags));
+  if (ri.len == 0) return ProtocolError("region confirmation has length 0");
+  if (ri.addr + ri.len < ri.addr) return ProtocolError("region confirmation wraps the address space");
+  ri.kind = static_cast<MemKind>(kind);
+  ri.shareable = flags & 1;
+  return ri;
+}
+
+Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side, uint32_t max_notif) {
+  PDKV_RETURN_IF_ERROR(check_ctl_header(h, side, max_notif));
+  if (aux.size() != h.aux_len) return ProtocolError("control frame aux is incomplete");
+  switch (static_cast<Ctl>(h.type)) {
+    case Ctl::kHello: return parse_hello(aux).status();
+    case Ctl::kHelloAck: return parse_hello_ack(aux).status();
+    case Ctl::kRegionResp:
+      return h.status == 0 ? parse_region_info(aux).status() : Status::Ok();
+    default: return Status::Ok();
+  }
+}
+
+}  // namespace pdkv::shm

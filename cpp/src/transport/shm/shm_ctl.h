@@ -1,0 +1,100 @@
+// shm control protocol: frame layout, per-state limits and message codecs.
+//
+// Pure functions only (no sockets, no threads): the transport calls them on every
+// frame and the fuzzer (fuzz/targets/shm_ctl_fuzz.cc) calls them on arbitrary bytes.
+// docs/wire.md ("shm control channel") is the specification; keep the two in step.
+//
+// Thread safety: everything here is stateless and safe from any thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "pdkv/status.h"
+#include "pdkv/types.h"
+
+namespace pdkv::shm {
+
+constexpr uint32_t kCtlMagic = 0x534b4450;  // "PDKS"
+// 2: region confirmation (RegionReq/RegionResp for every region, not only memfd ones).
+constexpr uint16_t kShmVersion = 2;
+
+// Limits (bytes of aux), checked on the header before anything is allocated.
+constexpr uint32_t kMaxHelloAux = 4096;   // hello, hello-ack
+constexpr uint32_t kMaxErrorAux = 4096;   // error messages, RegionResp failures
+constexpr uint32_t kMaxNameLen = 128;
+constexpr uint32_t kMaxSecretLen = 1024;
+constexpr uint32_t kRegionInfoLen = 24;   // RegionResp success body
+// Deadlines (seconds).
+constexpr double kHandshakeTimeoutS = 5.0;  // accept -> authenticated hello
+constexpr double kFrameTimeoutS = 5.0;      // first byte of a frame -> its last byte
+constexpr double kRevokeTimeoutS = 10.0;    // deregistration waits this long per peer
+// At most this many accepted connections may be unauthenticated at once.
+constexpr size_t kMaxPendingConns = 64;
+
+enum class Ctl : uint16_t {
+  kHello = 1,       // initiator -> target: aux = Hello
+  kHelloAck = 2,    // target -> initiator: aux = HelloAck
+  kRegionReq = 3,   // initiator -> target: id = region; confirm (and map) it
+  kRegionResp = 4,  // target -> initiator: id = region; status 0: RegionInfo (+ memfd if shareable), else message
+  kNotify = 5,      // initiator -> target: id = sequence, aux = notification
+  kNotifyAck = 6,   // target -> initiator: id = sequence
+  kRevoke = 7,      // target -> initiator: stop using region id
+  kRevokeAck = 8,   // initiator -> target: region id no longer used
+  kError = 9,       // either: status + message; the sender closes
+};
+
+struct CtlHdr {
+  uint32_t magic;
+  uint16_t type;
+  uint16_t flags;  // 0
+  uint64_t id;
+  uint32_t aux_len;
+  uint32_t status;  // a StatusCode in RegionResp and Error, else 0
+};
+static_assert(sizeof(CtlHdr) == 24, "control header must be 24 bytes");
+
+// Which end of a connection is reading, and how far its handshake got.
+enum class CtlSide : uint8_t {
+  kTargetPreHello,  // we accepted; nothing but a hello is allowed yet
+  kTarget,          // we accepted; the initiator authenticated
+  kInitiatorHello,  // we dialed; waiting for the hello reply
+  kInitiator,       // we dialed; authenticated
+};
+
+// Checks a received header against the limits of `side`; OK means reading
+// h.aux_len bytes of aux is allowed. `max_notif` bounds notifications.
+Status check_ctl_header(const CtlHdr& h, CtlSide side, uint32_t max_notif);
+
+struct Hello {
+  uint16_t version = 0;
+  uint64_t expect_instance = 0;  // 0: any
+  std::string from, to, secret;  // to "": any
+};
+std::string encode_hello(const Hello& h);
+Result<Hello> parse_hello(std::string_view aux);
+
+struct HelloAck {
+  uint64_t instance = 0;
+  uint32_t pid = 0;
+  std::string name;
+};
+std::string encode_hello_ack(const HelloAck& a);
+Result<HelloAck> parse_hello_ack(std::string_view aux);
+
+// What the target confirms about one of its regions, from its region table now.
+struct RegionInfo {
+  uint64_t addr = 0;  // in the target's address space
+  uint64_t len = 0;
+  MemKind kind = MemKind::kHost;
+  bool shareable = false;  // a memfd is attached to the response
+};
+std::string encode_region_info(const RegionInfo& r);
+Result<RegionInfo> parse_region_info(std::string_view aux);
+
+// Validates one complete frame (header + aux) received on `side`: the header limits
+// and the body of the types that have one. The transport calls it before acting.
+Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side, uint32_t max_notif);
+
+}  // namespace pdkv::shm
