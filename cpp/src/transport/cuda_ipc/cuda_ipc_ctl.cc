@@ -9,10 +9,10 @@ namespace {
 // Largest aux for `type` on `side`; -1: not allowed there.
 int64_t aux_limit(Ctl type, CtlSide side) {
   switch (side) {
-    case CtlSide::kExporterPreHello: return type == Ctl::kHello ? kMaxHelloAux : -1;
+    case CtlSide::kExporterPreHello: return type == Ctl::kHello ? int64_t{kMaxHelloAux} : -1;
     case CtlSide::kExporter: return type == Ctl::kRevokeAck ? 0 : -1;
-    case CtlSide::kImporterHello: return type == Ctl::kHelloAck ? 0 : type == Ctl::kError ? kMaxErrorAux : -1;
-    case CtlSide::kImporter: return type == Ctl::kRevoke ? 0 : type == Ctl::kError ? kMaxErrorAux : -1;
+    case CtlSide::kImporterHello: return type == Ctl::kHelloAck ? 0 : type == Ctl::kError ? int64_t{kMaxErrorAux} : -1;
+    case CtlSide::kImporter: return type == Ctl::kRevoke ? 0 : type == Ctl::kError ? int64_t{kMaxErrorAux} : -1;
   }
   return -1;
 }

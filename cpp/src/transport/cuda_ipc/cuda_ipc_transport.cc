@@ -815,7 +815,8 @@ void CudaIpcTransport::on_ctl_readable(const std::shared_ptr<CtlConn>& c) {
         const CtlSide side = c->outbound ? CtlSide::kImporter : authed ? CtlSide::kExporter : CtlSide::kExporterPreHello;
         Status st = check_ctl_header(c->hdr, side);
         if (!st.ok()) {
-          if (!c->outbound)
+          // Garbage (bad magic) and oversized frames are dropped without an answer, as before.
+          if (!c->outbound && c->hdr.magic == kCtlMagic && c->hdr.aux_len <= kMaxHelloAux)
             (void)send_ctl(*c, Ctl::kError, 0, st.message(), static_cast<uint32_t>(StatusCode::kProtocolError));
           log_refusal(st.with_context(c->peer.empty() ? "an unauthenticated client" : "'" + c->peer + "'"));
           return ctl_closed(c);

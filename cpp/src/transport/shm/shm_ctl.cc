@@ -16,22 +16,22 @@ std::string type_name(uint16_t t) {
 int64_t aux_limit(Ctl type, CtlSide side, uint32_t max_notif) {
   switch (side) {
     case CtlSide::kTargetPreHello:
-      return type == Ctl::kHello ? kMaxHelloAux : -1;
+      return type == Ctl::kHello ? int64_t{kMaxHelloAux} : -1;
     case CtlSide::kTarget:
       switch (type) {
         case Ctl::kRegionReq: return 0;
-        case Ctl::kNotify: return max_notif;
+        case Ctl::kNotify: return int64_t{max_notif};
         case Ctl::kRevokeAck: return 0;
         default: return -1;
       }
     case CtlSide::kInitiatorHello:
-      return type == Ctl::kHelloAck ? kMaxHelloAux : type == Ctl::kError ? kMaxErrorAux : -1;
+      return type == Ctl::kHelloAck ? int64_t{kMaxHelloAux} : type == Ctl::kError ? int64_t{kMaxErrorAux} : -1;
     case CtlSide::kInitiator:
       switch (type) {
-        case Ctl::kRegionResp: return kMaxErrorAux;
+        case Ctl::kRegionResp: return int64_t{kMaxErrorAux};
         case Ctl::kNotifyAck: return 0;
         case Ctl::kRevoke: return 0;
-        case Ctl::kError: return kMaxErrorAux;
+        case Ctl::kError: return int64_t{kMaxErrorAux};
         default: return -1;
       }
   }

@@ -149,7 +149,8 @@ struct ShmConn {
 };
 
 struct ShmPeerState {
-  std::shared_ptr<const Peer> peer;
+  uint64_t instance = 0;
+  std::shared_ptr<const Peer> peer;  // guarded by mu
   std::mutex mu;
   std::shared_ptr<ShmConn> conn;
 };
@@ -173,6 +174,7 @@ struct Binding {
 };
 
 struct ShmPrepared final : PreparedOps {
+  std::shared_ptr<const Peer> peer;  // the metadata the extents were checked against
   std::shared_ptr<ShmPeerState> ps;
   OpKind op = OpKind::kWrite;
   std::vector<ResolvedExtent> extents;
@@ -564,8 +566,12 @@ void ShmTransport::on_readable(const std::shared_ptr<ShmConn>& c) {
           c->outbound ? CtlSide::kInitiator : (c->authed ? CtlSide::kTarget : CtlSide::kTargetPreHello);
       Status st = check_ctl_header(c->hdr, side, hooks_->max_notif_bytes());
       if (!st.ok()) {
-        refuse(c, ProtocolError(c->desc + ": " + st.message()), c->hdr.id);
-        return;
+        st = ProtocolError(c->desc + ": " + st.message());
+        if (c->hdr.magic != kCtlMagic) {  // not our protocol at all: just close
+          if (!c->authed) log_refusal(st);
+          return kill(c, st);
+        }
+        return refuse(c, st, c->hdr.id);
       }
       c->aux.assign(c->hdr.aux_len, '\0');  // bounded by check_ctl_header
       c->aux_got = 0;
@@ -860,13 +866,23 @@ Result<std::shared_ptr<ShmConn>> ShmTransport::dial(const Peer& peer) {
   return c;
 }
 
+// One state (and connection) per peer instance; newer metadata of the same
+// instance replaces the old for the next dial.
 std::shared_ptr<ShmPeerState> ShmTransport::peer_state(const std::shared_ptr<const Peer>& peer) {
-  std::lock_guard<std::mutex> lk(mu_);
-  auto& ps = peers_[peer->md.name];
-  if (!ps || ps->peer->md.instance_id != peer->md.instance_id) {
-    ps = std::make_shared<ShmPeerState>();
-    ps->peer = peer;
+  std::shared_ptr<ShmPeerState> ps;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& slot = peers_[peer->md.name];
+    if (!slot || slot->instance != peer->md.instance_id) {
+      slot = std::make_shared<ShmPeerState>();
+      slot->instance = peer->md.instance_id;
+      slot->peer = peer;
+      return slot;
+    }
+    ps = slot;
   }
+  std::lock_guard<std::mutex> lk(ps->mu);
+  ps->peer = peer;
   return ps;
 }
 
@@ -971,6 +987,7 @@ Result<std::shared_ptr<const PreparedOps>> ShmTransport::prepare(std::shared_ptr
   // so a peer fault fails the transfer rather than the call.
   auto p = std::make_shared<ShmPrepared>();
   p->ps = peer_state(peer);
+  p->peer = std::move(peer);
   p->op = op;
   p->extents = std::move(extents);
   return std::shared_ptr<const PreparedOps>(std::move(p));
@@ -980,7 +997,7 @@ Result<std::shared_ptr<const PreparedOps>> ShmTransport::prepare(std::shared_ptr
 // every extent is checked against the confirmed lengths.
 Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) {
   std::lock_guard<std::mutex> lk(p.mu);
-  const Peer& peer = *p.ps->peer;
+  const Peer& peer = *p.peer;
   if (p.bound) {
     for (auto& r : p.bound->regions)
       if (r->revoked) return NotFound(deregistered(peer.md.name, r->id));
@@ -1159,7 +1176,7 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
     if (r->revoked) {
       for (size_t j = 0; j <= i; ++j)
         if (b->regions[j]->inflight.fetch_sub(1) == 1) maybe_ack_revoke(b->regions[j]);
-      return fail(NotFound(deregistered(prep->ps->peer->md.name, r->id)));
+      return fail(NotFound(deregistered(prep->peer->md.name, r->id)));
     }
   }
   Job job{b, xfer, std::move(notif)};

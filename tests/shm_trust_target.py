@@ -1,0 +1,83 @@
+"""Target side of tests/test_shm_trust.py: an agent whose region is numpy, torch or
+pdkv-allocated memory, driven by JSON lines on stdin.
+
+Prints ``{"address", "pid", "metadata" (base64), "region"}`` and answers:
+
+* ``{"cmd": "bytes"}`` -> ``{"data": base64 of the region's bytes}`` (readable after deregistration)
+* ``{"cmd": "dereg"}`` -> ``{"secs": seconds the deregistration took}``
+* ``{"cmd": "notifs", "wait": s}`` -> ``{"notifs": [str, ...]}``
+* ``{"cmd": "fresh"}``: registers a new region of the same kind -> like the hello
+* ``{"cmd": "exit"}``
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+import pdkv  # noqa: E402
+
+NBYTES = 1 << 16
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--secret", required=True)
+    ap.add_argument("--kind", choices=["numpy", "torch", "alloc"], required=True)
+    args = ap.parse_args()
+    agent = pdkv.Agent("target", secret=args.secret, transports=["shm", "tcp"])
+    keep = []
+
+    def new_region():
+        if args.kind == "numpy":
+            buf = np.zeros(NBYTES, np.uint8)
+            return agent.register(buf), buf
+        if args.kind == "torch":
+            import torch
+
+            t = torch.zeros(NBYTES, dtype=torch.uint8)
+            return agent.register(t), t.numpy()
+        r = agent.alloc(NBYTES)
+        return r, r.array(np.uint8)  # the view keeps the pages after deregistration
+
+    def hello(region) -> dict:
+        return {"address": agent.address, "pid": os.getpid(), "region": region.id,
+                "metadata": base64.b64encode(agent.metadata()).decode()}
+
+    def out(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    region, view = new_region()
+    keep.append(view)
+    out(hello(region))
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req["cmd"]
+        if cmd == "exit":
+            break
+        if cmd == "bytes":
+            out({"data": base64.b64encode(view.tobytes()).decode()})
+        elif cmd == "dereg":
+            t0 = time.monotonic()
+            region.close()
+            out({"secs": time.monotonic() - t0})
+        elif cmd == "notifs":
+            out({"notifs": [n.data.decode() for n in agent.wait_notifications(req.get("wait", 0.5))]})
+        elif cmd == "fresh":
+            region, view = new_region()
+            keep.append(view)
+            out(hello(region))
+    agent.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""The shm transport does not trust the metadata blob or its clients (issue 11).
+
+Cross-memory attach (memory pdkv did not allocate) is bounded by what the target
+confirms over its authenticated socket; deregistration revokes at every peer that
+confirmed a region, within a bounded wait; the control socket bounds every frame
+before allocating and has deadlines; peer faults fail the transfer at wait().
+Every test ends with a verified legitimate transfer.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import struct
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import pdkv
+from conftest import HERE, SECRET, JsonLineProc, PeerProc
+from kvpools import Pool, PoolSpec
+
+pytestmark = pytest.mark.skipif("shm" not in pdkv.available_transports(), reason="shm transport not available")
+
+MAGIC = 0x534B4450
+HELLO, HELLO_ACK, NOTIFY, ERROR = 1, 2, 5, 9
+NBYTES = 1 << 16
+
+
+def shm_path(agent: pdkv.Agent) -> str:
+    return dict(pdkv.decode_metadata(agent.metadata())["endpoints"])["shm"]
+
+
+def header(type_: int, aux_len: int, ident: int = 0) -> bytes:
+    return struct.pack("<IHHQII", MAGIC, type_, 0, ident, aux_len, 0)
+
+
+def hello(secret: str, to: str = "", version: int = 2) -> bytes:
+    def s(x: str) -> bytes:
+        return struct.pack("<I", len(x)) + x.encode()
+    aux = struct.pack("<HQ", version, 0) + s("mallory") + s(to) + s(secret)
+    return header(HELLO, len(aux)) + aux
+
+
+def read_until_closed(sock: socket.socket, limit: float) -> bytes:
+    sock.settimeout(limit)
+    out = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def legit_write(a: pdkv.Agent, b: pdkv.Agent, value: int) -> None:
+    """A fresh region pair, one write, bytes checked."""
+    src = np.full(4096, value, np.uint8)
+    dst = np.zeros(4096, np.uint8)
+    rs, rd = a.register(src), b.register(dst)
+    peer = a.add_peer(b.metadata())
+    assert a.prepare_extents("write", peer, [(rs.id, 0, rd.id, 0, 4096)]).post().wait(10)
+    assert np.array_equal(dst, src)
+    rs.close()
+    rd.close()
+
+
+# ---------------------------------------------------------------- forged metadata
+
+
+def test_forged_region_length_is_refused_and_the_canary_survives():
+    with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a, \
+            pdkv.Agent("b", secret=SECRET, transports=["shm"]) as b:
+        buf = np.zeros(2 * NBYTES, np.uint8)
+        buf[NBYTES:] = 0xCC  # canary right after the exported bytes
+        rd = b.register(buf[:NBYTES])
+        md = b.metadata()
+        real = struct.pack("<QQ", rd.addr, NBYTES)
+        assert md.count(real) == 1
+        forged = md.replace(real, struct.pack("<QQ", rd.addr, 2 * NBYTES))
+        peer = a.add_peer(forged)
+        src = np.full(2 * NBYTES, 0x11, np.uint8)
+        rs = a.register(src)
+        x = a.prepare_extents("write", peer, [(rs.id, 0, rd.id, 0, 2 * NBYTES)]).post(notify=b"forged")
+        with pytest.raises(pdkv.OutOfRange) as ei:
+            x.wait(10)
+        msg = str(ei.value)
+        assert f"+{NBYTES})" in msg and f"+{2 * NBYTES})" in msg, msg  # names both
+        assert (buf[NBYTES:] == 0xCC).all(), "write landed outside the export"
+        assert not buf[:NBYTES].any()
+        assert b.wait_notifications(0.2) == []
+        # With the real metadata the same peer writes (only) the exported bytes.
+        peer = a.add_peer(md)
+        assert a.prepare_extents("write", peer, [(rs.id, 0, rd.id, 0, NBYTES)]).post().wait(10)
+        assert (buf[:NBYTES] == 0x11).all() and (buf[NBYTES:] == 0xCC).all()
+
+
+# ---------------------------------------------------------------- deregistration
+
+
+class Target(JsonLineProc):
+    def __init__(self, kind: str) -> None:
+        super().__init__([sys.executable, os.path.join(HERE, "shm_trust_target.py"), "--secret", SECRET,
+                          "--kind", kind], "target")
+
+    @property
+    def metadata(self) -> bytes:
+        return base64.b64decode(self.hello["metadata"])
+
+    def data(self) -> np.ndarray:
+        return np.frombuffer(base64.b64decode(self.call(cmd="bytes")["data"]), np.uint8)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "alloc"])
+def test_deregistered_region_refuses_new_writes_in_another_process(kind):
+    if kind == "torch":
+        pytest.importorskip("torch")
+    t = Target(kind)
+    try:
+        with pdkv.Agent("init", secret=SECRET, transports=["shm"]) as a:
+            src = np.full(NBYTES, 7, np.uint8)
+            rs = a.register(src)
+            peer = a.add_peer(t.metadata)
+            ext = [(rs.id, 0, t.hello["region"], 0, NBYTES)]
+            assert a.prepare_extents("write", peer, ext).post(notify=b"first").wait(10)
+            assert (t.data() == 7).all()
+            assert t.call(cmd="notifs")["notifs"] == ["first"]
+            kept = a.prepare_extents("write", peer, ext)  # prepared (and confirmed) before
+            assert kept.post().wait(10)
+            assert t.call(cmd="dereg")["secs"] < 5
+            src[:] = 9
+            for x in (a.prepare_extents("write", peer, ext).post(notify=b"late"), kept.post(notify=b"late2")):
+                with pytest.raises(pdkv.NotFound, match="deregistered"):
+                    x.wait(10)
+            # Not one byte landed, no notification.
+            assert (t.data() == 7).all()
+            assert t.call(cmd="notifs", wait=0.3)["notifs"] == []
+            # A new region of the same kind works.
+            fresh = t.call(cmd="fresh")
+            peer = a.add_peer(base64.b64decode(fresh["metadata"]))
+            x = a.prepare_extents("write", peer, [(rs.id, 0, fresh["region"], 0, NBYTES)]).post(notify=b"fresh")
+            assert x.wait(10)
+            assert (t.data() == 9).all()
+            assert t.call(cmd="notifs")["notifs"] == ["fresh"]
+    finally:
+        t.stop()
+
+
+def test_frozen_peer_cannot_block_deregistration():
+    spec = PoolSpec(blocks=8)
+    with pdkv.Agent("target", secret=SECRET, transports=["shm", "tcp"]) as b:
+        pool = Pool(spec, None)
+        pool.register(b)
+        init = PeerProc("init", spec, 3, transports=("shm", "tcp"))
+        try:
+            r = init.call(cmd="xfer", op="write", address=b.address, lblocks=[0, 1], rblocks=[2, 3])
+            assert r["ok"] and r["transport"] == "shm", r  # init confirmed b's regions
+            before = pool.logical([0, 1, 2, 3]).copy()
+            init.pause()
+            t0 = time.monotonic()
+            for reg in b.regions:
+                reg.close()
+            took = time.monotonic() - t0
+            assert took < 20, f"deregistration blocked for {took:.1f} s"
+            init.resume()
+            # The peer lost its connection; when it comes back it finds nothing to write to.
+            r = init.call(cmd="xfer", op="write", address=b.address, lblocks=[0], rblocks=[0])
+            assert not r["ok"] and "NotFound" in r["error"], r
+            assert np.array_equal(pool.logical([0, 1, 2, 3]), before)
+            # A freshly registered pool is served.
+            pool2 = Pool(spec, None)
+            pool2.register(b)
+            r = init.call(cmd="xfer", op="write", address=b.address, lblocks=[4, 5], rblocks=[6, 7], notify="ok")
+            assert r["ok"] and r["transport"] == "shm", r
+            src = Pool(spec, 3)
+            assert np.array_equal(pool2.logical([6, 7]), src.logical([4, 5]))
+        finally:
+            init.stop()
+
+
+# ---------------------------------------------------------------- the fault contract
+
+
+def test_unreachable_peer_fails_at_wait_not_write():
+    with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a:
+        b = pdkv.Agent("b", secret=SECRET, transports=["shm"])
+        dst = np.zeros(4096, np.uint8)
+        rd = b.register(dst)
+        src = np.ones(4096, np.uint8)
+        rs = a.register(src)
+        peer = a.add_peer(b.metadata())
+        ext = [(rs.id, 0, rd.id, 0, 4096)]
+        b.close()
+        x = a.prepare_extents("write", peer, ext).post(notify=b"n")  # must not raise
+        with pytest.raises(pdkv.PeerConnectionError):
+            x.wait(10)
+        with pdkv.Agent("c", secret=SECRET, transports=["shm"]) as c:
+            legit_write(a, c, 5)
+
+
+def test_restarted_peer_is_stale_at_wait():
+    with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a:
+        b = pdkv.Agent("b", secret=SECRET, transports=["shm"])
+        dst = np.zeros(4096, np.uint8)
+        rd = b.register(dst)
+        src = np.ones(4096, np.uint8)
+        rs = a.register(src)
+        peer = a.add_peer(b.metadata())
+        ext = [(rs.id, 0, rd.id, 0, 4096)]
+        prep = a.prepare_extents("write", peer, ext)
+        assert prep.post().wait(10)
+        b.close()
+        with pdkv.Agent("b", secret=SECRET, transports=["shm"]) as b2:
+            for x in (prep.post(), a.prepare_extents("write", peer, ext).post()):
+                with pytest.raises(pdkv.StalePeer, match="restarted"):
+                    x.wait(10)
+            legit_write(a, b2, 6)
+
+
+# ---------------------------------------------------------------- hostile raw clients
+
+
+def test_oversized_prehello_frames_are_refused_before_allocation():
+    with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a, \
+            pdkv.Agent("b", secret=SECRET, transports=["shm"]) as b:
+        path = shm_path(b)
+        base = rss_mb()
+        clients = []
+        try:
+            for _ in range(400):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(path)
+                s.sendall(header(HELLO, 2 << 20) + b"\0" * 4096)  # announces 2 MiB, sends 4 KiB
+                clients.append(s)
+            time.sleep(0.5)
+            grown = rss_mb() - base
+            assert grown < 200, f"RSS grew by {grown:.0f} MB"
+            # Each was refused with a named error (or closed at the pending-connection cap).
+            s = clients[0]
+            reply = read_until_closed(s, 10)
+            assert len(reply) >= 24 and struct.unpack_from("<H", reply, 4)[0] == ERROR
+            assert b"limit 4096" in reply
+        finally:
+            for s in clients:
+                s.close()
+        legit_write(a, b, 3)
+
+
+def test_silent_clients_are_dropped():
+    with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a, \
+            pdkv.Agent("b", secret=SECRET, transports=["shm"]) as b:
+        path = shm_path(b)
+        t0 = time.monotonic()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stalled:
+            mute.connect(path)  # never says anything
+            stalled.connect(path)
+            # Authenticates, then announces a 1000-byte notification and sends 10 bytes.
+            stalled.sendall(hello(SECRET, "b"))
+            stalled.settimeout(10)
+            ack = stalled.recv(24)
+            assert struct.unpack_from("<H", ack, 4)[0] == HELLO_ACK
+            aux_len = struct.unpack_from("<I", ack, 16)[0]
+            got = b""
+            while len(got) < aux_len:
+                got += stalled.recv(aux_len - len(got))
+            stalled.sendall(header(NOTIFY, 1000, 1) + b"x" * 10)
+            assert read_until_closed(mute, 15) == b""
+            assert read_until_closed(stalled, 15) == b""
+        assert time.monotonic() - t0 < 15
+        assert b.wait_notifications(0.1) == []
+        legit_write(a, b, 4)
+
+
+def test_wrong_secret_guesses_are_slowed_and_logged_sparingly(capfd):
+    with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a, \
+            pdkv.Agent("b", secret=SECRET, transports=["shm"]) as b:
+        path = shm_path(b)
+        t0 = time.monotonic()
+        for i in range(60):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(path)
+                s.sendall(hello(f"guess-{i}", "b"))
+                reply = read_until_closed(s, 10)
+                assert b"wrong secret" in reply
+        took = time.monotonic() - t0
+        # 20 failures are answered at once, then about 6 a second (5 refilled + 1 per held reply).
+        assert took > 3, f"60 wrong guesses answered in {took:.2f} s: no back-off"
+        lines = [ln for ln in capfd.readouterr().err.splitlines() if "wrong secret" in ln]
+        assert 1 <= len(lines) <= took + 2, lines
+        legit_write(a, b, 8)  # a correct secret is not delayed
