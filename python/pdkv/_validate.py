@@ -89,6 +89,6 @@ def notification(value: Any, limit: int, what: str = "notify") -> bytes:
     else:
         raise InvalidArgument(f"{what} must be bytes or str, got {type(value).__name__} {value!r:.40}")
     if len(data) > limit:
-        raise InvalidArgument(f"{what} is {len(data)} bytes, more than the limit of {limit} bytes "
-                              "(Agent(max_notif_bytes=...))")
+        raise InvalidArgument(f"{what}: the notification is {len(data)} bytes, more than the limit of {limit} "
+                              "bytes (Agent(max_notif_bytes=...))")
     return data

@@ -553,10 +553,11 @@ class Agent:
                          remote_access: bool = True, keepalive: Any = None) -> Region:
         """Registers raw memory ``[addr, addr + nbytes)``; the caller keeps it alive."""
         addr = _validate.positive_int(addr, "addr")
-        nbytes = _validate.positive_int(nbytes, "nbytes")
+        if _validate.count(nbytes, "nbytes", maximum=2**64 - 1) == 0:
+            raise InvalidArgument("cannot register an empty range (nbytes=0)")
         if not _validate._is_int(device) or int(device) < -1:
             raise InvalidArgument(f"device must be a CUDA ordinal or -1, got {device!r}")
-        return self._register(addr, nbytes, kind, int(device), _flag(remote_access, "remote_access"), keepalive)
+        return self._register(addr, int(nbytes), kind, int(device), _flag(remote_access, "remote_access"), keepalive)
 
     def _register(self, addr: int, nbytes: int, kind: str, device: int, remote: bool, obj: Any) -> Region:
         m = _native.module()
@@ -870,14 +871,20 @@ class Agent:
               timeout: float | None = None, **plan: Any) -> Transfer:
         """Pushes local blocks into the peer's blocks; returns at once. See :meth:`prepare`
         and :meth:`PreparedTransfer.post`."""
+        self._check_post_args(notify, timeout)  # caller errors first, before any peer work
         return self.prepare("write", peer, local_layout, local_blocks, remote_layout, remote_blocks,
                             **plan).post(notify=notify, timeout=timeout)
+
+    def _check_post_args(self, notify: Any, timeout: Any) -> None:
+        _validate.notification(notify, self._max_notif_bytes)
+        _validate.timeout(timeout)
 
     def read(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
              remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
              timeout: float | None = None, **plan: Any) -> Transfer:
         """Pulls the peer's blocks into local blocks; ``notify`` reaches the peer once
         every byte has landed here."""
+        self._check_post_args(notify, timeout)
         return self.prepare("read", peer, local_layout, local_blocks, remote_layout, remote_blocks,
                             **plan).post(notify=notify, timeout=timeout)
 
