@@ -200,7 +200,8 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
                            geo_str(rg) + "): pass num_heads and head offsets to move a head range");
   if (lcap != rcap && opts.num_tokens == 0 && lg.block_tokens == rg.block_tokens)
     return InvalidArgument("local and remote block lists differ in length (" + std::to_string(lids.size()) + " vs " +
-                           std::to_string(rids.size()) + "): pass num_tokens to move a token range");
+                           std::to_string(rids.size()) + "; local " + geo_str(lg) + "; remote " + geo_str(rg) +
+                           "): pass num_tokens to move a token range");
   if (lcap != rcap && opts.num_tokens == 0)
     return InvalidArgument("the local blocks hold " + std::to_string(lcap) + " tokens (" + std::to_string(lids.size()) +
                            " x " + std::to_string(lg.block_tokens) + ") but the remote blocks " + std::to_string(rcap) +

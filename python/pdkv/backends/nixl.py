@@ -1337,9 +1337,3 @@ def _coalesce(ext: np.ndarray) -> np.ndarray:
     out[:, 2] = np.add.reduceat(ext[:, 2], starts)
     return out
 
-
-def _as_bytes(v: bytes | str | None) -> bytes | None:
-    if v is None:
-        return None
-    b = v.encode() if isinstance(v, str) else bytes(v)
-    return b or None
