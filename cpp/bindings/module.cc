@@ -124,6 +124,12 @@ std::vector<uint32_t> ids_from(const py::object& o, const char* what) {
   }
   for (py::handle item : iter) {
     const size_t pos = v.size();
+    int overflow = 0;
+    if (PyLong_CheckExact(item.ptr())) {  // the common case: a plain int
+      const long long x = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
+      push_id(v, what, pos, x, overflow != 0);
+      continue;
+    }
     const std::string tn = type_name(item);
     if (PyBool_Check(item.ptr()) || tn == "bool_" || tn == "bool" || !PyIndex_Check(item.ptr()))
       bad_ids(what, "position " + std::to_string(pos) + " holds " + tn + " " + std::string(py::repr(item)));
@@ -132,7 +138,6 @@ std::vector<uint32_t> ids_from(const py::object& o, const char* what) {
       PyErr_Clear();
       bad_ids(what, "position " + std::to_string(pos) + " holds " + tn + " " + std::string(py::repr(item)));
     }
-    int overflow = 0;
     const long long x = PyLong_AsLongLongAndOverflow(idx, &overflow);
     Py_DECREF(idx);
     push_id(v, what, pos, x, overflow != 0);

@@ -375,7 +375,8 @@ class KVLayout:
         ``order``) can be detected here (InvalidArgument). A wrong ``order`` on a
         contiguous tensor yields a geometry whose heads and block size are swapped;
         transfers with a correctly described peer then fail with InvalidArgument
-        naming both geometries instead of moving part of the data.
+        naming both geometries instead of moving part of the data (only when
+        ``kv_heads == block_tokens`` can nothing tell the two orders apart).
         """
         if order not in _ORDERS:
             raise InvalidArgument(f"order must be 'NHD' or 'HND', got {order!r}")
