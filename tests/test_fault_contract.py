@@ -16,13 +16,14 @@ land without the peer's help, but its notification cannot.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
 import pytest
 
 import pdkv
-from conftest import make_pool
+from conftest import make_pool, wait_until
 from kvpools import PoolSpec
 
 SPEC = PoolSpec(layers=2, blocks=16, block_tokens=4, heads=2, head_dim=16, dtype="float16")
@@ -33,6 +34,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def freeze(peer_proc) -> None:
+    """SIGSTOP, then wait until every thread of the peer is really stopped (a signal is
+    delivered asynchronously: a busy thread could still acknowledge one more write)."""
+    peer_proc.pause()
+    task_dir = f"/proc/{peer_proc.pid}/task"
+
+    def stopped() -> bool:
+        for tid in os.listdir(task_dir):
+            try:
+                with open(f"{task_dir}/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                continue
+            if state not in ("T", "t"):
+                return False
+        return True
+
+    assert wait_until(stopped, timeout=10.0), "the peer did not stop"
 
 
 def agent_for(flavor, name: str) -> pdkv.Agent:
@@ -71,7 +92,7 @@ def test_peer_fault_fails_the_transfer_and_raises_its_class_from_wait(spawn_peer
             peer.kill()
             expected = pdkv.PeerConnectionError
         elif fault == "frozen":
-            peer.pause()
+            freeze(peer)
             timeout = 1.0
             expected = pdkv.TransferTimeout
         elif fault == "restarted":
