@@ -318,3 +318,12 @@ def test_every_error_is_a_pdkv_error(pair):
                  lambda: a.write("b", 5, [0])):
         with pytest.raises(pdkv.PdkvError):
             call()
+
+
+@pytest.mark.parametrize("extents", [[(0, 0.5, 0, 0, 8)], [(0, 0, 0, 0, 8.0)], [(0, -8, 0, 0, 8)], [(0, 0, 0, 0)],
+                                     [("0", 0, 0, 0, 8)], 7])
+def test_raw_extents_must_be_non_negative_integers(pair, extents):
+    a, b = pair
+    pools(a, b, SPEC, SPEC)
+    with pytest.raises(pdkv.InvalidArgument, match="extent"):
+        a.prepare_extents("write", "b", extents)

@@ -338,6 +338,26 @@ def _block_ids(ids: Any, what: str) -> Any:
         raise InvalidArgument(f"{what} must be a sequence of integer block ids, got {type(ids).__name__}") from None
 
 
+def _extent_rows(extents: Any) -> list[tuple[int, int, int, int, int]]:
+    """Raw extents as 5-tuples of non-negative ints; InvalidArgument for anything else
+    (a float offset must not be truncated into another byte)."""
+    import numpy as np
+
+    try:
+        arr = np.asarray(extents if hasattr(extents, "__len__") else list(extents))
+    except (TypeError, ValueError):
+        raise InvalidArgument("extents must be (local_region, local_offset, remote_region, remote_offset, "
+                              "nbytes) tuples of integers") from None
+    if arr.size == 0:
+        return []
+    if arr.ndim != 2 or arr.shape[1] != 5 or arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"extents must be (local_region, local_offset, remote_region, remote_offset, nbytes) "
+                              f"tuples of integers, got an array of shape {arr.shape} and dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and (arr < 0).any():
+        raise InvalidArgument(f"extent {int(np.argmax((arr < 0).any(axis=1)))} has a negative field")
+    return [tuple(r) for r in arr.tolist()]
+
+
 class _Closed:
     def __init__(self, name: str) -> None:
         self._name = name
@@ -643,13 +663,7 @@ class Agent:
         chosen = None
         try:
             if self._py:
-                try:
-                    md = _native.module().decode_metadata(blob)
-                except UnicodeDecodeError as e:
-                    from .errors import ProtocolError
-
-                    self._n.remove_peer(name)
-                    raise ProtocolError(f"metadata of peer {name!r} has a field that is not UTF-8: {e}") from None
+                md = _native.module().decode_metadata(blob)  # (text fields were checked as UTF-8 above)
                 native_choice = self._n.peer_transport(name)
                 for t in ([transport] if transport is not None else self._order):
                     if t in self._py:
@@ -790,12 +804,14 @@ class Agent:
     def prepare_extents(self, op: str, peer: str, extents: Sequence[tuple[int, int, int, int, int]], *,
                         transport: str | None = None) -> PreparedTransfer:
         """Raw form: ``(local_region_id, local_offset, remote_region_id, remote_offset,
-        nbytes)`` tuples (remote ids from :meth:`peer_info`)."""
+        nbytes)`` tuples of non-negative integers (remote ids from :meth:`peer_info`)."""
+        opk = self._op(op)
+        peer = _name(peer, "peer")
+        rows = _extent_rows(extents)
         py = self._py_transport_for(peer, transport)
         if py is not None:
-            self._op(op)
-            return py.prepare(op, peer, self._absolute(peer, [tuple(map(int, e)) for e in extents]))
-        native = self._n.prepare_extents(peer, self._op(op), [tuple(map(int, e)) for e in extents], transport or "")
+            return py.prepare(op, peer, self._absolute(peer, rows))
+        native = self._n.prepare_extents(peer, opk, rows, transport or "")
         return PreparedTransfer(self, native)
 
     def _py_transport_for(self, peer: str, transport: str | None):
