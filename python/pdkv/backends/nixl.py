@@ -521,8 +521,10 @@ class NixlPrepared:
             Delivered to the peer after every byte of this transfer has landed (for a
             READ: landed here).
         timeout : float, optional
-            Seconds until the transfer fails with TransferTimeout (None: the agent's
-            default; 0: no limit).
+            Seconds (finite, > 0) until the transfer fails with TransferTimeout (None:
+            the agent's ``default_timeout``).
+
+        Peer faults do not raise here: the returned transfer fails (docs/faults.md).
         """
         return self._owner._post(self, notify, timeout)
 
