@@ -145,3 +145,23 @@ def test_caller_errors_raise_at_once_even_for_a_faulty_peer(spawn_peer, flavor):
             a.write(name, "kv", [0], notify=123)
         with pytest.raises(pdkv.InvalidArgument):
             a.write(name, "kv", [0], timeout=-1)
+
+
+def test_argument_errors_are_the_same_on_every_transport(agent_pair):
+    """The validation layer is shared: a Python transport (nixl) rejects what the native ones do."""
+    a, b = agent_pair
+    pa, pb = make_pool(SPEC, 1, a), make_pool(SPEC, None, b)
+    pa.register(a)
+    pb.register(b)
+    peer = a.connect(b.address)
+    for bad in (dict(notify=5), dict(timeout=-1), dict(timeout=float("nan"))):
+        with pytest.raises(pdkv.InvalidArgument):
+            a.prepare("write", peer, "kv", [0]).post(**bad)
+    with pytest.raises(pdkv.InvalidArgument, match="remote block 3 appears twice"):
+        a.write(peer, "kv", [0, 1], "kv", [3, 3])
+    with pytest.raises(pdkv.InvalidArgument, match="local_blocks"):
+        a.write(peer, "kv", [0.0])
+    x = a.write(peer, "kv", [0], "kv", [1])
+    with pytest.raises(pdkv.InvalidArgument, match="timeout"):
+        x.wait(-1)
+    assert x.wait(10)

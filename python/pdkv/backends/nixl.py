@@ -437,6 +437,7 @@ class NixlTransfer:
         """
         owner = self._owner
         pending = _S["PENDING"]
+        timeout = _validate.wait_timeout(timeout)
         st = owner._check(self)
         if st is pending:
             with owner._lock:
