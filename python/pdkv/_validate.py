@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import InvalidArgument
 
-__all__ = ["notification", "timeout", "wait_timeout", "count", "positive_int"]
+__all__ = ["notification", "timeout", "wait_timeout", "count", "positive_int", "flag", "text", "block_ids", "extents"]
 
 def _is_int(v: Any) -> bool:
     """True for Python and numpy integers; False for bools (numpy's too) and floats."""
@@ -92,3 +92,57 @@ def notification(value: Any, limit: int, what: str = "notify") -> bytes:
         raise InvalidArgument(f"{what}: the notification is {len(data)} bytes, more than the limit of {limit} "
                               "bytes (Agent(max_notif_bytes=...))")
     return data
+
+
+def flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def text(value: Any, what: str) -> str:
+    """A name argument (peer, layout, address)."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a str, got {type(value).__name__} {value!r:.40}")
+    return value
+
+
+def block_ids(ids: Any, what: str) -> Any:
+    """Block ids as the native binding takes them (it checks every element: integers,
+    in range): arrays and sized sequences as they are, other iterables (generators)
+    materialized once."""
+    if hasattr(ids, "__array_interface__") or hasattr(ids, "__len__"):
+        return ids
+    try:
+        return list(ids)
+    except TypeError:
+        raise InvalidArgument(f"{what} must be a sequence of integer block ids, got {type(ids).__name__}") from None
+
+
+def extents(value: Any) -> list[tuple[int, int, int, int, int]]:
+    """Raw extents as 5-tuples of non-negative ints (a float offset must not be
+    truncated into another byte). Needs no numpy; a numpy array is checked by dtype."""
+    shape = "(local_region, local_offset, remote_region, remote_offset, nbytes) tuples of integers"
+    ai = getattr(value, "__array_interface__", None)
+    if ai is not None:
+        if ai["typestr"][1] not in "iu" or len(ai["shape"]) != 2 or ai["shape"][1] != 5:
+            raise InvalidArgument(f"extents must be {shape}, got an array of shape {ai['shape']} and "
+                                  f"type {ai['typestr']}")
+        value = value.tolist()
+    try:
+        rows = iter(value)
+    except TypeError:
+        raise InvalidArgument(f"extents must be {shape}, got {type(value).__name__}") from None
+    out = []
+    for i, e in enumerate(rows):
+        try:
+            row = tuple(e)
+        except TypeError:
+            row = ()
+        if len(row) != 5 or not all(type(x) is int or _is_int(x) for x in row):
+            raise InvalidArgument(f"extent {i} must be one of {shape}, got {e!r:.80}")
+        row = tuple(int(x) for x in row)
+        if min(row) < 0:
+            raise InvalidArgument(f"extent {i} has a negative field: {row}")
+        out.append(row)
+    return out

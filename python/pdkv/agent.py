@@ -327,37 +327,6 @@ class PreparedTransfer:
                 f"{self.nbytes} bytes in {self.num_extents} extents)")
 
 
-def _block_ids(ids: Any, what: str) -> Any:
-    """Block ids as the native binding takes them (which checks every element): arrays
-    and sized sequences as they are, other iterables (generators) materialized once."""
-    if hasattr(ids, "__array_interface__") or hasattr(ids, "__len__"):
-        return ids
-    try:
-        return list(ids)
-    except TypeError:
-        raise InvalidArgument(f"{what} must be a sequence of integer block ids, got {type(ids).__name__}") from None
-
-
-def _extent_rows(extents: Any) -> list[tuple[int, int, int, int, int]]:
-    """Raw extents as 5-tuples of non-negative ints; InvalidArgument for anything else
-    (a float offset must not be truncated into another byte)."""
-    import numpy as np
-
-    try:
-        arr = np.asarray(extents if hasattr(extents, "__len__") else list(extents))
-    except (TypeError, ValueError):
-        raise InvalidArgument("extents must be (local_region, local_offset, remote_region, remote_offset, "
-                              "nbytes) tuples of integers") from None
-    if arr.size == 0:
-        return []
-    if arr.ndim != 2 or arr.shape[1] != 5 or arr.dtype.kind not in "iu":
-        raise InvalidArgument(f"extents must be (local_region, local_offset, remote_region, remote_offset, nbytes) "
-                              f"tuples of integers, got an array of shape {arr.shape} and dtype {arr.dtype}")
-    if arr.dtype.kind == "i" and (arr < 0).any():
-        raise InvalidArgument(f"extent {int(np.argmax((arr < 0).any(axis=1)))} has a negative field")
-    return [tuple(r) for r in arr.tolist()]
-
-
 class _Closed:
     def __init__(self, name: str) -> None:
         self._name = name
@@ -374,18 +343,6 @@ def _as_bytes(v: bytes | str | None, what: str = "secret") -> bytes:
     if isinstance(v, (bytes, bytearray, memoryview)):
         return bytes(v)
     raise InvalidArgument(f"{what} must be bytes or str, got {type(v).__name__}")
-
-
-def _flag(v: Any, what: str) -> bool:
-    if not isinstance(v, bool):
-        raise InvalidArgument(f"{what} must be True or False, got {type(v).__name__} {v!r}")
-    return v
-
-
-def _name(v: Any, what: str) -> str:
-    if not isinstance(v, str):
-        raise InvalidArgument(f"{what} must be a str, got {type(v).__name__} {v!r:.40}")
-    return v
 
 
 class Agent:
@@ -533,7 +490,7 @@ class Agent:
         """
         if isinstance(obj, Region):
             raise InvalidArgument(f"{obj!r} is registered already (Agent.alloc registers the memory it returns)")
-        remote_access = _flag(remote_access, "remote_access")
+        remote_access = _validate.flag(remote_access, "remote_access")
         mem = _describe_memory(obj)
         if mem.readonly and remote_access:
             raise InvalidArgument(f"cannot register a read-only {type(obj).__name__} with remote_access=True: "
@@ -550,7 +507,7 @@ class Agent:
         import mmap
 
         nbytes = _validate.positive_int(nbytes, "nbytes")
-        remote_access = _flag(remote_access, "remote_access")
+        remote_access = _validate.flag(remote_access, "remote_access")
         fd = os.memfd_create(f"pdkv:{self.name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
@@ -577,7 +534,8 @@ class Agent:
             raise InvalidArgument("cannot register an empty range (nbytes=0)")
         if not _validate._is_int(device) or int(device) < -1:
             raise InvalidArgument(f"device must be a CUDA ordinal or -1, got {device!r}")
-        return self._register(addr, int(nbytes), kind, int(device), _flag(remote_access, "remote_access"), keepalive)
+        remote_access = _validate.flag(remote_access, "remote_access")
+        return self._register(addr, int(nbytes), kind, int(device), remote_access, keepalive)
 
     def _register(self, addr: int, nbytes: int, kind: str, device: int, remote: bool, obj: Any) -> Region:
         m = _native.module()
@@ -688,7 +646,8 @@ class Agent:
     def fetch_metadata(self, address: str, *, secret: str | bytes | None = None, timeout: float = 10.0) -> bytes:
         """Fetches a peer's metadata from its tcp ``address`` (``"host:port"``)."""
         tmo = _validate.timeout(timeout)
-        return self._n.fetch_metadata(_name(address, "address"), _as_bytes(secret), 10.0 if tmo is None else tmo)
+        address = _validate.text(address, "address")
+        return self._n.fetch_metadata(address, _as_bytes(secret), 10.0 if tmo is None else tmo)
 
     def connect(self, address: str, *, secret: str | bytes | None = None, transport: str | None = None,
                 timeout: float = 10.0) -> str:
@@ -720,7 +679,7 @@ class Agent:
     def warm_up(self, peer: str, timeout: float = 10.0) -> None:
         """Opens the connections to ``peer`` now instead of on the first transfer."""
         tmo = _validate.timeout(timeout)
-        self._n.connect(_name(peer, "peer"), 10.0 if tmo is None else tmo)
+        self._n.connect(_validate.text(peer, "peer"), 10.0 if tmo is None else tmo)
 
     # ------------------------------------------------------------------ transfers
     def _op(self, op: str):
@@ -778,14 +737,14 @@ class Agent:
             surface from the transfer's ``wait()`` (docs/faults.md).
         """
         opk = self._op(op)
-        peer = _name(peer, "peer")
-        local_layout = _name(local_layout, "local_layout")
-        remote_layout = local_layout if remote_layout is None else _name(remote_layout, "remote_layout")
+        peer = _validate.text(peer, "peer")
+        local_layout = _validate.text(local_layout, "local_layout")
+        remote_layout = local_layout if remote_layout is None else _validate.text(remote_layout, "remote_layout")
         plan = (_validate.count(num_tokens, "num_tokens", maximum=2**64 - 1), _validate.count(num_heads, "num_heads"),
                 _validate.count(local_head_offset, "local_head_offset"),
                 _validate.count(remote_head_offset, "remote_head_offset"))
-        lids = _block_ids(local_blocks, "local_blocks")
-        rids = lids if remote_blocks is None else _block_ids(remote_blocks, "remote_blocks")
+        lids = _validate.block_ids(local_blocks, "local_blocks")
+        rids = lids if remote_blocks is None else _validate.block_ids(remote_blocks, "remote_blocks")
         py = self._py_transport_for(peer, transport)
         if py is not None:
             remote = self.peer_info(peer)["layouts"].get(remote_layout)
@@ -806,8 +765,8 @@ class Agent:
         """Raw form: ``(local_region_id, local_offset, remote_region_id, remote_offset,
         nbytes)`` tuples of non-negative integers (remote ids from :meth:`peer_info`)."""
         opk = self._op(op)
-        peer = _name(peer, "peer")
-        rows = _extent_rows(extents)
+        peer = _validate.text(peer, "peer")
+        rows = _validate.extents(extents)
         py = self._py_transport_for(peer, transport)
         if py is not None:
             return py.prepare(op, peer, self._absolute(peer, rows))
@@ -910,7 +869,7 @@ class Agent:
         if not data:
             raise InvalidArgument("notification data is empty")
         tmo = _validate.timeout(timeout)
-        py = self._py_peers.get(_name(peer, "peer"))
+        py = self._py_peers.get(_validate.text(peer, "peer"))
         if py is not None:
             return py.notify(peer, data, tmo)
         return Transfer(self._n.send_notification(peer, data, -1.0 if tmo is None else tmo))

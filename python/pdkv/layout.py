@@ -464,18 +464,10 @@ def plan_blocks(
     for name, layout in (("local", local), ("remote", remote)):
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"{name} must be a KVLayout, got {type(layout).__name__}")
-    return _native.module().plan_blocks(local.native, _ids(local_ids, "local_ids"), remote.native,
-                                        _ids(remote_ids, "remote_ids"),
+    return _native.module().plan_blocks(local.native, _validate.block_ids(local_ids, "local_ids"), remote.native,
+                                        _validate.block_ids(remote_ids, "remote_ids"),
                                         _validate.count(num_tokens, "num_tokens", maximum=2**64 - 1),
                                         _validate.count(num_heads, "num_heads"),
                                         _validate.count(local_head_offset, "local_head_offset"),
                                         _validate.count(remote_head_offset, "remote_head_offset"))
 
-
-def _ids(ids: Iterable[int], what: str) -> Any:
-    if hasattr(ids, "__array_interface__") or hasattr(ids, "__len__"):
-        return ids
-    try:
-        return list(ids)
-    except TypeError:
-        raise InvalidArgument(f"{what} must be a sequence of integer block ids, got {type(ids).__name__}") from None
