@@ -455,8 +455,9 @@ def test_prepared_transfer_rejects_restarted_peer(agent_pair):
     with pdkv.Agent("target", secret=SECRET, transports=a.transports) as b2:
         make_pool(PoolSpec(), None, b2).register(b2)
         a.connect(b2.address)
+        x = prep.post()  # a peer fault: the transfer fails, wait() raises (docs/faults.md)
         with pytest.raises(pdkv.StalePeer, match="prepare it again"):
-            prep.post()
+            x.wait(5)
 
 
 def test_hello_to_wrong_instance_is_refused(agent_pair):

@@ -139,6 +139,43 @@ def test_mixed_geometry_moves_exactly_the_requested_tokens_and_heads(case, seed)
     assert sum(e[4] for e in ext) == 2 * lspec.layers * ntok * nh * row
 
 
+@st.composite
+def unplanned_case(draw):
+    common = dict(layers=1, head_dim=draw(st.sampled_from([1, 4])), dtype="float16")
+    specs = [PoolSpec(blocks=8, block_tokens=draw(st.sampled_from([1, 2, 4, 8])), heads=draw(st.integers(1, 3)),
+                      style=draw(st.sampled_from(STYLES)), **common) for _ in range(2)]
+    lids = unique_ids(draw, draw(st.integers(1, 8)), 8)
+    rids = unique_ids(draw, draw(st.integers(1, 8)), 8)
+    return specs[0], specs[1], lids, rids
+
+
+@SETTINGS
+@given(unplanned_case(), st.integers(0, 2**31))
+def test_a_plan_without_options_moves_everything_or_refuses(case, seed):
+    """Issue 11 item 9: defaults never move part of the data (1 head of 2, 8 tokens of 16)."""
+    lspec, rspec, lids, rids = case
+    local, remote = Pool(lspec, seed), Pool(rspec)
+    complete = (lspec.heads == rspec.heads
+                and len(lids) * lspec.block_tokens == len(rids) * rspec.block_tokens)
+    if not complete:
+        with pytest.raises(pdkv.InvalidArgument, match="num_heads|num_tokens") as info:
+            pdkv.plan_blocks(local.layout, lids, remote.layout, rids)
+        assert "local layers=" in str(info.value) and "remote layers=" in str(info.value)
+        return
+    ext = pdkv.plan_blocks(local.layout, lids, remote.layout, rids)
+    apply(ext)
+    assert np.array_equal(remote.logical(rids), local.logical(lids))
+
+
+def test_mismatch_errors_name_both_geometries():
+    a = Pool(PoolSpec(heads=1))
+    b = Pool(PoolSpec(heads=2, style="hnd"))
+    with pytest.raises(pdkv.InvalidArgument) as info:
+        pdkv.plan_blocks(a.layout, [0], b.layout, [0])
+    msg = str(info.value)
+    assert "kv_heads=1" in msg and "kv_heads=2" in msg and "NHD" in msg and "HND" in msg
+
+
 def test_nhd_to_nhd_with_different_block_sizes_coalesces_rows():
     a = Pool(PoolSpec(layers=1, blocks=4, block_tokens=8, heads=2, head_dim=4, style="nhd"))
     b = Pool(PoolSpec(layers=1, blocks=8, block_tokens=4, heads=2, head_dim=4, style="nhd"))

@@ -311,8 +311,9 @@ def test_handshake_with_the_wrong_secret_is_refused():
         Pool(PoolSpec(), 1).register(a)
         Pool(PoolSpec()).register(b)
         peer = a.add_peer(b.metadata())  # a presents its own secret, not b's
+        x = a.write(peer, "kv", [0])  # a peer-side failure: raised by wait() (docs/faults.md)
         with pytest.raises(pdkv.PeerConnectionError, match="wrong secret"):
-            a.write(peer, "kv", [0])
+            x.wait(5)
         a.add_peer(b.metadata(), secret="other")
         assert a.write(peer, "kv", [0]).wait(5)
 

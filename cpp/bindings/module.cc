@@ -42,42 +42,105 @@ T unwrap(Result<T>&& r) {
 
 py::bytes to_bytes(const std::string& s) { return py::bytes(s.data(), s.size()); }
 
-std::vector<uint32_t> ids_from(const py::object& o) {
-  // Accepts any sequence or buffer of non-negative ints (list, range, numpy array).
+std::string type_name(const py::handle& o) { return py::str(py::type::handle_of(o).attr("__name__")); }
+
+[[noreturn]] void bad_ids(const char* what, const std::string& why) {
+  throw StatusError(InvalidArgument(std::string(what) + " must be a sequence of integer block ids: " + why));
+}
+
+// Appends one id, rejecting negatives and ids that do not fit 32 bits.
+void push_id(std::vector<uint32_t>& v, const char* what, size_t pos, long long x, bool overflow = false) {
+  if (overflow || x < 0 || x > 0xFFFFFFFFll)
+    throw StatusError(OutOfRange(std::string(what) + "[" + std::to_string(pos) + "] = " +
+                                 (overflow ? std::string("a huge integer") : std::to_string(x)) +
+                                 " is not a block id (negative or too large)"));
+  v.push_back(static_cast<uint32_t>(x));
+}
+
+// Block ids from a 1-D integer buffer (numpy array of any integer dtype).
+std::vector<uint32_t> ids_from_buffer(const py::buffer& b, const char* what) {
+  py::buffer_info bi = b.request();
+  if (bi.ndim != 1) bad_ids(what, "got a " + std::to_string(bi.ndim) + "-dimensional array");
+  std::string f = bi.format;
+  if (!f.empty() && (f[0] == '=' || f[0] == '<' || f[0] == '@')) f = f.substr(1);
+  const bool is_signed = f == "b" || f == "h" || f == "i" || f == "l" || f == "q";
+  const bool is_unsigned = f == "B" || f == "H" || f == "I" || f == "L" || f == "Q";
+  if (f.size() != 1 || (!is_signed && !is_unsigned) || (bi.itemsize != 1 && bi.itemsize != 2 && bi.itemsize != 4 &&
+                                                         bi.itemsize != 8))
+    bad_ids(what, "got an array of element format '" + bi.format + "' (" +
+                      (f == "?" ? "booleans" : f == "e" || f == "f" || f == "d" || f == "g" ? "floats" : "not integers") +
+                      ")");
   std::vector<uint32_t> v;
-  if (py::isinstance<py::buffer>(o) && !py::isinstance<py::bytes>(o)) {
-    py::buffer_info bi = py::reinterpret_borrow<py::buffer>(o).request();
-    if (bi.ndim != 1) throw StatusError(InvalidArgument("block ids must be one-dimensional"));
-    v.reserve(static_cast<size_t>(bi.shape[0]));
-    auto push = [&](int64_t x) {
-      if (x < 0 || x > 0xFFFFFFFFll) throw StatusError(OutOfRange("block id " + std::to_string(x) + " is negative or too large"));
-      v.push_back(static_cast<uint32_t>(x));
-    };
-    const char* base = static_cast<const char*>(bi.ptr);
-    for (py::ssize_t i = 0; i < bi.shape[0]; ++i) {
-      const char* p = base + i * bi.strides[0];
-      const std::string& f = bi.format;
-      if (f == "i" || f == "=i" || f == "<i") { int32_t x; std::memcpy(&x, p, 4); push(x); }
-      else if (f == "I" || f == "=I" || f == "<I") { uint32_t x; std::memcpy(&x, p, 4); push(x); }
-      else if (f == "l" || f == "q" || f == "=q" || f == "<q" || f == "=l" || f == "<l") { int64_t x; std::memcpy(&x, p, 8); push(x); }
-      else if (f == "L" || f == "Q" || f == "=Q" || f == "<Q") { uint64_t x; std::memcpy(&x, p, 8); push(x > 0xFFFFFFFFull ? -1 : int64_t(x)); }
-      else if (f == "h" || f == "H" || f == "b" || f == "B") {
-        int64_t x = 0;
-        if (f == "h") { int16_t t; std::memcpy(&t, p, 2); x = t; }
-        else if (f == "H") { uint16_t t; std::memcpy(&t, p, 2); x = t; }
-        else if (f == "b") { int8_t t; std::memcpy(&t, p, 1); x = t; }
-        else { uint8_t t; std::memcpy(&t, p, 1); x = t; }
-        push(x);
-      } else {
-        throw StatusError(InvalidArgument("block ids must be integers, got buffer format '" + f + "'"));
+  v.reserve(static_cast<size_t>(bi.shape[0]));
+  const char* base = static_cast<const char*>(bi.ptr);
+  for (py::ssize_t i = 0; i < bi.shape[0]; ++i) {
+    const char* p = base + i * bi.strides[0];
+    long long x = 0;
+    bool overflow = false;
+    if (is_signed) {
+      int64_t t = 0;
+      switch (bi.itemsize) {
+        case 1: { int8_t y; std::memcpy(&y, p, 1); t = y; break; }
+        case 2: { int16_t y; std::memcpy(&y, p, 2); t = y; break; }
+        case 4: { int32_t y; std::memcpy(&y, p, 4); t = y; break; }
+        default: std::memcpy(&t, p, 8);
       }
+      x = t;
+    } else {
+      uint64_t t = 0;
+      switch (bi.itemsize) {
+        case 1: { uint8_t y; std::memcpy(&y, p, 1); t = y; break; }
+        case 2: { uint16_t y; std::memcpy(&y, p, 2); t = y; break; }
+        case 4: { uint32_t y; std::memcpy(&y, p, 4); t = y; break; }
+        default: std::memcpy(&t, p, 8);
+      }
+      overflow = t > 0xFFFFFFFFull;
+      x = overflow ? 0 : static_cast<long long>(t);
     }
-    return v;
+    push_id(v, what, static_cast<size_t>(i), x, overflow);
   }
-  for (auto item : o) {
-    int64_t x = py::cast<int64_t>(item);
-    if (x < 0 || x > 0xFFFFFFFFll) throw StatusError(OutOfRange("block id " + std::to_string(x) + " is negative or too large"));
-    v.push_back(static_cast<uint32_t>(x));
+  return v;
+}
+
+// Block ids, validated once for every public entry point: a 1-D integer buffer (numpy
+// array), or an iterable of ints (Python or numpy integer scalars). Bools, floats,
+// strings and other objects are InvalidArgument naming `what` and the position;
+// negative or > 2^32-1 ids are OutOfRange.
+std::vector<uint32_t> ids_from(const py::object& o, const char* what) {
+  if (py::isinstance<py::str>(o) || py::isinstance<py::bytes>(o) || PyByteArray_Check(o.ptr()))
+    bad_ids(what, "got " + type_name(o));
+  if (py::isinstance<py::buffer>(o)) return ids_from_buffer(py::reinterpret_borrow<py::buffer>(o), what);
+  PyObject* it = PyObject_GetIter(o.ptr());
+  if (!it) {
+    PyErr_Clear();
+    bad_ids(what, "got " + type_name(o));
+  }
+  py::iterator iter = py::reinterpret_steal<py::iterator>(it);
+  std::vector<uint32_t> v;
+  if (PyObject_HasAttrString(o.ptr(), "__len__")) {
+    const Py_ssize_t n = PyObject_Length(o.ptr());
+    if (n < 0) PyErr_Clear();
+    else v.reserve(static_cast<size_t>(n));
+  }
+  for (py::handle item : iter) {
+    const size_t pos = v.size();
+    int overflow = 0;
+    if (PyLong_CheckExact(item.ptr())) {  // the common case: a plain int
+      const long long x = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
+      push_id(v, what, pos, x, overflow != 0);
+      continue;
+    }
+    const std::string tn = type_name(item);
+    if (PyBool_Check(item.ptr()) || tn == "bool_" || tn == "bool" || !PyIndex_Check(item.ptr()))
+      bad_ids(what, "position " + std::to_string(pos) + " holds " + tn + " " + std::string(py::repr(item)));
+    PyObject* idx = PyNumber_Index(item.ptr());
+    if (!idx) {
+      PyErr_Clear();
+      bad_ids(what, "position " + std::to_string(pos) + " holds " + tn + " " + std::string(py::repr(item)));
+    }
+    const long long x = PyLong_AsLongLongAndOverflow(idx, &overflow);
+    Py_DECREF(idx);
+    push_id(v, what, pos, x, overflow != 0);
   }
   return v;
 }
@@ -134,8 +197,11 @@ PYBIND11_MODULE(_pdkv, m) {
       out.emplace_back(status_code_name(static_cast<StatusCode>(c)));
     return out;
   });
-  m.def("buffer_info", [](py::buffer b) {
-    py::buffer_info bi = b.request();
+  m.def("buffer_info", [](py::object o) {
+    if (!py::isinstance<py::buffer>(o))
+      throw StatusError(InvalidArgument("expected an object with a pointer and a length (numpy array, torch tensor, "
+                                        "buffer-protocol object), got " + type_name(o)));
+    py::buffer_info bi = py::reinterpret_borrow<py::buffer>(o).request();
     // Contiguity: a C-contiguous view covers itemsize * size bytes from ptr.
     py::ssize_t expect = bi.itemsize;
     bool contiguous = true;
@@ -207,14 +273,18 @@ PYBIND11_MODULE(_pdkv, m) {
   m.def(
       "plan_blocks",
       [](const KVLayout& local, py::object lids, const KVLayout& remote, py::object rids, uint64_t num_tokens,
-         uint32_t num_heads, uint32_t local_head_offset, uint32_t remote_head_offset) {
-        auto l = ids_from(lids);
-        auto r = ids_from(rids);
+         uint32_t num_heads, uint32_t local_head_offset, uint32_t remote_head_offset,
+         const std::string& distinct_side) {
+        auto l = ids_from(lids, "local_blocks");
+        auto r = ids_from(rids, "remote_blocks");
         PlanOptions o{num_tokens, num_heads, local_head_offset, remote_head_offset};
         std::vector<Extent> ex;
         {
           py::gil_scoped_release rel;
-          auto res = plan_blocks(local, l, remote, r, o);
+          Status distinct = distinct_side == "local"    ? check_distinct_blocks(l, "local")
+                            : distinct_side == "remote" ? check_distinct_blocks(r, "remote")
+                                                        : Status::Ok();
+          auto res = distinct.ok() ? plan_blocks(local, l, remote, r, o) : Result<std::vector<Extent>>(distinct);
           if (!res.ok()) {
             py::gil_scoped_acquire acq;
             throw StatusError(res.status());
@@ -226,7 +296,8 @@ PYBIND11_MODULE(_pdkv, m) {
         return out;
       },
       py::arg("local"), py::arg("local_ids"), py::arg("remote"), py::arg("remote_ids"), py::arg("num_tokens") = 0,
-      py::arg("num_heads") = 0, py::arg("local_head_offset") = 0, py::arg("remote_head_offset") = 0);
+      py::arg("num_heads") = 0, py::arg("local_head_offset") = 0, py::arg("remote_head_offset") = 0,
+      py::arg("distinct") = "");
 
   m.def("decode_metadata", [](py::bytes blob) {
     std::string b = blob;
@@ -403,8 +474,8 @@ PYBIND11_MODULE(_pdkv, m) {
            [](Agent& a, const std::string& peer, OpKind op, const std::string& ll, py::object lids,
               const std::string& rl, py::object rids, uint64_t num_tokens, uint32_t num_heads, uint32_t lho,
               uint32_t rho, const std::string& transport) {
-             auto l = ids_from(lids);
-             auto r = ids_from(rids);
+             auto l = ids_from(lids, "local_blocks");
+             auto r = ids_from(rids, "remote_blocks");
              PlanOptions po{num_tokens, num_heads, lho, rho};
              XferOptions xo{transport};
              Result<std::shared_ptr<PreparedTransfer>> res = Status();

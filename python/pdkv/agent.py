@@ -34,9 +34,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Sequence
 
-from . import _native
+from . import _native, _validate
 from .errors import InvalidArgument, PdkvError, error_class
-from .layout import KVLayout, tensor_address
+from .layout import KVLayout, _describe_memory
 
 __all__ = ["Agent", "TcpOptions", "ShmOptions", "Region", "SharedRegion", "Transfer", "PreparedTransfer",
            "Notification", "XferState"]
@@ -267,7 +267,8 @@ class Transfer:
             The transfer's error if it failed (:class:`~pdkv.errors.Cancelled` if cancelled).
         """
         done, pending = _native_states()
-        state = self._n.wait(-1.0 if timeout is None else float(timeout))
+        timeout = _validate.wait_timeout(timeout)
+        state = self._n.wait(-1.0 if timeout is None else timeout)
         if state == done:
             return True
         if state == pending:
@@ -308,13 +309,18 @@ class PreparedTransfer:
         Parameters
         ----------
         notify : bytes or str, optional
-            Delivered to the peer after every byte of this transfer has landed.
+            Delivered to the peer after every byte of this transfer has landed (at most
+            the agent's ``max_notif_bytes``).
         timeout : float, optional
-            Seconds until the transfer fails with TransferTimeout (None: the agent's
-            default; 0: no limit).
+            Seconds (finite, > 0) until the transfer fails with TransferTimeout (None:
+            the agent's ``default_timeout``).
+
+        Faults of the peer (dead, unreachable, frozen, restarted) never raise here: the
+        returned transfer fails and :meth:`Transfer.wait` raises them (docs/faults.md).
         """
-        return Transfer(self._agent._n.post(self._n, b"" if notify is None else _as_bytes(notify),
-                                            -1.0 if timeout is None else float(timeout)))
+        data = _validate.notification(notify, self._agent._max_notif_bytes)
+        tmo = _validate.timeout(timeout)
+        return Transfer(self._agent._n.post(self._n, data, -1.0 if tmo is None else tmo))
 
     def __repr__(self) -> str:
         return (f"PreparedTransfer(peer={self.peer!r}, transport={self.transport!r}, "
@@ -329,12 +335,14 @@ class _Closed:
         raise InvalidArgument(f"agent {self._name!r} is closed")
 
 
-def _as_bytes(v: bytes | str | None) -> bytes:
+def _as_bytes(v: bytes | str | None, what: str = "secret") -> bytes:
     if v is None:
         return b""
     if isinstance(v, str):
         return v.encode()
-    return bytes(v)
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v)
+    raise InvalidArgument(f"{what} must be bytes or str, got {type(v).__name__}")
 
 
 class Agent:
@@ -364,7 +372,9 @@ class Agent:
     nixl : pdkv.backends.nixl.NixlOptions, optional
         Tuning of the ``nixl`` transport (RDMA through NIXL/UCX), when enabled.
     default_timeout : float
-        Deadline of transfers posted without one (0: none).
+        Deadline of transfers posted without one (0 or None: none).
+    max_notif_bytes : int
+        Largest notification accepted (sent or received).
     """
 
     def __init__(
@@ -383,6 +393,13 @@ class Agent:
     ) -> None:
         if secret is None:
             secret = os.environ.get("PDKV_SECRET", "")
+        if not isinstance(secret, (str, bytes)):
+            raise InvalidArgument(f"secret must be str or bytes, got {type(secret).__name__}")
+        if not isinstance(listen, str):
+            raise InvalidArgument(f"listen must be 'host:port', got {type(listen).__name__} {listen!r}")
+        default_timeout = _validate.wait_timeout(default_timeout, "default_timeout") or 0.0  # None, 0: no limit
+        max_notif_bytes = _validate.positive_int(max_notif_bytes, "max_notif_bytes", maximum=2**32 - 1)
+        wait_spin_us = _validate.count(wait_spin_us, "wait_spin_us")
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidArgument(f"listen must be 'host:port', got {listen!r}")
@@ -461,14 +478,24 @@ class Agent:
     # ------------------------------------------------------------------ memory
     def register(self, obj: Any, *, remote_access: bool = True) -> Region:
         """Registers the memory of ``obj``: a numpy array, a torch tensor (CPU or CUDA;
-        its whole storage extent), or any contiguous buffer-protocol object.
+        its whole storage extent), an object exporting ``__dlpack__`` (CPU through numpy,
+        CUDA through torch when torch is imported), or any contiguous writable
+        buffer-protocol object. (Memory from :meth:`alloc` is registered already.)
 
         Overlapping an existing registration raises :class:`~pdkv.errors.AlreadyExists`:
         register each pool once. ``remote_access=False`` keeps it local (a source for
-        writes and a destination for reads, invisible to peers).
+        writes and a destination for reads, invisible to peers). Anything else (lists,
+        DLPack capsules, read-only buffers peers could write into) raises
+        :class:`~pdkv.errors.InvalidArgument`.
         """
-        addr, nbytes, kind, device = tensor_address(obj)
-        return self._register(addr, nbytes, kind, device, remote_access, obj)
+        if isinstance(obj, Region):
+            raise InvalidArgument(f"{obj!r} is registered already (Agent.alloc registers the memory it returns)")
+        remote_access = _validate.flag(remote_access, "remote_access")
+        mem = _describe_memory(obj)
+        if mem.readonly and remote_access:
+            raise InvalidArgument(f"cannot register a read-only {type(obj).__name__} with remote_access=True: "
+                                  "peers would write into it (pass remote_access=False for a write source)")
+        return self._register(mem.addr, mem.nbytes, mem.kind, mem.device, remote_access, mem.keepalive)
 
     def alloc(self, nbytes: int, *, remote_access: bool = True) -> SharedRegion:
         """Allocates ``nbytes`` of shareable memory (a memfd) and registers it.
@@ -479,9 +506,8 @@ class Agent:
         """
         import mmap
 
-        nbytes = int(nbytes)
-        if nbytes <= 0:
-            raise InvalidArgument(f"cannot allocate {nbytes} bytes")
+        nbytes = _validate.positive_int(nbytes, "nbytes")
+        remote_access = _validate.flag(remote_access, "remote_access")
         fd = os.memfd_create(f"pdkv:{self.name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
@@ -503,7 +529,13 @@ class Agent:
     def register_address(self, addr: int, nbytes: int, *, kind: str = "host", device: int = -1,
                          remote_access: bool = True, keepalive: Any = None) -> Region:
         """Registers raw memory ``[addr, addr + nbytes)``; the caller keeps it alive."""
-        return self._register(int(addr), int(nbytes), kind, device, remote_access, keepalive)
+        addr = _validate.positive_int(addr, "addr")
+        if _validate.count(nbytes, "nbytes", maximum=2**64 - 1) == 0:
+            raise InvalidArgument("cannot register an empty range (nbytes=0)")
+        if not _validate._is_int(device) or int(device) < -1:
+            raise InvalidArgument(f"device must be a CUDA ordinal or -1, got {device!r}")
+        remote_access = _validate.flag(remote_access, "remote_access")
+        return self._register(addr, int(nbytes), kind, int(device), remote_access, keepalive)
 
     def _register(self, addr: int, nbytes: int, kind: str, device: int, remote: bool, obj: Any) -> Region:
         m = _native.module()
@@ -575,6 +607,8 @@ class Agent:
         (see :meth:`peer_transport`). ``via_host``: the host the metadata came from
         (:meth:`connect` passes it): it replaces a wildcard or loopback tcp address that
         would not be reachable from here."""
+        if not isinstance(metadata, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"metadata must be bytes (Agent.metadata()), got {type(metadata).__name__}")
         blob = bytes(metadata)
         if transport is not None and transport not in self._order:
             from .errors import NotFound
@@ -587,13 +621,7 @@ class Agent:
         chosen = None
         try:
             if self._py:
-                try:
-                    md = _native.module().decode_metadata(blob)
-                except UnicodeDecodeError as e:
-                    from .errors import ProtocolError
-
-                    self._n.remove_peer(name)
-                    raise ProtocolError(f"metadata of peer {name!r} has a field that is not UTF-8: {e}") from None
+                md = _native.module().decode_metadata(blob)  # (text fields were checked as UTF-8 above)
                 native_choice = self._n.peer_transport(name)
                 for t in ([transport] if transport is not None else self._order):
                     if t in self._py:
@@ -617,7 +645,9 @@ class Agent:
 
     def fetch_metadata(self, address: str, *, secret: str | bytes | None = None, timeout: float = 10.0) -> bytes:
         """Fetches a peer's metadata from its tcp ``address`` (``"host:port"``)."""
-        return self._n.fetch_metadata(address, _as_bytes(secret), float(timeout))
+        tmo = _validate.timeout(timeout)
+        address = _validate.text(address, "address")
+        return self._n.fetch_metadata(address, _as_bytes(secret), 10.0 if tmo is None else tmo)
 
     def connect(self, address: str, *, secret: str | bytes | None = None, transport: str | None = None,
                 timeout: float = 10.0) -> str:
@@ -648,11 +678,14 @@ class Agent:
 
     def warm_up(self, peer: str, timeout: float = 10.0) -> None:
         """Opens the connections to ``peer`` now instead of on the first transfer."""
-        self._n.connect(peer, float(timeout))
+        tmo = _validate.timeout(timeout)
+        self._n.connect(_validate.text(peer, "peer"), 10.0 if tmo is None else tmo)
 
     # ------------------------------------------------------------------ transfers
     def _op(self, op: str):
         m = _native.module().OpKind
+        if not isinstance(op, str):
+            raise InvalidArgument(f"op must be 'write' or 'read', got {type(op).__name__} {op!r}")
         if op == "write":
             return m.WRITE
         if op == "read":
@@ -687,41 +720,62 @@ class Agent:
             Layout names (``remote_layout`` defaults to ``local_layout``).
         local_blocks, remote_blocks : sequence of int
             Block ids, position i of one mapped to position i of the other
-            (``remote_blocks`` defaults to ``local_blocks``). Numpy arrays are fine.
+            (``remote_blocks`` defaults to ``local_blocks``). Integers only (numpy
+            integer arrays are fine); the destination side (remote for a write, local
+            for a read) must not name a block twice.
         num_tokens, num_heads, local_head_offset, remote_head_offset : int
-            For layouts of different shape (block size, NHD/HND, TP head split).
+            For layouts of different shape (block size, NHD/HND, TP head split). 0
+            means "all", which is accepted only when both block lists hold the same
+            number of tokens and both layouts the same number of kv heads: a plan
+            never moves part of the data unless asked to.
+
+        Raises
+        ------
+        InvalidArgument, OutOfRange, NotFound
+            Caller errors only (arguments, block ids beyond the peer's metadata,
+            mismatched geometries, unknown peer or layout). Faults of the peer itself
+            surface from the transfer's ``wait()`` (docs/faults.md).
         """
-        lids = list(local_blocks) if not hasattr(local_blocks, "__array_interface__") else local_blocks
-        rids = lids if remote_blocks is None else (
-            list(remote_blocks) if not hasattr(remote_blocks, "__array_interface__") else remote_blocks)
+        opk = self._op(op)
+        peer = _validate.text(peer, "peer")
+        local_layout = _validate.text(local_layout, "local_layout")
+        remote_layout = local_layout if remote_layout is None else _validate.text(remote_layout, "remote_layout")
+        plan = (_validate.count(num_tokens, "num_tokens", maximum=2**64 - 1), _validate.count(num_heads, "num_heads"),
+                _validate.count(local_head_offset, "local_head_offset"),
+                _validate.count(remote_head_offset, "remote_head_offset"))
+        lids = _validate.block_ids(local_blocks, "local_blocks")
+        rids = lids if remote_blocks is None else _validate.block_ids(remote_blocks, "remote_blocks")
         py = self._py_transport_for(peer, transport)
         if py is not None:
-            self._op(op)
-            remote = self.peer_info(peer)["layouts"].get(remote_layout or local_layout)
+            remote = self.peer_info(peer)["layouts"].get(remote_layout)
             if remote is None:
                 from .errors import NotFound
 
-                raise NotFound(f"peer {peer!r} exports no layout named {remote_layout or local_layout!r}")
-            rel = _native.module().plan_blocks(self._n.layout(local_layout), lids, remote, rids, num_tokens,
-                                               num_heads, local_head_offset, remote_head_offset)
+                raise NotFound(f"peer {peer!r} exports no layout named {remote_layout!r}")
+            if not len(lids):
+                raise InvalidArgument("no blocks to transfer")
+            rel = _native.module().plan_blocks(self._n.layout(local_layout), lids, remote, rids, *plan,
+                                               distinct="remote" if op == "write" else "local")
             return py.prepare(op, peer, self._absolute(peer, rel))
-        native = self._n.prepare_blocks(peer, self._op(op), local_layout, lids, remote_layout or local_layout, rids,
-                                        num_tokens, num_heads, local_head_offset, remote_head_offset,
-                                        transport or "")
+        native = self._n.prepare_blocks(peer, opk, local_layout, lids, remote_layout, rids, *plan, transport or "")
         return PreparedTransfer(self, native)
 
     def prepare_extents(self, op: str, peer: str, extents: Sequence[tuple[int, int, int, int, int]], *,
                         transport: str | None = None) -> PreparedTransfer:
         """Raw form: ``(local_region_id, local_offset, remote_region_id, remote_offset,
-        nbytes)`` tuples (remote ids from :meth:`peer_info`)."""
+        nbytes)`` tuples of non-negative integers (remote ids from :meth:`peer_info`)."""
+        opk = self._op(op)
+        peer = _validate.text(peer, "peer")
+        rows = _validate.extents(extents)
         py = self._py_transport_for(peer, transport)
         if py is not None:
-            self._op(op)
-            return py.prepare(op, peer, self._absolute(peer, [tuple(map(int, e)) for e in extents]))
-        native = self._n.prepare_extents(peer, self._op(op), [tuple(map(int, e)) for e in extents], transport or "")
+            return py.prepare(op, peer, self._absolute(peer, rows))
+        native = self._n.prepare_extents(peer, opk, rows, transport or "")
         return PreparedTransfer(self, native)
 
     def _py_transport_for(self, peer: str, transport: str | None):
+        if transport is not None and not isinstance(transport, str):
+            raise InvalidArgument(f"transport must be a str, got {type(transport).__name__}")
         if transport is not None:
             return self._py.get(transport)
         return self._py_peers.get(peer)
@@ -792,36 +846,45 @@ class Agent:
               timeout: float | None = None, **plan: Any) -> Transfer:
         """Pushes local blocks into the peer's blocks; returns at once. See :meth:`prepare`
         and :meth:`PreparedTransfer.post`."""
+        self._check_post_args(notify, timeout)  # caller errors first, before any peer work
         return self.prepare("write", peer, local_layout, local_blocks, remote_layout, remote_blocks,
                             **plan).post(notify=notify, timeout=timeout)
+
+    def _check_post_args(self, notify: Any, timeout: Any) -> None:
+        _validate.notification(notify, self._max_notif_bytes)
+        _validate.timeout(timeout)
 
     def read(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
              remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
              timeout: float | None = None, **plan: Any) -> Transfer:
         """Pulls the peer's blocks into local blocks; ``notify`` reaches the peer once
         every byte has landed here."""
+        self._check_post_args(notify, timeout)
         return self.prepare("read", peer, local_layout, local_blocks, remote_layout, remote_blocks,
                             **plan).post(notify=notify, timeout=timeout)
 
     def notify(self, peer: str, data: bytes | str, *, timeout: float | None = None) -> Transfer:
         """Sends a notification alone (ordered after earlier transfers on the same connection)."""
-        py = self._py_peers.get(peer)
+        data = _validate.notification(data, self._max_notif_bytes, "data")
+        if not data:
+            raise InvalidArgument("notification data is empty")
+        tmo = _validate.timeout(timeout)
+        py = self._py_peers.get(_validate.text(peer, "peer"))
         if py is not None:
-            if not _as_bytes(data):
-                raise InvalidArgument("notification is empty")
-            return py.notify(peer, _as_bytes(data), timeout)
-        return Transfer(self._n.send_notification(peer, _as_bytes(data), -1.0 if timeout is None else float(timeout)))
+            return py.notify(peer, data, tmo)
+        return Transfer(self._n.send_notification(peer, data, -1.0 if tmo is None else tmo))
 
     # ------------------------------------------------------------------ notifications
     def get_notifications(self, max_count: int = 0) -> list[Notification]:
         """Takes queued notifications without blocking (``max_count=0``: all)."""
-        return [Notification(p, d) for p, d in self._n.take_notifications(max_count)]
+        return [Notification(p, d) for p, d in self._n.take_notifications(_validate.count(max_count, "max_count"))]
 
     def wait_notifications(self, timeout: float | None = None, max_count: int = 0) -> list[Notification]:
         """Blocks (without spinning) until at least one notification is queued or
         ``timeout`` passes; returns them (possibly empty on timeout)."""
-        return [Notification(p, d)
-                for p, d in self._n.wait_notifications(-1.0 if timeout is None else float(timeout), max_count)]
+        timeout = _validate.wait_timeout(timeout)
+        return [Notification(p, d) for p, d in self._n.wait_notifications(-1.0 if timeout is None else timeout,
+                                                                         _validate.count(max_count, "max_count"))]
 
     @property
     def notification_fd(self) -> int:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
-from . import _native
+from . import _native, _validate
 from .errors import InvalidArgument
 
 __all__ = ["KVGeometry", "KVLayout", "plan_blocks", "tensor_address"]
@@ -162,14 +162,30 @@ class KVGeometry:
                    _dtype_name(dtype), 2, order)
 
 
+class _Memory(NamedTuple):
+    addr: int
+    nbytes: int
+    kind: str  # "host" or "cuda"
+    device: int  # CUDA ordinal, -1 for host
+    readonly: bool
+    keepalive: Any  # the object whose lifetime owns the memory
+
+
 def tensor_address(t: Any) -> tuple[int, int, str, int]:
     """Returns ``(address, nbytes, kind, device)`` of a tensor-like object's memory.
 
     Accepts numpy arrays (and any buffer-protocol object), torch tensors (CPU or CUDA,
-    without importing torch), and objects with ``__cuda_array_interface__``. The bytes
-    are those of the object's *extent*: for a strided view, from its first to one
-    past its last element.
+    without importing torch), objects exporting ``__dlpack__`` (see
+    :meth:`pdkv.Agent.register`). The bytes are those of the object's *extent*: for a
+    strided view, from its first to one past its last element. Anything else raises
+    :class:`~pdkv.errors.InvalidArgument`.
     """
+    m = _describe_memory(t)
+    return m.addr, m.nbytes, m.kind, m.device
+
+
+def _describe_memory(t: Any) -> _Memory:
+    """Pointer, length and owner of anything pdkv can register; InvalidArgument otherwise."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(t, torch.Tensor):
         if t.numel() == 0:
@@ -177,30 +193,67 @@ def tensor_address(t: Any) -> tuple[int, int, str, int]:
         span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
         nbytes = span * t.element_size()
         if t.device.type == "cuda":
-            return t.data_ptr(), nbytes, "cuda", t.device.index or 0
+            return _Memory(t.data_ptr(), nbytes, "cuda", t.device.index or 0, False, t)
         if t.device.type != "cpu":
             raise InvalidArgument(f"tensors on {t.device} are not supported (cpu or cuda only)")
-        return t.data_ptr(), nbytes, "host", -1
+        return _Memory(t.data_ptr(), nbytes, "host", -1, False, t)
+    if type(t).__name__ == "PyCapsule":
+        raise InvalidArgument("cannot register a DLPack capsule (pdkv would have to own it): pass the tensor "
+                              "or array itself, e.g. numpy.from_dlpack(obj) or torch.from_dlpack(obj)")
     cai = getattr(t, "__cuda_array_interface__", None)
     if cai is not None:
         raise InvalidArgument("objects with __cuda_array_interface__ need an explicit register_address(...)")
     ai = getattr(t, "__array_interface__", None)
     if ai is not None:
-        addr = ai["data"][0]
+        addr, readonly = ai["data"]
         shape = ai["shape"]
         itemsize = int(ai["typestr"][2:])
         strides = ai.get("strides")
+        n = 1
+        for s in shape:
+            n *= s
+        if n == 0:
+            raise InvalidArgument("cannot use an empty array")
         if strides is None:
-            n = 1
-            for s in shape:
-                n *= s
-            return addr, n * itemsize, "host", -1
+            return _Memory(addr, n * itemsize, "host", -1, bool(readonly), t)
+        if any(st < 0 for st in strides):
+            raise InvalidArgument(f"array has negative strides {strides}: register its base array")
         span = 1 + sum((s - 1) * st // itemsize for s, st in zip(shape, strides))
-        return addr, span * itemsize, "host", -1
-    addr, nbytes, _readonly, contiguous = _native.module().buffer_info(t)
+        return _Memory(addr, span * itemsize, "host", -1, bool(readonly), t)
+    if hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__"):
+        return _from_dlpack(t)
+    try:
+        memoryview(t).release()
+    except TypeError:
+        raise InvalidArgument(f"cannot register a {type(t).__name__}: expected an object with a pointer and a length "
+                              "(numpy array, torch tensor, __dlpack__ exporter, buffer-protocol object, or "
+                              "Agent.alloc)") from None
+    addr, nbytes, readonly, contiguous = _native.module().buffer_info(t)
     if not contiguous:
-        raise InvalidArgument("buffer is not contiguous")
-    return addr, nbytes, "host", -1
+        raise InvalidArgument(f"{type(t).__name__} buffer is not contiguous")
+    if nbytes == 0:
+        raise InvalidArgument(f"cannot use an empty {type(t).__name__}")
+    return _Memory(addr, nbytes, "host", -1, bool(readonly), t)
+
+
+def _from_dlpack(t: Any) -> _Memory:
+    """CPU exporters through numpy, CUDA ones through torch (when it is imported)."""
+    try:
+        dev_type, _dev = t.__dlpack_device__()
+    except Exception as e:  # noqa: BLE001 - a broken exporter is the caller's argument error
+        raise InvalidArgument(f"{type(t).__name__}.__dlpack_device__() failed: {e}") from None
+    if int(dev_type) == 1:  # kDLCPU
+        import numpy as np
+
+        try:
+            return _describe_memory(np.from_dlpack(t))
+        except (TypeError, ValueError, BufferError, RuntimeError) as e:
+            raise InvalidArgument(f"cannot view {type(t).__name__} through DLPack: {e}") from None
+    torch = sys.modules.get("torch")
+    if int(dev_type) == 2 and torch is not None:  # kDLCUDA
+        return _describe_memory(torch.from_dlpack(t))
+    raise InvalidArgument(f"cannot register a {type(t).__name__} on DLPack device type {dev_type}: pass a torch "
+                          "tensor (import torch), or use register_address(...)")
 
 
 def _strides_bytes(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, Any, int]:
@@ -316,7 +369,17 @@ class KVLayout:
         dtype : optional
             Overrides the element type read from the tensors (e.g. when bf16 data is
             held in a uint16 numpy array).
+
+        ``order`` must say how the tensors are stored: a contiguous block looks the
+        same either way, so only a transposed view (strides that contradict
+        ``order``) can be detected here (InvalidArgument). A wrong ``order`` on a
+        contiguous tensor yields a geometry whose heads and block size are swapped;
+        transfers with a correctly described peer then fail with InvalidArgument
+        naming both geometries instead of moving part of the data (only when
+        ``kv_heads == block_tokens`` can nothing tell the two orders apart).
         """
+        if order not in _ORDERS:
+            raise InvalidArgument(f"order must be 'NHD' or 'HND', got {order!r}")
         k_caches = list(k_caches)
         v_caches = None if v_caches is None else list(v_caches)
         if not k_caches:
@@ -338,6 +401,14 @@ class KVLayout:
                     if _native.module().dtype_size(dt) != itemsize:
                         raise InvalidArgument(f"dtype {dt} does not match the tensors' element size {itemsize}")
                 nb, a, b, d = shape
+                if strides[3] == itemsize and strides[1] == d * itemsize and strides[2] == a * d * itemsize and a > 1 \
+                        and b > 1:
+                    # A permuted view: memory holds [nb, b, a, d], i.e. the other order.
+                    other = "HND" if order == "NHD" else "NHD"
+                    raise InvalidArgument(
+                        f"layer {layer}: strides {strides} say this {shape} tensor is a transposed view whose memory "
+                        f"is in {other} order, contradicting order={order!r}: pass the tensor as stored, with "
+                        f"order={other!r}")
                 if strides[3] != itemsize or strides[2] != d * itemsize or strides[1] != b * d * itemsize:
                     raise InvalidArgument(f"layer {layer}: the block's inner dimensions must be contiguous "
                                           f"(strides {strides})")
@@ -384,12 +455,19 @@ def plan_blocks(
     the absolute address. With equal geometry each block maps to one block and
     consecutive ids coalesce; otherwise bytes are mapped per token and head (different
     block sizes, NHD vs HND, head subsets for tensor-parallel splits).
+
+    ``num_tokens``/``num_heads`` = 0 mean "all", accepted only when both block lists
+    hold the same number of tokens and both layouts the same number of kv heads;
+    otherwise :class:`~pdkv.errors.InvalidArgument` names both geometries (a plan
+    never moves part of the data unless asked to).
     """
-    return _native.module().plan_blocks(local.native, _ids(local_ids), remote.native, _ids(remote_ids),
-                                        num_tokens, num_heads, local_head_offset, remote_head_offset)
+    for name, layout in (("local", local), ("remote", remote)):
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgument(f"{name} must be a KVLayout, got {type(layout).__name__}")
+    return _native.module().plan_blocks(local.native, _validate.block_ids(local_ids, "local_ids"), remote.native,
+                                        _validate.block_ids(remote_ids, "remote_ids"),
+                                        _validate.count(num_tokens, "num_tokens", maximum=2**64 - 1),
+                                        _validate.count(num_heads, "num_heads"),
+                                        _validate.count(local_head_offset, "local_head_offset"),
+                                        _validate.count(remote_head_offset, "remote_head_offset"))
 
-
-def _ids(ids: Iterable[int]) -> Any:
-    if hasattr(ids, "__array_interface__") or hasattr(ids, "__len__"):
-        return ids
-    return list(ids)

@@ -99,13 +99,20 @@ struct Extent {
 // Order is preserved; the result is equivalent byte for byte. O(n), in place.
 void coalesce_extents(std::vector<Extent>& extents);
 
-// Which tokens and heads to move when the two layouts' geometries differ.
+// Destination block ids must be distinct (a block filled twice in one transfer ends up
+// holding whichever copy lands last). InvalidArgument naming `what` ("local"/"remote")
+// and both positions of the first duplicate. O(n) for increasing ids, else O(n log n).
+Status check_distinct_blocks(const std::vector<uint32_t>& ids, const std::string& what);
+
+// Which tokens and heads to move when the two layouts' geometries differ. Leaving a
+// field at 0 means "everything", and is only accepted when it is unambiguous: both
+// block lists hold the same number of tokens, and both layouts the same kv heads.
 struct PlanOptions {
-  // Tokens to move, counted from the start of the first block; 0 = all tokens the
-  // shorter side's block list covers.
+  // Tokens to move, counted from the start of the first block; 0 = all of them (the
+  // two block lists must then hold equally many tokens).
   uint64_t num_tokens = 0;
   // Heads to move and where they start on each side (tensor-parallel splits); 0 = all
-  // of local's heads.
+  // heads (both layouts must then hold equally many).
   uint32_t num_heads = 0;
   uint32_t local_head_offset = 0;
   uint32_t remote_head_offset = 0;
@@ -118,8 +125,11 @@ struct PlanOptions {
 // With identical geometry (and default options) each block maps to one block and
 // consecutive ids on both sides coalesce into one extent per (layer, part); otherwise
 // bytes are mapped token by token and head by head (different block sizes, NHD vs HND,
-// head subsets), then coalesced.
-// Errors: InvalidArgument (mismatched dtype/head_dim/layers/parts, id counts),
+// head subsets), then coalesced. A plan never silently moves part of the data: when
+// the block lists hold different numbers of tokens, or the layouts different numbers
+// of kv heads, the caller must say what to move (num_tokens / num_heads).
+// Errors: InvalidArgument (mismatched dtype/head_dim/layers/parts; token counts or
+// kv heads that differ without num_tokens/num_heads; the message names both geometries),
 // OutOfRange (block id >= num_blocks, tokens or heads beyond a side).
 Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector<uint32_t>& local_ids,
                                         const KVLayout& remote, const std::vector<uint32_t>& remote_ids,

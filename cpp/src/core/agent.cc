@@ -317,6 +317,8 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_blocks(
   const KVLayout* remote = p->md.find_layout(remote_layout);
   if (!remote) return NotFound("peer '" + peer_name + "' exports no layout named '" + remote_layout + "'");
   if (local_ids.empty()) return InvalidArgument("no blocks to transfer");
+  PDKV_RETURN_IF_ERROR(op == OpKind::kWrite ? check_distinct_blocks(remote_ids, "remote")
+                                            : check_distinct_blocks(local_ids, "local"));
   PDKV_ASSIGN_OR_RETURN(std::vector<Extent> ex, plan_blocks(local, local_ids, *remote, remote_ids, plan));
   return prepare_resolved(peer_name, op, ex, opts);
 }
@@ -422,15 +424,24 @@ Result<std::shared_ptr<Transfer>> Agent::post(const PreparedTransfer& prep, std:
   if (notif.size() > cfg_.max_notif_bytes)
     return InvalidArgument("notification is " + std::to_string(notif.size()) + " bytes (limit " +
                            std::to_string(cfg_.max_notif_bytes) + ")");
+  bool restarted = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = peers_.find(prep.peer);
     if (it == peers_.end()) return NotFound("peer '" + prep.peer + "' was removed since this transfer was prepared");
-    if (it->second.peer->md.instance_id != prep.instance_id)
-      return StalePeer("peer '" + prep.peer + "' was re-added (restarted) since this transfer was prepared; prepare it again");
+    restarted = it->second.peer->md.instance_id != prep.instance_id;
   }
   Transport* t = transport_by_name(prep.transport);
   if (!t || !prep.ops) return InvalidArgument("prepared transfer is empty");
+  if (restarted) {
+    // A peer fault, not a caller error: the transfer fails and wait() reports it
+    // (docs/faults.md).
+    auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
+                                           Clock::time_point::max(), cfg_.wait_spin_us);
+    xfer->fail_now(StalePeer("peer '" + prep.peer +
+                             "' was re-added (restarted) since this transfer was prepared; prepare it again"));
+    return xfer;
+  }
   std::vector<RegionPin> pins;
   pins.reserve(prep.local_regions.size());
   for (uint64_t id : prep.local_regions) {

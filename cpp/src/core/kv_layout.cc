@@ -141,6 +141,23 @@ uint64_t KVLayout::end_addr() const {
   return e;
 }
 
+Status check_distinct_blocks(const std::vector<uint32_t>& ids, const std::string& what) {
+  // Usually sorted already (one pass); otherwise sort a copy.
+  bool sorted = true;
+  for (size_t i = 1; i < ids.size() && sorted; ++i) sorted = ids[i - 1] < ids[i];
+  if (sorted) return Status::Ok();
+  std::vector<uint32_t> v(ids);
+  std::sort(v.begin(), v.end());
+  auto dup = std::adjacent_find(v.begin(), v.end());
+  if (dup == v.end()) return Status::Ok();
+  size_t first = 0, second = 0;
+  for (size_t i = 0, seen = 0; i < ids.size(); ++i)
+    if (ids[i] == *dup) (seen++ == 0 ? first : second) = i;
+  return InvalidArgument(what + " block " + std::to_string(*dup) + " appears twice (positions " +
+                         std::to_string(first) + " and " + std::to_string(second) +
+                         "): two sources would race to fill it");
+}
+
 void coalesce_extents(std::vector<Extent>& ex) {
   if (ex.empty()) return;
   size_t w = 0;
@@ -175,14 +192,28 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
       return OutOfRange("remote block id " + std::to_string(rids[i]) + " at position " + std::to_string(i) +
                         " is beyond the peer's pool (" + std::to_string(rg.num_blocks) + " blocks)");
 
+  // A plan that leaves out tokens or heads must be asked for: defaults never drop data.
+  const uint64_t lcap = uint64_t(lids.size()) * lg.block_tokens;
+  const uint64_t rcap = uint64_t(rids.size()) * rg.block_tokens;
+  if (lg.kv_heads != rg.kv_heads && opts.num_heads == 0)
+    return InvalidArgument("layouts hold different numbers of kv heads (local " + geo_str(lg) + "; remote " +
+                           geo_str(rg) + "): pass num_heads and head offsets to move a head range");
+  if (lcap != rcap && opts.num_tokens == 0 && lg.block_tokens == rg.block_tokens)
+    return InvalidArgument("local and remote block lists differ in length (" + std::to_string(lids.size()) + " vs " +
+                           std::to_string(rids.size()) + "; local " + geo_str(lg) + "; remote " + geo_str(rg) +
+                           "): pass num_tokens to move a token range");
+  if (lcap != rcap && opts.num_tokens == 0)
+    return InvalidArgument("the local blocks hold " + std::to_string(lcap) + " tokens (" + std::to_string(lids.size()) +
+                           " x " + std::to_string(lg.block_tokens) + ") but the remote blocks " + std::to_string(rcap) +
+                           " (" + std::to_string(rids.size()) + " x " + std::to_string(rg.block_tokens) +
+                           ") (local " + geo_str(lg) + "; remote " + geo_str(rg) +
+                           "): pass num_tokens to move a token range");
+
   const bool same_shape = lg.block_tokens == rg.block_tokens && lg.kv_heads == rg.kv_heads && lg.order == rg.order &&
                           opts.num_heads == 0 && opts.local_head_offset == 0 && opts.remote_head_offset == 0 &&
-                          (opts.num_tokens == 0 || opts.num_tokens == uint64_t(lids.size()) * lg.block_tokens);
+                          lids.size() == rids.size() && (opts.num_tokens == 0 || opts.num_tokens == lcap);
   std::vector<Extent> out;
   if (same_shape) {
-    if (lids.size() != rids.size())
-      return InvalidArgument("local and remote block lists differ in length (" + std::to_string(lids.size()) +
-                             " vs " + std::to_string(rids.size()) + ")");
     const uint64_t half = lg.block_half_bytes();
     out.reserve(lids.size() * lg.num_segments());  // upper bound: nothing coalesces
     const auto& ls = local.segments();
@@ -199,9 +230,7 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
   }
 
   // General path: map token by token and head by head.
-  const uint64_t lcap = uint64_t(lids.size()) * lg.block_tokens;
-  const uint64_t rcap = uint64_t(rids.size()) * rg.block_tokens;
-  const uint64_t ntok = opts.num_tokens ? opts.num_tokens : std::min(lcap, rcap);
+  const uint64_t ntok = opts.num_tokens ? opts.num_tokens : lcap;
   if (ntok > lcap || ntok > rcap)
     return OutOfRange(std::to_string(ntok) + " tokens requested but the local blocks hold " + std::to_string(lcap) +
                       " and the remote blocks " + std::to_string(rcap));

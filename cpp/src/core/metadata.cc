@@ -12,6 +12,45 @@ constexpr char kMagic[8] = {'P', 'D', 'K', 'V', 'M', 'E', 'T', 'A'};
 constexpr uint32_t kMaxStr = 4096;
 constexpr uint32_t kMaxItems = 1u << 20;
 
+// Length of the well-formed UTF-8 sequence at s[i] (1-4), or 0: the rules of
+// Python's strict decoder (no overlong forms, no surrogates, nothing past U+10FFFF).
+size_t utf8_seq(std::string_view s, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[i + k]); };
+  const auto cont = [&](size_t k) { return i + k < s.size() && (b(k) & 0xC0) == 0x80; };
+  const unsigned char c = b(0);
+  if (c < 0x80) return 1;
+  if (c >= 0xC2 && c <= 0xDF) return cont(1) ? 2 : 0;
+  if (c >= 0xE0 && c <= 0xEF) {
+    if (!cont(1) || !cont(2)) return 0;
+    if ((c == 0xE0 && b(1) < 0xA0) || (c == 0xED && b(1) > 0x9F)) return 0;  // overlong / surrogate
+    return 3;
+  }
+  if (c >= 0xF0 && c <= 0xF4) {
+    if (!cont(1) || !cont(2) || !cont(3)) return 0;
+    if ((c == 0xF0 && b(1) < 0x90) || (c == 0xF4 && b(1) > 0x8F)) return 0;  // overlong / > U+10FFFF
+    return 4;
+  }
+  return 0;
+}
+
+// A string field every consumer (Python included) decodes as UTF-8 text.
+Status check_utf8(std::string_view s, const char* field) {
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = utf8_seq(s, i);
+    if (n == 0)
+      return ProtocolError(std::string(field) + " is not valid UTF-8 (byte " + std::to_string(i) + " of " +
+                           std::to_string(s.size()) + ")");
+    i += n;
+  }
+  return Status::Ok();
+}
+
+// A name field (transport, layout): what validate_name() accepts, else ProtocolError.
+Status check_name(std::string_view s, const char* field) {
+  Status st = validate_name(field, s);
+  return st.ok() ? st : ProtocolError("metadata: " + st.message());
+}
+
 }  // namespace
 
 const RegionDesc* AgentMetadata::find_region(uint64_t id) const {
@@ -126,6 +165,7 @@ Result<AgentMetadata> decode_metadata(std::string_view blob) {
   PDKV_RETURN_IF_ERROR(validate_name("agent name", md.name).with_context("metadata"));
   PDKV_RETURN_IF_ERROR(r.get(&md.instance_id, "instance id"));
   PDKV_RETURN_IF_ERROR(r.get_str(&md.host_id, "host id", kMaxStr));
+  PDKV_RETURN_IF_ERROR(check_utf8(md.host_id, "host id"));
   PDKV_RETURN_IF_ERROR(r.get(&md.pid, "pid"));
   uint32_t n = 0;
   PDKV_RETURN_IF_ERROR(r.get_count(&n, "endpoint count", 8, 64));
@@ -133,6 +173,8 @@ Result<AgentMetadata> decode_metadata(std::string_view blob) {
     Endpoint e;
     PDKV_RETURN_IF_ERROR(r.get_str(&e.transport, "endpoint transport", 64));
     PDKV_RETURN_IF_ERROR(r.get_str(&e.address, "endpoint address", kMaxStr));
+    PDKV_RETURN_IF_ERROR(check_name(e.transport, "endpoint transport"));
+    PDKV_RETURN_IF_ERROR(check_utf8(e.address, "endpoint address"));
     md.endpoints.push_back(std::move(e));
   }
   PDKV_RETURN_IF_ERROR(r.get_count(&n, "region count", 30, kMaxItems));
@@ -165,6 +207,7 @@ Result<AgentMetadata> decode_metadata(std::string_view blob) {
     uint8_t parts = 0, dt = 0, order = 0;
     uint32_t nseg = 0;
     PDKV_RETURN_IF_ERROR(r.get_str(&name, "layout name", 128));
+    PDKV_RETURN_IF_ERROR(check_name(name, "layout name"));
     PDKV_RETURN_IF_ERROR(r.get(&g.num_layers, "layout layers"));
     PDKV_RETURN_IF_ERROR(r.get(&g.num_blocks, "layout blocks"));
     PDKV_RETURN_IF_ERROR(r.get(&g.block_tokens, "layout block_tokens"));
@@ -203,6 +246,7 @@ Result<AgentMetadata> decode_metadata(std::string_view blob) {
   for (uint32_t i = 0; i < n; ++i) {
     std::string t, b;
     PDKV_RETURN_IF_ERROR(r.get_str(&t, "extra transport", 64));
+    PDKV_RETURN_IF_ERROR(check_name(t, "extra transport"));
     PDKV_RETURN_IF_ERROR(r.get_str(&b, "extra blob", 16u << 20));
     md.extras.emplace_back(std::move(t), std::move(b));
   }

@@ -136,6 +136,7 @@ from ..errors import (
     StalePeer,
     TransferTimeout,
 )
+from .. import _native, _validate
 from . import PyTransport
 from ._nixl import PTHR_DELAY_US, NixlEngine, UcxSetup, is_loopback_host, to_pdkv, ucx_setup
 
@@ -170,6 +171,10 @@ class NixlOptions:
         forgotten).
     max_idle_requests : int
         Completed NIXL requests kept for reuse per prepared transfer.
+    restart_probe_s : float
+        When a peer's NIXL endpoint fails, its tcp endpoint is asked (this long at most)
+        whether it restarted: the transfer then fails with StalePeer instead of
+        PeerConnectionError (docs/faults.md).
     """
 
     pthr_delay_us: int = PTHR_DELAY_US
@@ -180,6 +185,7 @@ class NixlOptions:
     handshake_timeout_s: float = 5.0
     revoke_timeout_s: float = 5.0
     max_idle_requests: int = 4
+    restart_probe_s: float = 1.0
 
 
 def nixl_agent_name(name: str, instance_id: int) -> str:
@@ -316,6 +322,8 @@ class _Peer:
     def update(self, md: dict, extra: bytes, secret: bytes) -> None:
         self.extra = extra
         self.secret = secret
+        # Where to ask whether it restarted when its NIXL endpoint fails (see _probe_restart).
+        self.tcp_address = next((a for t, a in md.get("endpoints", []) if t == "tcp"), None)
         self.rows = [(int(r["addr"]), int(r["addr"]) + int(r["len"]), int(r["id"]), r.get("kind", "host"),
                       max(0, int(r.get("device", -1)))) for r in md.get("regions", [])]
         self.index = _RegionIndex(self.rows)
@@ -385,6 +393,7 @@ class NixlTransfer:
         self._reqs: list[tuple[_Group, int]] = []
         self._pending: list[int] = []
         self._manual_notify = False  # a notification to send once every request completed
+        self._probing = False  # failed at the connection level; finished once the restart probe answers
         self._waiting = 0  # threads in wait(): they check it, so the poller need not hurry
         self._state = _states()["PENDING"]
         self._error: PdkvError | None = None
@@ -428,6 +437,7 @@ class NixlTransfer:
         """
         owner = self._owner
         pending = _S["PENDING"]
+        timeout = _validate.wait_timeout(timeout)
         st = owner._check(self)
         if st is pending:
             with owner._lock:
@@ -501,7 +511,7 @@ class NixlPrepared:
         self.nbytes = int(ldesc[:, 1].sum())
         self.num_extents = len(ldesc)
         self._groups: list[_Group] | None = None
-        self._invalid: PdkvError | None = None
+        self._invalid: PdkvError | None = None  # raised by post (the caller must prepare again)
 
     def post(self, *, notify: bytes | str | None = None, timeout: float | None = None) -> NixlTransfer:
         """Starts the transfer; returns at once.
@@ -512,8 +522,10 @@ class NixlPrepared:
             Delivered to the peer after every byte of this transfer has landed (for a
             READ: landed here).
         timeout : float, optional
-            Seconds until the transfer fails with TransferTimeout (None: the agent's
-            default; 0: no limit).
+            Seconds (finite, > 0) until the transfer fails with TransferTimeout (None:
+            the agent's ``default_timeout``).
+
+        Peer faults do not raise here: the returned transfer fails (docs/faults.md).
         """
         return self._owner._post(self, notify, timeout)
 
@@ -850,15 +862,20 @@ class NixlTransport(PyTransport):
                 del self._watchers[p.nixl_name]
 
     # -------------------------------------------------------------- transfers
-    def _live_peer(self, peer: str):
-        """The peer's state (caller holds the lock); raises NotFound, or the error that
-        broke the peer."""
+    def _known_peer(self, peer: str) -> _Peer:
+        """The peer's state (caller holds the lock); NotFound if the caller never added it.
+        A broken peer is returned as it is: its faults surface from transfers' wait()."""
         p = self._peers.get(peer)
         if p is None:
             raise NotFound(f"peer {peer!r} is not known to the nixl transport of agent {self._agent_name!r}")
-        if p.error is not None:
-            raise type(p.error)(str(p.error))
         return p
+
+    def _failed(self, p: _Peer, op: str, nbytes: int, err: PdkvError) -> NixlTransfer:
+        """A transfer that failed before it started (lock held): the fault contract
+        (docs/faults.md) has peer faults raise from wait(), never from post()."""
+        x = NixlTransfer(self, next(self._ids), p, op, nbytes, None, 0.0, None)
+        self._finish(x, _S["FAILED"], type(err)(str(err)))
+        return x
 
     def prepare(self, op: str, peer: str, extents: Sequence[tuple[int, int, int]]) -> NixlPrepared:
         if op not in ("write", "read"):
@@ -868,7 +885,7 @@ class NixlTransport(PyTransport):
             raise InvalidArgument("no extents to transfer")
         with self._lock:
             self._engine()
-            p = self._live_peer(peer)
+            p = self._known_peer(peer)
             prep = self._build(p, op, ext)
             self._preps.add(prep)
             return prep
@@ -894,7 +911,8 @@ class NixlTransport(PyTransport):
         rdesc[:, 0], rdesc[:, 1], rdesc[:, 2] = raddr, lens, rindex.devices[ri]
         kinds = self._index.kinds[li] * len(_KINDS) + rindex.kinds[ri]
         prep = NixlPrepared(self, p, op, ldesc, rdesc, kinds, local_ids, remote_ids)
-        self._make_groups(prep)
+        if p.error is None:  # (a broken peer's transfers fail at post; nothing to build)
+            self._make_groups(prep)
         return prep
 
     def _make_groups(self, prep: NixlPrepared) -> None:
@@ -919,10 +937,9 @@ class NixlTransport(PyTransport):
         prep._groups = groups
 
     def _post(self, prep: NixlPrepared, notify: bytes | str | None, timeout: float | None) -> NixlTransfer:
-        data = _as_bytes(notify)
-        if data is not None and len(data) > self._max_notif:
-            raise InvalidArgument(f"notification of {len(data)} bytes exceeds the limit of {self._max_notif} bytes")
-        tmo = self._default_timeout if timeout is None else float(timeout)
+        data = _validate.notification(notify, self._max_notif) or None
+        tmo = _validate.timeout(timeout)
+        tmo = self._default_timeout if tmo is None else tmo
         with self._lock:
             eng = self._engine()
             if prep._invalid is not None:
@@ -932,9 +949,10 @@ class NixlTransport(PyTransport):
                 if cur is None:
                     raise NotFound(f"peer {prep.peer!r} was removed; add it and prepare again")
                 if cur.instance != prep._peer.instance:
-                    raise StalePeer(f"peer {prep.peer!r} restarted since this transfer was prepared; prepare it again")
+                    return self._failed(prep._peer, prep._op, prep.nbytes, StalePeer(
+                        f"peer {prep.peer!r} restarted since this transfer was prepared; prepare it again"))
                 if cur.error is not None:
-                    raise type(cur.error)(str(cur.error))
+                    return self._failed(cur, prep._op, prep.nbytes, cur.error)
                 gone = prep._remote_ids - cur.region_ids
                 if gone:
                     raise NotFound(f"peer {prep.peer!r} no longer exports region {min(gone)}")
@@ -942,7 +960,7 @@ class NixlTransport(PyTransport):
                 prep._peer = cur  # same instance, re-added metadata: rebuild against it
             p = prep._peer
             if p.error is not None:
-                raise type(p.error)(str(p.error))
+                return self._failed(p, prep._op, prep.nbytes, p.error)
             revoked = prep._remote_ids & p.revoked
             if revoked:
                 raise NotFound(f"peer {p.name!r} deregistered its region {min(revoked)}; re-add its metadata "
@@ -969,7 +987,7 @@ class NixlTransport(PyTransport):
                     if eng.post(req, b""):
                         x._pending.remove(req)
             except eng.errors as e:
-                self._finish(x, _S["FAILED"], to_pdkv(e, f"NIXL {prep._op} to peer {p.name!r}", PeerConnectionError))
+                self._fail_connection(x, to_pdkv(e, f"NIXL {prep._op} to peer {p.name!r}", PeerConnectionError))
                 return x
             if not x._pending:
                 self._progress(x, time.monotonic())
@@ -983,12 +1001,14 @@ class NixlTransport(PyTransport):
 
     def notify(self, peer: str, data: bytes, timeout: float | None) -> NixlTransfer:
         """Sends a notification alone, after the transfers to ``peer`` posted before it."""
-        if len(data) > self._max_notif:
-            raise InvalidArgument(f"notification of {len(data)} bytes exceeds the limit of {self._max_notif} bytes")
-        tmo = self._default_timeout if timeout is None else float(timeout)
+        data = _validate.notification(data, self._max_notif, "data")
+        tmo = _validate.timeout(timeout)
+        tmo = self._default_timeout if tmo is None else tmo
         with self._lock:
             self._engine()
-            p = self._live_peer(peer)
+            p = self._known_peer(peer)
+            if p.error is not None:
+                return self._failed(p, "notify", 0, p.error)
             x = NixlTransfer(self, next(self._ids), p, "notify", 0, data,
                              time.monotonic() + tmo if tmo > 0 else 0.0, None)
             x._manual_notify = True
@@ -1008,7 +1028,7 @@ class NixlTransport(PyTransport):
     def _progress(self, x: NixlTransfer, now: float) -> bool:
         """Advances ``x`` (lock held); True if it became terminal."""
         eng = self._eng
-        if eng is None:
+        if eng is None or x._probing:
             return False
         try:
             while x._pending:
@@ -1016,8 +1036,8 @@ class NixlTransport(PyTransport):
                     break
                 x._pending.pop()
         except eng.errors as e:
-            self._finish(x, _S["FAILED"], to_pdkv(e, f"NIXL {x._op} to peer {x.peer!r} failed", PeerConnectionError))
-            return True
+            self._fail_connection(x, to_pdkv(e, f"NIXL {x._op} to peer {x.peer!r} failed", PeerConnectionError))
+            return False
         if not x._pending and x._manual_notify:
             if x._op == "notify" and any(y.id < x.id and y._peer_state is x._peer_state
                                          for y in self._inflight.values()):
@@ -1042,6 +1062,37 @@ class NixlTransport(PyTransport):
                 "(the peer stalled or the link is too slow)"))
             return True
         return False
+
+    def _fail_connection(self, x: NixlTransfer, err: PdkvError) -> None:
+        """``x`` failed at the connection level (lock held). A peer that restarted at the
+        same address looks exactly like a dead one to UCX; the fault contract says
+        StalePeer for it, so ask its tcp endpoint (off the lock, bounded) before
+        finishing ``x``. It stays PENDING, untouched by the poller, until then."""
+        p = x._peer_state
+        if not isinstance(err, PeerConnectionError) or p.is_self or not p.tcp_address:
+            self._finish(x, _S["FAILED"], err)
+            return
+        x._probing = True
+        threading.Thread(target=self._probe_restart, args=(x, err), name=f"pdkv-nixl-probe-{x.id}",
+                         daemon=True).start()
+
+    def _probe_restart(self, x: NixlTransfer, err: PdkvError) -> None:
+        p = x._peer_state
+        final = err
+        agent = self._agent()
+        if agent is not None:
+            try:
+                md = _native.module().decode_metadata(
+                    agent._n.fetch_metadata(p.tcp_address, p.secret, self._opts.restart_probe_s))
+                if md["name"] == p.name and int(md["instance_id"]) != p.instance:
+                    final = StalePeer(f"peer {p.name!r} restarted (instance {p.instance:016x} is gone, "
+                                      f"{int(md['instance_id']):016x} answers at {p.tcp_address}); fetch its "
+                                      f"metadata again and re-add it ({err})")
+            except Exception:  # noqa: BLE001 - unreachable or closed: the connection error stands
+                pass
+        with self._lock:
+            if x._state is _S["PENDING"]:
+                self._finish(x, _S["FAILED"], final)
 
     def _cancel(self, x: NixlTransfer) -> None:
         with self._lock:
@@ -1289,9 +1340,3 @@ def _coalesce(ext: np.ndarray) -> np.ndarray:
     out[:, 2] = np.add.reduceat(ext[:, 2], starts)
     return out
 
-
-def _as_bytes(v: bytes | str | None) -> bytes | None:
-    if v is None:
-        return None
-    b = v.encode() if isinstance(v, str) else bytes(v)
-    return b or None

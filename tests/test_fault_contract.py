@@ -1,0 +1,167 @@
+"""One fault contract for every transport (docs/faults.md), checked the same way for each.
+
+A peer-side fault never raises from ``write()`` (nor ``prepare()``/``post()``): the
+returned transfer fails, and ``wait()`` raises exactly
+
+* ``PeerConnectionError`` when the peer died, or was never reachable at its address;
+* ``TransferTimeout`` when the peer is frozen (SIGSTOP), at the transfer's timeout;
+* ``StalePeer`` when the peer restarted (same name and address, a new instance).
+
+After the fault the same agent completes a verified transfer with a healthy peer.
+Every flavor of tests/conftest.py runs every fault: tcp, shm (Agent.alloc pools),
+shm-cma (numpy pools, cross-memory attach) and nixl when installed. Every write carries
+a notification, as an engine's would: with shared-memory pools the bytes of a write can
+land without the peer's help, but its notification cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+import pdkv
+from conftest import make_pool, wait_until
+from kvpools import PoolSpec
+
+SPEC = PoolSpec(layers=2, blocks=16, block_tokens=4, heads=2, head_dim=16, dtype="float16")
+FAULTS = ["dead", "frozen", "restarted", "unreachable"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def freeze(peer_proc) -> None:
+    """SIGSTOP, then wait until every thread of the peer is really stopped (a signal is
+    delivered asynchronously: a busy thread could still acknowledge one more write)."""
+    peer_proc.pause()
+    task_dir = f"/proc/{peer_proc.pid}/task"
+
+    def stopped() -> bool:
+        for tid in os.listdir(task_dir):
+            try:
+                with open(f"{task_dir}/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                continue
+            if state not in ("T", "t"):
+                return False
+        return True
+
+    assert wait_until(stopped, timeout=10.0), "the peer did not stop"
+
+
+def agent_for(flavor, name: str) -> pdkv.Agent:
+    kw = {}
+    if flavor.name == "nixl":
+        from pdkv.backends.nixl import NixlOptions
+
+        kw["nixl"] = NixlOptions(handshake_timeout_s=2.0)
+    return flavor.agent(name, default_timeout=20.0, **kw)
+
+
+def verified_write(agent: pdkv.Agent, peer_proc, local, name: str, src: list[int], dst: list[int]) -> None:
+    assert agent.write(name, "kv", src, "kv", dst, notify=b"healthy").wait(20)
+    assert peer_proc.call(cmd="digest", blocks=dst)["digest"] == local.digest(src)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_peer_fault_fails_the_transfer_and_raises_its_class_from_wait(spawn_peer, flavor, fault):
+    port = free_port()
+    args = dict(listen=f"127.0.0.1:{port}", **flavor.peer_args())
+    peer = spawn_peer("decode", SPEC, **args)
+    with agent_for(flavor, "prefill") as a:
+        local = make_pool(SPEC, 7, a)
+        local.register(a)
+        if fault == "unreachable":
+            # The peer's metadata is all we have; nothing answers at its addresses.
+            md = a.fetch_metadata(peer.address)
+            peer.stop()
+            name = a.add_peer(md)
+        else:
+            name = a.connect(peer.address)
+            verified_write(a, peer, local, name, [0, 1], [2, 3])
+        timeout = 20.0
+        expected: type[pdkv.PdkvError]
+        if fault == "dead":
+            peer.kill()
+            expected = pdkv.PeerConnectionError
+        elif fault == "frozen":
+            freeze(peer)
+            timeout = 1.0
+            expected = pdkv.TransferTimeout
+        elif fault == "restarted":
+            peer.stop()
+            peer = spawn_peer("decode", SPEC, **args)  # same name, same address, new instance
+            expected = pdkv.StalePeer
+        else:
+            expected = pdkv.PeerConnectionError
+        try:
+            t0 = time.monotonic()
+            x = a.write(name, "kv", [4, 5, 6], "kv", [7, 8, 9], notify=b"never-delivered", timeout=timeout)
+            with pytest.raises(expected) as info:
+                x.wait(30)
+            assert type(info.value) is expected, f"{type(info.value).__name__}: {info.value}"
+            assert x.state is pdkv.XferState.FAILED
+            assert isinstance(x.error, expected)
+            assert time.monotonic() - t0 < 25.0  # did not hang (generous: no timing claims)
+            if fault == "frozen":
+                assert time.monotonic() - t0 >= 0.9  # not before its deadline
+        finally:
+            if fault == "frozen":
+                peer.resume()
+        # The agent is unharmed: a verified transfer with a healthy peer.
+        if fault == "frozen":
+            healthy, hname = peer, name
+        else:
+            healthy = spawn_peer("healthy", SPEC, **flavor.peer_args())
+            hname = a.connect(healthy.address)
+        verified_write(a, healthy, local, hname, [10, 11, 12], [13, 14, 15])
+        if fault == "restarted":  # re-adding the restarted peer's metadata makes it usable again
+            name = a.connect(peer.address)
+            verified_write(a, peer, local, name, [1, 2], [3, 4])
+
+
+def test_caller_errors_raise_at_once_even_for_a_faulty_peer(spawn_peer, flavor):
+    """Only caller errors raise synchronously, whatever state the peer is in."""
+    peer = spawn_peer("decode", SPEC, **flavor.peer_args())
+    with agent_for(flavor, "prefill") as a:
+        local = make_pool(SPEC, 3, a)
+        local.register(a)
+        name = a.connect(peer.address)
+        peer.kill()
+        with pytest.raises(pdkv.NotFound):
+            a.write("nobody", "kv", [0])
+        with pytest.raises(pdkv.OutOfRange):
+            a.write(name, "kv", [0], "kv", [SPEC.blocks])  # beyond the peer's metadata
+        with pytest.raises(pdkv.InvalidArgument):
+            a.write(name, "kv", [0, 1], "kv", [5, 5])
+        with pytest.raises(pdkv.InvalidArgument):
+            a.write(name, "kv", [0], notify=123)
+        with pytest.raises(pdkv.InvalidArgument):
+            a.write(name, "kv", [0], timeout=-1)
+
+
+def test_argument_errors_are_the_same_on_every_transport(agent_pair):
+    """The validation layer is shared: a Python transport (nixl) rejects what the native ones do."""
+    a, b = agent_pair
+    pa, pb = make_pool(SPEC, 1, a), make_pool(SPEC, None, b)
+    pa.register(a)
+    pb.register(b)
+    peer = a.connect(b.address)
+    for bad in (dict(notify=5), dict(timeout=-1), dict(timeout=float("nan"))):
+        with pytest.raises(pdkv.InvalidArgument):
+            a.prepare("write", peer, "kv", [0]).post(**bad)
+    with pytest.raises(pdkv.InvalidArgument, match="remote block 3 appears twice"):
+        a.write(peer, "kv", [0, 1], "kv", [3, 3])
+    with pytest.raises(pdkv.InvalidArgument, match="local_blocks"):
+        a.write(peer, "kv", [0.0])
+    x = a.write(peer, "kv", [0], "kv", [1])
+    with pytest.raises(pdkv.InvalidArgument, match="timeout"):
+        x.wait(-1)
+    assert x.wait(10)
