@@ -1166,6 +1166,15 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
   if (!bound.ok()) return fail(bound.status());
   auto b = std::move(bound).value();
   drain_control(b->conn);
+  if (b->conn->gone.load(std::memory_order_acquire)) {
+    // The peer closed the connection before this transfer touched it: dial again, so
+    // the dial itself says what happened (StalePeer for a restarted peer,
+    // PeerConnectionError for a dead one, NotFound for a revoked region).
+    bound = bind(*prep);
+    if (!bound.ok()) return fail(bound.status());
+    b = std::move(bound).value();
+    drain_control(b->conn);
+  }
   {
     std::lock_guard<std::mutex> lk(b->conn->mu);
     if (b->conn->dead) return fail(b->conn->dead_reason);
