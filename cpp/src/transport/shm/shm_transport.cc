@@ -1139,18 +1139,20 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
 }
 
 void ShmTransport::finish_job(Job& job, Status st) {
-  unpin(*job.b);
   // The bytes are in memory the peer shares with us; fail the transfer if the peer
   // died meanwhile (the progress thread sees its socket close at once).
   if (st.ok() && job.b->conn->gone.load(std::memory_order_acquire))
     st = ConnectionError(job.b->conn->desc + " went away during the transfer");
-  if (!st.ok() || job.notif.empty()) {
-    job.xfer->resolve_part(st.ok() ? job.b->total : 0, st);
-    if (!job.notif.empty()) job.xfer->resolve_part(0, Cancelled("notification not sent: the copy failed"));
+  // Resolve the data part before unpinning: unpinning may acknowledge a revoke, and the
+  // peer's deregistration returns on that ack; by then this transfer must be terminal.
+  job.xfer->resolve_part(st.ok() ? job.b->total : 0, st);
+  unpin(*job.b);
+  if (job.notif.empty()) return;
+  if (!st.ok()) {
+    job.xfer->resolve_part(0, Cancelled("notification not sent: the copy failed"));
     return;
   }
-  // Data landed: one part for the bytes, one for the acknowledged notification.
-  job.xfer->resolve_part(job.b->total, Status::Ok());
+  // Data landed: the second part is the acknowledged notification.
   send_notify(job.b->conn, job.xfer, job.notif);
 }
 
