@@ -63,6 +63,9 @@ def pytest_collection_modifyitems(config, items):
     skip_cuda = None if _has_cuda() else pytest.mark.skip(reason="needs an NVIDIA GPU and driver (libcuda.so.1)")
     skip_nixl = None if importlib.util.find_spec("nixl") else pytest.mark.skip(
         reason="needs NIXL: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1")
+    if os.environ.get("PDKV_SANITIZER") == "tsan":  # set by scripts/sanitize.sh
+        skip_nixl = pytest.mark.skip(reason="NIXL/UCX is not instrumented and replaces memory hooks: "
+                                            "it crashes under ThreadSanitizer (it runs in `make test`)")
     for item in items:
         # The marker, not the keyword: item.keywords also holds the enclosing directories'
         # names, so every test under tests/cuda/ (the fake-GPU ones too) would match.
