@@ -35,9 +35,10 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:symbolize=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 
 failed=()
-for bin in "$BUILD"/fuzz/*_fuzz; do
-  [ -x "$bin" ] || continue
-  name=$(basename "$bin" _fuzz)
+# One run per source file (a binary left in build/ by a removed target is not run).
+for src in fuzz/targets/*_fuzz.cc; do
+  name=$(basename "$src" _fuzz.cc)
+  bin=$BUILD/fuzz/${name}_fuzz
   if [ -n "${FUZZ_TARGETS:-}" ] && [[ " $FUZZ_TARGETS " != *" $name "* ]]; then continue; fi
   work=$RUN/$name
   rm -rf "$work"
