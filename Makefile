@@ -51,7 +51,7 @@ test: install
 cpp-test:
 	bash scripts/sysdeps.sh
 	cmake -S . -B build/cpp -DPDKV_BUILD_PYTHON=OFF -DPDKV_BUILD_CPP_TESTS=ON -DPDKV_NVCC=OFF >/dev/null
-	cmake --build build/cpp -j
+	cmake --build build/cpp -j $$(nproc)
 	ctest --test-dir build/cpp --output-on-failure
 
 fuzz:
