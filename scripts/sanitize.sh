@@ -84,15 +84,16 @@ if [ $# -eq 0 ] || [ ! -e "${1%%::*}" ]; then
 fi
 
 SUPP=$PWD/scripts/lsan.supp
-# Reports are written to files (pytest captures stderr, and a sanitizer that stops the
-# process loses what was captured), one per process, printed below.
+# ASan, LSan and TSan reports are written to files, one per process, printed below;
+# UBSan's go to stderr, which pytest leaves alone (--capture=sys: only Python-level
+# output is captured, so a report from a process a sanitizer stops is never lost).
 REPORTS=$PWD/$ROOT/reports
 rm -rf "$REPORTS"
 mkdir -p "$REPORTS"
 LOG="log_path=$REPORTS/$KIND"
 export PDKV_LOG=${PDKV_LOG:-error}
-export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:$LOG"
-# Sanitizer reports go to stderr and turn into this exit code, in this process and
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=66:$LOG"
+# A report turns into exit code 66, in this process and
 # in every peer process the tests start (they inherit LD_PRELOAD and these options).
 export ASAN_OPTIONS="$LOG:detect_leaks=1:exitcode=66:abort_on_error=0:strict_init_order=1:detect_stack_use_after_return=0"
 export LSAN_OPTIONS="suppressions=$SUPP:print_suppressions=0:exitcode=66"
@@ -101,9 +102,9 @@ export TSAN_OPTIONS="$LOG:halt_on_error=1:exitcode=66:second_deadlock_stack=1:re
 # reason (torch's own import-time allocations and threads are not pdkv's to check).
 export PDKV_SANITIZER=$KIND
 
-echo "sanitize: $KIND over ${FILES[*]}"
+echo "sanitize: $KIND over ${FILES[*]} $*"
 set +e
-LD_PRELOAD=$PRELOAD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p no:benchmark "${FILES[@]}" "$@"
+LD_PRELOAD=$PRELOAD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p no:benchmark --capture=sys "${FILES[@]}" "$@"
 rc=$?
 set -e
 for r in "$REPORTS"/*; do
