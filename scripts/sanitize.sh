@@ -104,6 +104,8 @@ export PDKV_SANITIZER=$KIND
 
 echo "sanitize: $KIND over ${FILES[*]} $*"
 set +e
+# -p no:benchmark: pytest-benchmark runs `git` at start-up, and git's own leaks would be
+# reported (the preloaded runtime reaches every child process, not only python ones).
 LD_PRELOAD=$PRELOAD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p no:benchmark --capture=sys "${FILES[@]}" "$@"
 rc=$?
 set -e
