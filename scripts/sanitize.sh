@@ -41,6 +41,10 @@ if [ ! -x "$MAIN_PY" ]; then
   echo "sanitize: no .venv; run 'make install' first" >&2
   exit 1
 fi
+if ! "$MAIN_PY" -c 'import scikit_build_core, pybind11' 2>/dev/null; then
+  echo "sanitize: .venv lacks the build backend; run: .venv/bin/pip install 'scikit-build-core>=0.10' 'pybind11>=2.13'" >&2
+  exit 1
+fi
 CXX=${CXX:-g++}
 PRELOAD=$("$CXX" -print-file-name="$RUNTIME")
 if [ ! -f "$PRELOAD" ]; then
