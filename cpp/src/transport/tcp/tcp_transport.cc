@@ -579,7 +579,9 @@ void ProgressThread::run() {
         if (it == conns_.end()) continue;
         c = it->second;
       }
-      if (evs[i].events & EPOLLOUT) flush(*c);
+      // A hang-up or error while output is queued ends in flush (the send fails), also
+      // when reading is paused by back-pressure.
+      if (evs[i].events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) flush(*c);
       // A waiting caller may be reading this connection itself: leave it to them.
       std::unique_lock<std::recursive_mutex> rl(c->rx_mu, std::try_to_lock);
       if (!rl || c->fd < 0) continue;
@@ -747,7 +749,10 @@ void ProgressThread::scan_deadlines() {
     for (auto& [p, c] : conns_) {
       if (c->fd < 0) continue;
       if (c->draining) {
-        if (now >= c->hs_deadline) doomed.emplace_back(c, Status::Ok());
+        if (now >= c->hs_deadline) {
+          doomed.emplace_back(c, Status::Ok());
+          culprits.push_back(0);
+        }
         continue;
       }
       if (!c->authed && !c->outbound) {
@@ -783,14 +788,15 @@ void ProgressThread::scan_deadlines() {
   }
   size_t ci = 0;
   for (auto& [c, st] : doomed) {
-    std::lock_guard<std::recursive_mutex> rl(c->rx_mu);
-    if (c->fd < 0) continue;
+    const uint64_t culprit = culprits[ci++];
+    // A caller driving c (TcpTransport::drive) checks the same deadlines itself.
+    std::unique_lock<std::recursive_mutex> rl(c->rx_mu, std::try_to_lock);
+    if (!rl || c->fd < 0) continue;
     if (c->draining) {
       drain(c);
       continue;
     }
-    const uint64_t culprit = culprits[ci++];
-    if (!c->authed && !c->outbound) {
+    if (!c->outbound) {
       fail_conn(c, st);  // tell the silent client why it is dropped
     } else {
       t_->kill(c, st, culprit);
@@ -982,13 +988,17 @@ bool ProgressThread::handle_header(const std::shared_ptr<TcpConn>& c) {
       return true;
     }
     case FrameType::kReadResp: {
+      bool known = false;
       {
         std::lock_guard<std::mutex> lk(c->pmu);
         auto it = c->pending.find(pkey(h.xfer_id, h.batch));
-        if (it == c->pending.end() || it->second.dst == nullptr)
-          return bad("read response for unknown transfer " + std::to_string(h.xfer_id));
-        c->rx_part = it->second;
+        if (it != c->pending.end() && it->second.dst != nullptr) {
+          c->rx_part = it->second;
+          known = true;
+        }
       }
+      // (Not under pmu: failing the connection takes it.)
+      if (!known) return bad("read response for unknown transfer " + std::to_string(h.xfer_id));
       if (h.payload != c->rx_part.bytes)
         return bad("read response carries " + std::to_string(h.payload) + " bytes, expected " +
                    std::to_string(c->rx_part.bytes));
@@ -1805,6 +1815,11 @@ void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::
   while (!x.terminal() && c->fd >= 0 && !c->draining) {
     const auto now = Clock::now();
     if (now >= deadline) break;
+    Status stalled = c->owner->frame_stalled(*c, now);
+    if (!stalled.ok()) {
+      kill(c, stalled);
+      break;
+    }
     // Spin briefly (the ack of a small write is usually microseconds away), then
     // block in short slices so deadlines and shutdown are noticed.
     int timeout = 0;
