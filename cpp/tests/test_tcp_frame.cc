@@ -171,6 +171,9 @@ TEST(TcpFrame, HelloRoundTripAndRejections) {
   b.secret = "s";
   const std::string good = encode_hello(b);
   EXPECT_FALSE(decode_hello(good + "x").ok());  // trailing bytes
+  std::string reserved = good;
+  reserved[2] = 0x40;  // found by tcp_hello_fuzz: the reserved u16 must be 0
+  EXPECT_FALSE(decode_hello(reserved).ok());
   for (size_t cut = 0; cut < good.size(); ++cut) EXPECT_FALSE(decode_hello(good.substr(0, cut)).ok()) << cut;
   std::string huge_len = good.substr(0, 16) + std::string("\xff\xff\xff\xff", 4);
   EXPECT_FALSE(decode_hello(huge_len).ok());

@@ -152,6 +152,7 @@ Result<HelloBody> decode_hello(std::string_view aux) {
     return VersionMismatch("wire protocol version " + std::to_string(b.version) +
                            " is not supported (this pdkv speaks " + std::to_string(kWireVersion) + ")");
   PDKV_RETURN_IF_ERROR(r.get(&reserved, "hello reserved"));
+  if (reserved != 0) return ProtocolError("hello reserved field is " + std::to_string(reserved) + ", must be 0");
   PDKV_RETURN_IF_ERROR(r.get(&b.slot, "hello slot"));
   PDKV_RETURN_IF_ERROR(r.get(&b.instance, "hello instance"));
   PDKV_RETURN_IF_ERROR(r.get_str(&b.from, "hello initiator", 128));
