@@ -129,11 +129,13 @@ TEST(TcpFrame, FlagsStatusAndMagic) {
 TEST(TcpFrame, ExtentsSumWithoutOverflow) {
   FrameHeader h = hdr(FrameType::kWrite, 2, 0, 30);
   WireExtent ok[2] = {{1, 0, 10}, {1, 100, 20}};
-  EXPECT_TRUE(check_extents(ok, 2, h).ok());
+  auto sum = check_extents(ok, 2, h);
+  ASSERT_TRUE(sum.ok());
+  EXPECT_EQ(*sum, 30u);
   h.payload = 31;
-  EXPECT_NE(check_extents(ok, 2, h).message().find("add up to 30"), std::string::npos);
+  EXPECT_NE(check_extents(ok, 2, h).status().message().find("add up to 30"), std::string::npos);
   WireExtent zero[1] = {{1, 0, 0}};
-  EXPECT_NE(check_extents(zero, 1, h).message().find("length 0"), std::string::npos);
+  EXPECT_NE(check_extents(zero, 1, h).status().message().find("length 0"), std::string::npos);
   WireExtent wrap[2] = {{1, 0, ~0ull - 4}, {1, 0, 10}};  // sum wraps around u64
   EXPECT_FALSE(check_extents(wrap, 2, hdr(FrameType::kReadReq, 2)).ok());
   WireExtent big[2] = {{1, 0, kMaxPayloadPerFrame}, {1, 0, 1}};

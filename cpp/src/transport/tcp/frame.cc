@@ -126,7 +126,7 @@ Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim) {
   return Status::Ok();
 }
 
-Status check_extents(const WireExtent* ext, uint32_t n, const FrameHeader& h) {
+Result<uint64_t> check_extents(const WireExtent* ext, uint32_t n, const FrameHeader& h) {
   uint64_t sum = 0;
   for (uint32_t i = 0; i < n; ++i) {
     WireExtent e;
@@ -140,7 +140,7 @@ Status check_extents(const WireExtent* ext, uint32_t n, const FrameHeader& h) {
   if (h.type == static_cast<uint16_t>(FrameType::kWrite) && sum != h.payload)
     return ProtocolError("write frame declares " + std::to_string(h.payload) +
                          " payload bytes but its extents add up to " + std::to_string(sum));
-  return Status::Ok();
+  return sum;
 }
 
 Result<HelloBody> decode_hello(std::string_view aux) {

@@ -62,8 +62,9 @@ std::string frame_type_name(uint16_t type);
 
 // Checks the extent list of a kWrite / kReadReq that passed check_header: no empty
 // extent, the sum fits in kMaxPayloadPerFrame (no u64 overflow), and for a write it
-// equals the declared payload. Region bounds are checked by extent_in_region().
-Status check_extents(const WireExtent* ext, uint32_t n, const FrameHeader& h);
+// equals the declared payload. Returns the sum. Region bounds are checked by
+// extent_in_region().
+Result<uint64_t> check_extents(const WireExtent* ext, uint32_t n, const FrameHeader& h);
 
 // True when [offset, offset + len) lies inside a region of `region_len` bytes
 // (no u64 overflow).

@@ -1131,16 +1131,12 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
         iov.push_back({reinterpret_cast<void*>(last->addr + e.offset), e.len});
       }
       // Total size (no overflow) and, for a write, the declared payload.
-      Status sizes = check_extents(d, n, h);
+      auto sizes = check_extents(d, n, h);
       if (!sizes.ok()) {
-        fail_conn(c, ProtocolError(sizes.message() + " (from " + c->desc + ")"), h.xfer_id, h.batch);
+        fail_conn(c, ProtocolError(sizes.status().message() + " (from " + c->desc + ")"), h.xfer_id, h.batch);
         return false;
       }
-      const uint64_t sum = type == FrameType::kWrite ? h.payload : [&] {
-        uint64_t total = 0;
-        for (const iovec& v : iov) total += v.iov_len;
-        return total;
-      }();
+      const uint64_t sum = *sizes;
       if (type == FrameType::kReadReq && device >= 0) {
         t_->respond_staged(c, h, std::move(iov), std::move(pins), sum, device);
         return true;
