@@ -361,7 +361,7 @@ PYBIND11_MODULE(_pdkv, m) {
                        uint32_t rcvlowat_bytes, double connect_timeout_s, double handshake_timeout_s,
                        uint32_t shm_copy_threads, uint64_t shm_inline_bytes, double default_timeout_s,
                        uint32_t max_notif_bytes, uint32_t wait_spin_us, uint64_t stage_chunk_bytes,
-                       uint32_t stage_buffers) {
+                       uint32_t stage_buffers, double frame_timeout_s) {
              AgentConfig c;
              c.name = name;
              c.secret = secret;
@@ -378,6 +378,7 @@ PYBIND11_MODULE(_pdkv, m) {
              c.tcp.handshake_timeout_s = handshake_timeout_s;
              c.tcp.stage_chunk_bytes = stage_chunk_bytes;
              c.tcp.stage_buffers = stage_buffers;
+             c.tcp.frame_timeout_s = frame_timeout_s;
              c.shm.copy_threads = shm_copy_threads;
              c.shm.inline_bytes = shm_inline_bytes;
              c.default_timeout_s = default_timeout_s;
@@ -400,7 +401,8 @@ PYBIND11_MODULE(_pdkv, m) {
            py::arg("batch_extents"), py::arg("rcvlowat_bytes"), py::arg("connect_timeout_s"),
            py::arg("handshake_timeout_s"), py::arg("shm_copy_threads"), py::arg("shm_inline_bytes"),
            py::arg("default_timeout_s"), py::arg("max_notif_bytes"), py::arg("wait_spin_us"),
-           py::arg("stage_chunk_bytes") = uint64_t(4) << 20, py::arg("stage_buffers") = 4u)
+           py::arg("stage_chunk_bytes") = uint64_t(4) << 20, py::arg("stage_buffers") = 4u,
+           py::arg("frame_timeout_s") = 30.0)
       .def_property_readonly("name", &Agent::name)
       .def_property_readonly("secret", [](const Agent& a) { return to_bytes(a.secret()); })
       .def_property_readonly("instance_id", &Agent::instance_id)

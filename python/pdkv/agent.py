@@ -96,6 +96,10 @@ class TcpOptions:
         TCP connect plus handshake.
     handshake_timeout_s : float
         Inbound connections that do not authenticate within this are closed.
+    frame_timeout_s : float
+        A frame that stops arriving half-way, or queued output the peer stops reading,
+        closes that connection after this many seconds without progress (the regions
+        it pinned are released, so ``Region.close()`` returns).
     stage_chunk_bytes : int
         Device (CUDA) memory travels through pinned host buffers of this size, which is
         also the batch size of device transfers (copy of one chunk overlaps the send
@@ -113,6 +117,7 @@ class TcpOptions:
     rcvlowat_bytes: int = 1 << 20
     connect_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
+    frame_timeout_s: float = 30.0
     stage_chunk_bytes: int = 4 << 20
     stage_buffers: int = 4
 
@@ -424,6 +429,7 @@ class Agent:
             tcp.conns_per_peer, tcp.progress_threads, tcp.spin_us, tcp.batch_bytes, tcp.batch_extents,
             tcp.rcvlowat_bytes, tcp.connect_timeout_s, tcp.handshake_timeout_s, shm.copy_threads, shm.inline_bytes,
             float(default_timeout), max_notif_bytes, wait_spin_us, tcp.stage_chunk_bytes, tcp.stage_buffers,
+            float(tcp.frame_timeout_s),
         )
         # Python transports read these (the native agent keeps its own copies).
         self._default_timeout = float(default_timeout)

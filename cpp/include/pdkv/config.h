@@ -21,6 +21,10 @@ struct TcpOptions {
   uint32_t rcvlowat_bytes = 1u << 20;     // SO_RCVLOWAT cap while receiving payload (0: off)
   double connect_timeout_s = 5.0;         // TCP connect + handshake
   double handshake_timeout_s = 5.0;       // inbound connections must say hello within this
+  // A frame that stops arriving half-way (header, descriptors or payload), or queued
+  // output the peer stops reading, closes the connection after this long without
+  // progress (releasing the regions it pins).
+  double frame_timeout_s = 30.0;
   // Device memory is staged through pinned host buffers of this size (also the
   // batch size of device transfers); `stage_buffers` of them per agent bound how far
   // copies run ahead of the socket. Each connection receiving into device memory

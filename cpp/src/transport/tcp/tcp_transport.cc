@@ -18,6 +18,7 @@
 #include <functional>
 #include <cerrno>
 #include <cstring>
+#include <fcntl.h>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -27,6 +28,8 @@
 
 #include "cuda/staging.h"
 #include "pdkv/registry.h"
+#include "transport/tcp/frame.h"
+#include "transport/tcp/guard.h"
 #include "transport/tcp/wire.h"
 #include "util/bytes.h"
 #include "util/log.h"
@@ -39,6 +42,19 @@ constexpr int kIovMax = 1024;
 constexpr size_t kHdr = sizeof(FrameHeader);
 constexpr uint64_t kAllocChunk = 1ull << 20;
 constexpr double kStageWaitS = 60.0;  // a read responder waits this long for a staging buffer
+// Back-pressure on an inbound connection: while more than this much bookkeeping
+// (iovecs, pins, aux) or this many frames wait to be sent, its requests are not read.
+constexpr size_t kMaxQueuedCost = 8u << 20;
+constexpr size_t kMaxQueuedFrames = 256;
+// Failed authentications: the first one from an address is free, then hellos from it
+// are refused unread for 0.1 s, 0.2 s, ... up to 10 s (docs/wire.md).
+constexpr double kAuthBackoffBaseS = 0.1;
+constexpr double kAuthBackoffMaxS = 10.0;
+constexpr size_t kAuthBackoffSources = 4096;
+constexpr uint32_t kAuthFreeFailures = 1;
+// The listener, out of file descriptors, stops watching for this long when it
+// cannot even shed the pending connection.
+constexpr auto kListenPause = std::chrono::milliseconds(100);
 
 using util::errno_str;
 
@@ -124,6 +140,8 @@ struct OutMsg {
       default: return data[i - 3];
     }
   }
+  // Memory this message holds besides the registered data it points at.
+  size_t cost() const { return sizeof(OutMsg) + own_iov.size() * sizeof(iovec) + pins.size() * sizeof(RegionPin) + aux.size(); }
   void finalize() {
     hdr.aux_len = static_cast<uint32_t>(aux.size());
     if (!own_iov.empty()) {
@@ -193,13 +211,15 @@ enum class RxStage { kHeader, kControl, kPayload };
 
 class TcpConn : public std::enable_shared_from_this<TcpConn> {
  public:
-  TcpConn(int fd, bool outbound, std::string desc) : fd(fd), outbound(outbound), desc(std::move(desc)) {}
+  TcpConn(int fd, bool outbound, std::string desc, std::string source = "")
+      : fd(fd), outbound(outbound), desc(std::move(desc)), source(std::move(source)) {}
   ~TcpConn() {
     if (fd >= 0) ::close(fd);
   }
   int fd;
   const bool outbound;
   std::string desc;          // "peer 'x' at 1.2.3.4:5" for messages
+  const std::string source;  // inbound: the peer's IP address (authentication back-off)
   std::string peer_name;     // remote agent's name once known
   ProgressThread* owner = nullptr;
   std::weak_ptr<PeerConns> pc;
@@ -210,8 +230,16 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   // Send side.
   std::mutex smu;
   std::deque<std::unique_ptr<OutMsg>> sq;
+  size_t sq_cost = 0;   // sum of cost() over sq
   bool want_out = false;
   bool driven = false;  // a waiting caller is reading this connection (EPOLLIN off)
+  Clock::time_point tx_progress{};  // last time queued output moved (while want_out)
+  // Deadline bookkeeping read by the owner's scan: output is stuck in sq (tx_blocked),
+  // or a frame is partly received (rx_mid) and rx_progress is when bytes last came.
+  std::atomic<bool> tx_blocked{false};
+  std::atomic<bool> rx_mid{false};
+  std::atomic<int64_t> rx_progress{0};
+  std::atomic<bool> rx_paused{false};  // back-pressure: too much output queued, EPOLLIN off
   // Pending parts (initiator side).
   std::mutex pmu;
   std::unordered_map<uint64_t, PendingPart> pending;
@@ -251,6 +279,7 @@ class ProgressThread {
   ~ProgressThread() {
     if (epfd_ >= 0) ::close(epfd_);
     if (evfd_ >= 0) ::close(evfd_);
+    if (spare_fd_ >= 0) ::close(spare_fd_);
   }
   Status start(int listen_fd);
   void stop();
@@ -262,18 +291,35 @@ class ProgressThread {
   void wake_if_idle() {
     if (idle_.load(std::memory_order_acquire)) wake();
   }
-  void add(const std::shared_ptr<TcpConn>& c);
+  // Takes ownership of c's events. `handshake`: an inbound connection that must say
+  // hello before c->hs_deadline (decided by the caller, which owns c until now).
+  void add(const std::shared_ptr<TcpConn>& c, bool handshake);
   // Re-registers c's epoll interest from c.want_out and c.driven (caller holds c.smu).
   void set_interest(TcpConn& c);
+  // Receives what c has, then records whether a frame is left half-read (its deadline).
   void on_readable(const std::shared_ptr<TcpConn>& c);
   void request_kill(const std::shared_ptr<TcpConn>& c);
+  // Sets a deadline flag of a connection (rx_mid, tx_blocked), counting the set ones
+  // so the thread keeps scanning deadlines while any is.
+  void watch(std::atomic<bool>& flag, bool on) {
+    if (flag.exchange(on, std::memory_order_acq_rel) != on) nwatch_.fetch_add(on ? 1 : -1, std::memory_order_acq_rel);
+  }
   std::atomic<int64_t> npending{0};
 
  private:
   void run();
   void accept_all();
+  // Out of file descriptors: accepts and closes one pending connection using the
+  // spare descriptor. 1: shed one, 0: none pending, -1: no spare (or accept failed).
+  int shed_one();
+  void pause_listener(int err);
+  // Reads until EAGAIN; returns the bytes read.
+  uint64_t receive(const std::shared_ptr<TcpConn>& c);
   void flush(TcpConn& c);
   void scan_deadlines();
+  // Timeout if c has a half-read frame or stuck output that did not move for
+  // frame_timeout_s; OK otherwise.
+  Status frame_stalled(TcpConn& c, Clock::time_point now);
   void drain(const std::shared_ptr<TcpConn>& c);
   bool handle_header(const std::shared_ptr<TcpConn>& c);
   bool handle_control(const std::shared_ptr<TcpConn>& c);
@@ -294,6 +340,9 @@ class ProgressThread {
   int epfd_ = -1;
   int evfd_ = -1;
   int listen_fd_ = -1;
+  int spare_fd_ = -1;  // held in reserve for shedding connections at the fd limit
+  bool listen_paused_ = false;
+  Clock::time_point listen_resume_{};
   std::thread th_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> idle_{false};
@@ -301,7 +350,8 @@ class ProgressThread {
   std::unordered_map<TcpConn*, std::shared_ptr<TcpConn>> conns_;
   std::vector<std::shared_ptr<TcpConn>> kill_q_;
   std::vector<std::shared_ptr<TcpConn>> graveyard_;
-  std::atomic<int> nslow_{0};  // handshaking or draining connections
+  std::atomic<int> nslow_{0};   // handshaking or draining connections
+  std::atomic<int> nwatch_{0};  // connections with a half-read frame or stuck output
   friend class TcpTransport;
 };
 
@@ -351,6 +401,11 @@ class TcpTransport final : public Transport {
   void respond_staged(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<iovec> src,
                       std::vector<RegionPin> pins, uint64_t bytes, int device);
   bool shutting_down() const { return shut_.load(std::memory_order_acquire); }
+  AuthBackoff& auth_backoff() { return backoff_; }
+  FrameLimits frame_limits() const { return FrameLimits{hooks_->max_notif_bytes()}; }
+  // Logs a closed or refused connection: at most one line per second, with a count
+  // of the lines held back (a flood of bad clients must not flood the log).
+  void log_rejected(const std::string& line);
 
  private:
   Result<std::shared_ptr<PeerConns>> peer_conns(const std::shared_ptr<const Peer>& peer);
@@ -385,6 +440,8 @@ class TcpTransport final : public Transport {
   std::deque<std::function<void()>> stage_q_;
   std::thread stage_th_;
   bool stage_stop_ = false;
+  AuthBackoff backoff_{kAuthBackoffBaseS, kAuthBackoffMaxS, kAuthBackoffSources, kAuthFreeFailures};
+  LogLimiter reject_log_{std::chrono::seconds(1)};
 };
 
 // ---------------------------------------------------------------- ProgressThread
@@ -399,6 +456,7 @@ Status ProgressThread::start(int listen_fd) {
   epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
   if (listen_fd >= 0) {
     listen_fd_ = listen_fd;
+    spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     ev.data.ptr = this;  // the listener
     epoll_ctl(epfd_, EPOLL_CTL_ADD, listen_fd_, &ev);
   }
@@ -421,7 +479,7 @@ void ProgressThread::stop() {
   graveyard_.clear();
 }
 
-void ProgressThread::add(const std::shared_ptr<TcpConn>& c) {
+void ProgressThread::add(const std::shared_ptr<TcpConn>& c, bool handshake) {
   c->owner = this;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -431,12 +489,13 @@ void ProgressThread::add(const std::shared_ptr<TcpConn>& c) {
   ev.events = EPOLLIN | EPOLLRDHUP;
   ev.data.ptr = c.get();
   epoll_ctl(epfd_, EPOLL_CTL_ADD, c->fd, &ev);
-  if (!c->authed) wake();  // start the handshake timer
+  if (handshake) wake();  // start the handshake timer
 }
 
 void ProgressThread::set_interest(TcpConn& c) {
   epoll_event ev{};
-  ev.events = (c.driven ? 0u : uint32_t(EPOLLIN | EPOLLRDHUP)) | (c.want_out ? uint32_t(EPOLLOUT) : 0u);
+  const bool in = !c.driven && !c.rx_paused.load(std::memory_order_acquire);
+  ev.events = (in ? uint32_t(EPOLLIN | EPOLLRDHUP) : 0u) | (c.want_out ? uint32_t(EPOLLOUT) : 0u);
   ev.data.ptr = &c;
   epoll_ctl(epfd_, EPOLL_CTL_MOD, c.fd, &ev);
 }
@@ -461,13 +520,24 @@ void ProgressThread::run() {
   auto last_busy = Clock::now() - kLinger;
   while (!stop_.load(std::memory_order_acquire)) {
     const auto now = Clock::now();
-    const bool busy = npending.load(std::memory_order_acquire) > 0 || nslow_.load() > 0;
+    const bool busy = npending.load(std::memory_order_acquire) > 0 || nslow_.load() > 0 || nwatch_.load() > 0;
     if (busy) last_busy = now;
     int timeout = -1;
     if (spin_us_ > 0 && now - last_active < spin) {
       timeout = 0;
     } else if (busy || now - last_busy < kLinger) {
       timeout = 20;
+    }
+    if (listen_paused_) {
+      if (now >= listen_resume_) {
+        epoll_event lev{};
+        lev.events = EPOLLIN;
+        lev.data.ptr = this;
+        epoll_ctl(epfd_, EPOLL_CTL_MOD, listen_fd_, &lev);
+        listen_paused_ = false;
+      } else if (timeout < 0 || timeout > 20) {
+        timeout = 20;
+      }
     }
     if (timeout < 0) idle_.store(true, std::memory_order_release);
     int n = ::epoll_wait(epfd_, evs, 64, timeout);
@@ -509,7 +579,9 @@ void ProgressThread::run() {
         if (it == conns_.end()) continue;
         c = it->second;
       }
-      if (evs[i].events & EPOLLOUT) flush(*c);
+      // A hang-up or error while output is queued ends in flush (the send fails), also
+      // when reading is paused by back-pressure.
+      if (evs[i].events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) flush(*c);
       // A waiting caller may be reading this connection itself: leave it to them.
       std::unique_lock<std::recursive_mutex> rl(c->rx_mu, std::try_to_lock);
       if (!rl || c->fd < 0) continue;
@@ -533,8 +605,18 @@ void ProgressThread::accept_all() {
     socklen_t len = sizeof ss;
     int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EINTR) continue;
-      return;  // EAGAIN, or a transient error such as EMFILE
+      const int err = errno;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) return;
+      // Out of descriptors (or kernel memory): the listen socket stays readable, so
+      // returning would spin. Shed the pending connections, or stop watching a while.
+      if (err == EMFILE || err == ENFILE) {
+        const int shed = shed_one();
+        if (shed > 0) continue;
+        if (shed == 0) return;
+      }
+      pause_listener(err);
+      return;
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -549,13 +631,37 @@ void ProgressThread::accept_all() {
       inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
       port = ntohs(a->sin6_port);
     }
-    auto c = std::make_shared<TcpConn>(fd, false, "inbound connection from " + std::string(host) + ":" +
-                                                      std::to_string(port));
+    auto c = std::make_shared<TcpConn>(
+        fd, false, "inbound connection from " + std::string(host) + ":" + std::to_string(port), host);
     c->hs_deadline = util::deadline_after(t_->opts().handshake_timeout_s);
     ProgressThread* owner = t_->pick_thread();
     ++owner->nslow_;
-    owner->add(c);
+    owner->add(c, true);
   }
+}
+
+int ProgressThread::shed_one() {
+  if (spare_fd_ < 0) spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (spare_fd_ < 0) return -1;
+  ::close(spare_fd_);
+  const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+  const int err = errno;
+  if (fd >= 0) ::close(fd);  // the peer sees the connection closed and can retry later
+  spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return (err == EAGAIN || err == EWOULDBLOCK) ? 0 : -1;
+  t_->log_rejected("tcp: out of file descriptors: closed an incoming connection at once");
+  return 1;
+}
+
+void ProgressThread::pause_listener(int err) {
+  t_->log_rejected("tcp: accepting connections failed (" + errno_str(err) + "); pausing the listener for " +
+                   std::to_string(kListenPause.count()) + " ms");
+  epoll_event ev{};
+  ev.events = 0;
+  ev.data.ptr = this;
+  epoll_ctl(epfd_, EPOLL_CTL_MOD, listen_fd_, &ev);
+  listen_paused_ = true;
+  listen_resume_ = Clock::now() + kListenPause;
 }
 
 bool ProgressThread::take_pending(TcpConn& c, uint64_t xfer, uint32_t batch, PendingPart* out) {
@@ -578,21 +684,35 @@ void ProgressThread::set_lowat(TcpConn& c, int v) {
 void ProgressThread::flush(TcpConn& c) {
   std::lock_guard<std::mutex> lk(c.smu);
   if (c.dead) return;
+  c.tx_progress = Clock::now();  // writable: the peer is reading
+  bool blocked = false;
   while (!c.sq.empty()) {
     int err = 0;
     int r = send_some(c.fd, *c.sq.front(), &err);
-    if (r == 0) return;  // EPOLLOUT stays armed
+    if (r == 0) {
+      blocked = true;  // EPOLLOUT stays armed
+      break;
+    }
     if (r < 0) {
       c.kill_reason = ConnectionError("sending to " + c.desc + " failed: " + errno_str(err));
       c.kill_requested = true;
       break;
     }
+    c.sq_cost -= c.sq.front()->cost();
     c.sq.pop_front();  // sent: pins (read responses) are released here
   }
-  if (c.want_out) {
-    c.want_out = false;
-    set_interest(c);
+  bool changed = false;
+  if (c.rx_paused.load() && c.sq_cost <= kMaxQueuedCost / 2 && c.sq.size() <= kMaxQueuedFrames / 2) {
+    c.rx_paused = false;  // back-pressure over: read requests again
+    changed = true;
   }
+  if (!blocked && c.want_out) {
+    c.want_out = false;
+    watch(c.tx_blocked, false);
+    changed = true;
+  }
+  if (changed) set_interest(c);
+  if (blocked) return;
   if (c.kill_requested) {
     std::lock_guard<std::mutex> lk2(mu_);
     auto it = conns_.find(&c);
@@ -629,11 +749,22 @@ void ProgressThread::scan_deadlines() {
     for (auto& [p, c] : conns_) {
       if (c->fd < 0) continue;
       if (c->draining) {
-        if (now >= c->hs_deadline) doomed.emplace_back(c, Status::Ok());
+        if (now >= c->hs_deadline) {
+          doomed.emplace_back(c, Status::Ok());
+          culprits.push_back(0);
+        }
         continue;
       }
-      if (!c->authed && !c->outbound && now >= c->hs_deadline) {
-        doomed.emplace_back(c, TimeoutError(c->desc + " did not complete the handshake in time"));
+      if (!c->authed && !c->outbound) {
+        if (now >= c->hs_deadline) {
+          doomed.emplace_back(c, TimeoutError(c->desc + " did not complete the handshake in time"));
+          culprits.push_back(0);
+        }
+        continue;  // a half-sent hello is bounded by the handshake deadline
+      }
+      Status stalled = frame_stalled(*c, now);
+      if (!stalled.ok()) {
+        doomed.emplace_back(c, std::move(stalled));
         culprits.push_back(0);
         continue;
       }
@@ -657,14 +788,15 @@ void ProgressThread::scan_deadlines() {
   }
   size_t ci = 0;
   for (auto& [c, st] : doomed) {
-    std::lock_guard<std::recursive_mutex> rl(c->rx_mu);
-    if (c->fd < 0) continue;
+    const uint64_t culprit = culprits[ci++];
+    // A caller driving c (TcpTransport::drive) checks the same deadlines itself.
+    std::unique_lock<std::recursive_mutex> rl(c->rx_mu, std::try_to_lock);
+    if (!rl || c->fd < 0) continue;
     if (c->draining) {
       drain(c);
       continue;
     }
-    const uint64_t culprit = culprits[ci++];
-    if (!c->authed && !c->outbound) {
+    if (!c->outbound) {
       fail_conn(c, st);  // tell the silent client why it is dropped
     } else {
       t_->kill(c, st, culprit);
@@ -672,8 +804,26 @@ void ProgressThread::scan_deadlines() {
   }
 }
 
+Status ProgressThread::frame_stalled(TcpConn& c, Clock::time_point now) {
+  const auto limit = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(t_->opts().frame_timeout_s));
+  if (c.rx_mid.load(std::memory_order_acquire)) {
+    const Clock::time_point last{Clock::duration(c.rx_progress.load(std::memory_order_acquire))};
+    if (now - last >= limit)
+      return TimeoutError(c.desc + " stopped sending in the middle of a frame (no byte for " +
+                          std::to_string(t_->opts().frame_timeout_s) + " s)");
+  }
+  if (c.tx_blocked.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lk(c.smu);
+    if (c.want_out && now - c.tx_progress >= limit)
+      return TimeoutError(c.desc + " stopped reading: queued frames did not move for " +
+                          std::to_string(t_->opts().frame_timeout_s) + " s");
+  }
+  return Status::Ok();
+}
+
 void ProgressThread::fail_conn(const std::shared_ptr<TcpConn>& c, const Status& st, uint64_t xfer, uint32_t batch) {
-  PDKV_LOG_WARN("closing %s: %s", c->desc.c_str(), st.to_string().c_str());
+  t_->log_rejected("closing " + c->desc + ": " + st.to_string());
   {
     // Best effort: tell the peer why, unless output is already queued.
     std::lock_guard<std::mutex> lk(c->smu);
@@ -690,18 +840,30 @@ void ProgressThread::fail_conn(const std::shared_ptr<TcpConn>& c, const Status& 
   t_->kill(c, st);
 }
 
-// Reads until EAGAIN. Returns early if the connection was killed.
 void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
+  const uint64_t got = receive(c);
+  if (c->fd < 0 || c->draining) return;  // closed
+  // A half-read frame (header, control or payload) must keep moving: scan_deadlines
+  // closes the connection after frame_timeout_s without a byte.
+  const bool mid = c->stage != RxStage::kHeader || c->hdr_got != 0;
+  if (got > 0 || !mid) c->rx_progress.store(Clock::now().time_since_epoch().count(), std::memory_order_release);
+  watch(c->rx_mid, mid);
+}
+
+// Reads until EAGAIN. Returns early if the connection was killed or paused.
+uint64_t ProgressThread::receive(const std::shared_ptr<TcpConn>& c) {
   iovec iov[kIovMax];
+  uint64_t got = 0;
   uint64_t budget = 64ull << 20;  // fairness between connections
-  while (c->fd >= 0 && !c->draining && budget > 0) {
+  while (c->fd >= 0 && !c->draining && budget > 0 && !c->rx_paused.load(std::memory_order_acquire)) {
     ssize_t r = 0;
     switch (c->stage) {
       case RxStage::kHeader: {
         r = ::recv(c->fd, reinterpret_cast<char*>(&c->hdr) + c->hdr_got, kHdr - c->hdr_got, MSG_DONTWAIT);
         if (r > 0) {
+          got += static_cast<uint64_t>(r);
           c->hdr_got += static_cast<size_t>(r);
-          if (c->hdr_got == kHdr && !handle_header(c)) return;
+          if (c->hdr_got == kHdr && !handle_header(c)) return got;
           continue;
         }
         break;
@@ -709,8 +871,9 @@ void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
       case RxStage::kControl: {
         r = ::recv(c->fd, c->ctrl.data() + c->ctrl_got, c->ctrl.size() - c->ctrl_got, MSG_DONTWAIT);
         if (r > 0) {
+          got += static_cast<uint64_t>(r);
           c->ctrl_got += static_cast<size_t>(r);
-          if (c->ctrl_got == c->ctrl.size() && !handle_control(c)) return;
+          if (c->ctrl_got == c->ctrl.size() && !handle_control(c)) return got;
           continue;
         }
         break;
@@ -720,16 +883,17 @@ void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
           const iovec sp = c->rx_pipe->space();
           r = ::recv(c->fd, sp.iov_base, sp.iov_len, MSG_DONTWAIT);
           if (r > 0) {
+            got += static_cast<uint64_t>(r);
             budget -= std::min<uint64_t>(budget, static_cast<uint64_t>(r));
             c->remaining -= static_cast<uint64_t>(r);
             Status st = c->rx_pipe->received(static_cast<uint64_t>(r));
             if (!st.ok()) {
               staged_rx_failed(c, st);
-              return;
+              return got;
             }
             if (c->remaining == 0) {
               payload_done(c);
-              if (c->fd < 0) return;
+              if (c->fd < 0) return got;
             }
             continue;
           }
@@ -750,6 +914,7 @@ void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
         mh.msg_iovlen = static_cast<size_t>(n);
         r = ::recvmsg(c->fd, &mh, MSG_DONTWAIT);
         if (r > 0) {
+          got += static_cast<uint64_t>(r);
           budget -= std::min<uint64_t>(budget, static_cast<uint64_t>(r));
           uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), c->remaining);
           uint64_t extra = static_cast<uint64_t>(r) - take;
@@ -768,8 +933,8 @@ void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
           if (c->remaining == 0) {
             c->hdr_got = extra;
             payload_done(c);
-            if (c->fd < 0) return;
-            if (c->hdr_got == kHdr && !handle_header(c)) return;
+            if (c->fd < 0) return got;
+            if (c->hdr_got == kHdr && !handle_header(c)) return got;
           }
           continue;
         }
@@ -780,7 +945,7 @@ void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
       const bool mid = c->stage != RxStage::kHeader || c->hdr_got != 0;
       t_->kill(c, ConnectionError(mid ? c->desc + " closed the connection in the middle of a frame"
                                       : c->desc + " closed the connection"));
-      return;
+      return got;
     }
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -788,11 +953,12 @@ void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
         set_lowat(*c, static_cast<int>(std::max<uint64_t>(
                           1, std::min<uint64_t>(t_->opts().rcvlowat_bytes, c->remaining / 2))));
       }
-      return;
+      return got;
     }
     t_->kill(c, ConnectionError("receiving from " + c->desc + " failed: " + errno_str(errno)));
-    return;
+    return got;
   }
+  return got;
 }
 
 // A full header is in c->hdr. Validates it and sets up the next stage.
@@ -804,50 +970,15 @@ bool ProgressThread::handle_header(const std::shared_ptr<TcpConn>& c) {
     fail_conn(c, ProtocolError(why), h.xfer_id, h.batch);
     return false;
   };
-  if (h.magic != kFrameMagic) {
-    char m[16];
-    snprintf(m, sizeof m, "0x%08x", h.magic);
-    return bad("bad frame magic " + std::string(m) + " from " + c->desc + " (not a pdkv peer, or the stream is out of sync)");
-  }
+  // One place decides what may arrive here, and how large, before anything is
+  // allocated (frame.h, docs/wire.md).
+  const ConnState state{c->outbound ? ConnRole::kOutbound : ConnRole::kInbound,
+                        c->outbound || c->authed ? ConnPhase::kOpen : ConnPhase::kHandshake};
+  Status valid = check_header(h, state, t_->frame_limits());
+  if (!valid.ok()) return bad(valid.message() + " from " + c->desc);
   const auto type = static_cast<FrameType>(h.type);
-  if (!c->outbound && !c->authed && type != FrameType::kHello)
-    return bad("the first frame from " + c->desc + " must be a hello, got type " + std::to_string(h.type));
-  uint64_t ctrl = uint64_t(h.count) * sizeof(WireExtent) + h.aux_len;
-  const uint32_t max_notif = t_->hooks()->max_notif_bytes();
   switch (type) {
-    case FrameType::kHello:
-      if (c->outbound || c->authed) return bad("unexpected hello from " + c->desc);
-      if (h.aux_len == 0 || h.aux_len > kMaxHelloBytes || h.count || h.payload)
-        return bad("malformed hello from " + c->desc + " (aux " + std::to_string(h.aux_len) + " bytes)");
-      break;
-    case FrameType::kMetaReq:
-      if (c->outbound || h.count || h.payload || h.aux_len) return bad("malformed metadata request");
-      break;
-    case FrameType::kWrite:
-    case FrameType::kReadReq: {
-      if (c->outbound) return bad("unexpected request frame on an outbound connection");
-      if (h.count == 0 || h.count > kMaxExtentsPerFrame)
-        return bad("frame declares " + std::to_string(h.count) + " extents (allowed 1.." +
-                   std::to_string(kMaxExtentsPerFrame) + ")");
-      if (type == FrameType::kWrite) {
-        if (h.payload == 0 || h.payload > kMaxPayloadPerFrame)
-          return bad("write frame declares a payload of " + std::to_string(h.payload) + " bytes (allowed 1.." +
-                     std::to_string(kMaxPayloadPerFrame) + ")");
-        if ((h.flags & kFlagNotif) ? h.aux_len > max_notif : h.aux_len != 0)
-          return bad("write frame carries " + std::to_string(h.aux_len) + " bytes of notification (limit " +
-                     std::to_string(max_notif) + ")");
-      } else if (h.payload || h.aux_len) {
-        return bad("read request frame carries data");
-      }
-      break;
-    }
-    case FrameType::kNotify:
-      if (c->outbound || h.count || h.payload || h.aux_len > max_notif)
-        return bad("malformed notification frame (" + std::to_string(h.aux_len) + " bytes, limit " +
-                   std::to_string(max_notif) + ")");
-      break;
     case FrameType::kAck: {
-      if (!c->outbound || h.count || h.payload || h.aux_len) return bad("unexpected ack frame");
       PendingPart part;
       if (!take_pending(*c, h.xfer_id, h.batch, &part))
         return bad("ack for unknown transfer " + std::to_string(h.xfer_id));
@@ -857,14 +988,17 @@ bool ProgressThread::handle_header(const std::shared_ptr<TcpConn>& c) {
       return true;
     }
     case FrameType::kReadResp: {
-      if (!c->outbound || h.count || h.aux_len) return bad("unexpected read response frame");
+      bool known = false;
       {
         std::lock_guard<std::mutex> lk(c->pmu);
         auto it = c->pending.find(pkey(h.xfer_id, h.batch));
-        if (it == c->pending.end() || it->second.dst == nullptr)
-          return bad("read response for unknown transfer " + std::to_string(h.xfer_id));
-        c->rx_part = it->second;
+        if (it != c->pending.end() && it->second.dst != nullptr) {
+          c->rx_part = it->second;
+          known = true;
+        }
       }
+      // (Not under pmu: failing the connection takes it.)
+      if (!known) return bad("read response for unknown transfer " + std::to_string(h.xfer_id));
       if (h.payload != c->rx_part.bytes)
         return bad("read response carries " + std::to_string(h.payload) + " bytes, expected " +
                    std::to_string(c->rx_part.bytes));
@@ -883,14 +1017,10 @@ bool ProgressThread::handle_header(const std::shared_ptr<TcpConn>& c) {
       }
       return true;
     }
-    case FrameType::kError:
-      if (h.aux_len > kMaxErrorBytes) return bad("oversized error frame");
-      break;
-    case FrameType::kHelloAck:
-    case FrameType::kMetaResp:
     default:
-      return bad("unexpected frame type " + std::to_string(h.type) + " from " + c->desc);
+      break;
   }
+  const uint64_t ctrl = control_bytes(h);  // bounded by check_header
   if (ctrl == 0) return handle_control(c);
   c->ctrl.resize(ctrl);
   c->ctrl_got = 0;
@@ -905,32 +1035,32 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
   c->stage = RxStage::kHeader;
   switch (type) {
     case FrameType::kHello: {
-      util::ByteReader r(c->ctrl);
-      uint16_t ver = 0, reserved = 0;
-      uint32_t slot = 0;
-      uint64_t expect = 0;
-      std::string from, to, secret;
-      Status st = r.get(&ver, "hello version");
-      if (st.ok() && ver != kWireVersion) {
-        fail_conn(c, VersionMismatch("wire protocol version " + std::to_string(ver) + " is not supported (this pdkv speaks " +
-                                     std::to_string(kWireVersion) + ")"));
+      // A source that recently failed to authenticate waits before its next guess
+      // is even looked at.
+      const double wait = t_->auth_backoff().wait_s(c->source, Clock::now());
+      if (wait > 0) {
+        char left[32];
+        snprintf(left, sizeof left, "%.1f", wait);
+        fail_conn(c, AuthFailed("too many failed authentications from " + c->source + "; retry in " + left + " s"));
         return false;
       }
-      if (st.ok()) st = r.get(&reserved, "hello reserved");
-      if (st.ok()) st = r.get(&slot, "hello slot");
-      if (st.ok()) st = r.get(&expect, "hello instance");
-      if (st.ok()) st = r.get_str(&from, "hello initiator", 128);
-      if (st.ok()) st = r.get_str(&to, "hello target", 128);
-      if (st.ok()) st = r.get_str(&secret, "hello secret", 1024);
-      if (st.ok()) st = validate_name("initiator name", from);
-      if (!st.ok()) {
-        fail_conn(c, ProtocolError("malformed hello from " + c->desc + ": " + st.message()));
+      auto body = decode_hello(c->ctrl);
+      if (!body.ok()) {
+        const Status& e = body.status();
+        fail_conn(c, e.code() == StatusCode::kVersionMismatch
+                         ? e
+                         : ProtocolError("malformed hello from " + c->desc + ": " + e.message()));
         return false;
       }
-      if (!hooks->secret_matches(secret)) {
+      const std::string& from = body->from;
+      if (!hooks->secret_matches(body->secret)) {
+        t_->auth_backoff().failed(c->source, Clock::now());
         fail_conn(c, AuthFailed("agent '" + from + "' presented the wrong secret to agent '" + hooks->agent_name() + "'"));
         return false;
       }
+      t_->auth_backoff().succeeded(c->source);
+      const std::string& to = body->to;
+      const uint64_t expect = body->instance;
       if (!to.empty() && to != hooks->agent_name()) {
         fail_conn(c, AuthFailed("this is agent '" + hooks->agent_name() + "', not '" + to + "'"));
         return false;
@@ -946,10 +1076,7 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
       --nslow_;
       auto m = std::make_unique<OutMsg>();
       m->hdr = make_hdr(FrameType::kHelloAck, 0, 0);
-      util::ByteWriter w;
-      w.put<uint64_t>(hooks->instance_id());
-      w.put_str(hooks->agent_name());
-      m->aux = w.take();
+      m->aux = encode_hello_ack(HelloAckBody{hooks->instance_id(), hooks->agent_name()});
       m->finalize();
       t_->enqueue(c, std::move(m));
       return true;
@@ -969,7 +1096,6 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
       std::vector<iovec> iov;
       std::vector<RegionPin> pins;
       iov.reserve(n);
-      uint64_t sum = 0;
       uint64_t last_region = 0;
       const RegionDesc* last = nullptr;
       int device = -1;  // set when a destination/source is device memory
@@ -980,7 +1106,7 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
         if (e.len == 0) {
           err = ProtocolError("extent " + std::to_string(i) + " has length 0");
         } else if (last && e.region == last_region) {
-          if (e.offset > last->len || e.len > last->len - e.offset)
+          if (!extent_in_region(e.offset, e.len, last->len))
             err = OutOfRange("bytes [" + std::to_string(e.offset) + ", +" + std::to_string(e.len) +
                              ") fall outside region " + std::to_string(e.region) + " (" + std::to_string(last->len) +
                              " bytes)");
@@ -1003,14 +1129,18 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
           return false;
         }
         iov.push_back({reinterpret_cast<void*>(last->addr + e.offset), e.len});
-        sum += e.len;
-        if (sum > kMaxPayloadPerFrame) {
-          fail_conn(c, ProtocolError("request from " + c->desc + " asks for more than " +
-                                     std::to_string(kMaxPayloadPerFrame) + " bytes in one frame"),
-                    h.xfer_id, h.batch);
-          return false;
-        }
       }
+      // Total size (no overflow) and, for a write, the declared payload.
+      Status sizes = check_extents(d, n, h);
+      if (!sizes.ok()) {
+        fail_conn(c, ProtocolError(sizes.message() + " (from " + c->desc + ")"), h.xfer_id, h.batch);
+        return false;
+      }
+      const uint64_t sum = type == FrameType::kWrite ? h.payload : [&] {
+        uint64_t total = 0;
+        for (const iovec& v : iov) total += v.iov_len;
+        return total;
+      }();
       if (type == FrameType::kReadReq && device >= 0) {
         t_->respond_staged(c, h, std::move(iov), std::move(pins), sum, device);
         return true;
@@ -1024,12 +1154,6 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
         m->finalize();
         t_->enqueue(c, std::move(m));
         return true;
-      }
-      if (sum != h.payload) {
-        fail_conn(c, ProtocolError("write frame from " + c->desc + " declares " + std::to_string(h.payload) +
-                                   " payload bytes but its extents add up to " + std::to_string(sum)),
-                  h.xfer_id, h.batch);
-        return false;
       }
       c->dst_own = std::move(iov);
       c->dst = c->dst_own.data();
@@ -1133,6 +1257,18 @@ void ProgressThread::payload_done(const std::shared_ptr<TcpConn>& c) {
 
 // ---------------------------------------------------------------- TcpTransport
 
+void TcpTransport::log_rejected(const std::string& line) {
+  if (util::log_level() < util::LogLevel::kWarn) return;
+  uint64_t held = 0;
+  if (!reject_log_.allow(Clock::now(), &held)) return;
+  if (held > 0) {
+    PDKV_LOG_WARN("%s (%llu similar lines suppressed in the last second)", line.c_str(),
+                  static_cast<unsigned long long>(held));
+  } else {
+    PDKV_LOG_WARN("%s", line.c_str());
+  }
+}
+
 // The host to publish: the listen host, or for a wildcard bind (0.0.0.0 / ::) the
 // first non-loopback address of an interface that is up (peers cannot dial a
 // wildcard). Agent.connect() also substitutes the host it actually reached.
@@ -1174,6 +1310,8 @@ Status TcpTransport::start(AgentHooks* hooks) {
     return InvalidArgument("tcp batch_bytes must be 1.." + std::to_string(kMaxPayloadPerFrame));
   if (opts_.stage_chunk_bytes < 4096 || opts_.stage_chunk_bytes > kMaxPayloadPerFrame)
     return InvalidArgument("tcp stage_chunk_bytes must be 4096.." + std::to_string(kMaxPayloadPerFrame));
+  if (!(opts_.frame_timeout_s > 0) || opts_.frame_timeout_s > 86400)
+    return InvalidArgument("tcp frame_timeout_s must be in (0, 86400], got " + std::to_string(opts_.frame_timeout_s));
   if (opts_.stage_buffers < 2 || opts_.stage_buffers > 1024)
     return InvalidArgument("tcp stage_buffers must be 2..1024, got " + std::to_string(opts_.stage_buffers));
   util::HostPort hp{opts_.listen_host, opts_.listen_port};
@@ -1255,34 +1393,26 @@ Result<util::ScopedFd> TcpTransport::dial(const util::HostPort& hp, const std::s
                                           std::string_view secret, double timeout_s, std::string* peer_name) {
   const auto deadline = util::deadline_after(timeout_s);
   PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, util::connect_tcp(hp, timeout_s));
-  util::ByteWriter body;
-  body.put<uint16_t>(kWireVersion);
-  body.put<uint16_t>(0);
-  body.put<uint32_t>(0);
-  body.put<uint64_t>(instance);
-  body.put_str(hooks_->agent_name());
-  body.put_str(target);
-  body.put_str(secret);
+  const std::string body =
+      encode_hello(HelloBody{kWireVersion, 0, instance, hooks_->agent_name(), target, std::string(secret)});
   FrameHeader h = make_hdr(FrameType::kHello, 0, 0);
-  h.aux_len = static_cast<uint32_t>(body.str().size());
+  h.aux_len = static_cast<uint32_t>(body.size());
   std::string frame(reinterpret_cast<const char*>(&h), kHdr);
-  frame += body.str();
+  frame += body;
   const std::string where = target.empty() ? hp.str() : "'" + target + "' at " + hp.str();
   PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), frame.data(), frame.size(), deadline).with_context("hello to " + where));
   FrameHeader r{};
   PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), &r, kHdr, deadline).with_context("waiting for " + where + " to answer the hello"));
-  if (r.magic != kFrameMagic) return ProtocolError(where + " is not a pdkv agent (bad frame magic)");
-  if (r.aux_len > kMaxErrorBytes) return ProtocolError(where + " sent an oversized handshake reply");
+  // The target may be anyone: its answer is checked like any frame before reading on.
+  Status valid = check_header(r, ConnState{ConnRole::kOutbound, ConnPhase::kHandshake}, FrameLimits{});
+  if (!valid.ok()) return ProtocolError(where + " answered the hello with a bad frame: " + valid.message());
   std::string aux(r.aux_len, '\0');
   PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), aux.data(), aux.size(), deadline).with_context("handshake with " + where));
   if (r.type == static_cast<uint16_t>(FrameType::kError))
     return Status(status_code_from_wire(r.status), where + " refused the connection: " + aux);
-  if (r.type != static_cast<uint16_t>(FrameType::kHelloAck)) return ProtocolError(where + " answered the hello with frame type " + std::to_string(r.type));
-  util::ByteReader rd(aux);
-  uint64_t inst = 0;
-  std::string name;
-  PDKV_RETURN_IF_ERROR(rd.get(&inst, "hello-ack instance"));
-  PDKV_RETURN_IF_ERROR(rd.get_str(&name, "hello-ack name", 128));
+  auto ack = decode_hello_ack(aux);
+  if (!ack.ok()) return ProtocolError(where + " sent a malformed hello-ack: " + ack.status().message());
+  const std::string& name = ack->name;
   if (peer_name) *peer_name = name;
   return fd;
 }
@@ -1338,7 +1468,7 @@ Result<std::shared_ptr<TcpConn>> TcpTransport::get_conn(PeerConns& pc, uint32_t 
   conn->slot = slot;
   conn->pc = pc.weak_from_this();
   c = conn;
-  pick_thread()->add(conn);
+  pick_thread()->add(conn, false);
   return conn;
 }
 
@@ -1352,16 +1482,28 @@ void TcpTransport::enqueue(const std::shared_ptr<TcpConn>& c, std::unique_ptr<Ou
     if (r < 0) {
       c->kill_reason = ConnectionError("sending to " + c->desc + " failed: " + errno_str(err));
       c->kill_requested = true;
+      c->sq_cost += m->cost();
       c->sq.push_back(std::move(m));
       c->owner->request_kill(c);
       return;
     }
   }
+  c->sq_cost += m->cost();
   c->sq.push_back(std::move(m));
+  bool changed = false;
   if (!c->want_out) {
     c->want_out = true;
-    c->owner->set_interest(*c);
+    c->tx_progress = Clock::now();
+    c->owner->watch(c->tx_blocked, true);
+    changed = true;
   }
+  // Back-pressure: a peer that sends requests but does not read the answers stops
+  // being read; its requests wait in its own socket buffers, not in our memory.
+  if (!c->outbound && !c->rx_paused.load() && (c->sq_cost > kMaxQueuedCost || c->sq.size() > kMaxQueuedFrames)) {
+    c->rx_paused = true;
+    changed = true;
+  }
+  if (changed) c->owner->set_interest(*c);
 }
 
 bool TcpTransport::track(const std::shared_ptr<TcpConn>& c, PendingPart part, uint64_t xfer_id) {
@@ -1385,8 +1527,13 @@ void TcpTransport::kill(const std::shared_ptr<TcpConn>& c, const Status& why, ui
     c->dead = true;
     pend.swap(c->pending);
     sq.swap(c->sq);
+    c->sq_cost = 0;
   }
   ProgressThread* owner = c->owner;
+  if (owner) {
+    owner->watch(c->tx_blocked, false);
+    owner->watch(c->rx_mid, false);
+  }
   if (owner) owner->npending.fetch_sub(static_cast<int64_t>(pend.size()), std::memory_order_acq_rel);
   if (!c->authed && !c->outbound && owner) --owner->nslow_;
   if (c->rx_pipe) c->rx_pipe->abandon();  // no copy may land after this
@@ -1668,6 +1815,11 @@ void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::
   while (!x.terminal() && c->fd >= 0 && !c->draining) {
     const auto now = Clock::now();
     if (now >= deadline) break;
+    Status stalled = c->owner->frame_stalled(*c, now);
+    if (!stalled.ok()) {
+      kill(c, stalled);
+      break;
+    }
     // Spin briefly (the ack of a small write is usually microseconds away), then
     // block in short slices so deadlines and shutdown are noticed.
     int timeout = 0;
@@ -1727,6 +1879,7 @@ void TcpTransport::cancel(const std::shared_ptr<TcpPost>& p) {
             dropped.push_back(std::move(pit->second));
             c->pending.erase(pit);
           }
+          c->sq_cost -= m.cost();
           it = c->sq.erase(it);
         } else {
           ++it;
@@ -1781,10 +1934,12 @@ Result<std::string> TcpTransport::fetch_metadata(const std::string& address, std
   PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), &h, kHdr, deadline));
   FrameHeader r{};
   PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), &r, kHdr, deadline).with_context("fetching metadata from " + address));
-  if (r.magic != kFrameMagic || r.type != static_cast<uint16_t>(FrameType::kMetaResp) || r.aux_len > kMaxMetadataBytes)
-    return ProtocolError(address + " answered the metadata request with a malformed frame");
+  Status valid = check_header(r, ConnState{ConnRole::kOutbound, ConnPhase::kMetaWait}, FrameLimits{});
+  if (!valid.ok()) return ProtocolError(address + " answered the metadata request with a bad frame: " + valid.message());
   std::string blob(r.aux_len, '\0');
   PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), blob.data(), blob.size(), deadline).with_context("fetching metadata from " + address));
+  if (r.type == static_cast<uint16_t>(FrameType::kError))
+    return Status(status_code_from_wire(r.status), address + " refused the metadata request: " + blob);
   return blob;
 }
 

@@ -1,0 +1,199 @@
+#include "transport/tcp/frame.h"
+
+#include <cstdio>
+#include <cstring>
+
+#include "pdkv/metadata.h"
+#include "util/bytes.h"
+
+namespace pdkv::tcp {
+namespace {
+
+constexpr uint8_t kIn = 1;   // may arrive on an inbound connection
+constexpr uint8_t kOut = 2;  // may arrive on an outbound connection
+
+constexpr uint8_t kHs = 1;    // ConnPhase::kHandshake
+constexpr uint8_t kOpen = 2;  // ConnPhase::kOpen
+constexpr uint8_t kMeta = 4;  // ConnPhase::kMetaWait
+
+// What a receiver accepts of one frame type (docs/wire.md, "Limits per frame type").
+struct FrameRule {
+  const char* name;
+  uint8_t roles;       // kIn | kOut
+  uint8_t in_phases;   // phases in which an inbound connection accepts it
+  uint8_t out_phases;  // phases in which an outbound connection accepts it
+  uint32_t min_count, max_count;
+  uint32_t min_aux;
+  uint32_t max_aux;  // 0xFFFFFFFF: the notification limit (FrameLimits), for kNotify/kWrite
+  uint64_t min_payload, max_payload;
+  bool has_status;  // the status field carries a StatusCode; otherwise it must be 0
+};
+
+constexpr uint32_t kNotifAux = 0xFFFFFFFFu;
+
+// Indexed by FrameType.
+constexpr FrameRule kRules[] = {
+    {"type 0", 0, 0, 0, 0, 0, 0, 0, 0, 0, false},
+    {"hello", kIn, kHs, 0, 0, 0, 1, kMaxHelloBytes, 0, 0, false},
+    {"hello-ack", kOut, 0, kHs, 0, 0, 12, kMaxHelloBytes, 0, 0, true},
+    {"metadata request", kIn, kOpen, 0, 0, 0, 0, 0, 0, 0, false},
+    {"metadata response", kOut, 0, kMeta, 0, 0, 0, kMaxMetadataBytes, 0, 0, false},
+    {"write", kIn, kOpen, 0, 1, kMaxExtentsPerFrame, 0, kNotifAux, 1, kMaxPayloadPerFrame, false},
+    {"read request", kIn, kOpen, 0, 1, kMaxExtentsPerFrame, 0, 0, 0, 0, false},
+    {"read response", kOut, 0, kOpen, 0, 0, 0, 0, 1, kMaxPayloadPerFrame, false},
+    {"ack", kOut, 0, kOpen, 0, 0, 0, 0, 0, 0, true},
+    {"notification", kIn, kOpen, 0, 0, 0, 0, kNotifAux, 0, 0, false},
+    {"error", kIn | kOut, kOpen, kHs | kOpen | kMeta, 0, 0, 0, kMaxErrorBytes, 0, 0, true},
+};
+constexpr uint16_t kNumTypes = sizeof(kRules) / sizeof(kRules[0]);
+
+uint8_t phase_bit(ConnPhase p) {
+  switch (p) {
+    case ConnPhase::kHandshake: return kHs;
+    case ConnPhase::kOpen: return kOpen;
+    case ConnPhase::kMetaWait: return kMeta;
+  }
+  return 0;
+}
+
+const char* phase_name(ConnState s) {
+  switch (s.phase) {
+    case ConnPhase::kHandshake: return s.role == ConnRole::kInbound ? "before its hello" : "during the handshake";
+    case ConnPhase::kOpen: return "on an open connection";
+    case ConnPhase::kMetaWait: return "while a metadata response was expected";
+  }
+  return "";
+}
+
+std::string range(uint64_t lo, uint64_t hi) { return std::to_string(lo) + ".." + std::to_string(hi); }
+
+}  // namespace
+
+FrameHeader decode_header(const void* bytes) {
+  FrameHeader h;
+  std::memcpy(&h, bytes, sizeof h);
+  return h;
+}
+
+std::string frame_type_name(uint16_t type) {
+  if (type > 0 && type < kNumTypes) return kRules[type].name;
+  return "type " + std::to_string(type);
+}
+
+Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim) {
+  if (h.magic != kFrameMagic) {
+    char m[16];
+    snprintf(m, sizeof m, "0x%08x", h.magic);
+    return ProtocolError("bad frame magic " + std::string(m) + " (not a pdkv peer, or the stream is out of sync)");
+  }
+  const bool inbound = s.role == ConnRole::kInbound;
+  if (inbound && s.phase == ConnPhase::kHandshake && h.type != static_cast<uint16_t>(FrameType::kHello))
+    return ProtocolError("the first frame must be a hello, got " + frame_type_name(h.type));
+  if (h.type == 0 || h.type >= kNumTypes) return ProtocolError("unexpected frame type " + std::to_string(h.type));
+  const FrameRule& r = kRules[h.type];
+  const std::string what = std::string(r.name) + " frame";
+  if (!(r.roles & (inbound ? kIn : kOut)))
+    return ProtocolError("unexpected " + what + " (type " + std::to_string(h.type) + ") on an " +
+                         (inbound ? "inbound" : "outbound") + " connection");
+  if (!((inbound ? r.in_phases : r.out_phases) & phase_bit(s.phase)))
+    return ProtocolError("unexpected " + what + " (type " + std::to_string(h.type) + ") " + phase_name(s));
+  const uint16_t allowed_flags = h.type == static_cast<uint16_t>(FrameType::kWrite) ? kFlagNotif : 0;
+  if (h.flags & ~allowed_flags) return ProtocolError(what + " has unknown flags " + std::to_string(h.flags));
+  if (!r.has_status && h.status != 0)
+    return ProtocolError(what + " carries a status (" + std::to_string(h.status) + ")");
+  if (h.count < r.min_count || h.count > r.max_count)
+    return ProtocolError(what + " declares " + std::to_string(h.count) + " extents (allowed " +
+                         range(r.min_count, r.max_count) + ")");
+  if (h.payload < r.min_payload || h.payload > r.max_payload)
+    return ProtocolError(what + " declares a payload of " + std::to_string(h.payload) + " bytes (allowed " +
+                         range(r.min_payload, r.max_payload) + ")");
+  uint32_t max_aux = r.max_aux;
+  if (max_aux == kNotifAux) {
+    const uint32_t notif = std::min(lim.max_notif_bytes, kMaxNotifWireBytes);
+    const bool carries = h.type == static_cast<uint16_t>(FrameType::kNotify) || (h.flags & kFlagNotif);
+    max_aux = carries ? notif : 0;
+    if (h.aux_len > max_aux)
+      return ProtocolError(what + " carries " + std::to_string(h.aux_len) + " bytes of notification (limit " +
+                           std::to_string(max_aux) + ")");
+  }
+  if (h.aux_len < r.min_aux || h.aux_len > max_aux) {
+    if (h.type == static_cast<uint16_t>(FrameType::kHello))
+      return ProtocolError("malformed hello (aux " + std::to_string(h.aux_len) + " bytes, allowed " +
+                           range(r.min_aux, max_aux) + ")");
+    return ProtocolError(what + " carries " + std::to_string(h.aux_len) + " aux bytes (allowed " +
+                         range(r.min_aux, max_aux) + ")");
+  }
+  return Status::Ok();
+}
+
+Status check_extents(const WireExtent* ext, uint32_t n, const FrameHeader& h) {
+  uint64_t sum = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    WireExtent e;
+    std::memcpy(&e, ext + i, sizeof e);
+    if (e.len == 0) return ProtocolError("extent " + std::to_string(i) + " has length 0");
+    if (e.len > kMaxPayloadPerFrame - sum)
+      return ProtocolError("the extents ask for more than " + std::to_string(kMaxPayloadPerFrame) +
+                           " bytes in one frame");
+    sum += e.len;
+  }
+  if (h.type == static_cast<uint16_t>(FrameType::kWrite) && sum != h.payload)
+    return ProtocolError("write frame declares " + std::to_string(h.payload) +
+                         " payload bytes but its extents add up to " + std::to_string(sum));
+  return Status::Ok();
+}
+
+Result<HelloBody> decode_hello(std::string_view aux) {
+  util::ByteReader r(aux);
+  HelloBody b;
+  uint16_t reserved = 0;
+  PDKV_RETURN_IF_ERROR(r.get(&b.version, "hello version"));
+  if (b.version != kWireVersion)
+    return VersionMismatch("wire protocol version " + std::to_string(b.version) +
+                           " is not supported (this pdkv speaks " + std::to_string(kWireVersion) + ")");
+  PDKV_RETURN_IF_ERROR(r.get(&reserved, "hello reserved"));
+  if (reserved != 0) return ProtocolError("hello reserved field is " + std::to_string(reserved) + ", must be 0");
+  PDKV_RETURN_IF_ERROR(r.get(&b.slot, "hello slot"));
+  PDKV_RETURN_IF_ERROR(r.get(&b.instance, "hello instance"));
+  PDKV_RETURN_IF_ERROR(r.get_str(&b.from, "hello initiator", 128));
+  PDKV_RETURN_IF_ERROR(r.get_str(&b.to, "hello target", 128));
+  PDKV_RETURN_IF_ERROR(r.get_str(&b.secret, "hello secret", kMaxSecretBytes));
+  if (r.remaining() != 0)
+    return ProtocolError("hello has " + std::to_string(r.remaining()) + " trailing bytes");
+  Status st = validate_name("initiator name", b.from);
+  if (!st.ok()) return ProtocolError(st.message());
+  return b;
+}
+
+std::string encode_hello(const HelloBody& b) {
+  util::ByteWriter w;
+  w.put<uint16_t>(b.version);
+  w.put<uint16_t>(0);
+  w.put<uint32_t>(b.slot);
+  w.put<uint64_t>(b.instance);
+  w.put_str(b.from);
+  w.put_str(b.to);
+  w.put_str(b.secret);
+  return w.take();
+}
+
+Result<HelloAckBody> decode_hello_ack(std::string_view aux) {
+  util::ByteReader r(aux);
+  HelloAckBody b;
+  PDKV_RETURN_IF_ERROR(r.get(&b.instance, "hello-ack instance"));
+  PDKV_RETURN_IF_ERROR(r.get_str(&b.name, "hello-ack name", 128));
+  if (r.remaining() != 0)
+    return ProtocolError("hello-ack has " + std::to_string(r.remaining()) + " trailing bytes");
+  Status st = validate_name("target name", b.name);
+  if (!st.ok()) return ProtocolError(st.message());
+  return b;
+}
+
+std::string encode_hello_ack(const HelloAckBody& b) {
+  util::ByteWriter w;
+  w.put<uint64_t>(b.instance);
+  w.put_str(b.name);
+  return w.take();
+}
+
+}  // namespace pdkv::tcp

@@ -1,0 +1,98 @@
+// Pure validation of tcp frames (wire.h) before anything is allocated or read.
+//
+// The progress thread, the blocking handshake (dial) and the metadata fetch all
+// run every received header through check_header(): one rule per frame type says
+// in which direction and connection phase the frame may arrive and how large its
+// extent count, aux bytes and payload may be (the table in docs/wire.md). The
+// decoders below never read past their input and do no I/O, so they are unit
+// tested (cpp/tests/test_tcp_frame.cc) and fuzzed (fuzz/targets/tcp_*_fuzz.cc).
+//
+// Thread safety: pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "pdkv/status.h"
+#include "transport/tcp/wire.h"
+
+namespace pdkv::tcp {
+
+// Which end of the connection receives the frame.
+enum class ConnRole : uint8_t {
+  kInbound,   // accepted by this agent: the peer is an initiator
+  kOutbound,  // dialled by this agent: the peer is a target
+};
+
+// Where the connection is in its life.
+enum class ConnPhase : uint8_t {
+  kHandshake,  // inbound: before a valid hello; outbound: hello sent, ack not yet read
+  kOpen,       // authenticated: data frames flow
+  kMetaWait,   // outbound, metadata request sent: only the response (or an error) may come
+};
+
+struct ConnState {
+  ConnRole role = ConnRole::kInbound;
+  ConnPhase phase = ConnPhase::kHandshake;
+};
+
+struct FrameLimits {
+  uint32_t max_notif_bytes = 1u << 20;  // notification aux (kWrite with kFlagNotif, kNotify)
+};
+
+// Largest notification a frame may carry whatever the agent's configuration says:
+// bounds the control buffer of one frame to kMaxExtentsPerFrame * 24 + this.
+inline constexpr uint32_t kMaxNotifWireBytes = 64u << 20;
+
+// Copies 40 bytes into a header (no validation).
+FrameHeader decode_header(const void* bytes);
+
+// Validates magic, type, direction/phase, flags, status, count, aux_len and
+// payload of `h` for a connection in state `s`. ProtocolError naming the field and
+// the limit on failure (the caller adds who sent it). When OK, control_bytes(h)
+// is at most kMaxExtentsPerFrame * 24 + max(kMaxMetadataBytes, kMaxNotifWireBytes).
+Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim);
+
+// Bytes of extents plus aux that follow the header.
+inline uint64_t control_bytes(const FrameHeader& h) { return uint64_t(h.count) * sizeof(WireExtent) + h.aux_len; }
+
+// Human-readable name of a frame type ("write", "error", "type 99").
+std::string frame_type_name(uint16_t type);
+
+// Checks the extent list of a kWrite / kReadReq that passed check_header: no empty
+// extent, the sum fits in kMaxPayloadPerFrame (no u64 overflow), and for a write it
+// equals the declared payload. Region bounds are checked by extent_in_region().
+Status check_extents(const WireExtent* ext, uint32_t n, const FrameHeader& h);
+
+// True when [offset, offset + len) lies inside a region of `region_len` bytes
+// (no u64 overflow).
+inline bool extent_in_region(uint64_t offset, uint64_t len, uint64_t region_len) {
+  return offset <= region_len && len <= region_len - offset;
+}
+
+// The body of a kHello (aux).
+struct HelloBody {
+  uint16_t version = 0;
+  uint32_t slot = 0;
+  uint64_t instance = 0;  // the target instance the initiator expects (0: any)
+  std::string from;       // initiator agent name (validated)
+  std::string to;         // target agent name ("": any)
+  std::string secret;
+};
+inline constexpr uint32_t kMaxSecretBytes = 1024;
+
+// Decodes and validates a hello body: VersionMismatch for another wire version,
+// ProtocolError for anything malformed (including trailing bytes).
+Result<HelloBody> decode_hello(std::string_view aux);
+std::string encode_hello(const HelloBody& b);
+
+// The body of a kHelloAck (aux).
+struct HelloAckBody {
+  uint64_t instance = 0;
+  std::string name;
+};
+Result<HelloAckBody> decode_hello_ack(std::string_view aux);
+std::string encode_hello_ack(const HelloAckBody& b);
+
+}  // namespace pdkv::tcp

@@ -1,0 +1,44 @@
+"""Writes the seed corpus of fuzz/targets/tcp_frame_fuzz.cc into fuzz/corpus/tcp_frame/.
+
+Each seed: one state byte (fuzz target: 0 inbound before hello, 1 inbound open,
+2 outbound handshake, 3 outbound open, 4 outbound awaiting metadata), then frames.
+"""
+
+import os
+import struct
+
+HDR = struct.Struct("<IHHQIIQII")
+EXT = struct.Struct("<QQQ")
+MAGIC = 0x464B4450
+
+
+def frame(t, *, count=0, payload=0, aux=b"", flags=0, status=0, xfer=1, batch=0, aux_len=None):
+    n = len(aux) if aux_len is None else aux_len
+    return HDR.pack(MAGIC, t, flags, xfer, batch, count, payload, n, status) + aux
+
+
+def s32(b):
+    return struct.pack("<I", len(b)) + b
+
+
+HELLO = struct.pack("<HHIQ", 1, 0, 0, 0) + s32(b"init") + s32(b"target") + s32(b"secret")
+ACK = struct.pack("<Q", 7) + s32(b"target")
+SEEDS = {
+    "hello_then_write": bytes([0]) + frame(1, aux=HELLO) + frame(5, count=1, payload=8) + EXT.pack(1, 0, 8) + b"x" * 8,
+    "hello_then_read": bytes([0]) + frame(1, aux=HELLO) + frame(6, count=2) + EXT.pack(1, 0, 8) + EXT.pack(1, 64, 8),
+    "write_notif": bytes([1]) + frame(5, count=1, payload=4, flags=1, aux=b"note") + EXT.pack(1, 0, 4) + b"abcd",
+    "notify_meta": bytes([1]) + frame(9, aux=b"ready") + frame(3),
+    "overflow_extent": bytes([1]) + frame(6, count=2) + EXT.pack(1, 2**64 - 8, 16) + EXT.pack(1, 0, 2**64 - 1),
+    "huge_error": bytes([3]) + frame(10, count=1 << 24, aux=b"x", status=6),
+    "ack_readresp": bytes([3]) + frame(8, status=0) + frame(7, payload=4) + b"data",
+    "handshake_ack": bytes([2]) + frame(2, aux=ACK),
+    "meta_resp": bytes([4]) + frame(4, aux=b"\x01" * 32),
+    "garbage": bytes([1]) + b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 40,
+}
+
+if __name__ == "__main__":
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tcp_frame")
+    os.makedirs(out, exist_ok=True)
+    for name, data in SEEDS.items():
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(data)
