@@ -54,7 +54,7 @@ FrameHeader decode_header(const void* bytes);
 // Validates magic, type, direction/phase, flags, status, count, aux_len and
 // payload of `h` for a connection in state `s`. ProtocolError naming the field and
 // the limit on failure (the caller adds who sent it). When OK, control_bytes(h)
-// is at most kMaxExtentsPerFrame * 24 + max(kMaxMetadataBytes, kMaxNotifWireBytes).
+// is at most kMaxExtentsPerFrame * 24 + max(kMaxMetadataBytes, kMaxNotifWireBytes + kMaxClaimAux).
 Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim);
 
 // Bytes of extents plus aux that follow the header.
