@@ -10,6 +10,8 @@ it prints ``{"address": ..., "pid": ...}`` and then answers one JSON line per co
   expected bytes -> ``{"results": [{"notif", "ok"}], "missing": [...]}``
 * ``{"cmd": "xfer", "op": "write"|"read", "address": ..., "lblocks", "rblocks", "notify"}``:
   acts as initiator against another agent -> ``{"ok": bool, "error": str|null}``
+* ``{"cmd": "gens", "blocks": [...]}`` / ``{"cmd": "bump", "blocks": [...]}`` -> ``{"gens": [...]}``:
+  the blocks' generations now / after a bump (``xfer`` takes them as ``"rgens"``)
 * ``{"cmd": "exit"}``
 """
 
@@ -58,13 +60,18 @@ def main() -> None:
             out({"digest": pool.digest(req["blocks"])})
         elif cmd == "logical":
             out({"data": base64.b64encode(pool.logical(req["blocks"]).tobytes()).decode()})
+        elif cmd == "gens":
+            out({"gens": agent.generations("kv", req["blocks"])})
+        elif cmd == "bump":
+            out({"gens": agent.bump_generations("kv", req["blocks"], timeout=30)})
         elif cmd == "expect":
             out(expect_notifications(agent, pool.digest, req, with_peer=True))
         elif cmd == "xfer":
             try:
                 peer = agent.connect(req["address"])
                 x = (agent.write if req["op"] == "write" else agent.read)(
-                    peer, "kv", req["lblocks"], "kv", req["rblocks"], notify=req.get("notify"), timeout=30)
+                    peer, "kv", req["lblocks"], "kv", req["rblocks"], notify=req.get("notify"), timeout=30,
+                    remote_generations=req.get("rgens"))
                 x.wait(30)
                 out({"ok": True, "error": None, "transport": x.transport})
             except pdkv.PdkvError as e:

@@ -44,8 +44,13 @@ py::bytes to_bytes(const std::string& s) { return py::bytes(s.data(), s.size());
 
 std::string type_name(const py::handle& o) { return py::str(py::type::handle_of(o).attr("__name__")); }
 
+// "block ids", or "block generations" for an argument of generations.
+std::string id_kind(const char* what) {
+  return std::string_view(what).find("generation") != std::string_view::npos ? "block generations" : "block ids";
+}
+
 [[noreturn]] void bad_ids(const char* what, const std::string& why) {
-  throw StatusError(InvalidArgument(std::string(what) + " must be a sequence of integer block ids: " + why));
+  throw StatusError(InvalidArgument(std::string(what) + " must be a sequence of integer " + id_kind(what) + ": " + why));
 }
 
 // Appends one id, rejecting negatives and ids that do not fit 32 bits.
@@ -53,7 +58,7 @@ void push_id(std::vector<uint32_t>& v, const char* what, size_t pos, long long x
   if (overflow || x < 0 || x > 0xFFFFFFFFll)
     throw StatusError(OutOfRange(std::string(what) + "[" + std::to_string(pos) + "] = " +
                                  (overflow ? std::string("a huge integer") : std::to_string(x)) +
-                                 " is not a block id (negative or too large)"));
+                                 " is not a 32-bit unsigned integer (" + id_kind(what) + " are 0..2^32-1)"));
   v.push_back(static_cast<uint32_t>(x));
 }
 
@@ -193,7 +198,7 @@ PYBIND11_MODULE(_pdkv, m) {
   m.def("available_transports", &available_transports);
   m.def("status_code_names", [] {
     std::vector<std::string> out;
-    for (int c = 0; c <= static_cast<int>(StatusCode::kInternal); ++c)
+    for (int c = 0; c <= static_cast<int>(kLastStatusCode); ++c)
       out.emplace_back(status_code_name(static_cast<StatusCode>(c)));
     return out;
   });
@@ -346,7 +351,8 @@ PYBIND11_MODULE(_pdkv, m) {
       .def_readonly("transport", &PreparedTransfer::transport)
       .def_readonly("op", &PreparedTransfer::op)
       .def_readonly("bytes", &PreparedTransfer::bytes)
-      .def_readonly("num_extents", &PreparedTransfer::num_extents);
+      .def_readonly("num_extents", &PreparedTransfer::num_extents)
+      .def_readonly("checked", &PreparedTransfer::checked);
 
   py::class_<Agent>(m, "Agent")
       .def(py::init([](const std::string& name, const std::string& secret, const std::vector<std::string>& transports,
@@ -475,15 +481,37 @@ PYBIND11_MODULE(_pdkv, m) {
       .def("prepare_blocks",
            [](Agent& a, const std::string& peer, OpKind op, const std::string& ll, py::object lids,
               const std::string& rl, py::object rids, uint64_t num_tokens, uint32_t num_heads, uint32_t lho,
-              uint32_t rho, const std::string& transport) {
+              uint32_t rho, const std::string& transport, py::object rgens) {
              auto l = ids_from(lids, "local_blocks");
              auto r = ids_from(rids, "remote_blocks");
              PlanOptions po{num_tokens, num_heads, lho, rho};
-             XferOptions xo{transport};
+             XferOptions xo{transport, {}};
+             if (!rgens.is_none()) {
+               xo.remote_generations = ids_from(rgens, "remote_generations");
+               if (xo.remote_generations.empty())
+                 throw StatusError(InvalidArgument("remote_generations is empty (give one per remote block, or None)"));
+             }
              Result<std::shared_ptr<PreparedTransfer>> res = Status();
              {
                py::gil_scoped_release rel;
                res = a.prepare_blocks(peer, op, ll, l, rl, r, po, xo);
+             }
+             return unwrap(std::move(res));
+           },
+           py::arg("peer"), py::arg("op"), py::arg("local_layout"), py::arg("local_ids"), py::arg("remote_layout"),
+           py::arg("remote_ids"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("local_head_offset"),
+           py::arg("remote_head_offset"), py::arg("transport"), py::arg("remote_generations") = py::none())
+      .def("generations",
+           [](const Agent& a, const std::string& layout, py::object ids) {
+             return unwrap(a.generations(layout, ids_from(ids, "block_ids")));
+           })
+      .def("bump_generations",
+           [](Agent& a, const std::string& layout, py::object ids, double timeout_s) {
+             auto v = ids_from(ids, "block_ids");
+             Result<std::vector<uint32_t>> res = Status();
+             {
+               py::gil_scoped_release rel;
+               res = a.bump_generations(layout, v, timeout_s);
              }
              return unwrap(std::move(res));
            })
@@ -497,7 +525,7 @@ PYBIND11_MODULE(_pdkv, m) {
              Result<std::shared_ptr<PreparedTransfer>> res = Status();
              {
                py::gil_scoped_release rel;
-               res = a.prepare_extents(peer, op, v, XferOptions{transport});
+               res = a.prepare_extents(peer, op, v, XferOptions{transport, {}});
              }
              return unwrap(std::move(res));
            })

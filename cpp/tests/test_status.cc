@@ -28,7 +28,7 @@ TEST(Status, ToStringAndContextNameTheCode) {
 
 TEST(Status, EveryCodeHasADistinctName) {
   std::set<std::string_view> names;
-  for (uint32_t v = 0; v <= static_cast<uint32_t>(StatusCode::kInternal); ++v) {
+  for (uint32_t v = 0; v <= static_cast<uint32_t>(kLastStatusCode); ++v) {
     auto name = status_code_name(static_cast<StatusCode>(v));
     EXPECT_NE(name, "Unknown") << v;
     EXPECT_TRUE(names.insert(name).second) << name;
@@ -38,9 +38,9 @@ TEST(Status, EveryCodeHasADistinctName) {
 TEST(Status, CodesFromThePeerAreValidated) {
   // OK where an error was announced, and unknown values, become ProtocolError.
   EXPECT_EQ(status_code_from_wire(0), StatusCode::kProtocolError);
-  EXPECT_EQ(status_code_from_wire(static_cast<uint32_t>(StatusCode::kInternal) + 1), StatusCode::kProtocolError);
+  EXPECT_EQ(status_code_from_wire(static_cast<uint32_t>(kLastStatusCode) + 1), StatusCode::kProtocolError);
   EXPECT_EQ(status_code_from_wire(0xffffffffu), StatusCode::kProtocolError);
-  for (uint32_t v = 1; v <= static_cast<uint32_t>(StatusCode::kInternal); ++v)
+  for (uint32_t v = 1; v <= static_cast<uint32_t>(kLastStatusCode); ++v)
     EXPECT_EQ(status_code_from_wire(v), static_cast<StatusCode>(v));
 }
 

@@ -26,13 +26,18 @@ def write(dirname: str, seeds: dict) -> None:
 
 
 SHM = 0x534B4450
-hello = frame(SHM, 1, struct.pack("<HQ", 2, 7) + s(b"alice") + s(b"bob") + s(b"secret"))
+hello = frame(SHM, 1, struct.pack("<HQ", 3, 7) + s(b"alice") + s(b"bob") + s(b"secret"))
 info = struct.pack("<QQII", 0x7F0000001000, 65536, 0, 1)
+# LeaseReq: u32 hold_ms, then the claim (u32 name length, name, u32 count, count x (u32 block, u32 gen)).
+lease = struct.pack("<I", 5000) + s(b"kv") + struct.pack("<I", 2) + struct.pack("<IIII", 3, 1, 7, 2)
 write("shm_ctl", {
     "target_hello_then_requests": b"\x00" + hello + frame(SHM, 3, ident=5) + frame(SHM, 5, b"req-1", 1)
     + frame(SHM, 8, ident=5),
     "target_prehello_oversized": b"\x00" + frame(SHM, 1)[:16] + struct.pack("<II", 2 << 20, 0),
     "target_prehello_notify": b"\x00" + frame(SHM, 5, b"x"),
+    "target_lease_req_end": b"\x00" + hello + frame(SHM, 10, lease, 1) + frame(SHM, 12, ident=1),
+    "target_lease_req_huge_count": b"\x00" + hello + frame(SHM, 10, lease[:10] + struct.pack("<I", 1 << 30), 2),
+    "initiator_lease_resp": b"\x03" + frame(SHM, 11, ident=1) + frame(SHM, 11, b"stale block 3", 2, 15),
     "initiator_hello_ack": b"\x02" + frame(SHM, 2, struct.pack("<QI", 7, 1234) + s(b"bob")),
     "initiator_region_resp_ok": b"\x03" + frame(SHM, 4, info, 5) + frame(SHM, 7, ident=5) + frame(SHM, 6, ident=1),
     "initiator_region_resp_err": b"\x03" + frame(SHM, 4, b"no region 5", 5, 2) + frame(SHM, 9, b"bye", 0, 9),

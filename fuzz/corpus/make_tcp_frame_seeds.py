@@ -23,7 +23,14 @@ def s32(b):
 
 HELLO = struct.pack("<HHIQ", 1, 0, 0, 0) + s32(b"init") + s32(b"target") + s32(b"secret")
 ACK = struct.pack("<Q", 7) + s32(b"target")
+# Block generations (flag 4): u32 length, then the claim (name, count, (block, gen) pairs).
+CLAIM = s32(b"kv") + struct.pack("<I", 2) + struct.pack("<IIII", 3, 1, 4, 2)
+GENS = s32(CLAIM)
 SEEDS = {
+    "write_gens_notif": bytes([1]) + frame(5, count=1, payload=4, flags=5, aux_len=len(GENS) + 4)[:40] + EXT.pack(1, 0, 4)
+    + GENS + b"note" + b"abcd",
+    "read_gens": bytes([1]) + frame(6, count=1, flags=4, aux_len=len(GENS))[:40] + EXT.pack(1, 0, 8) + GENS,
+    "ack_failed_with_message": bytes([3]) + frame(8, status=15, aux=b"layout 'kv' block 3: stale"),
     "hello_then_write": bytes([0]) + frame(1, aux=HELLO) + frame(5, count=1, payload=8) + EXT.pack(1, 0, 8) + b"x" * 8,
     "hello_then_read": bytes([0]) + frame(1, aux=HELLO) + frame(6, count=2) + EXT.pack(1, 0, 8) + EXT.pack(1, 64, 8),
     "write_notif": bytes([1]) + frame(5, count=1, payload=4, flags=1, aux=b"note") + EXT.pack(1, 0, 4) + b"abcd",

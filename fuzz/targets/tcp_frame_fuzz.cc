@@ -18,7 +18,8 @@ namespace {
 
 constexpr uint64_t kRegionLen = 1ull << 20;  // every region of the pretend target
 constexpr uint64_t kCtrlBound =
-    uint64_t(kMaxExtentsPerFrame) * sizeof(WireExtent) + std::max<uint64_t>(kMaxMetadataBytes, kMaxNotifWireBytes);
+    uint64_t(kMaxExtentsPerFrame) * sizeof(WireExtent) +
+    std::max<uint64_t>(kMaxMetadataBytes, uint64_t(kMaxNotifWireBytes) + kMaxClaimAux);
 
 ConnState pick_state(uint8_t b) {
   switch (b % 5) {
@@ -63,6 +64,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         for (const WireExtent& e : ext)
           if (!extent_in_region(e.offset, e.len, kRegionLen)) return 0;
         if (!check_extents(ext.data(), h.count, h).ok()) return 0;
+        auto parts = split_data_aux(h, aux);  // block generations (flag 4), then the notification
+        if (!parts.ok()) return 0;
+        if ((h.flags & kFlagGens) && !pdkv::decode_claim(parts->claim).ok()) return 0;
         break;
       }
       case FrameType::kMetaResp:

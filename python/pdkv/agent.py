@@ -307,6 +307,8 @@ class PreparedTransfer:
     transport = property(lambda self: self._n.transport)
     nbytes = property(lambda self: self._n.bytes)
     num_extents = property(lambda self: self._n.num_extents, doc="Extents after coalescing.")
+    checked = property(lambda self: self._n.checked,
+                       doc="Whether every post checks the peer's block generations (``remote_generations``).")
 
     def post(self, *, notify: bytes | str | None = None, timeout: float | None = None) -> Transfer:
         """Starts the transfer; returns at once.
@@ -599,6 +601,47 @@ class Agent:
     def layout(self, name: str) -> KVLayout:
         return KVLayout(self._n.layout(name))
 
+    # ------------------------------------------------------------------ block generations
+    def generations(self, layout: str, block_ids: Iterable[int]) -> list[int]:
+        """Current generations of blocks of a local layout (docs/generations.md).
+
+        Hand them out with the block ids to whoever will write into (or read from) the
+        blocks; they pass them as ``remote_generations``.
+        """
+        return self._n.generations(_validate.text(layout, "layout"), _validate.block_ids(block_ids, "block_ids"))
+
+    def bump_generations(self, layout: str, block_ids: Iterable[int], *, timeout: float | None = 30.0) -> list[int]:
+        """Invalidates every outstanding reference to these blocks; returns their new
+        generations. Call it when freeing or reusing blocks whose ids (and generations)
+        were handed to a peer.
+
+        From the moment this is called, a transfer that names the old generation fails
+        with :class:`StaleBlock` at this agent before any byte lands (or is sent). The
+        call returns once no transfer accepted under the old generation still touches
+        the blocks, so they may be reused at once.
+
+        Parameters
+        ----------
+        layout : str
+            A local layout.
+        block_ids : sequence of int
+            Distinct block ids.
+        timeout : float or None
+            Seconds (finite, > 0) to wait for transfers already accepted under the old
+            generation (every such transfer has a deadline); None: no limit.
+
+        Raises
+        ------
+        TransferTimeout
+            Such a transfer still runs after ``timeout``; the new generations are in
+            force anyway (new transfers naming the old ones fail).
+        NotFound, OutOfRange, InvalidArgument
+            Unknown layout, block id beyond it, duplicate ids.
+        """
+        tmo = _validate.timeout(timeout)
+        return self._n.bump_generations(_validate.text(layout, "layout"),
+                                        _validate.block_ids(block_ids, "block_ids"), -1.0 if tmo is None else tmo)
+
     # ------------------------------------------------------------------ peers
     def metadata(self) -> bytes:
         """Versioned binary description of this agent (endpoints, exported regions,
@@ -712,6 +755,7 @@ class Agent:
         local_head_offset: int = 0,
         remote_head_offset: int = 0,
         transport: str | None = None,
+        remote_generations: Iterable[int] | None = None,
     ) -> PreparedTransfer:
         """Validates and lays out a block transfer once; ``.post()`` it many times.
 
@@ -734,6 +778,13 @@ class Agent:
             means "all", which is accepted only when both block lists hold the same
             number of tokens and both layouts the same number of kv heads: a plan
             never moves part of the data unless asked to.
+        remote_generations : sequence of int, optional
+            The generations the peer handed out with ``remote_blocks`` (one per remote
+            block, see :meth:`generations`). Every post then has the peer check them
+            before any byte lands (write) or is sent (read): a block freed or reused
+            since (the peer called :meth:`bump_generations`) fails the transfer with
+            :class:`StaleBlock` from ``wait()``, with nothing transferred and no
+            notification delivered. tcp and shm only (NotSupported elsewhere).
 
         Raises
         ------
@@ -751,8 +802,16 @@ class Agent:
                 _validate.count(remote_head_offset, "remote_head_offset"))
         lids = _validate.block_ids(local_blocks, "local_blocks")
         rids = lids if remote_blocks is None else _validate.block_ids(remote_blocks, "remote_blocks")
+        gens = None if remote_generations is None else _validate.block_ids(remote_generations, "remote_generations")
         py = self._py_transport_for(peer, transport)
         if py is not None:
+            if gens is not None:
+                from .errors import NotSupported
+
+                raise NotSupported(
+                    f"transport {py.name!r} cannot check block generations: its transfers are one-sided RDMA with no "
+                    "hook at the target before bytes land; transfer without remote_generations, or use tcp or shm "
+                    "(docs/generations.md)")
             remote = self.peer_info(peer)["layouts"].get(remote_layout)
             if remote is None:
                 from .errors import NotFound
@@ -763,7 +822,8 @@ class Agent:
             rel = _native.module().plan_blocks(self._n.layout(local_layout), lids, remote, rids, *plan,
                                                distinct="remote" if op == "write" else "local")
             return py.prepare(op, peer, self._absolute(peer, rel))
-        native = self._n.prepare_blocks(peer, opk, local_layout, lids, remote_layout, rids, *plan, transport or "")
+        native = self._n.prepare_blocks(peer, opk, local_layout, lids, remote_layout, rids, *plan, transport or "",
+                                        gens)
         return PreparedTransfer(self, native)
 
     def prepare_extents(self, op: str, peer: str, extents: Sequence[tuple[int, int, int, int, int]], *,
@@ -851,7 +911,7 @@ class Agent:
               remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
               timeout: float | None = None, **plan: Any) -> Transfer:
         """Pushes local blocks into the peer's blocks; returns at once. See :meth:`prepare`
-        and :meth:`PreparedTransfer.post`."""
+        (``remote_generations``, plan options) and :meth:`PreparedTransfer.post`."""
         self._check_post_args(notify, timeout)  # caller errors first, before any peer work
         return self.prepare("write", peer, local_layout, local_blocks, remote_layout, remote_blocks,
                             **plan).post(notify=notify, timeout=timeout)

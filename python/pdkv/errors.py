@@ -23,6 +23,7 @@ __all__ = [
     "NotSupported",
     "ResourceExhausted",
     "InternalError",
+    "StaleBlock",
     "error_class",
 ]
 
@@ -117,6 +118,14 @@ class InternalError(PdkvError):
     code = "Internal"
 
 
+class StaleBlock(PdkvError):
+    """A block named by the transfer was freed or reused since its generation was
+    handed out (the owner bumped it): no byte of the transfer landed. Not retryable
+    with the same block reference; ask the owner for fresh blocks."""
+
+    code = "StaleBlock"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -134,6 +143,7 @@ _BY_CODE = {
         NotSupported,
         ResourceExhausted,
         InternalError,
+        StaleBlock,
     )
 }
 

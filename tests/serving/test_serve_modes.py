@@ -262,21 +262,75 @@ def test_kv_transfer_failure_recomputes_on_decode(tiny, stack) -> None:
     assert eng.num_free_blocks == eng.pool.num_blocks  # nothing leaked or quarantined
 
 
-def test_lost_kv_times_out_and_recomputes(tiny, stack) -> None:
+def test_lost_kv_times_out_and_recomputes_into_the_same_blocks_at_once(tiny, stack) -> None:
     # The prefill worker "loses" the KV (skips the write, reports success): the decode
-    # worker gives up after the KV timeout and recomputes; the blocks are quarantined.
+    # worker gives up after the KV timeout, bumps the reserved blocks' generations (a
+    # late write would now fail) and recomputes, reusing the blocks at once.
     drop_p = stack.worker(tiny, "prefill", debug_drop_kv=True)
-    d2 = stack.worker(tiny, "decode", kv_margin_s=0.2, kv_quarantine_s=0.5)
+    d2 = stack.worker(tiny, "decode", kv_margin_s=0.2)
     base = stack.proxy("disagg", prefill=[drop_p], decode=[d2], kv_timeout_s=0.5)
     ids, st = completion_ids(base, tiny.name, tiny.prompts[4])
     assert ids == tiny.refs[4]
     assert st["recomputed"] is True and st["recompute_reason"] == "kv_timeout"
     worker = stack.workers[d2]
-    deadline = time.monotonic() + 10
-    while worker.stats()["quarantined"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert worker.stats()["quarantined"] == 0
+    assert worker.stats()["invalidated_reservations"] == 1
+    deadline = time.monotonic() + 5
+    while worker.engine.num_free_blocks != worker.engine.pool.num_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert worker.engine.num_free_blocks == worker.engine.pool.num_blocks
+    fams = _parse_prometheus(get(d2 + "/metrics")[1])
+    assert fams["pdkv_kv_invalidated_total"]["samples"][0][2] == 1
+
+
+def _pd_decode(url: str, body: dict) -> list[dict]:
+    """The NDJSON lines of a /pd/decode request, in order (the stream is read to its end)."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/pd/decode", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return [json.loads(line) for line in r.read().decode().splitlines() if line.strip()]
+
+
+def test_a_late_kv_write_cannot_land_in_reused_blocks(tiny, stack) -> None:
+    """The race the generations close: a decode worker gives up on a request's KV and
+    reuses its blocks at once (no quarantine); the prefill side's write arrives after
+    that, and fails with StaleBlock at the decode worker's agent before any byte lands."""
+    import torch
+
+    import pdkv
+    from pdkv.serving.kv_pool import PagedKVPool
+    from pdkv.serving.protocol import GenerateRequest, GenParams, Reservation
+    from servers import SECRET
+
+    d2 = stack.worker(tiny, "decode", kv_margin_s=0.1)
+    worker = stack.workers[d2]
+    prompt = tiny.prompts[4]
+    body = GenerateRequest("late-1", tuple(prompt), GenParams(max_tokens=MAX_NEW, temperature=0.0, seed=1),
+                           kv_timeout_s=0.2).to_json()
+    lines = _pd_decode(d2, body)  # nobody delivers the KV: the decode worker recomputes
+    res = Reservation.from_json(lines[0]["reserved"])
+    assert len(res.generations) == len(res.blocks)
+    assert lines[-1]["done"]["recomputed"] is True and lines[-1]["done"]["recompute_reason"] == "kv_timeout"
+    assert [ln["t"] for ln in lines if "t" in ln] == tiny.refs[4]
+    assert worker.engine.num_free_blocks == worker.engine.pool.num_blocks  # reused at once
+    with pdkv.Agent("late-prefill", secret=SECRET, transports=["tcp"]) as a:
+        mine = PagedKVPool.shared(a, worker.engine.pool.geometry)
+        peer = a.connect(res.agent)
+        n = len(res.blocks)
+        assert a.read(peer, "kv", list(range(n)), "kv", list(res.blocks)).wait(10)  # unchecked: a snapshot
+        before = mine.storage.clone()
+        mine.storage.fill_(7.0)
+        late = a.write(peer, "kv", list(range(n)), "kv", list(res.blocks), remote_generations=list(res.generations),
+                       notify=b"late-1")
+        with pytest.raises(pdkv.StaleBlock):
+            late.wait(10)
+        assert a.read(peer, "kv", list(range(n)), "kv", list(res.blocks)).wait(10)
+        # The decode worker's blocks hold what they held before the late write (blocks
+        # 0..n-1 of `mine` were just read back from them; `before` is the snapshot).
+        assert torch.equal(mine.storage[:, :, :n], before[:, :, :n])
+        assert not torch.equal(mine.storage[:, :, :n], torch.full_like(before[:, :, :n], 7.0))
+    assert worker.stats()["awaiting_kv"] == 0
 
 
 def test_dead_workers_are_skipped_or_answered_clearly(tiny, stack) -> None:

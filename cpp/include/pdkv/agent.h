@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "pdkv/config.h"
+#include "pdkv/generations.h"
 #include "pdkv/kv_layout.h"
 #include "pdkv/metadata.h"
 #include "pdkv/notify.h"
@@ -46,6 +47,7 @@ struct PreparedTransfer {
   uint64_t bytes = 0;
   uint64_t num_extents = 0;
   uint64_t instance_id = 0;             // the peer instance it was prepared for
+  bool checked = false;                 // carries a block generation claim
   std::vector<uint64_t> local_regions;  // pinned at each post
   std::shared_ptr<const PreparedOps> ops;
 };
@@ -53,6 +55,10 @@ struct PreparedTransfer {
 // Options applied when preparing.
 struct XferOptions {
   std::string transport;  // force a transport ("" = the peer's chosen one)
+  // prepare_blocks only: the generations the peer handed out with the remote block
+  // ids (one per remote id; empty = unchecked). The target checks them at every post
+  // before any byte lands or is sent; a mismatch fails the transfer with StaleBlock.
+  std::vector<uint32_t> remote_generations;
 };
 
 class Agent final : private AgentHooks {
@@ -86,6 +92,19 @@ class Agent final : private AgentHooks {
   Status remove_layout(const std::string& name);
   Result<KVLayout> layout(const std::string& name) const;
   std::vector<std::string> layout_names() const;
+
+  // ---- block generations (see generations.h) ----
+  // Current generations of blocks of a local layout.
+  Result<std::vector<uint32_t>> generations(const std::string& layout, const std::vector<uint32_t>& ids) const {
+    return gens_.get(layout, ids);
+  }
+  // Bumps the generations of distinct blocks (call it when freeing or reusing them)
+  // and returns the new values once no transfer accepted under the old ones still
+  // touches them; Timeout after `timeout_s` (< 0: no limit), with the bump in force.
+  Result<std::vector<uint32_t>> bump_generations(const std::string& layout, const std::vector<uint32_t>& ids,
+                                                 double timeout_s) {
+    return gens_.bump(layout, ids, timeout_s);
+  }
 
   // ---- metadata and peers ----
   std::string metadata();
@@ -141,13 +160,15 @@ class Agent final : private AgentHooks {
   void deliver_notification(Notification n) override { notifs_.push(std::move(n)); }
   std::string metadata_blob() override { return metadata(); }
   uint32_t max_notif_bytes() const override { return cfg_.max_notif_bytes; }
+  Result<GenPin> check_generations(const GenClaim& claim) override { return gens_.check_and_pin(claim); }
   void relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
                           std::string notif, const Transport* from) override;
 
   Transport* transport_by_name(std::string_view name) const;
   Result<std::shared_ptr<PreparedTransfer>> prepare_resolved(const std::string& peer, OpKind op,
                                                              const std::vector<Extent>& extents,
-                                                             const XferOptions& opts);
+                                                             const XferOptions& opts,
+                                                             std::shared_ptr<const GenClaim> claim = nullptr);
 
   struct PeerEntry {
     std::shared_ptr<const Peer> peer;
@@ -158,6 +179,7 @@ class Agent final : private AgentHooks {
   uint64_t instance_id_ = 0;
   std::string host_id_;
   RegionTable regions_;
+  GenerationTable gens_;
   NotifQueue notifs_;
   std::vector<std::unique_ptr<Transport>> transports_;
   std::atomic<uint64_t> next_xfer_id_{1};

@@ -33,7 +33,11 @@ enum class StatusCode : uint8_t {
   kNotSupported,      // the transport or build lacks this capability
   kResourceExhausted, // queue or memory limit hit
   kInternal,          // a bug in pdkv; please report
+  kStaleBlock,        // a block's generation changed: it was freed or reused since it was handed out
 };
+// The largest code (codes are numbered densely from kOk; new codes go last, so the
+// numbers on the wire never change).
+constexpr StatusCode kLastStatusCode = StatusCode::kStaleBlock;
 
 // Human-readable name of a code, e.g. "ConnectionError".
 std::string_view status_code_name(StatusCode code);
@@ -78,6 +82,7 @@ Status Cancelled(std::string msg);
 Status NotSupported(std::string msg);
 Status ResourceExhausted(std::string msg);
 Status Internal(std::string msg);
+Status StaleBlock(std::string msg);
 
 // Either a value or a non-OK Status.
 template <typename T>

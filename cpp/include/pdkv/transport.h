@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "pdkv/generations.h"
 #include "pdkv/metadata.h"
 #include "pdkv/notify.h"
 #include "pdkv/region.h"
@@ -35,6 +36,7 @@ struct TransportCaps {
   bool cross_host = true;        // false: both agents must share a host
   uint32_t local_mem_kinds = 0;  // bit per MemKind this transport can read/write locally
   uint32_t remote_mem_kinds = 0; // bit per MemKind it can reach in a peer
+  bool generations = false;      // implements prepare_checked() (block generation claims)
 };
 
 // A known peer: its metadata and the secret to present to it.
@@ -59,6 +61,11 @@ class AgentHooks {
   virtual void deliver_notification(Notification n) = 0;
   virtual std::string metadata_blob() = 0;
   virtual uint32_t max_notif_bytes() const = 0;
+  // Checks an initiator's claim about this agent's block generations and pins the
+  // blocks until the returned pin is dropped (see generations.h). Call it before any
+  // byte of the transfer lands or is sent; drop the pin once the bytes have landed
+  // (or been sent) or the transfer died.
+  virtual Result<GenPin> check_generations(const GenClaim& claim) = 0;
   // Delivers a notification to `peer` through another transport that can reach it
   // (for transports without a control channel of their own); resolves one part of
   // `xfer`, with ConnectionError when no other transport reaches the peer.
@@ -106,6 +113,15 @@ class Transport {
 
   virtual Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                              std::vector<ResolvedExtent> extents) = 0;
+  // prepare() with a claim about the target's block generations (caps().generations):
+  // every post checks `claim` at the target before any byte lands or is sent, and
+  // fails the transfer with StaleBlock on a mismatch (nothing lands, no notification).
+  virtual Result<std::shared_ptr<const PreparedOps>> prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
+                                                                     std::vector<ResolvedExtent> extents,
+                                                                     std::shared_ptr<const GenClaim> claim) {
+    (void)peer; (void)op; (void)extents; (void)claim;
+    return NotSupported(std::string(name()) + " cannot check block generations");
+  }
   // Queues a prepared transfer. Completion (and any error) arrives through `xfer`.
   // `notif` (may be empty = none) reaches the peer only after all bytes landed.
   virtual void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,

@@ -117,6 +117,7 @@ Status Agent::deregister_memory(uint64_t id) {
     for (auto it = layouts_.begin(); it != layouts_.end();) {
       bool uses = std::any_of(it->second.segments().begin(), it->second.segments().end(),
                               [id](const KVSegment& s) { return s.region_id == id; });
+      if (uses) gens_.remove_layout(it->first);
       it = uses ? layouts_.erase(it) : std::next(it);
     }
   }
@@ -146,14 +147,16 @@ Status Agent::add_layout(const std::string& name, KVLayout layout) {
     s.region_offset = s.addr - r->addr;
   }
   std::lock_guard<std::mutex> lk(mu_);
-  if (!layouts_.emplace(name, std::move(layout)).second)
-    return AlreadyExists("a layout named '" + name + "' already exists");
+  if (layouts_.count(name)) return AlreadyExists("a layout named '" + name + "' already exists");
+  PDKV_RETURN_IF_ERROR(gens_.add_layout(name, g.num_blocks));
+  layouts_.emplace(name, std::move(layout));
   return Status::Ok();
 }
 
 Status Agent::remove_layout(const std::string& name) {
   std::lock_guard<std::mutex> lk(mu_);
   if (layouts_.erase(name) == 0) return NotFound("no layout named '" + name + "'");
+  gens_.remove_layout(name);
   return Status::Ok();
 }
 
@@ -319,19 +322,30 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_blocks(
   if (local_ids.empty()) return InvalidArgument("no blocks to transfer");
   PDKV_RETURN_IF_ERROR(op == OpKind::kWrite ? check_distinct_blocks(remote_ids, "remote")
                                             : check_distinct_blocks(local_ids, "local"));
+  std::shared_ptr<GenClaim> claim;
+  if (!opts.remote_generations.empty()) {
+    claim = std::make_shared<GenClaim>(GenClaim{remote_layout, remote_ids, opts.remote_generations});
+    if (remote_ids.size() != opts.remote_generations.size())
+      return InvalidArgument("remote_generations has " + std::to_string(opts.remote_generations.size()) +
+                             " entries for " + std::to_string(remote_ids.size()) + " remote blocks (one per block)");
+    PDKV_RETURN_IF_ERROR(validate_claim(*claim));
+  }
   PDKV_ASSIGN_OR_RETURN(std::vector<Extent> ex, plan_blocks(local, local_ids, *remote, remote_ids, plan));
-  return prepare_resolved(peer_name, op, ex, opts);
+  return prepare_resolved(peer_name, op, ex, opts, std::move(claim));
 }
 
 Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_extents(const std::string& peer_name, OpKind op,
                                                                  const std::vector<Extent>& extents,
                                                                  const XferOptions& opts) {
+  if (!opts.remote_generations.empty())
+    return InvalidArgument("remote_generations need block ids: use prepare_blocks (raw extents name no blocks)");
   return prepare_resolved(peer_name, op, extents, opts);
 }
 
 Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_resolved(const std::string& peer_name, OpKind op,
                                                                   const std::vector<Extent>& ex,
-                                                                  const XferOptions& opts) {
+                                                                  const XferOptions& opts,
+                                                                  std::shared_ptr<const GenClaim> claim) {
   if (ex.empty()) return InvalidArgument("no extents to transfer");
   PeerEntry e;
   {
@@ -362,6 +376,9 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_resolved(const std::str
   };
   if (op == OpKind::kRead && !caps.read) return NotSupported(std::string(t->name()) + " cannot read");
   if (op == OpKind::kWrite && !caps.write) return NotSupported(std::string(t->name()) + " cannot write");
+  if (claim && !caps.generations)
+    return NotSupported("transport '" + std::string(t->name()) + "' cannot check block generations at the target " +
+                        "before bytes land; transfer without remote_generations, or use tcp or shm");
   // Region lookups: a handful of regions, millions of extents; cache the last hit.
   std::unordered_map<uint64_t, RegionDesc> local;
   std::unordered_map<uint64_t, const RegionDesc*> remote;
@@ -416,7 +433,12 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_resolved(const std::str
   prep->op = op;
   prep->num_extents = ex.size();
   prep->instance_id = e.peer->md.instance_id;
-  PDKV_ASSIGN_OR_RETURN(prep->ops, t->prepare(e.peer, op, std::move(out)));
+  prep->checked = claim != nullptr;
+  if (claim) {
+    PDKV_ASSIGN_OR_RETURN(prep->ops, t->prepare_checked(e.peer, op, std::move(out), std::move(claim)));
+  } else {
+    PDKV_ASSIGN_OR_RETURN(prep->ops, t->prepare(e.peer, op, std::move(out)));
+  }
   return prep;
 }
 

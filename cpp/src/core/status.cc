@@ -21,12 +21,13 @@ std::string_view status_code_name(StatusCode code) {
     case StatusCode::kNotSupported: return "NotSupported";
     case StatusCode::kResourceExhausted: return "ResourceExhausted";
     case StatusCode::kInternal: return "Internal";
+    case StatusCode::kStaleBlock: return "StaleBlock";
   }
   return "Unknown";
 }
 
 StatusCode status_code_from_wire(uint32_t v) {
-  if (v == 0 || v > static_cast<uint32_t>(StatusCode::kInternal)) return StatusCode::kProtocolError;
+  if (v == 0 || v > static_cast<uint32_t>(kLastStatusCode)) return StatusCode::kProtocolError;
   return static_cast<StatusCode>(v);
 }
 
@@ -62,6 +63,7 @@ PDKV_DEFINE_CTOR(Cancelled, kCancelled)
 PDKV_DEFINE_CTOR(NotSupported, kNotSupported)
 PDKV_DEFINE_CTOR(ResourceExhausted, kResourceExhausted)
 PDKV_DEFINE_CTOR(Internal, kInternal)
+PDKV_DEFINE_CTOR(StaleBlock, kStaleBlock)
 #undef PDKV_DEFINE_CTOR
 
 size_t dtype_size(DType dt) {

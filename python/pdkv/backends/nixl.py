@@ -498,6 +498,7 @@ class NixlPrepared:
     many times. Same interface as :class:`pdkv.PreparedTransfer`."""
 
     transport = "nixl"
+    checked = False  # block generations are NotSupported over nixl (one-sided RDMA)
 
     def __init__(self, owner: "NixlTransport", peer: "_Peer", op: str, ldesc: np.ndarray, rdesc: np.ndarray,
                  kinds: np.ndarray, local_ids: frozenset, remote_ids: frozenset) -> None:

@@ -103,8 +103,6 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
                        "(default: its listen address)")
         p.add_argument("--kv-margin", type=float, default=2.0,
                        help="seconds past a request's KV timeout before recomputing (default 2)")
-        p.add_argument("--kv-quarantine", type=float, default=30.0,
-                       help="seconds reserved blocks of a lost KV stay unused (default 30)")
         p.add_argument("--reserve-wait", type=float, default=60.0,
                        help="seconds a request may wait for free KV blocks before a 503 (default 60)")
     if role == "prefill":
@@ -174,7 +172,6 @@ def _run_worker(args: argparse.Namespace) -> int:
                        agent_advertise=getattr(args, "agent_advertise", None),
                        secret=getattr(args, "secret", None),
                        kv_margin_s=getattr(args, "kv_margin", 2.0),
-                       kv_quarantine_s=getattr(args, "kv_quarantine", 30.0),
                        reserve_wait_s=getattr(args, "reserve_wait", 60.0),
                        debug_drop_kv=getattr(args, "debug_drop_kv", False))
     codec = None

@@ -154,23 +154,37 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class Reservation:
-    """Where a decode worker wants a prompt's KV: its agent and the reserved blocks."""
+    """Where a decode worker wants a prompt's KV: its agent, the reserved blocks and
+    their generations (docs/generations.md: the prefill worker writes with them, so a
+    write that arrives after the decode worker gave up and reused the blocks fails
+    instead of landing; empty: unchecked)."""
 
     blocks: tuple[int, ...]
     agent: str          #: ``host:port`` prefill workers ``connect()`` to
     name: str           #: the agent's name
     block_tokens: int   #: tokens per block of the decode worker's pool
+    generations: tuple[int, ...] = ()  #: one per block, or empty
+
+    def __post_init__(self) -> None:
+        if self.generations and len(self.generations) != len(self.blocks):
+            raise InvalidArgument(f"reservation: {len(self.generations)} generations for {len(self.blocks)} blocks")
 
     def to_json(self) -> dict[str, Any]:
-        return {"blocks": list(self.blocks), "agent": self.agent, "name": self.name,
-                "block_tokens": self.block_tokens}
+        out = {"blocks": list(self.blocks), "agent": self.agent, "name": self.name, "block_tokens": self.block_tokens}
+        if self.generations:
+            out["generations"] = list(self.generations)
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> "Reservation":
         where = "reservation"
+        gens = obj.get("generations", []) if isinstance(obj, dict) else []
+        if not isinstance(gens, list):
+            raise InvalidArgument(f"{where}: 'generations' must be a list of integers")
         return cls(_int_list(require(obj, "blocks", list, where=where), where=where, name="blocks"),
                    require(obj, "agent", str, where=where), require(obj, "name", str, where=where),
-                   require(obj, "block_tokens", int, where=where))
+                   require(obj, "block_tokens", int, where=where),
+                   _int_list(gens, where=where, name="generations"))
 
 
 @dataclass(frozen=True)
@@ -248,9 +262,8 @@ class KVFailed:
     terminal : bool
         True when no byte of the transfer can still land (it failed, was never posted,
         or its process is gone): the blocks may be reused at once. False when the
-        prefill side is merely unresponsive: the decode worker recomputes into fresh
-        blocks and keeps the reserved ones out of use until a late notification or its
-        quarantine timeout.
+        prefill side is merely unresponsive: the decode worker bumps the reserved
+        blocks' generations first (a late write then fails instead of landing).
     """
 
     rid: str

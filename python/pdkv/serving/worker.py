@@ -23,10 +23,13 @@ Both prefill and decode workers keep their KV pool in memory their pdkv agent
 allocates (:meth:`PagedKVPool.shared`), so a worker on the same host is reached with
 the ``shm`` transport (one memcpy) and others over tcp.
 
-Blocks that a late write might still touch are never reused early: a decode worker
-that gives up on a request's KV (timeout, client gone, or a non-terminal failure)
-recomputes into fresh blocks and *quarantines* the reserved ones until the late
-notification arrives or the prefill side's deadline plus ``kv_quarantine_s`` passed.
+A late write never lands in reused blocks: a decode worker hands out the reserved
+blocks' generations with their ids (:class:`~pdkv.serving.protocol.Reservation`), the
+prefill worker writes with ``remote_generations``, and a decode worker that gives up
+on a request's KV (timeout, client gone, or a non-terminal failure) bumps the
+generations (:meth:`pdkv.Agent.bump_generations`, docs/generations.md) and reuses the
+blocks at once: a write that arrives later fails with ``StaleBlock`` at the decode
+worker's agent, before any byte lands.
 """
 
 from __future__ import annotations
@@ -90,9 +93,6 @@ class WorkerConfig:
         ``$PDKV_SECRET``; one of them is required).
     kv_margin_s : float
         Decode: how much longer than the request's ``kv_timeout_s`` to wait for the KV.
-    kv_quarantine_s : float
-        Decode: blocks whose KV never came stay out of use this long past the prefill
-        side's deadline, unless the late notification arrives first.
     reserve_wait_s : float
         Decode: how long a request may wait for free blocks before a 503.
     debug_drop_kv : bool
@@ -107,7 +107,6 @@ class WorkerConfig:
     agent_advertise: str | None = None
     secret: str | None = None
     kv_margin_s: float = 2.0
-    kv_quarantine_s: float = 30.0
     reserve_wait_s: float = 60.0
     debug_drop_kv: bool = False
 
@@ -119,7 +118,7 @@ class WorkerConfig:
                 from None
         if not self.model_name:
             raise InvalidArgument("model_name is empty")
-        for k in ("kv_margin_s", "kv_quarantine_s", "reserve_wait_s"):
+        for k in ("kv_margin_s", "reserve_wait_s"):
             if not getattr(self, k) >= 0:
                 raise InvalidArgument(f"{k} must be >= 0, got {getattr(self, k)!r}")
 
@@ -187,13 +186,13 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._tasks: list[asyncio.Task] = []
         self._kv_waiters: dict[str, asyncio.Future] = {}
-        self._quarantine: dict[str, float] = {}   # rid -> loop time its reserved blocks are freed
         self._peers: dict[str, str] = {}          # decode agent address -> peer name
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
         # Threads that wait for transfers and connect to peers (blocking native calls).
         self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pdkv-wait")
         self._in_flight = 0
+        self._invalidated = 0  # reservations whose blocks' generations were bumped (KV given up)
         self._closed = False
         self._setup_metrics()
 
@@ -230,7 +229,6 @@ class Worker:
         self._routes(app)
         if cfg.role is WorkerRole.DECODE:
             self._tasks.append(asyncio.ensure_future(self._notification_loop()))
-            self._tasks.append(asyncio.ensure_future(self._quarantine_loop()))
         self._http = HttpServer(app)
         self.url = await self._http.start(host, port)
         log.info("%s worker serving %s on %s%s", cfg.role.value, cfg.model_name, self.url,
@@ -303,7 +301,7 @@ class Worker:
         eng = self._engine()
         return {"waiting": eng.num_waiting, "running": eng.num_running, "free_blocks": eng.num_free_blocks,
                 "num_blocks": eng.pool.num_blocks, "in_flight": self._in_flight,
-                "awaiting_kv": len(self._kv_waiters), "quarantined": len(self._quarantine),
+                "awaiting_kv": len(self._kv_waiters), "invalidated_reservations": self._invalidated,
                 "steps": eng.num_steps, "preemptions": eng.num_preemptions, "recomputes": eng.num_recomputes}
 
     def _engine(self) -> Engine:
@@ -335,8 +333,10 @@ class Worker:
                                          "From reserving blocks to the notification that the KV landed.")
             self.m_recompute = r.counter("pdkv_kv_recomputes_total",
                                          "Prompts recomputed because their KV did not arrive.", ("reason",))
-            r.gauge("pdkv_kv_quarantined_requests", "Reservations held back from reuse after a lost KV.") \
-                .set_function(lambda: [((), len(self._quarantine))])
+            r.counter("pdkv_kv_invalidated_total",
+                      "Reservations whose KV was given up: their blocks' generations were bumped, so a late "
+                      "write fails (StaleBlock) instead of landing, and the blocks were reused at once.") \
+                .set_function(lambda: [((), self._invalidated)])
 
     # ------------------------------------------------------------------ routes
     def _routes(self, app: web.Application) -> None:
@@ -441,15 +441,24 @@ class Worker:
                     raise
                 await asyncio.sleep(0.01)
 
-    def _quarantine_blocks(self, rid: str, until: float) -> None:
-        self._quarantine[rid] = until
+    async def _invalidate(self, blocks: list[int]) -> None:
+        """Bumps the generations of reserved blocks whose KV this worker gave up on;
+        returns once no write accepted under the old generations can still land in
+        them (every such write has a deadline), so the blocks may be reused at once."""
+        agent = self.agent
+        assert agent is not None
+        await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: agent.bump_generations("kv", blocks, timeout=None))
+        self._invalidated += 1
 
-    def _release_reservation(self, rid: str) -> None:
-        self._quarantine.pop(rid, None)
+    async def _invalidate_and_release(self, rid: str, blocks: list[int]) -> None:
         try:
-            self._engine().release(rid)
-        except NotFound:
-            pass
+            await self._invalidate(blocks)
+        finally:
+            try:
+                self._engine().release(rid)
+            except NotFound:
+                pass
 
     async def _h_decode(self, request: web.Request) -> web.StreamResponse:
         eng = self._engine()
@@ -469,7 +478,6 @@ class Worker:
             return json_error(503, f"no KV blocks free for {cfg.reserve_wait_s:g} s: {e}", code="kv_pool_full")
         rid = req.rid
         deadline = t_res + req.kv_timeout_s + cfg.kv_margin_s
-        quarantine_until = t_res + req.kv_timeout_s + cfg.kv_quarantine_s
         fut: asyncio.Future = loop.create_future()
         self._kv_waiters[rid] = fut
         events = _Events(loop)
@@ -477,8 +485,9 @@ class Worker:
         self._in_flight += 1
         try:
             resp = await start_ndjson(request)
+            gens = tuple(self.agent.generations("kv", blocks)) if self.agent else ()
             res = Reservation(tuple(blocks), self.agent_address, self.agent.name if self.agent else "",
-                              eng.pool.block_tokens)
+                              eng.pool.block_tokens, gens)
             await resp.write(dumps_line({"reserved": res.to_json()}))
             try:
                 outcome = await asyncio.wait_for(asyncio.shield(fut), max(deadline - loop.time(), 0.0))
@@ -486,7 +495,6 @@ class Worker:
                 outcome = None
             self._kv_waiters.pop(rid, None)
             kv_wait = loop.time() - t_res
-            engine_rid = rid
             reason = ""
             if isinstance(outcome, KVReady):
                 self.m_kv_wait.observe(kv_wait)
@@ -500,17 +508,13 @@ class Worker:
                 else:
                     reason = "kv_timeout"
                     log.warning("request %s: no KV within %.1f s; recomputing", rid, kv_wait)
-                if isinstance(outcome, KVFailed) and outcome.terminal:
-                    h = eng.admit_recompute(rid, req.prompt, sp, first_token=first, seed=sp.seed, on_event=events)
-                else:
-                    # A write may still land in the reserved blocks: keep them out of use.
-                    self._quarantine_blocks(rid, quarantine_until)
-                    engine_rid = f"{rid}~recompute"
-                    h = eng.admit_recompute(engine_rid, req.prompt, sp, first_token=first, seed=sp.seed,
-                                            on_event=events)
+                if not (isinstance(outcome, KVFailed) and outcome.terminal):
+                    # A write may still be on its way: after the bump it cannot land.
+                    await self._invalidate(blocks)
+                h = eng.admit_recompute(rid, req.prompt, sp, first_token=first, seed=sp.seed, on_event=events)
                 self.m_recompute.inc((reason,))
             admitted = True
-            if await self._stream_tokens(resp, events, engine_rid, h):
+            if await self._stream_tokens(resp, events, rid, h):
                 await resp.write(dumps_line({"done": {"recomputed": h.recomputed, "recompute_reason": reason,
                                                       "kv_wait_s": kv_wait, "preemptions": h.num_preemptions}}))
             await resp.write_eof()
@@ -521,9 +525,14 @@ class Worker:
             if not admitted:
                 outcome = fut.result() if fut.done() and not fut.cancelled() else None
                 if isinstance(outcome, KVReady) or (isinstance(outcome, KVFailed) and outcome.terminal):
-                    self._release_reservation(rid)
-                else:
-                    self._quarantine_blocks(rid, quarantine_until)
+                    try:
+                        eng.release(rid)
+                    except NotFound:
+                        pass
+                else:  # not awaited here: this coroutine may be cancelled (client gone)
+                    task = asyncio.ensure_future(self._invalidate_and_release(rid, blocks))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
             if not fut.done():
                 fut.cancel()
 
@@ -554,20 +563,8 @@ class Worker:
             fut = self._kv_waiters.get(kv.rid)
             if fut is not None and not fut.done():
                 fut.set_result(kv)
-            elif kv.rid in self._quarantine:
-                log.info("request %s: late KV arrived; its quarantined blocks are free again", kv.rid)
-                self._release_reservation(kv.rid)
             else:
                 log.warning("notification for request %s, which is not waiting for KV (ignored)", kv.rid)
-
-    async def _quarantine_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(0.5)
-            now = loop.time()
-            for rid in [r for r, t in self._quarantine.items() if t <= now]:
-                log.info("request %s: quarantine over; freeing its reserved blocks", rid)
-                self._release_reservation(rid)
 
     # ------------------------------------------------------------------ prefill
     async def _h_prefill(self, request: web.Request) -> web.StreamResponse:
@@ -680,7 +677,8 @@ class Worker:
                     if req.dst.block_tokens != self._engine().pool.block_tokens:
                         plan["num_tokens"] = len(req.prompt)
                     xfer = agent.write(peer, "kv", list(h.block_ids), "kv", list(req.dst.blocks),
-                                       notify=ready.encode(), timeout=max(deadline - loop.time(), 0.001), **plan)
+                                       notify=ready.encode(), timeout=max(deadline - loop.time(), 0.001),
+                                       remote_generations=list(req.dst.generations) or None, **plan)
                 else:
                     xfer = agent.notify(peer, ready.encode(), timeout=max(deadline - loop.time(), 0.001))
                 posted.append(xfer)

@@ -7,9 +7,9 @@ namespace pdkv::shm {
 namespace {
 
 std::string type_name(uint16_t t) {
-  static const char* names[] = {"?", "hello", "hello-ack", "region-req", "region-resp", "notify",
-                                "notify-ack", "revoke", "revoke-ack", "error"};
-  return t >= 1 && t <= 9 ? names[t] : "type " + std::to_string(t);
+  static const char* names[] = {"?", "hello", "hello-ack", "region-req", "region-resp", "notify", "notify-ack",
+                                "revoke", "revoke-ack", "error", "lease-req", "lease-resp", "lease-end"};
+  return t >= 1 && t <= 12 ? names[t] : "type " + std::to_string(t);
 }
 
 // The largest aux a frame of `type` may carry on `side`; -1: the type is not allowed there.
@@ -22,6 +22,8 @@ int64_t aux_limit(Ctl type, CtlSide side, uint32_t max_notif) {
         case Ctl::kRegionReq: return 0;
         case Ctl::kNotify: return int64_t{max_notif};
         case Ctl::kRevokeAck: return 0;
+        case Ctl::kLeaseReq: return int64_t{kMaxLeaseReqAux};
+        case Ctl::kLeaseEnd: return 0;
         default: return -1;
       }
     case CtlSide::kInitiatorHello:
@@ -31,6 +33,7 @@ int64_t aux_limit(Ctl type, CtlSide side, uint32_t max_notif) {
         case Ctl::kRegionResp: return int64_t{kMaxErrorAux};
         case Ctl::kNotifyAck: return 0;
         case Ctl::kRevoke: return 0;
+        case Ctl::kLeaseResp: return int64_t{kMaxErrorAux};
         case Ctl::kError: return int64_t{kMaxErrorAux};
         default: return -1;
       }
@@ -53,7 +56,7 @@ Status check_ctl_header(const CtlHdr& h, CtlSide side, uint32_t max_notif) {
   if (h.aux_len > limit)
     return ProtocolError("control frame " + type_name(h.type) + " declares " + std::to_string(h.aux_len) +
                          " aux bytes (limit " + std::to_string(limit) + ")");
-  if (h.status != 0 && type != Ctl::kRegionResp && type != Ctl::kError)
+  if (h.status != 0 && type != Ctl::kRegionResp && type != Ctl::kLeaseResp && type != Ctl::kError)
     return ProtocolError("control frame " + type_name(h.type) + " carries a status");
   return Status::Ok();
 }
@@ -131,6 +134,25 @@ Result<RegionInfo> parse_region_info(std::string_view aux) {
   return ri;
 }
 
+std::string encode_lease_req(const LeaseReq& r) {
+  util::ByteWriter w;
+  w.put<uint32_t>(r.hold_ms);
+  std::string out = w.take();
+  out += encode_claim(r.claim);
+  return out;
+}
+
+Result<LeaseReq> parse_lease_req(std::string_view aux) {
+  util::ByteReader r(aux);
+  LeaseReq lr;
+  PDKV_RETURN_IF_ERROR(r.get(&lr.hold_ms, "lease hold time"));
+  if (lr.hold_ms == 0 || lr.hold_ms > kMaxLeaseHoldMs)
+    return ProtocolError("lease hold time " + std::to_string(lr.hold_ms) + " ms is outside 1.." +
+                         std::to_string(kMaxLeaseHoldMs));
+  PDKV_ASSIGN_OR_RETURN(lr.claim, decode_claim(aux.substr(r.pos())));
+  return lr;
+}
+
 Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side, uint32_t max_notif) {
   PDKV_RETURN_IF_ERROR(check_ctl_header(h, side, max_notif));
   if (aux.size() != h.aux_len) return ProtocolError("control frame aux is incomplete");
@@ -139,6 +161,9 @@ Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side, u
     case Ctl::kHelloAck: return parse_hello_ack(aux).status();
     case Ctl::kRegionResp:
       return h.status == 0 ? parse_region_info(aux).status() : Status::Ok();
+    case Ctl::kLeaseReq: return parse_lease_req(aux).status();
+    case Ctl::kLeaseResp:
+      return h.status == 0 && !aux.empty() ? ProtocolError("a granted lease carries no aux") : Status::Ok();
     default: return Status::Ok();
   }
 }

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "pdkv/generations.h"
 #include "pdkv/status.h"
 #include "pdkv/types.h"
 
@@ -18,7 +19,8 @@ namespace pdkv::shm {
 
 constexpr uint32_t kCtlMagic = 0x534b4450;  // "PDKS"
 // 2: region confirmation (RegionReq/RegionResp for every region, not only memfd ones).
-constexpr uint16_t kShmVersion = 2;
+// 3: block generation leases (LeaseReq/LeaseResp/LeaseEnd).
+constexpr uint16_t kShmVersion = 3;
 
 // Limits (bytes of aux), checked on the header before anything is allocated.
 constexpr uint32_t kMaxHelloAux = 4096;   // hello, hello-ack
@@ -30,6 +32,14 @@ constexpr uint32_t kRegionInfoLen = 24;   // RegionResp success body
 constexpr double kHandshakeTimeoutS = 5.0;  // accept -> authenticated hello
 constexpr double kFrameTimeoutS = 5.0;      // first byte of a frame -> its last byte
 constexpr double kRevokeTimeoutS = 10.0;    // deregistration waits this long per peer
+// Block generation leases (docs/generations.md): a lease request carries a hold time
+// and a claim; the target holds the pins at most hold + margin, then closes the
+// connection (as for a revocation that is not acknowledged).
+constexpr uint32_t kMaxLeaseHoldMs = 600000;
+constexpr double kLeaseMarginS = 5.0;
+constexpr uint32_t kMaxLeaseReqAux = 4 + kMaxClaimBytes;
+constexpr size_t kMaxLeasesPerConn = 1024;         // granted and not yet ended
+constexpr uint64_t kMaxLeasedBlocksPerConn = 1u << 22;  // claim entries over those leases
 // At most this many accepted connections may be unauthenticated at once.
 constexpr size_t kMaxPendingConns = 64;
 
@@ -43,6 +53,9 @@ enum class Ctl : uint16_t {
   kRevoke = 7,      // target -> initiator: stop using region id
   kRevokeAck = 8,   // initiator -> target: region id no longer used
   kError = 9,       // either: status + message; the sender closes
+  kLeaseReq = 10,   // initiator -> target: id = lease, aux = LeaseReq; check and pin block generations
+  kLeaseResp = 11,  // target -> initiator: id = lease; status 0: granted (no aux), else message
+  kLeaseEnd = 12,   // initiator -> target: id = lease; the copy is over, unpin
 };
 
 struct CtlHdr {
@@ -51,7 +64,7 @@ struct CtlHdr {
   uint16_t flags;  // 0
   uint64_t id;
   uint32_t aux_len;
-  uint32_t status;  // a StatusCode in RegionResp and Error, else 0
+  uint32_t status;  // a StatusCode in RegionResp, LeaseResp and Error, else 0
 };
 static_assert(sizeof(CtlHdr) == 24, "control header must be 24 bytes");
 
@@ -92,6 +105,14 @@ struct RegionInfo {
 };
 std::string encode_region_info(const RegionInfo& r);
 Result<RegionInfo> parse_region_info(std::string_view aux);
+
+// A request to check and pin block generations for one transfer's copy.
+struct LeaseReq {
+  uint32_t hold_ms = 0;  // 1..kMaxLeaseHoldMs: the initiator ends the lease within this
+  GenClaim claim;
+};
+std::string encode_lease_req(const LeaseReq& r);
+Result<LeaseReq> parse_lease_req(std::string_view aux);
 
 // Validates one complete frame (header + aux) received on `side`: the header limits
 // and the body of the types that have one. The transport calls it before acting.

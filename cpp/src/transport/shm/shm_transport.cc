@@ -42,6 +42,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -99,6 +100,13 @@ struct RegionAnswer {
   int fd = -1;
 };
 
+// Blocks a peer pinned for one copy (block generations, docs/generations.md).
+struct Lease {
+  GenPin pin;
+  uint64_t blocks = 0;
+  Clock::time_point expires;
+};
+
 struct ShmConn {
   ShmConn(int fd, bool outbound, std::string desc) : fd(fd), outbound(outbound), desc(std::move(desc)) {}
   ~ShmConn() {
@@ -139,6 +147,8 @@ struct ShmConn {
   // Inbound (we are the target).
   std::set<uint64_t> confirmed;    // regions this peer asked about and got
   std::set<uint64_t> revoke_acks;  // regions the peer acknowledged
+  std::map<uint64_t, Lease> leases;  // granted, not yet ended; released when the connection dies
+  uint64_t leased_blocks = 0;
   // Outbound (we are the initiator).
   uint64_t pending_req = 0;                                // region asked about, 0: none
   std::map<uint64_t, RegionAnswer> answers;                // at most one: pending_req's
@@ -146,6 +156,8 @@ struct ShmConn {
   std::unordered_map<uint64_t, std::shared_ptr<RemoteRegion>> regions;  // by region id
   std::set<uint64_t> revoked_ids;  // confirmed (or being confirmed) here, then revoked
   uint64_t next_seq = 1;
+  std::map<uint64_t, std::optional<Status>> lease_answers;  // requested leases; set when answered
+  uint64_t next_lease = 1;
 };
 
 struct ShmPeerState {
@@ -178,6 +190,8 @@ struct ShmPrepared final : PreparedOps {
   std::shared_ptr<ShmPeerState> ps;
   OpKind op = OpKind::kWrite;
   std::vector<ResolvedExtent> extents;
+  std::shared_ptr<const GenClaim> claim;  // checked by the target (a lease) at every post
+  std::string claim_wire;                 // encode_claim(*claim)
   // Bound on first post; re-bound when its connection died.
   mutable std::mutex mu;
   mutable std::shared_ptr<const Binding> bound;
@@ -187,6 +201,7 @@ struct Job {
   std::shared_ptr<const Binding> b;
   std::shared_ptr<Transfer> xfer;
   std::string notif;
+  uint64_t lease = 0;  // a granted block generation lease to end after the copy, 0: none
 };
 
 Status send_frame(ShmConn& c, Ctl type, uint64_t id, std::string_view aux, uint32_t status = 0, int pass_fd = -1) {
@@ -238,6 +253,7 @@ class ShmTransport final : public Transport {
     c.cross_host = false;
     c.local_mem_kinds = mem_kind_bit(MemKind::kHost);
     c.remote_mem_kinds = mem_kind_bit(MemKind::kHost);
+    c.generations = true;
     return c;
   }
   Status start(AgentHooks* hooks) override;
@@ -251,6 +267,9 @@ class ShmTransport final : public Transport {
   }
   Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                      std::vector<ResolvedExtent> extents) override;
+  Result<std::shared_ptr<const PreparedOps>> prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
+                                                             std::vector<ResolvedExtent> extents,
+                                                             std::shared_ptr<const GenClaim> claim) override;
   void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
             std::string notif) override;
   void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) override;
@@ -271,6 +290,7 @@ class ShmTransport final : public Transport {
   void handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h);
   void on_hello(const std::shared_ptr<ShmConn>& c);
   void answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
+  void answer_lease_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
   void refuse(const std::shared_ptr<ShmConn>& c, const Status& st, uint64_t id = 0);
   void log_refusal(const Status& st);
   void kill(const std::shared_ptr<ShmConn>& c, const Status& why);
@@ -285,6 +305,9 @@ class ShmTransport final : public Transport {
                                                const RegionDesc& d, RegionAnswer ans);
   Result<std::shared_ptr<const Binding>> bind(const ShmPrepared& p);
   Status run_copies(const Binding& b);
+  Result<uint64_t> take_lease(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
+                              Clock::time_point deadline);
+  static void end_lease(Job& job);
   void copy_loop();
   void finish_job(Job& job, Status st);
   void send_notify(const std::shared_ptr<ShmConn>& c, const std::shared_ptr<Transfer>& xfer,
@@ -351,6 +374,7 @@ void ShmTransport::shutdown() {
     left.swap(queue_);
   }
   for (auto& j : left) {
+    end_lease(j);
     unpin(*j.b);
     j.xfer->resolve_part(0, ConnectionError("agent is shutting down"));
     if (!j.notif.empty()) j.xfer->resolve_part(0, Cancelled("notification not sent"));
@@ -395,7 +419,8 @@ void ShmTransport::run() {
       const auto never = Clock::time_point::max().time_since_epoch().count();
       for (auto& [p, c] : conns_) {
         std::lock_guard<std::mutex> lk2(c->mu);
-        if (!c->authed || !c->notifies.empty() || c->frame_deadline.load() != never) busy = true;
+        if (!c->authed || !c->notifies.empty() || !c->leases.empty() || c->frame_deadline.load() != never)
+          busy = true;
       }
     }
     int n = ::epoll_wait(epfd_, evs, 32, busy ? 20 : -1);
@@ -446,6 +471,15 @@ void ShmTransport::check_deadlines() {
                                             std::to_string(int(kFrameTimeoutS)) + " s"));
         continue;
       }
+      bool expired = false;
+      for (auto& [id, l] : c->leases)
+        if (l.expires <= now) {
+          doomed.emplace_back(c, TimeoutError(c->desc + " held block lease " + std::to_string(id) +
+                                              " past its hold time; closing the connection releases it"));
+          expired = true;
+          break;
+        }
+      if (expired) continue;
       for (auto& [seq, pn] : c->notifies)
         if (pn.deadline <= now) {
           doomed.emplace_back(c, TimeoutError("transfer " + std::to_string(pn.xfer->id()) + " to " + c->desc +
@@ -671,6 +705,23 @@ void ShmTransport::handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHd
       c->cv.notify_all();
       return;
     }
+    case Ctl::kLeaseReq:
+      return answer_lease_req(c, h.id);
+    case Ctl::kLeaseEnd: {
+      Lease ended;  // unpinned outside c->mu
+      {
+        std::lock_guard<std::mutex> lk(c->mu);
+        auto it = c->leases.find(h.id);
+        if (it != c->leases.end()) {
+          c->leased_blocks -= it->second.blocks;
+          ended = std::move(it->second);
+          c->leases.erase(it);
+        }
+      }
+      if (!ended.pin.held())
+        return refuse(c, ProtocolError(c->desc + " ended lease " + std::to_string(h.id) + ", which it does not hold"));
+      return;
+    }
     default:  // check_ctl_header admits nothing else
       return refuse(c, ProtocolError("unexpected frame type " + std::to_string(h.type) + " from " + c->desc));
   }
@@ -705,6 +756,48 @@ void ShmTransport::answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t
   if (fd >= 0) ::close(fd);
 }
 
+// Checks the claim against this agent's generations now and pins the blocks until
+// the initiator ends the lease (after its copy), the hold time runs out, or the
+// connection dies.
+void ShmTransport::answer_lease_req(const std::shared_ptr<ShmConn>& c, uint64_t id) {
+  auto req = parse_lease_req(c->aux);
+  if (!req.ok()) return refuse(c, ProtocolError(c->desc + ": " + req.status().message()), id);
+  {
+    std::lock_guard<std::mutex> lk(c->mu);
+    if (c->leases.count(id))
+      return refuse(c, ProtocolError(c->desc + " reused lease id " + std::to_string(id)), id);
+  }
+  Status st;
+  Lease lease;
+  lease.blocks = req->claim.blocks.size();
+  {
+    std::lock_guard<std::mutex> lk(c->mu);
+    if (c->leases.size() >= kMaxLeasesPerConn || c->leased_blocks + lease.blocks > kMaxLeasedBlocksPerConn)
+      st = ResourceExhausted(c->desc + " holds " + std::to_string(c->leases.size()) + " block leases over " +
+                             std::to_string(c->leased_blocks) + " blocks already (limits " +
+                             std::to_string(kMaxLeasesPerConn) + ", " + std::to_string(kMaxLeasedBlocksPerConn) + ")");
+  }
+  if (st.ok()) {
+    auto pin = hooks_->check_generations(req->claim);
+    if (pin.ok()) {
+      lease.pin = std::move(pin).value();
+      lease.expires = Clock::now() + std::chrono::milliseconds(req->hold_ms) +
+                      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kLeaseMarginS));
+      std::lock_guard<std::mutex> lk(c->mu);
+      c->leased_blocks += lease.blocks;
+      c->leases.emplace(id, std::move(lease));
+    } else {
+      st = pin.status();
+    }
+  }
+  if (!st.ok()) {
+    (void)send_frame(*c, Ctl::kLeaseResp, id, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
+    return;
+  }
+  wake();  // the lease's hold time is a deadline
+  (void)send_frame(*c, Ctl::kLeaseResp, id, {});
+}
+
 void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h) {
   switch (static_cast<Ctl>(h.type)) {
     case Ctl::kRegionResp: {
@@ -731,6 +824,20 @@ void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlH
       }
       if (a.fd >= 0) ::close(a.fd);
       return kill(c, ProtocolError(c->desc + " answered a region request it was not asked"));
+    }
+    case Ctl::kLeaseResp: {
+      bool asked = false;
+      {
+        std::lock_guard<std::mutex> lk(c->mu);
+        auto it = c->lease_answers.find(h.id);
+        if (it != c->lease_answers.end() && !it->second) {
+          it->second = h.status == 0 ? Status::Ok() : Status(status_code_from_wire(h.status), c->aux);
+          asked = true;
+          c->cv.notify_all();
+        }
+      }
+      if (!asked) return kill(c, ProtocolError(c->desc + " answered a lease request it was not asked"));
+      return;
     }
     case Ctl::kNotifyAck: {
       std::shared_ptr<Transfer> x;
@@ -779,6 +886,7 @@ void ShmTransport::maybe_ack_revoke(const std::shared_ptr<RemoteRegion>& r) {
 
 void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
   std::map<uint64_t, PendingNotify> pend;
+  std::map<uint64_t, Lease> leases;  // a dead connection holds no blocks
   {
     std::lock_guard<std::mutex> lk(c->mu);
     if (c->dead) return;
@@ -786,6 +894,8 @@ void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
     c->gone = true;
     c->dead_reason = why;
     pend.swap(c->notifies);
+    leases.swap(c->leases);
+    c->leased_blocks = 0;
     c->cv.notify_all();
   }
   if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
@@ -981,6 +1091,64 @@ Result<std::shared_ptr<RemoteRegion>> ShmTransport::attach(const std::shared_ptr
   return r;
 }
 
+Result<std::shared_ptr<const PreparedOps>> ShmTransport::prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
+                                                                         std::vector<ResolvedExtent> extents,
+                                                                         std::shared_ptr<const GenClaim> claim) {
+  PDKV_ASSIGN_OR_RETURN(auto ops, prepare(std::move(peer), op, std::move(extents)));
+  auto p = std::const_pointer_cast<ShmPrepared>(std::static_pointer_cast<const ShmPrepared>(ops));
+  p->claim_wire = encode_claim(*claim);
+  p->claim = std::move(claim);
+  return ops;
+}
+
+// Asks the target to check and pin the claimed block generations before a copy (one
+// round trip); returns the lease id to end after the copy. A target that does not
+// answer in time loses the connection, which releases whatever it granted.
+Result<uint64_t> ShmTransport::take_lease(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
+                                          Clock::time_point deadline) {
+  const auto now = Clock::now();
+  if (deadline <= now) return TimeoutError("the transfer's deadline passed before its blocks were leased");
+  const double hold_s = deadline == Clock::time_point::max()
+                            ? kMaxLeaseHoldMs / 1000.0
+                            : std::chrono::duration<double>(deadline - now).count();
+  const auto hold_ms = static_cast<uint32_t>(std::clamp(hold_s * 1000.0 + 1.0, 1.0, double(kMaxLeaseHoldMs)));
+  util::ByteWriter w;
+  w.put<uint32_t>(hold_ms);
+  std::string aux = w.take() + claim_wire;
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lk(c->mu);
+    if (c->dead) return c->dead_reason;
+    id = c->next_lease++;
+    c->lease_answers.emplace(id, std::nullopt);
+  }
+  Status sent = send_frame(*c, Ctl::kLeaseReq, id, aux);
+  std::optional<Status> ans;
+  bool got = false;
+  {
+    std::unique_lock<std::mutex> lk(c->mu);
+    const auto until = std::min(deadline, util::deadline_after(connect_timeout_));
+    got = sent.ok() && c->cv.wait_until(lk, until, [&] { return c->dead || c->lease_answers[id].has_value(); });
+    ans = c->lease_answers[id];
+    c->lease_answers.erase(id);
+    if (c->dead) return c->dead_reason;  // the target released the lease with the connection
+  }
+  if (!sent.ok()) return sent;
+  if (!got) {
+    Status st = TimeoutError(c->desc + " did not answer a block lease request in time");
+    kill(c, st);
+    return st;
+  }
+  if (!ans->ok()) return *ans;
+  return id;
+}
+
+void ShmTransport::end_lease(Job& job) {
+  if (job.lease == 0) return;
+  (void)send_frame(*job.b->conn, Ctl::kLeaseEnd, job.lease, {});  // a dead connection released it already
+  job.lease = 0;
+}
+
 Result<std::shared_ptr<const PreparedOps>> ShmTransport::prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                                  std::vector<ResolvedExtent> extents) {
   // No peer I/O here: connecting and confirming regions happen at the first post,
@@ -1143,6 +1311,9 @@ void ShmTransport::finish_job(Job& job, Status st) {
   // died meanwhile (the progress thread sees its socket close at once).
   if (st.ok() && job.b->conn->gone.load(std::memory_order_acquire))
     st = ConnectionError(job.b->conn->desc + " went away during the transfer");
+  // The copy is over: the target may unpin the blocks (before the notification, which
+  // follows on the same socket).
+  end_lease(job);
   // Resolve the data part before unpinning: unpinning may acknowledge a revoke, and the
   // peer's deregistration returns on that ack; by then this transfer must be terminal.
   job.xfer->resolve_part(st.ok() ? job.b->total : 0, st);
@@ -1190,7 +1361,16 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
       return fail(NotFound(deregistered(prep->peer->md.name, r->id)));
     }
   }
-  Job job{b, xfer, std::move(notif)};
+  uint64_t lease = 0;
+  if (prep->claim) {
+    auto l = take_lease(b->conn, prep->claim_wire, xfer->deadline());
+    if (!l.ok()) {
+      unpin(*b);
+      return fail(l.status());
+    }
+    lease = *l;
+  }
+  Job job{b, xfer, std::move(notif), lease};
   if (b->total <= opts_.inline_bytes) {
     Status st = run_copies(*b);
     finish_job(job, st);
@@ -1212,6 +1392,7 @@ void ShmTransport::copy_loop() {
       queue_.pop_front();
     }
     if (job.xfer->cancel_requested()) {
+      end_lease(job);
       unpin(*job.b);
       job.xfer->resolve_part(0, Cancelled("cancelled before the copy started"));
       if (!job.notif.empty()) job.xfer->resolve_part(0, Cancelled("notification not sent"));

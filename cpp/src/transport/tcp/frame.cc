@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "pdkv/generations.h"
 #include "pdkv/metadata.h"
 #include "util/bytes.h"
 
@@ -39,9 +40,9 @@ constexpr FrameRule kRules[] = {
     {"metadata request", kIn, kOpen, 0, 0, 0, 0, 0, 0, 0, false},
     {"metadata response", kOut, 0, kMeta, 0, 0, 0, kMaxMetadataBytes, 0, 0, false},
     {"write", kIn, kOpen, 0, 1, kMaxExtentsPerFrame, 0, kNotifAux, 1, kMaxPayloadPerFrame, false},
-    {"read request", kIn, kOpen, 0, 1, kMaxExtentsPerFrame, 0, 0, 0, 0, false},
+    {"read request", kIn, kOpen, 0, 1, kMaxExtentsPerFrame, 0, kNotifAux, 0, 0, false},
     {"read response", kOut, 0, kOpen, 0, 0, 0, 0, 1, kMaxPayloadPerFrame, false},
-    {"ack", kOut, 0, kOpen, 0, 0, 0, 0, 0, 0, true},
+    {"ack", kOut, 0, kOpen, 0, 0, 0, kMaxErrorBytes, 0, 0, true},
     {"notification", kIn, kOpen, 0, 0, 0, 0, kNotifAux, 0, 0, false},
     {"error", kIn | kOut, kOpen, kHs | kOpen | kMeta, 0, 0, 0, kMaxErrorBytes, 0, 0, true},
 };
@@ -97,7 +98,9 @@ Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim) {
                          (inbound ? "inbound" : "outbound") + " connection");
   if (!((inbound ? r.in_phases : r.out_phases) & phase_bit(s.phase)))
     return ProtocolError("unexpected " + what + " (type " + std::to_string(h.type) + ") " + phase_name(s));
-  const uint16_t allowed_flags = h.type == static_cast<uint16_t>(FrameType::kWrite) ? kFlagNotif : 0;
+  const bool is_write = h.type == static_cast<uint16_t>(FrameType::kWrite);
+  const bool is_read_req = h.type == static_cast<uint16_t>(FrameType::kReadReq);
+  const uint16_t allowed_flags = is_write ? (kFlagNotif | kFlagGens) : is_read_req ? kFlagGens : 0;
   if (h.flags & ~allowed_flags) return ProtocolError(what + " has unknown flags " + std::to_string(h.flags));
   if (!r.has_status && h.status != 0)
     return ProtocolError(what + " carries a status (" + std::to_string(h.status) + ")");
@@ -111,11 +114,17 @@ Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim) {
   if (max_aux == kNotifAux) {
     const uint32_t notif = std::min(lim.max_notif_bytes, kMaxNotifWireBytes);
     const bool carries = h.type == static_cast<uint16_t>(FrameType::kNotify) || (h.flags & kFlagNotif);
-    max_aux = carries ? notif : 0;
+    const uint32_t gens = (h.flags & kFlagGens) ? kMaxClaimAux : 0;
+    max_aux = (carries ? notif : 0) + gens;
     if (h.aux_len > max_aux)
-      return ProtocolError(what + " carries " + std::to_string(h.aux_len) + " bytes of notification (limit " +
-                           std::to_string(max_aux) + ")");
+      return ProtocolError(what + " carries " + std::to_string(h.aux_len) + " aux bytes (limit " +
+                           std::to_string(max_aux) + (gens ? ": block generations and " : ": ") + "notification)");
+    if (gens && h.aux_len < 4)
+      return ProtocolError(what + " announces block generations but carries " + std::to_string(h.aux_len) +
+                           " aux bytes");
   }
+  if (h.type == static_cast<uint16_t>(FrameType::kAck) && h.aux_len > 0 && h.status == 0)
+    return ProtocolError("a successful ack carries " + std::to_string(h.aux_len) + " aux bytes");
   if (h.aux_len < r.min_aux || h.aux_len > max_aux) {
     if (h.type == static_cast<uint16_t>(FrameType::kHello))
       return ProtocolError("malformed hello (aux " + std::to_string(h.aux_len) + " bytes, allowed " +
@@ -141,6 +150,33 @@ Result<uint64_t> check_extents(const WireExtent* ext, uint32_t n, const FrameHea
     return ProtocolError("write frame declares " + std::to_string(h.payload) +
                          " payload bytes but its extents add up to " + std::to_string(sum));
   return sum;
+}
+
+Result<DataAux> split_data_aux(const FrameHeader& h, std::string_view aux) {
+  DataAux out;
+  if (h.flags & kFlagGens) {
+    util::ByteReader r(aux);
+    uint32_t n = 0;
+    PDKV_RETURN_IF_ERROR(r.get(&n, "block generations length"));
+    if (n > kMaxClaimBytes || n > r.remaining())
+      return ProtocolError("block generations claim " + std::to_string(n) + " bytes, more than the " +
+                           std::to_string(r.remaining()) + " aux bytes left (limit " + std::to_string(kMaxClaimBytes) +
+                           ")");
+    out.claim = aux.substr(4, n);
+    aux.remove_prefix(4 + size_t(n));
+  }
+  if (!(h.flags & kFlagNotif) && !aux.empty())
+    return ProtocolError(frame_type_name(h.type) + " frame has " + std::to_string(aux.size()) +
+                         " aux bytes after its block generations and no notification flag");
+  out.notif = aux;
+  return out;
+}
+
+std::string encode_claim_aux(std::string_view claim) {
+  util::ByteWriter w;
+  w.put<uint32_t>(static_cast<uint32_t>(claim.size()));
+  w.put_raw(claim.data(), claim.size());
+  return w.take();
 }
 
 Result<HelloBody> decode_hello(std::string_view aux) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 
+#include "pdkv/generations.h"
 #include "pdkv/status.h"
 #include "transport/tcp/wire.h"
 
@@ -44,6 +45,8 @@ struct FrameLimits {
 // Largest notification a frame may carry whatever the agent's configuration says:
 // bounds the control buffer of one frame to kMaxExtentsPerFrame * 24 + this.
 inline constexpr uint32_t kMaxNotifWireBytes = 64u << 20;
+// Largest block generation section of a kWrite / kReadReq aux (u32 length + claim).
+inline constexpr uint32_t kMaxClaimAux = 4 + kMaxClaimBytes;
 
 // Copies 40 bytes into a header (no validation).
 FrameHeader decode_header(const void* bytes);
@@ -51,11 +54,22 @@ FrameHeader decode_header(const void* bytes);
 // Validates magic, type, direction/phase, flags, status, count, aux_len and
 // payload of `h` for a connection in state `s`. ProtocolError naming the field and
 // the limit on failure (the caller adds who sent it). When OK, control_bytes(h)
-// is at most kMaxExtentsPerFrame * 24 + max(kMaxMetadataBytes, kMaxNotifWireBytes).
+// is at most kMaxExtentsPerFrame * 24 + max(kMaxMetadataBytes, kMaxNotifWireBytes + kMaxClaimAux).
 Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim);
 
 // Bytes of extents plus aux that follow the header.
 inline uint64_t control_bytes(const FrameHeader& h) { return uint64_t(h.count) * sizeof(WireExtent) + h.aux_len; }
+
+// The aux of a kWrite / kReadReq that passed check_header, split into its block
+// generation claim (kFlagGens; empty otherwise, not yet decoded: decode_claim) and
+// its notification (kFlagNotif).
+struct DataAux {
+  std::string_view claim;
+  std::string_view notif;
+};
+Result<DataAux> split_data_aux(const FrameHeader& h, std::string_view aux);
+// The aux prefix a sender puts before the notification: u32 length + claim.
+std::string encode_claim_aux(std::string_view claim);
 
 // Human-readable name of a frame type ("write", "error", "type 99").
 std::string frame_type_name(uint16_t type);

@@ -81,6 +81,9 @@ struct TcpPrepared final : PreparedOps {
   // before sending, READ responses are scattered out of them (cuda/staging.h).
   bool staged = false;
   int device = -1;
+  // Block generation claim (u32 length + claim) sent at the start of every frame's
+  // aux, so the target checks it per frame before its bytes land or are sent.
+  std::string claim_aux;
 };
 
 struct PeerConns : std::enable_shared_from_this<PeerConns> {
@@ -124,6 +127,7 @@ struct OutMsg {
   size_t ndata = 0;
   std::vector<iovec> own_iov;
   std::vector<RegionPin> pins;        // released once sent (read responses)
+  GenPin gens;                        // blocks checked for this read response, released once sent
   std::shared_ptr<const void> keep;   // keeps descs/data alive
   std::shared_ptr<const void> lease;  // pinned staging buffer holding the data
   uint64_t total = 0;
@@ -167,6 +171,22 @@ struct OutMsg {
     }
   }
 };
+
+// Destination of a payload that must be read and thrown away (a write whose block
+// generations are stale): `bytes` (at most kMaxPayloadPerFrame) over one shared
+// scratch buffer nobody reads.
+std::vector<iovec> discard_iov(uint64_t bytes) {
+  static constexpr size_t kScratch = 1u << 20;
+  static char* const scratch = new char[kScratch];  // never freed: shared by every thread, contents unused
+  std::vector<iovec> out;
+  out.reserve(static_cast<size_t>((bytes + kScratch - 1) / kScratch));
+  for (uint64_t left = bytes; left > 0;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(left, kScratch));
+    out.push_back({scratch, n});
+    left -= n;
+  }
+  return out;
+}
 
 FrameHeader make_hdr(FrameType t, uint64_t xfer, uint32_t batch) {
   FrameHeader h{};
@@ -264,6 +284,9 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   size_t dst_off = 0;
   uint64_t remaining = 0;
   std::vector<RegionPin> rx_pins;
+  GenPin rx_gens;           // blocks the write being received was checked against
+  Status rx_reject;         // the write's block generations failed: its payload is discarded
+  size_t rx_notif_off = 0;  // where the write's notification starts in ctrl
   PendingPart rx_part;
   // Payload bound for device memory: received into pinned buffers, copied out.
   std::unique_ptr<cuda::ScatterPipe> rx_pipe;
@@ -365,6 +388,7 @@ class TcpTransport final : public Transport {
     TransportCaps c;
     c.local_mem_kinds = mem_kinds();
     c.remote_mem_kinds = mem_kinds();
+    c.generations = true;
     return c;
   }
   // Host memory, and device memory staged through pinned buffers. The CUDA driver is
@@ -378,6 +402,9 @@ class TcpTransport final : public Transport {
   bool can_reach(const AgentMetadata& peer) const override { return peer.find_endpoint("tcp") != nullptr; }
   Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                      std::vector<ResolvedExtent> extents) override;
+  Result<std::shared_ptr<const PreparedOps>> prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
+                                                             std::vector<ResolvedExtent> extents,
+                                                             std::shared_ptr<const GenClaim> claim) override;
   void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
             std::string notif) override;
   void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) override;
@@ -399,7 +426,7 @@ class TcpTransport final : public Transport {
   Result<std::shared_ptr<cuda::Stager>> stager();
   // Answers a read request for device memory: gathers it on the staging thread.
   void respond_staged(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<iovec> src,
-                      std::vector<RegionPin> pins, uint64_t bytes, int device);
+                      std::vector<RegionPin> pins, GenPin gens, uint64_t bytes, int device);
   bool shutting_down() const { return shut_.load(std::memory_order_acquire); }
   AuthBackoff& auth_backoff() { return backoff_; }
   FrameLimits frame_limits() const { return FrameLimits{hooks_->max_notif_bytes()}; }
@@ -979,6 +1006,7 @@ bool ProgressThread::handle_header(const std::shared_ptr<TcpConn>& c) {
   const auto type = static_cast<FrameType>(h.type);
   switch (type) {
     case FrameType::kAck: {
+      if (h.aux_len > 0) break;  // a failure message follows (handle_control)
       PendingPart part;
       if (!take_pending(*c, h.xfer_id, h.batch, &part))
         return bad("ack for unknown transfer " + std::to_string(h.xfer_id));
@@ -1137,8 +1165,42 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
         return false;
       }
       const uint64_t sum = *sizes;
+      const std::string_view aux = std::string_view(c->ctrl).substr(size_t(n) * sizeof(WireExtent));
+      auto parts = split_data_aux(h, aux);
+      if (!parts.ok()) {
+        fail_conn(c, ProtocolError(parts.status().message() + " (from " + c->desc + ")"), h.xfer_id, h.batch);
+        return false;
+      }
+      c->rx_notif_off = c->ctrl.size() - parts->notif.size();
+      // Block generations: checked (and the blocks pinned) before a byte lands or is
+      // sent. A stale claim fails this part only: the payload is discarded.
+      GenPin gens;
+      Status reject;
+      if (h.flags & kFlagGens) {
+        auto claim = decode_claim(parts->claim);
+        if (!claim.ok()) {
+          fail_conn(c, ProtocolError(claim.status().message() + " (from " + c->desc + ")"), h.xfer_id, h.batch);
+          return false;
+        }
+        auto pin = hooks->check_generations(*claim);
+        if (pin.ok()) gens = std::move(pin).value(); else reject = pin.status();
+      }
+      if (!reject.ok() && type == FrameType::kReadReq) {
+        auto m = std::make_unique<OutMsg>();
+        m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
+        m->hdr.status = static_cast<uint32_t>(reject.code());
+        m->aux = reject.message().substr(0, kMaxErrorBytes);
+        m->finalize();
+        t_->enqueue(c, std::move(m));
+        return true;
+      }
+      if (!reject.ok()) {  // a write: receive its payload into scratch memory
+        pins.clear();
+        iov = discard_iov(sum);
+        device = -1;
+      }
       if (type == FrameType::kReadReq && device >= 0) {
-        t_->respond_staged(c, h, std::move(iov), std::move(pins), sum, device);
+        t_->respond_staged(c, h, std::move(iov), std::move(pins), std::move(gens), sum, device);
         return true;
       }
       if (type == FrameType::kReadReq) {
@@ -1147,10 +1209,13 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
         m->hdr.payload = sum;
         m->own_iov = std::move(iov);
         m->pins = std::move(pins);
+        m->gens = std::move(gens);
         m->finalize();
         t_->enqueue(c, std::move(m));
         return true;
       }
+      c->rx_gens = std::move(gens);
+      c->rx_reject = reject;
       c->dst_own = std::move(iov);
       c->dst = c->dst_own.data();
       c->ndst = c->dst_own.size();
@@ -1168,6 +1233,16 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
           return false;
         }
       }
+      return true;
+    }
+    case FrameType::kAck: {  // a failed part with its message (block generations)
+      PendingPart part;
+      if (!take_pending(*c, h.xfer_id, h.batch, &part)) {
+        fail_conn(c, ProtocolError("ack for unknown transfer " + std::to_string(h.xfer_id) + " from " + c->desc),
+                  h.xfer_id, h.batch);
+        return false;
+      }
+      t_->resolve(part, 0, Status(status_code_from_wire(h.status), "peer '" + c->peer_name + "': " + c->ctrl));
       return true;
     }
     case FrameType::kNotify: {
@@ -1234,11 +1309,18 @@ void ProgressThread::payload_done(const std::shared_ptr<TcpConn>& c) {
   }
   if (static_cast<FrameType>(h.type) == FrameType::kWrite) {
     c->rx_pins.clear();
+    c->rx_gens.reset();  // landed: a bump of these blocks may return now
     c->dst_own.clear();
-    if (h.flags & kFlagNotif)
-      t_->hooks()->deliver_notification(Notification{c->peer_name, c->ctrl.substr(size_t(h.count) * sizeof(WireExtent))});
+    const Status reject = std::move(c->rx_reject);
+    c->rx_reject = Status::Ok();
     auto m = std::make_unique<OutMsg>();
     m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
+    if (!reject.ok()) {  // discarded: no notification
+      m->hdr.status = static_cast<uint32_t>(reject.code());
+      m->aux = reject.message().substr(0, kMaxErrorBytes);
+    } else if (h.flags & kFlagNotif) {
+      t_->hooks()->deliver_notification(Notification{c->peer_name, c->ctrl.substr(c->rx_notif_off)});
+    }
     m->finalize();
     t_->enqueue(c, std::move(m));
     return;
@@ -1383,6 +1465,15 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
   close_batch();
   if (p->descs.size() > 0xFFFFFFFFull) return InvalidArgument("transfer has too many extents");
   return std::shared_ptr<const PreparedOps>(std::move(p));
+}
+
+Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
+                                                                         std::vector<ResolvedExtent> extents,
+                                                                         std::shared_ptr<const GenClaim> claim) {
+  PDKV_ASSIGN_OR_RETURN(auto ops, prepare(std::move(peer), op, std::move(extents)));
+  auto p = std::const_pointer_cast<TcpPrepared>(std::static_pointer_cast<const TcpPrepared>(ops));
+  p->claim_aux = encode_claim_aux(encode_claim(*claim));
+  return ops;
 }
 
 Result<util::ScopedFd> TcpTransport::dial(const util::HostPort& hp, const std::string& target, uint64_t instance,
@@ -1535,6 +1626,8 @@ void TcpTransport::kill(const std::shared_ptr<TcpConn>& c, const Status& why, ui
   if (c->rx_pipe) c->rx_pipe->abandon();  // no copy may land after this
   c->rx_staged = false;
   c->rx_pins.clear();
+  c->rx_gens.reset();
+  c->rx_reject = Status::Ok();
   c->rx_part = PendingPart{};
   if (auto pc = c->pc.lock()) {
     std::lock_guard<std::mutex> lk(pc->mu);
@@ -1675,10 +1768,15 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
       m->data = &prep->iov[b.first];
       m->ndata = b.count;
     }
-    if (!post->separate_notif && !post->notif.empty() && i == nb - 1 && !post->data_failed) {
-      m->hdr.flags |= kFlagNotif;
-      m->aux = post->notif;
-    }
+  }
+  if (!prep->claim_aux.empty()) {
+    m->hdr.flags |= kFlagGens;
+    m->aux = prep->claim_aux;
+  }
+  if (prep->op == OpKind::kWrite && !post->separate_notif && !post->notif.empty() && i == nb - 1 &&
+      !post->data_failed) {
+    m->hdr.flags |= kFlagNotif;
+    m->aux += post->notif;
   }
   m->keep = prep;
   m->finalize();
@@ -1758,12 +1856,13 @@ Result<std::shared_ptr<cuda::Stager>> TcpTransport::stager() {
 }
 
 void TcpTransport::respond_staged(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<iovec> src,
-                                  std::vector<RegionPin> pins, uint64_t bytes, int device) {
+                                  std::vector<RegionPin> pins, GenPin gens, uint64_t bytes, int device) {
   struct Job {
     std::vector<iovec> src;
     std::vector<RegionPin> pins;
+    GenPin gens;  // held until the bytes are gathered (the job ends)
   };
-  auto job = std::make_shared<Job>(Job{std::move(src), std::move(pins)});
+  auto job = std::make_shared<Job>(Job{std::move(src), std::move(pins), std::move(gens)});
   run_staged([this, c, h, job, bytes, device] {
     auto fail = [&](const Status& st) {
       if (!c->owner) return;

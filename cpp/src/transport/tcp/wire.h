@@ -20,12 +20,17 @@ enum class FrameType : uint16_t {
   kWrite = 5,     // descs (target region/offset/len), aux = notification if kFlagNotif, payload
   kReadReq = 6,   // descs to read from the target
   kReadResp = 7,  // payload for (xfer_id, batch) of an earlier kReadReq
-  kAck = 8,       // (xfer_id, batch) landed (write) or notification delivered
+  kAck = 8,       // (xfer_id, batch) landed (write) or notification delivered; status != 0: failed, aux = message
   kNotify = 9,    // aux = notification
   kError = 10,    // status = StatusCode, aux = message; the sender then closes
 };
 
 inline constexpr uint16_t kFlagNotif = 1;  // kWrite: aux is a notification, deliver after payload
+// kWrite / kReadReq: aux starts with a block generation claim (u32 length + claim,
+// generations.h) the target checks before receiving the payload / responding; a
+// notification (kFlagNotif) follows it. A failed check is answered with a kAck whose
+// status is the error and whose aux is its message (the connection stays open).
+inline constexpr uint16_t kFlagGens = 4;
 
 struct FrameHeader {
   uint32_t magic;
