@@ -75,7 +75,8 @@ def test_killed_decode_worker_ends_its_stream_with_an_error(tiny, dep) -> None:
         busy[0].kill()
         rest = r.read().decode()
     assert time.monotonic() - t0 < 30
-    events = [e[len("data: "):] for e in rest.split("\n\n") if e.startswith("data: ")]
+    # readline() left the first event's blank line behind: strip before matching.
+    events = [e.strip()[len("data: "):] for e in rest.split("\n\n") if e.strip().startswith("data: ")]
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert err["code"] == "worker_failed" and busy[0].url in err["message"]
