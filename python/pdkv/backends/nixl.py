@@ -116,6 +116,7 @@ import hashlib
 import hmac
 import itertools
 import json
+import logging
 import os
 import struct
 import threading
@@ -249,12 +250,71 @@ def _decode_extra(blob: bytes) -> tuple[str, list[bytes]]:
 
 # Every NIXL notification between pdkv agents starts with a tag byte: user data, or a
 # control message of the transport's own protocol (JSON; control path only).
+log = logging.getLogger("pdkv.nixl")
+
 _USER = b"U"
 _CTL = b"C"
 
 
 def _ctl(**msg: Any) -> bytes:
     return _CTL + json.dumps(msg, separators=(",", ":")).encode()
+
+
+# Limits on control messages from a peer (NIXL notifications starting with _CTL),
+# checked before they are parsed; docs/wire.md "nixl control messages".
+_MAX_CTL_BYTES = 64 << 10            # every kind but hello
+_MAX_HELLO_BYTES = 64 << 20          # hello carries the peer's NIXL metadata (base64)
+_MAX_REVOKE_REGIONS = 4096
+_MAX_CTL_TEXT = 4096                 # hello-ack error, mac
+_U63 = (1 << 63) - 1
+# kind -> {field: type}; every field is required, no other field is accepted.
+_CTL_SCHEMA: dict[str, dict[str, type]] = {
+    "hello": {"epoch": int, "md": str, "mac": str},
+    "hello-ack": {"epoch": int, "error": str},
+    "bye": {"epoch": int},
+    "revoke": {"regions": list, "seq": int},
+    "revoke-ack": {"seq": int},
+}
+
+
+def _parse_ctl(raw: bytes) -> dict[str, Any]:
+    """Decodes and validates one control message (without its _CTL prefix).
+
+    Raises ProtocolError naming the problem: over its size limit (checked before
+    parsing), not JSON, not an object, unknown kind, a missing, extra or mistyped
+    field, an integer outside [0, 2**63), a string over its limit, a revoke naming
+    too many regions.
+    """
+    limit = _MAX_HELLO_BYTES if raw.startswith(b'{"k":"hello",') else _MAX_CTL_BYTES
+    if len(raw) > limit:
+        raise ProtocolError(f"nixl control message of {len(raw)} bytes (limit {limit})")
+    try:
+        msg = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested input
+        raise ProtocolError(f"nixl control message is not JSON: {type(e).__name__}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("nixl control message is not an object")
+    kind = msg.get("k")
+    schema = _CTL_SCHEMA.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"nixl control message of unknown kind {str(kind)[:32]!r}")
+    if set(msg) != {"k", *schema}:
+        raise ProtocolError(f"nixl {kind} message has fields {sorted(msg)[:8]}, expected {['k', *sorted(schema)]}")
+    for field, typ in schema.items():
+        v = msg[field]
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise ProtocolError(f"nixl {kind} message: {field} is not {typ.__name__}")
+        if typ is int and not 0 <= v <= _U63:
+            raise ProtocolError(f"nixl {kind} message: {field} out of range")
+        if typ is str and field != "md" and len(v) > _MAX_CTL_TEXT:
+            raise ProtocolError(f"nixl {kind} message: {field} longer than {_MAX_CTL_TEXT}")
+    if kind == "revoke":
+        ids = msg["regions"]
+        if not 0 < len(ids) <= _MAX_REVOKE_REGIONS:
+            raise ProtocolError(f"nixl revoke names {len(ids)} regions (1 to {_MAX_REVOKE_REGIONS})")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= _U63 for i in ids):
+            raise ProtocolError("nixl revoke: region ids must be integers in [0, 2**63)")
+    return msg
 
 
 def _hello_mac(secret: bytes, sender: str, target: str, epoch: int, md: bytes) -> str:
@@ -588,6 +648,8 @@ class NixlTransport(PyTransport):
         self._md_cache: bytes | None = None
         self._poll_interval = 0.0
         self._thread: threading.Thread | None = None
+        self._refused = 0                 # malformed messages dropped since the last log line
+        self._refused_logged_at = -1e9
 
     # -------------------------------------------------------------- lifecycle
     def start(self, agent: "Agent") -> None:
@@ -1187,13 +1249,23 @@ class NixlTransport(PyTransport):
         if (p is None or not p.loaded) and self._eng is not None:
             self._eng.forget(n)
 
+    def _log_refused(self, sender: str, err: Exception) -> None:
+        """Drops a malformed message from ``sender`` (logged at most once a second)."""
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged_at >= 1.0:
+            log.warning("nixl: dropped %d malformed message(s), latest from %r: %s", self._refused,
+                        str(sender)[:64], err)
+            self._refused, self._refused_logged_at = 0, now
+
     def _control(self, sender: str, raw: bytes) -> None:
         """One control message from NIXL agent ``sender`` (poller thread, lock held)."""
         try:
-            msg = json.loads(raw)
-            kind = msg["k"]
-        except (ValueError, KeyError, TypeError):
+            msg = _parse_ctl(raw)
+        except ProtocolError as e:
+            self._log_refused(sender, e)
             return
+        kind = msg["k"]
         eng = self._eng
         if eng is None:
             return
@@ -1279,7 +1351,10 @@ class NixlTransport(PyTransport):
                 for m in msgs:
                     m = bytes(m)
                     if m[:1] == _USER:
-                        if agent is not None:
+                        if len(m) - 1 > self._max_notif:
+                            self._log_refused(sender, ProtocolError(
+                                f"notification of {len(m) - 1} bytes (limit {self._max_notif})"))
+                        elif agent is not None:
                             try:
                                 agent._n.push_notification(_pdkv_name(sender), m[1:])
                             except PdkvError:
