@@ -303,5 +303,8 @@ def test_wrong_secret_guesses_are_slowed_and_logged_sparingly(capfd):
         # 20 failures are answered at once, then about 6 a second (5 refilled + 1 per held reply).
         assert took > 3, f"60 wrong guesses answered in {took:.2f} s: no back-off"
         lines = [ln for ln in capfd.readouterr().err.splitlines() if "wrong secret" in ln]
-        assert 1 <= len(lines) <= took + 2, lines
+        if os.environ.get("PDKV_LOG", "warn") == "error":  # .ci/run and the sanitizer runs
+            assert lines == []
+        else:  # rate-limited: about one line a second, with the count of the others
+            assert 1 <= len(lines) <= took + 2, lines
         legit_write(a, b, 8)  # a correct secret is not delayed
