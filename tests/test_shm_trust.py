@@ -194,15 +194,17 @@ def test_frozen_peer_cannot_block_deregistration():
 # ---------------------------------------------------------------- the fault contract
 
 
+def _peer_b(a: pdkv.Agent):
+    """A second agent 'b' with a 4 KiB region, known to ``a``: (b, peer, extents of one write)."""
+    b = pdkv.Agent("b", secret=SECRET, transports=["shm"])
+    rd = b.register(np.zeros(4096, np.uint8))  # the region keeps its array alive
+    rs = a.register(np.ones(4096, np.uint8))
+    return b, a.add_peer(b.metadata()), [(rs.id, 0, rd.id, 0, 4096)]
+
+
 def test_unreachable_peer_fails_at_wait_not_write():
     with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a:
-        b = pdkv.Agent("b", secret=SECRET, transports=["shm"])
-        dst = np.zeros(4096, np.uint8)
-        rd = b.register(dst)
-        src = np.ones(4096, np.uint8)
-        rs = a.register(src)
-        peer = a.add_peer(b.metadata())
-        ext = [(rs.id, 0, rd.id, 0, 4096)]
+        b, peer, ext = _peer_b(a)
         b.close()
         x = a.prepare_extents("write", peer, ext).post(notify=b"n")  # must not raise
         with pytest.raises(pdkv.PeerConnectionError):
@@ -213,13 +215,7 @@ def test_unreachable_peer_fails_at_wait_not_write():
 
 def test_restarted_peer_is_stale_at_wait():
     with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a:
-        b = pdkv.Agent("b", secret=SECRET, transports=["shm"])
-        dst = np.zeros(4096, np.uint8)
-        rd = b.register(dst)
-        src = np.ones(4096, np.uint8)
-        rs = a.register(src)
-        peer = a.add_peer(b.metadata())
-        ext = [(rs.id, 0, rd.id, 0, 4096)]
+        b, peer, ext = _peer_b(a)
         prep = a.prepare_extents("write", peer, ext)
         assert prep.post().wait(10)
         b.close()
