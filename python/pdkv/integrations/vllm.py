@@ -18,22 +18,38 @@ How a request flows (pull, like vLLM's NixlConnector):
 
 1. Prefill runs the prompt. :meth:`PdkvConnector.request_finished` keeps the
    request's blocks (``delay_free``) and returns ``kv_transfer_params`` naming
-   them, the prefill workers' pdkv agents (``host:port``, one per TP rank) and a
-   lease deadline.
+   them and their generations (``remote_block_generations``), the prefill
+   workers' pdkv agents (``host:port``, one per TP rank) and a lease deadline.
 2. Decode's scheduler claims the prompt's tokens (``get_num_new_matched_tokens``
    returns them as loaded asynchronously), vLLM allocates blocks, and
    ``update_state_after_alloc`` pairs each local block with the prefill block at
    the same position in the prompt (local prefix-cache hits are skipped).
 3. Decode's worker reads those blocks straight from prefill's KV cache into its
-   own (``Agent.read``: one copy on the same host via ``shm``, scatter-gather TCP
-   across hosts; no staging buffer) and reports them in ``get_finished``. The read
-   carries a notification that reaches prefill once every byte has landed; the
-   prefill worker then reports the request as sent and vLLM frees its blocks.
-4. A failed pull (peer gone, timeout, lease expired, bad parameters) reports the
-   request's blocks through ``get_block_ids_with_load_errors``; with
-   ``kv_load_failure_policy="recompute"`` vLLM recomputes the prompt locally and
-   the request still completes. Prefill frees blocks nobody pulled once the lease
-   (``kv_lease_s``) runs out.
+   own (``Agent.read`` with ``remote_generations``: one copy on the same host via
+   ``shm``, scatter-gather TCP across hosts; no staging buffer) and reports them in
+   ``get_finished``. The read carries a notification that reaches prefill once
+   every byte has landed; prefill's worker passes it to its scheduler
+   (``build_connector_worker_meta`` -> ``update_connector_output``).
+4. Once every TP rank's release arrived (or the lease, ``kv_lease_s``, ran out on
+   prefill's clock), prefill's scheduler has its worker bump the generations of
+   the request's blocks (through the connector metadata); the worker reports the
+   request as sent only after ``bump_generations`` returned, and only then does
+   vLLM free (and later reuse) the blocks.
+5. A failed pull (peer gone, timeout, blocks freed since: ``StaleBlock``, bad
+   parameters) reports the request's blocks through
+   ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"``
+   vLLM recomputes the prompt locally and the request still completes.
+
+Stale pulls: prefill checks the generations before it sends a byte, so a pull
+that comes after prefill freed the blocks (lease ran out, replayed parameters,
+clocks that disagree) fails with ``StaleBlock`` instead of reading the request
+that reused them (docs/generations.md). The scheduler has no agent: it mirrors
+the generations (every block starts at 1, as in every pdkv layout) and bumps the
+mirror exactly when it tells the worker to bump, for the blocks no other
+hand-out still holds (:class:`_HeldBlocks`; a block shared through the prefix
+cache stays valid while another hand-out holds it). The lease is only prefill's
+garbage-collection timer. Decode checks ``remote_expires_at`` against its own
+clock only when prefill sent no generations (an older prefill).
 
 Extra config keys (``kv_connector_extra_config``):
 
@@ -45,7 +61,8 @@ Extra config keys (``kv_connector_extra_config``):
 ``transports``
     pdkv transports in order of preference (default: all available, ``shm`` first).
 ``kv_lease_s``
-    Seconds prefill keeps a finished request's blocks for decode (default 120).
+    Seconds prefill keeps a finished request's blocks for decode (default 120);
+    a later pull fails (``StaleBlock``) and decode recomputes.
 ``transfer_timeout_s``
     Deadline of one pull (default 30).
 ``stats_path``
@@ -337,9 +354,9 @@ class _HeldBlocks:
         return [self._gens.get(b, 1) for b in block_ids]
 
     def hold(self, req_id: str, block_ids: list[int], expires_at: float) -> list[int]:
-        """Records a hand-out; returns the generations to hand out with the ids."""
-        if req_id in self.requests:  # vLLM finishes a request once; be safe anyway
-            raise ValueError(f"pdkv connector: request {req_id} is already held")
+        """Records a hand-out (of a request not held yet); returns the generations
+        to hand out with the ids."""
+        assert req_id not in self.requests, req_id
         self.requests[req_id] = _Held(list(block_ids), expires_at)
         for b in set(block_ids):
             self._holders[b] = self._holders.get(b, 0) + 1
@@ -486,6 +503,9 @@ class _Scheduler:
         if not block_ids or not self.agents:
             if not self.agents:
                 logger.warning("pdkv connector: no worker agent known; %s is not handed over", request.request_id)
+            return False, None
+        if request.request_id in self.held.requests:  # vLLM finishes a request once
+            logger.error("pdkv connector: %s finished twice; not handed over again", request.request_id)
             return False, None
         expires = time.time() + self.lease_s
         gens = self.held.hold(request.request_id, [int(b) for b in block_ids], expires)
