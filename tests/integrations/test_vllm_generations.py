@@ -194,3 +194,20 @@ def test_older_prefill_without_generations_keeps_the_lease_check(pd):
     del params["remote_block_generations"]
     assert _pull(decode, "d1", dict(params, remote_expires_at=time.time() - 1), [3, 4]) == {3, 4}
     assert _pull(decode, "d2", params, [3, 4]) == set()
+
+
+def test_transport_without_generations_falls_back_to_the_lease(pd, monkeypatch):
+    """cuda_ipc and nixl refuse remote_generations (NotSupported at prepare): the
+    pull goes without them and decode checks prefill's lease itself, as before."""
+    prefill, decode = pd
+    real = decode.worker.agent.read
+
+    def read(*args, remote_generations=None, **kw):
+        if remote_generations is not None:
+            raise conn.pdkv.NotSupported("transport 'x' cannot check block generations")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(decode.worker.agent, "read", read)
+    params = _finish(prefill, "a", [1, 2])
+    assert _pull(decode, "d1", dict(params, remote_expires_at=time.time() - 1), [3, 4]) == {3, 4}
+    assert _pull(decode, "d2", params, [3, 4]) == set()

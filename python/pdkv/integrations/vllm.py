@@ -711,16 +711,28 @@ class _Worker:
                 if len(r.remote_block_ids) != len(r.local_block_ids) or not r.local_block_ids:
                     raise pdkv.InvalidArgument(f"{len(r.local_block_ids)} local blocks for "
                                                f"{len(r.remote_block_ids)} prefill blocks")
-                gens = self._remote_generations(r)
-                if gens is None and r.expires_at and time.time() > r.expires_at - _LEASE_MARGIN_S:
-                    raise pdkv.TransferTimeout(f"prefill's lease on {r.remote_request_id} ran out before the pull")
-                xfer = self.agent.read(peer, _LAYOUT, self._phys(r.local_block_ids), _LAYOUT,
-                                       self._phys(r.remote_block_ids), remote_generations=gens,
-                                       notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s)
+                xfer = self._read(peer, r)
             except Exception as e:  # noqa: BLE001 - every failure becomes a recompute
                 self._fail(req_id, r, addr, e)
                 continue
             self._recving[req_id] = (xfer, r, addr, t_seen)
+
+    def _read(self, peer: str, r: _Recv) -> pdkv.Transfer:
+        """Posts the pull, with prefill's generations when it sent them."""
+        gens = self._remote_generations(r)
+        args = (peer, _LAYOUT, self._phys(r.local_block_ids), _LAYOUT, self._phys(r.remote_block_ids))
+        kw = dict(notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s)
+        if gens is not None:
+            try:
+                return self.agent.read(*args, remote_generations=gens, **kw)
+            except pdkv.NotSupported as e:
+                # cuda_ipc and nixl cannot check generations: fall back to the lease.
+                logger.warning("pdkv connector: %s; pulling %s without them (lease check only)", e,
+                               r.remote_request_id)
+                r.remote_generations = None
+        if r.expires_at and time.time() > r.expires_at - _LEASE_MARGIN_S:
+            raise pdkv.TransferTimeout(f"prefill's lease on {r.remote_request_id} ran out before the pull")
+        return self.agent.read(*args, **kw)
 
     def _remote_generations(self, r: _Recv) -> list[int] | None:
         """Prefill's generations per kernel block (None: prefill sent none). Prefill
