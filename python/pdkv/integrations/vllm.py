@@ -49,7 +49,9 @@ mirror exactly when it tells the worker to bump, for the blocks no other
 hand-out still holds (:class:`_HeldBlocks`; a block shared through the prefix
 cache stays valid while another hand-out holds it). The lease is only prefill's
 garbage-collection timer. Decode checks ``remote_expires_at`` against its own
-clock only when prefill sent no generations (an older prefill).
+clock only when prefill sent no generations (an older prefill), or when the
+transport cannot check them (``cuda_ipc``, ``nixl``: ``NotSupported``; it then
+pulls without them and logs a warning).
 
 Extra config keys (``kv_connector_extra_config``):
 
