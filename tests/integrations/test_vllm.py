@@ -45,6 +45,10 @@ BLOCK = 128  # vLLM's CPU KV block size
 MAX_NEW = 24
 #: Prompt lengths: shorter than a block, exactly three blocks, two blocks and a partial third.
 LENGTHS = {"short": 5, "three_blocks": 3 * BLOCK, "partial_last": 2 * BLOCK + 44}
+#: prefill_other's lease, and its KV cache: 5 blocks (block 0 is vLLM's null block), so
+#: two 3-block prompts in a row must share blocks (test_late_pull_of_reused_blocks_recomputes).
+OTHER_LEASE_S = 15
+OTHER_BLOCKS = 5
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -72,8 +76,9 @@ def deploy(tmp_path_factory):
     try:
         procs.append(VllmInstance(root / "m0", name="prefill", cpus="0", **common,
                                   kv_config=pdkv_kv_config("kv_producer", kv_lease_s=60)))
-        procs.append(VllmInstance(root / "m1", name="prefill_other", cpus="0", **common,
-                                  kv_config=pdkv_kv_config("kv_producer", kv_lease_s=60)))
+        procs.append(VllmInstance(root / "m1", name="prefill_other", cpus="0", **common, max_model_len=512,
+                                  args=["--num-gpu-blocks-override", str(OTHER_BLOCKS)],
+                                  kv_config=pdkv_kv_config("kv_producer", kv_lease_s=OTHER_LEASE_S)))
         procs.append(VllmInstance(root / "m0", name="decode", cpus="1", **common,
                                   kv_config=pdkv_kv_config("kv_consumer", stats_path=str(stats["decode"]),
                                                            transfer_timeout_s=10)))
@@ -216,7 +221,8 @@ def test_failed_pull_is_recomputed(deploy, fault):
         params["remote_agents"] = [f"127.0.0.1:{free_port()}"]  # nothing listens there
     elif fault == "blocks_out_of_range":
         params["remote_block_ids"] = [10**7 + i for i in range(len(params["remote_block_ids"]))]
-    else:
+    else:  # an older prefill (no generations): decode falls back to its lease check
+        del params["remote_block_generations"]
         params["remote_expires_at"] = time.time() - 1
     ans = deploy["decode"].complete(prompt, MAX_NEW, kv_transfer_params=params)
     assert _tokens(ans) == ref
@@ -231,3 +237,44 @@ def test_failed_pull_is_recomputed(deploy, fault):
     while _gauge(deploy["prefill"].url, "vllm:kv_cache_usage_perc") > 0:
         assert time.monotonic() < deadline, "prefill still holds KV blocks"
         time.sleep(0.5)
+
+
+def _wait_free(proc, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _gauge(proc.url, "vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, f"{proc.name} still holds KV blocks after {timeout} s"
+        time.sleep(0.5)
+
+
+def test_late_pull_of_reused_blocks_recomputes(deploy):
+    """prefill_other's lease runs out before decode pulls: it frees the blocks and
+    another request writes them. The late pull fails with StaleBlock (the blocks'
+    generations moved) even though decode's clock says the lease still runs, and
+    decode recomputes: the right answer, not the other request's KV (nor m1's)."""
+    other, decode = deploy["other"], deploy["decode"]
+    _wait_free(other)
+    prompt, prompt_b = _prompt(2 * BLOCK + 44, seed=31), _prompt(2 * BLOCK + 44, seed=32)
+    ref = _tokens(deploy["prefill"].complete(prompt, MAX_NEW))
+    recovered = _log_count(decode, "Recovered from KV load failure")
+    stale = dict(other.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"])
+    assert len(stale["remote_block_generations"]) == len(stale["remote_block_ids"]) == 3, stale
+    _wait_free(other, timeout=OTHER_LEASE_S + 30)  # the lease ran out: prefill freed the blocks
+    fresh = other.complete(prompt_b, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    old = dict(zip(stale["remote_block_ids"], stale["remote_block_generations"]))
+    new = dict(zip(fresh["remote_block_ids"], fresh["remote_block_generations"]))
+    reused = set(old) & set(new)
+    assert reused, (stale, fresh)  # 3 + 3 blocks out of OTHER_BLOCKS - 1
+    assert all(new[b] > old[b] for b in reused), (stale, fresh)
+
+    stale["remote_expires_at"] = time.time() + 3600  # decode's clock lags: only generations can tell
+    ans = decode.complete(prompt, MAX_NEW, kv_transfer_params=stale)
+    assert _tokens(ans) == ref
+    pull = _wait_pull(deploy, ans["id"])
+    assert pull["error"] and pull["error"].startswith("StaleBlock"), pull
+    assert _log_count(decode, "Recovered from KV load failure") == recovered + 1
+    # The new hand-out of the same blocks pulls fine (decode uses m1's KV: the
+    # answer differs from m0's own), and its release frees them.
+    ans_b = decode.complete(prompt_b, MAX_NEW, kv_transfer_params=fresh)
+    assert _wait_pull(deploy, ans_b["id"])["error"] is None
+    assert _tokens(ans_b) != _tokens(deploy["prefill"].complete(prompt_b, MAX_NEW))
+    _wait_free(other)

@@ -18,22 +18,40 @@ How a request flows (pull, like vLLM's NixlConnector):
 
 1. Prefill runs the prompt. :meth:`PdkvConnector.request_finished` keeps the
    request's blocks (``delay_free``) and returns ``kv_transfer_params`` naming
-   them, the prefill workers' pdkv agents (``host:port``, one per TP rank) and a
-   lease deadline.
+   them and their generations (``remote_block_generations``), the prefill
+   workers' pdkv agents (``host:port``, one per TP rank) and a lease deadline.
 2. Decode's scheduler claims the prompt's tokens (``get_num_new_matched_tokens``
    returns them as loaded asynchronously), vLLM allocates blocks, and
    ``update_state_after_alloc`` pairs each local block with the prefill block at
    the same position in the prompt (local prefix-cache hits are skipped).
 3. Decode's worker reads those blocks straight from prefill's KV cache into its
-   own (``Agent.read``: one copy on the same host via ``shm``, scatter-gather TCP
-   across hosts; no staging buffer) and reports them in ``get_finished``. The read
-   carries a notification that reaches prefill once every byte has landed; the
-   prefill worker then reports the request as sent and vLLM frees its blocks.
-4. A failed pull (peer gone, timeout, lease expired, bad parameters) reports the
-   request's blocks through ``get_block_ids_with_load_errors``; with
-   ``kv_load_failure_policy="recompute"`` vLLM recomputes the prompt locally and
-   the request still completes. Prefill frees blocks nobody pulled once the lease
-   (``kv_lease_s``) runs out.
+   own (``Agent.read`` with ``remote_generations``: one copy on the same host via
+   ``shm``, scatter-gather TCP across hosts; no staging buffer) and reports them in
+   ``get_finished``. The read carries a notification that reaches prefill once
+   every byte has landed; prefill's worker passes it to its scheduler
+   (``build_connector_worker_meta`` -> ``update_connector_output``).
+4. Once every TP rank's release arrived (or the lease, ``kv_lease_s``, ran out on
+   prefill's clock), prefill's scheduler has its worker bump the generations of
+   the request's blocks (through the connector metadata); the worker reports the
+   request as sent only after ``bump_generations`` returned, and only then does
+   vLLM free (and later reuse) the blocks.
+5. A failed pull (peer gone, timeout, blocks freed since: ``StaleBlock``, bad
+   parameters) reports the request's blocks through
+   ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"``
+   vLLM recomputes the prompt locally and the request still completes.
+
+Stale pulls: prefill checks the generations before it sends a byte, so a pull
+that comes after prefill freed the blocks (lease ran out, replayed parameters,
+clocks that disagree) fails with ``StaleBlock`` instead of reading the request
+that reused them (docs/generations.md). The scheduler has no agent: it mirrors
+the generations (every block starts at 1, as in every pdkv layout) and bumps the
+mirror exactly when it tells the worker to bump, for the blocks no other
+hand-out still holds (:class:`_HeldBlocks`; a block shared through the prefix
+cache stays valid while another hand-out holds it). The lease is only prefill's
+garbage-collection timer. Decode checks ``remote_expires_at`` against its own
+clock only when prefill sent no generations (an older prefill), or when the
+transport cannot check them (``cuda_ipc``, ``nixl``: ``NotSupported``; it then
+pulls without them and logs a warning).
 
 Extra config keys (``kv_connector_extra_config``):
 
@@ -45,7 +63,8 @@ Extra config keys (``kv_connector_extra_config``):
 ``transports``
     pdkv transports in order of preference (default: all available, ``shm`` first).
 ``kv_lease_s``
-    Seconds prefill keeps a finished request's blocks for decode (default 120).
+    Seconds prefill keeps a finished request's blocks for decode (default 120);
+    a later pull fails (``StaleBlock``) and decode recomputes.
 ``transfer_timeout_s``
     Deadline of one pull (default 30).
 ``stats_path``
@@ -75,6 +94,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.logger import init_logger
@@ -89,16 +109,20 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["PdkvConnector", "PdkvConnectorMetadata", "PdkvConnectorStats", "PdkvHandshakeMetadata"]
+__all__ = ["PdkvConnector", "PdkvConnectorMetadata", "PdkvConnectorStats", "PdkvHandshakeMetadata",
+           "PdkvWorkerMetadata"]
 
 logger = init_logger("vllm.kv_connector.pdkv")  # under "vllm": shown with vLLM's own logs
 
 #: Notification payload prefix: ``b"pdkv-vllm release <prefill request id>"``.
 _RELEASE = b"pdkv-vllm release "
-#: A pull must complete this many seconds before the lease ends to be trusted.
+#: Without block generations (an older prefill), a pull must complete this many
+#: seconds before the lease ends to be trusted.
 _LEASE_MARGIN_S = 5.0
+_GEN_MAX = 2**32 - 1
 _LAYOUT = "vllm-kv"
 
 
@@ -120,6 +144,8 @@ class _Recv:
     remote_request_id: str
     expires_at: float
     num_tokens: int
+    #: Prefill's generations of ``remote_block_ids`` (None: an older prefill sent none).
+    remote_generations: Any = None
 
 
 @dataclass
@@ -136,8 +162,24 @@ class PdkvConnectorMetadata(KVConnectorMetadata):
 
     reqs_to_recv: dict[str, _Recv] = field(default_factory=dict)
     reqs_to_release: dict[str, _Release] = field(default_factory=dict)
-    #: Prefill: request id -> wall-clock lease deadline of its held blocks.
-    reqs_to_send: dict[str, float] = field(default_factory=dict)
+    #: Prefill: held requests to report as sent (vLLM then frees their blocks), each
+    #: with the blocks whose generations the worker must bump first (the blocks no
+    #: other handed-out request still holds). Distinct ids within one entry.
+    reqs_to_finish: list[tuple[str, list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class PdkvWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per engine step: prefill request id -> the TP ranks
+    whose decode peer said it may free the request's blocks."""
+
+    released: dict[str, set[int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "PdkvWorkerMetadata":
+        if isinstance(other, PdkvWorkerMetadata):
+            for req_id, ranks in other.released.items():
+                self.released.setdefault(req_id, set()).update(ranks)
+        return self
 
 
 @dataclass
@@ -220,6 +262,10 @@ class PdkvConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self._sched is not None
+        self._sched.update_connector_output(connector_output)
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         assert self._sched is not None
         self._sched.set_agents(metadata)
@@ -261,6 +307,10 @@ class PdkvConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.take_load_errors()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        return self._worker.worker_meta()
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None or self._worker.stats.is_empty():
             return None
@@ -276,6 +326,64 @@ class PdkvConnector(KVConnectorBase_V1):
             self._worker.close()
 
 
+@dataclass
+class _Held:
+    """Prefill: a finished request whose blocks wait for decode's pull."""
+
+    block_ids: list[int]
+    expires_at: float
+    released_by: set[int] = field(default_factory=set)
+
+
+class _HeldBlocks:
+    """Prefill scheduler: the requests handed to decode, the blocks they hold, and
+    each block's generation as the worker's pdkv agent has it.
+
+    The scheduler has no agent, so it keeps a mirror: every block starts at
+    generation 1 (as every pdkv layout does) and the mirror is bumped exactly when
+    :meth:`release` tells the worker to bump the agent. A block is bumped when the
+    last handed-out request holding it is released (blocks shared through the
+    prefix cache stay valid while another hand-out holds them); the worker bumps
+    before it reports the request as sent, i.e. before vLLM may reuse the blocks.
+    """
+
+    def __init__(self) -> None:
+        self.requests: dict[str, _Held] = {}
+        self._gens: dict[int, int] = {}
+        self._holders: dict[int, int] = {}
+
+    def generations(self, block_ids: list[int]) -> list[int]:
+        return [self._gens.get(b, 1) for b in block_ids]
+
+    def hold(self, req_id: str, block_ids: list[int], expires_at: float) -> list[int]:
+        """Records a hand-out (of a request not held yet); returns the generations
+        to hand out with the ids."""
+        assert req_id not in self.requests, req_id
+        self.requests[req_id] = _Held(list(block_ids), expires_at)
+        for b in set(block_ids):
+            self._holders[b] = self._holders.get(b, 0) + 1
+        return self.generations(block_ids)
+
+    def release(self, req_id: str) -> list[int]:
+        """Forgets a hand-out; returns the blocks to bump (now held by no hand-out),
+        whose mirrored generations it bumps."""
+        held = self.requests.pop(req_id)
+        bump = []
+        for b in sorted(set(held.block_ids)):
+            n = self._holders[b] - 1
+            if n:
+                self._holders[b] = n
+                continue
+            del self._holders[b]
+            g = self._gens.get(b, 1)
+            self._gens[b] = g + 1 if g < _GEN_MAX else 1
+            bump.append(b)
+        return bump
+
+    def expired(self, now: float) -> list[str]:
+        return [r for r, h in self.requests.items() if now > h.expires_at]
+
+
 class _Scheduler:
     """Scheduler half: which tokens decode claims, which blocks pair up, and what
     prefill returns to the proxy."""
@@ -288,7 +396,8 @@ class _Scheduler:
         self.agents: list[str] = []
         self._recv: dict[str, _Recv] = {}
         self._release: dict[str, _Release] = {}
-        self._send: dict[str, float] = {}
+        self.held = _HeldBlocks()
+        self._finish: list[tuple[str, list[int]]] = []
         policy = vllm_config.kv_transfer_config.kv_load_failure_policy
         if vllm_config.kv_transfer_config.is_kv_consumer and policy != "recompute":
             logger.warning("pdkv connector: kv_load_failure_policy=%r fails a request whose KV pull fails; "
@@ -342,15 +451,39 @@ class _Scheduler:
         first, last = start // self.block_size, -(-end // self.block_size)
         (local_all,) = blocks.get_block_ids()[:1]
         remote_all = [int(b) for b in params["remote_block_ids"]]
+        gens = params.get("remote_block_generations")
+        if isinstance(gens, list):
+            gens = gens[first:last]  # checked by the worker: a bad value fails the pull
         self._recv[request.request_id] = _Recv(
             local_block_ids=list(local_all[first:last]), remote_block_ids=remote_all[first:last],
             remote_agents=agents, remote_request_id=rid,
-            expires_at=float(params.get("remote_expires_at") or 0.0), num_tokens=num_external_tokens)
+            expires_at=float(params.get("remote_expires_at") or 0.0), num_tokens=num_external_tokens,
+            remote_generations=gens)
+
+    def _finish_held(self, req_id: str) -> None:
+        """Prefill: the request's blocks may go (bumped first, by the worker)."""
+        self._finish.append((req_id, self.held.release(req_id)))
 
     def build_connector_meta(self) -> PdkvConnectorMetadata:
-        meta = PdkvConnectorMetadata(self._recv, self._release, self._send)
-        self._recv, self._release, self._send = {}, {}, {}
+        for req_id in self.held.expired(time.time()):
+            logger.warning("pdkv connector: decode did not pull %s within its lease; freeing its blocks", req_id)
+            self._finish_held(req_id)
+        meta = PdkvConnectorMetadata(self._recv, self._release, self._finish)
+        self._recv, self._release, self._finish = {}, {}, []
         return meta
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """Prefill: a request is released once decode told every TP rank."""
+        meta = output.kv_connector_worker_meta
+        if not isinstance(meta, PdkvWorkerMetadata):
+            return
+        for req_id, ranks in meta.released.items():
+            held = self.held.requests.get(req_id)
+            if held is None:
+                continue  # already released or expired
+            held.released_by |= ranks
+            if len(held.released_by) >= max(1, len(self.agents)):
+                self._finish_held(req_id)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -373,8 +506,11 @@ class _Scheduler:
             if not self.agents:
                 logger.warning("pdkv connector: no worker agent known; %s is not handed over", request.request_id)
             return False, None
+        if request.request_id in self.held.requests:  # vLLM finishes a request once
+            logger.error("pdkv connector: %s finished twice; not handed over again", request.request_id)
+            return False, None
         expires = time.time() + self.lease_s
-        self._send[request.request_id] = expires
+        gens = self.held.hold(request.request_id, [int(b) for b in block_ids], expires)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -384,6 +520,7 @@ class _Scheduler:
             "remote_num_tokens": int(request.num_computed_tokens),
             "remote_agents": list(self.agents),
             "remote_expires_at": expires,
+            "remote_block_generations": gens,
         }
 
 
@@ -429,9 +566,10 @@ class _Worker:
         self._done_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self.stats = PdkvConnectorStats()
-        # prefill
-        self._sending: dict[str, float] = {}
-        self._released: dict[str, float] = {}
+        # prefill: bumps run in their own thread (each waits for reads still in flight)
+        self._bumper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-bump")
+        self._finishing: list[tuple[str, concurrent.futures.Future]] = []
+        self._released: set[str] = set()
         logger.info("pdkv connector: agent %s on %s (transports %s)", name, self.agent.address,
                     ", ".join(self.agent.transports))
 
@@ -548,8 +686,8 @@ class _Worker:
             self._peers.pop(address, None)
 
     def start_load_kv(self, meta: PdkvConnectorMetadata) -> None:
-        for req_id, deadline in meta.reqs_to_send.items():
-            self._sending[req_id] = deadline
+        for req_id, block_ids in meta.reqs_to_finish:
+            self._finishing.append((req_id, self._bumper.submit(self._bump, block_ids)))
         for req_id, rel in meta.reqs_to_release.items():
             self._release(rel.remote_agents, rel.remote_request_id)
         now = time.perf_counter()
@@ -572,18 +710,45 @@ class _Worker:
             del self._parked[req_id]
             try:
                 peer = fut.result()
-                if r.expires_at and time.time() > r.expires_at - _LEASE_MARGIN_S:
-                    raise pdkv.TransferTimeout(f"prefill's lease on {r.remote_request_id} ran out before the pull")
                 if len(r.remote_block_ids) != len(r.local_block_ids) or not r.local_block_ids:
                     raise pdkv.InvalidArgument(f"{len(r.local_block_ids)} local blocks for "
                                                f"{len(r.remote_block_ids)} prefill blocks")
-                xfer = self.agent.read(peer, _LAYOUT, self._phys(r.local_block_ids), _LAYOUT,
-                                       self._phys(r.remote_block_ids),
-                                       notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s)
+                xfer = self._read(peer, r)
             except Exception as e:  # noqa: BLE001 - every failure becomes a recompute
                 self._fail(req_id, r, addr, e)
                 continue
             self._recving[req_id] = (xfer, r, addr, t_seen)
+
+    def _read(self, peer: str, r: _Recv) -> pdkv.Transfer:
+        """Posts the pull, with prefill's generations when it sent them."""
+        gens = self._remote_generations(r)
+        args = (peer, _LAYOUT, self._phys(r.local_block_ids), _LAYOUT, self._phys(r.remote_block_ids))
+        kw = dict(notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s)
+        if gens is not None:
+            try:
+                return self.agent.read(*args, remote_generations=gens, **kw)
+            except pdkv.NotSupported as e:
+                # cuda_ipc and nixl cannot check generations: fall back to the lease.
+                logger.warning("pdkv connector: %s; pulling %s without them (lease check only)", e,
+                               r.remote_request_id)
+                r.remote_generations = None
+        if r.expires_at and time.time() > r.expires_at - _LEASE_MARGIN_S:
+            raise pdkv.TransferTimeout(f"prefill's lease on {r.remote_request_id} ran out before the pull")
+        return self.agent.read(*args, **kw)
+
+    def _remote_generations(self, r: _Recv) -> list[int] | None:
+        """Prefill's generations per kernel block (None: prefill sent none). Prefill
+        checks them before sending a byte: a pull of blocks it freed (and may have
+        reused) since fails with ``StaleBlock`` instead of reading another request's KV."""
+        gens = r.remote_generations
+        if gens is None:
+            return None
+        if not isinstance(gens, list) or len(gens) != len(r.remote_block_ids) or not all(
+                type(g) is int and 0 < g <= _GEN_MAX for g in gens):
+            raise pdkv.InvalidArgument(f"remote_block_generations must be {len(r.remote_block_ids)} integers in "
+                                       f"[1, 2^32-1], got {str(gens)[:200]}")
+        k = self.phys_per_block
+        return list(gens) if k == 1 else [g for g in gens for _ in range(k)]
 
     def _poll_recving(self) -> None:
         for req_id in list(self._recving):
@@ -592,7 +757,8 @@ class _Worker:
                 continue
             del self._recving[req_id]
             err = xfer.error
-            if err is None and r.expires_at and time.time() > r.expires_at - _LEASE_MARGIN_S:
+            if err is None and r.remote_generations is None and r.expires_at \
+                    and time.time() > r.expires_at - _LEASE_MARGIN_S:
                 # Prefill may already have reused these blocks: do not trust them.
                 err = pdkv.TransferTimeout("the pull completed after prefill's lease ran out")
             if err is not None:
@@ -649,27 +815,37 @@ class _Worker:
             f.write(json.dumps(row) + "\n")
 
     # ---------------------------------------------------------------- prefill: releases
+    def _bump(self, block_ids: list[int]) -> None:
+        """Runs in the bump thread: invalidates the handed-out generations of
+        ``block_ids``; returns once no pull under the old ones still reads them."""
+        if block_ids:
+            self.agent.bump_generations(_LAYOUT, self._phys(block_ids), timeout=None)
+
     def _poll_released(self) -> set[str]:
-        now = time.time()
+        """Collects decode's release notifications (for the scheduler) and returns
+        the requests whose blocks are bumped, i.e. that vLLM may free now."""
         for n in self.agent.get_notifications():
             if n.data.startswith(_RELEASE):
-                self._released[n.data[len(_RELEASE):].decode(errors="replace")] = now
-        done = set()
-        for req_id, deadline in list(self._sending.items()):
-            if req_id in self._released:
+                self._released.add(n.data[len(_RELEASE):].decode(errors="replace"))
+        done, pending = set(), []
+        for req_id, fut in self._finishing:
+            if not fut.done():
+                pending.append((req_id, fut))
+            elif fut.exception() is not None:
+                # Never free blocks whose old generation may still be valid: keep them.
+                logger.error("pdkv connector: could not invalidate the blocks of %s (%s: %s); they stay held",
+                             req_id, type(fut.exception()).__name__, fut.exception())
+            else:
                 done.add(req_id)
-            elif now > deadline:
-                logger.warning("pdkv connector: decode did not pull %s within its lease; freeing its blocks", req_id)
-                done.add(req_id)
-        for req_id in done:
-            del self._sending[req_id]
-            self._released.pop(req_id, None)
-        # A release can arrive before the scheduler hands the request over; forget
-        # stale ones (aborted elsewhere) after a while.
-        for req_id, t in list(self._released.items()):
-            if now - t > 600:
-                del self._released[req_id]
+        self._finishing = pending
         return done
+
+    def worker_meta(self) -> PdkvWorkerMetadata | None:
+        if not self._released:
+            return None
+        meta = PdkvWorkerMetadata({req_id: {self.tp_rank} for req_id in self._released})
+        self._released = set()
+        return meta
 
     # ---------------------------------------------------------------- per step
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
@@ -687,6 +863,7 @@ class _Worker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._bumper.shutdown(wait=False, cancel_futures=True)
         for xfer, *_ in self._recving.values():
             xfer.cancel()
         self.agent.close()

@@ -1,0 +1,213 @@
+"""The vLLM connector's block generations, without a vLLM engine: the connector's
+scheduler and worker halves of a prefill and a decode instance, driven by hand the
+way vLLM drives them, with real pdkv agents over real KV tensors.
+
+Prefill hands out its blocks with generations; when a hand-out ends (decode's
+release reached every rank, or the lease ran out) the scheduler tells the worker to
+bump the blocks no other hand-out still holds, and the worker reports the request as
+sent (vLLM frees the blocks) only after the bump. A pull that comes later (after
+the blocks were reused) fails with ``StaleBlock`` and becomes a load error (vLLM
+recomputes) instead of reading another request's KV.
+
+Needs a Python that imports vLLM (``scripts/ci_vllm.sh``), like the rest of this
+directory; it starts no vLLM instance and takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+if importlib.util.find_spec("vllm") is not None:
+    with warnings.catch_warnings():  # vLLM's and torch's own import-time deprecations
+        warnings.simplefilter("ignore")
+        import torch
+        from vllm.v1.request import RequestStatus
+
+        from pdkv.integrations import vllm as conn
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not importable here: run scripts/ci_vllm.sh")
+
+BLOCKS, HEADS, TOKENS, DIM = 8, 2, 4, 8
+
+
+def _config(role: str, **extra) -> SimpleNamespace:
+    kvt = SimpleNamespace(kv_connector_extra_config={"secret": "s" * 16, "transports": ["tcp"], **extra},
+                          engine_id=f"{role}-engine", is_kv_consumer=role == "decode",
+                          kv_load_failure_policy="recompute")
+    return SimpleNamespace(kv_transfer_config=kvt, cache_config=SimpleNamespace(block_size=TOKENS))
+
+
+class Instance:
+    """One side: the connector's scheduler half and one worker over a 2-layer KV cache."""
+
+    def __init__(self, role: str, seed: int, **extra) -> None:
+        cfg = _config(role, **extra)
+        self.sched = conn._Scheduler(cfg)
+        self.worker = conn._Worker(cfg, None)
+        g = torch.Generator().manual_seed(seed)
+        self.caches = {f"layer{i}": torch.rand(BLOCKS, HEADS, TOKENS, 2 * DIM, generator=g) for i in range(2)}
+        self.worker.register_kv_caches(self.caches)
+        self.sched.set_agents({0: self.worker.handshake_metadata()})
+
+    def block(self, b: int) -> list:
+        return [t[b].clone() for t in self.caches.values()]
+
+    def fill(self, b: int, value: float) -> None:
+        for t in self.caches.values():
+            t[b].fill_(value)
+
+    def step(self) -> tuple[set[str], set[str]]:
+        """One engine step: scheduler -> worker metadata, worker results -> scheduler."""
+        self.worker.start_load_kv(self.sched.build_connector_meta())
+        sent, recvd = self.worker.get_finished()
+        self.sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=self.worker.worker_meta(),
+                                                           finished_sending=sent, finished_recving=recvd))
+        return sent or set(), recvd or set()
+
+    def until(self, pick, what: str, timeout: float = 20.0) -> set[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = pick(self.step())
+            if got:
+                return got
+            time.sleep(0.01)
+        raise AssertionError(f"no {what} within {timeout} s")
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+@pytest.fixture
+def pd():
+    prefill = Instance("prefill", 1, kv_lease_s=60)
+    decode = Instance("decode", 2, transfer_timeout_s=10)
+    yield prefill, decode
+    decode.close()
+    prefill.close()
+
+
+def _finish(prefill: Instance, req_id: str, block_ids: list[int]) -> dict:
+    """Prefill finished ``req_id`` (max_tokens=1): the kv_transfer_params it returns."""
+    req = SimpleNamespace(request_id=req_id, kv_transfer_params={"do_remote_decode": True},
+                          status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=len(block_ids) * TOKENS)
+    delay, params = prefill.sched.request_finished(req, block_ids)
+    assert delay is True
+    return params
+
+
+def _pull(decode: Instance, req_id: str, params: dict, local: list[int]) -> set[int]:
+    """Decode schedules ``req_id`` with ``params`` into ``local`` blocks and pulls;
+    returns the blocks reported as load errors."""
+    n = len(params["remote_block_ids"]) * TOKENS
+    req = SimpleNamespace(request_id=req_id, kv_transfer_params=dict(params), num_prompt_tokens=n + 1)
+    count, is_async = decode.sched.get_num_new_matched_tokens(req, 0)
+    assert (count, is_async) == (n, True)
+    decode.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(local),)), count)
+    decode.until(lambda r: req_id in r[1], f"pull of {req_id}")
+    return decode.worker.take_load_errors()
+
+
+def test_params_carry_the_generations_the_agent_has(pd):
+    prefill, _ = pd
+    params = _finish(prefill, "a", [1, 2, 5])
+    assert params["remote_block_ids"] == [1, 2, 5]
+    assert params["remote_block_generations"] == [1, 1, 1] == prefill.worker.agent.generations("vllm-kv", [1, 2, 5])
+
+
+def test_late_pull_of_reused_blocks_fails_stale_and_reads_nothing(pd, tmp_path):
+    """Prefill's lease runs out, its blocks are freed and written by another
+    request; decode's late pull (its clock says the lease still runs) must not
+    read them."""
+    prefill, decode = pd
+    stale = _finish(prefill, "a", [1, 2])
+    prefill.sched.held.requests["a"].expires_at = time.time() - 1  # the lease ran out
+    prefill.until(lambda r: "a" in r[0], "release of a")  # reported sent: vLLM frees 1, 2
+    assert prefill.worker.agent.generations("vllm-kv", [1, 2]) == [2, 2]
+    prefill.fill(1, 7.0)  # another request reuses the blocks...
+    prefill.fill(2, 7.0)
+    fresh = _finish(prefill, "b", [2, 1])  # ... and is handed out itself
+    assert fresh["remote_block_generations"] == [2, 2]
+
+    before = decode.block(3) + decode.block(4)
+    stale["remote_expires_at"] = time.time() + 3600  # decode's clock lags: no early-expiry check saves it
+    assert _pull(decode, "d1", stale, [3, 4]) == {3, 4}  # load errors: vLLM recomputes the prompt
+    assert all((x == y).all() for x, y in zip(decode.block(3) + decode.block(4), before)), "stale pull landed"
+    assert decode.worker.stats.data["failed"] == 1
+
+    # The fresh hand-out of the same blocks pulls fine (mirror == agent), and its
+    # release (decode's notification) bumps them again.
+    assert _pull(decode, "d2", fresh, [5, 6]) == set()
+    assert all((t[5] == 7.0).all() and (t[6] == 7.0).all() for t in decode.caches.values())
+    prefill.until(lambda r: "b" in r[0], "release of b")
+    assert prefill.worker.agent.generations("vllm-kv", [1, 2]) == [3, 3] == prefill.sched.held.generations([1, 2])
+
+
+def test_stale_pull_is_recorded_as_stale_block(tmp_path):
+    stats = tmp_path / "pulls.jsonl"
+    prefill = Instance("prefill", 1, kv_lease_s=60)
+    decode = Instance("decode", 2, stats_path=str(stats))
+    try:
+        params = _finish(prefill, "a", [4])
+        prefill.sched.held.requests["a"].expires_at = 0.0
+        prefill.until(lambda r: "a" in r[0], "release of a")
+        assert _pull(decode, "d", params, [1]) == {1}
+        (row,) = [json.loads(line) for line in stats.read_text().splitlines()]
+        assert row["error"].startswith("StaleBlock"), row
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_block_shared_by_two_hand_outs_stays_valid_until_both_end(pd):
+    """Prefix caching: two finished requests hold the same first block. Releasing
+    one must not invalidate the other's pull of it."""
+    prefill, decode = pd
+    first = _finish(prefill, "a", [1, 2])
+    second = _finish(prefill, "b", [1, 3])
+    assert _pull(decode, "d1", first, [4, 5]) == set()
+    prefill.until(lambda r: "a" in r[0], "release of a")
+    assert prefill.worker.agent.generations("vllm-kv", [1, 2, 3]) == [1, 2, 1]
+    assert _pull(decode, "d2", second, [6, 7]) == set()
+    prefill.until(lambda r: "b" in r[0], "release of b")
+    assert prefill.worker.agent.generations("vllm-kv", [1, 2, 3]) == [2, 2, 2] == \
+        prefill.sched.held.generations([1, 2, 3])
+
+
+def test_bad_generations_fail_the_pull(pd):
+    prefill, decode = pd
+    params = _finish(prefill, "a", [1, 2])
+    for bad in ([1], [1, 0], [1, 2**32], ["1", 1], "x"):
+        p = dict(params, remote_block_generations=bad)
+        assert _pull(decode, f"d-{bad!s}", p, [3, 4]) == {3, 4}, bad
+
+
+def test_older_prefill_without_generations_keeps_the_lease_check(pd):
+    prefill, decode = pd
+    params = _finish(prefill, "a", [1, 2])
+    del params["remote_block_generations"]
+    assert _pull(decode, "d1", dict(params, remote_expires_at=time.time() - 1), [3, 4]) == {3, 4}
+    assert _pull(decode, "d2", params, [3, 4]) == set()
+
+
+def test_transport_without_generations_falls_back_to_the_lease(pd, monkeypatch):
+    """cuda_ipc and nixl refuse remote_generations (NotSupported at prepare): the
+    pull goes without them and decode checks prefill's lease itself, as before."""
+    prefill, decode = pd
+    real = decode.worker.agent.read
+
+    def read(*args, remote_generations=None, **kw):
+        if remote_generations is not None:
+            raise conn.pdkv.NotSupported("transport 'x' cannot check block generations")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(decode.worker.agent, "read", read)
+    params = _finish(prefill, "a", [1, 2])
+    assert _pull(decode, "d1", dict(params, remote_expires_at=time.time() - 1), [3, 4]) == {3, 4}
+    assert _pull(decode, "d2", params, [3, 4]) == set()
