@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--connect-timeout", type=float, default=3.0)
     px.add_argument("--read-timeout", type=float, default=120.0, help="longest silence from a decode worker")
     px.add_argument("--retries", type=int, default=2, help="other workers to try when one is unreachable")
+    px.add_argument("--max-body-bytes", type=int, help="largest request body in bytes, 413 above (default: "
+                    "the model's context length x 64, at least 1 MiB)")
     px.add_argument("--startup-timeout", type=float, default=600.0,
                     help="seconds to wait for the workers before giving up (default 600)")
     return ap
@@ -212,7 +214,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
     decode = ",".join(x for x in (args.decode, args.workers) if x)
     cfg = ProxyConfig(mode=args.mode, prefill=args.prefill, decode=decode, hybrid_threshold=args.hybrid_threshold,
                       tokenizer=args.tokenizer, kv_timeout_s=args.kv_timeout, connect_timeout_s=args.connect_timeout,
-                      read_timeout_s=args.read_timeout, retries=args.retries)
+                      read_timeout_s=args.read_timeout, retries=args.retries, max_body_bytes=args.max_body_bytes)
     proxy = Proxy(cfg)
     return run_until_signal(_ReadyProxy(proxy, args.startup_timeout), args.host, args.port,
                             ready_file=args.ready_file,

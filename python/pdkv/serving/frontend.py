@@ -6,6 +6,13 @@ validates and tokenizes requests (:mod:`pdkv.serving.openai_api`), asks a
 :class:`Backend` for tokens, turns them into text incrementally, applies stop strings,
 and records request metrics (TTFT, ITL, end-to-end latency, tokens, errors).
 
+Every error is OpenAI's JSON error object: :meth:`OpenAIFrontend.add_routes` installs
+one middleware that renders :class:`APIError`, aiohttp's own HTTP errors (404, 405,
+413...) and anything unexpected (500, logged) that way. Request bodies are capped by
+:func:`~pdkv.serving.openai_api.body_limit` (aiohttp's ``client_max_size``, per
+request), and large bodies are parsed and tokenized on a small thread pool, so the
+event loop keeps serving other requests meanwhile.
+
 Two backends exist: the proxy's (:class:`pdkv.serving.proxy.ProxyBackend`, which routes
 to prefill and decode workers) and a colocated worker's own engine
 (:class:`pdkv.serving.worker.LocalBackend`).
@@ -16,25 +23,103 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from aiohttp import web
 
 from .metrics import CONTENT_TYPE, Registry
 from .openai_api import (APIError, Endpoint, IncrementalDetokenizer, ModelInfo, OpenAIRequest, StopMatcher,
-                         TextCodec, parse_request, resolve_prompt)
+                         TextCodec, body_limit, decode_body, parse_request, resolve_prompt)
 from .protocol import GenParams
 
-__all__ = ["Backend", "OpenAIFrontend", "RequestTrace", "TokenOut"]
+__all__ = ["Backend", "OpenAIFrontend", "RequestTrace", "TokenOut", "openai_error_middleware"]
 
 log = logging.getLogger("pdkv.serving")
 
 #: ITL buckets (seconds): finer than the latency defaults at the low end.
 ITL_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1,
                0.125, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+#: Bodies up to this size are parsed and tokenized on the event loop (microseconds);
+#: larger ones on the request pool.
+INLINE_BODY_BYTES = 64 << 10
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 429: "rate_limit_exceeded",
+               503: "service_unavailable"}
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _request_pool() -> ThreadPoolExecutor:
+    """The threads that parse and tokenize large requests (tokenizers release the GIL)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="pdkv-request")
+        return _pool
+
+
+def _response_started(request: web.Request) -> bool:
+    """True once the handler sent the status line (an error can no longer replace it)."""
+    writer = request.writer
+    return writer is None or getattr(writer, "output_size", 0) > 0
+
+
+def _http_error(e: web.HTTPException, request: web.Request) -> APIError:
+    if e.status == 404:
+        msg = f"{request.method} {request.path}: no such route on this server"
+    elif e.status == 405:
+        msg = f"{request.method} is not allowed on {request.path}; allowed: {e.headers.get('Allow', '')}"
+    else:
+        msg = e.text or e.reason
+    return APIError(e.status, msg, code=_HTTP_CODES.get(e.status))
+
+
+def openai_error_middleware(on_error: Callable[[int], None] | None = None) -> Any:
+    """An aiohttp middleware answering every error as OpenAI's JSON error object.
+
+    :class:`APIError` keeps its status; aiohttp's :class:`~aiohttp.web.HTTPException`
+    (unknown path, wrong method, body too large...) keeps its status and headers
+    (``Allow``); anything else is logged and answered as a 500 ``server_error``. An
+    error raised after a streamed response started propagates (aiohttp closes the
+    connection).
+
+    Parameters
+    ----------
+    on_error : callable, optional
+        Called with the status of each error answered (metrics).
+    """
+
+    @web.middleware
+    async def openai_errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        headers: dict[str, str] = {}
+        try:
+            return await handler(request)
+        except APIError as e:
+            err = e
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            err = _http_error(e, request)
+            headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
+        except Exception as e:  # noqa: BLE001 - the client gets a JSON 500; the log the traceback
+            if _response_started(request):
+                raise
+            log.exception("%s %s failed", request.method, request.path)
+            err = APIError(500, f"internal server error ({type(e).__name__})", code="internal_error")
+        if _response_started(request):
+            raise err
+        if on_error is not None:
+            on_error(err.status)
+        return web.json_response(err.to_json(), status=err.status, headers=headers)
+
+    return openai_errors
 
 
 @dataclass(frozen=True)
@@ -118,11 +203,17 @@ class OpenAIFrontend:
     backend : Backend
     registry : Registry
         Request metrics are added to it (the backend may add its own).
+    max_body_bytes : int, optional
+        Largest request body (413 above). Default: derived from the model's context,
+        see :func:`~pdkv.serving.openai_api.body_limit`.
     """
 
-    def __init__(self, backend: Backend, registry: Registry) -> None:
+    def __init__(self, backend: Backend, registry: Registry, *, max_body_bytes: int | None = None) -> None:
+        if max_body_bytes is not None and max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.backend = backend
         self.registry = registry
+        self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         r = registry
         self.m_requests = r.counter("pdkv_requests_total", "Finished generation requests.", ("endpoint", "status"))
@@ -139,7 +230,9 @@ class OpenAIFrontend:
 
     def add_routes(self, app: web.Application) -> None:
         """Adds ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
-        ``/metrics``."""
+        ``/metrics``, and the middleware that answers every error of ``app`` (its other
+        routes and unknown paths included) as OpenAI's error object."""
+        app.middlewares.append(openai_error_middleware(lambda status: self.m_errors.inc((str(status),))))
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -172,21 +265,35 @@ class OpenAIFrontend:
         self.m_errors.inc((str(e.status),))
         return web.json_response(e.to_json(), status=e.status)
 
+    async def _read_body(self, request: web.Request, info: ModelInfo | None) -> bytes:
+        """The body, refused with aiohttp's 413 (rendered by the middleware) past the limit."""
+        limit = body_limit(info, self.max_body_bytes)
+        if request.content_length is not None and request.content_length > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+        return await request.clone(client_max_size=limit).read()
+
+    @staticmethod
+    def _prepare(raw: bytes, endpoint: Endpoint, info: ModelInfo | None, codec: TextCodec | None
+                 ) -> tuple[OpenAIRequest, ModelInfo, list[int], GenParams]:
+        """Decodes, validates and tokenizes a request (pure: runs on the request pool)."""
+        req = parse_request(decode_body(raw), endpoint)
+        if info is None:
+            raise APIError(503, "the server is starting: no worker has reported its model yet",
+                           code="service_unavailable")
+        prompt, params = resolve_prompt(req, info, codec)
+        return req, info, prompt, params
+
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         t0 = time.perf_counter()
-        try:
-            try:
-                body = await request.json(loads=json.loads)
-            except (ValueError, UnicodeDecodeError):
-                raise APIError.bad("the request body is not valid JSON") from None
-            req = parse_request(body, endpoint)
-            info = self.backend.model_info()
-            if info is None:
-                raise APIError(503, "the server is starting: no worker has reported its model yet",
-                               code="service_unavailable")
-            prompt, params = resolve_prompt(req, info, self.backend.codec())
-        except APIError as e:
-            return self._error(e)
+        info = self.backend.model_info()
+        codec = self.backend.codec()
+        raw = await self._read_body(request, info)
+        if len(raw) <= INLINE_BODY_BYTES:
+            req, info, prompt, params = self._prepare(raw, endpoint, info, codec)
+        else:
+            loop = asyncio.get_running_loop()
+            req, info, prompt, params = await loop.run_in_executor(_request_pool(), self._prepare, raw, endpoint,
+                                                                   info, codec)
         rid = f"{'cmpl' if endpoint is Endpoint.COMPLETIONS else 'chatcmpl'}-{uuid.uuid4().hex}"
         run = _Run(self, request, req, rid, prompt, params, info, t0)
         self.m_in_flight.inc()

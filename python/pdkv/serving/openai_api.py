@@ -17,7 +17,10 @@ are ignored. ``pdkv_stats: true`` adds a ``pdkv`` object (routing and KV transfe
 figures) to the response (non-standard).
 
 Errors are :class:`APIError` and render as OpenAI does:
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``. Bodies that are not UTF-8 JSON
+objects, nest deeper than Python's recursion limit, or hold text with a lone surrogate
+(``"\\ud800"``, which no tokenizer can encode) are refused with 400; bodies over
+:func:`body_limit` with 413.
 """
 
 from __future__ import annotations
@@ -31,9 +34,14 @@ from typing import Any, Mapping, Sequence
 from .protocol import GenParams
 
 __all__ = ["APIError", "Endpoint", "IncrementalDetokenizer", "ModelInfo", "OpenAIRequest", "StopMatcher",
-           "TextCodec", "parse_request", "resolve_prompt"]
+           "TextCodec", "body_limit", "decode_body", "parse_request", "resolve_prompt"]
 
 MAX_STOP_STRINGS = 4
+#: Request body bytes allowed per token of context: a token is rarely over 16 characters,
+#: and JSON escapes (``\\uXXXX``) and chat framing at most quadruple that.
+BODY_BYTES_PER_TOKEN = 64
+#: The smallest body limit, whatever the context.
+MIN_BODY_BYTES = 1 << 20
 _SEED_MASK = (1 << 63) - 1
 
 
@@ -77,6 +85,46 @@ class APIError(Exception):
     def bad(cls, message: str, param: str | None = None, code: str | None = None) -> "APIError":
         """A 400 ``invalid_request_error``."""
         return cls(400, message, param=param, code=code)
+
+
+def body_limit(info: "ModelInfo | None", configured: int | None = None) -> int:
+    """Most request body bytes accepted: ``configured`` if given, else
+    ``max_model_len * BODY_BYTES_PER_TOKEN`` with a floor of ``MIN_BODY_BYTES`` (the
+    floor alone while the model is unknown)."""
+    if configured is not None:
+        return int(configured)
+    if info is None:
+        return MIN_BODY_BYTES
+    return max(MIN_BODY_BYTES, min(info.max_model_len, 1 << 40) * BODY_BYTES_PER_TOKEN)
+
+
+def decode_body(raw: bytes) -> Any:
+    """The JSON value of a request body.
+
+    Raises
+    ------
+    APIError
+        400 for bytes that are not UTF-8, text that is not JSON, or JSON nested too deeply
+        to decode (Python's recursion limit).
+    """
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise APIError.bad("the request body is not UTF-8 text") from None
+    except RecursionError:
+        raise APIError.bad("the request body nests JSON too deeply") from None
+    except ValueError as e:
+        raise APIError.bad(f"the request body is not valid JSON: {e}") from None
+
+
+def _text(s: str, param: str) -> str:
+    """``s`` if it is valid Unicode text (no lone surrogate); tokenizers reject the rest."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError.bad(f"'{param}' holds a lone surrogate (\\u{ord(s[e.start]):04x}) at character {e.start}: "
+                           "it is not valid Unicode text", param) from None
+    return s
 
 
 @dataclass(frozen=True)
@@ -353,6 +401,7 @@ def _messages(v: Any) -> tuple[dict[str, str], ...]:
             content = ""
         if not isinstance(content, str):
             raise APIError.bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        _text(content, "messages")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return tuple(out)
 
@@ -363,7 +412,7 @@ def _prompt(v: Any) -> str | tuple[int, ...]:
     if isinstance(v, str):
         if not v:
             raise APIError.bad("'prompt' is empty", "prompt")
-        return v
+        return _text(v, "prompt")
     if isinstance(v, list):
         if not v:
             raise APIError.bad("'prompt' is empty", "prompt")
@@ -421,11 +470,11 @@ def parse_request(body: Any, endpoint: Endpoint) -> OpenAIRequest:
     if stop_v is None:
         stop: tuple[str, ...] = ()
     elif isinstance(stop_v, str):
-        stop = (stop_v,) if stop_v else ()
+        stop = (_text(stop_v, "stop"),) if stop_v else ()
     elif isinstance(stop_v, list) and all(isinstance(s, str) for s in stop_v):
         if len(stop_v) > MAX_STOP_STRINGS:
             raise APIError.bad(f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
-        stop = tuple(s for s in stop_v if s)
+        stop = tuple(_text(s, "stop") for s in stop_v if s)
     else:
         raise APIError.bad("'stop' must be a string or a list of strings", "stop")
     sti = body.get("stop_token_ids")

@@ -110,6 +110,9 @@ class ProxyConfig:
         Other workers tried after one could not be reached.
     down_cooldown_s : float
         How long an unreachable worker stays out of rotation.
+    max_body_bytes : int, optional
+        Largest request body (413 above); default: from the model's context (see
+        :func:`~pdkv.serving.openai_api.body_limit`).
     """
 
     mode: ProxyMode
@@ -122,6 +125,7 @@ class ProxyConfig:
     read_timeout_s: float = 120.0
     retries: int = 2
     down_cooldown_s: float = 2.0
+    max_body_bytes: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -144,6 +148,8 @@ class ProxyConfig:
                 raise InvalidArgument(f"{k} must be > 0, got {getattr(self, k)!r}")
         if self.retries < 0:
             raise InvalidArgument(f"retries must be >= 0, got {self.retries}")
+        if self.max_body_bytes is not None and (not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1):
+            raise InvalidArgument(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
 
 
 class _WorkerFailed(Exception):
@@ -708,13 +714,13 @@ class Proxy:
         self.config = config
         self.registry = Registry()
         self.backend = ProxyBackend(config, self.registry)
-        self.frontend = OpenAIFrontend(self.backend, self.registry)
+        self.frontend = OpenAIFrontend(self.backend, self.registry, max_body_bytes=config.max_body_bytes)
         self._http: HttpServer | None = None
         self.url = ""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         await self.backend.start()
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application()  # the frontend sets each request's body limit
         self.frontend.add_routes(app)
         self._http = HttpServer(app)
         try:
