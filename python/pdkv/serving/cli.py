@@ -133,9 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--tokenizer", help="model directory with the tokenizer (default: the workers' model dir)")
     px.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a prefill may take to deliver the KV "
                     "before the decode worker recomputes (default 30)")
-    px.add_argument("--connect-timeout", type=float, default=3.0)
-    px.add_argument("--read-timeout", type=float, default=120.0, help="longest silence from a decode worker")
-    px.add_argument("--retries", type=int, default=2, help="other workers to try when one is unreachable")
+    px.add_argument("--connect-timeout", type=float, default=3.0, help="TCP connect to a worker (default 3)")
+    px.add_argument("--headers-timeout", type=float, default=90.0,
+                    help="seconds from sending a request to a worker to its response headers (default 90)")
+    px.add_argument("--read-timeout", type=float, default=120.0,
+                    help="longest silence from a decode worker while tokens are due (default 120)")
+    px.add_argument("--liveness", type=float, default=2.0,
+                    help="seconds between liveness probes (GET /pd/stats) of each worker, and of silence before a "
+                    "wait probes its worker; a worker that misses one leaves rotation and its requests move "
+                    "(default 2)")
+    px.add_argument("--probe-timeout", type=float, default=2.0, help="deadline of one liveness probe (default 2)")
+    px.add_argument("--retries", type=int, default=2,
+                    help="other workers to try when one fails, stream migrations included (default 2)")
     px.add_argument("--max-body-bytes", type=int, help="largest request body in bytes, 413 above (default: "
                     "the model's context length x 64, at least 1 MiB)")
     px.add_argument("--startup-timeout", type=float, default=600.0,
@@ -214,7 +223,9 @@ def _run_proxy(args: argparse.Namespace) -> int:
     decode = ",".join(x for x in (args.decode, args.workers) if x)
     cfg = ProxyConfig(mode=args.mode, prefill=args.prefill, decode=decode, hybrid_threshold=args.hybrid_threshold,
                       tokenizer=args.tokenizer, kv_timeout_s=args.kv_timeout, connect_timeout_s=args.connect_timeout,
-                      read_timeout_s=args.read_timeout, retries=args.retries, max_body_bytes=args.max_body_bytes)
+                      read_timeout_s=args.read_timeout, headers_timeout_s=args.headers_timeout,
+                      liveness_s=args.liveness, probe_timeout_s=args.probe_timeout, retries=args.retries,
+                      max_body_bytes=args.max_body_bytes)
     proxy = Proxy(cfg)
     return run_until_signal(_ReadyProxy(proxy, args.startup_timeout), args.host, args.port,
                             ready_file=args.ready_file,

@@ -672,7 +672,8 @@ class Engine:
                     samplers = [req for _, req in sample_rows]
                     tokens = sample_tokens(logits, [r.handle.params for r in samplers],
                                            [r.handle.seed for r in samplers],
-                                           [len(r.handle.output_ids) for r in samplers]) if samplers else []
+                                           [r.handle.params.index_offset + len(r.handle.output_ids)
+                                            for r in samplers]) if samplers else []
             except BaseException as exc:
                 with self._lock:
                     for req, _n in sched:

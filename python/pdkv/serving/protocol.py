@@ -84,6 +84,10 @@ class GenParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    #: Output position of the request's first token: a request migrated after ``n``
+    #: tokens continues with ``index_offset = n``, so its random draws (keyed by seed
+    #: and output position) are those of the uninterrupted request.
+    index_offset: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -97,19 +101,24 @@ class GenParams:
         seed = obj.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise InvalidArgument(f"{where}: seed must be an integer or null")
+        offset = obj.get("index_offset", 0)
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise InvalidArgument(f"{where}: index_offset must be an integer >= 0")
         return cls(max_tokens=require(obj, "max_tokens", int, where=where),
                    temperature=float(require(obj, "temperature", (int, float), where=where)),
                    top_p=float(require(obj, "top_p", (int, float), where=where)),
                    seed=seed,
                    stop_token_ids=_int_list(obj.get("stop_token_ids", []), where=where, name="stop_token_ids"),
-                   ignore_eos=bool(require(obj, "ignore_eos", bool, where=where)))
+                   ignore_eos=bool(require(obj, "ignore_eos", bool, where=where)),
+                   index_offset=offset)
 
     def to_sampling(self) -> Any:
         """The engine's :class:`~pdkv.serving.sampling.SamplingParams` (imports torch)."""
         from .sampling import SamplingParams
 
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+                              seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                              index_offset=self.index_offset)
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,21 @@ Modes (:class:`ProxyMode`):
 Routing: the least-loaded worker of a pool serves the next request (decode: fewest
 requests in flight; prefill: fewest prompt tokens waiting for their first token), ties
 broken round-robin. A worker that cannot be reached is taken out of rotation for
-``down_cooldown_s`` and the request is retried on another one as long as the client
-got no token yet; after that the stream ends with an error object. A prefill worker
+``down_cooldown_s`` and the request is retried on another one. A prefill worker
 that fails or a KV transfer that fails never fails the request: the decode worker
-recomputes the prompt (``/pd/kv_failed``). Every wait has a timeout.
+recomputes the prompt (``/pd/kv_failed``).
+
+Faults: every wait on a worker has a deadline (``connect_timeout_s``,
+``headers_timeout_s``, ``kv_timeout_s``, ``read_timeout_s``), and a worker that
+stops answering (frozen, not only dead) is found sooner by liveness probes: every
+``liveness_s`` the proxy GETs each worker's ``/pd/stats`` with a ``probe_timeout_s``
+deadline, and so does any wait that has been silent for ``liveness_s``. A worker that
+misses a probe leaves rotation until it answers one again; the waits on it fail at
+once. A decode worker that fails after the client got tokens does not fail the
+request: the stream is *migrated* -- another decode worker prefills the prompt plus
+the tokens already sent and continues with the same seed (``index_offset``: the
+same random draws), ``max_tokens`` reduced by what was sent, so the client receives
+the complete answer. Only when no decode worker is left does it get an error.
 
 The proxy learns the model from the workers (``/pd/info``) and loads the tokenizer
 from the model directory they report (or ``tokenizer``), so it needs no model of its
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -106,8 +118,16 @@ class ProxyConfig:
         TCP connect to a worker.
     read_timeout_s : float
         Longest silence from a decode worker while tokens are due.
+    headers_timeout_s : float
+        From sending a request to a worker to its response headers (a decode worker
+        answers them once it reserved blocks, which may wait for free ones).
+    liveness_s : float
+        Interval of the liveness probes, and the silence after which a wait probes the
+        worker it waits on.
+    probe_timeout_s : float
+        Deadline of one liveness probe (``GET /pd/stats``).
     retries : int
-        Other workers tried after one could not be reached.
+        Other workers tried after one failed (migrations included).
     down_cooldown_s : float
         How long an unreachable worker stays out of rotation.
     max_body_bytes : int, optional
@@ -123,6 +143,9 @@ class ProxyConfig:
     kv_timeout_s: float = 30.0
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 120.0
+    headers_timeout_s: float = 90.0
+    liveness_s: float = 2.0
+    probe_timeout_s: float = 2.0
     retries: int = 2
     down_cooldown_s: float = 2.0
     max_body_bytes: int | None = None
@@ -143,7 +166,8 @@ class ProxyConfig:
             raise InvalidArgument(f"{self.mode.value} mode needs at least one prefill worker URL")
         if not isinstance(self.hybrid_threshold, int) or self.hybrid_threshold < 0:
             raise InvalidArgument(f"hybrid_threshold must be an integer >= 0, got {self.hybrid_threshold!r}")
-        for k in ("kv_timeout_s", "connect_timeout_s", "read_timeout_s", "down_cooldown_s"):
+        for k in ("kv_timeout_s", "connect_timeout_s", "read_timeout_s", "down_cooldown_s", "headers_timeout_s",
+                  "liveness_s", "probe_timeout_s"):
             if not getattr(self, k) > 0:
                 raise InvalidArgument(f"{k} must be > 0, got {getattr(self, k)!r}")
         if self.retries < 0:
@@ -175,11 +199,14 @@ class _Worker:
     in_flight: int = 0
     load_tokens: int = 0           # prefill: prompt tokens waiting for their first token
     down_until: float = 0.0
+    alive: bool = True             # answered its last liveness probe
+    alive_at: float = 0.0          # when it last answered one (monotonic)
+    probe: "asyncio.Task[bool] | None" = None  # the liveness probe in flight
     served: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
 
     def usable(self, now: float) -> bool:
-        return self.info is not None and self.compatible and now >= self.down_until
+        return self.info is not None and self.compatible and self.alive and now >= self.down_until
 
 
 class _Pool:
@@ -250,6 +277,8 @@ class ProxyBackend:
         self.m_failures = r.counter("pdkv_worker_failures_total", "Workers that failed a request, by worker.",
                                     ("role", "worker"))
         self.m_retries = r.counter("pdkv_request_retries_total", "Requests moved to another worker.")
+        self.m_migrations = r.counter("pdkv_request_migrations_total",
+                                      "Streams continued on another decode worker after tokens were sent.")
         r.gauge("pdkv_worker_in_flight", "Requests the proxy has in flight at each worker.", ("role", "worker")) \
             .set_function(lambda: [((w.role, w.url), w.in_flight) for w in self._workers()])
         self.m_up = r.gauge("pdkv_worker_up", "1 if the worker answered the last poll.", ("role", "worker"))
@@ -267,8 +296,10 @@ class ProxyBackend:
         """Opens the HTTP client and starts discovering the workers."""
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
         self._tasks.append(asyncio.ensure_future(self._discover_loop()))
+        self._tasks.append(asyncio.ensure_future(self._liveness_loop()))
 
     async def close(self) -> None:
+        self._tasks.extend(w.probe for w in self._workers() if w.probe is not None)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -297,6 +328,69 @@ class ProxyBackend:
         if self._session is None:
             raise APIError(503, "the proxy is not started", code="service_unavailable")
         return self._session
+
+    # ------------------------------------------------------------------ liveness
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.liveness_s)
+            await asyncio.gather(*(self._alive(w) for w in self._workers() if w.info is not None))
+
+    def _alive(self, w: _Worker) -> "asyncio.Future[bool]":
+        """Whether ``w`` answers ``GET /pd/stats`` within ``probe_timeout_s`` (one probe
+        per worker at a time, shared by all who ask). A miss takes it out of rotation
+        until it answers again."""
+        if w.probe is None or w.probe.done():
+            w.probe = asyncio.ensure_future(self._probe(w))
+        return asyncio.shield(w.probe)
+
+    async def _probe(self, w: _Worker) -> bool:
+        t = self.config.probe_timeout_s
+        try:
+            async with self.session.get(w.url + "/pd/stats", timeout=aiohttp.ClientTimeout(total=t)) as r:
+                await r.read()
+                ok = r.status == 200
+                why = f"/pd/stats answered HTTP {r.status}"
+        except asyncio.TimeoutError:
+            ok, why = False, f"no answer to a liveness probe within {t:g} s"
+        except (aiohttp.ClientError, OSError) as e:
+            ok, why = False, f"liveness probe failed: {type(e).__name__}: {e}"
+        if ok:
+            w.alive_at = time.monotonic()
+        elif w.alive:
+            self._mark_down(w, why)
+        elif ok and not w.alive:
+            log.info("%s worker %s answers again; back in rotation", w.role, w.url)
+        w.alive = ok
+        return ok
+
+    async def _bounded(self, w: _Worker, aw: Any, limit: float, what: str) -> Any:
+        """Awaits ``aw`` (a wait on worker ``w``) for at most ``limit`` seconds; each
+        ``liveness_s`` of silence, probes ``w`` and gives up if it does not answer.
+
+        Raises
+        ------
+        _WorkerFailed
+            The deadline passed or the worker stopped answering.
+        """
+        task = asyncio.ensure_future(aw)
+        t0 = time.monotonic()
+        try:
+            while True:
+                left = limit - (time.monotonic() - t0)
+                if left <= 0:
+                    raise _WorkerFailed(w, f"no {what} within {limit:g} s")
+                done, _ = await asyncio.wait({task}, timeout=min(left, self.config.liveness_s))
+                if done:
+                    return task.result()
+                fresh = time.monotonic() - w.alive_at < self.config.liveness_s / 2
+                if not w.alive or not (fresh or await self._alive(w)):
+                    raise _WorkerFailed(w, f"no {what} for {time.monotonic() - t0:.1f} s and the worker does not "
+                                        f"answer liveness probes ({w.error})")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
     # ------------------------------------------------------------------ discovery
     async def _discover_loop(self) -> None:
@@ -422,21 +516,46 @@ class ProxyBackend:
 
     async def _retrying(self, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace, *,
                         disagg: bool) -> AsyncIterator[TokenOut]:
+        """Serves the request on one decode worker after another until one completes it.
+
+        A worker that fails before any token was sent is simply replaced. One that
+        fails after ``sent`` tokens is replaced by a *migration*: the next worker
+        prefills ``prompt + sent`` itself and continues with ``max_tokens`` reduced by
+        ``len(sent)`` and ``index_offset`` raised by it (the same seed, so the same
+        random draws); the client's stream (detokenizer, stop strings, usage) goes on
+        as if nothing happened.
+        """
         exclude: set[str] = set()
-        emitted = 0
+        sent: list[int] = []
+        finished = False
         last = ""
         for attempt in range(self.config.retries + 1):
             d = self.decode.pick(exclude)
             if d is None:
                 break
             arid = rid if attempt == 0 else f"{rid}.r{attempt}"
-            trace.route = "disagg" if disagg else "local"
             trace.decode_worker = d.url
-            gen = self._disagg_on(d, arid, prompt, params, trace) if disagg else \
-                self._local_on(d, arid, prompt, params, trace)
+            if sent:
+                left = params.max_tokens - len(sent)
+                if left < 1:  # cannot happen (the last token carries the finish reason)
+                    yield TokenOut(None, "length")
+                    return
+                trace.route = "local"
+                trace.extra["migrated_after_tokens"] = len(sent)
+                self.m_migrations.inc()
+                log.warning("request %s: continuing on decode worker %s after %d tokens (%s)", rid, d.url,
+                            len(sent), last)
+                gen = self._local_on(d, arid, prompt + sent, dataclasses.replace(
+                    params, max_tokens=left, index_offset=params.index_offset + len(sent)), trace)
+            else:
+                trace.route = "disagg" if disagg else "local"
+                gen = self._disagg_on(d, arid, prompt, params, trace) if disagg else \
+                    self._local_on(d, arid, prompt, params, trace)
             try:
                 async for tok in gen:
-                    emitted += 1
+                    if tok.token_id is not None:
+                        sent.append(tok.token_id)
+                    finished = finished or tok.finish_reason is not None
                     yield tok
                 return
             except _WorkerBusy as e:
@@ -444,14 +563,16 @@ class ProxyBackend:
             except _WorkerFailed as e:
                 last = f"{e.worker.url}: {e}"
                 self._mark_down(e.worker, str(e))
-                if emitted:
-                    raise APIError(502, f"{e.worker.role} worker {e.worker.url} failed after {emitted} tokens were "
-                                   f"sent: {e}", code="worker_failed") from None
+                if finished:
+                    return  # the answer is complete: only the worker's statistics were lost
             finally:
                 await gen.aclose()
             exclude.add(d.url)
             trace.retries += 1
             self.m_retries.inc()
+        if sent:
+            raise APIError(502, f"no decode worker is left to continue the stream after {len(sent)} tokens "
+                           f"(last error: {last})", code="worker_failed")
         raise APIError(503, f"no decode worker could serve the request"
                        f"{' (last error: ' + last + ')' if last else ' (none is available)'}",
                        code="no_worker_available")
@@ -460,7 +581,8 @@ class ProxyBackend:
         """POSTs ``body`` to a decode/engine worker and returns its 200 streaming response;
         a request the worker never received raises _WorkerFailed (safe to retry)."""
         try:
-            r = await self.session.post(d.url + path, json=body, timeout=self._timeout())
+            r = await self._bounded(d, self.session.post(d.url + path, json=body, timeout=self._timeout()),
+                                    self.config.headers_timeout_s, "response headers")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise _WorkerFailed(d, f"{type(e).__name__}: {e}", before_response=True) from None
         try:
@@ -485,8 +607,23 @@ class ProxyBackend:
                            code="invalid_request")
         raise _WorkerFailed(w, f"HTTP {r.status}: {msg}")
 
-    def _lines(self, w: _Worker, r: aiohttp.ClientResponse, timeout: float) -> AsyncIterator[dict[str, Any]]:
-        return _guard(w, ndjson_lines(r.content, timeout=timeout), timeout)
+    async def _lines(self, w: _Worker, r: aiohttp.ClientResponse, timeout: float, what: str
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """The NDJSON lines of worker ``w``'s response, each awaited for at most
+        ``timeout`` s (see :meth:`_bounded`); transport failures become
+        :class:`_WorkerFailed`."""
+        lines = ndjson_lines(r.content, timeout=None)
+        try:
+            while True:
+                try:
+                    line = await self._bounded(w, _next(lines), timeout, what)
+                except (aiohttp.ClientError, ConnectionError, OSError) as e:
+                    raise _WorkerFailed(w, f"{type(e).__name__}: {e}") from None
+                if line is _END:
+                    return
+                yield line
+        finally:
+            await lines.aclose()  # type: ignore[attr-defined]
 
     @contextlib.asynccontextmanager
     async def _decode_stream(self, d: _Worker, path: str, body: dict) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
@@ -496,7 +633,7 @@ class ProxyBackend:
         try:
             r = await self._open_stream(d, path, body)
             try:
-                yield self._lines(d, r, self.config.read_timeout_s)
+                yield self._lines(d, r, self.config.read_timeout_s, "token")
             finally:
                 _done_with(r)
         finally:
@@ -589,8 +726,10 @@ class ProxyBackend:
             waiting = True
             try:
                 try:
-                    r = await self.session.post(p.url + "/pd/prefill", json=body, timeout=self._timeout())
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                    r = await self._bounded(p, self.session.post(p.url + "/pd/prefill", json=body,
+                                                                 timeout=self._timeout()),
+                                            cfg.headers_timeout_s, "response headers")
+                except (aiohttp.ClientError, OSError) as e:
                     # It never got the request: no write can come from it; try another.
                     self._mark_down(p, f"{type(e).__name__}: {e}")
                     exclude.add(p.url)
@@ -603,7 +742,7 @@ class ProxyBackend:
                         out.terminal = True
                         self.m_kv.inc(("failed",))
                         return
-                    async for line in self._lines(p, r, cfg.kv_timeout_s):
+                    async for line in self._lines(p, r, cfg.kv_timeout_s, "first token or KV result"):
                         if "first" in line:
                             f = _dict(line["first"])
                             out.first_token = int(f["t"])
@@ -678,21 +817,14 @@ def _dict(v: Any) -> dict[str, Any]:
     return v if isinstance(v, dict) else {}
 
 
-async def _guard(w: _Worker, lines: AsyncIterator[dict[str, Any]], timeout: float) -> AsyncIterator[dict[str, Any]]:
-    """Turns transport failures of a worker's stream into :class:`_WorkerFailed`."""
+_END = object()
+
+
+async def _next(it: AsyncIterator[Any]) -> Any:
     try:
-        while True:
-            try:
-                line = await lines.__anext__()
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                raise _WorkerFailed(w, f"no answer for {timeout:g} s") from None
-            except (aiohttp.ClientError, ConnectionError, OSError) as e:
-                raise _WorkerFailed(w, f"{type(e).__name__}: {e}") from None
-            yield line
-    finally:
-        await lines.aclose()  # type: ignore[attr-defined]
+        return await it.__anext__()
+    except StopAsyncIteration:  # not through a Task: return a marker instead
+        return _END
 
 
 class Proxy:

@@ -58,6 +58,8 @@ class SamplingParams(GenParams):
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise InvalidArgument(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not isinstance(self.index_offset, int) or self.index_offset < 0:
+            raise InvalidArgument(f"index_offset must be an integer >= 0, got {self.index_offset!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
