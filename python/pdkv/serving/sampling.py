@@ -47,6 +47,10 @@ class SamplingParams(GenParams):
         is the last output token.
     ignore_eos : bool
         Do not stop at the model's EOS tokens.
+    index_offset : int
+        Output position of the first token (>= 0): a request continued after ``n``
+        tokens (a migrated stream, prompt = original prompt + those tokens) passes
+        ``n`` so that its random draws are those of the uninterrupted request.
     """
 
     def __post_init__(self) -> None:
