@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import pytest
@@ -37,6 +38,9 @@ def stack(tiny):
         s.p = s.worker(tiny, "prefill")
         s.bad_p = _worker(s, tiny, "prefill", secret="not-the-shared-secret")
         s.d = s.worker(tiny, "decode", mode="chunked", max_batch_tokens=16)
+        # Its own decode worker: an agent briefly refuses a host after failed
+        # authentications, which would blur the good pair's results.
+        s.bad_d = s.worker(tiny, "decode", mode="chunked", max_batch_tokens=16)
         yield s
     finally:
         s.close()
@@ -55,17 +59,19 @@ def _worker(s: Stack, tiny, role: str, **kw) -> str:
     return url
 
 
-def _samples(text: str, name: str) -> dict[str, float]:
+def _samples(text: str, name: str) -> dict[frozenset, float]:
+    """``{frozenset of (label, value)}: value`` of one metric's series."""
     out = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
             labels, value = line[len(name):].rsplit(" ", 1)
-            out[labels] = float(value)
+            pairs = re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', labels)
+            out[frozenset(pairs)] = float(value)
     return out
 
 
 def test_wrong_secret_is_reported_in_health_metrics_and_each_recompute(tiny, stack) -> None:
-    base = stack.proxy("disagg", prefill=[stack.bad_p], decode=[stack.d])
+    base = stack.proxy("disagg", prefill=[stack.bad_p], decode=[stack.bad_d])
     for p in tiny.prompts[2:4]:
         ids, st = completion_ids(base, tiny.name, p)
         assert ids == tiny.refs[tiny.prompts.index(p)]
@@ -75,12 +81,12 @@ def test_wrong_secret_is_reported_in_health_metrics_and_each_recompute(tiny, sta
     health = json.loads(body)
     assert status == 200 and health["status"] == "degraded"
     [link] = health["peer_links"]
-    assert (link["prefill"], link["decode"], link["ok"]) == (stack.bad_p, stack.d, False)
+    assert (link["prefill"], link["decode"], link["ok"]) == (stack.bad_p, stack.bad_d, False)
     assert link["auth_failures"] == 2 and link["transport_errors"] == 0
     assert "AuthFailed" in link["last_error"]
     metrics = get(base + "/metrics")[1]
     auth = _samples(metrics, "pdkv_peer_auth_failures_total")
-    assert auth == {f'{{prefill="{stack.bad_p}",decode="{stack.d}"}}': 2.0}
+    assert auth == {frozenset({("prefill", stack.bad_p), ("decode", stack.bad_d)}): 2.0}
     # The prefill worker itself says so too, per decode agent.
     status, body = get(stack.bad_p + "/health")
     ph = json.loads(body)
@@ -88,13 +94,14 @@ def test_wrong_secret_is_reported_in_health_metrics_and_each_recompute(tiny, sta
     [(addr, plink)] = ph["peers"].items()
     assert plink["auth_failures"] >= 2 and not plink["ok"]
     assert _samples(get(stack.bad_p + "/metrics")[1], "pdkv_peer_auth_failures_total") \
-        == {f'{{peer="{addr}"}}': plink["auth_failures"]}
+        == {frozenset({("peer", addr)}): plink["auth_failures"]}
 
 
 def test_good_link_is_healthy(tiny, stack) -> None:
     base = stack.proxy("disagg", prefill=[stack.p], decode=[stack.d])
     ids, st = completion_ids(base, tiny.name, tiny.prompts[3])
-    assert ids == tiny.refs[3] and st["recomputed"] is False and st["kv_error"] == ""
+    assert ids == tiny.refs[3]
+    assert st["recomputed"] is False and st["kv_error"] == "", st
     health = json.loads(get(base + "/health")[1])
     assert health["status"] == "ok"
     assert [(x["prefill"], x["ok"], x["auth_failures"]) for x in health["peer_links"]] == [(stack.p, True, 0)]
@@ -126,10 +133,10 @@ def _start_ready(prefill: str, decode: str) -> None:
 def test_startup_fails_fast_when_prefill_and_decode_cannot_authenticate(stack) -> None:
     t0 = time.monotonic()
     with pytest.raises(PeerAuthError) as ei:
-        _start_ready(stack.bad_p, stack.d)
+        _start_ready(stack.bad_p, stack.bad_d)
     assert time.monotonic() - t0 < 30
     msg = str(ei.value)
-    assert stack.bad_p in msg and stack.d in msg and "AuthFailed" in msg and "PDKV_SECRET" in msg
+    assert stack.bad_p in msg and stack.bad_d in msg and "AuthFailed" in msg and "PDKV_SECRET" in msg
     _start_ready(stack.p, stack.d)  # the same check passes with the shared secret
 
 

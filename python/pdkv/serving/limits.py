@@ -194,10 +194,10 @@ class LimitedServer:
     def _factory(self) -> asyncio.Protocol:
         assert self._runner is not None and self._runner.server is not None
         server = self._runner.server
-        conns = server.connections
-        if len(conns) >= self.max_connections:
-            idle = [h for h in conns if h not in self._busy and h.transport is not None
-                    and not h.transport.is_closing()]
+        # Connections being closed (their handler still finishing) are on their way out.
+        live = [h for h in server.connections if h.transport is not None and not h.transport.is_closing()]
+        if len(live) >= self.max_connections:
+            idle = [h for h in live if h not in self._busy]
             if not idle:
                 self.rejected += 1
                 _rate_limited("connection limit", logging.WARNING,

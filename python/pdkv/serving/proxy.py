@@ -443,14 +443,20 @@ class ProxyBackend:
         async def check(p: _Worker, d: _Worker) -> dict[str, Any] | None:
             assert d.info is not None and d.info.agent is not None
             body = {"agent": d.info.agent.get("address", ""), "timeout": max(min(end - loop.time(), 10.0), 1.0)}
-            try:
-                async with self.session.post(p.url + "/pd/check_peer", json=body,
-                                             timeout=aiohttp.ClientTimeout(total=body["timeout"] + 5)) as r:
-                    res = await r.json(content_type=None) if r.status == 200 else \
-                        {"ok": False, "error": f"/pd/check_peer answered HTTP {r.status}"}
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-                res = {"ok": False, "error": f"prefill worker unreachable: {type(e).__name__}: {e}"}
-            err = "" if res.get("ok") else str(res.get("error") or "unknown error")
+            for attempt in range(4):
+                try:
+                    async with self.session.post(p.url + "/pd/check_peer", json=body,
+                                                 timeout=aiohttp.ClientTimeout(total=body["timeout"] + 5)) as r:
+                        res = await r.json(content_type=None) if r.status == 200 else \
+                            {"ok": False, "error": f"/pd/check_peer answered HTTP {r.status}"}
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                    res = {"ok": False, "error": f"prefill worker unreachable: {type(e).__name__}: {e}"}
+                err = "" if res.get("ok") else str(res.get("error") or "unknown error")
+                # An agent briefly refuses a host after failed authentications (another
+                # worker's wrong secret): that is no verdict on this pair yet.
+                if "too many failed authentications" not in err or attempt == 3:
+                    break
+                await asyncio.sleep(0.5 * (attempt + 1))
             kind = self._link_event(p.url, d.url, err)
             return None if kind == "ok" else {"prefill": p.url, "decode": d.url, "kind": kind, "error": err}
 
