@@ -157,8 +157,8 @@ def test_metrics_format() -> None:
     h.observe(5.0, ("a\"b",))
     h.observe(float("nan"), ("a\"b",))
     text = reg.render()
-    assert 'x_seconds_bucket{who="a\\"b",le="1"} 1' in text
-    assert 'x_seconds_bucket{who="a\\"b",le="+Inf"} 2' in text
+    assert 'x_seconds_bucket{le="1.0",who="a\\"b"} 1.0' in text  # prometheus_client's exposition
+    assert 'x_seconds_bucket{le="+Inf",who="a\\"b"} 2.0' in text
     assert "# HELP x_seconds Help with \"quotes\"\\nand lines." in text
     assert h.count(("a\"b",)) == 2 and h.sum(("a\"b",)) == 6.0
     c = reg.counter("c_total", "c")

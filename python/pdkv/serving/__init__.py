@@ -30,7 +30,9 @@ Modules
 :mod:`pdkv.serving.frontend`, :mod:`pdkv.serving.openai_api`, :mod:`pdkv.serving.protocol`
     OpenAI requests/responses, the proxy-worker protocol (both torch-free).
 :mod:`pdkv.serving.metrics`
-    Prometheus text-format counters, gauges and histograms.
+    Counters, gauges and histograms on prometheus_client (``/metrics``).
+:mod:`pdkv.serving.limits`
+    Connection limit and idle/header/body deadlines of every serving HTTP server.
 :mod:`pdkv.serving.launch`
     :class:`Deployment` / :class:`ServerProcess`: serving processes on this machine.
 :mod:`pdkv.serving.cli`, :mod:`pdkv.serving.demo`

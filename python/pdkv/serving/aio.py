@@ -20,11 +20,14 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from aiohttp import web
 
 from pdkv.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from .limits import ServerLimits
 
 __all__ = ["HttpServer", "Serveable", "ServerThread", "json_error", "ndjson_lines", "run_until_signal",
            "start_ndjson", "write_ready_file"]
@@ -122,43 +125,37 @@ async def sse_events(response: Any) -> AsyncIterator[tuple[float, dict[str, Any]
 
 
 class HttpServer:
-    """An aiohttp application listening on one TCP address.
+    """An aiohttp application listening on one TCP address, with connection limits and
+    read deadlines (:class:`~pdkv.serving.limits.ServerLimits`).
 
     Parameters
     ----------
     app : aiohttp.web.Application
     shutdown_timeout : float
         On :meth:`close`, seconds running handlers get to finish before they are cancelled.
+    limits : ServerLimits, optional
+        Default: ``ServerLimits()`` (see :mod:`pdkv.serving.limits`).
     """
 
-    def __init__(self, app: web.Application, *, shutdown_timeout: float = 1.0) -> None:
+    def __init__(self, app: web.Application, *, shutdown_timeout: float = 1.0,
+                 limits: "ServerLimits | None" = None) -> None:
+        from .limits import LimitedServer, ServerLimits
+
         self.app = app
         self.shutdown_timeout = shutdown_timeout
-        self._runner: web.AppRunner | None = None
+        self.server = LimitedServer(app, limits or ServerLimits(), shutdown_timeout=shutdown_timeout)
         self.url = ""
 
     async def start(self, host: str, port: int) -> str:
         """Binds and serves; returns ``http://host:port`` (the real port if ``port`` is 0)."""
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=self.shutdown_timeout)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
-        try:
-            await site.start()
-        except OSError:
-            await self._runner.cleanup()
-            self._runner = None
-            raise
-        addr = self._runner.addresses[0]
+        addr = (await self.server.start(host, port))[0]
         h = addr[0]
         self.url = f"http://{'[' + h + ']' if ':' in h else h}:{addr[1]}"
         return self.url
 
     async def close(self) -> None:
         """Stops accepting, cancels running handlers and closes connections."""
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await runner.cleanup()
+        await self.server.close()
 
 
 class ServerThread:

@@ -24,7 +24,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["build_parser", "main", "parse_cpus"]
+from .limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_KEEPALIVE_TIMEOUT_S
+
+__all__ = ["PeerAuthError", "build_parser", "main", "parse_cpus"]
+
+log = logging.getLogger("pdkv.serving")
 
 DEFAULT_PORTS = {"proxy": 8000, "colocated": 8000, "prefill": 8100, "decode": 8200}
 
@@ -76,12 +80,21 @@ def _common(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--cpus", help="pin the process to these CPUs, e.g. 0 or 0-1")
     p.add_argument("--ready-file", help="write {url, pid, ...} as JSON here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--max-connections", type=int, help="client connections held at once; past it the oldest idle "
+                   "one is closed, or, all busy, a new one gets a 503 (default: the file-handle limit, raised to "
+                   "65536 where allowed, less 256; at most 16384)")
+    p.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S,
+                   help="seconds an idle connection, or one still sending its request headers, is kept "
+                   f"(default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help=f"seconds a request body may take to arrive, 408 after (default {DEFAULT_BODY_TIMEOUT_S:g})")
 
 
 def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
     _common(p, role)
     p.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--served-model-name", help="model name clients send (default: the directory's name)")
+    p.add_argument("--served-model-name", help="model name clients send (default: the directory's name; the "
+                   "--model argument as given is accepted too, like vLLM)")
     p.add_argument("--dtype", default="float32", help="compute dtype: float32, bfloat16, float16 (default float32)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; pin it the same everywhere)")
     p.add_argument("--num-blocks", type=int, default=512, help="KV pool size in blocks (default 512)")
@@ -92,7 +105,9 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
                        "colocated", help="engine scheduling of local prefills: prefill-first (colocated) or "
                        "chunked (default: chunked for decode, colocated for colocated)")
     p.add_argument("--max-batch-tokens", type=int, help="tokens per engine step (default 256 chunked, "
-                   "2048 otherwise)")
+                   "2048 otherwise; chunked needs it >= --max-num-seqs)")
+    p.add_argument("--max-body-bytes", type=int, help="largest request body in bytes, 413 above (default: "
+                   "the model's context length x 64, at least 1 MiB)")
     if role in ("prefill", "decode"):
         p.add_argument("--agent-listen", help="pdkv agent address, reachable by the other workers "
                        "(default: --host with any free port)")
@@ -147,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="other workers to try when one fails, stream migrations included (default 2)")
     px.add_argument("--max-body-bytes", type=int, help="largest request body in bytes, 413 above (default: "
                     "the model's context length x 64, at least 1 MiB)")
+    px.add_argument("--no-check-links", action="store_true",
+                    help="skip the start-up check that every prefill worker can connect to (and authenticate "
+                    "with) every decode worker's agent; by default the proxy exits if they cannot authenticate")
     px.add_argument("--startup-timeout", type=float, default=600.0,
                     help="seconds to wait for the workers before giving up (default 600)")
     return ap
@@ -155,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [%(process)d] %(message)s")
+
+
+def _limits(args: argparse.Namespace) -> Any:
+    from .limits import ServerLimits, raise_nofile_limit
+
+    raise_nofile_limit()
+    return ServerLimits(max_connections=args.max_connections, keepalive_timeout_s=args.keepalive_timeout,
+                        body_timeout_s=args.body_timeout)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -170,21 +196,31 @@ def _run_worker(args: argparse.Namespace) -> int:
     if role != "colocated" and not (args.secret or os.environ.get("PDKV_SECRET")):
         raise InvalidArgument("prefill and decode workers need a shared pdkv secret: set PDKV_SECRET (the same "
                               "value in every prefill and decode worker) or pass --secret")
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    pin_threads(args.threads)
-    model = load_model(model_dir, dtype=args.dtype)
+    # Every setting is checked before the model loads (seconds to minutes).
     mode = getattr(args, "mode", "colocated")
     mbt = args.max_batch_tokens or (256 if mode == "chunked" else 2048)
-    eng = EngineConfig(num_blocks=args.num_blocks, block_tokens=args.block_tokens, mode=mode,
-                       max_batch_tokens=mbt, max_num_seqs=args.max_num_seqs, num_threads=args.threads)
+    try:
+        eng = EngineConfig(num_blocks=args.num_blocks, block_tokens=args.block_tokens, mode=mode,
+                           max_batch_tokens=mbt, max_num_seqs=args.max_num_seqs, num_threads=args.threads)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{e} (flags --mode, --max-batch-tokens, --max-num-seqs, --num-blocks, "
+                              "--block-tokens, --threads)") from None
+    if args.model and not Path(args.model).is_dir():
+        raise InvalidArgument(f"--model {args.model!r} is not a model directory")
+    model_dir = Path(args.model) if args.model else default_model_dir()
     host = args.host
-    cfg = WorkerConfig(role=role, engine=eng, model_name=args.served_model_name or model_dir.name,
+    name = args.served_model_name or model_dir.name
+    aliases = () if args.served_model_name or not args.model else (args.model,)
+    cfg = WorkerConfig(role=role, engine=eng, model_name=name, model_aliases=aliases,
                        agent_listen=getattr(args, "agent_listen", None) or f"{host}:0",
                        agent_advertise=getattr(args, "agent_advertise", None),
                        secret=getattr(args, "secret", None),
                        kv_margin_s=getattr(args, "kv_margin", 2.0),
                        reserve_wait_s=getattr(args, "reserve_wait", 60.0),
-                       debug_drop_kv=getattr(args, "debug_drop_kv", False))
+                       debug_drop_kv=getattr(args, "debug_drop_kv", False),
+                       max_body_bytes=args.max_body_bytes, limits=_limits(args))
+    pin_threads(args.threads)
+    model = load_model(model_dir, dtype=args.dtype)
     codec = None
     if role == "colocated" and (model_dir / "tokenizer_config.json").exists():
         codec = TextCodec.load(model_dir)
@@ -197,12 +233,19 @@ def _run_worker(args: argparse.Namespace) -> int:
     return run_until_signal(worker, host, args.port, ready_file=args.ready_file, ready_info=ready)
 
 
-class _ReadyProxy:
-    """A proxy whose ``start`` returns only once the workers reported their model."""
+class PeerAuthError(PermissionError):
+    """Prefill and decode workers refuse each other's secret (start-up check)."""
 
-    def __init__(self, proxy: Any, timeout: float) -> None:
+
+class _ReadyProxy:
+    """A proxy whose ``start`` returns only once the workers reported their model and
+    every prefill worker could connect to every decode worker's agent (an
+    authentication failure stops the start with :class:`PeerAuthError`)."""
+
+    def __init__(self, proxy: Any, timeout: float, check_links: bool = True) -> None:
         self.proxy = proxy
         self.timeout = timeout
+        self.check_links = check_links
 
     async def start(self, host: str, port: int) -> str:
         url = await self.proxy.start(host, port)
@@ -210,6 +253,17 @@ class _ReadyProxy:
             _ok, details = self.proxy.backend.health()
             errs = "; ".join(f"{w['url']}: {w['error'] or 'no answer'}" for w in details["workers"])
             raise TimeoutError(f"no decode worker reported its model within {self.timeout:g} s ({errs})")
+        if self.check_links:
+            failed = await self.proxy.backend.check_links(min(self.timeout, 30.0))
+            auth = [f for f in failed if f["kind"] == "auth"]
+            for f in failed:
+                if f["kind"] != "auth":
+                    log.warning("prefill worker %s cannot reach decode worker %s's agent (%s); its KV will be "
+                                "recomputed until it can", f["prefill"], f["decode"], f["error"])
+            if auth:
+                pairs = "; ".join(f"{f['prefill']} -> {f['decode']}: {f['error']}" for f in auth)
+                raise PeerAuthError(f"prefill and decode workers cannot authenticate each other ({pairs}). Give "
+                                    "every prefill and decode worker the same secret (PDKV_SECRET or --secret).")
         return url
 
     async def close(self) -> None:
@@ -226,8 +280,8 @@ def _run_proxy(args: argparse.Namespace) -> int:
                       read_timeout_s=args.read_timeout, headers_timeout_s=args.headers_timeout,
                       liveness_s=args.liveness, probe_timeout_s=args.probe_timeout, retries=args.retries,
                       max_body_bytes=args.max_body_bytes)
-    proxy = Proxy(cfg)
-    return run_until_signal(_ReadyProxy(proxy, args.startup_timeout), args.host, args.port,
+    proxy = Proxy(cfg, limits=_limits(args))
+    return run_until_signal(_ReadyProxy(proxy, args.startup_timeout, not args.no_check_links), args.host, args.port,
                             ready_file=args.ready_file,
                             ready_info=lambda url: {"role": "proxy", "mode": cfg.mode.value})
 
@@ -251,6 +305,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.role == "proxy":
             return _run_proxy(args)
         return _run_worker(args)
-    except (PdkvError, OSError, TimeoutError, ValueError) as e:
+    except (PdkvError, OSError, TimeoutError, ValueError) as e:  # PeerAuthError is an OSError
         log.error("%s: %s", type(e).__name__, e)
         return 1

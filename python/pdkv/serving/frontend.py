@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from aiohttp import web
 
+from .limits import DEFAULT_BODY_TIMEOUT_S, read_body
 from .metrics import CONTENT_TYPE, Registry
 from .openai_api import (APIError, Endpoint, IncrementalDetokenizer, ModelInfo, OpenAIRequest, StopMatcher,
                          TextCodec, body_limit, decode_body, parse_request, resolve_prompt)
@@ -48,7 +49,8 @@ ITL_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03
 #: Bodies up to this size are parsed and tokenized on the event loop (microseconds);
 #: larger ones on the request pool.
 INLINE_BODY_BYTES = 64 << 10
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 429: "rate_limit_exceeded",
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large",
+               429: "rate_limit_exceeded",
                503: "service_unavailable"}
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -117,7 +119,10 @@ def openai_error_middleware(on_error: Callable[[int], None] | None = None) -> An
             raise err
         if on_error is not None:
             on_error(err.status)
-        return web.json_response(err.to_json(), status=err.status, headers=headers)
+        resp = web.json_response(err.to_json(), status=err.status, headers=headers)
+        if err.status in (408, 413):
+            resp.force_close()  # the rest of the body is not read: do not reuse the connection
+        return resp
 
     return openai_errors
 
@@ -206,14 +211,20 @@ class OpenAIFrontend:
     max_body_bytes : int, optional
         Largest request body (413 above). Default: derived from the model's context,
         see :func:`~pdkv.serving.openai_api.body_limit`.
+    body_timeout_s : float
+        Seconds a request body may take to arrive (408 and the connection closed after).
     """
 
-    def __init__(self, backend: Backend, registry: Registry, *, max_body_bytes: int | None = None) -> None:
+    def __init__(self, backend: Backend, registry: Registry, *, max_body_bytes: int | None = None,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         if max_body_bytes is not None and max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        if not body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s!r}")
         self.backend = backend
         self.registry = registry
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.created = int(time.time())
         r = registry
         self.m_requests = r.counter("pdkv_requests_total", "Finished generation requests.", ("endpoint", "status"))
@@ -266,11 +277,9 @@ class OpenAIFrontend:
         return web.json_response(e.to_json(), status=e.status)
 
     async def _read_body(self, request: web.Request, info: ModelInfo | None) -> bytes:
-        """The body, refused with aiohttp's 413 (rendered by the middleware) past the limit."""
-        limit = body_limit(info, self.max_body_bytes)
-        if request.content_length is not None and request.content_length > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-        return await request.clone(client_max_size=limit).read()
+        """The body, refused with aiohttp's 413 past the limit and 408 past the body
+        deadline (both rendered by the middleware)."""
+        return await read_body(request, body_limit(info, self.max_body_bytes), self.body_timeout_s)
 
     @staticmethod
     def _prepare(raw: bytes, endpoint: Endpoint, info: ModelInfo | None, codec: TextCodec | None

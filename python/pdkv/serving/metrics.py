@@ -1,10 +1,14 @@
-"""Counters, gauges and histograms exposed in the Prometheus text format (version 0.0.4).
+"""Counters, gauges and histograms of the proxy's and the workers' ``/metrics``, on
+``prometheus_client`` (its registry and standard text exposition).
 
-A small, dependency-free subset of what ``prometheus_client`` offers: enough for the
-proxy's and the workers' ``/metrics``. Label values are given per observation as a
-tuple matching the metric's ``labelnames``.
+A thin facade keeps the serving code's calling convention: label values are given per
+observation as a tuple matching the metric's ``labelnames``, and a metric may read its
+series at scrape time from a callback (:meth:`Counter.set_function`,
+:meth:`Gauge.set_function`). Each :class:`Registry` is its own
+``prometheus_client.CollectorRegistry`` (several servers may share a process).
+``*_created`` series are not exported.
 
-Thread safety: every method may be called from any thread (one lock per metric).
+Thread safety: every method may be called from any thread (prometheus_client's locks).
 
 Example
 -------
@@ -15,31 +19,34 @@ Example
 >>> print(reg.render())
 # HELP pdkv_ttft_seconds Time to first token.
 # TYPE pdkv_ttft_seconds histogram
-pdkv_ttft_seconds_bucket{le="0.1"} 1
-pdkv_ttft_seconds_bucket{le="1"} 1
-pdkv_ttft_seconds_bucket{le="+Inf"} 1
+pdkv_ttft_seconds_bucket{le="0.1"} 1.0
+pdkv_ttft_seconds_bucket{le="1.0"} 1.0
+pdkv_ttft_seconds_bucket{le="+Inf"} 1.0
+pdkv_ttft_seconds_count 1.0
 pdkv_ttft_seconds_sum 0.05
-pdkv_ttft_seconds_count 1
 # HELP pdkv_requests_total Finished requests.
 # TYPE pdkv_requests_total counter
-pdkv_requests_total{status="ok"} 1
+pdkv_requests_total{status="ok"} 1.0
 <BLANKLINE>
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import re
 import threading
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdkv.errors import AlreadyExists, InvalidArgument
 
 __all__ = ["CONTENT_TYPE", "Counter", "Gauge", "Histogram", "LATENCY_BUCKETS", "Registry"]
 
-#: Content type of the text exposition format.
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Content type of the exposition (prometheus_client's).
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 #: Default latency buckets in seconds (1 ms to 2 min).
 LATENCY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -48,43 +55,26 @@ LATENCY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.
 _NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
+prometheus_client.disable_created_metrics()
+
 LabelValues = tuple[str, ...]
-
-
-def _fmt(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if math.isnan(v):
-        return "NaN"
-    if float(v).is_integer() and abs(v) < 1e15:
-        return str(int(v))
-    return repr(float(v))
-
-
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(str(v))}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
 
 
 class _Metric:
     kind = ""
 
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
+    def __init__(self, registry: "Registry", name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
         if not _NAME.match(name):
             raise InvalidArgument(f"invalid metric name {name!r}")
         for ln in labelnames:
-            if not _LABEL.match(ln) or ln == "le":
+            if not _LABEL.match(ln) or ln == "le" or ln.startswith("__"):
                 raise InvalidArgument(f"invalid label name {ln!r} for metric {name!r}")
         self.name = name
         self.help = help_text
         self.labelnames = tuple(labelnames)
-        self._lock = threading.Lock()
+        self._registry = registry
+        self._fn: Callable[[], Iterable[tuple[Sequence[str], float]]] | None = None
+        self._prom: Any = None
 
     def _key(self, labels: Sequence[str] | None) -> LabelValues:
         key = tuple(str(v) for v in (labels or ()))
@@ -92,79 +82,94 @@ class _Metric:
             raise InvalidArgument(f"metric {self.name!r} takes labels {self.labelnames}, got {key}")
         return key
 
-    def _header(self) -> list[str]:
-        help_text = self.help.replace("\\", "\\\\").replace("\n", "\\n")
-        return [f"# HELP {self.name} {help_text}", f"# TYPE {self.name} {self.kind}"]
+    def _child(self, labels: Sequence[str] | None) -> Any:
+        key = self._key(labels)
+        return self._prom.labels(*key) if self.labelnames else self._prom
 
-    def render(self) -> list[str]:
-        raise NotImplementedError
+    def _sample(self, suffix: str, labels: Sequence[str] | None) -> float:
+        want = dict(zip(self.labelnames, self._key(labels)))
+        for fam in self._collect():
+            for s in fam.samples:
+                if s.name == self.name + suffix and {k: v for k, v in s.labels.items() if k != "le"} == want \
+                        and "le" not in s.labels:
+                    return float(s.value)
+        return 0.0
 
+    def _collect(self) -> Iterable[Any]:
+        return self._prom.collect() if self._prom is not None else self.collect()
 
-class _ValueMetric(_Metric):
-    """A value per label set, kept here or read at render time from a callback."""
+    # prometheus_client's collector protocol, used while the series come from a callback
+    def collect(self) -> Iterable[Any]:
+        assert self._fn is not None
+        cls = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
+        fam = cls(self.name, self.help, labels=self.labelnames)
+        for key, v in self._fn():
+            fam.add_metric(list(self._key(key)), float(v))
+        return [fam]
 
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labelnames)
-        self._values: dict[LabelValues, float] = {} if labelnames else {(): 0.0}
-        self._fn: Callable[[], Iterable[tuple[Sequence[str], float]]] | None = None
+    def describe(self) -> list[Any]:
+        return []
 
     def set_function(self, fn: Callable[[], Iterable[tuple[Sequence[str], float]]]) -> None:
-        """Reads the series from ``fn()`` (pairs of label values and value) at every render."""
-        self._fn = fn
-
-    def _add(self, labels: Sequence[str] | None, amount: float) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def value(self, labels: Sequence[str] | None = None) -> float:
-        """The current value of a series (0 if never set)."""
-        with self._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def render(self) -> list[str]:
-        if self._fn is not None:
-            items = sorted((self._key(k), float(v)) for k, v in self._fn())
-        else:
-            with self._lock:
-                items = sorted(self._values.items())
-        return self._header() + [f"{self.name}{_labels(self.labelnames, k)} {_fmt(v)}" for k, v in items]
+        """Reads the series from ``fn()`` (pairs of label values and value) at every scrape."""
+        with self._registry._lock:
+            if self._fn is None:
+                self._registry.prom.unregister(self._prom)
+                self._prom = None
+                self._registry.prom.register(self)
+            self._fn = fn
 
 
-class Counter(_ValueMetric):
-    """A value that only goes up (``inc``), or is read at render time from a callback
-    that returns a monotonic value (``set_function``); rendered as ``name{labels} value``."""
+class Counter(_Metric):
+    """A value that only goes up (``inc``), or is read at scrape time from a callback
+    that returns a monotonic value (``set_function``). The name ends with ``_total``."""
 
     kind = "counter"
+
+    def __init__(self, registry: "Registry", name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
+        super().__init__(registry, name, help_text, labelnames)
+        self._prom = prometheus_client.Counter(name, help_text, self.labelnames, registry=registry.prom)
 
     def inc(self, labels: Sequence[str] | None = None, amount: float = 1.0) -> None:
         """Adds ``amount`` (>= 0) to the series ``labels``."""
         if amount < 0:
             raise InvalidArgument(f"counter {self.name!r} cannot decrease (inc by {amount})")
-        self._add(labels, amount)
+        self._child(labels).inc(amount)
+
+    def value(self, labels: Sequence[str] | None = None) -> float:
+        """The current value of a series (0 if never set)."""
+        return self._sample("", labels)
 
 
-class Gauge(_ValueMetric):
-    """A value that goes up and down (``set``/``inc``/``dec``), or is read at render time
+class Gauge(_Metric):
+    """A value that goes up and down (``set``/``inc``/``dec``), or is read at scrape time
     from a callback (``set_function``)."""
 
     kind = "gauge"
 
+    def __init__(self, registry: "Registry", name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
+        super().__init__(registry, name, help_text, labelnames)
+        self._prom = prometheus_client.Gauge(name, help_text, self.labelnames, registry=registry.prom)
+
     def set(self, value: float, labels: Sequence[str] | None = None) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = float(value)
+        self._child(labels).set(float(value))
 
     def inc(self, labels: Sequence[str] | None = None, amount: float = 1.0) -> None:
-        self._add(labels, amount)
+        self._child(labels).inc(amount)
 
     def dec(self, labels: Sequence[str] | None = None, amount: float = 1.0) -> None:
-        self._add(labels, -amount)
+        self._child(labels).dec(amount)
+
+    def value(self, labels: Sequence[str] | None = None) -> float:
+        """The current value of a series (0 if never set)."""
+        return self._sample("", labels)
 
     def clear(self) -> None:
         """Forgets every labelled series."""
-        with self._lock:
-            self._values = {} if self.labelnames else {(): 0.0}
+        if self.labelnames and self._prom is not None:
+            self._prom.clear()
+        elif self._prom is not None:
+            self._prom.set(0)
 
 
 class Histogram(_Metric):
@@ -178,93 +183,70 @@ class Histogram(_Metric):
 
     kind = "histogram"
 
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = (),
+    def __init__(self, registry: "Registry", name: str, help_text: str, labelnames: Sequence[str] = (),
                  buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        super().__init__(name, help_text, labelnames)
+        super().__init__(registry, name, help_text, labelnames)
         b = [float(x) for x in buckets]
         if not b or any(x >= y for x, y in zip(b, b[1:])) or any(math.isnan(x) for x in b):
             raise InvalidArgument(f"histogram {name!r} needs increasing buckets, got {list(buckets)}")
         if math.isinf(b[-1]):
             b.pop()
         self.buckets = tuple(b)
-        self._series: dict[LabelValues, list[float]] = {}  # counts per bucket + [+Inf, sum]
+        self._prom = prometheus_client.Histogram(name, help_text, self.labelnames, registry=registry.prom,
+                                                 buckets=self.buckets)
 
     def observe(self, value: float, labels: Sequence[str] | None = None) -> None:
         """Records one observation (NaN is ignored)."""
         v = float(value)
         if math.isnan(v):
             return
-        key = self._key(labels)
-        i = bisect.bisect_left(self.buckets, v)
-        with self._lock:
-            s = self._series.get(key)
-            if s is None:
-                s = self._series[key] = [0.0] * (len(self.buckets) + 2)
-            s[i] += 1
-            s[-1] += v
+        self._child(labels).observe(v)
 
     def count(self, labels: Sequence[str] | None = None) -> int:
         """Observations recorded in a series."""
-        with self._lock:
-            s = self._series.get(self._key(labels))
-            return 0 if s is None else int(sum(s[:-1]))
+        return int(self._sample("_count", labels))
 
     def sum(self, labels: Sequence[str] | None = None) -> float:
         """Sum of a series' observations."""
-        with self._lock:
-            s = self._series.get(self._key(labels))
-            return 0.0 if s is None else s[-1]
+        return self._sample("_sum", labels)
 
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted((k, list(v)) for k, v in self._series.items())
-        if not items and not self.labelnames:
-            items = [((), [0.0] * (len(self.buckets) + 2))]
-        out = self._header()
-        for key, s in items:
-            acc = 0.0
-            for ub, c in zip(self.buckets + (math.inf,), s[:-1]):
-                acc += c
-                le = 'le="' + _fmt(ub) + '"'
-                out.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {_fmt(acc)}")
-            lab = _labels(self.labelnames, key)
-            out.append(f"{self.name}_sum{lab} {_fmt(s[-1])}")
-            out.append(f"{self.name}_count{lab} {_fmt(acc)}")
-        return out
+    def set_function(self, fn: Callable[[], Iterable[tuple[Sequence[str], float]]]) -> None:
+        raise InvalidArgument("a histogram cannot read its series from a callback")
 
 
 class Registry:
-    """An ordered set of metrics rendered together."""
+    """The metrics of one server, rendered together (a ``prometheus_client``
+    ``CollectorRegistry``)."""
 
     def __init__(self) -> None:
-        self._metrics: dict[str, _Metric] = {}
+        self.prom = CollectorRegistry(auto_describe=False)
+        self._names: set[str] = set()
         self._lock = threading.Lock()
 
-    def _add(self, metric: _Metric) -> _Metric:
+    def _claim(self, name: str) -> None:
         with self._lock:
-            if metric.name in self._metrics:
-                raise AlreadyExists(f"metric {metric.name!r} is registered already")
-            self._metrics[metric.name] = metric
-        return metric
+            if name in self._names:
+                raise AlreadyExists(f"metric {name!r} is registered already")
+            self._names.add(name)
 
     def counter(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> Counter:
-        """Creates and registers a :class:`Counter`."""
-        return self._add(Counter(name, help_text, labelnames))  # type: ignore[return-value]
+        """Creates and registers a :class:`Counter` (``name`` must end with ``_total``)."""
+        if not name.endswith("_total"):
+            raise InvalidArgument(f"a counter's name ends with _total, got {name!r}")
+        self._claim(name)
+        return Counter(self, name, help_text, labelnames)
 
     def gauge(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> Gauge:
         """Creates and registers a :class:`Gauge`."""
-        return self._add(Gauge(name, help_text, labelnames))  # type: ignore[return-value]
+        self._claim(name)
+        return Gauge(self, name, help_text, labelnames)
 
     def histogram(self, name: str, help_text: str, labelnames: Sequence[str] = (),
                   buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
         """Creates and registers a :class:`Histogram`."""
-        return self._add(Histogram(name, help_text, labelnames, buckets))  # type: ignore[return-value]
+        self._claim(name)
+        return Histogram(self, name, help_text, labelnames, buckets)
 
     def render(self) -> str:
-        """Every metric in the text exposition format (ends with a newline)."""
-        with self._lock:
-            metrics = list(self._metrics.values())
-        lines: list[str] = []
-        for m in metrics:
-            lines.extend(m.render())
-        return "\n".join(lines) + "\n"
+        """Every metric in prometheus_client's text exposition (ends with a newline)."""
+        return generate_latest(self.prom).decode()

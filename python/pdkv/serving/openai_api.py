@@ -142,6 +142,9 @@ class ModelInfo:
         Longest prompt the deployment can hold (KV pool capacity).
     max_total_tokens : int
         Longest prompt + output the decode side can hold.
+    aliases : tuple of str
+        Other names accepted for the model (e.g. the ``--model`` argument as given, like
+        vLLM, besides the directory's short name).
     """
 
     name: str
@@ -149,6 +152,11 @@ class ModelInfo:
     max_model_len: int
     max_prompt_tokens: int
     max_total_tokens: int
+    aliases: tuple[str, ...] = ()
+
+    def serves(self, model: str) -> bool:
+        """True if clients may ask for ``model`` by that name."""
+        return model == self.name or model in self.aliases
 
     def to_model_card(self, created: int) -> dict[str, Any]:
         return {"id": self.name, "object": "model", "created": created, "owned_by": "pdkv",
@@ -522,7 +530,7 @@ def resolve_prompt(req: OpenAIRequest, info: ModelInfo, codec: TextCodec | None)
         404 for an unknown model; 400 for an empty, over-long or out-of-vocabulary
         prompt, or ``max_tokens`` beyond the context.
     """
-    if req.model != info.name:
+    if not info.serves(req.model):
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{info.name}'",
                        param="model", code="model_not_found")
     param = "prompt"

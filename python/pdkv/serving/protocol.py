@@ -345,10 +345,12 @@ class WorkerInfo:
     engine_mode: str = ""
     agent: dict[str, Any] | None = None                # name, address, transports
     pid: int = 0
+    aliases: tuple[str, ...] = ()                      # other names clients may use for the model
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["aliases"] = list(self.aliases)
         return d
 
     @classmethod
@@ -359,7 +361,8 @@ class WorkerInfo:
                    require(obj, "max_model_len", int, where=where),
                    _int_list(obj.get("eos_token_ids", []), where=where, name="eos_token_ids"),
                    dict(obj.get("kv") or {}), str(obj.get("engine_mode", "")), obj.get("agent"),
-                   int(obj.get("pid", 0)))
+                   int(obj.get("pid", 0)),
+                   tuple(str(a) for a in (obj.get("aliases") or ()) if isinstance(a, str)))
 
     @property
     def capacity_tokens(self) -> int:

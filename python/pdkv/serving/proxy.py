@@ -57,6 +57,7 @@ from pdkv.errors import InvalidArgument
 
 from .aio import HttpServer, ndjson_lines
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut
+from .limits import ServerLimits
 from .metrics import Registry
 from .openai_api import APIError, ModelInfo, TextCodec
 from .protocol import GenerateRequest, GenParams, KVFailed, KVResult, PrefillRequest, Reservation, WorkerInfo
@@ -287,6 +288,15 @@ class ProxyBackend:
         self.m_running = r.gauge("pdkv_worker_running", "Requests in each worker's running batch.",
                                  ("role", "worker"))
         self.m_free = r.gauge("pdkv_worker_free_kv_blocks", "Free KV blocks of each worker.", ("role", "worker"))
+        # Prefill -> decode links: (prefill URL, decode URL) -> health (see link_health()).
+        self._links: dict[tuple[str, str], dict[str, Any]] = {}
+        self._traces: dict[str, RequestTrace] = {}  # request id -> its trace, while it runs
+        self.m_peer_auth = r.counter("pdkv_peer_auth_failures_total",
+                                     "KV transfers or link checks that failed because the decode worker's agent "
+                                     "refused the prefill worker's secret, by worker pair.", ("prefill", "decode"))
+        self.m_peer_transport = r.counter("pdkv_peer_transport_errors_total",
+                                          "KV transfers or link checks that failed in the transport (connection, "
+                                          "protocol, timeout), by worker pair.", ("prefill", "decode"))
 
     def _workers(self) -> list[_Worker]:
         return self.prefill.workers + self.decode.workers
@@ -445,7 +455,7 @@ class ProxyBackend:
         dcap = min(i.capacity_tokens for i in dec)
         pcap = min((i.capacity_tokens for i in pre), default=dcap)
         self._info = ModelInfo(ref.model, ref.vocab_size, min(i.max_model_len for i in usable),
-                               min(dcap, pcap), dcap)
+                               min(dcap, pcap), dcap, aliases=ref.aliases)
         if not self._codec_loaded:
             self._codec_loaded = True
             self._tasks.append(asyncio.ensure_future(self._load_codec(ref)))
@@ -478,7 +488,76 @@ class ProxyBackend:
             (self.config.mode is ProxyMode.COLOCATED or self.prefill.any_up())
         workers = [{"url": w.url, "role": w.role, "up": w.usable(now), "in_flight": w.in_flight,
                     "error": w.error} for w in self._workers()]
-        return ok, {"workers": workers, "model": self._info.name if self._info else None}
+        links = self.link_health()
+        out: dict[str, Any] = {"workers": workers, "model": self._info.name if self._info else None,
+                               "peer_links": links}
+        if ok and any(not x["ok"] for x in links):
+            out["status"] = "degraded"  # serving, but KV between these pairs is recomputed
+        return ok, out
+
+    # ------------------------------------------------------------------ prefill -> decode links
+    def link_health(self) -> list[dict[str, Any]]:
+        """Each prefill -> decode worker pair seen so far: ``auth_failures``,
+        ``transport_errors`` (counts), ``last_error`` and ``ok`` (the last KV transfer or
+        link check between them succeeded)."""
+        return [{"prefill": p, "decode": d, **v} for (p, d), v in sorted(self._links.items())]
+
+    def _link_event(self, prefill: str, decode: str, error: str) -> str:
+        """Records a transfer or check outcome between two workers ('' error: success);
+        returns its kind: ok, auth, transport or other."""
+        link = self._links.setdefault((prefill, decode), {"auth_failures": 0, "transport_errors": 0,
+                                                          "last_error": "", "ok": True})
+        if not error:
+            link["ok"] = True
+            return "ok"
+        link["ok"] = False
+        link["last_error"] = error
+        kind = _error_kind(error)
+        if kind == "auth":
+            link["auth_failures"] += 1
+            self.m_peer_auth.inc((prefill, decode))
+        elif kind == "transport":
+            link["transport_errors"] += 1
+            self.m_peer_transport.inc((prefill, decode))
+        return kind
+
+    async def check_links(self, timeout: float) -> list[dict[str, Any]]:
+        """Asks every prefill worker to connect to every decode worker's agent now
+        (``/pd/check_peer``: metadata and transport handshake, both authenticated).
+        Waits up to ``timeout`` s for the workers to report their info first; workers
+        that do not are skipped. Returns the failed pairs (``prefill``, ``decode``,
+        ``kind``, ``error``)."""
+        if self.config.mode is ProxyMode.COLOCATED:
+            return []
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while any(w.info is None for w in self._workers()) and loop.time() < end:
+            await asyncio.sleep(0.1)
+
+        async def check(p: _Worker, d: _Worker) -> dict[str, Any] | None:
+            assert d.info is not None and d.info.agent is not None
+            body = {"agent": d.info.agent.get("address", ""), "timeout": max(min(end - loop.time(), 10.0), 1.0)}
+            for attempt in range(4):
+                try:
+                    async with self.session.post(p.url + "/pd/check_peer", json=body,
+                                                 timeout=aiohttp.ClientTimeout(total=body["timeout"] + 5)) as r:
+                        res = await r.json(content_type=None) if r.status == 200 else \
+                            {"ok": False, "error": f"/pd/check_peer answered HTTP {r.status}"}
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                    res = {"ok": False, "error": f"prefill worker unreachable: {type(e).__name__}: {e}"}
+                err = "" if res.get("ok") else str(res.get("error") or "unknown error")
+                # An agent briefly refuses a host after failed authentications (another
+                # worker's wrong secret): that is no verdict on this pair yet.
+                if "too many failed authentications" not in err or attempt == 3:
+                    break
+                await asyncio.sleep(0.5 * (attempt + 1))
+            kind = self._link_event(p.url, d.url, err)
+            return None if kind == "ok" else {"prefill": p.url, "decode": d.url, "kind": kind, "error": err}
+
+        pairs = [(p, d) for p in self.prefill.workers if p.info is not None and p.compatible
+                 for d in self.decode.workers if d.info is not None and d.compatible and d.info.agent]
+        got = await asyncio.gather(*(check(p, d) for p, d in pairs))
+        return [x for x in got if x is not None]
 
     async def refresh_metrics(self) -> None:
         async def poll(w: _Worker) -> None:
@@ -504,7 +583,17 @@ class ProxyBackend:
             self.m_routed.inc(("local",))
             return self._retrying(rid, prompt, params, trace, disagg=False)
         self.m_routed.inc(("disagg",))
-        return self._retrying(rid, prompt, params, trace, disagg=True)
+        return self._traced(rid, trace, self._retrying(rid, prompt, params, trace, disagg=True))
+
+    async def _traced(self, rid: str, trace: RequestTrace, gen: AsyncIterator[TokenOut]) -> AsyncIterator[TokenOut]:
+        """``gen``, with ``trace`` findable by request id while it runs (see _kv_failed)."""
+        self._traces[rid] = trace
+        try:
+            async for tok in gen:
+                yield tok
+        finally:
+            self._traces.pop(rid, None)
+            await gen.aclose()  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ routing
     def _mark_down(self, w: _Worker, why: str) -> None:
@@ -696,6 +785,9 @@ class ProxyBackend:
             raise _WorkerFailed(d, "the stream ended before the request finished")
 
     async def _kv_failed(self, d: _Worker, kf: KVFailed) -> None:
+        trace = self._traces.get(kf.rid.split(".r", 1)[0])
+        if trace is not None and not trace.kv_error:
+            trace.kv_error = kf.error or "the KV did not arrive (no reason given)"  # the recompute's cause
         try:
             async with self.session.post(d.url + "/pd/kv_failed", json=kf.to_json(),
                                          timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s + 2)) as r:
@@ -778,6 +870,8 @@ class ProxyBackend:
                     p.load_tokens -= len(prompt)
 
     def _record_kv(self, kv: KVResult, trace: RequestTrace) -> None:
+        if trace.prefill_worker and trace.decode_worker and (kv.posted or kv.error):
+            self._link_event(trace.prefill_worker, trace.decode_worker, "" if kv.ok else kv.error)
         trace.kv_bytes = kv.bytes
         trace.kv_seconds = kv.seconds
         trace.kv_transport = kv.transport
@@ -789,6 +883,19 @@ class ProxyBackend:
                 self.m_kv_time.observe(kv.seconds, (kv.transport,))
         else:
             self.m_kv.inc(("failed",))
+
+
+_TRANSPORT_ERRORS = ("PeerConnectionError", "TransferTimeout", "ProtocolError", "VersionMismatch", "StalePeer",
+                     "prefill worker unreachable")
+
+
+def _error_kind(error: str) -> str:
+    """The kind of a KV error as the prefill worker words it (``"Type: message"``)."""
+    if error.startswith("AuthFailed"):
+        return "auth"
+    if error.startswith(_TRANSPORT_ERRORS):
+        return "transport"
+    return "other"
 
 
 def _done_with(r: aiohttp.ClientResponse) -> None:
@@ -834,6 +941,8 @@ class Proxy:
     Parameters
     ----------
     config : ProxyConfig
+    limits : ServerLimits, optional
+        Connection limit and idle/header/body deadlines of its HTTP server.
 
     Examples
     --------
@@ -842,11 +951,13 @@ class Proxy:
     ...     ...                                           # OpenAI API at t.url
     """
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, *, limits: ServerLimits | None = None) -> None:
         self.config = config
+        self.limits = limits or ServerLimits()
         self.registry = Registry()
         self.backend = ProxyBackend(config, self.registry)
-        self.frontend = OpenAIFrontend(self.backend, self.registry, max_body_bytes=config.max_body_bytes)
+        self.frontend = OpenAIFrontend(self.backend, self.registry, max_body_bytes=config.max_body_bytes,
+                                       body_timeout_s=self.limits.body_timeout_s)
         self._http: HttpServer | None = None
         self.url = ""
 
@@ -854,7 +965,7 @@ class Proxy:
         await self.backend.start()
         app = web.Application()  # the frontend sets each request's body limit
         self.frontend.add_routes(app)
-        self._http = HttpServer(app)
+        self._http = HttpServer(app, limits=self.limits)
         try:
             self.url = await self._http.start(host, port)
         except BaseException:

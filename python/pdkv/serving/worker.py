@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 import os
 import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from aiohttp import web
@@ -52,10 +53,11 @@ from pdkv.errors import AlreadyExists, InvalidArgument, NotFound, PdkvError, Res
 
 from .aio import HttpServer, json_error, start_ndjson
 from .engine import Engine, EngineConfig, FinishReason, RequestHandle, TokenEvent
-from .frontend import OpenAIFrontend, RequestTrace, TokenOut
+from .frontend import OpenAIFrontend, RequestTrace, TokenOut, openai_error_middleware
 from .kv_pool import PagedKVPool
+from .limits import ServerLimits, read_body
 from .metrics import CONTENT_TYPE, Registry
-from .openai_api import APIError, ModelInfo, TextCodec
+from .openai_api import APIError, ModelInfo, TextCodec, body_limit
 from .protocol import (GenerateRequest, GenParams, KVFailed, KVReady, KVResult, PrefillRequest, Reservation,
                        WorkerInfo, dumps_line)
 
@@ -81,7 +83,9 @@ class WorkerConfig:
     role : WorkerRole or str
     engine : EngineConfig
     model_name : str
-        The name clients use for the model.
+        The name clients use for the model (listed by ``/v1/models``).
+    model_aliases : tuple of str
+        Other names clients may use (``pdkv serve``: the ``--model`` argument as given).
     agent_listen : str
         ``host:port`` of the pdkv agent (prefill and decode; use an address the other
         workers can reach).
@@ -98,17 +102,26 @@ class WorkerConfig:
     debug_drop_kv : bool
         Prefill, testing only: skip the KV write and its notification but report
         success (the decode worker then times out and recomputes).
+    max_body_bytes : int, optional
+        Largest request body, for the OpenAI routes (colocated) and the worker protocol
+        alike (413 above). Default: from the model's context
+        (:func:`~pdkv.serving.openai_api.body_limit`).
+    limits : ServerLimits
+        Connection limit and idle/header/body deadlines of the HTTP server.
     """
 
     role: WorkerRole
     engine: EngineConfig
     model_name: str
+    model_aliases: tuple[str, ...] = ()
     agent_listen: str = "127.0.0.1:0"
     agent_advertise: str | None = None
     secret: str | None = None
     kv_margin_s: float = 2.0
     reserve_wait_s: float = 60.0
     debug_drop_kv: bool = False
+    max_body_bytes: int | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     def __post_init__(self) -> None:
         try:
@@ -118,9 +131,12 @@ class WorkerConfig:
                 from None
         if not self.model_name:
             raise InvalidArgument("model_name is empty")
+        object.__setattr__(self, "model_aliases", tuple(a for a in self.model_aliases if a and a != self.model_name))
         for k in ("kv_margin_s", "reserve_wait_s"):
             if not getattr(self, k) >= 0:
                 raise InvalidArgument(f"{k} must be >= 0, got {getattr(self, k)!r}")
+        if self.max_body_bytes is not None and (not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1):
+            raise InvalidArgument(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
 
 
 class _Events:
@@ -139,6 +155,17 @@ class _Events:
 
 def _error_line(message: str, code: str) -> bytes:
     return dumps_line({"error": {"message": message, "type": "server_error", "code": code}})
+
+
+def _error_kind(e: BaseException) -> str:
+    """``"auth"`` (the peer refused our secret), ``"transport"`` (connection, protocol or
+    timeout), or ``"other"``."""
+    if isinstance(e, pdkv.AuthFailed):
+        return "auth"
+    if isinstance(e, (pdkv.PeerConnectionError, pdkv.TransferTimeout, pdkv.ProtocolError, pdkv.VersionMismatch,
+                      pdkv.StalePeer, ConnectionError, TimeoutError)):
+        return "transport"
+    return "other"
 
 
 def _failure(h: RequestHandle, ev: TokenEvent) -> str:
@@ -187,6 +214,7 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._kv_waiters: dict[str, asyncio.Future] = {}
         self._peers: dict[str, str] = {}          # decode agent address -> peer name
+        self._links: dict[str, dict[str, Any]] = {}  # decode agent address -> its link's health
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
         # Threads that wait for transfers and connect to peers (blocking native calls).
@@ -194,6 +222,7 @@ class Worker:
         self._in_flight = 0
         self._invalidated = 0  # reservations whose blocks' generations were bumped (KV given up)
         self._closed = False
+        self._body_limit = body_limit(None, config.max_body_bytes)
         self._setup_metrics()
 
     # ------------------------------------------------------------------ lifecycle
@@ -225,11 +254,12 @@ class Worker:
         self.engine = Engine(self.model, cfg.engine, block_order=self.block_order, pool=pool)
         self._thread = threading.Thread(target=self._step_loop, name=f"engine-{cfg.role.value}", daemon=True)
         self._thread.start()
-        app = web.Application(client_max_size=64 << 20)
+        self._body_limit = body_limit(self.model_info(), cfg.max_body_bytes)
+        app = web.Application(client_max_size=self._body_limit)
         self._routes(app)
         if cfg.role is WorkerRole.DECODE:
             self._tasks.append(asyncio.ensure_future(self._notification_loop()))
-        self._http = HttpServer(app)
+        self._http = HttpServer(app, limits=cfg.limits)
         self.url = await self._http.start(host, port)
         log.info("%s worker serving %s on %s%s", cfg.role.value, cfg.model_name, self.url,
                  f" (pdkv agent {self.agent.name} at {self.agent_address})" if self.agent else "")
@@ -289,12 +319,14 @@ class Worker:
                           eos_token_ids=tuple(eng.eos_token_ids),
                           kv={"num_layers": g.num_layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
                               "dtype": g.dtype, "block_tokens": g.block_tokens, "num_blocks": g.num_blocks},
-                          engine_mode=eng.config.mode.value, agent=agent, pid=os.getpid())
+                          engine_mode=eng.config.mode.value, agent=agent, pid=os.getpid(),
+                          aliases=self.config.model_aliases)
 
     def model_info(self) -> ModelInfo:
         eng = self._engine()
         cap = eng.pool.capacity_tokens
-        return ModelInfo(self.config.model_name, eng.vocab_size, int(min(eng.max_model_len, 1 << 40)), cap, cap)
+        return ModelInfo(self.config.model_name, eng.vocab_size, int(min(eng.max_model_len, 1 << 40)), cap, cap,
+                         aliases=self.config.model_aliases)
 
     def stats(self) -> dict[str, Any]:
         """Live load (``/pd/stats``)."""
@@ -302,7 +334,8 @@ class Worker:
         return {"waiting": eng.num_waiting, "running": eng.num_running, "free_blocks": eng.num_free_blocks,
                 "num_blocks": eng.pool.num_blocks, "in_flight": self._in_flight,
                 "awaiting_kv": len(self._kv_waiters), "invalidated_reservations": self._invalidated,
-                "steps": eng.num_steps, "preemptions": eng.num_preemptions, "recomputes": eng.num_recomputes}
+                "steps": eng.num_steps, "preemptions": eng.num_preemptions, "recomputes": eng.num_recomputes,
+                "peers": self.links()}
 
     def _engine(self) -> Engine:
         if self.engine is None:
@@ -328,6 +361,12 @@ class Worker:
                                         ("transport",))
             self.m_kv_time = r.histogram("pdkv_kv_transfer_seconds", "Time of each KV push (post to completion).",
                                          ("transport",))
+            self.m_peer_auth = r.counter("pdkv_peer_auth_failures_total",
+                                         "Decode workers' agents that refused this worker's secret, by agent "
+                                         "address (the KV is then recomputed).", ("peer",))
+            self.m_peer_transport = r.counter("pdkv_peer_transport_errors_total",
+                                              "Failed connections and transfers to decode workers' agents, by agent "
+                                              "address.", ("peer",))
         if self.role is WorkerRole.DECODE:
             self.m_kv_wait = r.histogram("pdkv_kv_wait_seconds",
                                          "From reserving blocks to the notification that the KV landed.")
@@ -344,24 +383,85 @@ class Worker:
         app.router.add_get("/pd/stats", self._h_stats)
         if self.role is WorkerRole.PREFILL:
             app.router.add_post("/pd/prefill", self._h_prefill)
+            app.router.add_post("/pd/check_peer", self._h_check_peer)
         else:
             app.router.add_post("/pd/generate", self._h_generate)
         if self.role is WorkerRole.DECODE:
             app.router.add_post("/pd/decode", self._h_decode)
             app.router.add_post("/pd/kv_failed", self._h_kv_failed)
         if self.role is WorkerRole.COLOCATED:
-            OpenAIFrontend(LocalBackend(self), self.registry).add_routes(app)
+            OpenAIFrontend(LocalBackend(self), self.registry, max_body_bytes=self.config.max_body_bytes,
+                           body_timeout_s=self.config.limits.body_timeout_s).add_routes(app)
         else:
+            app.middlewares.append(openai_error_middleware())
             app.router.add_get("/health", self._h_health)
             app.router.add_get("/metrics", self._h_metrics)
 
     def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._closed
 
+    def links(self) -> dict[str, dict[str, Any]]:
+        """Prefill: the health of its links to decode workers' agents, by agent address
+        (``auth_failures``, ``transport_errors``, ``last_error``, ``ok``: the last
+        attempt succeeded)."""
+        return {k: dict(v) for k, v in self._links.items()}
+
+    def _link_event(self, address: str, error: BaseException | None) -> str:
+        """Records a connection or transfer outcome to a decode agent; returns its kind
+        (``"ok"``, ``"auth"``, ``"transport"`` or ``"other"``)."""
+        link = self._links.setdefault(address, {"auth_failures": 0, "transport_errors": 0, "last_error": "",
+                                                "ok": True})
+        if error is None:
+            link["ok"] = True
+            return "ok"
+        kind = _error_kind(error)
+        link["ok"] = False
+        link["last_error"] = f"{type(error).__name__}: {error}"
+        if kind == "auth":
+            link["auth_failures"] += 1
+            self.m_peer_auth.inc((address,))
+        elif kind == "transport":
+            link["transport_errors"] += 1
+            self.m_peer_transport.inc((address,))
+        return kind
+
     async def _h_health(self, request: web.Request) -> web.Response:
         ok = self.healthy()
-        return web.json_response({"status": "ok" if ok else "unavailable", "role": self.role.value},
-                                 status=200 if ok else 503)
+        body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "role": self.role.value}
+        if self.role is WorkerRole.PREFILL:
+            links = self.links()
+            body["peers"] = links
+            if ok and any(not v["ok"] for v in links.values()):
+                body["status"] = "degraded"  # serving, but some KV is recomputed (see peers)
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _h_check_peer(self, request: web.Request) -> web.Response:
+        """Connects to a decode worker's agent now (metadata, then the transport
+        handshake, both authenticated); answers ``{"ok", "kind", "error"}``."""
+        try:
+            obj = await self._body(request)
+            address = obj["agent"]
+            timeout = float(obj.get("timeout", 5.0))
+            if not isinstance(address, str) or not address or not 0 < timeout <= 60:
+                raise ValueError
+        except (InvalidArgument, KeyError, TypeError, ValueError, AttributeError):
+            return json_error(400, "expected {\"agent\": \"host:port\", \"timeout\": seconds (0, 60]}",
+                              code="invalid_request")
+        agent = self.agent
+        assert agent is not None
+
+        def check() -> None:
+            name = agent.connect(address, timeout=timeout)
+            agent.warm_up(name, timeout=timeout)
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, check)
+        except PdkvError as e:
+            self._peers.pop(address, None)
+            kind = self._link_event(address, e)
+            return web.json_response({"ok": False, "kind": kind, "error": f"{type(e).__name__}: {e}"})
+        self._link_event(address, None)
+        return web.json_response({"ok": True, "kind": "ok", "error": ""})
 
     async def _h_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.registry.render().encode(), headers={"Content-Type": CONTENT_TYPE})
@@ -372,11 +472,12 @@ class Worker:
     async def _h_stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats())
 
-    @staticmethod
-    async def _body(request: web.Request) -> Any:
+    async def _body(self, request: web.Request) -> Any:
+        """The JSON body (aiohttp's 413 past the body limit, 408 past the body deadline)."""
+        raw = await read_body(request, self._body_limit, self.config.limits.body_timeout_s)
         try:
-            return await request.json()
-        except (ValueError, UnicodeDecodeError):
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise InvalidArgument("the request body is not valid JSON") from None
 
     async def _stream_tokens(self, resp: web.StreamResponse, events: _Events, engine_rid: str,
@@ -496,6 +597,7 @@ class Worker:
             self._kv_waiters.pop(rid, None)
             kv_wait = loop.time() - t_res
             reason = ""
+            kv_error = ""
             if isinstance(outcome, KVReady):
                 self.m_kv_wait.observe(kv_wait)
                 h = eng.admit_prefilled(rid, req.prompt, outcome.first_token, sp, seed=outcome.seed,
@@ -504,9 +606,11 @@ class Worker:
                 first = outcome.first_token if isinstance(outcome, KVFailed) else None
                 if isinstance(outcome, KVFailed):
                     reason = "kv_failed"
-                    log.warning("request %s: KV failed (%s); recomputing", rid, outcome.error or "no reason")
+                    kv_error = outcome.error or "the proxy gave no reason"
+                    log.warning("request %s: KV failed (%s); recomputing", rid, kv_error)
                 else:
                     reason = "kv_timeout"
+                    kv_error = f"no KV within {kv_wait:.1f} s"
                     log.warning("request %s: no KV within %.1f s; recomputing", rid, kv_wait)
                 if not (isinstance(outcome, KVFailed) and outcome.terminal):
                     # A write may still be on its way: after the bump it cannot land.
@@ -515,7 +619,7 @@ class Worker:
                 self.m_recompute.inc((reason,))
             admitted = True
             if await self._stream_tokens(resp, events, rid, h):
-                await resp.write(dumps_line({"done": {"recomputed": h.recomputed, "recompute_reason": reason,
+                await resp.write(dumps_line({"done": {"recomputed": h.recomputed, "recompute_reason": reason, "kv_error": kv_error,
                                                       "kv_wait_s": kv_wait, "preemptions": h.num_preemptions}}))
             await resp.write_eof()
             return resp
@@ -689,15 +793,18 @@ class Worker:
                 if attempt == 0 and (xfer is None or xfer.done):
                     xfer = None
                     continue  # the decode worker restarted: fetch its metadata again
+                self._link_event(req.dst.agent, e)
                 self.m_kv.inc(("failed",))
                 return KVResult(False, xfer is not None, error=f"{type(e).__name__}: {e}", transport=transport)
             except PdkvError as e:
-                if isinstance(e, pdkv.PeerConnectionError):
+                if isinstance(e, (pdkv.PeerConnectionError, pdkv.AuthFailed)):
                     self._peers.pop(req.dst.agent, None)
+                self._link_event(req.dst.agent, e)
                 self.m_kv.inc(("failed",))
                 log.warning("request %s: KV push to %s failed: %s: %s", req.rid, req.dst.agent, type(e).__name__, e)
                 return KVResult(False, xfer is not None, error=f"{type(e).__name__}: {e}", transport=transport)
         assert xfer is not None
+        self._link_event(req.dst.agent, None)
         self.m_kv.inc(("ok",))
         self.m_kv_bytes.inc((transport,), xfer.bytes_total)
         self.m_kv_time.observe(xfer.elapsed, (transport,))
