@@ -771,6 +771,8 @@ class ProxyBackend:
                         trace.recomputed = True
                         trace.recompute_reason = str(done.get("recompute_reason", ""))
                         self.m_recompute.inc((trace.recompute_reason or "unknown",))
+                        if not trace.kv_error:  # e.g. the KV timed out: the decode worker says why
+                            trace.kv_error = str(done.get("kv_error") or trace.recompute_reason or "")
                     trace.extra["kv_wait_s"] = done.get("kv_wait_s")
                     return
                 if "t" in line:
