@@ -1,7 +1,9 @@
 """A tiny OpenAI-compatible streaming server for the client tests (127.0.0.1 only).
 
 It streams ``max_tokens`` tokens: the first chunk after ``ttft_s``, then one chunk of
-``tokens_per_chunk`` tokens every ``itl_s``. A request body field ``"fake"`` (or the
+``tokens_per_chunk`` tokens every ``itl_s``; with ``continuous_usage`` every chunk
+carries the running ``usage`` when the request asks for it
+(``stream_options.continuous_usage_stats``, as vLLM and pdkv's proxy do). A request body field ``"fake"`` (or the
 server's ``behaviour``) selects a failure: ``"http500"``, ``"malformed"`` (a non-JSON
 ``data:`` line after two chunks), ``"truncate"`` (the body ends after two chunks without
 ``[DONE]``), ``"stream_error"`` (an ``{"error": ...}`` object mid-stream) or
@@ -118,7 +120,7 @@ class FakeOpenAI:
                 chunks += 1
                 choice = self._choice(chat, k, "length" if sent == n else None)
                 chunk: Dict[str, Any] = {"object": "chunk", "choices": [choice]}
-                if self.continuous_usage:
+                if self.continuous_usage and (body.get("stream_options") or {}).get("continuous_usage_stats"):
                     chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": sent}
                 await send(chunk)
                 if chunks == 2 and behaviour == "malformed":

@@ -63,7 +63,8 @@ def test_records_match_injected_delays():
     bodies = sorted(srv.bodies, key=lambda b: len(b["prompt"]))
     for b, q in zip(bodies, reqs):
         assert b["model"] == "fake-model" and b["stream"] is True and b["temperature"] == 0.0
-        assert b["ignore_eos"] is True and b["stream_options"] == {"include_usage": True}
+        assert b["ignore_eos"] is True
+        assert b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         assert b["max_tokens"] == 6 and len(b["prompt"]) == q.prompt_len
         assert all(isinstance(t, int) for t in b["prompt"])
     s = summarize(recs, SLO(ttft_s=1.0, itl_s=0.2))
@@ -84,6 +85,43 @@ def test_multi_token_chunks_counted_from_usage():
     no_usage = _run(go(include_usage=False))
     assert no_usage.output_tokens == 3  # no usage at all: one token per chunk
     assert no_usage.ok
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_itl_per_token_from_continuous_usage(endpoint):
+    # 3 tokens per chunk, as a detokenizer holding back incomplete text sends them.
+    reqs = [TraceRequest(i, 0.02 * i, 4, 6 + 3 * i) for i in range(3)]
+
+    async def go(**server):
+        async with FakeOpenAI(ttft_s=0.01, itl_s=0.03, tokens_per_chunk=3, **server) as srv:
+            return srv, await run_trace(srv.url, reqs, model="m", endpoint=endpoint)
+
+    srv, recs = _run(go(continuous_usage=True))
+    assert all(b["stream_options"]["continuous_usage_stats"] is True for b in srv.bodies)
+    for r, q in zip(recs, reqs):
+        assert r.ok and r.usage_per_chunk
+        assert sum(r.chunk_tokens) == r.output_tokens == q.output_len
+        assert r.chunk_tokens == [3] * (q.output_len // 3)
+        assert len(r.itls_s) == r.output_tokens - 1  # one sample per token after the first
+        gaps = [b - a for a, b in zip(r.chunk_times_s, r.chunk_times_s[1:])]
+        assert r.itls_s == [0.0, 0.0] + [g / 3 for g in gaps for _ in range(3)]  # gap / 3, three times
+        assert min(gaps) >= 0.025  # the fake's 30 ms between chunks
+    s = summarize(recs, SLO(ttft_s=1.0, itl_s=0.02))
+    assert s.itl_per_token and s.itl.count == sum(q.output_len - 1 for q in reqs)
+
+    # The same server without per-chunk usage: ITL falls back to per chunk, and says so.
+    srv, recs = _run(go(continuous_usage=False))
+    for r, q in zip(recs, reqs):
+        assert r.ok and not r.usage_per_chunk and r.output_tokens == q.output_len
+        assert len(r.itls_s) == len(r.chunk_times_s) - 1 < r.output_tokens - 1
+    s = summarize(recs, SLO(ttft_s=1.0, itl_s=0.02))
+    assert not s.itl_per_token and s.itl.count == sum(len(r.chunk_times_s) - 1 for r in recs)
+
+
+def test_continuous_usage_can_be_left_out():
+    body = build_body(ClientConfig(model="m", continuous_usage=False), [1, 2], 4)
+    assert body["stream_options"] == {"include_usage": True}
+    assert "stream_options" not in build_body(ClientConfig(model="m", include_usage=False), [1, 2], 4)
 
 
 def _chunk(text, finish=None, usage=None, chat=False):

@@ -56,8 +56,43 @@ def test_single_request_quantities():
 
 def test_multi_token_chunks_use_reported_count_for_tpot():
     r = rec(0, 0.0, [0.5, 1.0, 1.5], 1.5, tokens=[1, 3, 3], out=7)
-    assert r.itls_s == [0.5, 0.5]  # gaps between chunks
     assert r.tpot_s == pytest.approx(1.0 / 6)  # (last - first) / (7 - 1)
+
+
+def test_itl_is_per_token_when_chunks_carry_several():
+    # A chunk of k tokens after a gap g gives k samples g/k; extra first-chunk tokens give 0.
+    r = rec(0, 0.0, [0.5, 1.0, 1.5], 1.5, tokens=[2, 4, 1])
+    assert r.itls_s == [0.0, 0.125, 0.125, 0.125, 0.125, 0.5]
+    assert len(r.itls_s) == r.output_tokens - 1
+    assert sum(r.itls_s) / len(r.itls_s) == pytest.approx(r.tpot_s)  # mean ITL == TPOT
+    # p90 of its own per-token ITLs is 0.3125 (the old per-chunk gaps [0.5, 0.5] would give 0.5).
+    assert meets_slo(r, SLO(ttft_s=1.0, itl_s=0.32)) and not meets_slo(r, SLO(ttft_s=1.0, itl_s=0.3))
+
+
+@FAST
+@given(k=st.lists(st.integers(1, 6), min_size=1, max_size=20), gap=st.floats(0.001, 1.0))
+def test_per_token_itl_count_equals_output_tokens_minus_one(k, gap):
+    r = rec(0, 0.0, [0.1 + i * gap for i in range(len(k))], 0.1 + len(k) * gap, tokens=k)
+    r.usage_per_chunk = True
+    assert len(r.itls_s) == sum(k) - 1 == r.output_tokens - 1
+    assert sum(r.itls_s) == pytest.approx(r.chunk_times_s[-1] - r.chunk_times_s[0], abs=1e-9)
+    s = summarize([r], SLO(1.0, 1.0))
+    assert s.itl.count == r.output_tokens - 1 and s.itl_per_token
+    back = RequestRecord.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back.usage_per_chunk and back.itls_s == pytest.approx(r.itls_s, abs=1e-5)
+
+
+def test_itl_per_token_flag_needs_every_request():
+    per_token = rec(0, 0.0, [0.5, 1.0], 1.0, tokens=[2, 2])
+    per_token.usage_per_chunk = True
+    per_chunk = rec(1, 0.0, [0.5, 1.0], 1.0)
+    assert summarize([per_token], SLO(1, 1)).itl_per_token
+    assert not summarize([per_token, per_chunk], SLO(1, 1)).itl_per_token
+    assert not summarize([B], SLO(1, 1)).itl_per_token  # nothing measured
+    assert summarize([per_token], SLO(1, 1)).to_dict()["itl_per_token"] is True
+    old = per_chunk.to_dict()
+    del old["usage_per_chunk"]  # results written before the field existed: per chunk
+    assert not RequestRecord.from_dict(old).usage_per_chunk
 
 
 def test_meets_slo_exact_boundaries():

@@ -23,6 +23,7 @@ def _record(index: int, *, ttft: float, itl: float, tokens: int = 4, error: str 
         for k in range(tokens):
             r.add_chunk(send + ttft + k * itl)
         r.output_tokens = tokens
+        r.usage_per_chunk = True  # one token per chunk, as per-chunk usage reported
         r.finish_reason = "length"
         r.end_s = r.chunk_times_s[-1]
     else:
@@ -197,3 +198,20 @@ def test_cli_replay_and_failures(tmp_path, capsys):
         main(["--url", "http://127.0.0.1:1", "--rates", "0,-1"])
     assert main(["--url", "http://127.0.0.1:1", "--duration", "1", "--warmup", "0", "--no-progress"]) == 1
     assert "cannot list models" in capsys.readouterr().err
+
+
+def test_report_says_whether_itl_is_per_token(tmp_path):
+    run = _run("colocated", 1.0, 4)
+    for r in run.records:
+        r.usage_per_chunk = False
+    per_chunk = BenchResults([run], SLO_, {"command": "x"})
+    notes = sanity_notes(per_chunk)
+    assert any("ITL is per chunk, not per token: 4 of 4 requests" in n for n in notes)
+    write_report(per_chunk, tmp_path / "a", plots=False)
+    assert "ITL is per chunk: the server did not report per-chunk usage" in (tmp_path / "a" / "report.md").read_text()
+    per_token = BenchResults([_run("colocated", 1.0, 4)], SLO_, {"command": "x"})
+    assert not any("per chunk" in n for n in sanity_notes(per_token))
+    write_report(per_token, tmp_path / "b", plots=False)
+    md = (tmp_path / "b" / "report.md").read_text()
+    assert "ITL is per token" in md
+    assert json.loads((tmp_path / "b" / "results.json").read_text())["runs"][0]["summary"]["itl_per_token"] is True

@@ -193,6 +193,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli.add_argument("--concurrency", type=int, help="cap on requests in flight (default: none)")
     cli.add_argument("--temperature", type=float, default=0.0)
     cli.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help='do not send "ignore_eos": true')
+    cli.add_argument(
+        "--no-continuous-usage", dest="continuous_usage", action="store_false",
+        help='do not send stream_options "continuous_usage_stats": true (for servers that reject it); '
+        "multi-token chunks then count as one token and ITL is per chunk",
+    )
     cli.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     cli.add_argument("--warmup", type=int, default=2, help="small requests sent before measuring (default 2)")
     cli.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for /health first")
@@ -284,6 +289,7 @@ def client_kwargs(args: argparse.Namespace, model: str) -> Dict[str, Any]:
         prompt_kind=args.prompt_format,
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
+        continuous_usage=args.continuous_usage,
         request_timeout_s=args.request_timeout,
         vocab_size=args.vocab_size,
     )
@@ -336,6 +342,7 @@ def build_meta(
             "concurrency": args.concurrency,
             "temperature": args.temperature,
             "ignore_eos": args.ignore_eos,
+            "continuous_usage": args.continuous_usage,
             "warmup": args.warmup,
         },
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},

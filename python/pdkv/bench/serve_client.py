@@ -12,7 +12,9 @@ Request body
 ------------
 ``model``, ``prompt`` (token ids or text) or ``messages``, ``max_tokens`` = the trace's
 output length, ``temperature`` (0: greedy), ``stream: true``,
-``stream_options: {"include_usage": true}`` (token counts in the last chunk), and
+``stream_options: {"include_usage": true, "continuous_usage_stats": true}`` (token
+counts in the last chunk, and the running count in every chunk where the server offers
+it: vLLM and pdkv's proxy do; ``continuous_usage=False`` leaves it out), and
 ``ignore_eos: true`` so that every request generates exactly ``max_tokens`` tokens
 (vLLM, SGLang and pdkv's proxy honour it; servers that do not know it ignore it, and
 ``ignore_eos=False`` leaves it out for strict servers).
@@ -21,10 +23,12 @@ Counting tokens
 ---------------
 A chunk *carries output* when a choice has non-empty ``text`` (completions) or
 ``delta.content`` / ``delta.reasoning_content`` / ``delta.reasoning`` (chat), or when
-a per-chunk ``usage.completion_tokens`` (vLLM's ``continuous_usage_stats``) grew. Each such chunk
+a per-chunk ``usage.completion_tokens`` (``continuous_usage_stats``) grew. Each such chunk
 is timestamped when its bytes arrive; it counts for the growth of
-``usage.completion_tokens`` when the server reports per-chunk usage, otherwise for one
-token. The request's total output tokens is the final ``usage.completion_tokens`` when
+``usage.completion_tokens`` when the server reports per-chunk usage (the record's
+``usage_per_chunk`` is then true and ITL is per token, see
+:mod:`~pdkv.bench.serve_metrics`), otherwise for one token (ITL is then per chunk: a
+detokenizer that holds back incomplete text sends several tokens in one chunk). The request's total output tokens is the final ``usage.completion_tokens`` when
 reported, otherwise the sum over chunks. Chunks without output (the chat role chunk,
 a bare ``finish_reason``, the usage-only last chunk) are not token arrivals. A server
 that ignores ``stream`` and answers with one JSON body gives one chunk.
@@ -103,6 +107,9 @@ class ClientConfig:
         Send ``"ignore_eos": true``.
     include_usage : bool
         Send ``"stream_options": {"include_usage": true}``.
+    continuous_usage : bool
+        With ``include_usage``, also send ``"continuous_usage_stats": true`` (usage in
+        every chunk, so that multi-token chunks are counted per token).
     concurrency : int or None
         Maximum requests in flight; ``None`` for no cap.
     request_timeout_s : float
@@ -123,6 +130,7 @@ class ClientConfig:
     temperature: float = 0.0
     ignore_eos: bool = True
     include_usage: bool = True
+    continuous_usage: bool = True
     concurrency: Optional[int] = None
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
@@ -196,6 +204,8 @@ def build_body(config: ClientConfig, prompt: Prompt, max_tokens: int) -> Dict[st
     body.update(max_tokens=int(max_tokens), temperature=config.temperature, stream=True)
     if config.include_usage:
         body["stream_options"] = {"include_usage": True}
+        if config.continuous_usage:
+            body["stream_options"]["continuous_usage_stats"] = True
     if config.ignore_eos:
         body["ignore_eos"] = True
     body.update(config.extra_body)
@@ -390,6 +400,7 @@ class _StreamState:
                 per_chunk = self.usage_tokens is not None or not self.record.chunk_times_s
                 if choices and per_chunk:
                     grew = max(ct - (self.usage_tokens or 0), 0)
+                    self.record.usage_per_chunk = True
                 self.usage_tokens = ct
             pt = usage.get("prompt_tokens")
             if isinstance(pt, int):
@@ -554,6 +565,7 @@ async def run_trace(
     temperature: float = 0.0,
     ignore_eos: bool = True,
     include_usage: bool = True,
+    continuous_usage: bool = True,
     request_timeout_s: float = 600.0,
     connect_timeout_s: float = 10.0,
     vocab_size: int = 1000,
@@ -585,8 +597,9 @@ async def run_trace(
         completions and ``"text"`` for chat. Replayed explicit prompts are sent as is.
     temperature : float
         0 for greedy decoding.
-    ignore_eos, include_usage : bool
-        Send ``ignore_eos`` and ``stream_options.include_usage``.
+    ignore_eos, include_usage, continuous_usage : bool
+        Send ``ignore_eos``, ``stream_options.include_usage`` and
+        ``stream_options.continuous_usage_stats``.
     request_timeout_s, connect_timeout_s : float
         Per-request total and connect timeouts (a timeout is recorded as an error).
     vocab_size, first_token_id : int
@@ -649,6 +662,7 @@ async def run_trace(
             temperature=temperature,
             ignore_eos=ignore_eos,
             include_usage=include_usage,
+            continuous_usage=continuous_usage,
             concurrency=concurrency,
             request_timeout_s=request_timeout_s,
             connect_timeout_s=connect_timeout_s,

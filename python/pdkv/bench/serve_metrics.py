@@ -13,11 +13,18 @@ carried (``chunk_tokens``), when the stream ended (``end_s``) and the error, if 
 * **TTFT** (time to first token) = first output chunk − ``send_s``. Measured from the
   send, not from the scheduled time: client-side delay (a concurrency cap, an
   overloaded client) is reported separately as **lag** = ``send_s − scheduled_s``.
-* **ITL** (inter-token latency) = the gaps between consecutive output chunks of one
-  request. When a server streams one token per chunk (vLLM, SGLang and pdkv's proxy
-  do) this is exactly the gap between tokens; when a chunk carries *k* tokens it is
-  the gap between screen updates, which is what a reader sees. Aggregate ITL
-  percentiles pool the gaps of every successful request.
+* **ITL** (inter-token latency) is per token: a chunk that carries *k* tokens after a
+  gap *g* since the previous output chunk contributes *k* samples of *g/k* (the
+  convention of SGLang's ``bench_serving``), and the *k* − 1 tokens that arrive with
+  the first token contribute *k* − 1 samples of 0 (they came at the same instant;
+  their wait is in TTFT). A request with *n* output tokens therefore has *n* − 1 ITL
+  samples and their mean is its TPOT. Tokens per chunk come from the server's
+  per-chunk usage (``continuous_usage_stats``; the record's ``usage_per_chunk``).
+  Without it every chunk counts as one token and ITL is **per chunk** (the gap between
+  screen updates): a server that streams one token per chunk gives the same numbers,
+  one whose detokenizer holds back incomplete text (several tokens in one chunk)
+  gives fewer, longer gaps. :attr:`RunSummary.itl_per_token` says which a run
+  measured. Aggregate ITL percentiles pool the samples of every successful request.
 * **TPOT** (time per output token) = (last chunk − first chunk) / (output tokens − 1),
   for requests with at least two output tokens: the mean decode pace, insensitive to
   chunking.
@@ -96,7 +103,11 @@ class RequestRecord:
     chunk_times_s : list of float
         Arrival time of each streamed chunk that carried output, non-decreasing.
     chunk_tokens : list of int
-        Tokens in each of those chunks (same length as ``chunk_times_s``).
+        Tokens in each of those chunks (same length as ``chunk_times_s``); all 1 unless
+        ``usage_per_chunk``.
+    usage_per_chunk : bool
+        The server reported ``usage.completion_tokens`` in every chunk, so
+        ``chunk_tokens`` are true token counts and :attr:`itls_s` is per token.
     end_s : float or None
         When the stream ended (``data: [DONE]``, end of body, or the error).
     output_tokens : int
@@ -124,6 +135,7 @@ class RequestRecord:
     finish_reason: Optional[str] = None
     http_status: Optional[int] = None
     error: Optional[str] = None
+    usage_per_chunk: bool = False
 
     def add_chunk(self, t: float, tokens: int = 1) -> None:
         """Record an output chunk that arrived at ``t`` carrying ``tokens`` tokens."""
@@ -144,9 +156,25 @@ class RequestRecord:
 
     @property
     def itls_s(self) -> List[float]:
-        """Gaps between consecutive output chunks (s); ``len(chunk_times_s) - 1`` values."""
-        t = self.chunk_times_s
-        return [b - a for a, b in zip(t, t[1:])]
+        """Inter-token latencies (s): ``sum(chunk_tokens) - 1`` values (see the module docstring).
+
+        A chunk of *k* tokens after a gap *g* gives *k* values *g/k*; the extra tokens of
+        the first chunk give zeros. With one token per chunk these are the chunk gaps.
+
+        Examples
+        --------
+        >>> r = RequestRecord(0, 0.0, chunk_times_s=[1.0, 1.5, 1.8], chunk_tokens=[2, 2, 1])
+        >>> [round(x, 3) for x in r.itls_s]
+        [0.0, 0.25, 0.25, 0.3]
+        """
+        t, k = self.chunk_times_s, self.chunk_tokens
+        if not t:
+            return []
+        out = [0.0] * (max(k[0], 1) - 1)
+        for a, b, n in zip(t, t[1:], k[1:]):
+            n = max(n, 1)
+            out.extend([(b - a) / n] * n)
+        return out
 
     @property
     def e2e_s(self) -> Optional[float]:
@@ -190,6 +218,7 @@ class RequestRecord:
             "finish_reason": self.finish_reason,
             "http_status": self.http_status,
             "error": self.error,
+            "usage_per_chunk": self.usage_per_chunk,
         }
 
     @classmethod
@@ -209,6 +238,7 @@ class RequestRecord:
             finish_reason=d.get("finish_reason"),
             http_status=None if d.get("http_status") is None else int(d["http_status"]),
             error=d.get("error"),
+            usage_per_chunk=bool(d.get("usage_per_chunk", False)),
         )
 
 
@@ -353,6 +383,9 @@ class RunSummary:
         First send to last event (s); 0 when nothing was sent.
     ttft, itl, e2e, tpot, lag : Stats
         See the module docstring (seconds).
+    itl_per_token : bool
+        Every successful request had per-chunk usage, so ``itl`` (and the ITL part of
+        goodput) is per token; false: per chunk, or a mix (see the module docstring).
     output_tokens : int
         Output tokens of successful requests.
     output_tok_s, req_s : float or None
@@ -377,6 +410,7 @@ class RunSummary:
     e2e: Stats
     tpot: Stats
     lag: Stats
+    itl_per_token: bool
     output_tokens: int
     output_tok_s: Optional[float]
     req_s: Optional[float]
@@ -398,6 +432,7 @@ class RunSummary:
             "e2e": self.e2e.to_dict(),
             "tpot": self.tpot.to_dict(),
             "lag": self.lag.to_dict(),
+            "itl_per_token": self.itl_per_token,
             "output_tokens": self.output_tokens,
             "output_tok_s": self.output_tok_s,
             "req_s": self.req_s,
@@ -448,6 +483,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, *, duration_s: Optiona
         e2e=Stats.of(r.e2e_s for r in ok if r.e2e_s is not None),
         tpot=Stats.of(r.tpot_s for r in ok if r.tpot_s is not None),
         lag=Stats.of(r.lag_s for r in records if r.lag_s is not None),
+        itl_per_token=bool(ok) and all(r.usage_per_chunk for r in ok),
         output_tokens=out_tokens,
         output_tok_s=per_s(out_tokens),
         req_s=per_s(len(ok)),

@@ -142,8 +142,9 @@ def markdown_table(results: BenchResults, slo: Optional[SLO] = None) -> str:
 def sanity_notes(results: BenchResults) -> List[str]:
     """Warnings about runs whose numbers should not be taken at face value.
 
-    Flags runs with failed requests (and their kinds), and runs where the client sent
-    requests late (p99 of ``send_s - scheduled_s`` above :data:`LAG_WARN_S`: a
+    Flags runs with failed requests (and their kinds), runs whose ITL is per chunk
+    rather than per token (the server did not report per-chunk usage), and runs where
+    the client sent requests late (p99 of ``send_s - scheduled_s`` above :data:`LAG_WARN_S`: a
     concurrency cap, or a client starved of CPU, changed the offered load).
 
     Parameters
@@ -163,6 +164,12 @@ def sanity_notes(results: BenchResults) -> List[str]:
         if s.num_errors:
             kinds = ", ".join(f"{k} x{n}" for k, n in s.errors.items())
             notes.append(f"{where}: {s.num_errors} of {s.num_requests} requests failed ({kinds}).")
+        if s.num_ok and not s.itl_per_token:
+            n = sum(1 for r in run.records if r.ok and r.usage_per_chunk)
+            notes.append(
+                f"{where}: ITL is per chunk, not per token: {s.num_ok - n} of {s.num_ok} requests had no "
+                "per-chunk usage (continuous_usage_stats), so a chunk of several tokens counted as one."
+            )
         if s.lag.p99 is not None and s.lag.p99 > LAG_WARN_S:
             notes.append(
                 f"{where}: the client sent requests late (lag p99 {s.lag.p99 * 1e3:.0f} ms, max "
@@ -610,7 +617,13 @@ def write_report(
     for k in ("url", "model", "started_at"):
         if meta.get(k):
             md.append(f"- {k}: {meta[k]}")
-    md += ["", f"SLO: {slo.describe()}.", "", markdown_table(results, slo)]
+    per_token = all(r.summary(slo).itl_per_token for r in results.runs if r.summary(slo).num_ok)
+    itl_unit = (
+        "ITL is per token (tokens per chunk from the server's per-chunk usage; a chunk of k tokens "
+        "after a gap g counts k gaps of g/k)."
+        if per_token else "ITL is per chunk: the server did not report per-chunk usage (see Checks)."
+    )
+    md += ["", f"SLO: {slo.describe()}. {itl_unit}", "", markdown_table(results, slo)]
     notes = sanity_notes(results)
     if notes:
         md += ["## Checks", ""] + [f"- {n}" for n in notes] + [""]
