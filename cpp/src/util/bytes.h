@@ -62,6 +62,11 @@ class ByteReader {
                            std::to_string(remaining()) + " remaining bytes can hold");
     return Status::Ok();
   }
+  // Fails unless every byte was read: "<what> has N trailing bytes".
+  Status expect_end(const char* what) const {
+    if (remaining() == 0) return Status::Ok();
+    return ProtocolError(std::string(what) + " has " + std::to_string(remaining()) + " trailing bytes");
+  }
   size_t remaining() const { return in_.size() - pos_; }
   size_t pos() const { return pos_; }
 

@@ -53,7 +53,7 @@ Result<Hello> parse_hello(std::string_view aux) {
   PDKV_RETURN_IF_ERROR(r.get(&h.expect_instance, "instance"));
   PDKV_RETURN_IF_ERROR(r.get_str(&h.from, "from", 128));
   PDKV_RETURN_IF_ERROR(r.get_str(&h.secret, "secret", 1024));
-  if (r.remaining() != 0) return ProtocolError("hello has " + std::to_string(r.remaining()) + " trailing bytes");
+  PDKV_RETURN_IF_ERROR(r.expect_end("hello"));
   PDKV_RETURN_IF_ERROR(validate_name("importer name", h.from));
   return h;
 }

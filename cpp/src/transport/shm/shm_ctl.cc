@@ -82,7 +82,7 @@ Result<Hello> parse_hello(std::string_view aux) {
   PDKV_RETURN_IF_ERROR(r.get_str(&h.from, "initiator", kMaxNameLen));
   PDKV_RETURN_IF_ERROR(r.get_str(&h.to, "target", kMaxNameLen));
   PDKV_RETURN_IF_ERROR(r.get_str(&h.secret, "secret", kMaxSecretLen));
-  if (r.remaining() != 0) return ProtocolError("hello has " + std::to_string(r.remaining()) + " trailing bytes");
+  PDKV_RETURN_IF_ERROR(r.expect_end("hello"));
   PDKV_RETURN_IF_ERROR(validate_name("initiator name", h.from));
   return h;
 }

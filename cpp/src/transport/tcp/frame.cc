@@ -194,8 +194,7 @@ Result<HelloBody> decode_hello(std::string_view aux) {
   PDKV_RETURN_IF_ERROR(r.get_str(&b.from, "hello initiator", 128));
   PDKV_RETURN_IF_ERROR(r.get_str(&b.to, "hello target", 128));
   PDKV_RETURN_IF_ERROR(r.get_str(&b.secret, "hello secret", kMaxSecretBytes));
-  if (r.remaining() != 0)
-    return ProtocolError("hello has " + std::to_string(r.remaining()) + " trailing bytes");
+  PDKV_RETURN_IF_ERROR(r.expect_end("hello"));
   Status st = validate_name("initiator name", b.from);
   if (!st.ok()) return ProtocolError(st.message());
   return b;
@@ -218,8 +217,7 @@ Result<HelloAckBody> decode_hello_ack(std::string_view aux) {
   HelloAckBody b;
   PDKV_RETURN_IF_ERROR(r.get(&b.instance, "hello-ack instance"));
   PDKV_RETURN_IF_ERROR(r.get_str(&b.name, "hello-ack name", 128));
-  if (r.remaining() != 0)
-    return ProtocolError("hello-ack has " + std::to_string(r.remaining()) + " trailing bytes");
+  PDKV_RETURN_IF_ERROR(r.expect_end("hello-ack"));
   Status st = validate_name("target name", b.name);
   if (!st.ok()) return ProtocolError(st.message());
   return b;
