@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     px.add_argument("--hybrid-threshold", type=int, default=DEFAULT_HYBRID_THRESHOLD,
                     help=f"hybrid: prompts up to this many tokens are prefilled on the decode worker "
-                    f"(default {DEFAULT_HYBRID_THRESHOLD}, measured; see the README)")
+                    f"(default {DEFAULT_HYBRID_THRESHOLD}, measured; see docs/serving.md, \"The hybrid threshold\")")
     px.add_argument("--tokenizer", help="model directory with the tokenizer (default: the workers' model dir)")
     px.add_argument("--kv-timeout", type=float, default=30.0, help="seconds a prefill may take to deliver the KV "
                     "before the decode worker recomputes (default 30)")

@@ -166,7 +166,8 @@ def run_demo(model_dir: str | Path | None = None, *, questions: Sequence[str] = 
                 out.write(f"--- {p.name} log:\n{p.log_tail(10)}\n")
             return 1
         _summary(results, questions, out)
-        out.write("\nRun the pieces yourself: pdkv serve prefill | decode | proxy (README, section Serving).\n")
+        out.write("\nRun the pieces yourself: pdkv serve prefill | decode | proxy "
+                  "(docs/serving.md, \"Running the pieces\").\n")
         return 0
     except KeyboardInterrupt:
         out.write("\ninterrupted\n")
