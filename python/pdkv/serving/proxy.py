@@ -60,7 +60,8 @@ from .frontend import OpenAIFrontend, RequestTrace, TokenOut
 from .limits import ServerLimits
 from .metrics import Registry
 from .openai_api import APIError, ModelInfo, TextCodec
-from .protocol import GenerateRequest, GenParams, KVFailed, KVResult, PrefillRequest, Reservation, WorkerInfo
+from .protocol import (BUSY_CODES, GenerateRequest, GenParams, KVFailed, KVResult, PrefillRequest, Reservation,
+                       StreamError, WorkerInfo)
 
 __all__ = ["DEFAULT_HYBRID_THRESHOLD", "Proxy", "ProxyBackend", "ProxyConfig", "ProxyMode"]
 
@@ -275,7 +276,9 @@ class ProxyBackend:
         self.m_recompute = r.counter("pdkv_kv_recomputes_total",
                                      "Prompts recomputed on the decode worker because their KV did not arrive.",
                                      ("reason",))
-        self.m_failures = r.counter("pdkv_worker_failures_total", "Workers that failed a request, by worker.",
+        self.m_failures = r.counter("pdkv_worker_failures_total",
+                                    "Times a worker was taken out of rotation because it failed a request or a "
+                                    "liveness probe, by worker.",
                                     ("role", "worker"))
         self.m_retries = r.counter("pdkv_request_retries_total", "Requests moved to another worker.")
         self.m_migrations = r.counter("pdkv_request_migrations_total",
@@ -597,7 +600,14 @@ class ProxyBackend:
 
     # ------------------------------------------------------------------ routing
     def _mark_down(self, w: _Worker, why: str) -> None:
-        w.down_until = time.monotonic() + self.config.down_cooldown_s
+        """Takes ``w`` out of rotation for ``down_cooldown_s``. One failure is counted
+        per fall out of rotation: the requests that were waiting on a worker a probe
+        just took out report the same failure again."""
+        now = time.monotonic()
+        in_rotation = w.alive and now >= w.down_until
+        w.down_until = now + self.config.down_cooldown_s
+        if not in_rotation:
+            return
         w.error = why
         self.m_failures.inc((w.role, w.url))
         log.warning("%s worker %s failed (%s); out of rotation for %.1f s", w.role, w.url, why,
@@ -910,9 +920,18 @@ def _done_with(r: aiohttp.ClientResponse) -> None:
 
 
 def _raise_worker_error(d: _Worker, line: dict[str, Any]) -> None:
-    """An ``{"error": ...}`` line from decode worker ``d`` becomes a 502."""
-    if "error" in line:
-        raise APIError(502, f"decode worker {d.url}: {_msg(line)}", code="worker_error")
+    """An ``{"error": ...}`` line from decode worker ``d``: the request's fault (4xx)
+    goes to the client as is; the worker's fault raises :class:`_WorkerBusy` (out of
+    KV blocks: it stays in rotation) or :class:`_WorkerFailed`, and the stream is
+    continued on another worker like that of a dead one."""
+    if "error" not in line:
+        return
+    err = StreamError.from_line(line)
+    if err.request_fault:
+        raise APIError(err.status, f"decode worker {d.url}: {err.message}", code=err.code)
+    if err.code in BUSY_CODES:
+        raise _WorkerBusy(f"{err.code}: {err.message}")
+    raise _WorkerFailed(d, f"it ended the stream with {err.code}: {err.message}")
 
 
 def _msg(line: dict[str, Any]) -> str:
