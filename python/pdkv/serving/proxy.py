@@ -369,10 +369,10 @@ class ProxyBackend:
             ok, why = False, f"liveness probe failed: {type(e).__name__}: {e}"
         if ok:
             w.alive_at = time.monotonic()
+            if not w.alive:
+                log.info("%s worker %s answers again; back in rotation", w.role, w.url)
         elif w.alive:
             self._mark_down(w, why)
-        elif ok and not w.alive:
-            log.info("%s worker %s answers again; back in rotation", w.role, w.url)
         w.alive = ok
         return ok
 
