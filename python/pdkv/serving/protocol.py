@@ -41,7 +41,7 @@ from typing import Any, Mapping
 
 from pdkv.errors import InvalidArgument
 
-__all__ = ["GenParams", "GenerateRequest", "KVFailed", "KVReady", "KVResult", "PrefillRequest", "Reservation",
+__all__ = ["BUSY_CODES", "STREAM_ERROR_STATUS", "GenParams", "GenerateRequest", "KVFailed", "KVReady", "KVResult", "PrefillRequest", "Reservation",
            "StreamError", "WorkerInfo", "dumps_line", "require"]
 
 

@@ -31,7 +31,11 @@ once. A decode worker that fails after the client got tokens does not fail the
 request: the stream is *migrated* -- another decode worker prefills the prompt plus
 the tokens already sent and continues with the same seed (``index_offset``: the
 same random draws), ``max_tokens`` reduced by what was sent, so the client receives
-the complete answer. Only when no decode worker is left does it get an error.
+the complete answer. Only when no decode worker is left does it get an error. An
+``{"error": ...}`` line in a decode worker's stream is handled by whose fault it is
+(:class:`~pdkv.serving.protocol.StreamError`): the worker's (5xx: internal error,
+shutting down, out of KV blocks, transport) migrates the stream like a dead worker;
+the request's (4xx: invalid input, context too long) goes to the client as is.
 
 The proxy learns the model from the workers (``/pd/info``) and loads the tokenizer
 from the model directory they report (or ``tokenizer``), so it needs no model of its
