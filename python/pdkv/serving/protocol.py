@@ -41,8 +41,8 @@ from typing import Any, Mapping
 
 from pdkv.errors import InvalidArgument
 
-__all__ = ["BUSY_CODES", "STREAM_ERROR_STATUS", "GenParams", "GenerateRequest", "KVFailed", "KVReady", "KVResult", "PrefillRequest", "Reservation",
-           "StreamError", "WorkerInfo", "dumps_line", "require"]
+__all__ = ["BUSY_CODES", "STREAM_ERROR_STATUS", "GenParams", "GenerateRequest", "KVFailed", "KVReady", "KVResult",
+           "PrefillRequest", "Reservation", "StreamError", "WorkerInfo", "dumps_line", "require"]
 
 
 def require(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, where: str) -> Any:

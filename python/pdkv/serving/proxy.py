@@ -553,8 +553,8 @@ class ProxyBackend:
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                     res = {"ok": False, "error": f"prefill worker unreachable: {type(e).__name__}: {e}"}
                 err = "" if res.get("ok") else str(res.get("error") or "unknown error")
-                # An agent briefly refuses a host after failed authentications (another
-                # worker's wrong secret): that is no verdict on this pair yet.
+                # An agent briefly refuses a whole host after failed authentications
+                # under many agent names there (guard.h): no verdict on this pair yet.
                 if "too many failed authentications" not in err or attempt == 3:
                     break
                 await asyncio.sleep(0.5 * (attempt + 1))
