@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
-from servers import MAX_NEW, Stack, build_tiny, completion_ids, get, post  # noqa: E402
+from servers import MAX_NEW, Stack, build_tiny, completion_ids, get, post, stream  # noqa: E402
 
 from pdkv.errors import InvalidArgument  # noqa: E402
 from pdkv.serving.engine import EngineConfig  # noqa: E402
@@ -130,15 +130,28 @@ def test_worker_fault_migrates_a_disaggregated_stream(tiny, stack) -> None:
 def test_request_fault_mid_stream_is_the_clients_error(tiny, stack, code) -> None:
     faulty = stack.worker(tiny, "colocated", debug_error_after=FAIL_AFTER, debug_error_code=code)
     base = stack.proxy("colocated", decode=[faulty, stack.good])
-    for _ in range(2):  # whichever worker it starts on, it is never retried
-        status, obj = post(base + "/v1/completions", {"model": tiny.name, "prompt": tiny.prompts[3],
-                                                      "max_tokens": MAX_NEW, "temperature": 0})
+    body = {"model": tiny.name, "prompt": tiny.prompts[3], "max_tokens": MAX_NEW, "temperature": 0}
+    errors = []
+    # Never retried, and both workers stay in rotation: round-robin alternates, so each
+    # pair of requests meets the faulty worker once -- streamed, then not.
+    for streamed in (True, True, False, False):
+        if streamed:
+            events = stream(base + "/v1/completions", body)
+            assert events[-1] == "[DONE]"
+            err = [e["error"] for e in events[:-1] if "error" in e]
+            if err:  # the SSE error event ends the stream
+                assert "error" in events[-2]
+                errors.append(("stream", err[0]))
+            continue
+        status, obj = post(base + "/v1/completions", body)
         if status == 200:
-            assert obj["choices"][0]["text"] is not None  # served by the good worker
             continue
         assert status == 400, obj
-        assert obj["error"]["code"] == code and obj["error"]["type"] == "invalid_request_error"
-        assert faulty in obj["error"]["message"]
+        errors.append(("whole", obj["error"]))
+    assert [kind for kind, _ in errors] == ["stream", "whole"], errors
+    for _, err in errors:
+        assert err["code"] == code and err["type"] == "invalid_request_error"
+        assert faulty in err["message"]
     assert not _metric(base, "pdkv_request_migrations_total").get("")
     assert not _metric(base, "pdkv_worker_failures_total")
     assert all(w["up"] for w in json.loads(get(base + "/health")[1])["workers"])
