@@ -24,6 +24,9 @@ Modules
 :mod:`pdkv.serving.worker`
     :class:`Worker` (prefill, decode or colocated role: an engine behind an aiohttp
     server; prefill workers push KV into decode workers' blocks through pdkv).
+:mod:`pdkv.serving.handoff`
+    :class:`KVSender` / :class:`KVReceiver`: the KV hand-off between a prefill and a
+    decode worker (reservations, generations, pushes, releases), without HTTP.
 :mod:`pdkv.serving.proxy`
     :class:`Proxy`: the OpenAI-compatible API over the workers (disagg, hybrid,
     colocated modes), load spreading, retries, recompute on KV failure.
@@ -80,6 +83,8 @@ _EXPORTS = {
     "load_tokenizer": "models",
     "pin_threads": "models",
     "smollm2_gguf_path": "models",
+    "KVReceiver": "handoff",
+    "KVSender": "handoff",
     "Worker": "worker",
     "WorkerConfig": "worker",
     "WorkerRole": "worker",

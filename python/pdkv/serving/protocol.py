@@ -27,7 +27,10 @@ flushed as it happens. Every endpoint lives under ``/pd/``:
     Static facts (:class:`WorkerInfo`) and live load (queue depth, free blocks).
 
 An error before streaming starts is an HTTP status with ``{"error": {"message",
-"type", "code"}}``; after it started, an ``{"error": {...}}`` line ends the stream.
+"type", "code"}}``; after it started, an ``{"error": {...}}`` line ends the stream
+(:class:`StreamError`). Its ``status`` says whose fault it is: 4xx, the request's (the
+proxy answers the client with it); 5xx, the worker's (the proxy continues the stream
+on another decode worker, exactly as if this one had died).
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from typing import Any, Mapping
 
 from pdkv.errors import InvalidArgument
 
-__all__ = ["GenParams", "GenerateRequest", "KVFailed", "KVReady", "KVResult", "PrefillRequest", "Reservation",
-           "WorkerInfo", "dumps_line", "require"]
+__all__ = ["BUSY_CODES", "STREAM_ERROR_STATUS", "GenParams", "GenerateRequest", "KVFailed", "KVReady", "KVResult",
+           "PrefillRequest", "Reservation", "StreamError", "WorkerInfo", "dumps_line", "require"]
 
 
 def require(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, where: str) -> Any:
@@ -71,6 +74,73 @@ def _int_list(v: Any, *, where: str, name: str) -> tuple[int, ...]:
 def dumps_line(obj: Any) -> bytes:
     """One NDJSON line."""
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+#: HTTP status of each code a worker puts in an ``{"error": ...}`` line. 5xx: the
+#: worker failed (internal error, shutting down, out of KV blocks, transport): the
+#: request would succeed elsewhere. 4xx: the request itself is at fault.
+STREAM_ERROR_STATUS: dict[str, int] = {
+    "internal_error": 500,
+    "transport_error": 502,
+    "shutting_down": 503,
+    "kv_pool_full": 503,
+    "invalid_request": 400,
+    "context_length_exceeded": 400,
+}
+#: Worker-fault codes that mean "busy", not "broken": the worker stays in rotation.
+BUSY_CODES = frozenset({"kv_pool_full"})
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """An ``{"error": {"message", "type", "code", "status"}}`` line that ends a worker's
+    stream.
+
+    Attributes
+    ----------
+    message : str
+    code : str
+        One of :data:`STREAM_ERROR_STATUS` (an unknown code from another version counts
+        as an internal error of the worker).
+    status : int
+        The HTTP status the error stands for; 4xx is the request's fault.
+    """
+
+    message: str
+    code: str = "internal_error"
+    status: int = 500
+
+    @classmethod
+    def of(cls, code: str, message: str) -> "StreamError":
+        """The error for a known ``code`` (its status from :data:`STREAM_ERROR_STATUS`)."""
+        if code not in STREAM_ERROR_STATUS:
+            raise InvalidArgument(f"unknown stream error code {code!r}; known: {sorted(STREAM_ERROR_STATUS)}")
+        return cls(message, code, STREAM_ERROR_STATUS[code])
+
+    @property
+    def request_fault(self) -> bool:
+        """True if the request is at fault (retrying it elsewhere would fail the same way)."""
+        return 400 <= self.status < 500
+
+    def to_line(self) -> bytes:
+        kind = "invalid_request_error" if self.request_fault else "server_error"
+        return dumps_line({"error": {"message": self.message, "type": kind, "code": self.code,
+                                     "status": self.status}})
+
+    @classmethod
+    def from_line(cls, line: Mapping[str, Any]) -> "StreamError":
+        """Reads the ``error`` member of a stream line; never raises (a malformed or
+        unknown error is the worker's fault)."""
+        err = line.get("error")
+        if not isinstance(err, Mapping):
+            return cls(str(err))
+        message = str(err.get("message", err))
+        code = err.get("code")
+        code = code if isinstance(code, str) and code else "internal_error"
+        status = err.get("status")
+        if not (isinstance(status, int) and not isinstance(status, bool) and 400 <= status <= 599):
+            status = STREAM_ERROR_STATUS.get(code, 500)
+        return cls(message, code, status)
 
 
 @dataclass(frozen=True)

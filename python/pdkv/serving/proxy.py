@@ -31,7 +31,11 @@ once. A decode worker that fails after the client got tokens does not fail the
 request: the stream is *migrated* -- another decode worker prefills the prompt plus
 the tokens already sent and continues with the same seed (``index_offset``: the
 same random draws), ``max_tokens`` reduced by what was sent, so the client receives
-the complete answer. Only when no decode worker is left does it get an error.
+the complete answer. Only when no decode worker is left does it get an error. An
+``{"error": ...}`` line in a decode worker's stream is handled by whose fault it is
+(:class:`~pdkv.serving.protocol.StreamError`): the worker's (5xx: internal error,
+shutting down, out of KV blocks, transport) migrates the stream like a dead worker;
+the request's (4xx: invalid input, context too long) goes to the client as is.
 
 The proxy learns the model from the workers (``/pd/info``) and loads the tokenizer
 from the model directory they report (or ``tokenizer``), so it needs no model of its
@@ -60,7 +64,8 @@ from .frontend import OpenAIFrontend, RequestTrace, TokenOut
 from .limits import ServerLimits
 from .metrics import Registry
 from .openai_api import APIError, ModelInfo, TextCodec
-from .protocol import GenerateRequest, GenParams, KVFailed, KVResult, PrefillRequest, Reservation, WorkerInfo
+from .protocol import (BUSY_CODES, GenerateRequest, GenParams, KVFailed, KVResult, PrefillRequest, Reservation,
+                       StreamError, WorkerInfo)
 
 __all__ = ["DEFAULT_HYBRID_THRESHOLD", "Proxy", "ProxyBackend", "ProxyConfig", "ProxyMode"]
 
@@ -275,7 +280,9 @@ class ProxyBackend:
         self.m_recompute = r.counter("pdkv_kv_recomputes_total",
                                      "Prompts recomputed on the decode worker because their KV did not arrive.",
                                      ("reason",))
-        self.m_failures = r.counter("pdkv_worker_failures_total", "Workers that failed a request, by worker.",
+        self.m_failures = r.counter("pdkv_worker_failures_total",
+                                    "Times a worker was taken out of rotation because it failed a request or a "
+                                    "liveness probe, by worker.",
                                     ("role", "worker"))
         self.m_retries = r.counter("pdkv_request_retries_total", "Requests moved to another worker.")
         self.m_migrations = r.counter("pdkv_request_migrations_total",
@@ -366,10 +373,10 @@ class ProxyBackend:
             ok, why = False, f"liveness probe failed: {type(e).__name__}: {e}"
         if ok:
             w.alive_at = time.monotonic()
+            if not w.alive:
+                log.info("%s worker %s answers again; back in rotation", w.role, w.url)
         elif w.alive:
             self._mark_down(w, why)
-        elif ok and not w.alive:
-            log.info("%s worker %s answers again; back in rotation", w.role, w.url)
         w.alive = ok
         return ok
 
@@ -546,8 +553,8 @@ class ProxyBackend:
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                     res = {"ok": False, "error": f"prefill worker unreachable: {type(e).__name__}: {e}"}
                 err = "" if res.get("ok") else str(res.get("error") or "unknown error")
-                # An agent briefly refuses a host after failed authentications (another
-                # worker's wrong secret): that is no verdict on this pair yet.
+                # An agent briefly refuses a whole host after failed authentications
+                # under many agent names there (guard.h): no verdict on this pair yet.
                 if "too many failed authentications" not in err or attempt == 3:
                     break
                 await asyncio.sleep(0.5 * (attempt + 1))
@@ -597,7 +604,14 @@ class ProxyBackend:
 
     # ------------------------------------------------------------------ routing
     def _mark_down(self, w: _Worker, why: str) -> None:
-        w.down_until = time.monotonic() + self.config.down_cooldown_s
+        """Takes ``w`` out of rotation for ``down_cooldown_s``. One failure is counted
+        per fall out of rotation: the requests that were waiting on a worker a probe
+        just took out report the same failure again."""
+        now = time.monotonic()
+        in_rotation = w.alive and now >= w.down_until
+        w.down_until = now + self.config.down_cooldown_s
+        if not in_rotation:
+            return
         w.error = why
         self.m_failures.inc((w.role, w.url))
         log.warning("%s worker %s failed (%s); out of rotation for %.1f s", w.role, w.url, why,
@@ -910,9 +924,18 @@ def _done_with(r: aiohttp.ClientResponse) -> None:
 
 
 def _raise_worker_error(d: _Worker, line: dict[str, Any]) -> None:
-    """An ``{"error": ...}`` line from decode worker ``d`` becomes a 502."""
-    if "error" in line:
-        raise APIError(502, f"decode worker {d.url}: {_msg(line)}", code="worker_error")
+    """An ``{"error": ...}`` line from decode worker ``d``: the request's fault (4xx)
+    goes to the client as is; the worker's fault raises :class:`_WorkerBusy` (out of
+    KV blocks: it stays in rotation) or :class:`_WorkerFailed`, and the stream is
+    continued on another worker like that of a dead one."""
+    if "error" not in line:
+        return
+    err = StreamError.from_line(line)
+    if err.request_fault:
+        raise APIError(err.status, f"decode worker {d.url}: {err.message}", code=err.code)
+    if err.code in BUSY_CODES:
+        raise _WorkerBusy(f"{err.code}: {err.message}")
+    raise _WorkerFailed(d, f"it ended the stream with {err.code}: {err.message}")
 
 
 def _msg(line: dict[str, Any]) -> str:

@@ -23,13 +23,14 @@ Both prefill and decode workers keep their KV pool in memory their pdkv agent
 allocates (:meth:`PagedKVPool.shared`), so a worker on the same host is reached with
 the ``shm`` transport (one memcpy) and others over tcp.
 
-A late write never lands in reused blocks: a decode worker hands out the reserved
-blocks' generations with their ids (:class:`~pdkv.serving.protocol.Reservation`), the
-prefill worker writes with ``remote_generations``, and a decode worker that gives up
-on a request's KV (timeout, client gone, or a non-terminal failure) bumps the
-generations (:meth:`pdkv.Agent.bump_generations`, docs/generations.md) and reuses the
-blocks at once: a write that arrives later fails with ``StaleBlock`` at the decode
-worker's agent, before any byte lands.
+The KV hand-off itself (reservations, generations, pushes, releases) is
+:mod:`pdkv.serving.handoff` (:class:`~pdkv.serving.handoff.KVSender` in a prefill
+worker, :class:`~pdkv.serving.handoff.KVReceiver` in a decode worker), which knows no
+HTTP; the handlers here parse requests, stream NDJSON and map errors to statuses.
+
+A stream that fails after it started ends with an ``{"error": ...}`` line
+(:class:`~pdkv.serving.protocol.StreamError`) whose code says whose fault it is; the
+proxy continues the stream elsewhere when it is the worker's.
 """
 
 from __future__ import annotations
@@ -49,16 +50,17 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 import pdkv
-from pdkv.errors import AlreadyExists, InvalidArgument, NotFound, PdkvError, ResourceExhausted
+from pdkv.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 
 from .aio import HttpServer, json_error, start_ndjson
 from .engine import Engine, EngineConfig, FinishReason, RequestHandle, TokenEvent
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut, openai_error_middleware
+from .handoff import KVReceiver, KVSender
 from .kv_pool import PagedKVPool
 from .limits import ServerLimits, read_body
 from .metrics import CONTENT_TYPE, Registry
 from .openai_api import APIError, ModelInfo, TextCodec, body_limit
-from .protocol import (GenerateRequest, GenParams, KVFailed, KVReady, KVResult, PrefillRequest, Reservation,
+from .protocol import (STREAM_ERROR_STATUS, GenerateRequest, GenParams, KVFailed, PrefillRequest, StreamError,
                        WorkerInfo, dumps_line)
 
 __all__ = ["LocalBackend", "Worker", "WorkerConfig", "WorkerRole"]
@@ -102,6 +104,15 @@ class WorkerConfig:
     debug_drop_kv : bool
         Prefill, testing only: skip the KV write and its notification but report
         success (the decode worker then times out and recomputes).
+    debug_error_after : int, optional
+        Decode and colocated, testing only: every token stream of the worker protocol
+        (``/pd/generate``, ``/pd/decode``) ends after this many token lines with an
+        ``{"error": ...}`` line of code ``debug_error_code``, as if the worker failed
+        there (fault injection for the proxy's migration).
+    debug_error_code : str
+        The code of that line (a key of
+        :data:`~pdkv.serving.protocol.STREAM_ERROR_STATUS`; default
+        ``"internal_error"``).
     max_body_bytes : int, optional
         Largest request body, for the OpenAI routes (colocated) and the worker protocol
         alike (413 above). Default: from the model's context
@@ -120,6 +131,8 @@ class WorkerConfig:
     kv_margin_s: float = 2.0
     reserve_wait_s: float = 60.0
     debug_drop_kv: bool = False
+    debug_error_after: int | None = None
+    debug_error_code: str = "internal_error"
     max_body_bytes: int | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
 
@@ -137,6 +150,13 @@ class WorkerConfig:
                 raise InvalidArgument(f"{k} must be >= 0, got {getattr(self, k)!r}")
         if self.max_body_bytes is not None and (not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1):
             raise InvalidArgument(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
+        if self.debug_error_after is not None and (not isinstance(self.debug_error_after, int)
+                                                   or isinstance(self.debug_error_after, bool)
+                                                   or self.debug_error_after < 0):
+            raise InvalidArgument(f"debug_error_after must be an integer >= 0, got {self.debug_error_after!r}")
+        if self.debug_error_code not in STREAM_ERROR_STATUS:
+            raise InvalidArgument(f"debug_error_code must be one of {sorted(STREAM_ERROR_STATUS)}, "
+                                  f"got {self.debug_error_code!r}")
 
 
 class _Events:
@@ -153,19 +173,11 @@ class _Events:
             pass  # the loop is closed: the worker is shutting down
 
 
-def _error_line(message: str, code: str) -> bytes:
-    return dumps_line({"error": {"message": message, "type": "server_error", "code": code}})
-
-
-def _error_kind(e: BaseException) -> str:
-    """``"auth"`` (the peer refused our secret), ``"transport"`` (connection, protocol or
-    timeout), or ``"other"``."""
-    if isinstance(e, pdkv.AuthFailed):
-        return "auth"
-    if isinstance(e, (pdkv.PeerConnectionError, pdkv.TransferTimeout, pdkv.ProtocolError, pdkv.VersionMismatch,
-                      pdkv.StalePeer, ConnectionError, TimeoutError)):
-        return "transport"
-    return "other"
+def _stream_error(h: RequestHandle, ev: TokenEvent) -> StreamError:
+    """The error line for a request the engine ended without finishing it: both are the
+    worker's fault (an abort here means the worker is stopping or its reader left)."""
+    code = "shutting_down" if ev.finish_reason is FinishReason.ABORT else "internal_error"
+    return StreamError.of(code, _failure(h, ev))
 
 
 def _failure(h: RequestHandle, ev: TokenEvent) -> str:
@@ -191,8 +203,10 @@ class Worker:
 
     Notes
     -----
-    :meth:`start` creates the agent, the pool, the engine and its stepping thread;
-    :meth:`close` stops them. Run it with :func:`pdkv.serving.aio.run_until_signal` or
+    :meth:`start` creates the agent, the pool, the engine, its stepping thread and the
+    KV hand-off (a :class:`~pdkv.serving.handoff.KVSender` in a prefill worker, a
+    :class:`~pdkv.serving.handoff.KVReceiver` in a decode worker); :meth:`close` stops
+    them. Run it with :func:`pdkv.serving.aio.run_until_signal` or
     :class:`pdkv.serving.aio.ServerThread`.
     """
 
@@ -205,22 +219,17 @@ class Worker:
         self.block_order = block_order
         self.agent: pdkv.Agent | None = None
         self.engine: Engine | None = None
+        self.sender: KVSender | None = None      # prefill
+        self.receiver: KVReceiver | None = None  # decode
         self.url = ""
         self.registry = Registry()
         self._http: HttpServer | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tasks: list[asyncio.Task] = []
-        self._kv_waiters: dict[str, asyncio.Future] = {}
-        self._peers: dict[str, str] = {}          # decode agent address -> peer name
-        self._links: dict[str, dict[str, Any]] = {}  # decode agent address -> its link's health
-        self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._background: set[asyncio.Task] = set()
         # Threads that wait for transfers and connect to peers (blocking native calls).
         self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pdkv-wait")
         self._in_flight = 0
-        self._invalidated = 0  # reservations whose blocks' generations were bumped (KV given up)
         self._closed = False
         self._body_limit = body_limit(None, config.max_body_bytes)
         self._setup_metrics()
@@ -232,38 +241,49 @@ class Worker:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Builds the agent, pool and engine, starts stepping and serving; returns the URL."""
-        self._loop = asyncio.get_running_loop()
         cfg = self.config
-        param = next(self.model.parameters())
-        pool = None
-        if cfg.role is not WorkerRole.COLOCATED:
-            secret = cfg.secret if cfg.secret is not None else os.environ.get("PDKV_SECRET")
-            if not secret:
-                raise InvalidArgument("prefill and decode workers need a shared pdkv secret: set PDKV_SECRET "
-                                      "(the same value in every prefill and decode worker) or pass --secret")
-            name = f"{cfg.role.value}-{os.getpid()}-{secrets.token_hex(3)}"
-            self.agent = pdkv.Agent(name, secret=secret, listen=cfg.agent_listen)
-            geometry = pdkv.KVGeometry.from_hf_config(self.model.config, num_blocks=cfg.engine.num_blocks,
-                                                      block_tokens=cfg.engine.block_tokens, dtype=param.dtype)
-            if param.device.type == "cpu":
-                pool = PagedKVPool.shared(self.agent, geometry, block_order=self.block_order)
-            else:
-                pool = PagedKVPool(geometry, device=param.device, block_order=self.block_order)
-                pool.register(self.agent)
-            self.block_order = None
+        pool = self._make_agent_and_pool() if cfg.role is not WorkerRole.COLOCATED else None
         self.engine = Engine(self.model, cfg.engine, block_order=self.block_order, pool=pool)
         self._thread = threading.Thread(target=self._step_loop, name=f"engine-{cfg.role.value}", daemon=True)
         self._thread.start()
+        if cfg.role is WorkerRole.PREFILL:
+            assert self.agent is not None
+            self.sender = KVSender(self.agent, self.engine, executor=self._executor, registry=self.registry,
+                                   drop_kv=cfg.debug_drop_kv)
+        if cfg.role is WorkerRole.DECODE:
+            assert self.agent is not None
+            self.receiver = KVReceiver(self.agent, self.engine, executor=self._executor, address=self.agent_address,
+                                       registry=self.registry)
+            self._tasks.append(asyncio.ensure_future(self.receiver.run_notifications()))
         self._body_limit = body_limit(self.model_info(), cfg.max_body_bytes)
         app = web.Application(client_max_size=self._body_limit)
         self._routes(app)
-        if cfg.role is WorkerRole.DECODE:
-            self._tasks.append(asyncio.ensure_future(self._notification_loop()))
         self._http = HttpServer(app, limits=cfg.limits)
         self.url = await self._http.start(host, port)
         log.info("%s worker serving %s on %s%s", cfg.role.value, cfg.model_name, self.url,
                  f" (pdkv agent {self.agent.name} at {self.agent_address})" if self.agent else "")
         return self.url
+
+    def _make_agent_and_pool(self) -> PagedKVPool:
+        """Prefill and decode: the pdkv agent and a KV pool registered with it (in memory
+        the agent allocates on CPU, so same-host peers use shm)."""
+        cfg = self.config
+        secret = cfg.secret if cfg.secret is not None else os.environ.get("PDKV_SECRET")
+        if not secret:
+            raise InvalidArgument("prefill and decode workers need a shared pdkv secret: set PDKV_SECRET "
+                                  "(the same value in every prefill and decode worker) or pass --secret")
+        name = f"{cfg.role.value}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.agent = pdkv.Agent(name, secret=secret, listen=cfg.agent_listen)
+        param = next(self.model.parameters())
+        geometry = pdkv.KVGeometry.from_hf_config(self.model.config, num_blocks=cfg.engine.num_blocks,
+                                                  block_tokens=cfg.engine.block_tokens, dtype=param.dtype)
+        if param.device.type == "cpu":
+            pool = PagedKVPool.shared(self.agent, geometry, block_order=self.block_order)
+        else:
+            pool = PagedKVPool(geometry, device=param.device, block_order=self.block_order)
+            pool.register(self.agent)
+        self.block_order = None  # the pool has it
+        return pool
 
     async def close(self) -> None:
         """Stops serving, aborts what runs, stops the engine thread, closes the agent."""
@@ -272,13 +292,16 @@ class Worker:
         self._closed = True
         if self._http is not None:
             await self._http.close()
-        for t in self._tasks + list(self._background):
+        for t in self._tasks:
             t.cancel()
-        for t in self._tasks + list(self._background):
+        for t in self._tasks:
             try:
                 await t
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
                 pass
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                await side.close()
         self._stop.set()
         loop = asyncio.get_running_loop()
         if self._thread is not None:
@@ -331,11 +354,20 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """Live load (``/pd/stats``)."""
         eng = self._engine()
+        rx = self.receiver
         return {"waiting": eng.num_waiting, "running": eng.num_running, "free_blocks": eng.num_free_blocks,
                 "num_blocks": eng.pool.num_blocks, "in_flight": self._in_flight,
-                "awaiting_kv": len(self._kv_waiters), "invalidated_reservations": self._invalidated,
+                "awaiting_kv": rx.awaiting if rx else 0, "invalidated_reservations": rx.invalidated if rx else 0,
                 "steps": eng.num_steps, "preemptions": eng.num_preemptions, "recomputes": eng.num_recomputes,
                 "peers": self.links()}
+
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    def links(self) -> dict[str, dict[str, Any]]:
+        """Prefill: the health of its links to decode workers' agents, by agent address
+        (see :meth:`KVSender.links`); empty in other roles."""
+        return self.sender.links() if self.sender is not None else {}
 
     def _engine(self) -> Engine:
         if self.engine is None:
@@ -344,6 +376,7 @@ class Worker:
 
     # ------------------------------------------------------------------ metrics
     def _setup_metrics(self) -> None:
+        """The engine's gauges (the hand-off adds its own metrics when it starts)."""
         r = self.registry
         r.gauge("pdkv_engine_waiting", "Requests queued in the engine (the worker's queue depth).") \
             .set_function(lambda: [((), self.engine.num_waiting if self.engine else 0)])
@@ -355,27 +388,6 @@ class Worker:
             .set_function(lambda: [((), self.engine.num_steps if self.engine else 0)])
         r.counter("pdkv_engine_preemptions_total", "Requests preempted (recomputed later) for lack of blocks.") \
             .set_function(lambda: [((), self.engine.num_preemptions if self.engine else 0)])
-        if self.role is WorkerRole.PREFILL:
-            self.m_kv = r.counter("pdkv_kv_transfers_total", "KV pushes to decode workers, by result.", ("result",))
-            self.m_kv_bytes = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes pushed, by transport.",
-                                        ("transport",))
-            self.m_kv_time = r.histogram("pdkv_kv_transfer_seconds", "Time of each KV push (post to completion).",
-                                         ("transport",))
-            self.m_peer_auth = r.counter("pdkv_peer_auth_failures_total",
-                                         "Decode workers' agents that refused this worker's secret, by agent "
-                                         "address (the KV is then recomputed).", ("peer",))
-            self.m_peer_transport = r.counter("pdkv_peer_transport_errors_total",
-                                              "Failed connections and transfers to decode workers' agents, by agent "
-                                              "address.", ("peer",))
-        if self.role is WorkerRole.DECODE:
-            self.m_kv_wait = r.histogram("pdkv_kv_wait_seconds",
-                                         "From reserving blocks to the notification that the KV landed.")
-            self.m_recompute = r.counter("pdkv_kv_recomputes_total",
-                                         "Prompts recomputed because their KV did not arrive.", ("reason",))
-            r.counter("pdkv_kv_invalidated_total",
-                      "Reservations whose KV was given up: their blocks' generations were bumped, so a late "
-                      "write fails (StaleBlock) instead of landing, and the blocks were reused at once.") \
-                .set_function(lambda: [((), self._invalidated)])
 
     # ------------------------------------------------------------------ routes
     def _routes(self, app: web.Application) -> None:
@@ -397,34 +409,6 @@ class Worker:
             app.router.add_get("/health", self._h_health)
             app.router.add_get("/metrics", self._h_metrics)
 
-    def healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._closed
-
-    def links(self) -> dict[str, dict[str, Any]]:
-        """Prefill: the health of its links to decode workers' agents, by agent address
-        (``auth_failures``, ``transport_errors``, ``last_error``, ``ok``: the last
-        attempt succeeded)."""
-        return {k: dict(v) for k, v in self._links.items()}
-
-    def _link_event(self, address: str, error: BaseException | None) -> str:
-        """Records a connection or transfer outcome to a decode agent; returns its kind
-        (``"ok"``, ``"auth"``, ``"transport"`` or ``"other"``)."""
-        link = self._links.setdefault(address, {"auth_failures": 0, "transport_errors": 0, "last_error": "",
-                                                "ok": True})
-        if error is None:
-            link["ok"] = True
-            return "ok"
-        kind = _error_kind(error)
-        link["ok"] = False
-        link["last_error"] = f"{type(error).__name__}: {error}"
-        if kind == "auth":
-            link["auth_failures"] += 1
-            self.m_peer_auth.inc((address,))
-        elif kind == "transport":
-            link["transport_errors"] += 1
-            self.m_peer_transport.inc((address,))
-        return kind
-
     async def _h_health(self, request: web.Request) -> web.Response:
         ok = self.healthy()
         body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "role": self.role.value}
@@ -434,34 +418,6 @@ class Worker:
             if ok and any(not v["ok"] for v in links.values()):
                 body["status"] = "degraded"  # serving, but some KV is recomputed (see peers)
         return web.json_response(body, status=200 if ok else 503)
-
-    async def _h_check_peer(self, request: web.Request) -> web.Response:
-        """Connects to a decode worker's agent now (metadata, then the transport
-        handshake, both authenticated); answers ``{"ok", "kind", "error"}``."""
-        try:
-            obj = await self._body(request)
-            address = obj["agent"]
-            timeout = float(obj.get("timeout", 5.0))
-            if not isinstance(address, str) or not address or not 0 < timeout <= 60:
-                raise ValueError
-        except (InvalidArgument, KeyError, TypeError, ValueError, AttributeError):
-            return json_error(400, "expected {\"agent\": \"host:port\", \"timeout\": seconds (0, 60]}",
-                              code="invalid_request")
-        agent = self.agent
-        assert agent is not None
-
-        def check() -> None:
-            name = agent.connect(address, timeout=timeout)
-            agent.warm_up(name, timeout=timeout)
-
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, check)
-        except PdkvError as e:
-            self._peers.pop(address, None)
-            kind = self._link_event(address, e)
-            return web.json_response({"ok": False, "kind": kind, "error": f"{type(e).__name__}: {e}"})
-        self._link_event(address, None)
-        return web.json_response({"ok": True, "kind": "ok", "error": ""})
 
     async def _h_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.registry.render().encode(), headers={"Content-Type": CONTENT_TYPE})
@@ -482,7 +438,8 @@ class Worker:
 
     async def _stream_tokens(self, resp: web.StreamResponse, events: _Events, engine_rid: str,
                              handle: RequestHandle) -> bool:
-        """Writes token lines until the request finishes; aborts it if the reader goes away.
+        """Writes token lines until the request finishes; aborts it if the reader goes away
+        (or, with ``debug_error_after``, ends the stream with an injected error).
 
         Returns
         -------
@@ -490,16 +447,24 @@ class Worker:
             True if it finished normally (stop or length).
         """
         eng = self._engine()
+        fail_after = self.config.debug_error_after
+        sent = 0
         try:
             while True:
+                if fail_after is not None and sent >= fail_after:
+                    eng.abort(engine_rid)
+                    await resp.write(StreamError.of(self.config.debug_error_code,
+                                                    f"debug: injected after {sent} tokens").to_line())
+                    return False
                 ev = await events.queue.get()
                 if ev.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
-                    await resp.write(_error_line(_failure(handle, ev), ev.finish_reason.value))
+                    await resp.write(_stream_error(handle, ev).to_line())
                     return False
                 line: dict[str, Any] = {}
                 if ev.token_id is not None:
                     line["t"] = ev.token_id
                     line["i"] = ev.index
+                    sent += 1
                 if ev.finish_reason is not None:
                     line["f"] = ev.finish_reason.value
                 await resp.write(dumps_line(line))
@@ -531,148 +496,53 @@ class Worker:
             self._in_flight -= 1
 
     # ------------------------------------------------------------------ decode
-    async def _reserve(self, rid: str, n: int, deadline: float) -> list[int]:
-        eng = self._engine()
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                return eng.reserve(rid, n)
-            except ResourceExhausted:
-                if loop.time() >= deadline:
-                    raise
-                await asyncio.sleep(0.01)
-
-    async def _invalidate(self, blocks: list[int]) -> None:
-        """Bumps the generations of reserved blocks whose KV this worker gave up on;
-        returns once no write accepted under the old generations can still land in
-        them (every such write has a deadline), so the blocks may be reused at once."""
-        agent = self.agent
-        assert agent is not None
-        await asyncio.get_running_loop().run_in_executor(
-            self._executor, lambda: agent.bump_generations("kv", blocks, timeout=None))
-        self._invalidated += 1
-
-    async def _invalidate_and_release(self, rid: str, blocks: list[int]) -> None:
-        try:
-            await self._invalidate(blocks)
-        finally:
-            try:
-                self._engine().release(rid)
-            except NotFound:
-                pass
-
     async def _h_decode(self, request: web.Request) -> web.StreamResponse:
         eng = self._engine()
+        receiver = self.receiver
+        assert receiver is not None
         cfg = self.config
-        loop = asyncio.get_running_loop()
         try:
             req = GenerateRequest.from_json(await self._body(request))
             sp = req.params.to_sampling()
             eng.validate(req.rid, req.prompt, sp)
-            t_res = loop.time()
-            blocks = await self._reserve(req.rid, len(req.prompt), t_res + cfg.reserve_wait_s)
+            ticket = await receiver.reserve(req.rid, len(req.prompt), wait_s=cfg.reserve_wait_s,
+                                            kv_timeout_s=req.kv_timeout_s, margin_s=cfg.kv_margin_s)
         except AlreadyExists as e:
             return json_error(409, str(e), code="duplicate_request")
         except InvalidArgument as e:
             return json_error(400, str(e), code="invalid_request")
         except ResourceExhausted as e:
             return json_error(503, f"no KV blocks free for {cfg.reserve_wait_s:g} s: {e}", code="kv_pool_full")
-        rid = req.rid
-        deadline = t_res + req.kv_timeout_s + cfg.kv_margin_s
-        fut: asyncio.Future = loop.create_future()
-        self._kv_waiters[rid] = fut
-        events = _Events(loop)
-        admitted = False
+        events = _Events(asyncio.get_running_loop())
         self._in_flight += 1
         try:
             resp = await start_ndjson(request)
-            gens = tuple(self.agent.generations("kv", blocks)) if self.agent else ()
-            res = Reservation(tuple(blocks), self.agent_address, self.agent.name if self.agent else "",
-                              eng.pool.block_tokens, gens)
-            await resp.write(dumps_line({"reserved": res.to_json()}))
-            try:
-                outcome = await asyncio.wait_for(asyncio.shield(fut), max(deadline - loop.time(), 0.0))
-            except asyncio.TimeoutError:
-                outcome = None
-            self._kv_waiters.pop(rid, None)
-            kv_wait = loop.time() - t_res
-            reason = ""
-            kv_error = ""
-            if isinstance(outcome, KVReady):
-                self.m_kv_wait.observe(kv_wait)
-                h = eng.admit_prefilled(rid, req.prompt, outcome.first_token, sp, seed=outcome.seed,
-                                        on_event=events)
-            else:
-                first = outcome.first_token if isinstance(outcome, KVFailed) else None
-                if isinstance(outcome, KVFailed):
-                    reason = "kv_failed"
-                    kv_error = outcome.error or "the proxy gave no reason"
-                    log.warning("request %s: KV failed (%s); recomputing", rid, kv_error)
-                else:
-                    reason = "kv_timeout"
-                    kv_error = f"no KV within {kv_wait:.1f} s"
-                    log.warning("request %s: no KV within %.1f s; recomputing", rid, kv_wait)
-                if not (isinstance(outcome, KVFailed) and outcome.terminal):
-                    # A write may still be on its way: after the bump it cannot land.
-                    await self._invalidate(blocks)
-                h = eng.admit_recompute(rid, req.prompt, sp, first_token=first, seed=sp.seed, on_event=events)
-                self.m_recompute.inc((reason,))
-            admitted = True
-            if await self._stream_tokens(resp, events, rid, h):
-                await resp.write(dumps_line({"done": {"recomputed": h.recomputed, "recompute_reason": reason, "kv_error": kv_error,
-                                                      "kv_wait_s": kv_wait, "preemptions": h.num_preemptions}}))
+            await resp.write(dumps_line({"reserved": ticket.reservation.to_json()}))
+            arrival = await receiver.wait(ticket)
+            h = receiver.admit(ticket, arrival, req.prompt, sp, events)
+            if await self._stream_tokens(resp, events, req.rid, h):
+                await resp.write(dumps_line({"done": {"recomputed": h.recomputed, "recompute_reason": arrival.reason,
+                                                      "kv_error": arrival.error, "kv_wait_s": arrival.wait_s,
+                                                      "preemptions": h.num_preemptions}}))
             await resp.write_eof()
             return resp
         finally:
             self._in_flight -= 1
-            self._kv_waiters.pop(rid, None)
-            if not admitted:
-                outcome = fut.result() if fut.done() and not fut.cancelled() else None
-                if isinstance(outcome, KVReady) or (isinstance(outcome, KVFailed) and outcome.terminal):
-                    try:
-                        eng.release(rid)
-                    except NotFound:
-                        pass
-                else:  # not awaited here: this coroutine may be cancelled (client gone)
-                    task = asyncio.ensure_future(self._invalidate_and_release(rid, blocks))
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
-            if not fut.done():
-                fut.cancel()
+            receiver.finish(ticket)
 
     async def _h_kv_failed(self, request: web.Request) -> web.Response:
+        assert self.receiver is not None
         try:
             kf = KVFailed.from_json(await self._body(request))
         except InvalidArgument as e:
             return json_error(400, str(e), code="invalid_request")
-        fut = self._kv_waiters.get(kf.rid)
-        if fut is None:
-            state = "unknown"
-        elif fut.done():
-            state = "settled"
-        else:
-            fut.set_result(kf)
-            state = "recomputing"
-        return web.json_response({"ok": True, "state": state})
-
-    async def _notification_loop(self) -> None:
-        agent = self.agent
-        assert agent is not None
-        async for n in agent.notifications():
-            try:
-                kv = KVReady.decode(n.data)
-            except InvalidArgument as e:
-                log.warning("ignoring a notification from %s: %s", n.peer, e)
-                continue
-            fut = self._kv_waiters.get(kv.rid)
-            if fut is not None and not fut.done():
-                fut.set_result(kv)
-            else:
-                log.warning("notification for request %s, which is not waiting for KV (ignored)", kv.rid)
+        return web.json_response({"ok": True, "state": self.receiver.kv_failed(kf)})
 
     # ------------------------------------------------------------------ prefill
     async def _h_prefill(self, request: web.Request) -> web.StreamResponse:
         eng = self._engine()
+        sender = self.sender
+        assert sender is not None
         loop = asyncio.get_running_loop()
         t_recv = loop.time()
         events = _Events(loop)
@@ -689,7 +559,7 @@ class Worker:
             resp = await start_ndjson(request)
             ev = await events.queue.get()
             if ev.token_id is None:
-                await resp.write(_error_line(_failure(h, ev), (ev.finish_reason or FinishReason.ERROR).value))
+                await resp.write(_stream_error(h, ev).to_line())
                 await resp.write_eof()
                 return resp
             finish = ev.finish_reason
@@ -697,118 +567,30 @@ class Worker:
             await resp.write(dumps_line({"first": {"t": ev.token_id, "seed": h.seed,
                                                    "f": finish.value if ended else None,
                                                    "prefill_s": time.perf_counter() - h.arrival_time}}))
-            result = await self._push(req, h, ev.token_id, with_kv=not ended, deadline=t_recv + req.kv_timeout_s,
-                                      posted=posted)
+            result = await sender.push(req, h, ev.token_id, with_kv=not ended, deadline=t_recv + req.kv_timeout_s,
+                                       posted=posted)
             await resp.write(dumps_line({"kv": result.to_json()}))
             await resp.write_eof()
             return resp
         finally:
             self._in_flight -= 1
-            pending = [x for x in posted if not x.done]
-            if not h.finished:
-                eng.abort(req.rid)
-            elif pending:
-                task = asyncio.ensure_future(self._release_after(req.rid, pending[0]))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-            else:
-                self._release_held(req.rid)
+            sender.finish(req.rid, h, posted)
 
-    def _release_held(self, rid: str) -> None:
+    async def _h_check_peer(self, request: web.Request) -> web.Response:
+        """Connects to a decode worker's agent now (metadata, then the transport
+        handshake, both authenticated); answers ``{"ok", "kind", "error"}``."""
+        assert self.sender is not None
         try:
-            self._engine().release(rid)
-        except NotFound:
-            pass  # aborted, or it ended without holding blocks
-
-    async def _release_after(self, rid: str, xfer: pdkv.Transfer) -> None:
-        """Frees a prefill request's blocks once the write reading them is over."""
-        try:
-            await self._wait_transfer(xfer)
-        except PdkvError:
-            pass
-        finally:
-            self._release_held(rid)
-
-    async def _wait_transfer(self, xfer: pdkv.Transfer) -> None:
-        """Waits for a transfer (bounded by its own timeout) without blocking the loop."""
-        if not xfer.done:
-            await asyncio.get_running_loop().run_in_executor(self._executor, xfer.wait, None)
-        else:
-            xfer.wait(0)  # raises its error if it failed
-
-    async def _peer(self, dst: Reservation, timeout: float) -> str:
-        """The agent peer name of a decode worker (connects once per address)."""
-        agent = self.agent
-        assert agent is not None
-        name = self._peers.get(dst.agent)
-        if name == dst.name:
-            return name
-        lock = self._peer_locks.setdefault(dst.agent, asyncio.Lock())
-        async with lock:
-            name = self._peers.get(dst.agent)
-            if name != dst.name:
-                loop = asyncio.get_running_loop()
-                name = await loop.run_in_executor(self._executor, lambda: agent.connect(dst.agent, timeout=timeout))
-                self._peers[dst.agent] = name
-                if name != dst.name:
-                    raise pdkv.StalePeer(f"the agent at {dst.agent} is {name!r}, not {dst.name!r}")
-            return name
-
-    async def _push(self, req: PrefillRequest, h: RequestHandle, first_token: int, *, with_kv: bool,
-                    deadline: float, posted: list[pdkv.Transfer]) -> KVResult:
-        """Writes the prompt's KV (or only the notification) to the decode worker; every
-        transfer it posts is appended to ``posted`` at once (the caller must not free the
-        blocks before it is over, even if this coroutine is cancelled)."""
-        agent = self.agent
-        assert agent is not None
-        loop = asyncio.get_running_loop()
-        ready = KVReady(req.rid, first_token, h.seed, kv=with_kv)
-        if self.config.debug_drop_kv:
-            self.m_kv.inc(("dropped",))
-            return KVResult(ok=True, posted=False, error="debug: KV dropped on purpose")
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            self.m_kv.inc(("late",))
-            return KVResult(False, False, error=f"prefill finished {-remaining:.2f} s after the KV deadline")
-        xfer = None
-        transport = ""
-        for attempt in range(2):
-            try:
-                peer = await self._peer(req.dst, min(remaining, 5.0))
-                transport = agent.peer_transport(peer)
-                if with_kv:
-                    plan = {}
-                    if req.dst.block_tokens != self._engine().pool.block_tokens:
-                        plan["num_tokens"] = len(req.prompt)
-                    xfer = agent.write(peer, "kv", list(h.block_ids), "kv", list(req.dst.blocks),
-                                       notify=ready.encode(), timeout=max(deadline - loop.time(), 0.001),
-                                       remote_generations=list(req.dst.generations) or None, **plan)
-                else:
-                    xfer = agent.notify(peer, ready.encode(), timeout=max(deadline - loop.time(), 0.001))
-                posted.append(xfer)
-                await self._wait_transfer(xfer)
-                break
-            except pdkv.StalePeer as e:
-                self._peers.pop(req.dst.agent, None)
-                if attempt == 0 and (xfer is None or xfer.done):
-                    xfer = None
-                    continue  # the decode worker restarted: fetch its metadata again
-                self._link_event(req.dst.agent, e)
-                self.m_kv.inc(("failed",))
-                return KVResult(False, xfer is not None, error=f"{type(e).__name__}: {e}", transport=transport)
-            except PdkvError as e:
-                if isinstance(e, (pdkv.PeerConnectionError, pdkv.AuthFailed)):
-                    self._peers.pop(req.dst.agent, None)
-                self._link_event(req.dst.agent, e)
-                self.m_kv.inc(("failed",))
-                log.warning("request %s: KV push to %s failed: %s: %s", req.rid, req.dst.agent, type(e).__name__, e)
-                return KVResult(False, xfer is not None, error=f"{type(e).__name__}: {e}", transport=transport)
-        assert xfer is not None
-        self._link_event(req.dst.agent, None)
-        self.m_kv.inc(("ok",))
-        self.m_kv_bytes.inc((transport,), xfer.bytes_total)
-        self.m_kv_time.observe(xfer.elapsed, (transport,))
-        return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport)
+            obj = await self._body(request)
+            address = obj["agent"]
+            timeout = float(obj.get("timeout", 5.0))
+            if not isinstance(address, str) or not address or not 0 < timeout <= 60:
+                raise ValueError
+        except (InvalidArgument, KeyError, TypeError, ValueError, AttributeError):
+            return json_error(400, "expected {\"agent\": \"host:port\", \"timeout\": seconds (0, 60]}",
+                              code="invalid_request")
+        kind, error = await self.sender.check_peer(address, timeout)
+        return web.json_response({"ok": kind == "ok", "kind": kind, "error": error})
 
 
 class LocalBackend:

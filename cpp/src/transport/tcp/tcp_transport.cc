@@ -46,8 +46,8 @@ constexpr double kStageWaitS = 60.0;  // a read responder waits this long for a 
 // (iovecs, pins, aux) or this many frames wait to be sent, its requests are not read.
 constexpr size_t kMaxQueuedCost = 8u << 20;
 constexpr size_t kMaxQueuedFrames = 256;
-// Failed authentications: the first one from an address is free, then hellos from it
-// are refused unread for 0.1 s, 0.2 s, ... up to 10 s (docs/wire.md).
+// Failed authentications: the first one from an (address, agent name) is free, then its
+// hellos are refused for 0.1 s, 0.2 s, ... up to 10 s (docs/wire.md, guard.h).
 constexpr double kAuthBackoffBaseS = 0.1;
 constexpr double kAuthBackoffMaxS = 10.0;
 constexpr size_t kAuthBackoffSources = 4096;
@@ -1063,15 +1063,6 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
   c->stage = RxStage::kHeader;
   switch (type) {
     case FrameType::kHello: {
-      // A source that recently failed to authenticate waits before its next guess
-      // is even looked at.
-      const double wait = t_->auth_backoff().wait_s(c->source, Clock::now());
-      if (wait > 0) {
-        char left[32];
-        snprintf(left, sizeof left, "%.1f", wait);
-        fail_conn(c, AuthFailed("too many failed authentications from " + c->source + "; retry in " + left + " s"));
-        return false;
-      }
       auto body = decode_hello(c->ctrl);
       if (!body.ok()) {
         const Status& e = body.status();
@@ -1081,12 +1072,22 @@ bool ProgressThread::handle_control(const std::shared_ptr<TcpConn>& c) {
         return false;
       }
       const std::string& from = body->from;
+      // A (source, agent name) that recently failed to authenticate waits before its
+      // next guess is even looked at; other agents on the same host do not (guard.h).
+      const double wait = t_->auth_backoff().wait_s(c->source, from, Clock::now());
+      if (wait > 0) {
+        char left[32];
+        snprintf(left, sizeof left, "%.1f", wait);
+        fail_conn(c, AuthFailed("too many failed authentications from " + c->source + " (as agent '" + from +
+                                "'); retry in " + left + " s"));
+        return false;
+      }
       if (!hooks->secret_matches(body->secret)) {
-        t_->auth_backoff().failed(c->source, Clock::now());
+        t_->auth_backoff().failed(c->source, from, Clock::now());
         fail_conn(c, AuthFailed("agent '" + from + "' presented the wrong secret to agent '" + hooks->agent_name() + "'"));
         return false;
       }
-      t_->auth_backoff().succeeded(c->source);
+      t_->auth_backoff().succeeded(c->source, from);
       const std::string& to = body->to;
       const uint64_t expect = body->instance;
       if (!to.empty() && to != hooks->agent_name()) {
