@@ -7,7 +7,10 @@ it first when the host has an RDMA device and NIXL is installed. ``agent.peer_tr
 nixl==1.5.1`` (``nixl-cu12`` declares torch as a dependency: without ``--no-deps`` pip
 pulls a multi-GB CUDA build even on CPU-only machines).
 
-The pdkv Agent keeps layouts, planning, metadata and validation; this transport gets
+It implements pdkv's one transport interface (:class:`pdkv.transport.Transport`, the
+C++ ``pdkv::Transport`` through its pybind11 trampoline) and is registered in the same
+registry as tcp and shm (``pdkv/backends/__init__.py``). The core keeps layouts,
+planning, metadata, routing, bounds checks and the transfer state; this transport gets
 resolved byte extents and moves them with one NIXL agent (UCX backend) per pdkv Agent:
 
 * every registered region is registered with NIXL (``DRAM``; ``VRAM`` for CUDA regions);
@@ -18,10 +21,12 @@ resolved byte extents and moves them with one NIXL agent (UCX backend) per pdkv 
   NIXL reports the request complete, which it does only after flushing the endpoint:
   the peer gets it after every byte landed, for WRITE and for READ alike (for READ:
   landed here);
-* transfers return :class:`NixlTransfer` handles that behave like :class:`pdkv.Transfer`;
-  NIXL failures become pdkv exceptions that name the cause;
-* received NIXL notifications are pushed into the agent's queue, so
-  ``wait_notifications``, ``notification_fd`` and ``notifications()`` work unchanged.
+* transfers are the core's :class:`pdkv.Transfer`: this transport resolves them (NIXL
+  failures become pdkv errors that name the cause) and lets ``wait()`` drive NIXL's
+  progress itself; a peer is (re)introduced to NIXL on the first prepare, notify or
+  warm-up after ``add_peer``;
+* received NIXL notifications go to the agent's queue (``AgentHooks.deliver_notification``),
+  so ``wait_notifications``, ``notification_fd`` and ``notifications()`` work unchanged.
 
 Example
 -------
@@ -109,7 +114,6 @@ lists the ones applied.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import base64
 import hashlib
@@ -123,7 +127,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -137,14 +141,12 @@ from ..errors import (
     StalePeer,
     TransferTimeout,
 )
-from .. import _native, _validate
-from . import PyTransport
+from .. import _native, transport as _transport
+from ..transport import Transport
+from ..xfer_state import XferState
 from ._nixl import PTHR_DELAY_US, NixlEngine, UcxSetup, is_loopback_host, to_pdkv, ucx_setup
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..agent import Agent, Region, XferState
-
-__all__ = ["NixlOptions", "NixlTransport", "NixlPrepared", "NixlTransfer", "nixl_agent_name"]
+__all__ = ["NixlOptions", "NixlTransport", "nixl_agent_name"]
 
 
 @dataclass(frozen=True)
@@ -326,13 +328,13 @@ def _hello_mac(secret: bytes, sender: str, target: str, epoch: int, md: bytes) -
 class _Region:
     __slots__ = ("id", "addr", "end", "kind", "device", "exported", "dlist")
 
-    def __init__(self, region: "Region", dlist: Any) -> None:
-        self.id = int(region.id)
-        self.addr = int(region.addr)
-        self.end = self.addr + int(region.nbytes)
-        self.kind = region.kind
-        self.device = max(0, int(region.device))
-        self.exported = bool(getattr(region, "remote_access", True))
+    def __init__(self, region: dict, dlist: Any) -> None:
+        self.id = int(region["id"])
+        self.addr = int(region["addr"])
+        self.end = self.addr + int(region["len"])
+        self.kind = region["kind"]
+        self.device = max(0, int(region["device"]))
+        self.exported = bool(region["remote_access"])
         self.dlist = dlist
 
 
@@ -378,6 +380,7 @@ class _Peer:
         self.hello_ok = False
         self.revoked: set[int] = set()
         self.dropped = False
+        self.core: Any = None  # the core's Peer this state was made or updated for
 
     def update(self, md: dict, extra: bytes, secret: bytes) -> None:
         self.extra = extra
@@ -414,31 +417,15 @@ class _Group:
         self.busy = 0
 
 
-# XferState is imported lazily from pdkv.agent (which imports this package lazily too).
-_S: dict[str, Any] = {}
-
-
-def _states() -> dict[str, Any]:
-    if not _S:
-        from ..agent import XferState
-
-        _S.update(PENDING=XferState.PENDING, DONE=XferState.DONE, FAILED=XferState.FAILED,
-                  CANCELLED=XferState.CANCELLED)
-    return _S
+_S: dict[str, XferState] = {m.name: m for m in XferState}
 
 
 class NixlTransfer:
-    """A posted nixl transfer; the same interface as :class:`pdkv.Transfer`.
-
-    A ``wait`` timeout does not cancel it: keep the memory alive until :attr:`done`
-    (deregistration waits for it anyway). :attr:`bytes_done` is 0 until the transfer
-    completes (NIXL reports no partial progress), then :attr:`bytes_total`.
-    """
-
-    transport = "nixl"
+    """This transport's record of one posted transfer (or standalone notification):
+    the NIXL requests it waits on and the core's transfer it resolves when it ends."""
 
     def __init__(self, owner: "NixlTransport", xid: int, peer: "_Peer", op: str, nbytes: int,
-                 notify: bytes | None, deadline: float, prep: "NixlPrepared | None") -> None:
+                 notify: bytes | None, native: Any, prep: "NixlPrepared | None") -> None:
         self._owner = owner
         self.id = xid
         self._peer_state = peer
@@ -446,7 +433,9 @@ class NixlTransfer:
         self._op = op
         self.bytes_total = nbytes
         self._notify = notify
-        self._deadline = deadline
+        self._native = native  # pdkv._pdkv.Transfer (its parts declared), or None
+        left = native.remaining_s if native is not None else float("inf")
+        self._deadline = time.monotonic() + max(left, 0.0) if left != float("inf") else 0.0
         self._prep = prep
         self._local_ids: frozenset = prep._local_ids if prep is not None else frozenset()
         self._remote_ids: frozenset = prep._remote_ids if prep is not None else frozenset()
@@ -455,70 +444,32 @@ class NixlTransfer:
         self._manual_notify = False  # a notification to send once every request completed
         self._probing = False  # failed at the connection level; finished once the restart probe answers
         self._waiting = 0  # threads in wait(): they check it, so the poller need not hurry
-        self._state = _states()["PENDING"]
+        self._state = _S["PENDING"]
         self._error: PdkvError | None = None
         self._t_post = time.monotonic()
-        self._t_done = 0.0
         self._event: threading.Event | None = None  # made by the first waiter that sleeps
 
-    @property
-    def state(self) -> "XferState":
-        if self._state is _S["PENDING"]:
-            self._owner._check(self)
-        return self._state
-
-    @property
-    def done(self) -> bool:
-        """True once terminal (done, failed or cancelled)."""
-        return self.state is not _S["PENDING"]
-
-    @property
-    def bytes_done(self) -> int:
-        return self.bytes_total if self.state is _S["DONE"] else 0
-
-    @property
-    def elapsed(self) -> float:
-        """Seconds from post to completion (0 while pending)."""
-        return self._t_done - self._t_post if self._t_done else 0.0
-
-    @property
-    def error(self) -> PdkvError | None:
-        """The failure as an exception (None while pending or when done)."""
-        st = self.state
-        return self._error if st is _S["FAILED"] or st is _S["CANCELLED"] else None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until terminal or ``timeout`` seconds pass.
-
-        Returns True when the transfer completed, False if still pending at the timeout;
-        raises the transfer's error if it failed (:class:`~pdkv.errors.Cancelled` if
-        cancelled). Checks continuously for ``wait_spin_s``, then sleeps between checks
-        (woken at once when the poller sees completion).
-        """
+    def drive(self, timeout: float) -> None:
+        """The core transfer's driver: ``wait()`` progresses NIXL itself (checking
+        continuously for ``wait_spin_s``, then sleeping between checks, woken at once
+        when the poller sees completion) instead of waiting for the poller."""
         owner = self._owner
-        pending = _S["PENDING"]
-        timeout = _validate.wait_timeout(timeout)
-        st = owner._check(self)
-        if st is pending:
+        if owner._check(self) is not _S["PENDING"]:
+            return
+        with owner._lock:
+            self._waiting += 1
+        try:
+            self._wait_loop(timeout)
+        finally:
             with owner._lock:
-                self._waiting += 1
-            try:
-                st = self._wait_loop(timeout)
-            finally:
-                with owner._lock:
-                    self._waiting -= 1
-        if st is _S["DONE"]:
-            return True
-        if st is pending:
-            return False
-        raise self._error  # type: ignore[misc]
+                self._waiting -= 1
 
-    def _wait_loop(self, timeout: float | None) -> "XferState":
+    def _wait_loop(self, timeout: float) -> XferState:
         owner = self._owner
         opts = owner._opts
         pending = st = _S["PENDING"]
         now = time.monotonic()
-        end = None if timeout is None else now + max(0.0, float(timeout))
+        end = None if timeout == float("inf") else now + max(0.0, float(timeout))
         spin_end = now + opts.wait_spin_s
         pause = opts.poll_min_s
         while True:
@@ -538,27 +489,10 @@ class NixlTransfer:
             if st is not pending:
                 return st
 
-    def cancel(self) -> None:
-        """Aborts the transfer's NIXL requests; the state becomes CANCELLED unless it had
-        already completed (then it stays DONE). A cancelled transfer's notification is
-        never sent."""
-        self._owner._cancel(self)
-
-    async def wait_async(self, timeout: float | None = None) -> bool:
-        """``await``-able :meth:`wait` (runs the blocking wait in a thread)."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.wait, timeout)
-
-    def __repr__(self) -> str:
-        return (f"NixlTransfer(id={self.id}, peer={self.peer!r}, {self.state.value}, "
-                f"{self.bytes_done}/{self.bytes_total} bytes)")
-
 
 class NixlPrepared:
-    """A nixl transfer laid out once (descriptor lists and a NIXL request built); post it
-    many times. Same interface as :class:`pdkv.PreparedTransfer`."""
-
-    transport = "nixl"
-    checked = False  # block generations are NotSupported over nixl (one-sided RDMA)
+    """What prepare() returns to the core: a nixl transfer laid out once (descriptor
+    lists and a NIXL request built), posted many times."""
 
     def __init__(self, owner: "NixlTransport", peer: "_Peer", op: str, ldesc: np.ndarray, rdesc: np.ndarray,
                  kinds: np.ndarray, local_ids: frozenset, remote_ids: frozenset) -> None:
@@ -573,22 +507,6 @@ class NixlPrepared:
         self.num_extents = len(ldesc)
         self._groups: list[_Group] | None = None
         self._invalid: PdkvError | None = None  # raised by post (the caller must prepare again)
-
-    def post(self, *, notify: bytes | str | None = None, timeout: float | None = None) -> NixlTransfer:
-        """Starts the transfer; returns at once.
-
-        Parameters
-        ----------
-        notify : bytes or str, optional
-            Delivered to the peer after every byte of this transfer has landed (for a
-            READ: landed here).
-        timeout : float, optional
-            Seconds (finite, > 0) until the transfer fails with TransferTimeout (None:
-            the agent's ``default_timeout``).
-
-        Peer faults do not raise here: the returned transfer fails (docs/faults.md).
-        """
-        return self._owner._post(self, notify, timeout)
 
     def __del__(self) -> None:
         groups, self._groups = self._groups, None
@@ -615,10 +533,14 @@ def _close_live() -> None:
             pass
 
 
-class NixlTransport(PyTransport):
-    """The nixl transport of one :class:`pdkv.Agent` (created by the agent; see the
-    module docstring). Thread-safe: one lock guards its state, NIXL runs in STRICT sync
-    mode, and a poller thread delivers notifications and completes unwaited transfers.
+_BY_INSTANCE: "weakref.WeakValueDictionary[int, NixlTransport]" = weakref.WeakValueDictionary()
+
+
+class NixlTransport(Transport):
+    """The nixl transport of one :class:`pdkv.Agent` (created through the registry; see
+    the module docstring). Thread-safe: one lock guards its state, NIXL runs in STRICT
+    sync mode, and a poller thread delivers notifications and completes unwaited
+    transfers.
     """
 
     name = "nixl"
@@ -650,26 +572,41 @@ class NixlTransport(PyTransport):
         self._thread: threading.Thread | None = None
         self._refused = 0                 # malformed messages dropped since the last log line
         self._refused_logged_at = -1e9
+        self._probes: list[threading.Thread] = []  # restart probes (joined by shutdown)
+        self._hooks: Any = None
+
+    @staticmethod
+    def of(agent: Any) -> "NixlTransport":
+        """The nixl transport of a :class:`pdkv.Agent` (for :meth:`info` and tests)."""
+        t = _BY_INSTANCE.get(agent.instance_id)
+        if t is None:
+            raise NotFound(f"agent {agent.name!r} has no nixl transport")
+        return t
+
+    def caps(self) -> Any:
+        kinds = (1 << _transport.HOST) | (1 << _transport.CUDA)
+        # One-sided RDMA: no hook at the target before bytes land (no generation checks).
+        return _native.module().TransportCaps(local_mem_kinds=kinds, remote_mem_kinds=kinds, generations=False)
 
     # -------------------------------------------------------------- lifecycle
-    def start(self, agent: "Agent") -> None:
-        self._agent = weakref.ref(agent)
-        self._agent_name = agent.name
-        self._secret = bytes(agent.secret)
-        self._default_timeout = float(getattr(agent, "_default_timeout", 60.0))
-        self._max_notif = int(getattr(agent, "_max_notif_bytes", 1 << 20))
-        self._nixl_name = nixl_agent_name(agent.name, agent.instance_id)
-        host = agent.address.rpartition(":")[0]
+    def start(self, hooks: Any) -> None:
+        self._hooks = hooks
+        self._agent_name = hooks.agent_name
+        self._secret = bytes(hooks.secret)
+        self._max_notif = int(hooks.max_notif_bytes)
+        self._nixl_name = nixl_agent_name(hooks.agent_name, hooks.instance_id)
+        host = _transport.listen_host() or "127.0.0.1"
         self._setup: UcxSetup = ucx_setup(os.environ, loopback=is_loopback_host(host))
         for k, v in self._setup.env.items():
             os.environ.setdefault(k, v)  # before NIXL loads UCX (process-wide)
         self._eng = NixlEngine(self._nixl_name, self._setup.backend_params, pthr_delay_us=self._opts.pthr_delay_us)
         self._conn_md = self._eng.partial_md(self._eng.reg_dlist("host", []))
         _LIVE.add(self)
+        _BY_INSTANCE[hooks.instance_id] = self
         if not _ATEXIT:
             _ATEXIT.append(atexit.register(_close_live))
         self._thread = threading.Thread(target=_poll_loop, args=(weakref.ref(self), self._wake),
-                                        name=f"pdkv-nixl-{agent.name}", daemon=True)
+                                        name=f"pdkv-nixl-{hooks.agent_name}", daemon=True)
         self._thread.start()
 
     def info(self) -> dict:
@@ -680,6 +617,10 @@ class NixlTransport(PyTransport):
                 "applied": list(self._setup.applied), "pthr_delay_us": self._opts.pthr_delay_us,
                 "options": self._opts}
 
+    def shutdown(self) -> None:
+        """Fails everything in flight, stops the poller and destroys the NIXL agent."""
+        self.close()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -689,6 +630,8 @@ class NixlTransport(PyTransport):
         th = self._thread
         if th is not None and th is not threading.current_thread():
             th.join(5.0)
+        for probe in list(self._probes):  # they use the agent's hooks: done before it goes
+            probe.join(self._opts.restart_probe_s + 1.0)
         with self._lock:
             eng = self._eng
             for x in list(self._inflight.values()):
@@ -714,6 +657,7 @@ class NixlTransport(PyTransport):
             self._regions.clear()
             self._eng = None
         _LIVE.discard(self)
+        self._hooks = None
         if eng is not None:
             eng.close()
 
@@ -723,17 +667,17 @@ class NixlTransport(PyTransport):
         return self._eng
 
     # -------------------------------------------------------------- memory
-    def on_register(self, region: "Region") -> None:
+    def region_added(self, region: dict) -> None:
         eng = self._engine()
-        kind = region.kind
-        dlist = eng.reg_dlist(kind, [(int(region.addr), int(region.nbytes), max(0, int(region.device)))])
+        kind = region["kind"]
+        dlist = eng.reg_dlist(kind, [(int(region["addr"]), int(region["len"]), max(0, int(region["device"])))])
         eng.register(dlist)
         with self._lock:
-            self._regions[int(region.id)] = _Region(region, dlist)
+            self._regions[int(region["id"])] = _Region(region, dlist)
             self._reindex()
 
-    def on_deregister(self, region: "Region") -> None:
-        rid = int(region.id)
+    def region_removed(self, region: dict) -> None:
+        rid = int(region["id"])
         with self._lock:
             r = self._regions.get(rid)
             if r is None or self._closed:
@@ -782,8 +726,13 @@ class NixlTransport(PyTransport):
             return self._md_cache
 
     # -------------------------------------------------------------- peers
-    def can_reach(self, peer_md: dict) -> bool:
-        blob = peer_md.get("extras", {}).get(self.name)
+    def can_reach(self, peer_md: Any) -> bool:
+        """Whether the peer publishes a well-formed nixl extra (``peer_md``: the core's
+        AgentMetadata, or a dict as :func:`pdkv.decode_metadata` returns)."""
+        if isinstance(peer_md, dict):
+            blob = peer_md.get("extras", {}).get(self.name)
+        else:
+            blob = peer_md.extra(self.name)
         if not blob:
             return False
         try:
@@ -792,11 +741,28 @@ class NixlTransport(PyTransport):
             return False
         return True
 
-    def add_peer(self, name: str, peer_md: dict, secret: bytes) -> None:
+    def connect(self, peer: Any, timeout_s: float) -> None:
+        with self._lock:
+            self._engine()
+            self._ensure_peer(peer)
+
+    def _ensure_peer(self, peer: Any) -> "_Peer":
+        """The state of the core's ``peer`` (lock held). The core makes a new Peer on
+        every add_peer: the first time this transport sees one, it (re)introduces the
+        peer to NIXL, keeping connections when its metadata did not change."""
+        p = self._peers.get(peer.name)
+        if p is None or p.core is not peer:
+            md = {"name": peer.md.name, "instance_id": peer.md.instance_id, "endpoints": peer.md.endpoints,
+                  "regions": peer.md.regions}
+            self._add_peer(peer.name, md, peer.md.extra(self.name) or b"", bytes(peer.secret))
+            p = self._peers[peer.name]
+            p.core = peer  # (held: pybind11 then hands out this same object for it)
+        return p
+
+    def _add_peer(self, name: str, peer_md: dict, blob: bytes, secret: bytes) -> None:
         """Loads the peer's NIXL metadata and introduces this agent to it (a handshake
         that lets the peer revoke access when it deregisters memory). Connection
-        failures do not raise here: transfers to the peer raise them."""
-        blob = bytes(peer_md.get("extras", {}).get(self.name, b""))
+        failures do not raise here: transfers to the peer fail with them."""
         nixl_name, mds = _decode_extra(blob)  # ProtocolError if missing or corrupted
         with self._lock:
             eng = self._engine()
@@ -885,7 +851,7 @@ class NixlTransport(PyTransport):
                     self._detach(prep)
         return True
 
-    def remove_peer(self, name: str) -> None:
+    def drop_peer(self, name: str) -> None:
         with self._lock:
             p = self._peers.pop(name, None)
             if p is not None:
@@ -933,16 +899,25 @@ class NixlTransport(PyTransport):
             raise NotFound(f"peer {peer!r} is not known to the nixl transport of agent {self._agent_name!r}")
         return p
 
-    def _failed(self, p: _Peer, op: str, nbytes: int, err: PdkvError) -> NixlTransfer:
-        """A transfer that failed before it started (lock held): the fault contract
+    def _failed(self, p: _Peer, op: str, nbytes: int, err: PdkvError, native: Any) -> None:
+        """Fails a transfer before it started (lock held): the fault contract
         (docs/faults.md) has peer faults raise from wait(), never from post()."""
-        x = NixlTransfer(self, next(self._ids), p, op, nbytes, None, 0.0, None)
+        x = NixlTransfer(self, next(self._ids), p, op, nbytes, None, native, None)
         self._finish(x, _S["FAILED"], type(err)(str(err)))
-        return x
 
-    def prepare(self, op: str, peer: str, extents: Sequence[tuple[int, int, int]]) -> NixlPrepared:
-        if op not in ("write", "read"):
-            raise InvalidArgument(f"op must be 'write' or 'read', got {op!r}")
+    def prepare(self, peer: Any, op: Any, extents: np.ndarray) -> NixlPrepared:
+        """``extents``: the core's resolved ``[n, 7]`` rows (pdkv.transport.EXTENT_COLUMNS)."""
+        rows = np.empty((len(extents), 3), dtype=np.uint64)  # (local_addr, remote_addr, nbytes)
+        rows[:, 0], rows[:, 1], rows[:, 2] = extents[:, 0], extents[:, 6], extents[:, 1]
+        opname = "write" if op == _native.module().OpKind.WRITE else "read"
+        with self._lock:
+            self._engine()
+            self._ensure_peer(peer)
+        return self._prepare_rows(peer.name, opname, rows)
+
+    def _prepare_rows(self, peer: str, op: str, extents: Any) -> NixlPrepared:
+        """Lays out absolute ``(local_addr, remote_addr, nbytes)`` rows to a peer this
+        transport knows (checked against the regions registered with NIXL)."""
         ext = np.asarray(extents, dtype=np.uint64).reshape(-1, 3)
         if not len(ext):
             raise InvalidArgument("no extents to transfer")
@@ -999,40 +974,50 @@ class NixlTransport(PyTransport):
             raise
         prep._groups = groups
 
-    def _post(self, prep: NixlPrepared, notify: bytes | str | None, timeout: float | None) -> NixlTransfer:
-        data = _validate.notification(notify, self._max_notif) or None
-        tmo = _validate.timeout(timeout)
-        tmo = self._default_timeout if tmo is None else tmo
+    def post(self, prep: NixlPrepared, transfer: Any, notif: bytes) -> None:
+        """Posts the prepared NIXL requests; ``transfer`` (the core's) resolves as one part
+        once every request completed and the notification (if any) was sent."""
+        transfer.set_parts(1)
+        data = bytes(notif) or None
         with self._lock:
-            eng = self._engine()
+            if self._closed or self._eng is None:
+                return self._failed(prep._peer, prep._op, prep.nbytes, PeerConnectionError(
+                    f"the nixl transport of agent {self._agent_name!r} is shutting down"), transfer)
+            eng = self._eng
             if prep._invalid is not None:
-                raise type(prep._invalid)(str(prep._invalid))
+                return self._failed(prep._peer, prep._op, prep.nbytes, prep._invalid, transfer)
             cur = self._peers.get(prep.peer)
             if cur is not prep._peer:
                 if cur is None:
-                    raise NotFound(f"peer {prep.peer!r} was removed; add it and prepare again")
+                    return self._failed(prep._peer, prep._op, prep.nbytes, NotFound(
+                        f"peer {prep.peer!r} was removed; add it and prepare again"), transfer)
                 if cur.instance != prep._peer.instance:
                     return self._failed(prep._peer, prep._op, prep.nbytes, StalePeer(
-                        f"peer {prep.peer!r} restarted since this transfer was prepared; prepare it again"))
+                        f"peer {prep.peer!r} restarted since this transfer was prepared; prepare it again"), transfer)
                 if cur.error is not None:
-                    return self._failed(cur, prep._op, prep.nbytes, cur.error)
+                    return self._failed(cur, prep._op, prep.nbytes, cur.error, transfer)
                 gone = prep._remote_ids - cur.region_ids
                 if gone:
-                    raise NotFound(f"peer {prep.peer!r} no longer exports region {min(gone)}")
+                    return self._failed(cur, prep._op, prep.nbytes, NotFound(
+                        f"peer {prep.peer!r} no longer exports region {min(gone)}"), transfer)
                 self._detach(prep)
                 prep._peer = cur  # same instance, re-added metadata: rebuild against it
             p = prep._peer
             if p.error is not None:
-                return self._failed(p, prep._op, prep.nbytes, p.error)
+                return self._failed(p, prep._op, prep.nbytes, p.error, transfer)
             revoked = prep._remote_ids & p.revoked
             if revoked:
-                raise NotFound(f"peer {p.name!r} deregistered its region {min(revoked)}; re-add its metadata "
-                               "and prepare again")
+                return self._failed(p, prep._op, prep.nbytes, NotFound(
+                    f"peer {p.name!r} deregistered its region {min(revoked)}; re-add its metadata and prepare again"),
+                    transfer)
+            x = NixlTransfer(self, next(self._ids), p, prep._op, prep.nbytes, data, transfer, prep)
             if prep._groups is None:
-                self._make_groups(prep)
+                try:
+                    self._make_groups(prep)
+                except PdkvError as e:
+                    self._finish(x, _S["FAILED"], e)
+                    return None
             groups = prep._groups
-            x = NixlTransfer(self, next(self._ids), p, prep._op, prep.nbytes, data,
-                             time.monotonic() + tmo if tmo > 0 else 0.0, prep)
             x._manual_notify = data is not None
             try:
                 for g in groups:
@@ -1043,15 +1028,16 @@ class NixlTransport(PyTransport):
                     x._pending.append(req)
             except PdkvError as e:
                 self._finish(x, _S["FAILED"], e)
-                return x
+                return None
             self._inflight[x.id] = x
+            self._hook(x)
             try:
                 for g, req in x._reqs:
                     if eng.post(req, b""):
                         x._pending.remove(req)
             except eng.errors as e:
                 self._fail_connection(x, to_pdkv(e, f"NIXL {prep._op} to peer {p.name!r}", PeerConnectionError))
-                return x
+                return None
             if not x._pending:
                 self._progress(x, time.monotonic())
             elif data is not None:
@@ -1060,26 +1046,48 @@ class NixlTransport(PyTransport):
                 # notification there is no hurry; not waking the poller keeps it off the
                 # GIL while a waiter spins.)
                 self._kick()
-            return x
+            return None
 
-    def notify(self, peer: str, data: bytes, timeout: float | None) -> NixlTransfer:
-        """Sends a notification alone, after the transfers to ``peer`` posted before it."""
-        data = _validate.notification(data, self._max_notif, "data")
-        tmo = _validate.timeout(timeout)
-        tmo = self._default_timeout if tmo is None else tmo
+    def notify(self, peer: Any, transfer: Any, notif: bytes) -> None:
+        """Sends a notification alone, after the transfers to ``peer`` posted before it
+        (resolves the one part of ``transfer`` the core declared)."""
+        data = bytes(notif)
         with self._lock:
-            self._engine()
-            p = self._known_peer(peer)
+            if self._closed or self._eng is None:
+                return self._failed(_Peer(peer.name, {"instance_id": 0}, "", b"", b""), "notify", 0,
+                                    PeerConnectionError(f"the nixl transport of agent {self._agent_name!r} is "
+                                                        "shutting down"), transfer)
+            try:
+                p = self._ensure_peer(peer)
+            except PdkvError as e:
+                return self._failed(_Peer(peer.name, {"instance_id": 0}, "", b"", b""), "notify", 0, e, transfer)
             if p.error is not None:
-                return self._failed(p, "notify", 0, p.error)
-            x = NixlTransfer(self, next(self._ids), p, "notify", 0, data,
-                             time.monotonic() + tmo if tmo > 0 else 0.0, None)
+                return self._failed(p, "notify", 0, p.error, transfer)
+            x = NixlTransfer(self, next(self._ids), p, "notify", 0, data, transfer, None)
             x._manual_notify = True
             self._inflight[x.id] = x
+            self._hook(x)
             self._progress(x, time.monotonic())
             if x._state is _S["PENDING"]:
                 self._kick()
-            return x
+            return None
+
+    def _hook(self, x: NixlTransfer) -> None:
+        """Lets the core's transfer cancel ``x`` and have its waiters progress NIXL."""
+        ref = weakref.ref(x)
+
+        def cancel() -> None:
+            y = ref()
+            if y is not None:
+                self._cancel(y)
+
+        def drive(timeout: float) -> None:
+            y = ref()
+            if y is not None:
+                y.drive(timeout)
+
+        x._native.set_cancel_hook(cancel)
+        x._native.set_driver(drive)
 
     def _check(self, x: NixlTransfer) -> "XferState":
         if x._state is _S["PENDING"]:
@@ -1136,17 +1144,19 @@ class NixlTransport(PyTransport):
             self._finish(x, _S["FAILED"], err)
             return
         x._probing = True
-        threading.Thread(target=self._probe_restart, args=(x, err), name=f"pdkv-nixl-probe-{x.id}",
-                         daemon=True).start()
+        probe = threading.Thread(target=self._probe_restart, args=(x, err), name=f"pdkv-nixl-probe-{x.id}",
+                                 daemon=True)
+        self._probes.append(probe)
+        probe.start()
 
     def _probe_restart(self, x: NixlTransfer, err: PdkvError) -> None:
         p = x._peer_state
         final = err
-        agent = self._agent()
-        if agent is not None:
+        hooks = self._hooks
+        if hooks is not None and not self._closed:  # (shutdown joins this thread before the hooks go)
             try:
                 md = _native.module().decode_metadata(
-                    agent._n.fetch_metadata(p.tcp_address, p.secret, self._opts.restart_probe_s))
+                    hooks.fetch_metadata(p.tcp_address, p.secret, self._opts.restart_probe_s))
                 if md["name"] == p.name and int(md["instance_id"]) != p.instance:
                     final = StalePeer(f"peer {p.name!r} restarted (instance {p.instance:016x} is gone, "
                                       f"{int(md['instance_id']):016x} answers at {p.tcp_address}); fetch its "
@@ -1156,6 +1166,8 @@ class NixlTransport(PyTransport):
         with self._lock:
             if x._state is _S["PENDING"]:
                 self._finish(x, _S["FAILED"], final)
+            if threading.current_thread() in self._probes:
+                self._probes.remove(threading.current_thread())
 
     def _cancel(self, x: NixlTransfer) -> None:
         with self._lock:
@@ -1170,7 +1182,12 @@ class NixlTransport(PyTransport):
         completed, else they are released (which aborts whatever is still in flight)."""
         x._state = state
         x._error = err
-        x._t_done = time.monotonic()
+        native, x._native = x._native, None
+        if native is not None:
+            if state is _S["DONE"]:
+                native.resolve_part(x.bytes_total)
+            else:
+                native.resolve_part(0, err or Cancelled(f"transfer to peer {x.peer!r} was cancelled"))
         prep = x._prep
         keep = state is _S["DONE"] and prep is not None and prep._invalid is None
         for g, req in x._reqs:
@@ -1346,7 +1363,7 @@ class NixlTransport(PyTransport):
             got = {}
         if got:
             active = True
-            agent = self._agent()
+            hooks = self._hooks
             for sender, msgs in got.items():
                 for m in msgs:
                     m = bytes(m)
@@ -1354,11 +1371,8 @@ class NixlTransport(PyTransport):
                         if len(m) - 1 > self._max_notif:
                             self._log_refused(sender, ProtocolError(
                                 f"notification of {len(m) - 1} bytes (limit {self._max_notif})"))
-                        elif agent is not None:
-                            try:
-                                agent._n.push_notification(_pdkv_name(sender), m[1:])
-                            except PdkvError:
-                                pass  # the agent is closing
+                        elif hooks is not None:
+                            hooks.deliver_notification(_pdkv_name(sender), m[1:])
                     elif m[:1] == _CTL:
                         with self._lock:
                             self._control(sender, m[1:])
