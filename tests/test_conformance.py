@@ -213,3 +213,20 @@ def test_many_extents_reach_a_python_transport_as_one_array():
             assert np.array_equal(dst[idx], src[idx]) and not dst[4:8].any()
     finally:
         LoopbackTransport.prepare = orig
+
+
+def test_removing_a_peer_or_closing_ends_its_transfers(pair):
+    """In flight or not, a transfer to a removed peer (or of a closed agent) ends:
+    done if it finished first, else failed; never pending forever."""
+    a, b, ra, rb, src, dst, peer = pair
+    prep = a.prepare_extents("write", peer, [(ra.id, 0, rb.id, 0, N)])
+    x = prep.post()
+    a.remove_peer(peer)
+    try:
+        assert x.wait(30)
+    except (pdkv.PeerConnectionError, pdkv.Cancelled):
+        assert x.state in (pdkv.XferState.FAILED, pdkv.XferState.CANCELLED)
+    peer = a.add_peer(b.metadata(), transport=a.transports[0])
+    y = a.prepare_extents("write", peer, [(ra.id, 0, rb.id, 0, N)]).post()
+    a.close()
+    assert y.done
