@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import pdkv
+import pdkv.transport
 from pdkv import _native
 from pdkv.transport import Transport, register_transport
 
@@ -209,6 +210,7 @@ def test_many_extents_reach_a_python_transport_as_one_array():
             ext = [(ra.id, 8 * i, rb.id, 8 * i, 4) for i in range(n)]
             assert a.prepare_extents("write", peer, ext).post().wait(60)
             assert seen["shape"] == (n, 7) and seen["dtype"] == np.int64
+            assert pdkv.transport.EXTENT_COLUMNS == _native.module().EXTENT_COLUMNS
             idx = (np.arange(n)[:, None] * 8 + np.arange(4)).ravel()
             assert np.array_equal(dst[idx], src[idx]) and not dst[4:8].any()
     finally:

@@ -365,7 +365,7 @@ void bind_hooks(py::module_& m) {
              Result<std::string> res = Status();
              {
                py::gil_scoped_release rel;
-               res = r.h->fetch_metadata(address, s, timeout_s);
+               res = r.h->fetch_peer_metadata(address, s, timeout_s);
              }
              if (!res.ok()) raise_status(res.status());
              return to_bytes(*res);

@@ -160,8 +160,8 @@ class Agent final : private AgentHooks {
   Result<GenPin> check_generations(const GenClaim& claim) override { return gens_.check_and_pin(claim); }
   void relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
                           std::string notif, const Transport* from) override;
-  Result<std::string> fetch_metadata(const std::string& address, std::string_view secret,
-                                     double timeout_s) override {
+  Result<std::string> fetch_peer_metadata(const std::string& address, std::string_view secret,
+                                          double timeout_s) override {
     return fetch_metadata(address, std::string(secret), timeout_s);
   }
 

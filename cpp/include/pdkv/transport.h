@@ -82,8 +82,8 @@ class AgentHooks {
   // Fetches a remote agent's metadata blob by address through a transport of this
   // agent that serves metadata (e.g. to ask a peer that looks dead whether it restarted).
   // Blocks up to `timeout_s`.
-  virtual Result<std::string> fetch_metadata(const std::string& address, std::string_view secret,
-                                             double timeout_s) = 0;
+  virtual Result<std::string> fetch_peer_metadata(const std::string& address, std::string_view secret,
+                                                  double timeout_s) = 0;
 };
 
 // One resolved piece of a transfer: local pointer, remote (region, offset), length.
