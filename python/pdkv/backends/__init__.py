@@ -7,6 +7,7 @@ transport (the factories import lazily), so ``import pdkv`` never loads NIXL.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 
@@ -39,13 +40,13 @@ def _create_nixl(agent_name: str):
     return NixlTransport(options_for("nixl"))
 
 
-def _create_loopback(agent_name: str):
-    from .example import LoopbackTransport
-
-    return LoopbackTransport()
+def _load(module: str):
+    """The module of a transport here, imported on first use (by its factory)."""
+    return importlib.import_module(f"{__name__}.{module}")
 
 
 if "nixl" not in _native.module().registered_transports():  # (a re-import registers nothing twice)
     register_transport("nixl", _create_nixl, description="RDMA through NIXL (UCX)", priority=_nixl_priority,
                        viable=_nixl_viable, metadata_via="tcp")
-    register_transport("loopback", _create_loopback, description="example: memcpy between agents of one process")
+    register_transport("loopback", lambda agent: _load("example").LoopbackTransport(),
+                       description="example: memcpy between agents of one process")
