@@ -92,7 +92,7 @@ lists the ones applied.
   posts into that region fail with NotFound until the peer's metadata is re-added.
 * **Prepared descriptor lists point into NIXL's registration records**: posting one
   after its memory was deregistered reads freed memory. pdkv drops prepared requests
-  when their regions go away (posting them raises NotFound), and re-prepares
+  when their regions go away (their transfers fail with NotFound), and re-prepares
   transparently when a peer's metadata is re-added (StalePeer if it restarted).
 * **Loading a peer's metadata again only adds to it**: regions the peer dropped stay
   known, and a region at the same address keeps the *old* key. When a re-added peer only
@@ -157,7 +157,8 @@ class NixlOptions:
     wait_spin_s : float
         ``Transfer.wait`` checks continuously this long before sleeping between checks.
     handshake_timeout_s : float
-        ``add_peer`` waits this long for the peer's NIXL handshake answer.
+        Introducing a peer to NIXL (on the first prepare, notify or warm-up after
+        ``add_peer``) waits this long for the peer's handshake answer.
     revoke_timeout_s : float
         Deregistering an exported region waits this long for each peer holding this
         agent's metadata to confirm it stopped using it (a peer that does not answer is
