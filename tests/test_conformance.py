@@ -115,6 +115,23 @@ def test_unknown_peer_is_not_found(pair):
 
 
 # ---------------------------------------------------------------- registry
+# Transports these tests register stay in the process-wide registry (there is no
+# unregistering): they are viable only while their test runs, so that later tests
+# creating agents with every available transport never meet them.
+_TEST_TRANSPORTS_ON = {"on": False}
+
+
+def _only_during_test() -> str | None:
+    return None if _TEST_TRANSPORTS_ON["on"] else "a test double, viable only during its test"
+
+
+@pytest.fixture
+def test_transports_on():
+    _TEST_TRANSPORTS_ON["on"] = True
+    yield
+    _TEST_TRANSPORTS_ON["on"] = False
+
+
 def test_default_order_comes_from_priorities():
     order = _native.module().default_transports()
     native = [t for t in ("cuda_ipc", "shm", "tcp") if t in pdkv.available_transports()]
@@ -127,7 +144,7 @@ def test_default_order_comes_from_priorities():
         assert x.transports == order
 
 
-def test_a_transport_is_one_class_and_one_registration_line():
+def test_a_transport_is_one_class_and_one_registration_line(test_transports_on):
     class Null(Transport):
         """Reaches nobody: enough to be enabled, listed and refused by name."""
 
@@ -148,7 +165,8 @@ def test_a_transport_is_one_class_and_one_registration_line():
         def drop_peer(self, name):
             pass
 
-    register_transport("null-test", lambda agent: Null(), description="test", metadata_via="tcp")
+    register_transport("null-test", lambda agent: Null(), description="test", metadata_via="tcp",
+                       viable=_only_during_test)
     with pytest.raises(pdkv.AlreadyExists):
         register_transport("null-test", lambda agent: Null())
     assert "null-test" in pdkv.available_transports()
@@ -161,7 +179,7 @@ def test_a_transport_is_one_class_and_one_registration_line():
         assert a.peer_transport(a.connect(b.address)) == "tcp"
 
 
-def test_python_transport_errors_become_pdkv_errors():
+def test_python_transport_errors_become_pdkv_errors(test_transports_on):
     class Broken(Transport):
         name = "broken-test"
 
@@ -171,7 +189,7 @@ def test_python_transport_errors_become_pdkv_errors():
         def start(self, hooks):
             raise RuntimeError("no hardware")
 
-    register_transport("broken-test", lambda agent: Broken())
+    register_transport("broken-test", lambda agent: Broken(), viable=_only_during_test)
     register_transport("unviable-test", lambda agent: Broken(), viable=lambda: "no such device")
     with pytest.raises(pdkv.PdkvError, match="starting transport 'broken-test'.*RuntimeError: no hardware"):
         pdkv.Agent("a", secret=SECRET, transports=["broken-test"])
