@@ -148,5 +148,23 @@ TEST(AgentTransports, RegionHooksSeeEveryRegionAndARefusalUndoesIt) {
   EXPECT_TRUE(a->register_memory(reinterpret_cast<uint64_t>(mem.data()), 1024, MemKind::kHost, -1, true).ok());
 }
 
+TEST(AgentTransports, ViaHostFixesEveryUnreachableNetworkEndpoint) {
+  auto a = agent({"tcp"});
+  ASSERT_TRUE(a);
+  AgentMetadata md;
+  md.name = "far";
+  md.instance_id = 7;
+  md.host_id = "other-host";
+  md.endpoints = {Endpoint{"tcp", "0.0.0.0:1234"}, Endpoint{"mine", "127.0.0.1:99"}, Endpoint{"shm", "/tmp/x.sock"},
+                  Endpoint{"tcp", "10.9.9.9:5"}};
+  auto name = a->add_peer(encode_metadata(md), "", "", "10.1.2.3");
+  ASSERT_TRUE(name.ok()) << name.status().to_string();
+  auto p = a->peer(*name);
+  ASSERT_TRUE(p.ok());
+  std::vector<std::string> got;
+  for (auto& e : (*p)->md.endpoints) got.push_back(e.address);
+  EXPECT_EQ(got, (std::vector<std::string>{"10.1.2.3:1234", "10.1.2.3:99", "/tmp/x.sock", "10.9.9.9:5"}));
+}
+
 }  // namespace
 }  // namespace pdkv

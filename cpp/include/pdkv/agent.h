@@ -111,7 +111,7 @@ class Agent final : private AgentHooks {
   // Imports a peer's blob; returns its name. Re-adding a name replaces it (and drops
   // its connections). `secret`: the peer's secret ("" = ours). `transport` forces one.
   // `via_host`: the host the blob was fetched from; replaces a wildcard or loopback
-  // tcp endpoint host that would not be reachable from here.
+  // host of a network ("host:port") endpoint that would not be reachable from here.
   Result<std::string> add_peer(std::string_view blob, std::string secret, std::string transport,
                                std::string via_host = "");
   Status remove_peer(const std::string& name);

@@ -223,8 +223,9 @@ Result<std::string> Agent::add_peer(std::string_view blob, std::string secret, s
                                     std::string via_host) {
   PDKV_ASSIGN_OR_RETURN(AgentMetadata md, decode_metadata(blob));
   if (!via_host.empty()) {
+    // Every network endpoint ("host:port", whichever transport publishes it); other
+    // addresses (socket paths, host ids) never parse as one.
     for (auto& e : md.endpoints) {
-      if (e.transport != "tcp") continue;
       auto hp = util::parse_host_port(e.address);
       if (!hp.ok()) continue;
       const std::string& h = hp->host;
