@@ -100,7 +100,9 @@ def nixl_agent(name: str, **kw) -> pdkv.Agent:
 
 
 def transport(agent: pdkv.Agent):
-    return agent._py["nixl"]
+    from pdkv.backends.nixl import NixlTransport
+
+    return NixlTransport.of(agent)
 
 
 @contextlib.contextmanager
@@ -112,16 +114,19 @@ def connected_pair():
         pa, pb = Pool(spec, 1), Pool(spec)
         pa.register(a)
         pb.register(b)
-        yield a, b, pa, pb, a.connect(b.address)
+        peer = a.connect(b.address)
+        a.warm_up(peer)  # introduces b to a's nixl transport now (else on the first transfer)
+        yield a, b, pa, pb, peer
 
 
 @pytest.mark.nixl
 def test_trap_defaults_applied_and_nixl_loads_without_torch():
     code = textwrap.dedent("""
         import os, sys, pdkv
+        from pdkv.backends.nixl import NixlTransport
         os.environ.pop("UCX_TLS", None)
         with pdkv.Agent("x", transports=["nixl"]) as a:
-            info = a._py["nixl"].info()
+            info = NixlTransport.of(a).info()
         assert "torch" not in sys.modules and "nixl" not in sys.modules, "import nixl pulls torch"
         assert os.environ["UCX_MODULES"] == "^ib", os.environ.get("UCX_MODULES")
         assert info["pthr_delay_us"] == 10000 and info["ucx_tls"] == "tcp", info
@@ -211,9 +216,10 @@ def test_local_only_region_is_unreachable_for_peers_even_inside_nixl():
         b.register(hidden, remote_access=False)
         b.register(np.zeros(64, np.uint8))
         peer = a.connect(b.address)
+        a.warm_up(peer)  # introduces b to a's nixl transport
         # Bypass the agent's checks: the transport itself finds no such remote region.
         with pytest.raises(pdkv.NotFound, match="not in a region"):
-            transport(a).prepare("write", peer, [(src.ctypes.data, hidden.ctypes.data, 4096)])
+            transport(a)._prepare_rows(peer, "write", [(src.ctypes.data, hidden.ctypes.data, 4096)])
 
 
 @pytest.mark.nixl
@@ -272,7 +278,7 @@ def test_deregistration_waits_for_the_peers_inflight_write_then_revokes():
         assert x.done and x.wait(0)
         assert np.array_equal(pb.logical(range(64)), pa.logical(range(64)))
         with pytest.raises(pdkv.NotFound, match="deregistered its region"):
-            prep.post()
+            prep.post().wait(5)  # a peer-side change: the transfer fails (as over tcp and shm)
         # New memory on b: re-adding b's metadata makes it reachable again.
         dst = np.zeros(4096, np.uint8)
         rd = b.register(dst)
@@ -291,6 +297,7 @@ def test_readding_the_same_peer_keeps_transfers_and_prepared_requests():
         big = a.write(peer, "kv", range(64))
         extra = b.register(np.zeros(256, np.uint8))  # b gains a region: its NIXL metadata changes
         a.add_peer(b.metadata())  # loaded on top: no reconnect
+        a.warm_up(peer)  # (the transport learns re-added metadata on the next prepare or warm-up)
         assert transport(a)._peers[peer] is state
         assert big.wait(20)
         pa.fill(9)
@@ -299,8 +306,10 @@ def test_readding_the_same_peer_keeps_transfers_and_prepared_requests():
         assert [n.data for n in b.wait_notifications(5)] == [b"again"]
         extra.close()
         a.add_peer(b.metadata())  # lost a region (never reused): still in place
+        a.warm_up(peer)
         assert prep.post().wait(5)
         a.add_peer(b.metadata())  # unchanged metadata: nothing to redo
+        a.warm_up(peer)
         assert prep.post().wait(5)
         assert transport(a)._peers[peer] is state
 

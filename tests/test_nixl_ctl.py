@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import pdkv
-from pdkv.backends.nixl import (_CTL, _MAX_CTL_BYTES, _MAX_REVOKE_REGIONS, _USER, _ctl, _parse_ctl,
+from pdkv.backends.nixl import (NixlTransport, _CTL, _MAX_CTL_BYTES, _MAX_REVOKE_REGIONS, _USER, _ctl, _parse_ctl,
                                 nixl_agent_name)
 
 VALID = [
@@ -79,7 +79,7 @@ def test_a_peer_sending_garbage_changes_nothing():
     from test_nixl import connected_pair
 
     with connected_pair() as (a, b, pa, pb, peer):
-        eng = a._py["nixl"]._eng
+        eng = NixlTransport.of(a)._eng
         target = nixl_agent_name(b.name, b.instance_id)
         for raw in BAD.values():
             eng.notify(target, _CTL + raw)

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bench.h"
+#include "py_transport.h"
 #include "pdkv/agent.h"
 #include "pdkv/kv_layout.h"
 #include "pdkv/metadata.h"
@@ -328,8 +329,8 @@ PYBIND11_MODULE(_pdkv, m) {
     return d;
   });
 
-  py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer")
-      .def_property_readonly("id", &Transfer::id)
+  py::class_<Transfer, std::shared_ptr<Transfer>> transfer(m, "Transfer");
+  transfer.def_property_readonly("id", &Transfer::id)
       .def_property_readonly("op", &Transfer::op)
       .def_property_readonly("peer", &Transfer::peer)
       .def_property_readonly("transport", &Transfer::transport)
@@ -345,6 +346,8 @@ PYBIND11_MODULE(_pdkv, m) {
            })
       .def("wait", &Transfer::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def("cancel", &Transfer::cancel, py::call_guard<py::gil_scoped_release>());
+  // Transports written in Python: the trampoline and what they may call.
+  bindings::bind_transport_sdk(m, transfer);
 
   py::class_<PreparedTransfer, std::shared_ptr<PreparedTransfer>>(m, "PreparedTransfer")
       .def_readonly("peer", &PreparedTransfer::peer)
@@ -567,13 +570,7 @@ PYBIND11_MODULE(_pdkv, m) {
              for (auto& n : v) out.append(py::make_tuple(n.peer, to_bytes(n.data)));
              return out;
            })
-      .def_property_readonly("notification_fd", [](Agent& a) { return a.notifications().fd(); })
-      .def("set_metadata_extra",
-           [](Agent& a, const std::string& name, py::bytes blob) { a.set_metadata_extra(name, std::string(blob)); })
-      .def("push_notification",
-           [](Agent& a, const std::string& peer, py::bytes data) {
-             a.push_notification(Notification{peer, std::string(data)});
-           });
+      .def_property_readonly("notification_fd", [](Agent& a) { return a.notifications().fd(); });
 
   // Benchmark helpers: raw-socket and memcpy ceilings measured with the same code
   // path quality as the transport (C++, no Python in the loop).

@@ -78,12 +78,11 @@ __all__ = [
 
 
 def available_transports() -> list[str]:
-    """Transports usable on this host: the compiled-in ones that are viable (``tcp``,
-    ``shm``) plus Python ones whose library is installed (``nixl``)."""
-    from . import _native, backends
+    """Transports usable on this host: every registered one (native, and Python ones
+    such as ``nixl`` whose library is installed) that is viable here."""
+    from . import _native, backends  # noqa: F401 - backends registers the Python transports
 
-    return _native.module().available_transports() + [
-        t for t in backends.PY_TRANSPORTS if backends.py_transport_available(t)]
+    return _native.module().available_transports()
 
 
 def decode_metadata(blob: bytes) -> dict:

@@ -28,40 +28,23 @@ True
 from __future__ import annotations
 
 import asyncio
-import enum
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Sequence
 
 from . import _native, _validate
+from . import transport as _transport
 from .errors import InvalidArgument, PdkvError, error_class
 from .layout import KVLayout, _describe_memory
+from .xfer_state import XferState, from_native as _state
 
 __all__ = ["Agent", "TcpOptions", "ShmOptions", "Region", "SharedRegion", "Transfer", "PreparedTransfer",
            "Notification", "XferState"]
 
 
-class XferState(enum.Enum):
-    """Lifecycle of a transfer."""
-
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-_STATE: dict = {}
 _NATIVE_DONE: list = []
 _NATIVE_PENDING: list = []
-
-
-def _state(native_state) -> XferState:
-    if not _STATE:
-        m = _native.module().XferState
-        _STATE.update({m.PENDING: XferState.PENDING, m.DONE: XferState.DONE, m.FAILED: XferState.FAILED,
-                       m.CANCELLED: XferState.CANCELLED})
-    return _STATE[native_state]
 
 
 def _native_states():
@@ -342,6 +325,12 @@ class _Closed:
         raise InvalidArgument(f"agent {self._name!r} is closed")
 
 
+def _transport_name(transport: Any) -> str | None:
+    if transport is not None and not isinstance(transport, str):
+        raise InvalidArgument(f"transport must be a str, got {type(transport).__name__}")
+    return transport
+
+
 def _as_bytes(v: bytes | str | None, what: str = "secret") -> bytes:
     if v is None:
         return b""
@@ -411,48 +400,24 @@ class Agent:
         if not host or not port.isdigit():
             raise InvalidArgument(f"listen must be 'host:port', got {listen!r}")
         host = host.strip("[]")
-        from . import backends
+        from . import backends  # noqa: F401 - registers the transports written in Python
 
         if transports is None:
-            avail = _native.module().available_transports()
-            transports = [t for t in ("cuda_ipc", "shm", "tcp") if t in avail]
-            # RDMA: NIXL (UCX) when the host has an RDMA device and NIXL is installed.
-            if backends.rdma_device_present() and backends.py_transport_available("nixl"):
-                transports.insert(0, "nixl")
-        self._order = list(transports)
-        py_names = [t for t in self._order if t in backends.PY_TRANSPORTS]
-        native = [t for t in self._order if t not in backends.PY_TRANSPORTS]
-        if py_names and "tcp" not in native:
-            native.append("tcp")  # metadata side channel (connect/fetch_metadata)
-        self._n = _native.module().Agent(
-            name, _as_bytes(secret).decode("latin-1"), native, host, int(port),
-            tcp.conns_per_peer, tcp.progress_threads, tcp.spin_us, tcp.batch_bytes, tcp.batch_extents,
-            tcp.rcvlowat_bytes, tcp.connect_timeout_s, tcp.handshake_timeout_s, shm.copy_threads, shm.inline_bytes,
-            float(default_timeout), max_notif_bytes, wait_spin_us, tcp.stage_chunk_bytes, tcp.stage_buffers,
-            float(tcp.frame_timeout_s),
-        )
-        # Python transports read these (the native agent keeps its own copies).
-        self._default_timeout = float(default_timeout)
+            transports = _native.module().default_transports()  # viable ones, by priority
+        transports = list(transports)
+        with _transport.creating_agent({"nixl": nixl}, listen_host=host):
+            self._n = _native.module().Agent(
+                name, _as_bytes(secret).decode("latin-1"), transports, host, int(port),
+                tcp.conns_per_peer, tcp.progress_threads, tcp.spin_us, tcp.batch_bytes, tcp.batch_extents,
+                tcp.rcvlowat_bytes, tcp.connect_timeout_s, tcp.handshake_timeout_s, shm.copy_threads,
+                shm.inline_bytes, float(default_timeout), max_notif_bytes, wait_spin_us, tcp.stage_chunk_bytes,
+                tcp.stage_buffers, float(tcp.frame_timeout_s),
+            )
         self._max_notif_bytes = int(max_notif_bytes)
         self._regions: dict[int, Region] = {}
         self._layout_keep: dict[str, KVLayout] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._py: dict[str, backends.PyTransport] = {}
-        self._py_peers: dict[str, backends.PyTransport] = {}
-        try:
-            for t in py_names:
-                if not backends.py_transport_available(t):
-                    from .errors import NotSupported
-
-                    raise NotSupported(f"transport {t!r} needs the {t} package: "
-                                       "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1")
-                self._py[t] = backends.create(t, nixl if t == "nixl" else None)
-                self._py[t].start(self)
-                self._n.set_metadata_extra(t, self._py[t].metadata_extra())
-        except BaseException:
-            self.close()
-            raise
 
     # ------------------------------------------------------------------ identity
     @property
@@ -471,9 +436,9 @@ class Agent:
 
     @property
     def transports(self) -> list[str]:
-        """Enabled transports in order of preference (tcp is added for metadata exchange
-        when only a Python transport such as nixl was asked for)."""
-        return list(self._order) + [t for t in self._n.transports if t not in self._order]
+        """Enabled transports in order of preference (a transport that exchanges metadata
+        through another, such as nixl through tcp, brings it along, last)."""
+        return list(self._n.transports)
 
     @property
     def address(self) -> str:
@@ -531,7 +496,6 @@ class Agent:
         region = SharedRegion(self, desc, mm)
         with self._lock:
             self._regions[region.id] = region
-        self._py_registered(region)
         return region
 
     def register_address(self, addr: int, nbytes: int, *, kind: str = "host", device: int = -1,
@@ -554,26 +518,13 @@ class Agent:
         region = Region(self, desc, obj)
         with self._lock:
             self._regions[region.id] = region
-        self._py_registered(region)
         return region
-
-    def _py_registered(self, region: Region) -> None:
-        try:
-            for t in self._py.values():
-                t.on_register(region)
-                self._n.set_metadata_extra(t.name, t.metadata_extra())
-        except BaseException:
-            region.close()
-            raise
 
     def deregister(self, region: Region) -> None:
         """Same as ``region.close()``."""
         region.close()
 
     def _deregister(self, region: Region) -> None:
-        for t in self._py.values():
-            t.on_deregister(region)
-            self._n.set_metadata_extra(t.name, t.metadata_extra())
         self._n.deregister_memory(region.id)
         with self._lock:
             self._regions.pop(region.id, None)
@@ -659,38 +610,8 @@ class Agent:
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"metadata must be bytes (Agent.metadata()), got {type(metadata).__name__}")
         blob = bytes(metadata)
-        if transport is not None and transport not in self._order:
-            from .errors import NotFound
-
-            raise NotFound(f"transport {transport!r} is not enabled on agent {self.name!r} "
-                           f"(enabled: {', '.join(self._order)})")
-        native_forced = transport if transport is not None and transport not in self._py else ""
-        name = self._n.add_peer(blob, _as_bytes(secret), native_forced, via_host or "")
-        old = self._py_peers.pop(name, None)
-        chosen = None
-        try:
-            if self._py:
-                md = _native.module().decode_metadata(blob)  # (text fields were checked as UTF-8 above)
-                native_choice = self._n.peer_transport(name)
-                for t in ([transport] if transport is not None else self._order):
-                    if t in self._py:
-                        if self._py[t].can_reach(md):
-                            chosen = self._py[t]
-                            # A transport re-adding a peer it already has replaces it
-                            # itself (keeping connections when nothing changed).
-                            chosen.add_peer(name, md, _as_bytes(secret) or self.secret)
-                            self._py_peers[name] = chosen
-                            break
-                        if transport is not None:
-                            from .errors import NotSupported
-
-                            raise NotSupported(f"transport {t!r} cannot reach peer {name!r}")
-                    elif t == native_choice:
-                        break
-        finally:
-            if old is not None and self._py_peers.get(name) is not old:
-                old.remove_peer(name)
-        return name
+        transport = _transport_name(transport)
+        return self._n.add_peer(blob, _as_bytes(secret), transport or "", via_host or "")
 
     def fetch_metadata(self, address: str, *, secret: str | bytes | None = None, timeout: float = 10.0) -> bytes:
         """Fetches a peer's metadata from its tcp ``address`` (``"host:port"``)."""
@@ -708,9 +629,6 @@ class Agent:
     def remove_peer(self, name: str) -> None:
         """Forgets a peer; its in-flight transfers fail with PeerConnectionError."""
         self._n.remove_peer(name)
-        t = self._py_peers.pop(name, None)
-        if t is not None:
-            t.remove_peer(name)
 
     @property
     def peers(self) -> list[str]:
@@ -718,8 +636,7 @@ class Agent:
 
     def peer_transport(self, name: str) -> str:
         """The transport that transfers to ``name`` use."""
-        t = self._py_peers.get(name)
-        return t.name if t is not None else self._n.peer_transport(name)
+        return self._n.peer_transport(name)
 
     def peer_info(self, name: str) -> dict:
         """The peer's decoded metadata (name, endpoints, regions, layouts, ...)."""
@@ -803,25 +720,7 @@ class Agent:
         lids = _validate.block_ids(local_blocks, "local_blocks")
         rids = lids if remote_blocks is None else _validate.block_ids(remote_blocks, "remote_blocks")
         gens = None if remote_generations is None else _validate.block_ids(remote_generations, "remote_generations")
-        py = self._py_transport_for(peer, transport)
-        if py is not None:
-            if gens is not None:
-                from .errors import NotSupported
-
-                raise NotSupported(
-                    f"transport {py.name!r} cannot check block generations: its transfers are one-sided RDMA with no "
-                    "hook at the target before bytes land; transfer without remote_generations, or use tcp or shm "
-                    "(docs/generations.md)")
-            remote = self.peer_info(peer)["layouts"].get(remote_layout)
-            if remote is None:
-                from .errors import NotFound
-
-                raise NotFound(f"peer {peer!r} exports no layout named {remote_layout!r}")
-            if not len(lids):
-                raise InvalidArgument("no blocks to transfer")
-            rel = _native.module().plan_blocks(self._n.layout(local_layout), lids, remote, rids, *plan,
-                                               distinct="remote" if op == "write" else "local")
-            return py.prepare(op, peer, self._absolute(peer, rel))
+        transport = _transport_name(transport)
         native = self._n.prepare_blocks(peer, opk, local_layout, lids, remote_layout, rids, *plan, transport or "",
                                         gens)
         return PreparedTransfer(self, native)
@@ -833,79 +732,9 @@ class Agent:
         opk = self._op(op)
         peer = _validate.text(peer, "peer")
         rows = _validate.extents(extents)
-        py = self._py_transport_for(peer, transport)
-        if py is not None:
-            return py.prepare(op, peer, self._absolute(peer, rows))
+        transport = _transport_name(transport)
         native = self._n.prepare_extents(peer, opk, rows, transport or "")
         return PreparedTransfer(self, native)
-
-    def _py_transport_for(self, peer: str, transport: str | None):
-        if transport is not None and not isinstance(transport, str):
-            raise InvalidArgument(f"transport must be a str, got {type(transport).__name__}")
-        if transport is not None:
-            return self._py.get(transport)
-        return self._py_peers.get(peer)
-
-    def _absolute(self, peer: str, extents) -> Any:
-        """Region-relative extents -> ``[n, 3]`` int64 (local_addr, remote_addr, nbytes),
-        bounds-checked (vectorized: Python transports only, which need numpy anyway)."""
-        import numpy as np
-
-        local = {r["id"]: r for r in self._n.regions()}
-        remote = {r["id"]: r for r in self.peer_info(peer)["regions"]}
-        try:
-            e = np.asarray(extents, dtype=np.int64).reshape(-1, 5)
-        except (TypeError, ValueError, OverflowError):
-            return self._absolute_checked(peer, extents, local, remote)
-
-        def table(regs: dict):
-            ids = np.array(sorted(regs), dtype=np.int64)
-            return (ids, np.array([regs[i]["addr"] for i in ids.tolist()], dtype=np.int64),
-                    np.array([regs[i]["len"] for i in ids.tolist()], dtype=np.int64))
-
-        def find(ids, want):
-            if not len(ids):
-                return np.zeros(len(want), dtype=np.int64), np.zeros(len(want), dtype=bool)
-            i = np.minimum(np.searchsorted(ids, want), len(ids) - 1)
-            return i, ids[i] == want
-
-        if not len(e):
-            return self._absolute_checked(peer, extents, local, remote)  # raises "no extents"
-        lids, laddr, llen = table(local)
-        rids, raddr, rlen = table(remote)
-        li, lok = find(lids, e[:, 0])
-        ri, rok = find(rids, e[:, 2])
-        lo, ro, n = e[:, 1], e[:, 3], e[:, 4]
-        good = (n > 0) & lok & rok
-        if good.all():  # written so that no sum can overflow
-            good &= (lo >= 0) & (lo <= llen[li]) & (n <= llen[li] - lo)
-            good &= (ro >= 0) & (ro <= rlen[ri]) & (n <= rlen[ri] - ro)
-        if not good.all():
-            return self._absolute_checked(peer, extents, local, remote)  # raises, naming the first bad extent
-        out = np.empty((len(e), 3), dtype=np.int64)
-        out[:, 0], out[:, 1], out[:, 2] = laddr[li] + lo, raddr[ri] + ro, n
-        return out
-
-    @staticmethod
-    def _absolute_checked(peer: str, extents, local: dict, remote: dict) -> list[tuple[int, int, int]]:
-        from .errors import InvalidArgument as _IA, NotFound, OutOfRange
-
-        out = []
-        for i, (lr, lo, rr, ro, n) in enumerate(extents):
-            if n <= 0:
-                raise _IA(f"extent {i} has length {n}")
-            if lr not in local:
-                raise NotFound(f"region {lr} is not registered")
-            if rr not in remote:
-                raise NotFound(f"peer {peer!r} exports no region {rr}")
-            if lo < 0 or lo + n > local[lr]["len"]:
-                raise OutOfRange(f"extent {i}: local bytes [{lo}, +{n}) fall outside region {lr}")
-            if ro < 0 or ro + n > remote[rr]["len"]:
-                raise OutOfRange(f"extent {i}: remote bytes [{ro}, +{n}) fall outside the peer's region {rr}")
-            out.append((local[lr]["addr"] + lo, remote[rr]["addr"] + ro, n))
-        if not out:
-            raise _IA("no extents to transfer")
-        return out
 
     def write(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
               remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
@@ -935,9 +764,7 @@ class Agent:
         if not data:
             raise InvalidArgument("notification data is empty")
         tmo = _validate.timeout(timeout)
-        py = self._py_peers.get(_validate.text(peer, "peer"))
-        if py is not None:
-            return py.notify(peer, data, tmo)
+        peer = _validate.text(peer, "peer")
         return Transfer(self._n.send_notification(peer, data, -1.0 if tmo is None else tmo))
 
     # ------------------------------------------------------------------ notifications
@@ -981,13 +808,6 @@ class Agent:
         if self._closed:
             return
         self._closed = True
-        for t in self._py.values():
-            try:
-                t.close()
-            except Exception:  # noqa: BLE001 - closing must not stop the rest
-                pass
-        self._py.clear()
-        self._py_peers.clear()
         name = self._n.name
         n, self._n = self._n, _Closed(name)
         del n

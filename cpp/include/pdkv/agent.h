@@ -111,7 +111,7 @@ class Agent final : private AgentHooks {
   // Imports a peer's blob; returns its name. Re-adding a name replaces it (and drops
   // its connections). `secret`: the peer's secret ("" = ours). `transport` forces one.
   // `via_host`: the host the blob was fetched from; replaces a wildcard or loopback
-  // tcp endpoint host that would not be reachable from here.
+  // host of a network ("host:port") endpoint that would not be reachable from here.
   Result<std::string> add_peer(std::string_view blob, std::string secret, std::string transport,
                                std::string via_host = "");
   Status remove_peer(const std::string& name);
@@ -119,7 +119,8 @@ class Agent final : private AgentHooks {
   Result<std::shared_ptr<const Peer>> peer(const std::string& name) const;
   // The transport transfers to `name` use.
   Result<std::string> peer_transport(const std::string& name) const;
-  // Fetches a metadata blob from "host:port" (the peer's tcp endpoint).
+  // Fetches a metadata blob from "host:port" (the peer's tcp endpoint) through the first
+  // enabled transport that serves metadata (caps().serves_metadata).
   Result<std::string> fetch_metadata(const std::string& address, std::string secret, double timeout_s);
   // Opens connections to a peer now (optional warm-up).
   Status connect(const std::string& name, double timeout_s);
@@ -144,15 +145,11 @@ class Agent final : private AgentHooks {
   // ---- notifications ----
   NotifQueue& notifications() { return notifs_; }
 
-  // ---- for transports implemented outside the core (Python: NIXL) ----
-  // Publishes `blob` under `name` in metadata extras (empty blob removes it).
-  void set_metadata_extra(const std::string& name, std::string blob);
-  // Queues a notification as if a core transport had received it.
-  void push_notification(Notification n) { notifs_.push(std::move(n)); }
 
   // ---- AgentHooks ----
   const std::string& agent_name() const override { return cfg_.name; }
   bool secret_matches(std::string_view presented) const override;
+  const std::string& agent_secret() const override { return cfg_.secret; }
 
  private:
   explicit Agent(AgentConfig cfg);
@@ -163,6 +160,10 @@ class Agent final : private AgentHooks {
   Result<GenPin> check_generations(const GenClaim& claim) override { return gens_.check_and_pin(claim); }
   void relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
                           std::string notif, const Transport* from) override;
+  Result<std::string> fetch_peer_metadata(const std::string& address, std::string_view secret,
+                                          double timeout_s) override {
+    return fetch_metadata(address, std::string(secret), timeout_s);
+  }
 
   Transport* transport_by_name(std::string_view name) const;
   Result<std::shared_ptr<PreparedTransfer>> prepare_resolved(const std::string& peer, OpKind op,
@@ -187,7 +188,6 @@ class Agent final : private AgentHooks {
   mutable std::mutex mu_;  // guards layouts_ and peers_
   std::map<std::string, KVLayout> layouts_;
   std::map<std::string, PeerEntry> peers_;
-  std::map<std::string, std::string> extras_;
 };
 
 }  // namespace pdkv

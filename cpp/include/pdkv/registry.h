@@ -1,12 +1,16 @@
 // pdkv/registry.h: transport name -> factory.
 //
-// Transports register themselves at static-init time (in the same library; no
-// dlopen yet). `available()` lists those viable on this host right now.
-// Thread safety: register_transport() during static init only; the rest any time.
+// Native transports register themselves at static-init time (one line in their .cc;
+// no dlopen yet). Python transports register at run time (pdkv.register_transport),
+// into the same table. `available_transports()` lists those viable on this host right
+// now; `default_transports()` is the order an agent uses when none is given.
+// Thread safety: every function may be called from any thread (one mutex guards the
+// table); a registration is never removed.
 #pragma once
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,11 +25,24 @@ struct TransportFactory {
   std::string description;
   std::function<Status()> viable;  // OK if it can run on this host, else why not
   std::function<Result<std::unique_ptr<Transport>>(const AgentConfig&)> create;
+  // Place in the default order: viable transports with priority > 0 are enabled by
+  // default, highest first (a peer uses the first that reaches it). 0: only when asked
+  // for by name (examples, mocks). Native: cuda_ipc 300, shm 200, tcp 100; nixl 400.
+  int priority = 0;
+  // When set, replaces `priority` with one that depends on the host (nixl: 400 with an
+  // RDMA device, else 0 — usable when asked for, never chosen by default over tcp).
+  std::function<int()> host_priority;
+  // A transport that cannot exchange metadata by address itself names one that can
+  // (e.g. nixl: "tcp"); an agent enabling it without that one gets it added, last.
+  std::string metadata_via;
 };
 
+// False (and nothing changes) when a transport of that name is registered already.
 bool register_transport(TransportFactory f);
-const TransportFactory* find_transport(const std::string& name);
-std::vector<std::string> registered_transports();  // every compiled-in transport
+// A copy of the factory registered under `name`, or nullopt.
+std::optional<TransportFactory> find_transport(const std::string& name);
+std::vector<std::string> registered_transports();  // every registered transport
 std::vector<std::string> available_transports();   // those viable here
+std::vector<std::string> default_transports();     // viable, priority > 0, highest first
 
 }  // namespace pdkv

@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -96,8 +97,10 @@ class Transfer {
   mutable std::condition_variable cv_;
   Status error_;              // first error, guarded by mu_
   bool saw_cancel_ = false;   // guarded by mu_
-  std::function<void()> cancel_hook_;  // guarded by mu_
-  Driver driver_;                      // guarded by mu_
+  // Held through shared_ptr so that copying one under mu_ never copies (or destroys)
+  // a Python callable, which would need the GIL while holding mu_.
+  std::shared_ptr<const std::function<void()>> cancel_hook_;  // guarded by mu_
+  std::shared_ptr<const Driver> driver_;                      // guarded by mu_
   std::vector<RegionPin> pins_;  // released when terminal
 };
 

@@ -11,6 +11,10 @@
 //
 // Thread safety: prepare(), post(), connect(), drop_peer() and fetch_metadata() may
 // be called concurrently from any thread. start() and shutdown() are called once.
+//
+// A transport is one class implementing this interface plus one registration line
+// (registry.h). Python classes implement it too, through the `pdkv.Transport`
+// trampoline (cpp/bindings/py_transport.cc); the agent treats them like any other.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +41,7 @@ struct TransportCaps {
   uint32_t local_mem_kinds = 0;  // bit per MemKind this transport can read/write locally
   uint32_t remote_mem_kinds = 0; // bit per MemKind it can reach in a peer
   bool generations = false;      // implements prepare_checked() (block generation claims)
+  bool serves_metadata = false;  // implements fetch_metadata() and answers peers' fetches
 };
 
 // A known peer: its metadata and the secret to present to it.
@@ -57,6 +62,9 @@ class AgentHooks {
   virtual const std::string& host_id() const = 0;
   // Constant-time comparison with this agent's secret.
   virtual bool secret_matches(std::string_view presented) const = 0;
+  // The secret itself, for transports that prove knowledge of it (an HMAC) rather
+  // than present it.
+  virtual const std::string& agent_secret() const = 0;
   virtual const RegionTable& region_table() const = 0;
   virtual void deliver_notification(Notification n) = 0;
   virtual std::string metadata_blob() = 0;
@@ -71,6 +79,11 @@ class AgentHooks {
   // `xfer`, with ConnectionError when no other transport reaches the peer.
   virtual void relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
                                   std::string notif, const Transport* from) = 0;
+  // Fetches a remote agent's metadata blob by address through a transport of this
+  // agent that serves metadata (e.g. to ask a peer that looks dead whether it restarted).
+  // Blocks up to `timeout_s`.
+  virtual Result<std::string> fetch_peer_metadata(const std::string& address, std::string_view secret,
+                                                  double timeout_s) = 0;
 };
 
 // One resolved piece of a transfer: local pointer, remote (region, offset), length.
@@ -137,10 +150,20 @@ class Transport {
   }
   // Closes connections to a peer; its in-flight transfers fail with ConnectionError.
   virtual void drop_peer(const std::string& name) = 0;
-  // Called before an exported region is removed: a transport through which peers
-  // access it directly (shm) must make them stop, and return once none does.
+  // Called after a region was registered, before anyone can name it in a transfer: a
+  // transport whose library must register memory itself (NIXL) does it here. An error
+  // undoes the registration and is returned to the caller of register_memory.
+  virtual Status region_added(const RegionDesc& region) {
+    (void)region;
+    return Status::Ok();
+  }
+  // Called before a region (exported or not) is removed: a transport through which peers
+  // access it directly (shm) must make them stop, and return once none does; one that
+  // registered it with its library (region_added) deregisters it once its own transfers
+  // no longer use it.
   virtual void region_removed(const RegionDesc& region) { (void)region; }
-  // Fetches a remote agent's metadata blob given only an address (optional).
+  // Fetches a remote agent's metadata blob given only an address (optional; a
+  // transport that implements it sets caps().serves_metadata).
   virtual Result<std::string> fetch_metadata(const std::string& address, std::string_view secret,
                                              double timeout_s) {
     (void)address; (void)secret; (void)timeout_s;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <unordered_map>
 
@@ -42,6 +43,16 @@ std::string read_host_id() {
   return std::string("host:") + host;
 }
 
+// Appends the transports that the listed ones exchange metadata through
+// (TransportFactory::metadata_via) when they are not listed.
+void add_metadata_channels(std::vector<std::string>& names) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    std::optional<TransportFactory> f = find_transport(names[i]);
+    if (!f || f->metadata_via.empty()) continue;
+    if (std::find(names.begin(), names.end(), f->metadata_via) == names.end()) names.push_back(f->metadata_via);
+  }
+}
+
 }  // namespace
 
 Agent::Agent(AgentConfig cfg) : cfg_(std::move(cfg)) {}
@@ -55,12 +66,13 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig cfg) {
   std::unique_ptr<Agent> a(new Agent(std::move(cfg)));
   a->instance_id_ = random_u64();
   a->host_id_ = read_host_id();
+  add_metadata_channels(a->cfg_.transports);
   for (const auto& tname : a->cfg_.transports) {
-    const TransportFactory* f = find_transport(tname);
+    std::optional<TransportFactory> f = find_transport(tname);
     if (!f) {
       std::string known;
       for (auto& n : registered_transports()) known += (known.empty() ? "" : ", ") + n;
-      return NotFound("unknown transport '" + tname + "' (compiled in: " + known + ")");
+      return NotFound("unknown transport '" + tname + "' (registered: " + known + ")");
     }
     if (Status v = f->viable(); !v.ok())
       return NotSupported("transport '" + tname + "' (" + f->description + ") cannot run on this host: " + v.message());
@@ -107,7 +119,15 @@ bool Agent::secret_matches(std::string_view presented) const {
 
 Result<RegionDesc> Agent::register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
                                           bool remote_access, int shm_fd) {
-  return regions_.add(addr, len, kind, device, remote_access, shm_fd);
+  PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.add(addr, len, kind, device, remote_access, shm_fd));
+  for (size_t i = 0; i < transports_.size(); ++i) {
+    Status st = transports_[i]->region_added(d);
+    if (st.ok()) continue;
+    for (size_t j = 0; j < i; ++j) transports_[j]->region_removed(d);
+    (void)regions_.take(d.id);
+    return st.with_context("registering memory with transport '" + std::string(transports_[i]->name()) + "'");
+  }
+  return d;
 }
 
 Status Agent::deregister_memory(uint64_t id) {
@@ -122,9 +142,9 @@ Status Agent::deregister_memory(uint64_t id) {
     }
   }
   PDKV_ASSIGN_OR_RETURN(auto entry, regions_.take(id));
-  // Peers with direct access (shm mappings, cross-memory attach) stop using it first.
-  if (d.remote_access)
-    for (auto& t : transports_) t->region_removed(d);
+  // Peers with direct access (shm mappings, cross-memory attach) stop using it, and
+  // transports that registered it with their library (region_added) release it.
+  for (auto& t : transports_) t->region_removed(d);
   RegionTable::wait_unpinned(entry);
   return Status::Ok();
 }
@@ -196,28 +216,16 @@ std::string Agent::metadata() {
     std::string extra = t->metadata_extra();
     if (!extra.empty()) md.extras.emplace_back(std::string(t->name()), std::move(extra));
   }
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (const auto& [n, blob] : extras_) md.extras.emplace_back(n, blob);
-  }
   return encode_metadata(md);
-}
-
-void Agent::set_metadata_extra(const std::string& name, std::string blob) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (blob.empty()) {
-    extras_.erase(name);
-  } else {
-    extras_[name] = std::move(blob);
-  }
 }
 
 Result<std::string> Agent::add_peer(std::string_view blob, std::string secret, std::string transport,
                                     std::string via_host) {
   PDKV_ASSIGN_OR_RETURN(AgentMetadata md, decode_metadata(blob));
   if (!via_host.empty()) {
+    // Every network endpoint ("host:port", whichever transport publishes it); other
+    // addresses (socket paths, host ids) never parse as one.
     for (auto& e : md.endpoints) {
-      if (e.transport != "tcp") continue;
       auto hp = util::parse_host_port(e.address);
       if (!hp.ok()) continue;
       const std::string& h = hp->host;
@@ -295,9 +303,10 @@ Result<std::string> Agent::peer_transport(const std::string& name) const {
 }
 
 Result<std::string> Agent::fetch_metadata(const std::string& address, std::string secret, double timeout_s) {
-  Transport* t = transport_by_name("tcp");
-  if (!t) return NotSupported("fetching metadata by address needs the tcp transport");
-  return t->fetch_metadata(address, secret.empty() ? cfg_.secret : secret, timeout_s);
+  for (auto& t : transports_)
+    if (t->caps().serves_metadata) return t->fetch_metadata(address, secret.empty() ? cfg_.secret : secret, timeout_s);
+  return NotSupported("fetching metadata by address needs a transport that serves metadata (tcp); agent '" +
+                      cfg_.name + "' has none enabled");
 }
 
 Status Agent::connect(const std::string& name, double timeout_s) {

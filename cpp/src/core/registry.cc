@@ -1,5 +1,6 @@
 #include "pdkv/registry.h"
 
+#include <algorithm>
 #include <mutex>
 
 namespace pdkv {
@@ -12,6 +13,11 @@ std::mutex& table_mu() {
   static std::mutex m;
   return m;
 }
+// Copies the table so that viable() (which may run Python) is called without the lock.
+std::vector<TransportFactory> snapshot() {
+  std::lock_guard<std::mutex> lk(table_mu());
+  return table();
+}
 }  // namespace
 
 bool register_transport(TransportFactory f) {
@@ -22,29 +28,35 @@ bool register_transport(TransportFactory f) {
   return true;
 }
 
-const TransportFactory* find_transport(const std::string& name) {
+std::optional<TransportFactory> find_transport(const std::string& name) {
   std::lock_guard<std::mutex> lk(table_mu());
   for (auto& e : table())
-    if (e.name == name) return &e;
-  return nullptr;
+    if (e.name == name) return e;
+  return std::nullopt;
 }
 
 std::vector<std::string> registered_transports() {
-  std::lock_guard<std::mutex> lk(table_mu());
   std::vector<std::string> out;
-  for (auto& e : table()) out.push_back(e.name);
+  for (auto& e : snapshot()) out.push_back(e.name);
   return out;
 }
 
 std::vector<std::string> available_transports() {
-  std::vector<TransportFactory> copy;
-  {
-    std::lock_guard<std::mutex> lk(table_mu());
-    copy = table();
-  }
   std::vector<std::string> out;
-  for (auto& e : copy)
+  for (auto& e : snapshot())
     if (e.viable().ok()) out.push_back(e.name);
+  return out;
+}
+
+std::vector<std::string> default_transports() {
+  std::vector<std::pair<int, std::string>> ranked;
+  for (auto& e : snapshot()) {
+    const int priority = e.host_priority ? e.host_priority() : e.priority;
+    if (priority > 0 && e.viable().ok()) ranked.emplace_back(priority, e.name);
+  }
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::string> out;
+  for (auto& [p, name] : ranked) out.push_back(name);
   return out;
 }
 

@@ -31,13 +31,13 @@ XferState Transfer::wait(double timeout_s) const {
   const auto until = timeout_s < 0 ? Clock::time_point::max()
                                    : t0 + std::chrono::duration_cast<Clock::duration>(
                                               std::chrono::duration<double>(timeout_s));
-  Driver drive;
+  std::shared_ptr<const Driver> drive;
   {
     std::lock_guard<std::mutex> lk(mu_);
     drive = driver_;
   }
   if (drive) {
-    drive(const_cast<Transfer&>(*this), until, wait_spin_us_);
+    (*drive)(const_cast<Transfer&>(*this), until, wait_spin_us_);
     s = state();
     if (s != XferState::kPending || Clock::now() >= until) return s;
   }
@@ -60,19 +60,20 @@ XferState Transfer::wait(double timeout_s) const {
 }
 
 void Transfer::set_driver(Driver d) {
+  auto next = d ? std::make_shared<const Driver>(std::move(d)) : nullptr;
   std::lock_guard<std::mutex> lk(mu_);
-  if (state() == XferState::kPending) driver_ = std::move(d);
+  if (state() == XferState::kPending) driver_.swap(next);
 }
 
 void Transfer::cancel() {
   if (terminal()) return;
   cancel_requested_.store(true, std::memory_order_release);
-  std::function<void()> hook;
+  std::shared_ptr<const std::function<void()>> hook;
   {
     std::lock_guard<std::mutex> lk(mu_);
     hook = cancel_hook_;
   }
-  if (hook) hook();
+  if (hook) (*hook)();
 }
 
 void Transfer::set_parts(uint32_t n) {
@@ -81,8 +82,9 @@ void Transfer::set_parts(uint32_t n) {
 }
 
 void Transfer::set_cancel_hook(std::function<void()> hook) {
+  auto next = hook ? std::make_shared<const std::function<void()>>(std::move(hook)) : nullptr;
   std::lock_guard<std::mutex> lk(mu_);
-  cancel_hook_ = std::move(hook);
+  cancel_hook_.swap(next);
 }
 
 bool Transfer::resolve_part(uint64_t bytes, const Status& st) {
@@ -112,6 +114,10 @@ void Transfer::fail_now(const Status& st) {
 }
 
 void Transfer::finish() {
+  // The hooks are destroyed after mu_ is released: a hook implemented in Python must
+  // take the GIL to be destroyed, and a thread holding the GIL may be waiting for mu_.
+  std::shared_ptr<const std::function<void()>> cancel_hook;
+  std::shared_ptr<const Driver> driver;
   {
     std::lock_guard<std::mutex> lk(mu_);
     XferState s = XferState::kDone;
@@ -121,8 +127,8 @@ void Transfer::finish() {
       s = XferState::kCancelled;
       error_ = Cancelled("transfer " + std::to_string(id_) + " to '" + peer_ + "' was cancelled");
     }
-    cancel_hook_ = nullptr;
-    driver_ = nullptr;
+    cancel_hook.swap(cancel_hook_);
+    driver.swap(driver_);
     end_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start_).count(),
                   std::memory_order_release);
     state_.store(s, std::memory_order_release);

@@ -1,10 +1,8 @@
-"""Transports implemented in Python on top of another library (NIXL).
+"""Transports written in Python, registered in the same registry as the native ones.
 
-A Python transport plugs into :class:`pdkv.Agent` through :class:`PyTransport`:
-the agent keeps doing memory registration, layouts, planning and metadata, and
-hands the transport resolved byte extents ``(local_addr, remote_addr, nbytes)``.
-Notifications it receives go into the agent's queue (``agent._n.push_notification``)
-so ``wait_notifications``/``notification_fd`` work the same for every transport.
+Each transport is one module here implementing :class:`pdkv.transport.Transport`, plus
+one registration line below. A module is imported only when an agent enables its
+transport (the factories import lazily), so ``import pdkv`` never loads NIXL.
 """
 
 from __future__ import annotations
@@ -12,20 +10,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Any, Sequence
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..agent import Agent, PreparedTransfer, Region, Transfer
-
-# name -> "module:Class"; each module imports its library lazily.
-PY_TRANSPORTS = {"nixl": "pdkv.backends.nixl:NixlTransport"}
-# The Python package each needs, for availability checks without importing it.
-_REQUIRES = {"nixl": "nixl"}
-
-
-def py_transport_available(name: str) -> bool:
-    mod = _REQUIRES.get(name)
-    return mod is not None and importlib.util.find_spec(mod) is not None
+from .. import _native
+from ..transport import options_for, register_transport
 
 
 def rdma_device_present() -> bool:
@@ -36,56 +23,30 @@ def rdma_device_present() -> bool:
         return False
 
 
-def create(name: str, options: Any = None) -> "PyTransport":
-    mod_name, cls_name = PY_TRANSPORTS[name].split(":")
-    cls = getattr(importlib.import_module(mod_name), cls_name)
-    return cls(options)
+def _nixl_viable() -> str | None:
+    if importlib.util.find_spec("nixl") is None:
+        return "it needs the nixl package: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
+    return None
 
 
-class PyTransport:
-    """Interface of a transport implemented in Python. See the module docstring."""
+def _nixl_priority() -> int:
+    # First by default only where RDMA makes it faster than tcp; usable anywhere when named.
+    return 400 if rdma_device_present() else 0
 
-    name = ""
 
-    def start(self, agent: "Agent") -> None:
-        """Called once by the agent, before any other method."""
-        raise NotImplementedError
+def _create_nixl(agent_name: str):
+    from .nixl import NixlTransport
 
-    def close(self) -> None:
-        """Fail in-flight transfers and release everything (called by Agent.close)."""
-        raise NotImplementedError
+    return NixlTransport(options_for("nixl"))
 
-    def metadata_extra(self) -> bytes:
-        """Bytes published in the agent's metadata under this transport's name."""
-        raise NotImplementedError
 
-    def can_reach(self, peer_md: dict) -> bool:
-        """Whether a peer (its decoded metadata, ``peer_md["extras"]`` included) is reachable."""
-        raise NotImplementedError
+def _load(module: str):
+    """The module of a transport here, imported on first use (by its factory)."""
+    return importlib.import_module(f"{__name__}.{module}")
 
-    def add_peer(self, name: str, peer_md: dict, secret: bytes) -> None:
-        raise NotImplementedError
 
-    def remove_peer(self, name: str) -> None:
-        raise NotImplementedError
-
-    def on_register(self, region: "Region") -> None:
-        """A region was registered with the agent."""
-        raise NotImplementedError
-
-    def on_deregister(self, region: "Region") -> None:
-        """A region is being deregistered; return once the transport no longer uses it."""
-        raise NotImplementedError
-
-    def prepare(self, op: str, peer: str, extents: Sequence[tuple[int, int, int]]) -> "PreparedTransfer":
-        """Lays out a transfer of absolute ``(local_addr, remote_addr, nbytes)`` extents
-        (the agent passes a ``[n, 3]`` int64 numpy array, already bounds-checked).
-
-        The result must behave like :class:`pdkv.PreparedTransfer` (``post(notify=, timeout=)``
-        returning a :class:`pdkv.Transfer`-like handle, ``nbytes``, ``num_extents``,
-        ``peer``, ``transport``).
-        """
-        raise NotImplementedError
-
-    def notify(self, peer: str, data: bytes, timeout: float | None) -> "Transfer":
-        raise NotImplementedError
+if "nixl" not in _native.module().registered_transports():  # (a re-import registers nothing twice)
+    register_transport("nixl", _create_nixl, description="RDMA through NIXL (UCX)", priority=_nixl_priority,
+                       viable=_nixl_viable, metadata_via="tcp")
+    register_transport("loopback", lambda agent: _load("example").LoopbackTransport(),
+                       description="example: memcpy between agents of one process")

@@ -7,7 +7,10 @@ it first when the host has an RDMA device and NIXL is installed. ``agent.peer_tr
 nixl==1.5.1`` (``nixl-cu12`` declares torch as a dependency: without ``--no-deps`` pip
 pulls a multi-GB CUDA build even on CPU-only machines).
 
-The pdkv Agent keeps layouts, planning, metadata and validation; this transport gets
+It implements pdkv's one transport interface (:class:`pdkv.transport.Transport`, the
+C++ ``pdkv::Transport`` through its pybind11 trampoline) and is registered in the same
+registry as tcp and shm (``pdkv/backends/__init__.py``). The core keeps layouts,
+planning, metadata, routing, bounds checks and the transfer state; this transport gets
 resolved byte extents and moves them with one NIXL agent (UCX backend) per pdkv Agent:
 
 * every registered region is registered with NIXL (``DRAM``; ``VRAM`` for CUDA regions);
@@ -18,10 +21,12 @@ resolved byte extents and moves them with one NIXL agent (UCX backend) per pdkv 
   NIXL reports the request complete, which it does only after flushing the endpoint:
   the peer gets it after every byte landed, for WRITE and for READ alike (for READ:
   landed here);
-* transfers return :class:`NixlTransfer` handles that behave like :class:`pdkv.Transfer`;
-  NIXL failures become pdkv exceptions that name the cause;
-* received NIXL notifications are pushed into the agent's queue, so
-  ``wait_notifications``, ``notification_fd`` and ``notifications()`` work unchanged.
+* transfers are the core's :class:`pdkv.Transfer`: this transport resolves them (NIXL
+  failures become pdkv errors that name the cause) and lets ``wait()`` drive NIXL's
+  progress itself; a peer is (re)introduced to NIXL on the first prepare, notify or
+  warm-up after ``add_peer``;
+* received NIXL notifications go to the agent's queue (``AgentHooks.deliver_notification``),
+  so ``wait_notifications``, ``notification_fd`` and ``notifications()`` work unchanged.
 
 Example
 -------
@@ -87,7 +92,7 @@ lists the ones applied.
   posts into that region fail with NotFound until the peer's metadata is re-added.
 * **Prepared descriptor lists point into NIXL's registration records**: posting one
   after its memory was deregistered reads freed memory. pdkv drops prepared requests
-  when their regions go away (posting them raises NotFound), and re-prepares
+  when their regions go away (their transfers fail with NotFound), and re-prepares
   transparently when a peer's metadata is re-added (StalePeer if it restarted).
 * **Loading a peer's metadata again only adds to it**: regions the peer dropped stay
   known, and a region at the same address keeps the *old* key. When a re-added peer only
@@ -109,42 +114,29 @@ lists the ones applied.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import base64
-import hashlib
-import hmac
 import itertools
-import json
-import logging
 import os
-import struct
 import threading
-import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any
 
-import numpy as np
+from .. import _native, transport as _transport
+from ..errors import Cancelled, InvalidArgument, NotFound, PdkvError
+from ..transport import Transport
+from ._nixl import PTHR_DELAY_US, NixlEngine, UcxSetup, is_loopback_host, ucx_setup
+# NixlTransport is composed of its seams, one file each, read in this order:
+from ._nixl_peers import _Peers          # connection: peers, NIXL metadata, the hello handshake
+from ._nixl_memory import _Memory        # memory registration, published metadata, revocation
+from ._nixl_transfers import _Transfers  # prepare, post, progress, finish
+from ._nixl_control import _Control, _poll_loop  # notifications, control messages, the poller
+from ._nixl_records import _S, NixlPrepared, NixlTransfer, _Group, _Peer, _Region, _RegionIndex
+from ._nixl_wire import (  # noqa: F401 - re-exported (tests, docs/wire.md)
+    _CTL, _MAX_CTL_BYTES, _MAX_REVOKE_REGIONS, _USER, _ctl, _decode_extra, _encode_extra, _parse_ctl,
+    nixl_agent_name)
 
-from ..errors import (
-    Cancelled,
-    InvalidArgument,
-    NotFound,
-    PdkvError,
-    PeerConnectionError,
-    ProtocolError,
-    StalePeer,
-    TransferTimeout,
-)
-from .. import _native, _validate
-from . import PyTransport
-from ._nixl import PTHR_DELAY_US, NixlEngine, UcxSetup, is_loopback_host, to_pdkv, ucx_setup
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..agent import Agent, Region, XferState
-
-__all__ = ["NixlOptions", "NixlTransport", "NixlPrepared", "NixlTransfer", "nixl_agent_name"]
+__all__ = ["NixlOptions", "NixlTransport", "nixl_agent_name"]
 
 
 @dataclass(frozen=True)
@@ -165,7 +157,8 @@ class NixlOptions:
     wait_spin_s : float
         ``Transfer.wait`` checks continuously this long before sleeping between checks.
     handshake_timeout_s : float
-        ``add_peer`` waits this long for the peer's NIXL handshake answer.
+        Introducing a peer to NIXL (on the first prepare, notify or warm-up after
+        ``add_peer``) waits this long for the peer's handshake answer.
     revoke_timeout_s : float
         Deregistering an exported region waits this long for each peer holding this
         agent's metadata to confirm it stopped using it (a peer that does not answer is
@@ -189,418 +182,6 @@ class NixlOptions:
     restart_probe_s: float = 1.0
 
 
-def nixl_agent_name(name: str, instance_id: int) -> str:
-    """The NIXL agent name of a pdkv agent: unique per agent *instance*, so a restarted
-    peer (same pdkv name) never collides with its predecessor inside NIXL."""
-    return f"{name}#{instance_id:016x}"
-
-
-def _pdkv_name(nixl_name: str) -> str:
-    return nixl_name.rpartition("#")[0] or nixl_name  # pdkv names never contain spaces; '#' may
-
-
-# ---------------------------------------------------------------------------- metadata
-_MAGIC = b"PDKVNIXL"
-_VERSION = 1
-
-
-def _encode_extra(nixl_name: str, mds: Sequence[bytes]) -> bytes:
-    """``extras["nixl"]``: magic, version, NIXL agent name, NIXL metadata blobs, sha256."""
-    name = nixl_name.encode()
-    out = [_MAGIC, struct.pack("<HH", _VERSION, len(name)), name, struct.pack("<H", len(mds))]
-    for md in mds:
-        out += [struct.pack("<I", len(md)), md]
-    body = b"".join(out)
-    return body + hashlib.sha256(body).digest()
-
-
-def _decode_extra(blob: bytes) -> tuple[str, list[bytes]]:
-    """Inverse of :func:`_encode_extra`; raises ProtocolError on anything malformed
-    (NIXL's own deserializer never sees bytes that fail the checksum)."""
-    if len(blob) < len(_MAGIC) + 6 + 32 or not blob.startswith(_MAGIC):
-        raise ProtocolError("nixl metadata extra: bad magic or truncated")
-    body, digest = blob[:-32], blob[-32:]
-    if not hmac.compare_digest(hashlib.sha256(body).digest(), digest):
-        raise ProtocolError("nixl metadata extra: checksum mismatch (corrupted metadata)")
-    version, nlen = struct.unpack_from("<HH", body, len(_MAGIC))
-    if version != _VERSION:
-        from ..errors import VersionMismatch
-
-        raise VersionMismatch(f"nixl metadata extra version {version} (this pdkv speaks {_VERSION})")
-    pos = len(_MAGIC) + 4
-    try:
-        name = body[pos:pos + nlen].decode()
-        pos += nlen
-        (count,) = struct.unpack_from("<H", body, pos)
-        pos += 2
-        mds = []
-        for _ in range(count):
-            (n,) = struct.unpack_from("<I", body, pos)
-            pos += 4
-            if pos + n > len(body):
-                raise ProtocolError("nixl metadata extra: length past the end")
-            mds.append(body[pos:pos + n])
-            pos += n
-    except (struct.error, UnicodeDecodeError) as e:
-        raise ProtocolError(f"nixl metadata extra: {e}") from None
-    if pos != len(body) or not name:
-        raise ProtocolError("nixl metadata extra: trailing bytes or empty name")
-    return name, mds
-
-
-# Every NIXL notification between pdkv agents starts with a tag byte: user data, or a
-# control message of the transport's own protocol (JSON; control path only).
-log = logging.getLogger("pdkv.nixl")
-
-_USER = b"U"
-_CTL = b"C"
-
-
-def _ctl(**msg: Any) -> bytes:
-    return _CTL + json.dumps(msg, separators=(",", ":")).encode()
-
-
-# Limits on control messages from a peer (NIXL notifications starting with _CTL),
-# checked before they are parsed; docs/wire.md "nixl control messages".
-_MAX_CTL_BYTES = 64 << 10            # every kind but hello
-_MAX_HELLO_BYTES = 64 << 20          # hello carries the peer's NIXL metadata (base64)
-_MAX_REVOKE_REGIONS = 4096
-_MAX_CTL_TEXT = 4096                 # hello-ack error, mac
-_U63 = (1 << 63) - 1
-# kind -> {field: type}; every field is required, no other field is accepted.
-_CTL_SCHEMA: dict[str, dict[str, type]] = {
-    "hello": {"epoch": int, "md": str, "mac": str},
-    "hello-ack": {"epoch": int, "error": str},
-    "bye": {"epoch": int},
-    "revoke": {"regions": list, "seq": int},
-    "revoke-ack": {"seq": int},
-}
-
-
-def _parse_ctl(raw: bytes) -> dict[str, Any]:
-    """Decodes and validates one control message (without its _CTL prefix).
-
-    Raises ProtocolError naming the problem: over its size limit (checked before
-    parsing), not JSON, not an object, unknown kind, a missing, extra or mistyped
-    field, an integer outside [0, 2**63), a string over its limit, a revoke naming
-    too many regions.
-    """
-    limit = _MAX_HELLO_BYTES if raw.startswith(b'{"k":"hello",') else _MAX_CTL_BYTES
-    if len(raw) > limit:
-        raise ProtocolError(f"nixl control message of {len(raw)} bytes (limit {limit})")
-    try:
-        msg = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested input
-        raise ProtocolError(f"nixl control message is not JSON: {type(e).__name__}") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError("nixl control message is not an object")
-    kind = msg.get("k")
-    schema = _CTL_SCHEMA.get(kind) if isinstance(kind, str) else None
-    if schema is None:
-        raise ProtocolError(f"nixl control message of unknown kind {str(kind)[:32]!r}")
-    if set(msg) != {"k", *schema}:
-        raise ProtocolError(f"nixl {kind} message has fields {sorted(msg)[:8]}, expected {['k', *sorted(schema)]}")
-    for field, typ in schema.items():
-        v = msg[field]
-        if not isinstance(v, typ) or isinstance(v, bool):
-            raise ProtocolError(f"nixl {kind} message: {field} is not {typ.__name__}")
-        if typ is int and not 0 <= v <= _U63:
-            raise ProtocolError(f"nixl {kind} message: {field} out of range")
-        if typ is str and field != "md" and len(v) > _MAX_CTL_TEXT:
-            raise ProtocolError(f"nixl {kind} message: {field} longer than {_MAX_CTL_TEXT}")
-    if kind == "revoke":
-        ids = msg["regions"]
-        if not 0 < len(ids) <= _MAX_REVOKE_REGIONS:
-            raise ProtocolError(f"nixl revoke names {len(ids)} regions (1 to {_MAX_REVOKE_REGIONS})")
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= _U63 for i in ids):
-            raise ProtocolError("nixl revoke: region ids must be integers in [0, 2**63)")
-    return msg
-
-
-def _hello_mac(secret: bytes, sender: str, target: str, epoch: int, md: bytes) -> str:
-    data = b"pdkv-nixl-hello\0%s\0%s\0%d\0" % (sender.encode(), target.encode(), epoch) + md
-    return hmac.new(secret, data, hashlib.sha256).hexdigest()
-
-
-# ---------------------------------------------------------------------------- state
-class _Region:
-    __slots__ = ("id", "addr", "end", "kind", "device", "exported", "dlist")
-
-    def __init__(self, region: "Region", dlist: Any) -> None:
-        self.id = int(region.id)
-        self.addr = int(region.addr)
-        self.end = self.addr + int(region.nbytes)
-        self.kind = region.kind
-        self.device = max(0, int(region.device))
-        self.exported = bool(getattr(region, "remote_access", True))
-        self.dlist = dlist
-
-
-_KINDS = ("host", "cuda")
-
-
-class _RegionIndex:
-    """Sorted (addr, end, id, kind, device) table; maps extents to their regions."""
-
-    def __init__(self, rows: Sequence[tuple[int, int, int, str, int]]) -> None:
-        rows = sorted(rows)
-        self.starts = np.array([r[0] for r in rows], dtype=np.uint64)
-        self.ends = np.array([r[1] for r in rows], dtype=np.uint64)
-        self.ids = np.array([r[2] for r in rows], dtype=np.int64)
-        self.kinds = np.array([_KINDS.index(r[3]) for r in rows], dtype=np.int64)  # codes into _KINDS
-        self.devices = np.array([r[4] for r in rows], dtype=np.uint64)
-
-    def lookup(self, addrs: np.ndarray, lens: np.ndarray, side: str) -> np.ndarray:
-        """Row index of the region holding each ``[addr, addr + len)``; raises NotFound."""
-        if not len(self.starts):
-            raise NotFound(f"no {side} region is registered with the nixl transport")
-        i = np.searchsorted(self.starts, addrs, side="right").astype(np.int64) - 1
-        bad = (i < 0) | (addrs + lens > self.ends[np.maximum(i, 0)])
-        if bad.any():
-            k = int(np.argmax(bad))
-            raise NotFound(f"{side} bytes [0x{int(addrs[k]):x}, +{int(lens[k])}) are not in a region "
-                           "registered with the nixl transport (region not registered)")
-        return i
-
-
-class _Peer:
-    """One peer as this transport knows it (replaced, never mutated, on re-add)."""
-
-    def __init__(self, name: str, md: dict, nixl_name: str, extra: bytes, secret: bytes) -> None:
-        self.name = name
-        self.instance = int(md["instance_id"])
-        self.nixl_name = nixl_name
-        self.update(md, extra, secret)
-        self.error: PdkvError | None = None  # set: transfers to this peer raise it
-        self.is_self = False
-        self.loaded = False  # its NIXL metadata is loaded
-        self.epoch = 0  # of the handshake that made the peer hold our metadata
-        self.hello_ok = False
-        self.revoked: set[int] = set()
-        self.dropped = False
-
-    def update(self, md: dict, extra: bytes, secret: bytes) -> None:
-        self.extra = extra
-        self.secret = secret
-        # Where to ask whether it restarted when its NIXL endpoint fails (see _probe_restart).
-        self.tcp_address = next((a for t, a in md.get("endpoints", []) if t == "tcp"), None)
-        self.rows = [(int(r["addr"]), int(r["addr"]) + int(r["len"]), int(r["id"]), r.get("kind", "host"),
-                      max(0, int(r.get("device", -1)))) for r in md.get("regions", [])]
-        self.index = _RegionIndex(self.rows)
-        self.region_ids = {row[2] for row in self.rows}
-
-    def reuses_freed_range(self, md: dict) -> bool:
-        """Whether ``md`` (same instance) has a region overlapping one this peer dropped:
-        NIXL would keep the dropped region's key for it (reloading only adds entries)."""
-        new = [(int(r["addr"]), int(r["addr"]) + int(r["len"]), int(r["id"])) for r in md.get("regions", [])]
-        ids = {n[2] for n in new}
-        gone = [row for row in self.rows if row[2] not in ids]
-        return any(a < ge and ga < e for a, e, _ in new for ga, ge, *_ in gone)
-
-
-class _Group:
-    """The extents of a prepared transfer that share a (local, remote) memory kind: one
-    pair of NIXL descriptor lists and a pool of NIXL requests built from them."""
-
-    __slots__ = ("lkind", "rkind", "ldesc", "rdesc", "nbytes", "ldl", "rdl", "idle", "busy")
-
-    def __init__(self, lkind: str, rkind: str, ldesc: np.ndarray, rdesc: np.ndarray) -> None:
-        self.lkind, self.rkind = lkind, rkind
-        self.ldesc, self.rdesc = ldesc, rdesc
-        self.nbytes = int(ldesc[:, 1].sum())
-        self.ldl: int | None = None
-        self.rdl: int | None = None
-        self.idle: list[int] = []  # completed requests, ready to repost (never given a notification)
-        self.busy = 0
-
-
-# XferState is imported lazily from pdkv.agent (which imports this package lazily too).
-_S: dict[str, Any] = {}
-
-
-def _states() -> dict[str, Any]:
-    if not _S:
-        from ..agent import XferState
-
-        _S.update(PENDING=XferState.PENDING, DONE=XferState.DONE, FAILED=XferState.FAILED,
-                  CANCELLED=XferState.CANCELLED)
-    return _S
-
-
-class NixlTransfer:
-    """A posted nixl transfer; the same interface as :class:`pdkv.Transfer`.
-
-    A ``wait`` timeout does not cancel it: keep the memory alive until :attr:`done`
-    (deregistration waits for it anyway). :attr:`bytes_done` is 0 until the transfer
-    completes (NIXL reports no partial progress), then :attr:`bytes_total`.
-    """
-
-    transport = "nixl"
-
-    def __init__(self, owner: "NixlTransport", xid: int, peer: "_Peer", op: str, nbytes: int,
-                 notify: bytes | None, deadline: float, prep: "NixlPrepared | None") -> None:
-        self._owner = owner
-        self.id = xid
-        self._peer_state = peer
-        self.peer = peer.name
-        self._op = op
-        self.bytes_total = nbytes
-        self._notify = notify
-        self._deadline = deadline
-        self._prep = prep
-        self._local_ids: frozenset = prep._local_ids if prep is not None else frozenset()
-        self._remote_ids: frozenset = prep._remote_ids if prep is not None else frozenset()
-        self._reqs: list[tuple[_Group, int]] = []
-        self._pending: list[int] = []
-        self._manual_notify = False  # a notification to send once every request completed
-        self._probing = False  # failed at the connection level; finished once the restart probe answers
-        self._waiting = 0  # threads in wait(): they check it, so the poller need not hurry
-        self._state = _states()["PENDING"]
-        self._error: PdkvError | None = None
-        self._t_post = time.monotonic()
-        self._t_done = 0.0
-        self._event: threading.Event | None = None  # made by the first waiter that sleeps
-
-    @property
-    def state(self) -> "XferState":
-        if self._state is _S["PENDING"]:
-            self._owner._check(self)
-        return self._state
-
-    @property
-    def done(self) -> bool:
-        """True once terminal (done, failed or cancelled)."""
-        return self.state is not _S["PENDING"]
-
-    @property
-    def bytes_done(self) -> int:
-        return self.bytes_total if self.state is _S["DONE"] else 0
-
-    @property
-    def elapsed(self) -> float:
-        """Seconds from post to completion (0 while pending)."""
-        return self._t_done - self._t_post if self._t_done else 0.0
-
-    @property
-    def error(self) -> PdkvError | None:
-        """The failure as an exception (None while pending or when done)."""
-        st = self.state
-        return self._error if st is _S["FAILED"] or st is _S["CANCELLED"] else None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until terminal or ``timeout`` seconds pass.
-
-        Returns True when the transfer completed, False if still pending at the timeout;
-        raises the transfer's error if it failed (:class:`~pdkv.errors.Cancelled` if
-        cancelled). Checks continuously for ``wait_spin_s``, then sleeps between checks
-        (woken at once when the poller sees completion).
-        """
-        owner = self._owner
-        pending = _S["PENDING"]
-        timeout = _validate.wait_timeout(timeout)
-        st = owner._check(self)
-        if st is pending:
-            with owner._lock:
-                self._waiting += 1
-            try:
-                st = self._wait_loop(timeout)
-            finally:
-                with owner._lock:
-                    self._waiting -= 1
-        if st is _S["DONE"]:
-            return True
-        if st is pending:
-            return False
-        raise self._error  # type: ignore[misc]
-
-    def _wait_loop(self, timeout: float | None) -> "XferState":
-        owner = self._owner
-        opts = owner._opts
-        pending = st = _S["PENDING"]
-        now = time.monotonic()
-        end = None if timeout is None else now + max(0.0, float(timeout))
-        spin_end = now + opts.wait_spin_s
-        pause = opts.poll_min_s
-        while True:
-            now = time.monotonic()
-            if end is not None and now >= end:
-                return st
-            if now >= spin_end:
-                ev = self._event
-                if ev is None:
-                    with owner._lock:  # _finish sets it under the same lock: no lost wake-up
-                        if self._state is not pending:
-                            return self._state
-                        ev = self._event = self._event or threading.Event()
-                ev.wait(pause if end is None else min(pause, end - now))
-                pause = min(pause * 2, opts.poll_busy_max_s)
-            st = owner._check(self)
-            if st is not pending:
-                return st
-
-    def cancel(self) -> None:
-        """Aborts the transfer's NIXL requests; the state becomes CANCELLED unless it had
-        already completed (then it stays DONE). A cancelled transfer's notification is
-        never sent."""
-        self._owner._cancel(self)
-
-    async def wait_async(self, timeout: float | None = None) -> bool:
-        """``await``-able :meth:`wait` (runs the blocking wait in a thread)."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.wait, timeout)
-
-    def __repr__(self) -> str:
-        return (f"NixlTransfer(id={self.id}, peer={self.peer!r}, {self.state.value}, "
-                f"{self.bytes_done}/{self.bytes_total} bytes)")
-
-
-class NixlPrepared:
-    """A nixl transfer laid out once (descriptor lists and a NIXL request built); post it
-    many times. Same interface as :class:`pdkv.PreparedTransfer`."""
-
-    transport = "nixl"
-    checked = False  # block generations are NotSupported over nixl (one-sided RDMA)
-
-    def __init__(self, owner: "NixlTransport", peer: "_Peer", op: str, ldesc: np.ndarray, rdesc: np.ndarray,
-                 kinds: np.ndarray, local_ids: frozenset, remote_ids: frozenset) -> None:
-        self._owner = owner
-        self._peer = peer
-        self.peer = peer.name
-        self._op = op
-        self._ldesc, self._rdesc = ldesc, rdesc
-        self._kinds = kinds  # [n] local kind code * len(_KINDS) + remote kind code
-        self._local_ids, self._remote_ids = local_ids, remote_ids
-        self.nbytes = int(ldesc[:, 1].sum())
-        self.num_extents = len(ldesc)
-        self._groups: list[_Group] | None = None
-        self._invalid: PdkvError | None = None  # raised by post (the caller must prepare again)
-
-    def post(self, *, notify: bytes | str | None = None, timeout: float | None = None) -> NixlTransfer:
-        """Starts the transfer; returns at once.
-
-        Parameters
-        ----------
-        notify : bytes or str, optional
-            Delivered to the peer after every byte of this transfer has landed (for a
-            READ: landed here).
-        timeout : float, optional
-            Seconds (finite, > 0) until the transfer fails with TransferTimeout (None:
-            the agent's ``default_timeout``).
-
-        Peer faults do not raise here: the returned transfer fails (docs/faults.md).
-        """
-        return self._owner._post(self, notify, timeout)
-
-    def __del__(self) -> None:
-        groups, self._groups = self._groups, None
-        if groups:
-            # No locks in a finalizer: the owner releases these on its next pass.
-            self._owner._graveyard.append(groups)
-
-    def __repr__(self) -> str:
-        return (f"NixlPrepared(peer={self.peer!r}, {self._op}, {self.nbytes} bytes in "
-                f"{self.num_extents} extents)")
-
-
 # ---------------------------------------------------------------------------- transport
 _LIVE: "weakref.WeakSet[NixlTransport]" = weakref.WeakSet()
 _ATEXIT = []
@@ -615,10 +196,14 @@ def _close_live() -> None:
             pass
 
 
-class NixlTransport(PyTransport):
-    """The nixl transport of one :class:`pdkv.Agent` (created by the agent; see the
-    module docstring). Thread-safe: one lock guards its state, NIXL runs in STRICT sync
-    mode, and a poller thread delivers notifications and completes unwaited transfers.
+_BY_INSTANCE: "weakref.WeakValueDictionary[int, NixlTransport]" = weakref.WeakValueDictionary()
+
+
+class NixlTransport(_Peers, _Memory, _Transfers, _Control, Transport):
+    """The nixl transport of one :class:`pdkv.Agent` (created through the registry; see
+    the module docstring). Thread-safe: one lock guards its state, NIXL runs in STRICT
+    sync mode, and a poller thread delivers notifications and completes unwaited
+    transfers.
     """
 
     name = "nixl"
@@ -650,26 +235,41 @@ class NixlTransport(PyTransport):
         self._thread: threading.Thread | None = None
         self._refused = 0                 # malformed messages dropped since the last log line
         self._refused_logged_at = -1e9
+        self._probes: list[threading.Thread] = []  # restart probes (joined by shutdown)
+        self._hooks: Any = None
+
+    @staticmethod
+    def of(agent: Any) -> "NixlTransport":
+        """The nixl transport of a :class:`pdkv.Agent` (for :meth:`info` and tests)."""
+        t = _BY_INSTANCE.get(agent.instance_id)
+        if t is None:
+            raise NotFound(f"agent {agent.name!r} has no nixl transport")
+        return t
+
+    def caps(self) -> Any:
+        kinds = (1 << _transport.HOST) | (1 << _transport.CUDA)
+        # One-sided RDMA: no hook at the target before bytes land (no generation checks).
+        return _native.module().TransportCaps(local_mem_kinds=kinds, remote_mem_kinds=kinds, generations=False)
 
     # -------------------------------------------------------------- lifecycle
-    def start(self, agent: "Agent") -> None:
-        self._agent = weakref.ref(agent)
-        self._agent_name = agent.name
-        self._secret = bytes(agent.secret)
-        self._default_timeout = float(getattr(agent, "_default_timeout", 60.0))
-        self._max_notif = int(getattr(agent, "_max_notif_bytes", 1 << 20))
-        self._nixl_name = nixl_agent_name(agent.name, agent.instance_id)
-        host = agent.address.rpartition(":")[0]
+    def start(self, hooks: Any) -> None:
+        self._hooks = hooks
+        self._agent_name = hooks.agent_name
+        self._secret = bytes(hooks.secret)
+        self._max_notif = int(hooks.max_notif_bytes)
+        self._nixl_name = nixl_agent_name(hooks.agent_name, hooks.instance_id)
+        host = _transport.listen_host() or "127.0.0.1"
         self._setup: UcxSetup = ucx_setup(os.environ, loopback=is_loopback_host(host))
         for k, v in self._setup.env.items():
             os.environ.setdefault(k, v)  # before NIXL loads UCX (process-wide)
         self._eng = NixlEngine(self._nixl_name, self._setup.backend_params, pthr_delay_us=self._opts.pthr_delay_us)
         self._conn_md = self._eng.partial_md(self._eng.reg_dlist("host", []))
         _LIVE.add(self)
+        _BY_INSTANCE[hooks.instance_id] = self
         if not _ATEXIT:
             _ATEXIT.append(atexit.register(_close_live))
         self._thread = threading.Thread(target=_poll_loop, args=(weakref.ref(self), self._wake),
-                                        name=f"pdkv-nixl-{agent.name}", daemon=True)
+                                        name=f"pdkv-nixl-{hooks.agent_name}", daemon=True)
         self._thread.start()
 
     def info(self) -> dict:
@@ -680,6 +280,10 @@ class NixlTransport(PyTransport):
                 "applied": list(self._setup.applied), "pthr_delay_us": self._opts.pthr_delay_us,
                 "options": self._opts}
 
+    def shutdown(self) -> None:
+        """Fails everything in flight, stops the poller and destroys the NIXL agent."""
+        self.close()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -689,10 +293,12 @@ class NixlTransport(PyTransport):
         th = self._thread
         if th is not None and th is not threading.current_thread():
             th.join(5.0)
+        for probe in list(self._probes):  # they use the agent's hooks: done before it goes
+            probe.join(self._opts.restart_probe_s + 1.0)
         with self._lock:
             eng = self._eng
             for x in list(self._inflight.values()):
-                self._finish(x, _states()["CANCELLED"], Cancelled(
+                self._finish(x, _S["CANCELLED"], Cancelled(
                     f"agent {self._agent_name!r} closed while the transfer to {x.peer!r} was in flight"))
             for p in list(self._peers.values()):
                 # No goodbye: destroying the NIXL agent closes its UCX endpoints, which
@@ -714,6 +320,7 @@ class NixlTransport(PyTransport):
             self._regions.clear()
             self._eng = None
         _LIVE.discard(self)
+        self._hooks = None
         if eng is not None:
             eng.close()
 
@@ -722,68 +329,13 @@ class NixlTransport(PyTransport):
             raise InvalidArgument(f"the nixl transport of agent {self._agent_name!r} is closed")
         return self._eng
 
-    # -------------------------------------------------------------- memory
-    def on_register(self, region: "Region") -> None:
-        eng = self._engine()
-        kind = region.kind
-        dlist = eng.reg_dlist(kind, [(int(region.addr), int(region.nbytes), max(0, int(region.device)))])
-        eng.register(dlist)
-        with self._lock:
-            self._regions[int(region.id)] = _Region(region, dlist)
-            self._reindex()
-
-    def on_deregister(self, region: "Region") -> None:
-        rid = int(region.id)
-        with self._lock:
-            r = self._regions.get(rid)
-            if r is None or self._closed:
-                return
-            if r.exported and self._watchers:
-                self._revoke(rid)
-            # In-flight transfers that use the region (as source/destination here, or as
-            # the "remote" side of transfers to ourselves) finish first.
-            self._kick()
-            while True:
-                busy = [x for x in self._inflight.values()
-                        if rid in x._local_ids or (x._peer_state.is_self and rid in x._remote_ids)]
-                if not busy:
-                    break
-                now = time.monotonic()
-                for x in busy:
-                    self._progress(x, now)
-                if any(x._state is _S["PENDING"] for x in busy):
-                    self._cond.wait(self._opts.poll_busy_max_s)
-            gone = NotFound(f"region {rid} is not registered any more (deregistered); prepare the transfer again")
-            for prep in list(self._preps):
-                if rid in prep._local_ids or (prep._peer.is_self and rid in prep._remote_ids):
-                    prep._invalid = gone
-                    self._detach(prep)
-            del self._regions[rid]
-            self._reindex()
-            eng = self._eng
-        if eng is not None:
-            eng.deregister(r.dlist)
-
-    def _reindex(self) -> None:
-        self._index = _RegionIndex([(r.addr, r.end, r.id, r.kind, r.device) for r in self._regions.values()])
-        self._md_cache = None
-
-    def metadata_extra(self) -> bytes:
-        with self._lock:
-            if self._md_cache is None:
-                eng = self._engine()
-                mds = []
-                for kind in ("host", "cuda"):
-                    rows = [(r.addr, r.end - r.addr, r.device) for r in self._regions.values()
-                            if r.exported and r.kind == kind]
-                    if rows:
-                        mds.append(eng.partial_md(eng.reg_dlist(kind, rows)))
-                self._md_cache = _encode_extra(self._nixl_name, mds or [self._conn_md])
-            return self._md_cache
-
-    # -------------------------------------------------------------- peers
-    def can_reach(self, peer_md: dict) -> bool:
-        blob = peer_md.get("extras", {}).get(self.name)
+    def can_reach(self, peer_md: Any) -> bool:
+        """Whether the peer publishes a well-formed nixl extra (``peer_md``: the core's
+        AgentMetadata, or a dict as :func:`pdkv.decode_metadata` returns)."""
+        if isinstance(peer_md, dict):
+            blob = peer_md.get("extras", {}).get(self.name)
+        else:
+            blob = peer_md.extra(self.name)
         if not blob:
             return False
         try:
@@ -791,628 +343,3 @@ class NixlTransport(PyTransport):
         except PdkvError:
             return False
         return True
-
-    def add_peer(self, name: str, peer_md: dict, secret: bytes) -> None:
-        """Loads the peer's NIXL metadata and introduces this agent to it (a handshake
-        that lets the peer revoke access when it deregisters memory). Connection
-        failures do not raise here: transfers to the peer raise them."""
-        blob = bytes(peer_md.get("extras", {}).get(self.name, b""))
-        nixl_name, mds = _decode_extra(blob)  # ProtocolError if missing or corrupted
-        with self._lock:
-            eng = self._engine()
-            old = self._peers.get(name)
-            if (old is not None and old.error is None and old.nixl_name == nixl_name
-                    and old.instance == int(peer_md["instance_id"]) and (old.loaded or old.is_self)):
-                if old.extra == blob:
-                    old.secret = secret
-                    return  # unchanged: keep connections, prepared requests and transfers
-                if not old.reuses_freed_range(peer_md) and self._load_more(old, peer_md, mds, blob, secret):
-                    return  # regions added or removed: NIXL learned the new ones in place
-            if old is not None:  # (no goodbye: a replaced instance is usually gone)
-                self._drop_peer(old, PeerConnectionError(
-                    f"peer {name!r} was re-added with new metadata while this transfer was in flight"), bye=False)
-            p = _Peer(name, peer_md, nixl_name, blob, secret)
-            self._peers[name] = p
-            expected = nixl_agent_name(str(peer_md["name"]), int(peer_md["instance_id"]))
-            if nixl_name != expected:
-                p.error = StalePeer(
-                    f"peer {name!r} restarted or its metadata is inconsistent: it names instance "
-                    f"{int(peer_md['instance_id']):016x} but its NIXL endpoint belongs to {nixl_name!r}; "
-                    "fetch its metadata again and re-add it")
-                return
-            if nixl_name == self._nixl_name:
-                p.is_self = True
-                return
-            try:
-                for md in mds:
-                    got = eng.load_md(md)
-                    if got != nixl_name:
-                        eng.forget(got)
-                        raise ProtocolError(f"NIXL metadata of peer {name!r} names agent {got!r}, "
-                                            f"expected {nixl_name!r}")
-                    p.loaded = True
-            except PdkvError as e:
-                p.error = PeerConnectionError(f"cannot connect to peer {name!r} through NIXL: {e}")
-                if p.loaded:
-                    eng.forget(nixl_name)
-                    p.loaded = False
-                return
-            self._by_nixl[nixl_name] = p
-            p.epoch = next(self._ids)
-            mac = _hello_mac(secret, self._nixl_name, nixl_name, p.epoch, self._conn_md)
-            try:
-                eng.notify(nixl_name, _ctl(k="hello", epoch=p.epoch, md=base64.b64encode(self._conn_md).decode(),
-                                           mac=mac))
-            except PdkvError as e:
-                p.error = PeerConnectionError(f"cannot reach peer {name!r} through NIXL: {e}")
-                return
-            self._hello_acks[p.epoch] = ""
-            self._kick()
-            deadline = time.monotonic() + self._opts.handshake_timeout_s
-            while self._hello_acks.get(p.epoch) == "" and time.monotonic() < deadline and not p.dropped:
-                self._cond.wait(min(self._opts.poll_busy_max_s * 10, max(0.0, deadline - time.monotonic())))
-            answer = self._hello_acks.pop(p.epoch, "")
-            if p.dropped:
-                return
-            if answer == "ok":
-                p.hello_ok = True
-            elif not answer:
-                p.error = PeerConnectionError(
-                    f"peer {name!r} did not answer the NIXL handshake within {self._opts.handshake_timeout_s:g} s "
-                    "(unreachable over UCX, stopped, or not using the secret given to add_peer)")
-            else:
-                p.error = PeerConnectionError(f"peer {name!r} refused the NIXL handshake: {answer}")
-
-    def _load_more(self, p: _Peer, md: dict, mds: list[bytes], blob: bytes, secret: bytes) -> bool:
-        """Updates a known peer in place (lock held): loads its new NIXL metadata on top of
-        the old (NIXL only adds regions), and fails prepared transfers into regions it
-        dropped. In-flight transfers and connections stay. False if NIXL refused."""
-        if not p.is_self:
-            try:
-                for m in mds:
-                    self._engine().load_md(m)
-            except PdkvError:
-                return False
-        before = set(p.region_ids)
-        p.update(md, blob, secret)
-        gone = frozenset(before - p.region_ids)
-        if gone:
-            p.revoked |= gone
-            err = NotFound(f"peer {p.name!r} no longer exports region {min(gone)}; prepare the transfer again")
-            for prep in list(self._preps):
-                if prep._peer is p and prep._remote_ids & gone:
-                    prep._invalid = err
-                    self._detach(prep)
-        return True
-
-    def remove_peer(self, name: str) -> None:
-        with self._lock:
-            p = self._peers.pop(name, None)
-            if p is not None:
-                self._drop_peer(p, PeerConnectionError(f"peer {name!r} was removed while the transfer was in flight"),
-                                bye=True)
-
-    def _drop_peer(self, p: _Peer, err: PdkvError | None, *, bye: bool) -> None:
-        """Fails ``p``'s in-flight transfers, releases its prepared requests and forgets
-        its NIXL metadata (in that order: requests point into the metadata)."""
-        p.dropped = True
-        self._cond.notify_all()
-        if self._peers.get(p.name) is p:
-            del self._peers[p.name]
-        if self._by_nixl.get(p.nixl_name) is p:
-            del self._by_nixl[p.nixl_name]
-        for x in list(self._inflight.values()):
-            if x._peer_state is p:
-                self._finish(x, _states()["FAILED"], err or Cancelled("the transfer's peer was dropped"))
-        for prep in list(self._preps):
-            if prep._peer is p:
-                self._detach(prep)
-        eng = self._eng
-        if eng is None or not p.loaded:
-            return
-        if bye and p.hello_ok:
-            try:
-                eng.notify(p.nixl_name, _ctl(k="bye", epoch=p.epoch))
-            except PdkvError:
-                pass
-        eng.forget(p.nixl_name)
-        p.loaded = False
-        w = self._watchers.get(p.nixl_name)
-        if w is not None and not self._closed:  # it still holds our metadata: keep a way to reach it
-            try:
-                eng.load_md(w[1])
-            except PdkvError:
-                del self._watchers[p.nixl_name]
-
-    # -------------------------------------------------------------- transfers
-    def _known_peer(self, peer: str) -> _Peer:
-        """The peer's state (caller holds the lock); NotFound if the caller never added it.
-        A broken peer is returned as it is: its faults surface from transfers' wait()."""
-        p = self._peers.get(peer)
-        if p is None:
-            raise NotFound(f"peer {peer!r} is not known to the nixl transport of agent {self._agent_name!r}")
-        return p
-
-    def _failed(self, p: _Peer, op: str, nbytes: int, err: PdkvError) -> NixlTransfer:
-        """A transfer that failed before it started (lock held): the fault contract
-        (docs/faults.md) has peer faults raise from wait(), never from post()."""
-        x = NixlTransfer(self, next(self._ids), p, op, nbytes, None, 0.0, None)
-        self._finish(x, _S["FAILED"], type(err)(str(err)))
-        return x
-
-    def prepare(self, op: str, peer: str, extents: Sequence[tuple[int, int, int]]) -> NixlPrepared:
-        if op not in ("write", "read"):
-            raise InvalidArgument(f"op must be 'write' or 'read', got {op!r}")
-        ext = np.asarray(extents, dtype=np.uint64).reshape(-1, 3)
-        if not len(ext):
-            raise InvalidArgument("no extents to transfer")
-        with self._lock:
-            self._engine()
-            p = self._known_peer(peer)
-            prep = self._build(p, op, ext)
-            self._preps.add(prep)
-            return prep
-
-    def _build(self, p: _Peer, op: str, ext: np.ndarray) -> NixlPrepared:
-        ext = _coalesce(ext)
-        laddr, raddr, lens = ext[:, 0], ext[:, 1], ext[:, 2]
-        li = self._index.lookup(laddr, lens, "local")
-        rindex = self._index if p.is_self else p.index
-        ri = rindex.lookup(raddr, lens, f"peer {p.name!r}")
-        local_ids = frozenset(int(i) for i in np.unique(self._index.ids[li]))
-        remote_ids = frozenset(int(i) for i in np.unique(rindex.ids[ri]))
-        if p.is_self:
-            exported = {r.id for r in self._regions.values() if r.exported}
-            if not remote_ids <= exported:
-                raise NotFound(f"region {min(remote_ids - exported)} is not exported to peers")
-        revoked = remote_ids & p.revoked
-        if revoked:
-            raise NotFound(f"peer {p.name!r} deregistered its region {min(revoked)}; re-add its metadata")
-        ldesc = np.empty((len(ext), 3), dtype=np.uint64)  # (addr, nbytes, device) rows for NIXL
-        ldesc[:, 0], ldesc[:, 1], ldesc[:, 2] = laddr, lens, self._index.devices[li]
-        rdesc = np.empty((len(ext), 3), dtype=np.uint64)
-        rdesc[:, 0], rdesc[:, 1], rdesc[:, 2] = raddr, lens, rindex.devices[ri]
-        kinds = self._index.kinds[li] * len(_KINDS) + rindex.kinds[ri]
-        prep = NixlPrepared(self, p, op, ldesc, rdesc, kinds, local_ids, remote_ids)
-        if p.error is None:  # (a broken peer's transfers fail at post; nothing to build)
-            self._make_groups(prep)
-        return prep
-
-    def _make_groups(self, prep: NixlPrepared) -> None:
-        eng = self._engine()
-        p = prep._peer
-        remote = self._nixl_name if p.is_self else p.nixl_name
-        codes = np.unique(prep._kinds)
-        groups = []
-        try:
-            for code in codes.tolist():
-                sel = prep._kinds == code if len(codes) > 1 else slice(None)
-                lkind, rkind = _KINDS[code // len(_KINDS)], _KINDS[code % len(_KINDS)]
-                g = _Group(lkind, rkind, np.ascontiguousarray(prep._ldesc[sel]),
-                           np.ascontiguousarray(prep._rdesc[sel]))
-                groups.append(g)
-                g.ldl = eng.xfer_dlist(None, g.lkind, g.ldesc)
-                g.rdl = eng.xfer_dlist(remote, g.rkind, g.rdesc)
-                g.idle.append(eng.make_req(prep._op, g.ldl, g.rdl, np.arange(len(g.ldesc), dtype=np.int32)))
-        except PdkvError:
-            self._release_groups(groups)
-            raise
-        prep._groups = groups
-
-    def _post(self, prep: NixlPrepared, notify: bytes | str | None, timeout: float | None) -> NixlTransfer:
-        data = _validate.notification(notify, self._max_notif) or None
-        tmo = _validate.timeout(timeout)
-        tmo = self._default_timeout if tmo is None else tmo
-        with self._lock:
-            eng = self._engine()
-            if prep._invalid is not None:
-                raise type(prep._invalid)(str(prep._invalid))
-            cur = self._peers.get(prep.peer)
-            if cur is not prep._peer:
-                if cur is None:
-                    raise NotFound(f"peer {prep.peer!r} was removed; add it and prepare again")
-                if cur.instance != prep._peer.instance:
-                    return self._failed(prep._peer, prep._op, prep.nbytes, StalePeer(
-                        f"peer {prep.peer!r} restarted since this transfer was prepared; prepare it again"))
-                if cur.error is not None:
-                    return self._failed(cur, prep._op, prep.nbytes, cur.error)
-                gone = prep._remote_ids - cur.region_ids
-                if gone:
-                    raise NotFound(f"peer {prep.peer!r} no longer exports region {min(gone)}")
-                self._detach(prep)
-                prep._peer = cur  # same instance, re-added metadata: rebuild against it
-            p = prep._peer
-            if p.error is not None:
-                return self._failed(p, prep._op, prep.nbytes, p.error)
-            revoked = prep._remote_ids & p.revoked
-            if revoked:
-                raise NotFound(f"peer {p.name!r} deregistered its region {min(revoked)}; re-add its metadata "
-                               "and prepare again")
-            if prep._groups is None:
-                self._make_groups(prep)
-            groups = prep._groups
-            x = NixlTransfer(self, next(self._ids), p, prep._op, prep.nbytes, data,
-                             time.monotonic() + tmo if tmo > 0 else 0.0, prep)
-            x._manual_notify = data is not None
-            try:
-                for g in groups:
-                    req = g.idle.pop() if g.idle else eng.make_req(prep._op, g.ldl, g.rdl,
-                                                               np.arange(len(g.ldesc), dtype=np.int32))
-                    g.busy += 1
-                    x._reqs.append((g, req))
-                    x._pending.append(req)
-            except PdkvError as e:
-                self._finish(x, _S["FAILED"], e)
-                return x
-            self._inflight[x.id] = x
-            try:
-                for g, req in x._reqs:
-                    if eng.post(req, b""):
-                        x._pending.remove(req)
-            except eng.errors as e:
-                self._fail_connection(x, to_pdkv(e, f"NIXL {prep._op} to peer {p.name!r}", PeerConnectionError))
-                return x
-            if not x._pending:
-                self._progress(x, time.monotonic())
-            elif data is not None:
-                # Its notification leaves only when someone checks the finished request:
-                # have the poller do so promptly in case nobody waits on it. (Without a
-                # notification there is no hurry; not waking the poller keeps it off the
-                # GIL while a waiter spins.)
-                self._kick()
-            return x
-
-    def notify(self, peer: str, data: bytes, timeout: float | None) -> NixlTransfer:
-        """Sends a notification alone, after the transfers to ``peer`` posted before it."""
-        data = _validate.notification(data, self._max_notif, "data")
-        tmo = _validate.timeout(timeout)
-        tmo = self._default_timeout if tmo is None else tmo
-        with self._lock:
-            self._engine()
-            p = self._known_peer(peer)
-            if p.error is not None:
-                return self._failed(p, "notify", 0, p.error)
-            x = NixlTransfer(self, next(self._ids), p, "notify", 0, data,
-                             time.monotonic() + tmo if tmo > 0 else 0.0, None)
-            x._manual_notify = True
-            self._inflight[x.id] = x
-            self._progress(x, time.monotonic())
-            if x._state is _S["PENDING"]:
-                self._kick()
-            return x
-
-    def _check(self, x: NixlTransfer) -> "XferState":
-        if x._state is _S["PENDING"]:
-            with self._lock:
-                if x._state is _S["PENDING"] and not self._closed:
-                    self._progress(x, time.monotonic())
-        return x._state
-
-    def _progress(self, x: NixlTransfer, now: float) -> bool:
-        """Advances ``x`` (lock held); True if it became terminal."""
-        eng = self._eng
-        if eng is None or x._probing:
-            return False
-        try:
-            while x._pending:
-                if not eng.done(x._pending[-1]):
-                    break
-                x._pending.pop()
-        except eng.errors as e:
-            self._fail_connection(x, to_pdkv(e, f"NIXL {x._op} to peer {x.peer!r} failed", PeerConnectionError))
-            return False
-        if not x._pending and x._manual_notify:
-            if x._op == "notify" and any(y.id < x.id and y._peer_state is x._peer_state
-                                         for y in self._inflight.values()):
-                pass  # a standalone notification follows earlier transfers to its peer
-            else:
-                p = x._peer_state
-                try:
-                    eng.notify(self._nixl_name if p.is_self else p.nixl_name, _USER + (x._notify or b""))
-                except PdkvError as e:
-                    what = "the data landed but " if x.bytes_total else ""
-                    self._finish(x, _S["FAILED"], PeerConnectionError(
-                        f"{what}the notification to peer {x.peer!r} could not be sent: {e}"))
-                    return True
-                x._manual_notify = False
-        if not x._pending and not x._manual_notify:
-            self._finish(x, _S["DONE"], None)
-            return True
-        if x._deadline and now >= x._deadline:
-            what = "notification" if x._op == "notify" else f"{x._op} of {x.bytes_total} bytes"
-            self._finish(x, _S["FAILED"], TransferTimeout(
-                f"NIXL {what} to peer {x.peer!r} timed out after {now - x._t_post:.3g} s "
-                "(the peer stalled or the link is too slow)"))
-            return True
-        return False
-
-    def _fail_connection(self, x: NixlTransfer, err: PdkvError) -> None:
-        """``x`` failed at the connection level (lock held). A peer that restarted at the
-        same address looks exactly like a dead one to UCX; the fault contract says
-        StalePeer for it, so ask its tcp endpoint (off the lock, bounded) before
-        finishing ``x``. It stays PENDING, untouched by the poller, until then."""
-        p = x._peer_state
-        if not isinstance(err, PeerConnectionError) or p.is_self or not p.tcp_address:
-            self._finish(x, _S["FAILED"], err)
-            return
-        x._probing = True
-        threading.Thread(target=self._probe_restart, args=(x, err), name=f"pdkv-nixl-probe-{x.id}",
-                         daemon=True).start()
-
-    def _probe_restart(self, x: NixlTransfer, err: PdkvError) -> None:
-        p = x._peer_state
-        final = err
-        agent = self._agent()
-        if agent is not None:
-            try:
-                md = _native.module().decode_metadata(
-                    agent._n.fetch_metadata(p.tcp_address, p.secret, self._opts.restart_probe_s))
-                if md["name"] == p.name and int(md["instance_id"]) != p.instance:
-                    final = StalePeer(f"peer {p.name!r} restarted (instance {p.instance:016x} is gone, "
-                                      f"{int(md['instance_id']):016x} answers at {p.tcp_address}); fetch its "
-                                      f"metadata again and re-add it ({err})")
-            except Exception:  # noqa: BLE001 - unreachable or closed: the connection error stands
-                pass
-        with self._lock:
-            if x._state is _S["PENDING"]:
-                self._finish(x, _S["FAILED"], final)
-
-    def _cancel(self, x: NixlTransfer) -> None:
-        with self._lock:
-            if x._state is not _S["PENDING"] or self._closed:
-                return
-            if self._progress(x, time.monotonic()):
-                return
-            self._finish(x, _S["CANCELLED"], Cancelled(f"transfer {x.id} to peer {x.peer!r} was cancelled"))
-
-    def _finish(self, x: NixlTransfer, state: Any, err: PdkvError | None) -> None:
-        """Makes ``x`` terminal (lock held): its requests go back to their pool when it
-        completed, else they are released (which aborts whatever is still in flight)."""
-        x._state = state
-        x._error = err
-        x._t_done = time.monotonic()
-        prep = x._prep
-        keep = state is _S["DONE"] and prep is not None and prep._invalid is None
-        for g, req in x._reqs:
-            g.busy -= 1
-            if keep and prep._groups is not None and g in prep._groups and len(g.idle) < self._opts.max_idle_requests:
-                g.idle.append(req)
-            else:
-                self._release_req(req)
-            if g.busy == 0 and (prep is None or prep._groups is None or g not in prep._groups):
-                self._release_groups([g])
-        x._reqs = []
-        x._pending = []
-        x._prep = None
-        self._inflight.pop(x.id, None)
-        if x._event is not None:
-            x._event.set()
-        self._cond.notify_all()
-
-    def _detach(self, prep: NixlPrepared) -> None:
-        """Releases ``prep``'s idle requests and descriptor lists now, the busy ones when
-        their transfers end; the next post rebuilds (or raises ``prep._invalid``)."""
-        groups, prep._groups = prep._groups, None
-        if groups:
-            self._release_groups(groups)
-
-    def _release_groups(self, groups: list[_Group]) -> None:
-        eng = self._eng
-        for g in groups:
-            for req in g.idle:
-                self._release_req(req)
-            g.idle = []
-            if g.busy == 0 and eng is not None:
-                for h in (g.ldl, g.rdl):
-                    if h is not None:
-                        eng.release_dlist(h)
-                g.ldl = g.rdl = None
-
-    def _release_req(self, req: int) -> None:
-        eng = self._eng
-        if eng is not None and not eng.release_req(req):
-            self._zombies.append(req)  # NIXL refused (still cancelling): retried by the poller
-
-    def _collect_garbage(self) -> None:
-        while self._graveyard:
-            self._release_groups(self._graveyard.pop())
-        zombies, self._zombies = self._zombies, []
-        for req in zombies:
-            self._release_req(req)
-
-    # -------------------------------------------------------------- revocation protocol
-    def _revoke(self, rid: int) -> None:
-        """Tells every peer holding our metadata that region ``rid`` goes away and waits
-        until each confirms it no longer uses it (lock held; the wait releases it)."""
-        eng = self._engine()
-        seq = next(self._ids)
-        waiting: set[str] = set()
-        for n in list(self._watchers):
-            try:
-                eng.notify(n, _ctl(k="revoke", regions=[rid], seq=seq))
-                waiting.add(n)
-            except PdkvError:
-                self._forget_watcher(n)
-        if not waiting:
-            return
-        self._acks[seq] = waiting
-        self._kick()
-        deadline = time.monotonic() + self._opts.revoke_timeout_s
-        while self._acks[seq] and time.monotonic() < deadline and not self._closed:
-            self._cond.wait(min(self._opts.poll_busy_max_s * 10, max(0.0, deadline - time.monotonic())))
-        for n in self._acks.pop(seq):
-            self._forget_watcher(n)  # silent past the deadline: it is not told again
-
-    def _forget_watcher(self, n: str) -> None:
-        self._watchers.pop(n, None)
-        p = self._by_nixl.get(n)
-        if (p is None or not p.loaded) and self._eng is not None:
-            self._eng.forget(n)
-
-    def _log_refused(self, sender: str, err: Exception) -> None:
-        """Drops a malformed message from ``sender`` (logged at most once a second)."""
-        self._refused += 1
-        now = time.monotonic()
-        if now - self._refused_logged_at >= 1.0:
-            log.warning("nixl: dropped %d malformed message(s), latest from %r: %s", self._refused,
-                        str(sender)[:64], err)
-            self._refused, self._refused_logged_at = 0, now
-
-    def _control(self, sender: str, raw: bytes) -> None:
-        """One control message from NIXL agent ``sender`` (poller thread, lock held)."""
-        try:
-            msg = _parse_ctl(raw)
-        except ProtocolError as e:
-            self._log_refused(sender, e)
-            return
-        kind = msg["k"]
-        eng = self._eng
-        if eng is None:
-            return
-        try:
-            if kind == "hello":
-                md = base64.b64decode(msg["md"])
-                epoch = int(msg["epoch"])
-                good = _hello_mac(self._secret, sender, self._nixl_name, epoch, md)
-                if sender not in self._by_nixl and sender not in self._watchers:
-                    eng.load_md(md)
-                if not hmac.compare_digest(good, str(msg.get("mac", ""))):
-                    eng.notify(sender, _ctl(k="hello-ack", epoch=epoch, error="wrong secret"))
-                    if sender not in self._by_nixl and sender not in self._watchers:
-                        eng.forget(sender)
-                    return
-                self._watchers[sender] = (epoch, md)
-                eng.notify(sender, _ctl(k="hello-ack", epoch=epoch, error=""))
-            elif kind == "hello-ack":
-                epoch = int(msg["epoch"])
-                if epoch in self._hello_acks:
-                    self._hello_acks[epoch] = str(msg.get("error") or "ok")
-                    self._cond.notify_all()
-            elif kind == "bye":
-                w = self._watchers.get(sender)
-                if w is not None and w[0] == int(msg["epoch"]):
-                    self._forget_watcher(sender)
-            elif kind == "revoke":
-                ids = frozenset(int(i) for i in msg["regions"])
-                seq = int(msg["seq"])
-                p = self._by_nixl.get(sender)
-                if p is not None:
-                    p.revoked |= ids
-                    gone = NotFound(f"peer {p.name!r} deregistered its region {min(ids)}; re-add its metadata "
-                                    "and prepare again")
-                    for prep in list(self._preps):
-                        if prep._peer is p and prep._remote_ids & ids:
-                            prep._invalid = gone
-                            self._detach(prep)
-                    self._deferred_acks.append((sender, seq, p, ids))
-                else:
-                    eng.notify(sender, _ctl(k="revoke-ack", seq=seq))
-            elif kind == "revoke-ack":
-                waiting = self._acks.get(int(msg["seq"]))
-                if waiting is not None:
-                    waiting.discard(sender)
-                    self._cond.notify_all()
-        except (PdkvError, ValueError, KeyError, TypeError):
-            pass  # a malformed or unanswerable control message changes nothing
-
-    def _send_deferred_acks(self) -> None:
-        eng = self._eng
-        keep = []
-        for sender, seq, p, ids in self._deferred_acks:
-            if any(x._peer_state is p and x._remote_ids & ids for x in self._inflight.values()):
-                keep.append((sender, seq, p, ids))
-                continue
-            try:
-                eng.notify(sender, _ctl(k="revoke-ack", seq=seq))
-            except PdkvError:
-                pass
-        self._deferred_acks = keep
-
-    # -------------------------------------------------------------- poller
-    def _kick(self) -> None:
-        if self._poll_interval > self._opts.poll_min_s:
-            self._wake.set()
-
-    def _poll_once(self) -> tuple[bool, bool]:
-        """One pass: notifications, control messages, unwaited transfers. Returns
-        (something happened, transfers still in flight)."""
-        eng = self._eng
-        if eng is None:
-            return False, False
-        active = False
-        try:
-            got = eng.notifs()
-        except eng.errors:
-            got = {}
-        if got:
-            active = True
-            agent = self._agent()
-            for sender, msgs in got.items():
-                for m in msgs:
-                    m = bytes(m)
-                    if m[:1] == _USER:
-                        if len(m) - 1 > self._max_notif:
-                            self._log_refused(sender, ProtocolError(
-                                f"notification of {len(m) - 1} bytes (limit {self._max_notif})"))
-                        elif agent is not None:
-                            try:
-                                agent._n.push_notification(_pdkv_name(sender), m[1:])
-                            except PdkvError:
-                                pass  # the agent is closing
-                    elif m[:1] == _CTL:
-                        with self._lock:
-                            self._control(sender, m[1:])
-        with self._lock:
-            if self._closed:
-                return active, False
-            if self._graveyard or self._zombies:
-                self._collect_garbage()
-            now = time.monotonic()
-            for x in list(self._inflight.values()):
-                if x._state is _S["PENDING"] and self._progress(x, now):
-                    active = True
-            if self._deferred_acks:
-                self._send_deferred_acks()
-            busy = (any(not x._waiting for x in self._inflight.values()) or bool(self._deferred_acks)
-                    or bool(self._acks) or bool(self._hello_acks))
-        return active, busy
-
-
-def _poll_loop(ref: "weakref.ref[NixlTransport]", wake: threading.Event) -> None:
-    """The poller thread. Holds its transport only weakly between passes, so an agent
-    dropped without close() is still collected (the thread then ends)."""
-    interval = 0.0
-    while True:
-        t = ref()
-        if t is None or t._closed:
-            return
-        opts = t._opts
-        try:
-            active, busy = t._poll_once()
-        except Exception:  # noqa: BLE001 - keep delivering; the next pass retries (backing off)
-            active, busy = False, True
-        if active:
-            interval = opts.poll_min_s
-        else:
-            interval = min(max(interval * 2, opts.poll_min_s), opts.poll_busy_max_s if busy else opts.poll_idle_max_s)
-        t._poll_interval = interval
-        del t
-        if wake.wait(interval):
-            wake.clear()
-            interval = 0.0
-
-
-def _coalesce(ext: np.ndarray) -> np.ndarray:
-    """Merges extents adjacent on both sides: ``[n, 3]`` (local, remote, nbytes) uint64."""
-    if len(ext) < 2:
-        return ext
-    ends_l = ext[:-1, 0] + ext[:-1, 2]
-    ends_r = ext[:-1, 1] + ext[:-1, 2]
-    joins = (ends_l == ext[1:, 0]) & (ends_r == ext[1:, 1])
-    if not joins.any():
-        return ext
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    out = ext[starts].copy()
-    out[:, 2] = np.add.reduceat(ext[:, 2], starts)
-    return out
-

@@ -932,7 +932,8 @@ bool registered = register_transport(TransportFactory{
     [] { return CudaDriver::probe(); },
     [](const AgentConfig& cfg) -> Result<std::unique_ptr<Transport>> {
       return std::unique_ptr<Transport>(std::make_unique<CudaIpcTransport>(cfg));
-    }});
+    },
+    /*priority=*/300});
 
 }  // namespace
 }  // namespace pdkv::cuda_ipc

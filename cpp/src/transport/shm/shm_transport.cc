@@ -1491,7 +1491,8 @@ bool registered = register_transport(TransportFactory{
     "shm", "same-host shared memory (memfd pools; cross-memory attach otherwise)", shm_viable,
     [](const AgentConfig& cfg) -> Result<std::unique_ptr<Transport>> {
       return std::unique_ptr<Transport>(std::make_unique<ShmTransport>(cfg));
-    }});
+    },
+    /*priority=*/200});
 
 }  // namespace
 }  // namespace pdkv::shm

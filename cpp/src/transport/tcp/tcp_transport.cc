@@ -389,6 +389,7 @@ class TcpTransport final : public Transport {
     c.local_mem_kinds = mem_kinds();
     c.remote_mem_kinds = mem_kinds();
     c.generations = true;
+    c.serves_metadata = true;
     return c;
   }
   // Host memory, and device memory staged through pinned buffers. The CUDA driver is
@@ -2043,7 +2044,8 @@ bool registered = register_transport(TransportFactory{
     "tcp", "TCP sockets: any host to any host (host memory)", [] { return Status::Ok(); },
     [](const AgentConfig& cfg) -> Result<std::unique_ptr<Transport>> {
       return std::unique_ptr<Transport>(std::make_unique<TcpTransport>(cfg));
-    }});
+    },
+    /*priority=*/100});
 
 }  // namespace
 
