@@ -22,6 +22,7 @@ the importer first dialed the exporter's control socket and after.
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
 import time
@@ -237,6 +238,33 @@ def test_cuda_ipc_exporter_fault_fails_the_transfer_and_raises_its_class_from_wa
     # The agent is unharmed: a verified transfer with a healthy peer.
     healthy = target if fault == "frozen" else fake_peer("healthy", CUDA_SPEC, 3)
     verified_cuda_xfer(init, healthy, "write", [10, 11, 12], [13, 14, 15])
+
+
+def test_cuda_ipc_dial_to_a_frozen_exporter_with_a_full_backlog_is_bounded(fake_peer, tmp_path):
+    """A frozen exporter accepts nothing: once its control socket's backlog is full, a
+    blocking connect() would wait forever. The dial keeps to its deadline instead."""
+    target = fake_peer("decode", CUDA_SPEC, 1, env={"PDKV_SHM_DIR": str(tmp_path)})
+    init = fake_peer("prefill", CUDA_SPEC, 2)
+    assert init.call(cmd="xfer", op="notify", address=target.address, notify="hello")["ok"]  # connected
+    [path] = glob.glob(str(tmp_path / "decode-*.cuda.sock"))
+    freeze(target)
+    held: list[socket.socket] = []
+    try:
+        while len(held) < 10_000:  # queue connections until the backlog refuses one
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            held.append(s)
+            if s.connect_ex(path) != 0:
+                break
+        r = init.call(cmd="xfer", op="write", address=target.address, lblocks=[4, 5], rblocks=[7, 8],
+                      notify="never-delivered", xfer_timeout=1.0, timeout=40)
+        assert r["raised_by"] == "wait" and r["error_attr"] == "TransferTimeout", r
+        assert "backlog" in r["error"], r
+        assert r["elapsed"] < 25.0, r
+    finally:
+        for s in held:
+            s.close()
+        target.resume()
 
 
 def test_cuda_ipc_caller_errors_raise_at_once_even_for_a_dead_exporter(fake_peer):

@@ -30,6 +30,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -134,6 +135,26 @@ Status send_ctl(CtlConn& c, Ctl type, uint64_t id, std::string_view aux = {}, ui
   return util::send_all(c.fd.get(), frame.data(), frame.size(), util::deadline_after(kCtlTimeoutS));
 }
 
+// Connects to an exporter's control socket by `deadline`. A blocking connect to a
+// Unix socket waits, without limit, while the listener's backlog is full, as it is
+// once a frozen exporter has stopped accepting: connect without blocking and retry.
+Result<util::ScopedFd> dial_ctl(const std::string& path, Clock::time_point deadline) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof sa.sun_path) return ProtocolError("bad control socket path '" + path + "'");
+  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+  util::ScopedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd) return Internal("socket(AF_UNIX): " + util::errno_str(errno));
+  for (;;) {
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) return fd;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN) return ConnectionError("cannot connect to " + path + ": " + util::errno_str(errno));
+    if (Clock::now() >= deadline)
+      return TimeoutError("cannot connect to " + path + ": its backlog stayed full (is the peer frozen?)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 struct Op {
   CUdeviceptr dst;
   CUdeviceptr src;
@@ -227,6 +248,8 @@ Result<std::vector<Exported>> decode(std::string_view blob, std::string* ctl_pat
     PDKV_RETURN_IF_ERROR(r.get(&e.handle, "ipc handle"));
   }
   PDKV_RETURN_IF_ERROR(r.get_str(ctl_path, "cuda_ipc control socket", 4096));
+  if (ctl_path->empty() || ctl_path->size() >= sizeof(sockaddr_un::sun_path))
+    return ProtocolError("cuda_ipc control socket path is empty or longer than a Unix socket path may be");
   return out;
 }
 
@@ -763,7 +786,7 @@ Result<std::shared_ptr<CtlConn>> CudaIpcTransport::ctl_to(const Peer& peer, cons
     for (auto& c : ctl_)
       if (c->outbound && c->peer == peer.md.name && c->peer_instance == peer.md.instance_id && !c->dead) return c;
   }
-  auto fd = util::connect_unix(path);
+  auto fd = dial_ctl(path, deadline);
   if (!fd.ok())
     return Status(fd.status().code(), "cuda_ipc control connection to peer '" + peer.md.name + "': " +
                                           fd.status().message());
