@@ -12,10 +12,17 @@ Every flavor of tests/conftest.py runs every fault: tcp, shm (Agent.alloc pools)
 shm-cma (numpy pools, cross-memory attach) and nixl when installed. Every write carries
 a notification, as an engine's would: with shared-memory pools the bytes of a write can
 land without the peer's help, but its notification cannot.
+
+cuda_ipc needs device memory: its agents run over the fake CUDA driver, each in a
+child process (tests/fake_gpu_peers.py), and the initiator reports which call raised,
+the transfer's state and error class, and the time taken. Dead and frozen exporters,
+for write, read (both with a notification) and a notification alone, and both before
+the importer first dialed the exporter's control socket and after.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
 import time
@@ -24,6 +31,7 @@ import pytest
 
 import pdkv
 from conftest import make_pool, wait_until
+from fake_gpu_peers import fake_peer  # noqa: F401  (fixture)
 from kvpools import PoolSpec
 
 SPEC = PoolSpec(layers=2, blocks=16, block_tokens=4, heads=2, head_dim=16, dtype="float16")
@@ -165,3 +173,106 @@ def test_argument_errors_are_the_same_on_every_transport(agent_pair):
     with pytest.raises(pdkv.InvalidArgument, match="timeout"):
         x.wait(-1)
     assert x.wait(10)
+
+
+# ------------------------------------------------------------------ cuda_ipc (fake GPU)
+
+CUDA_SPEC = PoolSpec(style="vllm", layers=2, blocks=16, block_tokens=4, heads=2, head_dim=16, dtype="float16")
+
+
+def verified_cuda_xfer(init, target, op: str, lblocks: list[int], rblocks: list[int], **kw) -> None:
+    """A transfer from ``init`` that succeeds over cuda_ipc and moves the right bytes."""
+    r = init.call(cmd="xfer", op=op, address=target.address, lblocks=lblocks, rblocks=rblocks, notify="healthy",
+                  **kw)
+    assert r["ok"] and r["transport"] == "cuda_ipc", r
+    assert init.call(cmd="digest", blocks=lblocks) == target.call(cmd="digest", blocks=rblocks)
+
+
+# (op, dialed). A notification alone travels over tcp: it never dials cuda_ipc.
+CUDA_FAULT_CASES = [("write", False), ("write", True), ("read", False), ("read", True), ("notify", True)]
+
+
+@pytest.mark.parametrize("op,dialed", CUDA_FAULT_CASES,
+                         ids=[f"{op}-{'dialed' if d else 'first-use'}" for op, d in CUDA_FAULT_CASES])
+@pytest.mark.parametrize("fault", ["dead", "frozen"])
+def test_cuda_ipc_exporter_fault_fails_the_transfer_and_raises_its_class_from_wait(fake_peer, fault, op, dialed):
+    """``first-use``: the fault comes before the importer ever dialed the exporter's
+    control socket, so prepare() cannot map anything (its dial fails or times out);
+    ``dialed``: a verified transfer came first and the mapping exists."""
+    target = fake_peer("decode", CUDA_SPEC, 1)
+    init = fake_peer("prefill", CUDA_SPEC, 2)
+    if dialed:
+        verified_cuda_xfer(init, target, "write", [0, 1], [2, 3])
+    else:
+        assert init.call(cmd="xfer", op="notify", address=target.address, notify="hello")["ok"]  # connected
+    timeout = 20.0
+    if fault == "dead":
+        target.kill()
+        expected = pdkv.PeerConnectionError
+    else:
+        freeze(target)
+        timeout = 1.0
+        expected = pdkv.TransferTimeout
+    try:
+        r = init.call(cmd="xfer", op=op, address=target.address, lblocks=[4, 5, 6], rblocks=[7, 8, 9],
+                      notify="never-delivered", xfer_timeout=timeout, keep="faulty")
+        assert not r["ok"], r
+        assert r["raised_by"] == "wait", r  # not prepare(), post() or notify()
+        assert r["error"].split(":")[0] == expected.__name__, r
+        assert r["state"] == "FAILED" and r["error_attr"] == expected.__name__, r
+        assert r["elapsed"] < 25.0, r  # did not hang (generous: no timing claims)
+        if fault == "frozen":
+            assert r["elapsed"] >= 0.9, r  # not before its deadline
+    finally:
+        if fault == "frozen":
+            target.resume()
+    if fault == "frozen" and op != "notify":
+        # The exporter is back: the same prepared transfer now maps and completes.
+        r = init.call(cmd="xfer", address=target.address, op=op, reuse="faulty", notify="back")
+        assert r["ok"] and r["transport"] == "cuda_ipc", r
+        assert init.call(cmd="digest", blocks=[4, 5, 6]) == target.call(cmd="digest", blocks=[7, 8, 9])
+    if fault == "dead" and op != "notify":
+        # Posting the failed transfer again fails again, from wait().
+        r = init.call(cmd="xfer", address=target.address, op=op, reuse="faulty", xfer_timeout=timeout)
+        assert r["raised_by"] == "wait" and r["error_attr"] == "PeerConnectionError", r
+    # The agent is unharmed: a verified transfer with a healthy peer.
+    healthy = target if fault == "frozen" else fake_peer("healthy", CUDA_SPEC, 3)
+    verified_cuda_xfer(init, healthy, "write", [10, 11, 12], [13, 14, 15])
+
+
+def test_cuda_ipc_dial_to_a_frozen_exporter_with_a_full_backlog_is_bounded(fake_peer, tmp_path):
+    """A frozen exporter accepts nothing: once its control socket's backlog is full, a
+    blocking connect() would wait forever. The dial keeps to its deadline instead."""
+    target = fake_peer("decode", CUDA_SPEC, 1, env={"PDKV_SHM_DIR": str(tmp_path)})
+    init = fake_peer("prefill", CUDA_SPEC, 2)
+    assert init.call(cmd="xfer", op="notify", address=target.address, notify="hello")["ok"]  # connected
+    [path] = glob.glob(str(tmp_path / "decode-*.cuda.sock"))
+    freeze(target)
+    held: list[socket.socket] = []
+    try:
+        while len(held) < 10_000:  # queue connections until the backlog refuses one
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            held.append(s)
+            if s.connect_ex(path) != 0:
+                break
+        r = init.call(cmd="xfer", op="write", address=target.address, lblocks=[4, 5], rblocks=[7, 8],
+                      notify="never-delivered", xfer_timeout=1.0, timeout=40)
+        assert r["raised_by"] == "wait" and r["error_attr"] == "TransferTimeout", r
+        assert "backlog" in r["error"], r
+        assert r["elapsed"] < 25.0, r
+    finally:
+        for s in held:
+            s.close()
+        target.resume()
+
+
+def test_cuda_ipc_caller_errors_raise_at_once_even_for_a_dead_exporter(fake_peer):
+    target = fake_peer("decode", CUDA_SPEC, 1)
+    init = fake_peer("prefill", CUDA_SPEC, 2)
+    assert init.call(cmd="xfer", op="notify", address=target.address, notify="hello")["ok"]  # connected
+    target.kill()
+    r = init.call(cmd="xfer", op="write", address=target.address, lblocks=[0], rblocks=[CUDA_SPEC.blocks])
+    assert r["raised_by"] == "prepare" and r["error"].startswith("OutOfRange"), r
+    r = init.call(cmd="xfer", op="write", address=target.address, lblocks=[0, 1], rblocks=[5, 5])
+    assert r["raised_by"] == "prepare" and r["error"].startswith("InvalidArgument"), r

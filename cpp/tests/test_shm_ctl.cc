@@ -86,6 +86,12 @@ TEST(ShmCtl, HelloAckAndRegionInfo) {
   EXPECT_EQ(ack->instance, 9u);
   EXPECT_EQ(ack->pid, 1234u);
   EXPECT_FALSE(shm::parse_hello_ack(shm::encode_hello_ack({9, 0, "bob"})).ok());
+  // Bytes after the name are refused, as in a hello (same wording).
+  auto trailing = shm::parse_hello_ack(shm::encode_hello_ack({9, 1234, "bob"}) + "xy");
+  EXPECT_EQ(trailing.status().code(), StatusCode::kProtocolError);
+  EXPECT_EQ(trailing.status().message(), "hello-ack has 2 trailing bytes");
+  EXPECT_EQ(shm::parse_hello(shm::encode_hello({shm::kShmVersion, 42, "a", "b", "s"}) + "xy").status().message(),
+            "hello has 2 trailing bytes");
   shm::RegionInfo ri{0x1000, 65536, MemKind::kHost, true};
   auto back = shm::parse_region_info(shm::encode_region_info(ri));
   ASSERT_TRUE(back.ok());

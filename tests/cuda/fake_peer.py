@@ -12,11 +12,16 @@ and then answers one JSON line per command:
   notification arrives, checks *at once* that its blocks hold the expected bytes
   (``digest: null``: only that it arrived) ->
   ``{"results": [{"notif", "ok"}], "missing": [...]}``.
-* ``{"cmd": "xfer", "op", "address", "lblocks", "rblocks", "notify", "fail_after_prepare",
-  "repeat"}``: acts as initiator (connecting to ``address`` on first use only) ->
-  ``{"ok", "error", "transport", "peer_transport"}``; ``fail_after_prepare=n``: the
-  next n copies after prepare fail; ``"keep": name`` stores the prepared transfer,
-  ``"reuse": name`` posts a stored one instead of preparing.
+* ``{"cmd": "xfer", "op", "address", "lblocks", "rblocks", "notify", "xfer_timeout",
+  "fail_after_prepare", "repeat"}``: acts as initiator (connecting to ``address`` on
+  first use only) -> ``{"ok", "error", "transport", "peer_transport", "raised_by",
+  "state", "error_attr", "elapsed"}``; ``op`` is ``write``, ``read`` or ``notify`` (a
+  notification alone); ``raised_by``: the call that raised (``prepare``, ``post``,
+  ``notify``, ``wait``), and when it was ``wait`` the transfer's ``state`` and the class
+  of its ``error``; ``elapsed``: seconds from the first call after connecting;
+  ``xfer_timeout``: the transfer's (default 30); ``fail_after_prepare=n``: the next n copies
+  after prepare fail; ``"keep": name`` stores the prepared transfer, ``"reuse": name``
+  posts a stored one instead of preparing.
 * ``{"cmd": "burst", "address", "items": [{"lblocks", "rblocks", "notify"}]}``: posts
   the writes back to back, then waits for all -> ``{"ok", "error"}``.
 * ``{"cmd": "post_async", "address", "items": [...]}``: posts like ``burst`` and answers
@@ -135,12 +140,22 @@ KEPT: dict = {}  # name -> prepared transfer ("keep" / "reuse")
 
 
 def xfer(agent: pdkv.Agent, cuda: FakeCuda, peers: dict, req: dict) -> dict:
-    res: dict = {"ok": False, "error": None, "transport": None, "peer_transport": None}
+    res: dict = {"ok": False, "error": None, "transport": None, "peer_transport": None, "raised_by": None,
+                 "state": None, "error_attr": None, "elapsed": None}
+    stage, x, t0 = "connect", None, None
     try:
         if req["address"] not in peers:
             peers[req["address"]] = agent.connect(req["address"])
         peer = peers[req["address"]]
         res["peer_transport"] = agent.peer_transport(peer)
+        t0 = time.monotonic()
+        if req["op"] == "notify":
+            stage = "notify"
+            x = agent.notify(peer, req["notify"], timeout=req.get("xfer_timeout", 30))
+            stage = "wait"
+            res["ok"] = x.wait(30)
+            return res
+        stage = "prepare"
         if req.get("reuse"):
             prep = KEPT[req["reuse"]]
         else:
@@ -150,14 +165,22 @@ def xfer(agent: pdkv.Agent, cuda: FakeCuda, peers: dict, req: dict) -> dict:
         if req.get("fail_after_prepare"):
             cuda.fail_copies(req["fail_after_prepare"])
         for _ in range(req.get("repeat", 1)):
-            x = prep.post(notify=req.get("notify"), timeout=30)
+            stage = "post"
+            x = prep.post(notify=req.get("notify"), timeout=req.get("xfer_timeout", 30))
             res["transport"] = x.transport
+            stage = "wait"
             x.wait(30)
         res["ok"] = True
     except pdkv.PdkvError as e:
         res["error"] = f"{type(e).__name__}: {e}"
+        res["raised_by"] = stage
+        if stage == "wait":
+            res["state"] = x.state.name
+            res["error_attr"] = type(x.error).__name__
     finally:
         cuda.fail_copies(0)
+        if t0 is not None:
+            res["elapsed"] = time.monotonic() - t0
     return res
 
 

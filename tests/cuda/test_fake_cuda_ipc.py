@@ -7,65 +7,20 @@ are slowed (FAKECUDA_COPY_DELAY_US) so a notification sent before its bytes land
 would be caught. Not marked ``cuda``: these run in every ``pytest``.
 
 The fake driver itself is built by the ``fakecuda_path`` fixture (tests/conftest.py);
-the other fixtures live here rather than in a tests/cuda/conftest.py: test modules
-import tests/conftest.py as ``conftest``, and a second conftest.py would shadow it.
+``fake_peer`` comes from tests/fake_gpu_peers.py (shared with tests/test_fault_contract.py)
+rather than a tests/cuda/conftest.py: test modules import tests/conftest.py as
+``conftest``, and a second conftest.py would shadow it.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import sys
 import time
 
 import pytest
 
-from conftest import JsonLineProc
+from fake_gpu_peers import fake_peer  # noqa: F401  (fixture)
 from kvpools import PoolSpec
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-
-
-class FakePeer(JsonLineProc):
-    """A pdkv agent over fake-CUDA memory in a child process (fake_peer.py)."""
-
-    def __init__(self, driver: str, name: str, spec, seed: int | None, *, env: dict | None = None,
-                 **opts) -> None:
-        cmd = [sys.executable, os.path.join(HERE, "fake_peer.py"), "--name", name,
-               "--spec", json.dumps(spec.to_dict())]
-        if seed is not None:
-            cmd += ["--seed", str(seed)]
-        for k, v in opts.items():
-            cmd += [f"--{k}", str(v)]
-        super().__init__(cmd, name, env=dict(os.environ, PDKV_CUDA_DRIVER=driver, **(env or {})))
-        self.available = self.hello["available"]
-
-    def stats(self) -> dict:
-        return self.call(cmd="stats")["stats"]
-
-
-@pytest.fixture
-def fake_peer(fakecuda_path):
-    """``fake_peer(name, spec, seed=None, env=None, memory=..., alloc=...) -> FakePeer``;
-    asserts at teardown that every peer exited cleanly (no crash in the fake driver)."""
-    procs: list[FakePeer] = []
-
-    def start(name, spec, seed=None, **kw) -> FakePeer:
-        p = FakePeer(fakecuda_path, name, spec, seed, **kw)
-        procs.append(p)
-        return p
-
-    yield start
-    bad = []
-    for p in procs:
-        killed_by_test = p.proc.returncode is not None
-        code = p.stop()
-        if code != 0 and not killed_by_test:
-            bad.append((p.name, code))
-    assert not bad, f"fake-GPU peers exited badly: {bad}"
-
 
 SPEC = dict(layers=2, blocks=64, block_tokens=4, heads=2, head_dim=16, dtype="float16")
 SLOW = {"FAKECUDA_COPY_DELAY_US": "2000"}

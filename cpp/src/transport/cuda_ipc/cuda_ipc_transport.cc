@@ -21,9 +21,16 @@
 // copies in flight finish, closes its mapping, then acknowledges. If the control
 // connection drops (the exporter died), transfers to that peer fail at once with
 // PeerConnectionError instead of writing into orphaned memory.
+//
+// Faults (docs/faults.md): prepare() raises only the caller's errors. When the
+// exporter cannot be dialed then (dead, frozen, restarted, refusing), prepare()
+// returns a transfer whose mapping is deferred: each post() dials and maps again,
+// within the control timeout and the transfer's deadline, and on failure fails just
+// that transfer with the dial's error. Nothing is mapped before the dial succeeded.
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -128,20 +135,40 @@ Status send_ctl(CtlConn& c, Ctl type, uint64_t id, std::string_view aux = {}, ui
   return util::send_all(c.fd.get(), frame.data(), frame.size(), util::deadline_after(kCtlTimeoutS));
 }
 
+// Connects to an exporter's control socket by `deadline`. A blocking connect to a
+// Unix socket waits, without limit, while the listener's backlog is full, as it is
+// once a frozen exporter has stopped accepting: connect without blocking and retry.
+Result<util::ScopedFd> dial_ctl(const std::string& path, Clock::time_point deadline) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof sa.sun_path) return ProtocolError("bad control socket path '" + path + "'");
+  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+  util::ScopedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd) return Internal("socket(AF_UNIX): " + util::errno_str(errno));
+  for (;;) {
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) return fd;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN) return ConnectionError("cannot connect to " + path + ": " + util::errno_str(errno));
+    if (Clock::now() >= deadline)
+      return TimeoutError("cannot connect to " + path + ": its backlog stayed full (is the peer frozen?)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 struct Op {
   CUdeviceptr dst;
   CUdeviceptr src;
   uint64_t len;
 };
 
-struct CudaPrepared final : PreparedOps {
-  ~CudaPrepared() {
+// The peer's regions a prepared transfer touches, mapped, and the copies between them.
+struct Mapped {
+  ~Mapped() {
     if (d_desc) {
       auto d = CudaDriver::get();
       if (d.ok() && (*d)->use_device(device).ok()) (*d)->cuMemFree(d_desc);
     }
   }
-  std::shared_ptr<const Peer> peer;
   std::vector<std::shared_ptr<Opened>> opened;  // keeps the mappings alive
   std::vector<Op> ops;
   int device = 0;
@@ -152,9 +179,42 @@ struct CudaPrepared final : PreparedOps {
   cuda::CUfunction kernel = nullptr;
 };
 
+// A prepared transfer: what the caller asked for, checked, plus its mapping. The
+// mapping is made by prepare(); when the exporter could not be reached then (dead,
+// frozen, restarted: a fault of the peer, not of the caller, docs/faults.md), the
+// request is kept and every post() tries to map it again, failing only that transfer.
+struct CudaPrepared final : PreparedOps {
+  std::shared_ptr<const Peer> peer;
+  OpKind op = OpKind::kWrite;
+  std::vector<Exported> regions;  // the peer's cuda_ipc metadata
+  std::string ctl_path;           // the exporter's control socket
+  int device = 0;                 // the local device the copies run on
+  bool local_all_device = true;   // the kernel may copy (no pageable host extent)
+  mutable std::mutex setup_mu;    // one post at a time maps a deferred transfer
+  // Guarded by setup_mu. While `mapped` is null, `extents` holds the request.
+  mutable std::shared_ptr<const Mapped> mapped;
+  mutable std::vector<ResolvedExtent> extents;
+};
+
+// Faults of the exporter itself, as met while dialing its control socket: prepare()
+// leaves the mapping to post() on these. Anything else is the caller's or local.
+bool is_peer_fault(const Status& st) {
+  switch (st.code()) {
+    case StatusCode::kConnectionError:
+    case StatusCode::kTimeout:
+    case StatusCode::kAuthFailed:
+    case StatusCode::kStalePeer:
+    case StatusCode::kProtocolError:
+      return true;
+    default:
+      return false;
+  }
+}
+
 struct Pending {
   CUevent event = nullptr;
-  std::shared_ptr<const CudaPrepared> prep;
+  std::shared_ptr<const Peer> peer;
+  std::shared_ptr<const Mapped> mapped;
   std::shared_ptr<Transfer> xfer;
   std::string notif;
   Status err;  // an enqueue failed: report it once the copies queued before it are done
@@ -188,6 +248,8 @@ Result<std::vector<Exported>> decode(std::string_view blob, std::string* ctl_pat
     PDKV_RETURN_IF_ERROR(r.get(&e.handle, "ipc handle"));
   }
   PDKV_RETURN_IF_ERROR(r.get_str(ctl_path, "cuda_ipc control socket", 4096));
+  if (ctl_path->empty() || ctl_path->size() >= sizeof(sockaddr_un::sun_path))
+    return ProtocolError("cuda_ipc control socket path is empty or longer than a Unix socket path may be");
   return out;
 }
 
@@ -286,8 +348,16 @@ class CudaIpcTransport final : public Transport {
     if (evfd_ >= 0 && ::write(evfd_, &one, sizeof one) < 0) {
     }
   }
-  // The authenticated control connection to `peer` (dialed on first use).
-  Result<std::shared_ptr<CtlConn>> ctl_to(const Peer& peer, const std::string& path);
+  // The authenticated control connection to `peer` (dialed on first use; the
+  // handshake ends by `deadline`).
+  Result<std::shared_ptr<CtlConn>> ctl_to(const Peer& peer, const std::string& path, Clock::time_point deadline);
+  // Maps the peer's regions `p.extents` touch, the control connection first (the
+  // exporter must be able to revoke anything mapped), and builds the copies.
+  // Call with p.setup_mu held.
+  Result<std::shared_ptr<const Mapped>> map_extents(const CudaPrepared& p, Clock::time_point deadline);
+  // `p`'s mapping, made now if prepare() had to defer it (bounded by the control
+  // timeout and the transfer's deadline).
+  Result<std::shared_ptr<const Mapped>> mapping_for(const CudaPrepared& p, const Transfer& xfer);
   void on_ctl_readable(const std::shared_ptr<CtlConn>& c);
   // Handles one complete frame; false when the connection must close.
   bool on_ctl_frame(const std::shared_ptr<CtlConn>& c);
@@ -299,7 +369,7 @@ class CudaIpcTransport final : public Transport {
   Result<CUstream> stream_for(int device);
   // The batched-copy kernel for `device`, or nullptr when it was not built.
   Result<cuda::CUfunction> kernel_for(int device);
-  Status upload_descriptors(CudaPrepared& p);
+  Status upload_descriptors(Mapped& m);
   void complete_loop();
 
   AgentHooks* hooks_ = nullptr;
@@ -418,9 +488,9 @@ Result<cuda::CUfunction> CudaIpcTransport::kernel_for(int device) {
   return fn;
 }
 
-Status CudaIpcTransport::upload_descriptors(CudaPrepared& p) {
+Status CudaIpcTransport::upload_descriptors(Mapped& m) {
   std::vector<uint64_t> src, dst, len;
-  for (const Op& o : p.ops)
+  for (const Op& o : m.ops)
     for (uint64_t off = 0; off < o.len; off += kKernelChunk) {
       src.push_back(o.src + off);
       dst.push_back(o.dst + off);
@@ -433,9 +503,9 @@ Status CudaIpcTransport::upload_descriptors(CudaPrepared& p) {
   all.insert(all.end(), src.begin(), src.end());
   all.insert(all.end(), dst.begin(), dst.end());
   all.insert(all.end(), len.begin(), len.end());
-  PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuMemAlloc(&p.d_desc, all.size() * 8), "cuMemAlloc"));
-  PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuMemcpyHtoD(p.d_desc, all.data(), all.size() * 8), "cuMemcpyHtoD"));
-  p.n_chunks = static_cast<unsigned>(n);
+  PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuMemAlloc(&m.d_desc, all.size() * 8), "cuMemAlloc"));
+  PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuMemcpyHtoD(m.d_desc, all.data(), all.size() * 8), "cuMemcpyHtoD"));
+  m.n_chunks = static_cast<unsigned>(n);
   return Status::Ok();
 }
 
@@ -444,41 +514,65 @@ Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared
   std::string blob;
   for (const auto& [n, b] : peer->md.extras)
     if (n == "cuda_ipc") blob = b;
-  std::string ctl_path;
-  PDKV_ASSIGN_OR_RETURN(std::vector<Exported> regions, decode(blob, &ctl_path));
-  PDKV_RETURN_IF_ERROR(driver().status());
   auto p = std::make_shared<CudaPrepared>();
+  PDKV_ASSIGN_OR_RETURN(p->regions, decode(blob, &p->ctl_path));
+  PDKV_RETURN_IF_ERROR(driver().status());
   p->peer = peer;
+  p->op = op;
   // The local device: the first local CUDA region's, else device 0 (host-side extents).
   // The kernel can copy only when every local extent is device memory: on a GPU it
   // cannot dereference pageable host memory (an illegal address).
   p->device = -1;
-  bool local_all_device = true;
   for (const auto& e : extents) {
     if (e.local_kind != MemKind::kCuda) {
-      local_all_device = false;
+      p->local_all_device = false;
     } else if (p->device < 0) {
       p->device = e.local_device;
     }
   }
   if (p->device < 0) p->device = 0;
   PDKV_RETURN_IF_ERROR(drv_->use_device(p->device));
-  // Before mapping anything of the peer: the control connection that lets it revoke.
-  PDKV_ASSIGN_OR_RETURN(std::shared_ptr<CtlConn> ctl, ctl_to(*peer, ctl_path));
-  std::unordered_map<uint64_t, std::shared_ptr<Opened>> by_id;
+  // Caller errors first: they must not depend on whether the peer answers.
   for (const auto& e : extents) {
+    if (std::none_of(p->regions.begin(), p->regions.end(), [&](const Exported& r) { return r.id == e.remote_region; }))
+      return NotSupported("peer '" + peer->md.name + "' region " + std::to_string(e.remote_region) +
+                          " is not exported through cuda_ipc (is it device memory?)");
+  }
+  p->extents = std::move(extents);
+  std::lock_guard<std::mutex> lk(p->setup_mu);
+  auto mapped = map_extents(*p, util::deadline_after(kCtlTimeoutS));
+  if (mapped.ok()) {
+    p->mapped = std::move(mapped).value();
+    p->extents = {};
+  } else if (is_peer_fault(mapped.status())) {
+    PDKV_LOG_DEBUG("cuda_ipc: mapping for '%s' deferred to post(): %s", peer->md.name.c_str(),
+                   mapped.status().to_string().c_str());
+  } else {
+    return mapped.status();
+  }
+  return std::shared_ptr<const PreparedOps>(std::move(p));
+}
+
+Result<std::shared_ptr<const Mapped>> CudaIpcTransport::map_extents(const CudaPrepared& p, Clock::time_point deadline) {
+  const Peer& peer = *p.peer;
+  PDKV_RETURN_IF_ERROR(drv_->use_device(p.device));
+  // Before mapping anything of the peer: the control connection that lets it revoke.
+  PDKV_ASSIGN_OR_RETURN(std::shared_ptr<CtlConn> ctl, ctl_to(peer, p.ctl_path, deadline));
+  auto m = std::make_shared<Mapped>();
+  m->device = p.device;
+  std::unordered_map<uint64_t, std::shared_ptr<Opened>> by_id;
+  for (const auto& e : p.extents) {
     auto it = by_id.find(e.remote_region);
     if (it == by_id.end()) {
-      auto ex = std::find_if(regions.begin(), regions.end(), [&](const Exported& r) { return r.id == e.remote_region; });
-      if (ex == regions.end())
-        return NotSupported("peer '" + peer->md.name + "' region " + std::to_string(e.remote_region) +
-                            " is not exported through cuda_ipc (is it device memory?)");
-      const auto key = std::make_pair(peer->md.name, std::make_pair(peer->md.instance_id, e.remote_region));
+      auto ex = std::find_if(p.regions.begin(), p.regions.end(), [&](const Exported& r) { return r.id == e.remote_region; });
+      if (ex == p.regions.end())  // prepare() checked
+        return Internal("peer '" + peer.md.name + "' region " + std::to_string(e.remote_region) + " vanished");
+      const auto key = std::make_pair(peer.md.name, std::make_pair(peer.md.instance_id, e.remote_region));
       std::shared_ptr<Opened> o;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        if (revoked_.count({peer->md.instance_id, e.remote_region}))
-          return NotFound("peer '" + peer->md.name + "' deregistered its region " + std::to_string(e.remote_region) +
+        if (revoked_.count({peer.md.instance_id, e.remote_region}))
+          return NotFound("peer '" + peer.md.name + "' deregistered its region " + std::to_string(e.remote_region) +
                           "; fetch its metadata again (connect() or add_peer())");
         auto oit = opened_.find(key);
         if (oit != opened_.end()) o = oit->second;
@@ -487,59 +581,73 @@ Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared
         o = std::make_shared<Opened>();
         o->offset = ex->offset;
         o->len = ex->len;
-        o->device = p->device;
+        o->device = p.device;
         o->region = e.remote_region;
-        o->peer = peer->md.name;
+        o->peer = peer.md.name;
         o->ctl = ctl;
         PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuIpcOpenMemHandle(&o->base, ex->handle, cuda::kIpcLazyEnablePeerAccess),
                                          "cuIpcOpenMemHandle").with_context("opening region " +
                                                                             std::to_string(ex->id) + " of '" +
-                                                                            peer->md.name + "'"));
+                                                                            peer.md.name + "'"));
         std::lock_guard<std::mutex> lk(mu_);
-        if (revoked_.count({peer->md.instance_id, e.remote_region}) || ctl->dead)
-          return NotFound("peer '" + peer->md.name + "' deregistered its region " + std::to_string(e.remote_region) +
-                          " (or went away) while it was being mapped");
+        if (revoked_.count({peer.md.instance_id, e.remote_region}))
+          return NotFound("peer '" + peer.md.name + "' deregistered its region " + std::to_string(e.remote_region) +
+                          " while it was being mapped");
+        if (ctl->dead)
+          return ConnectionError("peer '" + peer.md.name + "' went away (its cuda_ipc control connection closed) " +
+                                 "while its region " + std::to_string(e.remote_region) + " was being mapped");
         opened_[key] = o;
       }
       it = by_id.emplace(e.remote_region, o).first;
-      p->opened.push_back(o);
+      m->opened.push_back(o);
     }
     const CUdeviceptr remote = it->second->base + it->second->offset + e.remote_offset;
-    Op o2 = op == OpKind::kWrite ? Op{remote, e.local_addr, e.len} : Op{e.local_addr, remote, e.len};
-    if (!p->ops.empty() && p->ops.back().dst + p->ops.back().len == o2.dst &&
-        p->ops.back().src + p->ops.back().len == o2.src) {
-      p->ops.back().len += o2.len;
+    Op o2 = p.op == OpKind::kWrite ? Op{remote, e.local_addr, e.len} : Op{e.local_addr, remote, e.len};
+    if (!m->ops.empty() && m->ops.back().dst + m->ops.back().len == o2.dst &&
+        m->ops.back().src + m->ops.back().len == o2.src) {
+      m->ops.back().len += o2.len;
     } else {
-      p->ops.push_back(o2);
+      m->ops.push_back(o2);
     }
-    p->total += e.len;
+    m->total += e.len;
   }
-  // Many extents: one kernel launch moves them all (device memory only, see above).
-  PDKV_ASSIGN_OR_RETURN(p->kernel, kernel_for(p->device));
-  if (p->kernel && p->ops.size() > 1 && local_all_device) {
-    PDKV_RETURN_IF_ERROR(upload_descriptors(*p));
+  // Many extents: one kernel launch moves them all (device memory only, see prepare()).
+  PDKV_ASSIGN_OR_RETURN(m->kernel, kernel_for(p.device));
+  if (m->kernel && m->ops.size() > 1 && p.local_all_device) {
+    PDKV_RETURN_IF_ERROR(upload_descriptors(*m));
   } else {
-    p->kernel = nullptr;
+    m->kernel = nullptr;
   }
-  return std::shared_ptr<const PreparedOps>(std::move(p));
+  return std::shared_ptr<const Mapped>(std::move(m));
+}
+
+Result<std::shared_ptr<const Mapped>> CudaIpcTransport::mapping_for(const CudaPrepared& p, const Transfer& xfer) {
+  std::lock_guard<std::mutex> lk(p.setup_mu);
+  if (p.mapped) return p.mapped;
+  PDKV_ASSIGN_OR_RETURN(p.mapped, map_extents(p, std::min(util::deadline_after(kCtlTimeoutS), xfer.deadline())));
+  p.extents = {};
+  return p.mapped;
 }
 
 void CudaIpcTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
                             std::string notif) {
-  auto prep = std::static_pointer_cast<const CudaPrepared>(ops);
+  const auto& prep = static_cast<const CudaPrepared&>(*ops);
   xfer->set_parts(notif.empty() ? 1 : 2);
   auto fail = [&](const Status& st) {
     xfer->resolve_part(0, st);
     if (!notif.empty()) xfer->resolve_part(0, Cancelled("notification not sent: the copy failed"));
   };
+  auto mapped = mapping_for(prep, *xfer);
+  if (!mapped.ok()) return fail(mapped.status());
+  const std::shared_ptr<const Mapped> m = std::move(mapped).value();
   // Claim the mappings first, then check they are still valid: a revocation either
   // sees the claim (and waits for the copies) or this post sees the revocation.
-  for (const auto& o : prep->opened) o->inflight.fetch_add(1);
+  for (const auto& o : m->opened) o->inflight.fetch_add(1);
   auto unclaim = [&] {
-    for (const auto& o : prep->opened)
+    for (const auto& o : m->opened)
       if (o->inflight.fetch_sub(1) == 1) maybe_release(o);
   };
-  for (const auto& o : prep->opened) {
+  for (const auto& o : m->opened) {
     if (o->revoked || o->gone) {
       const bool gone = o->gone;
       const std::string who = o->peer;
@@ -550,21 +658,21 @@ void CudaIpcTransport::post(const std::shared_ptr<const PreparedOps>& ops, const
                                   "; fetch its metadata again (connect() or add_peer())"));
     }
   }
-  auto stream = stream_for(prep->device);
+  auto stream = stream_for(m->device);
   if (!stream.ok()) {
     unclaim();
     return fail(stream.status());
   }
-  Status st = drv_->use_device(prep->device);
-  if (st.ok() && prep->kernel) {
-    CUdeviceptr src = prep->d_desc, dst = src + 8ull * prep->n_chunks, len = dst + 8ull * prep->n_chunks;
-    unsigned n = prep->n_chunks;
+  Status st = drv_->use_device(m->device);
+  if (st.ok() && m->kernel) {
+    CUdeviceptr src = m->d_desc, dst = src + 8ull * m->n_chunks, len = dst + 8ull * m->n_chunks;
+    unsigned n = m->n_chunks;
     void* params[] = {&src, &dst, &len, &n};
     const unsigned grid = std::min<unsigned>(n, 8192);
-    st = drv_->check(drv_->cuLaunchKernel(prep->kernel, grid, 1, 1, 256, 1, 1, 0, *stream, params, nullptr),
+    st = drv_->check(drv_->cuLaunchKernel(m->kernel, grid, 1, 1, 256, 1, 1, 0, *stream, params, nullptr),
                      "cuLaunchKernel(pdkv_batch_copy)");
   } else {
-    for (const Op& o : prep->ops) {
+    for (const Op& o : m->ops) {
       if (!st.ok()) break;
       st = drv_->check(drv_->cuMemcpyAsync(o.dst, o.src, o.len, *stream), "cuMemcpyAsync");
     }
@@ -585,7 +693,7 @@ void CudaIpcTransport::post(const std::shared_ptr<const PreparedOps>& ops, const
     return fail(st.ok() ? ev_st : st);
   }
   std::lock_guard<std::mutex> lk(mu_);
-  pending_.push_back(Pending{ev, prep, xfer, std::move(notif), st});
+  pending_.push_back(Pending{ev, prep.peer, m, xfer, std::move(notif), st});
   cv_.notify_one();
 }
 
@@ -603,15 +711,15 @@ void CudaIpcTransport::complete_loop() {
     Status st = drv_->check(drv_->cuEventSynchronize(p.event), "cuEventSynchronize");
     drv_->cuEventDestroy(p.event);
     if (st.ok()) st = p.err;
-    for (const auto& o : p.prep->opened)
+    for (const auto& o : p.mapped->opened)
       if (o->inflight.fetch_sub(1) == 1) maybe_release(o);
-    p.xfer->resolve_part(st.ok() ? p.prep->total : 0, st);
+    p.xfer->resolve_part(st.ok() ? p.mapped->total : 0, st);
     if (p.notif.empty()) continue;
     if (!st.ok()) {
       p.xfer->resolve_part(0, Cancelled("notification not sent: the copy failed"));
       continue;
     }
-    hooks_->relay_notification(p.prep->peer, p.xfer, std::move(p.notif), this);
+    hooks_->relay_notification(p.peer, p.xfer, std::move(p.notif), this);
   }
 }
 
@@ -671,13 +779,14 @@ void CudaIpcTransport::on_revoke(const std::shared_ptr<CtlConn>& c, uint64_t reg
   maybe_release(o);  // at once, or when the last copy in flight completes
 }
 
-Result<std::shared_ptr<CtlConn>> CudaIpcTransport::ctl_to(const Peer& peer, const std::string& path) {
+Result<std::shared_ptr<CtlConn>> CudaIpcTransport::ctl_to(const Peer& peer, const std::string& path,
+                                                          Clock::time_point deadline) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     for (auto& c : ctl_)
       if (c->outbound && c->peer == peer.md.name && c->peer_instance == peer.md.instance_id && !c->dead) return c;
   }
-  auto fd = util::connect_unix(path);
+  auto fd = dial_ctl(path, deadline);
   if (!fd.ok())
     return Status(fd.status().code(), "cuda_ipc control connection to peer '" + peer.md.name + "': " +
                                           fd.status().message());
@@ -688,7 +797,6 @@ Result<std::shared_ptr<CtlConn>> CudaIpcTransport::ctl_to(const Peer& peer, cons
   const std::string where = "peer '" + peer.md.name + "' (cuda_ipc control " + path + ")";
   PDKV_RETURN_IF_ERROR(send_ctl(*c, Ctl::kHello, 0, body).with_context("hello to " + where));
   CtlHdr r{};
-  const auto deadline = util::deadline_after(kCtlTimeoutS);
   PDKV_RETURN_IF_ERROR(util::recv_all(c->fd.get(), &r, sizeof r, deadline).with_context("handshake with " + where));
   PDKV_RETURN_IF_ERROR(check_ctl_header(r, CtlSide::kImporterHello).with_context("handshake with " + where));
   std::string aux(r.aux_len, '\0');  // bounded by check_ctl_header

@@ -101,6 +101,7 @@ Result<HelloAck> parse_hello_ack(std::string_view aux) {
   PDKV_RETURN_IF_ERROR(r.get(&a.instance, "instance"));
   PDKV_RETURN_IF_ERROR(r.get(&a.pid, "pid"));
   PDKV_RETURN_IF_ERROR(r.get_str(&a.name, "name", kMaxNameLen));
+  PDKV_RETURN_IF_ERROR(r.expect_end("hello-ack"));
   if (a.pid == 0) return ProtocolError("hello-ack names pid 0");
   return a;
 }
