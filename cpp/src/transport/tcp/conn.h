@@ -1,0 +1,157 @@
+// One tcp connection: its socket, its send queue, the parts waiting for an answer
+// on it, and the state of the frame being received.
+//
+// Life: an outbound connection is dialled and authenticated by the posting thread
+// (handshake.h) before it is shared; an inbound one is accepted by the listener and
+// must say hello before hs_deadline. Either is then owned by one ProgressThread
+// (`owner`), which reads it, flushes its queued output and enforces its deadlines.
+// TcpTransport::kill() retires it exactly once (`dead`): every pending part is
+// resolved with the reason, queued output is dropped, and the socket lingers
+// (`draining`) so an error frame we sent is read before the peer sees a reset.
+//
+// Locks, one per side, each guarding the fields listed under it below:
+//   rx_mu  the receive state. Held by whoever reads the socket: the owner thread
+//          (try_lock: it skips a connection someone else is reading), a caller
+//          driving its own small transfer (TcpTransport::drive, try_lock), or
+//          kill()/the staging thread (blocking) to tear the connection down.
+//   pmu    the pending parts table.
+//   smu    the send queue and epoll interest.
+// `dead` is written with both pmu and smu held, so either one is enough to read it.
+//
+// Lock order (a thread holding one of these takes only locks further down):
+//   TcpConn::rx_mu  >  TcpTransport::mu_ (peers)  >  PeerConns::mu
+//                   >  TcpConn::pmu  >  TcpConn::smu
+//   ProgressThread::mu_, TcpPost::mu, the staging lock and Transfer's lock are
+//   leaves: nothing else is taken while one is held.
+// rx_mu is a plain mutex taken once per call chain: functions named *_locked
+// expect the caller to hold it (the receive path, the deadline scan, drive);
+// their plain twins take it. Two connections' rx_mu are never held together.
+//
+// Thread safety: see the lock of each field; the atomics are read without locks by
+// the owner's deadline scan.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cuda/staging.h"
+#include "pdkv/status.h"
+#include "pdkv/transfer.h"
+#include "transport/tcp/out_msg.h"
+#include "transport/tcp/transfer_parts.h"
+
+namespace pdkv::tcp {
+
+class ProgressThread;
+
+// Which part of a frame the receiver expects next.
+enum class RxStage { kHeader, kControl, kPayload };
+
+class TcpConn : public std::enable_shared_from_this<TcpConn> {
+ public:
+  TcpConn(int fd, bool outbound, std::string desc, std::string source = "")
+      : fd(fd), outbound(outbound), desc(std::move(desc)), source(std::move(source)) {}
+  ~TcpConn();
+  TcpConn(const TcpConn&) = delete;
+  TcpConn& operator=(const TcpConn&) = delete;
+
+  // ---- Pending parts (each takes pmu; the owner's npending follows the table).
+  // Adds `part` of transfer `xfer_id`; false when the connection is dead.
+  bool track(PendingPart part, uint64_t xfer_id);
+  // Removes the pending part (xfer, batch) into *out; false if there is none.
+  bool take_pending(uint64_t xfer, uint32_t batch, PendingPart* out);
+  // Copies the pending read part (xfer, batch) into *out, leaving it pending until
+  // its payload is in; false if there is none.
+  bool find_pending_read(uint64_t xfer, uint32_t batch, PendingPart* out);
+  // The id of a pending transfer past its deadline, 0 if none (looks only once
+  // the earliest deadline has passed).
+  uint64_t expired_transfer(Clock::time_point now);
+
+  // ---- Send side (each takes smu).
+  bool is_dead();
+  void set_kill_reason(Status why);
+  Status kill_reason();
+
+  // ---- Both tables (take pmu, then smu).
+  // Marks the connection dead and hands over what was in flight; false if it
+  // already was dead (kill() runs once).
+  bool retire(std::unordered_map<uint64_t, PendingPart>* pending, std::deque<std::unique_ptr<OutMsg>>* sq);
+  // Removes the not yet started request frames of transfer `id` from the send
+  // queue together with their pending parts, which are returned.
+  std::vector<PendingPart> drop_unsent(uint64_t id);
+
+  // ---- Receive side (caller holds rx_mu).
+  // True while a frame is partly received (its bytes must keep coming).
+  bool mid_frame() const { return stage != RxStage::kHeader || hdr_got != 0; }
+
+  // ---- Identity: set before the connection is shared.
+  int fd;                    // closed by the destructor, or by the owner once drained (-1)
+  const bool outbound;       // dialled by this agent (we are the initiator)
+  std::string desc;          // "peer 'x' at 1.2.3.4:5" for messages
+  const std::string source;  // inbound: the peer's IP address (authentication back-off)
+  std::string peer_name;     // remote agent's name once known
+  ProgressThread* owner = nullptr;
+  std::weak_ptr<PeerConns> pc;  // outbound: the slot table it sits in
+  uint32_t slot = 0;
+
+  // ---- Guarded by both pmu and smu (set while holding both).
+  bool dead = false;
+
+  // ---- Send side, guarded by smu.
+  std::mutex smu;
+  std::deque<std::unique_ptr<OutMsg>> sq;
+  size_t sq_cost = 0;   // sum of cost() over sq
+  bool want_out = false;
+  bool driven = false;  // a waiting caller is reading this connection (EPOLLIN off)
+  Clock::time_point tx_progress{};  // last time queued output moved (while want_out)
+  Status kill_reason_;              // why the owner should kill it (set with kill_requested)
+  // Deadline bookkeeping read by the owner's scan: output is stuck in sq (tx_blocked),
+  // or a frame is partly received (rx_mid) and rx_progress is when bytes last came.
+  std::atomic<bool> tx_blocked{false};
+  std::atomic<bool> rx_mid{false};
+  std::atomic<int64_t> rx_progress{0};
+  std::atomic<bool> rx_paused{false};  // back-pressure: too much output queued, EPOLLIN off
+  std::atomic<bool> kill_requested{false};
+
+  // ---- Pending parts (initiator side), guarded by pmu.
+  std::mutex pmu;
+  std::unordered_map<uint64_t, PendingPart> pending;               // by pending_key()
+  Clock::time_point earliest_deadline = Clock::time_point::max();  // of the parts in `pending`
+
+  // ---- Receive side, guarded by rx_mu (see the top of this file).
+  std::mutex rx_mu;
+  bool authed = false;
+  std::atomic<bool> draining{false};
+  Clock::time_point hs_deadline = Clock::time_point::max();  // hello, or end of draining
+  RxStage stage = RxStage::kHeader;
+  FrameHeader hdr{};  // next header being read
+  size_t hdr_got = 0;
+  FrameHeader cur{};  // frame being processed
+  std::string ctrl;   // its extents and aux
+  size_t ctrl_got = 0;
+  // Where its payload lands: dst[dst_idx] + dst_off onwards, `remaining` bytes.
+  std::vector<iovec> dst_own;
+  const iovec* dst = nullptr;
+  size_t ndst = 0;
+  size_t dst_idx = 0;
+  size_t dst_off = 0;
+  uint64_t remaining = 0;
+  std::vector<RegionPin> rx_pins;
+  GenPin rx_gens;           // blocks the write being received was checked against
+  Status rx_reject;         // the write's block generations failed: its payload is discarded
+  size_t rx_notif_off = 0;  // where the write's notification starts in ctrl
+  PendingPart rx_part;      // the read response being received
+  // Payload bound for device memory: received into pinned buffers, copied out
+  // (device_staging.h).
+  std::unique_ptr<cuda::ScatterPipe> rx_pipe;
+  bool rx_staged = false;
+  int cur_lowat = 1;  // SO_RCVLOWAT now set on fd
+};
+
+}  // namespace pdkv::tcp
