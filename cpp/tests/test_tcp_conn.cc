@@ -4,6 +4,7 @@
 // a socket pair or a scripted target on 127.0.0.1.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -148,15 +149,31 @@ std::shared_ptr<TcpPost> make_post(uint64_t id, Clock::time_point deadline) {
   return p;
 }
 
-std::unique_ptr<OutMsg> request(FrameType t, uint64_t id, uint32_t batch) {
+std::unique_ptr<OutMsg> request(FrameType t, uint64_t id, uint32_t batch, const std::string* payload = nullptr) {
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(t, id, batch);
+  if (payload) m->own_iov = {{const_cast<char*>(payload->data()), payload->size()}};
   m->finalize();
   return m;
 }
 
-// No socket and no owner thread: only the tables are exercised.
+// No socket and no owner thread: only the pending table is exercised.
 std::shared_ptr<TcpConn> detached_conn() { return std::make_shared<TcpConn>(-1, true, "test connection"); }
+
+// A connection on one end of a socket pair nobody reads, with a small send buffer:
+// a large first frame leaves partly and everything after it stays queued.
+struct BlockedConn {
+  SocketPair sp;
+  std::shared_ptr<TcpConn> conn;
+  std::string big = std::string(1 << 20, 'x');
+  BlockedConn() {
+    int small = 4096;
+    EXPECT_EQ(::setsockopt(sp.a, SOL_SOCKET, SO_SNDBUF, &small, sizeof small), 0);
+    EXPECT_EQ(::fcntl(sp.a, F_SETFL, O_NONBLOCK), 0);
+    conn = std::make_shared<TcpConn>(sp.a, true, "blocked connection");
+    sp.a = -1;  // the connection closes it
+  }
+};
 
 TEST(TcpConnTables, TakePendingReturnsThePartOnce) {
   auto c = detached_conn();
@@ -169,20 +186,20 @@ TEST(TcpConnTables, TakePendingReturnsThePartOnce) {
   EXPECT_EQ(out.bytes, 20u);
   EXPECT_FALSE(c->take_pending(5, 1, &out));
   EXPECT_FALSE(c->take_pending(6, 0, &out));
-  EXPECT_EQ(c->pending.size(), 1u);
+  EXPECT_EQ(c->pending_count(), 1u);
 }
 
 TEST(TcpConnTables, FindPendingReadOnlyFindsReadsAndLeavesThemPending) {
   auto c = detached_conn();
   auto post = make_post(5, Clock::now() + std::chrono::hours(1));
   iovec dst{nullptr, 0};
-  ASSERT_TRUE(c->track(PendingPart{post, 0, 10}, 5));            // a write
-  ASSERT_TRUE(c->track(PendingPart{post, 1, 10, &dst, 1}, 5));   // a read
+  ASSERT_TRUE(c->track(PendingPart{post, 0, 10}, 5));           // a write
+  ASSERT_TRUE(c->track(PendingPart{post, 1, 10, &dst, 1}, 5));  // a read
   PendingPart out;
   EXPECT_FALSE(c->find_pending_read(5, 0, &out));
   ASSERT_TRUE(c->find_pending_read(5, 1, &out));
   EXPECT_EQ(out.dst, &dst);
-  EXPECT_EQ(c->pending.size(), 2u);
+  EXPECT_EQ(c->pending_count(), 2u);
 }
 
 TEST(TcpConnTables, ExpiredTransferNamesThePastDeadline) {
@@ -194,44 +211,65 @@ TEST(TcpConnTables, ExpiredTransferNamesThePastDeadline) {
   EXPECT_EQ(c->expired_transfer(now), 2u);
 }
 
+TEST(TcpConnSend, AFullSocketQueuesTheRest) {
+  BlockedConn b;
+  EXPECT_EQ(b.conn->send(request(FrameType::kWrite, 5, 0, &b.big)), TcpConn::SendResult::kQueued);
+  EXPECT_EQ(b.conn->send(request(FrameType::kWrite, 5, 1)), TcpConn::SendResult::kQueued);
+  EXPECT_EQ(b.conn->queued_frames(), 2u);
+  EXPECT_FALSE(b.conn->flush());  // still blocked, nothing failed
+  EXPECT_EQ(b.conn->queued_frames(), 2u);
+  const auto now = Clock::now() + std::chrono::seconds(10);
+  EXPECT_TRUE(b.conn->output_stalled(now, std::chrono::seconds(5)));
+  EXPECT_FALSE(b.conn->output_stalled(now, std::chrono::seconds(60)));
+}
+
+TEST(TcpConnSend, AClosedPeerFailsTheSendWithTheReason) {
+  BlockedConn b;
+  ::close(b.sp.b);
+  b.sp.b = -1;
+  EXPECT_EQ(b.conn->send(request(FrameType::kNotify, 1, 0)), TcpConn::SendResult::kFailed);
+  const Status why = b.conn->kill_reason();
+  EXPECT_EQ(why.code(), StatusCode::kConnectionError);
+  EXPECT_NE(why.message().find("sending to blocked connection failed"), std::string::npos) << why.message();
+  EXPECT_TRUE(b.conn->flush());  // the owner must kill it
+}
+
 TEST(TcpConnTables, DropUnsentRemovesOnlyUnstartedRequestsOfThatTransfer) {
-  auto c = detached_conn();
+  BlockedConn b;
+  auto& c = b.conn;
   auto post = make_post(5, Clock::now() + std::chrono::hours(1));
-  for (uint32_t b = 0; b < 3; ++b) ASSERT_TRUE(c->track(PendingPart{post, b, 1}, 5));
-  c->sq.push_back(request(FrameType::kWrite, 5, 0));
-  c->sq.front()->sent = 1;  // partly on the wire: must finish
-  c->sq.push_back(request(FrameType::kWrite, 5, 1));
-  c->sq.push_back(request(FrameType::kReadReq, 5, 2));
-  c->sq.push_back(request(FrameType::kWrite, 6, 0));   // another transfer
-  c->sq.push_back(request(FrameType::kNotify, 5, 7));  // not a request
-  for (auto& m : c->sq) c->sq_cost += m->cost();
+  for (uint32_t i = 0; i < 3; ++i) ASSERT_TRUE(c->track(PendingPart{post, i, 1}, 5));
+  ASSERT_EQ(c->send(request(FrameType::kWrite, 5, 0, &b.big)), TcpConn::SendResult::kQueued);  // partly sent
+  c->send(request(FrameType::kWrite, 5, 1));
+  c->send(request(FrameType::kReadReq, 5, 2));
+  c->send(request(FrameType::kWrite, 6, 0));   // another transfer
+  c->send(request(FrameType::kNotify, 5, 7));  // not a request
   auto dropped = c->drop_unsent(5);
   ASSERT_EQ(dropped.size(), 2u);
   EXPECT_EQ(dropped[0].batch, 1u);
   EXPECT_EQ(dropped[1].batch, 2u);
-  ASSERT_EQ(c->sq.size(), 3u);
-  size_t cost = 0;
-  for (auto& m : c->sq) cost += m->cost();
-  EXPECT_EQ(c->sq_cost, cost);
-  EXPECT_EQ(c->pending.size(), 1u);
+  EXPECT_EQ(c->queued_frames(), 3u);
+  EXPECT_EQ(c->pending_count(), 1u);
 }
 
 TEST(TcpConnTables, RetireHandsOverEverythingOnceAndRefusesNewParts) {
-  auto c = detached_conn();
+  BlockedConn b;
+  auto& c = b.conn;
   auto post = make_post(5, Clock::now() + std::chrono::hours(1));
   ASSERT_TRUE(c->track(PendingPart{post, 0, 1}, 5));
-  c->sq.push_back(request(FrameType::kWrite, 5, 0));
-  c->sq_cost = c->sq.front()->cost();
+  ASSERT_EQ(c->send(request(FrameType::kWrite, 5, 0, &b.big)), TcpConn::SendResult::kQueued);
   std::unordered_map<uint64_t, PendingPart> pend;
   std::deque<std::unique_ptr<OutMsg>> sq;
   ASSERT_TRUE(c->retire(&pend, &sq));
   EXPECT_TRUE(c->is_dead());
   EXPECT_EQ(pend.size(), 1u);
   EXPECT_EQ(sq.size(), 1u);
-  EXPECT_EQ(c->sq_cost, 0u);
+  EXPECT_EQ(c->queued_frames(), 0u);
   EXPECT_FALSE(c->retire(&pend, &sq));
   EXPECT_FALSE(c->track(PendingPart{post, 1, 1}, 5));
+  EXPECT_EQ(c->send(request(FrameType::kWrite, 5, 1)), TcpConn::SendResult::kDead);
   EXPECT_TRUE(c->drop_unsent(5).empty());
+  EXPECT_FALSE(c->set_driven(true));
 }
 
 // ---------------------------------------------------------------- handshake

@@ -14,13 +14,15 @@
 //          (try_lock: it skips a connection someone else is reading), a caller
 //          driving its own small transfer (TcpTransport::drive, try_lock), or
 //          kill()/the staging thread (blocking) to tear the connection down.
-//   pmu    the pending parts table.
-//   smu    the send queue and epoll interest.
-// `dead` is written with both pmu and smu held, so either one is enough to read it.
+//   pmu_   the pending parts table.
+//   smu_   the send queue and epoll interest.
+// `dead_` is written with both pmu_ and smu_ held, so either one is enough to read it.
+// The send and pending sides are private: the methods below keep their invariants
+// (sq_cost_, the owner's npending and epoll interest) in step with the tables.
 //
 // Lock order (a thread holding one of these takes only locks further down):
 //   TcpConn::rx_mu  >  TcpTransport::mu_ (peers)  >  PeerConns::mu
-//                   >  TcpConn::pmu  >  TcpConn::smu
+//                   >  TcpConn::pmu_  >  TcpConn::smu_
 //   ProgressThread::mu_, TcpPost::mu, the staging lock and Transfer's lock are
 //   leaves: nothing else is taken while one is held.
 // rx_mu is a plain mutex taken once per call chain: functions named *_locked
@@ -50,6 +52,12 @@ namespace pdkv::tcp {
 
 class ProgressThread;
 
+// Back-pressure on an inbound connection: while more than this much bookkeeping
+// (iovecs, pins, aux) or this many frames wait to be sent, its requests are not read;
+// they wait in the peer's socket buffers, not in our memory.
+inline constexpr size_t kMaxQueuedCost = 8u << 20;
+inline constexpr size_t kMaxQueuedFrames = 256;
+
 // Which part of a frame the receiver expects next.
 enum class RxStage { kHeader, kControl, kPayload };
 
@@ -61,7 +69,8 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   TcpConn(const TcpConn&) = delete;
   TcpConn& operator=(const TcpConn&) = delete;
 
-  // ---- Pending parts (each takes pmu; the owner's npending follows the table).
+  // ---- Pending parts (each takes pmu_; the owner's npending follows the table).
+  size_t pending_count();
   // Adds `part` of transfer `xfer_id`; false when the connection is dead.
   bool track(PendingPart part, uint64_t xfer_id);
   // Removes the pending part (xfer, batch) into *out; false if there is none.
@@ -73,12 +82,34 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   // the earliest deadline has passed).
   uint64_t expired_transfer(Clock::time_point now);
 
-  // ---- Send side (each takes smu).
+  // ---- Send side (each takes smu_). The owner's epoll interest follows the queue:
+  // EPOLLOUT while output waits, EPOLLIN unless a caller drives the connection or
+  // back-pressure paused it.
+  enum class SendResult {
+    kSent,    // all of it left at once
+    kQueued,  // the rest leaves when the socket is writable (the owner flushes it)
+    kDead,    // dropped: the connection is dead, kill() resolved its parts
+    kFailed,  // the send failed: kill_reason() says why; the owner must kill it
+  };
+  // Queues `m`, sending at once when nothing is queued. An inbound connection whose
+  // queue passes kMaxQueuedCost / kMaxQueuedFrames stops being read (back-pressure).
+  SendResult send(std::unique_ptr<OutMsg> m);
+  // Sends queued output until the socket is full; reading resumes once the queue is
+  // half drained. True when the connection must be killed (a send failed).
+  bool flush();
+  // Sends `m` now if nothing is queued (best effort: an error frame before closing).
+  void send_if_idle(OutMsg& m);
+  // Queued output that did not move for `limit`.
+  bool output_stalled(Clock::time_point now, Clock::duration limit);
+  // A caller starts (true) or stops reading the connection itself, so the owner
+  // stops or resumes watching EPOLLIN. Starting fails on a dead connection.
+  bool set_driven(bool on);
+  size_t queued_frames();
   bool is_dead();
   void set_kill_reason(Status why);
   Status kill_reason();
 
-  // ---- Both tables (take pmu, then smu).
+  // ---- Both tables (take pmu_, then smu_).
   // Marks the connection dead and hands over what was in flight; false if it
   // already was dead (kill() runs once).
   bool retire(std::unordered_map<uint64_t, PendingPart>* pending, std::deque<std::unique_ptr<OutMsg>>* sq);
@@ -100,29 +131,13 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   std::weak_ptr<PeerConns> pc;  // outbound: the slot table it sits in
   uint32_t slot = 0;
 
-  // ---- Guarded by both pmu and smu (set while holding both).
-  bool dead = false;
-
-  // ---- Send side, guarded by smu.
-  std::mutex smu;
-  std::deque<std::unique_ptr<OutMsg>> sq;
-  size_t sq_cost = 0;   // sum of cost() over sq
-  bool want_out = false;
-  bool driven = false;  // a waiting caller is reading this connection (EPOLLIN off)
-  Clock::time_point tx_progress{};  // last time queued output moved (while want_out)
-  Status kill_reason_;              // why the owner should kill it (set with kill_requested)
-  // Deadline bookkeeping read by the owner's scan: output is stuck in sq (tx_blocked),
-  // or a frame is partly received (rx_mid) and rx_progress is when bytes last came.
+  // Deadline bookkeeping read by the owner's scan: output is stuck in the send
+  // queue (tx_blocked), or a frame is partly received (rx_mid) and rx_progress is
+  // when bytes last came.
   std::atomic<bool> tx_blocked{false};
   std::atomic<bool> rx_mid{false};
   std::atomic<int64_t> rx_progress{0};
   std::atomic<bool> rx_paused{false};  // back-pressure: too much output queued, EPOLLIN off
-  std::atomic<bool> kill_requested{false};
-
-  // ---- Pending parts (initiator side), guarded by pmu.
-  std::mutex pmu;
-  std::unordered_map<uint64_t, PendingPart> pending;               // by pending_key()
-  Clock::time_point earliest_deadline = Clock::time_point::max();  // of the parts in `pending`
 
   // ---- Receive side, guarded by rx_mu (see the top of this file).
   std::mutex rx_mu;
@@ -152,6 +167,28 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   std::unique_ptr<cuda::ScatterPipe> rx_pipe;
   bool rx_staged = false;
   int cur_lowat = 1;  // SO_RCVLOWAT now set on fd
+
+ private:
+  // Re-registers the owner's epoll interest from the state below (holds smu_).
+  void update_interest_locked();
+
+  // ---- Guarded by both pmu_ and smu_ (set while holding both).
+  bool dead_ = false;
+
+  // ---- Send side, guarded by smu_.
+  std::mutex smu_;
+  std::deque<std::unique_ptr<OutMsg>> sq_;
+  size_t sq_cost_ = 0;   // sum of cost() over sq_
+  bool want_out_ = false;
+  bool driven_ = false;  // a waiting caller is reading this connection (EPOLLIN off)
+  Clock::time_point tx_progress_{};  // last time queued output moved (while want_out_)
+  Status kill_reason_;               // why the owner should kill it
+  bool kill_requested_ = false;      // a send failed: the owner must kill it
+
+  // ---- Pending parts (initiator side), guarded by pmu_.
+  std::mutex pmu_;
+  std::unordered_map<uint64_t, PendingPart> pending_;               // by pending_key()
+  Clock::time_point earliest_deadline_ = Clock::time_point::max();  // of the parts in pending_
 };
 
 }  // namespace pdkv::tcp

@@ -7,7 +7,7 @@
 // send_some() writes as much as a non-blocking socket takes and remembers where it
 // stopped, so a frame can be finished later by the connection's owner thread.
 //
-// Thread safety: an OutMsg is owned by one send queue (TcpConn::sq, under smu).
+// Thread safety: an OutMsg is owned by one send queue (TcpConn::sq_, under smu_).
 #pragma once
 
 #include <sys/uio.h>

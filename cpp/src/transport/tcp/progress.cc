@@ -21,10 +21,6 @@ namespace {
 
 using util::errno_str;
 
-// Back-pressure on an inbound connection: while more than this much bookkeeping
-// (iovecs, pins, aux) or this many frames wait to be sent, its requests are not read.
-constexpr size_t kMaxQueuedCost = 8u << 20;
-constexpr size_t kMaxQueuedFrames = 256;
 // The listener, out of file descriptors, stops watching for this long when it
 // cannot even shed the pending connection.
 constexpr auto kListenPause = std::chrono::milliseconds(100);
@@ -100,10 +96,9 @@ void ProgressThread::add(const std::shared_ptr<TcpConn>& c, bool handshake) {
   if (handshake) wake();  // start the handshake timer
 }
 
-void ProgressThread::set_interest(TcpConn& c) {
+void ProgressThread::set_interest(TcpConn& c, bool in, bool out) {
   epoll_event ev{};
-  const bool in = !c.driven && !c.rx_paused.load(std::memory_order_acquire);
-  ev.events = (in ? uint32_t(EPOLLIN | EPOLLRDHUP) : 0u) | (c.want_out ? uint32_t(EPOLLOUT) : 0u);
+  ev.events = (in ? uint32_t(EPOLLIN | EPOLLRDHUP) : 0u) | (out ? uint32_t(EPOLLOUT) : 0u);
   ev.data.ptr = &c;
   epoll_ctl(epfd_, EPOLL_CTL_MOD, c.fd, &ev);
 }
@@ -117,43 +112,8 @@ void ProgressThread::request_kill(const std::shared_ptr<TcpConn>& c) {
 }
 
 void ProgressThread::enqueue(const std::shared_ptr<TcpConn>& c, std::unique_ptr<OutMsg> m) {
-  bool failed = false;
-  {
-    std::lock_guard<std::mutex> lk(c->smu);
-    if (c->dead) return;  // tracked parts are resolved by kill()
-    if (c->sq.empty()) {
-      int err = 0;
-      int r = send_some(c->fd, *m, &err);
-      if (r == 1) return;
-      if (r < 0) {
-        c->kill_reason_ = ConnectionError("sending to " + c->desc + " failed: " + errno_str(err));
-        c->kill_requested = true;
-        c->sq_cost += m->cost();
-        c->sq.push_back(std::move(m));
-        failed = true;
-      }
-    }
-    if (!failed) {
-      c->sq_cost += m->cost();
-      c->sq.push_back(std::move(m));
-      bool changed = false;
-      if (!c->want_out) {
-        c->want_out = true;
-        c->tx_progress = Clock::now();
-        watch(c->tx_blocked, true);
-        changed = true;
-      }
-      // Back-pressure: a peer that sends requests but does not read the answers stops
-      // being read; its requests wait in its own socket buffers, not in our memory.
-      if (!c->outbound && !c->rx_paused.load() && (c->sq_cost > kMaxQueuedCost || c->sq.size() > kMaxQueuedFrames)) {
-        c->rx_paused = true;
-        changed = true;
-      }
-      if (changed) set_interest(*c);
-    }
-  }
-  // Outside smu: mu_ is a leaf lock.
-  if (failed) request_kill(c);
+  // After c's send lock is released: mu_ is a leaf lock.
+  if (c->send(std::move(m)) == TcpConn::SendResult::kFailed) request_kill(c);
 }
 
 void ProgressThread::run() {
@@ -310,42 +270,8 @@ void ProgressThread::resume_listener() {
   listen_paused_ = false;
 }
 
-void ProgressThread::flush(const std::shared_ptr<TcpConn>& cp) {
-  TcpConn& c = *cp;
-  {
-    std::lock_guard<std::mutex> lk(c.smu);
-    if (c.dead) return;
-    c.tx_progress = Clock::now();  // writable: the peer is reading
-    bool blocked = false;
-    while (!c.sq.empty()) {
-      int err = 0;
-      int r = send_some(c.fd, *c.sq.front(), &err);
-      if (r == 0) {
-        blocked = true;  // EPOLLOUT stays armed
-        break;
-      }
-      if (r < 0) {
-        c.kill_reason_ = ConnectionError("sending to " + c.desc + " failed: " + errno_str(err));
-        c.kill_requested = true;
-        break;
-      }
-      c.sq_cost -= c.sq.front()->cost();
-      c.sq.pop_front();  // sent: pins (read responses) are released here
-    }
-    bool changed = false;
-    if (c.rx_paused.load() && c.sq_cost <= kMaxQueuedCost / 2 && c.sq.size() <= kMaxQueuedFrames / 2) {
-      c.rx_paused = false;  // back-pressure over: read requests again
-      changed = true;
-    }
-    if (!blocked && c.want_out) {
-      c.want_out = false;
-      watch(c.tx_blocked, false);
-      changed = true;
-    }
-    if (changed) set_interest(c);
-    if (blocked || !c.kill_requested) return;
-  }
-  request_kill(cp);  // outside smu: mu_ is a leaf lock
+void ProgressThread::flush(const std::shared_ptr<TcpConn>& c) {
+  if (c->flush()) request_kill(c);
 }
 
 void ProgressThread::drain(const std::shared_ptr<TcpConn>& c) {
@@ -431,11 +357,9 @@ Status ProgressThread::frame_stalled(TcpConn& c, Clock::time_point now) {
       return TimeoutError(c.desc + " stopped sending in the middle of a frame (no byte for " +
                           std::to_string(t_->opts().frame_timeout_s) + " s)");
   }
-  if (c.tx_blocked.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> lk(c.smu);
-    if (c.want_out && now - c.tx_progress >= limit)
-      return TimeoutError(c.desc + " stopped reading: queued frames did not move for " +
-                          std::to_string(t_->opts().frame_timeout_s) + " s");
+  if (c.tx_blocked.load(std::memory_order_acquire) && c.output_stalled(now, limit)) {
+    return TimeoutError(c.desc + " stopped reading: queued frames did not move for " +
+                        std::to_string(t_->opts().frame_timeout_s) + " s");
   }
   return Status::Ok();
 }

@@ -8,9 +8,8 @@
 // keeps waking every 20 ms for a while (deadlines, cheap next post); a fully idle
 // agent blocks in epoll_wait.
 //
-// Back-pressure: an inbound peer whose answers pile up (kMaxQueuedCost bytes of
-// bookkeeping or kMaxQueuedFrames frames) stops being read until half drained; its
-// requests wait in its own socket buffers, not in our memory.
+// Back-pressure: an inbound peer whose answers pile up (conn.h kMaxQueuedCost,
+// kMaxQueuedFrames) is taken off EPOLLIN until its queue is half drained by flush().
 //
 // Deadlines (scan_deadlines, every 10 ms while anything is watched): an inbound
 // connection must finish its hello by hs_deadline; a half-received frame or stuck
@@ -18,8 +17,8 @@
 // transfer's deadline.
 //
 // Thread safety: start/stop from the transport's owner; add, wake, request_kill,
-// enqueue, set_interest (with c.smu) and watch from any thread; the rest runs on
-// this thread, or on a thread holding the connection's rx_mu (conn.h).
+// enqueue, set_interest (by c, under its send lock) and watch from any thread; the
+// rest runs on this thread, or on a thread holding the connection's rx_mu (conn.h).
 #pragma once
 
 #include <atomic>
@@ -59,19 +58,18 @@ class ProgressThread {
   // Takes ownership of c's events. `handshake`: an inbound connection that must say
   // hello before c->hs_deadline (decided by the caller, which owns c until now).
   void add(const std::shared_ptr<TcpConn>& c, bool handshake);
-  // Queues `m` on c (owned by this thread), sending at once when nothing is queued;
-  // dropped if c is dead (its parts are resolved by kill()).
+  // Queues `m` on c (owned by this thread), sending at once when nothing is queued
+  // (TcpConn::send); dropped if c is dead (its parts are resolved by kill()).
   void enqueue(const std::shared_ptr<TcpConn>& c, std::unique_ptr<OutMsg> m);
   // Asks this thread to kill c with c's kill_reason (or a generic one).
   void request_kill(const std::shared_ptr<TcpConn>& c);
-  // Re-registers c's epoll interest from c.want_out, c.driven and c.rx_paused
-  // (caller holds c.smu).
-  void set_interest(TcpConn& c);
+  // Watches c for reading (`in`) and writing (`out`); called by c under its send lock.
+  void set_interest(TcpConn& c, bool in, bool out);
   // Receives what c has, then records whether a frame is left half-read (its
   // deadline). Caller holds c->rx_mu.
   void on_readable(const std::shared_ptr<TcpConn>& c);
   // Timeout if c has a half-read frame or stuck output that did not move for
-  // frame_timeout_s; OK otherwise. Takes c.smu.
+  // frame_timeout_s; OK otherwise.
   Status frame_stalled(TcpConn& c, Clock::time_point now);
   // Sets a deadline flag of a connection (rx_mid, tx_blocked), counting the set ones
   // so the thread keeps scanning deadlines while any is.

@@ -325,15 +325,8 @@ void TcpTransport::kill_locked(const std::shared_ptr<TcpConn>& c, const Status& 
 void TcpTransport::fail_conn_locked(const std::shared_ptr<TcpConn>& c, const Status& st, uint64_t xfer,
                                     uint32_t batch) {
   log_rejected("closing " + c->desc + ": " + st.to_string());
-  {
-    // Best effort: tell the peer why, unless output is already queued.
-    std::lock_guard<std::mutex> lk(c->smu);
-    if (!c->dead && c->sq.empty()) {
-      OutMsg m = error_frame(st, xfer, batch);
-      int err = 0;
-      send_some(c->fd, m, &err);
-    }
-  }
+  OutMsg m = error_frame(st, xfer, batch);
+  c->send_if_idle(m);  // best effort: tell the peer why, unless output is already queued
   kill_locked(c, st);
 }
 
@@ -534,12 +527,7 @@ void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::
                          uint32_t spin_us) {
   std::unique_lock<std::mutex> rl(c->rx_mu, std::try_to_lock);
   if (!rl || c->fd < 0 || c->draining) return;
-  {
-    std::lock_guard<std::mutex> lk(c->smu);
-    if (c->dead) return;
-    c->driven = true;  // the owner thread stops watching EPOLLIN while we read
-    c->owner->set_interest(*c);
-  }
+  if (!c->set_driven(true)) return;  // the owner thread stops watching EPOLLIN while we read
   deadline = std::min(deadline, x.deadline());
   const auto spin_end = Clock::now() + std::chrono::microseconds(spin_us);
   while (!x.terminal() && c->fd >= 0 && !c->draining) {
@@ -561,9 +549,7 @@ void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::
     const int r = ::poll(&pf, 1, timeout);
     if (r > 0) c->owner->on_readable(c);
   }
-  std::lock_guard<std::mutex> lk(c->smu);
-  c->driven = false;
-  if (!c->dead && c->fd >= 0) c->owner->set_interest(*c);
+  c->set_driven(false);
 }
 
 // ---------------------------------------------------------------- registration
