@@ -9,6 +9,15 @@
 
 namespace pdkv::tcp {
 
+void RxState::abandon() {
+  if (pipe) pipe->abandon();
+  staged = false;
+  pins.clear();
+  gens.reset();
+  reject = Status::Ok();
+  read_part = PendingPart{};
+}
+
 TcpConn::~TcpConn() {
   if (fd >= 0) ::close(fd);
 }

@@ -61,6 +61,40 @@ inline constexpr size_t kMaxQueuedFrames = 256;
 // Which part of a frame the receiver expects next.
 enum class RxStage { kHeader, kControl, kPayload };
 
+// The frame arriving on a connection, as FrameReceiver (receiver.h) reads it.
+// Guarded by the connection's rx_mu.
+struct RxState {
+  RxStage stage = RxStage::kHeader;
+  FrameHeader hdr{};  // next header being read
+  size_t hdr_got = 0;
+  FrameHeader cur{};  // frame being processed
+  std::string ctrl;   // its extents and aux
+  size_t ctrl_got = 0;
+  // Where its payload lands: dst[dst_idx] + dst_off onwards, `remaining` bytes.
+  std::vector<iovec> dst_own;
+  const iovec* dst = nullptr;
+  size_t ndst = 0;
+  size_t dst_idx = 0;
+  size_t dst_off = 0;
+  uint64_t remaining = 0;
+  std::vector<RegionPin> pins;  // the write's destination regions
+  GenPin gens;                  // blocks the write being received was checked against
+  Status reject;                // the write's block generations failed: its payload is discarded
+  size_t notif_off = 0;         // where the write's notification starts in ctrl
+  PendingPart read_part;        // the read response being received
+  // Payload bound for device memory: received into pinned buffers, copied out
+  // (device_staging.h).
+  std::unique_ptr<cuda::ScatterPipe> pipe;
+  bool staged = false;
+  int cur_lowat = 1;  // SO_RCVLOWAT now set on the socket
+
+  // True while a frame is partly received (its bytes must keep coming).
+  bool mid_frame() const { return stage != RxStage::kHeader || hdr_got != 0; }
+  // Lets go of what a killed connection was receiving: no device copy may land
+  // after this, pins and block generations are released.
+  void abandon();
+};
+
 class TcpConn : public std::enable_shared_from_this<TcpConn> {
  public:
   TcpConn(int fd, bool outbound, std::string desc, std::string source = "")
@@ -117,10 +151,6 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   // queue together with their pending parts, which are returned.
   std::vector<PendingPart> drop_unsent(uint64_t id);
 
-  // ---- Receive side (caller holds rx_mu).
-  // True while a frame is partly received (its bytes must keep coming).
-  bool mid_frame() const { return stage != RxStage::kHeader || hdr_got != 0; }
-
   // ---- Identity: set before the connection is shared.
   int fd;                    // closed by the destructor, or by the owner once drained (-1)
   const bool outbound;       // dialled by this agent (we are the initiator)
@@ -144,29 +174,7 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   bool authed = false;
   std::atomic<bool> draining{false};
   Clock::time_point hs_deadline = Clock::time_point::max();  // hello, or end of draining
-  RxStage stage = RxStage::kHeader;
-  FrameHeader hdr{};  // next header being read
-  size_t hdr_got = 0;
-  FrameHeader cur{};  // frame being processed
-  std::string ctrl;   // its extents and aux
-  size_t ctrl_got = 0;
-  // Where its payload lands: dst[dst_idx] + dst_off onwards, `remaining` bytes.
-  std::vector<iovec> dst_own;
-  const iovec* dst = nullptr;
-  size_t ndst = 0;
-  size_t dst_idx = 0;
-  size_t dst_off = 0;
-  uint64_t remaining = 0;
-  std::vector<RegionPin> rx_pins;
-  GenPin rx_gens;           // blocks the write being received was checked against
-  Status rx_reject;         // the write's block generations failed: its payload is discarded
-  size_t rx_notif_off = 0;  // where the write's notification starts in ctrl
-  PendingPart rx_part;      // the read response being received
-  // Payload bound for device memory: received into pinned buffers, copied out
-  // (device_staging.h).
-  std::unique_ptr<cuda::ScatterPipe> rx_pipe;
-  bool rx_staged = false;
-  int cur_lowat = 1;  // SO_RCVLOWAT now set on fd
+  RxState rx;
 
  private:
   // Re-registers the owner's epoll interest from the state below (holds smu_).

@@ -315,7 +315,8 @@ void ProgressThread::scan_deadlines() {
       continue;
     }
     if (!c->authed && !c->outbound) {
-      if (now >= c->hs_deadline) doomed.push_back({c, TimeoutError(c->desc + " did not complete the handshake in time")});
+      if (now >= c->hs_deadline)
+        doomed.push_back({c, TimeoutError(c->desc + " did not complete the handshake in time")});
       continue;  // a half-sent hello is bounded by the handshake deadline
     }
     Status stalled = frame_stalled(*c, now);
@@ -369,7 +370,7 @@ void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
   if (c->fd < 0 || c->draining) return;  // closed
   // A half-read frame (header, control or payload) must keep moving: scan_deadlines
   // closes the connection after frame_timeout_s without a byte.
-  const bool mid = c->mid_frame();
+  const bool mid = c->rx.mid_frame();
   if (got > 0 || !mid) c->rx_progress.store(Clock::now().time_since_epoch().count(), std::memory_order_release);
   watch(c->rx_mid, mid);
 }

@@ -55,11 +55,11 @@ uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
   while (c->fd >= 0 && !c->draining && budget > 0 && !c->rx_paused.load(std::memory_order_acquire)) {
     bool stop = false;
     ssize_t r = 0;
-    switch (c->stage) {
+    switch (c->rx.stage) {
       case RxStage::kHeader: r = read_header(c, &stop); break;
       case RxStage::kControl: r = read_control(c, &stop); break;
       case RxStage::kPayload:
-        r = c->rx_staged ? read_staged_payload(c, &budget, &stop) : read_payload(c, &budget, &stop);
+        r = c->rx.staged ? read_staged_payload(c, &budget, &stop) : read_payload(c, &budget, &stop);
         break;
     }
     if (r > 0) {
@@ -68,15 +68,15 @@ uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
       continue;
     }
     if (r == 0) {
-      t_.kill_locked(c, ConnectionError(c->mid_frame() ? c->desc + " closed the connection in the middle of a frame"
+      t_.kill_locked(c, ConnectionError(c->rx.mid_frame() ? c->desc + " closed the connection in the middle of a frame"
                                                        : c->desc + " closed the connection"));
       return got;
     }
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (c->stage == RxStage::kPayload && t_.opts().rcvlowat_bytes > 0) {
+      if (c->rx.stage == RxStage::kPayload && t_.opts().rcvlowat_bytes > 0) {
         set_lowat(*c, static_cast<int>(std::max<uint64_t>(
-                          1, std::min<uint64_t>(t_.opts().rcvlowat_bytes, c->remaining / 2))));
+                          1, std::min<uint64_t>(t_.opts().rcvlowat_bytes, c->rx.remaining / 2))));
       }
       return got;
     }
@@ -87,19 +87,19 @@ uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
 }
 
 ssize_t FrameReceiver::read_header(const std::shared_ptr<TcpConn>& c, bool* stop) {
-  ssize_t r = ::recv(c->fd, reinterpret_cast<char*>(&c->hdr) + c->hdr_got, kHdr - c->hdr_got, MSG_DONTWAIT);
+  ssize_t r = ::recv(c->fd, reinterpret_cast<char*>(&c->rx.hdr) + c->rx.hdr_got, kHdr - c->rx.hdr_got, MSG_DONTWAIT);
   if (r > 0) {
-    c->hdr_got += static_cast<size_t>(r);
-    if (c->hdr_got == kHdr && !on_header(c)) *stop = true;
+    c->rx.hdr_got += static_cast<size_t>(r);
+    if (c->rx.hdr_got == kHdr && !on_header(c)) *stop = true;
   }
   return r;
 }
 
 ssize_t FrameReceiver::read_control(const std::shared_ptr<TcpConn>& c, bool* stop) {
-  ssize_t r = ::recv(c->fd, c->ctrl.data() + c->ctrl_got, c->ctrl.size() - c->ctrl_got, MSG_DONTWAIT);
+  ssize_t r = ::recv(c->fd, c->rx.ctrl.data() + c->rx.ctrl_got, c->rx.ctrl.size() - c->rx.ctrl_got, MSG_DONTWAIT);
   if (r > 0) {
-    c->ctrl_got += static_cast<size_t>(r);
-    if (c->ctrl_got == c->ctrl.size() && !on_control(c)) *stop = true;
+    c->rx.ctrl_got += static_cast<size_t>(r);
+    if (c->rx.ctrl_got == c->rx.ctrl.size() && !on_control(c)) *stop = true;
   }
   return r;
 }
@@ -108,57 +108,57 @@ ssize_t FrameReceiver::read_control(const std::shared_ptr<TcpConn>& c, bool* sto
 ssize_t FrameReceiver::read_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop) {
   iovec iov[kIovMax];
   int n = 0;
-  size_t i = c->dst_idx;
-  for (; i < c->ndst && n < kIovMax - 1; ++i) {
-    size_t off = (i == c->dst_idx) ? c->dst_off : 0;
-    iov[n].iov_base = static_cast<char*>(c->dst[i].iov_base) + off;
-    iov[n].iov_len = c->dst[i].iov_len - off;
+  size_t i = c->rx.dst_idx;
+  for (; i < c->rx.ndst && n < kIovMax - 1; ++i) {
+    size_t off = (i == c->rx.dst_idx) ? c->rx.dst_off : 0;
+    iov[n].iov_base = static_cast<char*>(c->rx.dst[i].iov_base) + off;
+    iov[n].iov_len = c->rx.dst[i].iov_len - off;
     ++n;
   }
-  const bool last = (i == c->ndst);
-  if (last) iov[n++] = {&c->hdr, kHdr};  // pick up the next header in the same call
+  const bool last = (i == c->rx.ndst);
+  if (last) iov[n++] = {&c->rx.hdr, kHdr};  // pick up the next header in the same call
   msghdr mh{};
   mh.msg_iov = iov;
   mh.msg_iovlen = static_cast<size_t>(n);
   ssize_t r = ::recvmsg(c->fd, &mh, MSG_DONTWAIT);
   if (r <= 0) return r;
   *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
-  uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), c->remaining);
+  uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), c->rx.remaining);
   uint64_t extra = static_cast<uint64_t>(r) - take;
-  c->remaining -= take;
+  c->rx.remaining -= take;
   while (take > 0) {
-    size_t left = c->dst[c->dst_idx].iov_len - c->dst_off;
+    size_t left = c->rx.dst[c->rx.dst_idx].iov_len - c->rx.dst_off;
     if (take >= left) {
       take -= left;
-      ++c->dst_idx;
-      c->dst_off = 0;
+      ++c->rx.dst_idx;
+      c->rx.dst_off = 0;
     } else {
-      c->dst_off += take;
+      c->rx.dst_off += take;
       take = 0;
     }
   }
-  if (c->remaining == 0) {
-    c->hdr_got = extra;
+  if (c->rx.remaining == 0) {
+    c->rx.hdr_got = extra;
     on_payload_done(c);
-    if (c->fd < 0 || (c->hdr_got == kHdr && !on_header(c))) *stop = true;
+    if (c->fd < 0 || (c->rx.hdr_got == kHdr && !on_header(c))) *stop = true;
   }
   return r;
 }
 
 // Into the pinned buffer the ScatterPipe offers; it copies full ones to the GPU.
 ssize_t FrameReceiver::read_staged_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop) {
-  const iovec sp = c->rx_pipe->space();
+  const iovec sp = c->rx.pipe->space();
   ssize_t r = ::recv(c->fd, sp.iov_base, sp.iov_len, MSG_DONTWAIT);
   if (r <= 0) return r;
   *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
-  c->remaining -= static_cast<uint64_t>(r);
-  Status st = c->rx_pipe->received(static_cast<uint64_t>(r));
+  c->rx.remaining -= static_cast<uint64_t>(r);
+  Status st = c->rx.pipe->received(static_cast<uint64_t>(r));
   if (!st.ok()) {
     staged_rx_failed(c, st);
     *stop = true;
     return r;
   }
-  if (c->remaining == 0) {
+  if (c->rx.remaining == 0) {
     on_payload_done(c);
     if (c->fd < 0) *stop = true;
   }
@@ -166,8 +166,8 @@ ssize_t FrameReceiver::read_staged_payload(const std::shared_ptr<TcpConn>& c, ui
 }
 
 void FrameReceiver::set_lowat(TcpConn& c, int v) {
-  if (v == c.cur_lowat) return;
-  if (::setsockopt(c.fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) c.cur_lowat = v;
+  if (v == c.rx.cur_lowat) return;
+  if (::setsockopt(c.fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) c.rx.cur_lowat = v;
 }
 
 void FrameReceiver::reply(const std::shared_ptr<TcpConn>& c, std::unique_ptr<OutMsg> m) {
@@ -177,9 +177,9 @@ void FrameReceiver::reply(const std::shared_ptr<TcpConn>& c, std::unique_ptr<Out
 // ---------------------------------------------------------------- headers
 
 bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
-  c->cur = c->hdr;
-  c->hdr_got = 0;
-  const FrameHeader& h = c->cur;
+  c->rx.cur = c->rx.hdr;
+  c->rx.hdr_got = 0;
+  const FrameHeader& h = c->rx.cur;
   // One place decides what may arrive here, and how large, before anything is
   // allocated (frame.h, docs/wire.md).
   const ConnState state{c->outbound ? ConnRole::kOutbound : ConnRole::kInbound,
@@ -200,7 +200,7 @@ bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
       }
       t_.resolve(part, part.bytes,
                  h.status == 0 ? Status::Ok() : Status(status_code_from_wire(h.status), "peer reported failure"));
-      c->stage = RxStage::kHeader;
+      c->rx.stage = RxStage::kHeader;
       return true;
     }
     case FrameType::kReadResp:
@@ -210,31 +210,31 @@ bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
   }
   const uint64_t ctrl = control_bytes(h);  // bounded by check_header
   if (ctrl == 0) return on_control(c);
-  c->ctrl.resize(ctrl);
-  c->ctrl_got = 0;
-  c->stage = RxStage::kControl;
+  c->rx.ctrl.resize(ctrl);
+  c->rx.ctrl_got = 0;
+  c->rx.stage = RxStage::kControl;
   return true;
 }
 
 bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader& h = c->cur;
+  const FrameHeader& h = c->rx.cur;
   auto bad = [&](const std::string& why) {
     t_.fail_conn_locked(c, ProtocolError(why), h.xfer_id, h.batch);
     return false;
   };
-  if (!c->find_pending_read(h.xfer_id, h.batch, &c->rx_part))
+  if (!c->find_pending_read(h.xfer_id, h.batch, &c->rx.read_part))
     return bad("read response for unknown transfer " + std::to_string(h.xfer_id));
-  if (h.payload != c->rx_part.bytes)
+  if (h.payload != c->rx.read_part.bytes)
     return bad("read response carries " + std::to_string(h.payload) + " bytes, expected " +
-               std::to_string(c->rx_part.bytes));
-  c->dst = c->rx_part.dst;
-  c->ndst = c->rx_part.ndst;
-  c->dst_idx = 0;
-  c->dst_off = 0;
-  c->remaining = h.payload;
-  c->stage = RxStage::kPayload;
-  if (c->rx_part.post->prep->staged) {
-    Status st = begin_staged_rx(*c, c->rx_part.post->prep->device);
+               std::to_string(c->rx.read_part.bytes));
+  c->rx.dst = c->rx.read_part.dst;
+  c->rx.ndst = c->rx.read_part.ndst;
+  c->rx.dst_idx = 0;
+  c->rx.dst_off = 0;
+  c->rx.remaining = h.payload;
+  c->rx.stage = RxStage::kPayload;
+  if (c->rx.read_part.post->prep->staged) {
+    Status st = begin_staged_rx(*c, c->rx.read_part.post->prep->device);
     if (!st.ok()) {
       t_.kill_locked(c, st.with_context("receiving a read response into device memory"));
       return false;
@@ -246,8 +246,8 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
 // ---------------------------------------------------------------- control frames
 
 bool FrameReceiver::on_control(const std::shared_ptr<TcpConn>& c) {
-  c->stage = RxStage::kHeader;
-  switch (static_cast<FrameType>(c->cur.type)) {
+  c->rx.stage = RxStage::kHeader;
+  switch (static_cast<FrameType>(c->rx.cur.type)) {
     case FrameType::kHello: return on_hello(c);
     case FrameType::kMetaReq: return on_metadata_request(c);
     case FrameType::kWrite:
@@ -256,7 +256,7 @@ bool FrameReceiver::on_control(const std::shared_ptr<TcpConn>& c) {
     case FrameType::kNotify: return on_notify(c);
     case FrameType::kError: return on_error(c);
     default:
-      t_.fail_conn_locked(c, Internal("unhandled frame type " + std::to_string(c->cur.type)));
+      t_.fail_conn_locked(c, Internal("unhandled frame type " + std::to_string(c->rx.cur.type)));
       return false;
   }
 }
@@ -269,10 +269,11 @@ bool FrameReceiver::on_hello(const std::shared_ptr<TcpConn>& c) {
   if (wait > 0) {
     char left[32];
     snprintf(left, sizeof left, "%.1f", wait);
-    t_.fail_conn_locked(c, AuthFailed("too many failed authentications from " + c->source + "; retry in " + left + " s"));
+    t_.fail_conn_locked(
+        c, AuthFailed("too many failed authentications from " + c->source + "; retry in " + left + " s"));
     return false;
   }
-  auto body = decode_hello(c->ctrl);
+  auto body = decode_hello(c->rx.ctrl);
   if (!body.ok()) {
     const Status& e = body.status();
     t_.fail_conn_locked(c, e.code() == StatusCode::kVersionMismatch
@@ -323,7 +324,7 @@ bool FrameReceiver::on_metadata_request(const std::shared_ptr<TcpConn>& c) {
 bool FrameReceiver::on_data_request(const std::shared_ptr<TcpConn>& c) {
   Request req;
   if (!decode_request(c, &req)) return false;
-  if (static_cast<FrameType>(c->cur.type) == FrameType::kReadReq) {
+  if (static_cast<FrameType>(c->rx.cur.type) == FrameType::kReadReq) {
     answer_read(c, std::move(req));
     return true;
   }
@@ -331,10 +332,10 @@ bool FrameReceiver::on_data_request(const std::shared_ptr<TcpConn>& c) {
 }
 
 bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* req) {
-  const FrameHeader& h = c->cur;
+  const FrameHeader& h = c->rx.cur;
   const bool is_write = static_cast<FrameType>(h.type) == FrameType::kWrite;
   AgentHooks* hooks = t_.hooks();
-  const auto* d = reinterpret_cast<const WireExtent*>(c->ctrl.data());
+  const auto* d = reinterpret_cast<const WireExtent*>(c->rx.ctrl.data());
   const uint32_t n = h.count;
   req->iov.reserve(n);
   // Consecutive extents of one region share its pin.
@@ -379,10 +380,10 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
   auto sizes = check_extents(d, n, h);
   if (!sizes.ok()) return protocol_error(sizes.status());
   req->bytes = *sizes;
-  const std::string_view aux = std::string_view(c->ctrl).substr(size_t(n) * sizeof(WireExtent));
+  const std::string_view aux = std::string_view(c->rx.ctrl).substr(size_t(n) * sizeof(WireExtent));
   auto parts = split_data_aux(h, aux);
   if (!parts.ok()) return protocol_error(parts.status());
-  c->rx_notif_off = c->ctrl.size() - parts->notif.size();
+  c->rx.notif_off = c->rx.ctrl.size() - parts->notif.size();
   // Block generations: checked (and the blocks pinned) before a byte lands or is
   // sent. A stale claim fails this part only.
   if (h.flags & kFlagGens) {
@@ -399,7 +400,7 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
 }
 
 void FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) {
-  const FrameHeader& h = c->cur;
+  const FrameHeader& h = c->rx.cur;
   if (!req.reject.ok()) return reply(c, failed_ack(h, req.reject));
   if (req.device >= 0) {
     // Gathered from the GPU on the staging thread, which sends the response.
@@ -418,22 +419,22 @@ void FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
 }
 
 bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Request req) {
-  const FrameHeader& h = c->cur;
+  const FrameHeader& h = c->rx.cur;
   if (!req.reject.ok()) {  // receive the payload into scratch memory, then refuse
     req.pins.clear();
     req.iov = discard_iov(req.bytes);
     req.device = -1;
   }
-  c->rx_gens = std::move(req.gens);
-  c->rx_reject = req.reject;
-  c->dst_own = std::move(req.iov);
-  c->dst = c->dst_own.data();
-  c->ndst = c->dst_own.size();
-  c->dst_idx = 0;
-  c->dst_off = 0;
-  c->remaining = req.bytes;
-  c->rx_pins = std::move(req.pins);
-  c->stage = RxStage::kPayload;
+  c->rx.gens = std::move(req.gens);
+  c->rx.reject = req.reject;
+  c->rx.dst_own = std::move(req.iov);
+  c->rx.dst = c->rx.dst_own.data();
+  c->rx.ndst = c->rx.dst_own.size();
+  c->rx.dst_idx = 0;
+  c->rx.dst_off = 0;
+  c->rx.remaining = req.bytes;
+  c->rx.pins = std::move(req.pins);
+  c->rx.stage = RxStage::kPayload;
   if (req.device >= 0) {
     Status st = begin_staged_rx(*c, req.device);
     if (!st.ok()) {
@@ -448,20 +449,20 @@ bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Reque
 
 // A failed part with its message (block generations).
 bool FrameReceiver::on_failed_ack(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader& h = c->cur;
+  const FrameHeader& h = c->rx.cur;
   PendingPart part;
   if (!c->take_pending(h.xfer_id, h.batch, &part)) {
     t_.fail_conn_locked(c, ProtocolError("ack for unknown transfer " + std::to_string(h.xfer_id) + " from " + c->desc),
                         h.xfer_id, h.batch);
     return false;
   }
-  t_.resolve(part, 0, Status(status_code_from_wire(h.status), "peer '" + c->peer_name + "': " + c->ctrl));
+  t_.resolve(part, 0, Status(status_code_from_wire(h.status), "peer '" + c->peer_name + "': " + c->rx.ctrl));
   return true;
 }
 
 bool FrameReceiver::on_notify(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader& h = c->cur;
-  t_.hooks()->deliver_notification(Notification{c->peer_name, c->ctrl});
+  const FrameHeader& h = c->rx.cur;
+  t_.hooks()->deliver_notification(Notification{c->peer_name, c->rx.ctrl});
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
   m->finalize();
@@ -470,13 +471,13 @@ bool FrameReceiver::on_notify(const std::shared_ptr<TcpConn>& c) {
 }
 
 bool FrameReceiver::on_error(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader h = c->cur;
-  Status st(status_code_from_wire(h.status), c->desc + " refused the request: " + c->ctrl);
+  const FrameHeader h = c->rx.cur;
+  Status st(status_code_from_wire(h.status), c->desc + " refused the request: " + c->rx.ctrl);
   PendingPart part;
   const bool found = c->take_pending(h.xfer_id, h.batch, &part);
   // Retire the connection before the caller can learn of the failure, so its next
   // transfer opens a fresh connection instead of racing onto this closing one.
-  t_.kill_locked(c, ConnectionError(c->desc + " closed the connection after an error: " + c->ctrl));
+  t_.kill_locked(c, ConnectionError(c->desc + " closed the connection after an error: " + c->rx.ctrl));
   if (found) t_.resolve(part, 0, st);
   return false;
 }
@@ -484,19 +485,19 @@ bool FrameReceiver::on_error(const std::shared_ptr<TcpConn>& c) {
 // ---------------------------------------------------------------- payloads
 
 Status FrameReceiver::begin_staged_rx(TcpConn& c, int device) {
-  if (!c.rx_pipe) {
+  if (!c.rx.pipe) {
     PDKV_ASSIGN_OR_RETURN(auto st, t_.staging().stager());
-    c.rx_pipe = std::make_unique<cuda::ScatterPipe>(std::move(st));
+    c.rx.pipe = std::make_unique<cuda::ScatterPipe>(std::move(st));
   }
-  PDKV_RETURN_IF_ERROR(c.rx_pipe->begin(device, c.dst, c.ndst, c.remaining));
-  c.rx_staged = true;
+  PDKV_RETURN_IF_ERROR(c.rx.pipe->begin(device, c.rx.dst, c.rx.ndst, c.rx.remaining));
+  c.rx.staged = true;
   return Status::Ok();
 }
 
 void FrameReceiver::staged_rx_failed(const std::shared_ptr<TcpConn>& c, const Status& st) {
-  const FrameHeader h = c->cur;
-  c->rx_staged = false;
-  c->rx_pipe->abandon();
+  const FrameHeader h = c->rx.cur;
+  c->rx.staged = false;
+  c->rx.pipe->abandon();
   if (static_cast<FrameType>(h.type) == FrameType::kWrite) {
     t_.fail_conn_locked(
         c, Status(st.code(), "copying the payload from " + c->desc + " into device memory failed: " + st.message()),
@@ -508,13 +509,13 @@ void FrameReceiver::staged_rx_failed(const std::shared_ptr<TcpConn>& c, const St
 }
 
 void FrameReceiver::on_payload_done(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader& h = c->cur;
-  c->stage = RxStage::kHeader;
+  const FrameHeader& h = c->rx.cur;
+  c->rx.stage = RxStage::kHeader;
   set_lowat(*c, 1);
   Status staged;
-  if (c->rx_staged) {
-    c->rx_staged = false;
-    staged = c->rx_pipe->finish();  // every byte reached the device before the ack
+  if (c->rx.staged) {
+    c->rx.staged = false;
+    staged = c->rx.pipe->finish();  // every byte reached the device before the ack
     if (!staged.ok() && static_cast<FrameType>(h.type) == FrameType::kWrite) {
       t_.fail_conn_locked(c, Status(staged.code(), "copying the payload from " + c->desc +
                                                        " into device memory failed: " + staged.message()),
@@ -526,23 +527,23 @@ void FrameReceiver::on_payload_done(const std::shared_ptr<TcpConn>& c) {
   // Read response complete.
   PendingPart part;
   const bool found = c->take_pending(h.xfer_id, h.batch, &part);
-  c->rx_part = PendingPart{};
-  c->dst = nullptr;
+  c->rx.read_part = PendingPart{};
+  c->rx.dst = nullptr;
   if (found)
     t_.resolve(part, staged.ok() ? part.bytes : 0, staged.with_context("copying a read response into device memory"));
 }
 
 // The payload of a write is in place (or discarded): release it and acknowledge.
 void FrameReceiver::write_landed(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader& h = c->cur;
-  c->rx_pins.clear();
-  c->rx_gens.reset();  // landed: a bump of these blocks may return now
-  c->dst_own.clear();
-  const Status reject = std::move(c->rx_reject);
-  c->rx_reject = Status::Ok();
+  const FrameHeader& h = c->rx.cur;
+  c->rx.pins.clear();
+  c->rx.gens.reset();  // landed: a bump of these blocks may return now
+  c->rx.dst_own.clear();
+  const Status reject = std::move(c->rx.reject);
+  c->rx.reject = Status::Ok();
   if (!reject.ok()) return reply(c, failed_ack(h, reject));  // discarded: no notification
   if (h.flags & kFlagNotif)
-    t_.hooks()->deliver_notification(Notification{c->peer_name, c->ctrl.substr(c->rx_notif_off)});
+    t_.hooks()->deliver_notification(Notification{c->peer_name, c->rx.ctrl.substr(c->rx.notif_off)});
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
   m->finalize();

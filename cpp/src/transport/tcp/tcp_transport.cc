@@ -271,7 +271,8 @@ Result<std::string> TcpTransport::fetch_metadata(const std::string& address, std
                                                  double timeout_s) {
   PDKV_ASSIGN_OR_RETURN(util::HostPort hp, util::parse_host_port(address));
   const auto deadline = util::deadline_after(timeout_s);
-  PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, dial(hp, HelloParams{hooks_->agent_name(), "", 0, secret}, timeout_s, nullptr));
+  PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd,
+                        dial(hp, HelloParams{hooks_->agent_name(), "", 0, secret}, timeout_s, nullptr));
   return request_metadata(fd.get(), address, deadline);
 }
 
@@ -292,12 +293,7 @@ void TcpTransport::kill_locked(const std::shared_ptr<TcpConn>& c, const Status& 
     owner->watch(c->rx_mid, false);
     if (!c->authed && !c->outbound) owner->slow_end();  // handshake over
   }
-  if (c->rx_pipe) c->rx_pipe->abandon();  // no copy may land after this
-  c->rx_staged = false;
-  c->rx_pins.clear();
-  c->rx_gens.reset();
-  c->rx_reject = Status::Ok();
-  c->rx_part = PendingPart{};
+  c->rx.abandon();  // no device copy may land after this
   if (auto pc = c->pc.lock()) {
     std::lock_guard<std::mutex> lk(pc->mu);
     if (c->slot < pc->conns.size() && pc->conns[c->slot] == c) pc->conns[c->slot].reset();
