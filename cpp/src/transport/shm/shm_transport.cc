@@ -21,7 +21,8 @@
 // transfer is first posted, and their errors fail that transfer.
 //
 // Protocol: shm_ctl.h and docs/wire.md.
-#include <dirent.h>
+//
+// Files: shm_transport_impl.h lists them.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
@@ -35,7 +36,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -49,8 +49,10 @@
 #include <vector>
 
 #include "pdkv/registry.h"
-#include "transport/shm/ctl_guard.h"
+#include "transport/shm/remote_region.h"
 #include "transport/shm/shm_ctl.h"
+#include "transport/shm/shm_dial.h"
+#include "transport/shm/shm_transport_impl.h"
 #include "util/bytes.h"
 #include "util/log.h"
 #include "util/socket.h"
@@ -62,284 +64,7 @@ using util::errno_str;
 
 constexpr size_t kMaxQueuedFds = 4;  // fds received ahead of their RegionResp
 
-std::string hex_addr(uint64_t a) {
-  char buf[24];
-  snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(a));
-  return buf;
-}
-
-std::string deregistered(const std::string& peer, uint64_t id) {
-  return "peer '" + peer + "' deregistered region " + std::to_string(id) + "; fetch its metadata again";
-}
-
-class ShmTransport;
-
-// A peer's region this process accesses directly, as the peer confirmed it.
-struct RemoteRegion {
-  uint64_t id = 0;
-  uint64_t len = 0;
-  char* base = nullptr;      // mapped (shareable) or nullptr (cross-memory attach)
-  uint64_t remote_addr = 0;  // the peer's address, for cross-memory attach
-  std::atomic<int64_t> inflight{0};
-  std::atomic<bool> revoked{false};
-  std::atomic<bool> ack_sent{false};
-  std::weak_ptr<struct ShmConn> conn;
-  ~RemoteRegion() {
-    if (base) ::munmap(base, len);
-  }
-};
-
-struct PendingNotify {
-  std::shared_ptr<Transfer> xfer;
-  Clock::time_point deadline;
-};
-
-struct RegionAnswer {
-  Status st;
-  RegionInfo info;
-  int fd = -1;
-};
-
-// Blocks a peer pinned for one copy (block generations, docs/generations.md).
-struct Lease {
-  GenPin pin;
-  uint64_t blocks = 0;
-  Clock::time_point expires;
-};
-
-struct ShmConn {
-  ShmConn(int fd, bool outbound, std::string desc) : fd(fd), outbound(outbound), desc(std::move(desc)) {}
-  ~ShmConn() {
-    if (fd >= 0) ::close(fd);
-    for (int f : fds) ::close(f);
-    for (auto& [id, a] : answers)
-      if (a.fd >= 0) ::close(a.fd);
-  }
-  int fd;
-  const bool outbound;
-  std::string desc;
-  std::string peer_name;
-  pid_t peer_pid = 0;
-  Clock::time_point hs_deadline = Clock::time_point::max();
-  std::atomic<bool> authed{false};
-  std::atomic<bool> gone{false};  // set with `dead`, readable without the lock
-  std::mutex send_mu;
-  std::mutex map_mu;  // one region request in flight per connection
-  // Receive state, guarded by rx_mu (the progress thread, or a posting thread
-  // draining frames that arrived while it was not looking).
-  std::mutex rx_mu;
-  CtlHdr hdr{};
-  size_t hdr_got = 0;
-  std::string aux;
-  size_t aux_got = 0;
-  bool in_aux = false;
-  std::deque<int> fds;  // fds received with SCM_RIGHTS, in order
-  // A frame has started arriving and must be complete by then (steady-clock ticks).
-  std::atomic<Clock::rep> frame_deadline{Clock::time_point::max().time_since_epoch().count()};
-  // Shared state.
-  std::mutex mu;
-  std::condition_variable cv;
-  bool dead = false;
-  Status dead_reason;
-  // Inbound, unauthenticated: a refused hello whose answer is held back (back-off).
-  Clock::time_point reject_at = Clock::time_point::max();
-  Status reject;
-  // Inbound (we are the target).
-  std::set<uint64_t> confirmed;    // regions this peer asked about and got
-  std::set<uint64_t> revoke_acks;  // regions the peer acknowledged
-  std::map<uint64_t, Lease> leases;  // granted, not yet ended; released when the connection dies
-  uint64_t leased_blocks = 0;
-  // Outbound (we are the initiator).
-  uint64_t pending_req = 0;                                // region asked about, 0: none
-  std::map<uint64_t, RegionAnswer> answers;                // at most one: pending_req's
-  std::map<uint64_t, PendingNotify> notifies;
-  std::unordered_map<uint64_t, std::shared_ptr<RemoteRegion>> regions;  // by region id
-  std::set<uint64_t> revoked_ids;  // confirmed (or being confirmed) here, then revoked
-  uint64_t next_seq = 1;
-  std::map<uint64_t, std::optional<Status>> lease_answers;  // requested leases; set when answered
-  uint64_t next_lease = 1;
-};
-
-struct ShmPeerState {
-  uint64_t instance = 0;
-  std::shared_ptr<const Peer> peer;  // guarded by mu
-  std::mutex mu;
-  std::shared_ptr<ShmConn> conn;
-};
-
-struct CopyOp {
-  char* local;
-  uint64_t remote;  // mapped pointer or the peer's address
-  uint64_t len;
-  uint32_t region;  // index into Binding::regions
-};
-
-// A prepared transfer bound to one connection and the regions confirmed on it.
-struct Binding {
-  std::shared_ptr<ShmConn> conn;
-  OpKind op = OpKind::kWrite;
-  std::vector<CopyOp> ops;
-  std::vector<std::shared_ptr<RemoteRegion>> regions;
-  bool cma = false;
-  pid_t pid = 0;
-  uint64_t total = 0;
-};
-
-struct ShmPrepared final : PreparedOps {
-  std::shared_ptr<const Peer> peer;  // the metadata the extents were checked against
-  std::shared_ptr<ShmPeerState> ps;
-  OpKind op = OpKind::kWrite;
-  std::vector<ResolvedExtent> extents;
-  std::shared_ptr<const GenClaim> claim;  // checked by the target (a lease) at every post
-  std::string claim_wire;                 // encode_claim(*claim)
-  // Bound on first post; re-bound when its connection died.
-  mutable std::mutex mu;
-  mutable std::shared_ptr<const Binding> bound;
-};
-
-struct Job {
-  std::shared_ptr<const Binding> b;
-  std::shared_ptr<Transfer> xfer;
-  std::string notif;
-  uint64_t lease = 0;  // a granted block generation lease to end after the copy, 0: none
-};
-
-Status send_frame(ShmConn& c, Ctl type, uint64_t id, std::string_view aux, uint32_t status = 0, int pass_fd = -1) {
-  CtlHdr h{kCtlMagic, static_cast<uint16_t>(type), 0, id, static_cast<uint32_t>(aux.size()), status};
-  std::lock_guard<std::mutex> lk(c.send_mu);
-  iovec iov[2] = {{&h, sizeof h}, {const_cast<char*>(aux.data()), aux.size()}};
-  msghdr mh{};
-  mh.msg_iov = iov;
-  mh.msg_iovlen = aux.empty() ? 1 : 2;
-  alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int))];
-  if (pass_fd >= 0) {
-    mh.msg_control = cbuf;
-    mh.msg_controllen = sizeof cbuf;
-    cmsghdr* cm = CMSG_FIRSTHDR(&mh);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
-  }
-  size_t want = sizeof h + aux.size(), done = 0;
-  const auto deadline = util::deadline_after(5.0);
-  while (done < want) {
-    ssize_t w = ::sendmsg(c.fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN) {
-        if (Clock::now() > deadline) return TimeoutError("sending to " + c.desc + " timed out");
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-        continue;
-      }
-      return ConnectionError("sending to " + c.desc + " failed: " + errno_str(errno));
-    }
-    done += static_cast<size_t>(w);
-    mh.msg_control = nullptr;  // the fd went with the first byte
-    mh.msg_controllen = 0;
-    util::advance_iov(mh, static_cast<size_t>(w));
-  }
-  return Status::Ok();
-}
-
-class ShmTransport final : public Transport {
- public:
-  explicit ShmTransport(const AgentConfig& cfg) : opts_(cfg.shm), connect_timeout_(cfg.tcp.connect_timeout_s) {}
-  ~ShmTransport() override { shutdown(); }
-
-  std::string_view name() const override { return "shm"; }
-  TransportCaps caps() const override {
-    TransportCaps c;
-    c.cross_host = false;
-    c.local_mem_kinds = mem_kind_bit(MemKind::kHost);
-    c.remote_mem_kinds = mem_kind_bit(MemKind::kHost);
-    c.generations = true;
-    return c;
-  }
-  Status start(AgentHooks* hooks) override;
-  void shutdown() override;
-  std::vector<Endpoint> endpoints() const override { return {Endpoint{"shm", path_}}; }
-  bool can_reach(const AgentMetadata& peer) const override {
-    const Endpoint* e = peer.find_endpoint("shm");
-    if (!e || peer.host_id != hooks_->host_id()) return false;
-    struct stat st {};
-    return ::stat(e->address.c_str(), &st) == 0 && S_ISSOCK(st.st_mode);
-  }
-  Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
-                                                     std::vector<ResolvedExtent> extents) override;
-  Result<std::shared_ptr<const PreparedOps>> prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
-                                                             std::vector<ResolvedExtent> extents,
-                                                             std::shared_ptr<const GenClaim> claim) override;
-  void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
-            std::string notif) override;
-  void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) override;
-  Status connect(std::shared_ptr<const Peer> peer, double timeout_s) override;
-  void drop_peer(const std::string& name) override;
-  void region_removed(const RegionDesc& region) override;
-
- private:
-  // Progress thread: accepting, reading frames, deadlines.
-  void run();
-  void check_deadlines();
-  void accept_all();
-  size_t pending_conns();
-  void on_readable(const std::shared_ptr<ShmConn>& c);
-  void drain_control(const std::shared_ptr<ShmConn>& c);
-  void handle_frame(const std::shared_ptr<ShmConn>& c);
-  void handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h);
-  void handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h);
-  void on_hello(const std::shared_ptr<ShmConn>& c);
-  void answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
-  void answer_lease_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
-  void refuse(const std::shared_ptr<ShmConn>& c, const Status& st, uint64_t id = 0);
-  void log_refusal(const Status& st);
-  void kill(const std::shared_ptr<ShmConn>& c, const Status& why);
-  void add_conn(const std::shared_ptr<ShmConn>& c);
-  // Initiator side: connections, region confirmation, copies.
-  std::shared_ptr<ShmPeerState> peer_state(const std::shared_ptr<const Peer>& peer);
-  Result<std::shared_ptr<ShmConn>> get_conn(ShmPeerState& ps);
-  Result<std::shared_ptr<ShmConn>> dial(const Peer& peer);
-  Result<std::shared_ptr<RemoteRegion>> remote_region(const std::shared_ptr<ShmConn>& c, const Peer& peer,
-                                                      uint64_t id);
-  Result<std::shared_ptr<RemoteRegion>> attach(const std::shared_ptr<ShmConn>& c, const Peer& peer,
-                                               const RegionDesc& d, RegionAnswer ans);
-  Result<std::shared_ptr<const Binding>> bind(const ShmPrepared& p);
-  Status run_copies(const Binding& b);
-  Result<uint64_t> take_lease(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
-                              Clock::time_point deadline);
-  static void end_lease(Job& job);
-  void copy_loop();
-  void finish_job(Job& job, Status st);
-  void send_notify(const std::shared_ptr<ShmConn>& c, const std::shared_ptr<Transfer>& xfer,
-                   const std::string& notif);
-  static void unpin(const Binding& b);
-  static void maybe_ack_revoke(const std::shared_ptr<RemoteRegion>& r);
-  void wake() {
-    uint64_t one = 1;
-    if (evfd_ >= 0 && ::write(evfd_, &one, sizeof one) < 0) {
-    }
-  }
-
-  ShmOptions opts_;
-  double connect_timeout_;
-  AgentHooks* hooks_ = nullptr;
-  std::string path_;
-  util::ScopedFd listen_fd_;
-  int epfd_ = -1;
-  int evfd_ = -1;
-  std::thread th_;
-  std::vector<std::thread> copiers_;
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> shut_{false};
-  std::mutex mu_;  // conns_, peers_
-  std::unordered_map<ShmConn*, std::shared_ptr<ShmConn>> conns_;
-  std::map<std::string, std::shared_ptr<ShmPeerState>> peers_;
-  std::mutex qmu_;
-  std::condition_variable qcv_;
-  std::deque<Job> queue_;
-  util::HandshakeThrottle throttle_;
-  util::LogLimiter refusal_log_;
-};
+}  // namespace
 
 Status ShmTransport::start(AgentHooks* hooks) {
   hooks_ = hooks;
@@ -354,7 +79,7 @@ Status ShmTransport::start(AgentHooks* hooks) {
   ev.data.ptr = this;
   epoll_ctl(epfd_, EPOLL_CTL_ADD, listen_fd_.get(), &ev);
   th_ = std::thread([this] { run(); });
-  for (uint32_t i = 0; i < opts_.copy_threads; ++i) copiers_.emplace_back([this] { copy_loop(); });
+  copies_.start(opts_.copy_threads);
   return Status::Ok();
 }
 
@@ -362,18 +87,8 @@ void ShmTransport::shutdown() {
   if (shut_.exchange(true)) return;
   stop_ = true;
   wake();
-  {
-    std::lock_guard<std::mutex> lk(qmu_);
-    qcv_.notify_all();
-  }
   if (th_.joinable()) th_.join();
-  for (auto& t : copiers_) t.join();
-  std::deque<Job> left;
-  {
-    std::lock_guard<std::mutex> lk(qmu_);
-    left.swap(queue_);
-  }
-  for (auto& j : left) {
+  for (auto& j : copies_.stop()) {
     end_lease(j);
     unpin(*j.b);
     j.xfer->resolve_part(0, ConnectionError("agent is shutting down"));
@@ -652,152 +367,6 @@ void ShmTransport::handle_frame(const std::shared_ptr<ShmConn>& c) {
   }
 }
 
-void ShmTransport::on_hello(const std::shared_ptr<ShmConn>& c) {
-  auto hello = parse_hello(c->aux);
-  if (!hello.ok()) {
-    const Status& st = hello.status();
-    return refuse(c, Status(st.code(), "malformed hello from " + c->desc + ": " + st.message()));
-  }
-  Status st;
-  if (!hooks_->secret_matches(hello->secret)) {
-    st = AuthFailed("agent '" + hello->from + "' (" + c->desc + ") presented the wrong secret to agent '" +
-                    hooks_->agent_name() + "'");
-  } else if (!hello->to.empty() && hello->to != hooks_->agent_name()) {
-    st = AuthFailed("this is agent '" + hooks_->agent_name() + "', not '" + hello->to + "'");
-  }
-  if (!st.ok()) {
-    // Back-off: once the failure budget is spent, hold the answer (and the slot).
-    const auto delay = throttle_.on_failure(Clock::now());
-    log_refusal(st);
-    if (delay == Clock::duration::zero()) {
-      (void)send_frame(*c, Ctl::kError, 0, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
-      return kill(c, st);
-    }
-    if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
-    std::lock_guard<std::mutex> lk(c->mu);
-    c->reject_at = Clock::now() + delay;
-    c->reject = st;
-    return;
-  }
-  if (hello->expect_instance != 0 && hello->expect_instance != hooks_->instance_id())
-    return refuse(c, StalePeer("agent '" + hooks_->agent_name() + "' restarted since its metadata was fetched"));
-  {
-    std::lock_guard<std::mutex> lk(c->mu);
-    c->peer_name = hello->from;
-    c->desc = "peer '" + hello->from + "' (" + c->desc + ")";
-    c->authed = true;
-  }
-  HelloAck ack{hooks_->instance_id(), static_cast<uint32_t>(::getpid()), hooks_->agent_name()};
-  (void)send_frame(*c, Ctl::kHelloAck, 0, encode_hello_ack(ack));
-}
-
-void ShmTransport::handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h) {
-  switch (static_cast<Ctl>(h.type)) {
-    case Ctl::kRegionReq:
-      return answer_region_req(c, h.id);
-    case Ctl::kNotify:
-      hooks_->deliver_notification(Notification{c->peer_name, c->aux});
-      (void)send_frame(*c, Ctl::kNotifyAck, h.id, {});
-      return;
-    case Ctl::kRevokeAck: {
-      std::lock_guard<std::mutex> lk(c->mu);
-      c->revoke_acks.insert(h.id);
-      c->cv.notify_all();
-      return;
-    }
-    case Ctl::kLeaseReq:
-      return answer_lease_req(c, h.id);
-    case Ctl::kLeaseEnd: {
-      Lease ended;  // unpinned outside c->mu
-      {
-        std::lock_guard<std::mutex> lk(c->mu);
-        auto it = c->leases.find(h.id);
-        if (it != c->leases.end()) {
-          c->leased_blocks -= it->second.blocks;
-          ended = std::move(it->second);
-          c->leases.erase(it);
-        }
-      }
-      if (!ended.pin.held())
-        return refuse(c, ProtocolError(c->desc + " ended lease " + std::to_string(h.id) + ", which it does not hold"));
-      return;
-    }
-    default:  // check_ctl_header admits nothing else
-      return refuse(c, ProtocolError("unexpected frame type " + std::to_string(h.type) + " from " + c->desc));
-  }
-}
-
-// Answers from the region table as it is now. The lookup, the record that this
-// peer confirmed the region and the answer happen under c->mu, so a concurrent
-// deregistration either makes the lookup fail or finds the record (and its revoke
-// then follows the answer on the socket).
-void ShmTransport::answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t id) {
-  std::lock_guard<std::mutex> lk(c->mu);
-  auto d = hooks_->region_table().get(id);
-  Status st;
-  if (!d.ok() || !d->remote_access)
-    st = NotFound("agent '" + hooks_->agent_name() + "' exports no region " + std::to_string(id) +
-                  " (deregistered, or never exported); fetch its metadata again");
-  else if (d->kind != MemKind::kHost)
-    st = NotSupported("region " + std::to_string(id) + " of agent '" + hooks_->agent_name() +
-                      "' is device memory; shm reaches host memory only");
-  int fd = -1;
-  if (st.ok() && d->shareable) {
-    auto f = hooks_->region_table().dup_shm_fd(id);
-    if (f.ok()) fd = *f; else st = f.status();
-  }
-  if (!st.ok()) {
-    (void)send_frame(*c, Ctl::kRegionResp, id, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
-    return;
-  }
-  c->confirmed.insert(id);
-  RegionInfo info{d->addr, d->len, d->kind, d->shareable};
-  (void)send_frame(*c, Ctl::kRegionResp, id, encode_region_info(info), 0, fd);
-  if (fd >= 0) ::close(fd);
-}
-
-// Checks the claim against this agent's generations now and pins the blocks until
-// the initiator ends the lease (after its copy), the hold time runs out, or the
-// connection dies.
-void ShmTransport::answer_lease_req(const std::shared_ptr<ShmConn>& c, uint64_t id) {
-  auto req = parse_lease_req(c->aux);
-  if (!req.ok()) return refuse(c, ProtocolError(c->desc + ": " + req.status().message()), id);
-  {
-    std::lock_guard<std::mutex> lk(c->mu);
-    if (c->leases.count(id))
-      return refuse(c, ProtocolError(c->desc + " reused lease id " + std::to_string(id)), id);
-  }
-  Status st;
-  Lease lease;
-  lease.blocks = req->claim.blocks.size();
-  {
-    std::lock_guard<std::mutex> lk(c->mu);
-    if (c->leases.size() >= kMaxLeasesPerConn || c->leased_blocks + lease.blocks > kMaxLeasedBlocksPerConn)
-      st = ResourceExhausted(c->desc + " holds " + std::to_string(c->leases.size()) + " block leases over " +
-                             std::to_string(c->leased_blocks) + " blocks already (limits " +
-                             std::to_string(kMaxLeasesPerConn) + ", " + std::to_string(kMaxLeasedBlocksPerConn) + ")");
-  }
-  if (st.ok()) {
-    auto pin = hooks_->check_generations(req->claim);
-    if (pin.ok()) {
-      lease.pin = std::move(pin).value();
-      lease.expires = Clock::now() + std::chrono::milliseconds(req->hold_ms) +
-                      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(kLeaseMarginS));
-      std::lock_guard<std::mutex> lk(c->mu);
-      c->leased_blocks += lease.blocks;
-      c->leases.emplace(id, std::move(lease));
-    } else {
-      st = pin.status();
-    }
-  }
-  if (!st.ok()) {
-    (void)send_frame(*c, Ctl::kLeaseResp, id, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
-    return;
-  }
-  wake();  // the lease's hold time is a deadline
-  (void)send_frame(*c, Ctl::kLeaseResp, id, {});
-}
-
 void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h) {
   switch (static_cast<Ctl>(h.type)) {
     case Ctl::kRegionResp: {
@@ -868,19 +437,13 @@ void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlH
         return;
       }
       r->revoked = true;
-      maybe_ack_revoke(r);
+      ack_revoke_when_idle(r);
       return;
     }
     case Ctl::kError:
       return kill(c, Status(status_code_from_wire(h.status), c->desc + " refused: " + c->aux));
     default:  // check_ctl_header admits nothing else
       return kill(c, ProtocolError("unexpected frame type " + std::to_string(h.type) + " from " + c->desc));
-  }
-}
-
-void ShmTransport::maybe_ack_revoke(const std::shared_ptr<RemoteRegion>& r) {
-  if (r->revoked && r->inflight.load() == 0 && !r->ack_sent.exchange(true)) {
-    if (auto c = r->conn.lock()) (void)send_frame(*c, Ctl::kRevokeAck, r->id, {});
   }
 }
 
@@ -906,75 +469,6 @@ void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
 }
 
 // ---------------------------------------------------------------- initiator side
-
-// The peer's socket is gone. If another instance of the same agent now listens in
-// the same directory (`<name>-<16 hex instance>.sock`), the peer restarted.
-Status explain_unreachable(const Peer& peer, const std::string& path, const Status& st) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return st;
-  const std::string dir = path.substr(0, slash), base = path.substr(slash + 1);
-  const std::string suffix = ".sock";
-  const size_t tail = 1 + 16 + suffix.size();  // "-<instance>.sock"
-  if (base.size() <= tail || base.compare(base.size() - suffix.size(), suffix.size(), suffix) != 0) return st;
-  const std::string prefix = base.substr(0, base.size() - tail + 1);  // "<name>-"
-  DIR* d = ::opendir(dir.c_str());
-  if (!d) return st;
-  std::string other;
-  while (dirent* ent = ::readdir(d)) {
-    const std::string n = ent->d_name;
-    if (n == base || n.size() != base.size() || n.compare(0, prefix.size(), prefix) != 0 ||
-        n.compare(n.size() - suffix.size(), suffix.size(), suffix) != 0)
-      continue;
-    const std::string inst = n.substr(prefix.size(), 16);
-    if (!std::all_of(inst.begin(), inst.end(), [](char ch) { return std::isxdigit(static_cast<unsigned char>(ch)); }))
-      continue;
-    if (util::connect_unix(dir + "/" + n).ok()) {  // a live listener, not a stale file
-      other = inst;
-      break;
-    }
-  }
-  ::closedir(d);
-  if (other.empty()) return st;
-  return StalePeer("peer '" + peer.md.name + "' restarted: the instance in its metadata is gone and instance " +
-                   other + " listens now; fetch its metadata again (" + st.message() + ")");
-}
-
-Result<std::shared_ptr<ShmConn>> ShmTransport::dial(const Peer& peer) {
-  const Endpoint* e = peer.md.find_endpoint("shm");
-  if (!e) return NotSupported("peer '" + peer.md.name + "' publishes no shm endpoint");
-  auto fdr = util::connect_unix(e->address);
-  if (!fdr.ok())
-    return explain_unreachable(peer, e->address,
-                               Status(fdr.status().code(), "peer '" + peer.md.name + "': " + fdr.status().message()));
-  util::ScopedFd fd = std::move(fdr).value();
-  Hello hello{kShmVersion, peer.md.instance_id, hooks_->agent_name(), peer.md.name, peer.secret};
-  const std::string body = encode_hello(hello);
-  CtlHdr h{kCtlMagic, static_cast<uint16_t>(Ctl::kHello), 0, 0, static_cast<uint32_t>(body.size()), 0};
-  std::string frame(reinterpret_cast<const char*>(&h), sizeof h);
-  frame += body;
-  const std::string where = "handshake with peer '" + peer.md.name + "'";
-  const auto deadline = util::deadline_after(connect_timeout_);
-  PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), frame.data(), frame.size(), deadline).with_context(where));
-  CtlHdr r{};
-  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), &r, sizeof r, deadline).with_context(where));
-  PDKV_RETURN_IF_ERROR(check_ctl_header(r, CtlSide::kInitiatorHello, 0).with_context(where));
-  std::string aux(r.aux_len, '\0');  // bounded by check_ctl_header
-  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), aux.data(), aux.size(), deadline).with_context(where));
-  if (r.type == static_cast<uint16_t>(Ctl::kError))
-    return Status(status_code_from_wire(r.status), "peer '" + peer.md.name + "' refused the connection: " + aux);
-  PDKV_ASSIGN_OR_RETURN(HelloAck ack, parse_hello_ack(aux));
-  if (ack.instance != peer.md.instance_id)
-    return StalePeer("peer '" + peer.md.name + "' restarted since its metadata was fetched");
-  if (ack.name != peer.md.name)
-    return ProtocolError("agent '" + ack.name + "' answered at the shm address of peer '" + peer.md.name + "'");
-  PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
-  auto c = std::make_shared<ShmConn>(fd.release(), true, "peer '" + peer.md.name + "' (shm " + e->address + ")");
-  c->authed = true;
-  c->peer_name = peer.md.name;
-  c->peer_pid = static_cast<pid_t>(ack.pid);
-  add_conn(c);
-  return c;
-}
 
 // One state (and connection) per peer instance; newer metadata of the same
 // instance replaces the old for the next dial.
@@ -1003,92 +497,9 @@ Result<std::shared_ptr<ShmConn>> ShmTransport::get_conn(ShmPeerState& ps) {
     if (!ps.conn->dead) return ps.conn;
   }
   if (shut_) return ConnectionError("agent is shutting down");
-  PDKV_ASSIGN_OR_RETURN(ps.conn, dial(*ps.peer));
+  PDKV_ASSIGN_OR_RETURN(ps.conn, dial(*ps.peer, hooks_->agent_name(), connect_timeout_));
+  add_conn(ps.conn);
   return ps.conn;
-}
-
-// The region as the peer confirms it now (cached per connection until revoked).
-Result<std::shared_ptr<RemoteRegion>> ShmTransport::remote_region(const std::shared_ptr<ShmConn>& c, const Peer& peer,
-                                                                  uint64_t id) {
-  std::lock_guard<std::mutex> map_lk(c->map_mu);
-  {
-    std::lock_guard<std::mutex> lk(c->mu);
-    auto it = c->regions.find(id);
-    if (it != c->regions.end()) return it->second;
-    if (c->revoked_ids.count(id)) return NotFound(deregistered(peer.md.name, id));
-  }
-  const RegionDesc* d = peer.md.find_region(id);
-  if (!d) return NotFound("peer '" + peer.md.name + "' exports no region " + std::to_string(id));
-  RegionAnswer ans;
-  {
-    std::unique_lock<std::mutex> lk(c->mu);
-    if (c->dead) return c->dead_reason;
-    c->pending_req = id;
-    lk.unlock();
-    Status sent = send_frame(*c, Ctl::kRegionReq, id, {});
-    lk.lock();
-    const bool got = sent.ok() && c->cv.wait_for(lk, std::chrono::duration<double>(connect_timeout_),
-                                                 [&] { return c->dead || c->answers.count(id); });
-    c->pending_req = 0;
-    auto it = c->answers.find(id);
-    if (it != c->answers.end()) {
-      ans = std::move(it->second);
-      c->answers.erase(it);
-    }
-    if (c->dead) {
-      if (ans.fd >= 0) ::close(ans.fd);
-      return c->dead_reason;
-    }
-    if (!sent.ok()) return sent;
-    if (!got) return TimeoutError("peer '" + peer.md.name + "' did not confirm region " + std::to_string(id) + " within " +
-                                  std::to_string(connect_timeout_) + " s");
-  }
-  if (!ans.st.ok()) return ans.st.with_context("region " + std::to_string(id) + " of peer '" + peer.md.name + "'");
-  PDKV_ASSIGN_OR_RETURN(auto r, attach(c, peer, *d, std::move(ans)));
-  std::lock_guard<std::mutex> lk(c->mu);
-  if (c->revoked_ids.count(id)) return NotFound(deregistered(peer.md.name, id));  // revoked while we attached
-  return c->regions.emplace(id, r).first->second;
-}
-
-// Checks the confirmation against the metadata, then maps the memfd or checks that
-// cross-memory attach works. Only the confirmed address and length are used.
-Result<std::shared_ptr<RemoteRegion>> ShmTransport::attach(const std::shared_ptr<ShmConn>& c, const Peer& peer,
-                                                           const RegionDesc& d, RegionAnswer ans) {
-  util::ScopedFd fd(ans.fd);
-  const RegionInfo& ri = ans.info;
-  auto show = [](uint64_t addr, uint64_t len, bool shareable) {
-    return "[" + hex_addr(addr) + ", +" + std::to_string(len) + ")" + (shareable ? " shared" : " private");
-  };
-  if (ri.addr != d.addr || ri.len != d.len || ri.shareable != d.shareable || ri.kind != d.kind)
-    return OutOfRange("peer '" + peer.md.name + "' confirms region " + std::to_string(d.id) + " as " +
-                      show(ri.addr, ri.len, ri.shareable) + " but its metadata says " +
-                      show(d.addr, d.len, d.shareable) + "; fetch its metadata again");
-  auto r = std::make_shared<RemoteRegion>();
-  r->id = d.id;
-  r->len = ri.len;
-  r->remote_addr = ri.addr;
-  r->conn = c;
-  if (ri.shareable) {
-    struct stat st {};
-    if (::fstat(fd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < ri.len)
-      return ProtocolError("peer's region " + std::to_string(d.id) + " is smaller than it confirms");
-    void* p = ::mmap(nullptr, ri.len, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-    if (p == MAP_FAILED) return Internal("mmap of the peer's region failed: " + errno_str(errno));
-    r->base = static_cast<char*>(p);
-    return r;
-  }
-  // Cross-memory attach: check once that the kernel lets us reach the peer.
-  char probe;
-  iovec l{&probe, 1}, rm{reinterpret_cast<void*>(ri.addr), 1};
-  if (::process_vm_readv(c->peer_pid, &l, 1, &rm, 1, 0) != 1) {
-    const int err = errno;
-    return NotSupported("region " + std::to_string(d.id) + " of peer '" + peer.md.name +
-                        "' is not shared memory and cross-memory attach to pid " + std::to_string(c->peer_pid) +
-                        " is not permitted (" + errno_str(err) +
-                        "); let pdkv allocate the pool (Agent.alloc), allow ptrace (kernel.yama.ptrace_scope=0 or "
-                        "CAP_SYS_PTRACE), or use the tcp transport");
-  }
-  return r;
 }
 
 Result<std::shared_ptr<const PreparedOps>> ShmTransport::prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
@@ -1184,7 +595,7 @@ Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) 
     if (e.remote_region != last_id) {
       auto it = index.find(e.remote_region);
       if (it == index.end()) {
-        PDKV_ASSIGN_OR_RETURN(auto r, remote_region(conn, peer, e.remote_region));
+        PDKV_ASSIGN_OR_RETURN(auto r, confirm_region(conn, peer, e.remote_region, connect_timeout_));
         if (!r->base) b->cma = true;
         it = index.emplace(e.remote_region, static_cast<uint32_t>(b->regions.size())).first;
         b->regions.push_back(std::move(r));
@@ -1216,68 +627,7 @@ Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) 
 
 void ShmTransport::unpin(const Binding& b) {
   for (auto& r : b.regions)
-    if (r->inflight.fetch_sub(1) == 1 && r->revoked) maybe_ack_revoke(r);
-}
-
-Status ShmTransport::run_copies(const Binding& p) {
-  if (!p.cma) {
-    if (p.op == OpKind::kWrite) {
-      for (const auto& o : p.ops) std::memcpy(reinterpret_cast<void*>(o.remote), o.local, o.len);
-    } else {
-      for (const auto& o : p.ops) std::memcpy(o.local, reinterpret_cast<const void*>(o.remote), o.len);
-    }
-    return Status::Ok();
-  }
-  // Mixed: mapped extents by memcpy, the rest by process_vm_{write,read}v in batches.
-  std::vector<iovec> liov, riov;
-  liov.reserve(1024);
-  riov.reserve(1024);
-  auto flush = [&]() -> Status {
-    size_t i = 0;
-    while (i < liov.size()) {
-      size_t n = std::min<size_t>(liov.size() - i, 1024);
-      ssize_t got = p.op == OpKind::kWrite ? ::process_vm_writev(p.pid, &liov[i], n, &riov[i], n, 0)
-                                           : ::process_vm_readv(p.pid, &liov[i], n, &riov[i], n, 0);
-      if (got < 0) {
-        const int err = errno;
-        if (err == EINTR) continue;
-        if (err == ESRCH) return ConnectionError("peer process " + std::to_string(p.pid) + " is gone");
-        return ConnectionError("cross-memory " + std::string(p.op == OpKind::kWrite ? "write" : "read") +
-                               " to pid " + std::to_string(p.pid) + " failed: " + errno_str(err));
-      }
-      // Advance over fully copied entries; a partial one is retried from its tail.
-      size_t left = static_cast<size_t>(got);
-      while (left > 0 && i < liov.size()) {
-        if (left >= liov[i].iov_len) {
-          left -= liov[i].iov_len;
-          ++i;
-        } else {
-          liov[i].iov_base = static_cast<char*>(liov[i].iov_base) + left;
-          riov[i].iov_base = static_cast<char*>(riov[i].iov_base) + left;
-          liov[i].iov_len -= left;
-          riov[i].iov_len -= left;
-          left = 0;
-        }
-      }
-      if (got == 0) return ConnectionError("cross-memory copy made no progress");
-    }
-    liov.clear();
-    riov.clear();
-    return Status::Ok();
-  };
-  for (const auto& o : p.ops) {
-    if (p.regions[o.region]->base) {
-      if (p.op == OpKind::kWrite)
-        std::memcpy(reinterpret_cast<void*>(o.remote), o.local, o.len);
-      else
-        std::memcpy(o.local, reinterpret_cast<const void*>(o.remote), o.len);
-      continue;
-    }
-    liov.push_back({o.local, o.len});
-    riov.push_back({reinterpret_cast<void*>(o.remote), o.len});
-    if (liov.size() == 1024) PDKV_RETURN_IF_ERROR(flush());
-  }
-  return flush();
+    if (r->inflight.fetch_sub(1) == 1 && r->revoked) ack_revoke_when_idle(r);
 }
 
 void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::shared_ptr<Transfer>& xfer,
@@ -1357,7 +707,7 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
     r->inflight.fetch_add(1);
     if (r->revoked) {
       for (size_t j = 0; j <= i; ++j)
-        if (b->regions[j]->inflight.fetch_sub(1) == 1) maybe_ack_revoke(b->regions[j]);
+        if (b->regions[j]->inflight.fetch_sub(1) == 1) ack_revoke_when_idle(b->regions[j]);
       return fail(NotFound(deregistered(prep->peer->md.name, r->id)));
     }
   }
@@ -1376,30 +726,18 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
     finish_job(job, st);
     return;
   }
-  std::lock_guard<std::mutex> lk(qmu_);
-  queue_.push_back(std::move(job));
-  qcv_.notify_one();
+  copies_.submit(std::move(job));
 }
 
-void ShmTransport::copy_loop() {
-  for (;;) {
-    Job job;
-    {
-      std::unique_lock<std::mutex> lk(qmu_);
-      qcv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      job = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    if (job.xfer->cancel_requested()) {
-      end_lease(job);
-      unpin(*job.b);
-      job.xfer->resolve_part(0, Cancelled("cancelled before the copy started"));
-      if (!job.notif.empty()) job.xfer->resolve_part(0, Cancelled("notification not sent"));
-      continue;
-    }
-    finish_job(job, run_copies(*job.b));
+void ShmTransport::run_job(Job& job) {
+  if (job.xfer->cancel_requested()) {
+    end_lease(job);
+    unpin(*job.b);
+    job.xfer->resolve_part(0, Cancelled("cancelled before the copy started"));
+    if (!job.notif.empty()) job.xfer->resolve_part(0, Cancelled("notification not sent"));
+    return;
   }
+  finish_job(job, run_copies(*job.b));
 }
 
 void ShmTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
@@ -1435,50 +773,7 @@ void ShmTransport::drop_peer(const std::string& name) {
   if (c) kill(c, ConnectionError("peer '" + name + "' was removed"));
 }
 
-// ---------------------------------------------------------------- target side
-
-// Revokes `region` at every peer that confirmed it and waits for their
-// acknowledgements (they finish copies in flight first). A peer that does not
-// answer within kRevokeTimeoutS (frozen, or stuck) loses its connection: it must
-// dial again and re-confirm, which now fails with NotFound.
-void ShmTransport::region_removed(const RegionDesc& region) {
-  std::vector<std::shared_ptr<ShmConn>> holders;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto& [p, c] : conns_) {
-      if (c->outbound || !c->authed) continue;
-      std::lock_guard<std::mutex> lk2(c->mu);
-      if (c->confirmed.erase(region.id)) {
-        c->revoke_acks.erase(region.id);
-        holders.push_back(c);
-      }
-    }
-  }
-  std::vector<std::shared_ptr<ShmConn>> told;
-  for (auto& c : holders) {
-    Status st = send_frame(*c, Ctl::kRevoke, region.id, {});
-    if (st.ok()) {
-      told.push_back(c);
-    } else {
-      kill(c, st.with_context("revoking region " + std::to_string(region.id)));
-    }
-  }
-  const auto deadline = util::deadline_after(kRevokeTimeoutS);
-  for (auto& c : told) {
-    bool acked;
-    {
-      std::unique_lock<std::mutex> lk(c->mu);
-      acked = c->cv.wait_until(lk, deadline, [&] { return c->dead || c->revoke_acks.count(region.id); });
-      c->revoke_acks.erase(region.id);
-    }
-    if (!acked) {
-      PDKV_LOG_WARN("shm: %s did not release region %llu within %.0f s; closing its connection", c->desc.c_str(),
-                    static_cast<unsigned long long>(region.id), kRevokeTimeoutS);
-      kill(c, TimeoutError(c->desc + " did not release region " + std::to_string(region.id) + " within " +
-                           std::to_string(int(kRevokeTimeoutS)) + " s"));
-    }
-  }
-}
+namespace {
 
 Status shm_viable() {
   int fd = ::memfd_create("pdkv-probe", MFD_CLOEXEC);
@@ -1495,4 +790,5 @@ bool registered = register_transport(TransportFactory{
     /*priority=*/200});
 
 }  // namespace
+
 }  // namespace pdkv::shm

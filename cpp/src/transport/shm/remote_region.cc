@@ -1,0 +1,118 @@
+#include "transport/shm/remote_region.h"
+
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+
+#include "util/socket.h"
+
+namespace pdkv::shm {
+namespace {
+
+std::string hex_addr(uint64_t a) {
+  char buf[24];
+  snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(a));
+  return buf;
+}
+
+// Checks the confirmation against the metadata, then maps the memfd or checks that
+// cross-memory attach works. Only the confirmed address and length are used.
+Result<std::shared_ptr<RemoteRegion>> attach(const std::shared_ptr<ShmConn>& c, const Peer& peer, const RegionDesc& d,
+                                             RegionAnswer ans) {
+  util::ScopedFd fd(ans.fd);
+  const RegionInfo& ri = ans.info;
+  auto show = [](uint64_t addr, uint64_t len, bool shareable) {
+    return "[" + hex_addr(addr) + ", +" + std::to_string(len) + ")" + (shareable ? " shared" : " private");
+  };
+  if (ri.addr != d.addr || ri.len != d.len || ri.shareable != d.shareable || ri.kind != d.kind)
+    return OutOfRange("peer '" + peer.md.name + "' confirms region " + std::to_string(d.id) + " as " +
+                      show(ri.addr, ri.len, ri.shareable) + " but its metadata says " +
+                      show(d.addr, d.len, d.shareable) + "; fetch its metadata again");
+  auto r = std::make_shared<RemoteRegion>();
+  r->id = d.id;
+  r->len = ri.len;
+  r->remote_addr = ri.addr;
+  r->conn = c;
+  if (ri.shareable) {
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < ri.len)
+      return ProtocolError("peer's region " + std::to_string(d.id) + " is smaller than it confirms");
+    void* p = ::mmap(nullptr, ri.len, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    if (p == MAP_FAILED) return Internal("mmap of the peer's region failed: " + util::errno_str(errno));
+    r->base = static_cast<char*>(p);
+    return r;
+  }
+  // Cross-memory attach: check once that the kernel lets us reach the peer.
+  char probe;
+  iovec l{&probe, 1}, rm{reinterpret_cast<void*>(ri.addr), 1};
+  if (::process_vm_readv(c->peer_pid, &l, 1, &rm, 1, 0) != 1) {
+    const int err = errno;
+    return NotSupported("region " + std::to_string(d.id) + " of peer '" + peer.md.name +
+                        "' is not shared memory and cross-memory attach to pid " + std::to_string(c->peer_pid) +
+                        " is not permitted (" + util::errno_str(err) +
+                        "); let pdkv allocate the pool (Agent.alloc), allow ptrace (kernel.yama.ptrace_scope=0 or "
+                        "CAP_SYS_PTRACE), or use the tcp transport");
+  }
+  return r;
+}
+
+}  // namespace
+
+std::string deregistered(const std::string& peer, uint64_t id) {
+  return "peer '" + peer + "' deregistered region " + std::to_string(id) + "; fetch its metadata again";
+}
+
+Result<std::shared_ptr<RemoteRegion>> confirm_region(const std::shared_ptr<ShmConn>& c, const Peer& peer, uint64_t id,
+                                                     double timeout_s) {
+  std::lock_guard<std::mutex> map_lk(c->map_mu);
+  {
+    std::lock_guard<std::mutex> lk(c->mu);
+    auto it = c->regions.find(id);
+    if (it != c->regions.end()) return it->second;
+    if (c->revoked_ids.count(id)) return NotFound(deregistered(peer.md.name, id));
+  }
+  const RegionDesc* d = peer.md.find_region(id);
+  if (!d) return NotFound("peer '" + peer.md.name + "' exports no region " + std::to_string(id));
+  RegionAnswer ans;
+  {
+    std::unique_lock<std::mutex> lk(c->mu);
+    if (c->dead) return c->dead_reason;
+    c->pending_req = id;
+    lk.unlock();
+    Status sent = send_frame(*c, Ctl::kRegionReq, id, {});
+    lk.lock();
+    const bool got = sent.ok() && c->cv.wait_for(lk, std::chrono::duration<double>(timeout_s),
+                                                 [&] { return c->dead || c->answers.count(id); });
+    c->pending_req = 0;
+    auto it = c->answers.find(id);
+    if (it != c->answers.end()) {
+      ans = std::move(it->second);
+      c->answers.erase(it);
+    }
+    if (c->dead) {
+      if (ans.fd >= 0) ::close(ans.fd);
+      return c->dead_reason;
+    }
+    if (!sent.ok()) return sent;
+    if (!got)
+      return TimeoutError("peer '" + peer.md.name + "' did not confirm region " + std::to_string(id) + " within " +
+                          std::to_string(timeout_s) + " s");
+  }
+  if (!ans.st.ok()) return ans.st.with_context("region " + std::to_string(id) + " of peer '" + peer.md.name + "'");
+  PDKV_ASSIGN_OR_RETURN(auto r, attach(c, peer, *d, std::move(ans)));
+  std::lock_guard<std::mutex> lk(c->mu);
+  if (c->revoked_ids.count(id)) return NotFound(deregistered(peer.md.name, id));  // revoked while we attached
+  return c->regions.emplace(id, r).first->second;
+}
+
+void ack_revoke_when_idle(const std::shared_ptr<RemoteRegion>& r) {
+  if (r->revoked && r->inflight.load() == 0 && !r->ack_sent.exchange(true)) {
+    if (auto c = r->conn.lock()) (void)send_frame(*c, Ctl::kRevokeAck, r->id, {});
+  }
+}
+
+}  // namespace pdkv::shm

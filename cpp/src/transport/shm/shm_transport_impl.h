@@ -1,0 +1,140 @@
+// ShmTransport: the shm Transport (see shm_transport.cc for how it works) and
+// the files it is split into:
+//   shm_transport.cc  start-up and shutdown, the progress thread (accepting,
+//                     reading control frames, deadlines), binding and posting
+//   shm_target.cc     what this agent does as a peer's target: authenticate its
+//                     hello, answer region and lease requests, take notifications,
+//                     revoke regions on deregistration
+//   shm_dial.h        the initiator's blocking handshake
+//   shm_conn.h        one control connection, its state and its lock order
+//   remote_region.h   confirming a peer's region before first use, acking revokes
+//   copy_engine.h     the copies themselves and the copy threads
+//
+// Thread safety: the Transport methods as pdkv/transport.h says.
+#pragma once
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "pdkv/config.h"
+#include "pdkv/transport.h"
+#include "transport/shm/copy_engine.h"
+#include "transport/shm/ctl_guard.h"
+#include "transport/shm/shm_conn.h"
+#include "util/socket.h"
+
+namespace pdkv::shm {
+
+struct ShmPrepared final : PreparedOps {
+  std::shared_ptr<const Peer> peer;  // the metadata the extents were checked against
+  std::shared_ptr<ShmPeerState> ps;
+  OpKind op = OpKind::kWrite;
+  std::vector<ResolvedExtent> extents;
+  std::shared_ptr<const GenClaim> claim;  // checked by the target (a lease) at every post
+  std::string claim_wire;                 // encode_claim(*claim)
+  // Bound on first post; re-bound when its connection died.
+  mutable std::mutex mu;
+  mutable std::shared_ptr<const Binding> bound;
+};
+
+class ShmTransport final : public Transport {
+ public:
+  explicit ShmTransport(const AgentConfig& cfg) : opts_(cfg.shm), connect_timeout_(cfg.tcp.connect_timeout_s) {}
+  ~ShmTransport() override { shutdown(); }
+
+  std::string_view name() const override { return "shm"; }
+  TransportCaps caps() const override {
+    TransportCaps c;
+    c.cross_host = false;
+    c.local_mem_kinds = mem_kind_bit(MemKind::kHost);
+    c.remote_mem_kinds = mem_kind_bit(MemKind::kHost);
+    c.generations = true;
+    return c;
+  }
+  Status start(AgentHooks* hooks) override;
+  void shutdown() override;
+  std::vector<Endpoint> endpoints() const override { return {Endpoint{"shm", path_}}; }
+  bool can_reach(const AgentMetadata& peer) const override {
+    const Endpoint* e = peer.find_endpoint("shm");
+    if (!e || peer.host_id != hooks_->host_id()) return false;
+    struct stat st {};
+    return ::stat(e->address.c_str(), &st) == 0 && S_ISSOCK(st.st_mode);
+  }
+  Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
+                                                     std::vector<ResolvedExtent> extents) override;
+  Result<std::shared_ptr<const PreparedOps>> prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
+                                                             std::vector<ResolvedExtent> extents,
+                                                             std::shared_ptr<const GenClaim> claim) override;
+  void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
+            std::string notif) override;
+  void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) override;
+  Status connect(std::shared_ptr<const Peer> peer, double timeout_s) override;
+  void drop_peer(const std::string& name) override;
+  void region_removed(const RegionDesc& region) override;
+
+ private:
+  // Progress thread: accepting, reading frames, deadlines.
+  void run();
+  void check_deadlines();
+  void accept_all();
+  size_t pending_conns();
+  void on_readable(const std::shared_ptr<ShmConn>& c);
+  void drain_control(const std::shared_ptr<ShmConn>& c);
+  void handle_frame(const std::shared_ptr<ShmConn>& c);
+  void handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h);
+  void handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h);
+  void on_hello(const std::shared_ptr<ShmConn>& c);
+  void answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
+  void answer_lease_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
+  void refuse(const std::shared_ptr<ShmConn>& c, const Status& st, uint64_t id = 0);
+  void log_refusal(const Status& st);
+  void kill(const std::shared_ptr<ShmConn>& c, const Status& why);
+  void add_conn(const std::shared_ptr<ShmConn>& c);
+  // Initiator side: connections, region confirmation, copies.
+  std::shared_ptr<ShmPeerState> peer_state(const std::shared_ptr<const Peer>& peer);
+  Result<std::shared_ptr<ShmConn>> get_conn(ShmPeerState& ps);
+  Result<std::shared_ptr<const Binding>> bind(const ShmPrepared& p);
+  Result<uint64_t> take_lease(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
+                              Clock::time_point deadline);
+  static void end_lease(Job& job);
+  // Runs a queued job on a copy thread (or fails it if it was cancelled meanwhile).
+  void run_job(Job& job);
+  void finish_job(Job& job, Status st);
+  void send_notify(const std::shared_ptr<ShmConn>& c, const std::shared_ptr<Transfer>& xfer,
+                   const std::string& notif);
+  static void unpin(const Binding& b);
+  void wake() {
+    uint64_t one = 1;
+    if (evfd_ >= 0 && ::write(evfd_, &one, sizeof one) < 0) {
+    }
+  }
+
+  ShmOptions opts_;
+  double connect_timeout_;
+  AgentHooks* hooks_ = nullptr;
+  std::string path_;
+  util::ScopedFd listen_fd_;
+  int epfd_ = -1;
+  int evfd_ = -1;
+  std::thread th_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> shut_{false};
+  std::mutex mu_;  // conns_, peers_
+  std::unordered_map<ShmConn*, std::shared_ptr<ShmConn>> conns_;
+  std::map<std::string, std::shared_ptr<ShmPeerState>> peers_;
+  CopyEngine copies_{[this](Job& job) { run_job(job); }};
+  util::HandshakeThrottle throttle_;
+  util::LogLimiter refusal_log_;
+};
+
+}  // namespace pdkv::shm

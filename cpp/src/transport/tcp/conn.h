@@ -1,0 +1,202 @@
+// One tcp connection: its socket, its send queue, the parts waiting for an answer
+// on it, and the state of the frame being received.
+//
+// Life: an outbound connection is dialled and authenticated by the posting thread
+// (handshake.h) before it is shared; an inbound one is accepted by the listener and
+// must say hello before hs_deadline. Either is then owned by one ProgressThread
+// (`owner`), which reads it, flushes its queued output and enforces its deadlines.
+// TcpTransport::kill() retires it exactly once (`dead`): every pending part is
+// resolved with the reason, queued output is dropped, and the socket lingers
+// (`draining`) so an error frame we sent is read before the peer sees a reset.
+//
+// Locks, one per side, each guarding the fields listed under it below:
+//   rx_mu  the receive state. Held by whoever reads the socket: the owner thread
+//          (try_lock: it skips a connection someone else is reading), a caller
+//          driving its own small transfer (TcpTransport::drive, try_lock), or
+//          kill()/the staging thread (blocking) to tear the connection down.
+//   pmu_   the pending parts table.
+//   smu_   the send queue and epoll interest.
+// `dead_` is written with both pmu_ and smu_ held, so either one is enough to read it.
+// The send and pending sides are private: the methods below keep their invariants
+// (sq_cost_, the owner's npending and epoll interest) in step with the tables.
+//
+// Lock order (a thread holding one of these takes only locks further down):
+//   TcpConn::rx_mu  >  TcpTransport::mu_ (peers)  >  PeerConns::mu
+//                   >  TcpConn::pmu_  >  TcpConn::smu_
+//   ProgressThread::mu_, TcpPost::mu, the staging lock and Transfer's lock are
+//   leaves: nothing else is taken while one is held.
+// rx_mu is a plain mutex taken once per call chain: functions named *_locked
+// expect the caller to hold it (the receive path, the deadline scan, drive);
+// their plain twins take it. Two connections' rx_mu are never held together.
+//
+// Thread safety: see the lock of each field; the atomics are read without locks by
+// the owner's deadline scan.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cuda/staging.h"
+#include "pdkv/status.h"
+#include "pdkv/transfer.h"
+#include "transport/tcp/out_msg.h"
+#include "transport/tcp/transfer_parts.h"
+
+namespace pdkv::tcp {
+
+class ProgressThread;
+
+// Back-pressure on an inbound connection: while more than this much bookkeeping
+// (iovecs, pins, aux) or this many frames wait to be sent, its requests are not read;
+// they wait in the peer's socket buffers, not in our memory.
+inline constexpr size_t kMaxQueuedCost = 8u << 20;
+inline constexpr size_t kMaxQueuedFrames = 256;
+
+// Which part of a frame the receiver expects next.
+enum class RxStage { kHeader, kControl, kPayload };
+
+// The frame arriving on a connection, as FrameReceiver (receiver.h) reads it.
+// Guarded by the connection's rx_mu.
+struct RxState {
+  RxStage stage = RxStage::kHeader;
+  FrameHeader hdr{};  // next header being read
+  size_t hdr_got = 0;
+  FrameHeader cur{};  // frame being processed
+  std::string ctrl;   // its extents and aux
+  size_t ctrl_got = 0;
+  // Where its payload lands: dst[dst_idx] + dst_off onwards, `remaining` bytes.
+  std::vector<iovec> dst_own;
+  const iovec* dst = nullptr;
+  size_t ndst = 0;
+  size_t dst_idx = 0;
+  size_t dst_off = 0;
+  uint64_t remaining = 0;
+  std::vector<RegionPin> pins;  // the write's destination regions
+  GenPin gens;                  // blocks the write being received was checked against
+  Status reject;                // the write's block generations failed: its payload is discarded
+  size_t notif_off = 0;         // where the write's notification starts in ctrl
+  PendingPart read_part;        // the read response being received
+  // Payload bound for device memory: received into pinned buffers, copied out
+  // (device_staging.h).
+  std::unique_ptr<cuda::ScatterPipe> pipe;
+  bool staged = false;
+  int cur_lowat = 1;  // SO_RCVLOWAT now set on the socket
+
+  // True while a frame is partly received (its bytes must keep coming).
+  bool mid_frame() const { return stage != RxStage::kHeader || hdr_got != 0; }
+  // Lets go of what a killed connection was receiving: no device copy may land
+  // after this, pins and block generations are released.
+  void abandon();
+};
+
+class TcpConn : public std::enable_shared_from_this<TcpConn> {
+ public:
+  TcpConn(int fd, bool outbound, std::string desc, std::string source = "")
+      : fd(fd), outbound(outbound), desc(std::move(desc)), source(std::move(source)) {}
+  ~TcpConn();
+  TcpConn(const TcpConn&) = delete;
+  TcpConn& operator=(const TcpConn&) = delete;
+
+  // ---- Pending parts (each takes pmu_; the owner's npending follows the table).
+  size_t pending_count();
+  // Adds `part` of transfer `xfer_id`; false when the connection is dead.
+  bool track(PendingPart part, uint64_t xfer_id);
+  // Removes the pending part (xfer, batch) into *out; false if there is none.
+  bool take_pending(uint64_t xfer, uint32_t batch, PendingPart* out);
+  // Copies the pending read part (xfer, batch) into *out, leaving it pending until
+  // its payload is in; false if there is none.
+  bool find_pending_read(uint64_t xfer, uint32_t batch, PendingPart* out);
+  // The id of a pending transfer past its deadline, 0 if none (looks only once
+  // the earliest deadline has passed).
+  uint64_t expired_transfer(Clock::time_point now);
+
+  // ---- Send side (each takes smu_). The owner's epoll interest follows the queue:
+  // EPOLLOUT while output waits, EPOLLIN unless a caller drives the connection or
+  // back-pressure paused it.
+  enum class SendResult {
+    kSent,    // all of it left at once
+    kQueued,  // the rest leaves when the socket is writable (the owner flushes it)
+    kDead,    // dropped: the connection is dead, kill() resolved its parts
+    kFailed,  // the send failed: kill_reason() says why; the owner must kill it
+  };
+  // Queues `m`, sending at once when nothing is queued. An inbound connection whose
+  // queue passes kMaxQueuedCost / kMaxQueuedFrames stops being read (back-pressure).
+  SendResult send(std::unique_ptr<OutMsg> m);
+  // Sends queued output until the socket is full; reading resumes once the queue is
+  // half drained. True when the connection must be killed (a send failed).
+  bool flush();
+  // Sends `m` now if nothing is queued (best effort: an error frame before closing).
+  void send_if_idle(OutMsg& m);
+  // Queued output that did not move for `limit`.
+  bool output_stalled(Clock::time_point now, Clock::duration limit);
+  // A caller starts (true) or stops reading the connection itself, so the owner
+  // stops or resumes watching EPOLLIN. Starting fails on a dead connection.
+  bool set_driven(bool on);
+  size_t queued_frames();
+  bool is_dead();
+  void set_kill_reason(Status why);
+  Status kill_reason();
+
+  // ---- Both tables (take pmu_, then smu_).
+  // Marks the connection dead and hands over what was in flight; false if it
+  // already was dead (kill() runs once).
+  bool retire(std::unordered_map<uint64_t, PendingPart>* pending, std::deque<std::unique_ptr<OutMsg>>* sq);
+  // Removes the not yet started request frames of transfer `id` from the send
+  // queue together with their pending parts, which are returned.
+  std::vector<PendingPart> drop_unsent(uint64_t id);
+
+  // ---- Identity: set before the connection is shared.
+  int fd;                    // closed by the destructor, or by the owner once drained (-1)
+  const bool outbound;       // dialled by this agent (we are the initiator)
+  std::string desc;          // "peer 'x' at 1.2.3.4:5" for messages
+  const std::string source;  // inbound: the peer's IP address (authentication back-off)
+  std::string peer_name;     // remote agent's name once known
+  ProgressThread* owner = nullptr;
+  std::weak_ptr<PeerConns> pc;  // outbound: the slot table it sits in
+  uint32_t slot = 0;
+
+  // Deadline bookkeeping read by the owner's scan: output is stuck in the send
+  // queue (tx_blocked), or a frame is partly received (rx_mid) and rx_progress is
+  // when bytes last came.
+  std::atomic<bool> tx_blocked{false};
+  std::atomic<bool> rx_mid{false};
+  std::atomic<int64_t> rx_progress{0};
+  std::atomic<bool> rx_paused{false};  // back-pressure: too much output queued, EPOLLIN off
+
+  // ---- Receive side, guarded by rx_mu (see the top of this file).
+  std::mutex rx_mu;
+  bool authed = false;
+  std::atomic<bool> draining{false};
+  Clock::time_point hs_deadline = Clock::time_point::max();  // hello, or end of draining
+  RxState rx;
+
+ private:
+  // Re-registers the owner's epoll interest from the state below (holds smu_).
+  void update_interest_locked();
+
+  // ---- Guarded by both pmu_ and smu_ (set while holding both).
+  bool dead_ = false;
+
+  // ---- Send side, guarded by smu_.
+  std::mutex smu_;
+  std::deque<std::unique_ptr<OutMsg>> sq_;
+  size_t sq_cost_ = 0;   // sum of cost() over sq_
+  bool want_out_ = false;
+  bool driven_ = false;  // a waiting caller is reading this connection (EPOLLIN off)
+  Clock::time_point tx_progress_{};  // last time queued output moved (while want_out_)
+  Status kill_reason_;               // why the owner should kill it
+  bool kill_requested_ = false;      // a send failed: the owner must kill it
+
+  // ---- Pending parts (initiator side), guarded by pmu_.
+  std::mutex pmu_;
+  std::unordered_map<uint64_t, PendingPart> pending_;               // by pending_key()
+  Clock::time_point earliest_deadline_ = Clock::time_point::max();  // of the parts in pending_
+};
+
+}  // namespace pdkv::tcp

@@ -1,0 +1,84 @@
+// The tcp transport's path for device (CUDA) memory: sockets only read and write
+// host memory, so device bytes travel through pinned host buffers (cuda/staging.h).
+//
+//   write, initiator: each batch is gathered from the GPU into a pooled pinned
+//                     buffer on the staging thread (in order, while the previous
+//                     batch is on the wire), then sent from there.
+//   read, target:     the requested extents are gathered on the staging thread and
+//                     sent as the read response (respond_read).
+//   receiving:        the payload lands in pinned buffers that a ScatterPipe copies
+//                     to the GPU double buffered (FrameReceiver::begin_staged_rx);
+//                     the ack follows the last completed copy.
+//
+// The CUDA driver is loaded on first use (stager()), never at start-up: cuInit in a
+// process that later forks would break CUDA in its children.
+//
+// Thread safety: every method may be called from any thread.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "cuda/staging.h"
+#include "pdkv/generations.h"
+#include "pdkv/region.h"
+#include "pdkv/status.h"
+#include "pdkv/transfer.h"
+#include "transport/tcp/wire.h"
+
+namespace pdkv::tcp {
+
+class TcpConn;
+class TcpTransport;
+
+class DeviceStaging {
+ public:
+  DeviceStaging(TcpTransport& t, uint64_t chunk_bytes, uint32_t buffers)
+      : t_(t), chunk_bytes_(chunk_bytes), buffers_(buffers) {}
+  ~DeviceStaging() { stop(); }
+  DeviceStaging(const DeviceStaging&) = delete;
+  DeviceStaging& operator=(const DeviceStaging&) = delete;
+
+  // The pinned buffer pool, created on first use; NotSupported naming the reason
+  // without a usable CUDA driver.
+  Result<std::shared_ptr<cuda::Stager>> stager();
+  // Runs `f` on the staging thread, after the tasks queued before it; on the
+  // calling thread once stopped (the task then fails fast: the agent is shutting down).
+  void run(std::function<void()> f);
+  // Lets the queued tasks finish and joins the staging thread.
+  void stop();
+
+  // Copies the device extents src[0..n) of `device` back to back into a pooled
+  // buffer, waiting for a free one until `deadline` or until `abandon()` says to
+  // give up. Runs on the staging thread.
+  Result<std::shared_ptr<cuda::PinnedBuffer>> gather(int device, const iovec* src, size_t n,
+                                                     Clock::time_point deadline, const std::function<bool()>& abandon);
+  // Answers the read request `h` on c for device memory: gathers `src` on the
+  // staging thread and queues the response; fails the connection if that fails.
+  // `pins` and `gens` are held until the bytes are gathered (pins: until sent).
+  void respond_read(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<iovec> src,
+                    std::vector<RegionPin> pins, GenPin gens, uint64_t bytes, int device);
+
+ private:
+  void loop();
+
+  TcpTransport& t_;
+  const uint64_t chunk_bytes_;
+  const uint32_t buffers_;
+  std::mutex mu_;  // guards everything below (a leaf lock: see conn.h)
+  std::shared_ptr<cuda::Stager> stager_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  std::thread th_;
+  bool stop_ = false;
+};
+
+}  // namespace pdkv::tcp

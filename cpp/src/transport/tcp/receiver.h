@@ -1,0 +1,98 @@
+// The receive side of a connection: turns the byte stream into frames and acts on
+// each one (the target side of writes, reads, notifications and the handshake; the
+// initiator side of acks, read responses and errors).
+//
+// A frame arrives in up to three stages (conn.h RxStage): the 40-byte header, which
+// frame.h's check_header() validates for this connection's role and phase before
+// anything is allocated; the control bytes (extent descriptors and aux); and the
+// payload, which is received straight into the destination extents (host memory),
+// into pinned buffers that are copied to the GPU as they fill (device memory,
+// device_staging.h), or into scratch memory when the write is refused. A payload's
+// last recvmsg also picks up the next header.
+//
+// A frame that breaks the rules fails the connection with an error frame naming the
+// problem (fail_conn_locked); a refused part of a valid request (stale block
+// generations) is answered with a failed ack and the connection stays.
+//
+// Thread safety: every function runs with the connection's rx_mu held (the owner
+// thread, or a caller driving its own transfer).
+#pragma once
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "pdkv/generations.h"
+#include "pdkv/region.h"
+#include "pdkv/status.h"
+#include "transport/tcp/conn.h"
+
+namespace pdkv::tcp {
+
+class TcpTransport;
+class ProgressThread;
+
+class FrameReceiver {
+ public:
+  FrameReceiver(TcpTransport& t, ProgressThread& owner) : t_(t), owner_(owner) {}
+
+  // Reads c until the socket is empty, the connection is closed or paused, or a
+  // fairness budget is spent; acts on every frame completed. Returns the bytes read.
+  uint64_t receive(const std::shared_ptr<TcpConn>& c);
+
+ private:
+  // What a write or read request addresses, once its extents are pinned and its
+  // aux checked.
+  struct Request {
+    std::vector<iovec> iov;  // the local extents, in order
+    std::vector<RegionPin> pins;
+    int device = -1;  // >= 0: the extents are in this device's memory
+    uint64_t bytes = 0;
+    GenPin gens;    // the claimed blocks, held until the bytes landed or left
+    Status reject;  // the claim failed: refuse this part only
+  };
+
+  // One read of the current stage. Returns the syscall's result; when it read
+  // bytes, *stop says receive() must return (the connection failed or closed).
+  ssize_t read_header(const std::shared_ptr<TcpConn>& c, bool* stop);
+  ssize_t read_control(const std::shared_ptr<TcpConn>& c, bool* stop);
+  ssize_t read_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);
+  ssize_t read_staged_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);
+
+  // A full header is in c->hdr: validates it and sets up the next stage. False when
+  // the connection was failed.
+  bool on_header(const std::shared_ptr<TcpConn>& c);
+  bool on_read_response_header(const std::shared_ptr<TcpConn>& c);
+  // The control bytes of c->cur are in c->ctrl: acts on the frame. False when the
+  // connection was failed.
+  bool on_control(const std::shared_ptr<TcpConn>& c);
+  bool on_hello(const std::shared_ptr<TcpConn>& c);
+  bool on_metadata_request(const std::shared_ptr<TcpConn>& c);
+  bool on_data_request(const std::shared_ptr<TcpConn>& c);
+  bool on_failed_ack(const std::shared_ptr<TcpConn>& c);
+  bool on_notify(const std::shared_ptr<TcpConn>& c);
+  bool on_error(const std::shared_ptr<TcpConn>& c);
+  // Pins the extents of the write / read request in c->cur and checks its aux and
+  // block generation claim. False when the connection was failed.
+  bool decode_request(const std::shared_ptr<TcpConn>& c, Request* req);
+  void answer_read(const std::shared_ptr<TcpConn>& c, Request req);
+  bool begin_write_payload(const std::shared_ptr<TcpConn>& c, Request req);
+  // The current payload is complete.
+  void on_payload_done(const std::shared_ptr<TcpConn>& c);
+  void write_landed(const std::shared_ptr<TcpConn>& c);
+
+  // Routes the current payload of `c` through its ScatterPipe (device destination).
+  Status begin_staged_rx(TcpConn& c, int device);
+  // A copy into device memory failed while receiving the current payload.
+  void staged_rx_failed(const std::shared_ptr<TcpConn>& c, const Status& st);
+  void set_lowat(TcpConn& c, int v);
+  void reply(const std::shared_ptr<TcpConn>& c, std::unique_ptr<OutMsg> m);
+
+  TcpTransport& t_;
+  ProgressThread& owner_;
+};
+
+}  // namespace pdkv::tcp

@@ -1,0 +1,121 @@
+// TcpTransport: the Transport implementation (tcp_transport.h) and the services
+// its parts share. It wires together:
+//   handshake.h       dialling a peer (blocking, on the posting thread)
+//   progress.h        the epoll threads that own connections (accept, back-pressure,
+//                     deadlines) and their FrameReceiver (receiver.h)
+//   conn.h            one connection: its queues, tables, locks and lock order
+//   device_staging.h  device memory through pinned buffers
+//   transfer_parts.h  prepared transfers, posts and parts in flight
+// and itself holds the peers' connection slots, prepare/post/cancel, and the
+// teardown of a connection (kill), which every part may need.
+//
+// Thread safety: the Transport methods as pdkv/transport.h says; the services below
+// from any thread, with the locking each states.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "pdkv/config.h"
+#include "pdkv/transport.h"
+#include "transport/tcp/conn.h"
+#include "transport/tcp/device_staging.h"
+#include "transport/tcp/frame.h"
+#include "transport/tcp/guard.h"
+#include "transport/tcp/progress.h"
+#include "transport/tcp/transfer_parts.h"
+#include "util/socket.h"
+
+namespace pdkv::tcp {
+
+class TcpTransport final : public Transport {
+ public:
+  explicit TcpTransport(const AgentConfig& cfg);
+  ~TcpTransport() override { shutdown(); }
+
+  std::string_view name() const override { return "tcp"; }
+  TransportCaps caps() const override;
+  // Host memory, and device memory staged through pinned buffers. The CUDA driver is
+  // loaded only when a transfer touches device memory (never at start-up: cuInit in
+  // a process that later forks would break CUDA in its children); without one that
+  // transfer fails with NotSupported naming the reason.
+  static uint32_t mem_kinds() { return mem_kind_bit(MemKind::kHost) | mem_kind_bit(MemKind::kCuda); }
+  Status start(AgentHooks* hooks) override;
+  void shutdown() override;
+  std::vector<Endpoint> endpoints() const override { return {Endpoint{"tcp", addr_.str()}}; }
+  bool can_reach(const AgentMetadata& peer) const override { return peer.find_endpoint("tcp") != nullptr; }
+  Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
+                                                     std::vector<ResolvedExtent> extents) override;
+  Result<std::shared_ptr<const PreparedOps>> prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
+                                                             std::vector<ResolvedExtent> extents,
+                                                             std::shared_ptr<const GenClaim> claim) override;
+  void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
+            std::string notif) override;
+  void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) override;
+  Status connect(std::shared_ptr<const Peer> peer, double timeout_s) override;
+  void drop_peer(const std::string& name) override;
+  Result<std::string> fetch_metadata(const std::string& address, std::string_view secret, double timeout_s) override;
+
+  // ---- Shared with the connections' parts.
+  AgentHooks* hooks() const { return hooks_; }
+  const TcpOptions& opts() const { return opts_; }
+  FrameLimits frame_limits() const { return FrameLimits{hooks_->max_notif_bytes()}; }
+  AuthBackoff& auth_backoff() { return backoff_; }
+  DeviceStaging& staging() { return staging_; }
+  bool shutting_down() const { return shut_.load(std::memory_order_acquire); }
+  // The progress thread that gets the next connection (round robin).
+  ProgressThread* pick_thread() { return threads_[next_thread_++ % threads_.size()].get(); }
+  // Logs a closed or refused connection: at most one line per second, with a count
+  // of the lines held back (a flood of bad clients must not flood the log).
+  void log_rejected(const std::string& line);
+
+  // Retires c once: resolves its pending parts with `why` (other transfers than
+  // `culprit` of a timeout get a ConnectionError naming it), drops its queued
+  // output, frees its slot and lets the socket drain. kill() takes c->rx_mu;
+  // kill_locked() expects the caller to hold it.
+  void kill(const std::shared_ptr<TcpConn>& c, const Status& why, uint64_t culprit = 0);
+  void kill_locked(const std::shared_ptr<TcpConn>& c, const Status& why, uint64_t culprit = 0);
+  // Sends an error frame (best effort, only if no output is queued), then
+  // kill_locked(). Caller holds c->rx_mu.
+  void fail_conn_locked(const std::shared_ptr<TcpConn>& c, const Status& st, uint64_t xfer = 0, uint32_t batch = 0);
+  // Resolves one part of a posted transfer; sends its separate notification once
+  // the last data part succeeded.
+  void resolve(const PendingPart& p, uint64_t bytes, const Status& st);
+
+ private:
+  Result<std::shared_ptr<PeerConns>> peer_conns(const std::shared_ptr<const Peer>& peer);
+  // The live connection in `slot`, dialling a new one if `may_connect`.
+  Result<std::shared_ptr<TcpConn>> get_conn(PeerConns& pc, uint32_t slot, bool may_connect);
+  // Asks the owners of these connections to kill them with `why`.
+  void request_kills(const std::vector<std::shared_ptr<TcpConn>>& cs, const Status& why);
+  // Sends batch i of `post` (data from registered memory, or from `staged`).
+  void send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot,
+                  std::shared_ptr<cuda::PinnedBuffer> staged);
+  // Gathers batch i of a device-memory WRITE into a pinned buffer, then sends it
+  // (on the staging thread).
+  void stage_and_send(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot);
+  void send_separate_notify(const std::shared_ptr<TcpPost>& p);
+  void cancel(const std::shared_ptr<TcpPost>& p);
+  // Reads `c` in the calling thread until `x` is terminal or `deadline` (see
+  // Transfer::set_driver). Gives up at once if another thread holds the connection.
+  void drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::time_point deadline, uint32_t spin_us);
+
+  TcpOptions opts_;
+  AgentHooks* hooks_ = nullptr;
+  util::HostPort addr_;
+  util::ScopedFd listen_fd_;
+  std::vector<std::unique_ptr<ProgressThread>> threads_;
+  std::atomic<uint32_t> next_thread_{0};
+  std::atomic<bool> shut_{false};
+  std::mutex mu_;  // guards peers_
+  std::map<std::string, std::shared_ptr<PeerConns>> peers_;
+  DeviceStaging staging_;
+  AuthBackoff backoff_;
+  LogLimiter reject_log_{std::chrono::seconds(1)};
+};
+
+}  // namespace pdkv::tcp

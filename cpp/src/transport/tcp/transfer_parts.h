@@ -1,0 +1,91 @@
+// What a transfer is inside the tcp transport, from prepare() to the last ack.
+//
+// prepare() cuts the extents into batches (TcpPrepared: one frame each, reusable);
+// post() makes a TcpPost that lives until every batch is resolved; each batch in
+// flight is a PendingPart in the table of the connection that carries it, keyed by
+// (transfer id, batch), until its ack or read response arrives, the connection dies
+// or the transfer is cancelled. PeerConns is the fixed set of connection slots to
+// one peer instance.
+//
+// Thread safety: TcpPrepared is immutable once prepared. The fields of TcpPost and
+// PeerConns say what guards them.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "pdkv/status.h"
+#include "pdkv/transfer.h"
+#include "pdkv/transport.h"
+#include "util/socket.h"
+#include "transport/tcp/wire.h"
+
+namespace pdkv::tcp {
+
+class TcpConn;
+
+// One frame's worth of a prepared transfer.
+struct TcpBatch {
+  uint32_t first = 0;  // index into descs/iov
+  uint32_t count = 0;
+  uint64_t bytes = 0;
+};
+
+struct TcpPrepared final : PreparedOps {
+  std::shared_ptr<const Peer> peer;
+  OpKind op = OpKind::kWrite;
+  std::vector<WireExtent> descs;  // remote side
+  std::vector<iovec> iov;         // local side, parallel to descs
+  std::vector<TcpBatch> batches;
+  uint64_t total = 0;
+  // Local extents in device memory: WRITE batches are gathered into pinned buffers
+  // before sending, READ responses are scattered out of them (cuda/staging.h).
+  bool staged = false;
+  int device = -1;
+  // Block generation claim (u32 length + claim) sent at the start of every frame's
+  // aux, so the target checks it per frame before its bytes land or are sent.
+  std::string claim_aux;
+};
+
+// The connection slots to one peer instance (replaced when the peer restarts).
+struct PeerConns : std::enable_shared_from_this<PeerConns> {
+  std::shared_ptr<const Peer> peer;
+  util::HostPort hp;
+  std::mutex mu;                                // guards conns
+  std::vector<std::shared_ptr<TcpConn>> conns;  // [conns_per_peer]; null or dead: dial on next use
+  std::atomic<uint32_t> rr{0};                  // round-robin start slot of the next post
+};
+
+// State of one posted transfer inside the transport.
+struct TcpPost {
+  std::shared_ptr<Transfer> xfer;
+  std::shared_ptr<const TcpPrepared> prep;  // null for a notification-only post
+  std::shared_ptr<PeerConns> pc;
+  std::string notif;
+  bool separate_notif = false;  // sent as kNotify after every data batch is acked
+  std::atomic<uint32_t> data_left{0};
+  std::atomic<bool> data_failed{false};  // a batch failed (or never left): send no notification
+  std::mutex mu;
+  std::vector<std::weak_ptr<TcpConn>> conns;  // guarded by mu; for cancel
+  Status connect_err;                          // guarded by mu: later batches fail fast
+};
+
+// One batch in flight, in the pending table of the connection carrying it.
+struct PendingPart {
+  std::shared_ptr<TcpPost> post;
+  uint32_t batch = 0;
+  uint64_t bytes = 0;
+  const iovec* dst = nullptr;  // kReadReq: where the response lands
+  uint32_t ndst = 0;
+};
+
+// Key of a pending part: (transfer id, batch).
+inline uint64_t pending_key(uint64_t xfer, uint32_t batch) { return (xfer << 32) ^ batch; }
+
+}  // namespace pdkv::tcp

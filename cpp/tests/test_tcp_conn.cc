@@ -1,0 +1,384 @@
+// The tcp transport's pieces below the frame rules: an outgoing frame's send cursor
+// (out_msg.h), a connection's pending table and send queue (conn.h), and the
+// initiator's blocking handshake and metadata request (handshake.h), each against
+// a socket pair or a scripted target on 127.0.0.1.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/tcp/conn.h"
+#include "transport/tcp/frame.h"
+#include "transport/tcp/handshake.h"
+#include "transport/tcp/out_msg.h"
+#include "util/socket.h"
+
+namespace pdkv::tcp {
+namespace {
+
+struct SocketPair {
+  int a = -1, b = -1;
+  SocketPair() {
+    int fds[2];
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+    a = fds[0];
+    b = fds[1];
+  }
+  ~SocketPair() {
+    if (a >= 0) ::close(a);
+    if (b >= 0) ::close(b);
+  }
+};
+
+std::string read_exactly(int fd, size_t n) {
+  std::string out(n, '\0');
+  EXPECT_TRUE(util::recv_all(fd, out.data(), n, util::deadline_after(5)).ok());
+  return out;
+}
+
+std::string frame_bytes(const FrameHeader& h, const std::string& aux) {
+  std::string out(reinterpret_cast<const char*>(&h), kHdr);
+  return out + aux;
+}
+
+// ---------------------------------------------------------------- OutMsg
+
+TEST(TcpOutMsg, FinalizeCountsEveryPartAndSendSomeWritesThemInOrder) {
+  const WireExtent ext{7, 16, 5};
+  std::string payload_a = "hello", payload_b = "world!";
+  OutMsg m;
+  m.hdr = make_hdr(FrameType::kWrite, 42, 3);
+  m.hdr.count = 1;
+  m.descs = &ext;
+  m.desc_bytes = sizeof ext;
+  m.aux = "AUX";
+  m.own_iov = {{payload_a.data(), payload_a.size()}, {payload_b.data(), payload_b.size()}};
+  m.finalize();
+  EXPECT_EQ(m.hdr.aux_len, 3u);
+  EXPECT_EQ(m.total, kHdr + sizeof ext + 3 + 11);
+  EXPECT_EQ(m.nsegs(), 5u);
+
+  SocketPair sp;
+  int err = 0;
+  ASSERT_EQ(send_some(sp.a, m, &err), 1);
+  EXPECT_EQ(m.sent, m.total);
+  const std::string got = read_exactly(sp.b, m.total);
+  FrameHeader h = decode_header(got.data());
+  EXPECT_EQ(h.xfer_id, 42u);
+  EXPECT_EQ(h.batch, 3u);
+  EXPECT_EQ(h.aux_len, 3u);
+  WireExtent e;
+  std::memcpy(&e, got.data() + kHdr, sizeof e);
+  EXPECT_EQ(e.region, 7u);
+  EXPECT_EQ(got.substr(kHdr + sizeof e), "AUXhelloworld!");
+}
+
+TEST(TcpOutMsg, AdvanceResumesInsideASegment) {
+  std::string payload = "0123456789";
+  OutMsg m;
+  m.hdr = make_hdr(FrameType::kReadResp, 1, 0);
+  m.own_iov = {{payload.data(), payload.size()}};
+  m.finalize();
+  m.advance(kHdr + 4);  // the header and "0123" already left
+  EXPECT_EQ(m.seg, 3u);
+  EXPECT_EQ(m.seg_off, 4u);
+  SocketPair sp;
+  int err = 0;
+  ASSERT_EQ(send_some(sp.a, m, &err), 1);
+  EXPECT_EQ(read_exactly(sp.b, 6), "456789");
+}
+
+TEST(TcpOutMsg, SendSomeReportsWouldBlockThenFinishes) {
+  SocketPair sp;
+  int small = 4096;
+  ASSERT_EQ(::setsockopt(sp.a, SOL_SOCKET, SO_SNDBUF, &small, sizeof small), 0);
+  std::string payload(1 << 20, 'x');
+  OutMsg m;
+  m.hdr = make_hdr(FrameType::kReadResp, 1, 0);
+  m.own_iov = {{payload.data(), payload.size()}};
+  m.finalize();
+  int err = 0;
+  ASSERT_EQ(send_some(sp.a, m, &err), 0);  // the socket is full
+  EXPECT_GT(m.sent, 0u);
+  EXPECT_LT(m.sent, m.total);
+  std::thread reader([&] { read_exactly(sp.b, m.total); });
+  int r = 0;
+  while ((r = send_some(sp.a, m, &err)) == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  reader.join();
+  EXPECT_EQ(r, 1);
+  EXPECT_EQ(m.sent, m.total);
+}
+
+TEST(TcpOutMsg, SendSomeReportsTheErrorOfAClosedPeer) {
+  SocketPair sp;
+  ::close(sp.b);
+  sp.b = -1;
+  OutMsg m;
+  m.hdr = make_hdr(FrameType::kNotify, 1, 0);
+  m.aux = "n";
+  m.finalize();
+  int err = 0;
+  EXPECT_EQ(send_some(sp.a, m, &err), -1);
+  EXPECT_EQ(err, EPIPE);
+}
+
+TEST(TcpOutMsg, ErrorFrameCarriesTheCodeAndACutMessage) {
+  OutMsg m = error_frame(AuthFailed(std::string(kMaxErrorBytes + 100, 'e')), 9, 2);
+  EXPECT_EQ(m.hdr.type, static_cast<uint16_t>(FrameType::kError));
+  EXPECT_EQ(status_code_from_wire(m.hdr.status), StatusCode::kAuthFailed);
+  EXPECT_EQ(m.hdr.xfer_id, 9u);
+  EXPECT_EQ(m.hdr.batch, 2u);
+  EXPECT_EQ(m.aux.size(), kMaxErrorBytes);
+  EXPECT_EQ(m.hdr.aux_len, kMaxErrorBytes);
+  EXPECT_EQ(m.total, kHdr + kMaxErrorBytes);
+}
+
+// ---------------------------------------------------------------- TcpConn tables
+
+std::shared_ptr<TcpPost> make_post(uint64_t id, Clock::time_point deadline) {
+  auto p = std::make_shared<TcpPost>();
+  p->xfer = std::make_shared<Transfer>(id, OpKind::kWrite, "peer", "tcp", 100, deadline, 0);
+  return p;
+}
+
+std::unique_ptr<OutMsg> request(FrameType t, uint64_t id, uint32_t batch, const std::string* payload = nullptr) {
+  auto m = std::make_unique<OutMsg>();
+  m->hdr = make_hdr(t, id, batch);
+  if (payload) m->own_iov = {{const_cast<char*>(payload->data()), payload->size()}};
+  m->finalize();
+  return m;
+}
+
+// No socket and no owner thread: only the pending table is exercised.
+std::shared_ptr<TcpConn> detached_conn() { return std::make_shared<TcpConn>(-1, true, "test connection"); }
+
+// A connection on one end of a socket pair nobody reads, with a small send buffer:
+// a large first frame leaves partly and everything after it stays queued.
+struct BlockedConn {
+  SocketPair sp;
+  std::shared_ptr<TcpConn> conn;
+  std::string big = std::string(1 << 20, 'x');
+  BlockedConn() {
+    int small = 4096;
+    EXPECT_EQ(::setsockopt(sp.a, SOL_SOCKET, SO_SNDBUF, &small, sizeof small), 0);
+    EXPECT_EQ(::fcntl(sp.a, F_SETFL, O_NONBLOCK), 0);
+    conn = std::make_shared<TcpConn>(sp.a, true, "blocked connection");
+    sp.a = -1;  // the connection closes it
+  }
+};
+
+TEST(TcpConnTables, TakePendingReturnsThePartOnce) {
+  auto c = detached_conn();
+  auto post = make_post(5, Clock::now() + std::chrono::hours(1));
+  ASSERT_TRUE(c->track(PendingPart{post, 0, 10}, 5));
+  ASSERT_TRUE(c->track(PendingPart{post, 1, 20}, 5));
+  PendingPart out;
+  ASSERT_TRUE(c->take_pending(5, 1, &out));
+  EXPECT_EQ(out.batch, 1u);
+  EXPECT_EQ(out.bytes, 20u);
+  EXPECT_FALSE(c->take_pending(5, 1, &out));
+  EXPECT_FALSE(c->take_pending(6, 0, &out));
+  EXPECT_EQ(c->pending_count(), 1u);
+}
+
+TEST(TcpConnTables, FindPendingReadOnlyFindsReadsAndLeavesThemPending) {
+  auto c = detached_conn();
+  auto post = make_post(5, Clock::now() + std::chrono::hours(1));
+  iovec dst{nullptr, 0};
+  ASSERT_TRUE(c->track(PendingPart{post, 0, 10}, 5));           // a write
+  ASSERT_TRUE(c->track(PendingPart{post, 1, 10, &dst, 1}, 5));  // a read
+  PendingPart out;
+  EXPECT_FALSE(c->find_pending_read(5, 0, &out));
+  ASSERT_TRUE(c->find_pending_read(5, 1, &out));
+  EXPECT_EQ(out.dst, &dst);
+  EXPECT_EQ(c->pending_count(), 2u);
+}
+
+TEST(TcpConnTables, ExpiredTransferNamesThePastDeadline) {
+  auto c = detached_conn();
+  const auto now = Clock::now();
+  ASSERT_TRUE(c->track(PendingPart{make_post(1, now + std::chrono::hours(1)), 0, 1}, 1));
+  EXPECT_EQ(c->expired_transfer(now), 0u);
+  ASSERT_TRUE(c->track(PendingPart{make_post(2, now - std::chrono::seconds(1)), 0, 1}, 2));
+  EXPECT_EQ(c->expired_transfer(now), 2u);
+}
+
+TEST(TcpConnSend, AFullSocketQueuesTheRest) {
+  BlockedConn b;
+  EXPECT_EQ(b.conn->send(request(FrameType::kWrite, 5, 0, &b.big)), TcpConn::SendResult::kQueued);
+  EXPECT_EQ(b.conn->send(request(FrameType::kWrite, 5, 1)), TcpConn::SendResult::kQueued);
+  EXPECT_EQ(b.conn->queued_frames(), 2u);
+  EXPECT_FALSE(b.conn->flush());  // still blocked, nothing failed
+  EXPECT_EQ(b.conn->queued_frames(), 2u);
+  const auto now = Clock::now() + std::chrono::seconds(10);
+  EXPECT_TRUE(b.conn->output_stalled(now, std::chrono::seconds(5)));
+  EXPECT_FALSE(b.conn->output_stalled(now, std::chrono::seconds(60)));
+}
+
+TEST(TcpConnSend, AClosedPeerFailsTheSendWithTheReason) {
+  BlockedConn b;
+  ::close(b.sp.b);
+  b.sp.b = -1;
+  EXPECT_EQ(b.conn->send(request(FrameType::kNotify, 1, 0)), TcpConn::SendResult::kFailed);
+  const Status why = b.conn->kill_reason();
+  EXPECT_EQ(why.code(), StatusCode::kConnectionError);
+  EXPECT_NE(why.message().find("sending to blocked connection failed"), std::string::npos) << why.message();
+  EXPECT_TRUE(b.conn->flush());  // the owner must kill it
+}
+
+TEST(TcpConnTables, DropUnsentRemovesOnlyUnstartedRequestsOfThatTransfer) {
+  BlockedConn b;
+  auto& c = b.conn;
+  auto post = make_post(5, Clock::now() + std::chrono::hours(1));
+  for (uint32_t i = 0; i < 3; ++i) ASSERT_TRUE(c->track(PendingPart{post, i, 1}, 5));
+  ASSERT_EQ(c->send(request(FrameType::kWrite, 5, 0, &b.big)), TcpConn::SendResult::kQueued);  // partly sent
+  c->send(request(FrameType::kWrite, 5, 1));
+  c->send(request(FrameType::kReadReq, 5, 2));
+  c->send(request(FrameType::kWrite, 6, 0));   // another transfer
+  c->send(request(FrameType::kNotify, 5, 7));  // not a request
+  auto dropped = c->drop_unsent(5);
+  ASSERT_EQ(dropped.size(), 2u);
+  EXPECT_EQ(dropped[0].batch, 1u);
+  EXPECT_EQ(dropped[1].batch, 2u);
+  EXPECT_EQ(c->queued_frames(), 3u);
+  EXPECT_EQ(c->pending_count(), 1u);
+}
+
+TEST(TcpConnTables, RetireHandsOverEverythingOnceAndRefusesNewParts) {
+  BlockedConn b;
+  auto& c = b.conn;
+  auto post = make_post(5, Clock::now() + std::chrono::hours(1));
+  ASSERT_TRUE(c->track(PendingPart{post, 0, 1}, 5));
+  ASSERT_EQ(c->send(request(FrameType::kWrite, 5, 0, &b.big)), TcpConn::SendResult::kQueued);
+  std::unordered_map<uint64_t, PendingPart> pend;
+  std::deque<std::unique_ptr<OutMsg>> sq;
+  ASSERT_TRUE(c->retire(&pend, &sq));
+  EXPECT_TRUE(c->is_dead());
+  EXPECT_EQ(pend.size(), 1u);
+  EXPECT_EQ(sq.size(), 1u);
+  EXPECT_EQ(c->queued_frames(), 0u);
+  EXPECT_FALSE(c->retire(&pend, &sq));
+  EXPECT_FALSE(c->track(PendingPart{post, 1, 1}, 5));
+  EXPECT_EQ(c->send(request(FrameType::kWrite, 5, 1)), TcpConn::SendResult::kDead);
+  EXPECT_TRUE(c->drop_unsent(5).empty());
+  EXPECT_FALSE(c->set_driven(true));
+}
+
+// ---------------------------------------------------------------- handshake
+
+// A target on 127.0.0.1 that reads one hello and answers with `reply`.
+class ScriptedTarget {
+ public:
+  explicit ScriptedTarget(std::string reply) : reply_(std::move(reply)) {
+    auto fd = util::listen_tcp(util::HostPort{"127.0.0.1", 0}, &port_);
+    EXPECT_TRUE(fd.ok());
+    listen_ = std::move(fd).value();
+    th_ = std::thread([this] {
+      const int c = ::accept(listen_.get(), nullptr, nullptr);
+      if (c < 0) return;
+      const auto deadline = util::deadline_after(5);
+      FrameHeader h{};
+      if (util::recv_all(c, &h, kHdr, deadline).ok() && h.aux_len <= kMaxHelloBytes) {
+        hello_.resize(h.aux_len);
+        if (util::recv_all(c, hello_.data(), hello_.size(), deadline).ok())
+          (void)util::send_all(c, reply_.data(), reply_.size(), deadline);
+      }
+      ::close(c);
+    });
+  }
+  ~ScriptedTarget() {
+    if (th_.joinable()) th_.join();
+  }
+  util::HostPort where() const { return util::HostPort{"127.0.0.1", port_}; }
+  // The hello body the target received (after it answered).
+  std::string received_hello() {
+    th_.join();
+    return hello_;
+  }
+
+ private:
+  std::string reply_;
+  uint16_t port_ = 0;
+  util::ScopedFd listen_;
+  std::string hello_;
+  std::thread th_;
+};
+
+std::string hello_ack(const std::string& name, uint64_t instance) {
+  FrameHeader h = make_hdr(FrameType::kHelloAck, 0, 0);
+  const std::string body = encode_hello_ack(HelloAckBody{instance, name});
+  h.aux_len = static_cast<uint32_t>(body.size());
+  return frame_bytes(h, body);
+}
+
+std::string error_reply(const Status& st) {
+  OutMsg m = error_frame(st, 0, 0);
+  return frame_bytes(m.hdr, m.aux);
+}
+
+TEST(TcpHandshake, DialSendsTheHelloAndReturnsThePeerName) {
+  ScriptedTarget t(hello_ack("target", 77));
+  std::string name;
+  auto fd = dial(t.where(), HelloParams{"me", "target", 77, "s3cret"}, 5, &name);
+  ASSERT_TRUE(fd.ok()) << fd.status().to_string();
+  EXPECT_EQ(name, "target");
+  auto hello = decode_hello(t.received_hello());
+  ASSERT_TRUE(hello.ok()) << hello.status().to_string();
+  EXPECT_EQ(hello->version, kWireVersion);
+  EXPECT_EQ(hello->from, "me");
+  EXPECT_EQ(hello->to, "target");
+  EXPECT_EQ(hello->instance, 77u);
+  EXPECT_EQ(hello->secret, "s3cret");
+}
+
+TEST(TcpHandshake, DialReturnsTheTargetsRefusal) {
+  ScriptedTarget t(error_reply(AuthFailed("wrong secret")));
+  auto fd = dial(t.where(), HelloParams{"me", "target", 0, "bad"}, 5, nullptr);
+  ASSERT_FALSE(fd.ok());
+  EXPECT_EQ(fd.status().code(), StatusCode::kAuthFailed);
+  EXPECT_NE(fd.status().message().find("refused the connection: wrong secret"), std::string::npos)
+      << fd.status().message();
+}
+
+TEST(TcpHandshake, DialRejectsAnAnswerThatIsNoFrame) {
+  ScriptedTarget t(std::string(kHdr, 'x'));
+  auto fd = dial(t.where(), HelloParams{"me", "", 0, "s"}, 5, nullptr);
+  ASSERT_FALSE(fd.ok());
+  EXPECT_EQ(fd.status().code(), StatusCode::kProtocolError);
+  EXPECT_NE(fd.status().message().find("answered the hello with a bad frame"), std::string::npos)
+      << fd.status().message();
+}
+
+TEST(TcpHandshake, RequestMetadataReturnsTheBlob) {
+  SocketPair sp;
+  FrameHeader h = make_hdr(FrameType::kMetaResp, 0, 0);
+  h.aux_len = 4;
+  const std::string resp = frame_bytes(h, "BLOB");
+  ASSERT_EQ(::write(sp.b, resp.data(), resp.size()), static_cast<ssize_t>(resp.size()));
+  auto blob = request_metadata(sp.a, "test-target", util::deadline_after(5));
+  ASSERT_TRUE(blob.ok()) << blob.status().to_string();
+  EXPECT_EQ(*blob, "BLOB");
+  const FrameHeader req = decode_header(read_exactly(sp.b, kHdr).data());
+  EXPECT_EQ(req.type, static_cast<uint16_t>(FrameType::kMetaReq));
+}
+
+TEST(TcpHandshake, RequestMetadataReturnsTheRefusal) {
+  SocketPair sp;
+  const std::string resp = error_reply(StalePeer("gone"));
+  ASSERT_EQ(::write(sp.b, resp.data(), resp.size()), static_cast<ssize_t>(resp.size()));
+  auto blob = request_metadata(sp.a, "test-target", util::deadline_after(5));
+  ASSERT_FALSE(blob.ok());
+  EXPECT_EQ(blob.status().code(), StatusCode::kStalePeer);
+  EXPECT_EQ(blob.status().message(), "test-target refused the metadata request: gone");
+}
+
+}  // namespace
+}  // namespace pdkv::tcp
