@@ -30,7 +30,7 @@ import time
 import pytest
 
 import pdkv
-from conftest import make_pool, wait_until
+from conftest import SECRET, make_pool, wait_until
 from fake_gpu_peers import fake_peer  # noqa: F401  (fixture)
 from kvpools import PoolSpec
 
@@ -133,6 +133,44 @@ def test_peer_fault_fails_the_transfer_and_raises_its_class_from_wait(spawn_peer
         if fault == "restarted":  # re-adding the restarted peer's metadata makes it usable again
             name = a.connect(peer.address)
             verified_write(a, peer, local, name, [1, 2], [3, 4])
+
+
+def _fill_backlog(path: str, held: list) -> None:
+    """Queues connections to a Unix socket nobody accepts until its backlog refuses one."""
+    while len(held) < 10_000:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        held.append(s)
+        if s.connect_ex(path) != 0:
+            return
+
+
+def test_shm_dial_to_a_frozen_peer_with_a_full_backlog_is_bounded(spawn_peer):
+    """A frozen shm peer accepts nothing: once its control socket's backlog is full, a
+    blocking connect() would wait forever (the first transfer to it would hang). The
+    dial keeps to the connect deadline instead and fails that transfer."""
+    peer = spawn_peer("decode", SPEC, transports=["shm", "tcp"], shared=False)
+    with pdkv.Agent("prefill", secret=SECRET, transports=["shm", "tcp"],
+                    default_timeout=20.0) as a:
+        local = make_pool(SPEC, 7, a)
+        local.register(a)
+        name = a.add_peer(a.fetch_metadata(peer.address))  # not dialed yet over shm
+        [path] = [addr for t, addr in a.peer_info(name)["endpoints"] if t == "shm"]
+        freeze(peer)
+        held: list[socket.socket] = []
+        try:
+            _fill_backlog(path, held)
+            t0 = time.monotonic()
+            x = a.write(name, "kv", [4, 5], "kv", [7, 8], notify=b"never-delivered", timeout=2.0)
+            with pytest.raises(pdkv.TransferTimeout) as info:
+                x.wait(40)
+            assert "backlog" in str(info.value), info.value
+            assert time.monotonic() - t0 < 25.0  # did not hang (generous: no timing claims)
+        finally:
+            for s in held:
+                s.close()
+            peer.resume()
+        verified_write(a, peer, local, name, [10, 11], [13, 14])
 
 
 def test_caller_errors_raise_at_once_even_for_a_faulty_peer(spawn_peer, flavor):

@@ -182,7 +182,10 @@ class Agent final : private AgentHooks {
   RegionTable regions_;
   GenerationTable gens_;
   NotifQueue notifs_;
+  // Created in full before any is started, never resized afterwards; the first
+  // started_ of them are running (what inbound traffic may see while create() runs).
   std::vector<std::unique_ptr<Transport>> transports_;
+  std::atomic<size_t> started_{0};
   std::atomic<uint64_t> next_xfer_id_{1};
 
   mutable std::mutex mu_;  // guards layouts_ and peers_

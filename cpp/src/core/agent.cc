@@ -78,8 +78,14 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig cfg) {
       return NotSupported("transport '" + tname + "' (" + f->description + ") cannot run on this host: " + v.message());
     if (a->transport_by_name(tname)) return InvalidArgument("transport '" + tname + "' listed twice");
     PDKV_ASSIGN_OR_RETURN(auto t, f->create(a->cfg_));
-    PDKV_RETURN_IF_ERROR(t->start(a.get()).with_context("starting transport '" + tname + "'"));
     a->transports_.push_back(std::move(t));
+  }
+  // Started only once the list is complete: a started transport's threads may answer a
+  // peer at once (a metadata request reads endpoints() and metadata()), and those read
+  // only the transports started so far, never a vector still growing.
+  for (auto& t : a->transports_) {
+    PDKV_RETURN_IF_ERROR(t->start(a.get()).with_context("starting transport '" + std::string(t->name()) + "'"));
+    a->started_.fetch_add(1, std::memory_order_acq_rel);
   }
   PDKV_LOG_INFO("agent '%s' started (transports: %zu)", a->cfg_.name.c_str(), a->transports_.size());
   return a;
@@ -87,7 +93,9 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig cfg) {
 
 Agent::~Agent() {
   notifs_.close();
-  for (auto& t : transports_) t->shutdown();
+  // Only started transports are shut down; the rest were never running.
+  const size_t started = started_.load(std::memory_order_acquire);
+  for (size_t i = 0; i < started; ++i) transports_[i]->shutdown();
   transports_.clear();
 }
 
@@ -99,8 +107,9 @@ std::vector<std::string> Agent::transports() const {
 
 std::vector<Endpoint> Agent::endpoints() const {
   std::vector<Endpoint> out;
-  for (auto& t : transports_)
-    for (auto& e : t->endpoints()) out.push_back(e);
+  const size_t started = started_.load(std::memory_order_acquire);
+  for (size_t i = 0; i < started; ++i)
+    for (auto& e : transports_[i]->endpoints()) out.push_back(e);
   return out;
 }
 
@@ -212,9 +221,10 @@ std::string Agent::metadata() {
       if (exported) md.layouts.emplace_back(n, l);
     }
   }
-  for (auto& t : transports_) {
-    std::string extra = t->metadata_extra();
-    if (!extra.empty()) md.extras.emplace_back(std::string(t->name()), std::move(extra));
+  const size_t started = started_.load(std::memory_order_acquire);
+  for (size_t i = 0; i < started; ++i) {
+    std::string extra = transports_[i]->metadata_extra();
+    if (!extra.empty()) md.extras.emplace_back(std::string(transports_[i]->name()), std::move(extra));
   }
   return encode_metadata(md);
 }

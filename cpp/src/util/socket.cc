@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 namespace pdkv::util {
 
@@ -63,15 +64,23 @@ Result<ScopedFd> listen_unix(const std::string& agent_name, uint64_t instance, c
   return fd;
 }
 
-Result<ScopedFd> connect_unix(const std::string& path) {
+Result<ScopedFd> connect_unix(const std::string& path, std::chrono::steady_clock::time_point deadline) {
   sockaddr_un sa{};
   sa.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof sa.sun_path) return InvalidArgument("bad Unix socket path '" + path + "'");
   std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
-  ScopedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ScopedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd) return Internal("socket(AF_UNIX): " + errno_str(errno));
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
-    return ConnectionError("cannot connect to " + path + ": " + errno_str(errno));
+  for (;;) {
+    // A Unix-socket connect either completes at once or fails with EAGAIN (backlog full).
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) break;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN) return ConnectionError("cannot connect to " + path + ": " + errno_str(errno));
+    if (std::chrono::steady_clock::now() >= deadline)
+      return TimeoutError("cannot connect to " + path + ": its backlog stayed full (is the peer frozen?)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  PDKV_RETURN_IF_ERROR(set_nonblocking(fd.get(), false));
   return fd;
 }
 

@@ -61,8 +61,11 @@ Result<ScopedFd> connect_tcp(const HostPort& hp, double timeout_s);
 // /tmp/pdkv-<uid> (created 0700). The path is returned in *path (unlink it at exit).
 Result<ScopedFd> listen_unix(const std::string& agent_name, uint64_t instance, const std::string& suffix,
                              std::string* path);
-// Connects to a Unix socket path; returns a blocking socket.
-Result<ScopedFd> connect_unix(const std::string& path);
+// Connects to a Unix socket path by `deadline`; returns a blocking socket. A frozen
+// listener accepts nothing, and once its backlog is full a blocking connect() would wait
+// forever, so the connect does not block: it is retried until the deadline (Timeout,
+// naming the full backlog). No listener: ConnectionError at once.
+Result<ScopedFd> connect_unix(const std::string& path, std::chrono::steady_clock::time_point deadline);
 Status set_nonblocking(int fd, bool on);
 // Blocking full send/recv with a deadline (poll-based). Fail with Timeout/ConnectionError.
 Status send_all(int fd, const void* buf, size_t n, std::chrono::steady_clock::time_point deadline);

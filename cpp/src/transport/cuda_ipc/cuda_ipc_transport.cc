@@ -135,24 +135,13 @@ Status send_ctl(CtlConn& c, Ctl type, uint64_t id, std::string_view aux = {}, ui
   return util::send_all(c.fd.get(), frame.data(), frame.size(), util::deadline_after(kCtlTimeoutS));
 }
 
-// Connects to an exporter's control socket by `deadline`. A blocking connect to a
-// Unix socket waits, without limit, while the listener's backlog is full, as it is
-// once a frozen exporter has stopped accepting: connect without blocking and retry.
+// Connects to an exporter's control socket by `deadline` (util::connect_unix does not
+// block on a frozen exporter's full backlog).
 Result<util::ScopedFd> dial_ctl(const std::string& path, Clock::time_point deadline) {
-  sockaddr_un sa{};
-  sa.sun_family = AF_UNIX;
-  if (path.empty() || path.size() >= sizeof sa.sun_path) return ProtocolError("bad control socket path '" + path + "'");
-  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
-  util::ScopedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!fd) return Internal("socket(AF_UNIX): " + util::errno_str(errno));
-  for (;;) {
-    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) return fd;
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN) return ConnectionError("cannot connect to " + path + ": " + util::errno_str(errno));
-    if (Clock::now() >= deadline)
-      return TimeoutError("cannot connect to " + path + ": its backlog stayed full (is the peer frozen?)");
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  // The path comes from the peer's metadata: a bad one is the peer's protocol error.
+  if (path.empty() || path.size() >= sizeof(sockaddr_un{}.sun_path))
+    return ProtocolError("bad control socket path '" + path + "'");
+  return util::connect_unix(path, deadline);
 }
 
 struct Op {

@@ -31,7 +31,7 @@ Status explain_unreachable(const Peer& peer, const std::string& path, const Stat
     const std::string inst = n.substr(prefix.size(), 16);
     if (!std::all_of(inst.begin(), inst.end(), [](char ch) { return std::isxdigit(static_cast<unsigned char>(ch)); }))
       continue;
-    if (util::connect_unix(dir + "/" + n).ok()) {  // a live listener, not a stale file
+    if (util::connect_unix(dir + "/" + n, util::deadline_after(0.5)).ok()) {  // a live listener, not a stale file
       other = inst;
       break;
     }
@@ -47,7 +47,10 @@ Status explain_unreachable(const Peer& peer, const std::string& path, const Stat
 Result<std::shared_ptr<ShmConn>> dial(const Peer& peer, const std::string& self_name, double timeout_s) {
   const Endpoint* e = peer.md.find_endpoint("shm");
   if (!e) return NotSupported("peer '" + peer.md.name + "' publishes no shm endpoint");
-  auto fdr = util::connect_unix(e->address);
+  const auto deadline = util::deadline_after(timeout_s);
+  auto fdr = util::connect_unix(e->address, deadline);
+  if (!fdr.ok() && fdr.status().code() == StatusCode::kTimeout)  // it listens, but is frozen
+    return Status(fdr.status().code(), "peer '" + peer.md.name + "': " + fdr.status().message());
   if (!fdr.ok())
     return explain_unreachable(peer, e->address,
                                Status(fdr.status().code(), "peer '" + peer.md.name + "': " + fdr.status().message()));
@@ -58,7 +61,6 @@ Result<std::shared_ptr<ShmConn>> dial(const Peer& peer, const std::string& self_
   std::string frame(reinterpret_cast<const char*>(&h), sizeof h);
   frame += body;
   const std::string where = "handshake with peer '" + peer.md.name + "'";
-  const auto deadline = util::deadline_after(timeout_s);
   PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), frame.data(), frame.size(), deadline).with_context(where));
   CtlHdr r{};
   PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), &r, sizeof r, deadline).with_context(where));
