@@ -169,6 +169,9 @@ py::dict region_dict(const RegionDesc& d) {
 
 PYBIND11_MODULE(_pdkv, m) {
   m.doc() = "pdkv native core (use the `pdkv` package, not this module)";
+  // The pybind11 this module was built with: its generated stubs depend on it (scripts/gen_stubs.py).
+  m.attr("pybind11_version") = std::to_string(PYBIND11_VERSION_MAJOR) + "." + std::to_string(PYBIND11_VERSION_MINOR) +
+                               "." + std::to_string(PYBIND11_VERSION_PATCH);
 
   static py::object errors_mod;
   py::register_exception_translator([](std::exception_ptr p) {

@@ -232,9 +232,29 @@ class OptionsClass {
   OptionsClass& add_field(const char* name, const char* py_type, std::function<py::object(const C&)> get,
                          std::function<void(C&, py::handle)> set, const char* doc, Getter attr_get) {
     fields_->push_back(Field{name, py_type, get, set});
+    // The setter takes any object (a wrong type is InvalidArgument, not TypeError), so
+    // its signature line is written here, typed like the getter's result.
+    py::cpp_function setter;
+    {
+      py::options sig;
+      sig.disable_function_signatures();
+      const std::string setter_doc = std::string(name) + "(self: " + qualified(name_) + ", value: " +
+                                     qualified(py_type) + ") -> None\n";
+      setter = py::cpp_function([set](C& c, py::object v) { set(c, v); }, py::is_method(cls_), py::is_setter(),
+                                setter_doc.c_str());
+    }
     // The getter returns a reference where it can, so `cfg.tcp.spin_us = 5` changes cfg.
-    cls_.def_property(name, attr_get, [set](C& c, py::object v) { set(c, v); }, doc);
+    cls_.def_property(name, attr_get, setter, doc);
     return *this;
+  }
+
+  // "int", "list[str]" as they are; class names qualified by the module ("pdkv._pdkv.TcpOptions").
+  std::string qualified(const std::string& py_type) const {
+    static const char* const kBuiltins[] = {"int", "float", "str", "bytes"};
+    for (const char* b : kBuiltins)
+      if (py_type == b) return py_type;
+    if (py_type.find('[') != std::string::npos) return py_type;
+    return std::string(py::str(cls_.attr("__module__"))) + "." + py_type;
   }
 
   static const Field* find(const std::vector<Field>& fields, const std::string& key) {
@@ -252,19 +272,15 @@ class OptionsClass {
   // "__init__(self: pdkv._pdkv.TcpOptions, *, spin_us: int = 0, ...) -> None", then the
   // class doc; defaults are those of a default-constructed C.
   std::string init_doc() const {
-    const std::string module = py::str(cls_.attr("__module__"));
-    std::string sig = "__init__(self: " + module + "." + name_ + ", *";
+    std::string sig = "__init__(self: " + qualified(name_) + ", *";
     const C defaults;
     for (const Field& f : *fields_) {
       const py::object d = f.get(defaults);
       const bool literal = py::isinstance<py::int_>(d) || py::isinstance<py::float_>(d) ||
                            py::isinstance<py::str>(d) || py::isinstance<py::bytes>(d) ||
                            py::isinstance<py::list>(d);
-      const std::string type = f.py_type.find('[') == std::string::npos && f.py_type != "int" &&
-                                       f.py_type != "float" && f.py_type != "str" && f.py_type != "bytes"
-                                   ? module + "." + f.py_type
-                                   : f.py_type;
-      sig += ", " + f.name + ": " + type + " = " + (literal ? std::string(py::repr(d)) : std::string("..."));
+      sig += ", " + f.name + ": " + qualified(f.py_type) + " = " +
+             (literal ? std::string(py::repr(d)) : std::string("..."));
     }
     sig += ") -> None\n\nKeyword arguments are the attributes (defaults shown); validates at once.\n";
     return sig;
