@@ -33,7 +33,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Iterable, Sequence
 
 from . import _native, _validate
 from .errors import InvalidArgument, PdkvError, error_class
@@ -76,8 +76,11 @@ def _native_states():
 # The options classes are the native ones (cpp/bindings/py_options.cc): typed
 # attributes named and documented once, in each transport's C++ header; keyword-only
 # constructors that validate at once (InvalidArgument naming the field).
-TcpOptions = _native.module().TcpOptions
-ShmOptions = _native.module().ShmOptions
+if TYPE_CHECKING:  # the classes as the stubs (python/pdkv/_pdkv/__init__.pyi) describe them
+    from ._pdkv import ShmOptions, TcpOptions
+else:
+    TcpOptions = _native.module().TcpOptions
+    ShmOptions = _native.module().ShmOptions
 
 
 def _listen_address(listen: Any) -> tuple[str, int]:
@@ -253,7 +256,7 @@ class Transfer:
                 await asyncio.wait((finished,), timeout=timeout)
         return self.wait(0)
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, bool]:
         """``await transfer`` is ``await transfer.wait_async()`` (no timeout)."""
         return self.wait_async().__await__()
 
@@ -490,9 +493,11 @@ class Agent:
     # ------------------------------------------------------------------ memory
     def register(self, obj: Any, *, remote_access: bool = True) -> Region:
         """Registers the memory of ``obj``: a numpy array, a torch tensor (CPU or CUDA;
-        its whole storage extent), an object exporting ``__dlpack__`` (CPU through numpy,
-        CUDA through torch when torch is imported), or any contiguous writable
-        buffer-protocol object. (Memory from :meth:`alloc` is registered already.)
+        its whole storage extent), any DLPack exporter (``__dlpack__`` and
+        ``__dlpack_device__``: jax, cupy, ...; read natively from the capsule, so
+        neither numpy nor torch is needed; CPU or CUDA, contiguous), or any contiguous
+        writable buffer-protocol object. (Memory from :meth:`alloc` is registered
+        already.) The region keeps ``obj`` alive until it is closed.
 
         Overlapping an existing registration raises :class:`~pdkv.errors.AlreadyExists`:
         register each pool once. ``remote_access=False`` keeps it local (a source for
