@@ -15,6 +15,13 @@ from kvpools import PoolSpec
 SPEC = PoolSpec(layers=1, blocks=8, block_tokens=4, heads=1, head_dim=8)
 
 
+def _waits_left() -> int:
+    """Waits the running loop still tracks (white box: pdkv.agent._LoopCompletions)."""
+    from pdkv.agent import _LoopCompletions
+
+    return len(_LoopCompletions.of(asyncio.get_running_loop())._waiting)
+
+
 def _stopped(pid: int) -> bool:
     """True once every thread of ``pid`` is stopped (SIGSTOP is delivered asynchronously)."""
     import os
@@ -83,6 +90,7 @@ def test_cancelling_the_awaiting_task_leaves_the_transfer_alone(frozen_target):
         with pytest.raises(asyncio.CancelledError):
             await task
         assert x.state is pdkv.XferState.PENDING
+        assert _waits_left() == 0  # the cancelled wait left nothing behind
         proc.resume()
         return await x.wait_async(30)  # a new waiter still sees it finish
 
@@ -97,6 +105,7 @@ def test_wait_async_timeout_returns_false_while_pending(frozen_target):
     async def main():
         assert await slow.wait_async(0.1) is False
         assert await slow.wait_async(0) is False
+        assert _waits_left() == 0
         proc.resume()
         return await slow
 

@@ -249,11 +249,15 @@ class Transfer:
         timeout = _validate.wait_timeout(timeout)
         if not self.done and timeout != 0:
             loop = asyncio.get_running_loop()
-            finished = _LoopCompletions.of(loop).watch(loop, self._n)
-            if timeout is None:
-                await asyncio.shield(finished)
-            else:
-                await asyncio.wait((finished,), timeout=timeout)
+            completions = _LoopCompletions.of(loop)
+            ticket, finished = completions.watch(loop, self._n)
+            try:
+                if timeout is None:
+                    await finished
+                else:
+                    await asyncio.wait((finished,), timeout=timeout)
+            finally:  # done, timed out or cancelled: nothing of this wait stays behind
+                completions.forget(loop, ticket)
         return self.wait(0)
 
     def __await__(self) -> Generator[Any, None, bool]:
@@ -277,7 +281,8 @@ class _LoopCompletions:
     _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopCompletions]" = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
-        # No reference to the loop here: it keys the WeakKeyDictionary above.
+        # No reference to the loop here (it keys the WeakKeyDictionary above), and none
+        # through a future once every wait has ended (Transfer.wait_async forgets them).
         self._queue = _native.module().CompletionQueue()
         self._waiting: dict[int, asyncio.Future] = {}
 
@@ -288,21 +293,26 @@ class _LoopCompletions:
             lc = cls._by_loop[loop] = cls()
         return lc
 
-    def watch(self, loop: asyncio.AbstractEventLoop, native_transfer: Any) -> asyncio.Future:
-        """A future of ``loop`` resolved (with None) once the transfer is terminal."""
+    def watch(self, loop: asyncio.AbstractEventLoop, native_transfer: Any) -> tuple[int, asyncio.Future]:
+        """(ticket, future of ``loop`` resolved with None once the transfer is terminal);
+        :meth:`forget` the ticket when the wait ends, however it ends."""
         if not self._waiting:
-            loop.add_reader(self._queue.fd, self._resolve_finished, loop)
-        fut = loop.create_future()
-        self._waiting[self._queue.watch(native_transfer)] = fut
-        return fut
+            loop.add_reader(self._queue.fd, self._resolve_finished)
+        ticket = self._queue.watch(native_transfer)
+        self._waiting[ticket] = fut = loop.create_future()
+        return ticket, fut
 
-    def _resolve_finished(self, loop: asyncio.AbstractEventLoop) -> None:
-        for ticket in self._queue.take():
-            fut = self._waiting.pop(ticket, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+    def forget(self, loop: asyncio.AbstractEventLoop, ticket: int) -> None:
+        # A ticket that comes later (the wait timed out or was cancelled) is skipped.
+        self._waiting.pop(ticket, None)
         if not self._waiting:
             loop.remove_reader(self._queue.fd)
+
+    def _resolve_finished(self) -> None:
+        for ticket in self._queue.take():
+            fut = self._waiting.get(ticket)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
 
 
 class PreparedTransfer:
