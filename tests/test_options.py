@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import socket
 
 import pytest
 
@@ -99,6 +100,13 @@ def test_agent_takes_the_typed_options_and_listen_stays_a_string_edge():
         host, port = a.address.rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) > 0
     assert tcp.listen_host == "127.0.0.1" and tcp.listen_port == 0  # the caller's object is untouched
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    with pdkv.Agent("a", secret=SECRET, transports=["tcp"], listen=f"127.0.0.1:{free}") as a:
+        assert a.address == f"127.0.0.1:{free}"
+    with pdkv.Agent("a", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(listen_port=free)) as a:
+        assert a.address == f"127.0.0.1:{free}"  # without listen=, the options' address
     with pytest.raises(pdkv.InvalidArgument, match="listen"):
         pdkv.Agent("a", listen="127.0.0.1:99999")
     with pytest.raises(pdkv.InvalidArgument, match=r"AgentConfig\.tcp must be a TcpOptions, got dict"):
