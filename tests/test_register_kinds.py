@@ -176,3 +176,108 @@ def test_dlpack_read_only_export_needs_remote_access_false():
         with pytest.raises(pdkv.InvalidArgument, match="read-only"):
             a.register(DlpackOnly(ro))
         assert a.register(DlpackOnly(ro), remote_access=False).nbytes == 64
+
+
+# ---------------------------------------------------------------- hand-built capsules
+# Exporters that build their DLPack struct with ctypes, so that every field the native
+# reader looks at (device, byte_offset, strides, dtype bits, version, flags) is set
+# explicitly, CUDA included, without a GPU: dlpack_memory only reads the struct.
+import ctypes  # noqa: E402
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_NAMES = {False: b"dltensor", True: b"dltensor_versioned"}  # kept alive: capsules point at them
+
+
+class HandBuilt:
+    """A DLPack exporter of ``data`` (an address) with the given fields; no deleter."""
+
+    def __init__(self, data, shape, *, strides=None, bits=32, lanes=1, device=(1, 0), byte_offset=0,
+                 versioned=True, major=1, flags=0):
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.strides = None if strides is None else (ctypes.c_int64 * len(strides))(*strides)
+        t = _DLTensor(data, _DLDevice(*device), len(shape), _DLDataType(2, bits, lanes), self.shape,
+                      self.strides, byte_offset)
+        self.versioned = versioned
+        self.managed = (_DLManagedTensorVersioned(major, 0, None, None, flags, t) if versioned
+                        else _DLManagedTensor(t, None, None))
+        self.device = device
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, max_version=None, **kw):
+        versioned = self.versioned and max_version is not None
+        return _capsule_new(ctypes.addressof(self.managed), _NAMES[versioned], None)
+
+
+def _memory(obj):
+    from pdkv import _native
+
+    return _native.module().dlpack_memory(obj)[:5]
+
+
+def test_hand_built_capsules_cover_offset_strides_devices_and_versions():
+    base = 0x10000
+    assert _memory(HandBuilt(base, [4, 8], byte_offset=64)) == (base + 64, 128, "host", -1, False)
+    assert _memory(HandBuilt(base, [4, 8], strides=[8, 1])) == (base, 128, "host", -1, False)
+    assert _memory(HandBuilt(base, [1, 8], strides=[999, 1])) == (base, 32, "host", -1, False)  # size-1 dim
+    assert _memory(HandBuilt(base, [16], bits=16, lanes=2, versioned=False)) == (base, 64, "host", -1, False)
+    assert _memory(HandBuilt(base, [16], device=(2, 3))) == (base, 64, "cuda", 3, False)
+    assert _memory(HandBuilt(base, [16], device=(3, 0))) == (base, 64, "host", -1, False)  # pinned host
+    assert _memory(HandBuilt(base, [16], flags=1)) == (base, 64, "host", -1, True)  # read-only flag
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"shape": [4, 8], "strides": [1, 4]}, r"not contiguous \(dimension 1 has stride 4 elements, a compact layout has 1"),
+    ({"shape": [16], "bits": 4}, "elements of 4 bits are not whole bytes"),
+    ({"shape": [16], "major": 2}, r"exports DLPack 2\.x; pdkv reads 1\.x"),
+    ({"shape": [3, 0]}, "empty"),
+    ({"shape": [-1]}, "negative DLPack dimension"),
+    ({"shape": [16], "device": (13, 0)}, "on DLPack device type 13"),
+])
+def test_hand_built_capsules_that_pdkv_refuses(kw, match):
+    shape = kw.pop("shape")
+    with pytest.raises(pdkv.InvalidArgument, match=match):
+        _memory(HandBuilt(0x10000, shape, **kw))
+
+
+def test_a_consumed_capsule_is_not_consumed_twice():
+    cap_holder = HandBuilt(0x10000, [16])
+    cap = cap_holder.__dlpack__(max_version=(1, 0))
+
+    class Replays:
+        def __dlpack_device__(self):
+            return (1, 0)
+
+        def __dlpack__(self, **kw):
+            return cap
+
+    assert _memory(Replays())[1] == 64
+    with pytest.raises(pdkv.InvalidArgument, match="named 'used_dltensor_versioned'"):
+        _memory(Replays())
