@@ -126,3 +126,15 @@ def test_native_agent_takes_one_config():
         _pdkv.AgentConfig(max_notif_bytes=0)
     with pytest.raises(pdkv.InvalidArgument, match=r"AgentConfig\.transports must be a list of str"):
         _pdkv.AgentConfig(transports="tcp")
+
+
+def test_import_pdkv_loads_the_native_module_only_when_options_are_used():
+    # scripts/sanitize.sh imports pdkv without the sanitizer runtime preloaded.
+    import subprocess
+    import sys
+
+    code = ("import sys, pdkv; assert 'pdkv._pdkv' not in sys.modules; "
+            "from pdkv import TcpOptions; assert TcpOptions(spin_us=1).spin_us == 1; "
+            "assert 'pdkv._pdkv' in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -75,12 +75,18 @@ def _native_states():
 
 # The options classes are the native ones (cpp/bindings/py_options.cc): typed
 # attributes named and documented once, in each transport's C++ header; keyword-only
-# constructors that validate at once (InvalidArgument naming the field).
+# constructors that validate at once (InvalidArgument naming the field). Looked up on
+# first use (module __getattr__ below), so `import pdkv` still loads no native code.
 if TYPE_CHECKING:  # the classes as the stubs (python/pdkv/_pdkv/__init__.pyi) describe them
     from ._pdkv import ShmOptions, TcpOptions
-else:
-    TcpOptions = _native.module().TcpOptions
-    ShmOptions = _native.module().ShmOptions
+
+_NATIVE_OPTIONS = ("TcpOptions", "ShmOptions")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NATIVE_OPTIONS:
+        return getattr(_native.module(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _listen_address(listen: Any) -> tuple[str, int]:
@@ -441,13 +447,14 @@ class Agent:
         native = [t for t in self._order if t not in backends.PY_TRANSPORTS]
         if py_names and "tcp" not in native:
             native.append("tcp")  # metadata side channel (connect/fetch_metadata)
-        config = _native.module().AgentConfig(
-            name=name, secret=_as_bytes(secret), transports=native, tcp=TcpOptions() if tcp is None else tcp,
-            shm=ShmOptions() if shm is None else shm, default_timeout_s=float(default_timeout),
+        m = _native.module()
+        config = m.AgentConfig(
+            name=name, secret=_as_bytes(secret), transports=native, tcp=m.TcpOptions() if tcp is None else tcp,
+            shm=m.ShmOptions() if shm is None else shm, default_timeout_s=float(default_timeout),
             max_notif_bytes=max_notif_bytes, wait_spin_us=wait_spin_us)
         if listen_at is not None:  # the config holds a copy: the caller's tcp options stay as they are
             config.tcp.listen_host, config.tcp.listen_port = listen_at
-        self._n = _native.module().Agent(config)
+        self._n = m.Agent(config)
         # Python transports read these (the native agent keeps its own copies).
         self._default_timeout = float(default_timeout)
         self._max_notif_bytes = int(max_notif_bytes)
