@@ -7,6 +7,7 @@
 #   make test      the test suite (what CI runs first)
 #   make bench     the transfer benchmark
 #   make cpp-test  the C++ unit tests (cpp/tests, GoogleTest + ctest; no Python needed)
+#   make stubs     regenerate python/pdkv/_pdkv/*.pyi after changing the bindings (tests/test_stubs.py checks them)
 #   make fuzz      every libFuzzer target for FUZZ_SECONDS (default 60) each (scripts/fuzz.sh)
 #   make sanitize  the Python tests under ASan+UBSan, then ThreadSanitizer (scripts/sanitize.sh)
 # docs/testing.md says what each covers and how to add a test or a fuzz target.
@@ -26,7 +27,7 @@ EXTRAS := test,serve,bench
 BUILD_DEPS := "scikit-build-core>=0.10" "pybind11>=2.13"
 FUZZ_SECONDS ?= 60
 
-.PHONY: demo test bench install clean cpp-test fuzz sanitize
+.PHONY: demo test bench install clean cpp-test fuzz sanitize stubs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,6 +54,9 @@ cpp-test:
 	cmake -S . -B build/cpp -DPDKV_BUILD_PYTHON=OFF -DPDKV_BUILD_CPP_TESTS=ON -DPDKV_NVCC=OFF >/dev/null
 	cmake --build build/cpp -j $$(nproc)
 	ctest --test-dir build/cpp --output-on-failure
+
+stubs: install
+	$(BIN)/python scripts/gen_stubs.py
 
 fuzz:
 	bash scripts/sysdeps.sh

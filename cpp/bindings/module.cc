@@ -13,6 +13,9 @@
 #include <vector>
 
 #include "bench.h"
+#include "py_async.h"
+#include "py_dlpack.h"
+#include "py_options.h"
 #include "py_transport.h"
 #include "pdkv/agent.h"
 #include "pdkv/kv_layout.h"
@@ -167,6 +170,9 @@ py::dict region_dict(const RegionDesc& d) {
 
 PYBIND11_MODULE(_pdkv, m) {
   m.doc() = "pdkv native core (use the `pdkv` package, not this module)";
+  // The pybind11 this module was built with: its generated stubs depend on it (scripts/gen_stubs.py).
+  m.attr("pybind11_version") = std::to_string(PYBIND11_VERSION_MAJOR) + "." + std::to_string(PYBIND11_VERSION_MINOR) +
+                               "." + std::to_string(PYBIND11_VERSION_PATCH);
 
   static py::object errors_mod;
   py::register_exception_translator([](std::exception_ptr p) {
@@ -357,40 +363,15 @@ PYBIND11_MODULE(_pdkv, m) {
       .def_readonly("num_extents", &PreparedTransfer::num_extents)
       .def_readonly("checked", &PreparedTransfer::checked);
 
+  bind_options(m);
+  bind_async(m);
+  bind_dlpack(m);
   py::class_<Agent>(m, "Agent")
-      .def(py::init([](const std::string& name, const std::string& secret, const std::vector<std::string>& transports,
-                       const std::string& listen_host, uint16_t listen_port, uint32_t conns_per_peer,
-                       uint32_t progress_threads, uint32_t spin_us, uint64_t batch_bytes, uint32_t batch_extents,
-                       uint32_t rcvlowat_bytes, double connect_timeout_s, double handshake_timeout_s,
-                       uint32_t shm_copy_threads, uint64_t shm_inline_bytes, double default_timeout_s,
-                       uint32_t max_notif_bytes, uint32_t wait_spin_us, uint64_t stage_chunk_bytes,
-                       uint32_t stage_buffers, double frame_timeout_s) {
-             AgentConfig c;
-             c.name = name;
-             c.secret = secret;
-             c.transports = transports;
-             c.tcp.listen_host = listen_host;
-             c.tcp.listen_port = listen_port;
-             c.tcp.conns_per_peer = conns_per_peer;
-             c.tcp.progress_threads = progress_threads;
-             c.tcp.spin_us = spin_us;
-             c.tcp.batch_bytes = batch_bytes;
-             c.tcp.batch_extents = batch_extents;
-             c.tcp.rcvlowat_bytes = rcvlowat_bytes;
-             c.tcp.connect_timeout_s = connect_timeout_s;
-             c.tcp.handshake_timeout_s = handshake_timeout_s;
-             c.tcp.stage_chunk_bytes = stage_chunk_bytes;
-             c.tcp.stage_buffers = stage_buffers;
-             c.tcp.frame_timeout_s = frame_timeout_s;
-             c.shm.copy_threads = shm_copy_threads;
-             c.shm.inline_bytes = shm_inline_bytes;
-             c.default_timeout_s = default_timeout_s;
-             c.max_notif_bytes = max_notif_bytes;
-             c.wait_spin_us = wait_spin_us;
+      .def(py::init([](AgentConfig config) {
              std::unique_ptr<Agent> a;
              {
                py::gil_scoped_release rel;
-               auto r = Agent::create(std::move(c));
+               auto r = Agent::create(std::move(config));
                if (!r.ok()) {
                  py::gil_scoped_acquire acq;
                  throw StatusError(r.status());
@@ -399,13 +380,7 @@ PYBIND11_MODULE(_pdkv, m) {
              }
              return a;
            }),
-           py::arg("name"), py::arg("secret"), py::arg("transports"), py::arg("listen_host"), py::arg("listen_port"),
-           py::arg("conns_per_peer"), py::arg("progress_threads"), py::arg("spin_us"), py::arg("batch_bytes"),
-           py::arg("batch_extents"), py::arg("rcvlowat_bytes"), py::arg("connect_timeout_s"),
-           py::arg("handshake_timeout_s"), py::arg("shm_copy_threads"), py::arg("shm_inline_bytes"),
-           py::arg("default_timeout_s"), py::arg("max_notif_bytes"), py::arg("wait_spin_us"),
-           py::arg("stage_chunk_bytes") = uint64_t(4) << 20, py::arg("stage_buffers") = 4u,
-           py::arg("frame_timeout_s") = 30.0)
+           py::arg("config"), "Validates `config` and starts the agent's transports.")
       .def_property_readonly("name", &Agent::name)
       .def_property_readonly("secret", [](const Agent& a) { return to_bytes(a.secret()); })
       .def_property_readonly("instance_id", &Agent::instance_id)

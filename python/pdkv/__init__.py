@@ -13,14 +13,14 @@ Importing pdkv needs neither torch, transformers, CUDA nor NIXL.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .agent import (
     Agent,
     Notification,
     PreparedTransfer,
     Region,
     SharedRegion,
-    ShmOptions,
-    TcpOptions,
     Transfer,
     XferState,
 )
@@ -43,6 +43,19 @@ from .errors import (
 from .layout import KVGeometry, KVLayout, plan_blocks, tensor_address
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from ._pdkv import ShmOptions, TcpOptions
+
+
+def __getattr__(name: str) -> Any:
+    # TcpOptions and ShmOptions are native classes, loaded on first use so that
+    # `import pdkv` loads no native code (see agent.py).
+    if name in ("TcpOptions", "ShmOptions"):
+        from . import agent
+
+        return getattr(agent, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Agent",

@@ -30,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Iterable, Sequence
 
 from . import _native, _validate
 from . import transport as _transport
@@ -55,71 +56,30 @@ def _native_states():
     return _NATIVE_DONE[0], _NATIVE_PENDING[0]
 
 
-@dataclass(frozen=True)
-class TcpOptions:
-    """Tuning of the tcp transport (defaults measured on 2-core loopback; see README).
+# The options classes are the native ones (cpp/bindings/py_options.cc): typed
+# attributes named and documented once, in each transport's C++ header; keyword-only
+# constructors that validate at once (InvalidArgument naming the field). Looked up on
+# first use (module __getattr__ below), so `import pdkv` still loads no native code.
+if TYPE_CHECKING:  # the classes as the stubs (python/pdkv/_pdkv/__init__.pyi) describe them
+    from ._pdkv import ShmOptions, TcpOptions
 
-    Attributes
-    ----------
-    conns_per_peer : int
-        Parallel connections to each peer; batches are spread over them.
-    progress_threads : int
-        Native epoll threads; connections are spread over them.
-    spin_us : int
-        Progress threads poll this long after activity before sleeping. Off by default:
-        on small machines a spinning progress thread competes with the peer and the
-        waiting thread (see README, latency).
-    batch_bytes : int
-        Max payload bytes per wire batch (one ``sendmsg``).
-    batch_extents : int
-        Max extents per batch (bounded by IOV_MAX).
-    rcvlowat_bytes : int
-        Receiver ``SO_RCVLOWAT`` cap while a large payload arrives (0 disables).
-    connect_timeout_s : float
-        TCP connect plus handshake.
-    handshake_timeout_s : float
-        Inbound connections that do not authenticate within this are closed.
-    frame_timeout_s : float
-        A frame that stops arriving half-way, or queued output the peer stops reading,
-        closes that connection after this many seconds without progress (the regions
-        it pinned are released, so ``Region.close()`` returns).
-    stage_chunk_bytes : int
-        Device (CUDA) memory travels through pinned host buffers of this size, which is
-        also the batch size of device transfers (copy of one chunk overlaps the send
-        of the previous one).
-    stage_buffers : int
-        Pinned chunks per agent for sending device memory (allocated on first use);
-        each connection receiving into device memory holds two more.
-    """
-
-    conns_per_peer: int = 1
-    progress_threads: int = 1
-    spin_us: int = 0
-    batch_bytes: int = 16 << 20
-    batch_extents: int = 1020
-    rcvlowat_bytes: int = 1 << 20
-    connect_timeout_s: float = 5.0
-    handshake_timeout_s: float = 5.0
-    frame_timeout_s: float = 30.0
-    stage_chunk_bytes: int = 4 << 20
-    stage_buffers: int = 4
+_NATIVE_OPTIONS = ("TcpOptions", "ShmOptions")
 
 
-@dataclass(frozen=True)
-class ShmOptions:
-    """Tuning of the shm (same-host) transport.
+def __getattr__(name: str) -> Any:
+    if name in _NATIVE_OPTIONS:
+        return getattr(_native.module(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    Attributes
-    ----------
-    copy_threads : int
-        Threads that copy large transfers.
-    inline_bytes : int
-        Transfers up to this many bytes are copied by the posting thread itself
-        (lowest latency); larger ones go to the copy threads (``post`` returns at once).
-    """
 
-    copy_threads: int = 1
-    inline_bytes: int = 256 << 10
+def _listen_address(listen: Any) -> tuple[str, int]:
+    """``"host:port"`` (``[v6]:port`` too) -> (host, port): the one string edge of the options."""
+    if not isinstance(listen, str):
+        raise InvalidArgument(f"listen must be 'host:port', got {type(listen).__name__} {listen!r}")
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise InvalidArgument(f"listen must be 'host:port' with a port in 0..65535, got {listen!r}")
+    return host.strip("[]"), int(port)
 
 
 @dataclass(frozen=True)
@@ -269,12 +229,79 @@ class Transfer:
         self._n.cancel()
 
     async def wait_async(self, timeout: float | None = None) -> bool:
-        """``await``-able :meth:`wait` (runs the blocking wait in a thread)."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.wait, timeout)
+        """``await``-able :meth:`wait`: same result, same errors, and no thread.
+
+        The running event loop is woken through one eventfd when the transfer ends
+        (:class:`_LoopCompletions`). Cancelling the awaiting task stops the wait only,
+        never the transfer (use :meth:`cancel` for that).
+        """
+        timeout = _validate.wait_timeout(timeout)
+        if not self.done and timeout != 0:
+            loop = asyncio.get_running_loop()
+            completions = _LoopCompletions.of(loop)
+            ticket, finished = completions.watch(loop, self._n)
+            try:
+                if timeout is None:
+                    await finished
+                else:
+                    await asyncio.wait((finished,), timeout=timeout)
+            finally:  # done, timed out or cancelled: nothing of this wait stays behind
+                completions.forget(loop, ticket)
+        return self.wait(0)
+
+    def __await__(self) -> Generator[Any, None, bool]:
+        """``await transfer`` is ``await transfer.wait_async()`` (no timeout)."""
+        return self.wait_async().__await__()
 
     def __repr__(self) -> str:
         return (f"Transfer(id={self.id}, peer={self.peer!r}, {self.state.value}, "
                 f"{self.bytes_done}/{self.bytes_total} bytes)")
+
+
+class _LoopCompletions:
+    """Resolves the futures of transfers awaited on one event loop.
+
+    A native ``CompletionQueue`` gives each watched transfer a ticket and makes its
+    eventfd readable when transfers end (the C++ thread that completes a transfer
+    pushes the ticket: no GIL, no Python thread). The loop reads the fd
+    (``add_reader``) only while some transfer is awaited.
+    """
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopCompletions]" = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        # No reference to the loop here (it keys the WeakKeyDictionary above), and none
+        # through a future once every wait has ended (Transfer.wait_async forgets them).
+        self._queue = _native.module().CompletionQueue()
+        self._waiting: dict[int, asyncio.Future] = {}
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_LoopCompletions":
+        lc = cls._by_loop.get(loop)
+        if lc is None:
+            lc = cls._by_loop[loop] = cls()
+        return lc
+
+    def watch(self, loop: asyncio.AbstractEventLoop, native_transfer: Any) -> tuple[int, asyncio.Future]:
+        """(ticket, future of ``loop`` resolved with None once the transfer is terminal);
+        :meth:`forget` the ticket when the wait ends, however it ends."""
+        if not self._waiting:
+            loop.add_reader(self._queue.fd, self._resolve_finished)
+        ticket = self._queue.watch(native_transfer)
+        self._waiting[ticket] = fut = loop.create_future()
+        return ticket, fut
+
+    def forget(self, loop: asyncio.AbstractEventLoop, ticket: int) -> None:
+        # A ticket that comes later (the wait timed out or was cancelled) is skipped.
+        self._waiting.pop(ticket, None)
+        if not self._waiting:
+            loop.remove_reader(self._queue.fd)
+
+    def _resolve_finished(self) -> None:
+        for ticket in self._queue.take():
+            fut = self._waiting.get(ticket)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
 
 
 class PreparedTransfer:
@@ -353,18 +380,19 @@ class Agent:
         ``PDKV_SECRET`` environment variable, else a random one (see :attr:`secret`).
         By default this agent presents its own secret to peers, so a deployment that
         shares one secret needs no per-peer configuration.
-    listen : str
-        ``"host:port"`` the tcp transport binds and publishes (port 0: any free port).
+    listen : str, optional
+        ``"host:port"`` the tcp transport binds and publishes (port 0: any free port);
+        it overrides ``tcp.listen_host``/``tcp.listen_port`` (default ``127.0.0.1:0``).
         Use an address peers can reach (not 127.0.0.1) across hosts.
     transports : sequence of str, optional
         Enabled transports in order of preference (default: every available one,
         ``cuda_ipc`` (GPU pools on this node), then ``shm``, then ``tcp``; ``nixl`` first
         when the host has an RDMA device); each peer uses the first one that can reach it
         (:meth:`peer_transport`), or the one ``add_peer(..., transport=)`` forces.
-    tcp : TcpOptions
-        TCP tuning.
-    shm : ShmOptions
-        Shared-memory tuning.
+    tcp : TcpOptions, optional
+        TCP tuning (default ``TcpOptions()``).
+    shm : ShmOptions, optional
+        Shared-memory tuning (default ``ShmOptions()``).
     nixl : pdkv.backends.nixl.NixlOptions, optional
         Tuning of the ``nixl`` transport (RDMA through NIXL/UCX), when enabled.
     default_timeout : float
@@ -378,12 +406,12 @@ class Agent:
         name: str,
         *,
         secret: str | bytes | None = None,
-        listen: str = "127.0.0.1:0",
+        listen: str | None = None,
         transports: Sequence[str] | None = None,
-        tcp: TcpOptions = TcpOptions(),
-        shm: ShmOptions = ShmOptions(),
+        tcp: TcpOptions | None = None,
+        shm: ShmOptions | None = None,
         nixl: Any = None,
-        default_timeout: float = 60.0,
+        default_timeout: float | None = 60.0,
         max_notif_bytes: int = 1 << 20,
         wait_spin_us: int = 50,
     ) -> None:
@@ -391,28 +419,23 @@ class Agent:
             secret = os.environ.get("PDKV_SECRET", "")
         if not isinstance(secret, (str, bytes)):
             raise InvalidArgument(f"secret must be str or bytes, got {type(secret).__name__}")
-        if not isinstance(listen, str):
-            raise InvalidArgument(f"listen must be 'host:port', got {type(listen).__name__} {listen!r}")
         default_timeout = _validate.wait_timeout(default_timeout, "default_timeout") or 0.0  # None, 0: no limit
         max_notif_bytes = _validate.positive_int(max_notif_bytes, "max_notif_bytes", maximum=2**32 - 1)
         wait_spin_us = _validate.count(wait_spin_us, "wait_spin_us")
-        host, _, port = listen.rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidArgument(f"listen must be 'host:port', got {listen!r}")
-        host = host.strip("[]")
+        listen_at = None if listen is None else _listen_address(listen)
         from . import backends  # noqa: F401 - registers the transports written in Python
 
+        m = _native.module()
         if transports is None:
-            transports = _native.module().default_transports()  # viable ones, by priority
-        transports = list(transports)
-        with _transport.creating_agent({"nixl": nixl}, listen_host=host):
-            self._n = _native.module().Agent(
-                name, _as_bytes(secret).decode("latin-1"), transports, host, int(port),
-                tcp.conns_per_peer, tcp.progress_threads, tcp.spin_us, tcp.batch_bytes, tcp.batch_extents,
-                tcp.rcvlowat_bytes, tcp.connect_timeout_s, tcp.handshake_timeout_s, shm.copy_threads,
-                shm.inline_bytes, float(default_timeout), max_notif_bytes, wait_spin_us, tcp.stage_chunk_bytes,
-                tcp.stage_buffers, float(tcp.frame_timeout_s),
-            )
+            transports = m.default_transports()  # the viable ones, by priority
+        config = m.AgentConfig(
+            name=name, secret=_as_bytes(secret), transports=list(transports),
+            tcp=m.TcpOptions() if tcp is None else tcp, shm=m.ShmOptions() if shm is None else shm,
+            default_timeout_s=float(default_timeout), max_notif_bytes=max_notif_bytes, wait_spin_us=wait_spin_us)
+        if listen_at is not None:  # the config holds a copy: the caller's tcp options stay as they are
+            config.tcp.listen_host, config.tcp.listen_port = listen_at
+        with _transport.creating_agent({"nixl": nixl}, listen_host=config.tcp.listen_host):
+            self._n = m.Agent(config)
         self._max_notif_bytes = int(max_notif_bytes)
         self._regions: dict[int, Region] = {}
         self._layout_keep: dict[str, KVLayout] = {}
@@ -451,9 +474,11 @@ class Agent:
     # ------------------------------------------------------------------ memory
     def register(self, obj: Any, *, remote_access: bool = True) -> Region:
         """Registers the memory of ``obj``: a numpy array, a torch tensor (CPU or CUDA;
-        its whole storage extent), an object exporting ``__dlpack__`` (CPU through numpy,
-        CUDA through torch when torch is imported), or any contiguous writable
-        buffer-protocol object. (Memory from :meth:`alloc` is registered already.)
+        its whole storage extent), any DLPack exporter (``__dlpack__`` and
+        ``__dlpack_device__``: jax, cupy, ...; read natively from the capsule, so
+        neither numpy nor torch is needed; CPU or CUDA, contiguous), or any contiguous
+        writable buffer-protocol object. (Memory from :meth:`alloc` is registered
+        already.) The region keeps ``obj`` alive until it is closed.
 
         Overlapping an existing registration raises :class:`~pdkv.errors.AlreadyExists`:
         register each pool once. ``remote_access=False`` keeps it local (a source for

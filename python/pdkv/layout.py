@@ -237,23 +237,11 @@ def _describe_memory(t: Any) -> _Memory:
 
 
 def _from_dlpack(t: Any) -> _Memory:
-    """CPU exporters through numpy, CUDA ones through torch (when it is imported)."""
-    try:
-        dev_type, _dev = t.__dlpack_device__()
-    except Exception as e:  # noqa: BLE001 - a broken exporter is the caller's argument error
-        raise InvalidArgument(f"{type(t).__name__}.__dlpack_device__() failed: {e}") from None
-    if int(dev_type) == 1:  # kDLCPU
-        import numpy as np
-
-        try:
-            return _describe_memory(np.from_dlpack(t))
-        except (TypeError, ValueError, BufferError, RuntimeError) as e:
-            raise InvalidArgument(f"cannot view {type(t).__name__} through DLPack: {e}") from None
-    torch = sys.modules.get("torch")
-    if int(dev_type) == 2 and torch is not None:  # kDLCUDA
-        return _describe_memory(torch.from_dlpack(t))
-    raise InvalidArgument(f"cannot register a {type(t).__name__} on DLPack device type {dev_type}: pass a torch "
-                          "tensor (import torch), or use register_address(...)")
+    """Any DLPack exporter (CPU or CUDA), read from its capsule by the native module:
+    numpy and torch are not needed. The region keeps the exporter and the consumed
+    capsule alive."""
+    addr, nbytes, kind, device, readonly, keepalive = _native.module().dlpack_memory(t)
+    return _Memory(addr, nbytes, kind, device, readonly, keepalive)
 
 
 def _strides_bytes(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, Any, int]:

@@ -59,6 +59,11 @@ class Transfer {
   // wire finish. Terminal state is kCancelled unless everything had already been sent.
   void cancel();
   bool cancel_requested() const { return cancel_requested_.load(std::memory_order_acquire); }
+  // Runs `fn` once, when the transfer is terminal: at once in this thread if it
+  // already is, else in the thread that completes it (usually a progress thread), after
+  // state() is terminal. `fn` must be quick and must not block or take the GIL (the
+  // Python binding uses it to wake an event loop through an eventfd).
+  void on_terminal(std::function<void()> fn);
 
   // ---- for transports ----
   // Declares how many parts will resolve. Call once, before any part can resolve.
@@ -102,6 +107,7 @@ class Transfer {
   std::shared_ptr<const std::function<void()>> cancel_hook_;  // guarded by mu_
   std::shared_ptr<const Driver> driver_;                      // guarded by mu_
   std::vector<RegionPin> pins_;  // released when terminal
+  std::vector<std::function<void()>> on_terminal_;  // guarded by mu_; run once by finish()
 };
 
 }  // namespace pdkv

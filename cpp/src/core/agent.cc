@@ -59,10 +59,8 @@ Agent::Agent(AgentConfig cfg) : cfg_(std::move(cfg)) {}
 
 Result<std::unique_ptr<Agent>> Agent::create(AgentConfig cfg) {
   PDKV_RETURN_IF_ERROR(validate_name("agent name", cfg.name));
+  PDKV_RETURN_IF_ERROR(cfg.validate());
   if (cfg.secret.empty()) cfg.secret = random_hex(16);
-  if (cfg.secret.size() > 1024) return InvalidArgument("agent secret is longer than 1024 bytes");
-  if (cfg.transports.empty()) return InvalidArgument("an agent needs at least one transport");
-  if (cfg.default_timeout_s < 0) return InvalidArgument("default_timeout_s must be >= 0");
   std::unique_ptr<Agent> a(new Agent(std::move(cfg)));
   a->instance_id_ = random_u64();
   a->host_id_ = read_host_id();

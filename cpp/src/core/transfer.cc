@@ -76,6 +76,17 @@ void Transfer::cancel() {
   if (hook) (*hook)();
 }
 
+void Transfer::on_terminal(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (state() == XferState::kPending) {  // finish() stores the state under mu_: no lost wakeup
+      on_terminal_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
+}
+
 void Transfer::set_parts(uint32_t n) {
   parts_left_.store(n, std::memory_order_release);
   if (n == 0) finish();
@@ -118,6 +129,7 @@ void Transfer::finish() {
   // take the GIL to be destroyed, and a thread holding the GIL may be waiting for mu_.
   std::shared_ptr<const std::function<void()>> cancel_hook;
   std::shared_ptr<const Driver> driver;
+  std::vector<std::function<void()>> on_terminal;
   {
     std::lock_guard<std::mutex> lk(mu_);
     XferState s = XferState::kDone;
@@ -133,7 +145,9 @@ void Transfer::finish() {
                   std::memory_order_release);
     state_.store(s, std::memory_order_release);
     cv_.notify_all();
+    on_terminal.swap(on_terminal_);
   }
+  for (auto& fn : on_terminal) fn();
   // Unpin only after the state is terminal: a deregistration waiting on these pins
   // then always observes a finished transfer. (A caller that waits for the transfer
   // and then deregisters may block for the few instructions until this runs.)

@@ -1,0 +1,357 @@
+// Python classes of the typed options: TcpOptions, ShmOptions (each transport's,
+// pdkv/options/*.h) and AgentConfig (pdkv/config.h), bound once, field by field.
+//
+// Each class is built from one table of fields: a read-write attribute per field, a
+// keyword-only constructor (`TcpOptions(spin_us=5)`) whose signature is written from
+// the same table (so generated stubs are typed), equality, repr and pickling. A wrong
+// type, an unknown keyword or an out-of-range value is pdkv's InvalidArgument naming
+// the field, never pybind11's TypeError; constructors validate() at once, and
+// Agent::create validates the whole config again (attributes may change in between).
+#include "py_options.h"
+
+#include <pybind11/stl.h>
+
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "pdkv/config.h"
+
+namespace py = pybind11;
+
+namespace pdkv {
+namespace {
+
+// Raises the pdkv.errors exception of `st`'s code (InvalidArgument for every check here).
+[[noreturn]] void raise_status(const Status& st) {
+  py::object cls = py::module_::import("pdkv.errors").attr("error_class")(std::string(status_code_name(st.code())));
+  PyErr_SetObject(cls.ptr(), cls(st.message()).ptr());
+  throw py::error_already_set();
+}
+
+[[noreturn]] void raise_invalid(const std::string& msg) { raise_status(InvalidArgument(msg)); }
+
+std::string describe(py::handle v) {
+  std::string r = py::repr(v);
+  if (r.size() > 60) r = r.substr(0, 57) + "...";
+  return std::string(py::str(py::type::handle_of(v).attr("__name__"))) + " " + r;
+}
+
+// ---- Python value -> field value, with the type rules of pdkv._validate: integers
+// are ints or numpy integers (never bools or floats), numbers may be either, names
+// are str.
+template <typename T>
+struct FieldType;
+
+template <typename T>
+T integer_field(py::handle v, const std::string& where) {
+  const auto max = std::numeric_limits<T>::max();
+  const std::string want = " must be an integer in 0.." + std::to_string(max) + ", got ";
+  if (PyBool_Check(v.ptr()) || py::str(py::type::handle_of(v).attr("__name__")).cast<std::string>() == "bool_" ||
+      !PyIndex_Check(v.ptr()))
+    raise_invalid(where + want + describe(v));
+  py::int_ i = py::reinterpret_steal<py::int_>(PyNumber_Index(v.ptr()));
+  if (!i) throw py::error_already_set();
+  const unsigned long long x = PyLong_AsUnsignedLongLong(i.ptr());
+  if (PyErr_Occurred()) {  // negative, or beyond 64 bits
+    PyErr_Clear();
+    raise_invalid(where + want + std::string(py::repr(i)));
+  }
+  if (x > max) raise_invalid(where + want + std::to_string(x));
+  return static_cast<T>(x);
+}
+
+template <>
+struct FieldType<uint16_t> {
+  static constexpr const char* kPyType = "int";
+  static uint16_t from(py::handle v, const std::string& where) { return integer_field<uint16_t>(v, where); }
+};
+template <>
+struct FieldType<uint32_t> {
+  static constexpr const char* kPyType = "int";
+  static uint32_t from(py::handle v, const std::string& where) { return integer_field<uint32_t>(v, where); }
+};
+template <>
+struct FieldType<uint64_t> {
+  static constexpr const char* kPyType = "int";
+  static uint64_t from(py::handle v, const std::string& where) { return integer_field<uint64_t>(v, where); }
+};
+template <>
+struct FieldType<double> {
+  static constexpr const char* kPyType = "float";
+  static double from(py::handle v, const std::string& where) {
+    const bool numeric = PyFloat_Check(v.ptr()) || (PyIndex_Check(v.ptr()) && !PyBool_Check(v.ptr()));
+    const bool numpy_float = py::str(py::type::handle_of(v).attr("__module__")).cast<std::string>() == "numpy" &&
+                             py::hasattr(v, "__float__") && !py::hasattr(v, "__index__");
+    if (!numeric && !numpy_float) raise_invalid(where + " must be a number of seconds, got " + describe(v));
+    const double d = PyFloat_AsDouble(v.ptr());
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return d;
+  }
+};
+template <>
+struct FieldType<std::string> {
+  static constexpr const char* kPyType = "str";
+  static std::string from(py::handle v, const std::string& where) {
+    if (!py::isinstance<py::str>(v)) raise_invalid(where + " must be a str, got " + describe(v));
+    return v.cast<std::string>();
+  }
+};
+template <>
+struct FieldType<std::vector<std::string>> {
+  static constexpr const char* kPyType = "list[str]";
+  static std::vector<std::string> from(py::handle v, const std::string& where) {
+    if (!py::isinstance<py::list>(v) && !py::isinstance<py::tuple>(v))
+      raise_invalid(where + " must be a list of str, got " + describe(v));
+    std::vector<std::string> out;
+    for (py::handle item : v) out.push_back(FieldType<std::string>::from(item, where + " item"));
+    return out;
+  }
+};
+template <typename Opts>
+struct NestedOptions {
+  static Opts from(py::handle v, const std::string& where) {
+    if (!py::isinstance<Opts>(v)) {
+      const std::string name = py::str(py::type::of<Opts>().attr("__name__"));
+      raise_invalid(where + " must be a " + name + ", got " + describe(v));
+    }
+    return v.cast<Opts>();
+  }
+};
+template <>
+struct FieldType<TcpOptions> : NestedOptions<TcpOptions> {
+  static constexpr const char* kPyType = "TcpOptions";
+};
+template <>
+struct FieldType<ShmOptions> : NestedOptions<ShmOptions> {
+  static constexpr const char* kPyType = "ShmOptions";
+};
+
+// ---- one bound options class, built from its field table
+template <typename C>
+class OptionsClass {
+ public:
+  // `name` also prefixes error messages ("TcpOptions.spin_us must be ...").
+  OptionsClass(py::module_& m, const char* name, const char* doc)
+      : cls_(m, name, doc), name_(name), fields_(std::make_shared<std::vector<Field>>()) {}
+
+  // A read-write attribute over `member` (`py_type` for the signature: "int", "float", ...).
+  template <typename T>
+  OptionsClass& field(const char* name, T C::*member, const char* doc) {
+    const std::string where = name_ + "." + name;
+    return add_field(
+        name, FieldType<T>::kPyType, [member](const C& c) { return py::cast(c.*member); },
+        [member, where](C& c, py::handle v) { c.*member = FieldType<T>::from(v, where); }, doc,
+        [member](C& c) -> T& { return c.*member; });
+  }
+
+  // A field whose Python value is not the C++ one (AgentConfig.secret: bytes).
+  OptionsClass& property(const char* name, const char* py_type, std::function<py::object(const C&)> get,
+                         std::function<void(C&, py::handle)> set, const char* doc) {
+    return add_field(name, py_type, get, set, doc, get);
+  }
+
+  // Adds the keyword constructor, validate(), ==, repr and pickling.
+  void finish() {
+    auto fields = fields_;
+    const std::string cls_name = name_;
+    auto apply = [fields, cls_name](C& c, const py::dict& kw) {
+      for (auto item : kw) {
+        const std::string key = py::str(item.first);
+        const Field* f = find(*fields, key);
+        if (!f) raise_invalid(cls_name + " has no option '" + key + "' (options: " + names(*fields) + ")");
+        f->set(c, item.second);
+      }
+    };
+    {
+      // The signature line is ours (written from the table), so that stubs and
+      // help() show typed keywords although the C++ side takes **kwargs.
+      py::options sig;
+      sig.disable_function_signatures();
+      cls_.def(
+          py::init([apply, cls_name](const py::args& args, const py::kwargs& kw) {
+            if (!args.empty())
+              raise_invalid(cls_name + "() takes keyword arguments only (" + cls_name + "(name=value, ...)), got " +
+                            std::to_string(args.size()) + " positional");
+            C c;
+            apply(c, kw);
+            Status st = c.validate();
+            if (!st.ok()) raise_status(st);
+            return c;
+          }),
+          init_doc().c_str());  // pybind11 copies docstrings
+    }
+    cls_.def("validate",
+             [](const C& c) {
+               Status st = c.validate();
+               if (!st.ok()) raise_status(st);
+             },
+             "Raises InvalidArgument naming the first field out of range (constructors call it; "
+             "call it again after changing attributes, or let Agent() do it).");
+    cls_.def("__eq__", [fields](const C& a, py::object b) {
+      if (!py::isinstance<C>(b)) return false;
+      const C& other = b.cast<const C&>();
+      for (const Field& f : *fields)
+        if (!f.get(a).equal(f.get(other))) return false;
+      return true;
+    });
+    cls_.attr("__hash__") = py::none();  // mutable, like a dataclass with eq
+    cls_.def("__repr__", [fields, cls_name](const C& c) {
+      std::string out = cls_name + "(";
+      for (size_t i = 0; i < fields->size(); ++i)
+        out += (i ? ", " : "") + (*fields)[i].name + "=" + std::string(py::repr((*fields)[i].get(c)));
+      return out + ")";
+    });
+    cls_.def("__copy__", [](const C& c) { return C(c); });
+    cls_.def("__deepcopy__", [](const C& c, py::handle) { return C(c); }, py::arg("memo"));
+    cls_.def(py::pickle(
+        [fields](const C& c) {
+          py::dict state;
+          for (const Field& f : *fields) state[py::str(f.name)] = f.get(c);
+          return state;
+        },
+        [apply](const py::dict& state) {
+          C c;
+          apply(c, state);
+          return c;
+        }));
+  }
+
+ private:
+  struct Field {
+    std::string name;
+    std::string py_type;
+    std::function<py::object(const C&)> get;
+    std::function<void(C&, py::handle)> set;
+  };
+
+  template <typename Getter>
+  OptionsClass& add_field(const char* name, const char* py_type, std::function<py::object(const C&)> get,
+                         std::function<void(C&, py::handle)> set, const char* doc, Getter attr_get) {
+    fields_->push_back(Field{name, py_type, get, set});
+    // The setter takes any object (a wrong type is InvalidArgument, not TypeError), so
+    // its signature line is written here, typed like the getter's result.
+    py::cpp_function setter;
+    {
+      py::options sig;
+      sig.disable_function_signatures();
+      const std::string setter_doc = std::string(name) + "(self: " + qualified(name_) + ", value: " +
+                                     qualified(py_type) + ") -> None\n";
+      setter = py::cpp_function([set](C& c, py::object v) { set(c, v); }, py::is_method(cls_), py::is_setter(),
+                                setter_doc.c_str());
+    }
+    // The getter returns a reference where it can, so `cfg.tcp.spin_us = 5` changes cfg.
+    cls_.def_property(name, attr_get, setter, doc);
+    return *this;
+  }
+
+  // "int", "list[str]" as they are; class names qualified by the module ("pdkv._pdkv.TcpOptions").
+  std::string qualified(const std::string& py_type) const {
+    static const char* const kBuiltins[] = {"int", "float", "str", "bytes"};
+    for (const char* b : kBuiltins)
+      if (py_type == b) return py_type;
+    if (py_type.find('[') != std::string::npos) return py_type;
+    return std::string(py::str(cls_.attr("__module__"))) + "." + py_type;
+  }
+
+  static const Field* find(const std::vector<Field>& fields, const std::string& key) {
+    for (const Field& f : fields)
+      if (f.name == key) return &f;
+    return nullptr;
+  }
+
+  static std::string names(const std::vector<Field>& fields) {
+    std::string out;
+    for (const Field& f : fields) out += (out.empty() ? "" : ", ") + f.name;
+    return out;
+  }
+
+  // "__init__(self: pdkv._pdkv.TcpOptions, *, spin_us: int = 0, ...) -> None", then the
+  // class doc; defaults are those of a default-constructed C.
+  std::string init_doc() const {
+    std::string sig = "__init__(self: " + qualified(name_) + ", *";
+    const C defaults;
+    for (const Field& f : *fields_) {
+      const py::object d = f.get(defaults);
+      const bool literal = py::isinstance<py::int_>(d) || py::isinstance<py::float_>(d) ||
+                           py::isinstance<py::str>(d) || py::isinstance<py::bytes>(d) ||
+                           py::isinstance<py::list>(d);
+      sig += ", " + f.name + ": " + qualified(f.py_type) + " = " +
+             (literal ? std::string(py::repr(d)) : std::string("..."));
+    }
+    sig += ") -> None\n\nKeyword arguments are the attributes (defaults shown); validates at once.\n";
+    return sig;
+  }
+
+  py::class_<C> cls_;
+  std::string name_;
+  std::shared_ptr<std::vector<Field>> fields_;
+};
+
+}  // namespace
+
+void bind_options(py::module_& m) {
+  OptionsClass<TcpOptions>(m, "TcpOptions", "Options of the tcp transport (any host). Units are in the names.")
+      .field("listen_host", &TcpOptions::listen_host,
+             "str: address to bind and publish (Agent(listen='host:port') sets it).")
+      .field("listen_port", &TcpOptions::listen_port, "int: port to bind; 0 picks a free one.")
+      .field("conns_per_peer", &TcpOptions::conns_per_peer,
+             "int (1..64): parallel connections to each peer; batches are spread over them.")
+      .field("progress_threads", &TcpOptions::progress_threads,
+             "int (1..64): native epoll threads; connections are spread over them.")
+      .field("spin_us", &TcpOptions::spin_us,
+             "int, microseconds: progress threads poll this long after activity before sleeping. Off by "
+             "default: on small machines a spinning thread competes with the peer and the waiter.")
+      .field("batch_bytes", &TcpOptions::batch_bytes, "int, bytes (1..2**30): max payload per wire batch.")
+      .field("batch_extents", &TcpOptions::batch_extents,
+             "int (1..1020): max extents per batch (one sendmsg, bounded by IOV_MAX).")
+      .field("rcvlowat_bytes", &TcpOptions::rcvlowat_bytes,
+             "int, bytes: receiver SO_RCVLOWAT cap while a large payload arrives (0 disables).")
+      .field("connect_timeout_s", &TcpOptions::connect_timeout_s,
+             "float, seconds (0, 86400]: TCP connect plus handshake.")
+      .field("handshake_timeout_s", &TcpOptions::handshake_timeout_s,
+             "float, seconds (0, 86400]: inbound connections that do not authenticate within this are closed.")
+      .field("frame_timeout_s", &TcpOptions::frame_timeout_s,
+             "float, seconds (0, 86400]: a frame that stops arriving half-way, or output the peer stops "
+             "reading, closes that connection after this long without progress (releasing its regions).")
+      .field("stage_chunk_bytes", &TcpOptions::stage_chunk_bytes,
+             "int, bytes (4096..2**30): device memory travels through pinned host chunks of this size, also "
+             "the batch size of device transfers.")
+      .field("stage_buffers", &TcpOptions::stage_buffers,
+             "int (2..1024): pinned chunks per agent for sending device memory (allocated on first use); "
+             "each connection receiving into device memory holds two more.")
+      .finish();
+
+  OptionsClass<ShmOptions>(m, "ShmOptions", "Options of the shm transport (same host, one copy).")
+      .field("copy_threads", &ShmOptions::copy_threads, "int (1..64): threads that copy large transfers.")
+      .field("inline_bytes", &ShmOptions::inline_bytes,
+             "int, bytes: transfers up to this size are copied by the posting thread itself (lowest "
+             "latency); larger ones go to the copy threads (post returns at once).")
+      .finish();
+
+  OptionsClass<AgentConfig>(m, "AgentConfig", "Everything an agent is created with (pdkv/config.h).")
+      .field("name", &AgentConfig::name, "str: unique among peers; printable ASCII, no spaces.")
+      .property(
+          "secret", "bytes", [](const AgentConfig& c) -> py::object { return py::bytes(c.secret); },
+          [](AgentConfig& c, py::handle v) {
+            if (py::isinstance<py::bytes>(v)) c.secret = v.cast<std::string>();
+            else if (py::isinstance<py::str>(v)) c.secret = v.cast<std::string>();  // UTF-8
+            else raise_invalid("AgentConfig.secret must be bytes or str, got " + describe(v));
+          },
+          "bytes (at most 1024): peers must present it; empty: a random one.")
+      .field("transports", &AgentConfig::transports, "list[str]: native transports in order of preference.")
+      .field("tcp", &AgentConfig::tcp, "TcpOptions: options of the tcp transport.")
+      .field("shm", &AgentConfig::shm, "ShmOptions: options of the shm transport.")
+      .field("default_timeout_s", &AgentConfig::default_timeout_s,
+             "float, seconds (>= 0): deadline of transfers posted without one (0: none).")
+      .field("max_notif_bytes", &AgentConfig::max_notif_bytes,
+             "int, bytes (>= 1): largest notification sent or received.")
+      .field("wait_spin_us", &AgentConfig::wait_spin_us,
+             "int, microseconds: Transfer.wait spins this long before sleeping.")
+      .finish();
+}
+
+}  // namespace pdkv

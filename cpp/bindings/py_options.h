@@ -1,0 +1,10 @@
+// Binds TcpOptions, ShmOptions and AgentConfig (py_options.cc) into the _pdkv module.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace pdkv {
+
+void bind_options(pybind11::module_& m);
+
+}  // namespace pdkv

@@ -1,0 +1,22 @@
+// pdkv/options/shm.h: the shm transport's options (same host; memfd regions, one copy).
+//
+// Owned by the shm transport (cpp/src/transport/shm): its constructor reads them,
+// its options.cc validates them. AgentConfig (pdkv/config.h) holds one copy.
+// Thread safety: a plain value.
+#pragma once
+
+#include <cstdint>
+
+#include "pdkv/status.h"
+
+namespace pdkv {
+
+struct ShmOptions {
+  uint32_t copy_threads = 1;           // threads copying large transfers (1..64)
+  uint64_t inline_bytes = 256u << 10;  // transfers up to this many bytes copy in the posting thread
+
+  // OK, or InvalidArgument naming the field out of range and its value.
+  Status validate() const;
+};
+
+}  // namespace pdkv

@@ -1,0 +1,27 @@
+// AgentConfig::validate (pdkv/config.h).
+#include "pdkv/config.h"
+
+#include <cmath>
+
+#include "util/option_check.h"
+
+namespace pdkv {
+
+namespace {
+constexpr size_t kMaxSecretBytes = 1024;
+}  // namespace
+
+Status AgentConfig::validate() const {
+  if (secret.size() > kMaxSecretBytes)
+    return InvalidArgument("agent secret is longer than " + std::to_string(kMaxSecretBytes) + " bytes (" +
+                           std::to_string(secret.size()) + ")");
+  if (transports.empty()) return InvalidArgument("an agent needs at least one transport (transports is empty)");
+  if (!std::isfinite(default_timeout_s) || default_timeout_s < 0)
+    return InvalidArgument("default_timeout_s must be a finite number of seconds >= 0 (0: none), got " +
+                           util::format_number(default_timeout_s));
+  if (max_notif_bytes == 0) return InvalidArgument("max_notif_bytes must be >= 1, got 0");
+  PDKV_RETURN_IF_ERROR(tcp.validate());
+  return shm.validate();
+}
+
+}  // namespace pdkv

@@ -1,0 +1,675 @@
+"""
+pdkv native core (use the `pdkv` package, not this module)
+"""
+from __future__ import annotations
+import collections.abc
+import typing
+import typing_extensions
+from . import bench
+__all__: list[str] = ['Agent', 'AgentConfig', 'CompletionQueue', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'PreparedTransfer', 'ShmOptions', 'TcpOptions', 'TokenOrder', 'Transfer', 'XferState', 'available_transports', 'bench', 'buffer_info', 'decode_metadata', 'dlpack_memory', 'dtype_name', 'dtype_size', 'plan_blocks', 'pybind11_version', 'registered_transports', 'status_code_names']
+class XferState:
+    """
+    Members:
+    
+      PENDING
+    
+      DONE
+    
+      FAILED
+    
+      CANCELLED
+    """
+    CANCELLED: typing.ClassVar[XferState]
+    DONE: typing.ClassVar[XferState]
+    FAILED: typing.ClassVar[XferState]
+    PENDING: typing.ClassVar[XferState]
+    __members__: typing.ClassVar[dict[str, XferState]]
+    @typing.overload
+    def __eq__(self, other: XferState) -> bool:
+        ...
+    @typing.overload
+    def __eq__(self, other: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> int:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __index__(self) -> int:
+        ...
+    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __int__(self) -> int:
+        ...
+    @typing.overload
+    def __ne__(self, other: XferState) -> bool:
+        ...
+    @typing.overload
+    def __ne__(self, other: typing.Any) -> bool:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __str__(self) -> str:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def value(self) -> int:
+        ...
+class OpKind:
+    """
+    Members:
+    
+      WRITE
+    
+      READ
+    """
+    READ: typing.ClassVar[OpKind]
+    WRITE: typing.ClassVar[OpKind]
+    __members__: typing.ClassVar[dict[str, OpKind]]
+    @typing.overload
+    def __eq__(self, other: OpKind) -> bool:
+        ...
+    @typing.overload
+    def __eq__(self, other: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> int:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __index__(self) -> int:
+        ...
+    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __int__(self) -> int:
+        ...
+    @typing.overload
+    def __ne__(self, other: OpKind) -> bool:
+        ...
+    @typing.overload
+    def __ne__(self, other: typing.Any) -> bool:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __str__(self) -> str:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def value(self) -> int:
+        ...
+class MemKind:
+    """
+    Members:
+    
+      HOST
+    
+      CUDA
+    """
+    CUDA: typing.ClassVar[MemKind]
+    HOST: typing.ClassVar[MemKind]
+    __members__: typing.ClassVar[dict[str, MemKind]]
+    @typing.overload
+    def __eq__(self, other: MemKind) -> bool:
+        ...
+    @typing.overload
+    def __eq__(self, other: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> int:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __index__(self) -> int:
+        ...
+    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __int__(self) -> int:
+        ...
+    @typing.overload
+    def __ne__(self, other: MemKind) -> bool:
+        ...
+    @typing.overload
+    def __ne__(self, other: typing.Any) -> bool:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __str__(self) -> str:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def value(self) -> int:
+        ...
+class TokenOrder:
+    """
+    Members:
+    
+      NHD
+    
+      HND
+    """
+    HND: typing.ClassVar[TokenOrder]
+    NHD: typing.ClassVar[TokenOrder]
+    __members__: typing.ClassVar[dict[str, TokenOrder]]
+    @typing.overload
+    def __eq__(self, other: TokenOrder) -> bool:
+        ...
+    @typing.overload
+    def __eq__(self, other: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> int:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __index__(self) -> int:
+        ...
+    def __init__(self, value: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __int__(self) -> int:
+        ...
+    @typing.overload
+    def __ne__(self, other: TokenOrder) -> bool:
+        ...
+    @typing.overload
+    def __ne__(self, other: typing.Any) -> bool:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, state: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def __str__(self) -> str:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def value(self) -> int:
+        ...
+class KVGeometry:
+    __hash__: typing.ClassVar[None] = None
+    def __eq__(self, arg0: KVGeometry) -> bool:
+        ...
+    def __init__(self, num_layers: typing.SupportsInt | typing.SupportsIndex, num_blocks: typing.SupportsInt | typing.SupportsIndex, block_tokens: typing.SupportsInt | typing.SupportsIndex, kv_heads: typing.SupportsInt | typing.SupportsIndex, head_dim: typing.SupportsInt | typing.SupportsIndex, dtype: str, kv_parts: typing.SupportsInt | typing.SupportsIndex, order: TokenOrder) -> None:
+        ...
+    @property
+    def block_half_bytes(self) -> int:
+        ...
+    @property
+    def block_tokens(self) -> int:
+        ...
+    @property
+    def dtype(self) -> str:
+        ...
+    @property
+    def head_dim(self) -> int:
+        ...
+    @property
+    def kv_heads(self) -> int:
+        ...
+    @property
+    def kv_parts(self) -> int:
+        ...
+    @property
+    def num_blocks(self) -> int:
+        ...
+    @property
+    def num_layers(self) -> int:
+        ...
+    @property
+    def order(self) -> TokenOrder:
+        ...
+class KVLayout:
+    @staticmethod
+    def contiguous(arg0: KVGeometry, arg1: typing.SupportsInt | typing.SupportsIndex, arg2: bool) -> KVLayout:
+        ...
+    @staticmethod
+    def contiguous_bytes(arg0: KVGeometry) -> int:
+        ...
+    @staticmethod
+    def make(arg0: KVGeometry, arg1: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]) -> KVLayout:
+        ...
+    @property
+    def bound(self) -> bool:
+        ...
+    @property
+    def end_addr(self) -> int:
+        ...
+    @property
+    def geometry(self) -> KVGeometry:
+        ...
+    @property
+    def min_addr(self) -> int:
+        ...
+    @property
+    def segments(self) -> list:
+        ...
+class Transfer:
+    def cancel(self) -> None:
+        ...
+    def error_info(self) -> typing.Any:
+        ...
+    def wait(self, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> XferState:
+        ...
+    @property
+    def bytes_done(self) -> int:
+        ...
+    @property
+    def bytes_total(self) -> int:
+        ...
+    @property
+    def elapsed_s(self) -> float:
+        ...
+    @property
+    def id(self) -> int:
+        ...
+    @property
+    def op(self) -> OpKind:
+        ...
+    @property
+    def peer(self) -> str:
+        ...
+    @property
+    def state(self) -> XferState:
+        ...
+    @property
+    def transport(self) -> str:
+        ...
+class PreparedTransfer:
+    @property
+    def bytes(self) -> int:
+        ...
+    @property
+    def checked(self) -> bool:
+        ...
+    @property
+    def num_extents(self) -> int:
+        ...
+    @property
+    def op(self) -> OpKind:
+        ...
+    @property
+    def peer(self) -> str:
+        ...
+    @property
+    def transport(self) -> str:
+        ...
+class TcpOptions:
+    """
+    Options of the tcp transport (any host). Units are in the names.
+    """
+    __hash__: typing.ClassVar[None] = None
+    def __copy__(self) -> TcpOptions:
+        ...
+    def __deepcopy__(self, memo: typing.Any) -> TcpOptions:
+        ...
+    def __eq__(self, arg0: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> dict:
+        ...
+    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4) -> None:
+        """
+        Keyword arguments are the attributes (defaults shown); validates at once.
+        """
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, arg0: dict) -> None:
+        ...
+    def validate(self) -> None:
+        """
+        Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
+        """
+    @property
+    def batch_bytes(self) -> int:
+        """
+        int, bytes (1..2**30): max payload per wire batch.
+        """
+    @batch_bytes.setter
+    def batch_bytes(self, value: int) -> None:
+        ...
+    @property
+    def batch_extents(self) -> int:
+        """
+        int (1..1020): max extents per batch (one sendmsg, bounded by IOV_MAX).
+        """
+    @batch_extents.setter
+    def batch_extents(self, value: int) -> None:
+        ...
+    @property
+    def connect_timeout_s(self) -> float:
+        """
+        float, seconds (0, 86400]: TCP connect plus handshake.
+        """
+    @connect_timeout_s.setter
+    def connect_timeout_s(self, value: float) -> None:
+        ...
+    @property
+    def conns_per_peer(self) -> int:
+        """
+        int (1..64): parallel connections to each peer; batches are spread over them.
+        """
+    @conns_per_peer.setter
+    def conns_per_peer(self, value: int) -> None:
+        ...
+    @property
+    def frame_timeout_s(self) -> float:
+        """
+        float, seconds (0, 86400]: a frame that stops arriving half-way, or output the peer stops reading, closes that connection after this long without progress (releasing its regions).
+        """
+    @frame_timeout_s.setter
+    def frame_timeout_s(self, value: float) -> None:
+        ...
+    @property
+    def handshake_timeout_s(self) -> float:
+        """
+        float, seconds (0, 86400]: inbound connections that do not authenticate within this are closed.
+        """
+    @handshake_timeout_s.setter
+    def handshake_timeout_s(self, value: float) -> None:
+        ...
+    @property
+    def listen_host(self) -> str:
+        """
+        str: address to bind and publish (Agent(listen='host:port') sets it).
+        """
+    @listen_host.setter
+    def listen_host(self, value: str) -> None:
+        ...
+    @property
+    def listen_port(self) -> int:
+        """
+        int: port to bind; 0 picks a free one.
+        """
+    @listen_port.setter
+    def listen_port(self, value: int) -> None:
+        ...
+    @property
+    def progress_threads(self) -> int:
+        """
+        int (1..64): native epoll threads; connections are spread over them.
+        """
+    @progress_threads.setter
+    def progress_threads(self, value: int) -> None:
+        ...
+    @property
+    def rcvlowat_bytes(self) -> int:
+        """
+        int, bytes: receiver SO_RCVLOWAT cap while a large payload arrives (0 disables).
+        """
+    @rcvlowat_bytes.setter
+    def rcvlowat_bytes(self, value: int) -> None:
+        ...
+    @property
+    def spin_us(self) -> int:
+        """
+        int, microseconds: progress threads poll this long after activity before sleeping. Off by default: on small machines a spinning thread competes with the peer and the waiter.
+        """
+    @spin_us.setter
+    def spin_us(self, value: int) -> None:
+        ...
+    @property
+    def stage_buffers(self) -> int:
+        """
+        int (2..1024): pinned chunks per agent for sending device memory (allocated on first use); each connection receiving into device memory holds two more.
+        """
+    @stage_buffers.setter
+    def stage_buffers(self, value: int) -> None:
+        ...
+    @property
+    def stage_chunk_bytes(self) -> int:
+        """
+        int, bytes (4096..2**30): device memory travels through pinned host chunks of this size, also the batch size of device transfers.
+        """
+    @stage_chunk_bytes.setter
+    def stage_chunk_bytes(self, value: int) -> None:
+        ...
+class ShmOptions:
+    """
+    Options of the shm transport (same host, one copy).
+    """
+    __hash__: typing.ClassVar[None] = None
+    def __copy__(self) -> ShmOptions:
+        ...
+    def __deepcopy__(self, memo: typing.Any) -> ShmOptions:
+        ...
+    def __eq__(self, arg0: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> dict:
+        ...
+    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144) -> None:
+        """
+        Keyword arguments are the attributes (defaults shown); validates at once.
+        """
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, arg0: dict) -> None:
+        ...
+    def validate(self) -> None:
+        """
+        Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
+        """
+    @property
+    def copy_threads(self) -> int:
+        """
+        int (1..64): threads that copy large transfers.
+        """
+    @copy_threads.setter
+    def copy_threads(self, value: int) -> None:
+        ...
+    @property
+    def inline_bytes(self) -> int:
+        """
+        int, bytes: transfers up to this size are copied by the posting thread itself (lowest latency); larger ones go to the copy threads (post returns at once).
+        """
+    @inline_bytes.setter
+    def inline_bytes(self, value: int) -> None:
+        ...
+class AgentConfig:
+    """
+    Everything an agent is created with (pdkv/config.h).
+    """
+    __hash__: typing.ClassVar[None] = None
+    def __copy__(self) -> AgentConfig:
+        ...
+    def __deepcopy__(self, memo: typing.Any) -> AgentConfig:
+        ...
+    def __eq__(self, arg0: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> dict:
+        ...
+    def __init__(self, *, name: str = '', secret: bytes = b'', transports: list[str] = ['tcp'], tcp: TcpOptions = ..., shm: ShmOptions = ..., default_timeout_s: float = 60.0, max_notif_bytes: int = 1048576, wait_spin_us: int = 50) -> None:
+        """
+        Keyword arguments are the attributes (defaults shown); validates at once.
+        """
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, arg0: dict) -> None:
+        ...
+    def validate(self) -> None:
+        """
+        Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
+        """
+    @property
+    def default_timeout_s(self) -> float:
+        """
+        float, seconds (>= 0): deadline of transfers posted without one (0: none).
+        """
+    @default_timeout_s.setter
+    def default_timeout_s(self, value: float) -> None:
+        ...
+    @property
+    def max_notif_bytes(self) -> int:
+        """
+        int, bytes (>= 1): largest notification sent or received.
+        """
+    @max_notif_bytes.setter
+    def max_notif_bytes(self, value: int) -> None:
+        ...
+    @property
+    def name(self) -> str:
+        """
+        str: unique among peers; printable ASCII, no spaces.
+        """
+    @name.setter
+    def name(self, value: str) -> None:
+        ...
+    @property
+    def secret(self) -> typing.Any:
+        """
+        bytes (at most 1024): peers must present it; empty: a random one.
+        """
+    @secret.setter
+    def secret(self, value: bytes) -> None:
+        ...
+    @property
+    def shm(self) -> ShmOptions:
+        """
+        ShmOptions: options of the shm transport.
+        """
+    @shm.setter
+    def shm(self, value: ShmOptions) -> None:
+        ...
+    @property
+    def tcp(self) -> TcpOptions:
+        """
+        TcpOptions: options of the tcp transport.
+        """
+    @tcp.setter
+    def tcp(self, value: TcpOptions) -> None:
+        ...
+    @property
+    def transports(self) -> list[str]:
+        """
+        list[str]: native transports in order of preference.
+        """
+    @transports.setter
+    def transports(self, value: list[str]) -> None:
+        ...
+    @property
+    def wait_spin_us(self) -> int:
+        """
+        int, microseconds: Transfer.wait spins this long before sleeping.
+        """
+    @wait_spin_us.setter
+    def wait_spin_us(self, value: int) -> None:
+        ...
+class CompletionQueue:
+    """
+    Wakes one asyncio event loop when watched transfers finish (see Transfer.wait_async).
+    """
+    def __init__(self) -> None:
+        ...
+    def take(self) -> list[int]:
+        """
+        Tickets of the watched transfers finished since the last call.
+        """
+    def watch(self, transfer: Transfer) -> int:
+        """
+        A ticket that take() returns once the transfer is terminal.
+        """
+    @property
+    def fd(self) -> int:
+        """
+        eventfd, readable while finished tickets are queued.
+        """
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        """
+        Validates `config` and starts the agent's transports.
+        """
+    def add_layout(self, arg0: str, arg1: KVLayout) -> None:
+        ...
+    def add_peer(self, blob: bytes, secret: bytes, transport: str, via_host: str = '') -> str:
+        ...
+    def bump_generations(self, arg0: str, arg1: typing.Any, arg2: typing.SupportsFloat | typing.SupportsIndex) -> list[int]:
+        ...
+    def connect(self, arg0: str, arg1: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    def deregister_memory(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def fetch_metadata(self, arg0: str, arg1: bytes, arg2: typing.SupportsFloat | typing.SupportsIndex) -> bytes:
+        ...
+    def generations(self, arg0: str, arg1: typing.Any) -> list[int]:
+        ...
+    def layout(self, arg0: str) -> KVLayout:
+        ...
+    def layout_names(self) -> list[str]:
+        ...
+    def metadata(self) -> bytes:
+        ...
+    def peer_metadata(self, arg0: str) -> bytes:
+        ...
+    def peer_names(self) -> list[str]:
+        ...
+    def peer_transport(self, arg0: str) -> str:
+        ...
+    def post(self, arg0: PreparedTransfer, arg1: bytes, arg2: typing.SupportsFloat | typing.SupportsIndex) -> Transfer:
+        ...
+    def prepare_blocks(self, peer: str, op: OpKind, local_layout: str, local_ids: typing.Any, remote_layout: str, remote_ids: typing.Any, num_tokens: typing.SupportsInt | typing.SupportsIndex, num_heads: typing.SupportsInt | typing.SupportsIndex, local_head_offset: typing.SupportsInt | typing.SupportsIndex, remote_head_offset: typing.SupportsInt | typing.SupportsIndex, transport: str, remote_generations: typing.Any = None) -> PreparedTransfer:
+        ...
+    def prepare_extents(self, arg0: str, arg1: OpKind, arg2: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], arg3: str) -> PreparedTransfer:
+        ...
+    def push_notification(self, arg0: str, arg1: bytes) -> None:
+        ...
+    def regions(self) -> list:
+        ...
+    def register_memory(self, addr: typing.SupportsInt | typing.SupportsIndex, len: typing.SupportsInt | typing.SupportsIndex, kind: MemKind, device: typing.SupportsInt | typing.SupportsIndex, remote_access: bool, shm_fd: typing.SupportsInt | typing.SupportsIndex = -1) -> dict:
+        ...
+    def remove_layout(self, arg0: str) -> None:
+        ...
+    def remove_peer(self, arg0: str) -> None:
+        ...
+    def send_notification(self, arg0: str, arg1: bytes, arg2: typing.SupportsFloat | typing.SupportsIndex) -> Transfer:
+        ...
+    def set_metadata_extra(self, arg0: str, arg1: bytes) -> None:
+        ...
+    def take_notifications(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> list:
+        ...
+    def wait_notifications(self, arg0: typing.SupportsFloat | typing.SupportsIndex, arg1: typing.SupportsInt | typing.SupportsIndex) -> list:
+        ...
+    @property
+    def endpoints(self) -> list:
+        ...
+    @property
+    def instance_id(self) -> int:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def notification_fd(self) -> int:
+        ...
+    @property
+    def secret(self) -> bytes:
+        ...
+    @property
+    def transports(self) -> list[str]:
+        ...
+def available_transports() -> list[str]:
+    ...
+def buffer_info(arg0: typing.Any) -> tuple[int, int, bool, bool]:
+    ...
+def decode_metadata(arg0: bytes) -> dict:
+    ...
+def dlpack_memory(obj: typing.Any) -> tuple[int, int, str, int, bool, tuple[typing_extensions.CapsuleType, typing.Any]]:
+    """
+    (addr, nbytes, kind, device, readonly, keepalive) of a DLPack exporter's memory; InvalidArgument when it is not contiguous, empty, or on a device other than CPU or CUDA. Keep `keepalive` while the memory is in use.
+    """
+def dtype_name(arg0: str) -> str:
+    ...
+def dtype_size(arg0: str) -> int:
+    ...
+def plan_blocks(local: KVLayout, local_ids: typing.Any, remote: KVLayout, remote_ids: typing.Any, num_tokens: typing.SupportsInt | typing.SupportsIndex = 0, num_heads: typing.SupportsInt | typing.SupportsIndex = 0, local_head_offset: typing.SupportsInt | typing.SupportsIndex = 0, remote_head_offset: typing.SupportsInt | typing.SupportsIndex = 0, distinct: str = '') -> list:
+    ...
+def registered_transports() -> list[str]:
+    ...
+def status_code_names() -> list[str]:
+    ...
+pybind11_version: str = '3.1.0'

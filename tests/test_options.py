@@ -1,0 +1,140 @@
+"""Typed options: TcpOptions, ShmOptions and AgentConfig are the native classes
+(cpp/bindings/py_options.cc), with keyword constructors, typed attributes and
+validation that names the field (pdkv.InvalidArgument, never a TypeError)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import socket
+
+import pytest
+
+import pdkv
+from pdkv import _native
+from conftest import SECRET
+
+_pdkv = _native.module()
+
+
+def test_options_are_the_native_classes_with_the_documented_defaults():
+    assert pdkv.TcpOptions is _pdkv.TcpOptions and pdkv.ShmOptions is _pdkv.ShmOptions
+    t = pdkv.TcpOptions()
+    assert (t.listen_host, t.listen_port, t.conns_per_peer, t.progress_threads, t.spin_us) == ("127.0.0.1", 0, 1, 1, 0)
+    assert (t.batch_bytes, t.batch_extents, t.rcvlowat_bytes) == (16 << 20, 1020, 1 << 20)
+    assert (t.connect_timeout_s, t.handshake_timeout_s, t.frame_timeout_s) == (5.0, 5.0, 30.0)
+    assert (t.stage_chunk_bytes, t.stage_buffers) == (4 << 20, 4)
+    s = pdkv.ShmOptions()
+    assert (s.copy_threads, s.inline_bytes) == (1, 256 << 10)
+    c = _pdkv.AgentConfig()
+    assert (c.name, c.secret, c.transports, c.default_timeout_s, c.max_notif_bytes, c.wait_spin_us) == \
+        ("", b"", ["tcp"], 60.0, 1 << 20, 50)
+    assert c.tcp == pdkv.TcpOptions() and c.shm == pdkv.ShmOptions()
+
+
+def test_keyword_constructor_attributes_equality_repr_copy_and_pickle():
+    t = pdkv.TcpOptions(spin_us=5, conns_per_peer=3, frame_timeout_s=2)
+    assert (t.spin_us, t.conns_per_peer, t.frame_timeout_s) == (5, 3, 2.0)
+    assert t == pdkv.TcpOptions(conns_per_peer=3, spin_us=5, frame_timeout_s=2.0)
+    assert t != pdkv.TcpOptions() and t != "TcpOptions"
+    assert "spin_us=5" in repr(t) and repr(t).startswith("TcpOptions(")
+    t2 = copy.copy(t)
+    t2.spin_us = 7
+    assert t.spin_us == 5 and t2.spin_us == 7
+    assert pickle.loads(pickle.dumps(t)) == t
+    assert copy.deepcopy(pdkv.ShmOptions(inline_bytes=0)).inline_bytes == 0
+    # A nested attribute is a reference: the config changes in place.
+    c = _pdkv.AgentConfig(name="a", tcp=t)
+    c.tcp.spin_us = 9
+    assert c.tcp.spin_us == 9 and t.spin_us == 5
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"spin_us": "5"}, r"TcpOptions\.spin_us must be an integer in 0\.\.4294967295, got str '5'"),
+    ({"spin_us": 1.5}, r"TcpOptions\.spin_us must be an integer.*got float 1\.5"),
+    ({"spin_us": True}, r"TcpOptions\.spin_us must be an integer.*got bool True"),
+    ({"spin_us": -1}, r"TcpOptions\.spin_us must be an integer in 0\.\.4294967295, got -1"),
+    ({"listen_port": 70000}, r"TcpOptions\.listen_port must be an integer in 0\.\.65535, got 70000"),
+    ({"batch_bytes": 2**64}, r"TcpOptions\.batch_bytes must be an integer.*got 18446744073709551616"),
+    ({"frame_timeout_s": "30"}, r"TcpOptions\.frame_timeout_s must be a number of seconds, got str '30'"),
+    ({"listen_host": 1}, r"TcpOptions\.listen_host must be a str, got int 1"),
+    ({"spinus": 5}, r"TcpOptions has no option 'spinus' \(options: listen_host, listen_port, conns_per_peer"),
+])
+def test_wrong_types_and_names_are_invalid_argument_naming_the_field(kw, match):
+    with pytest.raises(pdkv.InvalidArgument, match=match):
+        pdkv.TcpOptions(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"conns_per_peer": 0}, r"tcp\.conns_per_peer must be in 1\.\.64, got 0"),
+    ({"progress_threads": 65}, r"tcp\.progress_threads must be in 1\.\.64, got 65"),
+    ({"batch_extents": 1021}, r"tcp\.batch_extents must be in 1\.\.1020, got 1021"),
+    ({"stage_buffers": 1}, r"tcp\.stage_buffers must be in 2\.\.1024, got 1"),
+    ({"frame_timeout_s": 0}, r"tcp\.frame_timeout_s must be a number of seconds in \(0, 86400\], got 0"),
+    ({"handshake_timeout_s": float("nan")}, r"tcp\.handshake_timeout_s .* got nan"),
+    ({"listen_host": ""}, r"tcp\.listen_host is empty"),
+])
+def test_out_of_range_values_are_rejected_at_construction(kw, match):
+    with pytest.raises(pdkv.InvalidArgument, match=match):
+        pdkv.TcpOptions(**kw)
+
+
+def test_shm_options_and_positional_arguments():
+    with pytest.raises(pdkv.InvalidArgument, match=r"shm\.copy_threads must be in 1\.\.64, got 0"):
+        pdkv.ShmOptions(copy_threads=0)
+    with pytest.raises(pdkv.InvalidArgument, match="keyword arguments only"):
+        pdkv.ShmOptions(2)
+    s = pdkv.ShmOptions()
+    with pytest.raises(pdkv.InvalidArgument, match=r"ShmOptions\.inline_bytes must be an integer"):
+        s.inline_bytes = "big"
+    s.copy_threads = 0  # attributes are checked when used (validate(), Agent())
+    with pytest.raises(pdkv.InvalidArgument, match=r"shm\.copy_threads"):
+        s.validate()
+    with pytest.raises(pdkv.InvalidArgument, match=r"shm\.copy_threads must be in 1\.\.64, got 0"):
+        pdkv.Agent("a", secret=SECRET, shm=s)
+
+
+def test_agent_takes_the_typed_options_and_listen_stays_a_string_edge():
+    tcp = pdkv.TcpOptions(conns_per_peer=2, listen_port=0)
+    with pdkv.Agent("a", secret=SECRET, transports=["tcp"], tcp=tcp, listen="127.0.0.1:0") as a:
+        host, port = a.address.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+    assert tcp.listen_host == "127.0.0.1" and tcp.listen_port == 0  # the caller's object is untouched
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    with pdkv.Agent("a", secret=SECRET, transports=["tcp"], listen=f"127.0.0.1:{free}") as a:
+        assert a.address == f"127.0.0.1:{free}"
+    with pdkv.Agent("a", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(listen_port=free)) as a:
+        assert a.address == f"127.0.0.1:{free}"  # without listen=, the options' address
+    with pytest.raises(pdkv.InvalidArgument, match="listen"):
+        pdkv.Agent("a", listen="127.0.0.1:99999")
+    with pytest.raises(pdkv.InvalidArgument, match=r"AgentConfig\.tcp must be a TcpOptions, got dict"):
+        pdkv.Agent("a", tcp={"spin_us": 1})
+    with pytest.raises(pdkv.InvalidArgument, match=r"AgentConfig\.name must be a str, got int"):
+        pdkv.Agent(5)
+
+
+def test_native_agent_takes_one_config():
+    cfg = _pdkv.AgentConfig(name="cfg", secret=b"\xff\x00s", transports=["tcp"],
+                            tcp=pdkv.TcpOptions(progress_threads=2), default_timeout_s=0)
+    a = _pdkv.Agent(cfg)
+    assert a.name == "cfg" and a.secret == b"\xff\x00s" and a.transports == ["tcp"]
+    with pytest.raises(pdkv.InvalidArgument, match=r"AgentConfig\.secret must be bytes or str"):
+        _pdkv.AgentConfig(secret=5)
+    with pytest.raises(pdkv.InvalidArgument, match=r"max_notif_bytes must be >= 1, got 0"):
+        _pdkv.AgentConfig(max_notif_bytes=0)
+    with pytest.raises(pdkv.InvalidArgument, match=r"AgentConfig\.transports must be a list of str"):
+        _pdkv.AgentConfig(transports="tcp")
+
+
+def test_import_pdkv_loads_the_native_module_only_when_options_are_used():
+    # scripts/sanitize.sh imports pdkv without the sanitizer runtime preloaded.
+    import subprocess
+    import sys
+
+    code = ("import sys, pdkv; assert 'pdkv._pdkv' not in sys.modules; "
+            "from pdkv import TcpOptions; assert TcpOptions(spin_us=1).spin_us == 1; "
+            "assert 'pdkv._pdkv' in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
