@@ -6,7 +6,7 @@ import collections.abc
 import typing
 import typing_extensions
 from . import bench
-__all__: list[str] = ['Agent', 'AgentConfig', 'CompletionQueue', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'PreparedTransfer', 'ShmOptions', 'TcpOptions', 'TokenOrder', 'Transfer', 'XferState', 'available_transports', 'bench', 'buffer_info', 'decode_metadata', 'dlpack_memory', 'dtype_name', 'dtype_size', 'plan_blocks', 'pybind11_version', 'registered_transports', 'status_code_names']
+__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'status_code_names']
 class XferState:
     """
     Members:
@@ -256,6 +256,26 @@ class Transfer:
         ...
     def error_info(self) -> typing.Any:
         ...
+    def fail_now(self, error: typing.Any) -> None:
+        """
+        Fails a transfer none of whose parts was started.
+        """
+    def resolve_part(self, nbytes: typing.SupportsInt | typing.SupportsIndex, error: typing.Any = None) -> bool:
+        """
+        Resolves one part: its bytes landed, or `error` (a pdkv.PdkvError; Cancelled for a dropped part). True when this made the transfer terminal.
+        """
+    def set_cancel_hook(self, arg0: typing.Any) -> None:
+        """
+        Called (from the thread that calls cancel()) when cancellation is requested.
+        """
+    def set_driver(self, arg0: typing.Any) -> None:
+        """
+        drive(timeout_s) is called by wait() (GIL taken) to make progress itself until the transfer is terminal or timeout_s passes.
+        """
+    def set_parts(self, n: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Declares how many parts will resolve (once, before any resolves).
+        """
     def wait(self, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> XferState:
         ...
     @property
@@ -263,6 +283,9 @@ class Transfer:
         ...
     @property
     def bytes_total(self) -> int:
+        ...
+    @property
+    def cancel_requested(self) -> bool:
         ...
     @property
     def elapsed_s(self) -> float:
@@ -277,10 +300,110 @@ class Transfer:
     def peer(self) -> str:
         ...
     @property
+    def remaining_s(self) -> float:
+        """
+        Seconds until the transfer's deadline (inf: none; negative: passed).
+        """
+    @property
     def state(self) -> XferState:
         ...
     @property
+    def terminal(self) -> bool:
+        ...
+    @property
     def transport(self) -> str:
+        ...
+class TransportCaps:
+    """
+    What a transport can do (see transport.h).
+    """
+    cross_host: bool
+    generations: bool
+    notify: bool
+    read: bool
+    serves_metadata: bool
+    write: bool
+    def __init__(self, *, write: bool = True, read: bool = True, notify: bool = True, cross_host: bool = True, local_mem_kinds: typing.SupportsInt | typing.SupportsIndex = 1, remote_mem_kinds: typing.SupportsInt | typing.SupportsIndex = 1, generations: bool = False, serves_metadata: bool = False) -> None:
+        ...
+    @property
+    def local_mem_kinds(self) -> int:
+        ...
+    @local_mem_kinds.setter
+    def local_mem_kinds(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def remote_mem_kinds(self) -> int:
+        ...
+    @remote_mem_kinds.setter
+    def remote_mem_kinds(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+class AgentMetadata:
+    """
+    A peer's decoded metadata, as a transport sees it.
+    """
+    def extra(self, arg0: str) -> typing.Any:
+        """
+        The bytes transport `name` published (metadata_extra), or None.
+        """
+    @property
+    def endpoints(self) -> list:
+        ...
+    @property
+    def host_id(self) -> str:
+        ...
+    @property
+    def instance_id(self) -> int:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def pid(self) -> int:
+        ...
+    @property
+    def regions(self) -> list:
+        ...
+class Peer:
+    """
+    A known peer: its metadata and the secret to present to it.
+    """
+    @property
+    def md(self) -> AgentMetadata:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def secret(self) -> bytes:
+        ...
+class AgentHooks:
+    """
+    What a transport may ask of the agent that owns it (transport.h).
+    """
+    def deliver_notification(self, peer: str, data: bytes) -> None:
+        ...
+    def fetch_metadata(self, address: str, secret: bytes, timeout_s: typing.SupportsFloat | typing.SupportsIndex) -> bytes:
+        ...
+    def metadata_blob(self) -> bytes:
+        ...
+    def regions(self) -> list:
+        ...
+    def secret_matches(self, arg0: bytes) -> bool:
+        ...
+    @property
+    def agent_name(self) -> str:
+        ...
+    @property
+    def host_id(self) -> str:
+        ...
+    @property
+    def instance_id(self) -> int:
+        ...
+    @property
+    def max_notif_bytes(self) -> int:
+        ...
+    @property
+    def secret(self) -> bytes:
         ...
 class PreparedTransfer:
     @property
@@ -616,8 +739,6 @@ class Agent:
         ...
     def prepare_extents(self, arg0: str, arg1: OpKind, arg2: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], arg3: str) -> PreparedTransfer:
         ...
-    def push_notification(self, arg0: str, arg1: bytes) -> None:
-        ...
     def regions(self) -> list:
         ...
     def register_memory(self, addr: typing.SupportsInt | typing.SupportsIndex, len: typing.SupportsInt | typing.SupportsIndex, kind: MemKind, device: typing.SupportsInt | typing.SupportsIndex, remote_access: bool, shm_fd: typing.SupportsInt | typing.SupportsIndex = -1) -> dict:
@@ -627,8 +748,6 @@ class Agent:
     def remove_peer(self, arg0: str) -> None:
         ...
     def send_notification(self, arg0: str, arg1: bytes, arg2: typing.SupportsFloat | typing.SupportsIndex) -> Transfer:
-        ...
-    def set_metadata_extra(self, arg0: str, arg1: bytes) -> None:
         ...
     def take_notifications(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> list:
         ...
@@ -658,6 +777,8 @@ def buffer_info(arg0: typing.Any) -> tuple[int, int, bool, bool]:
     ...
 def decode_metadata(arg0: bytes) -> dict:
     ...
+def default_transports() -> list[str]:
+    ...
 def dlpack_memory(obj: typing.Any) -> tuple[int, int, str, int, bool, tuple[typing_extensions.CapsuleType, typing.Any]]:
     """
     (addr, nbytes, kind, device, readonly, keepalive) of a DLPack exporter's memory; InvalidArgument when it is not contiguous, empty, or on a device other than CPU or CUDA. Keep `keepalive` while the memory is in use.
@@ -668,8 +789,11 @@ def dtype_size(arg0: str) -> int:
     ...
 def plan_blocks(local: KVLayout, local_ids: typing.Any, remote: KVLayout, remote_ids: typing.Any, num_tokens: typing.SupportsInt | typing.SupportsIndex = 0, num_heads: typing.SupportsInt | typing.SupportsIndex = 0, local_head_offset: typing.SupportsInt | typing.SupportsIndex = 0, remote_head_offset: typing.SupportsInt | typing.SupportsIndex = 0, distinct: str = '') -> list:
     ...
+def register_transport(name: str, description: str, priority: typing.Any, viable: typing.Any, create: typing.Any, metadata_via: str = '') -> None:
+    ...
 def registered_transports() -> list[str]:
     ...
 def status_code_names() -> list[str]:
     ...
+EXTENT_COLUMNS: tuple = ('local_addr', 'len', 'local_kind', 'local_device', 'remote_region', 'remote_offset', 'remote_addr')
 pybind11_version: str = '3.1.0'
