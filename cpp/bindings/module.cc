@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bench.h"
+#include "py_common.h"
 #include "py_async.h"
 #include "py_dlpack.h"
 #include "py_options.h"
@@ -25,6 +26,8 @@
 
 namespace py = pybind11;
 using namespace pdkv;
+using bindings::region_dict;
+using bindings::to_bytes;
 
 namespace {
 
@@ -43,8 +46,6 @@ T unwrap(Result<T>&& r) {
   if (!r.ok()) throw StatusError(r.status());
   return std::move(r).value();
 }
-
-py::bytes to_bytes(const std::string& s) { return py::bytes(s.data(), s.size()); }
 
 std::string type_name(const py::handle& o) { return py::str(py::type::handle_of(o).attr("__name__")); }
 
@@ -154,17 +155,6 @@ std::vector<uint32_t> ids_from(const py::object& o, const char* what) {
   return v;
 }
 
-py::dict region_dict(const RegionDesc& d) {
-  py::dict o;
-  o["id"] = d.id;
-  o["addr"] = d.addr;
-  o["len"] = d.len;
-  o["kind"] = std::string(mem_kind_name(d.kind));
-  o["device"] = d.device;
-  o["remote_access"] = d.remote_access;
-  o["shareable"] = d.shareable;
-  return o;
-}
 
 }  // namespace
 
@@ -174,19 +164,13 @@ PYBIND11_MODULE(_pdkv, m) {
   m.attr("pybind11_version") = std::to_string(PYBIND11_VERSION_MAJOR) + "." + std::to_string(PYBIND11_VERSION_MINOR) +
                                "." + std::to_string(PYBIND11_VERSION_PATCH);
 
-  static py::object errors_mod;
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const StatusError& e) {
       py::gil_scoped_acquire gil;
-      py::object mod = py::module_::import("pdkv.errors");
-      py::object cls = mod.attr("error_class")(std::string(status_code_name(e.st.code())));
-      // Messages may echo bytes a peer sent: never fail on invalid UTF-8.
-      const std::string& m = e.st.message();
-      py::object msg = py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(m.data(), py::ssize_t(m.size()), "replace"));
-      py::object exc = cls(msg);
-      PyErr_SetObject(cls.ptr(), exc.ptr());
+      py::object exc = bindings::status_exception(e.st);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
 

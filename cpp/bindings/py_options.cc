@@ -19,18 +19,15 @@
 #include <vector>
 
 #include "pdkv/config.h"
+#include "py_common.h"
 
 namespace py = pybind11;
 
 namespace pdkv {
 namespace {
 
-// Raises the pdkv.errors exception of `st`'s code (InvalidArgument for every check here).
-[[noreturn]] void raise_status(const Status& st) {
-  py::object cls = py::module_::import("pdkv.errors").attr("error_class")(std::string(status_code_name(st.code())));
-  PyErr_SetObject(cls.ptr(), cls(st.message()).ptr());
-  throw py::error_already_set();
-}
+using bindings::raise_status;
+
 
 [[noreturn]] void raise_invalid(const std::string& msg) { raise_status(InvalidArgument(msg)); }
 

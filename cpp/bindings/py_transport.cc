@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "pdkv/registry.h"
+#include "py_common.h"
 
 namespace py = pybind11;
 
@@ -59,28 +60,7 @@ Status status_from_object(const py::handle& err) {
   return Status(code, py::str(err));
 }
 
-// Raises the pdkv exception of a non-OK Status (the GIL is held).
-[[noreturn]] void raise_status(const Status& st) {
-  py::object cls = py::module_::import("pdkv.errors").attr("error_class")(std::string(status_code_name(st.code())));
-  const std::string& m = st.message();
-  py::object msg = py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(m.data(), py::ssize_t(m.size()), "replace"));
-  PyErr_SetObject(cls.ptr(), cls(msg).ptr());
-  throw py::error_already_set();
-}
 
-py::bytes to_bytes(std::string_view s) { return py::bytes(s.data(), s.size()); }
-
-py::dict region_dict(const RegionDesc& d) {
-  py::dict o;
-  o["id"] = d.id;
-  o["addr"] = d.addr;
-  o["len"] = d.len;
-  o["kind"] = std::string(mem_kind_name(d.kind));
-  o["device"] = d.device;
-  o["remote_access"] = d.remote_access;
-  o["shareable"] = d.shareable;
-  return o;
-}
 
 // What prepare() returned, kept as the transport's PreparedOps.
 struct PyPreparedOps final : PreparedOps {

@@ -53,6 +53,15 @@ def error_kind(e: BaseException) -> str:
     return "other"
 
 
+def _release_quietly(engine: Any, rid: str) -> None:
+    """Frees a request's blocks; a request already gone (aborted, or it ended without
+    holding blocks) is not an error."""
+    try:
+        engine.release(rid)
+    except NotFound:
+        pass
+
+
 class _Background:
     """Tasks that must outlive the coroutine that started them (a request's cleanup must
     run even when its handler is cancelled because the client went away)."""
@@ -323,10 +332,7 @@ class KVReceiver:
             self._release(rid)
 
     def _release(self, rid: str) -> None:
-        try:
-            self.engine.release(rid)
-        except NotFound:
-            pass
+        _release_quietly(self.engine, rid)
 
 
 # ---------------------------------------------------------------------- prefill side
@@ -518,10 +524,7 @@ class KVSender:
             self._release(rid)
 
     def _release(self, rid: str) -> None:
-        try:
-            self.engine.release(rid)
-        except NotFound:
-            pass  # aborted, or it ended without holding blocks
+        _release_quietly(self.engine, rid)
 
     async def close(self) -> None:
         """Cancels pending releases (the worker is shutting down with its pool)."""

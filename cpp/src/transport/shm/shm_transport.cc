@@ -68,7 +68,7 @@ constexpr size_t kMaxQueuedFds = 4;  // fds received ahead of their RegionResp
 
 Status ShmTransport::start(AgentHooks* hooks) {
   hooks_ = hooks;
-  if (opts_.copy_threads == 0 || opts_.copy_threads > 64) return InvalidArgument("shm copy_threads must be 1..64");
+  PDKV_RETURN_IF_ERROR(opts_.validate());  // also checked by AgentConfig::validate()
   PDKV_ASSIGN_OR_RETURN(listen_fd_, util::listen_unix(hooks->agent_name(), hooks->instance_id(), ".sock", &path_));
   epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
   evfd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

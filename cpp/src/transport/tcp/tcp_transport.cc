@@ -77,20 +77,7 @@ TransportCaps TcpTransport::caps() const {
 
 Status TcpTransport::start(AgentHooks* hooks) {
   hooks_ = hooks;
-  if (opts_.conns_per_peer == 0 || opts_.conns_per_peer > 64)
-    return InvalidArgument("tcp conns_per_peer must be 1..64, got " + std::to_string(opts_.conns_per_peer));
-  if (opts_.progress_threads == 0 || opts_.progress_threads > 64)
-    return InvalidArgument("tcp progress_threads must be 1..64, got " + std::to_string(opts_.progress_threads));
-  if (opts_.batch_extents == 0 || opts_.batch_extents > kIovMax - 4)
-    return InvalidArgument("tcp batch_extents must be 1.." + std::to_string(kIovMax - 4));
-  if (opts_.batch_bytes == 0 || opts_.batch_bytes > kMaxPayloadPerFrame)
-    return InvalidArgument("tcp batch_bytes must be 1.." + std::to_string(kMaxPayloadPerFrame));
-  if (opts_.stage_chunk_bytes < 4096 || opts_.stage_chunk_bytes > kMaxPayloadPerFrame)
-    return InvalidArgument("tcp stage_chunk_bytes must be 4096.." + std::to_string(kMaxPayloadPerFrame));
-  if (!(opts_.frame_timeout_s > 0) || opts_.frame_timeout_s > 86400)
-    return InvalidArgument("tcp frame_timeout_s must be in (0, 86400], got " + std::to_string(opts_.frame_timeout_s));
-  if (opts_.stage_buffers < 2 || opts_.stage_buffers > 1024)
-    return InvalidArgument("tcp stage_buffers must be 2..1024, got " + std::to_string(opts_.stage_buffers));
+  PDKV_RETURN_IF_ERROR(opts_.validate());  // AgentConfig::validate() checked it too; a transport created alone is not
   util::HostPort hp{opts_.listen_host, opts_.listen_port};
   uint16_t port = 0;
   PDKV_ASSIGN_OR_RETURN(listen_fd_, util::listen_tcp(hp, &port));
