@@ -25,15 +25,16 @@
 #include <vector>
 
 #include "pdkv/config.h"
-#include "pdkv/generations.h"
 #include "pdkv/kv_layout.h"
 #include "pdkv/metadata.h"
 #include "pdkv/notify.h"
 #include "pdkv/region.h"
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
-#include "pdkv/transport.h"
 #include "pdkv/types.h"
+#include "pdkv/spi/generations.h"
+#include "pdkv/spi/region_table.h"
+#include "pdkv/spi/transport.h"
 
 namespace pdkv {
 

@@ -8,7 +8,7 @@
 #include <random>
 #include <unordered_map>
 
-#include "pdkv/registry.h"
+#include "pdkv/spi/registry.h"
 #include "util/log.h"
 #include "util/socket.h"
 
@@ -477,7 +477,7 @@ Result<std::shared_ptr<Transfer>> Agent::post(const PreparedTransfer& prep, std:
     // (docs/faults.md).
     auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
                                            Clock::time_point::max(), cfg_.wait_spin_us);
-    xfer->fail_now(StalePeer("peer '" + prep.peer +
+    spi::TransferControl(xfer).fail_now(StalePeer("peer '" + prep.peer +
                              "' was re-added (restarted) since this transfer was prepared; prepare it again"));
     return xfer;
   }
@@ -493,7 +493,7 @@ Result<std::shared_ptr<Transfer>> Agent::post(const PreparedTransfer& prep, std:
                                                       std::chrono::duration<double>(timeout_s));
   auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
                                          deadline, cfg_.wait_spin_us);
-  xfer->hold_pins(std::move(pins));
+  spi::TransferControl(xfer).hold_pins(std::move(pins));
   t->post(prep.ops, xfer, std::move(notif));
   return xfer;
 }
@@ -517,7 +517,7 @@ Result<std::shared_ptr<Transfer>> Agent::send_notification(const std::string& pe
                                                       std::chrono::duration<double>(timeout_s));
   auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), OpKind::kWrite, peer_name,
                                          std::string(e.transport->name()), 0, deadline, cfg_.wait_spin_us);
-  xfer->set_parts(1);
+  spi::TransferControl(xfer).set_parts(1);
   if (e.transport->caps().notify) {
     e.transport->notify(e.peer, xfer, std::move(notif));
   } else {
@@ -533,7 +533,7 @@ void Agent::relay_notification(const std::shared_ptr<const Peer>& peer, const st
     t->notify(peer, xfer, std::move(notif));
     return;
   }
-  xfer->resolve_part(0, ConnectionError("no transport of agent '" + cfg_.name + "' can carry a notification to '" +
+  spi::TransferControl(xfer).resolve_part(0, ConnectionError("no transport of agent '" + cfg_.name + "' can carry a notification to '" +
                                         peer->md.name + "' (enable tcp or shm)"));
 }
 
