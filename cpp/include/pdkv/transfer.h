@@ -66,8 +66,11 @@ class Transfer {
   // Requests cancellation: parts not yet started are dropped; parts already on the
   // wire finish. Terminal state is kCancelled unless everything had already been sent.
   void cancel();
+
  private:
-  friend class spi::TransferControl;  // the transport side (pdkv/spi/transfer_control.h)
+  // The transport side: completing parts, cancel hooks, drivers, pins, terminal
+  // callbacks. Documented where transports reach it, pdkv/spi/transfer_control.h.
+  friend class spi::TransferControl;
   using Driver = std::function<void(Transfer&, Clock::time_point deadline, uint32_t spin_us)>;
 
   bool cancel_requested() const { return cancel_requested_.load(std::memory_order_acquire); }
