@@ -21,7 +21,7 @@
 #include "pdkv/agent.h"
 #include "pdkv/kv_layout.h"
 #include "pdkv/metadata.h"
-#include "pdkv/registry.h"
+#include "pdkv/spi/registry.h"
 #include "pdkv/status.h"
 
 namespace py = pybind11;

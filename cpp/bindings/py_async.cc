@@ -20,6 +20,7 @@
 
 #include <pybind11/stl.h>
 
+#include "pdkv/spi/transfer_control.h"
 #include "pdkv/transfer.h"
 
 namespace py = pybind11;
@@ -46,7 +47,7 @@ class CompletionQueue : public std::enable_shared_from_this<CompletionQueue> {
       std::lock_guard<std::mutex> lk(mu_);
       ticket = next_ticket_++;
     }
-    t.on_terminal([q = shared_from_this(), ticket] { q->push(ticket); });
+    spi::TransferControl(t).on_terminal([q = shared_from_this(), ticket] { q->push(ticket); });
     return ticket;
   }
 

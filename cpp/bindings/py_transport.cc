@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "pdkv/registry.h"
+#include "pdkv/spi/registry.h"
 #include "py_common.h"
 
 namespace py = pybind11;
@@ -193,7 +193,7 @@ Result<std::shared_ptr<const PreparedOps>> PyTransport::prepare(std::shared_ptr<
 // A Python exception here means the transport broke its contract (errors go through
 // the transfer); fail what is left of the transfer so that nobody waits forever.
 void PyTransport::fail_unless_terminal(const std::shared_ptr<Transfer>& xfer, const Status& st) {
-  if (!xfer->terminal()) xfer->fail_now(st);
+  if (!xfer->terminal()) spi::TransferControl(xfer).fail_now(st);
 }
 
 void PyTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
@@ -424,21 +424,24 @@ void bind_transport_sdk(py::module_& m, py::class_<Transfer, std::shared_ptr<Tra
         py::arg("metadata_via") = "");
   m.def("default_transports", &default_transports);
 
-  // The transport side of a Transfer (transfer.h, "for transports").
+  // The transport side of a Transfer (spi/transfer_control.h).
   transfer
-      .def("set_parts", &Transfer::set_parts, py::arg("n"),
+      .def("set_parts", [](Transfer& t, uint32_t n) { spi::TransferControl(t).set_parts(n); }, py::arg("n"),
            "Declares how many parts will resolve (once, before any resolves).")
       .def("resolve_part",
            [](Transfer& t, uint64_t nbytes, py::object error) {
-             return t.resolve_part(nbytes, error.is_none() ? Status::Ok() : status_from_object(error));
+             const Status st = error.is_none() ? Status::Ok() : status_from_object(error);
+             return spi::TransferControl(t).resolve_part(nbytes, st);
            },
            py::arg("nbytes"), py::arg("error") = py::none(),
            "Resolves one part: its bytes landed, or `error` (a pdkv.PdkvError; Cancelled for a dropped part). "
            "True when this made the transfer terminal.")
-      .def("fail_now", [](Transfer& t, py::object error) { t.fail_now(status_from_object(error)); },
-           py::arg("error"), "Fails a transfer none of whose parts was started.")
+      .def(
+          "fail_now", [](Transfer& t, py::object error) { spi::TransferControl(t).fail_now(status_from_object(error)); },
+          py::arg("error"), "Fails a transfer none of whose parts was started.")
       .def_property_readonly("terminal", &Transfer::terminal)
-      .def_property_readonly("cancel_requested", &Transfer::cancel_requested)
+      .def_property_readonly("cancel_requested",
+                             [](Transfer& t) { return spi::TransferControl(t).cancel_requested(); })
       .def_property_readonly("remaining_s",
                              [](const Transfer& t) {
                                if (t.deadline() == Clock::time_point::max())
@@ -448,9 +451,9 @@ void bind_transport_sdk(py::module_& m, py::class_<Transfer, std::shared_ptr<Tra
                              "Seconds until the transfer's deadline (inf: none; negative: passed).")
       .def("set_cancel_hook",
            [](Transfer& t, py::object hook) {
-             if (hook.is_none()) return t.set_cancel_hook(nullptr);
+             if (hook.is_none()) return spi::TransferControl(t).set_cancel_hook(nullptr);
              auto fn = shared_object(std::move(hook));
-             t.set_cancel_hook([fn] {
+             spi::TransferControl(t).set_cancel_hook([fn] {
                py::gil_scoped_acquire gil;
                try {
                  (*fn)();
@@ -462,9 +465,9 @@ void bind_transport_sdk(py::module_& m, py::class_<Transfer, std::shared_ptr<Tra
            "Called (from the thread that calls cancel()) when cancellation is requested.")
       .def("set_driver",
            [](Transfer& t, py::object drive) {
-             if (drive.is_none()) return t.set_driver(nullptr);
+             if (drive.is_none()) return spi::TransferControl(t).set_driver(nullptr);
              auto fn = shared_object(std::move(drive));
-             t.set_driver([fn](Transfer&, Clock::time_point until, uint32_t) {
+             spi::TransferControl(t).set_driver([fn](Transfer&, Clock::time_point until, uint32_t) {
                const double left = until == Clock::time_point::max()
                                        ? std::numeric_limits<double>::infinity()
                                        : std::chrono::duration<double>(until - Clock::now()).count();

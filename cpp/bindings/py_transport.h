@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "pdkv/transfer.h"
-#include "pdkv/transport.h"
+#include "pdkv/spi/transport.h"
 
 namespace pdkv::bindings {
 

@@ -6,7 +6,7 @@
 #include <chrono>
 #include <thread>
 
-#include "pdkv/generations.h"
+#include "pdkv/spi/generations.h"
 #include "transport/shm/shm_ctl.h"
 #include "transport/tcp/frame.h"
 

@@ -12,7 +12,7 @@
 
 #include <gtest/gtest.h>
 
-#include "pdkv/region.h"
+#include "pdkv/spi/region_table.h"
 
 namespace pdkv {
 namespace {

@@ -10,7 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "pdkv/agent.h"
-#include "pdkv/registry.h"
+#include "pdkv/spi/registry.h"
 
 namespace pdkv {
 namespace {
@@ -39,10 +39,10 @@ class MockTransport final : public Transport {
     return NotSupported("mock moves nothing");
   }
   void post(const std::shared_ptr<const PreparedOps>&, const std::shared_ptr<Transfer>& x, std::string) override {
-    x->fail_now(NotSupported("mock moves nothing"));
+    spi::TransferControl(x).fail_now(NotSupported("mock moves nothing"));
   }
   void notify(std::shared_ptr<const Peer>, const std::shared_ptr<Transfer>& x, std::string) override {
-    x->resolve_part(0, NotSupported("mock moves nothing"));
+    spi::TransferControl(x).resolve_part(0, NotSupported("mock moves nothing"));
   }
   void drop_peer(const std::string&) override {}
   Status region_added(const RegionDesc&) override {

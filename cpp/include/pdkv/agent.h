@@ -1,5 +1,7 @@
-// pdkv/agent.h: one named endpoint per process; the facade over regions, layouts,
-// peers, transports and notifications.
+// pdkv/agent.h (public, for users): one named endpoint per process; the facade
+// over regions, layouts, peers, transports and notifications. A pImpl: the state and
+// what transports may ask of the agent (AgentHooks, pdkv/spi/transport.h) live in
+// agent.cc.
 //
 // Typical use (initiator):
 //   auto agent = Agent::create(cfg);                  // starts transports
@@ -15,29 +17,25 @@
 // blocking.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "pdkv/config.h"
-#include "pdkv/generations.h"
 #include "pdkv/kv_layout.h"
 #include "pdkv/metadata.h"
 #include "pdkv/notify.h"
 #include "pdkv/region.h"
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
-#include "pdkv/transport.h"
 #include "pdkv/types.h"
 
 namespace pdkv {
 
 class Agent;
+class PreparedOps;  // a transport's own (pdkv/spi/transport.h)
 
 // A transfer validated and laid out once; post it as often as needed.
 struct PreparedTransfer {
@@ -61,20 +59,23 @@ struct XferOptions {
   std::vector<uint32_t> remote_generations;
 };
 
-class Agent final : private AgentHooks {
+class Agent final {
  public:
   static Result<std::unique_ptr<Agent>> create(AgentConfig cfg);
-  ~Agent() override;
+  ~Agent();
   Agent(const Agent&) = delete;
   Agent& operator=(const Agent&) = delete;
 
-  const std::string& name() const { return cfg_.name; }
-  const std::string& secret() const { return cfg_.secret; }
-  uint64_t instance_id() const override { return instance_id_; }
-  const std::string& host_id() const override { return host_id_; }
-  const AgentConfig& config() const { return cfg_; }
+  const std::string& name() const;
+  const std::string& secret() const;
+  uint64_t instance_id() const;
+  // Equal for two agents iff they share a kernel (boot id).
+  const std::string& host_id() const;
+  const AgentConfig& config() const;
   std::vector<std::string> transports() const;
   std::vector<Endpoint> endpoints() const;
+  // Constant-time comparison with this agent's secret.
+  bool secret_matches(std::string_view presented) const;
 
   // ---- memory ----
   // Registers [addr, addr+len). See region.h for overlap and lifetime rules.
@@ -83,7 +84,7 @@ class Agent final : private AgentHooks {
                                      bool remote_access, int shm_fd = -1);
   // Removes a region; blocks until transfers using it finish. Layouts on it are removed.
   Status deregister_memory(uint64_t id);
-  std::vector<RegionDesc> regions() const { return regions_.list(); }
+  std::vector<RegionDesc> regions() const;
 
   // ---- layouts ----
   // Binds each segment to the registered region containing it and exports it
@@ -93,18 +94,17 @@ class Agent final : private AgentHooks {
   Result<KVLayout> layout(const std::string& name) const;
   std::vector<std::string> layout_names() const;
 
-  // ---- block generations (see generations.h) ----
+  // ---- block generations ----
+  // Every block of every exported layout has a generation (starting at 1) that the
+  // owner bumps when it frees or reuses the block; a transfer that names an old one
+  // fails with StaleBlock before any byte lands (see spi/generations.h).
   // Current generations of blocks of a local layout.
-  Result<std::vector<uint32_t>> generations(const std::string& layout, const std::vector<uint32_t>& ids) const {
-    return gens_.get(layout, ids);
-  }
+  Result<std::vector<uint32_t>> generations(const std::string& layout, const std::vector<uint32_t>& ids) const;
   // Bumps the generations of distinct blocks (call it when freeing or reusing them)
   // and returns the new values once no transfer accepted under the old ones still
   // touches them; Timeout after `timeout_s` (< 0: no limit), with the bump in force.
   Result<std::vector<uint32_t>> bump_generations(const std::string& layout, const std::vector<uint32_t>& ids,
-                                                 double timeout_s) {
-    return gens_.bump(layout, ids, timeout_s);
-  }
+                                                 double timeout_s);
 
   // ---- metadata and peers ----
   std::string metadata();
@@ -143,54 +143,12 @@ class Agent final : private AgentHooks {
                                                       double timeout_s);
 
   // ---- notifications ----
-  NotifQueue& notifications() { return notifs_; }
-
-
-  // ---- AgentHooks ----
-  const std::string& agent_name() const override { return cfg_.name; }
-  bool secret_matches(std::string_view presented) const override;
-  const std::string& agent_secret() const override { return cfg_.secret; }
+  NotifQueue& notifications();
 
  private:
+  class Impl;  // agent.cc: the state, and what transports may ask of the agent (AgentHooks)
   explicit Agent(AgentConfig cfg);
-  const RegionTable& region_table() const override { return regions_; }
-  void deliver_notification(Notification n) override { notifs_.push(std::move(n)); }
-  std::string metadata_blob() override { return metadata(); }
-  uint32_t max_notif_bytes() const override { return cfg_.max_notif_bytes; }
-  Result<GenPin> check_generations(const GenClaim& claim) override { return gens_.check_and_pin(claim); }
-  void relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
-                          std::string notif, const Transport* from) override;
-  Result<std::string> fetch_peer_metadata(const std::string& address, std::string_view secret,
-                                          double timeout_s) override {
-    return fetch_metadata(address, std::string(secret), timeout_s);
-  }
-
-  Transport* transport_by_name(std::string_view name) const;
-  Result<std::shared_ptr<PreparedTransfer>> prepare_resolved(const std::string& peer, OpKind op,
-                                                             const std::vector<Extent>& extents,
-                                                             const XferOptions& opts,
-                                                             std::shared_ptr<const GenClaim> claim = nullptr);
-
-  struct PeerEntry {
-    std::shared_ptr<const Peer> peer;
-    Transport* transport = nullptr;
-  };
-
-  AgentConfig cfg_;
-  uint64_t instance_id_ = 0;
-  std::string host_id_;
-  RegionTable regions_;
-  GenerationTable gens_;
-  NotifQueue notifs_;
-  // Created in full before any is started, never resized afterwards; the first
-  // started_ of them are running (what inbound traffic may see while create() runs).
-  std::vector<std::unique_ptr<Transport>> transports_;
-  std::atomic<size_t> started_{0};
-  std::atomic<uint64_t> next_xfer_id_{1};
-
-  mutable std::mutex mu_;  // guards layouts_ and peers_
-  std::map<std::string, KVLayout> layouts_;
-  std::map<std::string, PeerEntry> peers_;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace pdkv

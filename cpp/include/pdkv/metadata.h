@@ -46,6 +46,12 @@ struct AgentMetadata {
   const Endpoint* find_endpoint(std::string_view transport) const;
 };
 
+// A known peer: its metadata and the secret to present to it.
+struct Peer {
+  AgentMetadata md;
+  std::string secret;
+};
+
 std::string encode_metadata(const AgentMetadata& md);
 Result<AgentMetadata> decode_metadata(std::string_view blob);
 

@@ -1,4 +1,4 @@
-// pdkv/transfer.h: the state of one posted transfer.
+// pdkv/transfer.h (public, for users): the state of one posted transfer.
 //
 // A Transfer is created by Agent::post and completed by a transport's progress
 // thread. It is split into "parts" (batches, per connection); it becomes terminal
@@ -9,7 +9,10 @@
 // not cancel the transfer. Keep the memory registered and alive until state() is
 // terminal; deregistration blocks until then anyway.
 //
-// Thread safety: every public method is safe from any thread.
+// Transports complete a transfer through spi::TransferControl (pdkv/spi/transfer_control.h),
+// which reaches the private operations below; users only observe, wait and cancel.
+//
+// Thread safety: every method is safe from any thread.
 #pragma once
 
 #include <atomic>
@@ -22,11 +25,15 @@
 #include <string>
 #include <vector>
 
-#include "pdkv/region.h"
 #include "pdkv/status.h"
 #include "pdkv/types.h"
 
 namespace pdkv {
+
+class RegionPin;  // pdkv/spi/region_table.h
+namespace spi {
+class TransferControl;
+}  // namespace spi
 
 using Clock = std::chrono::steady_clock;
 
@@ -34,6 +41,7 @@ class Transfer {
  public:
   Transfer(uint64_t id, OpKind op, std::string peer, std::string transport, uint64_t bytes_total,
            Clock::time_point deadline, uint32_t wait_spin_us);
+  ~Transfer();
   Transfer(const Transfer&) = delete;
   Transfer& operator=(const Transfer&) = delete;
 
@@ -58,31 +66,21 @@ class Transfer {
   // Requests cancellation: parts not yet started are dropped; parts already on the
   // wire finish. Terminal state is kCancelled unless everything had already been sent.
   void cancel();
-  bool cancel_requested() const { return cancel_requested_.load(std::memory_order_acquire); }
-  // Runs `fn` once, when the transfer is terminal: at once in this thread if it
-  // already is, else in the thread that completes it (usually a progress thread), after
-  // state() is terminal. `fn` must be quick and must not block or take the GIL (the
-  // Python binding uses it to wake an event loop through an eventfd).
-  void on_terminal(std::function<void()> fn);
-
-  // ---- for transports ----
-  // Declares how many parts will resolve. Call once, before any part can resolve.
-  void set_parts(uint32_t n);
-  // Resolves one part: OK with its byte count, or an error (kCancelled for dropped
-  // parts). Returns true if this made the transfer terminal.
-  bool resolve_part(uint64_t bytes, const Status& st);
-  void set_cancel_hook(std::function<void()> hook);
-  // Optional: lets a waiting thread make progress itself (read its own ack) instead of
-  // waiting for a progress thread to wake it. Called by wait() with the wait's
-  // deadline and spin budget; returns when the transfer is terminal, the deadline
-  // passed, or it could not drive (another thread is). Cleared once terminal.
-  using Driver = std::function<void(Transfer&, Clock::time_point deadline, uint32_t spin_us)>;
-  void set_driver(Driver d);
-  void hold_pins(std::vector<RegionPin> pins) { pins_ = std::move(pins); }
-  // Fails the transfer at once when no parts were started.
-  void fail_now(const Status& st);
 
  private:
+  // The transport side: completing parts, cancel hooks, drivers, pins, terminal
+  // callbacks. Documented where transports reach it, pdkv/spi/transfer_control.h.
+  friend class spi::TransferControl;
+  using Driver = std::function<void(Transfer&, Clock::time_point deadline, uint32_t spin_us)>;
+
+  bool cancel_requested() const { return cancel_requested_.load(std::memory_order_acquire); }
+  void on_terminal(std::function<void()> fn);
+  void set_parts(uint32_t n);
+  bool resolve_part(uint64_t bytes, const Status& st);
+  void set_cancel_hook(std::function<void()> hook);
+  void set_driver(Driver d);
+  void hold_pins(std::vector<RegionPin> pins);
+  void fail_now(const Status& st);
   void finish();
 
   const uint64_t id_;

@@ -3,12 +3,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <unordered_map>
 
-#include "pdkv/registry.h"
+#include "pdkv/spi/generations.h"
+#include "pdkv/spi/region_table.h"
+#include "pdkv/spi/registry.h"
+#include "pdkv/spi/transfer_control.h"
+#include "pdkv/spi/transport.h"
 #include "util/log.h"
 #include "util/socket.h"
 
@@ -55,17 +62,190 @@ void add_metadata_channels(std::vector<std::string>& names) {
 
 }  // namespace
 
-Agent::Agent(AgentConfig cfg) : cfg_(std::move(cfg)) {}
+// The agent's state, and what its transports may ask of it (AgentHooks). Every public
+// Agent method forwards to the method of the same name here.
+class Agent::Impl final : public AgentHooks {
+ public:
+  explicit Impl(AgentConfig cfg) : cfg_(std::move(cfg)) {}
+  ~Impl() override;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  // Creates the configured transports, then starts them.
+  Status start();
+
+  const AgentConfig& config() const { return cfg_; }
+  std::vector<std::string> transports() const;
+  std::vector<Endpoint> endpoints() const;
+
+  Result<RegionDesc> register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
+                                     bool remote_access, int shm_fd);
+  Status deregister_memory(uint64_t id);
+  std::vector<RegionDesc> regions() const { return regions_.list(); }
+
+  Status add_layout(const std::string& name, KVLayout layout);
+  Status remove_layout(const std::string& name);
+  Result<KVLayout> layout(const std::string& name) const;
+  std::vector<std::string> layout_names() const;
+  GenerationTable& gens() { return gens_; }
+  const GenerationTable& gens() const { return gens_; }
+
+  std::string metadata();
+  Result<std::string> add_peer(std::string_view blob, std::string secret, std::string transport,
+                               std::string via_host);
+  Status remove_peer(const std::string& name);
+  std::vector<std::string> peer_names() const;
+  Result<std::shared_ptr<const Peer>> peer(const std::string& name) const;
+  Result<std::string> peer_transport(const std::string& name) const;
+  Result<std::string> fetch_metadata(const std::string& address, std::string secret, double timeout_s);
+  Status connect(const std::string& name, double timeout_s);
+
+  Result<std::shared_ptr<PreparedTransfer>> prepare_blocks(
+      const std::string& peer, OpKind op, const std::string& local_layout, const std::vector<uint32_t>& local_ids,
+      const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
+      const XferOptions& opts);
+  Result<std::shared_ptr<PreparedTransfer>> prepare_extents(const std::string& peer, OpKind op,
+                                                            const std::vector<Extent>& extents,
+                                                            const XferOptions& opts);
+  Result<std::shared_ptr<Transfer>> post(const PreparedTransfer& prep, std::string notif, double timeout_s);
+  Result<std::shared_ptr<Transfer>> send_notification(const std::string& peer, std::string notif,
+                                                      double timeout_s);
+  NotifQueue& notifications() { return notifs_; }
+
+  // ---- AgentHooks ----
+  const std::string& agent_name() const override { return cfg_.name; }
+  uint64_t instance_id() const override { return instance_id_; }
+  const std::string& host_id() const override { return host_id_; }
+  bool secret_matches(std::string_view presented) const override;
+  const std::string& agent_secret() const override { return cfg_.secret; }
+  const RegionTable& region_table() const override { return regions_; }
+  void deliver_notification(Notification n) override { notifs_.push(std::move(n)); }
+  std::string metadata_blob() override { return metadata(); }
+  uint32_t max_notif_bytes() const override { return cfg_.max_notif_bytes; }
+  Result<GenPin> check_generations(const GenClaim& claim) override { return gens_.check_and_pin(claim); }
+  void relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
+                          std::string notif, const Transport* from) override;
+  Result<std::string> fetch_peer_metadata(const std::string& address, std::string_view secret,
+                                          double timeout_s) override {
+    return fetch_metadata(address, std::string(secret), timeout_s);
+  }
+
+ private:
+  struct PeerEntry {
+    std::shared_ptr<const Peer> peer;
+    Transport* transport = nullptr;
+  };
+
+  Transport* transport_by_name(std::string_view name) const;
+  Result<std::shared_ptr<PreparedTransfer>> prepare_resolved(const std::string& peer, OpKind op,
+                                                             const std::vector<Extent>& extents,
+                                                             const XferOptions& opts,
+                                                             std::shared_ptr<const GenClaim> claim = nullptr);
+
+  AgentConfig cfg_;
+  uint64_t instance_id_ = 0;
+  std::string host_id_;
+  RegionTable regions_;
+  GenerationTable gens_;
+  NotifQueue notifs_;
+  // Created in full before any is started, never resized afterwards; the first
+  // started_ of them are running (what inbound traffic may see while start() runs).
+  std::vector<std::unique_ptr<Transport>> transports_;
+  std::atomic<size_t> started_{0};
+  std::atomic<uint64_t> next_xfer_id_{1};
+
+  mutable std::mutex mu_;  // guards layouts_ and peers_
+  std::map<std::string, KVLayout> layouts_;
+  std::map<std::string, PeerEntry> peers_;
+};
+
+// ---- Agent: the public API, forwarding to Impl ----
+
+Agent::Agent(AgentConfig cfg) : impl_(std::make_unique<Impl>(std::move(cfg))) {}
+Agent::~Agent() = default;
 
 Result<std::unique_ptr<Agent>> Agent::create(AgentConfig cfg) {
   PDKV_RETURN_IF_ERROR(validate_name("agent name", cfg.name));
   PDKV_RETURN_IF_ERROR(cfg.validate());
   if (cfg.secret.empty()) cfg.secret = random_hex(16);
   std::unique_ptr<Agent> a(new Agent(std::move(cfg)));
-  a->instance_id_ = random_u64();
-  a->host_id_ = read_host_id();
-  add_metadata_channels(a->cfg_.transports);
-  for (const auto& tname : a->cfg_.transports) {
+  PDKV_RETURN_IF_ERROR(a->impl_->start());
+  return a;
+}
+
+const std::string& Agent::name() const { return impl_->agent_name(); }
+const std::string& Agent::secret() const { return impl_->agent_secret(); }
+uint64_t Agent::instance_id() const { return impl_->instance_id(); }
+const std::string& Agent::host_id() const { return impl_->host_id(); }
+const AgentConfig& Agent::config() const { return impl_->config(); }
+std::vector<std::string> Agent::transports() const { return impl_->transports(); }
+std::vector<Endpoint> Agent::endpoints() const { return impl_->endpoints(); }
+bool Agent::secret_matches(std::string_view presented) const { return impl_->secret_matches(presented); }
+
+Result<RegionDesc> Agent::register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
+                                          bool remote_access, int shm_fd) {
+  return impl_->register_memory(addr, len, kind, device, remote_access, shm_fd);
+}
+Status Agent::deregister_memory(uint64_t id) { return impl_->deregister_memory(id); }
+std::vector<RegionDesc> Agent::regions() const { return impl_->regions(); }
+
+Status Agent::add_layout(const std::string& name, KVLayout layout) {
+  return impl_->add_layout(name, std::move(layout));
+}
+Status Agent::remove_layout(const std::string& name) { return impl_->remove_layout(name); }
+Result<KVLayout> Agent::layout(const std::string& name) const { return impl_->layout(name); }
+std::vector<std::string> Agent::layout_names() const { return impl_->layout_names(); }
+
+Result<std::vector<uint32_t>> Agent::generations(const std::string& layout, const std::vector<uint32_t>& ids) const {
+  return impl_->gens().get(layout, ids);
+}
+Result<std::vector<uint32_t>> Agent::bump_generations(const std::string& layout, const std::vector<uint32_t>& ids,
+                                                      double timeout_s) {
+  return impl_->gens().bump(layout, ids, timeout_s);
+}
+
+std::string Agent::metadata() { return impl_->metadata(); }
+Result<std::string> Agent::add_peer(std::string_view blob, std::string secret, std::string transport,
+                                    std::string via_host) {
+  return impl_->add_peer(blob, std::move(secret), std::move(transport), std::move(via_host));
+}
+Status Agent::remove_peer(const std::string& name) { return impl_->remove_peer(name); }
+std::vector<std::string> Agent::peer_names() const { return impl_->peer_names(); }
+Result<std::shared_ptr<const Peer>> Agent::peer(const std::string& name) const { return impl_->peer(name); }
+Result<std::string> Agent::peer_transport(const std::string& name) const { return impl_->peer_transport(name); }
+Result<std::string> Agent::fetch_metadata(const std::string& address, std::string secret, double timeout_s) {
+  return impl_->fetch_metadata(address, std::move(secret), timeout_s);
+}
+Status Agent::connect(const std::string& name, double timeout_s) { return impl_->connect(name, timeout_s); }
+
+Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_blocks(
+    const std::string& peer, OpKind op, const std::string& local_layout, const std::vector<uint32_t>& local_ids,
+    const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
+    const XferOptions& opts) {
+  return impl_->prepare_blocks(peer, op, local_layout, local_ids, remote_layout, remote_ids, plan, opts);
+}
+Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_extents(const std::string& peer, OpKind op,
+                                                                 const std::vector<Extent>& extents,
+                                                                 const XferOptions& opts) {
+  return impl_->prepare_extents(peer, op, extents, opts);
+}
+Result<std::shared_ptr<Transfer>> Agent::post(const PreparedTransfer& prep, std::string notif, double timeout_s) {
+  return impl_->post(prep, std::move(notif), timeout_s);
+}
+Result<std::shared_ptr<Transfer>> Agent::send_notification(const std::string& peer, std::string notif,
+                                                           double timeout_s) {
+  return impl_->send_notification(peer, std::move(notif), timeout_s);
+}
+
+NotifQueue& Agent::notifications() { return impl_->notifications(); }
+
+// ---- Agent::Impl ----
+
+Status Agent::Impl::start() {
+  instance_id_ = random_u64();
+  host_id_ = read_host_id();
+  add_metadata_channels(cfg_.transports);
+  for (const auto& tname : cfg_.transports) {
     std::optional<TransportFactory> f = find_transport(tname);
     if (!f) {
       std::string known;
@@ -74,22 +254,22 @@ Result<std::unique_ptr<Agent>> Agent::create(AgentConfig cfg) {
     }
     if (Status v = f->viable(); !v.ok())
       return NotSupported("transport '" + tname + "' (" + f->description + ") cannot run on this host: " + v.message());
-    if (a->transport_by_name(tname)) return InvalidArgument("transport '" + tname + "' listed twice");
-    PDKV_ASSIGN_OR_RETURN(auto t, f->create(a->cfg_));
-    a->transports_.push_back(std::move(t));
+    if (transport_by_name(tname)) return InvalidArgument("transport '" + tname + "' listed twice");
+    PDKV_ASSIGN_OR_RETURN(auto t, f->create(cfg_));
+    transports_.push_back(std::move(t));
   }
   // Started only once the list is complete: a started transport's threads may answer a
   // peer at once (a metadata request reads endpoints() and metadata()), and those read
   // only the transports started so far, never a vector still growing.
-  for (auto& t : a->transports_) {
-    PDKV_RETURN_IF_ERROR(t->start(a.get()).with_context("starting transport '" + std::string(t->name()) + "'"));
-    a->started_.fetch_add(1, std::memory_order_acq_rel);
+  for (auto& t : transports_) {
+    PDKV_RETURN_IF_ERROR(t->start(this).with_context("starting transport '" + std::string(t->name()) + "'"));
+    started_.fetch_add(1, std::memory_order_acq_rel);
   }
-  PDKV_LOG_INFO("agent '%s' started (transports: %zu)", a->cfg_.name.c_str(), a->transports_.size());
-  return a;
+  PDKV_LOG_INFO("agent '%s' started (transports: %zu)", cfg_.name.c_str(), transports_.size());
+  return Status::Ok();
 }
 
-Agent::~Agent() {
+Agent::Impl::~Impl() {
   notifs_.close();
   // Only started transports are shut down; the rest were never running.
   const size_t started = started_.load(std::memory_order_acquire);
@@ -97,13 +277,13 @@ Agent::~Agent() {
   transports_.clear();
 }
 
-std::vector<std::string> Agent::transports() const {
+std::vector<std::string> Agent::Impl::transports() const {
   std::vector<std::string> out;
   for (auto& t : transports_) out.emplace_back(t->name());
   return out;
 }
 
-std::vector<Endpoint> Agent::endpoints() const {
+std::vector<Endpoint> Agent::Impl::endpoints() const {
   std::vector<Endpoint> out;
   const size_t started = started_.load(std::memory_order_acquire);
   for (size_t i = 0; i < started; ++i)
@@ -111,20 +291,20 @@ std::vector<Endpoint> Agent::endpoints() const {
   return out;
 }
 
-Transport* Agent::transport_by_name(std::string_view name) const {
+Transport* Agent::Impl::transport_by_name(std::string_view name) const {
   for (auto& t : transports_)
     if (t->name() == name) return t.get();
   return nullptr;
 }
 
-bool Agent::secret_matches(std::string_view presented) const {
+bool Agent::Impl::secret_matches(std::string_view presented) const {
   const std::string& s = cfg_.secret;
   unsigned diff = presented.size() != s.size();
   for (size_t i = 0; i < presented.size(); ++i) diff |= unsigned(presented[i]) ^ unsigned(s[i % s.size()]);
   return diff == 0;
 }
 
-Result<RegionDesc> Agent::register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
+Result<RegionDesc> Agent::Impl::register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
                                           bool remote_access, int shm_fd) {
   PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.add(addr, len, kind, device, remote_access, shm_fd));
   for (size_t i = 0; i < transports_.size(); ++i) {
@@ -137,7 +317,7 @@ Result<RegionDesc> Agent::register_memory(uint64_t addr, uint64_t len, MemKind k
   return d;
 }
 
-Status Agent::deregister_memory(uint64_t id) {
+Status Agent::Impl::deregister_memory(uint64_t id) {
   PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.get(id));
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -156,7 +336,7 @@ Status Agent::deregister_memory(uint64_t id) {
   return Status::Ok();
 }
 
-Status Agent::add_layout(const std::string& name, KVLayout layout) {
+Status Agent::Impl::add_layout(const std::string& name, KVLayout layout) {
   PDKV_RETURN_IF_ERROR(validate_name("layout name", name));
   const KVGeometry& g = layout.geometry();
   PDKV_RETURN_IF_ERROR(g.validate());
@@ -180,28 +360,28 @@ Status Agent::add_layout(const std::string& name, KVLayout layout) {
   return Status::Ok();
 }
 
-Status Agent::remove_layout(const std::string& name) {
+Status Agent::Impl::remove_layout(const std::string& name) {
   std::lock_guard<std::mutex> lk(mu_);
   if (layouts_.erase(name) == 0) return NotFound("no layout named '" + name + "'");
   gens_.remove_layout(name);
   return Status::Ok();
 }
 
-Result<KVLayout> Agent::layout(const std::string& name) const {
+Result<KVLayout> Agent::Impl::layout(const std::string& name) const {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = layouts_.find(name);
   if (it == layouts_.end()) return NotFound("no local layout named '" + name + "'");
   return it->second;
 }
 
-std::vector<std::string> Agent::layout_names() const {
+std::vector<std::string> Agent::Impl::layout_names() const {
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<std::string> out;
   for (auto& [n, l] : layouts_) out.push_back(n);
   return out;
 }
 
-std::string Agent::metadata() {
+std::string Agent::Impl::metadata() {
   AgentMetadata md;
   md.name = cfg_.name;
   md.instance_id = instance_id_;
@@ -227,7 +407,7 @@ std::string Agent::metadata() {
   return encode_metadata(md);
 }
 
-Result<std::string> Agent::add_peer(std::string_view blob, std::string secret, std::string transport,
+Result<std::string> Agent::Impl::add_peer(std::string_view blob, std::string secret, std::string transport,
                                     std::string via_host) {
   PDKV_ASSIGN_OR_RETURN(AgentMetadata md, decode_metadata(blob));
   if (!via_host.empty()) {
@@ -276,7 +456,7 @@ Result<std::string> Agent::add_peer(std::string_view blob, std::string secret, s
   return name;
 }
 
-Status Agent::remove_peer(const std::string& name) {
+Status Agent::Impl::remove_peer(const std::string& name) {
   Transport* t = nullptr;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -289,35 +469,35 @@ Status Agent::remove_peer(const std::string& name) {
   return Status::Ok();
 }
 
-std::vector<std::string> Agent::peer_names() const {
+std::vector<std::string> Agent::Impl::peer_names() const {
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<std::string> out;
   for (auto& [n, p] : peers_) out.push_back(n);
   return out;
 }
 
-Result<std::shared_ptr<const Peer>> Agent::peer(const std::string& name) const {
+Result<std::shared_ptr<const Peer>> Agent::Impl::peer(const std::string& name) const {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = peers_.find(name);
   if (it == peers_.end()) return NotFound("no peer named '" + name + "'; add it with add_peer() first");
   return it->second.peer;
 }
 
-Result<std::string> Agent::peer_transport(const std::string& name) const {
+Result<std::string> Agent::Impl::peer_transport(const std::string& name) const {
   std::lock_guard<std::mutex> lk(mu_);
   auto it = peers_.find(name);
   if (it == peers_.end()) return NotFound("no peer named '" + name + "'");
   return std::string(it->second.transport->name());
 }
 
-Result<std::string> Agent::fetch_metadata(const std::string& address, std::string secret, double timeout_s) {
+Result<std::string> Agent::Impl::fetch_metadata(const std::string& address, std::string secret, double timeout_s) {
   for (auto& t : transports_)
     if (t->caps().serves_metadata) return t->fetch_metadata(address, secret.empty() ? cfg_.secret : secret, timeout_s);
   return NotSupported("fetching metadata by address needs a transport that serves metadata (tcp); agent '" +
                       cfg_.name + "' has none enabled");
 }
 
-Status Agent::connect(const std::string& name, double timeout_s) {
+Status Agent::Impl::connect(const std::string& name, double timeout_s) {
   PeerEntry e;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -328,7 +508,7 @@ Status Agent::connect(const std::string& name, double timeout_s) {
   return e.transport->connect(e.peer, timeout_s);
 }
 
-Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_blocks(
+Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_blocks(
     const std::string& peer_name, OpKind op, const std::string& local_layout, const std::vector<uint32_t>& local_ids,
     const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
     const XferOptions& opts) {
@@ -351,7 +531,7 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_blocks(
   return prepare_resolved(peer_name, op, ex, opts, std::move(claim));
 }
 
-Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_extents(const std::string& peer_name, OpKind op,
+Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_extents(const std::string& peer_name, OpKind op,
                                                                  const std::vector<Extent>& extents,
                                                                  const XferOptions& opts) {
   if (!opts.remote_generations.empty())
@@ -359,7 +539,7 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_extents(const std::stri
   return prepare_resolved(peer_name, op, extents, opts);
 }
 
-Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_resolved(const std::string& peer_name, OpKind op,
+Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const std::string& peer_name, OpKind op,
                                                                   const std::vector<Extent>& ex,
                                                                   const XferOptions& opts,
                                                                   std::shared_ptr<const GenClaim> claim) {
@@ -459,7 +639,7 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_resolved(const std::str
   return prep;
 }
 
-Result<std::shared_ptr<Transfer>> Agent::post(const PreparedTransfer& prep, std::string notif, double timeout_s) {
+Result<std::shared_ptr<Transfer>> Agent::Impl::post(const PreparedTransfer& prep, std::string notif, double timeout_s) {
   if (notif.size() > cfg_.max_notif_bytes)
     return InvalidArgument("notification is " + std::to_string(notif.size()) + " bytes (limit " +
                            std::to_string(cfg_.max_notif_bytes) + ")");
@@ -477,8 +657,8 @@ Result<std::shared_ptr<Transfer>> Agent::post(const PreparedTransfer& prep, std:
     // (docs/faults.md).
     auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
                                            Clock::time_point::max(), cfg_.wait_spin_us);
-    xfer->fail_now(StalePeer("peer '" + prep.peer +
-                             "' was re-added (restarted) since this transfer was prepared; prepare it again"));
+    spi::TransferControl(xfer).fail_now(StalePeer("peer '" + prep.peer + "' was re-added (restarted) since this "
+                                                  "transfer was prepared; prepare it again"));
     return xfer;
   }
   std::vector<RegionPin> pins;
@@ -493,12 +673,12 @@ Result<std::shared_ptr<Transfer>> Agent::post(const PreparedTransfer& prep, std:
                                                       std::chrono::duration<double>(timeout_s));
   auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
                                          deadline, cfg_.wait_spin_us);
-  xfer->hold_pins(std::move(pins));
+  spi::TransferControl(xfer).hold_pins(std::move(pins));
   t->post(prep.ops, xfer, std::move(notif));
   return xfer;
 }
 
-Result<std::shared_ptr<Transfer>> Agent::send_notification(const std::string& peer_name, std::string notif,
+Result<std::shared_ptr<Transfer>> Agent::Impl::send_notification(const std::string& peer_name, std::string notif,
                                                            double timeout_s) {
   if (notif.empty()) return InvalidArgument("notification is empty");
   if (notif.size() > cfg_.max_notif_bytes)
@@ -517,7 +697,7 @@ Result<std::shared_ptr<Transfer>> Agent::send_notification(const std::string& pe
                                                       std::chrono::duration<double>(timeout_s));
   auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), OpKind::kWrite, peer_name,
                                          std::string(e.transport->name()), 0, deadline, cfg_.wait_spin_us);
-  xfer->set_parts(1);
+  spi::TransferControl(xfer).set_parts(1);
   if (e.transport->caps().notify) {
     e.transport->notify(e.peer, xfer, std::move(notif));
   } else {
@@ -526,15 +706,16 @@ Result<std::shared_ptr<Transfer>> Agent::send_notification(const std::string& pe
   return xfer;
 }
 
-void Agent::relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
+void Agent::Impl::relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
                                std::string notif, const Transport* from) {
   for (auto& t : transports_) {
     if (t.get() == from || !t->caps().notify || !t->can_reach(peer->md)) continue;
     t->notify(peer, xfer, std::move(notif));
     return;
   }
-  xfer->resolve_part(0, ConnectionError("no transport of agent '" + cfg_.name + "' can carry a notification to '" +
-                                        peer->md.name + "' (enable tcp or shm)"));
+  spi::TransferControl(xfer).resolve_part(0, ConnectionError("no transport of agent '" + cfg_.name +
+                                                             "' can carry a notification to '" + peer->md.name +
+                                                             "' (enable tcp or shm)"));
 }
 
 }  // namespace pdkv

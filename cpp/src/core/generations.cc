@@ -1,4 +1,4 @@
-#include "pdkv/generations.h"
+#include "pdkv/spi/generations.h"
 
 #include <algorithm>
 #include <chrono>

@@ -1,4 +1,4 @@
-#include "pdkv/region.h"
+#include "pdkv/spi/region_table.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

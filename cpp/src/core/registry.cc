@@ -1,4 +1,4 @@
-#include "pdkv/registry.h"
+#include "pdkv/spi/registry.h"
 
 #include <algorithm>
 #include <mutex>

@@ -1,5 +1,8 @@
 #include "pdkv/transfer.h"
 
+#include "pdkv/spi/region_table.h"
+#include "pdkv/spi/transfer_control.h"
+
 #include <thread>
 
 namespace pdkv {
@@ -14,6 +17,10 @@ Transfer::Transfer(uint64_t id, OpKind op, std::string peer, std::string transpo
       start_(Clock::now()),
       deadline_(deadline),
       wait_spin_us_(wait_spin_us) {}
+
+Transfer::~Transfer() = default;
+
+void Transfer::hold_pins(std::vector<RegionPin> pins) { pins_ = std::move(pins); }
 
 Status Transfer::error() const {
   std::lock_guard<std::mutex> lk(mu_);

@@ -46,7 +46,7 @@
 #include <vector>
 
 #include "cuda/driver.h"
-#include "pdkv/registry.h"
+#include "pdkv/spi/registry.h"
 #include "transport/cuda_ipc/cuda_ipc_ctl.h"
 #include "transport/shm/ctl_guard.h"
 #include "util/bytes.h"
@@ -621,10 +621,10 @@ Result<std::shared_ptr<const Mapped>> CudaIpcTransport::mapping_for(const CudaPr
 void CudaIpcTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
                             std::string notif) {
   const auto& prep = static_cast<const CudaPrepared&>(*ops);
-  xfer->set_parts(notif.empty() ? 1 : 2);
+  spi::TransferControl(xfer).set_parts(notif.empty() ? 1 : 2);
   auto fail = [&](const Status& st) {
-    xfer->resolve_part(0, st);
-    if (!notif.empty()) xfer->resolve_part(0, Cancelled("notification not sent: the copy failed"));
+    spi::TransferControl(xfer).resolve_part(0, st);
+    if (!notif.empty()) spi::TransferControl(xfer).resolve_part(0, Cancelled("notification not sent: the copy failed"));
   };
   auto mapped = mapping_for(prep, *xfer);
   if (!mapped.ok()) return fail(mapped.status());
@@ -702,10 +702,10 @@ void CudaIpcTransport::complete_loop() {
     if (st.ok()) st = p.err;
     for (const auto& o : p.mapped->opened)
       if (o->inflight.fetch_sub(1) == 1) maybe_release(o);
-    p.xfer->resolve_part(st.ok() ? p.mapped->total : 0, st);
+    spi::TransferControl(p.xfer).resolve_part(st.ok() ? p.mapped->total : 0, st);
     if (p.notif.empty()) continue;
     if (!st.ok()) {
-      p.xfer->resolve_part(0, Cancelled("notification not sent: the copy failed"));
+      spi::TransferControl(p.xfer).resolve_part(0, Cancelled("notification not sent: the copy failed"));
       continue;
     }
     hooks_->relay_notification(p.peer, p.xfer, std::move(p.notif), this);

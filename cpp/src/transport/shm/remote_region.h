@@ -17,7 +17,7 @@
 #include <string>
 
 #include "pdkv/status.h"
-#include "pdkv/transport.h"
+#include "pdkv/spi/transport.h"
 #include "transport/shm/shm_conn.h"
 
 namespace pdkv::shm {

@@ -32,10 +32,10 @@
 #include <string_view>
 #include <unordered_map>
 
-#include "pdkv/generations.h"
+#include "pdkv/spi/generations.h"
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
-#include "pdkv/transport.h"
+#include "pdkv/spi/transport.h"
 #include "transport/shm/shm_ctl.h"
 
 namespace pdkv::shm {

@@ -11,7 +11,7 @@
 #include <string>
 #include <string_view>
 
-#include "pdkv/generations.h"
+#include "pdkv/spi/generations.h"
 #include "pdkv/status.h"
 #include "pdkv/types.h"
 

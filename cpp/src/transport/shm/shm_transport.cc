@@ -48,7 +48,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "pdkv/registry.h"
+#include "pdkv/spi/registry.h"
 #include "transport/shm/remote_region.h"
 #include "transport/shm/shm_ctl.h"
 #include "transport/shm/shm_dial.h"
@@ -91,8 +91,8 @@ void ShmTransport::shutdown() {
   for (auto& j : copies_.stop()) {
     end_lease(j);
     unpin(*j.b);
-    j.xfer->resolve_part(0, ConnectionError("agent is shutting down"));
-    if (!j.notif.empty()) j.xfer->resolve_part(0, Cancelled("notification not sent"));
+    spi::TransferControl(j.xfer).resolve_part(0, ConnectionError("agent is shutting down"));
+    if (!j.notif.empty()) spi::TransferControl(j.xfer).resolve_part(0, Cancelled("notification not sent"));
   }
   std::vector<std::shared_ptr<ShmConn>> cs;
   {
@@ -418,7 +418,7 @@ void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlH
           c->notifies.erase(it);
         }
       }
-      if (x) x->resolve_part(0, Status::Ok());
+      if (x) spi::TransferControl(x).resolve_part(0, Status::Ok());
       return;
     }
     case Ctl::kRevoke: {
@@ -463,7 +463,7 @@ void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
   }
   if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
   ::shutdown(c->fd, SHUT_RDWR);
-  for (auto& [seq, pn] : pend) pn.xfer->resolve_part(0, why);
+  for (auto& [seq, pn] : pend) spi::TransferControl(pn.xfer).resolve_part(0, why);
   std::lock_guard<std::mutex> lk(mu_);
   conns_.erase(c.get());
 }
@@ -637,7 +637,7 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
     std::lock_guard<std::mutex> lk(c->mu);
     if (c->dead) {
       Status why = c->dead_reason;
-      xfer->resolve_part(0, why.ok() ? ConnectionError("connection closed") : why);
+      spi::TransferControl(xfer).resolve_part(0, why.ok() ? ConnectionError("connection closed") : why);
       return;
     }
     seq = c->next_seq++;
@@ -650,7 +650,7 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
       std::lock_guard<std::mutex> lk(c->mu);
       mine = c->notifies.erase(seq) > 0;
     }
-    if (mine) xfer->resolve_part(0, st);
+    if (mine) spi::TransferControl(xfer).resolve_part(0, st);
     return;
   }
   wake();  // start the deadline clock
@@ -666,11 +666,11 @@ void ShmTransport::finish_job(Job& job, Status st) {
   end_lease(job);
   // Resolve the data part before unpinning: unpinning may acknowledge a revoke, and the
   // peer's deregistration returns on that ack; by then this transfer must be terminal.
-  job.xfer->resolve_part(st.ok() ? job.b->total : 0, st);
+  spi::TransferControl(job.xfer).resolve_part(st.ok() ? job.b->total : 0, st);
   unpin(*job.b);
   if (job.notif.empty()) return;
   if (!st.ok()) {
-    job.xfer->resolve_part(0, Cancelled("notification not sent: the copy failed"));
+    spi::TransferControl(job.xfer).resolve_part(0, Cancelled("notification not sent: the copy failed"));
     return;
   }
   // Data landed: the second part is the acknowledged notification.
@@ -680,10 +680,10 @@ void ShmTransport::finish_job(Job& job, Status st) {
 void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
                         std::string notif) {
   auto prep = std::static_pointer_cast<const ShmPrepared>(ops);
-  xfer->set_parts(notif.empty() ? 1 : 2);
+  spi::TransferControl(xfer).set_parts(notif.empty() ? 1 : 2);
   auto fail = [&](const Status& st) {
-    xfer->resolve_part(0, st);
-    if (!notif.empty()) xfer->resolve_part(0, Cancelled("notification not sent"));
+    spi::TransferControl(xfer).resolve_part(0, st);
+    if (!notif.empty()) spi::TransferControl(xfer).resolve_part(0, Cancelled("notification not sent"));
   };
   auto bound = bind(*prep);
   if (!bound.ok()) return fail(bound.status());
@@ -730,11 +730,11 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
 }
 
 void ShmTransport::run_job(Job& job) {
-  if (job.xfer->cancel_requested()) {
+  if (spi::TransferControl(job.xfer).cancel_requested()) {
     end_lease(job);
     unpin(*job.b);
-    job.xfer->resolve_part(0, Cancelled("cancelled before the copy started"));
-    if (!job.notif.empty()) job.xfer->resolve_part(0, Cancelled("notification not sent"));
+    spi::TransferControl(job.xfer).resolve_part(0, Cancelled("cancelled before the copy started"));
+    if (!job.notif.empty()) spi::TransferControl(job.xfer).resolve_part(0, Cancelled("notification not sent"));
     return;
   }
   finish_job(job, run_copies(*job.b));
@@ -743,7 +743,7 @@ void ShmTransport::run_job(Job& job) {
 void ShmTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
   auto c = get_conn(*peer_state(peer));
   if (!c.ok()) {
-    xfer->resolve_part(0, c.status());
+    spi::TransferControl(xfer).resolve_part(0, c.status());
     return;
   }
   send_notify(*c, xfer, notif);

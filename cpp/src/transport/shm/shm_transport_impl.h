@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "pdkv/config.h"
-#include "pdkv/transport.h"
+#include "pdkv/spi/transport.h"
 #include "transport/shm/copy_engine.h"
 #include "transport/shm/ctl_guard.h"
 #include "transport/shm/shm_conn.h"

@@ -44,6 +44,8 @@
 
 #include "cuda/staging.h"
 #include "pdkv/status.h"
+#include "pdkv/spi/region_table.h"
+#include "pdkv/spi/transfer_control.h"
 #include "pdkv/transfer.h"
 #include "transport/tcp/out_msg.h"
 #include "transport/tcp/transfer_parts.h"

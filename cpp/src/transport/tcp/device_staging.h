@@ -28,8 +28,8 @@
 #include <vector>
 
 #include "cuda/staging.h"
-#include "pdkv/generations.h"
-#include "pdkv/region.h"
+#include "pdkv/spi/generations.h"
+#include "pdkv/spi/region_table.h"
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
 #include "transport/tcp/wire.h"

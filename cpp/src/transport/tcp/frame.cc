@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "pdkv/generations.h"
+#include "pdkv/spi/generations.h"
 #include "pdkv/metadata.h"
 #include "util/bytes.h"
 

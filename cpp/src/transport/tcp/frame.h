@@ -14,7 +14,7 @@
 #include <string>
 #include <string_view>
 
-#include "pdkv/generations.h"
+#include "pdkv/spi/generations.h"
 #include "pdkv/status.h"
 #include "transport/tcp/wire.h"
 

@@ -25,8 +25,8 @@
 #include <string_view>
 #include <vector>
 
-#include "pdkv/generations.h"
-#include "pdkv/region.h"
+#include "pdkv/spi/generations.h"
+#include "pdkv/spi/region_table.h"
 #include "pdkv/status.h"
 #include "transport/tcp/conn.h"
 

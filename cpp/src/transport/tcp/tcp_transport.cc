@@ -13,7 +13,7 @@
 
 #include <algorithm>
 
-#include "pdkv/registry.h"
+#include "pdkv/spi/registry.h"
 #include "transport/tcp/handshake.h"
 #include "transport/tcp/tcp_transport_impl.h"
 #include "util/log.h"
@@ -321,7 +321,7 @@ void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
   auto prep = std::static_pointer_cast<const TcpPrepared>(ops);
   auto pcr = peer_conns(prep->peer);
   if (!pcr.ok()) {
-    xfer->fail_now(pcr.status());
+    spi::TransferControl(xfer).fail_now(pcr.status());
     return;
   }
   auto post = std::make_shared<TcpPost>();
@@ -335,9 +335,9 @@ void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
   const bool spread = nconn > 1 && nb > 1;
   post->separate_notif = !post->notif.empty() && (prep->op == OpKind::kRead || spread);
   post->data_left = nb;
-  xfer->set_parts(nb + (post->separate_notif ? 1 : 0));
+  spi::TransferControl(xfer).set_parts(nb + (post->separate_notif ? 1 : 0));
   std::weak_ptr<TcpPost> wp = post;
-  xfer->set_cancel_hook([this, wp] {
+  spi::TransferControl(xfer).set_cancel_hook([this, wp] {
     if (auto p = wp.lock()) cancel(p);
   });
   for (uint32_t i = 0; i < nb; ++i) {
@@ -362,7 +362,7 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
     std::lock_guard<std::mutex> lk(post->mu);
     connect_err = post->connect_err;
   }
-  if (!connect_err.ok() || xfer->cancel_requested()) {
+  if (!connect_err.ok() || spi::TransferControl(xfer).cancel_requested()) {
     resolve(part, 0, connect_err.ok() ? Cancelled("cancelled") : connect_err);
     return;
   }
@@ -415,7 +415,7 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
     // fewer, the latency of a plain socket round trip). Not for device memory: the
     // caller's thread would have to bind a CUDA context.
     std::weak_ptr<TcpConn> wc = conn;
-    xfer->set_driver([this, wc](Transfer& x, Clock::time_point deadline, uint32_t spin_us) {
+    spi::TransferControl(xfer).set_driver([this, wc](Transfer& x, Clock::time_point deadline, uint32_t spin_us) {
       if (auto c = wc.lock()) drive(c, x, deadline, spin_us);
     });
   }
@@ -432,10 +432,10 @@ void TcpTransport::stage_and_send(const std::shared_ptr<TcpPost>& post, uint32_t
     resolve(PendingPart{post, i, b.bytes}, 0, st);
   };
   if (shut_) return fail(ConnectionError("agent is shutting down"));
-  if (xfer->cancel_requested()) return fail(Cancelled("cancelled"));
+  if (spi::TransferControl(xfer).cancel_requested()) return fail(Cancelled("cancelled"));
   if (post->data_failed) return fail(Cancelled("an earlier batch of this transfer failed"));
   auto buf = staging_.gather(prep->device, &prep->iov[b.first], b.count, xfer->deadline(),
-                             [&] { return xfer->cancel_requested() || shut_.load(); });
+                             [&] { return spi::TransferControl(xfer).cancel_requested() || shut_.load(); });
   if (!buf.ok()) return fail(buf.status());
   send_batch(post, i, slot, std::move(buf).value());
 }
@@ -445,24 +445,24 @@ void TcpTransport::resolve(const PendingPart& p, uint64_t bytes, const Status& s
   if (post->separate_notif && p.batch != kNotifyBatch) {
     if (!st.ok()) post->data_failed = true;
     const bool last_data = post->data_left.fetch_sub(1, std::memory_order_acq_rel) == 1;
-    post->xfer->resolve_part(bytes, st);
+    spi::TransferControl(post->xfer).resolve_part(bytes, st);
     if (last_data) {
-      if (post->data_failed || post->xfer->cancel_requested()) {
-        post->xfer->resolve_part(0, Cancelled("notification not sent: the data did not all land"));
+      if (post->data_failed || spi::TransferControl(post->xfer).cancel_requested()) {
+        spi::TransferControl(post->xfer).resolve_part(0, Cancelled("notification not sent: the data did not all land"));
       } else {
         send_separate_notify(post);
       }
     }
     return;
   }
-  post->xfer->resolve_part(bytes, st);
+  spi::TransferControl(post->xfer).resolve_part(bytes, st);
 }
 
 void TcpTransport::send_separate_notify(const std::shared_ptr<TcpPost>& p) {
   // Never connect from here (this may run on a progress thread).
   auto conn = get_conn(*p->pc, 0, false);
   if (!conn.ok()) {
-    p->xfer->resolve_part(0, conn.status().with_context("sending the notification"));
+    spi::TransferControl(p->xfer).resolve_part(0, conn.status().with_context("sending the notification"));
     return;
   }
   auto m = std::make_unique<OutMsg>();
@@ -470,7 +470,7 @@ void TcpTransport::send_separate_notify(const std::shared_ptr<TcpPost>& p) {
   m->aux = p->notif;
   m->finalize();
   if (!(*conn)->track(PendingPart{p, kNotifyBatch, 0}, p->xfer->id())) {
-    p->xfer->resolve_part(0, ConnectionError("connection to peer '" + p->pc->peer->md.name + "' closed"));
+    spi::TransferControl(p->xfer).resolve_part(0, ConnectionError("connection to peer '" + p->pc->peer->md.name + "' closed"));
     return;
   }
   (*conn)->owner->enqueue(*conn, std::move(m));
@@ -480,7 +480,7 @@ void TcpTransport::send_separate_notify(const std::shared_ptr<TcpPost>& p) {
 void TcpTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
   auto pcr = peer_conns(peer);
   if (!pcr.ok()) {
-    xfer->fail_now(pcr.status());
+    spi::TransferControl(xfer).fail_now(pcr.status());
     return;
   }
   auto post = std::make_shared<TcpPost>();
@@ -490,7 +490,7 @@ void TcpTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_pt
   post->separate_notif = true;
   auto cr = get_conn(*post->pc, 0, true);
   if (!cr.ok()) {
-    xfer->resolve_part(0, cr.status());
+    spi::TransferControl(xfer).resolve_part(0, cr.status());
     return;
   }
   send_separate_notify(post);

@@ -23,7 +23,7 @@
 
 #include "pdkv/config.h"
 #include "pdkv/status.h"
-#include "pdkv/transport.h"
+#include "pdkv/spi/transport.h"
 
 namespace pdkv::tcp {
 

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "pdkv/config.h"
-#include "pdkv/transport.h"
+#include "pdkv/spi/transport.h"
 #include "transport/tcp/conn.h"
 #include "transport/tcp/device_staging.h"
 #include "transport/tcp/frame.h"

@@ -22,7 +22,7 @@
 
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
-#include "pdkv/transport.h"
+#include "pdkv/spi/transport.h"
 #include "util/socket.h"
 #include "transport/tcp/wire.h"
 

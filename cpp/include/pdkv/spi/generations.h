@@ -1,4 +1,5 @@
-// pdkv/generations.h: block generations, the owner's proof that a block reference
+// pdkv/spi/generations.h (SPI, for the core and transport authors; users use
+// Agent::generations / bump_generations): block generations, the owner's proof that a block reference
 // is still current.
 //
 // Every block of every layout an agent exports has a 32-bit generation (starting at

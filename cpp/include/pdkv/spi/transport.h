@@ -1,4 +1,7 @@
-// pdkv/transport.h: THE backend interface. Nothing backend-specific lives here.
+// pdkv/spi/transport.h (SPI, for transport authors; users never need it): THE backend
+// interface. Nothing backend-specific lives here. The rest of the SPI: registry.h
+// (registration), region_table.h (validating accesses), transfer_control.h (resolving
+// a transfer's parts), generations.h (block generation claims).
 //
 // A transport moves bytes between this agent's registered memory and a peer's.
 // The agent does all validation against regions and layouts before calling
@@ -23,13 +26,15 @@
 #include <string_view>
 #include <vector>
 
-#include "pdkv/generations.h"
 #include "pdkv/metadata.h"
 #include "pdkv/notify.h"
 #include "pdkv/region.h"
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
 #include "pdkv/types.h"
+#include "pdkv/spi/generations.h"
+#include "pdkv/spi/region_table.h"
+#include "pdkv/spi/transfer_control.h"
 
 namespace pdkv {
 
@@ -42,12 +47,6 @@ struct TransportCaps {
   uint32_t remote_mem_kinds = 0; // bit per MemKind it can reach in a peer
   bool generations = false;      // implements prepare_checked() (block generation claims)
   bool serves_metadata = false;  // implements fetch_metadata() and answers peers' fetches
-};
-
-// A known peer: its metadata and the secret to present to it.
-struct Peer {
-  AgentMetadata md;
-  std::string secret;
 };
 
 class Transport;
@@ -140,7 +139,7 @@ class Transport {
   virtual void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
                     std::string notif) = 0;
   // Sends a notification with no data; resolves exactly one part of `xfer` (the
-  // caller has declared it with set_parts) once the peer has queued it.
+  // caller has declared it with TransferControl::set_parts) once the peer has queued it.
   virtual void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer,
                       std::string notif) = 0;
   // Establishes connections now instead of on first use (optional).

@@ -1,4 +1,4 @@
-// pdkv/registry.h: transport name -> factory.
+// pdkv/spi/registry.h (SPI, for transport authors): transport name -> factory.
 //
 // Native transports register themselves at static-init time (one line in their .cc;
 // no dlopen yet). Python transports register at run time (pdkv.register_transport),
@@ -16,7 +16,7 @@
 
 #include "pdkv/config.h"
 #include "pdkv/status.h"
-#include "pdkv/transport.h"
+#include "pdkv/spi/transport.h"
 
 namespace pdkv {
 
