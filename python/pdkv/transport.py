@@ -1,7 +1,7 @@
 """Writing a transport in Python: subclass :class:`Transport`, register a factory.
 
 A Python transport implements the same interface as the native ones (C++
-``pdkv::Transport``, ``cpp/include/pdkv/transport.h``) through a pybind11 trampoline:
+``pdkv::Transport``, ``cpp/include/pdkv/spi/transport.h``) through a pybind11 trampoline:
 the agent calls these methods (with the GIL taken) exactly where it calls a native
 transport's. The core keeps routing, peer selection, bounds checks against registered
 regions and the transfer state; a transport only moves bytes that were already
