@@ -763,12 +763,16 @@ class Agent:
 
     def write(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
               remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
-              timeout: float | None = None, **plan: Any) -> Transfer:
+              timeout: float | None = None, num_tokens: int = 0, num_heads: int = 0,
+              local_head_offset: int = 0, remote_head_offset: int = 0, transport: str | None = None,
+              remote_generations: Iterable[int] | None = None) -> Transfer:
         """Pushes local blocks into the peer's blocks; returns at once. See :meth:`prepare`
         (``remote_generations``, plan options) and :meth:`PreparedTransfer.post`."""
         self._check_post_args(notify, timeout)  # caller errors first, before any peer work
         return self.prepare("write", peer, local_layout, local_blocks, remote_layout, remote_blocks,
-                            **plan).post(notify=notify, timeout=timeout)
+                            num_tokens=num_tokens, num_heads=num_heads, local_head_offset=local_head_offset,
+                            remote_head_offset=remote_head_offset, transport=transport,
+                            remote_generations=remote_generations).post(notify=notify, timeout=timeout)
 
     def _check_post_args(self, notify: Any, timeout: Any) -> None:
         _validate.notification(notify, self._max_notif_bytes)
@@ -776,12 +780,16 @@ class Agent:
 
     def read(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
              remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
-             timeout: float | None = None, **plan: Any) -> Transfer:
+             timeout: float | None = None, num_tokens: int = 0, num_heads: int = 0,
+             local_head_offset: int = 0, remote_head_offset: int = 0, transport: str | None = None,
+             remote_generations: Iterable[int] | None = None) -> Transfer:
         """Pulls the peer's blocks into local blocks; ``notify`` reaches the peer once
         every byte has landed here."""
         self._check_post_args(notify, timeout)
         return self.prepare("read", peer, local_layout, local_blocks, remote_layout, remote_blocks,
-                            **plan).post(notify=notify, timeout=timeout)
+                            num_tokens=num_tokens, num_heads=num_heads, local_head_offset=local_head_offset,
+                            remote_head_offset=remote_head_offset, transport=transport,
+                            remote_generations=remote_generations).post(notify=notify, timeout=timeout)
 
     def notify(self, peer: str, data: bytes | str, *, timeout: float | None = None) -> Transfer:
         """Sends a notification alone (ordered after earlier transfers on the same connection)."""
