@@ -106,37 +106,13 @@ export TSAN_OPTIONS="$LOG:halt_on_error=1:exitcode=66:second_deadlock_stack=1:re
 # reason (torch's own import-time allocations and threads are not pdkv's to check).
 export PDKV_SANITIZER=$KIND
 
-# LeakSanitizer's own tracer now and then crashes while it stops the world at exit
-# ("Tracer caught signal 11 ... LeakSanitizer has encountered a fatal error"): a failure
-# of the tool, not a finding. When that is all a run reports, it is run once more, and
-# the second run's result counts.
-only_tool_failures() {
-  local r any=1
-  for r in "$REPORTS"/*; do
-    [ -s "$r" ] || continue
-    any=0
-    grep -q "LeakSanitizer has encountered a fatal error" "$r" || return 1
-    grep -qE "ERROR: (Address|Leak|Thread)Sanitizer|runtime error" "$r" && return 1
-  done
-  return $any
-}
-for attempt in 1 2; do
-  rm -f "$REPORTS"/*
-  echo "sanitize: $KIND over ${FILES[*]} $*"
-  set +e
-  # -p no:benchmark: pytest-benchmark runs `git` at start-up, and git's own leaks would be
-  # reported (the preloaded runtime reaches every child process, not only python ones).
-  LD_PRELOAD=$PRELOAD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p no:benchmark --capture=sys "${FILES[@]}" "$@"
-  rc=$?
-  set -e
-  # (exit 1 = a test failed: never retried)
-  if [ $attempt -eq 1 ] && [ $rc -ne 1 ] && only_tool_failures; then
-    for r in "$REPORTS"/*; do [ -s "$r" ] && { echo "sanitize: tool failure in $r:"; cat "$r"; }; done
-    echo "sanitize: LeakSanitizer itself failed (no finding); running the $KIND tests once more"
-    continue
-  fi
-  break
-done
+echo "sanitize: $KIND over ${FILES[*]} $*"
+set +e
+# -p no:benchmark: pytest-benchmark runs `git` at start-up, and git's own leaks would be
+# reported (the preloaded runtime reaches every child process, not only python ones).
+LD_PRELOAD=$PRELOAD "$VENV/bin/python" -m pytest -q -p no:cacheprovider -p no:benchmark --capture=sys "${FILES[@]}" "$@"
+rc=$?
+set -e
 for r in "$REPORTS"/*; do
   [ -s "$r" ] || continue
   echo "sanitize: report $r:"
