@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import pytest
 import torch
 
 from pdkv.serving.aio import ServerThread
@@ -73,6 +74,13 @@ def build_tiny(root: Path, arch: str = "llama") -> TinyServing:
     refs = reference(ref_model, prompts, MAX_NEW)
     model = load_model(d, dtype="float32")
     return TinyServing(d, d.name, model, codec, prompts, refs)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> TinyServing:
+    """The tiny model and its references, built once per test module (import it:
+    a tests/serving/conftest.py would shadow tests/conftest.py)."""
+    return build_tiny(tmp_path_factory.mktemp("models"))
 
 
 class Stack:

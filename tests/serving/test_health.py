@@ -17,18 +17,13 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
-from servers import Stack, build_tiny, completion_ids, get, post  # noqa: E402
+from servers import Stack, completion_ids, get, post, tiny  # noqa: E402, F401 (tiny: a fixture)
 
 from pdkv.serving.aio import ServerThread  # noqa: E402
 from pdkv.serving.cli import PeerAuthError, _ReadyProxy  # noqa: E402
 from pdkv.serving.engine import EngineConfig  # noqa: E402
 from pdkv.serving.proxy import Proxy, ProxyConfig  # noqa: E402
 from pdkv.serving.worker import Worker, WorkerConfig  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pdkv.errors import InvalidArgument  # noqa: E402
 from pdkv.serving.engine import Engine, EngineConfig  # noqa: E402
 from pdkv.serving.protocol import GenParams  # noqa: E402
 from pdkv.serving.sampling import SamplingParams  # noqa: E402
-from servers import Stack, build_tiny, get  # noqa: E402
+from servers import Stack, get, tiny  # noqa: E402, F401 (tiny: a fixture)
 from tinylm import tiny_model  # noqa: E402
 
 
@@ -56,11 +56,6 @@ def test_continuation_equals_uninterrupted_run(temperature, top_p) -> None:
         other = [eng.generate([prompt + full[:k]], dataclasses.replace(params, max_tokens=n - k))[0]
                  for k in (1, 5)]
         assert any(full[k:] != o for k, o in zip((1, 5), other))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("models"))
 
 
 def _stream(url: str, body: dict) -> tuple[list[int], str]:

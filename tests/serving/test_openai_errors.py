@@ -17,14 +17,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
-from servers import Stack, build_tiny, post  # noqa: E402
+from servers import Stack, post, tiny  # noqa: E402, F401 (tiny: a fixture)
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

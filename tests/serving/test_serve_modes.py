@@ -15,13 +15,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
-from servers import (HYBRID_THRESHOLD, MAX_NEW, Stack, build_tiny, completion_ids, concurrently, get,  # noqa: E402
-                     post, stream)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("models"))
+from servers import (HYBRID_THRESHOLD, MAX_NEW, Stack, completion_ids, concurrently, get,  # noqa: E402
+                     post, stream, tiny)  # tiny: a fixture
 
 
 @pytest.fixture(scope="module")

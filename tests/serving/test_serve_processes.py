@@ -21,14 +21,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
 from pdkv.serving.launch import Deployment  # noqa: E402
-from servers import build_tiny, completion_ids, concurrently, get, post  # noqa: E402
+from servers import completion_ids, concurrently, get, post, tiny  # noqa: E402, F401 (tiny: a fixture)
 
 pytestmark = pytest.mark.slow  # starts four processes (about 15 s on two cores)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

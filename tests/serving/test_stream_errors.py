@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
-from servers import MAX_NEW, Stack, build_tiny, completion_ids, get, post, stream  # noqa: E402
+from servers import MAX_NEW, Stack, completion_ids, get, post, stream, tiny  # noqa: E402, F401 (tiny: a fixture)
 
 from pdkv.errors import InvalidArgument  # noqa: E402
 from pdkv.serving.engine import EngineConfig  # noqa: E402
@@ -28,11 +28,6 @@ from pdkv.serving.worker import WorkerConfig  # noqa: E402
 FAIL_AFTER = 3
 WORKER_FAULTS = ["internal_error", "shutting_down", "kv_pool_full", "transport_error"]
 REQUEST_FAULTS = ["invalid_request", "context_length_exceeded"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
