@@ -8,7 +8,6 @@ transport (the factories import lazily), so ``import pdkv`` never loads NIXL.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 
 from .. import _native
@@ -24,7 +23,9 @@ def rdma_device_present() -> bool:
 
 
 def _nixl_viable() -> str | None:
-    if importlib.util.find_spec("nixl") is None:
+    from ._nixl import nixl_installed  # stdlib only: NIXL itself is not imported here
+
+    if not nixl_installed():
         return "it needs the nixl package: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1"
     return None
 
