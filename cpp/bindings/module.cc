@@ -270,10 +270,10 @@ PYBIND11_MODULE(_pdkv, m) {
       "plan_blocks",
       [](const KVLayout& local, py::object lids, const KVLayout& remote, py::object rids, uint64_t num_tokens,
          uint32_t num_heads, uint32_t local_head_offset, uint32_t remote_head_offset,
-         const std::string& distinct_side) {
+         const std::string& distinct_side, uint32_t first_layer, uint32_t num_layers) {
         auto l = ids_from(lids, "local_blocks");
         auto r = ids_from(rids, "remote_blocks");
-        PlanOptions o{num_tokens, num_heads, local_head_offset, remote_head_offset};
+        PlanOptions o{num_tokens, num_heads, local_head_offset, remote_head_offset, first_layer, num_layers};
         std::vector<Extent> ex;
         {
           py::gil_scoped_release rel;
@@ -293,7 +293,7 @@ PYBIND11_MODULE(_pdkv, m) {
       },
       py::arg("local"), py::arg("local_ids"), py::arg("remote"), py::arg("remote_ids"), py::arg("num_tokens") = 0,
       py::arg("num_heads") = 0, py::arg("local_head_offset") = 0, py::arg("remote_head_offset") = 0,
-      py::arg("distinct") = "");
+      py::arg("distinct") = "", py::arg("first_layer") = 0, py::arg("num_layers") = 0);
 
   m.def("decode_metadata", [](py::bytes blob) {
     std::string b = blob;
@@ -443,10 +443,11 @@ PYBIND11_MODULE(_pdkv, m) {
       .def("prepare_blocks",
            [](Agent& a, const std::string& peer, OpKind op, const std::string& ll, py::object lids,
               const std::string& rl, py::object rids, uint64_t num_tokens, uint32_t num_heads, uint32_t lho,
-              uint32_t rho, const std::string& transport, py::object rgens) {
+              uint32_t rho, const std::string& transport, py::object rgens, uint32_t first_layer,
+              uint32_t num_layers) {
              auto l = ids_from(lids, "local_blocks");
              auto r = ids_from(rids, "remote_blocks");
-             PlanOptions po{num_tokens, num_heads, lho, rho};
+             PlanOptions po{num_tokens, num_heads, lho, rho, first_layer, num_layers};
              XferOptions xo{transport, {}};
              if (!rgens.is_none()) {
                xo.remote_generations = ids_from(rgens, "remote_generations");
@@ -462,7 +463,8 @@ PYBIND11_MODULE(_pdkv, m) {
            },
            py::arg("peer"), py::arg("op"), py::arg("local_layout"), py::arg("local_ids"), py::arg("remote_layout"),
            py::arg("remote_ids"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("local_head_offset"),
-           py::arg("remote_head_offset"), py::arg("transport"), py::arg("remote_generations") = py::none())
+           py::arg("remote_head_offset"), py::arg("transport"), py::arg("remote_generations") = py::none(),
+           py::arg("first_layer") = 0, py::arg("num_layers") = 0)
       .def("generations",
            [](const Agent& a, const std::string& layout, py::object ids) {
              return unwrap(a.generations(layout, ids_from(ids, "block_ids")));

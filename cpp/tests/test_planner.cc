@@ -169,6 +169,44 @@ void expect_mismatch(const Pool& a, const std::vector<uint32_t>& lids, const Poo
   EXPECT_NE(m.find(must_mention), std::string::npos) << m;
 }
 
+TEST(Planner, LayerRangeMovesOnlyThoseLayersSegments) {
+  // Same shape and a head split: both planner paths honour the range.
+  for (uint32_t heads : {2u, 3u}) {
+    Pool a = make_pool(4, heads, TokenOrder::kNHD, /*layers=*/4), b = make_pool(4, 2, TokenOrder::kHND, 4);
+    std::vector<uint32_t> ids{0, 1};
+    PlanOptions o;
+    o.num_heads = 2;
+    o.first_layer = 1;
+    o.num_layers = 2;
+    auto ex = plan_ok(a, ids, b, ids, o);
+    Rows want = reference(a, ids, b, ids, 8, 2);
+    // Keep only segments of layers 1 and 2 (segment index = layer * 2 + part).
+    Rows kept;
+    for (const auto& row : want) {
+      for (size_t s = 2; s < 6; ++s) {
+        const uint64_t lo = a.layout.segments()[s].addr;
+        if (row.first >= lo && row.first < lo + (1ull << 24)) kept.push_back(row);
+      }
+    }
+    std::sort(kept.begin(), kept.end());
+    EXPECT_EQ(expand(ex, row_bytes(a.geo)), kept) << "heads " << heads;
+  }
+}
+
+TEST(PlannerMismatch, LayerRangeBeyondThePoolIsOutOfRange) {
+  Pool a = make_pool(4, 2, TokenOrder::kNHD, 4), b = make_pool(4, 2, TokenOrder::kNHD, 4);
+  std::vector<uint32_t> ids{0};
+  for (auto [first, n] : {std::pair<uint32_t, uint32_t>{4, 0}, {3, 2}, {0, 5}}) {
+    PlanOptions o;
+    o.first_layer = first;
+    o.num_layers = n;
+    auto res = plan_blocks(a.layout, ids, b.layout, ids, o);
+    ASSERT_FALSE(res.ok());
+    EXPECT_EQ(res.status().code(), StatusCode::kOutOfRange) << res.status().to_string();
+    EXPECT_NE(res.status().message().find("layers"), std::string::npos);
+  }
+}
+
 TEST(PlannerMismatch, DifferentHeadCountsNeedNumHeads) {
   // The reported case: 1-head -> 2-head pools used to move head 0 only.
   Pool a = make_pool(4, 1, TokenOrder::kNHD), b = make_pool(4, 2, TokenOrder::kNHD);

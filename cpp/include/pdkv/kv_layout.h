@@ -116,6 +116,10 @@ struct PlanOptions {
   uint32_t num_heads = 0;
   uint32_t local_head_offset = 0;
   uint32_t remote_head_offset = 0;
+  // Layers to move: [first_layer, first_layer + num_layers); num_layers 0 = every layer
+  // from first_layer on. Layer-wise streaming plans one ready range at a time.
+  uint32_t first_layer = 0;
+  uint32_t num_layers = 0;
 };
 
 // Extents that move blocks `local_ids` of `local` to or from blocks `remote_ids` of
@@ -130,7 +134,7 @@ struct PlanOptions {
 // of kv heads, the caller must say what to move (num_tokens / num_heads).
 // Errors: InvalidArgument (mismatched dtype/head_dim/layers/parts; token counts or
 // kv heads that differ without num_tokens/num_heads; the message names both geometries),
-// OutOfRange (block id >= num_blocks, tokens or heads beyond a side).
+// OutOfRange (block id >= num_blocks, tokens, heads or layers beyond a side).
 Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector<uint32_t>& local_ids,
                                         const KVLayout& remote, const std::vector<uint32_t>& remote_ids,
                                         const PlanOptions& opts = {});

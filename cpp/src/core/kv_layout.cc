@@ -192,6 +192,15 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
       return OutOfRange("remote block id " + std::to_string(rids[i]) + " at position " + std::to_string(i) +
                         " is beyond the peer's pool (" + std::to_string(rg.num_blocks) + " blocks)");
 
+  if (opts.first_layer >= lg.num_layers || uint64_t(opts.first_layer) + opts.num_layers > lg.num_layers)
+    return OutOfRange("layers [" + std::to_string(opts.first_layer) + ", " +
+                      std::to_string(uint64_t(opts.first_layer) + (opts.num_layers ? opts.num_layers : 1)) +
+                      ") exceed the " + std::to_string(lg.num_layers) + " layers");
+  // Segments are (layer, part) in layer order: the requested layers are one index range.
+  const size_t seg_begin = size_t(opts.first_layer) * lg.kv_parts;
+  const size_t seg_end = opts.num_layers ? seg_begin + size_t(opts.num_layers) * lg.kv_parts
+                                         : size_t(lg.num_layers) * lg.kv_parts;
+
   // A plan that leaves out tokens or heads must be asked for: defaults never drop data.
   const uint64_t lcap = uint64_t(lids.size()) * lg.block_tokens;
   const uint64_t rcap = uint64_t(rids.size()) * rg.block_tokens;
@@ -215,10 +224,10 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
   std::vector<Extent> out;
   if (same_shape) {
     const uint64_t half = lg.block_half_bytes();
-    out.reserve(lids.size() * lg.num_segments());  // upper bound: nothing coalesces
+    out.reserve(lids.size() * (seg_end - seg_begin));  // upper bound: nothing coalesces
     const auto& ls = local.segments();
     const auto& rs = remote.segments();
-    for (size_t s = 0; s < ls.size(); ++s) {
+    for (size_t s = seg_begin; s < seg_end; ++s) {
       const KVSegment& L = ls[s];
       const KVSegment& R = rs[s];
       const uint64_t lbase = seg_base(L), rbase = seg_base(R);
@@ -250,7 +259,7 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
   const bool head_major = lg.order == TokenOrder::kHND && rg.order == TokenOrder::kHND;
   const auto& ls = local.segments();
   const auto& rs = remote.segments();
-  for (size_t s = 0; s < ls.size(); ++s) {
+  for (size_t s = seg_begin; s < seg_end; ++s) {
     const KVSegment& L = ls[s];
     const KVSegment& R = rs[s];
     const uint64_t lbase = seg_base(L), rbase = seg_base(R);
