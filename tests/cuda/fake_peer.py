@@ -26,6 +26,7 @@ and then answers one JSON line per command:
   the writes back to back, then waits for all -> ``{"ok", "error"}``.
 * ``{"cmd": "post_async", "address", "items": [...]}``: posts like ``burst`` and answers
   at once ``{"posted"}``; ``{"cmd": "wait_async"}`` then waits -> ``{"ok", "error"}``.
+* ``{"cmd": "remove_peer", "address"}``: forgets the peer connected at ``address`` -> ``{"ok"}``.
 * ``{"cmd": "deregister"}``: closes the device pool's regions -> ``{"elapsed"}`` seconds.
 * ``{"cmd": "fail_copies", "n"}``, ``{"cmd": "stats"}`` -> fake driver counters.
 * ``{"cmd": "close"}``: closes the agent -> ``{"stats"}`` afterwards (leak checks).
@@ -249,6 +250,9 @@ def main() -> None:
                 out({"ok": True, "error": None})
             except pdkv.PdkvError as e:
                 out({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        elif cmd == "remove_peer":
+            agent.remove_peer(peers.pop(req["address"]))
+            out({"ok": True})
         elif cmd == "deregister":
             t0 = time.monotonic()
             for r in pool.regions:

@@ -322,6 +322,20 @@ def test_transfers_to_a_dead_exporter_fail_even_without_a_notification(fake_peer
     assert not r["ok"] and r["error"].startswith("PeerConnectionError") and "gone" in r["error"], r
 
 
+def test_a_removed_peers_prepared_transfer_fails_instead_of_writing(fake_peer):
+    """remove_peer drops the peer's mappings; a transfer prepared before must not write
+    through the mapping it still holds."""
+    spec = PoolSpec(style="vllm", **SPEC)
+    target = fake_peer("target", spec, 1)
+    init = fake_peer("init", spec, 2)
+    lids, rids = scattered(10)
+    r = init.call(cmd="xfer", op="write", address=target.address, lblocks=lids, rblocks=rids, keep="p")
+    assert r["ok"] and r["transport"] == "cuda_ipc", r
+    assert init.call(cmd="remove_peer", address=target.address) == {"ok": True}
+    r = init.call(cmd="xfer", op="write", address=target.address, reuse="p")
+    assert not r["ok"] and r["error"].startswith("PeerConnectionError") and "gone" in r["error"], r
+
+
 def test_same_process_agents_use_tcp_staging_not_cuda_ipc(fake_peer):
     """CUDA refuses IPC handles in the process that made them; cuda_ipc must not claim such a peer."""
     spec = PoolSpec(style="nhd", **SPEC)

@@ -320,11 +320,23 @@ class CudaIpcTransport final : public Transport {
     hooks_->relay_notification(peer, xfer, std::move(notif), this);
   }
   void drop_peer(const std::string& name) override {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto it = opened_.begin(); it != opened_.end();)
-      it = it->first.first == name ? opened_.erase(it) : std::next(it);
-    for (auto& c : ctl_)
-      if (c->outbound && c->peer == name) ::shutdown(c->fd.get(), SHUT_RDWR);  // the control thread reaps it
+    // A prepared transfer may still hold a mapping of the dropped peer: mark it gone
+    // (as ctl_closed does) so that posting it fails instead of writing through it.
+    std::vector<std::shared_ptr<Opened>> dropped;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto it = opened_.begin(); it != opened_.end();) {
+        if (it->first.first == name) {
+          dropped.push_back(it->second);
+          it = opened_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (auto& c : ctl_)
+        if (c->outbound && c->peer == name) ::shutdown(c->fd.get(), SHUT_RDWR);  // the control thread reaps it
+    }
+    for (auto& o : dropped) o->gone.store(true);
     wake_ctl();
   }
   void region_removed(const RegionDesc& region) override;
