@@ -155,7 +155,7 @@ def test_hosts_look_like_separate_machines(lab3):
     lab = lab3
     boot = {h: lab.run(h, ["cat", "/proc/sys/kernel/random/boot_id"]).stdout for h in lab.hosts}
     assert len(set(boot.values())) == 3
-    assert open("/proc/sys/kernel/random/boot_id").read() not in boot.values()
+    assert Path("/proc/sys/kernel/random/boot_id").read_text() not in boot.values()
     assert lab.run("h0", ["cat", "/proc/sys/kernel/random/boot_id"]).stdout == boot["h0"]
     lab.run("h1", ["sh", "-c", "echo one > /dev/shm/pdkv-netlab-test"])
     assert lab.run("h1", ["cat", "/dev/shm/pdkv-netlab-test"]).stdout == "one\n"
@@ -175,6 +175,7 @@ def test_hosts_reach_each_other_over_tcp(lab3):
                           "timeout=10); print(s.recv(100).decode())"], env=ENV).stdout
     assert got.strip() == "10.211.0.1"
     assert server.wait(timeout=10) == 0
+    server.stdout.close()
 
 
 @pytestmark_netns

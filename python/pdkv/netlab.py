@@ -398,7 +398,7 @@ class Lab:
             self.info = {}
 
     def __enter__(self) -> "Lab":
-        return self.up()
+        return self if self.info else self.up()
 
     def __exit__(self, *exc: Any) -> None:
         self.down()
