@@ -29,6 +29,7 @@ Example
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
@@ -37,11 +38,12 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from .errors import InvalidArgument, NotSupported, PdkvError
 
@@ -56,6 +58,7 @@ SUBNET = "10.211.0"  # host i is SUBNET.(i+1); private, and only inside the lab'
 MAX_HOSTS = 200
 
 _CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
+T = TypeVar("T")
 _NAME_RE = re.compile(r"^[a-z0-9]{1,16}$")
 
 
@@ -177,6 +180,21 @@ def check_available() -> None:
 
 
 # ---------------------------------------------------------------- commands
+_CLONE_NEWNET = 0x40000000
+
+
+def _join_network_namespace(path: str) -> None:
+    """setns(2) of the calling thread into the network namespace at ``path``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise NetlabError(f"cannot join network namespace {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     p = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     if check and p.returncode != 0:
@@ -324,6 +342,29 @@ class Lab:
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
         return subprocess.run([*self.prefix(host), *argv], check=check, timeout=timeout, **kwargs)
+
+    def call_in(self, host: str | int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on a new thread of this process that joined ``host``'s
+        network namespace (only its network: sockets it opens are on the lab network);
+        returns its result or raises its exception. For clients (an HTTP benchmark, a
+        test) that must reach lab addresses without a process of their own."""
+        self._require_up()
+        ns_path = f"/run/netns/{self.namespace(host)}"
+        outcome: dict[str, Any] = {}
+
+        def body() -> None:
+            try:
+                _join_network_namespace(ns_path)
+                outcome["result"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                outcome["error"] = e
+
+        t = threading.Thread(target=body, name=f"netlab-{self.name}-{host}", daemon=True)
+        t.start()
+        t.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
 
     def _require_up(self) -> None:
         if not self.info:
