@@ -116,6 +116,24 @@ def test_without_capabilities_is_netlab_unavailable():
     assert issubclass(netlab.NetlabUnavailable, NotSupported)
 
 
+def test_tests_skip_with_the_reason_where_labs_cannot_be_made():
+    """The lab tests themselves, run without the capabilities, skip and say why."""
+    if os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"):
+        pytest.skip("needs root and setpriv to drop capabilities")
+    p = subprocess.run(["setpriv", "--bounding-set", "-net_admin,-sys_admin", "--inh-caps", "-all", sys.executable,
+                        "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(REPO / "tests" / "test_netns.py")],
+                       capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:]
+    assert "3 skipped" in p.stdout and "netlab needs CAP_NET_ADMIN and CAP_SYS_ADMIN" in p.stdout, p.stdout[-2000:]
+
+
+def test_exec_without_a_lab_names_the_problem():
+    p = subprocess.run([sys.executable, "-m", "pdkv.cli", "netlab", "exec", "--lab", "nosuchlab", "h0", "--", "true"],
+                       capture_output=True, text=True, env=ENV, timeout=60)
+    assert p.returncode == 2
+    assert "InvalidArgument: no lab named 'nosuchlab' is up" in p.stderr
+
+
 def test_without_iproute2_is_netlab_unavailable(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pdkv.cli", "netlab", "up"], capture_output=True, text=True,
                        env={**ENV, "PATH": str(tmp_path)}, timeout=60)
@@ -187,6 +205,18 @@ def test_cleanup_after_an_exception_ends_processes():
             raise RuntimeError("boom")
     assert sleeper.wait(timeout=10) is not None
     assert not set(names) & live_namespaces()
+
+
+@pytestmark_netns
+def test_a_lab_left_up_is_removed_when_its_process_exits():
+    probe = lab_up(1)
+    probe.down()
+    name = f"exit{os.getpid() % 100000}"
+    code = f"import sys\nfrom pdkv import netlab\nnetlab.Lab(hosts=2, name={name!r}).up()\nsys.exit(3)\n"
+    p = subprocess.run([sys.executable, "-c", code], env=ENV, timeout=60)
+    assert p.returncode == 3
+    assert not any(ns.startswith(f"{netlab.PREFIX}{name}-") for ns in live_namespaces())
+    assert not (netlab.STATE_DIR / f"{name}.json").exists()
 
 
 @pytestmark_netns

@@ -29,6 +29,7 @@ Example
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import json
@@ -260,6 +261,15 @@ def _check_name(name: str) -> str:
 
 
 _counter = itertools.count()
+#: Labs this process brought up and has not taken down: removed at exit if still there
+#: (an exception escaping a test runner, sys.exit without the with block finishing).
+_labs_of_this_process: dict[str, "Lab"] = {}
+
+
+@atexit.register
+def _down_labs_left_up() -> None:
+    for lab in list(_labs_of_this_process.values()):
+        lab.down()
 
 
 def _unique_name() -> str:
@@ -388,6 +398,7 @@ class Lab:
             down(self.name)
             raise
         self._write_state(status="up", rtt_emulated=netem or not self.link.rtt_s)
+        _labs_of_this_process[self.name] = self
         if self.link.rtt_s and not netem:
             import sys
 
@@ -437,6 +448,7 @@ class Lab:
         if self.info:
             down(self.name)
             self.info = {}
+            _labs_of_this_process.pop(self.name, None)
 
     def __enter__(self) -> "Lab":
         return self if self.info else self.up()
