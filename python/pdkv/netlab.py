@@ -443,6 +443,12 @@ class Lab:
         tmp.write_text(json.dumps(self.info, indent=1))
         tmp.replace(_state_path(self.name))
 
+    def persist(self) -> "Lab":
+        """Keeps the lab up after this process exits (``pdkv netlab up``); remove it with
+        :meth:`down` or ``pdkv netlab down``."""
+        _labs_of_this_process.pop(self.name, None)
+        return self
+
     def down(self) -> None:
         """Ends the processes in the lab, removes its namespaces, files and state (idempotent)."""
         if self.info:

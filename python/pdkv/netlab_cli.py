@@ -19,7 +19,7 @@ from . import netlab
 
 
 def _up(args: argparse.Namespace) -> int:
-    lab = netlab.Lab(hosts=args.hosts, link=args.link, name=args.name).up()
+    lab = netlab.Lab(hosts=args.hosts, link=args.link, name=args.name).up().persist()
     print(f"lab {lab.name}: {len(lab.hosts)} hosts on a switch, each link {lab.link}"
           f"{'' if lab.info['rtt_emulated'] else ' (rtt NOT emulated: no sch_netem in this kernel)'}")
     for h in lab.hosts:
