@@ -326,15 +326,21 @@ def test_pdkv_transfer_across_lab_hosts_is_bit_exact(spawn_peer, op):
 
 
 @pytestmark_netns
-def test_bench_transfer_across_a_link():
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_bench_transfer_across_a_link(transport):
+    import pdkv
+
+    if transport not in pdkv.available_transports():
+        pytest.skip(f"{transport} is not available here")
     probe = lab_up(1)
     probe.down()
+    # UCX_NET_DEVICES=lo (right for loopback runs) must not leak into the lab
     p = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--link", "1gbit", "--payload", "4M",
-                        "--iters", "2", "--lat-iters", "20", "--prepare-blocks", "0", "--json"],
-                       capture_output=True, text=True, env=ENV, timeout=300)
+                        "--iters", "2", "--lat-iters", "20", "--prepare-blocks", "0", "--json", "--transport", transport],
+                       capture_output=True, text=True, env={**ENV, "UCX_NET_DEVICES": "lo"}, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
-    assert r["transport"] == "tcp" and r["verified"] is True
+    assert r["transport"] == transport and r["verified"] is True
     assert r["link"]["rate_bps"] == 10**9 and r["link"]["target"] == "10.211.0.2"
     # The bytes crossed the 1 Gbit/s link (loopback or shm would be far faster): a bound, not a speed test.
     assert r["gbps"] < 0.14 and r["ceilings"]["socket_plain"] < 0.14

@@ -20,6 +20,9 @@ from .errors import InvalidArgument, PdkvError
 from .netlab import Lab, parse_link
 
 TARGET_PORT = 7500  # inside the target's own namespace, so never taken
+# A lab host's one network device. UCX (nixl) must use it: with "all" it also offers lo,
+# and peers on another host cannot reach that; a "lo" set for loopback runs would fail.
+LAB_ENV = {"UCX_NET_DEVICES": "eth0"}
 
 
 def _without_link(argv: Sequence[str]) -> list[str]:
@@ -76,11 +79,12 @@ def _pin(cpu_index: int, enabled: bool):
 
 def _start_target(lab: Lab, args: argparse.Namespace) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--listen", f"{lab.address('h1')}:{TARGET_PORT}",
+           "--host", lab.address("h1"), "--transport", args.transport,
            "--model", args.model, "--blocks", str(_blocks_needed(args)), "--rcvlowat", str(args.rcvlowat),
            "--batch-bytes", str(args.batch_bytes), "--conns", str(args.conns), "--threads", str(args.threads),
            "--memory", args.memory]
     proc = lab.popen("h1", cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                     text=True, preexec_fn=_pin(1, args.pin))
+                     text=True, preexec_fn=_pin(1, args.pin), env={**os.environ, **LAB_ENV})
     line = proc.stdout.readline()
     if not line:
         raise PdkvError(f"the benchmark target on lab host h1 failed to start (exit code {proc.wait()})")
@@ -104,7 +108,7 @@ def _run_initiator(lab: Lab, args: argparse.Namespace, argv: Sequence[str], link
     rtt = f"rtt {link_info['rtt_s'] * 1e3:g} ms" + ("" if link_info["rtt_emulated"] else " NOT emulated (no sch_netem)")
     print(f"link: {link_info['spec']} between lab hosts h0 {link_info['initiator']} (initiator) and h1 "
           f"{link_info['target']} (target); {rtt}", file=sys.stderr, flush=True)
-    proc = lab.popen("h0", cmd, stdout=subprocess.PIPE, text=True)
+    proc = lab.popen("h0", cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **LAB_ENV})
     for line in proc.stdout:
         if args.json and line.startswith("{"):
             line = json.dumps({**json.loads(line), "link": link_info}) + "\n"
