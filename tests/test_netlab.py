@@ -41,7 +41,7 @@ def lab3():
 
 
 def live_namespaces() -> set[str]:
-    return set(netlab._namespaces())
+    return set(netlab.live_namespaces())
 
 
 # ---------------------------------------------------------------- link specs (no root needed)
@@ -336,7 +336,8 @@ def test_bench_transfer_across_a_link(transport):
     probe.down()
     # UCX_NET_DEVICES=lo (right for loopback runs) must not leak into the lab
     p = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--link", "1gbit", "--payload", "4M",
-                        "--iters", "2", "--lat-iters", "20", "--prepare-blocks", "0", "--json", "--transport", transport],
+                        "--iters", "2", "--lat-iters", "20", "--prepare-blocks", "0", "--json",
+                        "--transport", transport],
                        capture_output=True, text=True, env={**ENV, "UCX_NET_DEVICES": "lo"}, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])

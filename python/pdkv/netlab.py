@@ -39,6 +39,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -49,7 +50,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from .errors import InvalidArgument, NotSupported, PdkvError
 
 __all__ = ["Link", "Lab", "NetlabError", "NetlabUnavailable", "parse_link", "check_available", "list_labs",
-           "attach", "down", "down_all", "PREFIX", "STATE_DIR"]
+           "attach", "down", "down_all", "live_namespaces", "PREFIX", "STATE_DIR"]
 
 #: Every namespace, /dev/shm directory and state file of a lab starts with this.
 PREFIX = "pdkvnl-"
@@ -203,7 +204,7 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return p
 
 
-def _namespaces() -> list[str]:
+def live_namespaces() -> list[str]:
     out = _sh("ip", "netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
@@ -387,7 +388,8 @@ class Lab:
         check_available()
         if self.info:
             raise InvalidArgument(f"lab {self.name!r} is already up")
-        if _state_path(self.name).exists() or any(ns.startswith(f"{PREFIX}{self.name}-") for ns in _namespaces()):
+        taken = any(ns.startswith(f"{PREFIX}{self.name}-") for ns in live_namespaces())
+        if taken or _state_path(self.name).exists():
             raise InvalidArgument(f"a lab named {self.name!r} already exists (pdkv netlab down {self.name})")
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         (STATE_DIR / self.name).mkdir(exist_ok=True)
@@ -396,12 +398,11 @@ class Lab:
             netem = self._build()
         except BaseException:
             down(self.name)
+            self.info = {}
             raise
         self._write_state(status="up", rtt_emulated=netem or not self.link.rtt_s)
         _labs_of_this_process[self.name] = self
         if self.link.rtt_s and not netem:
-            import sys
-
             print(f"pdkv netlab: this kernel has no sch_netem: rtt={self.link.rtt_s * 1e3:g}ms is NOT emulated; "
                   f"links are rate-limited only", file=sys.stderr)
         return self
@@ -508,13 +509,13 @@ def down(name: str) -> list[str]:
     """Removes lab ``name`` (its processes, namespaces, /dev/shm directories, state);
     found by prefix, so it also cleans up after a crash. Returns the namespaces removed."""
     _check_name(name)
-    namespaces = [ns for ns in _namespaces() if ns.startswith(f"{PREFIX}{name}-")]
+    namespaces = [ns for ns in live_namespaces() if ns.startswith(f"{PREFIX}{name}-")]
     return _remove(namespaces, [name])
 
 
 def down_all() -> list[str]:
     """Removes every lab on this machine, with or without a state file."""
-    namespaces = [ns for ns in _namespaces() if ns.startswith(PREFIX)]
+    namespaces = [ns for ns in live_namespaces() if ns.startswith(PREFIX)]
     names = {ns[len(PREFIX):].rsplit("-", 1)[0] for ns in namespaces}
     names |= {lab["name"] for lab in list_labs()}
     names |= {p.name[len(PREFIX):].rsplit("-", 1)[0] for p in SHM_DIR.glob(f"{PREFIX}*")} if SHM_DIR.is_dir() else set()

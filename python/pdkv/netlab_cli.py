@@ -49,7 +49,7 @@ def _exec(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     labs = netlab.list_labs()
-    live = set(netlab._namespaces())
+    live = set(netlab.live_namespaces())
     known = {ns for lab in labs for ns in [lab.get("switch", "")] + [h["namespace"] for h in lab["hosts"].values()]}
     leftovers = sorted(ns for ns in live if ns.startswith(netlab.PREFIX) and ns not in known)
     if args.json:

@@ -87,7 +87,9 @@ def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir
     from pdkv.serving.launch import Deployment
 
     p, d = (int(x) for x in args.pd.split(":"))
-    place = {} if lab is None else {"placement": serve_link.placement(lab, 0 if mode in ("colocated", "chunked") else p)}
+    place = {}
+    if lab is not None:  # each process on its own lab host (--link)
+        place["placement"] = serve_link.placement(lab, 0 if mode in ("colocated", "chunked") else p)
     worker_args = [a for w in args.worker_arg for a in w.split("=", 1)] if args.worker_arg else []
     if mode in ("colocated", "chunked"):
         replicas = args.replicas or (p + d)
