@@ -208,6 +208,26 @@ def test_cleanup_after_an_exception_ends_processes():
 
 
 @pytestmark_netns
+def test_a_failure_while_building_removes_what_was_made(monkeypatch):
+    probe = lab_up(1)
+    probe.down()
+    made = []
+
+    def shape_then_fail(ns, dev, link, netem):
+        made.append(ns)
+        if len(made) == 3:
+            raise netlab.NetlabError("tc failed (simulated)")
+
+    monkeypatch.setattr(netlab, "_shape", shape_then_fail)
+    lab = netlab.Lab(hosts=3, link="1gbit")
+    with pytest.raises(netlab.NetlabError, match="simulated"):
+        lab.up()
+    assert lab.info == {}
+    assert not any(ns.startswith(f"{netlab.PREFIX}{lab.name}-") for ns in live_namespaces())
+    assert not (netlab.STATE_DIR / f"{lab.name}.json").exists()
+
+
+@pytestmark_netns
 def test_a_lab_left_up_is_removed_when_its_process_exits():
     probe = lab_up(1)
     probe.down()
