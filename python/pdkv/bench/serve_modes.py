@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as _dt
 import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import serve_cli
+from . import serve_cli, serve_link
 from .serve_metrics import BenchResults, RunResult
 
 MODES = ("colocated", "chunked", "disagg", "hybrid")
@@ -78,23 +79,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="extra option for every worker, e.g. --worker-arg=--num-blocks=4096 (repeatable)")
     g.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin workers to cores")
     g.add_argument("--keep-logs", metavar="DIR", help="keep every process's log under DIR")
+    g.add_argument("--link", help="every process on its own network-namespace host behind an emulated link "
+                   "RATE[,rtt=..], e.g. 1gbit,rtt=0.2ms (root; see pdkv netlab)")
 
 
-def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir: Optional[Path]):
+def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir: Optional[Path], lab=None):
     from pdkv.serving.launch import Deployment
 
     p, d = (int(x) for x in args.pd.split(":"))
+    place = {}
+    if lab is not None:  # each process on its own lab host (--link)
+        place["placement"] = serve_link.placement(lab, 0 if mode in ("colocated", "chunked") else p)
     worker_args = [a for w in args.worker_arg for a in w.split("=", 1)] if args.worker_arg else []
     if mode in ("colocated", "chunked"):
         replicas = args.replicas or (p + d)
         extra = ["--max-batch-tokens", str(args.max_batch_tokens)] if mode == "chunked" else []
         return Deployment(mode, model_dir, num_prefill=0, num_decode=replicas, worker_args=worker_args,
-                          decode_args=extra, pin=args.pin, log_dir=log_dir), f"{replicas}x1"
+                          decode_args=extra, pin=args.pin, log_dir=log_dir, **place), f"{replicas}x1"
     proxy_args = []
     if mode == "hybrid" and args.hybrid_threshold is not None:
         proxy_args = ["--hybrid-threshold", str(args.hybrid_threshold)]
     return Deployment(mode, model_dir, num_prefill=p, num_decode=d, worker_args=worker_args, proxy_args=proxy_args,
-                      pin=args.pin, log_dir=log_dir), f"{p}:{d}"
+                      pin=args.pin, log_dir=log_dir, **place), f"{p}:{d}"
 
 
 async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
@@ -114,6 +120,20 @@ async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
     return runs, model
 
 
+def _run_each_mode(modes, model_dir: Path, traces, args, lab) -> tuple[list[RunResult], Optional[str]]:
+    runs: list[RunResult] = []
+    model_name = args.model
+    run_client = serve_link.client_runner(lab) if lab is not None else asyncio.run
+    for mode in modes:
+        log_dir = Path(args.keep_logs) / mode if args.keep_logs else None
+        dep, pd_ratio = deployment_for(mode, model_dir, args, log_dir, lab)
+        print(f"== {mode} ({pd_ratio}) on {model_dir}", file=sys.stderr, flush=True)
+        with dep:
+            got, model_name = run_client(_measure(dep.url, traces, mode, pd_ratio, args, model_name))
+        runs += got
+    return runs, model_name
+
+
 def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -127,6 +147,11 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except ValueError:
         print(f"error: --pd must look like 1:1, got {args.pd!r}", file=sys.stderr)
         return 2
+    if args.link:
+        from pdkv.netlab import check_available, parse_link
+
+        parse_link(args.link)  # a bad spec or no permission: say so before loading a model
+        check_available()
     try:
         slo = serve_cli.slo_from_args(args)
         traces, trace_info = serve_cli.build_traces(args)
@@ -142,20 +167,21 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if vocab and args.vocab_size > vocab:
         args.vocab_size = int(vocab)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    runs: list[RunResult] = []
-    model_name = args.model
-    for mode in modes:
-        log_dir = Path(args.keep_logs) / mode if args.keep_logs else None
-        dep, pd_ratio = deployment_for(mode, model_dir, args, log_dir)
-        print(f"== {mode} ({pd_ratio}) on {model_dir}", file=sys.stderr, flush=True)
-        with dep:
-            got, model_name = asyncio.run(_measure(dep.url, traces, mode, pd_ratio, args, model_name))
-        runs += got
+    with contextlib.ExitStack() as stack:
+        lab = None
+        if args.link:
+            from pdkv.netlab import Lab
+
+            lab = stack.enter_context(Lab(hosts=serve_link.hosts_needed(p, d, args.replicas or p + d), link=args.link))
+            print(f"== link {lab.link} (rtt emulated: {lab.info['rtt_emulated']}): proxy on lab host h0, "
+                  f"each worker on its own host", file=sys.stderr, flush=True)
+        runs, model_name = _run_each_mode(modes, model_dir, traces, args, lab)
+        link = serve_link.describe(lab) if lab is not None else None
     args.url = "launched by pdkv bench serve"
     meta = serve_cli.build_meta(args, model=model_name or str(model_dir), trace_info=trace_info, started_at=started,
                                 argv=argv)
     meta["deployment"] = {"modes": modes, "pd": args.pd, "replicas": args.replicas, "model_dir": str(model_dir),
-                          "pinned": args.pin, "cpus": sorted(os.sched_getaffinity(0))}
+                          "pinned": args.pin, "cpus": sorted(os.sched_getaffinity(0)), "link": link}
     serve_cli.emit_results(BenchResults(runs, slo, meta), out=args.out, traces=traces, plots=args.plots)
     return 0
 
@@ -166,6 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.link and args.url:
+        parser.error("--link starts the deployments in a lab; it cannot measure a server given by --url")
     if args.url or args.list_presets:
         return serve_cli.run_from_args(args, argv)
     return run_modes(args, argv)

@@ -446,6 +446,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="tcp payload bytes per wire batch (default 16M)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (local mode: both sides)")
     ap.add_argument("--target", default="", help="HOST:PORT of a `pdkv bench transfer --serve` on another host")
+    ap.add_argument("--link", default="", help="run target and initiator on two network namespaces behind an "
+                    "emulated link RATE[,rtt=..], e.g. 1gbit,rtt=0.2ms (root; see pdkv netlab)")
     ap.add_argument("--serve", action="store_true", help="run as the target (see --target)")
     ap.add_argument("--listen", default="0.0.0.0:7500", help="with --serve: pdkv address; the raw sink uses PORT+1")
     ap.add_argument("--blocks", type=int, default=512, help="with --serve: pool size in blocks")
@@ -478,6 +480,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("UCX_NET_DEVICES", "lo" if args.host.startswith("127.") else "all")
     if args.transport == "shm" and args.target:
         ap.error("the shm transport needs both sides on this host (drop --target)")
+    if args.link:
+        from ..netlab_bench import transfer_behind_link
+
+        return transfer_behind_link(args, argv)
     if args.serve:
         if args.target:
             ap.error("--serve and --target are exclusive")

@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pdkv.errors import InvalidArgument
 
@@ -64,10 +64,12 @@ class ServerProcess:
         Extra environment variables.
     name : str, optional
         Label in messages (default: the role).
+    prefix : sequence of str
+        Runs the command through this (e.g. ``netlab.Lab.prefix(host)``: on a lab host).
     """
 
     def __init__(self, role: str, args: Sequence[str], *, log_path: str | os.PathLike, cpus: str | None = None,
-                 env: dict[str, str] | None = None, name: str | None = None) -> None:
+                 env: dict[str, str] | None = None, name: str | None = None, prefix: Sequence[str] = ()) -> None:
         self.role = role
         self.name = name or role
         self.log_path = Path(log_path)
@@ -75,6 +77,7 @@ class ServerProcess:
         self.args = list(args)
         self.cpus = cpus
         self.env = dict(env or {})
+        self.prefix = list(prefix)
         self.proc: subprocess.Popen | None = None
         self.info: dict[str, Any] = {}
         self._log: Any = None
@@ -93,7 +96,7 @@ class ServerProcess:
         if self.proc is not None:
             raise InvalidArgument(f"{self.name} is already started")
         self.ready_path.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "pdkv.cli", "serve", self.role, *self.args, "--port", "0",
+        cmd = [*self.prefix, sys.executable, "-m", "pdkv.cli", "serve", self.role, *self.args, "--port", "0",
                "--ready-file", str(self.ready_path)]
         if self.cpus:
             cmd += ["--cpus", self.cpus]
@@ -219,6 +222,9 @@ class Deployment:
         unless a start failed).
     env : dict, optional
         Extra environment for every process (a random ``PDKV_SECRET`` is added).
+    placement : callable, optional
+        ``(role, index) -> (argv prefix, bind address)`` of each process (role "proxy"
+        for the proxy), e.g. one host of a :mod:`pdkv.netlab` lab each (default: here, 127.0.0.1).
     """
 
     mode: str
@@ -232,6 +238,7 @@ class Deployment:
     pin: bool = True
     log_dir: str | os.PathLike | None = None
     env: dict[str, str] = field(default_factory=dict)
+    placement: Callable[[str, int], tuple[Sequence[str], str]] | None = None
     processes: list[ServerProcess] = field(default_factory=list, init=False)
     proxy: ServerProcess | None = field(default=None, init=False)
 
@@ -277,8 +284,9 @@ class Deployment:
             for (role, args), cpus in zip(roles, plan):
                 i = counts[role] = counts.get(role, -1) + 1
                 name = f"{role}-{i}"
-                self.processes.append(ServerProcess(role, args, log_path=log_dir / f"{name}.log", cpus=cpus,
-                                                    env=env, name=name).start())
+                prefix, bind = self._place(role, i)
+                self.processes.append(ServerProcess(role, [*args, *bind], log_path=log_dir / f"{name}.log", cpus=cpus,
+                                                    env=env, name=name, prefix=prefix).start())
             deadline = time.monotonic() + timeout
             _wait_all(self.processes, deadline)
             prefill = ",".join(p.url for p in self.processes if p.role == "prefill")
@@ -286,13 +294,21 @@ class Deployment:
             pargs = ["--mode", self.mode if disagg else "colocated", "--decode", decode]
             if disagg:
                 pargs += ["--prefill", prefill]
-            self.proxy = ServerProcess("proxy", [*pargs, *self.proxy_args], log_path=log_dir / "proxy.log", env=env)
+            prefix, bind = self._place("proxy", 0)
+            self.proxy = ServerProcess("proxy", [*pargs, *self.proxy_args, *bind], log_path=log_dir / "proxy.log",
+                                       env=env, prefix=prefix)
             self.processes.append(self.proxy.start())
             self.proxy.wait_ready(max(deadline - time.monotonic(), 0.1))
         except BaseException:
             self.stop(keep_logs=True)
             raise
         return self.url
+
+    def _place(self, role: str, index: int) -> tuple[Sequence[str], list[str]]:
+        if self.placement is None:
+            return (), []
+        prefix, host = self.placement(role, index)
+        return prefix, ["--host", host]
 
     def stop(self, *, keep_logs: bool = False) -> None:
         """Stops the proxy, then the workers, all at once (idempotent)."""
