@@ -17,6 +17,7 @@
 #include "py_async.h"
 #include "py_dlpack.h"
 #include "py_options.h"
+#include "py_stream.h"
 #include "py_transport.h"
 #include "pdkv/agent.h"
 #include "pdkv/kv_layout.h"
@@ -350,6 +351,7 @@ PYBIND11_MODULE(_pdkv, m) {
   bind_options(m);
   bind_async(m);
   bind_dlpack(m);
+  bind_stream(m);
   py::class_<Agent>(m, "Agent")
       .def(py::init([](AgentConfig config) {
              std::unique_ptr<Agent> a;
