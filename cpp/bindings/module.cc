@@ -351,7 +351,6 @@ PYBIND11_MODULE(_pdkv, m) {
   bind_options(m);
   bind_async(m);
   bind_dlpack(m);
-  bind_stream(m);
   py::class_<Agent>(m, "Agent")
       .def(py::init([](AgentConfig config) {
              std::unique_ptr<Agent> a;
@@ -534,6 +533,8 @@ PYBIND11_MODULE(_pdkv, m) {
              return out;
            })
       .def_property_readonly("notification_fd", [](Agent& a) { return a.notifications().fd(); });
+
+  bind_stream(m);  // after Agent: its signatures name the class
 
   // Benchmark helpers: raw-socket and memcpy ceilings measured with the same code
   // path quality as the transport (C++, no Python in the loop).
