@@ -939,7 +939,7 @@ class Agent:
                     timeout: float | None = None, first_layer: int = 0, num_layers: int = 0, num_tokens: int = 0,
                     num_heads: int = 0, local_head_offset: int = 0, remote_head_offset: int = 0,
                     transport: str | None = None, remote_generations: Iterable[int] | None = None,
-                    min_batch_bytes: int = 0, max_inflight_batches: int = 2,
+                    min_batch_bytes: int = 0, max_inflight_batches: int = 4,
                     progress_prefix: bytes | str | None = None) -> StreamingWrite:
         """Opens a layer-wise streaming write of local blocks into the peer's blocks.
 

@@ -57,7 +57,7 @@ struct StreamOptions {
   uint64_t min_batch_bytes = 0;
   // Most batch transfers of this stream in flight at once (>= 1). Layers posted while
   // this many are in flight are sent together when one completes.
-  uint32_t max_inflight_batches = 2;
+  uint32_t max_inflight_batches = 4;
   // Non-empty: each batch carries the notification progress_prefix + "<first>-<end>".
   std::string progress_prefix;
 };
