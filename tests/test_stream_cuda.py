@@ -1,4 +1,4 @@
-"""Streaming writes of device memory over tcp (staged per batch through pinned host
+"""Streaming writes of device memory over cuda_ipc and over tcp (staged per batch through pinned host
 buffers) on the fake CUDA driver (tests/fakecuda), whose device memory is not
 host-accessible and whose copies land late: a layer acknowledged or notified before
 its bytes reached the device shows up as a mismatch when the notification arrives.
@@ -13,6 +13,9 @@ import os
 import subprocess
 import sys
 import textwrap
+
+from fake_gpu_peers import fake_peer  # noqa: F401  (fixture)
+from kvpools import PoolSpec
 
 CHILD = textwrap.dedent('''
     import json
@@ -74,3 +77,21 @@ def test_device_memory_streams_over_tcp_bit_exact_per_batch(fakecuda_path):
     # Each stream went out in 1 to 6 batches (how many depends on timing), every one
     # of them checked bit-exact the moment its progress notification arrived.
     assert all(1 <= int(c.split()[1]) <= 6 for c in checks), checks
+
+
+def test_device_pools_stream_over_cuda_ipc_bit_exact(fake_peer):
+    """Between two processes over the fake driver (cuda_ipc): the notification comes
+    after every layer's bytes, checked by the target the moment it arrives, with copies
+    that land 2 ms late."""
+    spec = PoolSpec(layers=4, blocks=64, block_tokens=4, heads=2, head_dim=16, dtype="float16", style="vllm")
+    slow = {"FAKECUDA_COPY_DELAY_US": "2000"}
+    target = fake_peer("target", spec, 1, env=slow)
+    init = fake_peer("init", spec, 2, env=slow)
+    lids, rids = [5, 6, 7, 40, 2, 3], [60, 1, 2, 10, 11, 30]
+    want = init.call(cmd="digest", blocks=lids)["digest"]
+    target.send(cmd="expect", items=[{"notif": "s1", "blocks": rids, "digest": want}], timeout=20)
+    r = init.call(cmd="xfer", op="stream", address=target.address, lblocks=lids, rblocks=rids, notify="s1",
+                  order=[2, 0, 3, 1])
+    assert r["ok"], r["error"]
+    assert r["peer_transport"] == "cuda_ipc" and r["transport"] == "cuda_ipc"
+    assert target.recv(30) == {"results": [{"notif": "s1", "ok": True}], "missing": []}
