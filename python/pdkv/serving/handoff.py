@@ -618,10 +618,11 @@ class KVSender:
         to one write (the stream was never complete, or its peer restarted)."""
         transport = ""
         if streamer.usable:
-            xfer = streamer.close(ready.encode())
+            xfer = streamer.stream.transfer  # type: ignore[union-attr]
             posted.append(xfer)
             transport = xfer.transport
             try:
+                streamer.close(ready.encode())  # raises the stream's error if a batch already failed
                 await _wait_transfer(self._executor, xfer)
             except pdkv.StalePeer:
                 self._peers.pop(req.dst.agent, None)  # the decode worker restarted: fall back
