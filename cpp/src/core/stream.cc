@@ -14,7 +14,7 @@
 namespace pdkv {
 namespace {
 
-// "3, 5-7": layer numbers of `want` in [first, first + flags.size()), as ranges.
+// "3, 5-7": the layers first + i (i < n) for which want(i) holds, as ranges.
 template <typename Pred>
 std::string layer_ranges(uint32_t first, size_t n, Pred want) {
   std::string out;

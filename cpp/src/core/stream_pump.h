@@ -1,4 +1,5 @@
-// stream_pump.h (core-internal): the one thread per agent that moves streaming writes
+// stream_pump.h (core-internal): how Agent::open_stream opens a streaming write
+// (open_streaming_write, stream.cc), and the one thread per agent that moves streaming writes
 // (pdkv/stream.h) forward when nobody else is calling them: it posts the next batch
 // when an earlier one completes, sends the notification once every layer landed, and
 // fails a stream whose deadline passed. Transfer completion callbacks must be quick and
@@ -17,10 +18,13 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "pdkv/kv_layout.h"
 #include "pdkv/status.h"
+#include "pdkv/stream.h"
 #include "pdkv/transfer.h"
 
 namespace pdkv {
@@ -86,17 +90,6 @@ class StreamPump final : public std::enable_shared_from_this<StreamPump> {
   bool exited_ = false;  // the thread ended (or never will run); guarded by mu_
   std::thread thread_;
 };
-
-}  // namespace pdkv
-
-#include <string>
-
-#include "pdkv/kv_layout.h"
-#include "pdkv/stream.h"
-
-namespace pdkv {
-
-struct XferOptions;  // pdkv/agent.h
 
 // What Agent::open_stream was given.
 struct StreamSpec {
