@@ -17,6 +17,7 @@
 #include "py_async.h"
 #include "py_dlpack.h"
 #include "py_options.h"
+#include "py_stream.h"
 #include "py_transport.h"
 #include "pdkv/agent.h"
 #include "pdkv/kv_layout.h"
@@ -532,6 +533,8 @@ PYBIND11_MODULE(_pdkv, m) {
              return out;
            })
       .def_property_readonly("notification_fd", [](Agent& a) { return a.notifications().fd(); });
+
+  bind_stream(m);  // after Agent: its signatures name the class
 
   // Benchmark helpers: raw-socket and memcpy ceilings measured with the same code
   // path quality as the transport (C++, no Python in the loop).

@@ -21,6 +21,7 @@ from .agent import (
     PreparedTransfer,
     Region,
     SharedRegion,
+    StreamingWrite,
     Transfer,
     XferState,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "StaleBlock",
     "StalePeer",
     "TcpOptions",
+    "StreamingWrite",
     "Transfer",
     "TransferTimeout",
     "VersionMismatch",

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Iterable, Seque
 
 from . import _native, _validate
 from . import transport as _transport
-from .errors import InvalidArgument, PdkvError, error_class
+from .errors import InvalidArgument, OutOfRange, PdkvError, error_class
 from .layout import KVLayout, _describe_memory
 from .xfer_state import XferState, from_native as _state
 
 __all__ = ["Agent", "TcpOptions", "ShmOptions", "Region", "SharedRegion", "Transfer", "PreparedTransfer",
-           "Notification", "XferState"]
+           "StreamingWrite", "Notification", "XferState"]
 
 
 _NATIVE_DONE: list = []
@@ -342,6 +342,149 @@ class PreparedTransfer:
     def __repr__(self) -> str:
         return (f"PreparedTransfer(peer={self.peer!r}, transport={self.transport!r}, "
                 f"{self.nbytes} bytes in {self.num_extents} extents)")
+
+
+class StreamingWrite:
+    """A layer-wise streaming write (:meth:`Agent.open_stream`), opened before the KV exists.
+
+    Post layers as they become ready (:meth:`post_layers`); each ready range is planned
+    and posted as an ordinary write (same routing, bounds checks, block generations and
+    transports as :meth:`Agent.write`), adjacent layers that became ready while earlier
+    ones were in flight leaving together. :meth:`close` declares the stream complete;
+    the notification is sent once every layer has landed. The stream's state is a
+    :class:`Transfer` (:attr:`transfer`): ``wait()``, ``await``, ``cancel()``, byte
+    counts and errors work as for any transfer, with one deadline for the whole stream.
+    Nothing here is on the data path: posting, batching and completion run in C++.
+
+    Dropping the object before :meth:`close` cancels the stream. See docs/streaming.md.
+
+    Examples
+    --------
+    >>> s = prefill.open_stream(peer, "kv", ids, "kv", remote_ids, notify=b"req-1")  # doctest: +SKIP
+    >>> for layer in range(num_layers):                                              # doctest: +SKIP
+    ...     compute(layer); s.post_layers(layer)
+    >>> s.close().wait(10.0)                                                          # doctest: +SKIP
+    True
+    """
+
+    __slots__ = ("_n", "_t", "_max_notif_bytes")
+
+    def __init__(self, native: Any, max_notif_bytes: int) -> None:
+        self._n = native
+        self._t = Transfer(native.transfer)
+        self._max_notif_bytes = max_notif_bytes
+
+    first_layer = property(lambda self: self._n.first_layer, doc="First layer of the stream.")
+    num_layers = property(lambda self: self._n.num_layers, doc="Layers in the stream.")
+    layer_bytes = property(lambda self: self._n.layer_bytes, doc="Bytes each layer moves.")
+    layers_posted = property(lambda self: self._n.layers_posted, doc="Layers posted so far.")
+    layers_landed = property(lambda self: self._n.layers_landed, doc="Layers whose bytes landed at the peer.")
+    batches_posted = property(lambda self: self._n.batches_posted, doc="Transfers the layers were sent in.")
+    closed = property(lambda self: self._n.closed, doc="Whether :meth:`close` was called.")
+
+    @property
+    def transfer(self) -> Transfer:
+        """The stream as a :class:`Transfer` (``bytes_total`` = every layer's bytes)."""
+        return self._t
+
+    @property
+    def state(self) -> XferState:
+        return self._t.state
+
+    @property
+    def done(self) -> bool:
+        """True once terminal (done, failed or cancelled)."""
+        return self._t.done
+
+    @property
+    def error(self) -> PdkvError | None:
+        """The failure as an exception (None while pending or when done)."""
+        return self._t.error
+
+    def post_layers(self, first: int, count: int = 1) -> None:
+        """Marks layers ``[first, first + count)`` computed and sends them; returns at once.
+
+        Raises
+        ------
+        OutOfRange
+            Layers outside the stream's.
+        InvalidArgument
+            ``count`` 0, a layer posted twice, or the stream is closed.
+        PdkvError
+            The stream's own error once it failed (a batch failed, it timed out or was
+            cancelled): later posts fail fast.
+        """
+        self._n.post_layers(_validate.count(first, "first"), _validate.count(count, "count"))
+
+    def close(self, *, notify: bytes | str | None = None) -> Transfer:
+        """Declares every layer posted; the notification goes out once all have landed.
+
+        Parameters
+        ----------
+        notify : bytes or str, optional
+            Replaces the notification given to :meth:`Agent.open_stream` (for a message
+            known only at the end, e.g. the first sampled token).
+
+        Returns
+        -------
+        Transfer
+            :attr:`transfer`, to wait for.
+
+        Raises
+        ------
+        InvalidArgument
+            Layers never posted (named), or already closed. The stream stays open.
+        PdkvError
+            The stream's error once it failed.
+        """
+        data = None if notify is None else _validate.notification(notify, self._max_notif_bytes)
+        self._n.close(data)
+        return self._t
+
+    def cancel(self) -> None:
+        """Drops unsent layers, cancels batches in flight; no notification is sent."""
+        self._n.cancel()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """:meth:`Transfer.wait` of :attr:`transfer`."""
+        return self._t.wait(timeout)
+
+    async def wait_async(self, timeout: float | None = None) -> bool:
+        """:meth:`Transfer.wait_async` of :attr:`transfer`."""
+        return await self._t.wait_async(timeout)
+
+    def __await__(self) -> Generator[Any, None, bool]:
+        return self._t.wait_async().__await__()
+
+    def __enter__(self) -> "StreamingWrite":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        """Leaving the block by an exception before :meth:`close` cancels the stream."""
+        if exc_type is not None and not self.closed:
+            self.cancel()
+
+    def __repr__(self) -> str:
+        return (f"StreamingWrite(peer={self._t.peer!r}, layers {self.first_layer}+{self.num_layers}, "
+                f"posted={self.layers_posted}, landed={self.layers_landed}, {self.state.value})")
+
+
+def _ids32(ids: Any, what: str) -> list[int]:
+    """Block ids (or generations) as a list of 32-bit unsigned ints, checked here because
+    the native open_stream takes a plain list."""
+    ids = _validate.block_ids(ids, what)
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    out: list[int] = []
+    for i, v in enumerate(ids):
+        if isinstance(v, bool) or not _validate._is_int(v):
+            raise InvalidArgument(f"{what} must be a sequence of integer block ids: element {i} is "
+                                  f"{type(v).__name__} {v!r}")
+        v = int(v)
+        if not 0 <= v <= 0xFFFFFFFF:
+            raise OutOfRange(f"{what}[{i}] = {v} is not a 32-bit unsigned integer")
+        out.append(v)
+    return out
 
 
 class _Closed:
@@ -790,6 +933,71 @@ class Agent:
                             num_tokens=num_tokens, num_heads=num_heads, local_head_offset=local_head_offset,
                             remote_head_offset=remote_head_offset, transport=transport,
                             remote_generations=remote_generations).post(notify=notify, timeout=timeout)
+
+    def open_stream(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
+                    remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
+                    timeout: float | None = None, first_layer: int = 0, num_layers: int = 0, num_tokens: int = 0,
+                    num_heads: int = 0, local_head_offset: int = 0, remote_head_offset: int = 0,
+                    transport: str | None = None, remote_generations: Iterable[int] | None = None,
+                    min_batch_bytes: int = 0, max_inflight_batches: int = 4,
+                    progress_prefix: bytes | str | None = None) -> StreamingWrite:
+        """Opens a layer-wise streaming write of local blocks into the peer's blocks.
+
+        The same write as :meth:`write`, but its layers are sent as the caller posts
+        them (:meth:`StreamingWrite.post_layers`), so computing later layers overlaps
+        sending earlier ones; the notification reaches the peer after the last layer
+        landed. See docs/streaming.md.
+
+        Parameters
+        ----------
+        peer, local_layout, local_blocks, remote_layout, remote_blocks
+            As :meth:`prepare`.
+        notify : bytes or str, optional
+            Delivered once every layer landed (``close(notify=...)`` may replace it).
+        timeout : float, optional
+            Seconds (finite, > 0) for the whole stream, from now to the notification's
+            delivery (None: the agent's ``default_timeout``).
+        first_layer, num_layers : int
+            The layers the stream carries: ``[first_layer, first_layer + num_layers)``
+            (``num_layers`` 0: through the last layer).
+        num_tokens, num_heads, local_head_offset, remote_head_offset, transport, remote_generations
+            As :meth:`prepare`, applied to every layer.
+        min_batch_bytes : int
+            Posted layers holding fewer bytes than this wait for more (or for close).
+        max_inflight_batches : int
+            Most transfers of this stream in flight; layers posted meanwhile leave
+            together when one completes (>= 1).
+        progress_prefix : bytes or str, optional
+            When given, every batch also delivers the notification
+            ``progress_prefix + b"<first>-<end>"`` (its layer range) once it landed, for
+            a receiver that starts on early layers.
+
+        Raises
+        ------
+        InvalidArgument, OutOfRange, NotFound
+            As :meth:`prepare`, checked now on the first layer, before anything is sent.
+        """
+        notif = _validate.notification(notify, self._max_notif_bytes)
+        tmo = _validate.timeout(timeout)
+        peer = _validate.text(peer, "peer")
+        local_layout = _validate.text(local_layout, "local_layout")
+        remote_layout = local_layout if remote_layout is None else _validate.text(remote_layout, "remote_layout")
+        lids = _ids32(local_blocks, "local_blocks")
+        rids = lids if remote_blocks is None else _ids32(remote_blocks, "remote_blocks")
+        gens = None if remote_generations is None else _ids32(remote_generations, "remote_generations")
+        if gens is not None and not gens:
+            raise InvalidArgument("remote_generations is empty (give one per remote block, or None)")
+        prefix = b"" if progress_prefix is None else _validate.notification(progress_prefix, self._max_notif_bytes,
+                                                                             "progress_prefix")
+        native = _native.module().open_stream(
+            self._n, peer, local_layout, lids, remote_layout, rids,
+            _validate.count(num_tokens, "num_tokens", maximum=2**64 - 1), _validate.count(num_heads, "num_heads"),
+            _validate.count(local_head_offset, "local_head_offset"),
+            _validate.count(remote_head_offset, "remote_head_offset"), _validate.count(first_layer, "first_layer"),
+            _validate.count(num_layers, "num_layers"), _transport_name(transport) or "", gens, notif,
+            -1.0 if tmo is None else tmo, _validate.count(min_batch_bytes, "min_batch_bytes", maximum=2**64 - 1),
+            _validate.positive_int(max_inflight_batches, "max_inflight_batches", maximum=2**32 - 1), prefix)
+        return StreamingWrite(native, self._max_notif_bytes)
 
     def notify(self, peer: str, data: bytes | str, *, timeout: float | None = None) -> Transfer:
         """Sends a notification alone (ordered after earlier transfers on the same connection)."""

@@ -15,8 +15,8 @@ and then answers one JSON line per command:
 * ``{"cmd": "xfer", "op", "address", "lblocks", "rblocks", "notify", "xfer_timeout",
   "fail_after_prepare", "repeat"}``: acts as initiator (connecting to ``address`` on
   first use only) -> ``{"ok", "error", "transport", "peer_transport", "raised_by",
-  "state", "error_attr", "elapsed"}``; ``op`` is ``write``, ``read`` or ``notify`` (a
-  notification alone); ``raised_by``: the call that raised (``prepare``, ``post``,
+  "state", "error_attr", "elapsed"}``; ``op`` is ``write``, ``read``, ``notify`` (a
+  notification alone) or ``stream`` (a streaming write, layers posted in ``order``); ``raised_by``: the call that raised (``prepare``, ``post``,
   ``notify``, ``wait``), and when it was ``wait`` the transfer's ``state`` and the class
   of its ``error``; ``elapsed``: seconds from the first call after connecting;
   ``xfer_timeout``: the transfer's (default 30); ``fail_after_prepare=n``: the next n copies
@@ -153,6 +153,17 @@ def xfer(agent: pdkv.Agent, cuda: FakeCuda, peers: dict, req: dict) -> dict:
         if req["op"] == "notify":
             stage = "notify"
             x = agent.notify(peer, req["notify"], timeout=req.get("xfer_timeout", 30))
+            stage = "wait"
+            res["ok"] = x.wait(30)
+            return res
+        if req["op"] == "stream":  # a layer-wise streaming write, layers posted in req["order"]
+            stage = "post"
+            s = agent.open_stream(peer, "kv", req["lblocks"], "kv", req["rblocks"], notify=req.get("notify"),
+                                  timeout=req.get("xfer_timeout", 30))
+            for layer in req.get("order") or range(s.num_layers):
+                s.post_layers(layer)
+            x = s.close()
+            res["transport"] = x.transport
             stage = "wait"
             res["ok"] = x.wait(30)
             return res

@@ -29,6 +29,7 @@
 #include "pdkv/notify.h"
 #include "pdkv/region.h"
 #include "pdkv/status.h"
+#include "pdkv/stream.h"
 #include "pdkv/transfer.h"
 #include "pdkv/types.h"
 
@@ -138,6 +139,18 @@ class Agent final {
   // Errors after this point arrive through the Transfer, never as a return value,
   // except for a local region deregistered since prepare (NotFound).
   Result<std::shared_ptr<Transfer>> post(const PreparedTransfer& prep, std::string notif, double timeout_s);
+  // Opens a layer-wise streaming write (pdkv/stream.h): blocks `local_ids` of
+  // `local_layout` into blocks `remote_ids` of the peer's `remote_layout`, layers
+  // [plan.first_layer, +plan.num_layers) (num_layers 0: to the last), posted with
+  // StreamingWrite::post_layers as they become ready. `notif` reaches the peer once every
+  // layer landed; `timeout_s` bounds the whole stream (< 0: the default timeout; 0: none).
+  // Errors: those of prepare_blocks (checked now, on the first layer), InvalidArgument.
+  Result<std::shared_ptr<StreamingWrite>> open_stream(const std::string& peer, const std::string& local_layout,
+                                                      const std::vector<uint32_t>& local_ids,
+                                                      const std::string& remote_layout,
+                                                      const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
+                                                      const XferOptions& opts, std::string notif, double timeout_s,
+                                                      const StreamOptions& stream_opts);
   // Sends only a notification to a peer (delivered in order with that transport's data).
   Result<std::shared_ptr<Transfer>> send_notification(const std::string& peer, std::string notif,
                                                       double timeout_s);

@@ -11,6 +11,7 @@
 #include <random>
 #include <unordered_map>
 
+#include "core/stream_pump.h"
 #include "pdkv/spi/generations.h"
 #include "pdkv/spi/region_table.h"
 #include "pdkv/spi/registry.h"
@@ -111,6 +112,9 @@ class Agent::Impl final : public AgentHooks {
   Result<std::shared_ptr<Transfer>> send_notification(const std::string& peer, std::string notif,
                                                       double timeout_s);
   NotifQueue& notifications() { return notifs_; }
+  // The pump of this agent's streaming writes (stream_pump.h), created on first use.
+  std::shared_ptr<StreamPump> stream_pump(Agent* self);
+  uint64_t next_transfer_id() { return next_xfer_id_.fetch_add(1); }
 
   // ---- AgentHooks ----
   const std::string& agent_name() const override { return cfg_.name; }
@@ -157,6 +161,7 @@ class Agent::Impl final : public AgentHooks {
   mutable std::mutex mu_;  // guards layouts_ and peers_
   std::map<std::string, KVLayout> layouts_;
   std::map<std::string, PeerEntry> peers_;
+  std::shared_ptr<StreamPump> pump_;  // guarded by mu_
 };
 
 // ---- Agent: the public API, forwarding to Impl ----
@@ -237,6 +242,15 @@ Result<std::shared_ptr<Transfer>> Agent::send_notification(const std::string& pe
   return impl_->send_notification(peer, std::move(notif), timeout_s);
 }
 
+Result<std::shared_ptr<StreamingWrite>> Agent::open_stream(
+    const std::string& peer, const std::string& local_layout, const std::vector<uint32_t>& local_ids,
+    const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
+    const XferOptions& opts, std::string notif, double timeout_s, const StreamOptions& stream_opts) {
+  StreamSpec spec{peer,       local_layout, local_ids,      remote_layout,    remote_ids, plan,
+                  opts.remote_generations, opts.transport, std::move(notif), timeout_s,  stream_opts};
+  return open_streaming_write(*this, impl_->stream_pump(this), impl_->next_transfer_id(), std::move(spec));
+}
+
 NotifQueue& Agent::notifications() { return impl_->notifications(); }
 
 // ---- Agent::Impl ----
@@ -271,10 +285,24 @@ Status Agent::Impl::start() {
 
 Agent::Impl::~Impl() {
   notifs_.close();
+  std::shared_ptr<StreamPump> pump;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    pump = pump_;
+  }
+  // Streams fail and stop calling the agent before the transports go.
+  if (pump) pump->detach_agent(ConnectionError("agent '" + cfg_.name + "' is shutting down"));
   // Only started transports are shut down; the rest were never running.
   const size_t started = started_.load(std::memory_order_acquire);
   for (size_t i = 0; i < started; ++i) transports_[i]->shutdown();
   transports_.clear();
+  if (pump) pump->join();  // every batch is terminal now: settle the streams, end the thread
+}
+
+std::shared_ptr<StreamPump> Agent::Impl::stream_pump(Agent* self) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!pump_) pump_ = std::make_shared<StreamPump>(self);
+  return pump_;
 }
 
 std::vector<std::string> Agent::Impl::transports() const {

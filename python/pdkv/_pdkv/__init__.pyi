@@ -6,7 +6,7 @@ import collections.abc
 import typing
 import typing_extensions
 from . import bench
-__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'status_code_names']
+__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'status_code_names']
 class XferState:
     """
     Members:
@@ -771,6 +771,37 @@ class Agent:
     @property
     def transports(self) -> list[str]:
         ...
+class StreamingWrite:
+    def cancel(self) -> None:
+        ...
+    def close(self, notif: bytes | None = None) -> None:
+        ...
+    def post_layers(self, first: typing.SupportsInt | typing.SupportsIndex, count: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def batches_posted(self) -> int:
+        ...
+    @property
+    def closed(self) -> bool:
+        ...
+    @property
+    def first_layer(self) -> int:
+        ...
+    @property
+    def layer_bytes(self) -> int:
+        ...
+    @property
+    def layers_landed(self) -> int:
+        ...
+    @property
+    def layers_posted(self) -> int:
+        ...
+    @property
+    def num_layers(self) -> int:
+        ...
+    @property
+    def transfer(self) -> Transfer:
+        ...
 def available_transports() -> list[str]:
     ...
 def buffer_info(arg0: typing.Any) -> tuple[int, int, bool, bool]:
@@ -787,6 +818,10 @@ def dtype_name(arg0: str) -> str:
     ...
 def dtype_size(arg0: str) -> int:
     ...
+def open_stream(agent: Agent, peer: str, local_layout: str, local_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], remote_layout: str, remote_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], num_tokens: typing.SupportsInt | typing.SupportsIndex, num_heads: typing.SupportsInt | typing.SupportsIndex, local_head_offset: typing.SupportsInt | typing.SupportsIndex, remote_head_offset: typing.SupportsInt | typing.SupportsIndex, first_layer: typing.SupportsInt | typing.SupportsIndex, num_layers: typing.SupportsInt | typing.SupportsIndex, transport: str, remote_generations: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None, notif: bytes, timeout_s: typing.SupportsFloat | typing.SupportsIndex, min_batch_bytes: typing.SupportsInt | typing.SupportsIndex, max_inflight_batches: typing.SupportsInt | typing.SupportsIndex, progress_prefix: bytes) -> StreamingWrite:
+    """
+    Opens a layer-wise streaming write (Agent::open_stream); python/pdkv/agent.py documents it.
+    """
 def plan_blocks(local: KVLayout, local_ids: typing.Any, remote: KVLayout, remote_ids: typing.Any, num_tokens: typing.SupportsInt | typing.SupportsIndex = 0, num_heads: typing.SupportsInt | typing.SupportsIndex = 0, local_head_offset: typing.SupportsInt | typing.SupportsIndex = 0, remote_head_offset: typing.SupportsInt | typing.SupportsIndex = 0, distinct: str = '', first_layer: typing.SupportsInt | typing.SupportsIndex = 0, num_layers: typing.SupportsInt | typing.SupportsIndex = 0) -> list:
     ...
 def register_transport(name: str, description: str, priority: typing.Any, viable: typing.Any, create: typing.Any, metadata_via: str = '') -> None:

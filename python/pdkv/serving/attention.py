@@ -7,7 +7,8 @@ of every layer. For each layer :func:`paged_attention_forward`
 
 1. writes this step's rotated K and V (``[1, kv_heads, T, head_dim]``) into the pool
    slots of their positions, so the pool holds exactly what prefill computed (and
-   what pdkv ships), and
+   what pdkv ships), then tells the engine (``on_layer_written``: a prefill worker
+   streams that layer to the decode worker while the next layers compute), and
 2. attends each request's queries to its own context read back from the pool: causal,
    aligned to the end of the context (chunked prefill), restricted to the layer's
    ``sliding_window`` keyword when the layer has one.
@@ -22,7 +23,7 @@ mask function is registered under :data:`PAGED_ATTENTION`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -88,11 +89,16 @@ class PagedBatch:
         The packed requests, in packing order (``q_start`` ascending, no gaps).
     write_slots : torch.Tensor
         ``[T]`` int64 flat pool slots of the ``T`` packed tokens.
+    on_layer_written : callable, optional
+        Called with the layer index right after that layer's K/V of this step are in
+        the pool (before its attention runs), so the engine can ship them while later
+        layers compute (layer-wise streaming, docs/streaming.md).
     """
 
     pool: PagedKVPool
     spans: list[SeqSpan]
     write_slots: torch.Tensor
+    on_layer_written: Callable[[int], None] | None = None
     _plans: dict[int | None, list[_Plan]] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -199,6 +205,8 @@ def paged_attention_forward(
     # [1, Hkv, T, D] -> [T, Hkv, D], written into the pool slots of the packed tokens.
     k_flat.index_copy_(0, pdkv_batch.write_slots, key[0].transpose(0, 1))
     v_flat.index_copy_(0, pdkv_batch.write_slots, value[0].transpose(0, 1))
+    if pdkv_batch.on_layer_written is not None:
+        pdkv_batch.on_layer_written(layer)
 
     outs: list[torch.Tensor] = []
     for span, plan in zip(pdkv_batch.spans, pdkv_batch.plans(sliding_window)):

@@ -121,6 +121,9 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
         p.add_argument("--reserve-wait", type=float, default=60.0,
                        help="seconds a request may wait for free KV blocks before a 503 (default 60)")
     if role == "prefill":
+        p.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=True,
+                       help="stream each layer's KV to the decode worker while later layers compute (default); "
+                       "--no-stream-layers writes the whole KV once after the prefill")
         p.add_argument("--debug-drop-kv", action="store_true",
                        help="testing only: skip every KV write but report success")
 
@@ -217,6 +220,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                        secret=getattr(args, "secret", None),
                        kv_margin_s=getattr(args, "kv_margin", 2.0),
                        reserve_wait_s=getattr(args, "reserve_wait", 60.0),
+                       stream_layers=getattr(args, "stream_layers", True),
                        debug_drop_kv=getattr(args, "debug_drop_kv", False),
                        max_body_bytes=args.max_body_bytes, limits=_limits(args))
     pin_threads(args.threads)

@@ -27,7 +27,9 @@ Disaggregation hooks (the prefill and decode workers are built on these):
 
 * prefill side: ``add_request(..., prefill_only=True)`` computes the prompt and the
   first token, then keeps the prompt's blocks (:attr:`RequestHandle.block_ids`) until
-  :meth:`Engine.release`, so pdkv can ship them;
+  :meth:`Engine.release`, so pdkv can ship them; with ``layer_sink=`` the engine also
+  reports each layer as soon as its K/V are in the pool (:data:`LayerSink`), so they
+  can be shipped while later layers compute;
 * decode side: :meth:`Engine.reserve` allocates blocks for a prompt of ``N`` tokens
   (the prefill side writes into them), then :meth:`Engine.admit_prefilled` starts
   decoding from the shipped KV and the first token;
@@ -44,6 +46,7 @@ the stepping thread, after the step, without engine locks held: they must be qui
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections import deque
@@ -59,8 +62,10 @@ from .attention import BATCH_KWARG, PAGED_ATTENTION, PagedBatch, SeqSpan
 from .kv_pool import PagedKVPool
 from .sampling import SamplingParams, new_seed, sample_tokens
 
-__all__ = ["Engine", "EngineConfig", "FinishReason", "RequestHandle", "SchedulingMode", "StepStats",
+__all__ = ["Engine", "EngineConfig", "FinishReason", "LayerSink", "RequestHandle", "SchedulingMode", "StepStats",
            "TokenEvent"]
+
+log = logging.getLogger("pdkv.serving")
 
 
 class SchedulingMode(str, enum.Enum):
@@ -165,6 +170,14 @@ class TokenEvent:
 
 EventCallback = Callable[[TokenEvent], None]
 
+#: ``sink(layer, token_start, token_end, block_ids)``: called in the stepping thread,
+#: during the model's forward, right after ``layer``'s K/V of the request's tokens
+#: ``[token_start, token_end)`` were written into its blocks ``block_ids`` (its whole
+#: block table, in token order). Layers come in order, once per step that computes
+#: the request's tokens. It must be quick and must not raise (log instead): it runs
+#: inside the forward.
+LayerSink = Callable[[int, int, int, tuple], None]
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -265,10 +278,10 @@ class _Request:
     """Engine-internal request state (guarded by the engine lock)."""
 
     __slots__ = ("handle", "tokens", "num_computed", "block_ids", "state", "prefill_only", "on_event",
-                 "abort_requested")
+                 "abort_requested", "layer_sink")
 
     def __init__(self, handle: RequestHandle, tokens: list[int], *, prefill_only: bool,
-                 on_event: EventCallback | None) -> None:
+                 on_event: EventCallback | None, layer_sink: LayerSink | None = None) -> None:
         self.handle = handle
         self.tokens = tokens            # prompt + outputs: the next input is tokens[num_computed]
         self.num_computed = 0           # tokens whose KV is in the pool
@@ -277,6 +290,7 @@ class _Request:
         self.prefill_only = prefill_only
         self.on_event = on_event
         self.abort_requested = False
+        self.layer_sink = layer_sink
 
     @property
     def rid(self) -> str:
@@ -367,7 +381,8 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
-                    on_event: EventCallback | None = None, prefill_only: bool = False) -> RequestHandle:
+                    on_event: EventCallback | None = None, prefill_only: bool = False,
+                    layer_sink: LayerSink | None = None) -> RequestHandle:
         """Queues a request.
 
         Parameters
@@ -385,6 +400,9 @@ class Engine:
             Stop after the first token and keep the prompt's blocks until
             :meth:`release` (the prefill side of disaggregation). The request finishes
             with :attr:`FinishReason.PREFILLED` unless the first token already ends it.
+        layer_sink : LayerSink, optional
+            Told about each layer of the request's K/V as soon as it is in the pool
+            (a prefill worker streams it, docs/streaming.md).
 
         Raises
         ------
@@ -397,7 +415,7 @@ class Engine:
         params = params or SamplingParams()
         prompt = self._check_prompt(request_id, prompt_ids, params, prefill_only=prefill_only)
         handle = RequestHandle(request_id, prompt, params, params.seed if params.seed is not None else new_seed())
-        req = _Request(handle, list(prompt), prefill_only=prefill_only, on_event=on_event)
+        req = _Request(handle, list(prompt), prefill_only=prefill_only, on_event=on_event, layer_sink=layer_sink)
         with self._lock:
             self._check_new_id(request_id)
             self._requests[request_id] = req
@@ -911,18 +929,38 @@ class Engine:
         pos: list[int] = []
         spans: list[SeqSpan] = []
         sample_rows: list[tuple[int, _Request]] = []
+        sinks: list[tuple[LayerSink, int, int, tuple[int, ...]]] = []
         for req, n in sched:
             start = req.num_computed
             spans.append(SeqSpan(len(ids), n, start + n, tuple(req.block_ids)))
+            if req.layer_sink is not None:
+                sinks.append((req.layer_sink, start, start + n, tuple(req.block_ids)))
             ids.extend(req.tokens[start:start + n])
             pos.extend(range(start, start + n))
             if start + n == len(req.tokens):
                 sample_rows.append((len(ids) - 1, req))
         device = self.pool.device
         batch = PagedBatch.build(self.pool, spans)
+        if sinks:
+            batch.on_layer_written = self._layer_hook(sinks)
         input_ids = torch.tensor([ids], dtype=torch.int64, device=device)
         positions = torch.tensor([pos], dtype=torch.int64, device=device)
         return input_ids, positions, batch, sample_rows
+
+    def _layer_hook(self, sinks: list[tuple[LayerSink, int, int, tuple[int, ...]]]) -> Callable[[int], None]:
+        """The step's ``on_layer_written``: tells each sink of the step's requests."""
+        device = self.pool.device
+
+        def on_layer_written(layer: int) -> None:
+            if device.type == "cuda":  # the pool writes are queued on the stream: land them first
+                torch.cuda.current_stream(device).synchronize()
+            for sink, start, end, blocks in sinks:
+                try:
+                    sink(layer, start, end, blocks)
+                except Exception:  # noqa: BLE001 - a sink must not break the forward
+                    log.exception("layer sink failed (layer %d)", layer)
+
+        return on_layer_written
 
     def _emit(self, events: Iterable[tuple[_Request, TokenEvent]]) -> None:
         """Runs callbacks and wakes waiters; called without the lock."""

@@ -10,6 +10,12 @@ then admits the request into its engine with that KV, or -- when the KV failed
 (:class:`~pdkv.serving.protocol.KVFailed`) or did not come in time -- recomputes the
 prompt.
 
+With layer-wise streaming (the default, :class:`LayerStreamer`) the sender opens a
+:meth:`pdkv.Agent.open_stream` when the prompt's last prefill step starts and posts
+each layer the moment the engine wrote it, so the transfer runs while the later layers
+compute; the first token's :class:`~pdkv.serving.protocol.KVReady` is the stream's
+notification, sent once every layer landed (docs/streaming.md).
+
 A late write never lands in reused blocks: a receiver that gives up on a reservation's
 KV while a write may still be on its way bumps the blocks' generations
 (:meth:`pdkv.Agent.bump_generations`) and reuses them at once; the write then fails
@@ -25,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -37,7 +45,7 @@ from .metrics import Registry
 from .protocol import KVFailed, KVReady, KVResult, PrefillRequest, Reservation
 from .sampling import SamplingParams
 
-__all__ = ["Arrival", "KVReceiver", "KVSender", "Ticket", "error_kind"]
+__all__ = ["Arrival", "KVReceiver", "KVSender", "LayerStreamer", "Ticket", "error_kind"]
 
 log = logging.getLogger("pdkv.serving")
 
@@ -336,6 +344,88 @@ class KVReceiver:
 
 
 # ---------------------------------------------------------------------- prefill side
+class LayerStreamer:
+    """Streams one prefill request's KV to its decode worker layer by layer: the
+    engine's :data:`~pdkv.serving.engine.LayerSink` for that request.
+
+    The stream opens when the step that completes the prompt writes its first layer
+    (with chunked prefill, earlier chunks' K/V are in the pool by then, so each layer
+    posted covers the whole prompt) and each layer is posted as soon as the engine
+    wrote it. Errors never reach the forward: the streamer records them and
+    :meth:`KVSender.push` falls back to one ordinary write.
+
+    Parameters
+    ----------
+    agent : pdkv.Agent
+    peer : str
+        The decode worker's agent, already connected.
+    req : PrefillRequest
+    deadline : float
+        ``time.monotonic()`` by which the KV must have landed.
+    plan : dict
+        Plan keywords of the write (``num_tokens`` when the block sizes differ).
+    """
+
+    def __init__(self, agent: pdkv.Agent, peer: str, req: PrefillRequest, *, deadline: float,
+                 plan: dict[str, int]) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.req = req
+        self.deadline = deadline
+        self.plan = plan
+        self.stream: pdkv.StreamingWrite | None = None
+        self.error: PdkvError | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def __call__(self, layer: int, token_start: int, token_end: int, block_ids: tuple) -> None:
+        if token_end < len(self.req.prompt):
+            return  # an earlier chunk: its K/V stay in the pool until the last chunk streams every layer
+        with self._lock:
+            if self._cancelled or self.error is not None:
+                return
+            try:
+                if self.stream is None:
+                    self.stream = self._open(block_ids)
+                self.stream.post_layers(layer)
+            except PdkvError as e:
+                self.error = e
+                if self.stream is not None:
+                    self.stream.cancel()
+
+    def _open(self, block_ids: tuple) -> pdkv.StreamingWrite:
+        dst = self.req.dst
+        return self.agent.open_stream(self.peer, "kv", list(block_ids), "kv", list(dst.blocks),
+                                      timeout=max(self.deadline - time.monotonic(), 0.001),
+                                      remote_generations=list(dst.generations) or None, **self.plan)
+
+    @property
+    def usable(self) -> bool:
+        """Every layer was posted without an error: :meth:`close` may finish it."""
+        with self._lock:
+            s = self.stream
+            return (self.error is None and not self._cancelled and s is not None
+                    and s.layers_posted == s.num_layers)
+
+    def close(self, notify: bytes) -> pdkv.Transfer:
+        """Closes the stream with the hand-off's notification; returns its transfer."""
+        assert self.stream is not None
+        return self.stream.close(notify=notify)
+
+    def cancel(self) -> pdkv.Transfer | None:
+        """Stops streaming (nothing more is posted; an unclosed stream is cancelled);
+        returns the stream's transfer, if one was opened, to wait for before the blocks
+        are released."""
+        with self._lock:
+            self._cancelled = True
+            s = self.stream
+        if s is None:
+            return None
+        if not s.closed:
+            s.cancel()
+        return s.transfer
+
+
 def _new_link() -> dict[str, Any]:
     return {"auth_failures": 0, "transport_errors": 0, "last_error": "", "ok": True}
 
@@ -358,13 +448,17 @@ class KVSender:
         ``pdkv_peer_transport_errors_total``.
     drop_kv : bool
         Testing only: report success without writing anything.
+    stream_layers : bool
+        Stream each layer while the prompt computes (:meth:`layer_streamer`); False:
+        one write after the prefill (the monolithic path).
     """
 
     def __init__(self, agent: pdkv.Agent, engine: Engine, *, executor: ThreadPoolExecutor,
-                 registry: Registry | None = None, drop_kv: bool = False) -> None:
+                 registry: Registry | None = None, drop_kv: bool = False, stream_layers: bool = True) -> None:
         self.agent = agent
         self.engine = engine
         self.drop_kv = drop_kv
+        self.stream_layers = stream_layers
         self._executor = executor
         self._peers: dict[str, str] = {}             # decode agent address -> peer name
         self._peer_locks: dict[str, asyncio.Lock] = {}
@@ -375,6 +469,9 @@ class KVSender:
         self.m_kv_bytes = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes pushed, by transport.", ("transport",))
         self.m_kv_time = r.histogram("pdkv_kv_transfer_seconds", "Time of each KV push (post to completion).",
                                      ("transport",))
+        self.m_kv_streamed = r.counter("pdkv_kv_streamed_total", "KV pushes by how they went: streamed layer by "
+                                       "layer, or one write after prefill (monolithic, or a stream that fell "
+                                       "back).", ("path",))
         self.m_peer_auth = r.counter("pdkv_peer_auth_failures_total",
                                      "Decode workers' agents that refused this worker's secret, by agent "
                                      "address (the KV is then recomputed).", ("peer",))
@@ -441,15 +538,44 @@ class KVSender:
             return name
 
     # ------------------------------------------------------------------ push
+    async def layer_streamer(self, req: PrefillRequest, deadline: float) -> LayerStreamer | None:
+        """A :class:`LayerStreamer` for ``req`` (give it to ``Engine.add_request`` as
+        ``layer_sink``), or None when streaming is off or the decode worker's agent cannot
+        be reached now (:meth:`push` then writes once, and reports the failure).
+        ``deadline`` is event-loop time."""
+        if not self.stream_layers or self.drop_kv:
+            return None
+        loop = asyncio.get_running_loop()
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return None
+        try:
+            peer = await self._peer(req.dst, min(remaining, 5.0))
+        except PdkvError:
+            return None
+        return LayerStreamer(self.agent, peer, req, deadline=time.monotonic() + (deadline - loop.time()),
+                             plan=self._plan(req))
+
+    def _plan(self, req: PrefillRequest) -> dict[str, int]:
+        if req.dst.block_tokens != self.engine.pool.block_tokens:
+            return {"num_tokens": len(req.prompt)}
+        return {}
+
     async def push(self, req: PrefillRequest, handle: RequestHandle, first_token: int, *, with_kv: bool,
-                   deadline: float, posted: list[pdkv.Transfer]) -> KVResult:
+                   deadline: float, posted: list[pdkv.Transfer], streamer: LayerStreamer | None = None) -> KVResult:
         """Writes the prompt's KV from ``handle``'s blocks into ``req.dst`` (or, without
         ``with_kv``, only the notification), by event-loop time ``deadline``. Every
         transfer it posts is appended to ``posted`` at once: the blocks must not be
         freed before it is over, even if this coroutine is cancelled (see
-        :meth:`finish`). Never raises for a transfer failure: the result says."""
+        :meth:`finish`). With a ``streamer`` whose layers all went out, closing its
+        stream is the push (a stream that failed or was not opened falls back to one
+        write). Never raises for a transfer failure: the result says."""
         loop = asyncio.get_running_loop()
         ready = KVReady(req.rid, first_token, handle.seed, kv=with_kv)
+        if streamer is not None:
+            result = await self._push_streamed(req, ready, streamer, posted)
+            if result is not None:
+                return result
         if self.drop_kv:
             self.m_kv.inc(("dropped",))
             return KVResult(ok=True, posted=False, error="debug: KV dropped on purpose")
@@ -486,16 +612,54 @@ class KVSender:
         self.m_kv_time.observe(xfer.elapsed, (transport,))
         return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport)
 
+    async def _push_streamed(self, req: PrefillRequest, ready: KVReady, streamer: LayerStreamer,
+                             posted: list[pdkv.Transfer]) -> KVResult | None:
+        """Closes a streamer's stream and waits for it: the result, or None to fall back
+        to one write (the stream was never complete, or its peer restarted)."""
+        transport = ""
+        if streamer.usable:
+            xfer = streamer.stream.transfer  # type: ignore[union-attr]
+            posted.append(xfer)
+            transport = xfer.transport
+            try:
+                streamer.close(ready.encode())  # raises the stream's error if a batch already failed
+                await _wait_transfer(self._executor, xfer)
+            except pdkv.StalePeer:
+                self._peers.pop(req.dst.agent, None)  # the decode worker restarted: fall back
+            except PdkvError as e:
+                if isinstance(e, (pdkv.PeerConnectionError, pdkv.AuthFailed)):
+                    self._peers.pop(req.dst.agent, None)
+                log.warning("request %s: KV stream to %s failed: %s: %s", req.rid, req.dst.agent, type(e).__name__, e)
+                return self._failed(req, e, posted=True, transport=transport)
+            else:
+                self.link_event(req.dst.agent, None)
+                self.m_kv.inc(("ok",))
+                self.m_kv_streamed.inc(("streamed",))
+                self.m_kv_bytes.inc((transport,), xfer.bytes_total)
+                self.m_kv_time.observe(xfer.elapsed, (transport,))
+                return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport)
+        # Not streamed in full: nothing of it may still be in flight when one write
+        # replaces it (the same bytes, but a deadline of its own).
+        pending = streamer.cancel()
+        if streamer.error is not None:
+            log.info("request %s: layer streaming stopped (%s: %s); writing the KV at once", req.rid,
+                     type(streamer.error).__name__, streamer.error)
+        if pending is not None:
+            posted.append(pending)
+            try:
+                await _wait_transfer(self._executor, pending)
+            except PdkvError:
+                pass
+        return None
+
     def _post(self, peer: str, req: PrefillRequest, handle: RequestHandle, ready: KVReady, *, with_kv: bool,
               timeout: float) -> pdkv.Transfer:
         if not with_kv:
             return self.agent.notify(peer, ready.encode(), timeout=timeout)
-        plan = {}
-        if req.dst.block_tokens != self.engine.pool.block_tokens:
-            plan["num_tokens"] = len(req.prompt)
+        self.m_kv_streamed.inc(("monolithic",))
         return self.agent.write(peer, "kv", list(handle.block_ids), "kv", list(req.dst.blocks),
                                 notify=ready.encode(), timeout=timeout,
-                                remote_generations=list(req.dst.generations) or None, **plan)
+                                remote_generations=list(req.dst.generations) or None, **self._plan(req))
 
     def _failed(self, req: PrefillRequest, e: PdkvError, *, posted: bool, transport: str) -> KVResult:
         self.link_event(req.dst.agent, e)
@@ -503,23 +667,30 @@ class KVSender:
         return KVResult(False, posted, error=f"{type(e).__name__}: {e}", transport=transport)
 
     # ------------------------------------------------------------------ release
-    def finish(self, rid: str, handle: RequestHandle, posted: list[pdkv.Transfer]) -> None:
+    def finish(self, rid: str, handle: RequestHandle, posted: list[pdkv.Transfer],
+               streamer: LayerStreamer | None = None) -> None:
         """Ends a prefill request: aborts it if it is still running, else releases its
-        blocks -- once the write reading them is over (in the background: the caller
-        may be cancelled)."""
+        blocks -- once the writes reading them are over (in the background: the caller
+        may be cancelled). A stream never closed is cancelled."""
+        if streamer is not None:
+            x = streamer.cancel()
+            if x is not None and all(x is not p for p in posted):
+                posted.append(x)
         pending = [x for x in posted if not x.done]
         if not handle.finished:
             self.engine.abort(rid)
         elif pending:
-            self._background.spawn(self._release_after(rid, pending[0]))
+            self._background.spawn(self._release_after(rid, pending))
         else:
             self._release(rid)
 
-    async def _release_after(self, rid: str, xfer: pdkv.Transfer) -> None:
+    async def _release_after(self, rid: str, xfers: list[pdkv.Transfer]) -> None:
         try:
-            await _wait_transfer(self._executor, xfer)
-        except PdkvError:
-            pass
+            for xfer in xfers:
+                try:
+                    await _wait_transfer(self._executor, xfer)
+                except PdkvError:
+                    pass
         finally:
             self._release(rid)
 

@@ -5,10 +5,12 @@ background thread, and serves the worker protocol of :mod:`pdkv.serving.protocol
 
 ``prefill``
     ``/pd/prefill``: runs the prompt prefill-only, answers the first token at once,
-    then **pushes** the prompt's KV blocks into the decode worker's reserved blocks
-    with one :meth:`pdkv.Agent.write` whose notification (carrying the first token and
-    the seed) reaches the decode worker after the last byte landed. Its blocks are
-    released when the write is over.
+    and **pushes** the prompt's KV blocks into the decode worker's reserved blocks:
+    layer by layer while the prompt computes (``stream_layers``, the default: a
+    :meth:`pdkv.Agent.open_stream` fed by the engine's layer sink), or with one
+    :meth:`pdkv.Agent.write` after the prefill. Either way the notification (carrying
+    the first token and the seed) reaches the decode worker after the last byte
+    landed. Its blocks are released when the write is over.
 ``decode``
     ``/pd/decode``: reserves blocks, hands out their ids and its agent's address,
     waits for the notification and continues decoding with continuous batching. If
@@ -101,6 +103,9 @@ class WorkerConfig:
         Decode: how much longer than the request's ``kv_timeout_s`` to wait for the KV.
     reserve_wait_s : float
         Decode: how long a request may wait for free blocks before a 503.
+    stream_layers : bool
+        Prefill: stream each layer's KV to the decode worker while later layers compute
+        (default); False pushes the whole KV with one write after the prefill.
     debug_drop_kv : bool
         Prefill, testing only: skip the KV write and its notification but report
         success (the decode worker then times out and recomputes).
@@ -130,6 +135,7 @@ class WorkerConfig:
     secret: str | None = None
     kv_margin_s: float = 2.0
     reserve_wait_s: float = 60.0
+    stream_layers: bool = True
     debug_drop_kv: bool = False
     debug_error_after: int | None = None
     debug_error_code: str = "internal_error"
@@ -249,7 +255,7 @@ class Worker:
         if cfg.role is WorkerRole.PREFILL:
             assert self.agent is not None
             self.sender = KVSender(self.agent, self.engine, executor=self._executor, registry=self.registry,
-                                   drop_kv=cfg.debug_drop_kv)
+                                   drop_kv=cfg.debug_drop_kv, stream_layers=cfg.stream_layers)
         if cfg.role is WorkerRole.DECODE:
             assert self.agent is not None
             self.receiver = KVReceiver(self.agent, self.engine, executor=self._executor, address=self.agent_address,
@@ -546,9 +552,13 @@ class Worker:
         loop = asyncio.get_running_loop()
         t_recv = loop.time()
         events = _Events(loop)
+        streamer = None
         try:
             req = PrefillRequest.from_json(await self._body(request))
-            h = eng.add_request(req.rid, req.prompt, req.params.to_sampling(), on_event=events, prefill_only=True)
+            eng.validate(req.rid, req.prompt, req.params.to_sampling(), prefill_only=True)
+            streamer = await sender.layer_streamer(req, t_recv + req.kv_timeout_s)
+            h = eng.add_request(req.rid, req.prompt, req.params.to_sampling(), on_event=events, prefill_only=True,
+                                layer_sink=streamer)
         except AlreadyExists as e:
             return json_error(409, str(e), code="duplicate_request")
         except InvalidArgument as e:
@@ -568,13 +578,13 @@ class Worker:
                                                    "f": finish.value if ended else None,
                                                    "prefill_s": time.perf_counter() - h.arrival_time}}))
             result = await sender.push(req, h, ev.token_id, with_kv=not ended, deadline=t_recv + req.kv_timeout_s,
-                                       posted=posted)
+                                       posted=posted, streamer=streamer)
             await resp.write(dumps_line({"kv": result.to_json()}))
             await resp.write_eof()
             return resp
         finally:
             self._in_flight -= 1
-            sender.finish(req.rid, h, posted)
+            sender.finish(req.rid, h, posted, streamer)
 
     async def _h_check_peer(self, request: web.Request) -> web.Response:
         """Connects to a decode worker's agent now (metadata, then the transport
