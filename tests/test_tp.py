@@ -162,7 +162,8 @@ def test_heads_of_rank_is_the_engines_rule():
 
 
 # ------------------------------------------------------------------ real agents over tcp
-L, T, D, DTYPE = 2, 4, 8, "float16"
+L, T, D = 2, 4, 8
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 
 
 def group(n: int, prefix: str) -> list[pdkv.Agent]:
@@ -181,51 +182,71 @@ def load(pool: Pool, ids, ref: np.ndarray) -> None:
             b[np.asarray(ids)] = x
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-@pytest.mark.parametrize("prefill_tp,decode_tp,kv_heads,decode_style", [
-    (2, 4, 8, "nhd"), (4, 2, 8, "nhd"), (2, 4, 4, "hnd"),  # plain splits (HND on the decode side)
-    (2, 4, 2, "nhd"), (4, 2, 2, "nhd"),  # GQA: heads replicated on one side
-])
-def test_agents_move_kv_between_tp_groups(mode, prefill_tp, decode_tp, kv_heads, decode_style):
-    m = TPMapping(prefill_tp, decode_tp, kv_heads)
-    rng = np.random.default_rng(prefill_tp * 100 + decode_tp * 10 + kv_heads)
+def move_between_groups(m: TPMapping, mode: str, *, decode_style: str = "nhd", dtype: str = "float16",
+                        num_tokens: int = 0) -> None:
+    """Each rank an Agent with its own pool; prefill pools hold their heads of a random
+    reference; the initiators issue exactly what the mapping returns; then every decode
+    pool holds its heads of the reference (the first ``num_tokens`` tokens; the rest
+    untouched) and every prefill pool is unchanged."""
+    rng = np.random.default_rng(m.prefill_tp * 100 + m.decode_tp * 10 + m.kv_heads)
     nblocks, blocks = 3, 8
-    ref = rng.integers(0, 256, (L, 2, nblocks * T, kv_heads, D * 2), dtype=np.uint8)
-    pre_ids = [[int(x) for x in rng.permutation(blocks)[:nblocks]] for _ in range(prefill_tp)]
-    dec_ids = [[int(x) for x in rng.permutation(blocks)[:nblocks]] for _ in range(decode_tp)]
-    pre, dec = group(prefill_tp, "p"), group(decode_tp, "d")
+    tokens = num_tokens or nblocks * T
+    ref = rng.integers(0, 256, (L, 2, nblocks * T, m.kv_heads, D * ITEMSIZE[dtype]), dtype=np.uint8)
+    pre_ids = [[int(x) for x in rng.permutation(blocks)[:nblocks]] for _ in range(m.prefill_tp)]
+    dec_ids = [[int(x) for x in rng.permutation(blocks)[:nblocks]] for _ in range(m.decode_tp)]
+    pre, dec = group(m.prefill_tp, "p"), group(m.decode_tp, "d")
     try:
-        ppools, dpools = [], []
+        ppools, dpools, before = [], [], []
         for r, a in enumerate(pre):
             h = m.heads("prefill", r)
-            pool = Pool(PoolSpec(L, blocks, T, h.count, D, DTYPE, "nhd"), seed=r, shared_by=a)
+            pool = Pool(PoolSpec(L, blocks, T, h.count, D, dtype, "nhd"), seed=r, shared_by=a)
             load(pool, pre_ids[r], ref[:, :, :, h.start:h.stop])
             pool.register(a)
             ppools.append(pool)
         for r, a in enumerate(dec):
             h = m.heads("decode", r)
-            pool = Pool(PoolSpec(L, blocks, T, h.count, D, DTYPE, decode_style), seed=1000 + r, shared_by=a)
+            pool = Pool(PoolSpec(L, blocks, T, h.count, D, dtype, decode_style), seed=1000 + r, shared_by=a)
             pool.register(a)
             dpools.append(pool)
+            before.append(pool.logical(dec_ids[r]))
         initiators, targets, ids = (pre, dec, (pre_ids, dec_ids)) if mode == "push" else (dec, pre, (dec_ids, pre_ids))
         side = "prefill" if mode == "push" else "decode"
         xfers = []
         for r, a in enumerate(initiators):
             for t in m.transfers(side=side, rank=r, mode=mode):
                 peer = a.connect(targets[t.peer_rank].address)
-                xfers.append(t.submit(a, peer, "kv", ids[0][r], "kv", ids[1][t.peer_rank], timeout=30))
+                xfers.append(t.submit(a, peer, "kv", ids[0][r], "kv", ids[1][t.peer_rank], timeout=30,
+                                      num_tokens=num_tokens))
         assert xfers
         for x in xfers:
             assert x.wait(30)
         for r, pool in enumerate(dpools):
             h = m.heads("decode", r)
-            assert np.array_equal(pool.logical(dec_ids[r]), ref[:, :, :, h.start:h.stop])
-        for r, pool in enumerate(ppools):  # the sources are untouched
+            got = pool.logical(dec_ids[r])
+            assert np.array_equal(got[:, :, :tokens], ref[:, :, :tokens, h.start:h.stop])
+            assert np.array_equal(got[:, :, tokens:], before[r][:, :, tokens:])
+        for r, pool in enumerate(ppools):
             h = m.heads("prefill", r)
             assert np.array_equal(pool.logical(pre_ids[r]), ref[:, :, :, h.start:h.stop])
     finally:
         for a in pre + dec:
             a.close()
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("prefill_tp,decode_tp,kv_heads,decode_style", [
+    (2, 4, 8, "nhd"), (4, 2, 8, "nhd"), (2, 4, 4, "hnd"),  # plain splits (HND on the decode side)
+    (2, 4, 2, "nhd"), (4, 2, 2, "nhd"),  # GQA: heads replicated on one side
+])
+def test_agents_move_kv_between_tp_groups(mode, prefill_tp, decode_tp, kv_heads, decode_style):
+    move_between_groups(TPMapping(prefill_tp, decode_tp, kv_heads), mode, decode_style=decode_style)
+
+
+@pytest.mark.parametrize("dtype", list(ITEMSIZE))
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_replicated_heads_partial_last_block_every_dtype(dtype, mode):
+    """Prefill TP4 over 2 heads (each replicated twice) -> decode TP2, HND, 9 of 12 tokens."""
+    move_between_groups(TPMapping(4, 2, 2), mode, decode_style="hnd", dtype=dtype, num_tokens=3 * T - 3)
 
 
 def test_module_example_runs():
