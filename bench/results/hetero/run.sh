@@ -1,22 +1,20 @@
 #!/bin/bash
-# The issue-14 hetero matrix, short runs: 64 MiB per decode rank, 4 timed rounds each.
-cd /work/wt/hetero
+# Issue 14's heterogeneous targets, short runs: 64 MiB landing on one decode rank, 4 timed
+# rounds of hetero and homogeneous alternating, verified bit-exact afterwards. Writes
+# <transport>-<model>-<spec>.{json,txt} here. Run from anywhere: bench/results/hetero/run.sh
+cd "$(dirname "$0")/../../.." || exit 1
+PY=${PYTHON:-.venv/bin/python}
 OUT=bench/results/hetero
+run() {  # transport model spec
+  local name="$1-$2-${3//:/-}"
+  PDKV_LOG=error timeout 600 "$PY" -m pdkv.cli bench transfer --transport "$1" --model "$2" --hetero "$3" \
+    --payload 64M --iters 4 --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+  echo "$name rc=$?"
+}
 for transport in tcp shm; do
   for model in llama-3-8b llama-3-70b-tp8; do
-    for spec in tp2:tp4 tp4:tp2 bs16:bs32 nhd:hnd; do
-      name="$transport-$model-${spec//:/-}"
-      PDKV_LOG=error timeout 600 .venv/bin/python -m pdkv.cli bench transfer --transport $transport --model $model \
-        --hetero $spec --payload 64M --iters 4 --out $OUT/$name.json > $OUT/$name.txt 2>&1
-      echo "$name rc=$?"
-    done
+    for spec in tp2:tp4 tp4:tp2 bs16:bs32 nhd:hnd; do run $transport $model $spec; done
   done
-done
-for transport in tcp shm; do
-  for spec in tp8:tp4 tp4:tp8; do
-    name="$transport-llama-3-70b-tp8-${spec//:/-}"
-    PDKV_LOG=error timeout 600 .venv/bin/python -m pdkv.cli bench transfer --transport $transport --model llama-3-70b-tp8 \
-      --hetero $spec --payload 64M --iters 4 --out $OUT/$name.json > $OUT/$name.txt 2>&1
-    echo "$name rc=$?"
-  done
+  # llama-3-70b at its real TP8 split on one side: 1 head per prefill (or decode) rank
+  for spec in tp8:tp4 tp4:tp8; do run $transport llama-3-70b-tp8 $spec; done
 done
