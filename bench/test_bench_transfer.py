@@ -82,7 +82,7 @@ def test_write_hetero_16M(benchmark, hetero_pair, spec, kind):
     req = hetero.make_request(plan, 16 << 20, 2 * n_dst, 0)
     pools = hetero.make_pools(a, plan, len(req.src_ids), n_dst, 0)
     try:
-        expected = hetero.reference(plan, pools, req.src_ids, req.tokens)
+        expected = hetero.reference(plan, pools.src, req.src_ids, req.tokens)
         hetero.store(pools.hom[0], pools.hom[1], req.hom_local, expected)
         if kind == "hetero":
             preps = [a.prepare("write", peer, f"src{p.prefill_rank}", req.src_ids, "kv", req.het_ids,

@@ -30,18 +30,21 @@ def rows_of(out: subprocess.CompletedProcess) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("spec,model,pushes", [
+@pytest.mark.parametrize("spec,model,feeds", [
     ("tp2:tp4", "llama-3-8b", [0]),
     ("tp4:tp2,nhd:hnd", "llama-3-8b", [0, 1]),
     ("bs16:bs32", "llama-3-70b-tp8", [0]),
     ("hnd:nhd,bs32:bs16,tp8:tp4", "llama-3-70b-tp8", [0, 1]),
+    ("tp4:tp8", "llama-3-70b-tp8", [0]),
 ])
-def test_hetero_json(transport, spec, model, pushes):
-    (r,) = rows_of(run_hetero("--transport", transport, "--model", model, "--hetero", spec, "--payload", "2M"))
-    assert r["transport"] == transport and r["hetero"] == spec and r["model"] == model
+def test_hetero_json(transport, spec, model, feeds, mode):
+    (r,) = rows_of(run_hetero("--transport", transport, "--model", model, "--hetero", spec, "--payload", "2M",
+                              "--hetero-mode", mode))
+    assert r["transport"] == transport and r["hetero"] == spec and r["model"] == model and r["mode"] == mode
     assert r["verified"] is True
-    assert [p["prefill_rank"] for p in r["pushes"]] == pushes
+    assert [p["prefill_rank"] for p in r["transfers"]] == feeds
     assert r["gbps"] > 0 and r["homogeneous_gbps"] > 0
     assert r["ratios"] == {"homogeneous": pytest.approx(r["gbps"] / r["homogeneous_gbps"])}
     assert set(r["extents"]) == set(r["prepare_ms"]) == {"hetero", "homogeneous"}
@@ -51,9 +54,10 @@ def test_hetero_json(transport, spec, model, pushes):
         "llama-3-8b": 64, "llama-3-70b-tp8": 160}[model]
 
 
-def test_hetero_verification_can_fail():
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_hetero_verification_can_fail(mode):
     """A deliberately wrong reference must fail the check: the comparison is real."""
-    (r,) = rows_of(run_hetero("--hetero", "tp4:tp2", "--payload", "1M", "--corrupt-reference"))
+    (r,) = rows_of(run_hetero("--hetero", "tp4:tp2", "--payload", "1M", "--corrupt-reference", "--hetero-mode", mode))
     assert r["verified"] is False
 
 
@@ -64,6 +68,7 @@ def test_hetero_verification_can_fail():
     (["--hetero", "bs0:bs16"], "sizes must be positive"),
     (["--hetero", "tp2:tp4", "--model", "gpt-5"], "unknown model preset"),
     (["--hetero", "tp2:tp4", "--memory", "cuda"], "host memory"),
+    (["--hetero", "tp2:tp4", "--hetero-mode", "both"], "invalid choice: 'both'"),
 ])
 def test_hetero_rejects_bad_arguments(args, message):
     out = run_hetero(*args, timeout=60)

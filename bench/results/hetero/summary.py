@@ -5,13 +5,14 @@ import json
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-print("| transport | model | spec | pushes | extents hetero / homog. | hetero GB/s | homog. GB/s | ratio "
+print("| transport | model | spec | mode | transfers | extents hetero / homog. | hetero GB/s | homog. GB/s | ratio "
       "| prepare 4K-token request hetero / homog. | verified |")
-print("|---|---|---|--:|--:|--:|--:|--:|--:|---|")
+print("|---|---|---|---|--:|--:|--:|--:|--:|--:|---|")
 for f in sorted(glob.glob(os.path.join(HERE, "*.json"))):
     for r in json.load(open(f))["results"]:
         q = r.get("prepare_request", {})
-        print(f"| {r['transport']} | {r['model']} | {r['hetero']} | {len(r['pushes'])} | "
+        print(f"| {r['transport']} | {r['model']} | {r['hetero']} | {r.get('mode', 'push')} | "
+              f"{len(r.get('transfers', r.get('pushes', [])))} | "
               f"{r['extents']['hetero']:,} / {r['extents']['homogeneous']:,} | {r['gbps']:.2f} | "
               f"{r['homogeneous_gbps']:.2f} | {r['ratios']['homogeneous']:.2f}x | "
               f"{q.get('hetero_ms', float('nan')):.1f} / {q.get('homogeneous_ms', float('nan')):.1f} ms | "

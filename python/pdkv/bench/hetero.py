@@ -9,14 +9,22 @@ of the model preset's geometry (``--model``):
 * ``bsA:bsB``: tokens per block on each side;
 * ``nhd:hnd`` / ``hnd:nhd``: element order inside a block on each side.
 
-What is measured: **one decode rank (rank 0) receiving a request's KV, pushed by every
-prefill rank that feeds it** (``write``s with the TP helper's head offsets, posted
-together and timed until all have landed). The initiator process holds those prefill
-ranks' pools, the target process decode rank 0's pool. The homogeneous baseline
-writes the same bytes from a pool with decode rank 0's own geometry into other
-blocks of the same target pool; the two alternate round by round. After the timed
-runs both destinations are read back and compared bit for bit with a numpy
-reference assembled from the source pools.
+What is measured: **one decode rank (rank 0) receiving a request's KV from every
+prefill rank that feeds it**, with the TP helper's head offsets, all transfers posted
+together and timed until all have landed:
+
+* ``--hetero-mode push`` (default): the prefill ranks ``write``. The initiator process
+  holds those prefill ranks' pools, the target process decode rank 0's pool; the
+  homogeneous baseline writes the same bytes from a pool with decode rank 0's own
+  geometry into other blocks of the same target pool.
+* ``--hetero-mode pull``: decode rank 0 ``read``s. The target process holds the
+  prefill ranks' pools (filled from ``--seed``, which the initiator regenerates for
+  its reference) and a pool with decode rank 0's geometry holding the same bytes for
+  the homogeneous baseline; the initiator holds decode rank 0's pool.
+
+Hetero and homogeneous alternate round by round. After the timed rounds both
+destinations are compared bit for bit with a numpy reference assembled from the
+source pools.
 """
 
 from __future__ import annotations
@@ -111,6 +119,12 @@ class Plan:
         for incoming in self.mapping.transfers(side="decode", rank=DECODE_RANK, mode="push"):
             issued = self.mapping.transfers(side="prefill", rank=incoming.peer_rank, mode="push")
             self.pushes += [Push(incoming.peer_rank, t) for t in issued if t.peer_rank == DECODE_RANK]
+        # The same data pulled: the reads DECODE_RANK issues (peer_rank = prefill rank).
+        self.pulls: list[TPTransfer] = self.mapping.transfers(side="decode", rank=DECODE_RANK, mode="pull")
+
+    @property
+    def prefill_ranks(self) -> list[int]:
+        return sorted({p.prefill_rank for p in self.pushes})
 
     def src_geometry(self, prefill_rank: int, num_blocks: int) -> KVGeometry:
         return models.rank_geometry(self.model, num_blocks, kv_heads=self.mapping.heads("prefill", prefill_rank).count,
@@ -128,6 +142,11 @@ class Plan:
     def src_blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.spec.src_block_tokens)
 
+    def target_src_blocks(self, target_blocks: int) -> int:
+        """Pull mode: blocks of each prefill pool the target serves (enough for the
+        largest request its decode-geometry pool of ``target_blocks`` was sized for)."""
+        return self.src_blocks_for(target_blocks // 2 * self.spec.dst_block_tokens)
+
 
 def target_geometry(args: argparse.Namespace) -> KVGeometry:
     """The target process's pool (decode rank 0), ``args.blocks`` blocks."""
@@ -138,6 +157,33 @@ def target_blocks(args: argparse.Namespace, payloads: list[int]) -> int:
     """Target pool size: room for the hetero and the homogeneous destinations of the largest payload."""
     plan = Plan(parse_spec(args.hetero, args.model), args.model)
     return 2 * max(plan.dst_blocks_for(p) for p in payloads)
+
+
+def target_flags(args: argparse.Namespace) -> list[str]:
+    """What a spawned target needs to know of a --hetero run."""
+    return ["--hetero", args.hetero, "--hetero-mode", args.hetero_mode, "--seed", str(args.seed)]
+
+
+def source_bytes(geo: KVGeometry, prefill_rank: int, seed: int) -> np.ndarray:
+    """The deterministic contents of a prefill rank's pool (both processes can make them)."""
+    return np.random.default_rng(seed + prefill_rank).integers(0, 256, geo.pool_bytes, dtype=np.uint8)
+
+
+def serve_sources(agent: Agent, args: argparse.Namespace) -> list:
+    """Target side of pull mode: the prefill ranks' pools as layouts ``src<rank>``
+    (their regions are returned: keep them alive). Nothing in push mode."""
+    if args.hetero_mode != "pull":
+        return []
+    plan = Plan(parse_spec(args.hetero, args.model), args.model)
+    regions = []
+    for r in plan.prefill_ranks:
+        geo = plan.src_geometry(r, plan.target_src_blocks(args.blocks))
+        region = agent.alloc(geo.pool_bytes)
+        buf = region.array()
+        buf[:] = source_bytes(geo, r, args.seed)
+        agent.add_layout(f"src{r}", KVLayout.contiguous(geo, buf))
+        regions.append(region)
+    return regions
 
 
 # ---------------------------------------------------------------- numpy views of contiguous pools
@@ -187,27 +233,27 @@ class Pools:
 def make_pools(agent: Agent, plan: Plan, src_blocks: int, dst_blocks: int, seed: int) -> Pools:
     regions = []
 
-    def pool(name: str, geo: KVGeometry, fill_seed: int | None) -> tuple[np.ndarray, KVGeometry]:
+    def pool(name: str, geo: KVGeometry, fill_rank: int | None = None) -> tuple[np.ndarray, KVGeometry]:
         region = agent.alloc(geo.pool_bytes)
         regions.append((name, region))
         buf = region.array()
-        if fill_seed is not None:
-            buf[:] = np.random.default_rng(fill_seed).integers(0, 256, geo.pool_bytes, dtype=np.uint8)
+        if fill_rank is not None:
+            buf[:] = source_bytes(geo, fill_rank, seed)
         agent.add_layout(name, KVLayout.contiguous(geo, buf))
         return buf, geo
 
-    ranks = sorted({p.prefill_rank for p in plan.pushes})
-    src = {r: pool(f"src{r}", plan.src_geometry(r, src_blocks), seed + r) for r in ranks}
-    hom = pool("hom", plan.dst_geometry(dst_blocks), None)
-    return Pools(src, hom, pool("scratch", plan.dst_geometry(dst_blocks), None), regions)
+    src = {r: pool(f"src{r}", plan.src_geometry(r, src_blocks), r) for r in plan.prefill_ranks}
+    hom = pool("hom", plan.dst_geometry(dst_blocks))
+    return Pools(src, hom, pool("scratch", plan.dst_geometry(dst_blocks)), regions)
 
 
-def reference(plan: Plan, pools: Pools, src_ids, tokens: int) -> np.ndarray:
-    """What decode rank 0's blocks must hold: each head from the prefill rank the mapping picked."""
+def reference(plan: Plan, sources: dict[int, tuple[np.ndarray, KVGeometry]], src_ids, tokens: int) -> np.ndarray:
+    """What decode rank 0's blocks must hold: each head from the prefill rank the mapping
+    picked (``sources``: prefill rank -> its pool's bytes and geometry)."""
     g = plan.dst_geometry(1)
     out = np.zeros((g.num_layers, g.kv_parts, tokens, g.kv_heads, g.head_dim * g.itemsize), np.uint8)
     for p in plan.pushes:
-        buf, geo = pools.src[p.prefill_rank]
+        buf, geo = sources[p.prefill_rank]
         x = logical(buf, geo, src_ids, tokens)
         t = p.transfer
         out[:, :, :, t.remote_heads.start:t.remote_heads.stop] = x[:, :, :, t.local_heads.start:t.local_heads.stop]
@@ -254,7 +300,15 @@ def prepare_request_ms(plan: Plan, tokens: int) -> dict:
 
 
 def _push_kwargs(plan: Plan, push: Push, tokens: int) -> dict:
-    kw = push.transfer.kwargs()
+    return _with_tokens(plan, push.transfer.kwargs(), tokens)
+
+
+def _pull_kwargs(plan: Plan, pull: TPTransfer, tokens: int) -> dict:
+    return _with_tokens(plan, pull.kwargs(), tokens)
+
+
+def _with_tokens(plan: Plan, kw: dict, tokens: int) -> dict:
+    """Block lists of different block sizes hold different token counts: say how many move."""
     if plan.spec.src_block_tokens != plan.spec.dst_block_tokens:
         kw["num_tokens"] = tokens
     return kw
@@ -282,41 +336,93 @@ def make_request(plan: Plan, payload: int, target_pool_blocks: int, seed: int) -
 
 def run_case(args, plan: Plan, agent: Agent, peer: str, payload: int, target_pool_blocks: int) -> dict:
     req = make_request(plan, payload, target_pool_blocks, args.seed)
-    pools = make_pools(agent, plan, len(req.src_ids), len(req.het_ids), args.seed)
-    try:
-        expected = reference(plan, pools, req.src_ids, req.tokens)
-        store(pools.hom[0], pools.hom[1], req.hom_local, expected)
-        r = measure(args, plan, agent, peer, req)
-        r["verified"] = None if args.no_verify else verify(args, agent, peer, pools, expected,
-                                                              [req.het_ids, req.hom_ids])
-    finally:
-        pools.close(agent)
+    if args.hetero_mode == "pull":
+        r = run_pull(args, plan, agent, peer, req, target_pool_blocks)
+        transfers = [{"prefill_rank": t.peer_rank, **_pull_kwargs(plan, t, req.tokens)} for t in plan.pulls]
+    else:
+        r = run_push(args, plan, agent, peer, req)
+        transfers = [{"prefill_rank": p.prefill_rank, **_push_kwargs(plan, p, req.tokens)} for p in plan.pushes]
+    what = "pushes from" if args.hetero_mode == "push" else "pulling from"
     return {
         "hetero": plan.spec.text,
-        "measured": f"decode rank {DECODE_RANK} receiving pushes from prefill ranks "
-                    f"{sorted({p.prefill_rank for p in plan.pushes})}",
+        "mode": args.hetero_mode,
+        "measured": f"decode rank {DECODE_RANK} {what} prefill ranks {plan.prefill_ranks}",
         "transport": agent.peer_transport(peer),
         "model": args.model,
-        "prefill": _describe(plan.src_geometry(plan.pushes[0].prefill_rank, len(req.src_ids)), plan.spec.prefill_tp),
+        "prefill": _describe(plan.src_geometry(plan.prefill_ranks[0], len(req.src_ids)), plan.spec.prefill_tp),
         "decode": _describe(plan.dst_geometry(len(req.het_ids)), plan.spec.decode_tp),
-        "pushes": [{"prefill_rank": p.prefill_rank, **_push_kwargs(plan, p, req.tokens)} for p in plan.pushes],
+        "transfers": transfers,
         "tokens": req.tokens,
         **r,
     }
 
 
-def measure(args, plan: Plan, agent: Agent, peer: str, req: Request) -> dict:
-    """Prepares both transfers, then times them in alternating rounds."""
+def run_push(args, plan: Plan, agent: Agent, peer: str, req: Request) -> dict:
+    """Push mode: local prefill pools written into the target's decode pool."""
+    pools = make_pools(agent, plan, len(req.src_ids), len(req.het_ids), args.seed)
+    try:
+        expected = reference(plan, pools.src, req.src_ids, req.tokens)
+        store(pools.hom[0], pools.hom[1], req.hom_local, expected)
+        r = measure(args,
+                    lambda: [agent.prepare("write", peer, f"src{p.prefill_rank}", req.src_ids, "kv", req.het_ids,
+                                           **_push_kwargs(plan, p, req.tokens)) for p in plan.pushes],
+                    lambda: [agent.prepare("write", peer, "hom", req.hom_local, "kv", req.hom_ids)])
+        r["verified"] = None if args.no_verify else verify(args, agent, peer, pools, expected,
+                                                              [req.het_ids, req.hom_ids])
+    finally:
+        pools.close(agent)
+    return r
+
+
+def run_pull(args, plan: Plan, agent: Agent, peer: str, req: Request, target_pool_blocks: int) -> dict:
+    """Pull mode: decode rank 0's local pool reads the target's prefill pools; the
+    homogeneous baseline reads the same bytes, staged untimed into the target's
+    decode-geometry pool, into other local blocks."""
+    n = len(req.het_ids)
+    src_blocks = plan.target_src_blocks(target_pool_blocks)
+    sources = {}
+    for r in plan.prefill_ranks:
+        geo = plan.src_geometry(r, src_blocks)
+        sources[r] = (source_bytes(geo, r, args.seed), geo)
+    expected = reference(plan, sources, req.src_ids, req.tokens)
+    geo = plan.dst_geometry(2 * n)
+    region = agent.alloc(geo.pool_bytes)
+    buf = region.array()
+    agent.add_layout("dst", KVLayout.contiguous(geo, buf))
+    local = np.random.default_rng(args.seed + 1).permutation(2 * n).astype(np.uint32)
+    het_local, hom_local = local[:n], local[n:]
+    try:
+        store(buf, geo, hom_local, expected)
+        agent.prepare("write", peer, "dst", hom_local, "kv", req.hom_ids).post().wait(120)  # stage, untimed
+        buf[:] = 0
+        r = measure(args,
+                    lambda: [agent.prepare("read", peer, "dst", het_local, f"src{t.peer_rank}", req.src_ids,
+                                           **_pull_kwargs(plan, t, req.tokens)) for t in plan.pulls],
+                    lambda: [agent.prepare("read", peer, "dst", hom_local, "kv", req.hom_ids)])
+        if not args.no_verify:
+            want = corrupted(expected) if args.corrupt_reference else expected
+            r["verified"] = all(np.array_equal(logical(buf, geo, ids, req.tokens), want)
+                                for ids in (het_local, hom_local))
+        else:
+            r["verified"] = None
+    finally:
+        agent.remove_layout("dst")
+        region.close()
+    return r
+
+
+def measure(args, prepare_hetero, prepare_homogeneous) -> dict:
+    """Prepares both transfers (each factory returns a list of prepared transfers), then
+    times them in alternating rounds."""
     t0 = time.perf_counter()
-    het = [agent.prepare("write", peer, f"src{p.prefill_rank}", req.src_ids, "kv", req.het_ids,
-                         **_push_kwargs(plan, p, req.tokens)) for p in plan.pushes]
+    het = prepare_hetero()
     het_prepare = time.perf_counter() - t0
     t0 = time.perf_counter()
-    hom = [agent.prepare("write", peer, "hom", req.hom_local, "kv", req.hom_ids)]
+    hom = prepare_homogeneous()
     hom_prepare = time.perf_counter() - t0
     nbytes = sum(p.nbytes for p in het)
-    if nbytes != hom[0].nbytes:
-        raise AssertionError(f"hetero moves {nbytes} bytes, homogeneous {hom[0].nbytes}")
+    if nbytes != sum(p.nbytes for p in hom):
+        raise AssertionError(f"hetero moves {nbytes} bytes, homogeneous {sum(p.nbytes for p in hom)}")
     iters = args.iters or max(3, math.ceil(args.min_bytes / nbytes))
     time_round(het), time_round(hom)  # warm-up: connections, page faults
     het_s = hom_s = 0.0
@@ -330,7 +436,7 @@ def measure(args, plan: Plan, agent: Agent, peer: str, req: Request) -> dict:
         "gbps": het_gbps,
         "homogeneous_gbps": hom_gbps,
         "ratios": {"homogeneous": het_gbps / hom_gbps},
-        "extents": {"hetero": sum(p.num_extents for p in het), "homogeneous": hom[0].num_extents},
+        "extents": {"hetero": sum(p.num_extents for p in het), "homogeneous": sum(p.num_extents for p in hom)},
         "prepare_ms": {"hetero": het_prepare * 1e3, "homogeneous": hom_prepare * 1e3},
     }
 
@@ -340,11 +446,17 @@ def _describe(geo: KVGeometry, tp: int) -> dict:
             "block_half_bytes": geo.block_bytes}
 
 
+def corrupted(expected: np.ndarray) -> np.ndarray:
+    """A deliberately wrong reference (one byte flipped): the check must be able to fail."""
+    bad = expected.copy()
+    bad.reshape(-1)[bad.size // 2] ^= 0xFF
+    return bad
+
+
 def verify(args, agent: Agent, peer: str, pools: Pools, expected: np.ndarray, destinations) -> bool:
     """Reads each destination (target block ids) back and compares it with the reference, bit for bit."""
-    if args.corrupt_reference:  # the check must be able to fail (tests use this)
-        expected = expected.copy()
-        expected.reshape(-1)[expected.size // 2] ^= 0xFF
+    if args.corrupt_reference:
+        expected = corrupted(expected)
     buf, geo = pools.scratch
     ok = True
     for ids in destinations:
@@ -388,6 +500,8 @@ def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> 
             if not info == plan.dst_geometry(info.num_blocks).native() or info.num_blocks < blocks:
                 raise InvalidArgument(f"the target pool is {info}; this run needs {plan.dst_geometry(blocks)} "
                                       f"(start it with --hetero {args.hetero} --blocks {blocks})")
+            if args.hetero_mode == "pull":
+                check_target_sources(plan, agent.peer_info(peer)["layouts"], info.num_blocks)
             for p in payloads:
                 r = run_case(args, plan, agent, peer, p, info.num_blocks)
                 if args.hetero_request_tokens:
@@ -400,6 +514,16 @@ def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> 
     if not args.json:
         print_table(args, results)
     return results
+
+
+def check_target_sources(plan: Plan, layouts: dict, target_blocks: int) -> None:
+    """Pull mode: the target must serve each prefill rank's pool as ``src<rank>``."""
+    for r in plan.prefill_ranks:
+        want = plan.src_geometry(r, plan.target_src_blocks(target_blocks))
+        got = layouts.get(f"src{r}")
+        if got is None or not got.geometry == want.native():
+            raise InvalidArgument(f"the target does not serve prefill rank {r}'s pool as {want} "
+                                  "(start it with the same --hetero, --hetero-mode pull and --seed)")
 
 
 def print_table(args, results: list[dict]) -> None:
@@ -425,6 +549,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="measure a heterogeneous transfer beside the homogeneous one of the same bytes: "
                          "comma-separated prefill:decode pairs tpA:tpB, bsA:bsB, nhd:hnd, hnd:nhd "
                          "(e.g. tp2:tp4,nhd:hnd); see pdkv.bench.hetero")
+    ap.add_argument("--hetero-mode", choices=("push", "pull"), default="push",
+                    help="with --hetero: prefill ranks write into decode rank 0 (push, default), or decode rank 0 "
+                         "reads from them (pull)")
     ap.add_argument("--hetero-request-tokens", type=int, default=4096,
                     help="with --hetero: also time preparing one request of N tokens (0: skip; default 4096)")
     ap.add_argument("--corrupt-reference", action="store_true", help=argparse.SUPPRESS)

@@ -117,6 +117,7 @@ def serve(args: argparse.Namespace) -> None:
                   transports=["tcp"] if args.memory == "cuda" else [t for t in available_transports() if t != "cuda_ipc"])
     buf, layout = _pool(agent, geo, None, args.memory)
     agent.add_layout("kv", layout)
+    sources = hetero.serve_sources(agent, args) if args.hetero else []  # noqa: F841 - kept alive while serving
     host, _, port = agent.address.rpartition(":")
     sink = bench.Sink(host.strip("[]"), 0 if args.child else int(port) + 1)
     sys.stdout.write(json.dumps({"address": agent.address, "sink_port": sink.port}) + "\n")
@@ -157,7 +158,7 @@ def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
     cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--child", "--model", args.model,
            "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
            "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
-           "--memory", args.memory] + (["--hetero", args.hetero] if args.hetero else [])
+           "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else [])
     cpus = sorted(os.sched_getaffinity(0))
     pin_to = {cpus[1]} if args.pin and len(cpus) >= 2 else None
 
