@@ -1,14 +1,18 @@
 #!/bin/bash
 # Issue 14's heterogeneous targets, short runs: 64 MiB landing on one decode rank, 4 timed
 # rounds of hetero and homogeneous alternating, verified bit-exact afterwards. Writes
-# <transport>-<model>-<spec>.{json,txt} here. Run from anywhere: bench/results/hetero/run.sh
+# <transport>-<model>-<spec>[-pull].{json,txt} here. Run from anywhere:
+#   bench/results/hetero/run.sh          # push (prefill ranks write)
+#   MODE=pull bench/results/hetero/run.sh  # pull (decode rank 0 reads)
 cd "$(dirname "$0")/../../.." || exit 1
 PY=${PYTHON:-.venv/bin/python}
 OUT=bench/results/hetero
+MODE=${MODE:-push}
+SUFFIX=$([ "$MODE" = pull ] && echo -pull)
 run() {  # transport model spec
-  local name="$1-$2-${3//:/-}"
+  local name="$1-$2-${3//:/-}$SUFFIX"
   PDKV_LOG=error timeout 600 "$PY" -m pdkv.cli bench transfer --transport "$1" --model "$2" --hetero "$3" \
-    --payload 64M --iters 4 --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+    --hetero-mode "$MODE" --payload 64M --iters 4 --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
   echo "$name rc=$?"
 }
 for transport in tcp shm; do

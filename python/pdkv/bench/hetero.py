@@ -268,10 +268,10 @@ def time_round(preps) -> float:
     return time.perf_counter() - t0
 
 
-def prepare_request_ms(plan: Plan, tokens: int) -> dict:
-    """Milliseconds to prepare one ``tokens``-token request, hetero (all pushes) and
-    homogeneous, against synthetic never-mapped ranges (no memory, no network; as
-    ``prepare_cost`` in transfer.py)."""
+def prepare_request_ms(plan: Plan, tokens: int, mode: str) -> dict:
+    """Milliseconds to prepare one ``tokens``-token request in ``mode``, hetero (every
+    push, or every pull) and homogeneous, against synthetic never-mapped ranges (no
+    memory, no network; as ``prepare_cost`` in transfer.py)."""
     dst_blocks = math.ceil(tokens / plan.spec.dst_block_tokens)
     src_blocks = plan.src_blocks_for(tokens)
     base = 1 << 44
@@ -288,12 +288,17 @@ def prepare_request_ms(plan: Plan, tokens: int) -> dict:
         rng = np.random.default_rng(0)
         sids, dids = rng.permutation(src_blocks).astype(np.uint32), rng.permutation(dst_blocks).astype(np.uint32)
         t0 = time.perf_counter()
-        preps = [a.prepare("write", me, f"src{p.prefill_rank}", sids, "dst", dids,
-                           **_push_kwargs(plan, p, tokens)) for p in plan.pushes]
+        if mode == "pull":
+            preps = [a.prepare("read", me, "dst", dids, f"src{t.peer_rank}", sids, **_pull_kwargs(plan, t, tokens))
+                     for t in plan.pulls]
+        else:
+            preps = [a.prepare("write", me, f"src{p.prefill_rank}", sids, "dst", dids,
+                               **_push_kwargs(plan, p, tokens)) for p in plan.pushes]
         out["hetero_ms"] = (time.perf_counter() - t0) * 1e3
         out["hetero_extents"] = sum(p.num_extents for p in preps)
         t0 = time.perf_counter()
-        hom = a.prepare("write", me, "hom", dids, "dst", rng.permutation(dst_blocks).astype(np.uint32))
+        hom = a.prepare("read" if mode == "pull" else "write", me, "hom", dids, "dst",
+                        rng.permutation(dst_blocks).astype(np.uint32))
         out["homogeneous_ms"] = (time.perf_counter() - t0) * 1e3
         out["homogeneous_extents"] = hom.num_extents
     return out
@@ -505,7 +510,7 @@ def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> 
             for p in payloads:
                 r = run_case(args, plan, agent, peer, p, info.num_blocks)
                 if args.hetero_request_tokens:
-                    r["prepare_request"] = prepare_request_ms(plan, args.hetero_request_tokens)
+                    r["prepare_request"] = prepare_request_ms(plan, args.hetero_request_tokens, args.hetero_mode)
                 results.append(r)
                 if args.json:
                     print(json.dumps(r), flush=True)

@@ -14,6 +14,10 @@ permutation so no two extents coalesce. Measured in the same run:
 then pdkv's throughput, the ratios, and write latency (one 32 KiB block-half, one
 whole block across all layers) next to a raw socket round trip of the same size.
 Received bytes are verified by reading them back.
+
+``--hetero SPEC`` (e.g. ``tp2:tp4``, ``bs16:bs32``, ``nhd:hnd``) measures a
+heterogeneous prefill -> decode transfer beside the homogeneous one of the same
+bytes instead: see pdkv.bench.hetero.
 """
 
 from __future__ import annotations
