@@ -86,3 +86,25 @@ def test_spec_parsing_keeps_preset_defaults():
         hetero.parse_spec(" , ", "llama-3-8b")
     plan = hetero.Plan(hetero.parse_spec("tp4:tp2", "llama-3-70b-tp8"), "llama-3-70b-tp8")
     assert plan.dst_geometry(1).kv_heads == 4 and plan.src_geometry(1, 1).kv_heads == 2
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_hetero_against_a_served_target(mode):
+    """--serve --hetero on one side, --target on the other (as across hosts); a target
+    started for another spec is refused with both geometries named."""
+    env = dict(os.environ, PDKV_LOG="error")
+    serve = subprocess.Popen([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--serve", "--hetero", "tp4:tp2",
+                              "--hetero-mode", mode, "--listen", "127.0.0.1:0", "--blocks", "8"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        address = json.loads(serve.stdout.readline())["address"]
+        (r,) = rows_of(run_hetero("--target", address, "--hetero", "tp4:tp2", "--hetero-mode", mode,
+                                  "--payload", "2M"))
+        assert r["verified"] is True and r["mode"] == mode
+        out = run_hetero("--target", address, "--hetero", "tp2:tp4", "--payload", "2M")
+        assert out.returncode != 0 and "the target pool is 32 layers x 2 parts, 8 blocks of 16 tokens, 4 kv heads" \
+            in out.stderr, out.stderr[-2000:]
+    finally:
+        serve.terminate()
+        serve.wait(30)
+        serve.stdout.close()

@@ -503,8 +503,9 @@ def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> 
             peer = agent.connect(target.address, transport=args.transport)
             info = agent.peer_info(peer)["layouts"]["kv"].geometry
             if not info == plan.dst_geometry(info.num_blocks).native() or info.num_blocks < blocks:
-                raise InvalidArgument(f"the target pool is {info}; this run needs {plan.dst_geometry(blocks)} "
-                                      f"(start it with --hetero {args.hetero} --blocks {blocks})")
+                raise InvalidArgument(f"the target pool is {_geometry_text(info)}; this run needs "
+                                      f"{_geometry_text(plan.dst_geometry(blocks))} (start it with --hetero "
+                                      f"{args.hetero} --blocks {blocks})")
             if args.hetero_mode == "pull":
                 check_target_sources(plan, agent.peer_info(peer)["layouts"], info.num_blocks)
             for p in payloads:
@@ -521,13 +522,20 @@ def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> 
     return results
 
 
+def _geometry_text(g) -> str:
+    """A KVGeometry (Python or native) in words."""
+    order = g.order if isinstance(g.order, str) else str(g.order).rsplit(".", 1)[-1]
+    return (f"{g.num_layers} layers x {g.kv_parts} parts, {g.num_blocks} blocks of {g.block_tokens} tokens, "
+            f"{g.kv_heads} kv heads x {g.head_dim} {g.dtype}, {order}")
+
+
 def check_target_sources(plan: Plan, layouts: dict, target_blocks: int) -> None:
     """Pull mode: the target must serve each prefill rank's pool as ``src<rank>``."""
     for r in plan.prefill_ranks:
         want = plan.src_geometry(r, plan.target_src_blocks(target_blocks))
         got = layouts.get(f"src{r}")
         if got is None or not got.geometry == want.native():
-            raise InvalidArgument(f"the target does not serve prefill rank {r}'s pool as {want} "
+            raise InvalidArgument(f"the target does not serve prefill rank {r}'s pool as {_geometry_text(want)} "
                                   "(start it with the same --hetero, --hetero-mode pull and --seed)")
 
 
