@@ -248,15 +248,16 @@ def make_pools(agent: Agent, plan: Plan, src_blocks: int, dst_blocks: int, seed:
 
 
 def reference(plan: Plan, sources: dict[int, tuple[np.ndarray, KVGeometry]], src_ids, tokens: int) -> np.ndarray:
-    """What decode rank 0's blocks must hold: each head from the prefill rank the mapping
-    picked (``sources``: prefill rank -> its pool's bytes and geometry)."""
+    """What decode rank 0's blocks must hold, head by head in the model's numbering: each
+    global head from the prefill rank the mapping names as its source (``sources``:
+    prefill rank -> its pool's bytes and geometry). Independent of the transfers' offsets."""
     g = plan.dst_geometry(1)
     out = np.zeros((g.num_layers, g.kv_parts, tokens, g.kv_heads, g.head_dim * g.itemsize), np.uint8)
-    for p in plan.pushes:
-        buf, geo = sources[p.prefill_rank]
-        x = logical(buf, geo, src_ids, tokens)
-        t = p.transfer
-        out[:, :, :, t.remote_heads.start:t.remote_heads.stop] = x[:, :, :, t.local_heads.start:t.local_heads.stop]
+    mine = plan.mapping.heads("decode", DECODE_RANK)
+    views = {r: logical(buf, geo, src_ids, tokens) for r, (buf, geo) in sources.items()}
+    for head in mine:
+        src = plan.mapping.source(DECODE_RANK, head)
+        out[:, :, :, head - mine.start] = views[src][:, :, :, head - plan.mapping.heads("prefill", src).start]
     return out
 
 
