@@ -100,7 +100,11 @@ def test_mapping_matches_brute_force(prefill_tp, decode_tp, kv_heads):
 
 
 def test_worked_example_tp4_to_tp2_push():
+    """The table in docs/api.md ("Tensor-parallel mapping")."""
     m = TPMapping(prefill_tp=4, decode_tp=2, kv_heads=8)
+    (t,) = m.transfers(side="prefill", rank=2, mode="push")
+    assert (t.op, t.peer_rank, t.global_heads) == ("write", 1, HeadRange(4, 2))
+    assert t.kwargs() == {"num_heads": 2, "local_head_offset": 0, "remote_head_offset": 0}
     (t,) = m.transfers(side="prefill", rank=3, mode="push")
     assert (t.op, t.peer_rank, t.local_heads, t.remote_heads) == ("write", 1, HeadRange(0, 2), HeadRange(2, 2))
     assert t.kwargs() == {"num_heads": 2, "local_head_offset": 0, "remote_head_offset": 2}
