@@ -348,7 +348,7 @@ def run_case(args, plan: Plan, agent: Agent, peer: str, payload: int, target_poo
     else:
         r = run_push(args, plan, agent, peer, req)
         transfers = [{"prefill_rank": p.prefill_rank, **_push_kwargs(plan, p, req.tokens)} for p in plan.pushes]
-    what = "pushes from" if args.hetero_mode == "push" else "pulling from"
+    what = "receiving pushes from" if args.hetero_mode == "push" else "pulling from"
     return {
         "hetero": plan.spec.text,
         "mode": args.hetero_mode,
