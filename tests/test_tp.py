@@ -187,7 +187,7 @@ def load(pool: Pool, ids, ref: np.ndarray) -> None:
 
 
 def move_between_groups(m: TPMapping, mode: str, *, decode_style: str = "nhd", dtype: str = "float16",
-                        num_tokens: int = 0) -> None:
+                        num_tokens: int = 0, via: str = "submit") -> None:
     """Each rank an Agent with its own pool; prefill pools hold their heads of a random
     reference; the initiators issue exactly what the mapping returns; then every decode
     pool holds its heads of the reference (the first ``num_tokens`` tokens; the rest
@@ -219,8 +219,12 @@ def move_between_groups(m: TPMapping, mode: str, *, decode_style: str = "nhd", d
         for r, a in enumerate(initiators):
             for t in m.transfers(side=side, rank=r, mode=mode):
                 peer = a.connect(targets[t.peer_rank].address)
-                xfers.append(t.submit(a, peer, "kv", ids[0][r], "kv", ids[1][t.peer_rank], timeout=30,
-                                      num_tokens=num_tokens))
+                if via == "submit":
+                    xfers.append(t.submit(a, peer, "kv", ids[0][r], "kv", ids[1][t.peer_rank], timeout=30,
+                                          num_tokens=num_tokens))
+                else:
+                    prep = t.prepare(a, peer, "kv", ids[0][r], "kv", ids[1][t.peer_rank], num_tokens=num_tokens)
+                    xfers.append(prep.post(timeout=30))
         assert xfers
         for x in xfers:
             assert x.wait(30)
@@ -250,7 +254,8 @@ def test_agents_move_kv_between_tp_groups(mode, prefill_tp, decode_tp, kv_heads,
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_replicated_heads_partial_last_block_every_dtype(dtype, mode):
     """Prefill TP4 over 2 heads (each replicated twice) -> decode TP2, HND, 9 of 12 tokens."""
-    move_between_groups(TPMapping(4, 2, 2), mode, decode_style="hnd", dtype=dtype, num_tokens=3 * T - 3)
+    move_between_groups(TPMapping(4, 2, 2), mode, decode_style="hnd", dtype=dtype, num_tokens=3 * T - 3,
+                        via="prepare")
 
 
 def test_module_example_runs():
