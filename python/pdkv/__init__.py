@@ -42,6 +42,7 @@ from .errors import (
     VersionMismatch,
 )
 from .layout import KVGeometry, KVLayout, plan_blocks, tensor_address
+from .tp import HeadRange, TPMapping, TPTransfer
 
 __version__ = "0.1.0"
 
@@ -64,6 +65,7 @@ __all__ = [
     "AuthFailed",
     "Cancelled",
     "InvalidArgument",
+    "HeadRange",
     "KVGeometry",
     "KVLayout",
     "NotFound",
@@ -81,6 +83,8 @@ __all__ = [
     "StalePeer",
     "TcpOptions",
     "StreamingWrite",
+    "TPMapping",
+    "TPTransfer",
     "Transfer",
     "TransferTimeout",
     "VersionMismatch",

@@ -11,6 +11,7 @@ from ..layout import KVGeometry
 # name: (layers, kv_heads per rank, head_dim, dtype, block_tokens, kv_parts, note)
 PRESETS: dict[str, tuple[int, int, int, str, int, int, str]] = {
     "llama-3-8b": (32, 8, 128, "bfloat16", 16, 2, "Llama-3-8B, TP1: 32 KiB per block-half"),
+    "llama-3-70b": (80, 8, 128, "bfloat16", 16, 2, "Llama-3-70B, TP1 (8 KV heads): 32 KiB block-halves"),
     "llama-3-70b-tp8": (80, 1, 128, "bfloat16", 16, 2, "Llama-3-70B on 8 GPUs: 1 KV head per rank, 4 KiB block-halves"),
     "mistral-7b": (32, 8, 128, "bfloat16", 16, 2, "Mistral-7B, TP1"),
     "qwen2.5-7b": (28, 4, 128, "bfloat16", 16, 2, "Qwen2.5-7B, TP1: 16 KiB block-halves"),
@@ -21,13 +22,34 @@ PRESETS: dict[str, tuple[int, int, int, str, int, int, str]] = {
 }
 
 
-def geometry(name: str, num_blocks: int) -> KVGeometry:
-    """The preset's geometry with ``num_blocks`` blocks."""
+# Tensor-parallel size of the presets that describe one rank of a TP group (others: TP1).
+PRESET_TP: dict[str, int] = {"llama-3-70b-tp8": 8, "qwen3-32b-tp4": 4}
+
+
+def preset(name: str) -> tuple[int, int, int, str, int, int, str]:
     try:
-        layers, heads, dim, dtype, bt, parts, _ = PRESETS[name]
+        return PRESETS[name]
     except KeyError:
         raise KeyError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}") from None
+
+
+def total_kv_heads(name: str) -> int:
+    """The model's KV heads before the preset's TP split (e.g. 8 for llama-3-70b-tp8)."""
+    return preset(name)[1] * PRESET_TP.get(name, 1)
+
+
+def geometry(name: str, num_blocks: int) -> KVGeometry:
+    """The preset's geometry with ``num_blocks`` blocks."""
+    layers, heads, dim, dtype, bt, parts, _ = preset(name)
     return KVGeometry(layers, num_blocks, bt, heads, dim, dtype, parts)
+
+
+def rank_geometry(name: str, num_blocks: int, *, kv_heads: int, block_tokens: int | None = None,
+                  order: str = "NHD") -> KVGeometry:
+    """The preset's geometry for one rank holding ``kv_heads`` heads (another TP split),
+    optionally with another page size and element order."""
+    layers, _heads, dim, dtype, bt, parts, _ = preset(name)
+    return KVGeometry(layers, num_blocks, block_tokens or bt, kv_heads, dim, dtype, parts, order)
 
 
 def describe() -> str:

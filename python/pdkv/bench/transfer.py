@@ -14,6 +14,10 @@ permutation so no two extents coalesce. Measured in the same run:
 then pdkv's throughput, the ratios, and write latency (one 32 KiB block-half, one
 whole block across all layers) next to a raw socket round trip of the same size.
 Received bytes are verified by reading them back.
+
+``--hetero SPEC`` (e.g. ``tp2:tp4``, ``bs16:bs32``, ``nhd:hnd``) measures a
+heterogeneous prefill -> decode transfer beside the homogeneous one of the same
+bytes instead: see pdkv.bench.hetero.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import numpy as np
 
 from .. import Agent, KVLayout, TcpOptions, _native, plan_blocks
 from ..errors import InvalidArgument, PdkvError
-from . import models
+from . import hetero, models
 
 SECRET_ENV = "PDKV_BENCH_SECRET"
 
@@ -108,7 +112,7 @@ def _read(args, addr: int, n: int) -> np.ndarray:
 def serve(args: argparse.Namespace) -> None:
     """Target side: an agent exporting a pool, plus a raw-socket sink for the ceilings."""
     bench = _native.module().bench
-    geo = models.geometry(args.model, args.blocks)
+    geo = hetero.target_geometry(args) if args.hetero else models.geometry(args.model, args.blocks)
     # The target offers every transport available here; the initiator picks one.
     from .. import available_transports
 
@@ -117,6 +121,7 @@ def serve(args: argparse.Namespace) -> None:
                   transports=["tcp"] if args.memory == "cuda" else [t for t in available_transports() if t != "cuda_ipc"])
     buf, layout = _pool(agent, geo, None, args.memory)
     agent.add_layout("kv", layout)
+    sources = hetero.serve_sources(agent, args) if args.hetero else []  # noqa: F841 - kept alive while serving
     host, _, port = agent.address.rpartition(":")
     sink = bench.Sink(host.strip("[]"), 0 if args.child else int(port) + 1)
     sys.stdout.write(json.dumps({"address": agent.address, "sink_port": sink.port}) + "\n")
@@ -157,7 +162,7 @@ def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
     cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--child", "--model", args.model,
            "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
            "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
-           "--memory", args.memory]
+           "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else [])
     cpus = sorted(os.sched_getaffinity(0))
     pin_to = {cpus[1]} if args.pin and len(cpus) >= 2 else None
 
@@ -312,6 +317,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.memory == "cuda":
         _device_memory()  # no driver or device: say so before starting the target
     payloads = [parse_size(p) for p in args.payload.split(",")]
+    if args.hetero:
+        return run_hetero(args, payloads)
     geo1 = models.geometry(args.model, 1)
     block = geo1.num_layers * geo1.kv_parts * geo1.block_bytes
     max_blocks = max(max(1, p // block) for p in payloads)
@@ -357,12 +364,25 @@ def run(args: argparse.Namespace) -> list[dict]:
             r["prepare"] = pc
     if not args.json:
         print_table(args, results)
+    write_out(args, results)
+    return results
+
+
+def run_hetero(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
+    """``--hetero SPEC``: pdkv.bench.hetero's run, written to ``--out`` like the others."""
+    if args.pin and len(os.sched_getaffinity(0)) >= 2:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    results = hetero.run(args, payloads, spawn_target, Target)
+    write_out(args, results)
+    return results
+
+
+def write_out(args: argparse.Namespace, results: list[dict]) -> None:
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(["pdkv", "bench", "transfer"] + args.argv), "results": results}, f,
                       indent=2)
-    return results
 
 
 def run_peers(args, r: dict) -> dict:
@@ -459,6 +479,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object per payload instead of a table")
     ap.add_argument("--out", default="", help="also write all results to this JSON file")
+    hetero.add_arguments(ap)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,6 +501,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("UCX_NET_DEVICES", "lo" if args.host.startswith("127.") else "all")
     if args.transport == "shm" and args.target:
         ap.error("the shm transport needs both sides on this host (drop --target)")
+    if args.hetero:
+        try:
+            hetero.check_arguments(args)
+        except (InvalidArgument, KeyError) as e:
+            ap.error(str(e).strip("'\""))
     if args.link:
         from ..netlab_bench import transfer_behind_link
 
