@@ -340,12 +340,10 @@ Status Agent::Impl::add_layout(const std::string& name, KVLayout layout) {
   PDKV_RETURN_IF_ERROR(validate_name("layout name", name));
   const KVGeometry& g = layout.geometry();
   PDKV_RETURN_IF_ERROR(g.validate());
-  const uint64_t span = uint64_t(g.num_blocks - 1);
-  const uint64_t half = g.block_half_bytes();
   auto& segs = layout.mutable_segments();
   for (size_t i = 0; i < segs.size(); ++i) {
     auto& s = segs[i];
-    auto r = regions_.find(s.addr, span * s.block_stride + half);
+    auto r = regions_.find(s.addr, layout.segment_span(s));
     if (!r.ok())
       return NotFound("layout '" + name + "' segment " + std::to_string(i) + " (layer " +
                       std::to_string(i / g.kv_parts) + (g.kv_parts == 2 ? (i % 2 ? ", V" : ", K") : "") +
