@@ -36,6 +36,7 @@ namespace pdkv {
 
 class Agent;
 class PreparedOps;  // a transport's own (pdkv/spi/transport.h)
+class StagedWrite;  // a push staged through a local buffer (core/relayout.h)
 
 // A transfer validated and laid out once; post it as often as needed.
 struct PreparedTransfer {
@@ -48,6 +49,9 @@ struct PreparedTransfer {
   bool checked = false;                 // carries a block generation claim
   std::vector<uint64_t> local_regions;  // pinned at each post
   std::shared_ptr<const PreparedOps> ops;
+  // Set when a heterogeneous push gathers its rows into a staging buffer at each post
+  // (its extents then read that buffer); null otherwise.
+  std::shared_ptr<StagedWrite> staged;
 };
 
 // Options applied when preparing.

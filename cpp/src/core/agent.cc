@@ -11,6 +11,7 @@
 #include <random>
 #include <unordered_map>
 
+#include "core/relayout.h"
 #include "pdkv/spi/generations.h"
 #include "pdkv/spi/region_table.h"
 #include "pdkv/spi/registry.h"
@@ -141,6 +142,14 @@ class Agent::Impl final : public AgentHooks {
                                                              const std::vector<Extent>& extents,
                                                              const XferOptions& opts,
                                                              std::shared_ptr<const GenClaim> claim = nullptr);
+  // A push staged through a local buffer (core/relayout.h), or null when the direct
+  // plan is as good.
+  Result<std::shared_ptr<PreparedTransfer>> prepare_staged_write(
+      const std::string& peer, const KVLayout& local, const std::vector<uint32_t>& local_ids, const KVLayout& remote,
+      const std::vector<uint32_t>& remote_ids, const PlanOptions& plan, const XferOptions& opts,
+      std::shared_ptr<const GenClaim> claim);
+  // A registered staging buffer of at least `bytes` that no prepared transfer holds.
+  Result<std::shared_ptr<StagingBuffer>> staging_buffer(uint64_t bytes);
 
   AgentConfig cfg_;
   uint64_t instance_id_ = 0;
@@ -154,6 +163,8 @@ class Agent::Impl final : public AgentHooks {
   std::atomic<size_t> started_{0};
   std::atomic<uint64_t> next_xfer_id_{1};
 
+  std::mutex staging_mu_;  // guards staging_
+  std::vector<std::shared_ptr<StagingBuffer>> staging_;  // registered; reused once no prepared transfer holds one
   mutable std::mutex mu_;  // guards layouts_ and peers_
   std::map<std::string, KVLayout> layouts_;
   std::map<std::string, PeerEntry> peers_;
@@ -525,8 +536,54 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_blocks(
                              " entries for " + std::to_string(remote_ids.size()) + " remote blocks (one per block)");
     PDKV_RETURN_IF_ERROR(validate_claim(*claim));
   }
+  if (op == OpKind::kWrite) {
+    PDKV_ASSIGN_OR_RETURN(auto staged,
+                          prepare_staged_write(peer_name, local, local_ids, *remote, remote_ids, plan, opts, claim));
+    if (staged) return staged;
+  }
   PDKV_ASSIGN_OR_RETURN(std::vector<Extent> ex, plan_blocks(local, local_ids, *remote, remote_ids, plan));
   return prepare_resolved(peer_name, op, ex, opts, std::move(claim));
+}
+
+Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_staged_write(
+    const std::string& peer_name, const KVLayout& local, const std::vector<uint32_t>& local_ids,
+    const KVLayout& remote, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan, const XferOptions& opts,
+    std::shared_ptr<const GenClaim> claim) {
+  for (const KVSegment& s : local.segments()) {  // the gather is a host copy
+    auto d = regions_.get(s.region_id);
+    if (!d.ok() || d->kind != MemKind::kHost) return std::shared_ptr<PreparedTransfer>();
+  }
+  PDKV_ASSIGN_OR_RETURN(auto staged, plan_staged_write(local, local_ids, remote, remote_ids, plan));
+  if (!staged) return std::shared_ptr<PreparedTransfer>();
+  PDKV_ASSIGN_OR_RETURN(auto buf, staging_buffer(staged->bytes));
+  std::vector<Extent> ex = staged_wire_extents(*staged, buf->region_id, remote, remote_ids);
+  PDKV_ASSIGN_OR_RETURN(auto prep, prepare_resolved(peer_name, OpKind::kWrite, ex, opts, std::move(claim)));
+  prep->staged = std::make_shared<StagedWrite>(std::move(*staged), local, local_ids, std::move(buf));
+  return prep;
+}
+
+Result<std::shared_ptr<StagingBuffer>> Agent::Impl::staging_buffer(uint64_t bytes) {
+  std::lock_guard<std::mutex> lk(staging_mu_);
+  std::shared_ptr<StagingBuffer> found;
+  for (auto it = staging_.begin(); it != staging_.end();) {
+    const bool unused = it->use_count() == 1;
+    if (unused && !found && (*it)->size() >= bytes && (*it)->size() / 2 <= bytes) {
+      found = *it;
+      ++it;
+    } else if (unused) {  // keep one idle buffer at most: the rest are freed
+      (void)deregister_memory((*it)->region_id);
+      it = staging_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (found) return found;
+  PDKV_ASSIGN_OR_RETURN(auto buf, StagingBuffer::allocate(bytes));
+  PDKV_ASSIGN_OR_RETURN(RegionDesc d, register_memory(reinterpret_cast<uint64_t>(buf->data()), buf->size(),
+                                                      MemKind::kHost, -1, /*remote_access=*/false, -1));
+  buf->region_id = d.id;
+  staging_.push_back(buf);
+  return buf;
 }
 
 Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_extents(const std::string& peer_name, OpKind op,
@@ -672,6 +729,16 @@ Result<std::shared_ptr<Transfer>> Agent::Impl::post(const PreparedTransfer& prep
   auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
                                          deadline, cfg_.wait_spin_us);
   spi::TransferControl(xfer).hold_pins(std::move(pins));
+  if (prep.staged) {
+    // The rows are gathered now (they may have changed since prepare); the buffer is
+    // this post's until it is terminal.
+    if (!prep.staged->begin_post(deadline)) {
+      spi::TransferControl(xfer).fail_now(TimeoutError("an earlier post of this transfer still holds its staging "
+                                                       "buffer (post it again once that one is done)"));
+      return xfer;
+    }
+    spi::TransferControl(xfer).on_terminal([staged = prep.staged] { staged->finish_post(); });
+  }
   t->post(prep.ops, xfer, std::move(notif));
   return xfer;
 }

@@ -3,8 +3,14 @@
 #include <algorithm>
 #include <string>
 
+#include "core/plan_runs.h"
+
 namespace pdkv {
 namespace {
+
+using planner::PlanScope;
+using planner::RowRange;
+using planner::walk_segment_runs;
 
 constexpr uint64_t kMaxU64 = ~0ull;
 
@@ -297,49 +303,13 @@ bool plan_whole_blocks(const KVLayout& local, const std::vector<uint32_t>& lids,
   return true;
 }
 
-// The tokens [0, num_tokens) and heads [offset, offset + num_heads) of each side.
-struct RowRange {
-  uint64_t num_tokens;
-  uint32_t num_heads;
-  uint32_t local_head_offset;
-  uint32_t remote_head_offset;
-};
-
-// Emits the runs of one (layer, part) pair, relative to `lbase`/`rbase`. Tokens are
-// walked in chunks that stay inside one local and one remote block; inside a chunk
-// both sides are affine in (token, head), so the longest runs contiguous on both
-// sides follow from the strides: the whole chunk, one token's heads, one head's
-// tokens, or single rows.
+// Emits the coalesced runs of one (layer, part) pair, relative to `lbase`/`rbase`.
 void plan_segment_runs(const KVLayout& local, const KVSegment& L, uint64_t lreg, uint64_t lbase,
                        const std::vector<uint32_t>& lids, const KVLayout& remote, const KVSegment& R, uint64_t rreg,
                        uint64_t rbase, const std::vector<uint32_t>& rids, const RowRange& rr, std::vector<Extent>& out) {
-  const uint64_t LT = local.geometry().block_tokens, RT = remote.geometry().block_tokens;
-  const uint64_t row = local.geometry().row_bytes();
-  const uint64_t nh = rr.num_heads;
-  const uint64_t la = lbase + rr.local_head_offset * L.head_stride;
-  const uint64_t ra = rbase + rr.remote_head_offset * R.head_stride;
-  const bool heads_run = nh == 1 || (L.head_stride == row && R.head_stride == row);
-  const uint64_t unit = heads_run ? nh * row : row;  // bytes of one token's moved heads when they are one run
-  for (uint64_t t = 0; t < rr.num_tokens;) {
-    const uint64_t lslot = t % LT, rslot = t % RT;
-    const uint64_t c = std::min({LT - lslot, RT - rslot, rr.num_tokens - t});
-    const uint64_t lo = la + lids[t / LT] * L.block_stride + lslot * L.token_stride;
-    const uint64_t ro = ra + rids[t / RT] * R.block_stride + rslot * R.token_stride;
-    const bool tokens_run = c == 1 || (L.token_stride == unit && R.token_stride == unit);
-    if (heads_run && tokens_run) {
-      push_extent(out, lreg, lo, rreg, ro, c * unit);
-    } else if (heads_run) {
-      for (uint64_t i = 0; i < c; ++i) push_extent(out, lreg, lo + i * L.token_stride, rreg, ro + i * R.token_stride, unit);
-    } else if (c == 1 || (L.token_stride == row && R.token_stride == row)) {
-      for (uint64_t h = 0; h < nh; ++h) push_extent(out, lreg, lo + h * L.head_stride, rreg, ro + h * R.head_stride, c * row);
-    } else {
-      for (uint64_t i = 0; i < c; ++i)
-        for (uint64_t h = 0; h < nh; ++h)
-          push_extent(out, lreg, lo + i * L.token_stride + h * L.head_stride, rreg,
-                      ro + i * R.token_stride + h * R.head_stride, row);
-    }
-    t += c;
-  }
+  walk_segment_runs(local.geometry().block_tokens, L, lbase, lids, remote.geometry().block_tokens, R, rbase, rids,
+                    local.geometry().row_bytes(), rr,
+                    [&](uint64_t lo, uint64_t ro, uint64_t len) { push_extent(out, lreg, lo, rreg, ro, len); });
 }
 
 bool same_strides(const KVSegment& a, const KVSegment& b) {
@@ -378,9 +348,10 @@ void plan_runs(const KVLayout& local, const std::vector<uint32_t>& lids, const K
 
 }  // namespace
 
-Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector<uint32_t>& lids,
-                                        const KVLayout& remote, const std::vector<uint32_t>& rids,
-                                        const PlanOptions& opts) {
+namespace planner {
+
+Result<PlanScope> plan_scope(const KVLayout& local, const std::vector<uint32_t>& lids, const KVLayout& remote,
+                             const std::vector<uint32_t>& rids, const PlanOptions& opts) {
   const KVGeometry& lg = local.geometry();
   const KVGeometry& rg = remote.geometry();
   if (lg.num_layers != rg.num_layers || lg.kv_parts != rg.kv_parts || lg.head_dim != rg.head_dim ||
@@ -422,12 +393,12 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
                            ") (local " + geo_str(lg) + "; remote " + geo_str(rg) +
                            "): pass num_tokens to move a token range");
 
-  const bool whole_blocks = lg.block_tokens == rg.block_tokens && lg.kv_heads == rg.kv_heads &&
-                            opts.num_heads == 0 && opts.local_head_offset == 0 && opts.remote_head_offset == 0 &&
-                            lids.size() == rids.size() && (opts.num_tokens == 0 || opts.num_tokens == lcap);
-  std::vector<Extent> out;
-  if (whole_blocks && plan_whole_blocks(local, lids, remote, rids, seg_begin, seg_end, out)) return out;
-
+  PlanScope scope;
+  scope.seg_begin = seg_begin;
+  scope.seg_end = seg_end;
+  scope.whole_blocks = lg.block_tokens == rg.block_tokens && lg.kv_heads == rg.kv_heads && opts.num_heads == 0 &&
+                       opts.local_head_offset == 0 && opts.remote_head_offset == 0 && lids.size() == rids.size() &&
+                       (opts.num_tokens == 0 || opts.num_tokens == lcap);
   const uint64_t ntok = opts.num_tokens ? opts.num_tokens : lcap;
   if (ntok > lcap || ntok > rcap)
     return OutOfRange(std::to_string(ntok) + " tokens requested but the local blocks hold " + std::to_string(lcap) +
@@ -441,8 +412,31 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
     return OutOfRange("heads [" + std::to_string(opts.remote_head_offset) + ", " +
                       std::to_string(opts.remote_head_offset + nh) + ") exceed the remote " +
                       std::to_string(rg.kv_heads) + " kv heads");
-  plan_runs(local, lids, remote, rids, RowRange{ntok, nh, opts.local_head_offset, opts.remote_head_offset}, seg_begin,
-            seg_end, out);
+  scope.rows = RowRange{ntok, nh, opts.local_head_offset, opts.remote_head_offset};
+  return scope;
+}
+
+uint64_t count_segment_runs(uint64_t LT, const KVSegment& L, const std::vector<uint32_t>& lids, uint64_t RT,
+                            const KVSegment& R, const std::vector<uint32_t>& rids, uint64_t row, const RowRange& rr) {
+  uint64_t n = 0, lend = ~0ull, rend = ~0ull;
+  walk_segment_runs(LT, L, 0, lids, RT, R, 0, rids, row, rr, [&](uint64_t lo, uint64_t ro, uint64_t len) {
+    n += !(lo == lend && ro == rend);
+    lend = lo + len;
+    rend = ro + len;
+  });
+  return n;
+}
+
+}  // namespace planner
+
+Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector<uint32_t>& lids,
+                                        const KVLayout& remote, const std::vector<uint32_t>& rids,
+                                        const PlanOptions& opts) {
+  PDKV_ASSIGN_OR_RETURN(PlanScope scope, planner::plan_scope(local, lids, remote, rids, opts));
+  std::vector<Extent> out;
+  if (scope.whole_blocks && plan_whole_blocks(local, lids, remote, rids, scope.seg_begin, scope.seg_end, out))
+    return out;
+  plan_runs(local, lids, remote, rids, scope.rows, scope.seg_begin, scope.seg_end, out);
   return out;
 }
 
