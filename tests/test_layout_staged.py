@@ -1,6 +1,7 @@
-"""Heterogeneous pushes staged through a local buffer (cpp/src/core/relayout.h): the
+"""Heterogeneous transfers staged through a local buffer (cpp/src/core/relayout.h): the
 wire carries few, large extents and the bytes that land are exactly the requested
-rows, over tcp and shm, for every dtype, partial last blocks and head offsets."""
+rows, pushes and pulls, over tcp and shm, for every dtype, partial last blocks and
+head offsets."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from kvpools import Pool, PoolSpec
 LAYERS, BLOCKS, D = 8, 64, 16
 
 
-def pools(a: pdkv.Agent, b: pdkv.Agent, lspec: PoolSpec, rspec: PoolSpec, seed: int = 3):
-    local, remote = Pool(lspec, seed), Pool(rspec)
+def pools(a: pdkv.Agent, b: pdkv.Agent, lspec: PoolSpec, rspec: PoolSpec, seed: int = 3, pull: bool = False):
+    local, remote = (Pool(lspec), Pool(rspec, seed)) if pull else (Pool(lspec, seed), Pool(rspec))
     local.register(a)
     remote.register(b)
     return local, remote, a.add_peer(b.metadata())
@@ -41,25 +42,31 @@ MODES = {  # name: (local style, T, H, remote style, T, H, heads moved, local of
 }
 
 
+@pytest.mark.parametrize("op", ["write", "read"])
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_staged_pushes_are_bit_exact(transport, dtype, mode):
+def test_staged_transfers_are_bit_exact(op, transport, dtype, mode):
     ls, lt, lh, rs, rt, rh, nh, lho, rho = MODES[mode]
     ntok = 32 * 16 - 5  # a partial last block on both sides
     with pdkv.Agent("a", secret="s", transports=[transport]) as a, \
             pdkv.Agent("b", secret="s", transports=[transport]) as b:
         local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, lt, lh, D, dtype, ls),
-                                    PoolSpec(LAYERS, BLOCKS, rt, rh, D, dtype, rs))
+                                    PoolSpec(LAYERS, BLOCKS, rt, rh, D, dtype, rs), pull=op == "read")
         lids = list(range(BLOCKS - 1, BLOCKS - 1 - -(-ntok // lt), -1))  # descending: no two consecutive
         rids = [(3 * i + 1) % BLOCKS for i in range(-(-ntok // rt))]
         kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
-        prep = a.prepare("write", peer, "kv", lids, "kv", rids, **kw)
+        prep = a.prepare(op, peer, "kv", lids, "kv", rids, **kw)
         direct = pdkv.plan_blocks(local.layout, lids, remote.layout, rids, **kw)
-        assert prep.num_extents * 4 <= len(direct), "the push was not staged"
+        assert prep.num_extents * 4 <= len(direct), "the transfer was not staged"
         assert prep.nbytes == sum(e[4] for e in direct)
-        prep.post().wait(10)
-        check(local, lids, remote, rids, ntok, nh, lho, rho)
+        xfer = prep.post()
+        xfer.wait(10)
+        assert xfer.bytes_done == prep.nbytes
+        if op == "write":
+            check(local, lids, remote, rids, ntok, nh, lho, rho)
+        else:
+            check(remote, rids, local, lids, ntok, nh, rho, lho)
 
 
 def test_each_post_gathers_the_rows_as_they_are_then():
@@ -75,14 +82,31 @@ def test_each_post_gathers_the_rows_as_they_are_then():
             check(local, ids, remote, ids, 8 * 16, 4, 0, 0)
 
 
-def test_posts_of_one_staged_transfer_take_turns():
+def test_a_staged_pull_from_a_gone_peer_fails_and_writes_nothing():
+    with pdkv.Agent("a", secret="s", transports=["tcp"], default_timeout=5.0) as a:
+        with pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
+            local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"),
+                                        PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"), pull=True)
+            ids = list(range(8))
+            prep = a.prepare("read", peer, "kv", ids, "kv", ids)
+            assert prep.num_extents < 64
+        with pytest.raises(pdkv.PdkvError):
+            prep.post(timeout=5.0).wait(20)
+        assert not local.logical(ids).any()
+        # The buffer is free again: the next post fails the same way instead of waiting.
+        with pytest.raises(pdkv.PdkvError):
+            prep.post(timeout=5.0).wait(20)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_posts_of_one_staged_transfer_take_turns(op):
     """Posts from several threads share one staging buffer: each gathers only once the
     previous one is done, and every one lands whole."""
     with pdkv.Agent("a", secret="s", transports=["tcp"]) as a, pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
         local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"),
-                                    PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"))
+                                    PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"), pull=op == "read")
         ids = list(range(8))
-        prep = a.prepare("write", peer, "kv", ids, "kv", ids)
+        prep = a.prepare(op, peer, "kv", ids, "kv", ids)
         errors = []
 
         def post():
@@ -98,7 +122,10 @@ def test_posts_of_one_staged_transfer_take_turns():
         for t in threads:
             t.join(60)
         assert not errors
-        check(local, ids, remote, ids, 8 * 16, 4, 0, 0)
+        if op == "write":
+            check(local, ids, remote, ids, 8 * 16, 4, 0, 0)
+        else:
+            check(remote, ids, local, ids, 8 * 16, 4, 0, 0)
 
 
 def test_small_or_whole_block_plans_are_not_staged():

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <thread>
 #include <unordered_map>
 
 #include "core/relayout.h"
@@ -142,12 +143,14 @@ class Agent::Impl final : public AgentHooks {
                                                              const std::vector<Extent>& extents,
                                                              const XferOptions& opts,
                                                              std::shared_ptr<const GenClaim> claim = nullptr);
-  // A push staged through a local buffer (core/relayout.h), or null when the direct
-  // plan is as good.
-  Result<std::shared_ptr<PreparedTransfer>> prepare_staged_write(
-      const std::string& peer, const KVLayout& local, const std::vector<uint32_t>& local_ids, const KVLayout& remote,
+  // A transfer staged through a local buffer (core/relayout.h), or null when the
+  // direct plan is as good.
+  Result<std::shared_ptr<PreparedTransfer>> prepare_staged(
+      const std::string& peer, OpKind op, const KVLayout& local, const std::vector<uint32_t>& local_ids, const KVLayout& remote,
       const std::vector<uint32_t>& remote_ids, const PlanOptions& plan, const XferOptions& opts,
       std::shared_ptr<const GenClaim> claim);
+  std::shared_ptr<Transfer> post_staged_read(const PreparedTransfer& prep, const std::shared_ptr<Transfer>& xfer,
+                                             std::string notif, Transport* t);
   // A registered staging buffer of at least `bytes` that no prepared transfer holds.
   Result<std::shared_ptr<StagingBuffer>> staging_buffer(uint64_t bytes);
 
@@ -536,29 +539,31 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_blocks(
                              " entries for " + std::to_string(remote_ids.size()) + " remote blocks (one per block)");
     PDKV_RETURN_IF_ERROR(validate_claim(*claim));
   }
-  if (op == OpKind::kWrite) {
-    PDKV_ASSIGN_OR_RETURN(auto staged,
-                          prepare_staged_write(peer_name, local, local_ids, *remote, remote_ids, plan, opts, claim));
-    if (staged) return staged;
-  }
+  PDKV_ASSIGN_OR_RETURN(auto staged,
+                        prepare_staged(peer_name, op, local, local_ids, *remote, remote_ids, plan, opts, claim));
+  if (staged) return staged;
   PDKV_ASSIGN_OR_RETURN(std::vector<Extent> ex, plan_blocks(local, local_ids, *remote, remote_ids, plan));
   return prepare_resolved(peer_name, op, ex, opts, std::move(claim));
 }
 
-Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_staged_write(
-    const std::string& peer_name, const KVLayout& local, const std::vector<uint32_t>& local_ids,
+Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_staged(
+    const std::string& peer_name, OpKind op, const KVLayout& local, const std::vector<uint32_t>& local_ids,
     const KVLayout& remote, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan, const XferOptions& opts,
     std::shared_ptr<const GenClaim> claim) {
   for (const KVSegment& s : local.segments()) {  // the gather is a host copy
     auto d = regions_.get(s.region_id);
     if (!d.ok() || d->kind != MemKind::kHost) return std::shared_ptr<PreparedTransfer>();
   }
-  PDKV_ASSIGN_OR_RETURN(auto staged, plan_staged_write(local, local_ids, remote, remote_ids, plan));
+  PDKV_ASSIGN_OR_RETURN(auto staged, plan_staged(local, local_ids, remote, remote_ids, plan));
   if (!staged) return std::shared_ptr<PreparedTransfer>();
   PDKV_ASSIGN_OR_RETURN(auto buf, staging_buffer(staged->bytes));
   std::vector<Extent> ex = staged_wire_extents(*staged, buf->region_id, remote, remote_ids);
-  PDKV_ASSIGN_OR_RETURN(auto prep, prepare_resolved(peer_name, OpKind::kWrite, ex, opts, std::move(claim)));
-  prep->staged = std::make_shared<StagedWrite>(std::move(*staged), local, local_ids, std::move(buf));
+  PDKV_ASSIGN_OR_RETURN(auto prep, prepare_resolved(peer_name, op, ex, opts, std::move(claim)));
+  // The copies touch the local layout's regions, which no extent names: pin them too.
+  for (const KVSegment& s : local.segments())
+    if (std::find(prep->local_regions.begin(), prep->local_regions.end(), s.region_id) == prep->local_regions.end())
+      prep->local_regions.push_back(s.region_id);
+  prep->staged = std::make_shared<StagedTransfer>(op, std::move(*staged), local, local_ids, std::move(buf));
   return prep;
 }
 
@@ -730,16 +735,47 @@ Result<std::shared_ptr<Transfer>> Agent::Impl::post(const PreparedTransfer& prep
                                          deadline, cfg_.wait_spin_us);
   spi::TransferControl(xfer).hold_pins(std::move(pins));
   if (prep.staged) {
-    // The rows are gathered now (they may have changed since prepare); the buffer is
-    // this post's until it is terminal.
+    // The buffer is this post's until it is done; a push gathers the rows now (they
+    // may have changed since prepare).
     if (!prep.staged->begin_post(deadline)) {
       spi::TransferControl(xfer).fail_now(TimeoutError("an earlier post of this transfer still holds its staging "
                                                        "buffer (post it again once that one is done)"));
       return xfer;
     }
+    if (prep.op == OpKind::kRead) return post_staged_read(prep, xfer, std::move(notif), t);
     spi::TransferControl(xfer).on_terminal([staged = prep.staged] { staged->finish_post(); });
   }
   t->post(prep.ops, xfer, std::move(notif));
+  return xfer;
+}
+
+// A staged pull completes in two steps: the transport fills the staging buffer (an
+// inner transfer holding the pins), then a short-lived thread scatters it into the
+// local rows (a copy of the whole payload: not for a progress thread) and resolves
+// the caller's transfer with the inner one's outcome. Cancelling the caller's
+// transfer cancels the inner one; its deadline is the inner one's.
+std::shared_ptr<Transfer> Agent::Impl::post_staged_read(const PreparedTransfer& prep,
+                                                        const std::shared_ptr<Transfer>& xfer, std::string notif,
+                                                        Transport* t) {
+  auto inner = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
+                                          xfer->deadline(), cfg_.wait_spin_us);
+  spi::TransferControl outer(xfer);
+  outer.set_parts(1);
+  outer.set_cancel_hook([weak = std::weak_ptr<Transfer>(inner)] {
+    if (auto i = weak.lock()) i->cancel();
+  });
+  spi::TransferControl(inner).on_terminal(
+      [weak = std::weak_ptr<Transfer>(inner), xfer, staged = prep.staged] {
+        auto i = weak.lock();
+        const Status st = i ? i->error() : Internal("staged read finished without its transfer");
+        const uint64_t bytes = i ? i->bytes_done() : 0;
+        std::thread([xfer, staged, st, bytes] {
+          if (st.ok()) staged->scatter();
+          staged->finish_post();
+          spi::TransferControl(xfer).resolve_part(bytes, st);
+        }).detach();
+      });
+  t->post(prep.ops, inner, std::move(notif));
   return xfer;
 }
 

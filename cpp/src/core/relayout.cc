@@ -38,7 +38,7 @@ Result<std::shared_ptr<StagingBuffer>> StagingBuffer::allocate(uint64_t bytes) {
 
 StagingBuffer::~StagingBuffer() { munmap(data_, size_); }
 
-Result<std::optional<StagedPlan>> plan_staged_write(const KVLayout& local, const std::vector<uint32_t>& lids,
+Result<std::optional<StagedPlan>> plan_staged(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                     const KVLayout& remote, const std::vector<uint32_t>& rids,
                                                     const PlanOptions& opts) {
   PDKV_ASSIGN_OR_RETURN(planner::PlanScope scope, planner::plan_scope(local, lids, remote, rids, opts));
@@ -94,27 +94,39 @@ std::vector<Extent> staged_wire_extents(const StagedPlan& plan, uint64_t staging
   return out;
 }
 
-StagedWrite::StagedWrite(StagedPlan plan, KVLayout local, std::vector<uint32_t> lids, std::shared_ptr<StagingBuffer> buf)
-    : plan_(std::move(plan)), local_(std::move(local)), lids_(std::move(lids)), buf_(std::move(buf)) {}
+StagedTransfer::StagedTransfer(OpKind op, StagedPlan plan, KVLayout local, std::vector<uint32_t> lids,
+                               std::shared_ptr<StagingBuffer> buf)
+    : op_(op), plan_(std::move(plan)), local_(std::move(local)), lids_(std::move(lids)), buf_(std::move(buf)) {}
 
-void StagedWrite::gather(const StagedPlan& plan, const KVLayout& local, const std::vector<uint32_t>& lids,
-                         uint8_t* dst) {
+namespace {
+
+// Calls copy(local address, staging address, len) for every run between the local
+// rows of `plan` and the staging buffer at `staging`.
+template <class Copy>
+void for_each_staged_run(const StagedPlan& plan, const KVLayout& local, const std::vector<uint32_t>& lids,
+                         uint8_t* staging, Copy&& copy) {
   const KVGeometry& lg = local.geometry();
   const KVGeometry& sg = plan.staging.geometry();
   const std::vector<uint32_t> sids = first_ids(sg.num_blocks);
   const RowRange rows = to_staging(plan.scope.rows);
-  const uint64_t base = reinterpret_cast<uint64_t>(dst);
+  const uint64_t base = reinterpret_cast<uint64_t>(staging);
   for (size_t s = plan.scope.seg_begin; s < plan.scope.seg_end; ++s) {
     const KVSegment& L = local.segments()[s];
     const KVSegment& S = plan.staging.segments()[s - plan.scope.seg_begin];
     walk_segment_runs(lg.block_tokens, L, L.addr, lids, sg.block_tokens, S, base + S.addr, sids, lg.row_bytes(), rows,
-                      [](uint64_t from, uint64_t to, uint64_t len) {
-                        std::memcpy(reinterpret_cast<void*>(to), reinterpret_cast<const void*>(from), len);
-                      });
+                      copy);
   }
 }
 
-bool StagedWrite::begin_post(std::chrono::steady_clock::time_point deadline) {
+}  // namespace
+
+void StagedTransfer::scatter() const {
+  for_each_staged_run(plan_, local_, lids_, buf_->data(), [](uint64_t local, uint64_t staged, uint64_t len) {
+    std::memcpy(reinterpret_cast<void*>(local), reinterpret_cast<const void*>(staged), len);
+  });
+}
+
+bool StagedTransfer::begin_post(std::chrono::steady_clock::time_point deadline) {
   {
     std::unique_lock<std::mutex> lk(mu_);
     auto idle = [this] { return !busy_; };
@@ -125,11 +137,14 @@ bool StagedWrite::begin_post(std::chrono::steady_clock::time_point deadline) {
     }
     busy_ = true;
   }
-  gather(plan_, local_, lids_, buf_->data());
+  if (op_ == OpKind::kWrite)
+    for_each_staged_run(plan_, local_, lids_, buf_->data(), [](uint64_t local, uint64_t staged, uint64_t len) {
+      std::memcpy(reinterpret_cast<void*>(staged), reinterpret_cast<const void*>(local), len);
+    });
   return true;
 }
 
-void StagedWrite::finish_post() {
+void StagedTransfer::finish_post() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     busy_ = false;

@@ -1,14 +1,15 @@
-// core/relayout.h: heterogeneous pushes staged through a local buffer.
+// core/relayout.h: heterogeneous transfers staged through a local buffer.
 //
-// When the two layouts cut a push into many small runs (NHD <-> HND, a TP head
-// split inside NHD blocks), the initiator gathers its rows into a staging buffer laid
-// out in the peer's row order (a dense NHD or HND block per remote block, holding
-// only the moved heads) with a host copy, and the wire carries the staging buffer's
-// blocks as the longest runs the peer's layout allows (usually whole blocks). The
-// plan (prepare) is then O(blocks), not O(rows), and the transport sees few large
-// extents. Host memory only; pulls and device memory use the direct plan.
+// When the two layouts cut a transfer into many small runs (NHD <-> HND, a TP head
+// split inside NHD blocks), the initiator keeps a staging buffer laid out in the
+// peer's row order (a dense NHD or HND block per remote block, holding only the moved
+// heads). The wire carries the staging buffer's blocks as the longest runs the peer's
+// layout allows (usually whole blocks); a push first gathers the local rows into it,
+// a pull scatters it into the local rows after the last byte landed (host copies).
+// The plan (prepare) is then O(blocks), not O(rows), and the transport sees few
+// large extents. Host memory only; device memory uses the direct plan.
 //
-// Thread safety: a StagedWrite is shared by every post of one prepared transfer;
+// Thread safety: a StagedTransfer is shared by every post of one prepared transfer;
 // begin_post() serialises those posts (one buffer), finish_post() releases it.
 #pragma once
 
@@ -51,33 +52,35 @@ struct StagedPlan {
   planner::PlanScope scope;  // of the local -> remote plan
 };
 
-// The staged plan for pushing `lids` of `local` into `rids` of `remote`, or nullopt
-// when staging would not shorten the wire's extent list at least `kMinGain`-fold (or
+// The staged plan for moving `lids` of `local` to or from `rids` of `remote`, or
+// nullopt when staging would not shorten the wire's extent list at least 4-fold (or
 // the plan is small, or whole blocks map already). Errors: plan_blocks()'.
-Result<std::optional<StagedPlan>> plan_staged_write(const KVLayout& local, const std::vector<uint32_t>& lids,
+Result<std::optional<StagedPlan>> plan_staged(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                     const KVLayout& remote, const std::vector<uint32_t>& rids,
                                                     const PlanOptions& opts);
 
-// Extents from the staging buffer (region `staging_region`, offsets from its start)
-// into `remote`'s blocks `rids`: the wire's part of a staged push.
+// Extents between the staging buffer (region `staging_region`, offsets from its
+// start) and `remote`'s blocks `rids`: the wire's part of a staged transfer.
 std::vector<Extent> staged_wire_extents(const StagedPlan& plan, uint64_t staging_region, const KVLayout& remote,
                                         const std::vector<uint32_t>& rids);
 
-// One prepared staged push: gathers before each post.
-class StagedWrite {
+// One prepared staged transfer: a push gathers before each post, a pull scatters
+// after each post's last byte.
+class StagedTransfer {
  public:
-  StagedWrite(StagedPlan plan, KVLayout local, std::vector<uint32_t> lids, std::shared_ptr<StagingBuffer> buf);
+  StagedTransfer(OpKind op, StagedPlan plan, KVLayout local, std::vector<uint32_t> lids,
+                 std::shared_ptr<StagingBuffer> buf);
 
-  // Waits (until `deadline`) for no earlier post of this transfer to still read the
-  // buffer, then copies the local rows into it and returns true; false when the
-  // deadline passed first. Pair a true with finish_post() once that post is terminal.
+  // Waits (until `deadline`) for no earlier post of this transfer to still use the
+  // buffer and returns true (a push has then gathered its rows into it); false when
+  // the deadline passed first. Pair a true with finish_post() once that post is done.
   bool begin_post(std::chrono::steady_clock::time_point deadline);
+  // A pull: copies the landed staging rows into the local rows.
+  void scatter() const;
   void finish_post();
 
-  // Copies the local rows of the plan into `dst` (the staging order). Exposed for tests.
-  static void gather(const StagedPlan& plan, const KVLayout& local, const std::vector<uint32_t>& lids, uint8_t* dst);
-
  private:
+  const OpKind op_;
   StagedPlan plan_;
   KVLayout local_;  // addresses are this process's
   std::vector<uint32_t> lids_;
