@@ -3,9 +3,11 @@ bf16, 4096 tokens), full 8 kv heads and tp8's 1 kv head per rank.
 
 Like ``pdkv bench transfer``'s prepare cost: two synthetic, never-touched address
 ranges are registered and the agent prepares against itself (no memory, no network).
-Per mode it prints the extents the transport gets, prepare's milliseconds (best of 5),
-and the direct plan's extents and milliseconds (``pdkv.plan_blocks``, what a push
-without staging carries). Pulls always use the direct plan.
+Each mode is prefill -> decode; ``write`` is prefill pushing (local = prefill), ``read``
+is decode pulling (local = decode). Per mode and op it prints the extents the transport gets,
+prepare's milliseconds (best of 5), and the direct plan's extents and milliseconds
+(``pdkv.plan_blocks`` including its Python list: what the transfer would carry
+without staging).
 
     .venv/bin/python bench/layout_prepare.py [--random-ids]
 """
@@ -51,7 +53,8 @@ def main() -> None:
     ap.add_argument("--random-ids", action="store_true", help="scattered block ids instead of consecutive ones")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    print(f"{'geometry':<10} {'mode':<10} {'extents':>8} {'prepare ms':>10} {'direct extents':>14} {'direct ms':>9}")
+    print(f"{'geometry':<10} {'mode':<10} {'op':<5} {'extents':>8} {'prepare ms':>10} {'direct extents':>14} "
+          f"{'direct ms':>9}")
     for h, label in ((8, "70b-full"), (1, "70b-tp8")):
         for name, (lt, lh, lo, rt, rh, ro, nh, lho, rho) in modes(h).items():
             with pdkv.Agent("bench-layout", secret="x", transports=["tcp"]) as a:
@@ -67,10 +70,13 @@ def main() -> None:
                 lids, rids = pick(TOKENS // lt).astype(np.uint32), pick(TOKENS // rt).astype(np.uint32)
                 kw = dict(num_tokens=TOKENS if lt != rt else 0, num_heads=nh, local_head_offset=lho,
                           remote_head_offset=rho)
-                prep, secs = best_of(lambda: a.prepare("write", me, "kv0", lids, "kv1", rids, **kw))
-                direct, dsecs = best_of(lambda: pdkv.plan_blocks(layouts[0], lids, layouts[1], rids, **kw), 2)
-                print(f"{label:<10} {name:<10} {prep.num_extents:>8} {secs * 1e3:>10.3f} {len(direct):>14} "
-                      f"{dsecs * 1e3:>9.1f}")
+                pull = dict(num_tokens=kw["num_tokens"], num_heads=nh, local_head_offset=rho, remote_head_offset=lho)
+                for op, (li, lo_, ri, ro_, opts) in (("write", (0, lids, 1, rids, kw)),
+                                                     ("read", (1, rids, 0, lids, pull))):
+                    direct, dsecs = best_of(lambda: pdkv.plan_blocks(layouts[li], lo_, layouts[ri], ro_, **opts), 2)
+                    prep, secs = best_of(lambda: a.prepare(op, me, f"kv{li}", lo_, f"kv{ri}", ro_, **opts))
+                    print(f"{label:<10} {name:<10} {op:<5} {prep.num_extents:>8} {secs * 1e3:>10.3f} "
+                          f"{len(direct):>14} {dsecs * 1e3:>9.1f}")
 
 
 if __name__ == "__main__":
