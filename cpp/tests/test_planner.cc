@@ -8,11 +8,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/relayout.h"
 #include "pdkv/kv_layout.h"
 
 namespace pdkv {
@@ -25,7 +28,7 @@ struct Pool {
 
 // Per-layer K and V arrays, each at its own base far from the others.
 Pool make_pool(uint32_t block_tokens, uint32_t heads, TokenOrder order, uint32_t layers = 2, uint32_t blocks = 8,
-               uint32_t head_dim = 4, uint64_t base = 1ull << 32) {
+               uint32_t head_dim = 4, uint64_t base = 1ull << 32, uint64_t spacing = 1ull << 24) {
   KVGeometry g;
   g.num_layers = layers;
   g.num_blocks = blocks;
@@ -36,8 +39,8 @@ Pool make_pool(uint32_t block_tokens, uint32_t heads, TokenOrder order, uint32_t
   g.order = order;
   std::vector<uint64_t> k, v;
   for (uint32_t l = 0; l < layers; ++l) {
-    k.push_back(base + (2 * l) * (1ull << 24));
-    v.push_back(base + (2 * l + 1) * (1ull << 24));
+    k.push_back(base + (2 * l) * spacing);
+    v.push_back(base + (2 * l + 1) * spacing);
   }
   auto r = KVLayout::per_layer(g, k, v);
   EXPECT_TRUE(r.ok()) << r.status().to_string();
@@ -263,9 +266,10 @@ enum class Kind { kNHD, kHND, kVllmCpu, kCrossLayer, kHeadMajorPool };
 // kHeadMajorPool: per layer and part a token pool [H, blocks*T, D] paged by T (a
 // block's rows are not one dense run).
 Pool make_kind(Kind kind, uint32_t T, uint32_t H, uint32_t layers = 2, uint32_t blocks = 8, uint32_t D = 4,
-               uint64_t base = 1ull << 32) {
+               uint64_t base = 1ull << 32, uint64_t spacing = 1ull << 24) {
   if (kind == Kind::kNHD || kind == Kind::kHND)
-    return make_pool(T, H, kind == Kind::kNHD ? TokenOrder::kNHD : TokenOrder::kHND, layers, blocks, D, base);
+    return make_pool(T, H, kind == Kind::kNHD ? TokenOrder::kNHD : TokenOrder::kHND, layers, blocks, D, base,
+                     spacing);
   KVGeometry g;
   g.num_layers = layers;
   g.num_blocks = blocks;
@@ -279,7 +283,7 @@ Pool make_kind(Kind kind, uint32_t T, uint32_t H, uint32_t layers = 2, uint32_t 
     for (uint32_t p = 0; p < 2; ++p) {
       KVSegment s;
       if (kind == Kind::kVllmCpu) {
-        s.addr = base + l * (1ull << 24) + p * row;
+        s.addr = base + l * spacing + p * row;
         s.block_stride = 2 * half;
         s.token_stride = 2 * row;
         s.head_stride = 2 * row * T;
@@ -289,7 +293,7 @@ Pool make_kind(Kind kind, uint32_t T, uint32_t H, uint32_t layers = 2, uint32_t 
         s.token_stride = H * row;
         s.head_stride = row;
       } else {
-        s.addr = base + (2 * l + p) * (1ull << 24);
+        s.addr = base + (2 * l + p) * spacing;
         s.block_stride = T * row;
         s.token_stride = row;
         s.head_stride = uint64_t(blocks) * T * row;
@@ -443,6 +447,129 @@ TEST(StridedLayout, RandomPlansMatchTheReference) {
         << "iter " << iter << ": " << kind_name(ka) << " T=" << ta << " H=" << ha << " -> " << kind_name(kb)
         << " T=" << tb << " H=" << hb << " tokens=" << ntok << " heads=" << nh << "+" << lho << "/" << rho;
   }
+}
+
+// ---- staging (core/relayout.h): gather + wire, or wire + scatter, in real memory,
+// must move exactly the rows the direct plan moves.
+
+// A pool of `kind` in real memory: make_kind's layout moved onto `mem`.
+Pool in_memory(Kind kind, uint32_t T, uint32_t H, uint32_t layers, std::vector<uint8_t>& mem) {
+  Pool p = make_kind(kind, T, H, layers, 8, 4, 0, /*spacing=*/1 << 14);
+  uint64_t end = p.layout.end_addr();
+  mem.assign(end, 0);
+  std::vector<KVSegment> segs = p.layout.segments();
+  for (auto& s : segs) s.addr += reinterpret_cast<uint64_t>(mem.data());
+  auto r = KVLayout::make(p.geo, segs);
+  EXPECT_TRUE(r.ok());
+  return Pool{p.geo, std::move(r).value()};
+}
+
+void fill(std::vector<uint8_t>& mem, uint64_t seed) {
+  for (auto& b : mem) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    b = static_cast<uint8_t>(seed >> 56);
+  }
+}
+
+void apply(const std::vector<Extent>& ex, bool to_remote, uint64_t staging_base) {
+  for (const Extent& e : ex) {
+    uint8_t* staged = reinterpret_cast<uint8_t*>(staging_base + e.local_offset);
+    uint8_t* remote = reinterpret_cast<uint8_t*>(e.remote_offset);
+    if (to_remote)
+      std::memcpy(remote, staged, e.len);
+    else
+      std::memcpy(staged, remote, e.len);
+  }
+}
+
+TEST(Staging, RandomStagedTransfersEqualTheDirectPlan) {
+  uint64_t seed = 0x1234567ull;
+  auto next = [&](uint64_t n) {
+    seed ^= seed << 13;
+    seed ^= seed >> 7;
+    seed ^= seed << 17;
+    return seed % n;
+  };
+  const uint32_t sizes[] = {1, 2, 4, 8};
+  int staged_cases = 0;
+  for (int iter = 0; iter < 200; ++iter) {
+    const Kind ka = kKinds[next(5)], kb = kKinds[next(5)];
+    const uint32_t ta = sizes[next(4)], tb = sizes[next(4)], ha = 1 + next(4), hb = 1 + next(4);
+    const uint32_t nh = 1 + next(std::min(ha, hb));
+    std::vector<uint8_t> lmem, rmem, want;
+    Pool l = in_memory(ka, ta, ha, 3, lmem), r = in_memory(kb, tb, hb, 3, rmem);
+    PlanOptions o;
+    o.num_tokens = 1 + next(std::min(ta, tb) * 4);
+    o.num_heads = nh;
+    o.local_head_offset = next(ha - nh + 1);
+    o.remote_head_offset = next(hb - nh + 1);
+    o.first_layer = next(3);
+    o.num_layers = next(3 - o.first_layer + 1);
+    std::vector<uint32_t> lids, rids;
+    for (uint32_t i = 0; i < (o.num_tokens + ta - 1) / ta; ++i) lids.push_back(7 - i);
+    for (uint32_t i = 0; i < (o.num_tokens + tb - 1) / tb; ++i) rids.push_back((3 * i + 1) % 8);
+    const bool push = next(2);
+    fill(push ? lmem : rmem, iter + 1);
+    // The reference: the direct plan applied to copies.
+    std::vector<uint8_t> lref = lmem, rref = rmem;
+    auto direct = plan_blocks(l.layout, lids, r.layout, rids, o);
+    ASSERT_TRUE(direct.ok()) << direct.status().to_string();
+    const int64_t lshift = reinterpret_cast<int64_t>(lref.data()) - reinterpret_cast<int64_t>(lmem.data());
+    const int64_t rshift = reinterpret_cast<int64_t>(rref.data()) - reinterpret_cast<int64_t>(rmem.data());
+    for (const Extent& e : *direct) {
+      uint8_t* lp = reinterpret_cast<uint8_t*>(e.local_offset + lshift);
+      uint8_t* rp = reinterpret_cast<uint8_t*>(e.remote_offset + rshift);
+      push ? std::memcpy(rp, lp, e.len) : std::memcpy(lp, rp, e.len);
+    }
+    // Staged, whether or not staging would be chosen for these sizes.
+    auto scope_r = planner::plan_scope(l.layout, lids, r.layout, rids, o);
+    ASSERT_TRUE(scope_r.ok());
+    const planner::PlanScope scope = scope_r.value();
+    KVGeometry sg = r.geo;
+    sg.num_layers = static_cast<uint32_t>((scope.seg_end - scope.seg_begin) / 2);
+    sg.kv_heads = nh;
+    sg.num_blocks = static_cast<uint32_t>((o.num_tokens + tb - 1) / tb);
+    auto staging = KVLayout::contiguous(sg, 0, false);
+    ASSERT_TRUE(staging.ok());
+    StagedPlan plan{staging.value(), KVLayout::contiguous_bytes(sg), scope};
+    auto buf = StagingBuffer::allocate(plan.bytes);
+    ASSERT_TRUE(buf.ok());
+    std::vector<Extent> wire = staged_wire_extents(plan, 0, r.layout, rids);
+    StagedTransfer st(push ? OpKind::kWrite : OpKind::kRead, plan, l.layout, lids, *buf);
+    ASSERT_TRUE(st.begin_post(std::chrono::steady_clock::time_point::max()));
+    const uint64_t base = reinterpret_cast<uint64_t>((*buf)->data());
+    if (push) {
+      apply(wire, true, base);
+    } else {
+      apply(wire, false, base);
+      st.scatter();
+    }
+    st.finish_post();
+    ASSERT_EQ(lmem, lref) << "iter " << iter;
+    ASSERT_EQ(rmem, rref) << "iter " << iter << ": " << kind_name(ka) << " T=" << ta << " H=" << ha << " -> "
+                          << kind_name(kb) << " T=" << tb << " H=" << hb;
+    auto chosen = plan_staged(l.layout, lids, r.layout, rids, o);
+    ASSERT_TRUE(chosen.ok());
+    staged_cases += chosen->has_value();
+  }
+  EXPECT_EQ(staged_cases, 0);  // these plans are small: the direct plan is kept
+}
+
+TEST(Staging, LargeFragmentedPlansAreStagedIntoFewExtents) {
+  // NHD -> HND, 8 heads x 16 tokens x 64 blocks x 8 segments: 65536 rows.
+  Pool a = make_pool(16, 8, TokenOrder::kNHD, 4, 64), b = make_pool(16, 8, TokenOrder::kHND, 4, 64, 4, 1ull << 40);
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < 64; ++i) ids.push_back(i);
+  auto plan = plan_staged(a.layout, ids, b.layout, ids, {});
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(plan->has_value());
+  auto wire = staged_wire_extents(**plan, 7, b.layout, ids);
+  EXPECT_EQ(wire.size(), 8u);  // one run of 64 whole blocks per (layer, part)
+  EXPECT_EQ((*plan)->bytes, 8u * 64 * b.geo.block_half_bytes());
+  // Whole blocks already: no staging.
+  auto same = plan_staged(a.layout, ids, a.layout, ids, {});
+  ASSERT_TRUE(same.ok());
+  EXPECT_FALSE(same->has_value());
 }
 
 TEST(DistinctBlocks, DuplicateDestinationsAreNamed) {
