@@ -1,7 +1,8 @@
 """Writes the metadata fuzzer's seed corpus, fuzz/corpus/metadata/: real blobs from
 ``pdkv.Agent.metadata()`` (several transports, regions and layouts) plus a few
 near-valid variants (truncated, wrong version, corrupted count). Seeds named ``v1_*``
-are version-1 blobs written by an older pdkv (this one writes version 2): they are kept.
+(version-1 blobs written by an older pdkv; this one writes version 2) and
+``regression_*`` (inputs the fuzzer once failed on) are kept.
 
 Run from the repository root after ``make install``; commit what it writes:
 
@@ -90,7 +91,7 @@ def near_valid(good: bytes) -> dict[str, bytes]:
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     for f in os.listdir(OUT):
-        if not f.startswith("v1_"):
+        if not f.startswith(("v1_", "regression_")):
             os.remove(os.path.join(OUT, f))
     seeds = blobs()
     seeds.update(near_valid(seeds["contiguous_shm_tcp"]))

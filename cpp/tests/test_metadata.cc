@@ -120,6 +120,24 @@ TEST(MetadataLayouts, StridesRoundTrip) {
   EXPECT_EQ(encode_metadata(*r), encode_metadata(md));
 }
 
+TEST(MetadataLayouts, AOneBlockLayoutKeepsItsBlockStride) {
+  // Found by the fuzzer: a block stride is meaningless with one block, and any value
+  // (0 included) must round-trip unchanged (one encoding per value).
+  AgentMetadata md = with_strided_layout();
+  KVGeometry g = md.layouts[0].second.geometry();
+  g.num_blocks = 1;
+  std::vector<KVSegment> segs = md.layouts[0].second.segments();
+  for (auto& s : segs) s.block_stride = 0;
+  auto l = KVLayout::make(g, segs);
+  ASSERT_TRUE(l.ok()) << l.status().to_string();
+  EXPECT_EQ(l->segments()[0].block_stride, 0u);
+  md.layouts[0].second = *l;
+  const std::string blob = encode_metadata(md);
+  auto r = decode_metadata(blob);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(encode_metadata(*r), blob);
+}
+
 TEST(MetadataLayouts, AVersionOneBlobStillDecodesWithTheOrdersStrides) {
   // Version 1: the same layout record without the two stride fields per segment.
   AgentMetadata md = sample();

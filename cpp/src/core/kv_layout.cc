@@ -132,7 +132,6 @@ Result<KVLayout> KVLayout::make(const KVGeometry& geo, std::vector<KVSegment> se
       s.token_stride = nhd ? row * geo.kv_heads : row;
       s.head_stride = nhd ? row : row * geo.block_tokens;
     }
-    if (geo.num_blocks == 1 && s.block_stride == 0) s.block_stride = geo.block_half_bytes();
     const std::string where = segment_name(geo, i);
     PDKV_RETURN_IF_ERROR(check_nested(varying_dims({{"block", s.block_stride, geo.num_blocks},
                                                     {"token", s.token_stride, geo.block_tokens},
