@@ -630,9 +630,12 @@ def plan_blocks(
 
     Returns ``(local_region, local_offset, remote_region, remote_offset, nbytes)`` tuples;
     for layouts not yet added to an agent the region is ``2**64-1`` and the offset is
-    the absolute address. With equal geometry each block maps to one block and
-    consecutive ids coalesce; otherwise bytes are mapped per token and head (different
-    block sizes, NHD vs HND, head subsets for tensor-parallel splits).
+    the absolute address. With equal geometry and strides each block maps to one block
+    and consecutive ids coalesce; otherwise (different block sizes, NHD vs HND, engine
+    layouts, head subsets for tensor-parallel splits) the bytes are cut into the longest
+    runs contiguous on both sides. This is the direct plan; ``Agent.prepare`` may
+    instead stage a fragmented host-memory transfer through a local buffer (same bytes,
+    few large extents on the wire; docs/api.md#kv-layouts).
 
     ``num_tokens``/``num_heads`` = 0 mean "all", accepted only when both block lists
     hold the same number of tokens and both layouts the same number of kv heads;

@@ -152,7 +152,8 @@ struct PlanOptions {
 // part) (per layer when K and V interleave inside a block on both sides, as vLLM
 // CPU's); otherwise the bytes are cut into the longest runs contiguous on both sides
 // (whole token rows of the moved heads, a head's tokens, or single rows), computed per
-// block pair rather than per row, and coalesced. A plan never silently moves part of the data: when
+// block pair rather than per row, and coalesced. This is the direct plan: the agent may
+// stage a fragmented host-memory transfer through a local buffer instead (core/relayout.h). A plan never silently moves part of the data: when
 // the block lists hold different numbers of tokens, or the layouts different numbers
 // of kv heads, the caller must say what to move (num_tokens / num_heads).
 // Errors: InvalidArgument (mismatched dtype/head_dim/layers/parts; token counts or
