@@ -1,6 +1,8 @@
 """Writes the metadata fuzzer's seed corpus, fuzz/corpus/metadata/: real blobs from
 ``pdkv.Agent.metadata()`` (several transports, regions and layouts) plus a few
-near-valid variants (truncated, wrong version, corrupted count).
+near-valid variants (truncated, wrong version, corrupted count). Seeds named ``v1_*``
+(version-1 blobs written by an older pdkv; this one writes version 2) and
+``regression_*`` (inputs the fuzzer once failed on) are kept.
 
 Run from the repository root after ``make install``; commit what it writes:
 
@@ -59,6 +61,18 @@ def blobs() -> dict[str, bytes]:
         a.register(latent)
         a.add_layout("mla", pdkv.KVLayout.from_tensors([latent], None, dtype="float8_e4m3fn"))
         out["three_layouts_shared"] = a.metadata()
+
+    # Engine layouts described by strides: vLLM CPU (K and V interleaved per head) and
+    # a SGLang-style token pool.
+    with pdkv.Agent("strided", secret="s", transports=["tcp"]) as a:
+        cpu = [np.zeros((4, 2, 8, 2 * 16), np.uint16) for _ in range(2)]
+        pool_k, pool_v = np.zeros((33, 2, 16), np.float16), np.zeros((33, 2, 16), np.float16)
+        keep += cpu + [pool_k, pool_v]
+        for t in cpu + [pool_k, pool_v]:
+            a.register(t)
+        a.add_layout("vllm-cpu", pdkv.KVLayout.from_vllm(cpu, dtype="bfloat16"))
+        a.add_layout("pages", pdkv.KVLayout.from_token_pool([pool_k], [pool_v], page_size=8))
+        out["strided_layouts"] = a.metadata()
     return out
 
 
@@ -67,7 +81,7 @@ def near_valid(good: bytes) -> dict[str, bytes]:
     body_len_at = 8 + 2
     return {
         "truncated_half": good[: len(good) // 2],
-        "version_2": good[:8] + struct.pack("<H", 2) + good[10:],
+        "version_next": good[:8] + struct.pack("<H", 3) + good[10:],
         "body_len_plus_one": good[:body_len_at] + struct.pack("<I", len(good) - 14 + 1) + good[14:],
         "trailing_byte": good[:body_len_at] + struct.pack("<I", len(good) - 14 + 1) + good[14:] + b"\0",
         "magic_only": good[:8],
@@ -77,7 +91,8 @@ def near_valid(good: bytes) -> dict[str, bytes]:
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     for f in os.listdir(OUT):
-        os.remove(os.path.join(OUT, f))
+        if not f.startswith(("v1_", "regression_")):
+            os.remove(os.path.join(OUT, f))
     seeds = blobs()
     seeds.update(near_valid(seeds["contiguous_shm_tcp"]))
     for name, data in sorted(seeds.items()):

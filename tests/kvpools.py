@@ -19,6 +19,9 @@ import pdkv
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float8_e4m3fn": np.uint8}
 
 STYLES = ("nhd", "hnd", "interleaved", "vllm")
+# Engine layouts described by strides (KVLayout.from_vllm / from_token_pool / from_strided).
+STRIDED_STYLES = ("vllm_cpu", "flashinfer_hnd", "cross_layer", "token_pool")
+ALL_STYLES = STYLES + STRIDED_STYLES
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,46 @@ class Pool:
             self.arrays = [zeros((2, B, T, H, D)) for _ in range(L)]
             self.k = [a[0] for a in self.arrays]
             self.v = [a[1] for a in self.arrays]
+        elif spec.style in STRIDED_STYLES:
+            self._strided(zeros)
         else:
             raise ValueError(spec.style)
-        self.layout = pdkv.KVLayout.from_tensors(self.k, self.v, order=spec.order, dtype=spec.dtype)
+        if spec.style in STYLES:
+            self.layout = pdkv.KVLayout.from_tensors(self.k, self.v, order=spec.order, dtype=spec.dtype)
         if seed is not None:
             self.fill(seed)
+
+    def _strided(self, zeros) -> None:
+        """Engine layouts; ``self.k``/``self.v`` are [B, T, H, D] views of each part."""
+        spec = self.spec
+        L, B, T, H, D = spec.layers, spec.blocks, spec.block_tokens, spec.heads, spec.head_dim
+        if spec.style == "vllm_cpu":  # vLLM CPU: [B, H, T, 2*D], K then V in each row pair
+            self.arrays = [zeros((B, H, T, 2 * D)) for _ in range(L)]
+            self.k = [a[..., :D].transpose(0, 2, 1, 3) for a in self.arrays]
+            self.v = [a[..., D:].transpose(0, 2, 1, 3) for a in self.arrays]
+            self.layout = pdkv.KVLayout.from_vllm(self.arrays, dtype=spec.dtype, kv_layout="cpu")
+        elif spec.style == "flashinfer_hnd":  # [B, 2, T, H, D] views of HND memory [B, 2, H, T, D]
+            self.arrays = [zeros((B, 2, H, T, D)) for _ in range(L)]
+            views = [a.transpose(0, 1, 3, 2, 4) for a in self.arrays]
+            self.k = [v[:, 0] for v in views]
+            self.v = [v[:, 1] for v in views]
+            self.layout = pdkv.KVLayout.from_vllm(views, dtype=spec.dtype, kv_layout="flashinfer")
+        elif spec.style == "cross_layer":  # one buffer [B, L, 2, T, H, D]
+            self.arrays = [zeros((B, L, 2, T, H, D))]
+            a = self.arrays[0]
+            self.k = [a[:, l, 0] for l in range(L)]
+            self.v = [a[:, l, 1] for l in range(L)]
+            st = a.strides
+            geo = pdkv.KVGeometry(L, B, T, H, D, spec.dtype)
+            base = a.__array_interface__["data"][0]
+            segs = [(base + l * st[1] + p * st[2], st[0], st[3], st[4]) for l in range(L) for p in range(2)]
+            self.layout = pdkv.KVLayout.from_strided(geo, segs, keepalive=a)
+        else:  # token_pool: SGLang-style [B*T, H, D] per layer and part, pages of T tokens
+            self.arrays = [zeros((B * T, H, D)) for _ in range(2 * L)]
+            self.k = [a.reshape(B, T, H, D) for a in self.arrays[0::2]]
+            self.v = [a.reshape(B, T, H, D) for a in self.arrays[1::2]]
+            self.layout = pdkv.KVLayout.from_token_pool(self.arrays[0::2], self.arrays[1::2], page_size=T,
+                                                        dtype=spec.dtype)
 
     def fill(self, seed: int) -> None:
         rng = np.random.default_rng(seed)

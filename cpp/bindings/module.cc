@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -244,6 +245,19 @@ PYBIND11_MODULE(_pdkv, m) {
                     for (auto& [a, st] : segs) s.push_back(KVSegment{a, st});
                     return unwrap(KVLayout::make(g, std::move(s)));
                   })
+      .def_static("make_strided",
+                  [](const KVGeometry& g, const std::vector<std::array<uint64_t, 4>>& segs) {
+                    std::vector<KVSegment> s;
+                    for (auto& [a, bs, ts, hs] : segs) {
+                      KVSegment x{a, bs};
+                      x.token_stride = ts;
+                      x.head_stride = hs;
+                      s.push_back(x);
+                    }
+                    return unwrap(KVLayout::make(g, std::move(s)));
+                  },
+                  py::arg("geometry"), py::arg("segments"),
+                  "segments[layer * kv_parts + part] = (addr, block_stride, token_stride, head_stride), bytes")
       .def_static("contiguous", [](const KVGeometry& g, uint64_t base, bool interleaved) {
         return unwrap(KVLayout::contiguous(g, base, interleaved));
       })
@@ -256,6 +270,8 @@ PYBIND11_MODULE(_pdkv, m) {
                                  py::dict d;
                                  d["addr"] = s.addr;
                                  d["block_stride"] = s.block_stride;
+                                 d["token_stride"] = s.token_stride;
+                                 d["head_stride"] = s.head_stride;
                                  d["region_id"] = s.region_id == KVSegment::kUnbound ? py::object(py::none())
                                                                                        : py::object(py::int_(s.region_id));
                                  d["region_offset"] = s.region_offset;
@@ -300,7 +316,7 @@ PYBIND11_MODULE(_pdkv, m) {
     std::string b = blob;
     AgentMetadata md = unwrap(decode_metadata(b));
     py::dict d;
-    d["version"] = kMetadataVersion;
+    d["version"] = kMetadataVersion;  // the version this pdkv writes (older blobs decode into the same form)
     d["name"] = md.name;
     d["instance_id"] = md.instance_id;
     d["host_id"] = md.host_id;

@@ -8,11 +8,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/relayout.h"
 #include "pdkv/kv_layout.h"
 
 namespace pdkv {
@@ -25,7 +28,7 @@ struct Pool {
 
 // Per-layer K and V arrays, each at its own base far from the others.
 Pool make_pool(uint32_t block_tokens, uint32_t heads, TokenOrder order, uint32_t layers = 2, uint32_t blocks = 8,
-               uint32_t head_dim = 4, uint64_t base = 1ull << 32) {
+               uint32_t head_dim = 4, uint64_t base = 1ull << 32, uint64_t spacing = 1ull << 24) {
   KVGeometry g;
   g.num_layers = layers;
   g.num_blocks = blocks;
@@ -36,8 +39,8 @@ Pool make_pool(uint32_t block_tokens, uint32_t heads, TokenOrder order, uint32_t
   g.order = order;
   std::vector<uint64_t> k, v;
   for (uint32_t l = 0; l < layers; ++l) {
-    k.push_back(base + (2 * l) * (1ull << 24));
-    v.push_back(base + (2 * l + 1) * (1ull << 24));
+    k.push_back(base + (2 * l) * spacing);
+    v.push_back(base + (2 * l + 1) * spacing);
   }
   auto r = KVLayout::per_layer(g, k, v);
   EXPECT_TRUE(r.ok()) << r.status().to_string();
@@ -48,12 +51,13 @@ using Rows = std::vector<std::pair<uint64_t, uint64_t>>;  // (local address, rem
 
 uint64_t row_bytes(const KVGeometry& g) { return uint64_t(g.head_dim) * dtype_size(g.dtype); }
 
+// The row's address from the segment's strides (checked against the dense NHD/HND
+// formula in StridedLayout.OlderConstructorsFillTheOrdersStrides).
 uint64_t row_addr(const Pool& p, size_t seg, const std::vector<uint32_t>& ids, uint64_t t, uint64_t h) {
   const KVGeometry& g = p.geo;
   const KVSegment& s = p.layout.segments()[seg];
   const uint64_t block = ids[t / g.block_tokens], slot = t % g.block_tokens;
-  const uint64_t in_block = g.order == TokenOrder::kNHD ? (slot * g.kv_heads + h) : (h * g.block_tokens + slot);
-  return s.addr + block * s.block_stride + in_block * row_bytes(g);
+  return s.addr + block * s.block_stride + slot * s.token_stride + h * s.head_stride;
 }
 
 // What the transfer must move: every token < ntok and head < nh of every segment.
@@ -251,6 +255,321 @@ TEST(PlannerMismatch, BlockIdsBeyondThePoolAreOutOfRange) {
   auto res = plan_blocks(a.layout, {0}, b.layout, {8}, {});
   ASSERT_FALSE(res.ok());
   EXPECT_EQ(res.status().code(), StatusCode::kOutOfRange);
+}
+
+// ---- strided layouts: every engine layout against the same row-by-row reference
+
+enum class Kind { kNHD, kHND, kVllmCpu, kCrossLayer, kHeadMajorPool };
+
+// A pool of `kind` at its own made-up base. kVllmCpu: per layer [blocks, H, T, 2*D]
+// (K at +0, V at +D); kCrossLayer: [blocks, layers, 2, T, H, D] in one buffer;
+// kHeadMajorPool: per layer and part a token pool [H, blocks*T, D] paged by T (a
+// block's rows are not one dense run).
+Pool make_kind(Kind kind, uint32_t T, uint32_t H, uint32_t layers = 2, uint32_t blocks = 8, uint32_t D = 4,
+               uint64_t base = 1ull << 32, uint64_t spacing = 1ull << 24) {
+  if (kind == Kind::kNHD || kind == Kind::kHND)
+    return make_pool(T, H, kind == Kind::kNHD ? TokenOrder::kNHD : TokenOrder::kHND, layers, blocks, D, base,
+                     spacing);
+  KVGeometry g;
+  g.num_layers = layers;
+  g.num_blocks = blocks;
+  g.block_tokens = T;
+  g.kv_heads = H;
+  g.head_dim = D;
+  g.dtype = DType::kF16;
+  const uint64_t e = 2, row = D * e, half = uint64_t(T) * H * row;
+  std::vector<KVSegment> segs;
+  for (uint32_t l = 0; l < layers; ++l) {
+    for (uint32_t p = 0; p < 2; ++p) {
+      KVSegment s;
+      if (kind == Kind::kVllmCpu) {
+        s.addr = base + l * spacing + p * row;
+        s.block_stride = 2 * half;
+        s.token_stride = 2 * row;
+        s.head_stride = 2 * row * T;
+      } else if (kind == Kind::kCrossLayer) {
+        s.addr = base + (2 * l + p) * half;
+        s.block_stride = 2 * layers * half;
+        s.token_stride = H * row;
+        s.head_stride = row;
+      } else {
+        s.addr = base + (2 * l + p) * spacing;
+        s.block_stride = T * row;
+        s.token_stride = row;
+        s.head_stride = uint64_t(blocks) * T * row;
+      }
+      segs.push_back(s);
+    }
+  }
+  auto r = KVLayout::make(g, std::move(segs));
+  EXPECT_TRUE(r.ok()) << r.status().to_string();
+  return Pool{g, std::move(r).value()};
+}
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kNHD: return "NHD";
+    case Kind::kHND: return "HND";
+    case Kind::kVllmCpu: return "vllm-cpu";
+    case Kind::kCrossLayer: return "cross-layer";
+    default: return "head-major-pool";
+  }
+}
+
+constexpr Kind kKinds[] = {Kind::kNHD, Kind::kHND, Kind::kVllmCpu, Kind::kCrossLayer, Kind::kHeadMajorPool};
+
+TEST(StridedLayout, OlderConstructorsFillTheOrdersStrides) {
+  Pool n = make_pool(4, 3, TokenOrder::kNHD), h = make_pool(4, 3, TokenOrder::kHND);
+  const uint64_t row = row_bytes(n.geo);
+  for (const KVSegment& s : n.layout.segments()) {
+    EXPECT_EQ(s.token_stride, 3 * row);
+    EXPECT_EQ(s.head_stride, row);
+  }
+  for (const KVSegment& s : h.layout.segments()) {
+    EXPECT_EQ(s.token_stride, row);
+    EXPECT_EQ(s.head_stride, 4 * row);
+  }
+}
+
+TEST(StridedLayout, EndAddressComesFromTheStrides) {
+  // vLLM CPU: the V segment starts one row into the block; its last row ends the pool.
+  Pool p = make_kind(Kind::kVllmCpu, 4, 2, /*layers=*/1, /*blocks=*/3);
+  const uint64_t block = 2 * 4 * 2 * 8;  // 2 parts x T x H x 8-byte rows
+  EXPECT_EQ(p.layout.end_addr(), p.layout.min_addr() + 3 * block);
+  EXPECT_EQ(p.layout.segment_span(p.layout.segments()[1]), 3 * block - 8);
+}
+
+TEST(StridedLayout, OverlappingRowsAreRejectedNamingTheDimension) {
+  KVGeometry g;
+  g.num_layers = 1;
+  g.num_blocks = 4;
+  g.block_tokens = 4;
+  g.kv_heads = 2;
+  g.head_dim = 4;
+  g.kv_parts = 1;
+  g.dtype = DType::kF32;  // 16-byte rows
+  auto bad = [&](uint64_t bs, uint64_t ts, uint64_t hs, const std::string& dim) {
+    KVSegment s;
+    s.addr = 4096;
+    s.block_stride = bs;
+    s.token_stride = ts;
+    s.head_stride = hs;
+    auto r = KVLayout::make(g, {s});
+    ASSERT_FALSE(r.ok()) << bs << " " << ts << " " << hs;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(dim + " stride"), std::string::npos) << r.status().message();
+  };
+  bad(128, 16, 8, "head");      // heads 8 bytes apart, rows are 16
+  bad(128, 16, 16, "head");     // heads and tokens on the same bytes
+  bad(112, 32, 16, "block");    // a block spans 128 bytes, the next starts 112 later
+}
+
+TEST(StridedLayout, EveryKindToEveryKindMatchesTheReference) {
+  for (Kind a : kKinds)
+    for (Kind b : kKinds) {
+      Pool l = make_kind(a, 4, 2), r = make_kind(b, 4, 2, 2, 8, 4, 1ull << 40);
+      std::vector<uint32_t> lids{1, 2, 3, 6}, rids{5, 0, 1, 2};
+      auto ex = plan_ok(l, lids, r, rids);
+      expect_coalesced(ex);
+      EXPECT_EQ(expand(ex, row_bytes(l.geo)), reference(l, lids, r, rids, 16, 2))
+          << kind_name(a) << " -> " << kind_name(b);
+    }
+}
+
+TEST(StridedLayout, VllmCpuBlocksMoveAsOneRunPerLayer) {
+  // K and V interleave per head inside a block: equal layouts move whole layer-blocks.
+  Pool l = make_kind(Kind::kVllmCpu, 4, 2, 3), r = make_kind(Kind::kVllmCpu, 4, 2, 3, 8, 4, 1ull << 40);
+  std::vector<uint32_t> ids{2, 3, 4};
+  auto ex = plan_ok(l, ids, r, ids);
+  ASSERT_EQ(ex.size(), 3u);  // one per layer
+  EXPECT_EQ(ex[0].len, 3 * 2 * l.geo.block_half_bytes());
+  EXPECT_EQ(expand(ex, row_bytes(l.geo)), reference(l, ids, r, ids, 12, 2));
+}
+
+TEST(StridedLayout, HeterogeneousRunsAreAsLongAsBothSidesAllow) {
+  // NHD 4 heads -> NHD 2 heads (a TP split): one run per token (2 heads' rows).
+  Pool a = make_pool(4, 4, TokenOrder::kNHD), b = make_pool(4, 2, TokenOrder::kNHD);
+  std::vector<uint32_t> ids{0};
+  PlanOptions o;
+  o.num_heads = 2;
+  o.local_head_offset = 2;
+  auto ex = plan_ok(a, ids, b, ids, o);
+  ASSERT_EQ(ex.size(), 4 * a.layout.segments().size());
+  for (const Extent& e : ex) EXPECT_EQ(e.len, 2 * row_bytes(a.geo));
+  // HND block size 8 -> 4: one run per head and remote block.
+  Pool c = make_pool(8, 2, TokenOrder::kHND), d = make_pool(4, 2, TokenOrder::kHND);
+  auto ex2 = plan_ok(c, {0}, d, {0, 1});
+  ASSERT_EQ(ex2.size(), 4 * c.layout.segments().size());
+  // One head: NHD and HND blocks hold the same bytes; whole blocks move.
+  Pool e1 = make_pool(4, 1, TokenOrder::kNHD), e2 = make_pool(4, 1, TokenOrder::kHND);
+  auto ex3 = plan_ok(e1, {0, 1}, e2, {0, 1});
+  ASSERT_EQ(ex3.size(), e1.layout.segments().size());
+}
+
+// Property test: random kinds, block sizes, head splits, partial last blocks, block
+// ids and layer ranges, every plan equal to the row-by-row reference.
+TEST(StridedLayout, RandomPlansMatchTheReference) {
+  uint64_t seed = 0x9e3779b97f4a7c15ull;
+  auto next = [&](uint64_t n) {
+    seed ^= seed << 13;
+    seed ^= seed >> 7;
+    seed ^= seed << 17;
+    return seed % n;
+  };
+  const uint32_t sizes[] = {1, 2, 4, 8};
+  for (int iter = 0; iter < 300; ++iter) {
+    const Kind ka = kKinds[next(5)], kb = kKinds[next(5)];
+    const uint32_t ta = sizes[next(4)], tb = sizes[next(4)];
+    const uint32_t ha = 1 + next(4), hb = 1 + next(4);
+    const uint32_t nh = 1 + next(std::min(ha, hb));
+    const uint32_t lho = next(ha - nh + 1), rho = next(hb - nh + 1);
+    Pool l = make_kind(ka, ta, ha, 3, 8), r = make_kind(kb, tb, hb, 3, 8, 4, 1ull << 40);
+    const uint64_t ntok = 1 + next(std::min(ta, tb) * 4);  // fits 4 blocks of the smaller size at least
+    auto pick = [&](uint32_t T) {
+      std::vector<uint32_t> all{0, 1, 2, 3, 4, 5, 6, 7}, ids;
+      const size_t n = (ntok + T - 1) / T;
+      for (size_t i = 0; i < n; ++i) {
+        const size_t j = i + next(all.size() - i);
+        std::swap(all[i], all[j]);
+        ids.push_back(all[i]);
+      }
+      return ids;
+    };
+    std::vector<uint32_t> lids = pick(ta), rids = pick(tb);
+    PlanOptions o;
+    o.num_tokens = ntok;
+    o.num_heads = nh;
+    o.local_head_offset = lho;
+    o.remote_head_offset = rho;
+    auto ex = plan_ok(l, lids, r, rids, o);
+    expect_coalesced(ex);
+    ASSERT_EQ(expand(ex, row_bytes(l.geo)), reference(l, lids, r, rids, ntok, nh, lho, rho))
+        << "iter " << iter << ": " << kind_name(ka) << " T=" << ta << " H=" << ha << " -> " << kind_name(kb)
+        << " T=" << tb << " H=" << hb << " tokens=" << ntok << " heads=" << nh << "+" << lho << "/" << rho;
+  }
+}
+
+// ---- staging (core/relayout.h): gather + wire, or wire + scatter, in real memory,
+// must move exactly the rows the direct plan moves.
+
+// A pool of `kind` in real memory: make_kind's layout moved onto `mem`.
+Pool in_memory(Kind kind, uint32_t T, uint32_t H, uint32_t layers, std::vector<uint8_t>& mem) {
+  Pool p = make_kind(kind, T, H, layers, 8, 4, 0, /*spacing=*/1 << 14);
+  uint64_t end = p.layout.end_addr();
+  mem.assign(end, 0);
+  std::vector<KVSegment> segs = p.layout.segments();
+  for (auto& s : segs) s.addr += reinterpret_cast<uint64_t>(mem.data());
+  auto r = KVLayout::make(p.geo, segs);
+  EXPECT_TRUE(r.ok());
+  return Pool{p.geo, std::move(r).value()};
+}
+
+void fill(std::vector<uint8_t>& mem, uint64_t seed) {
+  for (auto& b : mem) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    b = static_cast<uint8_t>(seed >> 56);
+  }
+}
+
+void apply(const std::vector<Extent>& ex, bool to_remote, uint64_t staging_base) {
+  for (const Extent& e : ex) {
+    uint8_t* staged = reinterpret_cast<uint8_t*>(staging_base + e.local_offset);
+    uint8_t* remote = reinterpret_cast<uint8_t*>(e.remote_offset);
+    if (to_remote)
+      std::memcpy(remote, staged, e.len);
+    else
+      std::memcpy(staged, remote, e.len);
+  }
+}
+
+TEST(Staging, RandomStagedTransfersEqualTheDirectPlan) {
+  uint64_t seed = 0x1234567ull;
+  auto next = [&](uint64_t n) {
+    seed ^= seed << 13;
+    seed ^= seed >> 7;
+    seed ^= seed << 17;
+    return seed % n;
+  };
+  const uint32_t sizes[] = {1, 2, 4, 8};
+  int staged_cases = 0;
+  for (int iter = 0; iter < 200; ++iter) {
+    const Kind ka = kKinds[next(5)], kb = kKinds[next(5)];
+    const uint32_t ta = sizes[next(4)], tb = sizes[next(4)], ha = 1 + next(4), hb = 1 + next(4);
+    const uint32_t nh = 1 + next(std::min(ha, hb));
+    std::vector<uint8_t> lmem, rmem, want;
+    Pool l = in_memory(ka, ta, ha, 3, lmem), r = in_memory(kb, tb, hb, 3, rmem);
+    PlanOptions o;
+    o.num_tokens = 1 + next(std::min(ta, tb) * 4);
+    o.num_heads = nh;
+    o.local_head_offset = next(ha - nh + 1);
+    o.remote_head_offset = next(hb - nh + 1);
+    o.first_layer = next(3);
+    o.num_layers = next(3 - o.first_layer + 1);
+    std::vector<uint32_t> lids, rids;
+    for (uint32_t i = 0; i < (o.num_tokens + ta - 1) / ta; ++i) lids.push_back(7 - i);
+    for (uint32_t i = 0; i < (o.num_tokens + tb - 1) / tb; ++i) rids.push_back((3 * i + 1) % 8);
+    const bool push = next(2);
+    fill(push ? lmem : rmem, iter + 1);
+    // The reference: the direct plan applied to copies.
+    std::vector<uint8_t> lref = lmem, rref = rmem;
+    auto direct = plan_blocks(l.layout, lids, r.layout, rids, o);
+    ASSERT_TRUE(direct.ok()) << direct.status().to_string();
+    const int64_t lshift = reinterpret_cast<int64_t>(lref.data()) - reinterpret_cast<int64_t>(lmem.data());
+    const int64_t rshift = reinterpret_cast<int64_t>(rref.data()) - reinterpret_cast<int64_t>(rmem.data());
+    for (const Extent& e : *direct) {
+      uint8_t* lp = reinterpret_cast<uint8_t*>(e.local_offset + lshift);
+      uint8_t* rp = reinterpret_cast<uint8_t*>(e.remote_offset + rshift);
+      push ? std::memcpy(rp, lp, e.len) : std::memcpy(lp, rp, e.len);
+    }
+    // Staged, whether or not staging would be chosen for these sizes.
+    auto scope_r = planner::plan_scope(l.layout, lids, r.layout, rids, o);
+    ASSERT_TRUE(scope_r.ok());
+    const planner::PlanScope scope = scope_r.value();
+    KVGeometry sg = r.geo;
+    sg.num_layers = static_cast<uint32_t>((scope.seg_end - scope.seg_begin) / 2);
+    sg.kv_heads = nh;
+    sg.num_blocks = static_cast<uint32_t>((o.num_tokens + tb - 1) / tb);
+    auto staging = KVLayout::contiguous(sg, 0, false);
+    ASSERT_TRUE(staging.ok());
+    StagedPlan plan{staging.value(), KVLayout::contiguous_bytes(sg), scope};
+    auto buf = StagingBuffer::allocate(plan.bytes);
+    ASSERT_TRUE(buf.ok());
+    std::vector<Extent> wire = staged_wire_extents(plan, 0, r.layout, rids);
+    StagedTransfer st(push ? OpKind::kWrite : OpKind::kRead, plan, l.layout, lids, *buf);
+    ASSERT_TRUE(st.begin_post(std::chrono::steady_clock::time_point::max()));
+    const uint64_t base = reinterpret_cast<uint64_t>((*buf)->data());
+    if (push) {
+      apply(wire, true, base);
+    } else {
+      apply(wire, false, base);
+      st.scatter();
+    }
+    st.finish_post();
+    ASSERT_EQ(lmem, lref) << "iter " << iter;
+    ASSERT_EQ(rmem, rref) << "iter " << iter << ": " << kind_name(ka) << " T=" << ta << " H=" << ha << " -> "
+                          << kind_name(kb) << " T=" << tb << " H=" << hb;
+    auto chosen = plan_staged(l.layout, lids, r.layout, rids, o);
+    ASSERT_TRUE(chosen.ok());
+    staged_cases += chosen->has_value();
+  }
+  EXPECT_EQ(staged_cases, 0);  // these plans are small: the direct plan is kept
+}
+
+TEST(Staging, LargeFragmentedPlansAreStagedIntoFewExtents) {
+  // NHD -> HND, 8 heads x 16 tokens x 64 blocks x 8 segments: 65536 rows.
+  Pool a = make_pool(16, 8, TokenOrder::kNHD, 4, 64), b = make_pool(16, 8, TokenOrder::kHND, 4, 64, 4, 1ull << 40);
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < 64; ++i) ids.push_back(i);
+  auto plan = plan_staged(a.layout, ids, b.layout, ids, {});
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(plan->has_value());
+  auto wire = staged_wire_extents(**plan, 7, b.layout, ids);
+  EXPECT_EQ(wire.size(), 8u);  // one run of 64 whole blocks per (layer, part)
+  EXPECT_EQ((*plan)->bytes, 8u * 64 * b.geo.block_half_bytes());
+  // Whole blocks already: no staging.
+  auto same = plan_staged(a.layout, ids, a.layout, ids, {});
+  ASSERT_TRUE(same.ok());
+  EXPECT_FALSE(same->has_value());
 }
 
 TEST(DistinctBlocks, DuplicateDestinationsAreNamed) {

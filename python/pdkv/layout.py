@@ -2,14 +2,18 @@
 
 A KV pool has ``num_layers`` layers, each with a K and a V part (``kv_parts=2``) or a
 single latent part (``kv_parts=1``, MLA). Each (layer, part) holds ``num_blocks``
-blocks of ``block_tokens x kv_heads x head_dim`` elements, contiguous inside a block
-in ``"NHD"`` order ``[block_tokens, kv_heads, head_dim]`` or ``"HND"`` order
-``[kv_heads, block_tokens, head_dim]``. Consecutive blocks of one (layer, part) are
-``block_stride`` bytes apart, which covers:
+blocks of ``block_tokens x kv_heads`` rows of ``head_dim`` contiguous elements; the
+row of (block ``b``, token slot ``t``, head ``h``) starts at
+``addr + b*block_stride + t*token_stride + h*head_stride`` (bytes). Dense blocks are
+``"NHD"`` ``[block_tokens, kv_heads, head_dim]`` or ``"HND"``
+``[kv_heads, block_tokens, head_dim]``; general strides cover:
 
 * per-layer K and V tensors ``[num_blocks, T, H, D]`` (vLLM, FlashInfer NHD),
 * K/V interleaved per block ``[num_blocks, 2, T, H, D]`` (pass ``t[:, 0]``, ``t[:, 1]``),
-* vLLM's ``[2, num_blocks, T, H, D]`` per layer (pass ``t[0]``, ``t[1]``),
+* vLLM's ``[2, num_blocks, T, H, D]`` per layer (:meth:`KVLayout.from_vllm`),
+* vLLM CPU's ``[num_blocks, H, T, 2*D]`` (K and V interleaved per head, :meth:`KVLayout.from_vllm`),
+* token pools ``[tokens, H, D]`` paged by ``page_size`` (SGLang, :meth:`KVLayout.from_token_pool`),
+* cross-layer blocks and anything else (:meth:`KVLayout.from_strided`),
 * one buffer holding every layer (:meth:`KVLayout.contiguous`).
 
 Example
@@ -265,6 +269,61 @@ def _strides_bytes(t: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, Any, 
     return shape, tuple(strides), ai["data"][0], t.dtype, itemsize
 
 
+def _check_row_contiguous(what: str, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int,
+                          dim_name: str) -> None:
+    if any(st < 0 for st in strides):
+        raise InvalidArgument(f"{what} has negative strides {strides}")
+    if shape[-1] > 1 and strides[-1] != itemsize:
+        raise InvalidArgument(f"{what}: {dim_name} must be contiguous (stride {strides[-1]} bytes, element "
+                              f"{itemsize} bytes; strides {strides})")
+
+
+def _vllm_kind(shape: tuple[int, ...], layer: int) -> str:
+    if len(shape) == 5 and shape[0] == 2 and shape[1] != 2:
+        return "gpu"
+    if len(shape) == 5 and shape[1] == 2 and shape[0] != 2:
+        return "flashinfer"
+    if len(shape) == 5:
+        raise InvalidArgument(f"layer {layer}: cannot tell [2, num_blocks, ...] from [num_blocks, 2, ...] in shape "
+                              f"{shape}: pass kv_layout='gpu' or 'flashinfer'")
+    if len(shape) == 4:
+        return "cpu"
+    if len(shape) == 3:
+        return "mla"
+    raise InvalidArgument(f"layer {layer}: shape {shape} is no vLLM KV cache shape (5-D GPU, 4-D CPU, 3-D MLA)")
+
+
+def _vllm_dims(kind: str, shape: tuple[int, ...], strides: tuple[int, ...], addr: int, itemsize: int,
+               layer: int) -> tuple[tuple[int, int, int, int, int, int, int], list[int]]:
+    """((num_blocks, T, H, D, block_stride, token_stride, head_stride), part addresses) of one layer."""
+    expect = {"gpu": (5, "[2, num_blocks, block_size, num_kv_heads, head_size]"),
+              "flashinfer": (5, "[num_blocks, 2, block_size, num_kv_heads, head_size]"),
+              "cpu": (4, "[num_blocks, num_kv_heads, block_size, 2*head_size]"),
+              "mla": (3, "[num_blocks, block_size, latent_size]")}[kind]
+    what = f"layer {layer} ({kind} cache {expect[1]})"
+    if len(shape) != expect[0]:
+        raise InvalidArgument(f"{what} has shape {shape}")
+    _check_row_contiguous(what, shape, strides, itemsize, f"dimension {len(shape) - 1} (head_size)")
+    if kind == "gpu":
+        if shape[0] != 2:
+            raise InvalidArgument(f"{what}: dimension 0 is {shape[0]}, expected 2 (K and V)")
+        _, nb, T, H, D = shape
+        return (nb, T, H, D, strides[1], strides[2], strides[3]), [addr, addr + strides[0]]
+    if kind == "flashinfer":
+        if shape[1] != 2:
+            raise InvalidArgument(f"{what}: dimension 1 is {shape[1]}, expected 2 (K and V)")
+        nb, _, T, H, D = shape
+        return (nb, T, H, D, strides[0], strides[2], strides[3]), [addr, addr + strides[1]]
+    if kind == "cpu":
+        nb, H, T, D2 = shape
+        if D2 % 2:
+            raise InvalidArgument(f"{what}: dimension 3 is {D2}, not 2*head_size")
+        D = D2 // 2
+        return (nb, T, H, D, strides[0], strides[2], strides[1]), [addr, addr + D * itemsize]
+    nb, T, D = shape
+    return (nb, T, 1, D, strides[0], strides[1], 0), [addr]
+
+
 class KVLayout:
     """A KV pool's geometry plus where each (layer, part) lives.
 
@@ -293,7 +352,8 @@ class KVLayout:
 
     @property
     def segments(self) -> list[dict]:
-        """One dict per (layer, part): ``addr``, ``block_stride``, ``region_id``, ``region_offset``."""
+        """One dict per (layer, part): ``addr``, ``block_stride``, ``token_stride``,
+        ``head_stride`` (bytes), ``region_id``, ``region_offset``."""
         return self._n.segments
 
     @property
@@ -311,6 +371,136 @@ class KVLayout:
     def from_segments(cls, geometry: KVGeometry, segments: Sequence[tuple[int, int]]) -> "KVLayout":
         """General form: ``segments[layer * kv_parts + part] = (address of block 0, block stride)``."""
         return cls(_native.module().KVLayout.make(geometry.native(), [(int(a), int(s)) for a, s in segments]))
+
+    @classmethod
+    def from_strided(cls, geometry: KVGeometry, segments: Sequence[tuple[int, int, int, int]], *,
+                     keepalive: Any = None) -> "KVLayout":
+        """General strided form, one entry per (layer, part), index ``layer * kv_parts + part``.
+
+        Parameters
+        ----------
+        geometry : KVGeometry
+            Its ``order`` only names the layout (the strides say where rows are).
+        segments : sequence of ``(addr, block_stride, token_stride, head_stride)``
+            Byte address of the row (block 0, token 0, head 0) and byte strides; each
+            row's ``head_dim`` elements are contiguous. Rows of one segment must not
+            overlap (:class:`~pdkv.errors.InvalidArgument` names the dimension whose
+            stride is too small); rows of different segments may interleave.
+        keepalive : optional
+            Objects whose lifetime owns the memory (kept with the layout).
+
+        Example
+        -------
+        Cross-layer blocks ``[num_blocks, layers, 2, T, H, D]`` in one buffer at ``base``:
+        ``block = layers*2*T*H*D*e``; segment (l, p) is
+        ``(base + (2*l + p)*T*H*D*e, block, H*D*e, D*e)``.
+        """
+        segs = []
+        for i, seg in enumerate(segments):
+            if len(seg) != 4:
+                raise InvalidArgument(f"segment {i}: expected (addr, block_stride, token_stride, head_stride), "
+                                      f"got {seg!r}")
+            segs.append(tuple(_validate.count(v, f"segment {i} {n}", maximum=2**64 - 1)
+                              for v, n in zip(seg, ("addr", "block_stride", "token_stride", "head_stride"))))
+        return cls(_native.module().KVLayout.make_strided(geometry.native(), segs), keepalive=keepalive)
+
+    @classmethod
+    def from_vllm(cls, kv_caches: Any, *, num_kv_heads: int | None = None, kv_layout: str = "auto",
+                  dtype: Any = None) -> "KVLayout":
+        """Layout of vLLM's per-layer KV cache tensors, read from their shapes and strides.
+
+        Parameters
+        ----------
+        kv_caches : sequence or dict of tensors, one per layer (dict: values in order)
+            Recognised shapes (``kv_layout``):
+
+            * ``"gpu"``: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (FlashAttention);
+            * ``"flashinfer"``: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
+              (also a view permuted to HND in memory: the strides say so);
+            * ``"cpu"``: ``[num_blocks, num_kv_heads, block_size, 2*head_size]`` (K at
+              element 0 of the last dimension, V at ``head_size``);
+            * ``"mla"``: ``[num_blocks, block_size, latent_size]`` (one latent part).
+
+            ``"auto"`` picks from the number of dimensions and where the 2 is.
+        num_kv_heads : int, optional
+            Checked against the tensors when given.
+        dtype : optional
+            Overrides the element type read from the tensors.
+
+        Every layer must have the same shape and strides relative to its base; the
+        head dimension must be contiguous. A wrong shape or stride raises
+        :class:`~pdkv.errors.InvalidArgument` naming the layer and dimension.
+        """
+        tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
+        if not tensors:
+            raise InvalidArgument("need at least one layer")
+        if kv_layout not in ("auto", "gpu", "flashinfer", "cpu", "mla"):
+            raise InvalidArgument(f"kv_layout must be 'auto', 'gpu', 'flashinfer', 'cpu' or 'mla', got {kv_layout!r}")
+        geo = None
+        segs: list[tuple[int, int, int, int]] = []
+        for layer, t in enumerate(tensors):
+            shape, strides, addr, raw_dtype, itemsize = _strides_bytes(t)
+            kind = kv_layout if kv_layout != "auto" else _vllm_kind(shape, layer)
+            dims, parts = _vllm_dims(kind, shape, strides, addr, itemsize, layer)
+            nb, T, H, D, bs, ts, hs = dims
+            if num_kv_heads is not None and H != num_kv_heads:
+                raise InvalidArgument(f"layer {layer}: {kind} cache of shape {shape} holds {H} kv heads, "
+                                      f"num_kv_heads={num_kv_heads}")
+            dt = _dtype_name(raw_dtype if dtype is None else dtype)
+            if _native.module().dtype_size(dt) != itemsize:
+                raise InvalidArgument(f"dtype {dt} does not match the tensors' element size {itemsize}")
+            order = "NHD" if hs <= ts or T == 1 else "HND"
+            g = KVGeometry(len(tensors), nb, T, H, D, dt, len(parts), order)
+            if geo is None:
+                geo = g
+            elif g.with_blocks(1) != geo.with_blocks(1) or g.num_blocks != geo.num_blocks:
+                raise InvalidArgument(f"layer {layer} has geometry {g}, layer 0 has {geo}")
+            segs += [(a, bs, ts, hs) for a in parts]
+        assert geo is not None
+        return cls.from_strided(geo, segs, keepalive=tensors)
+
+    @classmethod
+    def from_token_pool(cls, k_buffers: Sequence[Any], v_buffers: Sequence[Any] | None = None, *,
+                        page_size: int, dtype: Any = None) -> "KVLayout":
+        """Layout of per-layer token pools ``[num_tokens, kv_heads, head_dim]`` (SGLang's
+        ``MHATokenToKVPool``) seen as pages of ``page_size`` tokens: block ``b`` is tokens
+        ``[b*page_size, (b+1)*page_size)``; ``v_buffers=None`` is one latent part (MLA
+        pools ``[num_tokens, 1, latent_dim]``). A trailing partial page is left out.
+        """
+        page_size = _validate.count(page_size, "page_size")
+        if page_size == 0:
+            raise InvalidArgument("page_size must be at least 1")
+        k_buffers = list(k_buffers)
+        parts = [k_buffers] if v_buffers is None else [k_buffers, list(v_buffers)]
+        if not k_buffers:
+            raise InvalidArgument("need at least one layer")
+        if len(parts) == 2 and len(parts[1]) != len(k_buffers):
+            raise InvalidArgument(f"{len(k_buffers)} K buffers but {len(parts[1])} V buffers")
+        geo = None
+        segs: list[tuple[int, int, int, int]] = []
+        for layer in range(len(k_buffers)):
+            for p, lst in enumerate(parts):
+                shape, strides, addr, raw_dtype, itemsize = _strides_bytes(lst[layer])
+                what = f"layer {layer} {'KV'[p] if len(parts) == 2 else 'latent'} buffer"
+                if len(shape) != 3:
+                    raise InvalidArgument(f"{what} has shape {shape}; expected [num_tokens, kv_heads, head_dim]")
+                _check_row_contiguous(what, shape, strides, itemsize, "head_dim (dimension 2)")
+                n, H, D = shape
+                if n < page_size:
+                    raise InvalidArgument(f"{what} holds {n} tokens, fewer than one page of {page_size}")
+                dt = _dtype_name(raw_dtype if dtype is None else dtype)
+                if _native.module().dtype_size(dt) != itemsize:
+                    raise InvalidArgument(f"dtype {dt} does not match the tensors' element size {itemsize}")
+                ts, hs = strides[0], strides[1]
+                g = KVGeometry(len(k_buffers), n // page_size, page_size, H, D, dt, len(parts),
+                               "NHD" if hs <= ts else "HND")
+                if geo is None:
+                    geo = g
+                elif g != geo:
+                    raise InvalidArgument(f"{what} has geometry {g}, layer 0 has {geo}")
+                segs.append((addr, page_size * ts, ts, hs))
+        assert geo is not None
+        return cls.from_strided(geo, segs, keepalive=parts)
 
     @classmethod
     def contiguous(cls, geometry: KVGeometry, base: Any, *, interleaved: bool = False) -> "KVLayout":
@@ -420,9 +610,9 @@ class KVLayout:
     def unbound(self) -> "KVLayout":
         """A copy not tied to any agent's regions: :func:`plan_blocks` on it yields
         absolute addresses."""
-        return KVLayout(_native.module().KVLayout.make(self._n.geometry,
-                                                       [(s["addr"], s["block_stride"]) for s in self.segments]),
-                        keepalive=self._keepalive)
+        return KVLayout(_native.module().KVLayout.make_strided(
+            self._n.geometry, [(s["addr"], s["block_stride"], s["token_stride"], s["head_stride"])
+                               for s in self.segments]), keepalive=self._keepalive)
 
 
 def plan_blocks(
@@ -440,9 +630,12 @@ def plan_blocks(
 
     Returns ``(local_region, local_offset, remote_region, remote_offset, nbytes)`` tuples;
     for layouts not yet added to an agent the region is ``2**64-1`` and the offset is
-    the absolute address. With equal geometry each block maps to one block and
-    consecutive ids coalesce; otherwise bytes are mapped per token and head (different
-    block sizes, NHD vs HND, head subsets for tensor-parallel splits).
+    the absolute address. With equal geometry and strides each block maps to one block
+    and consecutive ids coalesce; otherwise (different block sizes, NHD vs HND, engine
+    layouts, head subsets for tensor-parallel splits) the bytes are cut into the longest
+    runs contiguous on both sides. This is the direct plan; ``Agent.prepare`` may
+    instead stage a fragmented host-memory transfer through a local buffer (same bytes,
+    few large extents on the wire; docs/api.md#kv-layouts).
 
     ``num_tokens``/``num_heads`` = 0 mean "all", accepted only when both block lists
     hold the same number of tokens and both layouts the same number of kv heads;

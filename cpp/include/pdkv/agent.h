@@ -37,6 +37,7 @@ namespace pdkv {
 
 class Agent;
 class PreparedOps;  // a transport's own (pdkv/spi/transport.h)
+class StagedTransfer;  // a transfer staged through a local buffer (core/relayout.h)
 
 // A transfer validated and laid out once; post it as often as needed.
 struct PreparedTransfer {
@@ -49,6 +50,10 @@ struct PreparedTransfer {
   bool checked = false;                 // carries a block generation claim
   std::vector<uint64_t> local_regions;  // pinned at each post
   std::shared_ptr<const PreparedOps> ops;
+  // Set when a heterogeneous transfer goes through a local staging buffer (its
+  // extents then name that buffer): a push gathers into it at each post, a pull
+  // scatters from it before the transfer completes. Null otherwise.
+  std::shared_ptr<StagedTransfer> staged;
 };
 
 // Options applied when preparing.

@@ -3,15 +3,20 @@
 //
 // A KV pool has, for every layer, a K part and a V part (or a single latent
 // part, kv_parts == 1, for MLA-style caches). Each (layer, part) is a
-// "segment": `num_blocks` blocks of `block_tokens * kv_heads * head_dim`
-// elements, the first at `addr`, consecutive blocks `block_stride` bytes
-// apart. Inside one block the elements are contiguous in either
-//   NHD order: [block_tokens, kv_heads, head_dim]   (vLLM, FlashInfer "NHD")
-//   HND order: [kv_heads, block_tokens, head_dim]   (FlashInfer "HND")
-// This covers per-layer K and V tensors [num_blocks, T, H, D] (stride = one
-// block-half), K/V interleaved per block [num_blocks, 2, T, H, D] (stride = two
-// block-halves, V = K + one block-half), vLLM's [2, num_blocks, T, H, D], and one
-// big pool holding every layer.
+// "segment": `num_blocks` blocks of `block_tokens x kv_heads` rows of `head_dim`
+// contiguous elements. A segment is described by byte strides:
+//   address of row (block b, token slot t, head h) =
+//       addr + b * block_stride + t * token_stride + h * head_stride
+// so one description covers
+//   NHD blocks [block_tokens, kv_heads, head_dim]   (token_stride = H*D*e, head_stride = D*e)
+//   HND blocks [kv_heads, block_tokens, head_dim]   (token_stride = D*e, head_stride = T*D*e)
+//   per-layer K and V tensors [num_blocks, T, H, D], K/V interleaved per block
+//   [num_blocks, 2, T, H, D], vLLM GPU [2, num_blocks, T, H, D], one pool for every
+//   layer, cross-layer blocks [num_blocks, layers, 2, T, H, D] (block_stride = all
+//   layers), vLLM CPU [num_blocks, H, T, 2*D] (K at +0, V at +D*e, token_stride = 2*D*e),
+//   SGLang-style token pools [tokens, H, D] seen as pages of T tokens, and MLA latents.
+// Segments whose token and head strides are 0 take them from the geometry's order
+// (the dense NHD or HND block), which is what every older constructor builds.
 //
 // Thread safety: KVLayout is an immutable value after construction.
 #pragma once
@@ -36,29 +41,39 @@ struct KVGeometry {
   uint32_t head_dim = 0;
   uint32_t kv_parts = 2;      // 2: K and V; 1: a single latent cache (MLA)
   DType dtype = DType::kBF16;
+  // Dense block order, and the strides of segments that give none. For a strided
+  // layout it only names the nearer of the two (informational).
   TokenOrder order = TokenOrder::kNHD;
 
   // Bytes of one (layer, part) of one block: block_tokens*kv_heads*head_dim*dtype size.
   uint64_t block_half_bytes() const;
+  // Bytes of one row: head_dim * dtype size (the contiguous unit of every layout).
+  uint64_t row_bytes() const;
   uint32_t num_segments() const { return num_layers * kv_parts; }
   Status validate() const;
   bool operator==(const KVGeometry& o) const;
 };
 
-// One (layer, part) of the pool.
+// One (layer, part) of the pool. Rows of one segment never overlap (KVLayout::make
+// checks); rows of different segments may interleave (vLLM CPU's K and V).
 struct KVSegment {
   static constexpr uint64_t kUnbound = ~0ull;
-  uint64_t addr = 0;          // address of block 0 in the owner's address space
-  uint64_t block_stride = 0;  // bytes between block b and block b+1 (>= block_half_bytes)
+  uint64_t addr = 0;          // address of row (block 0, token 0, head 0) in the owner's address space
+  uint64_t block_stride = 0;  // bytes between block b and block b+1
   uint64_t region_id = kUnbound;  // registered region holding the segment (set by Agent)
   uint64_t region_offset = 0;     // addr - region base
+  uint64_t token_stride = 0;  // bytes between token slots t and t+1 of a block (0: from the geometry's order)
+  uint64_t head_stride = 0;   // bytes between heads h and h+1 of a block (0: from the geometry's order)
 };
 
 // Geometry plus one segment per (layer, part), index layer * kv_parts + part.
 class KVLayout {
  public:
   KVLayout() = default;
-  // General form; validates that segments are consistent with the geometry.
+  // General form; validates that segments are consistent with the geometry: strides
+  // that make no two rows of a segment overlap (InvalidArgument naming the two
+  // dimensions), and a segment inside the address space (OutOfRange). Zero token and
+  // head strides are filled in from geo.order.
   static Result<KVLayout> make(const KVGeometry& geo, std::vector<KVSegment> segments);
   // Per-layer K and V tensors, each [num_blocks, ...] with blocks contiguous.
   // k_addrs/v_addrs: [num_layers]; v_addrs must be empty when kv_parts == 1.
@@ -80,6 +95,12 @@ class KVLayout {
   // Lowest and one-past-highest byte address any block touches.
   uint64_t min_addr() const;
   uint64_t end_addr() const;
+  // Bytes from a segment's addr to one past its last row (its last block's highest row).
+  uint64_t segment_span(const KVSegment& s) const { return segment_span(geo_, s); }
+  static uint64_t segment_span(const KVGeometry& geo, const KVSegment& s);
+  // True when every block of `s` is one dense run of block_half_bytes from its row 0
+  // in the geometry's NHD or HND order (the layouts the older constructors build).
+  bool dense(const KVSegment& s) const;
 
  private:
   KVGeometry geo_;
@@ -126,10 +147,13 @@ struct PlanOptions {
 // `remote`, in (layer, part, block) order, coalesced. Offsets are relative to each
 // segment's region; for an unbound layout the region is KVSegment::kUnbound and the
 // offset is the absolute address.
-// With identical geometry (and default options) each block maps to one block and
-// consecutive ids on both sides coalesce into one extent per (layer, part); otherwise
-// bytes are mapped token by token and head by head (different block sizes, NHD vs HND,
-// head subsets), then coalesced. A plan never silently moves part of the data: when
+// With identical geometry and in-block strides (and default options) each block maps
+// to one block and consecutive ids on both sides coalesce into one extent per (layer,
+// part) (per layer when K and V interleave inside a block on both sides, as vLLM
+// CPU's); otherwise the bytes are cut into the longest runs contiguous on both sides
+// (whole token rows of the moved heads, a head's tokens, or single rows), computed per
+// block pair rather than per row, and coalesced. This is the direct plan: the agent may
+// stage a fragmented host-memory transfer through a local buffer instead (core/relayout.h). A plan never silently moves part of the data: when
 // the block lists hold different numbers of tokens, or the layouts different numbers
 // of kv heads, the caller must say what to move (num_tokens / num_heads).
 // Errors: InvalidArgument (mismatched dtype/head_dim/layers/parts; token counts or

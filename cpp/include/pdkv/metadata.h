@@ -1,11 +1,15 @@
 // pdkv/metadata.h: the self-describing blob an agent exports so peers can reach it.
 //
-// Format (version 1, little endian, every length checked before use):
+// Format (version 2, little endian, every length checked before use):
 //   magic "PDKVMETA" (8 bytes) | u16 version | u32 body length | body
 //   body: name, instance id, host id, pid, endpoints, regions, layouts, extras
-// Strings are u32 length + bytes; counts are u32. Nothing is pickled, nothing
-// executes. decode_metadata() rejects truncated or inconsistent input with
-// ProtocolError naming the field, and an unknown version with VersionMismatch.
+// Strings are u32 length + bytes; counts are u32. A layout is its name, geometry
+// (u32 layers, blocks, block_tokens, kv_heads, head_dim; u8 parts, dtype, order) and
+// u32 segment count + per segment u64 addr, block_stride, region_id, region_offset,
+// token_stride, head_stride (version 1 had no token/head strides: they follow from
+// the order; version 1 blobs still decode). Nothing is pickled, nothing executes.
+// decode_metadata() rejects truncated or inconsistent input with ProtocolError
+// naming the field, and a version outside [oldest, current] with VersionMismatch.
 //
 // The blob carries no secret: anyone may read it; writing needs the secret.
 //
@@ -24,7 +28,8 @@
 
 namespace pdkv {
 
-inline constexpr uint16_t kMetadataVersion = 1;
+inline constexpr uint16_t kMetadataVersion = 2;        // what encode_metadata() writes
+inline constexpr uint16_t kMetadataOldestVersion = 1;  // the oldest decode_metadata() reads
 
 struct Endpoint {
   std::string transport;  // registry name, e.g. "tcp"

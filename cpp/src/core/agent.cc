@@ -9,8 +9,10 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <thread>
 #include <unordered_map>
 
+#include "core/relayout.h"
 #include "core/stream_pump.h"
 #include "pdkv/spi/generations.h"
 #include "pdkv/spi/region_table.h"
@@ -145,6 +147,16 @@ class Agent::Impl final : public AgentHooks {
                                                              const std::vector<Extent>& extents,
                                                              const XferOptions& opts,
                                                              std::shared_ptr<const GenClaim> claim = nullptr);
+  // A transfer staged through a local buffer (core/relayout.h), or null when the
+  // direct plan is as good.
+  Result<std::shared_ptr<PreparedTransfer>> prepare_staged(
+      const std::string& peer, OpKind op, const KVLayout& local, const std::vector<uint32_t>& local_ids, const KVLayout& remote,
+      const std::vector<uint32_t>& remote_ids, const PlanOptions& plan, const XferOptions& opts,
+      std::shared_ptr<const GenClaim> claim);
+  std::shared_ptr<Transfer> post_staged_read(const PreparedTransfer& prep, const std::shared_ptr<Transfer>& xfer,
+                                             std::string notif, Transport* t);
+  // A registered staging buffer of at least `bytes` that no prepared transfer holds.
+  Result<std::shared_ptr<StagingBuffer>> staging_buffer(uint64_t bytes);
 
   AgentConfig cfg_;
   uint64_t instance_id_ = 0;
@@ -158,6 +170,8 @@ class Agent::Impl final : public AgentHooks {
   std::atomic<size_t> started_{0};
   std::atomic<uint64_t> next_xfer_id_{1};
 
+  std::mutex staging_mu_;  // guards staging_
+  std::vector<std::shared_ptr<StagingBuffer>> staging_;  // registered; reused once no prepared transfer holds one
   mutable std::mutex mu_;  // guards layouts_ and peers_
   std::map<std::string, KVLayout> layouts_;
   std::map<std::string, PeerEntry> peers_;
@@ -368,12 +382,10 @@ Status Agent::Impl::add_layout(const std::string& name, KVLayout layout) {
   PDKV_RETURN_IF_ERROR(validate_name("layout name", name));
   const KVGeometry& g = layout.geometry();
   PDKV_RETURN_IF_ERROR(g.validate());
-  const uint64_t span = uint64_t(g.num_blocks - 1);
-  const uint64_t half = g.block_half_bytes();
   auto& segs = layout.mutable_segments();
   for (size_t i = 0; i < segs.size(); ++i) {
     auto& s = segs[i];
-    auto r = regions_.find(s.addr, span * s.block_stride + half);
+    auto r = regions_.find(s.addr, layout.segment_span(s));
     if (!r.ok())
       return NotFound("layout '" + name + "' segment " + std::to_string(i) + " (layer " +
                       std::to_string(i / g.kv_parts) + (g.kv_parts == 2 ? (i % 2 ? ", V" : ", K") : "") +
@@ -555,8 +567,56 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_blocks(
                              " entries for " + std::to_string(remote_ids.size()) + " remote blocks (one per block)");
     PDKV_RETURN_IF_ERROR(validate_claim(*claim));
   }
+  PDKV_ASSIGN_OR_RETURN(auto staged,
+                        prepare_staged(peer_name, op, local, local_ids, *remote, remote_ids, plan, opts, claim));
+  if (staged) return staged;
   PDKV_ASSIGN_OR_RETURN(std::vector<Extent> ex, plan_blocks(local, local_ids, *remote, remote_ids, plan));
   return prepare_resolved(peer_name, op, ex, opts, std::move(claim));
+}
+
+Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_staged(
+    const std::string& peer_name, OpKind op, const KVLayout& local, const std::vector<uint32_t>& local_ids,
+    const KVLayout& remote, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan, const XferOptions& opts,
+    std::shared_ptr<const GenClaim> claim) {
+  for (const KVSegment& s : local.segments()) {  // the gather is a host copy
+    auto d = regions_.get(s.region_id);
+    if (!d.ok() || d->kind != MemKind::kHost) return std::shared_ptr<PreparedTransfer>();
+  }
+  PDKV_ASSIGN_OR_RETURN(auto staged, plan_staged(local, local_ids, remote, remote_ids, plan));
+  if (!staged) return std::shared_ptr<PreparedTransfer>();
+  PDKV_ASSIGN_OR_RETURN(auto buf, staging_buffer(staged->bytes));
+  std::vector<Extent> ex = staged_wire_extents(*staged, buf->region_id, remote, remote_ids);
+  PDKV_ASSIGN_OR_RETURN(auto prep, prepare_resolved(peer_name, op, ex, opts, std::move(claim)));
+  // The copies touch the local layout's regions, which no extent names: pin them too.
+  for (const KVSegment& s : local.segments())
+    if (std::find(prep->local_regions.begin(), prep->local_regions.end(), s.region_id) == prep->local_regions.end())
+      prep->local_regions.push_back(s.region_id);
+  prep->staged = std::make_shared<StagedTransfer>(op, std::move(*staged), local, local_ids, std::move(buf));
+  return prep;
+}
+
+Result<std::shared_ptr<StagingBuffer>> Agent::Impl::staging_buffer(uint64_t bytes) {
+  std::lock_guard<std::mutex> lk(staging_mu_);
+  std::shared_ptr<StagingBuffer> found;
+  for (auto it = staging_.begin(); it != staging_.end();) {
+    const bool unused = it->use_count() == 1;
+    if (unused && !found && (*it)->size() >= bytes && (*it)->size() / 2 <= bytes) {
+      found = *it;
+      ++it;
+    } else if (unused) {  // keep one idle buffer at most: the rest are freed
+      (void)deregister_memory((*it)->region_id);
+      it = staging_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (found) return found;
+  PDKV_ASSIGN_OR_RETURN(auto buf, StagingBuffer::allocate(bytes));
+  PDKV_ASSIGN_OR_RETURN(RegionDesc d, register_memory(reinterpret_cast<uint64_t>(buf->data()), buf->size(),
+                                                      MemKind::kHost, -1, /*remote_access=*/false, -1));
+  buf->region_id = d.id;
+  staging_.push_back(buf);
+  return buf;
 }
 
 Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_extents(const std::string& peer_name, OpKind op,
@@ -702,7 +762,48 @@ Result<std::shared_ptr<Transfer>> Agent::Impl::post(const PreparedTransfer& prep
   auto xfer = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
                                          deadline, cfg_.wait_spin_us);
   spi::TransferControl(xfer).hold_pins(std::move(pins));
+  if (prep.staged) {
+    // The buffer is this post's until it is done; a push gathers the rows now (they
+    // may have changed since prepare).
+    if (!prep.staged->begin_post(deadline)) {
+      spi::TransferControl(xfer).fail_now(TimeoutError("an earlier post of this transfer still holds its staging "
+                                                       "buffer (post it again once that one is done)"));
+      return xfer;
+    }
+    if (prep.op == OpKind::kRead) return post_staged_read(prep, xfer, std::move(notif), t);
+    spi::TransferControl(xfer).on_terminal([staged = prep.staged] { staged->finish_post(); });
+  }
   t->post(prep.ops, xfer, std::move(notif));
+  return xfer;
+}
+
+// A staged pull completes in two steps: the transport fills the staging buffer (an
+// inner transfer holding the pins), then a short-lived thread scatters it into the
+// local rows (a copy of the whole payload: not for a progress thread) and resolves
+// the caller's transfer with the inner one's outcome. Cancelling the caller's
+// transfer cancels the inner one; its deadline is the inner one's.
+std::shared_ptr<Transfer> Agent::Impl::post_staged_read(const PreparedTransfer& prep,
+                                                        const std::shared_ptr<Transfer>& xfer, std::string notif,
+                                                        Transport* t) {
+  auto inner = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
+                                          xfer->deadline(), cfg_.wait_spin_us);
+  spi::TransferControl outer(xfer);
+  outer.set_parts(1);
+  outer.set_cancel_hook([weak = std::weak_ptr<Transfer>(inner)] {
+    if (auto i = weak.lock()) i->cancel();
+  });
+  spi::TransferControl(inner).on_terminal(
+      [weak = std::weak_ptr<Transfer>(inner), xfer, staged = prep.staged] {
+        auto i = weak.lock();
+        const Status st = i ? i->error() : Internal("staged read finished without its transfer");
+        const uint64_t bytes = i ? i->bytes_done() : 0;
+        std::thread([xfer, staged, st, bytes] {
+          if (st.ok()) staged->scatter();
+          staged->finish_post();
+          spi::TransferControl(xfer).resolve_part(bytes, st);
+        }).detach();
+      });
+  t->post(prep.ops, inner, std::move(notif));
   return xfer;
 }
 

@@ -3,8 +3,14 @@
 #include <algorithm>
 #include <string>
 
+#include "core/plan_runs.h"
+
 namespace pdkv {
 namespace {
+
+using planner::PlanScope;
+using planner::RowRange;
+using planner::walk_segment_runs;
 
 constexpr uint64_t kMaxU64 = ~0ull;
 
@@ -36,11 +42,64 @@ inline uint64_t seg_base(const KVSegment& s) {
   return s.region_id == KVSegment::kUnbound ? s.addr : s.region_offset;
 }
 
+// One dimension of a segment's rows: `count` positions `stride` bytes apart.
+struct Dim {
+  const char* name;
+  uint64_t stride;
+  uint64_t count;
+};
+
+// The dimensions that actually vary (count > 1), innermost (smallest stride) first.
+std::vector<Dim> varying_dims(std::initializer_list<Dim> dims) {
+  std::vector<Dim> v;
+  for (const Dim& d : dims)
+    if (d.count > 1) v.push_back(d);
+  std::stable_sort(v.begin(), v.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  return v;
+}
+
+// Rows of `row` bytes laid out by `dims` never overlap when each dimension's stride
+// clears everything the smaller ones span (the nesting of every real KV layout).
+// Returns the name of the first dimension that does not, with what it should clear.
+Status check_nested(const std::vector<Dim>& dims, uint64_t row, const std::string& where) {
+  uint64_t inner = row;  // bytes spanned by one position of the next dimension
+  const char* below = "head_dim elements of a row";
+  for (const Dim& d : dims) {
+    if (d.stride < inner)
+      return InvalidArgument(where + ": " + d.name + " stride " + std::to_string(d.stride) +
+                             " bytes is smaller than the " + std::to_string(inner) + " bytes spanned by the " + below +
+                             " inside it, so two (block, token, head) rows overlap");
+    if (mul_overflows(d.stride, d.count - 1) || d.stride * (d.count - 1) > kMaxU64 - inner)
+      return OutOfRange(where + " overflows the address space");
+    inner += d.stride * (d.count - 1);
+    below = d.name == std::string("block") ? "blocks" : d.name == std::string("token") ? "tokens" : "heads";
+  }
+  return Status::Ok();
+}
+
+// True when `dims` pack rows of `row` bytes densely: each stride is exactly the
+// bytes of everything inside it.
+bool packs_densely(const std::vector<Dim>& dims, uint64_t row) {
+  uint64_t inner = row;
+  for (const Dim& d : dims) {
+    if (d.stride != inner) return false;
+    inner *= d.count;
+  }
+  return true;
+}
+
+std::string segment_name(const KVGeometry& g, size_t i) {
+  return "segment " + std::to_string(i) + " (layer " + std::to_string(i / g.kv_parts) +
+         (g.kv_parts == 2 ? (i % 2 ? ", V)" : ", K)") : ")");
+}
+
 }  // namespace
 
 uint64_t KVGeometry::block_half_bytes() const {
   return static_cast<uint64_t>(block_tokens) * kv_heads * head_dim * dtype_size(dtype);
 }
+
+uint64_t KVGeometry::row_bytes() const { return static_cast<uint64_t>(head_dim) * dtype_size(dtype); }
 
 bool KVGeometry::operator==(const KVGeometry& o) const {
   return num_layers == o.num_layers && num_blocks == o.num_blocks && block_tokens == o.block_tokens &&
@@ -65,21 +124,35 @@ Result<KVLayout> KVLayout::make(const KVGeometry& geo, std::vector<KVSegment> se
   if (segments.size() != geo.num_segments())
     return InvalidArgument("layout needs " + std::to_string(geo.num_segments()) + " segments (layers x parts), got " +
                            std::to_string(segments.size()));
-  const uint64_t half = geo.block_half_bytes();
+  const uint64_t row = geo.row_bytes();
   for (size_t i = 0; i < segments.size(); ++i) {
-    const KVSegment& s = segments[i];
-    if (geo.num_blocks > 1 && s.block_stride < half)
-      return InvalidArgument("segment " + std::to_string(i) + ": block stride " + std::to_string(s.block_stride) +
-                             " is smaller than one block (" + std::to_string(half) + " bytes)");
-    const uint64_t last = static_cast<uint64_t>(geo.num_blocks - 1);
-    if (mul_overflows(last, s.block_stride) || last * s.block_stride > kMaxU64 - half ||
-        s.addr > kMaxU64 - (last * s.block_stride + half))
-      return OutOfRange("segment " + std::to_string(i) + " overflows the address space");
+    KVSegment& s = segments[i];
+    if (s.token_stride == 0 && s.head_stride == 0) {
+      const bool nhd = geo.order == TokenOrder::kNHD;
+      s.token_stride = nhd ? row * geo.kv_heads : row;
+      s.head_stride = nhd ? row : row * geo.block_tokens;
+    }
+    const std::string where = segment_name(geo, i);
+    PDKV_RETURN_IF_ERROR(check_nested(varying_dims({{"block", s.block_stride, geo.num_blocks},
+                                                    {"token", s.token_stride, geo.block_tokens},
+                                                    {"head", s.head_stride, geo.kv_heads}}),
+                                      row, where));
+    if (s.addr > kMaxU64 - segment_span(geo, s)) return OutOfRange(where + " overflows the address space");
   }
   KVLayout l;
   l.geo_ = geo;
   l.segs_ = std::move(segments);
   return l;
+}
+
+uint64_t KVLayout::segment_span(const KVGeometry& g, const KVSegment& s) {
+  return uint64_t(g.num_blocks - 1) * s.block_stride + uint64_t(g.block_tokens - 1) * s.token_stride +
+         uint64_t(g.kv_heads - 1) * s.head_stride + g.row_bytes();
+}
+
+bool KVLayout::dense(const KVSegment& s) const {
+  return packs_densely(varying_dims({{"token", s.token_stride, geo_.block_tokens}, {"head", s.head_stride, geo_.kv_heads}}),
+                       geo_.row_bytes());
 }
 
 Result<KVLayout> KVLayout::per_layer(const KVGeometry& geo, const std::vector<uint64_t>& k_addrs,
@@ -136,8 +209,7 @@ uint64_t KVLayout::min_addr() const {
 
 uint64_t KVLayout::end_addr() const {
   uint64_t e = 0;
-  const uint64_t half = geo_.block_half_bytes();
-  for (const auto& s : segs_) e = std::max(e, s.addr + static_cast<uint64_t>(geo_.num_blocks - 1) * s.block_stride + half);
+  for (const auto& s : segs_) e = std::max(e, s.addr + segment_span(s));
   return e;
 }
 
@@ -174,9 +246,111 @@ void coalesce_extents(std::vector<Extent>& ex) {
   ex.resize(w + 1);
 }
 
-Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector<uint32_t>& lids,
-                                        const KVLayout& remote, const std::vector<uint32_t>& rids,
-                                        const PlanOptions& opts) {
+namespace {
+
+// Equal geometries whose rows sit at the same offsets inside a block on both sides.
+bool same_block_bytes(const KVGeometry& g, const KVSegment& x, const KVSegment& y) {
+  return (g.block_tokens == 1 || x.token_stride == y.token_stride) && (g.kv_heads == 1 || x.head_stride == y.head_stride);
+}
+
+// Bytes of one block of a whole layer whose K and V rows interleave densely (K first),
+// or 0 when they do not.
+uint64_t interleaved_layer_block(const KVLayout& l, const KVSegment& k, const KVSegment& v) {
+  const KVGeometry& g = l.geometry();
+  if (g.kv_parts != 2 || v.addr <= k.addr || v.block_stride != k.block_stride || v.region_id != k.region_id ||
+      v.token_stride != k.token_stride || v.head_stride != k.head_stride)
+    return 0;
+  auto dims = varying_dims({{"token", k.token_stride, g.block_tokens}, {"head", k.head_stride, g.kv_heads},
+                            {"part", v.addr - k.addr, 2}});
+  return packs_densely(dims, g.row_bytes()) ? 2 * g.block_half_bytes() : 0;
+}
+
+// Both sides' blocks are one dense run each, with the same bytes in the same place:
+// one extent per block pair of each (layer, part), or per layer when K and V
+// interleave inside each block on both sides (vLLM CPU: [H, T, 2*D] blocks).
+// Returns false (and emits nothing) when the in-block arrangements differ.
+bool plan_whole_blocks(const KVLayout& local, const std::vector<uint32_t>& lids, const KVLayout& remote,
+                       const std::vector<uint32_t>& rids, size_t seg_begin, size_t seg_end, std::vector<Extent>& out) {
+  const auto& ls = local.segments();
+  const auto& rs = remote.segments();
+  for (size_t s = seg_begin; s < seg_end; ++s)
+    if (!same_block_bytes(local.geometry(), ls[s], rs[s])) return false;
+  const bool per_segment_dense = std::all_of(ls.begin() + seg_begin, ls.begin() + seg_end,
+                                             [&](const KVSegment& x) { return local.dense(x); }) &&
+                                 std::all_of(rs.begin() + seg_begin, rs.begin() + seg_end,
+                                             [&](const KVSegment& x) { return remote.dense(x); });
+  auto emit_blocks = [&](const KVSegment& L, const KVSegment& R, uint64_t len) {
+    const uint64_t lbase = seg_base(L), rbase = seg_base(R);
+    for (size_t i = 0; i < lids.size(); ++i)
+      push_extent(out, L.region_id, lbase + lids[i] * L.block_stride, R.region_id, rbase + rids[i] * R.block_stride,
+                  len);
+  };
+  if (per_segment_dense) {
+    out.reserve(lids.size() * (seg_end - seg_begin));  // upper bound: nothing coalesces
+    for (size_t s = seg_begin; s < seg_end; ++s) emit_blocks(ls[s], rs[s], local.geometry().block_half_bytes());
+    return true;
+  }
+  if (local.geometry().kv_parts != 2) return false;
+  for (size_t s = seg_begin; s < seg_end; s += 2) {
+    const uint64_t len = interleaved_layer_block(local, ls[s], ls[s + 1]);
+    if (len == 0 || len != interleaved_layer_block(remote, rs[s], rs[s + 1]) ||
+        ls[s + 1].addr - ls[s].addr != rs[s + 1].addr - rs[s].addr)
+      return false;
+  }
+  out.reserve(lids.size() * (seg_end - seg_begin) / 2);
+  for (size_t s = seg_begin; s < seg_end; s += 2) emit_blocks(ls[s], rs[s], 2 * local.geometry().block_half_bytes());
+  return true;
+}
+
+// Emits the coalesced runs of one (layer, part) pair, relative to `lbase`/`rbase`.
+void plan_segment_runs(const KVLayout& local, const KVSegment& L, uint64_t lreg, uint64_t lbase,
+                       const std::vector<uint32_t>& lids, const KVLayout& remote, const KVSegment& R, uint64_t rreg,
+                       uint64_t rbase, const std::vector<uint32_t>& rids, const RowRange& rr, std::vector<Extent>& out) {
+  walk_segment_runs(local.geometry().block_tokens, L, lbase, lids, remote.geometry().block_tokens, R, rbase, rids,
+                    local.geometry().row_bytes(), rr,
+                    [&](uint64_t lo, uint64_t ro, uint64_t len) { push_extent(out, lreg, lo, rreg, ro, len); });
+}
+
+bool same_strides(const KVSegment& a, const KVSegment& b) {
+  return a.block_stride == b.block_stride && a.token_stride == b.token_stride && a.head_stride == b.head_stride;
+}
+
+// Every (layer, part) pair in [seg_begin, seg_end). Segments usually share their
+// strides, so their runs differ only by the two bases: the runs are computed once,
+// relative to base 0, and replayed per segment.
+void plan_runs(const KVLayout& local, const std::vector<uint32_t>& lids, const KVLayout& remote,
+               const std::vector<uint32_t>& rids, const RowRange& rr, size_t seg_begin, size_t seg_end,
+               std::vector<Extent>& out) {
+  const auto& ls = local.segments();
+  const auto& rs = remote.segments();
+  const KVSegment& L0 = ls[seg_begin];
+  const KVSegment& R0 = rs[seg_begin];
+  std::vector<Extent> tmpl;
+  plan_segment_runs(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, rr, tmpl);
+  out.reserve(out.size() + tmpl.size() * (seg_end - seg_begin));
+  for (size_t s = seg_begin; s < seg_end; ++s) {
+    const KVSegment& L = ls[s];
+    const KVSegment& R = rs[s];
+    if (!same_strides(L, L0) || !same_strides(R, R0)) {
+      plan_segment_runs(local, L, L.region_id, seg_base(L), lids, remote, R, R.region_id, seg_base(R), rids, rr, out);
+      continue;
+    }
+    const uint64_t lb = seg_base(L), rb = seg_base(R);
+    if (tmpl.empty()) continue;
+    // The first run may continue the previous segment's last one; the rest cannot
+    // continue each other (the template is coalesced).
+    push_extent(out, L.region_id, lb + tmpl[0].local_offset, R.region_id, rb + tmpl[0].remote_offset, tmpl[0].len);
+    for (size_t i = 1; i < tmpl.size(); ++i)
+      out.push_back(Extent{L.region_id, lb + tmpl[i].local_offset, R.region_id, rb + tmpl[i].remote_offset, tmpl[i].len});
+  }
+}
+
+}  // namespace
+
+namespace planner {
+
+Result<PlanScope> plan_scope(const KVLayout& local, const std::vector<uint32_t>& lids, const KVLayout& remote,
+                             const std::vector<uint32_t>& rids, const PlanOptions& opts) {
   const KVGeometry& lg = local.geometry();
   const KVGeometry& rg = remote.geometry();
   if (lg.num_layers != rg.num_layers || lg.kv_parts != rg.kv_parts || lg.head_dim != rg.head_dim ||
@@ -218,27 +392,12 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
                            ") (local " + geo_str(lg) + "; remote " + geo_str(rg) +
                            "): pass num_tokens to move a token range");
 
-  const bool same_shape = lg.block_tokens == rg.block_tokens && lg.kv_heads == rg.kv_heads && lg.order == rg.order &&
-                          opts.num_heads == 0 && opts.local_head_offset == 0 && opts.remote_head_offset == 0 &&
-                          lids.size() == rids.size() && (opts.num_tokens == 0 || opts.num_tokens == lcap);
-  std::vector<Extent> out;
-  if (same_shape) {
-    const uint64_t half = lg.block_half_bytes();
-    out.reserve(lids.size() * (seg_end - seg_begin));  // upper bound: nothing coalesces
-    const auto& ls = local.segments();
-    const auto& rs = remote.segments();
-    for (size_t s = seg_begin; s < seg_end; ++s) {
-      const KVSegment& L = ls[s];
-      const KVSegment& R = rs[s];
-      const uint64_t lbase = seg_base(L), rbase = seg_base(R);
-      for (size_t i = 0; i < lids.size(); ++i)
-        push_extent(out, L.region_id, lbase + lids[i] * L.block_stride, R.region_id, rbase + rids[i] * R.block_stride,
-                    half);
-    }
-    return out;
-  }
-
-  // General path: map token by token and head by head.
+  PlanScope scope;
+  scope.seg_begin = seg_begin;
+  scope.seg_end = seg_end;
+  scope.whole_blocks = lg.block_tokens == rg.block_tokens && lg.kv_heads == rg.kv_heads && opts.num_heads == 0 &&
+                       opts.local_head_offset == 0 && opts.remote_head_offset == 0 && lids.size() == rids.size() &&
+                       (opts.num_tokens == 0 || opts.num_tokens == lcap);
   const uint64_t ntok = opts.num_tokens ? opts.num_tokens : lcap;
   if (ntok > lcap || ntok > rcap)
     return OutOfRange(std::to_string(ntok) + " tokens requested but the local blocks hold " + std::to_string(lcap) +
@@ -252,32 +411,31 @@ Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector
     return OutOfRange("heads [" + std::to_string(opts.remote_head_offset) + ", " +
                       std::to_string(opts.remote_head_offset + nh) + ") exceed the remote " +
                       std::to_string(rg.kv_heads) + " kv heads");
-  const uint64_t row = uint64_t(lg.head_dim) * dtype_size(lg.dtype);
-  auto in_block = [row](const KVGeometry& g, uint64_t slot, uint64_t h) -> uint64_t {
-    return g.order == TokenOrder::kNHD ? (slot * g.kv_heads + h) * row : (h * g.block_tokens + slot) * row;
-  };
-  const bool head_major = lg.order == TokenOrder::kHND && rg.order == TokenOrder::kHND;
-  const auto& ls = local.segments();
-  const auto& rs = remote.segments();
-  for (size_t s = seg_begin; s < seg_end; ++s) {
-    const KVSegment& L = ls[s];
-    const KVSegment& R = rs[s];
-    const uint64_t lbase = seg_base(L), rbase = seg_base(R);
-    auto emit = [&](uint64_t t, uint64_t h) {
-      const uint64_t lb = lids[t / lg.block_tokens], ls_ = t % lg.block_tokens;
-      const uint64_t rb = rids[t / rg.block_tokens], rs_ = t % rg.block_tokens;
-      push_extent(out, L.region_id, lbase + lb * L.block_stride + in_block(lg, ls_, opts.local_head_offset + h),
-                  R.region_id, rbase + rb * R.block_stride + in_block(rg, rs_, opts.remote_head_offset + h), row);
-    };
-    if (head_major) {
-      // Walk each block's head rows so contiguous [tokens, dim] runs merge.
-      for (uint64_t h = 0; h < nh; ++h)
-        for (uint64_t t = 0; t < ntok; ++t) emit(t, h);
-    } else {
-      for (uint64_t t = 0; t < ntok; ++t)
-        for (uint64_t h = 0; h < nh; ++h) emit(t, h);
-    }
-  }
+  scope.rows = RowRange{ntok, nh, opts.local_head_offset, opts.remote_head_offset};
+  return scope;
+}
+
+uint64_t count_segment_runs(uint64_t LT, const KVSegment& L, const std::vector<uint32_t>& lids, uint64_t RT,
+                            const KVSegment& R, const std::vector<uint32_t>& rids, uint64_t row, const RowRange& rr) {
+  uint64_t n = 0, lend = ~0ull, rend = ~0ull;
+  walk_segment_runs(LT, L, 0, lids, RT, R, 0, rids, row, rr, [&](uint64_t lo, uint64_t ro, uint64_t len) {
+    n += !(lo == lend && ro == rend);
+    lend = lo + len;
+    rend = ro + len;
+  });
+  return n;
+}
+
+}  // namespace planner
+
+Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector<uint32_t>& lids,
+                                        const KVLayout& remote, const std::vector<uint32_t>& rids,
+                                        const PlanOptions& opts) {
+  PDKV_ASSIGN_OR_RETURN(PlanScope scope, planner::plan_scope(local, lids, remote, rids, opts));
+  std::vector<Extent> out;
+  if (scope.whole_blocks && plan_whole_blocks(local, lids, remote, rids, scope.seg_begin, scope.seg_end, out))
+    return out;
+  plan_runs(local, lids, remote, rids, scope.rows, scope.seg_begin, scope.seg_end, out);
   return out;
 }
 

@@ -129,6 +129,8 @@ std::string encode_metadata(const AgentMetadata& md) {
       body.put<uint64_t>(s.block_stride);
       body.put<uint64_t>(s.region_id);
       body.put<uint64_t>(s.region_offset);
+      body.put<uint64_t>(s.token_stride);
+      body.put<uint64_t>(s.head_stride);
     }
   }
   body.put<uint32_t>(static_cast<uint32_t>(md.extras.size()));
@@ -152,9 +154,12 @@ Result<AgentMetadata> decode_metadata(std::string_view blob) {
   uint16_t version = 0;
   uint32_t body_len = 0;
   PDKV_RETURN_IF_ERROR(hdr.get(&version, "metadata version"));
-  if (version != kMetadataVersion)
-    return VersionMismatch("metadata version " + std::to_string(version) + " is not supported (this pdkv reads version " +
-                           std::to_string(kMetadataVersion) + "); upgrade the older side");
+  if (version < kMetadataOldestVersion || version > kMetadataVersion)
+    return VersionMismatch("metadata version " + std::to_string(version) + " is not supported (this pdkv reads versions " +
+                           std::to_string(kMetadataOldestVersion) + " to " + std::to_string(kMetadataVersion) +
+                           "); upgrade the older side");
+  // Version 1 segments carry no token/head strides: the geometry's order gives them.
+  const bool strided_segments = version >= 2;
   PDKV_RETURN_IF_ERROR(hdr.get(&body_len, "metadata body length"));
   if (body_len != hdr.remaining())
     return ProtocolError("metadata body length says " + std::to_string(body_len) + " bytes but " +
@@ -221,23 +226,28 @@ Result<AgentMetadata> decode_metadata(std::string_view blob) {
     g.kv_parts = parts;
     g.dtype = static_cast<DType>(dt);
     g.order = static_cast<TokenOrder>(order);
-    PDKV_RETURN_IF_ERROR(r.get_count(&nseg, "layout segment count", 32, kMaxItems));
+    PDKV_RETURN_IF_ERROR(r.get_count(&nseg, "layout segment count", strided_segments ? 48 : 32, kMaxItems));
     std::vector<KVSegment> segs(nseg);
     for (auto& s : segs) {
       PDKV_RETURN_IF_ERROR(r.get(&s.addr, "segment addr"));
       PDKV_RETURN_IF_ERROR(r.get(&s.block_stride, "segment stride"));
       PDKV_RETURN_IF_ERROR(r.get(&s.region_id, "segment region"));
       PDKV_RETURN_IF_ERROR(r.get(&s.region_offset, "segment offset"));
+      if (strided_segments) {
+        PDKV_RETURN_IF_ERROR(r.get(&s.token_stride, "segment token stride"));
+        PDKV_RETURN_IF_ERROR(r.get(&s.head_stride, "segment head stride"));
+        // The encoder always writes both (0/0 would mean "from the order" in memory).
+        if (s.token_stride == 0 && s.head_stride == 0)
+          return ProtocolError("layout '" + name + "' has a segment without token and head strides");
+      }
     }
     auto layout = KVLayout::make(g, std::move(segs));
     if (!layout.ok()) return ProtocolError("layout '" + name + "': " + layout.status().message());
     // Every segment must lie inside the region it names.
-    const uint64_t span = uint64_t(g.num_blocks - 1);
-    const uint64_t half = g.block_half_bytes();
     for (const auto& s : layout->segments()) {
       const RegionDesc* d = md.find_region(s.region_id);
       if (!d) return ProtocolError("layout '" + name + "' names unknown region " + std::to_string(s.region_id));
-      if (s.region_offset > d->len || span * s.block_stride + half > d->len - s.region_offset)
+      if (s.region_offset > d->len || layout->segment_span(s) > d->len - s.region_offset)
         return ProtocolError("layout '" + name + "' reaches past the end of region " + std::to_string(s.region_id));
     }
     md.layouts.emplace_back(std::move(name), std::move(layout).value());

@@ -236,6 +236,11 @@ class KVLayout:
     @staticmethod
     def make(arg0: KVGeometry, arg1: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]]) -> KVLayout:
         ...
+    @staticmethod
+    def make_strided(geometry: KVGeometry, segments: collections.abc.Sequence[typing.Annotated[collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], "FixedSize(4)"]]) -> KVLayout:
+        """
+        segments[layer * kv_parts + part] = (addr, block_stride, token_stride, head_stride), bytes
+        """
     @property
     def bound(self) -> bool:
         ...

@@ -101,6 +101,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import pdkv
+from pdkv.integrations.vllm_layout import describe_kv_caches
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -575,71 +576,39 @@ class _Worker:
 
     # ---------------------------------------------------------------- registration
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Registers every KV cache storage once and describes it as one pdkv layout.
+        """Registers every KV cache storage once and describes it as one exact pdkv layout.
 
-        Each layer's cache is split into parts whose blocks are contiguous: the CPU
-        backend's ``[num_blocks, kv_heads, block_size, 2*head_size]`` is one part
-        per layer (K and V interleaved per head inside a block); GPU layouts
-        ``[2, num_blocks, ...]`` and ``[num_blocks, 2, ...]`` are a K and a V part.
-        Blocks move whole, between identical layouts only, so the order of elements
-        inside a block does not matter.
+        Every layout vLLM's attention backends allocate is described by its strides
+        (:func:`pdkv.integrations.vllm_layout.describe_kv_caches`): GPU
+        ``[2, num_blocks, ...]`` and ``[num_blocks, 2, ...]`` as a K and a V part, the
+        CPU backend's ``[num_blocks, kv_heads, block_size, 2*head_size]`` as K and V
+        parts interleaved per head (equal layouts still move whole blocks), MLA as one
+        latent part.
         """
-        caches = list(kv_caches.values())
-        if not caches:
+        if not kv_caches:
             raise ValueError("pdkv connector: no KV caches to register")
         spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec if self.kv_cache_config else None
         if self.kv_cache_config is not None and len(self.kv_cache_config.kv_cache_groups) != 1:
             raise NotImplementedError("pdkv connector: models with several KV cache groups are not supported")
-        segments: list[tuple[int, int]] = []
-        geo_key = None
-        nparts = 0
-        for name, t in kv_caches.items():
-            if t.dim() == 5 and t.shape[0] == 2:
-                parts = [t[0], t[1]]
-            elif t.dim() == 5 and t.shape[1] == 2:
-                parts = [t[:, 0], t[:, 1]]
-            else:
-                parts = [t]
-            for p in parts:
-                if not p[0].is_contiguous():
-                    raise NotImplementedError(f"pdkv connector: layer {name}: a block of shape {tuple(p.shape[1:])} "
-                                              f"(strides {p.stride()}) is not contiguous")
-                key = (len(parts), p.shape[0], p[0].numel(), t.dtype)
-                if geo_key is None:
-                    geo_key = key
-                elif key != geo_key:
-                    raise NotImplementedError(f"pdkv connector: layer {name} differs from the first layer "
-                                              f"({key} vs {geo_key})")
-                segments.append((p.data_ptr(), p.stride(0) * p.element_size()))
-            nparts = len(parts)
-        assert geo_key is not None
-        _, num_phys, elems, dtype = geo_key
-        num_logical = self.kv_cache_config.num_blocks if self.kv_cache_config else num_phys
-        if num_phys % num_logical:
-            raise NotImplementedError(f"pdkv connector: {num_phys} kernel blocks do not split into "
-                                      f"{num_logical} logical blocks")
-        self.phys_per_block = num_phys // num_logical
-        phys_tokens = self.block_size // self.phys_per_block
-        heads = int(getattr(spec, "num_kv_heads", 1) or 1)
-        if elems % (phys_tokens * heads):
-            heads = 1
-        head_elems = elems // (phys_tokens * heads)
-        self.geometry = pdkv.KVGeometry(num_layers=len(kv_caches), num_blocks=num_phys, block_tokens=phys_tokens,
-                                        kv_heads=heads, head_dim=head_elems, dtype=dtype, kv_parts=nparts,
-                                        order="HND")
+        described = describe_kv_caches(
+            kv_caches, logical_blocks=self.kv_cache_config.num_blocks if self.kv_cache_config else None,
+            num_kv_heads=getattr(spec, "num_kv_heads", None), head_size=getattr(spec, "head_size", None))
+        self.phys_per_block = described.phys_per_block
+        self.geometry = described.layout.geometry
         # Register each underlying storage once (layers may share one).
         seen: dict[int, tuple[int, torch.Tensor]] = {}
-        for t in caches:
+        for t in kv_caches.values():
             st = t.untyped_storage()
             seen.setdefault(st.data_ptr(), (st.nbytes(), t))
         for addr, (nbytes, t) in sorted(seen.items()):
             self._regions.append(self.agent.register_address(addr, nbytes))
             self._caches.append(t)
-        self.agent.add_layout(_LAYOUT, pdkv.KVLayout.from_segments(self.geometry, segments))
-        self.block_bytes = self.geometry.block_bytes * self.geometry.kv_parts * self.geometry.num_layers \
-            * self.phys_per_block
-        logger.info("pdkv connector: registered %d layers x %d parts, %d blocks of %d bytes per logical block "
-                    "in %d region(s)", len(kv_caches), nparts, num_logical, self.block_bytes, len(self._regions))
+        self.agent.add_layout(_LAYOUT, described.layout)
+        g = self.geometry
+        self.block_bytes = g.block_bytes * g.kv_parts * g.num_layers * self.phys_per_block
+        logger.info("pdkv connector: registered %d layers (%s layout: %d kv heads x %d, %d-token kernel blocks), "
+                    "%d bytes per logical block in %d region(s)", g.num_layers, described.kind, g.kv_heads,
+                    g.head_dim, g.block_tokens, self.block_bytes, len(self._regions))
 
     def handshake_metadata(self) -> PdkvHandshakeMetadata:
         return PdkvHandshakeMetadata(agent_name=self.agent.name, address=self.agent.address)
