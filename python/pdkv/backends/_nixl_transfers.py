@@ -171,7 +171,7 @@ class _Transfers:
             if not x._pending and self._progress(x, time.monotonic()):
                 return None  # (most small writes: NIXL completed them inside post)
             self._watch(x)
-            if data is not None:
+            if x._pending and data is not None:
                 # Its notification leaves only when someone checks the finished request:
                 # have the poller do so promptly in case nobody waits on it. (Without a
                 # notification there is no hurry; not waking the poller keeps it off the
