@@ -135,7 +135,7 @@ class _Transfers:
             p = prep._peer
             if p.error is not None:
                 return self._failed(p, prep._op, prep.nbytes, p.error, transfer)
-            revoked = prep._remote_ids & p.revoked
+            revoked = p.revoked and prep._remote_ids & p.revoked
             if revoked:
                 return self._failed(p, prep._op, prep.nbytes, NotFound(
                     f"peer {p.name!r} deregistered its region {min(revoked)}; re-add its metadata and prepare again"),
@@ -344,7 +344,8 @@ class _Transfers:
         self._inflight.pop(x.id, None)
         if x._event is not None:
             x._event.set()
-        self._cond.notify_all()
+        if self._cond_waiters:
+            self._cond.notify_all()
 
     def _detach(self, prep: NixlPrepared) -> None:
         """Releases ``prep``'s idle requests and descriptor lists now, the busy ones when
