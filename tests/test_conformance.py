@@ -13,6 +13,9 @@ and the single XferState.
 from __future__ import annotations
 
 import importlib.util
+import threading
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -250,3 +253,158 @@ def test_removing_a_peer_or_closing_ends_its_transfers(pair):
     y = a.prepare_extents("write", peer, [(ra.id, 0, rb.id, 0, N)]).post()
     a.close()
     assert y.done
+
+
+# ---------------------------------------------------------------- completion paths of a Python transport
+# A Python transport's post runs with the GIL the caller already holds, and a transfer
+# that ended inside post is returned without a GIL hand-off; one still pending is
+# waited on through the core (cancel hook, driver, deadline). Every path must hand
+# the caller the same values: True, False, or the transfer's own error class.
+class _Held(Transport):
+    """Keeps every posted transfer pending; the test resolves, fails or cancels it.
+    ``drive``: give waiters a driver that fails the transfer with TransferTimeout once
+    its deadline passed (what a polling transport such as nixl does)."""
+
+    name = "held-test"
+    drive = False
+
+    def __init__(self) -> None:
+        self.posted: list = []
+
+    def caps(self):
+        return _native.module().TransportCaps(cross_host=False)
+
+    def start(self, hooks):
+        pass
+
+    def shutdown(self):
+        pass
+
+    def metadata_extra(self) -> bytes:
+        return b"held"
+
+    def can_reach(self, peer_md):
+        return peer_md.extra(self.name) == b"held"
+
+    def drop_peer(self, name):
+        pass
+
+    def prepare(self, peer, op, extents):
+        return int(extents[:, 1].sum())
+
+    def post(self, nbytes, transfer, notif):
+        transfer.set_parts(1)
+        transfer.set_cancel_hook(lambda: transfer.resolve_part(0, pdkv.Cancelled("cancelled by the test")))
+        if self.drive:
+            def drive(timeout_s):
+                while not transfer.terminal and transfer.remaining_s > 0:
+                    time.sleep(0.001)
+                if not transfer.terminal:
+                    transfer.resolve_part(0, pdkv.TransferTimeout("held past its deadline"))
+            transfer.set_driver(drive)
+            self.driver = weakref.ref(drive)
+        self.posted.append((transfer, nbytes))
+
+
+_HELD: dict = {}  # agent name -> its held-test transport (the latest one)
+
+
+def _held_for(agent: str) -> _Held:
+    _HELD[agent] = _Held()
+    return _HELD[agent]
+
+
+@pytest.fixture
+def held(test_transports_on):
+    """Agents a -> b over the held-test transport; yields (a, prepared 4 KiB write, a's transport)."""
+    if "held-test" not in _native.module().registered_transports():
+        register_transport("held-test", _held_for, viable=_only_during_test, metadata_via="tcp")
+    with make_agent("a", "held-test") as a, make_agent("b", "held-test") as b:
+        src, dst = np.zeros(N, np.uint8), np.zeros(N, np.uint8)
+        ra, rb = a.register(src), b.register(dst)
+        peer = a.add_peer(b.metadata(), transport="held-test")
+        yield a, a.prepare_extents("write", peer, [(ra.id, 0, rb.id, 0, 4096)]), _HELD["a"]
+
+
+def test_python_transfer_ended_inside_post_is_waited_without_a_hand_off():
+    """loopback completes in post: wait() gives the XferState members themselves."""
+    with make_agent("a", "loopback") as a, make_agent("b", "loopback") as b:
+        src = np.arange(N, dtype=np.uint8)
+        dst = np.zeros(N, np.uint8)
+        ra, rb = a.register(src), b.register(dst)
+        peer = a.add_peer(b.metadata())
+        x = a.prepare_extents("write", peer, [(ra.id, 0, rb.id, 8, 32768)]).post()
+        assert x._n.wait(0.0) is _native.module().XferState.DONE
+        assert x.wait(0) and x.bytes_done == 32768 and np.array_equal(dst[8:32776], src[:32768])
+        x.cancel()  # after the end: nothing changes
+        assert x.wait() and x.state is pdkv.XferState.DONE and x.error is None
+
+
+def test_pending_python_transfer_gives_true_false_or_its_error(held):
+    a, prep, t = held
+    x = prep.post()
+    assert x._n.wait(0.0) is _native.module().XferState.PENDING
+    assert x.wait(0) is False and x.wait(0.01) is False and x.state is pdkv.XferState.PENDING
+    threading.Timer(0.05, lambda: t.posted[-1][0].resolve_part(4096)).start()
+    assert x.wait(10) is True and x.bytes_done == 4096 and x.error is None
+
+    y = prep.post()
+    t.posted[-1][0].resolve_part(0, pdkv.PeerConnectionError("link down (test)"))
+    with pytest.raises(pdkv.PeerConnectionError, match=r"link down \(test\)"):
+        y.wait(10)
+    assert y.state is pdkv.XferState.FAILED and isinstance(y.error, pdkv.PeerConnectionError)
+
+    z = prep.post()
+    threading.Timer(0.05, z.cancel).start()
+    with pytest.raises(pdkv.Cancelled):
+        z.wait(10)
+    assert z.state is pdkv.XferState.CANCELLED
+
+
+def test_driven_python_transfer_times_out_and_drops_its_driver(held):
+    a, prep, t = held
+    t.drive = True
+    x = prep.post(timeout=0.05)
+    waiters = [threading.Thread(target=lambda: pytest.raises(pdkv.TransferTimeout, x.wait, 10)) for _ in range(2)]
+    for w in waiters:
+        w.start()
+    with pytest.raises(pdkv.TransferTimeout, match="held past its deadline"):
+        x.wait(10)
+    for w in waiters:
+        w.join(10)
+        assert not w.is_alive()
+    assert x.state is pdkv.XferState.FAILED
+    assert t.driver() is None  # released once the transfer ended: nothing keeps the Python callable
+
+
+def test_python_transport_posts_while_other_threads_call_into_it():
+    """Posts keep the GIL through the core; registration (region_added/removed into
+    Python from C++) and peer re-adds run meanwhile on other threads: nothing deadlocks."""
+    with make_agent("a", "loopback") as a, make_agent("b", "loopback") as b:
+        src = np.arange(N, dtype=np.uint8)
+        dst = np.zeros(N, np.uint8)
+        ra, rb = a.register(src), b.register(dst)
+        peer = a.add_peer(b.metadata())
+        prep = a.prepare_extents("write", peer, [(ra.id, 0, rb.id, 0, 4096)])
+        results: list = []
+
+        def post_many():
+            results.append(all(prep.post().wait(10) for _ in range(300)))
+
+        def churn_regions():
+            for _ in range(40):
+                a.register(np.zeros(4096, np.uint8)).close()
+            results.append(True)
+
+        def readd_peer():
+            for _ in range(40):
+                a.add_peer(b.metadata())
+            results.append(True)
+
+        threads = [threading.Thread(target=f) for f in (post_many, post_many, churn_regions, readd_peer)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads) and results == [True] * 4
+        assert np.array_equal(dst[:4096], src[:4096])

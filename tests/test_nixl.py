@@ -370,3 +370,45 @@ def test_vram_regions_between_two_agents():
         rh = a.register(host)
         assert a.prepare_extents("read", peer, [(rh.id, 0, rd.id, 4096, 4096)]).post().wait(10)  # VRAM -> DRAM
         assert np.array_equal(host.view(np.int32), src[:1024].cpu().numpy())
+
+
+@pytest.mark.nixl
+def test_small_writes_end_in_post_and_slow_ones_keep_deadline_and_cancel():
+    """Most small writes end inside post (no cancel hook, driver or deadline is set for
+    them); a write still in flight when post returns gets all three: wait() raises
+    TransferTimeout at its deadline and Cancelled after cancel(), and the peer stays
+    usable, with every byte of the small writes exact."""
+    n = 64 << 20
+    with nixl_agent("a") as a, nixl_agent("b") as b:
+        src = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+        dst = np.zeros(n, np.uint8)
+        ra, rb = a.register(src), b.register(dst)
+        peer = a.connect(b.address)
+        a.warm_up(peer)
+        for i in range(50):
+            x = a.prepare_extents("write", peer, [(ra.id, i * 4096, rb.id, i * 4096, 4096)]).post()
+            assert x.wait(10) and x.state is pdkv.XferState.DONE and x.bytes_done == 4096
+            x.cancel()  # after the end: no effect
+            assert x.state is pdkv.XferState.DONE and x.error is None
+        assert np.array_equal(dst[:50 * 4096], src[:50 * 4096])
+        big = a.prepare_extents("write", peer, [(ra.id, 0, rb.id, 0, n)])
+        x = big.post(timeout=1e-3)  # 64 MiB in 1 ms: 64 GB/s, far beyond loopback tcp
+        with pytest.raises(pdkv.TransferTimeout, match="timed out"):
+            x.wait(30)
+        assert x.state is pdkv.XferState.FAILED and isinstance(x.error, pdkv.TransferTimeout)
+        completed = 0
+        for _ in range(3):  # (only a thread stalled for the whole 64 MiB lets one finish before cancel)
+            y = big.post(notify=b"finished first")
+            y.cancel()
+            try:
+                completed += y.wait(30)
+            except pdkv.Cancelled:
+                assert y.state is pdkv.XferState.CANCELLED and isinstance(y.error, pdkv.Cancelled)
+                break
+        else:
+            pytest.fail("cancel() never cancelled a 64 MiB write in flight")
+        z = a.prepare_extents("write", peer, [(ra.id, n - 8192, rb.id, 8192, 8192)]).post(notify=b"after")
+        assert z.wait(10) and np.array_equal(dst[8192:16384], src[n - 8192:])
+        got: list = []
+        assert wait_until(lambda: got.extend(m.data for m in b.get_notifications()) or b"after" in got)
+        assert got == [b"finished first"] * completed + [b"after"]  # a cancelled transfer never notifies

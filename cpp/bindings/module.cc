@@ -157,8 +157,27 @@ std::vector<uint32_t> ids_from(const py::object& o, const char* what) {
   return v;
 }
 
+// A member of the bound XferState enum, handed out as the object py::enum_ made for
+// it: Transfer.wait returns these very objects (pdkv.Transfer compares them with
+// `is`) instead of casting a new enum instance per call, which costs as much as a
+// small transfer's bookkeeping. Filled once at import; never released.
+class XferStateObject : public py::object {
+ public:
+  explicit XferStateObject(XferState s) : py::object(py::reinterpret_borrow<py::object>(members()[int(s)])) {}
+  static std::array<PyObject*, 4>& members() {
+    static std::array<PyObject*, 4> m{};
+    return m;
+  }
+};
 
 }  // namespace
+
+namespace pybind11::detail {
+template <>
+struct handle_type_name<XferStateObject> {
+  static constexpr auto name = const_name("XferState");
+};
+}  // namespace pybind11::detail
 
 PYBIND11_MODULE(_pdkv, m) {
   m.doc() = "pdkv native core (use the `pdkv` package, not this module)";
@@ -181,6 +200,8 @@ PYBIND11_MODULE(_pdkv, m) {
       .value("DONE", XferState::kDone)
       .value("FAILED", XferState::kFailed)
       .value("CANCELLED", XferState::kCancelled);
+  for (XferState st : {XferState::kPending, XferState::kDone, XferState::kFailed, XferState::kCancelled})
+    XferStateObject::members()[int(st)] = py::object(m.attr("XferState").attr(py::cast(st).attr("name"))).release().ptr();
   py::enum_<OpKind>(m, "OpKind").value("WRITE", OpKind::kWrite).value("READ", OpKind::kRead);
   py::enum_<MemKind>(m, "MemKind").value("HOST", MemKind::kHost).value("CUDA", MemKind::kCuda);
   py::enum_<TokenOrder>(m, "TokenOrder").value("NHD", TokenOrder::kNHD).value("HND", TokenOrder::kHND);
@@ -351,7 +372,18 @@ PYBIND11_MODULE(_pdkv, m) {
              if (st.ok()) return py::none();
              return py::make_tuple(std::string(status_code_name(st.code())), st.message());
            })
-      .def("wait", &Transfer::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def("wait",
+           [](const Transfer& t, double timeout_s) {
+             // Terminal already (a small write over a Python transport often ends inside
+             // post): no GIL hand-off for nothing.
+             XferState st = t.state();
+             if (st == XferState::kPending) {
+               py::gil_scoped_release rel;
+               st = t.wait(timeout_s);
+             }
+             return XferStateObject(st);
+           },
+           py::arg("timeout_s"))
       .def("cancel", &Transfer::cancel, py::call_guard<py::gil_scoped_release>());
   // Transports written in Python: the trampoline and what they may call.
   bindings::bind_transport_sdk(m, transfer);
@@ -514,7 +546,12 @@ PYBIND11_MODULE(_pdkv, m) {
            [](Agent& a, const PreparedTransfer& p, py::bytes notif, double timeout_s) {
              std::string n = notif;
              Result<std::shared_ptr<Transfer>> res = Status();
-             {
+             if (bindings::is_python_transport(p.transport)) {
+               // Its post takes the GIL anyway: releasing it here would cost two hand-offs
+               // per transfer. Agent::post blocks on nothing but short core locks whose
+               // holders never wait for the GIL.
+               res = a.post(p, std::move(n), timeout_s);
+             } else {
                py::gil_scoped_release rel;
                res = a.post(p, std::move(n), timeout_s);
              }

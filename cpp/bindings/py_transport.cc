@@ -8,7 +8,8 @@
 // completes the native Transfer through its transport-side methods bound here.
 //
 // GIL rules: every call from C++ into Python takes the GIL (gil_scoped_acquire is
-// re-entrant, so calls that arrive with it held work too). Transport-side Transfer
+// re-entrant, so calls that arrive with it held work too: Agent.post keeps the GIL
+// for a Python transport, see is_python_transport). Transport-side Transfer
 // methods never block, so they keep the GIL; hooks that may block (fetch_metadata)
 // release it. Python callables stored in C++ objects that outlive a call (registry
 // factories, cancel hooks, drivers) are destroyed with the GIL held, or never.
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <unordered_map>
 #include <limits>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -72,13 +74,26 @@ struct PyPreparedOps final : PreparedOps {
   py::object obj;
 };
 
+// The names registered from Python (python_factory). Guarded by the GIL; never
+// destroyed (the registry it mirrors outlives the interpreter).
+std::set<std::string, std::less<>>& python_transport_names() {
+  static auto* names = new std::set<std::string, std::less<>>();
+  return *names;
+}
+
 // Keeps a Python object alive without ever destroying it: for callables stored in
 // the process-wide registry, which outlives the interpreter.
 py::handle leak(py::object o) { return o.release(); }
 
-// A Python object owned from C++ code that may drop it without the GIL.
+// A Python object owned from C++ code that may drop it without the GIL. Emptied (with
+// the GIL held) by whoever knows it is no longer needed, it is dropped without taking
+// the GIL again.
 std::shared_ptr<py::object> shared_object(py::object o) {
   return std::shared_ptr<py::object>(new py::object(std::move(o)), [](py::object* p) {
+    if (!*p) {
+      delete p;
+      return;
+    }
     py::gil_scoped_acquire gil;
     delete p;
   });
@@ -101,15 +116,23 @@ PyTransport::PyTransport(py::object impl) : impl_(std::move(impl)) {
 
 PyTransport::~PyTransport() {
   py::gil_scoped_acquire gil;
+  post_ = notify_ = py::object();
   impl_ = py::object();
 }
 
 TransportCaps PyTransport::caps() const { return caps_; }
 
+bool is_python_transport(std::string_view transport) {
+  const auto& names = python_transport_names();
+  return names.find(transport) != names.end();
+}
+
 Status PyTransport::start(AgentHooks* hooks) {
   py::gil_scoped_acquire gil;
   try {
     caps_ = impl_.attr("caps")().cast<TransportCaps>();
+    post_ = impl_.attr("post");
+    notify_ = impl_.attr("notify");
     impl_.attr("start")(HooksRef{hooks});
     return Status::Ok();
   } catch (py::error_already_set& e) {
@@ -201,7 +224,7 @@ void PyTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std:
   py::gil_scoped_acquire gil;
   try {
     const auto& py_ops = static_cast<const PyPreparedOps&>(*ops);
-    impl_.attr("post")(py_ops.obj, xfer, to_bytes(notif));
+    post_(py_ops.obj, xfer, to_bytes(notif));
   } catch (py::error_already_set& e) {
     fail_unless_terminal(xfer, status_from(e, name_ + ".post"));
   }
@@ -210,7 +233,7 @@ void PyTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std:
 void PyTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
   py::gil_scoped_acquire gil;
   try {
-    impl_.attr("notify")(std::const_pointer_cast<Peer>(peer), xfer, to_bytes(notif));
+    notify_(std::const_pointer_cast<Peer>(peer), xfer, to_bytes(notif));
   } catch (py::error_already_set& e) {
     fail_unless_terminal(xfer, status_from(e, name_ + ".notify"));
   }
@@ -419,6 +442,7 @@ void bind_transport_sdk(py::module_& m, py::class_<Transfer, std::shared_ptr<Tra
           if (!register_transport(python_factory(name, description, priority, std::move(viable), std::move(create),
                                                  metadata_via)))
             raise_status(AlreadyExists("a transport named '" + name + "' is registered already"));
+          python_transport_names().insert(name);
         },
         py::arg("name"), py::arg("description"), py::arg("priority"), py::arg("viable"), py::arg("create"),
         py::arg("metadata_via") = "");
@@ -467,16 +491,21 @@ void bind_transport_sdk(py::module_& m, py::class_<Transfer, std::shared_ptr<Tra
            [](Transfer& t, py::object drive) {
              if (drive.is_none()) return spi::TransferControl(t).set_driver(nullptr);
              auto fn = shared_object(std::move(drive));
-             spi::TransferControl(t).set_driver([fn](Transfer&, Clock::time_point until, uint32_t) {
+             spi::TransferControl(t).set_driver([fn](Transfer& xfer, Clock::time_point until, uint32_t) {
                const double left = until == Clock::time_point::max()
                                        ? std::numeric_limits<double>::infinity()
                                        : std::chrono::duration<double>(until - Clock::now()).count();
                py::gil_scoped_acquire gil;
+               if (!*fn) return;  // another waiter saw the transfer end
+               py::object drive = *fn;  // (kept for the call: another waiter may empty *fn meanwhile)
                try {
-                 (*fn)(left);
+                 drive(left);
                } catch (py::error_already_set& e) {
                  e.discard_as_unraisable("pdkv transfer driver");
                }
+               // Terminal: the driver is never called again. Dropped here, under the GIL
+               // this call holds anyway, instead of by wait() taking the GIL once more.
+               if (xfer.terminal()) *fn = py::object();
              });
            },
            "drive(timeout_s) is called by wait() (GIL taken) to make progress itself until the transfer is "

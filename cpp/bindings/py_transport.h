@@ -43,9 +43,15 @@ class __attribute__((visibility("hidden"))) PyTransport final : public Transport
   static void fail_unless_terminal(const std::shared_ptr<Transfer>& xfer, const Status& st);
 
   pybind11::object impl_;
+  // impl_'s post and notify, bound once in start(): they run once per transfer.
+  pybind11::object post_, notify_;
   std::string name_;
   TransportCaps caps_;
 };
+
+// True when `transport` was registered from Python (its post runs under the GIL).
+// Call with the GIL held: the GIL guards the set of such names.
+bool is_python_transport(std::string_view transport);
 
 // Binds TransportCaps, AgentMetadata, Peer, AgentHooks, register_transport,
 // default_transports and the transport-side methods of Transfer.

@@ -216,10 +216,10 @@ class Transfer:
         """
         done, pending = _native_states()
         timeout = _validate.wait_timeout(timeout)
-        state = self._n.wait(-1.0 if timeout is None else timeout)
-        if state == done:
+        state = self._n.wait(-1.0 if timeout is None else timeout)  # the XferState members themselves
+        if state is done:
             return True
-        if state == pending:
+        if state is pending:
             return False
         raise self.error  # type: ignore[misc]
 

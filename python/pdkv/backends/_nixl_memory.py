@@ -43,7 +43,7 @@ class _Memory:
                 for x in busy:
                     self._progress(x, now)
                 if any(x._state is _S["PENDING"] for x in busy):
-                    self._cond.wait(self._opts.poll_busy_max_s)
+                    self._wait_cond(self._opts.poll_busy_max_s)
             gone = NotFound(f"region {rid} is not registered any more (deregistered); prepare the transfer again")
             for prep in list(self._preps):
                 if rid in prep._local_ids or (prep._peer.is_self and rid in prep._remote_ids):
@@ -91,7 +91,7 @@ class _Memory:
         self._kick()
         deadline = time.monotonic() + self._opts.revoke_timeout_s
         while self._acks[seq] and time.monotonic() < deadline and not self._closed:
-            self._cond.wait(min(self._opts.poll_busy_max_s * 10, max(0.0, deadline - time.monotonic())))
+            self._wait_cond(min(self._opts.poll_busy_max_s * 10, max(0.0, deadline - time.monotonic())))
         for n in self._acks.pop(seq):
             self._forget_watcher(n)  # silent past the deadline: it is not told again
 

@@ -91,7 +91,7 @@ class _Peers:
             self._kick()
             deadline = time.monotonic() + self._opts.handshake_timeout_s
             while self._hello_acks.get(p.epoch) == "" and time.monotonic() < deadline and not p.dropped:
-                self._cond.wait(min(self._opts.poll_busy_max_s * 10, max(0.0, deadline - time.monotonic())))
+                self._wait_cond(min(self._opts.poll_busy_max_s * 10, max(0.0, deadline - time.monotonic())))
             answer = self._hello_acks.pop(p.epoch, "")
             if p.dropped:
                 return

@@ -125,8 +125,7 @@ class NixlTransfer:
         self.bytes_total = nbytes
         self._notify = notify
         self._native = native  # pdkv._pdkv.Transfer (its parts declared), or None
-        left = native.remaining_s if native is not None else float("inf")
-        self._deadline = time.monotonic() + max(left, 0.0) if left != float("inf") else 0.0
+        self._deadline = 0.0  # monotonic; 0: none. Set by _watch once it is still in flight after post
         self._prep = prep
         self._local_ids: frozenset = prep._local_ids if prep is not None else frozenset()
         self._remote_ids: frozenset = prep._remote_ids if prep is not None else frozenset()

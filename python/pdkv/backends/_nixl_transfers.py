@@ -135,7 +135,7 @@ class _Transfers:
             p = prep._peer
             if p.error is not None:
                 return self._failed(p, prep._op, prep.nbytes, p.error, transfer)
-            revoked = prep._remote_ids & p.revoked
+            revoked = p.revoked and prep._remote_ids & p.revoked
             if revoked:
                 return self._failed(p, prep._op, prep.nbytes, NotFound(
                     f"peer {p.name!r} deregistered its region {min(revoked)}; re-add its metadata and prepare again"),
@@ -160,17 +160,18 @@ class _Transfers:
                 self._finish(x, _S["FAILED"], e)
                 return None
             self._inflight[x.id] = x
-            self._hook(x)
             try:
                 for g, req in x._reqs:
                     if eng.post(req, b""):
                         x._pending.remove(req)
             except eng.errors as e:
                 self._fail_connection(x, to_pdkv(e, f"NIXL {prep._op} to peer {p.name!r}", PeerConnectionError))
+                self._watch(x)
                 return None
-            if not x._pending:
-                self._progress(x, time.monotonic())
-            elif data is not None:
+            if not x._pending and self._progress(x, time.monotonic()):
+                return None  # (most small writes: NIXL completed them inside post)
+            self._watch(x)
+            if x._pending and data is not None:
                 # Its notification leaves only when someone checks the finished request:
                 # have the poller do so promptly in case nobody waits on it. (Without a
                 # notification there is no hurry; not waking the poller keeps it off the
@@ -196,14 +197,23 @@ class _Transfers:
             x = NixlTransfer(self, next(self._ids), p, "notify", 0, data, transfer, None)
             x._manual_notify = True
             self._inflight[x.id] = x
-            self._hook(x)
-            self._progress(x, time.monotonic())
-            if x._state is _S["PENDING"]:
+            if not self._progress(x, time.monotonic()):
+                self._watch(x)
                 self._kick()
             return None
 
-    def _hook(self, x: NixlTransfer) -> None:
-        """Lets the core's transfer cancel ``x`` and have its waiters progress NIXL."""
+    def _watch(self, x: NixlTransfer) -> None:
+        """``x`` is still in flight as post() or notify() returns (lock held): gives it
+        the core transfer's deadline, and lets that transfer cancel it and have its
+        waiters progress NIXL. Skipped for a transfer that ended inside post(): the
+        core sees it terminal before its caller does, so nothing could cancel, wait on
+        or time out it (and the hooks cost more than a small write's bookkeeping)."""
+        native = x._native
+        if native is None or x._state is not _S["PENDING"]:
+            return
+        left = native.remaining_s
+        if left != float("inf"):
+            x._deadline = time.monotonic() + max(left, 0.0)
         ref = weakref.ref(x)
 
         def cancel() -> None:
@@ -216,8 +226,8 @@ class _Transfers:
             if y is not None:
                 y.drive(timeout)
 
-        x._native.set_cancel_hook(cancel)
-        x._native.set_driver(drive)
+        native.set_cancel_hook(cancel)
+        native.set_driver(drive)
 
     def _check(self, x: NixlTransfer) -> "XferState":
         if x._state is _S["PENDING"]:
@@ -334,7 +344,8 @@ class _Transfers:
         self._inflight.pop(x.id, None)
         if x._event is not None:
             x._event.set()
-        self._cond.notify_all()
+        if self._cond_waiters:
+            self._cond.notify_all()
 
     def _detach(self, prep: NixlPrepared) -> None:
         """Releases ``prep``'s idle requests and descriptor lists now, the busy ones when

@@ -214,6 +214,7 @@ class NixlTransport(_Peers, _Memory, _Transfers, _Control, Transport):
         self._opts = options or NixlOptions()
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        self._cond_waiters = 0  # threads in _wait_cond: only then does a finished transfer notify
         self._wake = threading.Event()
         self._eng: NixlEngine | None = None
         self._closed = False
@@ -328,6 +329,15 @@ class NixlTransport(_Peers, _Memory, _Transfers, _Control, Transport):
         if self._closed or self._eng is None:
             raise InvalidArgument(f"the nixl transport of agent {self._agent_name!r} is closed")
         return self._eng
+
+    def _wait_cond(self, timeout: float) -> None:
+        """``self._cond.wait`` (lock held), counted: finishing a transfer notifies the
+        condition only while someone waits on it (most never see a waiter)."""
+        self._cond_waiters += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._cond_waiters -= 1
 
     def can_reach(self, peer_md: Any) -> bool:
         """Whether the peer publishes a well-formed nixl extra (``peer_md``: the core's
