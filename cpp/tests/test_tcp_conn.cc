@@ -158,7 +158,7 @@ std::unique_ptr<OutMsg> request(FrameType t, uint64_t id, uint32_t batch, const 
 }
 
 // No socket and no owner thread: only the pending table is exercised.
-std::shared_ptr<TcpConn> detached_conn() { return std::make_shared<TcpConn>(-1, true, "test connection"); }
+std::shared_ptr<TcpConn> detached_conn() { return TcpConn::dialled(-1, nullptr, "test connection", "", {}, 0); }
 
 // A connection on one end of a socket pair nobody reads, with a small send buffer:
 // a large first frame leaves partly and everything after it stays queued.
@@ -170,7 +170,7 @@ struct BlockedConn {
     int small = 4096;
     EXPECT_EQ(::setsockopt(sp.a, SOL_SOCKET, SO_SNDBUF, &small, sizeof small), 0);
     EXPECT_EQ(::fcntl(sp.a, F_SETFL, O_NONBLOCK), 0);
-    conn = std::make_shared<TcpConn>(sp.a, true, "blocked connection");
+    conn = TcpConn::dialled(sp.a, nullptr, "blocked connection", "", {}, 0);
     sp.a = -1;  // the connection closes it
   }
 };

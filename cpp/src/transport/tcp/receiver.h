@@ -14,8 +14,11 @@
 // problem (fail_conn_locked); a refused part of a valid request (stale block
 // generations) is answered with a failed ack and the connection stays.
 //
-// Thread safety: every function runs with the connection's rx_mu held (the owner
-// thread, or a caller driving its own transfer).
+// Ownership: the receive state of every connection (conn.h RxState) is this class's;
+// nothing else reads or writes it.
+//
+// Thread safety: every function runs with the connection's receive lock held
+// (TcpConn::lock_rx: the owner thread, or a caller driving its own transfer).
 #pragma once
 
 #include <sys/uio.h>
@@ -37,7 +40,7 @@ class ProgressThread;
 
 class FrameReceiver {
  public:
-  FrameReceiver(TcpTransport& t, ProgressThread& owner) : t_(t), owner_(owner) {}
+  explicit FrameReceiver(TcpTransport& t) : t_(t) {}
 
   // Reads c until the socket is empty, the connection is closed or paused, or a
   // fairness budget is spent; acts on every frame completed. Returns the bytes read.
@@ -91,8 +94,11 @@ class FrameReceiver {
   void set_lowat(TcpConn& c, int v);
   void reply(const std::shared_ptr<TcpConn>& c, std::unique_ptr<OutMsg> m);
 
+  // The connection's receive state: this class's alone (conn.h RxAccess).
+  static RxState& rx(TcpConn& c) { return c.rx_state(RxAccess()); }
+  static RxState& rx(const std::shared_ptr<TcpConn>& c) { return rx(*c); }
+
   TcpTransport& t_;
-  ProgressThread& owner_;
 };
 
 }  // namespace pdkv::tcp
