@@ -83,6 +83,10 @@ struct RxState {
   size_t dst_idx = 0;
   size_t dst_off = 0;
   uint64_t remaining = 0;
+  // Small extents (out_msg.h gathers()): the payload is received into `landing`, a
+  // chunk at a time, and copied out to dst from there.
+  bool gather = false;
+  std::unique_ptr<char[]> landing;  // kStageBytes, allocated on first use
   std::vector<RegionPin> pins;  // the write's destination regions
   GenPin gens;                  // blocks the write being received was checked against
   Status reject;                // the write's block generations failed: its payload is discarded

@@ -59,7 +59,9 @@ uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
       case RxStage::kHeader: r = read_header(c, &stop); break;
       case RxStage::kControl: r = read_control(c, &stop); break;
       case RxStage::kPayload:
-        r = rx(c).staged ? read_staged_payload(c, &budget, &stop) : read_payload(c, &budget, &stop);
+        r = rx(c).staged   ? read_staged_payload(c, &budget, &stop)
+            : rx(c).gather ? read_landed_payload(c, &budget, &stop)
+                           : read_payload(c, &budget, &stop);
         break;
     }
     if (r > 0) {
@@ -123,26 +125,57 @@ ssize_t FrameReceiver::read_payload(const std::shared_ptr<TcpConn>& c, uint64_t*
   ssize_t r = ::recvmsg(c->fd(), &mh, MSG_DONTWAIT);
   if (r <= 0) return r;
   *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
-  uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), rx(c).remaining);
-  uint64_t extra = static_cast<uint64_t>(r) - take;
-  rx(c).remaining -= take;
-  while (take > 0) {
-    size_t left = rx(c).dst[rx(c).dst_idx].iov_len - rx(c).dst_off;
-    if (take >= left) {
-      take -= left;
-      ++rx(c).dst_idx;
-      rx(c).dst_off = 0;
-    } else {
-      rx(c).dst_off += take;
-      take = 0;
+  const uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), rx(c).remaining);
+  advance_dst(rx(c), take, nullptr);
+  payload_received(c, take, static_cast<uint64_t>(r) - take, stop);
+  return r;
+}
+
+// Small extents: into the landing chunk (and the next header, on the last read),
+// then copied out to the destination extents.
+ssize_t FrameReceiver::read_landed_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop) {
+  RxState& st = rx(c);
+  if (!st.landing) st.landing.reset(new char[kStageBytes]);  // uninitialized: only received bytes are copied out
+  const size_t want = static_cast<size_t>(std::min<uint64_t>(st.remaining, kStageBytes));
+  iovec iov[2] = {{st.landing.get(), want}, {&st.hdr, kHdr}};
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = want == st.remaining ? 2 : 1;  // the last read picks up the next header
+  ssize_t r = ::recvmsg(c->fd(), &mh, MSG_DONTWAIT);
+  if (r <= 0) return r;
+  *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
+  const uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), st.remaining);
+  advance_dst(st, take, st.landing.get());
+  payload_received(c, take, static_cast<uint64_t>(r) - take, stop);
+  return r;
+}
+
+void FrameReceiver::advance_dst(RxState& st, uint64_t n, const char* from) {
+  while (n > 0) {
+    if (from && st.dst_off == 0 && st.dst_idx + 8 < st.ndst)
+      __builtin_prefetch(st.dst[st.dst_idx + 8].iov_base, 1);  // scattered: the hardware cannot guess it
+    const iovec& d = st.dst[st.dst_idx];
+    const size_t step = static_cast<size_t>(std::min<uint64_t>(n, d.iov_len - st.dst_off));
+    if (from) {
+      std::memcpy(static_cast<char*>(d.iov_base) + st.dst_off, from, step);
+      from += step;
+    }
+    n -= step;
+    st.dst_off += step;
+    if (st.dst_off == d.iov_len) {
+      ++st.dst_idx;
+      st.dst_off = 0;
     }
   }
-  if (rx(c).remaining == 0) {
-    rx(c).hdr_got = extra;
-    on_payload_done(c);
-    if (c->fd() < 0 || (rx(c).hdr_got == kHdr && !on_header(c))) *stop = true;
-  }
-  return r;
+}
+
+void FrameReceiver::payload_received(const std::shared_ptr<TcpConn>& c, uint64_t took, uint64_t extra, bool* stop) {
+  RxState& st = rx(c);
+  st.remaining -= took;
+  if (st.remaining != 0) return;
+  st.hdr_got = static_cast<size_t>(extra);
+  on_payload_done(c);
+  if (c->fd() < 0 || (st.hdr_got == kHdr && !on_header(c))) *stop = true;
 }
 
 // Into the pinned buffer the ScatterPipe offers; it copies full ones to the GPU.
@@ -232,6 +265,7 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
   rx(c).dst_idx = 0;
   rx(c).dst_off = 0;
   rx(c).remaining = h.payload;
+  rx(c).gather = lands(h.payload, rx(c).ndst);
   rx(c).stage = RxStage::kPayload;
   if (rx(c).read_part.post->prep->staged) {
     Status st = begin_staged_rx(*c, rx(c).read_part.post->prep->device);
@@ -430,6 +464,7 @@ bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Reque
   rx(c).dst_idx = 0;
   rx(c).dst_off = 0;
   rx(c).remaining = req.bytes;
+  rx(c).gather = lands(req.bytes, rx(c).ndst);
   rx(c).pins = std::move(req.pins);
   rx(c).stage = RxStage::kPayload;
   if (req.device >= 0) {

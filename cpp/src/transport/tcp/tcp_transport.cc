@@ -140,11 +140,19 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
     if (cur.count) p->batches.push_back(cur);
     cur = TcpBatch{static_cast<uint32_t>(p->descs.size()), 0, 0};
   };
+  // A batch of small extents is gathered into one segment (out_msg.h), so it is not
+  // bound by the iovec limit behind batch_extents: it may grow to kMaxGatherExtents.
+  // Staged (device) batches go through one pinned buffer either way.
+  auto batch_full = [&] {
+    if (cur.count == 0) return false;
+    if (cur.count < opts_.batch_extents) return false;
+    return p->staged || !gathers(cur.bytes, cur.count) || cur.count >= kMaxGatherExtents;
+  };
   for (const auto& e : extents) {
     uint64_t off = 0;
     while (off < e.len) {
       uint64_t room = batch_bytes - cur.bytes;
-      if (room == 0 || cur.count == opts_.batch_extents) {
+      if (room == 0 || batch_full()) {
         close_batch();
         room = batch_bytes;
       }
