@@ -1,6 +1,6 @@
 """Many small extents over tcp: gathered by the sender, landed by the receiver.
 
-Below an average of 4 KiB per extent the sender copies a frame's extents into a
+Below an average of 8 KiB per extent the sender copies a frame's extents into a
 staging chunk and sends that (out_msg.h); below 512 bytes the receiver receives into
 a landing chunk and copies out (receiver.h). The frame on the wire is the usual Write
 or ReadResp (docs/wire.md), so these tests check what can go wrong locally: every
@@ -26,7 +26,7 @@ from conftest import SECRET
 from test_bad_input import EXT, T_WRITE, expect_error_and_close, frame
 from test_hostile_tcp import REGION, closed_within, target  # noqa: F401  (fixture)
 
-POOL = 8 << 20
+POOL = 32 << 20
 
 
 def scattered_offsets(sizes, pool_bytes, rng):
@@ -58,7 +58,7 @@ SIZES = {
     "1KiB": [1024] * 3000,  # gathered, not landed
     "straddle-gathered": [1, 255, 256, 257, 511, 512, 513, 2048, 4095, 4096, 4097] * 300,  # average ~1.5 KiB
     "straddle-landed": [1, 100, 255, 256, 257, 511, 512, 513, 1000] * 1000,  # average ~380 B
-    "small-then-large": [300] * 1500 + [64 << 10] * 40,  # a batch whose average crosses 4 KiB
+    "small-then-large": [300] * 1100 + [20000] * 900,  # a gathered batch whose average then crosses 8 KiB
     "large-then-small": [64 << 10] * 40 + [300] * 1500,
 }
 

@@ -168,7 +168,7 @@ TEST(TcpOutMsg, SmallExtentsAreGatheredAndSentBitExact) {
 TEST(TcpOutMsg, GatheringIsForSmallExtentsOnly) {
   EXPECT_TRUE(gathers(1000 * 256, 1000));
   EXPECT_TRUE(gathers(2 * (kGatherBelowBytes - 1), 2));
-  EXPECT_FALSE(gathers(2 * kGatherBelowBytes, 2));  // 4 KiB extents keep their iovecs
+  EXPECT_FALSE(gathers(2 * kGatherBelowBytes, 2));  // 8 KiB extents keep their iovecs
   EXPECT_FALSE(gathers(100, 1));                    // one extent is one segment anyway
   EXPECT_TRUE(lands(1000 * 256, 1000));
   EXPECT_FALSE(lands(1000 * kLandBelowBytes, 1000));

@@ -20,7 +20,7 @@ struct TcpOptions {
   uint32_t spin_us = 0;                   // µs a progress thread polls after activity before sleeping
   uint64_t batch_bytes = 16ull << 20;     // max payload bytes per wire batch (1..2^30)
   // Max extents per batch sent as iovecs: one sendmsg, IOV_MAX less 4 (1..1020). A
-  // batch of extents averaging under 4 KiB is gathered into a staging chunk instead
+  // batch of extents averaging under 8 KiB is gathered into a staging chunk instead
   // and may hold up to 16384 (docs/wire.md, "Many small extents in one frame").
   uint32_t batch_extents = 1020;
   uint32_t rcvlowat_bytes = 1u << 20;     // SO_RCVLOWAT cap while receiving payload (0: off)

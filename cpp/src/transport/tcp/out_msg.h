@@ -37,10 +37,13 @@ namespace pdkv::tcp {
 inline constexpr int kIovMax = 1024;
 inline constexpr size_t kHdr = sizeof(FrameHeader);
 
-// Payloads whose extents average fewer bytes than this are gathered by the sender
-// (measured: 256 B to 2 KiB extents cost the sender 1.2-2x less CPU; at 4 KiB the
-// memcpy costs more than the kernel's per-segment setup it saves) ...
-inline constexpr uint64_t kGatherBelowBytes = 4096;
+// Payloads whose extents average fewer bytes than this are gathered by the sender.
+// Measured: 256 B to 2 KiB extents cost the sender 1.2-2x less CPU per byte; at 4 KiB
+// (llama-3-70b-tp8 block-halves) the CPU is even but the prefetching gather beats
+// the kernel's per-segment copy from cold, scattered pages (pdkv bench transfer:
+// 1.1-1.3x the plain socket pair instead of 0.9-1.2x, in the same runs); at 8 KiB
+// and 32 KiB it makes no difference, so they keep their iovecs ...
+inline constexpr uint64_t kGatherBelowBytes = 8192;
 // ... and below this landed in a buffer, then scattered, by the receiver (the
 // kernel's per-segment cost is lower on receive: landing pays at 256 B, not at 1 KiB).
 inline constexpr uint64_t kLandBelowBytes = 512;
