@@ -117,6 +117,78 @@ TEST(TcpOutMsg, SendSomeReportsWouldBlockThenFinishes) {
   EXPECT_EQ(m.sent, m.total);
 }
 
+// Many small extents (and sizes around the thresholds) sent through the staging
+// chunk, over a socket with a tiny send buffer so the frame leaves in many pieces
+// and the stage is refilled between them: the bytes on the wire are exactly the
+// header, descriptors, aux and the extents concatenated.
+TEST(TcpOutMsg, SmallExtentsAreGatheredAndSentBitExact) {
+  std::vector<char> pool(8 << 20);
+  for (size_t i = 0; i < pool.size(); ++i) pool[i] = static_cast<char>(i * 131 + (i >> 9));
+  std::vector<iovec> ext;
+  std::string expect;
+  size_t off = 0;
+  const size_t sizes[] = {1, 255, 256, 257, 511, 512, 513, 1000, 4095, 4096, 4097, 300};
+  for (size_t i = 0; off + 5000 < pool.size() && ext.size() < 6000; ++i) {
+    const size_t n = sizes[i % (sizeof sizes / sizeof sizes[0])];
+    ext.push_back({pool.data() + off, n});
+    expect.append(pool.data() + off, n);
+    off += n + 37 * (i % 5) + 1;  // scattered, never adjacent
+  }
+  std::vector<WireExtent> descs(ext.size(), WireExtent{1, 0, 0});
+  OutMsg m;
+  m.hdr = make_hdr(FrameType::kWrite, 5, 0);
+  m.hdr.count = static_cast<uint32_t>(descs.size());
+  m.descs = descs.data();
+  m.desc_bytes = descs.size() * sizeof(WireExtent);
+  m.aux = "notif";
+  m.data = ext.data();
+  m.ndata = ext.size();
+  m.finalize();
+  ASSERT_TRUE(m.gather);
+  ASSERT_GT(expect.size(), kStageBytes);  // the stage is refilled
+  EXPECT_EQ(m.total, kHdr + m.desc_bytes + 5 + expect.size());
+
+  SocketPair sp;
+  int small = 4096;
+  ASSERT_EQ(::setsockopt(sp.a, SOL_SOCKET, SO_SNDBUF, &small, sizeof small), 0);
+  ASSERT_EQ(::fcntl(sp.a, F_SETFL, O_NONBLOCK), 0);
+  std::string got;
+  std::thread reader([&] { got = read_exactly(sp.b, m.total); });
+  int err = 0, r = 0;
+  while ((r = send_some(sp.a, m, &err)) == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  reader.join();
+  ASSERT_EQ(r, 1);
+  EXPECT_EQ(m.sent, m.total);
+  EXPECT_EQ(m.stage, nullptr);  // released once sent
+  EXPECT_EQ(decode_header(got.data()).count, descs.size());
+  EXPECT_EQ(got.substr(kHdr + m.desc_bytes, 5), "notif");
+  EXPECT_TRUE(got.substr(kHdr + m.desc_bytes + 5) == expect);
+}
+
+TEST(TcpOutMsg, GatheringIsForSmallExtentsOnly) {
+  EXPECT_TRUE(gathers(1000 * 256, 1000));
+  EXPECT_TRUE(gathers(2 * (kGatherBelowBytes - 1), 2));
+  EXPECT_FALSE(gathers(2 * kGatherBelowBytes, 2));  // 8 KiB extents keep their iovecs
+  EXPECT_FALSE(gathers(100, 1));                    // one extent is one segment anyway
+  EXPECT_TRUE(lands(1000 * 256, 1000));
+  EXPECT_FALSE(lands(1000 * kLandBelowBytes, 1000));
+  EXPECT_FALSE(lands(100, 1));
+  // The back-pressure cost of a gathered message counts its stage, and does not
+  // change once it is sending.
+  std::vector<char> pool(1 << 16);
+  std::vector<iovec> ext = {{pool.data(), 100}, {pool.data() + 200, 100}};
+  OutMsg m;
+  m.hdr = make_hdr(FrameType::kReadResp, 1, 0);
+  m.own_iov = ext;
+  m.finalize();
+  ASSERT_TRUE(m.gather);
+  const size_t cost = m.cost();
+  EXPECT_GE(cost, kStageBytes);
+  m.refill_stage();
+  EXPECT_EQ(m.cost(), cost);
+  EXPECT_EQ(m.stage_len, 200u);
+}
+
 TEST(TcpOutMsg, SendSomeReportsTheErrorOfAClosedPeer) {
   SocketPair sp;
   ::close(sp.b);
@@ -158,7 +230,7 @@ std::unique_ptr<OutMsg> request(FrameType t, uint64_t id, uint32_t batch, const 
 }
 
 // No socket and no owner thread: only the pending table is exercised.
-std::shared_ptr<TcpConn> detached_conn() { return std::make_shared<TcpConn>(-1, true, "test connection"); }
+std::shared_ptr<TcpConn> detached_conn() { return TcpConn::dialled(-1, nullptr, "test connection", "", {}, 0); }
 
 // A connection on one end of a socket pair nobody reads, with a small send buffer:
 // a large first frame leaves partly and everything after it stays queued.
@@ -170,7 +242,7 @@ struct BlockedConn {
     int small = 4096;
     EXPECT_EQ(::setsockopt(sp.a, SOL_SOCKET, SO_SNDBUF, &small, sizeof small), 0);
     EXPECT_EQ(::fcntl(sp.a, F_SETFL, O_NONBLOCK), 0);
-    conn = std::make_shared<TcpConn>(sp.a, true, "blocked connection");
+    conn = TcpConn::dialled(sp.a, nullptr, "blocked connection", "", {}, 0);
     sp.a = -1;  // the connection closes it
   }
 };

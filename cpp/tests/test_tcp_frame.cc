@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "transport/tcp/frame.h"
+#include "transport/tcp/out_msg.h"
 #include "transport/tcp/guard.h"
 
 namespace pdkv::tcp {
@@ -141,6 +142,28 @@ TEST(TcpFrame, ExtentsSumWithoutOverflow) {
   WireExtent big[2] = {{1, 0, kMaxPayloadPerFrame}, {1, 0, 1}};
   EXPECT_FALSE(check_extents(big, 2, hdr(FrameType::kReadReq, 2)).ok());
   EXPECT_TRUE(check_extents(big, 1, hdr(FrameType::kReadReq, 1)).ok());
+}
+
+// The largest frame a sender of gathered small extents makes (out_msg.h) passes the
+// receiver's rules; one bad piece among many, or a count that does not add up, fails.
+TEST(TcpFrame, AFrameOfManySmallPiecesIsCheckedPieceByPiece) {
+  std::vector<WireExtent> pieces(kMaxGatherExtents);
+  for (size_t i = 0; i < pieces.size(); ++i) pieces[i] = {1, i * 512, 256};
+  FrameHeader h = hdr(FrameType::kWrite, kMaxGatherExtents, 0, uint64_t(kMaxGatherExtents) * 256);
+  ASSERT_TRUE(check_header(h, kInOpen, kLim).ok());
+  ASSERT_LE(kMaxGatherExtents, kMaxExtentsPerFrame);
+  auto sum = check_extents(pieces.data(), kMaxGatherExtents, h);
+  ASSERT_TRUE(sum.ok());
+  EXPECT_EQ(*sum, uint64_t(kMaxGatherExtents) * 256);
+  h.payload += 1;
+  EXPECT_NE(check_extents(pieces.data(), kMaxGatherExtents, h).status().message().find("add up to"),
+            std::string::npos);
+  h.payload -= 1;
+  pieces[9000].len = 0;
+  EXPECT_NE(check_extents(pieces.data(), kMaxGatherExtents, h).status().message().find("extent 9000 has length 0"),
+            std::string::npos);
+  pieces[9000] = {1, 9000 * 512, ~0ull - 100};  // one huge piece among small ones
+  EXPECT_FALSE(check_extents(pieces.data(), kMaxGatherExtents, h).ok());
 }
 
 TEST(TcpFrame, ExtentInRegionHandlesOverflow) {

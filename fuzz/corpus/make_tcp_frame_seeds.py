@@ -41,6 +41,12 @@ SEEDS = {
     "handshake_ack": bytes([2]) + frame(2, aux=ACK),
     "meta_resp": bytes([4]) + frame(4, aux=b"\x01" * 32),
     "garbage": bytes([1]) + b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 40,
+    # A frame of many small pieces (what a sender gathers), then one whose pieces do
+    # not add up to its payload.
+    "write_small_pieces": bytes([1]) + frame(5, count=300, payload=300 * 16)
+    + b"".join(EXT.pack(1, i * 32, 16) for i in range(300)) + bytes(range(256)) * 18 + b"x" * 192,
+    "write_small_pieces_bad_sum": bytes([1]) + frame(5, count=64, payload=64 * 16 + 1)
+    + b"".join(EXT.pack(1, i * 32, 16) for i in range(64)),
 }
 
 if __name__ == "__main__":

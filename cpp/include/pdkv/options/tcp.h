@@ -19,7 +19,10 @@ struct TcpOptions {
   uint32_t progress_threads = 1;          // epoll threads, connections spread over them (1..64)
   uint32_t spin_us = 0;                   // µs a progress thread polls after activity before sleeping
   uint64_t batch_bytes = 16ull << 20;     // max payload bytes per wire batch (1..2^30)
-  uint32_t batch_extents = 1020;          // max extents per batch: one sendmsg, IOV_MAX less 4 (1..1020)
+  // Max extents per batch sent as iovecs: one sendmsg, IOV_MAX less 4 (1..1020). A
+  // batch of extents averaging under 8 KiB is gathered into a staging chunk instead
+  // and may hold up to 16384 (docs/wire.md, "Many small extents in one frame").
+  uint32_t batch_extents = 1020;
   uint32_t rcvlowat_bytes = 1u << 20;     // SO_RCVLOWAT cap while receiving payload (0: off)
   double connect_timeout_s = 5.0;         // s, TCP connect + handshake (0, 86400]
   double handshake_timeout_s = 5.0;       // s, inbound connections must say hello within this (0, 86400]

@@ -49,10 +49,10 @@ Result<std::shared_ptr<RemoteRegion>> attach(const std::shared_ptr<ShmConn>& c, 
   // Cross-memory attach: check once that the kernel lets us reach the peer.
   char probe;
   iovec l{&probe, 1}, rm{reinterpret_cast<void*>(ri.addr), 1};
-  if (::process_vm_readv(c->peer_pid, &l, 1, &rm, 1, 0) != 1) {
+  if (::process_vm_readv(c->peer_pid(), &l, 1, &rm, 1, 0) != 1) {
     const int err = errno;
     return NotSupported("region " + std::to_string(d.id) + " of peer '" + peer.md.name +
-                        "' is not shared memory and cross-memory attach to pid " + std::to_string(c->peer_pid) +
+                        "' is not shared memory and cross-memory attach to pid " + std::to_string(c->peer_pid()) +
                         " is not permitted (" + util::errno_str(err) +
                         "); let pdkv allocate the pool (Agent.alloc), allow ptrace (kernel.yama.ptrace_scope=0 or "
                         "CAP_SYS_PTRACE), or use the tcp transport");
@@ -68,34 +68,35 @@ std::string deregistered(const std::string& peer, uint64_t id) {
 
 Result<std::shared_ptr<RemoteRegion>> confirm_region(const std::shared_ptr<ShmConn>& c, const Peer& peer, uint64_t id,
                                                      double timeout_s) {
-  std::lock_guard<std::mutex> map_lk(c->map_mu);
+  auto one_request = c->lock_region_requests();
   {
-    std::lock_guard<std::mutex> lk(c->mu);
-    auto it = c->regions.find(id);
-    if (it != c->regions.end()) return it->second;
-    if (c->revoked_ids.count(id)) return NotFound(deregistered(peer.md.name, id));
+    auto s = c->lock();
+    auto it = s->regions.find(id);
+    if (it != s->regions.end()) return it->second;
+    if (s->revoked_ids.count(id)) return NotFound(deregistered(peer.md.name, id));
   }
   const RegionDesc* d = peer.md.find_region(id);
   if (!d) return NotFound("peer '" + peer.md.name + "' exports no region " + std::to_string(id));
   RegionAnswer ans;
   {
-    std::unique_lock<std::mutex> lk(c->mu);
-    if (c->dead) return c->dead_reason;
-    c->pending_req = id;
-    lk.unlock();
-    Status sent = send_frame(*c, Ctl::kRegionReq, id, {});
-    lk.lock();
-    const bool got = sent.ok() && c->cv.wait_for(lk, std::chrono::duration<double>(timeout_s),
-                                                 [&] { return c->dead || c->answers.count(id); });
-    c->pending_req = 0;
-    auto it = c->answers.find(id);
-    if (it != c->answers.end()) {
-      ans = std::move(it->second);
-      c->answers.erase(it);
+    {
+      auto s = c->lock();
+      if (s->dead) return s->dead_reason;
+      s->pending_req = id;
     }
-    if (c->dead) {
+    Status sent = c->send_frame(Ctl::kRegionReq, id, {});
+    auto s = c->lock();
+    const bool got = sent.ok() && s.wait_until(util::deadline_after(timeout_s),
+                                               [&] { return s->dead || s->answers.count(id); });
+    s->pending_req = 0;
+    auto it = s->answers.find(id);
+    if (it != s->answers.end()) {
+      ans = std::move(it->second);
+      s->answers.erase(it);
+    }
+    if (s->dead) {
       if (ans.fd >= 0) ::close(ans.fd);
-      return c->dead_reason;
+      return s->dead_reason;
     }
     if (!sent.ok()) return sent;
     if (!got)
@@ -104,14 +105,14 @@ Result<std::shared_ptr<RemoteRegion>> confirm_region(const std::shared_ptr<ShmCo
   }
   if (!ans.st.ok()) return ans.st.with_context("region " + std::to_string(id) + " of peer '" + peer.md.name + "'");
   PDKV_ASSIGN_OR_RETURN(auto r, attach(c, peer, *d, std::move(ans)));
-  std::lock_guard<std::mutex> lk(c->mu);
-  if (c->revoked_ids.count(id)) return NotFound(deregistered(peer.md.name, id));  // revoked while we attached
-  return c->regions.emplace(id, r).first->second;
+  auto s = c->lock();
+  if (s->revoked_ids.count(id)) return NotFound(deregistered(peer.md.name, id));  // revoked while we attached
+  return s->regions.emplace(id, r).first->second;
 }
 
 void ack_revoke_when_idle(const std::shared_ptr<RemoteRegion>& r) {
   if (r->revoked && r->inflight.load() == 0 && !r->ack_sent.exchange(true)) {
-    if (auto c = r->conn.lock()) (void)send_frame(*c, Ctl::kRevokeAck, r->id, {});
+    if (auto c = r->conn.lock()) (void)c->send_frame(Ctl::kRevokeAck, r->id, {});
   }
 }
 

@@ -8,8 +8,8 @@
 // connection until the target revokes it. A revoked region is acknowledged
 // (RevokeAck) once no copy uses it any more.
 //
-// Thread safety: confirm_region takes c->map_mu (one request in flight per
-// connection) and c->mu; ack_revoke_when_idle may be called from any thread.
+// Thread safety: confirm_region takes c's region-request lock (one request in
+// flight per connection) and its shared-state lock; ack_revoke_when_idle may be called from any thread.
 #pragma once
 
 #include <cstdint>

@@ -5,16 +5,23 @@
 // Roles: an outbound connection is ours to a target (we copy into its regions); an
 // inbound one is a peer's to us (it copies into ours). Frames: shm_ctl.h.
 //
-// Locks of a ShmConn, in the order they may nest (outer first):
-//   map_mu   one region request in flight per connection (remote_region.h)
-//   rx_mu    the receive state: the progress thread, or a posting thread draining
-//            frames that arrived while it was not looking
-//   mu       the shared state below (with cv for answers, acks and death)
-//   send_mu  whole frames on the socket (send_frame); a leaf
-// ShmTransport::mu_ (its connection and peer tables) is taken before a connection's
-// mu, never after.
+// Ownership: identity (fd, direction, peer pid, hello deadline) is fixed at
+// construction; the receive state is private and assembled by read_frame(); the
+// shared state (ShmShared) is reachable only through lock(), which holds the mutex
+// for as long as the returned guard lives.
 //
-// Thread safety: as the locks above say; `gone` and `authed` are readable without them.
+// Locks of a ShmConn, in the order they may nest (outer first):
+//   map_mu_   one region request in flight per connection (lock_region_requests)
+//   rx_mu_    the receive state (lock_rx): the progress thread, or a posting thread
+//             draining frames that arrived while it was not looking
+//   mu_       the shared state (lock(), with a condition variable for answers,
+//             acks and death)
+//   send_mu_  whole frames on the socket (send_frame); a leaf
+// ShmTransport::mu_ (its connection and peer tables) is taken before a connection's
+// mu_, never after.
+//
+// Thread safety: as the locks above say; identity, gone() and authed() are readable
+// without them.
 #pragma once
 
 #include <sys/types.h>
@@ -40,7 +47,7 @@
 
 namespace pdkv::shm {
 
-struct ShmConn;
+class ShmConn;
 
 // A peer's region this process accesses directly, as the peer confirmed it.
 struct RemoteRegion {
@@ -75,35 +82,9 @@ struct Lease {
   Clock::time_point expires;
 };
 
-struct ShmConn {
-  ShmConn(int fd, bool outbound, std::string desc) : fd(fd), outbound(outbound), desc(std::move(desc)) {}
-  ~ShmConn();
-  ShmConn(const ShmConn&) = delete;
-  ShmConn& operator=(const ShmConn&) = delete;
-
-  int fd;
-  const bool outbound;
-  std::string desc;
-  std::string peer_name;
-  pid_t peer_pid = 0;
-  Clock::time_point hs_deadline = Clock::time_point::max();
-  std::atomic<bool> authed{false};
-  std::atomic<bool> gone{false};  // set with `dead`, readable without the lock
-  std::mutex send_mu;
-  std::mutex map_mu;  // one region request in flight per connection
-  // ---- Receive state, guarded by rx_mu.
-  std::mutex rx_mu;
-  CtlHdr hdr{};
-  size_t hdr_got = 0;
-  std::string aux;
-  size_t aux_got = 0;
-  bool in_aux = false;
-  std::deque<int> fds;  // fds received with SCM_RIGHTS, in order
-  // A frame has started arriving and must be complete by then (steady-clock ticks).
-  std::atomic<Clock::rep> frame_deadline{Clock::time_point::max().time_since_epoch().count()};
-  // ---- Shared state, guarded by mu.
-  std::mutex mu;
-  std::condition_variable cv;
+// The state of a connection that other threads share: guarded by the connection's
+// mutex, reachable only through ShmConn::lock().
+struct ShmShared {
   bool dead = false;
   Status dead_reason;
   // Inbound, unauthenticated: a refused hello whose answer is held back (back-off).
@@ -125,6 +106,121 @@ struct ShmConn {
   uint64_t next_lease = 1;
 };
 
+class ShmConn {
+ public:
+  // A connection this agent dialled and authenticated (shm_dial.h) to agent
+  // `peer_name`, whose process is `peer_pid`.
+  static std::shared_ptr<ShmConn> dialled(int fd, std::string desc, std::string peer_name, pid_t peer_pid);
+  // A connection accepted from local process `peer_pid` (SO_PEERCRED); it must say
+  // hello before `hello_deadline`.
+  static std::shared_ptr<ShmConn> accepted(int fd, pid_t peer_pid, Clock::time_point hello_deadline);
+  ~ShmConn();
+  ShmConn(const ShmConn&) = delete;
+  ShmConn& operator=(const ShmConn&) = delete;
+
+  // ---- Identity: fixed at construction, except the name an inbound connection
+  // learns from its hello (authenticate). Readable from any thread.
+  int fd() const { return fd_; }
+  bool outbound() const { return outbound_; }
+  pid_t peer_pid() const { return peer_pid_; }
+  Clock::time_point hello_deadline() const { return hello_deadline_; }
+  // "peer 'x' (shm /path)" / "peer 'x' (local process 123)", for messages.
+  std::string desc() const;
+  // The remote agent's name; empty until an inbound connection's hello is accepted.
+  const std::string& peer_name() const;
+  bool authed() const { return authed_.load(std::memory_order_acquire); }
+  // Inbound: the hello from agent `name` was accepted. Once, by the reading thread.
+  void authenticate(std::string name);
+  // Killed (retire): set with the shared state's `dead`, readable without the lock.
+  bool gone() const { return gone_.load(std::memory_order_acquire); }
+
+  // ---- Shared state (ShmShared), under the connection's mutex.
+  class Locked {
+   public:
+    ShmShared* operator->() const { return &c_->shared_; }
+    ShmShared& operator*() const { return c_->shared_; }
+    // Waits (releasing the lock meanwhile) until `done` or `deadline`; false on timeout.
+    template <class Pred>
+    bool wait_until(Clock::time_point deadline, Pred done) {
+      return c_->cv_.wait_until(lk_, deadline, done);
+    }
+    // Wakes the threads waiting in wait_until (an answer, an ack, death).
+    void notify_all() const { c_->cv_.notify_all(); }
+
+   private:
+    friend class ShmConn;
+    explicit Locked(ShmConn* c) : c_(c), lk_(c->mu_) {}
+    ShmConn* c_;
+    std::unique_lock<std::mutex> lk_;
+  };
+  Locked lock() { return Locked(this); }
+  // Marks the connection dead with `why` and hands over what waited on it (the
+  // notifications to fail, the leases to release); wakes every waiter. False if it
+  // already was dead (kill runs once).
+  bool retire(const Status& why, std::map<uint64_t, PendingNotify>* notifies, std::map<uint64_t, Lease>* leases);
+
+  // ---- Region requests: one in flight per connection (remote_region.h).
+  std::unique_lock<std::mutex> lock_region_requests() { return std::unique_lock<std::mutex>(map_mu_); }
+
+  // ---- Sending: one control frame (passing `pass_fd` with it if >= 0), whole,
+  // within 5 s. Any thread (frames never interleave).
+  Status send_frame(Ctl type, uint64_t id, std::string_view aux, uint32_t status = 0, int pass_fd = -1);
+
+  // ---- Receiving, under lock_rx(): the progress thread, or a posting thread
+  // draining frames that arrived while nobody looked.
+  std::unique_lock<std::mutex> lock_rx() { return std::unique_lock<std::mutex>(rx_mu_); }
+  enum class RxStep {
+    kFrame,      // a whole frame is in: frame_header(), frame_aux(), take_fd()
+    kEmpty,      // the socket has nothing more now
+    kBroken,     // *err: the socket failed or closed, or the peer sent too many fds
+    kBadHeader,  // *err: check_ctl_header refused frame_header(); nothing was allocated
+  };
+  // Reads until one frame is complete or the socket is empty; the header is checked
+  // for this connection's side (and `max_notif` bytes of notification) before its
+  // body is allocated, and a started frame must be complete by frame_deadline().
+  RxStep read_frame(uint32_t max_notif, Status* err);
+  const CtlHdr& frame_header() const { return hdr_; }
+  const std::string& frame_aux() const { return aux_; }
+  // The oldest fd received with SCM_RIGHTS (owned by the caller), -1 if none.
+  int take_fd();
+  // When the frame now arriving must be complete; max() between frames.
+  Clock::time_point frame_deadline() const {
+    return Clock::time_point(Clock::duration(frame_deadline_.load(std::memory_order_acquire)));
+  }
+
+ private:
+  ShmConn(int fd, bool outbound, std::string desc, std::string peer_name, pid_t peer_pid,
+          Clock::time_point hello_deadline);
+
+  // ---- Identity.
+  const int fd_;  // closed by the destructor (kill() only shuts it down)
+  const bool outbound_;
+  const std::string base_desc_;
+  const pid_t peer_pid_;
+  const Clock::time_point hello_deadline_;
+  std::string peer_name_;  // written once, before authed_ is set
+  std::atomic<bool> authed_{false};
+  std::atomic<bool> gone_{false};
+
+  std::mutex send_mu_;  // whole frames on the socket; a leaf
+  std::mutex map_mu_;   // one region request in flight per connection
+
+  // ---- Receive state, guarded by rx_mu_.
+  std::mutex rx_mu_;
+  CtlHdr hdr_{};
+  size_t hdr_got_ = 0;
+  std::string aux_;
+  size_t aux_got_ = 0;
+  bool in_aux_ = false;
+  std::deque<int> fds_;  // fds received with SCM_RIGHTS, in order
+  std::atomic<Clock::rep> frame_deadline_{Clock::time_point::max().time_since_epoch().count()};
+
+  // ---- Shared state, guarded by mu_ (lock()).
+  std::mutex mu_;
+  std::condition_variable cv_;
+  ShmShared shared_;
+};
+
 // Our state for one peer instance: its newest metadata and its connection.
 struct ShmPeerState {
   uint64_t instance = 0;
@@ -132,8 +228,5 @@ struct ShmPeerState {
   std::mutex mu;
   std::shared_ptr<ShmConn> conn;  // guarded by mu
 };
-
-// Sends one control frame (passing `pass_fd` with it if >= 0), whole, within 5 s.
-Status send_frame(ShmConn& c, Ctl type, uint64_t id, std::string_view aux, uint32_t status = 0, int pass_fd = -1);
 
 }  // namespace pdkv::shm

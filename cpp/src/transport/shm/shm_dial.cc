@@ -75,11 +75,8 @@ Result<std::shared_ptr<ShmConn>> dial(const Peer& peer, const std::string& self_
   if (ack.name != peer.md.name)
     return ProtocolError("agent '" + ack.name + "' answered at the shm address of peer '" + peer.md.name + "'");
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
-  auto c = std::make_shared<ShmConn>(fd.release(), true, "peer '" + peer.md.name + "' (shm " + e->address + ")");
-  c->authed = true;
-  c->peer_name = peer.md.name;
-  c->peer_pid = static_cast<pid_t>(ack.pid);
-  return c;
+  return ShmConn::dialled(fd.release(), "peer '" + peer.md.name + "' (shm " + e->address + ")", peer.md.name,
+                          static_cast<pid_t>(ack.pid));
 }
 
 }  // namespace pdkv::shm

@@ -58,13 +58,6 @@
 #include "util/socket.h"
 
 namespace pdkv::shm {
-namespace {
-
-using util::errno_str;
-
-constexpr size_t kMaxQueuedFds = 4;  // fds received ahead of their RegionResp
-
-}  // namespace
 
 Status ShmTransport::start(AgentHooks* hooks) {
   hooks_ = hooks;
@@ -111,363 +104,6 @@ void ShmTransport::shutdown() {
   epfd_ = evfd_ = -1;
 }
 
-void ShmTransport::add_conn(const std::shared_ptr<ShmConn>& c) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    conns_[c.get()] = c;
-  }
-  epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP;
-  ev.data.ptr = c.get();
-  epoll_ctl(epfd_, EPOLL_CTL_ADD, c->fd, &ev);
-  wake();
-}
-
-// ---------------------------------------------------------------- progress thread
-
-void ShmTransport::run() {
-  epoll_event evs[32];
-  while (!stop_) {
-    bool busy = false;  // something has a deadline: poll for it
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      const auto never = Clock::time_point::max().time_since_epoch().count();
-      for (auto& [p, c] : conns_) {
-        std::lock_guard<std::mutex> lk2(c->mu);
-        if (!c->authed || !c->notifies.empty() || !c->leases.empty() || c->frame_deadline.load() != never)
-          busy = true;
-      }
-    }
-    int n = ::epoll_wait(epfd_, evs, 32, busy ? 20 : -1);
-    for (int i = 0; i < n; ++i) {
-      void* p = evs[i].data.ptr;
-      if (p == nullptr) {
-        uint64_t v;
-        if (::read(evfd_, &v, sizeof v) < 0) {
-        }
-        continue;
-      }
-      if (p == this) {
-        accept_all();
-        continue;
-      }
-      std::shared_ptr<ShmConn> c;
-      {
-        std::lock_guard<std::mutex> lk(mu_);
-        auto it = conns_.find(static_cast<ShmConn*>(p));
-        if (it != conns_.end()) c = it->second;
-      }
-      if (c) on_readable(c);
-    }
-    check_deadlines();
-  }
-}
-
-// Handshakes, frames in progress, held-back refusals, notification acknowledgements.
-void ShmTransport::check_deadlines() {
-  const auto now = Clock::now();
-  std::vector<std::pair<std::shared_ptr<ShmConn>, Status>> doomed, refused;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto& [p, c] : conns_) {
-      std::lock_guard<std::mutex> lk2(c->mu);
-      if (c->dead) continue;
-      if (c->reject_at != Clock::time_point::max()) {
-        if (now >= c->reject_at) refused.emplace_back(c, c->reject);
-        continue;
-      }
-      if (!c->authed && now > c->hs_deadline) {
-        doomed.emplace_back(c, TimeoutError(c->desc + " did not complete the handshake within " +
-                                            std::to_string(int(kHandshakeTimeoutS)) + " s"));
-        continue;
-      }
-      if (now.time_since_epoch().count() > c->frame_deadline.load()) {
-        doomed.emplace_back(c, TimeoutError(c->desc + " started a control frame and did not finish it within " +
-                                            std::to_string(int(kFrameTimeoutS)) + " s"));
-        continue;
-      }
-      bool expired = false;
-      for (auto& [id, l] : c->leases)
-        if (l.expires <= now) {
-          doomed.emplace_back(c, TimeoutError(c->desc + " held block lease " + std::to_string(id) +
-                                              " past its hold time; closing the connection releases it"));
-          expired = true;
-          break;
-        }
-      if (expired) continue;
-      for (auto& [seq, pn] : c->notifies)
-        if (pn.deadline <= now) {
-          doomed.emplace_back(c, TimeoutError("transfer " + std::to_string(pn.xfer->id()) + " to " + c->desc +
-                                              " timed out waiting for the peer to take its notification"));
-          break;
-        }
-    }
-  }
-  for (auto& [c, st] : refused) {
-    (void)send_frame(*c, Ctl::kError, 0, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
-    kill(c, st);
-  }
-  for (auto& [c, st] : doomed) {
-    if (!c->authed) log_refusal(st);
-    kill(c, st);
-  }
-}
-
-size_t ShmTransport::pending_conns() {
-  std::lock_guard<std::mutex> lk(mu_);
-  size_t n = 0;
-  for (auto& [p, c] : conns_) n += !c->outbound && !c->authed;
-  return n;
-}
-
-void ShmTransport::accept_all() {
-  for (;;) {
-    int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      // Out of fds (EMFILE/ENFILE) leaves the listen socket readable: stop polling
-      // it for a moment instead of spinning.
-      if (errno == EMFILE || errno == ENFILE) {
-        log_refusal(ResourceExhausted("cannot accept shm connections: " + errno_str(errno)));
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      return;
-    }
-    ucred cr{};
-    socklen_t len = sizeof cr;
-    ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len);
-    if (pending_conns() >= kMaxPendingConns) {
-      ::close(fd);
-      log_refusal(ResourceExhausted("closed a connection from local process " + std::to_string(cr.pid) + ": " +
-                                    std::to_string(kMaxPendingConns) + " connections are already handshaking"));
-      continue;
-    }
-    auto c = std::make_shared<ShmConn>(fd, false, "local process " + std::to_string(cr.pid));
-    c->peer_pid = cr.pid;
-    c->hs_deadline = util::deadline_after(kHandshakeTimeoutS);
-    add_conn(c);
-  }
-}
-
-void ShmTransport::log_refusal(const Status& st) {
-  uint64_t suppressed = 0;
-  if (!refusal_log_.allow(Clock::now(), &suppressed)) return;
-  if (suppressed)
-    PDKV_LOG_WARN("shm: %s (and %llu similar in the last second)", st.to_string().c_str(),
-                  static_cast<unsigned long long>(suppressed));
-  else
-    PDKV_LOG_WARN("shm: %s", st.to_string().c_str());
-}
-
-void ShmTransport::on_readable(const std::shared_ptr<ShmConn>& c) {
-  std::lock_guard<std::mutex> rx(c->rx_mu);
-  if (c->gone) return;
-  for (;;) {
-    char* dst;
-    size_t want;
-    if (!c->in_aux) {
-      dst = reinterpret_cast<char*>(&c->hdr) + c->hdr_got;
-      want = sizeof(CtlHdr) - c->hdr_got;
-    } else {
-      dst = c->aux.data() + c->aux_got;
-      want = c->aux.size() - c->aux_got;
-    }
-    iovec iov{dst, want};
-    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * kMaxQueuedFds)];
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    if (c->outbound) {  // only a target sends fds (with RegionResp)
-      mh.msg_control = cbuf;
-      mh.msg_controllen = sizeof cbuf;
-    }
-    ssize_t r = ::recvmsg(c->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN) return;
-      kill(c, ConnectionError("receiving from " + c->desc + " failed: " + errno_str(errno)));
-      return;
-    }
-    if (r == 0) {
-      kill(c, ConnectionError(c->desc + " closed the connection"));
-      return;
-    }
-    for (cmsghdr* cm = CMSG_FIRSTHDR(&mh); c->outbound && cm; cm = CMSG_NXTHDR(&mh, cm)) {
-      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-        size_t nfd = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < nfd; ++i) {
-          int f;
-          std::memcpy(&f, CMSG_DATA(cm) + i * sizeof(int), sizeof f);
-          c->fds.push_back(f);
-        }
-      }
-    }
-    if (c->fds.size() > kMaxQueuedFds) {
-      kill(c, ProtocolError(c->desc + " sent more file descriptors than region responses"));
-      return;
-    }
-    if (!c->in_aux) {
-      if (c->hdr_got == 0) {  // a frame starts: it must be complete in time
-        c->frame_deadline = util::deadline_after(kFrameTimeoutS).time_since_epoch().count();
-      }
-      c->hdr_got += static_cast<size_t>(r);
-      if (c->hdr_got < sizeof(CtlHdr)) continue;
-      const CtlSide side =
-          c->outbound ? CtlSide::kInitiator : (c->authed ? CtlSide::kTarget : CtlSide::kTargetPreHello);
-      Status st = check_ctl_header(c->hdr, side, hooks_->max_notif_bytes());
-      if (!st.ok()) {
-        st = ProtocolError(c->desc + ": " + st.message());
-        if (c->hdr.magic != kCtlMagic) {  // not our protocol at all: just close
-          if (!c->authed) log_refusal(st);
-          return kill(c, st);
-        }
-        return refuse(c, st, c->hdr.id);
-      }
-      c->aux.assign(c->hdr.aux_len, '\0');  // bounded by check_ctl_header
-      c->aux_got = 0;
-      c->in_aux = c->hdr.aux_len > 0;
-      if (c->in_aux) continue;
-    } else {
-      c->aux_got += static_cast<size_t>(r);
-      if (c->aux_got < c->aux.size()) continue;
-    }
-    c->in_aux = false;
-    c->hdr_got = 0;
-    c->frame_deadline = Clock::time_point::max().time_since_epoch().count();
-    handle_frame(c);
-    if (c->gone) return;
-    {
-      std::lock_guard<std::mutex> lk(c->mu);
-      if (c->reject_at != Clock::time_point::max()) return;  // no longer read: answer held back
-    }
-  }
-}
-
-// Processes control frames that already arrived (a revoke, a close) before a post
-// uses the connection: a peer resumed after being frozen acts on them first.
-void ShmTransport::drain_control(const std::shared_ptr<ShmConn>& c) {
-  pollfd pfd{c->fd, POLLIN | POLLRDHUP, 0};
-  if (!c->gone && ::poll(&pfd, 1, 0) > 0) on_readable(c);
-}
-
-// Sends an error frame (best effort), logs (rate-limited) and closes.
-void ShmTransport::refuse(const std::shared_ptr<ShmConn>& c, const Status& st, uint64_t id) {
-  (void)send_frame(*c, Ctl::kError, id, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
-  if (!c->outbound && !c->authed) log_refusal(st);
-  kill(c, st);
-}
-
-void ShmTransport::handle_frame(const std::shared_ptr<ShmConn>& c) {
-  const CtlHdr h = c->hdr;
-  if (c->outbound) {
-    handle_outbound(c, h);
-  } else if (!c->authed) {
-    on_hello(c);  // check_ctl_header let nothing else through
-  } else {
-    handle_inbound(c, h);
-  }
-}
-
-void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h) {
-  switch (static_cast<Ctl>(h.type)) {
-    case Ctl::kRegionResp: {
-      RegionAnswer a;
-      if (h.status != 0) {
-        a.st = Status(status_code_from_wire(h.status), c->aux);
-      } else {
-        auto info = parse_region_info(c->aux);
-        if (!info.ok()) return kill(c, ProtocolError(c->desc + ": " + info.status().message()));
-        a.info = *info;
-        if (a.info.shareable) {
-          if (c->fds.empty()) return kill(c, ProtocolError(c->desc + " confirmed a shared region without its fd"));
-          a.fd = c->fds.front();
-          c->fds.pop_front();
-        }
-      }
-      {
-        std::lock_guard<std::mutex> lk(c->mu);
-        if (c->pending_req == h.id && !c->answers.count(h.id)) {
-          c->answers.emplace(h.id, std::move(a));
-          c->cv.notify_all();
-          return;
-        }
-      }
-      if (a.fd >= 0) ::close(a.fd);
-      return kill(c, ProtocolError(c->desc + " answered a region request it was not asked"));
-    }
-    case Ctl::kLeaseResp: {
-      bool asked = false;
-      {
-        std::lock_guard<std::mutex> lk(c->mu);
-        auto it = c->lease_answers.find(h.id);
-        if (it != c->lease_answers.end() && !it->second) {
-          it->second = h.status == 0 ? Status::Ok() : Status(status_code_from_wire(h.status), c->aux);
-          asked = true;
-          c->cv.notify_all();
-        }
-      }
-      if (!asked) return kill(c, ProtocolError(c->desc + " answered a lease request it was not asked"));
-      return;
-    }
-    case Ctl::kNotifyAck: {
-      std::shared_ptr<Transfer> x;
-      {
-        std::lock_guard<std::mutex> lk(c->mu);
-        auto it = c->notifies.find(h.id);
-        if (it != c->notifies.end()) {
-          x = it->second.xfer;
-          c->notifies.erase(it);
-        }
-      }
-      if (x) spi::TransferControl(x).resolve_part(0, Status::Ok());
-      return;
-    }
-    case Ctl::kRevoke: {
-      std::shared_ptr<RemoteRegion> r;
-      {
-        std::lock_guard<std::mutex> lk(c->mu);
-        auto it = c->regions.find(h.id);
-        if (it != c->regions.end()) {
-          r = it->second;
-          c->regions.erase(it);
-        }
-        if (r || c->pending_req == h.id) c->revoked_ids.insert(h.id);
-      }
-      if (!r) {
-        (void)send_frame(*c, Ctl::kRevokeAck, h.id, {});
-        return;
-      }
-      r->revoked = true;
-      ack_revoke_when_idle(r);
-      return;
-    }
-    case Ctl::kError:
-      return kill(c, Status(status_code_from_wire(h.status), c->desc + " refused: " + c->aux));
-    default:  // check_ctl_header admits nothing else
-      return kill(c, ProtocolError("unexpected frame type " + std::to_string(h.type) + " from " + c->desc));
-  }
-}
-
-void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
-  std::map<uint64_t, PendingNotify> pend;
-  std::map<uint64_t, Lease> leases;  // a dead connection holds no blocks
-  {
-    std::lock_guard<std::mutex> lk(c->mu);
-    if (c->dead) return;
-    c->dead = true;
-    c->gone = true;
-    c->dead_reason = why;
-    pend.swap(c->notifies);
-    leases.swap(c->leases);
-    c->leased_blocks = 0;
-    c->cv.notify_all();
-  }
-  if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
-  ::shutdown(c->fd, SHUT_RDWR);
-  for (auto& [seq, pn] : pend) spi::TransferControl(pn.xfer).resolve_part(0, why);
-  std::lock_guard<std::mutex> lk(mu_);
-  conns_.erase(c.get());
-}
-
 // ---------------------------------------------------------------- initiator side
 
 // One state (and connection) per peer instance; newer metadata of the same
@@ -493,8 +129,7 @@ std::shared_ptr<ShmPeerState> ShmTransport::peer_state(const std::shared_ptr<con
 Result<std::shared_ptr<ShmConn>> ShmTransport::get_conn(ShmPeerState& ps) {
   std::lock_guard<std::mutex> lk(ps.mu);
   if (ps.conn) {
-    std::lock_guard<std::mutex> lk2(ps.conn->mu);
-    if (!ps.conn->dead) return ps.conn;
+    if (!ps.conn->lock()->dead) return ps.conn;
   }
   if (shut_) return ConnectionError("agent is shutting down");
   PDKV_ASSIGN_OR_RETURN(ps.conn, dial(*ps.peer, hooks_->agent_name(), connect_timeout_));
@@ -528,25 +163,25 @@ Result<uint64_t> ShmTransport::take_lease(const std::shared_ptr<ShmConn>& c, con
   std::string aux = w.take() + claim_wire;
   uint64_t id;
   {
-    std::lock_guard<std::mutex> lk(c->mu);
-    if (c->dead) return c->dead_reason;
-    id = c->next_lease++;
-    c->lease_answers.emplace(id, std::nullopt);
+    auto s = c->lock();
+    if (s->dead) return s->dead_reason;
+    id = s->next_lease++;
+    s->lease_answers.emplace(id, std::nullopt);
   }
-  Status sent = send_frame(*c, Ctl::kLeaseReq, id, aux);
+  Status sent = c->send_frame(Ctl::kLeaseReq, id, aux);
   std::optional<Status> ans;
   bool got = false;
   {
-    std::unique_lock<std::mutex> lk(c->mu);
+    auto s = c->lock();
     const auto until = std::min(deadline, util::deadline_after(connect_timeout_));
-    got = sent.ok() && c->cv.wait_until(lk, until, [&] { return c->dead || c->lease_answers[id].has_value(); });
-    ans = c->lease_answers[id];
-    c->lease_answers.erase(id);
-    if (c->dead) return c->dead_reason;  // the target released the lease with the connection
+    got = sent.ok() && s.wait_until(until, [&] { return s->dead || s->lease_answers[id].has_value(); });
+    ans = s->lease_answers[id];
+    s->lease_answers.erase(id);
+    if (s->dead) return s->dead_reason;  // the target released the lease with the connection
   }
   if (!sent.ok()) return sent;
   if (!got) {
-    Status st = TimeoutError(c->desc + " did not answer a block lease request in time");
+    Status st = TimeoutError(c->desc() + " did not answer a block lease request in time");
     kill(c, st);
     return st;
   }
@@ -556,7 +191,7 @@ Result<uint64_t> ShmTransport::take_lease(const std::shared_ptr<ShmConn>& c, con
 
 void ShmTransport::end_lease(Job& job) {
   if (job.lease == 0) return;
-  (void)send_frame(*job.b->conn, Ctl::kLeaseEnd, job.lease, {});  // a dead connection released it already
+  (void)job.b->conn->send_frame(Ctl::kLeaseEnd, job.lease, {});  // a dead connection released it already
   job.lease = 0;
 }
 
@@ -580,13 +215,13 @@ Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) 
   if (p.bound) {
     for (auto& r : p.bound->regions)
       if (r->revoked) return NotFound(deregistered(peer.md.name, r->id));
-    if (!p.bound->conn->gone) return p.bound;
+    if (!p.bound->conn->gone()) return p.bound;
   }
   PDKV_ASSIGN_OR_RETURN(auto conn, get_conn(*p.ps));
   auto b = std::make_shared<Binding>();
   b->conn = conn;
   b->op = p.op;
-  b->pid = conn->peer_pid;
+  b->pid = conn->peer_pid();
   b->ops.reserve(p.extents.size());
   std::unordered_map<uint64_t, uint32_t> index;
   uint64_t last_id = ~0ull;
@@ -634,21 +269,20 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
                                const std::string& notif) {
   uint64_t seq;
   {
-    std::lock_guard<std::mutex> lk(c->mu);
-    if (c->dead) {
-      Status why = c->dead_reason;
+    auto s = c->lock();
+    if (s->dead) {
+      Status why = s->dead_reason;
       spi::TransferControl(xfer).resolve_part(0, why.ok() ? ConnectionError("connection closed") : why);
       return;
     }
-    seq = c->next_seq++;
-    c->notifies[seq] = PendingNotify{xfer, xfer->deadline()};
+    seq = s->next_seq++;
+    s->notifies[seq] = PendingNotify{xfer, xfer->deadline()};
   }
-  Status st = send_frame(*c, Ctl::kNotify, seq, notif);
+  Status st = c->send_frame(Ctl::kNotify, seq, notif);
   if (!st.ok()) {
     bool mine = false;
     {
-      std::lock_guard<std::mutex> lk(c->mu);
-      mine = c->notifies.erase(seq) > 0;
+      mine = c->lock()->notifies.erase(seq) > 0;
     }
     if (mine) spi::TransferControl(xfer).resolve_part(0, st);
     return;
@@ -659,8 +293,8 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
 void ShmTransport::finish_job(Job& job, Status st) {
   // The bytes are in memory the peer shares with us; fail the transfer if the peer
   // died meanwhile (the progress thread sees its socket close at once).
-  if (st.ok() && job.b->conn->gone.load(std::memory_order_acquire))
-    st = ConnectionError(job.b->conn->desc + " went away during the transfer");
+  if (st.ok() && job.b->conn->gone())
+    st = ConnectionError(job.b->conn->desc() + " went away during the transfer");
   // The copy is over: the target may unpin the blocks (before the notification, which
   // follows on the same socket).
   end_lease(job);
@@ -689,7 +323,7 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
   if (!bound.ok()) return fail(bound.status());
   auto b = std::move(bound).value();
   drain_control(b->conn);
-  if (b->conn->gone.load(std::memory_order_acquire)) {
+  if (b->conn->gone()) {
     // The peer closed the connection before this transfer touched it: dial again, so
     // the dial itself says what happened (StalePeer for a restarted peer,
     // PeerConnectionError for a dead one, NotFound for a revoked region).
@@ -699,8 +333,12 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
     drain_control(b->conn);
   }
   {
-    std::lock_guard<std::mutex> lk(b->conn->mu);
-    if (b->conn->dead) return fail(b->conn->dead_reason);
+    Status dead;
+    {
+      auto s = b->conn->lock();
+      if (s->dead) dead = s->dead_reason.ok() ? ConnectionError("connection closed") : s->dead_reason;
+    }
+    if (!dead.ok()) return fail(dead);
   }
   for (size_t i = 0; i < b->regions.size(); ++i) {
     auto& r = b->regions[i];
@@ -777,7 +415,7 @@ namespace {
 
 Status shm_viable() {
   int fd = ::memfd_create("pdkv-probe", MFD_CLOEXEC);
-  if (fd < 0) return NotSupported("memfd_create failed: " + errno_str(errno));
+  if (fd < 0) return NotSupported("memfd_create failed: " + util::errno_str(errno));
   ::close(fd);
   return Status::Ok();
 }

@@ -1,7 +1,8 @@
 // ShmTransport: the shm Transport (see shm_transport.cc for how it works) and
 // the files it is split into:
-//   shm_transport.cc  start-up and shutdown, the progress thread (accepting,
-//                     reading control frames, deadlines), binding and posting
+//   shm_transport.cc  start-up and shutdown, binding and posting (the initiator)
+//   shm_progress.cc   the progress thread: accepting, reading control frames,
+//                     deadlines, the initiator's answers, kill()
 //   shm_target.cc     what this agent does as a peer's target: authenticate its
 //                     hello, answer region and lease requests, take notifications,
 //                     revoke regions on deregistration

@@ -1,5 +1,6 @@
 #include "transport/tcp/conn.h"
 
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,8 +19,92 @@ void RxState::abandon() {
   read_part = PendingPart{};
 }
 
+// ---------------------------------------------------------------- identity
+
+std::shared_ptr<TcpConn> TcpConn::dialled(int fd, ProgressThread* owner, std::string desc, std::string peer_name,
+                                          std::weak_ptr<PeerConns> pc, uint32_t slot) {
+  return std::shared_ptr<TcpConn>(new TcpConn(fd, true, owner, std::move(desc), "", std::move(peer_name),
+                                              std::move(pc), slot, Clock::time_point::max()));
+}
+
+std::shared_ptr<TcpConn> TcpConn::accepted(int fd, ProgressThread* owner, std::string desc, std::string source,
+                                           Clock::time_point hello_deadline) {
+  return std::shared_ptr<TcpConn>(
+      new TcpConn(fd, false, owner, std::move(desc), std::move(source), "", {}, 0, hello_deadline));
+}
+
+TcpConn::TcpConn(int fd, bool outbound, ProgressThread* owner, std::string desc, std::string source,
+                 std::string peer_name, std::weak_ptr<PeerConns> pc, uint32_t slot, Clock::time_point deadline)
+    : outbound_(outbound),
+      owner_(owner),
+      base_desc_(std::move(desc)),
+      source_(std::move(source)),
+      pc_(std::move(pc)),
+      slot_(slot),
+      peer_name_(std::move(peer_name)),
+      authed_(outbound),  // a dialled connection finished its handshake before this
+      fd_(fd),
+      deadline_(deadline.time_since_epoch().count()) {}
+
 TcpConn::~TcpConn() {
+  const int fd = fd_.load();
   if (fd >= 0) ::close(fd);
+}
+
+std::string TcpConn::desc() const {
+  if (outbound_ || !authed()) return base_desc_;
+  return "peer '" + peer_name_ + "' (" + base_desc_ + ")";
+}
+
+const std::string& TcpConn::peer_name() const {
+  static const std::string unknown;
+  return authed() ? peer_name_ : unknown;
+}
+
+void TcpConn::authenticate(std::string name) {
+  if (authed()) return;
+  peer_name_ = std::move(name);
+  authed_.store(true, std::memory_order_release);
+  if (owner_) owner_->slow_end();  // the handshake deadline no longer applies
+}
+
+// ---------------------------------------------------------------- receive side
+
+void TcpConn::note_received(uint64_t got) {
+  // A half-read frame (header, control or payload) must keep moving: the owner's
+  // deadline scan closes the connection after frame_timeout_s without a byte.
+  const bool mid = rx_.mid_frame();
+  if (got > 0 || !mid) rx_progress_.store(Clock::now().time_since_epoch().count(), std::memory_order_release);
+  if (owner_) owner_->watch(rx_mid_, mid);
+}
+
+void TcpConn::start_draining(Clock::duration linger) {
+  const int fd = fd_.load();
+  if (!owner_ || fd < 0) return;
+  ::shutdown(fd, SHUT_WR);
+  deadline_.store((Clock::now() + linger).time_since_epoch().count(), std::memory_order_release);
+  draining_.store(true, std::memory_order_release);
+  owner_->slow_begin();  // until drained
+}
+
+void TcpConn::close_socket() {
+  const int fd = fd_.exchange(-1);
+  if (fd >= 0) ::close(fd);
+  if (draining_.exchange(false) && owner_) owner_->slow_end();
+}
+
+Status TcpConn::frame_stalled(Clock::time_point now, Clock::duration limit, double limit_s) {
+  if (rx_mid_.load(std::memory_order_acquire)) {
+    const Clock::time_point last{Clock::duration(rx_progress_.load(std::memory_order_acquire))};
+    if (now - last >= limit)
+      return TimeoutError(desc() + " stopped sending in the middle of a frame (no byte for " +
+                          std::to_string(limit_s) + " s)");
+  }
+  if (tx_blocked_.load(std::memory_order_acquire) && output_stalled(now, limit)) {
+    return TimeoutError(desc() + " stopped reading: queued frames did not move for " + std::to_string(limit_s) +
+                        " s");
+  }
+  return Status::Ok();
 }
 
 // ---------------------------------------------------------------- pending parts
@@ -35,7 +120,7 @@ bool TcpConn::track(PendingPart part, uint64_t xfer_id) {
   const auto d = part.post->xfer->deadline();
   if (d < earliest_deadline_) earliest_deadline_ = d;
   pending_.emplace(pending_key(xfer_id, part.batch), std::move(part));
-  if (owner) owner->npending.fetch_add(1, std::memory_order_acq_rel);
+  if (owner_) owner_->npending.fetch_add(1, std::memory_order_acq_rel);
   return true;
 }
 
@@ -47,7 +132,7 @@ bool TcpConn::take_pending(uint64_t xfer, uint32_t batch, PendingPart* out) {
     *out = std::move(it->second);
     pending_.erase(it);
   }
-  if (owner) owner->npending.fetch_sub(1, std::memory_order_acq_rel);
+  if (owner_) owner_->npending.fetch_sub(1, std::memory_order_acq_rel);
   return true;
 }
 
@@ -76,7 +161,7 @@ uint64_t TcpConn::expired_transfer(Clock::time_point now) {
 // ---------------------------------------------------------------- send side
 
 void TcpConn::update_interest_locked() {
-  if (owner) owner->set_interest(*this, !driven_ && !rx_paused.load(std::memory_order_acquire), want_out_);
+  if (owner_) owner_->set_interest(*this, !driven_ && !rx_paused_.load(std::memory_order_acquire), want_out_);
 }
 
 TcpConn::SendResult TcpConn::send(std::unique_ptr<OutMsg> m) {
@@ -84,10 +169,10 @@ TcpConn::SendResult TcpConn::send(std::unique_ptr<OutMsg> m) {
   if (dead_) return SendResult::kDead;
   if (sq_.empty()) {
     int err = 0;
-    const int r = send_some(fd, *m, &err);
+    const int r = send_some(fd(), *m, &err);
     if (r == 1) return SendResult::kSent;
     if (r < 0) {
-      kill_reason_ = ConnectionError("sending to " + desc + " failed: " + util::errno_str(err));
+      kill_reason_ = ConnectionError("sending to " + desc() + " failed: " + util::errno_str(err));
       kill_requested_ = true;
       sq_cost_ += m->cost();
       sq_.push_back(std::move(m));
@@ -100,13 +185,13 @@ TcpConn::SendResult TcpConn::send(std::unique_ptr<OutMsg> m) {
   if (!want_out_) {
     want_out_ = true;
     tx_progress_ = Clock::now();
-    if (owner) owner->watch(tx_blocked, true);
+    if (owner_) owner_->watch(tx_blocked_, true);
     changed = true;
   }
   // Back-pressure: a peer that sends requests but does not read the answers stops
   // being read; its requests wait in its own socket buffers, not in our memory.
-  if (!outbound && !rx_paused.load() && (sq_cost_ > kMaxQueuedCost || sq_.size() > kMaxQueuedFrames)) {
-    rx_paused = true;
+  if (!outbound_ && !rx_paused_.load() && (sq_cost_ > kMaxQueuedCost || sq_.size() > kMaxQueuedFrames)) {
+    rx_paused_ = true;
     changed = true;
   }
   if (changed) update_interest_locked();
@@ -120,13 +205,13 @@ bool TcpConn::flush() {
   bool blocked = false;
   while (!sq_.empty()) {
     int err = 0;
-    const int r = send_some(fd, *sq_.front(), &err);
+    const int r = send_some(fd(), *sq_.front(), &err);
     if (r == 0) {
       blocked = true;  // EPOLLOUT stays armed
       break;
     }
     if (r < 0) {
-      kill_reason_ = ConnectionError("sending to " + desc + " failed: " + util::errno_str(err));
+      kill_reason_ = ConnectionError("sending to " + desc() + " failed: " + util::errno_str(err));
       kill_requested_ = true;
       break;
     }
@@ -134,13 +219,13 @@ bool TcpConn::flush() {
     sq_.pop_front();  // sent: pins (read responses) are released here
   }
   bool changed = false;
-  if (rx_paused.load() && sq_cost_ <= kMaxQueuedCost / 2 && sq_.size() <= kMaxQueuedFrames / 2) {
-    rx_paused = false;  // back-pressure over: read requests again
+  if (rx_paused_.load() && sq_cost_ <= kMaxQueuedCost / 2 && sq_.size() <= kMaxQueuedFrames / 2) {
+    rx_paused_ = false;  // back-pressure over: read requests again
     changed = true;
   }
   if (!blocked && want_out_) {
     want_out_ = false;
-    if (owner) owner->watch(tx_blocked, false);
+    if (owner_) owner_->watch(tx_blocked_, false);
     changed = true;
   }
   if (changed) update_interest_locked();
@@ -151,7 +236,7 @@ void TcpConn::send_if_idle(OutMsg& m) {
   std::lock_guard<std::mutex> lk(smu_);
   if (dead_ || !sq_.empty()) return;
   int err = 0;
-  send_some(fd, m, &err);
+  send_some(fd(), m, &err);
 }
 
 bool TcpConn::output_stalled(Clock::time_point now, Clock::duration limit) {
@@ -168,7 +253,7 @@ bool TcpConn::set_driven(bool on) {
     return true;
   }
   driven_ = false;
-  if (!dead_ && fd >= 0) update_interest_locked();
+  if (!dead_ && fd() >= 0) update_interest_locked();
   return true;
 }
 
@@ -204,7 +289,12 @@ bool TcpConn::retire(std::unordered_map<uint64_t, PendingPart>* pend, std::deque
     out->swap(sq_);
     sq_cost_ = 0;
   }
-  if (owner) owner->npending.fetch_sub(static_cast<int64_t>(pend->size()), std::memory_order_acq_rel);
+  if (owner_) {
+    owner_->npending.fetch_sub(static_cast<int64_t>(pend->size()), std::memory_order_acq_rel);
+    owner_->watch(tx_blocked_, false);
+    owner_->watch(rx_mid_, false);
+    if (!authed() && !outbound_) owner_->slow_end();  // the handshake is over
+  }
   return true;
 }
 
@@ -231,8 +321,15 @@ std::vector<PendingPart> TcpConn::drop_unsent(uint64_t id) {
       }
     }
   }
-  if (owner) owner->npending.fetch_sub(static_cast<int64_t>(dropped.size()), std::memory_order_acq_rel);
+  if (owner_) owner_->npending.fetch_sub(static_cast<int64_t>(dropped.size()), std::memory_order_acq_rel);
   return dropped;
+}
+
+void TcpConn::leave_slot() {
+  auto pc = pc_.lock();
+  if (!pc) return;
+  std::lock_guard<std::mutex> lk(pc->mu);
+  if (slot_ < pc->conns.size() && pc->conns[slot_].get() == this) pc->conns[slot_].reset();
 }
 
 }  // namespace pdkv::tcp

@@ -3,22 +3,26 @@
 //
 // Life: an outbound connection is dialled and authenticated by the posting thread
 // (handshake.h) before it is shared; an inbound one is accepted by the listener and
-// must say hello before hs_deadline. Either is then owned by one ProgressThread
-// (`owner`), which reads it, flushes its queued output and enforces its deadlines.
-// TcpTransport::kill() retires it exactly once (`dead`): every pending part is
-// resolved with the reason, queued output is dropped, and the socket lingers
-// (`draining`) so an error frame we sent is read before the peer sees a reset.
+// must say hello before its deadline(). Either belongs from construction to one
+// ProgressThread (`owner`), which reads it, flushes its queued output and enforces
+// its deadlines. TcpTransport::kill() retires it exactly once (`dead_`): every
+// pending part is resolved with the reason, queued output is dropped, and the socket
+// lingers (draining()) so an error frame we sent is read before the peer sees a reset.
+//
+// Who owns what: identity (direction, owner, source, slot) is fixed at construction;
+// the receive state (RxState) belongs to FrameReceiver, the only holder of an
+// RxAccess; the send queue and the pending table are private behind the methods
+// below, which keep their invariants (sq_cost_, the owner's npending and epoll
+// interest, the deadline flags the owner counts) in step.
 //
 // Locks, one per side, each guarding the fields listed under it below:
-//   rx_mu  the receive state. Held by whoever reads the socket: the owner thread
+//   rx_mu_ the receive state (lock_rx / try_lock_rx). Held by whoever reads the socket: the owner thread
 //          (try_lock: it skips a connection someone else is reading), a caller
 //          driving its own small transfer (TcpTransport::drive, try_lock), or
 //          kill()/the staging thread (blocking) to tear the connection down.
 //   pmu_   the pending parts table.
 //   smu_   the send queue and epoll interest.
 // `dead_` is written with both pmu_ and smu_ held, so either one is enough to read it.
-// The send and pending sides are private: the methods below keep their invariants
-// (sq_cost_, the owner's npending and epoll interest) in step with the tables.
 //
 // Lock order (a thread holding one of these takes only locks further down):
 //   TcpConn::rx_mu  >  TcpTransport::mu_ (peers)  >  PeerConns::mu
@@ -29,8 +33,8 @@
 // expect the caller to hold it (the receive path, the deadline scan, drive);
 // their plain twins take it. Two connections' rx_mu are never held together.
 //
-// Thread safety: see the lock of each field; the atomics are read without locks by
-// the owner's deadline scan.
+// Thread safety: see the lock of each field; identity and the atomics (socket,
+// draining, deadline flags) are read without locks, e.g. by the owner's deadline scan.
 #pragma once
 
 #include <atomic>
@@ -64,7 +68,7 @@ inline constexpr size_t kMaxQueuedFrames = 256;
 enum class RxStage { kHeader, kControl, kPayload };
 
 // The frame arriving on a connection, as FrameReceiver (receiver.h) reads it.
-// Guarded by the connection's rx_mu.
+// Guarded by the connection's rx_mu_; only FrameReceiver touches it.
 struct RxState {
   RxStage stage = RxStage::kHeader;
   FrameHeader hdr{};  // next header being read
@@ -79,6 +83,10 @@ struct RxState {
   size_t dst_idx = 0;
   size_t dst_off = 0;
   uint64_t remaining = 0;
+  // Small extents (out_msg.h gathers()): the payload is received into `landing`, a
+  // chunk at a time, and copied out to dst from there.
+  bool gather = false;
+  std::unique_ptr<char[]> landing;  // kStageBytes, allocated on first use
   std::vector<RegionPin> pins;  // the write's destination regions
   GenPin gens;                  // blocks the write being received was checked against
   Status reject;                // the write's block generations failed: its payload is discarded
@@ -97,13 +105,70 @@ struct RxState {
   void abandon();
 };
 
+// Only FrameReceiver makes one of these: the receive state is its to read and write
+// (TcpConn::rx_state). A passkey rather than a friend, so the receiver sees nothing
+// else of the connection's private state.
+class RxAccess {
+  RxAccess() {}  // user-provided: `RxAccess{}` elsewhere does not compile
+  friend class FrameReceiver;
+};
+
 class TcpConn : public std::enable_shared_from_this<TcpConn> {
  public:
-  TcpConn(int fd, bool outbound, std::string desc, std::string source = "")
-      : fd(fd), outbound(outbound), desc(std::move(desc)), source(std::move(source)) {}
+  // A connection this agent dialled and authenticated (handshake.h), to `peer_name`,
+  // sitting in `slot` of `pc`. `owner` (null only in unit tests) reads it.
+  static std::shared_ptr<TcpConn> dialled(int fd, ProgressThread* owner, std::string desc, std::string peer_name,
+                                          std::weak_ptr<PeerConns> pc, uint32_t slot);
+  // A connection accepted from `source` (an IP address), which must say hello
+  // before `hello_deadline`.
+  static std::shared_ptr<TcpConn> accepted(int fd, ProgressThread* owner, std::string desc, std::string source,
+                                           Clock::time_point hello_deadline);
   ~TcpConn();
   TcpConn(const TcpConn&) = delete;
   TcpConn& operator=(const TcpConn&) = delete;
+
+  // ---- Identity: fixed at construction, except the name an inbound connection
+  // learns from its hello (authenticate). Readable from any thread.
+  bool outbound() const { return outbound_; }  // dialled by this agent (we are the initiator)
+  ProgressThread* owner() const { return owner_; }
+  const std::string& source() const { return source_; }  // inbound: the peer's IP address
+  // "peer 'x' at 1.2.3.4:5" / "peer 'x' (inbound connection from ...)", for messages.
+  std::string desc() const;
+  // The remote agent's name; empty until an inbound connection's hello is accepted.
+  const std::string& peer_name() const;
+  bool authed() const { return authed_.load(std::memory_order_acquire); }
+  // The socket, -1 once closed for good (close_socket).
+  int fd() const { return fd_.load(std::memory_order_acquire); }
+
+  // ---- Receive side. lock_rx / try_lock_rx take rx_mu (see the top of this file);
+  // everything below them expects it held.
+  std::unique_lock<std::mutex> lock_rx() { return std::unique_lock<std::mutex>(rx_mu_); }
+  std::unique_lock<std::mutex> try_lock_rx() { return std::unique_lock<std::mutex>(rx_mu_, std::try_to_lock); }
+  RxState& rx_state(RxAccess) { return rx_; }
+  // The inbound connection's hello from agent `name` was accepted. Once.
+  void authenticate(std::string name);
+  // The socket is open and not lingering after kill(): frames may be read.
+  bool open() const { return fd() >= 0 && !draining(); }
+  // Killed: the write side is shut and the socket lingers until deadline().
+  bool draining() const { return draining_.load(std::memory_order_acquire); }
+  // Inbound before its hello: when the hello is due. Draining: when lingering ends.
+  Clock::time_point deadline() const { return Clock::time_point(Clock::duration(deadline_.load(std::memory_order_acquire))); }
+  // Back-pressure: too much output is queued, the connection must not be read.
+  bool reading_paused() const { return rx_paused_.load(std::memory_order_acquire); }
+  // After a receive that took `got` bytes: records whether a frame is left half-read,
+  // and when bytes last came, for frame_stalled().
+  void note_received(uint64_t got);
+  // Lets go of what a killed connection was receiving (RxState::abandon).
+  void abandon_rx() { rx_.abandon(); }
+  // After retire(): shuts the write side and lingers for `linger` so an error frame
+  // we sent is read before the peer sees a reset. No-op without an owner or socket.
+  void start_draining(Clock::duration linger);
+  // Closes the socket for good (the owner removed it from epoll first).
+  void close_socket();
+
+  // ---- Deadlines (any thread, no lock). Timeout if a frame is half-read, or queued
+  // output has not moved, for `limit` (`limit_s` in the message); OK otherwise.
+  Status frame_stalled(Clock::time_point now, Clock::duration limit, double limit_s);
 
   // ---- Pending parts (each takes pmu_; the owner's npending follows the table).
   size_t pending_count();
@@ -146,41 +211,47 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   Status kill_reason();
 
   // ---- Both tables (take pmu_, then smu_).
-  // Marks the connection dead and hands over what was in flight; false if it
-  // already was dead (kill() runs once).
+  // Marks the connection dead and hands over what was in flight; its deadline flags
+  // stop counting at the owner, and a pending handshake ends. False if it already
+  // was dead (kill() runs once).
   bool retire(std::unordered_map<uint64_t, PendingPart>* pending, std::deque<std::unique_ptr<OutMsg>>* sq);
   // Removes the not yet started request frames of transfer `id` from the send
   // queue together with their pending parts, which are returned.
   std::vector<PendingPart> drop_unsent(uint64_t id);
-
-  // ---- Identity: set before the connection is shared.
-  int fd;                    // closed by the destructor, or by the owner once drained (-1)
-  const bool outbound;       // dialled by this agent (we are the initiator)
-  std::string desc;          // "peer 'x' at 1.2.3.4:5" for messages
-  const std::string source;  // inbound: the peer's IP address (authentication back-off)
-  std::string peer_name;     // remote agent's name once known
-  ProgressThread* owner = nullptr;
-  std::weak_ptr<PeerConns> pc;  // outbound: the slot table it sits in
-  uint32_t slot = 0;
-
-  // Deadline bookkeeping read by the owner's scan: output is stuck in the send
-  // queue (tx_blocked), or a frame is partly received (rx_mid) and rx_progress is
-  // when bytes last came.
-  std::atomic<bool> tx_blocked{false};
-  std::atomic<bool> rx_mid{false};
-  std::atomic<int64_t> rx_progress{0};
-  std::atomic<bool> rx_paused{false};  // back-pressure: too much output queued, EPOLLIN off
-
-  // ---- Receive side, guarded by rx_mu (see the top of this file).
-  std::mutex rx_mu;
-  bool authed = false;
-  std::atomic<bool> draining{false};
-  Clock::time_point hs_deadline = Clock::time_point::max();  // hello, or end of draining
-  RxState rx;
+  // Outbound: frees this connection's slot in its PeerConns (takes PeerConns::mu),
+  // so the next post dials afresh.
+  void leave_slot();
 
  private:
+  TcpConn(int fd, bool outbound, ProgressThread* owner, std::string desc, std::string source, std::string peer_name,
+          std::weak_ptr<PeerConns> pc, uint32_t slot, Clock::time_point deadline);
   // Re-registers the owner's epoll interest from the state below (holds smu_).
   void update_interest_locked();
+
+  // ---- Identity (see above).
+  const bool outbound_;
+  ProgressThread* const owner_;
+  const std::string base_desc_;
+  const std::string source_;
+  const std::weak_ptr<PeerConns> pc_;  // outbound: the slot table it sits in
+  const uint32_t slot_;
+  std::string peer_name_;           // written once, before authed_ is set
+  std::atomic<bool> authed_{false};
+  std::atomic<int> fd_;             // closed by close_socket() or the destructor
+
+  // ---- Deadline bookkeeping, read by the owner's scan without locks: output is
+  // stuck in the send queue (tx_blocked_), or a frame is partly received (rx_mid_)
+  // and rx_progress_ is when bytes last came.
+  std::atomic<bool> tx_blocked_{false};
+  std::atomic<bool> rx_mid_{false};
+  std::atomic<int64_t> rx_progress_{0};
+  std::atomic<bool> rx_paused_{false};  // back-pressure (set and cleared under smu_)
+  std::atomic<bool> draining_{false};
+  std::atomic<Clock::rep> deadline_;    // deadline()
+
+  // ---- Receive side, guarded by rx_mu_.
+  std::mutex rx_mu_;
+  RxState rx_;
 
   // ---- Guarded by both pmu_ and smu_ (set while holding both).
   bool dead_ = false;

@@ -78,10 +78,10 @@ void DeviceStaging::respond_read(const std::shared_ptr<TcpConn>& c, const FrameH
   auto job = std::make_shared<Job>(Job{std::move(src), std::move(pins), std::move(gens)});
   run([this, c, h, job, bytes, device] {
     auto fail = [&](const Status& st) {
-      if (!c->owner) return;
-      std::lock_guard<std::mutex> rl(c->rx_mu);
-      if (c->fd >= 0 && !c->draining)
-        t_.fail_conn_locked(c, Status(st.code(), "read request from " + c->desc + " failed: " + st.message()),
+      if (!c->owner()) return;
+      auto rl = c->lock_rx();
+      if (c->open())
+        t_.fail_conn_locked(c, Status(st.code(), "read request from " + c->desc() + " failed: " + st.message()),
                             h.xfer_id, h.batch);
     };
     auto dead = [&] { return c->is_dead() || t_.shutting_down(); };
@@ -101,7 +101,7 @@ void DeviceStaging::respond_read(const std::shared_ptr<TcpConn>& c, const FrameH
     m->lease = std::move(buf).value();
     m->pins = std::move(job->pins);
     m->finalize();
-    c->owner->enqueue(c, std::move(m));
+    c->owner()->enqueue(c, std::move(m));
   });
 }
 

@@ -35,7 +35,7 @@ void* const kEventFdTag = nullptr;
 
 }  // namespace
 
-ProgressThread::ProgressThread(TcpTransport* t, uint32_t spin_us) : t_(t), spin_us_(spin_us), frames_(*t, *this) {}
+ProgressThread::ProgressThread(TcpTransport* t, uint32_t spin_us) : t_(t), spin_us_(spin_us), frames_(*t) {}
 
 ProgressThread::~ProgressThread() {
   if (epfd_ >= 0) ::close(epfd_);
@@ -83,7 +83,6 @@ void ProgressThread::wake() {
 }
 
 void ProgressThread::add(const std::shared_ptr<TcpConn>& c, bool handshake) {
-  c->owner = this;
   if (handshake) slow_begin();
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -92,7 +91,7 @@ void ProgressThread::add(const std::shared_ptr<TcpConn>& c, bool handshake) {
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP;
   ev.data.ptr = c.get();
-  epoll_ctl(epfd_, EPOLL_CTL_ADD, c->fd, &ev);
+  epoll_ctl(epfd_, EPOLL_CTL_ADD, c->fd(), &ev);
   if (handshake) wake();  // start the handshake timer
 }
 
@@ -100,7 +99,7 @@ void ProgressThread::set_interest(TcpConn& c, bool in, bool out) {
   epoll_event ev{};
   ev.events = (in ? uint32_t(EPOLLIN | EPOLLRDHUP) : 0u) | (out ? uint32_t(EPOLLOUT) : 0u);
   ev.data.ptr = &c;
-  epoll_ctl(epfd_, EPOLL_CTL_MOD, c.fd, &ev);
+  epoll_ctl(epfd_, EPOLL_CTL_MOD, c.fd(), &ev);
 }
 
 void ProgressThread::request_kill(const std::shared_ptr<TcpConn>& c) {
@@ -171,9 +170,9 @@ void ProgressThread::run() {
       // when reading is paused by back-pressure.
       if (evs[i].events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) flush(c);
       // A waiting caller may be reading this connection itself: leave it to them.
-      std::unique_lock<std::mutex> rl(c->rx_mu, std::try_to_lock);
-      if (!rl || c->fd < 0) continue;
-      if (c->draining) {
+      auto rl = c->try_lock_rx();
+      if (!rl || c->fd() < 0) continue;
+      if (c->draining()) {
         drain(c);
         continue;
       }
@@ -195,7 +194,7 @@ void ProgressThread::kill_requested() {
   }
   for (auto& c : kq) {
     const Status why = c->kill_reason();
-    t_->kill(c, why.ok() ? ConnectionError("connection to " + c->desc + " failed") : why);
+    t_->kill(c, why.ok() ? ConnectionError("connection to " + c->desc() + " failed") : why);
   }
 }
 
@@ -231,10 +230,10 @@ void ProgressThread::accept_all() {
       inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
       port = ntohs(a->sin6_port);
     }
-    auto c = std::make_shared<TcpConn>(
-        fd, false, "inbound connection from " + std::string(host) + ":" + std::to_string(port), host);
-    c->hs_deadline = util::deadline_after(t_->opts().handshake_timeout_s);
-    t_->pick_thread()->add(c, true);
+    ProgressThread* owner = t_->pick_thread();
+    auto c = TcpConn::accepted(fd, owner, "inbound connection from " + std::string(host) + ":" + std::to_string(port),
+                               host, util::deadline_after(t_->opts().handshake_timeout_s));
+    owner->add(c, true);
   }
 }
 
@@ -277,17 +276,14 @@ void ProgressThread::flush(const std::shared_ptr<TcpConn>& c) {
 void ProgressThread::drain(const std::shared_ptr<TcpConn>& c) {
   char buf[65536];
   for (;;) {
-    ssize_t r = ::recv(c->fd, buf, sizeof buf, MSG_DONTWAIT);
+    ssize_t r = ::recv(c->fd(), buf, sizeof buf, MSG_DONTWAIT);
     if (r > 0) continue;
     if (r < 0 && errno == EINTR) continue;
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && Clock::now() < c->hs_deadline) return;
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && Clock::now() < c->deadline()) return;
     break;  // EOF, error or drain deadline: close for good
   }
-  epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
-  ::close(c->fd);
-  c->fd = -1;
-  c->draining = false;
-  slow_end();
+  epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd(), nullptr);
+  c->close_socket();  // ends its draining count
   std::lock_guard<std::mutex> lk(mu_);
   graveyard_.push_back(c);
   conns_.erase(c.get());
@@ -309,14 +305,14 @@ void ProgressThread::scan_deadlines() {
   };
   std::vector<Doomed> doomed;
   for (auto& c : all) {
-    if (c->fd < 0) continue;
-    if (c->draining) {
-      if (now >= c->hs_deadline) doomed.push_back({c, Status::Ok()});
+    if (c->fd() < 0) continue;
+    if (c->draining()) {
+      if (now >= c->deadline()) doomed.push_back({c, Status::Ok()});
       continue;
     }
-    if (!c->authed && !c->outbound) {
-      if (now >= c->hs_deadline)
-        doomed.push_back({c, TimeoutError(c->desc + " did not complete the handshake in time")});
+    if (!c->authed() && !c->outbound()) {
+      if (now >= c->deadline())
+        doomed.push_back({c, TimeoutError(c->desc() + " did not complete the handshake in time")});
       continue;  // a half-sent hello is bounded by the handshake deadline
     }
     Status stalled = frame_stalled(*c, now);
@@ -327,7 +323,7 @@ void ProgressThread::scan_deadlines() {
     const uint64_t culprit = c->expired_transfer(now);
     if (culprit) {
       doomed.push_back({c,
-                        TimeoutError("transfer " + std::to_string(culprit) + " to " + c->desc +
+                        TimeoutError("transfer " + std::to_string(culprit) + " to " + c->desc() +
                                      " timed out; the peer stalled or the link is too slow"),
                         culprit});
     }
@@ -335,13 +331,13 @@ void ProgressThread::scan_deadlines() {
   for (auto& d : doomed) {
     const auto& c = d.conn;
     // A caller driving c (TcpTransport::drive) checks the same deadlines itself.
-    std::unique_lock<std::mutex> rl(c->rx_mu, std::try_to_lock);
-    if (!rl || c->fd < 0) continue;
-    if (c->draining) {
+    auto rl = c->try_lock_rx();
+    if (!rl || c->fd() < 0) continue;
+    if (c->draining()) {
       drain(c);
       continue;
     }
-    if (!c->outbound) {
+    if (!c->outbound()) {
       t_->fail_conn_locked(c, d.why);  // tell the silent client why it is dropped
     } else {
       t_->kill_locked(c, d.why, d.culprit);
@@ -350,29 +346,14 @@ void ProgressThread::scan_deadlines() {
 }
 
 Status ProgressThread::frame_stalled(TcpConn& c, Clock::time_point now) {
-  const auto limit = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(t_->opts().frame_timeout_s));
-  if (c.rx_mid.load(std::memory_order_acquire)) {
-    const Clock::time_point last{Clock::duration(c.rx_progress.load(std::memory_order_acquire))};
-    if (now - last >= limit)
-      return TimeoutError(c.desc + " stopped sending in the middle of a frame (no byte for " +
-                          std::to_string(t_->opts().frame_timeout_s) + " s)");
-  }
-  if (c.tx_blocked.load(std::memory_order_acquire) && c.output_stalled(now, limit)) {
-    return TimeoutError(c.desc + " stopped reading: queued frames did not move for " +
-                        std::to_string(t_->opts().frame_timeout_s) + " s");
-  }
-  return Status::Ok();
+  const double limit_s = t_->opts().frame_timeout_s;
+  return c.frame_stalled(now, std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit_s)),
+                         limit_s);
 }
 
 void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
   const uint64_t got = frames_.receive(c);
-  if (c->fd < 0 || c->draining) return;  // closed
-  // A half-read frame (header, control or payload) must keep moving: scan_deadlines
-  // closes the connection after frame_timeout_s without a byte.
-  const bool mid = c->rx.mid_frame();
-  if (got > 0 || !mid) c->rx_progress.store(Clock::now().time_since_epoch().count(), std::memory_order_release);
-  watch(c->rx_mid, mid);
+  if (c->open()) c->note_received(got);  // not when it was closed meanwhile
 }
 
 }  // namespace pdkv::tcp

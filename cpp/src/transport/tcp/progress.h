@@ -12,13 +12,13 @@
 // kMaxQueuedFrames) is taken off EPOLLIN until its queue is half drained by flush().
 //
 // Deadlines (scan_deadlines, every 10 ms while anything is watched): an inbound
-// connection must finish its hello by hs_deadline; a half-received frame or stuck
+// connection must finish its hello by its deadline(); a half-received frame or stuck
 // output must move within frame_timeout_s; a pending part must be answered by its
 // transfer's deadline.
 //
 // Thread safety: start/stop from the transport's owner; add, wake, request_kill,
 // enqueue, set_interest (by c, under its send lock) and watch from any thread; the
-// rest runs on this thread, or on a thread holding the connection's rx_mu (conn.h).
+// rest runs on this thread, or on a thread holding the connection's receive lock (conn.h).
 #pragma once
 
 #include <atomic>
@@ -56,7 +56,7 @@ class ProgressThread {
     if (idle_.load(std::memory_order_acquire)) wake();
   }
   // Takes ownership of c's events. `handshake`: an inbound connection that must say
-  // hello before c->hs_deadline (decided by the caller, which owns c until now).
+  // hello before c->deadline() (c was made with this thread as its owner).
   void add(const std::shared_ptr<TcpConn>& c, bool handshake);
   // Queues `m` on c (owned by this thread), sending at once when nothing is queued
   // (TcpConn::send); dropped if c is dead (its parts are resolved by kill()).
@@ -66,12 +66,12 @@ class ProgressThread {
   // Watches c for reading (`in`) and writing (`out`); called by c under its send lock.
   void set_interest(TcpConn& c, bool in, bool out);
   // Receives what c has, then records whether a frame is left half-read (its
-  // deadline). Caller holds c->rx_mu.
+  // deadline). Caller holds c's receive lock (TcpConn::lock_rx).
   void on_readable(const std::shared_ptr<TcpConn>& c);
   // Timeout if c has a half-read frame or stuck output that did not move for
   // frame_timeout_s; OK otherwise.
   Status frame_stalled(TcpConn& c, Clock::time_point now);
-  // Sets a deadline flag of a connection (rx_mid, tx_blocked), counting the set ones
+  // Sets a deadline flag of a connection (TcpConn keeps them), counting the set ones
   // so the thread keeps scanning deadlines while any is.
   void watch(std::atomic<bool>& flag, bool on) {
     if (flag.exchange(on, std::memory_order_acq_rel) != on) nwatch_.fetch_add(on ? 1 : -1, std::memory_order_acq_rel);
@@ -97,7 +97,7 @@ class ProgressThread {
   void flush(const std::shared_ptr<TcpConn>& c);
   void scan_deadlines();
   // Closes a killed connection for good once the peer stopped sending or its
-  // linger time is over (caller holds c->rx_mu).
+  // linger time is over (caller holds c's receive lock).
   void drain(const std::shared_ptr<TcpConn>& c);
 
   TcpTransport* t_;

@@ -52,14 +52,16 @@ std::unique_ptr<OutMsg> failed_ack(const FrameHeader& h, const Status& why) {
 uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
   uint64_t got = 0;
   uint64_t budget = kReceiveBudget;
-  while (c->fd >= 0 && !c->draining && budget > 0 && !c->rx_paused.load(std::memory_order_acquire)) {
+  while (c->fd() >= 0 && !c->draining() && budget > 0 && !c->reading_paused()) {
     bool stop = false;
     ssize_t r = 0;
-    switch (c->rx.stage) {
+    switch (rx(c).stage) {
       case RxStage::kHeader: r = read_header(c, &stop); break;
       case RxStage::kControl: r = read_control(c, &stop); break;
       case RxStage::kPayload:
-        r = c->rx.staged ? read_staged_payload(c, &budget, &stop) : read_payload(c, &budget, &stop);
+        r = rx(c).staged   ? read_staged_payload(c, &budget, &stop)
+            : rx(c).gather ? read_landed_payload(c, &budget, &stop)
+                           : read_payload(c, &budget, &stop);
         break;
     }
     if (r > 0) {
@@ -68,38 +70,38 @@ uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
       continue;
     }
     if (r == 0) {
-      t_.kill_locked(c, ConnectionError(c->rx.mid_frame() ? c->desc + " closed the connection in the middle of a frame"
-                                                       : c->desc + " closed the connection"));
+      t_.kill_locked(c, ConnectionError(rx(c).mid_frame() ? c->desc() + " closed the connection in the middle of a frame"
+                                                       : c->desc() + " closed the connection"));
       return got;
     }
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (c->rx.stage == RxStage::kPayload && t_.opts().rcvlowat_bytes > 0) {
+      if (rx(c).stage == RxStage::kPayload && t_.opts().rcvlowat_bytes > 0) {
         set_lowat(*c, static_cast<int>(std::max<uint64_t>(
-                          1, std::min<uint64_t>(t_.opts().rcvlowat_bytes, c->rx.remaining / 2))));
+                          1, std::min<uint64_t>(t_.opts().rcvlowat_bytes, rx(c).remaining / 2))));
       }
       return got;
     }
-    t_.kill_locked(c, ConnectionError("receiving from " + c->desc + " failed: " + util::errno_str(errno)));
+    t_.kill_locked(c, ConnectionError("receiving from " + c->desc() + " failed: " + util::errno_str(errno)));
     return got;
   }
   return got;
 }
 
 ssize_t FrameReceiver::read_header(const std::shared_ptr<TcpConn>& c, bool* stop) {
-  ssize_t r = ::recv(c->fd, reinterpret_cast<char*>(&c->rx.hdr) + c->rx.hdr_got, kHdr - c->rx.hdr_got, MSG_DONTWAIT);
+  ssize_t r = ::recv(c->fd(), reinterpret_cast<char*>(&rx(c).hdr) + rx(c).hdr_got, kHdr - rx(c).hdr_got, MSG_DONTWAIT);
   if (r > 0) {
-    c->rx.hdr_got += static_cast<size_t>(r);
-    if (c->rx.hdr_got == kHdr && !on_header(c)) *stop = true;
+    rx(c).hdr_got += static_cast<size_t>(r);
+    if (rx(c).hdr_got == kHdr && !on_header(c)) *stop = true;
   }
   return r;
 }
 
 ssize_t FrameReceiver::read_control(const std::shared_ptr<TcpConn>& c, bool* stop) {
-  ssize_t r = ::recv(c->fd, c->rx.ctrl.data() + c->rx.ctrl_got, c->rx.ctrl.size() - c->rx.ctrl_got, MSG_DONTWAIT);
+  ssize_t r = ::recv(c->fd(), rx(c).ctrl.data() + rx(c).ctrl_got, rx(c).ctrl.size() - rx(c).ctrl_got, MSG_DONTWAIT);
   if (r > 0) {
-    c->rx.ctrl_got += static_cast<size_t>(r);
-    if (c->rx.ctrl_got == c->rx.ctrl.size() && !on_control(c)) *stop = true;
+    rx(c).ctrl_got += static_cast<size_t>(r);
+    if (rx(c).ctrl_got == rx(c).ctrl.size() && !on_control(c)) *stop = true;
   }
   return r;
 }
@@ -108,85 +110,116 @@ ssize_t FrameReceiver::read_control(const std::shared_ptr<TcpConn>& c, bool* sto
 ssize_t FrameReceiver::read_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop) {
   iovec iov[kIovMax];
   int n = 0;
-  size_t i = c->rx.dst_idx;
-  for (; i < c->rx.ndst && n < kIovMax - 1; ++i) {
-    size_t off = (i == c->rx.dst_idx) ? c->rx.dst_off : 0;
-    iov[n].iov_base = static_cast<char*>(c->rx.dst[i].iov_base) + off;
-    iov[n].iov_len = c->rx.dst[i].iov_len - off;
+  size_t i = rx(c).dst_idx;
+  for (; i < rx(c).ndst && n < kIovMax - 1; ++i) {
+    size_t off = (i == rx(c).dst_idx) ? rx(c).dst_off : 0;
+    iov[n].iov_base = static_cast<char*>(rx(c).dst[i].iov_base) + off;
+    iov[n].iov_len = rx(c).dst[i].iov_len - off;
     ++n;
   }
-  const bool last = (i == c->rx.ndst);
-  if (last) iov[n++] = {&c->rx.hdr, kHdr};  // pick up the next header in the same call
+  const bool last = (i == rx(c).ndst);
+  if (last) iov[n++] = {&rx(c).hdr, kHdr};  // pick up the next header in the same call
   msghdr mh{};
   mh.msg_iov = iov;
   mh.msg_iovlen = static_cast<size_t>(n);
-  ssize_t r = ::recvmsg(c->fd, &mh, MSG_DONTWAIT);
+  ssize_t r = ::recvmsg(c->fd(), &mh, MSG_DONTWAIT);
   if (r <= 0) return r;
   *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
-  uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), c->rx.remaining);
-  uint64_t extra = static_cast<uint64_t>(r) - take;
-  c->rx.remaining -= take;
-  while (take > 0) {
-    size_t left = c->rx.dst[c->rx.dst_idx].iov_len - c->rx.dst_off;
-    if (take >= left) {
-      take -= left;
-      ++c->rx.dst_idx;
-      c->rx.dst_off = 0;
-    } else {
-      c->rx.dst_off += take;
-      take = 0;
+  const uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), rx(c).remaining);
+  advance_dst(rx(c), take, nullptr);
+  payload_received(c, take, static_cast<uint64_t>(r) - take, stop);
+  return r;
+}
+
+// Small extents: into the landing chunk (and the next header, on the last read),
+// then copied out to the destination extents.
+ssize_t FrameReceiver::read_landed_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop) {
+  RxState& st = rx(c);
+  if (!st.landing) st.landing.reset(new char[kStageBytes]);  // uninitialized: only received bytes are copied out
+  const size_t want = static_cast<size_t>(std::min<uint64_t>(st.remaining, kStageBytes));
+  iovec iov[2] = {{st.landing.get(), want}, {&st.hdr, kHdr}};
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = want == st.remaining ? 2 : 1;  // the last read picks up the next header
+  ssize_t r = ::recvmsg(c->fd(), &mh, MSG_DONTWAIT);
+  if (r <= 0) return r;
+  *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
+  const uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), st.remaining);
+  advance_dst(st, take, st.landing.get());
+  payload_received(c, take, static_cast<uint64_t>(r) - take, stop);
+  return r;
+}
+
+void FrameReceiver::advance_dst(RxState& st, uint64_t n, const char* from) {
+  while (n > 0) {
+    if (from && st.dst_off == 0 && st.dst_idx + 8 < st.ndst)
+      __builtin_prefetch(st.dst[st.dst_idx + 8].iov_base, 1);  // scattered: the hardware cannot guess it
+    const iovec& d = st.dst[st.dst_idx];
+    const size_t step = static_cast<size_t>(std::min<uint64_t>(n, d.iov_len - st.dst_off));
+    if (from) {
+      std::memcpy(static_cast<char*>(d.iov_base) + st.dst_off, from, step);
+      from += step;
+    }
+    n -= step;
+    st.dst_off += step;
+    if (st.dst_off == d.iov_len) {
+      ++st.dst_idx;
+      st.dst_off = 0;
     }
   }
-  if (c->rx.remaining == 0) {
-    c->rx.hdr_got = extra;
-    on_payload_done(c);
-    if (c->fd < 0 || (c->rx.hdr_got == kHdr && !on_header(c))) *stop = true;
-  }
-  return r;
+}
+
+void FrameReceiver::payload_received(const std::shared_ptr<TcpConn>& c, uint64_t took, uint64_t extra, bool* stop) {
+  RxState& st = rx(c);
+  st.remaining -= took;
+  if (st.remaining != 0) return;
+  st.hdr_got = static_cast<size_t>(extra);
+  on_payload_done(c);
+  if (c->fd() < 0 || (st.hdr_got == kHdr && !on_header(c))) *stop = true;
 }
 
 // Into the pinned buffer the ScatterPipe offers; it copies full ones to the GPU.
 ssize_t FrameReceiver::read_staged_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop) {
-  const iovec sp = c->rx.pipe->space();
-  ssize_t r = ::recv(c->fd, sp.iov_base, sp.iov_len, MSG_DONTWAIT);
+  const iovec sp = rx(c).pipe->space();
+  ssize_t r = ::recv(c->fd(), sp.iov_base, sp.iov_len, MSG_DONTWAIT);
   if (r <= 0) return r;
   *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
-  c->rx.remaining -= static_cast<uint64_t>(r);
-  Status st = c->rx.pipe->received(static_cast<uint64_t>(r));
+  rx(c).remaining -= static_cast<uint64_t>(r);
+  Status st = rx(c).pipe->received(static_cast<uint64_t>(r));
   if (!st.ok()) {
     staged_rx_failed(c, st);
     *stop = true;
     return r;
   }
-  if (c->rx.remaining == 0) {
+  if (rx(c).remaining == 0) {
     on_payload_done(c);
-    if (c->fd < 0) *stop = true;
+    if (c->fd() < 0) *stop = true;
   }
   return r;
 }
 
 void FrameReceiver::set_lowat(TcpConn& c, int v) {
-  if (v == c.rx.cur_lowat) return;
-  if (::setsockopt(c.fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) c.rx.cur_lowat = v;
+  if (v == rx(c).cur_lowat) return;
+  if (::setsockopt(c.fd(), SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v) == 0) rx(c).cur_lowat = v;
 }
 
 void FrameReceiver::reply(const std::shared_ptr<TcpConn>& c, std::unique_ptr<OutMsg> m) {
-  c->owner->enqueue(c, std::move(m));
+  c->owner()->enqueue(c, std::move(m));
 }
 
 // ---------------------------------------------------------------- headers
 
 bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
-  c->rx.cur = c->rx.hdr;
-  c->rx.hdr_got = 0;
-  const FrameHeader& h = c->rx.cur;
+  rx(c).cur = rx(c).hdr;
+  rx(c).hdr_got = 0;
+  const FrameHeader& h = rx(c).cur;
   // One place decides what may arrive here, and how large, before anything is
   // allocated (frame.h, docs/wire.md).
-  const ConnState state{c->outbound ? ConnRole::kOutbound : ConnRole::kInbound,
-                        c->outbound || c->authed ? ConnPhase::kOpen : ConnPhase::kHandshake};
+  const ConnState state{c->outbound() ? ConnRole::kOutbound : ConnRole::kInbound,
+                        c->outbound() || c->authed() ? ConnPhase::kOpen : ConnPhase::kHandshake};
   Status valid = check_header(h, state, t_.frame_limits());
   if (!valid.ok()) {
-    t_.fail_conn_locked(c, ProtocolError(valid.message() + " from " + c->desc), h.xfer_id, h.batch);
+    t_.fail_conn_locked(c, ProtocolError(valid.message() + " from " + c->desc()), h.xfer_id, h.batch);
     return false;
   }
   switch (static_cast<FrameType>(h.type)) {
@@ -200,7 +233,7 @@ bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
       }
       t_.resolve(part, part.bytes,
                  h.status == 0 ? Status::Ok() : Status(status_code_from_wire(h.status), "peer reported failure"));
-      c->rx.stage = RxStage::kHeader;
+      rx(c).stage = RxStage::kHeader;
       return true;
     }
     case FrameType::kReadResp:
@@ -210,31 +243,32 @@ bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
   }
   const uint64_t ctrl = control_bytes(h);  // bounded by check_header
   if (ctrl == 0) return on_control(c);
-  c->rx.ctrl.resize(ctrl);
-  c->rx.ctrl_got = 0;
-  c->rx.stage = RxStage::kControl;
+  rx(c).ctrl.resize(ctrl);
+  rx(c).ctrl_got = 0;
+  rx(c).stage = RxStage::kControl;
   return true;
 }
 
 bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader& h = c->rx.cur;
+  const FrameHeader& h = rx(c).cur;
   auto bad = [&](const std::string& why) {
     t_.fail_conn_locked(c, ProtocolError(why), h.xfer_id, h.batch);
     return false;
   };
-  if (!c->find_pending_read(h.xfer_id, h.batch, &c->rx.read_part))
+  if (!c->find_pending_read(h.xfer_id, h.batch, &rx(c).read_part))
     return bad("read response for unknown transfer " + std::to_string(h.xfer_id));
-  if (h.payload != c->rx.read_part.bytes)
+  if (h.payload != rx(c).read_part.bytes)
     return bad("read response carries " + std::to_string(h.payload) + " bytes, expected " +
-               std::to_string(c->rx.read_part.bytes));
-  c->rx.dst = c->rx.read_part.dst;
-  c->rx.ndst = c->rx.read_part.ndst;
-  c->rx.dst_idx = 0;
-  c->rx.dst_off = 0;
-  c->rx.remaining = h.payload;
-  c->rx.stage = RxStage::kPayload;
-  if (c->rx.read_part.post->prep->staged) {
-    Status st = begin_staged_rx(*c, c->rx.read_part.post->prep->device);
+               std::to_string(rx(c).read_part.bytes));
+  rx(c).dst = rx(c).read_part.dst;
+  rx(c).ndst = rx(c).read_part.ndst;
+  rx(c).dst_idx = 0;
+  rx(c).dst_off = 0;
+  rx(c).remaining = h.payload;
+  rx(c).gather = lands(h.payload, rx(c).ndst);
+  rx(c).stage = RxStage::kPayload;
+  if (rx(c).read_part.post->prep->staged) {
+    Status st = begin_staged_rx(*c, rx(c).read_part.post->prep->device);
     if (!st.ok()) {
       t_.kill_locked(c, st.with_context("receiving a read response into device memory"));
       return false;
@@ -246,8 +280,8 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
 // ---------------------------------------------------------------- control frames
 
 bool FrameReceiver::on_control(const std::shared_ptr<TcpConn>& c) {
-  c->rx.stage = RxStage::kHeader;
-  switch (static_cast<FrameType>(c->rx.cur.type)) {
+  rx(c).stage = RxStage::kHeader;
+  switch (static_cast<FrameType>(rx(c).cur.type)) {
     case FrameType::kHello: return on_hello(c);
     case FrameType::kMetaReq: return on_metadata_request(c);
     case FrameType::kWrite:
@@ -256,39 +290,39 @@ bool FrameReceiver::on_control(const std::shared_ptr<TcpConn>& c) {
     case FrameType::kNotify: return on_notify(c);
     case FrameType::kError: return on_error(c);
     default:
-      t_.fail_conn_locked(c, Internal("unhandled frame type " + std::to_string(c->rx.cur.type)));
+      t_.fail_conn_locked(c, Internal("unhandled frame type " + std::to_string(rx(c).cur.type)));
       return false;
   }
 }
 
 bool FrameReceiver::on_hello(const std::shared_ptr<TcpConn>& c) {
   AgentHooks* hooks = t_.hooks();
-  auto body = decode_hello(c->rx.ctrl);
+  auto body = decode_hello(rx(c).ctrl);
   if (!body.ok()) {
     const Status& e = body.status();
     t_.fail_conn_locked(c, e.code() == StatusCode::kVersionMismatch
                                ? e
-                               : ProtocolError("malformed hello from " + c->desc + ": " + e.message()));
+                               : ProtocolError("malformed hello from " + c->desc() + ": " + e.message()));
     return false;
   }
   const std::string& from = body->from;
   // A (source, agent name) that recently failed to authenticate waits before its next
   // guess is even looked at; other agents on the same host do not (guard.h).
-  const double wait = t_.auth_backoff().wait_s(c->source, from, Clock::now());
+  const double wait = t_.auth_backoff().wait_s(c->source(), from, Clock::now());
   if (wait > 0) {
     char left[32];
     snprintf(left, sizeof left, "%.1f", wait);
-    t_.fail_conn_locked(c, AuthFailed("too many failed authentications from " + c->source + " (as agent '" + from +
+    t_.fail_conn_locked(c, AuthFailed("too many failed authentications from " + c->source() + " (as agent '" + from +
                                       "'); retry in " + left + " s"));
     return false;
   }
   if (!hooks->secret_matches(body->secret)) {
-    t_.auth_backoff().failed(c->source, from, Clock::now());
+    t_.auth_backoff().failed(c->source(), from, Clock::now());
     t_.fail_conn_locked(
         c, AuthFailed("agent '" + from + "' presented the wrong secret to agent '" + hooks->agent_name() + "'"));
     return false;
   }
-  t_.auth_backoff().succeeded(c->source, from);
+  t_.auth_backoff().succeeded(c->source(), from);
   const std::string& to = body->to;
   const uint64_t expect = body->instance;
   if (!to.empty() && to != hooks->agent_name()) {
@@ -300,10 +334,7 @@ bool FrameReceiver::on_hello(const std::shared_ptr<TcpConn>& c) {
                                      "' restarted since its metadata was fetched; fetch it again and re-add the peer"));
     return false;
   }
-  c->authed = true;
-  c->peer_name = from;
-  c->desc = "peer '" + from + "' (" + c->desc + ")";
-  owner_.slow_end();
+  c->authenticate(from);
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(FrameType::kHelloAck, 0, 0);
   m->aux = encode_hello_ack(HelloAckBody{hooks->instance_id(), hooks->agent_name()});
@@ -324,7 +355,7 @@ bool FrameReceiver::on_metadata_request(const std::shared_ptr<TcpConn>& c) {
 bool FrameReceiver::on_data_request(const std::shared_ptr<TcpConn>& c) {
   Request req;
   if (!decode_request(c, &req)) return false;
-  if (static_cast<FrameType>(c->rx.cur.type) == FrameType::kReadReq) {
+  if (static_cast<FrameType>(rx(c).cur.type) == FrameType::kReadReq) {
     answer_read(c, std::move(req));
     return true;
   }
@@ -332,10 +363,10 @@ bool FrameReceiver::on_data_request(const std::shared_ptr<TcpConn>& c) {
 }
 
 bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* req) {
-  const FrameHeader& h = c->rx.cur;
+  const FrameHeader& h = rx(c).cur;
   const bool is_write = static_cast<FrameType>(h.type) == FrameType::kWrite;
   AgentHooks* hooks = t_.hooks();
-  const auto* d = reinterpret_cast<const WireExtent*>(c->rx.ctrl.data());
+  const auto* d = reinterpret_cast<const WireExtent*>(rx(c).ctrl.data());
   const uint32_t n = h.count;
   req->iov.reserve(n);
   // Consecutive extents of one region share its pin.
@@ -365,7 +396,7 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
       }
     }
     if (!err.ok()) {
-      t_.fail_conn_locked(c, Status(err.code(), std::string(is_write ? "write" : "read") + " request from " + c->desc +
+      t_.fail_conn_locked(c, Status(err.code(), std::string(is_write ? "write" : "read") + " request from " + c->desc() +
                                                     " rejected: " + err.message()),
                           h.xfer_id, h.batch);
       return false;
@@ -373,17 +404,17 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
     req->iov.push_back({reinterpret_cast<void*>(last->addr + e.offset), e.len});
   }
   auto protocol_error = [&](const Status& st) {
-    t_.fail_conn_locked(c, ProtocolError(st.message() + " (from " + c->desc + ")"), h.xfer_id, h.batch);
+    t_.fail_conn_locked(c, ProtocolError(st.message() + " (from " + c->desc() + ")"), h.xfer_id, h.batch);
     return false;
   };
   // Total size (no overflow) and, for a write, the declared payload.
   auto sizes = check_extents(d, n, h);
   if (!sizes.ok()) return protocol_error(sizes.status());
   req->bytes = *sizes;
-  const std::string_view aux = std::string_view(c->rx.ctrl).substr(size_t(n) * sizeof(WireExtent));
+  const std::string_view aux = std::string_view(rx(c).ctrl).substr(size_t(n) * sizeof(WireExtent));
   auto parts = split_data_aux(h, aux);
   if (!parts.ok()) return protocol_error(parts.status());
-  c->rx.notif_off = c->rx.ctrl.size() - parts->notif.size();
+  rx(c).notif_off = rx(c).ctrl.size() - parts->notif.size();
   // Block generations: checked (and the blocks pinned) before a byte lands or is
   // sent. A stale claim fails this part only.
   if (h.flags & kFlagGens) {
@@ -400,7 +431,7 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
 }
 
 void FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) {
-  const FrameHeader& h = c->rx.cur;
+  const FrameHeader& h = rx(c).cur;
   if (!req.reject.ok()) return reply(c, failed_ack(h, req.reject));
   if (req.device >= 0) {
     // Gathered from the GPU on the staging thread, which sends the response.
@@ -419,26 +450,27 @@ void FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
 }
 
 bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Request req) {
-  const FrameHeader& h = c->rx.cur;
+  const FrameHeader& h = rx(c).cur;
   if (!req.reject.ok()) {  // receive the payload into scratch memory, then refuse
     req.pins.clear();
     req.iov = discard_iov(req.bytes);
     req.device = -1;
   }
-  c->rx.gens = std::move(req.gens);
-  c->rx.reject = req.reject;
-  c->rx.dst_own = std::move(req.iov);
-  c->rx.dst = c->rx.dst_own.data();
-  c->rx.ndst = c->rx.dst_own.size();
-  c->rx.dst_idx = 0;
-  c->rx.dst_off = 0;
-  c->rx.remaining = req.bytes;
-  c->rx.pins = std::move(req.pins);
-  c->rx.stage = RxStage::kPayload;
+  rx(c).gens = std::move(req.gens);
+  rx(c).reject = req.reject;
+  rx(c).dst_own = std::move(req.iov);
+  rx(c).dst = rx(c).dst_own.data();
+  rx(c).ndst = rx(c).dst_own.size();
+  rx(c).dst_idx = 0;
+  rx(c).dst_off = 0;
+  rx(c).remaining = req.bytes;
+  rx(c).gather = lands(req.bytes, rx(c).ndst);
+  rx(c).pins = std::move(req.pins);
+  rx(c).stage = RxStage::kPayload;
   if (req.device >= 0) {
     Status st = begin_staged_rx(*c, req.device);
     if (!st.ok()) {
-      t_.fail_conn_locked(c, Status(st.code(), "write request from " + c->desc +
+      t_.fail_conn_locked(c, Status(st.code(), "write request from " + c->desc() +
                                                    " cannot be received into device memory: " + st.message()),
                           h.xfer_id, h.batch);
       return false;
@@ -449,20 +481,20 @@ bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Reque
 
 // A failed part with its message (block generations).
 bool FrameReceiver::on_failed_ack(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader& h = c->rx.cur;
+  const FrameHeader& h = rx(c).cur;
   PendingPart part;
   if (!c->take_pending(h.xfer_id, h.batch, &part)) {
-    t_.fail_conn_locked(c, ProtocolError("ack for unknown transfer " + std::to_string(h.xfer_id) + " from " + c->desc),
+    t_.fail_conn_locked(c, ProtocolError("ack for unknown transfer " + std::to_string(h.xfer_id) + " from " + c->desc()),
                         h.xfer_id, h.batch);
     return false;
   }
-  t_.resolve(part, 0, Status(status_code_from_wire(h.status), "peer '" + c->peer_name + "': " + c->rx.ctrl));
+  t_.resolve(part, 0, Status(status_code_from_wire(h.status), "peer '" + c->peer_name() + "': " + rx(c).ctrl));
   return true;
 }
 
 bool FrameReceiver::on_notify(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader& h = c->rx.cur;
-  t_.hooks()->deliver_notification(Notification{c->peer_name, c->rx.ctrl});
+  const FrameHeader& h = rx(c).cur;
+  t_.hooks()->deliver_notification(Notification{c->peer_name(), rx(c).ctrl});
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
   m->finalize();
@@ -471,13 +503,13 @@ bool FrameReceiver::on_notify(const std::shared_ptr<TcpConn>& c) {
 }
 
 bool FrameReceiver::on_error(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader h = c->rx.cur;
-  Status st(status_code_from_wire(h.status), c->desc + " refused the request: " + c->rx.ctrl);
+  const FrameHeader h = rx(c).cur;
+  Status st(status_code_from_wire(h.status), c->desc() + " refused the request: " + rx(c).ctrl);
   PendingPart part;
   const bool found = c->take_pending(h.xfer_id, h.batch, &part);
   // Retire the connection before the caller can learn of the failure, so its next
   // transfer opens a fresh connection instead of racing onto this closing one.
-  t_.kill_locked(c, ConnectionError(c->desc + " closed the connection after an error: " + c->rx.ctrl));
+  t_.kill_locked(c, ConnectionError(c->desc() + " closed the connection after an error: " + rx(c).ctrl));
   if (found) t_.resolve(part, 0, st);
   return false;
 }
@@ -485,22 +517,22 @@ bool FrameReceiver::on_error(const std::shared_ptr<TcpConn>& c) {
 // ---------------------------------------------------------------- payloads
 
 Status FrameReceiver::begin_staged_rx(TcpConn& c, int device) {
-  if (!c.rx.pipe) {
+  if (!rx(c).pipe) {
     PDKV_ASSIGN_OR_RETURN(auto st, t_.staging().stager());
-    c.rx.pipe = std::make_unique<cuda::ScatterPipe>(std::move(st));
+    rx(c).pipe = std::make_unique<cuda::ScatterPipe>(std::move(st));
   }
-  PDKV_RETURN_IF_ERROR(c.rx.pipe->begin(device, c.rx.dst, c.rx.ndst, c.rx.remaining));
-  c.rx.staged = true;
+  PDKV_RETURN_IF_ERROR(rx(c).pipe->begin(device, rx(c).dst, rx(c).ndst, rx(c).remaining));
+  rx(c).staged = true;
   return Status::Ok();
 }
 
 void FrameReceiver::staged_rx_failed(const std::shared_ptr<TcpConn>& c, const Status& st) {
-  const FrameHeader h = c->rx.cur;
-  c->rx.staged = false;
-  c->rx.pipe->abandon();
+  const FrameHeader h = rx(c).cur;
+  rx(c).staged = false;
+  rx(c).pipe->abandon();
   if (static_cast<FrameType>(h.type) == FrameType::kWrite) {
     t_.fail_conn_locked(
-        c, Status(st.code(), "copying the payload from " + c->desc + " into device memory failed: " + st.message()),
+        c, Status(st.code(), "copying the payload from " + c->desc() + " into device memory failed: " + st.message()),
         h.xfer_id, h.batch);
   } else {
     // The rest of the payload is unread: the stream cannot be resynchronized.
@@ -509,15 +541,15 @@ void FrameReceiver::staged_rx_failed(const std::shared_ptr<TcpConn>& c, const St
 }
 
 void FrameReceiver::on_payload_done(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader& h = c->rx.cur;
-  c->rx.stage = RxStage::kHeader;
+  const FrameHeader& h = rx(c).cur;
+  rx(c).stage = RxStage::kHeader;
   set_lowat(*c, 1);
   Status staged;
-  if (c->rx.staged) {
-    c->rx.staged = false;
-    staged = c->rx.pipe->finish();  // every byte reached the device before the ack
+  if (rx(c).staged) {
+    rx(c).staged = false;
+    staged = rx(c).pipe->finish();  // every byte reached the device before the ack
     if (!staged.ok() && static_cast<FrameType>(h.type) == FrameType::kWrite) {
-      t_.fail_conn_locked(c, Status(staged.code(), "copying the payload from " + c->desc +
+      t_.fail_conn_locked(c, Status(staged.code(), "copying the payload from " + c->desc() +
                                                        " into device memory failed: " + staged.message()),
                           h.xfer_id, h.batch);
       return;
@@ -527,23 +559,23 @@ void FrameReceiver::on_payload_done(const std::shared_ptr<TcpConn>& c) {
   // Read response complete.
   PendingPart part;
   const bool found = c->take_pending(h.xfer_id, h.batch, &part);
-  c->rx.read_part = PendingPart{};
-  c->rx.dst = nullptr;
+  rx(c).read_part = PendingPart{};
+  rx(c).dst = nullptr;
   if (found)
     t_.resolve(part, staged.ok() ? part.bytes : 0, staged.with_context("copying a read response into device memory"));
 }
 
 // The payload of a write is in place (or discarded): release it and acknowledge.
 void FrameReceiver::write_landed(const std::shared_ptr<TcpConn>& c) {
-  const FrameHeader& h = c->rx.cur;
-  c->rx.pins.clear();
-  c->rx.gens.reset();  // landed: a bump of these blocks may return now
-  c->rx.dst_own.clear();
-  const Status reject = std::move(c->rx.reject);
-  c->rx.reject = Status::Ok();
+  const FrameHeader& h = rx(c).cur;
+  rx(c).pins.clear();
+  rx(c).gens.reset();  // landed: a bump of these blocks may return now
+  rx(c).dst_own.clear();
+  const Status reject = std::move(rx(c).reject);
+  rx(c).reject = Status::Ok();
   if (!reject.ok()) return reply(c, failed_ack(h, reject));  // discarded: no notification
   if (h.flags & kFlagNotif)
-    t_.hooks()->deliver_notification(Notification{c->peer_name, c->rx.ctrl.substr(c->rx.notif_off)});
+    t_.hooks()->deliver_notification(Notification{c->peer_name(), rx(c).ctrl.substr(rx(c).notif_off)});
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
   m->finalize();

@@ -5,7 +5,8 @@
 // A frame arrives in up to three stages (conn.h RxStage): the 40-byte header, which
 // frame.h's check_header() validates for this connection's role and phase before
 // anything is allocated; the control bytes (extent descriptors and aux); and the
-// payload, which is received straight into the destination extents (host memory),
+// payload, which is received straight into the destination extents (host memory;
+// small extents through a landing chunk, see out_msg.h),
 // into pinned buffers that are copied to the GPU as they fill (device memory,
 // device_staging.h), or into scratch memory when the write is refused. A payload's
 // last recvmsg also picks up the next header.
@@ -14,8 +15,11 @@
 // problem (fail_conn_locked); a refused part of a valid request (stale block
 // generations) is answered with a failed ack and the connection stays.
 //
-// Thread safety: every function runs with the connection's rx_mu held (the owner
-// thread, or a caller driving its own transfer).
+// Ownership: the receive state of every connection (conn.h RxState) is this class's;
+// nothing else reads or writes it.
+//
+// Thread safety: every function runs with the connection's receive lock held
+// (TcpConn::lock_rx: the owner thread, or a caller driving its own transfer).
 #pragma once
 
 #include <sys/uio.h>
@@ -37,7 +41,7 @@ class ProgressThread;
 
 class FrameReceiver {
  public:
-  FrameReceiver(TcpTransport& t, ProgressThread& owner) : t_(t), owner_(owner) {}
+  explicit FrameReceiver(TcpTransport& t) : t_(t) {}
 
   // Reads c until the socket is empty, the connection is closed or paused, or a
   // fairness budget is spent; acts on every frame completed. Returns the bytes read.
@@ -61,6 +65,13 @@ class FrameReceiver {
   ssize_t read_control(const std::shared_ptr<TcpConn>& c, bool* stop);
   ssize_t read_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);
   ssize_t read_staged_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);
+  ssize_t read_landed_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);
+  // Moves the payload cursor `n` bytes through the destination extents, copying them
+  // from `from` on the way (landed payloads) unless it is null.
+  static void advance_dst(RxState& st, uint64_t n, const char* from);
+  // `took` payload bytes (and `extra` bytes of the next header) arrived: finishes the
+  // payload when it is complete.
+  void payload_received(const std::shared_ptr<TcpConn>& c, uint64_t took, uint64_t extra, bool* stop);
 
   // A full header is in c->hdr: validates it and sets up the next stage. False when
   // the connection was failed.
@@ -91,8 +102,11 @@ class FrameReceiver {
   void set_lowat(TcpConn& c, int v);
   void reply(const std::shared_ptr<TcpConn>& c, std::unique_ptr<OutMsg> m);
 
+  // The connection's receive state: this class's alone (conn.h RxAccess).
+  static RxState& rx(TcpConn& c) { return c.rx_state(RxAccess()); }
+  static RxState& rx(const std::shared_ptr<TcpConn>& c) { return rx(*c); }
+
   TcpTransport& t_;
-  ProgressThread& owner_;
 };
 
 }  // namespace pdkv::tcp

@@ -140,11 +140,19 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
     if (cur.count) p->batches.push_back(cur);
     cur = TcpBatch{static_cast<uint32_t>(p->descs.size()), 0, 0};
   };
+  // A batch of small extents is gathered into one segment (out_msg.h), so it is not
+  // bound by the iovec limit behind batch_extents: it may grow to kMaxGatherExtents.
+  // Staged (device) batches go through one pinned buffer either way.
+  auto batch_full = [&] {
+    if (cur.count == 0) return false;
+    if (cur.count < opts_.batch_extents) return false;
+    return p->staged || !gathers(cur.bytes, cur.count) || cur.count >= kMaxGatherExtents;
+  };
   for (const auto& e : extents) {
     uint64_t off = 0;
     while (off < e.len) {
       uint64_t room = batch_bytes - cur.bytes;
-      if (room == 0 || cur.count == opts_.batch_extents) {
+      if (room == 0 || batch_full()) {
         close_batch();
         room = batch_bytes;
       }
@@ -200,9 +208,9 @@ Result<std::shared_ptr<PeerConns>> TcpTransport::peer_conns(const std::shared_pt
 
 void TcpTransport::request_kills(const std::vector<std::shared_ptr<TcpConn>>& cs, const Status& why) {
   for (auto& c : cs)
-    if (c && c->owner) {
+    if (c && c->owner()) {
       c->set_kill_reason(why);
-      c->owner->request_kill(c);
+      c->owner()->request_kill(c);
     }
 }
 
@@ -218,13 +226,11 @@ Result<std::shared_ptr<TcpConn>> TcpTransport::get_conn(PeerConns& pc, uint32_t 
                                                 pc.peer->secret},
                              opts_.connect_timeout_s, &name));
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
-  auto conn = std::make_shared<TcpConn>(fd.release(), true, "peer '" + pc.peer->md.name + "' at " + pc.hp.str());
-  conn->peer_name = name;
-  conn->authed = true;
-  conn->slot = slot;
-  conn->pc = pc.weak_from_this();
+  ProgressThread* owner = pick_thread();
+  auto conn = TcpConn::dialled(fd.release(), owner, "peer '" + pc.peer->md.name + "' at " + pc.hp.str(), name,
+                               pc.weak_from_this(), slot);
   c = conn;
-  pick_thread()->add(conn, false);
+  owner->add(conn, false);
   return conn;
 }
 
@@ -267,7 +273,7 @@ Result<std::string> TcpTransport::fetch_metadata(const std::string& address, std
 // ---------------------------------------------------------------- connection teardown
 
 void TcpTransport::kill(const std::shared_ptr<TcpConn>& c, const Status& why, uint64_t culprit) {
-  std::lock_guard<std::mutex> rl(c->rx_mu);  // the receive state is reset
+  auto rl = c->lock_rx();  // the receive state is reset
   kill_locked(c, why, culprit);
 }
 
@@ -275,40 +281,26 @@ void TcpTransport::kill_locked(const std::shared_ptr<TcpConn>& c, const Status& 
   std::unordered_map<uint64_t, PendingPart> pend;
   std::deque<std::unique_ptr<OutMsg>> sq;
   if (!c->retire(&pend, &sq)) return;
-  ProgressThread* owner = c->owner;
-  if (owner) {
-    owner->watch(c->tx_blocked, false);
-    owner->watch(c->rx_mid, false);
-    if (!c->authed && !c->outbound) owner->slow_end();  // handshake over
-  }
-  c->rx.abandon();  // no device copy may land after this
-  if (auto pc = c->pc.lock()) {
-    std::lock_guard<std::mutex> lk(pc->mu);
-    if (c->slot < pc->conns.size() && pc->conns[c->slot] == c) pc->conns[c->slot].reset();
-  }
+  c->abandon_rx();  // no device copy may land after this
+  c->leave_slot();
   if (why.code() != StatusCode::kOk && !why.message().empty() && why.code() != StatusCode::kConnectionError)
-    PDKV_LOG_DEBUG("connection to %s closed: %s", c->desc.c_str(), why.to_string().c_str());
+    PDKV_LOG_DEBUG("connection to %s closed: %s", c->desc().c_str(), why.to_string().c_str());
   sq.clear();  // releases pins of unsent read responses
   for (auto& [k, part] : pend) {
     Status st = why;
     if (culprit && part.post->xfer->id() != culprit && why.code() == StatusCode::kTimeout)
-      st = ConnectionError("connection to " + c->desc + " was closed because transfer " + std::to_string(culprit) +
+      st = ConnectionError("connection to " + c->desc() + " was closed because transfer " + std::to_string(culprit) +
                            " on it timed out");
     resolve(part, 0, st);
   }
-  if (owner && c->fd >= 0) {
-    // Stop reading and writing; linger briefly so an error frame we sent is read
-    // before the peer sees a reset.
-    ::shutdown(c->fd, SHUT_WR);
-    c->draining = true;
-    c->hs_deadline = util::deadline_after(0.5);
-    owner->slow_begin();  // until drained
-  }
+  // Stop reading and writing; linger briefly so an error frame we sent is read
+  // before the peer sees a reset.
+  c->start_draining(std::chrono::milliseconds(500));
 }
 
 void TcpTransport::fail_conn_locked(const std::shared_ptr<TcpConn>& c, const Status& st, uint64_t xfer,
                                     uint32_t batch) {
-  log_rejected("closing " + c->desc + ": " + st.to_string());
+  log_rejected("closing " + c->desc() + ": " + st.to_string());
   OutMsg m = error_frame(st, xfer, batch);
   c->send_if_idle(m);  // best effort: tell the peer why, unless output is already queued
   kill_locked(c, st);
@@ -407,7 +399,7 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
   m->keep = prep;
   m->finalize();
   if (!conn->track(std::move(part), xfer->id())) {
-    resolve(PendingPart{post, i, b.bytes}, 0, ConnectionError("connection to " + conn->desc + " closed"));
+    resolve(PendingPart{post, i, b.bytes}, 0, ConnectionError("connection to " + conn->desc() + " closed"));
     return;
   }
   if (nb == 1 && !prep->staged) {
@@ -419,8 +411,8 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
       if (auto c = wc.lock()) drive(c, x, deadline, spin_us);
     });
   }
-  conn->owner->enqueue(conn, std::move(m));
-  conn->owner->wake_if_idle();  // so it spins for the ack and enforces the deadline
+  conn->owner()->enqueue(conn, std::move(m));
+  conn->owner()->wake_if_idle();  // so it spins for the ack and enforces the deadline
 }
 
 void TcpTransport::stage_and_send(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot) {
@@ -473,8 +465,8 @@ void TcpTransport::send_separate_notify(const std::shared_ptr<TcpPost>& p) {
     spi::TransferControl(p->xfer).resolve_part(0, ConnectionError("connection to peer '" + p->pc->peer->md.name + "' closed"));
     return;
   }
-  (*conn)->owner->enqueue(*conn, std::move(m));
-  (*conn)->owner->wake_if_idle();
+  (*conn)->owner()->enqueue(*conn, std::move(m));
+  (*conn)->owner()->wake_if_idle();
 }
 
 void TcpTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
@@ -509,15 +501,15 @@ void TcpTransport::cancel(const std::shared_ptr<TcpPost>& p) {
 
 void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::time_point deadline,
                          uint32_t spin_us) {
-  std::unique_lock<std::mutex> rl(c->rx_mu, std::try_to_lock);
-  if (!rl || c->fd < 0 || c->draining) return;
+  auto rl = c->try_lock_rx();
+  if (!rl || !c->open()) return;
   if (!c->set_driven(true)) return;  // the owner thread stops watching EPOLLIN while we read
   deadline = std::min(deadline, x.deadline());
   const auto spin_end = Clock::now() + std::chrono::microseconds(spin_us);
-  while (!x.terminal() && c->fd >= 0 && !c->draining) {
+  while (!x.terminal() && c->open()) {
     const auto now = Clock::now();
     if (now >= deadline) break;
-    Status stalled = c->owner->frame_stalled(*c, now);
+    Status stalled = c->owner()->frame_stalled(*c, now);
     if (!stalled.ok()) {
       kill_locked(c, stalled);
       break;
@@ -529,9 +521,9 @@ void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1;
       timeout = static_cast<int>(std::min<int64_t>(left, 10));
     }
-    pollfd pf{c->fd, POLLIN | POLLRDHUP, 0};
+    pollfd pf{c->fd(), POLLIN | POLLRDHUP, 0};
     const int r = ::poll(&pf, 1, timeout);
-    if (r > 0) c->owner->on_readable(c);
+    if (r > 0) c->owner()->on_readable(c);
   }
   c->set_driven(false);
 }

@@ -75,12 +75,12 @@ class TcpTransport final : public Transport {
 
   // Retires c once: resolves its pending parts with `why` (other transfers than
   // `culprit` of a timeout get a ConnectionError naming it), drops its queued
-  // output, frees its slot and lets the socket drain. kill() takes c->rx_mu;
+  // output, frees its slot and lets the socket drain. kill() takes c's receive lock;
   // kill_locked() expects the caller to hold it.
   void kill(const std::shared_ptr<TcpConn>& c, const Status& why, uint64_t culprit = 0);
   void kill_locked(const std::shared_ptr<TcpConn>& c, const Status& why, uint64_t culprit = 0);
   // Sends an error frame (best effort, only if no output is queued), then
-  // kill_locked(). Caller holds c->rx_mu.
+  // kill_locked(). Caller holds c's receive lock.
   void fail_conn_locked(const std::shared_ptr<TcpConn>& c, const Status& st, uint64_t xfer = 0, uint32_t batch = 0);
   // Resolves one part of a posted transfer; sends its separate notification once
   // the last data part succeeded.
