@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -93,11 +94,17 @@ def test_hetero_against_a_served_target(mode):
     """--serve --hetero on one side, --target on the other (as across hosts); a target
     started for another spec is refused with both geometries named."""
     env = dict(os.environ, PDKV_LOG="error")
+    errors = tempfile.TemporaryFile(mode="w+")
     serve = subprocess.Popen([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--serve", "--hetero", "tp4:tp2",
                               "--hetero-mode", mode, "--listen", "127.0.0.1:0", "--blocks", "8"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                             stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
     try:
-        address = json.loads(serve.stdout.readline())["address"]
+        line = serve.stdout.readline()
+        if not line.startswith("{"):  # the target did not start: show why
+            serve.wait(30)
+            errors.seek(0)
+            pytest.fail(f"the --serve target printed {line!r} (exit {serve.returncode}); stderr:\n{errors.read()[-3000:]}")
+        address = json.loads(line)["address"]
         (r,) = rows_of(run_hetero("--target", address, "--hetero", "tp4:tp2", "--hetero-mode", mode,
                                   "--payload", "2M"))
         assert r["verified"] is True and r["mode"] == mode
@@ -108,3 +115,4 @@ def test_hetero_against_a_served_target(mode):
         serve.terminate()
         serve.wait(30)
         serve.stdout.close()
+        errors.close()

@@ -143,6 +143,27 @@ size_t ShmTransport::pending_conns() {
   return n;
 }
 
+size_t ShmTransport::reap_hung_up_pending() {
+  // A burst of connections whose dialers already gave up (a peer that was frozen with a
+  // full backlog, then resumed) is accepted in one go, before any of their EOFs is read:
+  // without this they would fill the handshake slots and refuse the live dial behind them.
+  std::vector<std::shared_ptr<ShmConn>> pending;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [p, c] : conns_)
+      if (!c->outbound() && !c->authed()) pending.push_back(c);
+  }
+  size_t reaped = 0;
+  for (auto& c : pending) {
+    pollfd p{c->fd(), POLLRDHUP, 0};
+    if (::poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+      kill(c, ConnectionError("the dialer closed the connection before its hello"));
+      ++reaped;
+    }
+  }
+  return reaped;
+}
+
 void ShmTransport::accept_all() {
   for (;;) {
     int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -158,7 +179,7 @@ void ShmTransport::accept_all() {
     ucred cr{};
     socklen_t len = sizeof cr;
     ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len);
-    if (pending_conns() >= kMaxPendingConns) {
+    if (pending_conns() >= kMaxPendingConns && (reap_hung_up_pending() == 0 || pending_conns() >= kMaxPendingConns)) {
       ::close(fd);
       log_refusal(ResourceExhausted("closed a connection from local process " + std::to_string(cr.pid) + ": " +
                                     std::to_string(kMaxPendingConns) + " connections are already handshaking"));

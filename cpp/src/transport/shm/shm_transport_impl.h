@@ -89,6 +89,9 @@ class ShmTransport final : public Transport {
   void check_deadlines();
   void accept_all();
   size_t pending_conns();
+  // Kills pending (not yet authenticated) inbound connections whose dialer hung up;
+  // returns how many.
+  size_t reap_hung_up_pending();
   void on_readable(const std::shared_ptr<ShmConn>& c);
   void drain_control(const std::shared_ptr<ShmConn>& c);
   void handle_frame(const std::shared_ptr<ShmConn>& c);
