@@ -1,0 +1,169 @@
+"""Serving pools from etcd: workers register, proxies route to what is registered,
+a worker added under load enters rotation, one drained under load leaves it, and no
+request is lost or changed (greedy outputs equal ``generate``). Each test runs its own
+etcd; skipped without the etcd binary."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("aiohttp")
+
+from pdkv.discovery import Registry  # noqa: E402
+from pdkv.discovery_etcd import EtcdServer, etcd_binary  # noqa: E402
+from pdkv.errors import InvalidArgument  # noqa: E402
+from pdkv.serving.proxy import ProxyConfig  # noqa: E402
+from servers import Stack, completion_ids, get, post, tiny  # noqa: E402, F401 (tiny: a fixture)
+
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (apt-get install etcd-server)")
+
+TTL = 2
+
+
+@pytest.fixture
+def etcd():
+    server = EtcdServer()
+    server.start()
+    yield server
+    server.close()
+
+
+def rotation(proxy: str) -> dict[str, dict]:
+    """The proxy's workers by URL (from /health)."""
+    return {w["url"]: w for w in json.loads(get(proxy + "/health")[1])["workers"]}
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting until {what}"
+        time.sleep(0.1)
+
+
+class Load:
+    """Clients sending the tiny prompts through ``proxies`` in turn until stopped;
+    records every request's output (or failure) once."""
+
+    def __init__(self, tiny, proxies: list[str], clients: int = 3) -> None:
+        self.tiny, self.proxies = tiny, proxies
+        self.results: list[tuple[int, list[int] | str]] = []  # (prompt index, output or error)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._client, args=(c,)) for c in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _client(self, c: int) -> None:
+        n = c
+        while not self._stop.is_set():
+            i = n % len(self.tiny.prompts)
+            proxy = self.proxies[n % len(self.proxies)]
+            try:
+                out: list[int] | str = completion_ids(proxy, self.tiny.name, self.tiny.prompts[i])[0]
+            except AssertionError as e:
+                out = f"failed: {e}"
+            with self._lock:
+                self.results.append((i, out))
+            n += 1
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.results)
+
+    def stop(self) -> list[tuple[int, list[int] | str]]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+        return self.results
+
+
+def test_proxy_config_takes_a_registry_instead_of_urls():
+    cfg = ProxyConfig(mode="disagg", registry="etcd://127.0.0.1:2379")
+    assert cfg.prefill == () and cfg.decode == ()
+    with pytest.raises(InvalidArgument, match="etcd://host:port"):
+        ProxyConfig(mode="disagg", registry="http://127.0.0.1:2379")
+    with pytest.raises(InvalidArgument, match="decode"):
+        ProxyConfig(mode="disagg")
+
+
+def test_two_proxies_route_the_same_registered_pool(tiny, etcd):
+    s = Stack()
+    try:
+        reg = dict(registry=etcd.url, registry_ttl=TTL)
+        pre = s.worker(tiny, "prefill", **reg)
+        dec = s.worker(tiny, "decode", **reg)
+        workers = Registry(etcd.url).list("workers")[0]
+        assert sorted((w["role"], w["url"], w["model"], w["state"]) for w in workers.values()) == \
+            [("decode", dec, tiny.name, "serving"), ("prefill", pre, tiny.name, "serving")]
+        assert all(w["capacity_tokens"] > 0 and "in_flight" in w["load"] for w in workers.values())
+        p1 = s.proxy("disagg", decode=[], registry=etcd.url)
+        p2 = s.proxy("disagg", decode=[], registry=etcd.url)
+        for proxy in (p1, p2):
+            assert set(rotation(proxy)) == {pre, dec}
+            for prompt, ref in zip(tiny.prompts, tiny.refs):
+                ids, stats = completion_ids(proxy, tiny.name, prompt)
+                assert ids == ref
+        assert all(w["served"] > 0 for p in (p1, p2) for w in rotation(p).values())
+    finally:
+        s.close()
+
+
+def test_worker_that_stops_refreshing_leaves_rotation(tiny, etcd):
+    s = Stack()
+    try:
+        a = s.worker(tiny, "colocated", registry=etcd.url, registry_ttl=TTL)
+        b = s.worker(tiny, "colocated", registry=etcd.url, registry_ttl=TTL)
+        proxy = s.proxy("colocated", decode=[], registry=etcd.url)
+        wait_for(lambda: set(rotation(proxy)) == {a, b}, 10, "both workers are in rotation")
+        # b's lease is no longer kept alive (a frozen or partitioned worker): it expires.
+        s.workers[b].registration._publication.close(delete=False)
+        wait_for(lambda: set(rotation(proxy)) == {a}, TTL + 5, "the expired worker left rotation")
+        for prompt, ref in zip(tiny.prompts, tiny.refs):
+            assert completion_ids(proxy, tiny.name, prompt)[0] == ref
+    finally:
+        s.close()
+
+
+def test_worker_added_and_drained_under_load_loses_nothing(tiny, etcd):
+    s = Stack()
+    load = None
+    try:
+        reg = dict(registry=etcd.url, registry_ttl=TTL)
+        pre = s.worker(tiny, "prefill", **reg)
+        d1 = s.worker(tiny, "decode", **reg)
+        p1 = s.proxy("disagg", decode=[], registry=etcd.url)
+        p2 = s.proxy("disagg", decode=[], registry=etcd.url)
+        load = Load(tiny, [p1, p2])
+        wait_for(lambda: load.count() >= 5, 60, "the load runs")
+        # Scale up: a second decode worker registers and both proxies route to it.
+        d2 = s.worker(tiny, "decode", **reg)
+        wait_for(lambda: all(rotation(p).get(d2, {}).get("served", 0) > 0 for p in (p1, p2)), 60,
+                 "both proxies routed requests to the added worker")
+        assert all(rotation(p)[d1]["served"] > 0 for p in (p1, p2))
+        # Scale down: drain the first decode worker under load.
+        status, state = post(d1 + "/pd/drain", {})
+        assert status == 200 and state["state"] == "draining"
+        wait_for(lambda: all(d1 not in rotation(p) for p in (p1, p2)), 10, "the draining worker left rotation")
+        wait_for(lambda: json.loads(get(d1 + "/pd/drain")[1])["state"] == "drained", 60, "the drain finished")
+        assert d1 not in {w["url"] for w in Registry(etcd.url).list("workers")[0].values()}
+        s.stop(d1)
+        before = load.count()
+        wait_for(lambda: load.count() >= before + 5, 60, "the load continues without the drained worker")
+        results = load.stop()
+        load = None
+        failed = [r for r in results if isinstance(r[1], str)]
+        assert not failed, failed[:3]
+        wrong = [(i, out) for i, out in results if out != tiny.refs[i]]
+        assert not wrong, wrong[:3]
+        served = {url: w["served"] for p in (p1, p2) for url, w in rotation(p).items()}
+        assert served[d2] > 0 and served[pre] > 0
+    finally:
+        if load is not None:
+            load.stop()
+        s.close()
