@@ -191,3 +191,17 @@ def test_watch_reports_puts_expiry_and_resync(etcd):
     finally:
         w.close()
     assert json.dumps(seen) == "{}"
+
+
+def test_name_resolved_to_an_address_another_agent_took_is_not_found(etcd):
+    with pdkv.Agent("probe") as probe:
+        listen = probe.address
+    gone = agent("decode-0", etcd, listen=listen)
+    gone._publication.close(delete=False)  # dies without revoking: its key outlives it
+    gone._publication = None
+    gone.close()
+    with pdkv.Agent("imposter", secret=SECRET, transports=["tcp"], listen=listen), agent("prefill-0", etcd) as b:
+        assert b.registry.lookup_agent("decode-0")["address"] == listen
+        with pytest.raises(pdkv.NotFound, match="'decode-0' is registered at .* another agent answers"):
+            b.connect("decode-0")
+        assert "decode-0" not in b.peers and "imposter" not in b.peers

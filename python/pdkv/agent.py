@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Iterable, Seque
 
 from . import _native, _validate
 from . import transport as _transport
-from .errors import InvalidArgument, OutOfRange, PdkvError, error_class
+from .errors import InvalidArgument, NotFound, OutOfRange, PdkvError, error_class
 from .layout import KVLayout, _describe_memory
 from .xfer_state import XferState, from_native as _state
 
@@ -813,9 +813,13 @@ class Agent:
         """Fetches the metadata of the agent at ``address`` and adds it; returns its name.
         With a registry, ``address`` may be a registered agent name (no ``:``): it is
         looked up in etcd (NotFound when absent, PeerConnectionError when etcd is down)."""
+        wanted = None
         if self._registry is not None and ":" not in _validate.text(address, "address"):
-            address = self._registry.lookup_agent(address)["address"]
+            wanted, address = address, self._registry.lookup_agent(address)["address"]
         md = self.fetch_metadata(address, secret=secret, timeout=timeout)
+        if wanted is not None and _native.module().decode_metadata(md)["name"] != wanted:
+            raise NotFound(f"agent {wanted!r} is registered at {address}, but another agent answers there "
+                           "(it went away; its registration expires with its lease)")
         host = address.rsplit(":", 1)[0].strip("[]")
         return self.add_peer(md, secret=secret, transport=transport, via_host=host)
 

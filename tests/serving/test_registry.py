@@ -92,6 +92,32 @@ def test_proxy_config_takes_a_registry_instead_of_urls():
         ProxyConfig(mode="disagg")
 
 
+def test_registrations_enter_and_leave_rotation_by_id():
+    """The proxy's reaction to registry changes, without etcd: URLs follow the newest
+    id (a worker restarted at the same URL), drained or removed ids leave, other roles
+    and bad URLs are ignored, configured URLs are never removed by the registry."""
+    from pdkv.serving.metrics import Registry as Metrics
+    from pdkv.serving.proxy import ProxyBackend
+
+    b = ProxyBackend(ProxyConfig(mode="disagg", decode=["http://fixed:1"], registry="etcd://127.0.0.1:1"),
+                     Metrics())
+    urls = lambda pool: [(w.url, w.registered_as) for w in pool.workers]  # noqa: E731
+    b._apply_registration("d-1", {"url": "http://h:2", "role": "decode", "state": "serving"})
+    b._apply_registration("p-1", {"url": "http://h:3/", "role": "prefill", "state": "serving"})
+    b._apply_registration("c-1", {"url": "http://h:4", "role": "colocated", "state": "serving"})
+    b._apply_registration("x-1", {"url": "ftp://h:5", "role": "decode", "state": "serving"})
+    b._apply_registration("f-1", {"url": "http://fixed:1", "role": "decode", "state": "serving"})
+    assert urls(b.decode) == [("http://fixed:1", ""), ("http://h:2", "d-1")]
+    assert urls(b.prefill) == [("http://h:3", "p-1")]
+    b._apply_registration("d-2", {"url": "http://h:2", "role": "decode", "state": "serving"})  # restarted
+    b._apply_registration("d-1", None)  # the old instance's lease expires
+    assert urls(b.decode) == [("http://fixed:1", ""), ("http://h:2", "d-2")]
+    b._apply_registration("d-2", {"url": "http://h:2", "role": "decode", "state": "draining"})
+    b._apply_registration("p-1", None)
+    b._apply_registration("f-1", None)
+    assert urls(b.decode) == [("http://fixed:1", "")] and urls(b.prefill) == []
+
+
 def test_two_proxies_route_the_same_registered_pool(tiny, etcd):
     s = Stack()
     try:

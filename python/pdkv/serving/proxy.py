@@ -250,9 +250,15 @@ class _Pool:
         return any(w.usable(now) for w in self.workers)
 
     def add(self, url: str, registered_as: str) -> bool:
-        """Puts a registered worker into rotation (False if it already is)."""
-        if any(w.url == url for w in self.workers):
-            return False
+        """Puts a registered worker into rotation (False if it already is). A worker
+        restarted at the same URL registers under a new id: the URL follows the newest
+        id, so the old id's expiry later removes nothing. Configured URLs stay as they are."""
+        for w in self.workers:
+            if w.url == url:
+                if w.registered_as and w.registered_as != registered_as:
+                    w.registered_as = registered_as
+                    w.info = None  # a new process: fetch its /pd/info again
+                return False
         self.workers = self.workers + [_Worker(url, self.role, registered_as=registered_as)]
         return True
 
