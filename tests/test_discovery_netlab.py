@@ -80,3 +80,20 @@ def test_registry_deployment_across_lab_hosts(tiny, lab, tmp_path):
         if second is not None:
             second.stop()
         etcd.close()
+
+
+def test_documented_lab_command_serves_through_both_proxies(tiny, lab):
+    """``python -m pdkv.discovery_lab --check``: its own three-host lab, etcd, 2 prefill,
+    2 decode and 2 proxies; one completion through each proxy."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PDKV_LOG": "error"}
+    p = subprocess.run([sys.executable, "-m", "pdkv.discovery_lab", "--model", str(tiny.model_dir), "--check",
+                        "--worker-args", "--block-tokens 4 --num-blocks 128 --max-num-seqs 4"],
+                       capture_output=True, text=True, env=env, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("lab ") and "(2 prefill)" in lines[0] and "(2 decode)" in lines[0]
+    assert lines[1].startswith("etcd: etcd://10.211.")
+    assert len([x for x in lines if x.startswith("proxy http://10.211.")]) == 2, p.stdout

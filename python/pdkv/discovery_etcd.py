@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Sequence
 
@@ -101,6 +102,15 @@ class EtcdServer:
         self.close()
 
 
+def _wait_for_stop() -> None:
+    """Returns on SIGINT or SIGTERM (children keep the default handling of both)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdkv.discovery_etcd", description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1", help="client and peer address (default 127.0.0.1)")
@@ -110,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = EtcdServer(args.host, args.port, args.data_dir)
     try:
         print(server.start(), flush=True)
-        signal.sigwait({signal.SIGINT, signal.SIGTERM}) if hasattr(signal, "sigwait") else server.proc.wait()
+        _wait_for_stop()
     except KeyboardInterrupt:
         pass
     finally:
@@ -119,5 +129,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     sys.exit(main())
