@@ -183,6 +183,7 @@ def test_worker_added_and_drained_under_load_loses_nothing(tiny, etcd):
         wait_for(lambda: load.count() >= before + 5, 60, "the load continues without the drained worker")
         results = load.stop()
         load = None
+        print(f"add+drain under load: {len(results)} requests through 2 proxies")
         failed = [r for r in results if isinstance(r[1], str)]
         assert not failed, failed[:3]
         wrong = [(i, out) for i, out in results if out != tiny.refs[i]]
