@@ -130,6 +130,8 @@ def test_two_proxies_route_the_same_registered_pool(tiny, etcd):
         assert all(w["capacity_tokens"] > 0 and "in_flight" in w["load"] for w in workers.values())
         p1 = s.proxy("disagg", decode=[], registry=etcd.url)
         p2 = s.proxy("disagg", decode=[], registry=etcd.url)
+        proxies = Registry(etcd.url).list("proxies")[0].values()
+        assert sorted((p["url"], p["mode"]) for p in proxies) == sorted([(p1, "disagg"), (p2, "disagg")])
         for proxy in (p1, p2):
             assert set(rotation(proxy)) == {pre, dec}
             for prompt, ref in zip(tiny.prompts, tiny.refs):

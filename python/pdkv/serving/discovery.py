@@ -120,16 +120,28 @@ class WorkerRegistration:
 
 class PoolWatch:
     """A proxy's watch of ``/pdkv/workers/``: calls ``apply(id, record or None)`` in the
-    proxy's event loop for every registration, change and removal."""
+    proxy's event loop for every registration, change and removal. :meth:`announce`
+    also registers the proxy itself under ``/pdkv/proxies/<id>`` (``url``, ``mode``)."""
 
     def __init__(self, registry: Registry, apply: Callable[[str, dict[str, Any] | None], None]) -> None:
         self.registry = registry
         self._apply = apply
         self._loop = asyncio.get_running_loop()
         self._watch: Watch = registry.watch("workers", self._from_thread)
+        self._publication: Publication | None = None
+
+    async def announce(self, url: str, mode: str) -> None:
+        record = {"url": url, "mode": mode, "pid": os.getpid()}
+        proxy_id = f"proxy-{os.getpid()}-{secrets.token_hex(3)}"
+        self._publication = await self._loop.run_in_executor(
+            None, lambda: self.registry.publish("proxies", proxy_id, lambda: record))
 
     def _from_thread(self, worker_id: str, record: dict[str, Any] | None) -> None:
         self._loop.call_soon_threadsafe(self._apply, worker_id, record)
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._watch.close)
+        loop = asyncio.get_running_loop()
+        pub, self._publication = self._publication, None
+        if pub is not None:
+            await loop.run_in_executor(None, pub.close)
+        await loop.run_in_executor(None, self._watch.close)

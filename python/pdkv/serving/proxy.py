@@ -57,7 +57,7 @@ from typing import Any, AsyncIterator, Sequence
 import aiohttp
 from aiohttp import web
 
-from pdkv.errors import InvalidArgument
+from pdkv.errors import InvalidArgument, PdkvError
 
 from ..discovery import Registry as DiscoveryRegistry
 from ..discovery import parse_registry_url
@@ -1063,6 +1063,11 @@ class Proxy:
         except BaseException:
             await self.backend.close()
             raise
+        if self.backend._pool_watch is not None:
+            try:
+                await self.backend._pool_watch.announce(self.url, self.config.mode.value)
+            except PdkvError as e:  # etcd away: serve anyway (the watch retries); only the listing lacks us
+                log.warning("proxy not registered in %s: %s", self.config.registry, e)
         log.info("proxy (%s) serving on %s", self.config.mode.value, self.url)
         return self.url
 
