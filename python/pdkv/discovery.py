@@ -23,7 +23,6 @@ import json
 import logging
 import socket
 import threading
-import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -247,6 +246,10 @@ class Publication:
                 if str(e) != self.last_error:
                     log.warning("keeping %s alive: %s", self.key, e)
                 self.last_error = str(e)
+            except Exception as e:  # noqa: BLE001 - a failing value() must not end the refreshes
+                if str(e) != self.last_error:
+                    log.exception("keeping %s alive", self.key)
+                self.last_error = str(e)
 
     def close(self, *, delete: bool = True) -> None:
         """Stops refreshing; ``delete``: revoke the lease now (else the key lives out its TTL)."""
@@ -408,12 +411,3 @@ def resolve(registry: "Registry | str | None") -> Registry | None:
         return registry
     return Registry(registry)
 
-
-def wait_until(pred: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
-    """Polls ``pred`` until true or ``timeout`` seconds passed."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
