@@ -20,7 +20,6 @@ from kvpools import Pool, PoolSpec
 from pdkv.discovery import Registry, parse_registry_url
 from pdkv.discovery_etcd import EtcdServer, etcd_binary
 
-pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (apt-get install etcd-server)")
 
 SPEC = PoolSpec(layers=2, blocks=16, block_tokens=4, heads=2, head_dim=8, dtype="float16")
 TTL = 2
@@ -28,6 +27,9 @@ TTL = 2
 
 @pytest.fixture
 def etcd():
+    """A fresh etcd on a free 127.0.0.1 port (tests that use it skip without the binary)."""
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary (apt-get install etcd-server, or set PDKV_ETCD)")
     server = EtcdServer()
     server.start()
     yield server

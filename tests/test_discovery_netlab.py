@@ -26,7 +26,7 @@ from pdkv.serving.launch import Deployment, ServerProcess  # noqa: E402
 from servers import completion_ids, get, tiny  # noqa: E402, F401 (tiny: a fixture)
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow,
-              pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (apt-get install etcd-server)")]
+              pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (apt-get install etcd-server, or set PDKV_ETCD)")]
 
 HOSTS = {"prefill": "h1", "decode": "h2", "proxy": "h3"}
 

@@ -26,8 +26,8 @@ __all__ = ["EtcdServer", "etcd_binary"]
 
 
 def etcd_binary() -> str | None:
-    """Path of the ``etcd`` server binary (``PDKV_ETCD`` overrides), or None."""
-    return os.environ.get("PDKV_ETCD") or shutil.which("etcd")
+    """Path of the ``etcd`` server binary (``PDKV_ETCD`` names another one), or None."""
+    return shutil.which(os.environ.get("PDKV_ETCD") or "etcd")
 
 
 def _free_port(host: str) -> int:
