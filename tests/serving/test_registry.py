@@ -160,31 +160,41 @@ def test_worker_that_stops_refreshing_leaves_rotation(tiny, etcd):
         s.close()
 
 
-def test_worker_added_and_drained_under_load_loses_nothing(tiny, etcd):
+def drain(worker: str, proxies: list[str], etcd) -> None:
+    """Drains ``worker`` and waits until it left every proxy's rotation and the registry."""
+    status, state = post(worker + "/pd/drain", {})
+    assert status == 200 and state["state"] == "draining"
+    wait_for(lambda: all(worker not in rotation(p) for p in proxies), 10, f"{worker} left rotation")
+    wait_for(lambda: json.loads(get(worker + "/pd/drain")[1])["state"] == "drained", 60, f"{worker} drained")
+    assert worker not in {w["url"] for w in Registry(etcd.url).list("workers")[0].values()}
+
+
+def test_workers_added_and_drained_under_load_lose_nothing(tiny, etcd):
+    """Scale-up and scale-down of both roles under load from two proxies: a prefill and a
+    decode worker are added (both proxies route to them), then the first ones are
+    drained and stopped. Every request is answered once with the reference output."""
     s = Stack()
     load = None
     try:
         reg = dict(registry=etcd.url, registry_ttl=TTL)
-        pre = s.worker(tiny, "prefill", **reg)
+        pre1 = s.worker(tiny, "prefill", **reg)
         d1 = s.worker(tiny, "decode", **reg)
-        p1 = s.proxy("disagg", decode=[], registry=etcd.url)
-        p2 = s.proxy("disagg", decode=[], registry=etcd.url)
-        load = Load(tiny, [p1, p2])
+        proxies = [s.proxy("disagg", decode=[], registry=etcd.url) for _ in range(2)]
+        load = Load(tiny, proxies)
         wait_for(lambda: load.count() >= 5, 60, "the load runs")
-        # Scale up: a second decode worker registers and both proxies route to it.
+        # Scale up: a second worker of each role registers; both proxies route to them.
+        pre2 = s.worker(tiny, "prefill", **reg)
         d2 = s.worker(tiny, "decode", **reg)
-        wait_for(lambda: all(rotation(p).get(d2, {}).get("served", 0) > 0 for p in (p1, p2)), 60,
-                 "both proxies routed requests to the added worker")
-        assert all(rotation(p)[d1]["served"] > 0 for p in (p1, p2))
-        # Scale down: drain the first decode worker under load.
-        status, state = post(d1 + "/pd/drain", {})
-        assert status == 200 and state["state"] == "draining"
-        wait_for(lambda: all(d1 not in rotation(p) for p in (p1, p2)), 10, "the draining worker left rotation")
-        wait_for(lambda: json.loads(get(d1 + "/pd/drain")[1])["state"] == "drained", 60, "the drain finished")
-        assert d1 not in {w["url"] for w in Registry(etcd.url).list("workers")[0].values()}
-        s.stop(d1)
+        for new in (pre2, d2):
+            wait_for(lambda: all(rotation(p).get(new, {}).get("served", 0) > 0 for p in proxies), 60,
+                     f"both proxies routed requests to {new}")
+        assert all(rotation(p)[w]["served"] > 0 for p in proxies for w in (pre1, d1))
+        # Scale down under load: drain the first worker of each role, then stop it.
+        for old in (d1, pre1):
+            drain(old, proxies, etcd)
+            s.stop(old)
         before = load.count()
-        wait_for(lambda: load.count() >= before + 5, 60, "the load continues without the drained worker")
+        wait_for(lambda: load.count() >= before + 5, 60, "the load continues on the added workers")
         results = load.stop()
         load = None
         print(f"add+drain under load: {len(results)} requests through 2 proxies")
@@ -192,8 +202,7 @@ def test_worker_added_and_drained_under_load_loses_nothing(tiny, etcd):
         assert not failed, failed[:3]
         wrong = [(i, out) for i, out in results if out != tiny.refs[i]]
         assert not wrong, wrong[:3]
-        served = {url: w["served"] for p in (p1, p2) for url, w in rotation(p).items()}
-        assert served[d2] > 0 and served[pre] > 0
+        assert set(rotation(proxies[0])) == set(rotation(proxies[1])) == {pre2, d2}
     finally:
         if load is not None:
             load.stop()
