@@ -94,6 +94,17 @@ def test_proxy_config_takes_a_registry_instead_of_urls():
         ProxyConfig(mode="disagg")
 
 
+def test_worker_config_checks_its_registry_before_anything_loads():
+    from pdkv.serving.engine import EngineConfig
+    from pdkv.serving.worker import WorkerConfig
+
+    eng = EngineConfig(num_blocks=8)
+    with pytest.raises(InvalidArgument, match="etcd://host:port"):
+        WorkerConfig(role="decode", engine=eng, model_name="m", registry="127.0.0.1:2379")
+    with pytest.raises(InvalidArgument, match="ttl must be an integer >= 2"):
+        WorkerConfig(role="decode", engine=eng, model_name="m", registry="etcd://127.0.0.1:2379", registry_ttl=1)
+
+
 def test_registrations_enter_and_leave_rotation_by_id():
     """The proxy's reaction to registry changes, without etcd: URLs follow the newest
     id (a worker restarted at the same URL), drained or removed ids leave, other roles

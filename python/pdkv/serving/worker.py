@@ -131,6 +131,7 @@ class WorkerConfig:
         capacity, load) with a lease of ``registry_ttl`` seconds, and serve ``/pd/drain``
         (see :mod:`pdkv.serving.discovery`, docs/discovery.md).
     registry_ttl : int
+        Seconds a registration outlives the worker's last refresh (>= 2).
     """
 
     role: WorkerRole
@@ -169,6 +170,8 @@ class WorkerConfig:
                                                    or isinstance(self.debug_error_after, bool)
                                                    or self.debug_error_after < 0):
             raise InvalidArgument(f"debug_error_after must be an integer >= 0, got {self.debug_error_after!r}")
+        if self.registry is not None:  # checked here: before a CLI loads the model
+            DiscoveryRegistry(self.registry, ttl=self.registry_ttl)
         if self.debug_error_code not in STREAM_ERROR_STATUS:
             raise InvalidArgument(f"debug_error_code must be one of {sorted(STREAM_ERROR_STATUS)}, "
                                   f"got {self.debug_error_code!r}")
