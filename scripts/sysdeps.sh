@@ -4,13 +4,14 @@
 #
 #   libibverbs1    Mooncake's engine links it even for TCP (benchmark peer)
 #   iproute2       network-namespace tests (`ip netns`, veth, tc)
+#   etcd-server    discovery tests (docs/discovery.md)
 #   libgtest-dev   C++ unit tests (ctest)
 #   clang, libclang-rt-14-dev   libFuzzer targets and sanitizer runtimes
 #
 # Needs root (or password-less sudo) and apt-get; elsewhere it says what is missing
 # and returns 0: the tests that need a package skip with a reason naming it.
 set -uo pipefail
-PKGS="libibverbs1 iproute2 libgtest-dev clang libclang-rt-14-dev"
+PKGS="libibverbs1 iproute2 libgtest-dev clang libclang-rt-14-dev etcd-server"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Iterable, Seque
 
 from . import _native, _validate
 from . import transport as _transport
-from .errors import InvalidArgument, OutOfRange, PdkvError, error_class
+from .errors import InvalidArgument, NotFound, OutOfRange, PdkvError, error_class
 from .layout import KVLayout, _describe_memory
 from .xfer_state import XferState, from_native as _state
 
@@ -542,6 +542,12 @@ class Agent:
         Deadline of transfers posted without one (0 or None: none).
     max_notif_bytes : int
         Largest notification accepted (sent or received).
+    registry : pdkv.discovery.Registry or str, optional
+        Discovery (``"etcd://host:port"`` or a Registry): the agent publishes itself under
+        ``/pdkv/agents/<name>`` with a lease while it is open, and :meth:`connect` also
+        takes a registered name. See docs/discovery.md.
+    advertise_host : str, optional
+        The host published for this agent when it listens on a wildcard address.
     """
 
     def __init__(
@@ -557,6 +563,8 @@ class Agent:
         default_timeout: float | None = 60.0,
         max_notif_bytes: int = 1 << 20,
         wait_spin_us: int = 50,
+        registry: Any = None,
+        advertise_host: str | None = None,
     ) -> None:
         if secret is None:
             secret = os.environ.get("PDKV_SECRET", "")
@@ -584,6 +592,19 @@ class Agent:
         self._layout_keep: dict[str, KVLayout] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._publish(registry, advertise_host)
+
+    def _publish(self, registry: Any, advertise_host: str | None) -> None:
+        from . import discovery
+
+        self._registry = discovery.resolve(registry)
+        self._publication = None
+        if self._registry is not None:
+            try:
+                self._publication = self._registry.publish_agent(self, advertise_host=advertise_host)
+            except PdkvError:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ identity
     @property
@@ -789,14 +810,27 @@ class Agent:
 
     def connect(self, address: str, *, secret: str | bytes | None = None, transport: str | None = None,
                 timeout: float = 10.0) -> str:
-        """Fetches the metadata of the agent at ``address`` and adds it; returns its name."""
+        """Fetches the metadata of the agent at ``address`` and adds it; returns its name.
+        With a registry, ``address`` may be a registered agent name (no ``:``): it is
+        looked up in etcd (NotFound when absent, PeerConnectionError when etcd is down)."""
+        wanted = None
+        if self._registry is not None and ":" not in _validate.text(address, "address"):
+            wanted, address = address, self._registry.lookup_agent(address)["address"]
         md = self.fetch_metadata(address, secret=secret, timeout=timeout)
+        if wanted is not None and _native.module().decode_metadata(md)["name"] != wanted:
+            raise NotFound(f"agent {wanted!r} is registered at {address}, but another agent answers there "
+                           "(it went away; its registration expires with its lease)")
         host = address.rsplit(":", 1)[0].strip("[]")
         return self.add_peer(md, secret=secret, transport=transport, via_host=host)
 
     def remove_peer(self, name: str) -> None:
         """Forgets a peer; its in-flight transfers fail with PeerConnectionError."""
         self._n.remove_peer(name)
+
+    @property
+    def registry(self) -> Any:
+        """The :class:`~pdkv.discovery.Registry` this agent publishes to, or None."""
+        return self._registry
 
     @property
     def peers(self) -> list[str]:
@@ -1048,6 +1082,8 @@ class Agent:
         """Stops the transports (failing in-flight transfers) and frees the agent."""
         if self._closed:
             return
+        if getattr(self, "_publication", None) is not None:
+            self._publication.close()  # peers stop finding this instance before it goes
         self._closed = True
         name = self._n.name
         n, self._n = self._n, _Closed(name)

@@ -108,6 +108,10 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
                    "2048 otherwise; chunked needs it >= --max-num-seqs)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body in bytes, 413 above (default: "
                    "the model's context length x 64, at least 1 MiB)")
+    p.add_argument("--registry", help="etcd://host:port: register in etcd (see docs/discovery.md)")
+    p.add_argument("--registry-ttl", type=int, default=10,
+                   help="lease of the registration in seconds: a dead worker leaves rotation this long after "
+                   "(default 10)")
     if role in ("prefill", "decode"):
         p.add_argument("--agent-listen", help="pdkv agent address, reachable by the other workers "
                        "(default: --host with any free port)")
@@ -143,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--prefill", default="", help="prefill worker URLs, comma-separated")
     px.add_argument("--decode", default="", help="decode worker URLs, comma-separated")
     px.add_argument("--workers", default="", help="colocated mode: engine worker URLs (same as --decode)")
+    px.add_argument("--registry", help="etcd://host:port: also route to the workers registered there, as they "
+                    "come and go (then --prefill/--decode may be empty; see docs/discovery.md)")
     from .proxy import DEFAULT_HYBRID_THRESHOLD
 
     px.add_argument("--hybrid-threshold", type=int, default=DEFAULT_HYBRID_THRESHOLD,
@@ -222,7 +228,8 @@ def _run_worker(args: argparse.Namespace) -> int:
                        reserve_wait_s=getattr(args, "reserve_wait", 60.0),
                        stream_layers=getattr(args, "stream_layers", True),
                        debug_drop_kv=getattr(args, "debug_drop_kv", False),
-                       max_body_bytes=args.max_body_bytes, limits=_limits(args))
+                       max_body_bytes=args.max_body_bytes, limits=_limits(args),
+                       registry=args.registry, registry_ttl=args.registry_ttl)
     pin_threads(args.threads)
     model = load_model(model_dir, dtype=args.dtype)
     codec = None
@@ -283,8 +290,11 @@ def _run_proxy(args: argparse.Namespace) -> int:
                       tokenizer=args.tokenizer, kv_timeout_s=args.kv_timeout, connect_timeout_s=args.connect_timeout,
                       read_timeout_s=args.read_timeout, headers_timeout_s=args.headers_timeout,
                       liveness_s=args.liveness, probe_timeout_s=args.probe_timeout, retries=args.retries,
-                      max_body_bytes=args.max_body_bytes)
+                      max_body_bytes=args.max_body_bytes, registry=args.registry)
     proxy = Proxy(cfg, limits=_limits(args))
+    if cfg.registry is not None:  # an elastic pool: workers may register after the proxy starts
+        return run_until_signal(proxy, args.host, args.port, ready_file=args.ready_file,
+                                ready_info=lambda url: {"role": "proxy", "mode": cfg.mode.value})
     return run_until_signal(_ReadyProxy(proxy, args.startup_timeout, not args.no_check_links), args.host, args.port,
                             ready_file=args.ready_file,
                             ready_info=lambda url: {"role": "proxy", "mode": cfg.mode.value})

@@ -225,6 +225,11 @@ class Deployment:
     placement : callable, optional
         ``(role, index) -> (argv prefix, bind address)`` of each process (role "proxy"
         for the proxy), e.g. one host of a :mod:`pdkv.netlab` lab each (default: here, 127.0.0.1).
+    registry : str, optional
+        ``etcd://host:port``: the workers register there and the proxy routes to what is
+        registered (``--registry``) instead of a list of URLs (docs/discovery.md).
+    registry_ttl : int
+        The workers' lease (``--registry-ttl``).
     """
 
     mode: str
@@ -239,6 +244,8 @@ class Deployment:
     log_dir: str | os.PathLike | None = None
     env: dict[str, str] = field(default_factory=dict)
     placement: Callable[[str, int], tuple[Sequence[str], str]] | None = None
+    registry: str | None = None
+    registry_ttl: int = 10
     processes: list[ServerProcess] = field(default_factory=list, init=False)
     proxy: ServerProcess | None = field(default=None, init=False)
 
@@ -270,6 +277,8 @@ class Deployment:
             log_dir.mkdir(parents=True, exist_ok=True)
         env = {"PDKV_SECRET": secrets.token_hex(16), **self.env}
         model = ["--model", str(self.model_dir)]
+        if self.registry is not None:
+            model += ["--registry", self.registry, "--registry-ttl", str(self.registry_ttl)]
         disagg = self.mode in ("disagg", "hybrid")
         roles: list[tuple[str, list[str]]] = []
         if disagg:
@@ -291,9 +300,11 @@ class Deployment:
             _wait_all(self.processes, deadline)
             prefill = ",".join(p.url for p in self.processes if p.role == "prefill")
             decode = ",".join(p.url for p in self.processes if p.role != "prefill")
-            pargs = ["--mode", self.mode if disagg else "colocated", "--decode", decode]
-            if disagg:
-                pargs += ["--prefill", prefill]
+            pargs = ["--mode", self.mode if disagg else "colocated"]
+            if self.registry is not None:
+                pargs += ["--registry", self.registry]
+            else:
+                pargs += ["--decode", decode] + (["--prefill", prefill] if disagg else [])
             prefix, bind = self._place("proxy", 0)
             self.proxy = ServerProcess("proxy", [*pargs, *self.proxy_args, *bind], log_path=log_dir / "proxy.log",
                                        env=env, prefix=prefix)

@@ -57,9 +57,12 @@ from typing import Any, AsyncIterator, Sequence
 import aiohttp
 from aiohttp import web
 
-from pdkv.errors import InvalidArgument
+from pdkv.errors import InvalidArgument, PdkvError
 
+from ..discovery import Registry as DiscoveryRegistry
+from ..discovery import parse_registry_url
 from .aio import HttpServer, ndjson_lines
+from .discovery import PoolWatch
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut
 from .limits import ServerLimits
 from .metrics import Registry
@@ -139,6 +142,9 @@ class ProxyConfig:
     max_body_bytes : int, optional
         Largest request body (413 above); default: from the model's context (see
         :func:`~pdkv.serving.openai_api.body_limit`).
+    registry : str, optional
+        ``etcd://host:port``: also route to the workers registered there (see
+        :mod:`pdkv.serving.discovery`); ``prefill``/``decode`` may then be empty.
     """
 
     mode: ProxyMode
@@ -155,6 +161,7 @@ class ProxyConfig:
     retries: int = 2
     down_cooldown_s: float = 2.0
     max_body_bytes: int | None = None
+    registry: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -164,11 +171,13 @@ class ProxyConfig:
                 from None
         object.__setattr__(self, "prefill", _urls(self.prefill))
         object.__setattr__(self, "decode", _urls(self.decode))
-        if not self.decode:
+        if self.registry is not None:
+            parse_registry_url(self.registry)  # the workers may all come from the registry
+        elif not self.decode:
             raise InvalidArgument("the proxy needs at least one decode (or, colocated, engine) worker URL")
         if self.mode is ProxyMode.COLOCATED and self.prefill:
             raise InvalidArgument("colocated mode takes engine workers only (no prefill workers)")
-        if self.mode is not ProxyMode.COLOCATED and not self.prefill:
+        if self.mode is not ProxyMode.COLOCATED and not self.prefill and self.registry is None:
             raise InvalidArgument(f"{self.mode.value} mode needs at least one prefill worker URL")
         if not isinstance(self.hybrid_threshold, int) or self.hybrid_threshold < 0:
             raise InvalidArgument(f"hybrid_threshold must be an integer >= 0, got {self.hybrid_threshold!r}")
@@ -210,6 +219,7 @@ class _Worker:
     probe: "asyncio.Task[bool] | None" = None  # the liveness probe in flight
     served: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    registered_as: str = ""        # its id in the registry ('' when configured by URL)
 
     def usable(self, now: float) -> bool:
         return self.info is not None and self.compatible and self.alive and now >= self.down_until
@@ -238,6 +248,26 @@ class _Pool:
     def any_up(self) -> bool:
         now = time.monotonic()
         return any(w.usable(now) for w in self.workers)
+
+    def add(self, url: str, registered_as: str) -> bool:
+        """Puts a registered worker into rotation (False if it already is). A worker
+        restarted at the same URL registers under a new id: the URL follows the newest
+        id, so the old id's expiry later removes nothing. Configured URLs stay as they are."""
+        for w in self.workers:
+            if w.url == url:
+                if w.registered_as and w.registered_as != registered_as:
+                    w.registered_as = registered_as
+                    w.info = None  # a new process: fetch its /pd/info again
+                return False
+        self.workers = self.workers + [_Worker(url, self.role, registered_as=registered_as)]
+        return True
+
+    def remove(self, registered_as: str) -> list[_Worker]:
+        """Takes a registered worker out of rotation; requests running there finish."""
+        gone = [w for w in self.workers if w.registered_as == registered_as]
+        if gone:
+            self.workers = [w for w in self.workers if w.registered_as != registered_as]
+        return gone
 
 
 @dataclass
@@ -270,6 +300,7 @@ class ProxyBackend:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._ready = asyncio.Event()
+        self._pool_watch: PoolWatch | None = None
         r = registry
         self.m_routed = r.counter("pdkv_routed_requests_total",
                                   "Requests by route: disagg (prefill worker + KV transfer) or local.", ("route",))
@@ -312,10 +343,15 @@ class ProxyBackend:
     async def start(self) -> None:
         """Opens the HTTP client and starts discovering the workers."""
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        if self.config.registry is not None:
+            self._pool_watch = PoolWatch(DiscoveryRegistry(self.config.registry), self._apply_registration)
         self._tasks.append(asyncio.ensure_future(self._discover_loop()))
         self._tasks.append(asyncio.ensure_future(self._liveness_loop()))
 
     async def close(self) -> None:
+        if self._pool_watch is not None:
+            watch, self._pool_watch = self._pool_watch, None
+            await watch.close()
         self._tasks.extend(w.probe for w in self._workers() if w.probe is not None)
         for t in self._tasks:
             t.cancel()
@@ -410,6 +446,36 @@ class ProxyBackend:
                     await task
 
     # ------------------------------------------------------------------ discovery
+    def _pool_for(self, role: str) -> _Pool | None:
+        if self.config.mode is ProxyMode.COLOCATED:
+            return self.decode if role == "colocated" else None
+        return {"prefill": self.prefill, "decode": self.decode}.get(role)
+
+    def _apply_registration(self, worker_id: str, record: dict[str, Any] | None) -> None:
+        """A change under ``/pdkv/workers/`` (see :class:`~pdkv.serving.discovery.PoolWatch`):
+        a serving worker enters rotation; a removed or draining one leaves it."""
+        serving = record is not None and record.get("state") == "serving" and isinstance(record.get("url"), str)
+        if not serving:
+            for pool in (self.prefill, self.decode):
+                for w in pool.remove(worker_id):
+                    why = "deregistered or expired" if record is None else f"is {record.get('state')}"
+                    log.info("%s worker %s (%s) %s: out of rotation", w.role, w.url, worker_id, why)
+            self._update_model()
+            return
+        assert record is not None
+        pool = self._pool_for(str(record.get("role")))
+        if pool is None:
+            log.debug("registered worker %s (%s) does not serve this proxy's %s mode", worker_id,
+                      record.get("role"), self.mode)
+            return
+        try:
+            url = _urls([record["url"]])[0]
+        except (InvalidArgument, IndexError):
+            log.warning("registered worker %s has an invalid URL %r: ignored", worker_id, record.get("url"))
+            return
+        if pool.add(url, worker_id):
+            log.info("%s worker %s (%s) registered: into rotation", pool.role, url, worker_id)
+
     async def _discover_loop(self) -> None:
         while True:
             missing = [w for w in self._workers() if w.info is None]
@@ -494,7 +560,8 @@ class ProxyBackend:
         ok = self._ready.is_set() and self.decode.any_up() and \
             (self.config.mode is ProxyMode.COLOCATED or self.prefill.any_up())
         workers = [{"url": w.url, "role": w.role, "up": w.usable(now), "in_flight": w.in_flight,
-                    "error": w.error} for w in self._workers()]
+                    "served": w.served, "registered_as": w.registered_as, "error": w.error}
+                   for w in self._workers()]
         links = self.link_health()
         out: dict[str, Any] = {"workers": workers, "model": self._info.name if self._info else None,
                                "peer_links": links}
@@ -996,6 +1063,11 @@ class Proxy:
         except BaseException:
             await self.backend.close()
             raise
+        if self.backend._pool_watch is not None:
+            try:
+                await self.backend._pool_watch.announce(self.url, self.config.mode.value)
+            except PdkvError as e:  # etcd away: serve anyway (the watch retries); only the listing lacks us
+                log.warning("proxy not registered in %s: %s", self.config.registry, e)
         log.info("proxy (%s) serving on %s", self.config.mode.value, self.url)
         return self.url
 

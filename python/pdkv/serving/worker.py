@@ -54,7 +54,9 @@ from aiohttp import web
 import pdkv
 from pdkv.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 
+from ..discovery import Registry as DiscoveryRegistry
 from .aio import HttpServer, json_error, start_ndjson
+from .discovery import WorkerRegistration
 from .engine import Engine, EngineConfig, FinishReason, RequestHandle, TokenEvent
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut, openai_error_middleware
 from .handoff import KVReceiver, KVSender
@@ -124,6 +126,12 @@ class WorkerConfig:
         (:func:`~pdkv.serving.openai_api.body_limit`).
     limits : ServerLimits
         Connection limit and idle/header/body deadlines of the HTTP server.
+    registry : str, optional
+        ``etcd://host:port``: register under ``/pdkv/workers/<id>`` (role, model,
+        capacity, load) with a lease of ``registry_ttl`` seconds, and serve ``/pd/drain``
+        (see :mod:`pdkv.serving.discovery`, docs/discovery.md).
+    registry_ttl : int
+        Seconds a registration outlives the worker's last refresh (>= 2).
     """
 
     role: WorkerRole
@@ -141,6 +149,8 @@ class WorkerConfig:
     debug_error_code: str = "internal_error"
     max_body_bytes: int | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
+    registry: str | None = None
+    registry_ttl: int = 10
 
     def __post_init__(self) -> None:
         try:
@@ -160,6 +170,8 @@ class WorkerConfig:
                                                    or isinstance(self.debug_error_after, bool)
                                                    or self.debug_error_after < 0):
             raise InvalidArgument(f"debug_error_after must be an integer >= 0, got {self.debug_error_after!r}")
+        if self.registry is not None:  # checked here: before a CLI loads the model
+            DiscoveryRegistry(self.registry, ttl=self.registry_ttl)
         if self.debug_error_code not in STREAM_ERROR_STATUS:
             raise InvalidArgument(f"debug_error_code must be one of {sorted(STREAM_ERROR_STATUS)}, "
                                   f"got {self.debug_error_code!r}")
@@ -239,6 +251,8 @@ class Worker:
         self._closed = False
         self._body_limit = body_limit(None, config.max_body_bytes)
         self._setup_metrics()
+        self.registration = None if config.registry is None else WorkerRegistration(
+            self, DiscoveryRegistry(config.registry, ttl=config.registry_ttl))
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -264,8 +278,12 @@ class Worker:
         self._body_limit = body_limit(self.model_info(), cfg.max_body_bytes)
         app = web.Application(client_max_size=self._body_limit)
         self._routes(app)
+        if self.registration is not None:
+            self.registration.add_routes(app)
         self._http = HttpServer(app, limits=cfg.limits)
         self.url = await self._http.start(host, port)
+        if self.registration is not None:
+            await self.registration.start()
         log.info("%s worker serving %s on %s%s", cfg.role.value, cfg.model_name, self.url,
                  f" (pdkv agent {self.agent.name} at {self.agent_address})" if self.agent else "")
         return self.url
@@ -296,6 +314,8 @@ class Worker:
         if self._closed:
             return
         self._closed = True
+        if self.registration is not None:  # proxies stop routing here first
+            await self.registration.close()
         if self._http is not None:
             await self._http.close()
         for t in self._tasks:
