@@ -17,6 +17,6 @@ run() {  # preset prompt_len link
 }
 for len in 1024 4096; do
   for link in lo 10gbit 1gbit; do run smollm2 "$len" "$link"; done
-  for link in lo 1gbit; do run tiny-40m "$len" "$link"; done
+  for link in lo 1gbit; do run tiny-40m-8k "$len" "$link"; done
 done
 run smollm2 4096 100mbit   # where the link, not compute, sets the pace

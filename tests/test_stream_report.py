@@ -18,7 +18,7 @@ def report(preset: str, prompt_len: int, link: str | None, streamed_ready: float
          "monolithic": {"prefill_s": 4.0, "kv_ready_s": mono_ready, "exposed_s": mono_ready - 4.0,
                         "transfer_only_s": 0.4},
          "kv_ready_ratio": streamed_ready / mono_ready, "hidden_share": 1 - exposed / (mono_ready - 4.0),
-         "target_exposed_s": 0.053, "target_met": met}
+         "target_exposed_s": 0.053, "target_met": met, "transfer_only_throughput_ratio": 0.97}
     if link:
         r["link"] = {"spec": link, "rtt_emulated": True}
     return r
@@ -34,6 +34,7 @@ def test_table_orders_by_model_length_then_link_speed_and_shows_the_values(tmp_p
     slow = rows[2].split("|")
     assert slow[6].strip() == "4500 / 8000" and slow[7].strip() == "0.56" and slow[10].strip() == "missed"
     assert rows[1].split("|")[9].strip() == "100%"  # 1 ms of 400 ms exposed
+    assert rows[1].split("|")[11].strip() == "0.97"
 
 
 def test_an_empty_directory_is_an_error(tmp_path):

@@ -53,6 +53,8 @@ PRESETS = {
     "tiny": dict(arch="llama", hidden_size=64, num_layers=3, num_heads=4),
     "tiny-4m": dict(arch="llama", hidden_size=128, num_layers=4, num_heads=4),
     "tiny-40m": dict(arch="llama", hidden_size=640, num_layers=10, num_heads=10),
+    # tiny-40m with room for 4K+ prompts (the sweep's generated model)
+    "tiny-40m-8k": dict(arch="llama", hidden_size=640, num_layers=10, num_heads=10, max_position_embeddings=8192),
 }
 
 
