@@ -239,3 +239,17 @@ def wait_until(pred, timeout: float = 10.0, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+@pytest.fixture
+def etcd():
+    """A fresh etcd on a free 127.0.0.1 port, stopped afterwards (tests that use it skip
+    without the binary: Debian's etcd-server, which scripts/sysdeps.sh installs)."""
+    from pdkv.discovery_etcd import EtcdServer, etcd_binary
+
+    if etcd_binary() is None:
+        pytest.skip("no etcd binary (apt-get install etcd-server, or set PDKV_ETCD)")
+    server = EtcdServer()
+    server.start()
+    yield server
+    server.close()

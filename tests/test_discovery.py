@@ -18,22 +18,10 @@ import pdkv
 from conftest import SECRET, wait_until
 from kvpools import Pool, PoolSpec
 from pdkv.discovery import Registry, parse_registry_url
-from pdkv.discovery_etcd import EtcdServer, etcd_binary
 
 
 SPEC = PoolSpec(layers=2, blocks=16, block_tokens=4, heads=2, head_dim=8, dtype="float16")
 TTL = 2
-
-
-@pytest.fixture
-def etcd():
-    """A fresh etcd on a free 127.0.0.1 port (tests that use it skip without the binary)."""
-    if etcd_binary() is None:
-        pytest.skip("no etcd binary (apt-get install etcd-server, or set PDKV_ETCD)")
-    server = EtcdServer()
-    server.start()
-    yield server
-    server.close()
 
 
 def agent(name, etcd, **kw):

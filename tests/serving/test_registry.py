@@ -16,24 +16,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
 from pdkv.discovery import Registry  # noqa: E402
-from pdkv.discovery_etcd import EtcdServer, etcd_binary  # noqa: E402
 from pdkv.errors import InvalidArgument  # noqa: E402
 from pdkv.serving.proxy import ProxyConfig  # noqa: E402
 from servers import Stack, completion_ids, get, post, tiny  # noqa: E402, F401 (tiny: a fixture)
 
 
 TTL = 2
-
-
-@pytest.fixture
-def etcd():
-    """A fresh etcd on a free 127.0.0.1 port (tests that use it skip without the binary)."""
-    if etcd_binary() is None:
-        pytest.skip("no etcd binary (apt-get install etcd-server, or set PDKV_ETCD)")
-    server = EtcdServer()
-    server.start()
-    yield server
-    server.close()
 
 
 def rotation(proxy: str) -> dict[str, dict]:

@@ -6,8 +6,9 @@
 #   MODE=pull bench/results/hetero/run.sh  # pull (decode rank 0 reads)
 cd "$(dirname "$0")/../../.." || exit 1
 PY=${PYTHON:-.venv/bin/python}
-OUT=bench/results/hetero
+OUT=${OUT:-bench/results/hetero}
 MODE=${MODE:-push}
+mkdir -p "$OUT"
 SUFFIX=$([ "$MODE" = pull ] && echo -pull)
 run() {  # transport model spec
   local name="$1-$2-${3//:/-}$SUFFIX"

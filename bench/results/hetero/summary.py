@@ -1,10 +1,12 @@
-"""Prints the table of docs/benchmarks.md ("Heterogeneous transfers") from the JSON here."""
+"""Prints the table of docs/benchmarks.md ("Heterogeneous transfers") from the JSON here
+(or in the directory given as the first argument, e.g. after/)."""
 
 import glob
 import json
 import os
+import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 print("| transport | model | spec | mode | transfers | extents hetero / homog. | hetero GB/s | homog. GB/s | ratio "
       "| prepare 4K-token request hetero / homog. | verified |")
 print("|---|---|---|---|--:|--:|--:|--:|--:|--:|---|")

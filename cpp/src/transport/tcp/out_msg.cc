@@ -96,6 +96,22 @@ void OutMsg::refill_stage() {
 
 namespace {
 
+// One non-blocking sendmsg of `n` iovecs: the bytes sent (> 0), 0 when the socket
+// buffer is full (EAGAIN; wait for EPOLLOUT), -1 on an error (`*err` = errno).
+ssize_t send_iov(int fd, iovec* iov, int n, int* err) {
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = static_cast<size_t>(n);
+  for (;;) {
+    const ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) return w;
+    if (w < 0 && errno == EINTR) continue;
+    if (w == 0 || errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    *err = errno;
+    return -1;
+  }
+}
+
 // send_some() of a gathered message: the control segments left, then the staged chunk.
 int send_gathered(int fd, OutMsg& m, int* err) {
   while (m.sent < m.total) {
@@ -109,16 +125,8 @@ int send_gathered(int fd, OutMsg& m, int* err) {
     }
     if (m.stage_off == m.stage_len) m.refill_stage();
     if (m.stage_len > m.stage_off) iov[n++] = {m.stage.get() + m.stage_off, m.stage_len - m.stage_off};
-    msghdr mh{};
-    mh.msg_iov = iov;
-    mh.msg_iovlen = static_cast<size_t>(n);
-    ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-      *err = errno;
-      return -1;
-    }
+    const ssize_t w = send_iov(fd, iov, n, err);
+    if (w <= 0) return static_cast<int>(w);
     m.advance_gathered(static_cast<size_t>(w));
   }
   m.stage.reset();  // sent: the chunk is not kept with a message that waits for nothing
@@ -142,16 +150,8 @@ int send_some(int fd, OutMsg& m, int* err) {
       }
       off = 0;
     }
-    msghdr mh{};
-    mh.msg_iov = iov;
-    mh.msg_iovlen = static_cast<size_t>(n);
-    ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-      *err = errno;
-      return -1;
-    }
+    const ssize_t w = send_iov(fd, iov, n, err);
+    if (w <= 0) return static_cast<int>(w);
     m.advance(static_cast<size_t>(w));
   }
   return 1;
