@@ -291,18 +291,19 @@ Result<std::string> PyTransport::fetch_metadata(const std::string& address, std:
 namespace {
 
 void bind_caps(py::module_& m) {
-  py::class_<TransportCaps>(m, "TransportCaps", "What a transport can do (see transport.h).")
+  py::class_<TransportCaps>(m, "TransportCaps", "What a transport can do (see cpp/include/pdkv/spi/transport.h).")
       .def(py::init([](bool write, bool read, bool notify, bool cross_host, uint32_t local_mem_kinds,
-                       uint32_t remote_mem_kinds, bool generations, bool serves_metadata) {
+                       uint32_t remote_mem_kinds, bool generations, bool serves_metadata, bool direct_small_extents) {
              return TransportCaps{write, read, notify, cross_host, local_mem_kinds, remote_mem_kinds, generations,
-                                  serves_metadata};
+                                  serves_metadata, direct_small_extents};
            }),
            py::kw_only(), py::arg("write") = true, py::arg("read") = true, py::arg("notify") = true,
            py::arg("cross_host") = true, py::arg("local_mem_kinds") = 1u, py::arg("remote_mem_kinds") = 1u,
-           py::arg("generations") = false, py::arg("serves_metadata") = false)
+           py::arg("generations") = false, py::arg("serves_metadata") = false, py::arg("direct_small_extents") = false)
       .def_readwrite("write", &TransportCaps::write)
       .def_readwrite("read", &TransportCaps::read)
       .def_readwrite("notify", &TransportCaps::notify)
+      .def_readwrite("direct_small_extents", &TransportCaps::direct_small_extents)
       .def_readwrite("cross_host", &TransportCaps::cross_host)
       .def_readwrite("local_mem_kinds", &TransportCaps::local_mem_kinds)
       .def_readwrite("remote_mem_kinds", &TransportCaps::remote_mem_kinds)

@@ -7,7 +7,7 @@ transport's. The core keeps routing, peer selection, bounds checks against regis
 regions and the transfer state; a transport only moves bytes that were already
 resolved and checked.
 
-Contract (see transport.h for the full text):
+Contract (see cpp/include/pdkv/spi/transport.h for the full text):
 
 * ``prepare`` gets the extents as ONE ``[n, 7]`` int64 numpy array whose columns are
   :data:`EXTENT_COLUMNS` (``local_addr, len, local_kind, local_device, remote_region,

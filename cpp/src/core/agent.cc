@@ -578,6 +578,15 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_staged(
     const std::string& peer_name, OpKind op, const KVLayout& local, const std::vector<uint32_t>& local_ids,
     const KVLayout& remote, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan, const XferOptions& opts,
     std::shared_ptr<const GenClaim> claim) {
+  {  // the transport prepare_resolved() will pick: some move small extents as cheaply
+    Transport* t = opts.transport.empty() ? nullptr : transport_by_name(opts.transport);
+    if (!t) {
+      std::lock_guard<std::mutex> lk(mu_);
+      auto it = peers_.find(peer_name);
+      if (it != peers_.end()) t = it->second.transport;
+    }
+    if (t && t->caps().direct_small_extents) return std::shared_ptr<PreparedTransfer>();
+  }
   for (const KVSegment& s : local.segments()) {  // the gather is a host copy
     auto d = regions_.get(s.region_id);
     if (!d.ok() || d->kind != MemKind::kHost) return std::shared_ptr<PreparedTransfer>();

@@ -320,15 +320,16 @@ class Transfer:
         ...
 class TransportCaps:
     """
-    What a transport can do (see transport.h).
+    What a transport can do (see cpp/include/pdkv/spi/transport.h).
     """
     cross_host: bool
+    direct_small_extents: bool
     generations: bool
     notify: bool
     read: bool
     serves_metadata: bool
     write: bool
-    def __init__(self, *, write: bool = True, read: bool = True, notify: bool = True, cross_host: bool = True, local_mem_kinds: typing.SupportsInt | typing.SupportsIndex = 1, remote_mem_kinds: typing.SupportsInt | typing.SupportsIndex = 1, generations: bool = False, serves_metadata: bool = False) -> None:
+    def __init__(self, *, write: bool = True, read: bool = True, notify: bool = True, cross_host: bool = True, local_mem_kinds: typing.SupportsInt | typing.SupportsIndex = 1, remote_mem_kinds: typing.SupportsInt | typing.SupportsIndex = 1, generations: bool = False, serves_metadata: bool = False, direct_small_extents: bool = False) -> None:
         ...
     @property
     def local_mem_kinds(self) -> int:

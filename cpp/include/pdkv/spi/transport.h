@@ -47,6 +47,10 @@ struct TransportCaps {
   uint32_t remote_mem_kinds = 0; // bit per MemKind it can reach in a peer
   bool generations = false;      // implements prepare_checked() (block generation claims)
   bool serves_metadata = false;  // implements fetch_metadata() and answers peers' fetches
+  // Many small extents cost this transport about what their bytes cost (a memcpy
+  // engine): the core hands it a fragmented host transfer as planned instead of staging
+  // it through a buffer (core/relayout.h), which would only add a copy.
+  bool direct_small_extents = false;
 };
 
 class Transport;

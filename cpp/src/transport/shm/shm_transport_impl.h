@@ -60,6 +60,7 @@ class ShmTransport final : public Transport {
     c.local_mem_kinds = mem_kind_bit(MemKind::kHost);
     c.remote_mem_kinds = mem_kind_bit(MemKind::kHost);
     c.generations = true;
+    c.direct_small_extents = true;  // memcpy / process_vm_writev per extent: staging = one more copy
     return c;
   }
   Status start(AgentHooks* hooks) override;
