@@ -286,10 +286,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality", type=int, default=0, help="prompts for the FP8 greedy-agreement check (0: skip)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--throughput-only", action="store_true",
+                    help="only the one-core codec throughput on the bf16 KV (torch pinned to 1 thread)")
     args = ap.parse_args(argv)
-    pin_threads(2)
+    pin_threads(1 if args.throughput_only else 2)
     path = default_model_dir()
     tok = load_tokenizer(path)
+    if args.throughput_only:
+        chunks, geo = kv_chunks(load_model(path, dtype=torch.bfloat16, attn_implementation="sdpa"), tok, torch.bfloat16)
+        runs = [throughput(chunks, "bfloat16", geo, args.repeats) for _ in range(2)]
+        out = {"command": " ".join(["bench/codec_kv.py"] + (argv if argv is not None else sys.argv[1:])),
+               "model": path.name, "dtype": "bfloat16", "runs": runs}
+        print(json.dumps(out, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     result: dict = {"command": " ".join(["bench/codec_kv.py"] + (argv if argv is not None else sys.argv[1:])),
                     "model": path.name, "block_tokens": BLOCK_TOKENS, "fp8_grouping": "per block (16 tokens) per kv head"}
     t0 = time.time()
