@@ -249,9 +249,11 @@ def greedy(model, cache, last_logits, n: int) -> list[int]:
 
 
 @torch.no_grad()
-def quality(model, tokenizer, geo: dict, n_prompts: int, new_tokens: int, prompt_len: int) -> dict:
-    """Greedy continuation from the exact prefill KV vs from FP8-round-tripped prefill KV."""
-    c = codec.Codec("fp8", heads=geo["kv_heads"], head_dim=geo["head_dim"], rows_per_group=BLOCK_TOKENS)
+def quality(model, tokenizer, geo: dict, n_prompts: int, new_tokens: int, prompt_len: int,
+            kind: str = "fp8") -> dict:
+    """Greedy continuation from the exact prefill KV vs from round-tripped prefill KV
+    (kind "fp8"; a lossless kind is the harness's control: it must agree 100 %)."""
+    c = codec.Codec(kind, heads=geo["kv_heads"], head_dim=geo["head_dim"], rows_per_group=BLOCK_TOKENS)
     agree_tokens = 0
     identical = 0
     first_divergence = []
@@ -273,7 +275,7 @@ def quality(model, tokenizer, geo: dict, n_prompts: int, new_tokens: int, prompt
         agree_tokens += sum(same)
         identical += all(same)
         first_divergence.append(same.index(False) if not all(same) else new_tokens)
-    return {"prompts": n_prompts, "new_tokens": new_tokens, "prompt_tokens": prompt_len,
+    return {"codec": kind, "prompts": n_prompts, "new_tokens": new_tokens, "prompt_tokens": prompt_len,
             "token_agreement": round(agree_tokens / (n_prompts * new_tokens), 4),
             "identical_continuations": identical,
             "mean_first_divergence": round(float(np.mean(first_divergence)), 2)}
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quality", type=int, default=0, help="prompts for the FP8 greedy-agreement check (0: skip)")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--quality-codec", default="fp8", help="codec of the quality check (zstd: the harness control)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--throughput-only", action="store_true",
                     help="only the one-core codec throughput on the bf16 KV (torch pinned to 1 thread)")
@@ -320,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         if dt_name == "bfloat16":
             entry["throughput_one_core"] = throughput(chunks, dt_name, geo, args.repeats)
             if args.quality:
-                entry["fp8_quality"] = quality(model, tok, geo, args.quality, args.new_tokens, args.prompt_tokens)
+                entry["fp8_quality"] = quality(model, tok, geo, args.quality, args.new_tokens, args.prompt_tokens,
+                                                 args.quality_codec)
         result[dt_name] = entry
         print(json.dumps({dt_name: {k: v for k, v in entry.items() if k != "fp8"} | {
             "fp8": {k: v for k, v in entry["fp8"].items() if k != "per_layer"}}}, indent=1), flush=True)
