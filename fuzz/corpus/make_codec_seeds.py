@@ -11,7 +11,8 @@ from pdkv.codec import Codec, available
 if __name__ == "__main__":
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "codec")
     os.makedirs(out, exist_ok=True)
-    kv = (np.random.default_rng(0).standard_normal(96) * 2).astype(np.float16)
+    # Compressible (a repeated pattern), so zstd/lz4 seeds are real compressed frames.
+    kv = np.tile((np.random.default_rng(0).standard_normal(16) * 2).astype(np.float16), 6)
     seeds = {}
     for kind in ("raw", "zstd", "lz4", "fp8"):
         if not available(kind):
