@@ -18,6 +18,7 @@
 #include "py_async.h"
 #include "py_dlpack.h"
 #include "py_options.h"
+#include "py_codec.h"
 #include "py_stream.h"
 #include "py_transport.h"
 #include "pdkv/agent.h"
@@ -588,6 +589,7 @@ PYBIND11_MODULE(_pdkv, m) {
       .def_property_readonly("notification_fd", [](Agent& a) { return a.notifications().fd(); });
 
   bind_stream(m);  // after Agent: its signatures name the class
+  bind_codec(m);
 
   // Benchmark helpers: raw-socket and memcpy ceilings measured with the same code
   // path quality as the transport (C++, no Python in the loop).

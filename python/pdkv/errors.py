@@ -24,6 +24,7 @@ __all__ = [
     "ResourceExhausted",
     "InternalError",
     "StaleBlock",
+    "DataCorrupted",
     "error_class",
 ]
 
@@ -126,6 +127,13 @@ class StaleBlock(PdkvError):
     code = "StaleBlock"
 
 
+class DataCorrupted(PdkvError):
+    """Bytes arrived but their end-to-end checksum (over the uncompressed data) does
+    not match what the sender computed: corruption on the way or in memory."""
+
+    code = "DataCorrupted"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -144,6 +152,7 @@ _BY_CODE = {
         ResourceExhausted,
         InternalError,
         StaleBlock,
+        DataCorrupted,
     )
 }
 

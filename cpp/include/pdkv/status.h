@@ -34,10 +34,11 @@ enum class StatusCode : uint8_t {
   kResourceExhausted, // queue or memory limit hit
   kInternal,          // a bug in pdkv; please report
   kStaleBlock,        // a block's generation changed: it was freed or reused since it was handed out
+  kDataCorrupted,     // bytes arrived but their end-to-end checksum does not match
 };
 // The largest code (codes are numbered densely from kOk; new codes go last, so the
 // numbers on the wire never change).
-constexpr StatusCode kLastStatusCode = StatusCode::kStaleBlock;
+constexpr StatusCode kLastStatusCode = StatusCode::kDataCorrupted;
 
 // Human-readable name of a code, e.g. "ConnectionError".
 std::string_view status_code_name(StatusCode code);
@@ -83,6 +84,7 @@ Status NotSupported(std::string msg);
 Status ResourceExhausted(std::string msg);
 Status Internal(std::string msg);
 Status StaleBlock(std::string msg);
+Status DataCorrupted(std::string msg);
 
 // Either a value or a non-OK Status.
 template <typename T>

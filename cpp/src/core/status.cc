@@ -22,6 +22,7 @@ std::string_view status_code_name(StatusCode code) {
     case StatusCode::kResourceExhausted: return "ResourceExhausted";
     case StatusCode::kInternal: return "Internal";
     case StatusCode::kStaleBlock: return "StaleBlock";
+    case StatusCode::kDataCorrupted: return "DataCorrupted";
   }
   return "Unknown";
 }
@@ -64,6 +65,7 @@ PDKV_DEFINE_CTOR(NotSupported, kNotSupported)
 PDKV_DEFINE_CTOR(ResourceExhausted, kResourceExhausted)
 PDKV_DEFINE_CTOR(Internal, kInternal)
 PDKV_DEFINE_CTOR(StaleBlock, kStaleBlock)
+PDKV_DEFINE_CTOR(DataCorrupted, kDataCorrupted)
 #undef PDKV_DEFINE_CTOR
 
 size_t dtype_size(DType dt) {
