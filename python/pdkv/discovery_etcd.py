@@ -102,7 +102,7 @@ class EtcdServer:
         self.close()
 
 
-def _wait_for_stop() -> None:
+def wait_for_stop() -> None:
     """Returns on SIGINT or SIGTERM (children keep the default handling of both)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = EtcdServer(args.host, args.port, args.data_dir)
     try:
         print(server.start(), flush=True)
-        _wait_for_stop()
+        wait_for_stop()
     except KeyboardInterrupt:
         pass
     finally:

@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
-import signal
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .discovery_etcd import EtcdServer
+from .discovery_etcd import EtcdServer, wait_for_stop
 from .serving.launch import Deployment, ServerProcess
 
 __all__ = ["LabDeployment", "main"]
@@ -131,15 +129,6 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-def _wait_for_stop() -> None:
-    """Returns on SIGINT or SIGTERM (children keep the default handling of both)."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from . import netlab
 
@@ -173,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.check:
                 print(f"serving; e.g. pdkv netlab exec --lab {lab.name} h0 -- pdkv bench serve --url {dep.urls[0]}"
                       " ...   (Ctrl-C stops)", flush=True)
-                _wait_for_stop()
+                wait_for_stop()
     finally:
         lab.down()
     return 0
