@@ -67,9 +67,12 @@ def test_demo_runs_end_to_end(smollm2_dir) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_demo_stops_everything_on_ctrl_c(smollm2_dir) -> None:
+    # SIGINT back to its default in the child: a shell runs background jobs with SIGINT
+    # ignored, and an ignored signal stays ignored across exec (then Ctrl-C cannot reach it).
     proc = subprocess.Popen([sys.executable, "-m", "pdkv.cli", "demo", "--max-tokens", "2000", "--question",
                              "Write a very long story about a lighthouse keeper."], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         deadline = time.monotonic() + 180
