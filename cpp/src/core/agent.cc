@@ -143,6 +143,9 @@ class Agent::Impl final : public AgentHooks {
   };
 
   Transport* transport_by_name(std::string_view name) const;
+  // The peer `peer_name` and the transport a transfer to it uses: the peer's own, or the
+  // one `opts.transport` names (which must reach it). NotFound / NotSupported otherwise.
+  Result<PeerEntry> route(const std::string& peer_name, const XferOptions& opts) const;
   Result<std::shared_ptr<PreparedTransfer>> prepare_resolved(const std::string& peer, OpKind op,
                                                              const std::vector<Extent>& extents,
                                                              const XferOptions& opts,
@@ -337,6 +340,23 @@ Transport* Agent::Impl::transport_by_name(std::string_view name) const {
   for (auto& t : transports_)
     if (t->name() == name) return t.get();
   return nullptr;
+}
+
+Result<Agent::Impl::PeerEntry> Agent::Impl::route(const std::string& peer_name, const XferOptions& opts) const {
+  PeerEntry e;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = peers_.find(peer_name);
+    if (it == peers_.end()) return NotFound("no peer named '" + peer_name + "'; add it with add_peer() first");
+    e = it->second;
+  }
+  if (!opts.transport.empty()) {
+    e.transport = transport_by_name(opts.transport);
+    if (!e.transport) return NotFound("transport '" + opts.transport + "' is not enabled on this agent");
+    if (!e.transport->can_reach(e.peer->md))
+      return NotSupported("transport '" + opts.transport + "' cannot reach peer '" + peer_name + "'");
+  }
+  return e;
 }
 
 bool Agent::Impl::secret_matches(std::string_view presented) const {
@@ -578,15 +598,10 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_staged(
     const std::string& peer_name, OpKind op, const KVLayout& local, const std::vector<uint32_t>& local_ids,
     const KVLayout& remote, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan, const XferOptions& opts,
     std::shared_ptr<const GenClaim> claim) {
-  {  // the transport prepare_resolved() will pick: some move small extents as cheaply
-    Transport* t = opts.transport.empty() ? nullptr : transport_by_name(opts.transport);
-    if (!t) {
-      std::lock_guard<std::mutex> lk(mu_);
-      auto it = peers_.find(peer_name);
-      if (it != peers_.end()) t = it->second.transport;
-    }
-    if (t && t->caps().direct_small_extents) return std::shared_ptr<PreparedTransfer>();
-  }
+  // Some transports move small extents as cheaply as their bytes: staging would only
+  // add a copy. (A routing error is left for prepare_resolved() to report.)
+  auto routed = route(peer_name, opts);
+  if (!routed.ok() || routed->transport->caps().direct_small_extents) return std::shared_ptr<PreparedTransfer>();
   for (const KVSegment& s : local.segments()) {  // the gather is a host copy
     auto d = regions_.get(s.region_id);
     if (!d.ok() || d->kind != MemKind::kHost) return std::shared_ptr<PreparedTransfer>();
@@ -641,20 +656,8 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
                                                                   const XferOptions& opts,
                                                                   std::shared_ptr<const GenClaim> claim) {
   if (ex.empty()) return InvalidArgument("no extents to transfer");
-  PeerEntry e;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    auto it = peers_.find(peer_name);
-    if (it == peers_.end()) return NotFound("no peer named '" + peer_name + "'; add it with add_peer() first");
-    e = it->second;
-  }
+  PDKV_ASSIGN_OR_RETURN(PeerEntry e, route(peer_name, opts));
   Transport* t = e.transport;
-  if (!opts.transport.empty()) {
-    t = transport_by_name(opts.transport);
-    if (!t) return NotFound("transport '" + opts.transport + "' is not enabled on this agent");
-    if (!t->can_reach(e.peer->md))
-      return NotSupported("transport '" + opts.transport + "' cannot reach peer '" + peer_name + "'");
-  }
   const TransportCaps caps = t->caps();
   // For "cannot access" errors: the enabled transports that could carry this kind.
   auto alternatives = [&](bool local_side, MemKind kind) {
