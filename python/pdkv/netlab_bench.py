@@ -39,12 +39,9 @@ def _without_link(argv: Sequence[str]) -> list[str]:
 
 def _blocks_needed(args: argparse.Namespace) -> int:
     """The target pool size the initiator's ``run`` will ask for (its largest payload)."""
-    from .bench import models
-    from .bench.transfer import parse_size
+    from .bench.transfer import parse_size, pool_blocks
 
-    geo = models.geometry(args.model, 1)
-    block = geo.num_layers * geo.kv_parts * geo.block_bytes
-    return max(2, max(max(1, parse_size(p) // block) for p in args.payload.split(",")))
+    return pool_blocks(args.model, [parse_size(p) for p in args.payload.split(",")])
 
 
 def _check(args: argparse.Namespace) -> None:

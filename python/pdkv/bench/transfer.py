@@ -311,6 +311,13 @@ def run_latency(args, target: Target, agent: Agent, peer: str) -> dict:
     }
 
 
+def pool_blocks(model: str, payloads: list[int]) -> int:
+    """Blocks each side's pool needs for the largest payload (whole blocks, at least 2)."""
+    geo1 = models.geometry(model, 1)
+    block = geo1.num_layers * geo1.kv_parts * geo1.block_bytes
+    return max(2, max(max(1, p // block) for p in payloads))
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     if args.memory == "cuda" and args.compare:
         raise InvalidArgument("--compare runs NIXL/Mooncake on host memory; measure them without --memory cuda")
@@ -319,11 +326,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     payloads = [parse_size(p) for p in args.payload.split(",")]
     if args.hetero:
         return run_hetero(args, payloads)
-    geo1 = models.geometry(args.model, 1)
-    block = geo1.num_layers * geo1.kv_parts * geo1.block_bytes
-    max_blocks = max(max(1, p // block) for p in payloads)
-    args.remote_blocks = max(max_blocks, 2)
-    args.local_blocks = max(max_blocks, 2)
+    args.remote_blocks = args.local_blocks = pool_blocks(args.model, payloads)
     if args.pin and len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     if args.target:
