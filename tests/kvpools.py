@@ -7,6 +7,7 @@ both sides can generate and check the same bytes from a seed without shipping th
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import time
 from dataclasses import asdict, dataclass
@@ -163,3 +164,14 @@ def expect_notifications(agent: pdkv.Agent, digest, req: dict, *, with_peer: boo
                     r["peer"] = n.peer
                 results.append(r)
     return {"results": results, "missing": sorted(want)}
+
+
+#: The region of an unbound layout's extents (offsets are absolute addresses).
+UNBOUND = 2**64 - 1
+
+
+def apply_unbound(extents) -> None:
+    """Performs a plan on unbound layouts (offsets are absolute addresses): local -> remote."""
+    for lr, lo, rr, ro, n in extents:
+        assert lr == UNBOUND and rr == UNBOUND
+        ctypes.memmove(ro, lo, n)

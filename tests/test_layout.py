@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 
 import numpy as np
 import pytest
@@ -10,17 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pdkv
-from kvpools import STYLES, Pool, PoolSpec
+from kvpools import STYLES, UNBOUND, Pool, PoolSpec
+from kvpools import apply_unbound as apply
 
-UNBOUND = 2**64 - 1
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def apply(extents) -> None:
-    """Performs a plan on unbound layouts (offsets are absolute addresses): local -> remote."""
-    for lr, lo, rr, ro, n in extents:
-        assert lr == UNBOUND and rr == UNBOUND
-        ctypes.memmove(ro, lo, n)
 
 
 def ref_fast_path(local: Pool, lids, remote: Pool, rids):

@@ -11,18 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pdkv
-from kvpools import ALL_STYLES, NP_DTYPE, STRIDED_STYLES, Pool, PoolSpec
+from kvpools import ALL_STYLES, NP_DTYPE, STRIDED_STYLES, UNBOUND, Pool, PoolSpec
+from kvpools import apply_unbound as apply
 
-UNBOUND = 2**64 - 1
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = ["float16", "float32", "bfloat16", "float8_e4m3fn"]
-
-
-def apply(extents) -> None:
-    """Performs a plan on unbound layouts (offsets are absolute addresses): local -> remote."""
-    for lr, lo, rr, ro, n in extents:
-        assert lr == UNBOUND and rr == UNBOUND
-        ctypes.memmove(ro, lo, n)
 
 
 def unique_ids(draw, n, blocks):
