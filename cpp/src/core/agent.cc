@@ -21,6 +21,7 @@
 #include "pdkv/spi/transport.h"
 #include "util/log.h"
 #include "util/socket.h"
+#include "util/thread_name.h"
 
 namespace pdkv {
 namespace {
@@ -810,6 +811,7 @@ std::shared_ptr<Transfer> Agent::Impl::post_staged_read(const PreparedTransfer& 
         const Status st = i ? i->error() : Internal("staged read finished without its transfer");
         const uint64_t bytes = i ? i->bytes_done() : 0;
         std::thread([xfer, staged, st, bytes] {
+          util::name_this_thread("pdkv-relayout");
           if (st.ok()) staged->scatter();
           staged->finish_post();
           spi::TransferControl(xfer).resolve_part(bytes, st);

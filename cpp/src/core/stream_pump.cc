@@ -1,4 +1,5 @@
 #include "core/stream_pump.h"
+#include "util/thread_name.h"
 
 #include <algorithm>
 
@@ -62,6 +63,7 @@ void StreamPump::join() {
 }
 
 void StreamPump::run() {
+  util::name_this_thread("pdkv-stream");
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
     if (!queue_.empty()) {

@@ -52,6 +52,7 @@
 #include "util/bytes.h"
 #include "util/log.h"
 #include "util/socket.h"
+#include "util/thread_name.h"
 
 extern const unsigned char kPdkvBatchCopyFatbin[];
 extern const unsigned long kPdkvBatchCopyFatbinSize;
@@ -699,6 +700,7 @@ void CudaIpcTransport::post(const std::shared_ptr<const PreparedOps>& ops, const
 }
 
 void CudaIpcTransport::complete_loop() {
+  util::name_this_thread("pdkv-ipc-done");
   for (;;) {
     Pending p;
     {
@@ -820,6 +822,7 @@ Result<std::shared_ptr<CtlConn>> CudaIpcTransport::ctl_to(const Peer& peer, cons
 }
 
 void CudaIpcTransport::ctl_loop() {
+  util::name_this_thread("pdkv-ipc-ctl");
   std::vector<pollfd> pfds;
   std::vector<std::shared_ptr<CtlConn>> conns;
   for (;;) {

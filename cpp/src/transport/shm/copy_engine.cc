@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "util/socket.h"
+#include "util/thread_name.h"
 
 namespace pdkv::shm {
 
@@ -96,6 +97,7 @@ std::deque<Job> CopyEngine::stop() {
 }
 
 void CopyEngine::loop() {
+  util::name_this_thread("pdkv-shm-copy");
   for (;;) {
     Job job;
     {

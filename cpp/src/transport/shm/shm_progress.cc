@@ -31,6 +31,7 @@
 #include "transport/shm/shm_transport_impl.h"
 #include "util/log.h"
 #include "util/socket.h"
+#include "util/thread_name.h"
 
 namespace pdkv::shm {
 using util::errno_str;
@@ -50,6 +51,7 @@ void ShmTransport::add_conn(const std::shared_ptr<ShmConn>& c) {
 // ---------------------------------------------------------------- progress thread
 
 void ShmTransport::run() {
+  util::name_this_thread("pdkv-shm");
   epoll_event evs[32];
   while (!stop_) {
     bool busy = false;  // something has a deadline: poll for it

@@ -4,6 +4,7 @@
 #include "transport/tcp/progress.h"
 #include "transport/tcp/tcp_transport_impl.h"
 #include "util/socket.h"
+#include "util/thread_name.h"
 
 namespace pdkv::tcp {
 namespace {
@@ -45,6 +46,7 @@ void DeviceStaging::stop() {
 }
 
 void DeviceStaging::loop() {
+  util::name_this_thread("pdkv-dev-stage");
   for (;;) {
     std::function<void()> f;
     {

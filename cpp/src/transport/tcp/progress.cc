@@ -15,6 +15,7 @@
 #include "transport/tcp/tcp_transport_impl.h"
 #include "util/log.h"
 #include "util/socket.h"
+#include "util/thread_name.h"
 
 namespace pdkv::tcp {
 namespace {
@@ -116,6 +117,7 @@ void ProgressThread::enqueue(const std::shared_ptr<TcpConn>& c, std::unique_ptr<
 }
 
 void ProgressThread::run() {
+  util::name_this_thread("pdkv-tcp");
   epoll_event evs[64];
   auto last_active = Clock::now();
   auto next_scan = Clock::now();
