@@ -162,6 +162,7 @@ def test_sweep_picks():
     assert pick_predicted(rows) == "2:1"  # fewest workers predicted to meet it, then the lower worst utilisation
     rows = [_row("1:1", 2, 0.5, False), _row("2:1", 3, 0.7, False)]
     assert pick_measured(rows) == "2:1" and pick_predicted(rows) is None
+    assert pick_measured([_row("1:1", 2, 0.0, True)]) is None
     assert parse_splits("1:1, 1:2,2:1") == [(1, 1), (1, 2), (2, 1)]
     for bad in ("1", "0:1", "a:b", "1:1:1"):
         with pytest.raises(InvalidArgument):

@@ -97,3 +97,34 @@ def test_capacity_from_bench_serve_results(tmp_path):
     path.write_text("{}")
     with pytest.raises(InvalidArgument, match="--from-results"):
         from_results(tmp_path)
+
+
+@pytest.mark.slow
+def test_plan_sweep_runs_the_deployment_and_compares(tmp_path):
+    """`--sweep 1:1,1:2` launches each split (worker processes on 127.0.0.1) on the
+    same small trace: every request answered, both splits reported next to their
+    predictions (with a given capacity, so nothing is measured in-process)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("aiohttp")
+    import os
+    import subprocess
+    import sys
+
+    cap = Capacity(0.01, 0.0001, 0.001, 0.003, max_decode_batch=16, source="given")
+    (tmp_path / "cap.json").write_text(json.dumps({"capacity": cap.to_dict()}))
+    out = tmp_path / "out"
+    env = dict(os.environ, PDKV_CACHE_DIR=str(tmp_path / "cache"))
+    res = subprocess.run([sys.executable, "-m", "pdkv.cli", "plan", *TRACE_ARGS, "--num-requests", "6",
+                          "--capacity", str(tmp_path / "cap.json"), "--sweep", "1:1,1:2", "--no-progress",
+                          "--warmup", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    sweep = json.loads((out / "plan.json").read_text())["sweep"]
+    assert [r["split"] for r in sweep["splits"]] == ["1:1", "1:2"]
+    for r in sweep["splits"]:
+        assert r["measured"]["num_requests"] == 6 and r["measured"]["num_errors"] == 0, r
+        assert r["measured"]["ttft_p90_s"] > 0
+        assert r["predicted"]["split"] == r["split"]
+    assert sweep["best_measured"] in (None, "1:1", "1:2")
+    assert "best split measured" in res.stdout

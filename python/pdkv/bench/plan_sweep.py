@@ -9,7 +9,8 @@ planner's prediction for that split.
 
 "Best split found by the sweep" answers the planner's own question: the split with the
 fewest workers in which at least 90% of the requests met the SLO (ties: the higher
-goodput); when none did, the split with the highest goodput fraction. The planner's
+goodput); when none did, the split with the highest goodput fraction (none if no
+request met the SLO anywhere). The planner's
 pick for the same question is the smallest predicted-feasible swept split.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -71,6 +73,9 @@ def sweep(args: argparse.Namespace, model_dir: Path, trace: Any, rate: float, ca
     from pdkv.serving.launch import Deployment
 
     worker_args = [a for w in args.worker_arg for a in w.split("=", 1)]
+    vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+    if vocab and args.vocab_size > vocab:  # token-id prompts stay inside the model's vocabulary
+        args.vocab_size = int(vocab)
     rows = []
     for p, d in parse_splits(args.sweep):
         label = f"{p}:{d}"
@@ -81,7 +86,8 @@ def sweep(args: argparse.Namespace, model_dir: Path, trace: Any, rate: float, ca
         s = run.summary(bench_slo)
         rows.append({"split": label, "workers": p + d,
                      "measured": {"ttft_p90_s": s.ttft.p90, "itl_p90_s": s.itl.p90, "num_requests": s.num_requests,
-                                  "num_errors": s.num_errors, "goodput_fraction": s.goodput_fraction,
+                                  "num_errors": s.num_errors, "errors": dict(s.errors),
+                                  "goodput_fraction": s.goodput_fraction,
                                   "goodput_rate": s.goodput_rate},
                      "predicted": predict(cap, load, slo, p, d).to_dict()})
     return {"rate": rate, "good_fraction": GOOD_FRACTION, "splits": rows,
@@ -90,14 +96,15 @@ def sweep(args: argparse.Namespace, model_dir: Path, trace: Any, rate: float, ca
 
 def pick_measured(rows: list[dict[str, Any]]) -> Optional[str]:
     """The fewest-worker split with goodput fraction >= GOOD_FRACTION (ties: higher
-    goodput), else the highest goodput fraction."""
+    goodput), else the highest goodput fraction (None: no request met it anywhere)."""
     if not rows:
         return None
     frac = lambda r: r["measured"]["goodput_fraction"] or 0.0  # noqa: E731
     good = [r for r in rows if frac(r) >= GOOD_FRACTION]
     if good:
         return min(good, key=lambda r: (r["workers"], -frac(r)))["split"]
-    return max(rows, key=frac)["split"]
+    best = max(rows, key=frac)
+    return best["split"] if frac(best) > 0 else None
 
 
 def pick_predicted(rows: list[dict[str, Any]]) -> Optional[str]:
@@ -126,6 +133,9 @@ def format_sweep(result: dict[str, Any]) -> str:
                      f"{(m['goodput_fraction'] or 0):>5.0%}  {m['num_errors']:>6} | "
                      f"{ms(p['prefill']['latency_p90_s']):>18}  {ms(p['decode']['latency_p90_s']):>6}  "
                      f"{'yes' if p['meets_slo'] else 'no'}")
+    for r in result["splits"]:
+        if r["measured"]["num_errors"]:
+            lines.append(f"{r['split']} errors: {r['measured']['errors']}")
     lines.append(f"best split measured: {result['best_measured']}; planner's pick among these: "
                  f"{result['planner_pick'] or 'none predicted to meet the SLO'}")
     return "\n".join(lines)
