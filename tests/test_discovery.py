@@ -195,3 +195,50 @@ def test_name_resolved_to_an_address_another_agent_took_is_not_found(etcd):
         with pytest.raises(pdkv.NotFound, match="'decode-0' is registered at .* another agent answers"):
             b.connect("decode-0")
         assert "decode-0" not in b.peers and "imposter" not in b.peers
+
+
+def test_watch_of_a_frozen_etcd_is_bounded_and_recovers(etcd):
+    """A frozen etcd (SIGSTOP: it accepts nothing, answers nothing, closes nothing) does
+    not hold a watch forever: after ``idle_s`` of silence it lists again, which fails
+    within the registry's timeout, and the watch says so; once etcd runs again the watch
+    reports new entries. A quiet but healthy etcd only makes it list again: nothing
+    unchanged is reported twice."""
+    reg = Registry(etcd.url, ttl=TTL, timeout=1.0)
+    seen: dict[str, dict] = {}
+    calls: list[str] = []
+    lock = threading.Lock()
+
+    def on_change(name, value):
+        with lock:
+            calls.append(name)
+            if value is None:
+                seen.pop(name, None)
+            else:
+                seen[name] = value
+
+    w = reg.watch("workers", on_change, retry_s=0.2, idle_s=1.0)
+    try:
+        assert w.synced.wait(10)
+        pub = reg.publish("workers", "w1", lambda: {"url": "http://x:1"})
+        assert wait_until(lambda: "w1" in seen, timeout=5)
+        n = len(calls)
+        threading.Event().wait(2.5)  # two idle re-listings
+        assert len(calls) == n and w.last_error == ""
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        try:
+            # idle_s (1) + one listing's timeout (1) + slack
+            assert wait_until(lambda: "etcd at" in w.last_error, timeout=6), w.last_error
+        finally:
+            os.kill(etcd.proc.pid, signal.SIGCONT)
+        pub2 = Registry(etcd.url, ttl=TTL).publish("workers", "w2", lambda: {"url": "http://x:2"})
+        assert wait_until(lambda: "w2" in seen and w.last_error == "", timeout=10)
+        pub.close()
+        pub2.close()
+        assert wait_until(lambda: not seen, timeout=5)
+    finally:
+        w.close()
+
+
+def test_watch_idle_time_is_checked():
+    with pytest.raises(pdkv.InvalidArgument, match="idle_s"):
+        Registry("etcd://127.0.0.1:1").watch("workers", lambda *a: None, idle_s=0)

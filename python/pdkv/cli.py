@@ -1,4 +1,4 @@
-"""The ``pdkv`` command: ``info``, ``bench transfer``, ``bench serve``, ``serve``, ``demo``, ``netlab``."""
+"""The ``pdkv`` command: ``info``, ``bench transfer``, ``bench serve``, ``plan``, ``serve``, ``demo``, ``netlab``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ commands:
   serve ROLE         run one serving process: prefill | decode | proxy | colocated
   bench transfer     transport GB/s and latency against the raw limits (and NIXL/Mooncake)
   bench serve        TTFT / ITL / goodput of each serving mode on one trace
+  plan               the prefill:decode split for a trace and SLO, from measured worker capacity
   netlab             hosts in network namespaces behind emulated links: up | exec | status | down (root)
   info               version, transports available here, optional dependencies
 
@@ -25,6 +26,7 @@ COMMANDS = {
     ("serve",): "pdkv.serving.cli:main",
     ("bench", "transfer"): "pdkv.bench.transfer:main",
     ("bench", "serve"): "pdkv.bench.serve_modes:main",
+    ("plan",): "pdkv.bench.plan:main",
     ("netlab",): "pdkv.netlab_cli:main",
     ("info",): "pdkv.cli:info",
 }

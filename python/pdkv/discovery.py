@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 
 from .errors import InvalidArgument, NotFound, PeerConnectionError
 
-__all__ = ["EtcdClient", "Registry", "Publication", "Watch", "WatchEvent", "parse_registry_url"]
+__all__ = ["EtcdClient", "Registry", "Publication", "Watch", "WatchEvent", "WatchIdle", "parse_registry_url"]
 
 log = logging.getLogger("pdkv.discovery")
 
@@ -68,6 +68,10 @@ def _prefix_end(prefix: bytes) -> bytes:
             return bytes(p)
         p.pop()
     return b"\0"
+
+
+class WatchIdle(PeerConnectionError):
+    """A watch saw nothing for its idle timeout (etcd may be frozen, or just quiet)."""
 
 
 @dataclass(frozen=True)
@@ -162,10 +166,13 @@ class EtcdClient:
             pass  # already expired
 
     # ------------------------------------------------------------------ watch
-    def watch_prefix(self, prefix: str, start_revision: int, opened: Callable[[Any], None]) -> Iterator[WatchEvent]:
+    def watch_prefix(self, prefix: str, start_revision: int, opened: Callable[[Any], None], *,
+                     idle_timeout: float | None = None) -> Iterator[WatchEvent]:
         """Yields the changes under ``prefix`` from ``start_revision`` on. ``opened`` gets
         the socket first: shutting it down from another thread ends the watch. Raises
-        PeerConnectionError when etcd goes away."""
+        PeerConnectionError when etcd goes away, and :class:`WatchIdle` after
+        ``idle_timeout`` seconds without a byte from etcd (a frozen etcd host sends
+        nothing and closes nothing: the caller lists again, which has a deadline)."""
         p = prefix.encode()
         req = {"create_request": {"key": _b64(p), "range_end": _b64(_prefix_end(p)),
                                   "start_revision": str(start_revision)}}
@@ -174,7 +181,7 @@ class EtcdClient:
             try:
                 conn.request("POST", "/v3/watch", json.dumps(req), {"Content-Type": "application/json"})
                 resp = conn.getresponse()
-                conn.sock.settimeout(None)  # a watch is silent while nothing changes
+                conn.sock.settimeout(idle_timeout)  # a watch is silent while nothing changes
                 conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
                 opened(conn.sock)
             except (OSError, http.client.HTTPException) as e:
@@ -183,6 +190,8 @@ class EtcdClient:
             while True:
                 try:
                     line = resp.readline()
+                except socket.timeout:
+                    raise WatchIdle(f"{self._where()}: nothing on the watch for {idle_timeout:g} s") from None
                 except (OSError, http.client.HTTPException) as e:
                     raise PeerConnectionError(f"{self._where()}: watch broke: {type(e).__name__}: {e}") from None
                 if not line:
@@ -333,20 +342,26 @@ class Registry:
         return self.lookup("agents", name)
 
     def watch(self, kind: str, on_change: Callable[[str, dict[str, Any] | None], None], *,
-              retry_s: float = 1.0) -> "Watch":
+              retry_s: float = 1.0, idle_s: float = 30.0) -> "Watch":
         """Calls ``on_change(name, value or None)`` from a background thread for every
         entry of ``kind`` now and for every later change, until the returned watch is
         closed. While etcd is away it retries every ``retry_s``; when etcd returns it
-        lists again, so entries that expired meanwhile are reported removed."""
-        return Watch(self, kind, on_change, retry_s)
+        lists again, so entries that expired meanwhile are reported removed. A watch
+        that hears nothing for ``idle_s`` lists again and re-opens (so a frozen etcd is
+        noticed within ``idle_s`` plus the registry's ``timeout``); only what changed
+        is reported."""
+        if not (isinstance(idle_s, (int, float)) and idle_s > 0):
+            raise InvalidArgument(f"idle_s must be > 0 seconds, got {idle_s!r}")
+        return Watch(self, kind, on_change, retry_s, idle_s)
 
 
 class Watch:
     """A background watch of one kind of entry (see :meth:`Registry.watch`)."""
 
     def __init__(self, registry: Registry, kind: str, on_change: Callable[[str, dict[str, Any] | None], None],
-                 retry_s: float) -> None:
+                 retry_s: float, idle_s: float = 30.0) -> None:
         self._registry, self._kind, self._on_change, self._retry_s = registry, kind, on_change, retry_s
+        self._idle_s = idle_s
         self._stop = threading.Event()
         self._sock: Any = None
         self.synced = threading.Event()  # set once the first listing was delivered
@@ -368,27 +383,31 @@ class Watch:
                 pass
 
     def _run(self) -> None:
-        known: set[str] = set()
+        known: dict[str, Any] = {}  # name -> the value last reported
         reg = self._registry
         base = f"{reg.prefix}/{self._kind}/"
         while not self._stop.is_set():
             try:
                 items, rev = reg.list(self._kind)
-                for gone in known - items.keys():
+                for gone in known.keys() - items.keys():
+                    del known[gone]
                     self._on_change(gone, None)
                 for name, value in items.items():
-                    self._on_change(name, value)
-                known = set(items)
+                    if known.get(name) != value:
+                        known[name] = value
+                        self._on_change(name, value)
                 self.last_error = ""
                 self.synced.set()
-                for ev in reg.client.watch_prefix(base, rev + 1, self._opened):
+                for ev in reg.client.watch_prefix(base, rev + 1, self._opened, idle_timeout=self._idle_s):
                     name = ev.key[len(base):]
                     if ev.value is None:
-                        known.discard(name)
+                        known.pop(name, None)
                         self._on_change(name, None)
                     else:
-                        known.add(name)
-                        self._on_change(name, json.loads(ev.value))
+                        known[name] = json.loads(ev.value)
+                        self._on_change(name, known[name])
+            except WatchIdle:
+                log.debug("watching %s: quiet for %g s; listing again", base, self._idle_s)
             except PeerConnectionError as e:
                 if not self._stop.is_set():
                     if str(e) != self.last_error:  # once per outage, not once per retry

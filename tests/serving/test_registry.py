@@ -206,3 +206,132 @@ def test_workers_added_and_drained_under_load_lose_nothing(tiny, etcd):
         if load is not None:
             load.stop()
         s.close()
+
+
+# ---------------------------------------------------------------------------- re-roling
+
+def info_role(worker: str) -> str:
+    return json.loads(get(worker + "/pd/info")[1])["role"]
+
+
+def test_worker_switches_role_and_serves_the_new_one(tiny):
+    """``POST /pd/role`` switches an idle decode worker to prefill and back; the other
+    role's routes answer 404 in each; outputs through a proxy stay the reference."""
+    s = Stack()
+    try:
+        pre = s.worker(tiny, "prefill")
+        d1 = s.worker(tiny, "decode")
+        d2 = s.worker(tiny, "decode")
+        assert post(d2 + "/pd/role", {"role": "colocated"})[0] == 400
+        assert post(d2 + "/pd/role", {"rol": "prefill"})[0] == 400
+        assert post(d2 + "/pd/role", {"role": "decode"}) == (200, {"role": "decode", "switched": False})
+        assert post(d2 + "/pd/role", {"role": "prefill"}) == (200, {"role": "prefill", "switched": True,
+                                                                   "from": "decode"})
+        assert info_role(d2) == "prefill"
+        status, body = post(d2 + "/pd/decode", {})
+        assert status == 404 and body["error"]["code"] == "wrong_role"
+        proxy = s.proxy("disagg", prefill=[pre, d2], decode=[d1])
+        for _ in range(2):  # both prefill workers get requests (least loaded, round-robin ties)
+            for prompt, ref in zip(tiny.prompts, tiny.refs):
+                assert completion_ids(proxy, tiny.name, prompt)[0] == ref
+        assert rotation(proxy)[d2]["served"] > 0
+        assert post(d2 + "/pd/role", {"role": "decode"})[1]["switched"]
+        assert post(d2 + "/pd/prefill", {})[0] == 404
+        back = s.proxy("hybrid", prefill=[pre], decode=[d2], hybrid_threshold=10)
+        for prompt, ref in zip(tiny.prompts, tiny.refs):
+            assert completion_ids(back, tiny.name, prompt)[0] == ref
+    finally:
+        s.close()
+
+
+def rerole_policy(**kw):
+    from pdkv.serving.rerole import RerolePolicy
+
+    # Prefill made to look 1000x dearer than decode: the measured ratio wants every
+    # worker but one in the prefill pool.
+    return RerolePolicy(prefill_fixed_s=0.0, prefill_s_per_token=1.0, decode_tok_s=1000.0, interval_s=0.3,
+                        window_s=60.0, min_requests=3, drain_timeout_s=30.0, **kw)
+
+
+def _check_no_loss(load: Load, tiny) -> None:
+    results = load.stop()
+    failed = [r for r in results if isinstance(r[1], str)]
+    assert not failed, failed[:3]
+    wrong = [(i, out) for i, out in results if out != tiny.refs[i]]
+    assert not wrong, wrong[:3]
+    assert len(results) >= 10
+    return results
+
+
+def test_proxy_reroles_a_decode_worker_to_prefill_under_load(tiny):
+    """The measured ratio moves towards prefill: the proxy drains one of two decode
+    workers under load (its requests finish), switches it to prefill and routes
+    prompts to it. Every request is answered once with the reference output."""
+    s = Stack()
+    load = None
+    try:
+        pre = s.worker(tiny, "prefill")
+        d1 = s.worker(tiny, "decode")
+        d2 = s.worker(tiny, "decode")
+        proxy = s.proxy("disagg", prefill=[pre], decode=[d1, d2], rerole=rerole_policy())
+        load = Load(tiny, [proxy])
+        wait_for(lambda: sum(w["role"] == "prefill" for w in rotation(proxy).values()) == 2, 60,
+                 "a decode worker moved to the prefill pool")
+        moved = next(u for u, w in rotation(proxy).items() if w["role"] == "prefill" and u != pre)
+        assert moved in (d1, d2) and info_role(moved) == "prefill"
+        wait_for(lambda: rotation(proxy)[moved]["served"] > 0, 60, "the moved worker served prefills")
+        results = _check_no_loss(load, tiny)
+        load = None
+        print(f"re-role under load: {len(results)} requests, 0 lost")
+        # One decode worker is left: the pool never goes below one.
+        assert sorted(w["role"] for w in rotation(proxy).values()) == ["decode", "prefill", "prefill"]
+        metric = 'pdkv_worker_reroles_total{from="decode",result="ok",to="prefill"} 1.0\n'
+        assert metric in get(proxy + "/metrics")[1]
+    finally:
+        if load is not None:
+            load.stop()
+        s.close()
+
+
+def test_registered_worker_reroled_under_load_is_republished(tiny, etcd):
+    """The same with workers from etcd and two proxies (one re-roles): the switched
+    worker publishes itself in its new role, and the other proxy follows."""
+    s = Stack()
+    load = None
+    try:
+        reg = dict(registry=etcd.url, registry_ttl=TTL)
+        s.worker(tiny, "prefill", **reg)
+        d1 = s.worker(tiny, "decode", **reg)
+        d2 = s.worker(tiny, "decode", **reg)
+        p1 = s.proxy("disagg", decode=[], registry=etcd.url, rerole=rerole_policy())
+        p2 = s.proxy("disagg", decode=[], registry=etcd.url)
+        load = Load(tiny, [p1, p2])
+
+        def roles() -> list[str]:
+            return sorted(w["role"] for w in Registry(etcd.url).list("workers")[0].values())
+
+        wait_for(lambda: roles() == ["decode", "prefill", "prefill"], 60, "the registry shows the new role")
+        for p in (p1, p2):
+            wait_for(lambda: sorted(w["role"] for w in rotation(p).values()) == ["decode", "prefill", "prefill"],
+                     30, "both proxies route the new split")
+        moved = d1 if info_role(d1) == "prefill" else d2
+        wait_for(lambda: rotation(p2)[moved]["served"] > 0, 60, "the other proxy sent prefills to the moved worker")
+        _check_no_loss(load, tiny)
+        load = None
+    finally:
+        if load is not None:
+            load.stop()
+        s.close()
+
+
+def test_proxy_started_while_etcd_is_down_is_listed_when_it_returns(etcd):
+    s = Stack()
+    try:
+        etcd.stop()
+        proxy = s.proxy("disagg", decode=[], registry=etcd.url, wait=False)
+        assert json.loads(get(proxy + "/health")[1])["workers"] == []  # serving, with no worker yet
+        etcd.start()
+        wait_for(lambda: [p["url"] for p in Registry(etcd.url).list("proxies")[0].values()] == [proxy], 15,
+                 "the proxy listed itself")
+    finally:
+        s.close()

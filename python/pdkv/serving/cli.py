@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--workers", default="", help="colocated mode: engine worker URLs (same as --decode)")
     px.add_argument("--registry", help="etcd://host:port: also route to the workers registered there, as they "
                     "come and go (then --prefill/--decode may be empty; see docs/discovery.md)")
+    px.add_argument("--rerole", metavar="PLAN_JSON", help="move idle workers between prefill and decode as the "
+                    "measured load moves, with the capacity `pdkv plan --out` measured (docs/discovery.md)")
     from .proxy import DEFAULT_HYBRID_THRESHOLD
 
     px.add_argument("--hybrid-threshold", type=int, default=DEFAULT_HYBRID_THRESHOLD,
@@ -284,13 +286,15 @@ class _ReadyProxy:
 def _run_proxy(args: argparse.Namespace) -> int:
     from .aio import run_until_signal
     from .proxy import Proxy, ProxyConfig
+    from .rerole import RerolePolicy
 
     decode = ",".join(x for x in (args.decode, args.workers) if x)
     cfg = ProxyConfig(mode=args.mode, prefill=args.prefill, decode=decode, hybrid_threshold=args.hybrid_threshold,
                       tokenizer=args.tokenizer, kv_timeout_s=args.kv_timeout, connect_timeout_s=args.connect_timeout,
                       read_timeout_s=args.read_timeout, headers_timeout_s=args.headers_timeout,
                       liveness_s=args.liveness, probe_timeout_s=args.probe_timeout, retries=args.retries,
-                      max_body_bytes=args.max_body_bytes, registry=args.registry)
+                      max_body_bytes=args.max_body_bytes, registry=args.registry,
+                      rerole=RerolePolicy.from_plan(args.rerole) if args.rerole else None)
     proxy = Proxy(cfg, limits=_limits(args))
     if cfg.registry is not None:  # an elastic pool: workers may register after the proxy starts
         return run_until_signal(proxy, args.host, args.port, ready_file=args.ready_file,

@@ -69,6 +69,7 @@ from .metrics import Registry
 from .openai_api import APIError, ModelInfo, TextCodec
 from .protocol import (BUSY_CODES, GenerateRequest, GenParams, KVFailed, KVResult, PrefillRequest, Reservation,
                        StreamError, WorkerInfo)
+from .rerole import DemandWindow, RerolePolicy, decide
 
 __all__ = ["DEFAULT_HYBRID_THRESHOLD", "Proxy", "ProxyBackend", "ProxyConfig", "ProxyMode"]
 
@@ -145,6 +146,9 @@ class ProxyConfig:
     registry : str, optional
         ``etcd://host:port``: also route to the workers registered there (see
         :mod:`pdkv.serving.discovery`); ``prefill``/``decode`` may then be empty.
+    rerole : RerolePolicy, optional
+        Disagg and hybrid: move idle workers between the prefill and decode pools as
+        the measured ratio moves (see :mod:`pdkv.serving.rerole`). Off by default.
     """
 
     mode: ProxyMode
@@ -162,6 +166,7 @@ class ProxyConfig:
     down_cooldown_s: float = 2.0
     max_body_bytes: int | None = None
     registry: str | None = None
+    rerole: RerolePolicy | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -189,6 +194,8 @@ class ProxyConfig:
             raise InvalidArgument(f"retries must be >= 0, got {self.retries}")
         if self.max_body_bytes is not None and (not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1):
             raise InvalidArgument(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
+        if self.rerole is not None and (self.mode is ProxyMode.COLOCATED or not isinstance(self.rerole, RerolePolicy)):
+            raise InvalidArgument("rerole takes a RerolePolicy, in disagg or hybrid mode only")
 
 
 class _WorkerFailed(Exception):
@@ -220,9 +227,11 @@ class _Worker:
     served: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
     registered_as: str = ""        # its id in the registry ('' when configured by URL)
+    switching: bool = False        # being re-roled: out of rotation until it is in its new pool
 
     def usable(self, now: float) -> bool:
-        return self.info is not None and self.compatible and self.alive and now >= self.down_until
+        return self.info is not None and self.compatible and self.alive and now >= self.down_until \
+            and not self.switching
 
 
 class _Pool:
@@ -261,6 +270,9 @@ class _Pool:
                 return False
         self.workers = self.workers + [_Worker(url, self.role, registered_as=registered_as)]
         return True
+
+    def remove_url(self, url: str) -> None:
+        self.workers = [w for w in self.workers if w.url != url]
 
     def remove(self, registered_as: str) -> list[_Worker]:
         """Takes a registered worker out of rotation; requests running there finish."""
@@ -301,7 +313,10 @@ class ProxyBackend:
         self._tasks: list[asyncio.Task] = []
         self._ready = asyncio.Event()
         self._pool_watch: PoolWatch | None = None
+        self._demand = DemandWindow(config.rerole) if config.rerole is not None else None
         r = registry
+        self.m_reroles = r.counter("pdkv_worker_reroles_total", "Workers moved between the prefill and decode pools "
+                                   "(from -> to), and switches given up (result).", ("from", "to", "result"))
         self.m_routed = r.counter("pdkv_routed_requests_total",
                                   "Requests by route: disagg (prefill worker + KV transfer) or local.", ("route",))
         self.m_kv = r.counter("pdkv_kv_transfers_total", "KV transfers by result (ok, failed, none).", ("result",))
@@ -347,6 +362,8 @@ class ProxyBackend:
             self._pool_watch = PoolWatch(DiscoveryRegistry(self.config.registry), self._apply_registration)
         self._tasks.append(asyncio.ensure_future(self._discover_loop()))
         self._tasks.append(asyncio.ensure_future(self._liveness_loop()))
+        if self.config.rerole is not None:
+            self._tasks.append(asyncio.ensure_future(self._rerole_loop()))
 
     async def close(self) -> None:
         if self._pool_watch is not None:
@@ -444,6 +461,74 @@ class ProxyBackend:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+
+    # ------------------------------------------------------------------ re-roling
+    async def _rerole_loop(self) -> None:
+        policy = self.config.rerole
+        assert policy is not None and self._demand is not None
+        while True:
+            await asyncio.sleep(policy.interval_s)
+            try:
+                await self.rerole_once()
+            except Exception:  # noqa: BLE001 - a failed round must not end the re-roling
+                log.exception("re-roling")
+
+    async def rerole_once(self) -> str | None:
+        """One round of :mod:`pdkv.serving.rerole`: moves at most one worker; returns
+        the role it moved to (None: nothing moved)."""
+        policy = self.config.rerole
+        assert policy is not None and self._demand is not None
+        need_p, need_d, requests = self._demand.needs()
+        if requests < policy.min_requests:
+            return None
+        now = time.monotonic()
+        n_p = sum(w.usable(now) for w in self.prefill.workers)
+        n_d = sum(w.usable(now) for w in self.decode.workers)
+        to = decide(need_p, need_d, n_p, n_d, policy.hysteresis)
+        if to is None:
+            return None
+        src, dst = (self.decode, self.prefill) if to == "prefill" else (self.prefill, self.decode)
+        log.info("measured need %.2f prefill : %.2f decode workers over %.0f s; have %d:%d: moving one %s worker "
+                 "to %s", need_p, need_d, policy.window_s, n_p, n_d, src.role, to)
+        return to if await self._rerole(src, dst) else None
+
+    async def _rerole(self, src: _Pool, dst: _Pool) -> bool:
+        """Drains the least-loaded worker of ``src`` (out of rotation, its requests
+        finish), switches its role (``POST /pd/role``) and puts it into ``dst``."""
+        policy = self.config.rerole
+        assert policy is not None
+        now = time.monotonic()
+        cands = [w for w in src.workers if w.usable(now)]
+        if len(cands) < 2:
+            return False
+        w = min(cands, key=lambda x: (x.in_flight, x.load_tokens))
+        w.switching = True
+        ok = False
+        try:
+            end = time.monotonic() + policy.drain_timeout_s
+            while w.in_flight > 0 and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+            left = max(end - time.monotonic(), 1.0)
+            try:
+                async with self.session.post(w.url + "/pd/role", json={"role": dst.role, "timeout": left},
+                                             timeout=aiohttp.ClientTimeout(total=left + 10)) as r:
+                    body = await r.json(content_type=None)
+                    ok = r.status == 200 and body.get("role") == dst.role
+                    why = "" if ok else f"HTTP {r.status}: {body}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                why = f"{type(e).__name__}: {e}"
+            if not ok:
+                log.warning("re-roling %s worker %s to %s failed (%s); it stays a %s worker", src.role, w.url,
+                            dst.role, why, src.role)
+                self.m_reroles.inc((src.role, dst.role, "failed"))
+                return False
+            src.remove_url(w.url)
+            dst.add(w.url, w.registered_as)
+            self.m_reroles.inc((src.role, dst.role, "ok"))
+            log.info("worker %s moved from the %s pool to the %s pool", w.url, src.role, dst.role)
+            return True
+        finally:
+            w.switching = False
 
     # ------------------------------------------------------------------ discovery
     def _pool_for(self, role: str) -> _Pool | None:
@@ -560,7 +645,8 @@ class ProxyBackend:
         ok = self._ready.is_set() and self.decode.any_up() and \
             (self.config.mode is ProxyMode.COLOCATED or self.prefill.any_up())
         workers = [{"url": w.url, "role": w.role, "up": w.usable(now), "in_flight": w.in_flight,
-                    "served": w.served, "registered_as": w.registered_as, "error": w.error}
+                    "served": w.served, "registered_as": w.registered_as, "error": w.error,
+                    "switching": w.switching}
                    for w in self._workers()]
         links = self.link_health()
         out: dict[str, Any] = {"workers": workers, "model": self._info.name if self._info else None,
@@ -657,6 +743,8 @@ class ProxyBackend:
             self.m_routed.inc(("local",))
             return self._retrying(rid, prompt, params, trace, disagg=False)
         self.m_routed.inc(("disagg",))
+        if self._demand is not None:
+            self._demand.prefill(len(prompt))
         return self._traced(rid, trace, self._retrying(rid, prompt, params, trace, disagg=True))
 
     async def _traced(self, rid: str, trace: RequestTrace, gen: AsyncIterator[TokenOut]) -> AsyncIterator[TokenOut]:
@@ -725,6 +813,8 @@ class ProxyBackend:
                 async for tok in gen:
                     if tok.token_id is not None:
                         sent.append(tok.token_id)
+                        if self._demand is not None and (len(sent) > 1 or not disagg):
+                            self._demand.decode_tokens()  # disagg: the first token is the prefill's
                     finished = finished or tok.finish_reason is not None
                     yield tok
                 return

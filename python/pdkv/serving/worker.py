@@ -56,7 +56,7 @@ from pdkv.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 
 from ..discovery import Registry as DiscoveryRegistry
 from .aio import HttpServer, json_error, start_ndjson
-from .discovery import WorkerRegistration
+from .discovery import RoleSwitch, WorkerRegistration
 from .engine import Engine, EngineConfig, FinishReason, RequestHandle, TokenEvent
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut, openai_error_middleware
 from .handoff import KVReceiver, KVSender
@@ -251,13 +251,14 @@ class Worker:
         self._closed = False
         self._body_limit = body_limit(None, config.max_body_bytes)
         self._setup_metrics()
+        self._role = config.role  # prefill <-> decode may switch (RoleSwitch, POST /pd/role)
         self.registration = None if config.registry is None else WorkerRegistration(
             self, DiscoveryRegistry(config.registry, ttl=config.registry_ttl))
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def role(self) -> WorkerRole:
-        return self.config.role
+        return self._role
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Builds the agent, pool and engine, starts stepping and serving; returns the URL."""
@@ -266,15 +267,7 @@ class Worker:
         self.engine = Engine(self.model, cfg.engine, block_order=self.block_order, pool=pool)
         self._thread = threading.Thread(target=self._step_loop, name=f"engine-{cfg.role.value}", daemon=True)
         self._thread.start()
-        if cfg.role is WorkerRole.PREFILL:
-            assert self.agent is not None
-            self.sender = KVSender(self.agent, self.engine, executor=self._executor, registry=self.registry,
-                                   drop_kv=cfg.debug_drop_kv, stream_layers=cfg.stream_layers)
-        if cfg.role is WorkerRole.DECODE:
-            assert self.agent is not None
-            self.receiver = KVReceiver(self.agent, self.engine, executor=self._executor, address=self.agent_address,
-                                       registry=self.registry)
-            self._tasks.append(asyncio.ensure_future(self.receiver.run_notifications()))
+        self._start_handoff()
         self._body_limit = body_limit(self.model_info(), cfg.max_body_bytes)
         app = web.Application(client_max_size=self._body_limit)
         self._routes(app)
@@ -287,6 +280,28 @@ class Worker:
         log.info("%s worker serving %s on %s%s", cfg.role.value, cfg.model_name, self.url,
                  f" (pdkv agent {self.agent.name} at {self.agent_address})" if self.agent else "")
         return self.url
+
+    def _start_handoff(self) -> None:
+        """The KV hand-off side of the current role. A side stays when the role switches
+        away (see :meth:`switch_role`), so switching back reuses it."""
+        cfg = self.config
+        if self._role is WorkerRole.PREFILL and self.sender is None:
+            assert self.agent is not None and self.engine is not None
+            self.sender = KVSender(self.agent, self.engine, executor=self._executor, registry=self.registry,
+                                   drop_kv=cfg.debug_drop_kv, stream_layers=cfg.stream_layers)
+        if self._role is WorkerRole.DECODE and self.receiver is None:
+            assert self.agent is not None and self.engine is not None
+            self.receiver = KVReceiver(self.agent, self.engine, executor=self._executor, address=self.agent_address,
+                                       registry=self.registry)
+            self._tasks.append(asyncio.ensure_future(self.receiver.run_notifications()))
+
+    def switch_role(self, role: WorkerRole) -> None:
+        """Prefill <-> decode, for an idle worker (:class:`~pdkv.serving.discovery.RoleSwitch`
+        drains it first): both roles share the agent, the pool and the engine."""
+        if self._role is WorkerRole.COLOCATED or role is WorkerRole.COLOCATED:
+            raise InvalidArgument("only prefill and decode workers switch roles")
+        self._role = role
+        self._start_handoff()
 
     def _make_agent_and_pool(self) -> PagedKVPool:
         """Prefill and decode: the pdkv agent and a KV pool registered with it (in memory
@@ -419,14 +434,13 @@ class Worker:
     def _routes(self, app: web.Application) -> None:
         app.router.add_get("/pd/info", self._h_info)
         app.router.add_get("/pd/stats", self._h_stats)
-        if self.role is WorkerRole.PREFILL:
+        if self.role is not WorkerRole.COLOCATED:  # both roles' routes; RoleSwitch answers the other's 404
             app.router.add_post("/pd/prefill", self._h_prefill)
             app.router.add_post("/pd/check_peer", self._h_check_peer)
-        else:
-            app.router.add_post("/pd/generate", self._h_generate)
-        if self.role is WorkerRole.DECODE:
             app.router.add_post("/pd/decode", self._h_decode)
             app.router.add_post("/pd/kv_failed", self._h_kv_failed)
+            RoleSwitch(self).add_routes(app)
+        app.router.add_post("/pd/generate", self._h_generate)
         if self.role is WorkerRole.COLOCATED:
             OpenAIFrontend(LocalBackend(self), self.registry, max_body_bytes=self.config.max_body_bytes,
                            body_timeout_s=self.config.limits.body_timeout_s).add_routes(app)

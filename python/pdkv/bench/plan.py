@@ -1,0 +1,552 @@
+"""``pdkv plan``: the prefill:decode split for a trace and an SLO, from measured capacity.
+
+Disaggregated serving only pays off when the two pools are rate-matched: prefill
+workers that cannot keep up queue every request's first token, decode workers that
+cannot keep up stretch every gap between tokens, and a pool larger than its share of
+the load idles. This module turns two measured per-worker facts into a split:
+
+* **prefill**: seconds to prefill a prompt of ``L`` tokens on one worker, fitted as
+  ``prefill_fixed_s + L * prefill_s_per_token`` (so its capacity in prompt tokens/s
+  depends on the trace's prompt lengths);
+* **decode**: seconds per decode step with ``B`` requests in the batch, fitted as
+  ``step_fixed_s + B * step_per_seq_s`` (one token per request per step, so a worker
+  decodes ``B / step(B)`` tokens/s at inter-token latency ``step(B)``).
+
+The capacities come from :mod:`pdkv.bench.plan_measure` (timed on this machine with
+the reference engine, or derived from a ``pdkv bench serve`` results directory).
+
+The queueing arithmetic (each function below says which formula it uses):
+
+* Prefill pool of ``n`` workers at ``rate`` requests/s: each worker gets ``rate / n``
+  (a random split; the proxy's least-loaded routing does better, so this is
+  conservative) and is an M/G/1 queue: utilisation ``rho = rate/n * E[S]``, mean wait
+  ``Wq = rate/n * E[S^2] / (2 (1 - rho))`` (Pollaczek-Khinchine), and the wait's tail
+  taken exponential: ``P(wait > t) = rho * exp(-t rho / Wq)``, so its p90 is
+  ``Wq / rho * ln(10 rho)`` (0 when ``rho <= 0.1``). TTFT p90 is estimated as the
+  p90 prompt's service time plus that wait plus ``ttft_overhead_s`` (proxy and KV hop).
+* Decode pool of ``n`` workers: each decodes ``D = rate/n * E[output - 1]`` tokens/s
+  (the first token comes from prefill). By Little's law the batch settles where
+  ``B / step(B) = D``, i.e. ``B = D a / (1 - D b)`` for ``step = a + b B``; ITL is
+  ``step(B)``. Capacity under the ITL objective is ``B* / step(B*)`` with ``B*`` the
+  largest batch whose step meets it (and at most ``max_decode_batch``).
+
+A split is **throughput-bound** when the smallest pool that keeps up (``rho < 1``)
+also meets the objective, **SLO-bound** when latency needs more workers than
+throughput does. Integer worker counts waste capacity; :func:`recommend` reports each
+pool's utilisation for the recommended split and its neighbours, and for a fixed
+budget of ``N`` workers (:func:`best_split`) the highest rate each split sustains and
+what the integer split loses against the ideal fractional one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pdkv.errors import InvalidArgument
+
+__all__ = ["Capacity", "PoolLoad", "SplitPrediction", "Workload", "best_split", "main", "predict",
+           "recommend"]
+
+#: Pools are never sized beyond this many workers (a search bound, not a limit of pdkv).
+MAX_WORKERS = 256
+#: Utilisations this close to 1 count as saturated (10 req/s * 0.1 s is 0.9999999999999997).
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Measured per-worker cost model (see the module docstring).
+
+    Attributes
+    ----------
+    prefill_fixed_s, prefill_s_per_token : float
+        Prefill time of an ``L``-token prompt: ``prefill_fixed_s + L * prefill_s_per_token``.
+    step_fixed_s, step_per_seq_s : float
+        Decode step time with ``B`` requests: ``step_fixed_s + B * step_per_seq_s``.
+    max_decode_batch : int
+        Most requests one decode worker runs at once (its ``--max-num-seqs`` and KV pool).
+    source : str
+        Where the numbers come from (for the report).
+    points : dict
+        The raw measurements the fits came from.
+    """
+
+    prefill_fixed_s: float
+    prefill_s_per_token: float
+    step_fixed_s: float
+    step_per_seq_s: float
+    max_decode_batch: int = 64
+    source: str = ""
+    points: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for k in ("prefill_fixed_s", "prefill_s_per_token", "step_fixed_s", "step_per_seq_s"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise InvalidArgument(f"capacity {k} must be a finite number >= 0, got {v!r}")
+        if self.prefill_fixed_s + self.prefill_s_per_token <= 0 or self.step_fixed_s + self.step_per_seq_s <= 0:
+            raise InvalidArgument("capacity: prefill and decode step times cannot both be zero")
+        if not isinstance(self.max_decode_batch, int) or self.max_decode_batch < 1:
+            raise InvalidArgument(f"capacity max_decode_batch must be an integer >= 1, got {self.max_decode_batch!r}")
+
+    def prefill_s(self, prompt_len: float) -> float:
+        return self.prefill_fixed_s + prompt_len * self.prefill_s_per_token
+
+    def step_s(self, batch: float) -> float:
+        return self.step_fixed_s + batch * self.step_per_seq_s
+
+    def slo_batch(self, itl_slo_s: float) -> int:
+        """The largest decode batch whose step meets ``itl_slo_s`` (0: not even one request)."""
+        if self.step_s(1) > itl_slo_s:
+            return 0
+        if self.step_per_seq_s == 0:
+            return self.max_decode_batch
+        return min(self.max_decode_batch, int(math.floor((itl_slo_s - self.step_fixed_s) / self.step_per_seq_s
+                                                          + 1e-9)))
+
+    def decode_tok_s_max(self) -> float:
+        """One decode worker's tokens/s with a full batch (its raw throughput)."""
+        return self.max_decode_batch / self.step_s(self.max_decode_batch)
+
+    def decode_tok_s(self, itl_slo_s: float) -> float:
+        """One decode worker's tokens/s under the ITL objective (0 if it cannot meet it)."""
+        b = self.slo_batch(itl_slo_s)
+        return b / self.step_s(b) if b else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Capacity":
+        try:
+            return cls(float(d["prefill_fixed_s"]), float(d["prefill_s_per_token"]), float(d["step_fixed_s"]),
+                       float(d["step_per_seq_s"]), int(d.get("max_decode_batch", 64)), str(d.get("source", "")),
+                       dict(d.get("points", {})))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgument(f"not a capacity record ({type(e).__name__}: {e})") from None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the trace asks of the pools.
+
+    Attributes
+    ----------
+    rate : float
+        Requests/s.
+    prompt_lens, output_lens : tuple of int
+        The trace's lengths (a sample of its distributions); only their moments and p90
+        are used.
+    """
+
+    rate: float
+    prompt_lens: tuple[int, ...]
+    output_lens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.rate) and self.rate > 0):
+            raise InvalidArgument(f"the trace's rate must be > 0 requests/s, got {self.rate!r}")
+        if not self.prompt_lens or len(self.prompt_lens) != len(self.output_lens):
+            raise InvalidArgument("the workload needs prompt and output lengths of the same, non-zero, count")
+        if min(self.output_lens) < 1 or min(self.prompt_lens) < 1:
+            raise InvalidArgument("prompt and output lengths must be >= 1")
+
+    @classmethod
+    def of_trace(cls, trace: Any, rate: Optional[float] = None) -> "Workload":
+        """From a :class:`~pdkv.bench.serve_trace.Trace` (``rate``: its nominal rate, else the observed one)."""
+        reqs = list(trace)
+        if not reqs:
+            raise InvalidArgument("the trace is empty")
+        r = rate if rate is not None else trace.mean_rate
+        return cls(float(r), tuple(max(int(q.prompt_len), 1) for q in reqs), tuple(int(q.output_len) for q in reqs))
+
+    def with_rate(self, rate: float) -> "Workload":
+        return replace(self, rate=rate)
+
+    @property
+    def mean_decode_tokens(self) -> float:
+        """Tokens per request the decode pool produces (the first one comes from prefill)."""
+        return sum(o - 1 for o in self.output_lens) / len(self.output_lens)
+
+    @property
+    def mean_prompt(self) -> float:
+        return sum(self.prompt_lens) / len(self.prompt_lens)
+
+    def p90_prompt(self) -> float:
+        s = sorted(self.prompt_lens)
+        return float(s[min(len(s) - 1, int(math.ceil(0.9 * len(s))) - 1)])
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """One pool's predicted state.
+
+    Attributes
+    ----------
+    workers : int (a float for the fractional sizing)
+    utilisation : float
+        Busy fraction of each worker (prefill: ``rho``; decode: tokens/s demanded over
+        its throughput with a full batch).
+    latency_p90_s : float
+        Prefill: estimated TTFT p90; decode: estimated ITL (``inf`` if it cannot keep up).
+    meets_slo : bool
+    """
+
+    workers: float
+    utilisation: float
+    latency_p90_s: float
+    meets_slo: bool
+
+
+def prefill_pool(cap: Capacity, load: Workload, workers: float, ttft_slo_s: float, overhead_s: float = 0.0) -> PoolLoad:
+    """The prefill pool's utilisation and TTFT p90 (M/G/1 per worker, see the module docstring)."""
+    lam = load.rate / workers
+    services = [cap.prefill_s(p) for p in load.prompt_lens]
+    es = sum(services) / len(services)
+    es2 = sum(s * s for s in services) / len(services)
+    rho = lam * es
+    if rho >= 1 - _EPS:
+        return PoolLoad(workers, rho, math.inf, False)
+    wq = lam * es2 / (2 * (1 - rho))
+    wait_p90 = wq / rho * math.log(10 * rho) if rho > 0.1 else 0.0
+    ttft = cap.prefill_s(load.p90_prompt()) + wait_p90 + overhead_s
+    return PoolLoad(workers, rho, ttft, ttft <= ttft_slo_s)
+
+
+def decode_pool(cap: Capacity, load: Workload, workers: float, itl_slo_s: float) -> PoolLoad:
+    """The decode pool's utilisation (against a full batch's throughput) and ITL
+    (Little's law on a linear step time)."""
+    demand = load.rate / workers * load.mean_decode_tokens  # tokens/s per worker
+    util = demand / cap.decode_tok_s_max()
+    if demand * cap.step_per_seq_s >= 1:
+        return PoolLoad(workers, util, math.inf, False)
+    batch = demand * cap.step_fixed_s / (1 - demand * cap.step_per_seq_s)
+    if batch > cap.max_decode_batch:
+        return PoolLoad(workers, util, math.inf, False)
+    itl = cap.step_s(max(batch, 1.0))
+    return PoolLoad(workers, util, itl, itl <= itl_slo_s)
+
+
+@dataclass(frozen=True)
+class SplitPrediction:
+    """A ``prefill:decode`` split and its predicted pools."""
+
+    prefill: PoolLoad
+    decode: PoolLoad
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill.workers}:{self.decode.workers}"
+
+    @property
+    def meets_slo(self) -> bool:
+        return self.prefill.meets_slo and self.decode.meets_slo
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"split": self.label, "meets_slo": self.meets_slo, "prefill": _finite(asdict(self.prefill)),
+                "decode": _finite(asdict(self.decode))}
+
+
+def _finite(d: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no infinity: unbounded values become None."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+@dataclass(frozen=True)
+class Slo:
+    """The objective the split must meet (p90 TTFT and p90 ITL, seconds)."""
+
+    ttft_s: float
+    itl_s: float
+    ttft_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.itl_s > 0 and self.ttft_overhead_s >= 0):
+            raise InvalidArgument(f"SLO times must be > 0 (overhead >= 0), got {self}")
+
+
+def predict(cap: Capacity, load: Workload, slo: Slo, num_prefill: int, num_decode: int) -> SplitPrediction:
+    """Both pools of the split ``num_prefill:num_decode`` at the workload's rate."""
+    if num_prefill < 1 or num_decode < 1:
+        raise InvalidArgument(f"a split needs at least one worker per pool, got {num_prefill}:{num_decode}")
+    return SplitPrediction(prefill_pool(cap, load, num_prefill, slo.ttft_s, slo.ttft_overhead_s),
+                           decode_pool(cap, load, num_decode, slo.itl_s))
+
+
+def _smallest(fits: Any) -> Optional[int]:
+    return next((n for n in range(1, MAX_WORKERS + 1) if fits(n)), None)
+
+
+def _fractional(fits: Any) -> float:
+    """The smallest real ``n`` for which ``fits(n)`` holds (``fits`` is monotone in
+    ``n``; bisection), ``inf`` if not even MAX_WORKERS fit."""
+    if not fits(float(MAX_WORKERS)):
+        return math.inf
+    lo, hi = 0.0, float(MAX_WORKERS)
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """The smallest pool that keeps up, the smallest that meets the SLO, and which binds."""
+
+    throughput_workers: Optional[int]  # smallest n with utilisation < 1
+    slo_workers: Optional[int]         # smallest n that meets the objective
+    ideal: float                       # the fractional n that meets it exactly (rate-matched)
+
+    @property
+    def bound(self) -> str:
+        if self.slo_workers is None:
+            return "infeasible"
+        return "slo" if self.throughput_workers is not None and self.slo_workers > self.throughput_workers \
+            else "throughput"
+
+
+def _sizing(pool: Any) -> PoolSizing:
+    return PoolSizing(_smallest(lambda n: pool(n).utilisation < 1 - _EPS), _smallest(lambda n: pool(n).meets_slo),
+                      _fractional(lambda n: pool(n).meets_slo))
+
+
+def size_pools(cap: Capacity, load: Workload, slo: Slo) -> tuple[PoolSizing, PoolSizing]:
+    """(prefill, decode) sizings for the workload's rate."""
+    return (_sizing(lambda n: prefill_pool(cap, load, n, slo.ttft_s, slo.ttft_overhead_s)),
+            _sizing(lambda n: decode_pool(cap, load, n, slo.itl_s)))
+
+
+def recommend(cap: Capacity, load: Workload, slo: Slo) -> dict[str, Any]:
+    """The smallest split meeting ``slo`` at the workload's rate, with each pool's
+    sizing, the utilisation of the recommended split and of its neighbours, and the
+    capacity the integer counts leave idle."""
+    pre, dec = size_pools(cap, load, slo)
+    out: dict[str, Any] = {"rate": load.rate, "ideal_prefill_workers": pre.ideal, "ideal_decode_workers": dec.ideal,
+                           "prefill_bound": pre.bound, "decode_bound": dec.bound,
+                           "prefill_tok_s_per_worker": load.mean_prompt / (
+                               sum(cap.prefill_s(p) for p in load.prompt_lens) / len(load.prompt_lens)),
+                           "decode_tok_s_per_worker": cap.decode_tok_s(slo.itl_s)}
+    if pre.slo_workers is None or dec.slo_workers is None:
+        out["split"] = None
+        out["why"] = ("no prefill pool meets the TTFT objective" if pre.slo_workers is None else
+                      "no decode pool meets the ITL objective")
+        return out
+    p, d = pre.slo_workers, dec.slo_workers
+    out["split"] = f"{p}:{d}"
+    out["recommended"] = predict(cap, load, slo, p, d).to_dict()
+    neighbours = [(p + dp, d + dd) for dp, dd in ((-1, 0), (1, 0), (0, -1), (0, 1), (-1, 1), (1, -1))
+                  if p + dp >= 1 and d + dd >= 1]
+    out["neighbours"] = [predict(cap, load, slo, a, b).to_dict() for a, b in neighbours]
+    # What rounding each pool up to whole workers costs: capacity provisioned beyond
+    # the exactly rate-matched fractional pools.
+    out["integer_loss"] = 1 - (pre.ideal + dec.ideal) / (p + d)
+    return out
+
+
+def max_rate(cap: Capacity, load: Workload, slo: Slo, num_prefill: int, num_decode: int) -> float:
+    """The highest rate (requests/s, same lengths) the split sustains within ``slo``
+    (bisection; 0 when it cannot meet it at any rate)."""
+    ok = lambda r: predict(cap, load.with_rate(r), slo, num_prefill, num_decode).meets_slo  # noqa: E731
+    lo, hi = 0.0, load.rate
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e9:
+            return math.inf
+    if lo == 0.0 and not ok(hi * 1e-6):
+        return 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def fractional_max_rate(cap: Capacity, load: Workload, slo: Slo, workers: float) -> float:
+    """The highest rate at which exactly rate-matched fractional pools of ``workers``
+    in all meet ``slo`` (what no integer split can beat; bisection)."""
+    def fits(r: float) -> bool:
+        pre, dec = size_pools(cap, load.with_rate(r), slo)
+        return pre.ideal + dec.ideal <= workers
+
+    lo, hi = 0.0, load.rate
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1e9:
+            return math.inf
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def best_split(cap: Capacity, load: Workload, slo: Slo, workers: int) -> dict[str, Any]:
+    """For a budget of ``workers`` (>= 2): every split's highest sustainable rate, the
+    best split, and what its integer counts lose against the fractional optimum."""
+    if workers < 2:
+        raise InvalidArgument(f"a disaggregated budget needs at least 2 workers, got {workers}")
+    rows = []
+    for p in range(1, workers):
+        r = max_rate(cap, load, slo, p, workers - p)
+        at = predict(cap, load, slo, p, workers - p).to_dict()
+        rows.append({"split": f"{p}:{workers - p}", "max_rate": r, "at_trace_rate": at})
+    best = max(rows, key=lambda x: x["max_rate"])
+    fractional = fractional_max_rate(cap, load, slo, workers)
+    return {"workers": workers, "splits": rows, "best": best["split"], "best_max_rate": best["max_rate"],
+            "fractional_max_rate": fractional,
+            "integer_loss": 1 - best["max_rate"] / fractional if 0 < fractional < math.inf else None}
+
+
+# ------------------------------------------------------------------ CLI
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from . import serve_cli
+
+    serve_cli.add_arguments(parser)  # the trace and SLO flags of `pdkv bench serve`
+    g = parser.add_argument_group("plan")
+    g.add_argument("--serve-model", default="tiny-4m",
+                   help="model whose workers are measured: a directory, smollm2 or a generated one (default tiny-4m)")
+    g.add_argument("--from-results", metavar="DIR",
+                   help="derive capacity from a `pdkv bench serve` results directory instead of measuring")
+    g.add_argument("--capacity", metavar="JSON", help="read capacity from a file `pdkv plan --out` wrote")
+    g.add_argument("--workers", type=int, help="also rank every split of this many workers (default: the "
+                   "recommended split's total)")
+    g.add_argument("--ttft-overhead", type=float, default=0.0,
+                   help="seconds the proxy and the KV hop add to TTFT (default 0)")
+    g.add_argument("--max-decode-batch", type=int, default=64, help="decode workers' --max-num-seqs (default 64)")
+    g.add_argument("--sweep", metavar="SPLITS",
+                   help="also run disagg at these P:D splits on the trace, e.g. 1:1,1:2,2:1, and compare")
+    g.add_argument("--worker-arg", action="append", default=[],
+                   help="extra option for every swept worker, e.g. --worker-arg=--num-blocks=1024 (repeatable)")
+    g.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin swept workers to cores")
+
+
+def _capacity(args: argparse.Namespace, load: Workload, model_dir: Optional[Path]) -> Capacity:
+    from . import plan_measure
+
+    if args.capacity:
+        try:
+            return Capacity.from_dict(json.loads(Path(args.capacity).read_text())["capacity"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InvalidArgument(f"--capacity {args.capacity}: {type(e).__name__}: {e}") from None
+    if args.from_results:
+        return plan_measure.from_results(Path(args.from_results), max_decode_batch=args.max_decode_batch)
+    assert model_dir is not None
+    return plan_measure.measure(model_dir, load, max_decode_batch=args.max_decode_batch)
+
+
+def format_report(rec: dict[str, Any], budget: Optional[dict[str, Any]], cap: Capacity) -> str:
+    lines = [f"capacity ({cap.source}): prefill {cap.prefill_fixed_s * 1e3:.2f} ms + "
+             f"{cap.prefill_s_per_token * 1e6:.1f} us/token; decode step {cap.step_fixed_s * 1e3:.2f} ms + "
+             f"{cap.step_per_seq_s * 1e3:.3f} ms/request",
+             f"per worker: {rec['prefill_tok_s_per_worker']:.0f} prompt tokens/s, "
+             f"{rec['decode_tok_s_per_worker']:.0f} decode tokens/s within the ITL objective",
+             f"at {rec['rate']:g} req/s: ideal {rec['ideal_prefill_workers']:.2f} prefill : "
+             f"{rec['ideal_decode_workers']:.2f} decode workers (prefill {rec['prefill_bound']}-bound, "
+             f"decode {rec['decode_bound']}-bound)"]
+    if rec["split"] is None:
+        lines.append(f"no split meets the SLO: {rec['why']}")
+    else:
+        lines.append(f"recommended split {rec['split']} (capacity left idle by integer counts: "
+                     f"{rec['integer_loss']:.0%})")
+        lines.append("split   meets  prefill util  TTFT p90 est  decode util  ITL est")
+        for s in [rec["recommended"], *rec["neighbours"]]:
+            lines.append(_split_row(s))
+    if budget is not None:
+        lines.append(f"budget {budget['workers']} workers: best split {budget['best']} sustains "
+                     f"{budget['best_max_rate']:.3g} req/s within the SLO; the ideal fractional split "
+                     f"{budget['fractional_max_rate']:.3g} req/s (integer loss "
+                     f"{(budget['integer_loss'] or 0):.0%})")
+        for row in budget["splits"]:
+            lines.append(f"  {row['split']:>5}: max {row['max_rate']:.3g} req/s")
+    return "\n".join(lines)
+
+
+def _split_row(s: dict[str, Any]) -> str:
+    def ms(v: Optional[float]) -> str:
+        return "inf" if v is None else f"{v * 1e3:.0f} ms"
+
+    def pct(v: Optional[float]) -> str:
+        return "inf" if v is None else f"{v:.0%}"
+
+    p, d = s["prefill"], s["decode"]
+    return (f"{s['split']:>5}   {'yes' if s['meets_slo'] else 'no':5}  {pct(p['utilisation']):>12}  "
+            f"{ms(p['latency_p90_s']):>12}  {pct(d['utilisation']):>11}  {ms(d['latency_p90_s']):>7}")
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """Everything ``pdkv plan`` prints, as one JSON-serialisable dict."""
+    from . import serve_cli
+
+    try:
+        slo_b = serve_cli.slo_from_args(args)
+        traces, trace_info = serve_cli.build_traces(args)
+    except (ValueError, OSError) as e:
+        raise InvalidArgument(str(e)) from None
+    rate, trace = traces[0]
+    load = Workload.of_trace(trace, rate)
+    slo = Slo(slo_b.ttft_s, slo_b.itl_s, args.ttft_overhead)
+    model_dir = None
+    if not (args.capacity or args.from_results) or args.sweep:
+        import os
+
+        from .serve_modes import resolve_model
+
+        cache = Path(os.environ.get("PDKV_CACHE_DIR", Path.home() / ".cache" / "pdkv")) / "models"
+        model_dir = resolve_model(args.serve_model, cache)
+    cap = _capacity(args, load, model_dir)
+    rec = recommend(cap, load, slo)
+    workers = args.workers or (sum(int(x) for x in rec["split"].split(":")) if rec["split"] else None)
+    budget = best_split(cap, load, slo, workers) if workers and workers >= 2 else None
+    out: dict[str, Any] = {"trace": trace_info, "rate": rate, "num_requests": len(trace),
+                           "slo": asdict(slo), "capacity": cap.to_dict(), "recommendation": rec, "budget": budget}
+    print(format_report(rec, budget, cap), flush=True)
+    if args.sweep:
+        from . import plan_sweep
+
+        assert model_dir is not None
+        out["sweep"] = plan_sweep.sweep(args, model_dir, trace, rate, cap, load, slo, slo_b)
+        print(plan_sweep.format_sweep(out["sweep"]), flush=True)
+    if args.out:
+        d = Path(args.out)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "plan.json").write_text(json.dumps(_finite_tree(out), indent=1, allow_nan=False) + "\n")
+        print(f"wrote {d / 'plan.json'}", file=sys.stderr)
+    return out
+
+
+def _finite_tree(v: Any) -> Any:
+    """``v`` with every infinite or NaN float replaced by None (strict JSON)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite_tree(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite_tree(x) for x in v]
+    return v
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="pdkv plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.list_presets:
+        from .serve_cli import run_from_args
+
+        return run_from_args(args, argv)
+    if args.url:
+        parser.error("pdkv plan measures its own workers (or reads --from-results / --capacity); --url is not used")
+    if args.workers is not None and args.workers < 2:
+        parser.error(f"--workers must be >= 2, got {args.workers}")
+    run(args, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
