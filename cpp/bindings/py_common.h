@@ -43,6 +43,8 @@ inline py::dict region_dict(const RegionDesc& d) {
   o["device"] = d.device;
   o["remote_access"] = d.remote_access;
   o["shareable"] = d.shareable;
+  o["shared_offset"] = d.shared_offset;
+  o["shared_len"] = d.shared_len;
   return o;
 }
 

@@ -327,6 +327,10 @@ void bind_options(py::module_& m) {
       .field("inline_bytes", &ShmOptions::inline_bytes,
              "int, bytes: transfers up to this size are copied by the posting thread itself (lowest "
              "latency); larger ones go to the copy threads (post returns at once).")
+      .field("share_pages_min_bytes", &ShmOptions::share_pages_min_bytes,
+             "int, bytes: exported host memory registered from the engine (numpy, torch) whose whole pages "
+             "span at least this much is re-mapped onto shareable memory at registration, so same-host peers "
+             "copy into it as into Agent.alloc memory; 0 turns it off (cross-memory attach).")
       .finish();
 
   OptionsClass<AgentConfig>(m, "AgentConfig", "Everything an agent is created with (pdkv/config.h).")

@@ -28,6 +28,7 @@ std::shared_ptr<RemoteRegion> mapped_region(uint64_t id) {
   void* p = ::mmap(nullptr, kLen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   EXPECT_NE(p, MAP_FAILED);
   r->base = static_cast<char*>(p);
+  r->shared_len = kLen;  // shared whole, as Agent.alloc memory
   r->remote_addr = reinterpret_cast<uint64_t>(p);
   return r;
 }
@@ -44,8 +45,8 @@ TEST(ShmCopy, WriteAndReadThroughMappedRegions) {
   Binding w;
   w.op = OpKind::kWrite;
   w.regions = {r};
-  w.ops = {CopyOp{src.data(), reinterpret_cast<uint64_t>(r->base) + 100, 1000, 0},
-           CopyOp{src.data() + 1000, reinterpret_cast<uint64_t>(r->base) + 5000, 3096, 0}};
+  w.ops = {CopyOp{src.data(), reinterpret_cast<uint64_t>(r->base) + 100, 1000, 0, true},
+           CopyOp{src.data() + 1000, reinterpret_cast<uint64_t>(r->base) + 5000, 3096, 0, true}};
   ASSERT_TRUE(run_copies(w).ok());
   EXPECT_EQ(std::memcmp(r->base + 100, src.data(), 1000), 0);
   EXPECT_EQ(std::memcmp(r->base + 5000, src.data() + 1000, 3096), 0);
@@ -53,8 +54,8 @@ TEST(ShmCopy, WriteAndReadThroughMappedRegions) {
   std::vector<char> back(4096, 0);
   Binding rd = w;
   rd.op = OpKind::kRead;
-  rd.ops = {CopyOp{back.data(), reinterpret_cast<uint64_t>(r->base) + 100, 1000, 0},
-            CopyOp{back.data() + 1000, reinterpret_cast<uint64_t>(r->base) + 5000, 3096, 0}};
+  rd.ops = {CopyOp{back.data(), reinterpret_cast<uint64_t>(r->base) + 100, 1000, 0, true},
+            CopyOp{back.data() + 1000, reinterpret_cast<uint64_t>(r->base) + 5000, 3096, 0, true}};
   ASSERT_TRUE(run_copies(rd).ok());
   EXPECT_EQ(back, src);
 }
@@ -72,8 +73,8 @@ TEST(ShmCopy, CrossMemoryAttachMixedWithMappedRegions) {
   w.cma = true;
   w.pid = ::getpid();
   w.regions = {mapped, cma};
-  w.ops = {CopyOp{src.data(), reinterpret_cast<uint64_t>(mapped->base), 1000, 0},
-           CopyOp{src.data() + 1000, cma->remote_addr + 64, 2000, 1}};
+  w.ops = {CopyOp{src.data(), reinterpret_cast<uint64_t>(mapped->base), 1000, 0, true},
+           CopyOp{src.data() + 1000, cma->remote_addr + 64, 2000, 1, false}};
   Status st = run_copies(w);
   if (st.code() == StatusCode::kConnectionError && st.message().find("Operation not permitted") != std::string::npos)
     GTEST_SKIP() << "cross-memory attach is not permitted here: " << st.message();
@@ -90,7 +91,7 @@ TEST(ShmCopy, CrossMemoryAttachToAMissingProcessIsAConnectionError) {
   w.cma = true;
   w.pid = 0x3fffffff;  // above pid_max: no such process
   w.regions = {cma};
-  w.ops = {CopyOp{local.data(), 0x1000, local.size(), 0}};
+  w.ops = {CopyOp{local.data(), 0x1000, local.size(), 0, false}};
   Status st = run_copies(w);
   EXPECT_EQ(st.code(), StatusCode::kConnectionError);
   EXPECT_NE(st.message().find("is gone"), std::string::npos) << st.message();

@@ -92,12 +92,19 @@ TEST(ShmCtl, HelloAckAndRegionInfo) {
   EXPECT_EQ(trailing.status().message(), "hello-ack has 2 trailing bytes");
   EXPECT_EQ(shm::parse_hello(shm::encode_hello({shm::kShmVersion, 42, "a", "b", "s"}) + "xy").status().message(),
             "hello has 2 trailing bytes");
-  shm::RegionInfo ri{0x1000, 65536, MemKind::kHost, true};
+  shm::RegionInfo ri{0x1000, 65536, MemKind::kHost, true, 4096, 8192};
   auto back = shm::parse_region_info(shm::encode_region_info(ri));
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->addr, 0x1000u);
   EXPECT_EQ(back->len, 65536u);
   EXPECT_TRUE(back->shareable);
+  EXPECT_EQ(back->shared_offset, 4096u);
+  EXPECT_EQ(back->shared_len, 8192u);
+  // The window must lie inside the region, and a memfd comes exactly with a window.
+  EXPECT_EQ(shm::parse_region_info(shm::encode_region_info({0x1000, 65536, MemKind::kHost, true, 61440, 8192}))
+                .status().code(), StatusCode::kProtocolError);
+  EXPECT_FALSE(shm::parse_region_info(shm::encode_region_info({0x1000, 65536, MemKind::kHost, true, 0, 0})).ok());
+  EXPECT_FALSE(shm::parse_region_info(shm::encode_region_info({0x1000, 65536, MemKind::kHost, false, 0, 4096})).ok());
   EXPECT_FALSE(shm::parse_region_info(shm::encode_region_info(ri) + "x").ok());
   EXPECT_FALSE(shm::parse_region_info(shm::encode_region_info({0x1000, 0, MemKind::kHost, false})).ok());
   EXPECT_FALSE(shm::parse_region_info(shm::encode_region_info({~0ull - 10, 100, MemKind::kHost, false})).ok());

@@ -26,8 +26,8 @@ def write(dirname: str, seeds: dict) -> None:
 
 
 SHM = 0x534B4450
-hello = frame(SHM, 1, struct.pack("<HQ", 3, 7) + s(b"alice") + s(b"bob") + s(b"secret"))
-info = struct.pack("<QQII", 0x7F0000001000, 65536, 0, 1)
+hello = frame(SHM, 1, struct.pack("<HQ", 4, 7) + s(b"alice") + s(b"bob") + s(b"secret"))
+info = struct.pack("<QQIIQQ", 0x7F0000001000, 65536, 0, 1, 4096, 57344)  # shared window: whole pages
 # LeaseReq: u32 hold_ms, then the claim (u32 name length, name, u32 count, count x (u32 block, u32 gen)).
 lease = struct.pack("<I", 5000) + s(b"kv") + struct.pack("<I", 2) + struct.pack("<IIII", 3, 1, 7, 2)
 write("shm_ctl", {

@@ -108,6 +108,13 @@ class Region:
     kind = property(lambda self: self._desc["kind"], doc="'host' or 'cuda'.")
     device = property(lambda self: self._desc["device"], doc="CUDA ordinal, or -1 for host.")
     remote_access = property(lambda self: self._desc["remote_access"], doc="Exported to peers.")
+    shared_bytes = property(lambda self: self._desc.get("shared_len", 0),
+                            doc="Bytes same-host peers copy into directly (memfd-backed): all of an "
+                                ":meth:`Agent.alloc` region; the whole pages of engine memory re-mapped at "
+                                "registration (``ShmOptions.share_pages_min_bytes``); 0 otherwise (cross-memory "
+                                "attach).")
+    shared_offset = property(lambda self: self._desc.get("shared_offset", 0),
+                             doc="Offset of the first shared byte from :attr:`addr`.")
 
     @property
     def closed(self) -> bool:

@@ -28,6 +28,12 @@ struct RegionDesc {
   int32_t device = -1;  // CUDA ordinal for kCuda, -1 for host
   bool remote_access = true;  // peers may read/write it (exported in metadata)
   bool shareable = false;     // backed by a memfd a same-host peer can map (shm transport)
+  // Bytes [shared_offset, shared_offset + shared_len) are memfd-backed, so same-host
+  // peers copy into them directly: all of an Agent.alloc region; the whole pages of
+  // engine memory re-mapped at registration (ShmOptions.share_pages_min_bytes); 0
+  // bytes otherwise (peers use cross-memory attach).
+  uint64_t shared_offset = 0;
+  uint64_t shared_len = 0;
 };
 
 }  // namespace pdkv

@@ -369,7 +369,11 @@ bool Agent::Impl::secret_matches(std::string_view presented) const {
 
 Result<RegionDesc> Agent::Impl::register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
                                           bool remote_access, int shm_fd) {
-  PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.add(addr, len, kind, device, remote_access, shm_fd));
+  // Engine pages become shareable only when a same-host transport can use that.
+  const bool shm = std::any_of(transports_.begin(), transports_.end(),
+                               [](const auto& t) { return std::string_view(t->name()) == "shm"; });
+  PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.add(addr, len, kind, device, remote_access, shm_fd,
+                                                   shm ? cfg_.shm.share_pages_min_bytes : 0));
   for (size_t i = 0; i < transports_.size(); ++i) {
     Status st = transports_[i]->region_added(d);
     if (st.ok()) continue;
@@ -396,7 +400,8 @@ Status Agent::Impl::deregister_memory(uint64_t id) {
   // transports that registered it with their library (region_added) release it.
   for (auto& t : transports_) t->region_removed(d);
   RegionTable::wait_unpinned(entry);
-  return Status::Ok();
+  // Only now (no transfer writes it any more) can shared engine pages go back private.
+  return entry->unshare_pages();
 }
 
 Status Agent::Impl::add_layout(const std::string& name, KVLayout layout) {

@@ -7,6 +7,9 @@
 #include <cerrno>
 #include <string>
 
+#include "core/page_share.h"
+#include "util/log.h"
+
 namespace pdkv {
 namespace {
 std::string range_str(uint64_t addr, uint64_t len) {
@@ -17,7 +20,17 @@ std::string range_str(uint64_t addr, uint64_t len) {
 }  // namespace
 
 detail::RegionEntry::~RegionEntry() {
+  Status s = unshare_pages();
+  if (!s.ok()) PDKV_LOG_ERROR("region %llu: %s", (unsigned long long)desc.id, s.message().c_str());
   if (shm_fd >= 0) ::close(shm_fd);
+}
+
+Status detail::RegionEntry::unshare_pages() {
+  if (remapped_len == 0) return Status::Ok();
+  SharedPages pages{shm_fd, remapped_offset, remapped_len, static_cast<dev_t>(memfd_dev),
+                    static_cast<ino_t>(memfd_ino)};
+  remapped_len = 0;
+  return detail::unshare_pages(desc.addr, pages);
 }
 
 void detail::RegionEntry::unpin() {
@@ -35,7 +48,7 @@ void RegionPin::reset() {
 }
 
 Result<RegionDesc> RegionTable::add(uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote_access,
-                                    int shm_fd) {
+                                    int shm_fd, uint64_t share_min_bytes) {
   if (len == 0) return InvalidArgument("cannot register an empty memory range");
   if (addr == 0) return InvalidArgument("cannot register memory at address 0");
   if (addr > ~0ull - len) return OutOfRange("memory range " + range_str(addr, len) + " wraps around");
@@ -58,7 +71,41 @@ Result<RegionDesc> RegionTable::add(uint64_t addr, uint64_t len, MemKind kind, i
       if (fd >= 0) ::close(fd);
     }
   } guard{fd};
+  detail::SharedPages pages;
+  if (fd < 0 && kind == MemKind::kHost && remote_access && share_min_bytes > 0) {
+    // Checked before the re-map too: the pages of a registered region must never move.
+    {
+      std::shared_lock<std::shared_mutex> lk(mu_);
+      PDKV_RETURN_IF_ERROR(overlap_locked(addr, len));
+    }
+    std::string why_not;
+    PDKV_ASSIGN_OR_RETURN(pages, detail::share_pages(addr, len, share_min_bytes, &why_not));
+    fd = pages.fd;
+    if (pages.len == 0)
+      PDKV_LOG_DEBUG("memory %s stays private (cross-memory attach for shm peers): %s", range_str(addr, len).c_str(),
+                     why_not.c_str());
+  }
   std::unique_lock<std::shared_mutex> lk(mu_);
+  if (Status overlap = overlap_locked(addr, len); !overlap.ok()) {
+    if (pages.len) (void)detail::unshare_pages(addr, pages);  // a racing registration won
+    return overlap;
+  }
+  auto e = std::make_shared<detail::RegionEntry>();
+  const bool whole_memfd = fd >= 0 && pages.len == 0;  // Agent.alloc memory
+  e->desc = RegionDesc{next_id_++, addr, len, kind, device, remote_access, whole_memfd,
+                       whole_memfd ? 0 : pages.offset, whole_memfd ? len : pages.len};
+  e->shm_fd = fd;
+  e->remapped_offset = pages.offset;
+  e->remapped_len = pages.len;
+  e->memfd_dev = pages.dev;
+  e->memfd_ino = pages.ino;
+  fd = -1;
+  by_addr_[addr] = e->desc.id;
+  by_id_[e->desc.id] = e;
+  return e->desc;
+}
+
+Status RegionTable::overlap_locked(uint64_t addr, uint64_t len) const {
   // Overlap with the region starting at or before addr, or the first one after it.
   auto it = by_addr_.upper_bound(addr);
   if (it != by_addr_.begin()) {
@@ -73,13 +120,7 @@ Result<RegionDesc> RegionTable::add(uint64_t addr, uint64_t len, MemKind kind, i
     return AlreadyExists("memory " + range_str(addr, len) + " overlaps registered region " + std::to_string(d.id) +
                          " " + range_str(d.addr, d.len) + "; register each pool once");
   }
-  auto e = std::make_shared<detail::RegionEntry>();
-  e->desc = RegionDesc{next_id_++, addr, len, kind, device, remote_access, fd >= 0};
-  e->shm_fd = fd;
-  fd = -1;
-  by_addr_[addr] = e->desc.id;
-  by_id_[e->desc.id] = e;
-  return e->desc;
+  return Status::Ok();
 }
 
 Result<std::shared_ptr<detail::RegionEntry>> RegionTable::take(uint64_t id) {

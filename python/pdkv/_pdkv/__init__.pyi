@@ -572,7 +572,7 @@ class ShmOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144) -> None:
+    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144, share_pages_min_bytes: int = 1048576) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -599,6 +599,14 @@ class ShmOptions:
         """
     @inline_bytes.setter
     def inline_bytes(self, value: int) -> None:
+        ...
+    @property
+    def share_pages_min_bytes(self) -> int:
+        """
+        int, bytes: exported host memory registered from the engine (numpy, torch) whose whole pages span at least this much is re-mapped onto shareable memory at registration, so same-host peers copy into it as into Agent.alloc memory; 0 turns it off (cross-memory attach).
+        """
+    @share_pages_min_bytes.setter
+    def share_pages_min_bytes(self, value: int) -> None:
         ...
 class AgentConfig:
     """

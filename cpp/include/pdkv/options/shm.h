@@ -14,6 +14,11 @@ namespace pdkv {
 struct ShmOptions {
   uint32_t copy_threads = 1;           // threads copying large transfers (1..64)
   uint64_t inline_bytes = 256u << 10;  // transfers up to this many bytes copy in the posting thread
+  // Exported host memory the engine allocated itself (numpy, torch) whose whole pages
+  // span at least this many bytes is re-mapped at registration onto a memfd, so
+  // same-host peers copy into it as fast as into Agent.alloc memory instead of through
+  // cross-memory attach (docs/transports.md). 0: never (the off switch). Bytes.
+  uint64_t share_pages_min_bytes = 1u << 20;
 
   // OK, or InvalidArgument naming the field out of range and its value.
   Status validate() const;

@@ -28,11 +28,18 @@ struct RegionEntry {
   ~RegionEntry();
   RegionDesc desc;
   int shm_fd = -1;  // owned dup of the backing memfd, or -1
+  // Engine pages re-mapped onto shm_fd at registration (len 0: none); given back to
+  // private memory by unshare_pages() once no transfer uses the region.
+  uint64_t remapped_offset = 0, remapped_len = 0;
+  uint64_t memfd_dev = 0, memfd_ino = 0;
   std::atomic<int64_t> inflight{0};
   std::atomic<bool> revoked{false};
   std::mutex mu;
   std::condition_variable cv;
   void unpin();
+  // Re-maps the engine pages back onto private memory (see core/page_share.h). Call
+  // after wait_unpinned(); idempotent; the destructor calls it too.
+  Status unshare_pages();
 };
 }  // namespace detail
 
@@ -61,8 +68,11 @@ class RegionTable {
   // Adds a region and returns its descriptor (ids start at 1 and are never reused).
   // `shm_fd` >= 0: the memory is a MAP_SHARED mapping of that memfd (offset 0, at
   // least `len` bytes); the table keeps a dup of it so peers on this host can map it.
+  // Otherwise, for exported host memory whose whole pages span at least
+  // `share_min_bytes` (0: never), those pages are re-mapped onto a new memfd first
+  // (core/page_share.h; RegionDesc::shared_offset/shared_len say which).
   Result<RegionDesc> add(uint64_t addr, uint64_t len, MemKind kind, int32_t device, bool remote_access,
-                         int shm_fd = -1);
+                         int shm_fd = -1, uint64_t share_min_bytes = 0);
   // A new dup of region `id`'s memfd (caller closes it). NotFound / NotSupported.
   Result<int> dup_shm_fd(uint64_t id) const;
   // Removes a region, then waits for its pins to drop (see file comment).
@@ -82,6 +92,9 @@ class RegionTable {
   std::vector<RegionDesc> list() const;
 
  private:
+  // AlreadyExists naming the region [addr, addr+len) overlaps; Ok if none. mu_ held.
+  Status overlap_locked(uint64_t addr, uint64_t len) const;
+
   mutable std::shared_mutex mu_;
   uint64_t next_id_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<detail::RegionEntry>> by_id_;

@@ -58,7 +58,7 @@ Status run_copies(const Binding& p) {
     return Status::Ok();
   };
   for (const auto& o : p.ops) {
-    if (p.regions[o.region]->base) {
+    if (o.mapped) {
       if (p.op == OpKind::kWrite)
         std::memcpy(reinterpret_cast<void*>(o.remote), o.local, o.len);
       else

@@ -28,9 +28,10 @@ namespace pdkv::shm {
 
 struct CopyOp {
   char* local;
-  uint64_t remote;  // mapped pointer or the peer's address
+  uint64_t remote;  // mapped pointer (mapped) or the peer's address
   uint64_t len;
   uint32_t region;  // index into Binding::regions
+  bool mapped;      // memcpy through our mapping, else cross-memory attach
 };
 
 // A prepared transfer bound to one connection and the regions confirmed on it.
@@ -39,7 +40,7 @@ struct Binding {
   OpKind op = OpKind::kWrite;
   std::vector<CopyOp> ops;
   std::vector<std::shared_ptr<RemoteRegion>> regions;
-  bool cma = false;  // some region is reached by cross-memory attach
+  bool cma = false;  // some op is a cross-memory attach
   pid_t pid = 0;     // the peer, for cross-memory attach
   uint64_t total = 0;
 };

@@ -28,10 +28,13 @@ Result<std::shared_ptr<RemoteRegion>> attach(const std::shared_ptr<ShmConn>& c, 
   auto show = [](uint64_t addr, uint64_t len, bool shareable) {
     return "[" + hex_addr(addr) + ", +" + std::to_string(len) + ")" + (shareable ? " shared" : " private");
   };
-  if (ri.addr != d.addr || ri.len != d.len || ri.shareable != d.shareable || ri.kind != d.kind)
+  // Agent.alloc memory (shareable in the metadata) is shared whole; engine memory may
+  // have a shared window of whole pages, which the metadata does not carry.
+  const bool whole = ri.shareable && ri.shared_offset == 0 && ri.shared_len == ri.len;
+  if (ri.addr != d.addr || ri.len != d.len || (d.shareable && !whole) || ri.kind != d.kind)
     return OutOfRange("peer '" + peer.md.name + "' confirms region " + std::to_string(d.id) + " as " +
-                      show(ri.addr, ri.len, ri.shareable) + " but its metadata says " +
-                      show(d.addr, d.len, d.shareable) + "; fetch its metadata again");
+                      show(ri.addr, ri.len, whole) + " but its metadata says " + show(d.addr, d.len, d.shareable) +
+                      "; fetch its metadata again");
   auto r = std::make_shared<RemoteRegion>();
   r->id = d.id;
   r->len = ri.len;
@@ -39,23 +42,29 @@ Result<std::shared_ptr<RemoteRegion>> attach(const std::shared_ptr<ShmConn>& c, 
   r->conn = c;
   if (ri.shareable) {
     struct stat st {};
-    if (::fstat(fd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < ri.len)
+    if (::fstat(fd.get(), &st) != 0 || static_cast<uint64_t>(st.st_size) < ri.shared_len)
       return ProtocolError("peer's region " + std::to_string(d.id) + " is smaller than it confirms");
-    void* p = ::mmap(nullptr, ri.len, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    void* p = ::mmap(nullptr, ri.shared_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
     if (p == MAP_FAILED) return Internal("mmap of the peer's region failed: " + util::errno_str(errno));
     r->base = static_cast<char*>(p);
-    return r;
+    r->shared_offset = ri.shared_offset;
+    r->shared_len = ri.shared_len;
+    if (whole) return r;
   }
-  // Cross-memory attach: check once that the kernel lets us reach the peer.
+  // Cross-memory attach (for the bytes outside the shared window): check once that
+  // the kernel lets us reach the peer.
+  const uint64_t probe_at = ri.shared_offset > 0 || !ri.shareable ? ri.addr : ri.addr + ri.len - 1;
   char probe;
-  iovec l{&probe, 1}, rm{reinterpret_cast<void*>(ri.addr), 1};
+  iovec l{&probe, 1}, rm{reinterpret_cast<void*>(probe_at), 1};
   if (::process_vm_readv(c->peer_pid(), &l, 1, &rm, 1, 0) != 1) {
     const int err = errno;
-    return NotSupported("region " + std::to_string(d.id) + " of peer '" + peer.md.name +
-                        "' is not shared memory and cross-memory attach to pid " + std::to_string(c->peer_pid()) +
-                        " is not permitted (" + util::errno_str(err) +
-                        "); let pdkv allocate the pool (Agent.alloc), allow ptrace (kernel.yama.ptrace_scope=0 or "
-                        "CAP_SYS_PTRACE), or use the tcp transport");
+    std::string why = "region " + std::to_string(d.id) + " of peer '" + peer.md.name + "' is not shared memory" +
+                      (ri.shareable ? " outside its whole pages" : "") + " and cross-memory attach to pid " +
+                      std::to_string(c->peer_pid()) + " is not permitted (" + util::errno_str(err) +
+                      "); let pdkv allocate the pool (Agent.alloc), allow ptrace (kernel.yama.ptrace_scope=0 or "
+                      "CAP_SYS_PTRACE), or use the tcp transport";
+    if (!ri.shareable) return NotSupported(why);
+    r->cma_denied = std::move(why);  // the shared window still works
   }
   return r;
 }

@@ -20,7 +20,7 @@ constexpr size_t kMaxQueuedFds = 4;  // fds received ahead of their RegionResp
 }  // namespace
 
 RemoteRegion::~RemoteRegion() {
-  if (base) ::munmap(base, len);
+  if (base) ::munmap(base, shared_len);
 }
 
 // ---------------------------------------------------------------- identity

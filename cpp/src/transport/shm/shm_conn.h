@@ -53,8 +53,13 @@ class ShmConn;
 struct RemoteRegion {
   uint64_t id = 0;
   uint64_t len = 0;
-  char* base = nullptr;      // mapped (shareable) or nullptr (cross-memory attach)
+  // Bytes [shared_offset, shared_offset + shared_len) are mapped at base (the peer's
+  // memfd); the rest (all of it when base is nullptr) is reached by cross-memory attach.
+  char* base = nullptr;
+  uint64_t shared_offset = 0;
+  uint64_t shared_len = 0;
   uint64_t remote_addr = 0;  // the peer's address, for cross-memory attach
+  std::string cma_denied;    // why cross-memory attach is refused (empty: it works)
   std::atomic<int64_t> inflight{0};  // copies using it now
   std::atomic<bool> revoked{false};  // the peer deregistered it: ack once inflight is 0
   std::atomic<bool> ack_sent{false};

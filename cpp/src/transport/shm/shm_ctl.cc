@@ -112,6 +112,8 @@ std::string encode_region_info(const RegionInfo& ri) {
   w.put<uint64_t>(ri.len);
   w.put<uint32_t>(static_cast<uint32_t>(ri.kind));
   w.put<uint32_t>(ri.shareable ? 1u : 0u);
+  w.put<uint64_t>(ri.shared_offset);
+  w.put<uint64_t>(ri.shared_len);
   return w.take();
 }
 
@@ -126,12 +128,20 @@ Result<RegionInfo> parse_region_info(std::string_view aux) {
   PDKV_RETURN_IF_ERROR(r.get(&ri.len, "len"));
   PDKV_RETURN_IF_ERROR(r.get(&kind, "kind"));
   PDKV_RETURN_IF_ERROR(r.get(&flags, "flags"));
+  PDKV_RETURN_IF_ERROR(r.get(&ri.shared_offset, "shared offset"));
+  PDKV_RETURN_IF_ERROR(r.get(&ri.shared_len, "shared length"));
   if (kind > static_cast<uint32_t>(MemKind::kCuda)) return ProtocolError("region confirmation names memory kind " + std::to_string(kind));
   if (flags > 1) return ProtocolError("region confirmation has unknown flags " + std::to_string(flags));
   if (ri.len == 0) return ProtocolError("region confirmation has length 0");
   if (ri.addr + ri.len < ri.addr) return ProtocolError("region confirmation wraps the address space");
   ri.kind = static_cast<MemKind>(kind);
   ri.shareable = flags & 1;
+  if (ri.shareable != (ri.shared_len != 0))
+    return ProtocolError(std::string("region confirmation ") + (ri.shareable ? "attaches a memfd to an empty window"
+                                                                              : "names a window without a memfd"));
+  if (ri.shared_offset > ri.len || ri.shared_len > ri.len - ri.shared_offset)
+    return ProtocolError("region confirmation's shared window [" + std::to_string(ri.shared_offset) + ", +" +
+                         std::to_string(ri.shared_len) + ") falls outside its " + std::to_string(ri.len) + " bytes");
   return ri;
 }
 

@@ -20,14 +20,16 @@ namespace pdkv::shm {
 constexpr uint32_t kCtlMagic = 0x534b4450;  // "PDKS"
 // 2: region confirmation (RegionReq/RegionResp for every region, not only memfd ones).
 // 3: block generation leases (LeaseReq/LeaseResp/LeaseEnd).
-constexpr uint16_t kShmVersion = 3;
+// 4: RegionInfo names the memfd-backed window of a region (engine memory whose whole
+//    pages were re-mapped onto a memfd at registration; docs/transports.md).
+constexpr uint16_t kShmVersion = 4;
 
 // Limits (bytes of aux), checked on the header before anything is allocated.
 constexpr uint32_t kMaxHelloAux = 4096;   // hello, hello-ack
 constexpr uint32_t kMaxErrorAux = 4096;   // error messages, RegionResp failures
 constexpr uint32_t kMaxNameLen = 128;
 constexpr uint32_t kMaxSecretLen = 1024;
-constexpr uint32_t kRegionInfoLen = 24;   // RegionResp success body
+constexpr uint32_t kRegionInfoLen = 40;   // RegionResp success body
 // Deadlines (seconds).
 constexpr double kHandshakeTimeoutS = 5.0;  // accept -> authenticated hello
 constexpr double kFrameTimeoutS = 5.0;      // first byte of a frame -> its last byte
@@ -102,6 +104,11 @@ struct RegionInfo {
   uint64_t len = 0;
   MemKind kind = MemKind::kHost;
   bool shareable = false;  // a memfd is attached to the response
+  // Bytes [shared_offset, shared_offset + shared_len) of the region are the memfd's
+  // bytes [0, shared_len): the whole region for Agent.alloc memory, the whole pages
+  // inside it for shared engine memory. shared_len != 0 exactly when shareable.
+  uint64_t shared_offset = 0;
+  uint64_t shared_len = 0;
 };
 std::string encode_region_info(const RegionInfo& r);
 Result<RegionInfo> parse_region_info(std::string_view aux);

@@ -99,7 +99,7 @@ void ShmTransport::answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t
     st = NotSupported("region " + std::to_string(id) + " of agent '" + hooks_->agent_name() +
                       "' is device memory; shm reaches host memory only");
   int fd = -1;
-  if (st.ok() && d->shareable) {
+  if (st.ok() && d->shared_len > 0) {
     auto f = hooks_->region_table().dup_shm_fd(id);
     if (f.ok()) fd = *f; else st = f.status();
   }
@@ -108,7 +108,7 @@ void ShmTransport::answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t
     return;
   }
   s->confirmed.insert(id);
-  RegionInfo info{d->addr, d->len, d->kind, d->shareable};
+  RegionInfo info{d->addr, d->len, d->kind, d->shared_len > 0, d->shared_offset, d->shared_len};
   (void)c->send_frame(Ctl::kRegionResp, id, encode_region_info(info), 0, fd);
   if (fd >= 0) ::close(fd);
 }

@@ -207,6 +207,46 @@ Result<std::shared_ptr<const PreparedOps>> ShmTransport::prepare(std::shared_ptr
   return std::shared_ptr<const PreparedOps>(std::move(p));
 }
 
+namespace {
+
+// Appends one CopyOp, merged into the previous one when both sides continue it.
+void push_op(Binding& b, CopyOp op) {
+  b.total += op.len;
+  b.cma |= !op.mapped;
+  if (!b.ops.empty()) {
+    CopyOp& o = b.ops.back();
+    if (o.region == op.region && o.mapped == op.mapped && o.local + o.len == op.local && o.remote + o.len == op.remote) {
+      o.len += op.len;
+      return;
+    }
+  }
+  b.ops.push_back(op);
+}
+
+// The copies of remote bytes [off, off + len) of r (checked inside it): memcpy where
+// r's shared window is mapped, cross-memory attach before and after it.
+Status add_copy_ops(Binding& b, const RemoteRegion& r, uint32_t idx, char* local, uint64_t off,
+                                  uint64_t len) {
+  const uint64_t win_lo = r.base ? r.shared_offset : 0, win_hi = r.base ? r.shared_offset + r.shared_len : 0;
+  const uint64_t end = off + len;
+  while (off < end) {
+    const bool in_window = off >= win_lo && off < win_hi;
+    const uint64_t stop = in_window ? std::min(end, win_hi) : (off < win_lo ? std::min(end, win_lo) : end);
+    const uint64_t n = stop - off;
+    if (in_window) {
+      push_op(b, CopyOp{local, reinterpret_cast<uint64_t>(r.base) + (off - r.shared_offset), n, idx, true});
+    } else {
+      if (!r.cma_denied.empty()) return NotSupported(r.cma_denied);
+      push_op(b, CopyOp{local, r.remote_addr + off, n, idx, false});
+    }
+    local += n;
+    off = stop;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 // Binds a prepared transfer to a live connection and the regions confirmed on it;
 // every extent is checked against the confirmed lengths.
 Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) {
@@ -231,7 +271,6 @@ Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) 
       auto it = index.find(e.remote_region);
       if (it == index.end()) {
         PDKV_ASSIGN_OR_RETURN(auto r, confirm_region(conn, peer, e.remote_region, connect_timeout_));
-        if (!r->base) b->cma = true;
         it = index.emplace(e.remote_region, static_cast<uint32_t>(b->regions.size())).first;
         b->regions.push_back(std::move(r));
       }
@@ -243,18 +282,7 @@ Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) 
       return OutOfRange("remote bytes [" + std::to_string(e.remote_offset) + ", +" + std::to_string(e.len) +
                         ") fall outside region " + std::to_string(r.id) + " of peer '" + peer.md.name + "' (" +
                         std::to_string(r.len) + " bytes as the peer confirms it)");
-    const uint64_t remote = r.base ? reinterpret_cast<uint64_t>(r.base) + e.remote_offset : r.remote_addr + e.remote_offset;
-    // Coalesce neighbours (already coalesced by the planner for block transfers).
-    if (!b->ops.empty()) {
-      CopyOp& o = b->ops.back();
-      if (o.region == last_idx && o.local + o.len == reinterpret_cast<char*>(e.local_addr) && o.remote + o.len == remote) {
-        o.len += e.len;
-        b->total += e.len;
-        continue;
-      }
-    }
-    b->ops.push_back(CopyOp{reinterpret_cast<char*>(e.local_addr), remote, e.len, last_idx});
-    b->total += e.len;
+    PDKV_RETURN_IF_ERROR(add_copy_ops(*b, r, last_idx, reinterpret_cast<char*>(e.local_addr), e.remote_offset, e.len));
   }
   p.bound = b;
   return std::shared_ptr<const Binding>(b);

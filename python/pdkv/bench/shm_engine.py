@@ -1,0 +1,262 @@
+"""Engine-allocated pools over shm (issue 14): ``python -m pdkv.bench.shm_engine``.
+
+A target process exports three pools of the same size: one from ``Agent.alloc``, one
+the engine allocated itself (numpy) with its whole pages shared at registration (the
+default), and the same kind of numpy pool on an agent with sharing off
+(``ShmOptions(share_pages_min_bytes=0)``: the old cross-memory-attach path). The
+initiator, in this process, measures in interleaved rounds of one run:
+
+* 1 MiB pulls (one extent, prepared once): p50 latency and GB/s, per pool;
+* scattered blocks (``--blocks`` x ``--block-kib``) written and read: GB/s, per pool
+  (copied in the posting thread, ``ShmOptions.inline_bytes`` raised, so that the copy
+  thread's scheduling on a loaded machine does not dominate);
+* the vLLM connector's pull path on vLLM CPU-shaped torch caches (when torch is
+  installed): a 1 MiB pull as ``_Worker._read`` posts it (``agent.read`` of layout
+  blocks with prefill's generations and the release notification, waited by polling
+  ``done``), decomposed step by step against the prepared post of the same bytes.
+
+Every transfer is verified once. Ratios are within this run; absolute numbers depend
+on the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import pdkv
+
+SECRET = "pdkv-bench-shm-engine"
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------- target process
+def _torch_caches(layers: int, blocks: int, heads: int, tokens: int, head_dim: int, seed: int | None = None):
+    """vLLM CPU-backend caches: per layer [num_blocks, kv_heads, block_size, 2*head_size]
+    bf16, filled with layer-seeded random bytes when ``seed`` is given."""
+    import torch
+
+    caches = {}
+    for i in range(layers):
+        t = torch.zeros((blocks, heads, tokens, 2 * head_dim), dtype=torch.bfloat16)
+        if seed is not None:
+            t.view(torch.uint8).view(-1).copy_(torch.from_numpy(_layer_bytes(seed + i, t.numel() * 2)))
+        caches[f"layer.{i}"] = t
+    return caches
+
+
+def _layer_bytes(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def _register_caches(agent: pdkv.Agent, caches) -> list:
+    """As the connector's register_kv_caches: each storage once, one exact layout."""
+    from ..integrations.vllm_layout import describe_kv_caches
+
+    regions = [agent.register_address(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+               for t in caches.values()]
+    agent.add_layout("vllm", describe_kv_caches(caches).layout)
+    return regions
+
+
+def serve(args: argparse.Namespace) -> None:
+    nbytes = args.pool_mib * MIB
+    shared = pdkv.Agent("engine-shared", secret=SECRET, transports=["shm"])
+    cma = pdkv.Agent("engine-cma", secret=SECRET, transports=["shm"], shm=pdkv.ShmOptions(share_pages_min_bytes=0))
+    fill = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)  # every pool the same bytes
+    alloc = shared.alloc(nbytes)
+    alloc.array(np.uint8)[:] = fill
+    engine, engine_cma = fill.copy(), fill.copy()
+    r_engine, r_cma = shared.register(engine), cma.register(engine_cma)
+    pools = {"alloc": (shared, alloc), "engine": (shared, r_engine), "engine-cma": (cma, r_cma)}
+    info = {name: {"metadata": base64.b64encode(a.metadata()).decode(), "region": r.id,
+                   "shared_bytes": r.shared_bytes} for name, (a, r) in pools.items()}
+    keep = []
+    if args.vllm:
+        for name, agent in (("vllm", shared), ("vllm-cma", cma)):
+            caches = _torch_caches(*args.vllm_geometry, seed=100)
+            keep.append((caches, _register_caches(agent, caches)))
+            info[name] = {"metadata": base64.b64encode(agent.metadata()).decode(),
+                          "gens": agent.generations("vllm", list(range(args.vllm_geometry[1])))}
+    sys.stdout.write(json.dumps(info) + "\n")
+    sys.stdout.flush()
+    sys.stdin.read()
+    shared.close()
+    cma.close()
+
+
+# ---------------------------------------------------------------- initiator
+def _median(f, reps: int) -> float:
+    return statistics.median(f() for _ in range(reps))
+
+
+def _post_wait(prep) -> float:
+    t0 = time.perf_counter()
+    prep.post().wait(30)
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> dict:
+    nbytes = args.pool_mib * MIB
+    cmd = [sys.executable, "-m", "pdkv.bench.shm_engine", "--serve", "--pool-mib", str(args.pool_mib)]
+    if args.vllm:
+        cmd.append("--vllm")
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        return _measure(args, info, nbytes)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def _measure(args: argparse.Namespace, info: dict, nbytes: int) -> dict:
+    # Every copy in the posting thread: on a loaded machine the copy thread's
+    # scheduling would otherwise dominate the scattered figures.
+    agent = pdkv.Agent("bench-init", secret=SECRET, transports=["shm"], shm=pdkv.ShmOptions(inline_bytes=1 << 30))
+    local = np.zeros(nbytes, np.uint8)
+    lr = agent.register(local, remote_access=False)
+    pools = ("alloc", "engine", "engine-cma")
+    peers = {p: agent.add_peer(base64.b64decode(info[p]["metadata"])) for p in pools}
+    bs = args.block_kib << 10
+    nblk = min(args.blocks, nbytes // (2 * bs))
+    # Every other block of the pool, so nothing coalesces.
+    scattered = [(lr.id, i * bs, None, 2 * i * bs, bs) for i in range(nblk)]
+    preps = {}
+    for p in pools:
+        rid = info[p]["region"]
+        preps[p] = {
+            "pull_1mib": agent.prepare_extents("read", peers[p], [(lr.id, 0, rid, 0, MIB)]),
+            "write_scattered": agent.prepare_extents("write", peers[p], [(a, b, rid, d, e) for a, b, _, d, e in scattered]),
+            "read_scattered": agent.prepare_extents("read", peers[p], [(a, b, rid, d, e) for a, b, _, d, e in scattered]),
+        }
+        preps[p]["pull_1mib"].post().wait(30)  # connect, confirm, map; then verify the bytes
+    ref = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+    for p in pools:
+        preps[p]["pull_1mib"].post().wait(30)
+        assert np.array_equal(local[:MIB], ref[:MIB]), p
+    samples = {p: {"pull_1mib": [], "write_scattered": [], "read_scattered": []} for p in pools}
+    for _ in range(args.rounds):
+        for p in pools:
+            for k in samples[p]:
+                samples[p][k].append(_median(lambda: _post_wait(preps[p][k]), args.reps))
+    moved = nblk * bs
+    out = {"pool_bytes": nbytes, "scattered": f"{nblk} x {args.block_kib} KiB", "pools": {}}
+    for p in pools:
+        s = {k: statistics.median(v) for k, v in samples[p].items()}
+        out["pools"][p] = {"shared_bytes": info[p]["shared_bytes"], "pull_1mib_us": s["pull_1mib"] * 1e6,
+                           "pull_1mib_gbs": MIB / s["pull_1mib"] / 1e9,
+                           "write_scattered_gbs": moved / s["write_scattered"] / 1e9,
+                           "read_scattered_gbs": moved / s["read_scattered"] / 1e9}
+    base = out["pools"]["alloc"]
+    out["ratios_vs_alloc"] = {p: {k: round(v / base[k], 3) for k, v in out["pools"][p].items() if k.endswith("gbs")}
+                              for p in pools}
+    if args.vllm:
+        caches = _torch_caches(*args.vllm_geometry)
+        _register_caches(agent, caches)
+        out["vllm_pull"] = {name: _measure_connector_path(args, agent, caches, info[name])
+                            for name in ("vllm", "vllm-cma")}
+    agent.close()
+    return out
+
+
+def _measure_connector_path(args: argparse.Namespace, agent: pdkv.Agent, caches, info: dict) -> dict:
+    """One 1 MiB pull through the connector's steps, against the prepared post of the same bytes."""
+    import torch
+
+    layers, _, heads, tokens, head_dim = args.vllm_geometry
+    peer = agent.add_peer(base64.b64decode(info["metadata"]))
+    block_bytes = layers * heads * tokens * 2 * head_dim * 2
+    n = max(1, MIB // block_bytes)
+    remote_ids, local_ids = list(range(1, 1 + n)), list(range(3, 3 + n))
+    gens = [info["gens"][b] for b in remote_ids]
+    prep = agent.prepare("read", peer, "vllm", local_ids, "vllm", remote_ids)
+    prep_gens = agent.prepare("read", peer, "vllm", local_ids, "vllm", remote_ids, remote_generations=gens)
+    prep.post().wait(30)
+    counter = [0]
+
+    def connector_pull() -> float:  # _Worker._read + _poll_recving, as the connector runs them
+        counter[0] += 1
+        t0 = time.perf_counter()
+        x = agent.read(peer, "vllm", local_ids, "vllm", remote_ids, remote_generations=gens,
+                       notify=b"pdkv-release:req-%d" % counter[0], timeout=30.0)
+        while not x.done:
+            pass
+        dt = time.perf_counter() - t0
+        if x.error is not None:
+            raise x.error
+        return dt
+
+    steps = {
+        "prepared post (bench transfer)": lambda: _post_wait(prep),
+        "+ generations lease (prepared)": lambda: _post_wait(prep_gens),
+        "read() unprepared, no gens/notify": lambda: _timed(lambda: agent.read(peer, "vllm", local_ids, "vllm",
+                                                                               remote_ids).wait(30)),
+        "+ notify": lambda: _timed(lambda: agent.read(peer, "vllm", local_ids, "vllm", remote_ids,
+                                                      notify=b"x").wait(30)),
+        "connector pull (gens + notify + poll)": connector_pull,
+    }
+    res = {k: [] for k in steps}
+    for _ in range(args.rounds):
+        for k, f in steps.items():
+            res[k].append(_median(f, args.reps))
+    us = {k: statistics.median(v) * 1e6 for k, v in res.items()}
+    base = us["prepared post (bench transfer)"]
+    for i, c in enumerate(caches.values()):  # the last pull landed bit-exact
+        want = torch.from_numpy(_layer_bytes(100 + i, c.numel() * 2)).view(c.shape[0], -1)
+        got = c.view(torch.uint8).view(c.shape[0], -1)
+        assert torch.equal(got[local_ids], want[remote_ids]), f"layer {i} differs"
+    return {"bytes": n * block_bytes, "us": {k: round(v, 1) for k, v in us.items()},
+            "ratio_vs_bench": {k: round(v / base, 2) for k, v in us.items()}}
+
+
+def _timed(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pool-mib", type=int, default=64)
+    # Small by default: on a loaded 2-core machine a transfer longer than a scheduler
+    # time slice measures the scheduler.
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--block-kib", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=21, help="posts per 1 MiB sample (median)")
+    ap.add_argument("--vllm", action="store_true", help="also the vLLM connector's pull path (needs torch)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    args.vllm_geometry = (16, 64, 8, 16, 64)  # layers, blocks, kv heads, block tokens, head dim: 512 KiB blocks
+    if args.serve:
+        return serve(args)
+    out = run(args)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    print(f"pool {out['pool_bytes'] >> 20} MiB; scattered: {out['scattered']}")
+    print(f"{'pool':<12}{'shared MiB':>11}{'1MiB pull us':>14}{'GB/s':>7}{'write scat':>11}{'read scat':>10}  "
+          "ratios vs alloc (1MiB/write/read)")
+    for p, r in out["pools"].items():
+        q = out["ratios_vs_alloc"][p]
+        print(f"{p:<12}{r['shared_bytes'] / MIB:>11.1f}{r['pull_1mib_us']:>14.1f}{r['pull_1mib_gbs']:>7.2f}"
+              f"{r['write_scattered_gbs']:>11.2f}{r['read_scattered_gbs']:>10.2f}  "
+              f"{q['pull_1mib_gbs']:.2f} / {q['write_scattered_gbs']:.2f} / {q['read_scattered_gbs']:.2f}")
+    for name, r in out.get("vllm_pull", {}).items():
+        print(f"vLLM connector pull path, {r['bytes'] >> 10} KiB, target pool {name}:")
+        for k, v in r["us"].items():
+            print(f"  {k:<40}{v:>9.1f} us  x{r['ratio_vs_bench'][k]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
