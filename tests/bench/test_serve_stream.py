@@ -103,3 +103,15 @@ def test_compare_stream_end_to_end(tmp_path):
     assert r["outputs"] == {"compared": 4, "differ": [], "without_token_ids": 0, "equal": True}
     assert c["all_ok"] and c["outputs_equal"]
     assert "Layer-wise streaming vs one write" in (out / "report.md").read_text()
+
+
+def test_stream_report_says_down_to_which_link_the_target_holds():
+    from pdkv.bench.stream_report import min_link_bps, per_layer_s, where_target_stops
+
+    r = {"preset": "m", "prompt_len": 1024, "link_name": "100mbit", "layers": 10, "kv_bytes": 100_000_000,
+         "streamed": {"prefill_s": 9.0}, "monolithic": {"transfer_only_s": 8.0}, "target_met": True}
+    # The whole transfer may take prefill / 0.9 = 10 s: 1e8 bytes in 10 s = 80 Mbit/s.
+    assert min_link_bps(r) == pytest.approx(80e6)
+    assert per_layer_s(r) == pytest.approx((0.8, 0.9))
+    text = where_target_stops([r])
+    assert "80 Mbit/s" in text and "compute-bound" in text and "met" in text
