@@ -5,6 +5,7 @@
 # One report directory per run under OUT/serve-<model>-<prompt>-<link>/ (report.md,
 # results.json, stream_comparison.json).
 #   bash bench/serve_stream_sweep.sh [OUT] [REQUESTS]
+#   MODELS="tiny-40m smollm2" bash bench/serve_stream_sweep.sh   # default: tiny-40m
 set -euo pipefail
 OUT=${1:-bench/results/stream}
 REQUESTS=${2:-6}
@@ -17,11 +18,10 @@ run() {  # model prompt_len link rate
     --output-len 8 --rates "$4" --arrival periodic --num-requests "$REQUESTS" --duration 600 --warmup 1 \
     --no-progress --no-plots "${link_args[@]}" --out "$OUT/$tag" >/dev/null
 }
-# One request at a time (rate well below a prefill's time), so the comparison is of
-# the transfer, not of queueing.
-run tiny-40m 1024 100mbit 0.1
-run tiny-40m 1024 1gbit 0.1
-if [[ ${SMOLLM2:-0} == 1 ]]; then
-  run smollm2 1024 100mbit 0.05
-  run smollm2 1024 1gbit 0.05
-fi
+# One request at a time (arrivals further apart than a prefill plus the transfer
+# takes here), so the comparison is of the transfer, not of queueing.
+for model in ${MODELS:-tiny-40m}; do
+  rate=0.1
+  [[ $model == smollm2 ]] && rate=0.05
+  for link in 100mbit 1gbit; do run "$model" 1024 "$link" "$rate"; done
+done

@@ -209,7 +209,7 @@ def emit(comparison: Mapping[str, Any], *, out: Optional[str]) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m pdkv.bench.serve_stream DIR``: the comparison again from DIR/results.json
-    (rewrites DIR/stream_comparison.json; prints the markdown section)."""
+    (rewrites DIR/stream_comparison.json and the section of DIR/report.md; prints it)."""
     ap = argparse.ArgumentParser(prog="python -m pdkv.bench.serve_stream", description=main.__doc__)
     ap.add_argument("dir", type=Path, help="a `pdkv bench serve --compare-stream --out` directory")
     args = ap.parse_args(argv)
@@ -218,7 +218,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if comparison is None:
         raise SystemExit(f"{args.dir}/results.json holds no {STREAMED} and {MONOLITHIC} runs of the same rate")
     (args.dir / "stream_comparison.json").write_text(json.dumps(comparison, indent=1) + "\n")
-    print(markdown(comparison))
+    text = markdown(comparison)
+    report = args.dir / "report.md"
+    if report.exists():
+        head = report.read_text().split("\n" + text.splitlines()[0])[0]
+        report.write_text(head.rstrip("\n") + "\n\n" + text)
+    print(text)
     return 0
 
 
