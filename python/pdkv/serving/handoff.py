@@ -426,7 +426,7 @@ class LayerStreamer:
         """Opens the stream of a step's completed blocks (lock held)."""
         if token_start != self._next_token or block_ids[:len(self._shipped)] != self._shipped or self._last_seen:
             raise InvalidArgument(f"prefill of {self.req.rid} started over at token {token_start} "
-                                       f"(expected {self._next_token}): its blocks changed under the stream")
+                                  f"(expected {self._next_token}): its blocks changed under the stream")
         self._step, self._next_token, self._last_seen = (token_start, token_end), token_end, last
         self._step_stream = None
         if not self.per_chunk:
