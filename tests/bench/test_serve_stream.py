@@ -115,3 +115,11 @@ def test_stream_report_says_down_to_which_link_the_target_holds():
     assert per_layer_s(r) == pytest.approx((0.8, 0.9))
     text = where_target_stops([r])
     assert "80 Mbit/s" in text and "compute-bound" in text and "met" in text
+
+
+def test_compare_stream_refuses_a_url():
+    from pdkv.bench.serve_modes import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--compare-stream", "--url", "http://127.0.0.1:1"])
+    assert e.value.code == 2

@@ -216,6 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.link and args.url:
         parser.error("--link starts the deployments in a lab; it cannot measure a server given by --url")
+    if args.compare_stream and args.url:
+        parser.error("--compare-stream starts both disagg deployments itself; it cannot measure a server given by --url")
     if args.url or args.list_presets:
         return serve_cli.run_from_args(args, argv)
     return run_modes(args, argv)
