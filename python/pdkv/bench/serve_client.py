@@ -387,6 +387,12 @@ class _StreamState:
             ):
                 if isinstance(piece, str) and piece:
                     has_text = True
+            ids = choice.get("token_ids")
+            if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+                if self.record.output_token_ids is None:
+                    self.record.output_token_ids = []
+                self.record.output_token_ids.extend(ids)
+                has_text = has_text or bool(ids)  # a token may decode to no text yet
             if choice.get("finish_reason"):
                 self.record.finish_reason = str(choice["finish_reason"])
         usage = obj.get("usage")

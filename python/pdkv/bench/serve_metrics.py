@@ -120,6 +120,9 @@ class RequestRecord:
         HTTP status of the response, ``None`` if no response arrived.
     error : str or None
         ``"Kind: message"`` when the request failed (see :func:`error_kind`), else ``None``.
+    output_token_ids : list of int or None
+        The generated token ids, when the server returned them (``return_token_ids``,
+        sent by the streaming comparison to check that two modes answered alike).
     """
 
     index: int
@@ -136,6 +139,7 @@ class RequestRecord:
     http_status: Optional[int] = None
     error: Optional[str] = None
     usage_per_chunk: bool = False
+    output_token_ids: Optional[List[int]] = None
 
     def add_chunk(self, t: float, tokens: int = 1) -> None:
         """Record an output chunk that arrived at ``t`` carrying ``tokens`` tokens."""
@@ -153,6 +157,19 @@ class RequestRecord:
         if self.send_s is None or not self.chunk_times_s:
             return None
         return self.chunk_times_s[0] - self.send_s
+
+    @property
+    def t2t_s(self) -> Optional[float]:
+        """Time to the second output token (s): in a disaggregated deployment the first
+        token comes from the prefill worker, the second from the decode worker once the
+        KV landed, so this is when the KV was ready. ``None`` below two tokens."""
+        if self.send_s is None or not self.chunk_times_s:
+            return None
+        if self.chunk_tokens[0] >= 2:
+            return self.chunk_times_s[0] - self.send_s
+        if len(self.chunk_times_s) < 2:
+            return None
+        return self.chunk_times_s[1] - self.send_s
 
     @property
     def itls_s(self) -> List[float]:
@@ -219,6 +236,7 @@ class RequestRecord:
             "http_status": self.http_status,
             "error": self.error,
             "usage_per_chunk": self.usage_per_chunk,
+            **({} if self.output_token_ids is None else {"output_token_ids": list(self.output_token_ids)}),
         }
 
     @classmethod
@@ -239,6 +257,7 @@ class RequestRecord:
             http_status=None if d.get("http_status") is None else int(d["http_status"]),
             error=d.get("error"),
             usage_per_chunk=bool(d.get("usage_per_chunk", False)),
+            output_token_ids=None if d.get("output_token_ids") is None else [int(t) for t in d["output_token_ids"]],
         )
 
 

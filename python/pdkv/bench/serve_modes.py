@@ -31,10 +31,14 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import serve_cli, serve_link
+from . import serve_cli, serve_link, serve_stream
 from .serve_metrics import BenchResults, RunResult
 
-MODES = ("colocated", "chunked", "disagg", "hybrid")
+MODES = ("colocated", "chunked", "disagg", "hybrid", "disagg-nostream")
+DEFAULT_MODES = ("colocated", "chunked", "disagg", "hybrid")
+#: Layer-wise streaming (the prefill worker's default) against one write after prefill:
+#: disagg twice, the second with ``--no-stream-layers`` (see :mod:`pdkv.bench.serve_stream`).
+COMPARE_STREAM = ("disagg", "disagg-nostream")
 
 #: Generated model presets: ``save_tiny_model`` keyword arguments. "tiny-40m" is the
 #: ~40M-parameter Llama the issue's expectations were measured with.
@@ -68,7 +72,13 @@ def resolve_model(spec: str, cache: Path) -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve_cli.add_arguments(parser)
     g = parser.add_argument_group("modes (when --url is not given)")
-    g.add_argument("--modes", default=",".join(MODES), help=f"modes to compare (default: {','.join(MODES)})")
+    g.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"modes to compare, of {','.join(MODES)} (default: {','.join(DEFAULT_MODES)}); "
+                   "disagg-nostream is disagg whose prefill worker writes the KV once after prefill")
+    g.add_argument("--compare-stream", action="store_true",
+                   help="short for --modes disagg,disagg-nostream: layer-wise streaming vs one write after "
+                   "prefill on the same trace (and --link), with TTFT, time to 2nd token (KV ready), ITL, "
+                   "throughput, their ratios and a token-for-token check of the outputs in the report")
     g.add_argument("--serve-model", default="smollm2",
                    help=f"model directory, smollm2 (the demo model) or a generated one: {', '.join(GENERATED)}")
     g.add_argument("--pd", default="1:1", help="prefill:decode workers of disagg and hybrid (default 1:1)")
@@ -99,7 +109,9 @@ def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir
     proxy_args = []
     if mode == "hybrid" and args.hybrid_threshold is not None:
         proxy_args = ["--hybrid-threshold", str(args.hybrid_threshold)]
-    return Deployment(mode, model_dir, num_prefill=p, num_decode=d, worker_args=worker_args, proxy_args=proxy_args,
+    prefill_args = ["--no-stream-layers"] if mode == "disagg-nostream" else []
+    return Deployment("disagg" if mode == "disagg-nostream" else mode, model_dir, num_prefill=p, num_decode=d,
+                      worker_args=worker_args, prefill_args=prefill_args, proxy_args=proxy_args,
                       pin=args.pin, log_dir=log_dir, **place), f"{p}:{d}"
 
 
@@ -113,6 +125,8 @@ async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
     async with aiohttp.ClientSession() as session:
         model = model_name or await fetch_model(session, url)
     client = serve_cli.client_kwargs(args, model)
+    if serve_stream.comparing(args):  # token ids back, to check that both modes answered alike
+        client["extra_body"] = {"return_token_ids": True}
     if args.warmup > 0:
         await serve_cli.warmup(url, requests=args.warmup, **client)
     runs = await serve_cli.run_sweep(url, traces, mode=mode, pd_ratio=pd_ratio, cooldown_s=args.cooldown,
@@ -135,6 +149,8 @@ def _run_each_mode(modes, model_dir: Path, traces, args, lab) -> tuple[list[RunR
 
 
 def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.compare_stream:
+        args.modes = ",".join(COMPARE_STREAM)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -182,7 +198,13 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
                                 argv=argv)
     meta["deployment"] = {"modes": modes, "pd": args.pd, "replicas": args.replicas, "model_dir": str(model_dir),
                           "pinned": args.pin, "cpus": sorted(os.sched_getaffinity(0)), "link": link}
-    serve_cli.emit_results(BenchResults(runs, slo, meta), out=args.out, traces=traces, plots=args.plots)
+    results = BenchResults(runs, slo, meta)
+    comparison = serve_stream.compare(results) if serve_stream.comparing(args) else None
+    if comparison is not None:
+        meta["stream_comparison"] = comparison  # in results.json
+    serve_cli.emit_results(results, out=args.out, traces=traces, plots=args.plots)
+    if comparison is not None:
+        serve_stream.emit(comparison, out=args.out)
     return 0
 
 
@@ -194,6 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.link and args.url:
         parser.error("--link starts the deployments in a lab; it cannot measure a server given by --url")
+    if args.compare_stream and args.url:
+        parser.error("--compare-stream starts both disagg deployments itself; it cannot measure a server given by --url")
     if args.url or args.list_presets:
         return serve_cli.run_from_args(args, argv)
     return run_modes(args, argv)

@@ -348,11 +348,22 @@ class LayerStreamer:
     """Streams one prefill request's KV to its decode worker layer by layer: the
     engine's :data:`~pdkv.serving.engine.LayerSink` for that request.
 
-    The stream opens when the step that completes the prompt writes its first layer
-    (with chunked prefill, earlier chunks' K/V are in the pool by then, so each layer
-    posted covers the whole prompt) and each layer is posted as soon as the engine
-    wrote it. Errors never reach the forward: the streamer records them and
-    :meth:`KVSender.push` falls back to one ordinary write.
+    Each step that computes part of the prompt (the whole prompt, or one chunk of a
+    chunked prefill) opens a stream over the blocks that step completes -- those not
+    shipped before whose every token is computed once it ends, plus, in the step that
+    ends the prompt, the last partial block -- and posts each layer as soon as the
+    engine wrote it. Every block is streamed exactly once, by the step that completed
+    it, so chunks never write the same remote block. A chunk that completes no block
+    streams nothing (its tokens go with the chunk that completes their block). A chunk's
+    stream is closed (without a notification) after its last layer; the last chunk's
+    stream stays open for :meth:`close`, which KVSender calls only after every earlier
+    chunk's stream landed, so the decode side's notification comes after every chunk's
+    every layer. With block sizes that differ between the two sides the plan counts
+    tokens from the first block, so the whole prompt streams in the step that ends it.
+
+    Errors never reach the forward: the streamer records them (and cancels its streams)
+    and :meth:`KVSender.push` falls back to one ordinary write. A prefill that starts
+    over (the engine preempted and recomputes it) is such an error.
 
     Parameters
     ----------
@@ -364,66 +375,117 @@ class LayerStreamer:
         ``time.monotonic()`` by which the KV must have landed.
     plan : dict
         Plan keywords of the write (``num_tokens`` when the block sizes differ).
+    block_tokens : int
+        Tokens per block of the prefill engine's pool.
     """
 
     def __init__(self, agent: pdkv.Agent, peer: str, req: PrefillRequest, *, deadline: float,
-                 plan: dict[str, int]) -> None:
+                 plan: dict[str, int], block_tokens: int) -> None:
         self.agent = agent
         self.peer = peer
         self.req = req
         self.deadline = deadline
         self.plan = plan
-        self.stream: pdkv.StreamingWrite | None = None
+        self.block_tokens = block_tokens
+        self.per_chunk = not plan  # block for block: a chunk's blocks map one to one
+        self.streams: list[pdkv.StreamingWrite] = []  # in chunk order; all but the last closed
         self.error: PdkvError | None = None
         self._lock = threading.Lock()
         self._cancelled = False
+        self._step: tuple[int, int] | None = None  # (token_start, token_end) of the step being streamed
+        self._step_stream: pdkv.StreamingWrite | None = None  # its stream, None when it completed no block
+        self._next_token = 0  # where the next step must start
+        self._shipped: tuple[int, ...] = ()  # local blocks given to a stream so far
+        self._last_seen = False  # the step ending the prompt began
+
+    @property
+    def stream(self) -> pdkv.StreamingWrite | None:
+        """The stream :meth:`close` finishes (the last chunk's), once opened."""
+        return self.streams[-1] if self._last_seen and self.streams else None
 
     def __call__(self, layer: int, token_start: int, token_end: int, block_ids: tuple) -> None:
-        if token_end < len(self.req.prompt):
-            return  # an earlier chunk: its K/V stay in the pool until the last chunk streams every layer
+        last = token_end >= len(self.req.prompt)
+        if not (last or self.per_chunk):
+            return  # the plan covers the whole prompt: stream it in the step that ends it
         with self._lock:
             if self._cancelled or self.error is not None:
                 return
             try:
-                if self.stream is None:
-                    self.stream = self._open(block_ids)
-                self.stream.post_layers(layer)
+                if (token_start, token_end) != self._step:
+                    self._begin_step(token_start, token_end, tuple(block_ids), last)
+                s = self._step_stream
+                if s is not None:
+                    s.post_layers(layer)
+                    if not last and s.layers_posted == s.num_layers:
+                        s.close()  # its bytes land meanwhile; KVSender waits for them
             except PdkvError as e:
                 self.error = e
-                if self.stream is not None:
-                    self.stream.cancel()
+                self._cancel_locked()
 
-    def _open(self, block_ids: tuple) -> pdkv.StreamingWrite:
-        dst = self.req.dst
-        return self.agent.open_stream(self.peer, "kv", list(block_ids), "kv", list(dst.blocks),
+    def _begin_step(self, token_start: int, token_end: int, block_ids: tuple, last: bool) -> None:
+        """Opens the stream of a step's completed blocks (lock held)."""
+        if token_start != self._next_token or block_ids[:len(self._shipped)] != self._shipped or self._last_seen:
+            raise InvalidArgument(f"prefill of {self.req.rid} started over at token {token_start} "
+                                  f"(expected {self._next_token}): its blocks changed under the stream")
+        self._step, self._next_token, self._last_seen = (token_start, token_end), token_end, last
+        self._step_stream = None
+        if not self.per_chunk:
+            self._step_stream = self._open(block_ids, self.req.dst.blocks, self.req.dst.generations)
+        else:
+            bt = self.block_tokens
+            end = -(-token_end // bt) if last else token_end // bt
+            first = len(self._shipped)
+            if end > first:
+                dst = self.req.dst
+                self._step_stream = self._open(block_ids[first:end], dst.blocks[first:end],
+                                               dst.generations[first:end])
+                self._shipped = block_ids[:end]
+        if self._step_stream is not None:
+            self.streams.append(self._step_stream)
+
+    def _open(self, local: Sequence[int], remote: Sequence[int], generations: Sequence[int]) -> pdkv.StreamingWrite:
+        return self.agent.open_stream(self.peer, "kv", list(local), "kv", list(remote),
                                       timeout=max(self.deadline - time.monotonic(), 0.001),
-                                      remote_generations=list(dst.generations) or None, **self.plan)
+                                      remote_generations=list(generations) or None, **self.plan)
 
     @property
     def usable(self) -> bool:
-        """Every layer was posted without an error: :meth:`close` may finish it."""
+        """Every step of the prompt streamed every layer without an error: :meth:`close`
+        may finish it (after :attr:`earlier` landed)."""
         with self._lock:
             s = self.stream
             return (self.error is None and not self._cancelled and s is not None
-                    and s.layers_posted == s.num_layers)
+                    and all(x.layers_posted == x.num_layers for x in self.streams))
+
+    @property
+    def earlier(self) -> list[pdkv.Transfer]:
+        """The earlier chunks' (closed) streams, to wait for before :meth:`close`."""
+        return [x.transfer for x in self.streams[:-1]]
+
+    @property
+    def transfers(self) -> list[pdkv.Transfer]:
+        """Every stream opened, as transfers, in chunk order."""
+        return [x.transfer for x in self.streams]
 
     def close(self, notify: bytes) -> pdkv.Transfer:
-        """Closes the stream with the hand-off's notification; returns its transfer."""
+        """Closes the last chunk's stream with the hand-off's notification; returns its
+        transfer. Call it only once :attr:`earlier` are done."""
         assert self.stream is not None
         return self.stream.close(notify=notify)
 
-    def cancel(self) -> pdkv.Transfer | None:
-        """Stops streaming (nothing more is posted; an unclosed stream is cancelled);
-        returns the stream's transfer, if one was opened, to wait for before the blocks
-        are released."""
+    def cancel(self) -> list[pdkv.Transfer]:
+        """Stops streaming (nothing more is posted; unfinished streams are cancelled);
+        returns the transfers of every stream opened, to wait for before the blocks are
+        released."""
         with self._lock:
             self._cancelled = True
-            s = self.stream
-        if s is None:
-            return None
-        if not s.closed:
-            s.cancel()
-        return s.transfer
+            self._cancel_locked()
+            return self.transfers
+
+    def _cancel_locked(self) -> None:
+        for s in self.streams:
+            if not s.done:
+                s.cancel()  # a closed stream in flight too: its notification (if any) is never sent
 
 
 def _new_link() -> dict[str, Any]:
@@ -554,7 +616,7 @@ class KVSender:
         except PdkvError:
             return None
         return LayerStreamer(self.agent, peer, req, deadline=time.monotonic() + (deadline - loop.time()),
-                             plan=self._plan(req))
+                             plan=self._plan(req), block_tokens=self.engine.pool.block_tokens)
 
     def _plan(self, req: PrefillRequest) -> dict[str, int]:
         if req.dst.block_tokens != self.engine.pool.block_tokens:
@@ -614,40 +676,47 @@ class KVSender:
 
     async def _push_streamed(self, req: PrefillRequest, ready: KVReady, streamer: LayerStreamer,
                              posted: list[pdkv.Transfer]) -> KVResult | None:
-        """Closes a streamer's stream and waits for it: the result, or None to fall back
-        to one write (the stream was never complete, or its peer restarted)."""
+        """Waits for the earlier chunks' streams, then closes the last one with the
+        notification and waits for it: the result, or None to fall back to one write
+        (the streams were never complete, or their peer restarted)."""
         transport = ""
         if streamer.usable:
-            xfer = streamer.stream.transfer  # type: ignore[union-attr]
-            posted.append(xfer)
-            transport = xfer.transport
+            xfers = streamer.transfers
+            posted.extend(xfers)
+            transport = xfers[-1].transport
             try:
+                for earlier in streamer.earlier:  # the notification must follow every chunk's bytes
+                    await _wait_transfer(self._executor, earlier)
                 streamer.close(ready.encode())  # raises the stream's error if a batch already failed
-                await _wait_transfer(self._executor, xfer)
+                await _wait_transfer(self._executor, xfers[-1])
             except pdkv.StalePeer:
                 self._peers.pop(req.dst.agent, None)  # the decode worker restarted: fall back
             except PdkvError as e:
                 if isinstance(e, (pdkv.PeerConnectionError, pdkv.AuthFailed)):
                     self._peers.pop(req.dst.agent, None)
                 log.warning("request %s: KV stream to %s failed: %s: %s", req.rid, req.dst.agent, type(e).__name__, e)
+                streamer.cancel()  # later chunks' streams must not land after the failure is reported
                 return self._failed(req, e, posted=True, transport=transport)
             else:
+                nbytes = sum(x.bytes_total for x in xfers)
+                elapsed = max(x.elapsed for x in xfers)
                 self.link_event(req.dst.agent, None)
                 self.m_kv.inc(("ok",))
                 self.m_kv_streamed.inc(("streamed",))
-                self.m_kv_bytes.inc((transport,), xfer.bytes_total)
-                self.m_kv_time.observe(xfer.elapsed, (transport,))
-                return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport)
+                self.m_kv_bytes.inc((transport,), nbytes)
+                self.m_kv_time.observe(elapsed, (transport,))
+                return KVResult(True, True, nbytes, elapsed, transport)
         # Not streamed in full: nothing of it may still be in flight when one write
         # replaces it (the same bytes, but a deadline of its own).
         pending = streamer.cancel()
         if streamer.error is not None:
             log.info("request %s: layer streaming stopped (%s: %s); writing the KV at once", req.rid,
                      type(streamer.error).__name__, streamer.error)
-        if pending is not None:
-            posted.append(pending)
+        for x in pending:
+            if all(x is not p for p in posted):
+                posted.append(x)
             try:
-                await _wait_transfer(self._executor, pending)
+                await _wait_transfer(self._executor, x)
             except PdkvError:
                 pass
         return None
@@ -673,9 +742,9 @@ class KVSender:
         blocks -- once the writes reading them are over (in the background: the caller
         may be cancelled). A stream never closed is cancelled."""
         if streamer is not None:
-            x = streamer.cancel()
-            if x is not None and all(x is not p for p in posted):
-                posted.append(x)
+            for x in streamer.cancel():
+                if all(x is not p for p in posted):
+                    posted.append(x)
         pending = [x for x in posted if not x.done]
         if not handle.finished:
             self.engine.abort(rid)
