@@ -1,5 +1,6 @@
 #include "core/page_share.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -10,6 +11,7 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -79,6 +81,30 @@ std::string why_not_shareable(const std::vector<Vma>& vmas, uint64_t lo, uint64_
   return "part of it is not mapped";
 }
 
+// Non-empty (why not) when CUDA is in use in this process. Pages pinned for DMA
+// (cudaHostRegister, or torch's pinned_use_cuda_host_register) are private anonymous
+// memory too, but re-mapping them would leave the device's DMA on the old physical
+// pages: silent corruption. Which ranges are pinned cannot be listed, so once a CUDA
+// driver is loaded AND initialised here, nothing is re-mapped. Probing never loads or
+// initialises CUDA: an unloaded library or CUDA_ERROR_NOT_INITIALIZED means no pins.
+std::string cuda_in_use(uint64_t addr) {
+  const char* custom = std::getenv("PDKV_CUDA_DRIVER");
+  for (const char* lib : {custom && *custom ? custom : nullptr, "libcuda.so.1"}) {
+    if (!lib) continue;
+    void* h = ::dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) continue;
+    using GetAttr = int (*)(void*, int, unsigned long long);
+    auto get_attr = reinterpret_cast<GetAttr>(::dlsym(h, "cuPointerGetAttribute"));
+    unsigned memory_type = 0;
+    constexpr int kNotInitialized = 3, kAttrMemoryType = 2;
+    const int r = get_attr ? get_attr(&memory_type, kAttrMemoryType, addr) : kNotInitialized;
+    ::dlclose(h);
+    if (r != kNotInitialized)
+      return "CUDA is initialised in this process, and pages pinned for DMA (cudaHostRegister) must not be re-mapped";
+  }
+  return {};
+}
+
 // Replaces [dst, dst + n) with memfd bytes [off, off + n) after copying the current
 // contents into them.
 Status move_chunk_to_memfd(int fd, uint64_t dst, uint64_t off, uint64_t n) {
@@ -125,6 +151,7 @@ Result<SharedPages> share_pages(uint64_t addr, uint64_t len, uint64_t min_bytes,
   }
   PDKV_ASSIGN_OR_RETURN(auto vmas, mappings_overlapping(lo, hi));
   *why_not = why_not_shareable(vmas, lo, hi);
+  if (why_not->empty()) *why_not = cuda_in_use(lo);
   if (!why_not->empty()) return none;
 
   int fd = ::memfd_create("pdkv-registered", MFD_CLOEXEC);

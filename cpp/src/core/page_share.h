@@ -15,7 +15,8 @@
 // being registered or deregistered (a write between the copy and the re-map would
 // be lost); pdkv's own transfers never do. Only private anonymous read-write memory
 // with ordinary pages is re-mapped (heap, malloc'd or mmapped pools); file mappings,
-// shared mappings and hugetlbfs pages keep cross-memory attach.
+// shared mappings and hugetlbfs pages keep cross-memory attach, and so does every
+// region of a process where CUDA is initialised (its pages may be pinned for DMA).
 //
 // Thread safety: the functions are reentrant; they change this process's mappings
 // of the given range only.
