@@ -29,7 +29,6 @@ No downloads: prompts and text ship in bench/data/.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
@@ -54,17 +53,26 @@ GENERATED_CONFIG = dict(hidden_size=768, intermediate_size=2048, num_hidden_laye
                         num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
                         rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.02)
 
-#: A transform of a prefill cache in place: what the receiving side of a transfer holds.
-KVTransform = Callable[[Any], None]
+#: A transform, in place, of one copy of a prefill cache (its K and V tensors, each
+#: [1, kv_heads, tokens, head_dim]): what the receiving side of a transfer holds.
+KVTransform = Callable[[list[torch.Tensor]], None]
 
 
 # ---- what a transfer delivers ------------------------------------------------------------
 
-def cache_tensors(cache: Any) -> list[torch.Tensor]:
-    """K and V of every layer of a transformers cache, each [1, kv_heads, tokens, head_dim]."""
-    if hasattr(cache, "layers"):
-        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
-    return [t for i in range(len(cache.key_cache)) for t in (cache.key_cache[i], cache.value_cache[i])]
+def cache_tensors(cache: Any, row: int = 0) -> list[torch.Tensor]:
+    """K and V of every layer of batch row ``row`` of a transformers cache, each a
+    [1, kv_heads, tokens, head_dim] view (writing to it writes the cache)."""
+    return [t[row:row + 1] for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def fork_rows(cache: Any, transforms: list[KVTransform]) -> None:
+    """Turns a batch-1 cache into 1 + len(transforms) rows: row 0 untouched (the
+    reference), row i passed through transforms[i - 1]. The paths then decode as one
+    batch: the same sequence length in every row, so no padding or mask is involved."""
+    cache.batch_repeat_interleave(1 + len(transforms))
+    for row, transform in enumerate(transforms, 1):
+        transform(cache_tensors(cache, row))
 
 
 class CodecRoundTrip:
@@ -85,8 +93,8 @@ class CodecRoundTrip:
         self.raw_bytes = 0
         self.frame_bytes = 0
 
-    def __call__(self, cache: Any) -> None:
-        for t in cache_tensors(cache):
+    def __call__(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
             nhd = t[0].transpose(0, 1).contiguous()  # [tokens, kv_heads, head_dim], as in a pool block
             frame = self.codec.encode(nhd)
             back = torch.empty_like(nhd)
@@ -108,8 +116,8 @@ class NoiseCorruption:
     def __init__(self, seed: int = 0) -> None:
         self.gen = torch.Generator().manual_seed(seed)
 
-    def __call__(self, cache: Any) -> None:
-        for t in cache_tensors(cache):
+    def __call__(self, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
             rms = t.float().pow(2).mean().sqrt()
             t.copy_(torch.randn(t.shape, generator=self.gen) * rms)
 
@@ -132,14 +140,15 @@ def prefill(model: Any, ids: list[int]) -> tuple[Any, int]:
 
 
 @torch.no_grad()
-def decode_greedy(model: Any, cache: Any, first: int, n: int) -> list[int]:
-    """n greedy tokens decoded after ``first`` from ``cache`` (extended in place)."""
-    tok, out = first, []
+def decode_greedy(model: Any, cache: Any, first: int, n: int) -> list[list[int]]:
+    """n greedy tokens per batch row of ``cache`` (extended in place), each row fed
+    ``first`` and then its own previous token."""
+    tok = torch.full((cache.layers[0].keys.shape[0], 1), first)
+    steps = []
     for _ in range(n):
-        o = model(torch.tensor([[tok]]), cache=cache, use_cache=True)
-        tok = int(o.logits[0, -1].argmax())
-        out.append(tok)
-    return out
+        tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        steps.append(tok[:, 0].tolist())
+    return [list(row) for row in zip(*steps)]
 
 
 @dataclass
@@ -178,17 +187,17 @@ def agreement(model: Any, prompts: list[list[int]], max_tokens: int,
               ) -> dict[str, dict]:
     """Greedy agreement of each transform with the untouched KV, prompt by prompt.
 
-    One prefill per prompt; the reference and every transform decode from their own copy
-    of its cache. A transform with ``lossless = True`` must agree on every token.
+    One prefill per prompt; the reference and every transform decode from their own row
+    of its cache, in one batch (see :func:`fork_rows`). A transform with ``lossless = True``
+    must agree on every token: that also proves batch rows compute alike.
     """
     results = {name: Agreement(name, len(prompts), max_tokens) for name in transforms}
     for i, ids in enumerate(prompts):
         cache, first = prefill(model, ids)
-        ref = decode_greedy(model, copy.deepcopy(cache), first, max_tokens)
-        for name, transform in transforms.items():
-            received = copy.deepcopy(cache)
-            transform(received)
-            results[name].add(ref, decode_greedy(model, received, first, max_tokens))
+        fork_rows(cache, list(transforms.values()))
+        ref, *received = decode_greedy(model, cache, first, max_tokens)
+        for name, got in zip(transforms, received):
+            results[name].add(ref, got)
         if progress:
             progress(i + 1)
     out = {name: r.summary() for name, r in results.items()}
@@ -201,18 +210,18 @@ def agreement(model: Any, prompts: list[list[int]], max_tokens: int,
 # ---- perplexity ---------------------------------------------------------------------------
 
 @torch.no_grad()
-def chunk_nll(model: Any, chunk: list[int], transform: KVTransform | None) -> tuple[float, int]:
-    """Summed NLL (nats) and count of the second half's predictions made from the first
-    half's KV after ``transform``."""
+def chunk_nll(model: Any, chunk: list[int], transforms: list[KVTransform]) -> list[float]:
+    """Summed NLL (nats) of the second half's predictions made from the first half's KV:
+    untouched, then after each transform (one value per path); len(chunk) - len(chunk) // 2 - 1
+    predictions each."""
     half = len(chunk) // 2
     cache = new_cache(model)
     model(torch.tensor([chunk[:half]]), cache=cache, use_cache=True)
-    if transform is not None:
-        transform(cache)
-    logits = model(torch.tensor([chunk[half:]]), cache=cache, use_cache=True).logits[0, :-1].float()
+    fork_rows(cache, transforms)
+    rows = 1 + len(transforms)
+    logits = model(torch.tensor([chunk[half:]] * rows), cache=cache, use_cache=True).logits[:, :-1].float()
     targets = torch.tensor(chunk[half + 1:])
-    nll = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
-    return float(nll), len(targets)
+    return [float(torch.nn.functional.cross_entropy(lg, targets, reduction="sum")) for lg in logits]
 
 
 def perplexity(model: Any, ids: list[int], chunk_tokens: int, transforms: dict[str, KVTransform]) -> dict:
@@ -224,13 +233,14 @@ def perplexity(model: Any, ids: list[int], chunk_tokens: int, transforms: dict[s
     if not chunks:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one chunk of {chunk_tokens}")
     out: dict[str, Any] = {"chunks": len(chunks), "chunk_tokens": chunk_tokens, "text_tokens": len(ids)}
-    for name, transform in {"reference": None, **transforms}.items():
-        nll = n = 0.0
-        for ch in chunks:
-            a, b = chunk_nll(model, ch, transform)
-            nll, n = nll + a, n + b
-        out[name] = {"nll_per_token": round(nll / n, 6), "perplexity": round(math.exp(nll / n), 4),
-                     "scored_tokens": int(n)}
+    names = ["reference", *transforms]
+    nll = [0.0] * len(names)
+    for ch in chunks:
+        nll = [a + b for a, b in zip(nll, chunk_nll(model, ch, list(transforms.values())))]
+    n = len(chunks) * (chunk_tokens - chunk_tokens // 2 - 1)
+    for name, total in zip(names, nll):
+        out[name] = {"nll_per_token": round(total / n, 6), "perplexity": round(math.exp(total / n), 4),
+                     "scored_tokens": n}
     ref = out["reference"]["perplexity"]
     for name, transform in transforms.items():
         out[name]["change_vs_reference"] = round(out[name]["perplexity"] / ref - 1, 6)
