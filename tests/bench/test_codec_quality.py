@@ -121,8 +121,8 @@ def test_markdown_report_names_every_path() -> None:
     result = {"model": "m", "command": "bench/codec_quality.py --prompts 2", "prompts": 2, "max_tokens": 4,
               "agreement": {"zstd": agree | {"transform": "zstd", "token_agreement": 1.0}, "fp8": agree},
               "kv_ratio": {"zstd": 1.3, "fp8": 1.9}, "note": "", "seconds": 1.0,
-              "perplexity": {"chunks": 1, "chunk_tokens": 8, "text_tokens": 8,
-                             "reference": {"perplexity": 10.0}, "fp8": {"perplexity": 10.1, "change_vs_reference": 0.01}}}
+              "perplexity": {"chunks": 1, "chunk_tokens": 8, "text_tokens": 8, "reference": {"perplexity": 10.0},
+                             "fp8": {"perplexity": 10.1, "change_vs_reference": 0.01}}}
     md = cq.markdown(result)
     assert "`bench/codec_quality.py --prompts 2`" in md
     assert "| fp8 | 1/2 (50%) | 75.0% | 3.0 of 4 | 1.9 |" in md
