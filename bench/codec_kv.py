@@ -4,6 +4,11 @@ greedy-agreement quality check of FP8-round-tripped prefill KV.
     .venv/bin/python bench/codec_kv.py --json bench/results/codec/kv.json
     .venv/bin/python bench/codec_kv.py --quality 30 --new-tokens 32 --json ...   (scale --quality up)
 
+The quality figures to publish come from bench/codec_quality.py (a fixed 120-prompt set
+shipped in bench/data/, the prefill's own first token as in P/D serving, a lossless control
+asserted at 100 %, perplexity on a shipped essay, and a larger generated model); --quality
+here is the quick first check (windows of the passages below, last prompt token re-fed).
+
 K/V come from transformers' cache after a prefill of each prompt (the same tensors
 the reference engine writes into its paged pool), cast nowhere: the model runs in
 bfloat16 (and again in float16 for the fp16 ratio). Each (layer, K/V) of a prompt is
