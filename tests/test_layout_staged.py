@@ -151,32 +151,6 @@ def test_small_or_whole_block_plans_are_not_staged():
         assert np.array_equal(remote2.logical([0]), local2.logical([0]))
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-@pytest.mark.parametrize("mode", ["tp2:tp4", "tp2:tp4+nhd:hnd"])
-def test_fragmented_pulls_over_read_whole_peer_blocks(transport, mode):
-    """A pull of a head range scattered inside the peer's NHD blocks (its 2 of 4 heads
-    per token) reads whole peer blocks into the staging buffer (twice the bytes, few
-    extents) and scatters only the asked-for heads; nbytes stays the payload."""
-    lstyle = "hnd" if "hnd" in mode else "nhd"
-    ntok = 32 * 16 - 5
-    with pdkv.Agent("a", secret="s", transports=[transport]) as a, \
-            pdkv.Agent("b", secret="s", transports=[transport]) as b:
-        local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 2, D, "bfloat16", lstyle),
-                                    PoolSpec(LAYERS, BLOCKS, 16, 4, D, "bfloat16", "nhd"), pull=True)
-        lids = list(range(BLOCKS - 1, BLOCKS - 1 - -(-ntok // 16), -1))
-        rids = [(3 * i + 1) % BLOCKS for i in range(-(-ntok // 16))]
-        kw = dict(num_tokens=ntok, num_heads=2, local_head_offset=0, remote_head_offset=2)
-        direct = pdkv.plan_blocks(local.layout, lids, remote.layout, rids, **kw)
-        prep = a.prepare("read", peer, "kv", lids, "kv", rids, **kw)
-        assert prep.nbytes == sum(e[4] for e in direct)
-        if transport == "tcp":
-            assert prep.num_extents <= 2 * LAYERS * len(rids) < len(direct) // 4
-        xfer = prep.post()
-        xfer.wait(10)
-        assert xfer.bytes_done == prep.nbytes
-        check(remote, rids, local, lids, ntok, 2, 2, 0)
-
-
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_a_layer_range_moves_only_those_layers(op):
     """Agent.prepare/write/read take first_layer/num_layers: only those layers move,

@@ -607,7 +607,7 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_staged(
     auto d = regions_.get(s.region_id);
     if (!d.ok() || d->kind != MemKind::kHost) return std::shared_ptr<PreparedTransfer>();
   }
-  PDKV_ASSIGN_OR_RETURN(auto staged, plan_staged(op, local, local_ids, remote, remote_ids, plan));
+  PDKV_ASSIGN_OR_RETURN(auto staged, plan_staged(local, local_ids, remote, remote_ids, plan));
   if (!staged) return std::shared_ptr<PreparedTransfer>();
   PDKV_ASSIGN_OR_RETURN(auto buf, staging_buffer(staged->bytes));
   std::vector<Extent> ex = staged_wire_extents(*staged, buf->region_id, remote, remote_ids);
@@ -616,10 +616,7 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_staged(
   for (const KVSegment& s : local.segments())
     if (std::find(prep->local_regions.begin(), prep->local_regions.end(), s.region_id) == prep->local_regions.end())
       prep->local_regions.push_back(s.region_id);
-  // The caller's byte count is the rows asked for; an over-reading pull's wire moves more.
-  const uint64_t wire_bytes = prep->bytes;
-  prep->bytes = staged->payload_bytes();
-  prep->staged = std::make_shared<StagedTransfer>(op, std::move(*staged), local, local_ids, std::move(buf), wire_bytes);
+  prep->staged = std::make_shared<StagedTransfer>(op, std::move(*staged), local, local_ids, std::move(buf));
   return prep;
 }
 
@@ -801,19 +798,18 @@ Result<std::shared_ptr<Transfer>> Agent::Impl::post(const PreparedTransfer& prep
 std::shared_ptr<Transfer> Agent::Impl::post_staged_read(const PreparedTransfer& prep,
                                                         const std::shared_ptr<Transfer>& xfer, std::string notif,
                                                         Transport* t) {
-  auto inner = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport,
-                                          prep.staged->wire_bytes(), xfer->deadline(), cfg_.wait_spin_us);
+  auto inner = std::make_shared<Transfer>(next_xfer_id_.fetch_add(1), prep.op, prep.peer, prep.transport, prep.bytes,
+                                          xfer->deadline(), cfg_.wait_spin_us);
   spi::TransferControl outer(xfer);
   outer.set_parts(1);
   outer.set_cancel_hook([weak = std::weak_ptr<Transfer>(inner)] {
     if (auto i = weak.lock()) i->cancel();
   });
   spi::TransferControl(inner).on_terminal(
-      [weak = std::weak_ptr<Transfer>(inner), xfer, staged = prep.staged, payload = prep.bytes] {
+      [weak = std::weak_ptr<Transfer>(inner), xfer, staged = prep.staged] {
         auto i = weak.lock();
         const Status st = i ? i->error() : Internal("staged read finished without its transfer");
-        // What lands in the local rows: all of them once scattered, none otherwise.
-        const uint64_t bytes = st.ok() ? payload : 0;
+        const uint64_t bytes = i ? i->bytes_done() : 0;
         std::thread([xfer, staged, st, bytes] {
           util::name_this_thread("pdkv-relayout");
           if (st.ok()) staged->scatter();

@@ -17,6 +17,10 @@ using planner::walk_segment_runs;
 constexpr uint64_t kMinGain = 4;           // direct extents per staged extent
 constexpr uint64_t kMinDirectExtents = 4096;  // below this the direct plan is cheap anyway
 
+// Rows of a push as the staging side sees them: local -> staging, staging -> remote.
+RowRange to_staging(const RowRange& r) { return RowRange{r.num_tokens, r.num_heads, r.local_head_offset, 0}; }
+RowRange from_staging(const RowRange& r) { return RowRange{r.num_tokens, r.num_heads, 0, r.remote_head_offset}; }
+
 std::vector<uint32_t> first_ids(uint32_t n) {
   std::vector<uint32_t> v(n);
   for (uint32_t i = 0; i < n; ++i) v[i] = i;
@@ -34,66 +38,33 @@ Result<std::shared_ptr<StagingBuffer>> StagingBuffer::allocate(uint64_t bytes) {
 
 StagingBuffer::~StagingBuffer() { munmap(data_, size_); }
 
-Result<StagedPlan> make_staged_plan(const planner::PlanScope& scope, const KVGeometry& rg, const KVSegment& R,
-                                    bool over_read) {
-  const RowRange& rows = scope.rows;
-  KVGeometry sg = rg;
-  sg.num_layers = static_cast<uint32_t>((scope.seg_end - scope.seg_begin) / rg.kv_parts);
-  sg.kv_heads = over_read ? rg.kv_heads : rows.num_heads;
-  sg.num_blocks = static_cast<uint32_t>((rows.num_tokens + rg.block_tokens - 1) / rg.block_tokens);
-  sg.order = R.head_stride <= R.token_stride ? TokenOrder::kNHD : TokenOrder::kHND;
-  PDKV_ASSIGN_OR_RETURN(KVLayout staging, KVLayout::contiguous(sg, 0, /*interleaved=*/false));
-  StagedPlan plan;
-  plan.bytes = KVLayout::contiguous_bytes(sg);
-  plan.staging = std::move(staging);
-  plan.scope = scope;
-  const uint32_t staged_head = over_read ? rows.remote_head_offset : 0;  // of the moved heads, in staging
-  // An over-read covers whole remote blocks; otherwise exactly the moved rows.
-  const uint64_t wire_tokens = over_read ? uint64_t(sg.num_blocks) * rg.block_tokens : rows.num_tokens;
-  plan.wire = over_read ? RowRange{wire_tokens, rg.kv_heads, 0, 0}
-                        : RowRange{wire_tokens, rows.num_heads, 0, rows.remote_head_offset};
-  plan.copy = RowRange{rows.num_tokens, rows.num_heads, rows.local_head_offset, staged_head};
-  return plan;
-}
-
-namespace {
-
-uint64_t count_wire_runs(const StagedPlan& plan, const KVGeometry& rg, const KVSegment& R,
-                         const std::vector<uint32_t>& rids) {
-  const KVGeometry& sg = plan.staging.geometry();
-  return planner::count_segment_runs(sg.block_tokens, plan.staging.segments()[0], first_ids(sg.num_blocks),
-                                     rg.block_tokens, R, rids, rg.row_bytes(), plan.wire);
-}
-
-}  // namespace
-
-Result<std::optional<StagedPlan>> plan_staged(OpKind op, const KVLayout& local, const std::vector<uint32_t>& lids,
-                                              const KVLayout& remote, const std::vector<uint32_t>& rids,
-                                              const PlanOptions& opts) {
+Result<std::optional<StagedPlan>> plan_staged(const KVLayout& local, const std::vector<uint32_t>& lids,
+                                                    const KVLayout& remote, const std::vector<uint32_t>& rids,
+                                                    const PlanOptions& opts) {
   PDKV_ASSIGN_OR_RETURN(planner::PlanScope scope, planner::plan_scope(local, lids, remote, rids, opts));
   const KVGeometry& lg = local.geometry();
   const KVGeometry& rg = remote.geometry();
   const KVSegment& L = local.segments()[scope.seg_begin];
   const KVSegment& R = remote.segments()[scope.seg_begin];
+  const uint64_t row = lg.row_bytes();
   const uint64_t nseg = scope.seg_end - scope.seg_begin;
-  const uint64_t direct =
-      planner::count_segment_runs(lg.block_tokens, L, lids, rg.block_tokens, R, rids, lg.row_bytes(), scope.rows);
+  const uint64_t direct = planner::count_segment_runs(lg.block_tokens, L, lids, rg.block_tokens, R, rids, row, scope.rows);
   if (direct * nseg < kMinDirectExtents) return std::optional<StagedPlan>();
 
-  PDKV_ASSIGN_OR_RETURN(StagedPlan plan, make_staged_plan(scope, rg, R, /*over_read=*/false));
-  uint64_t staged = count_wire_runs(plan, rg, R, rids);
-  // A pull may read whole peer blocks (bytes it does not need, never writes) when
-  // the moved heads alone would still be fragmented there.
-  if (op == OpKind::kRead && rg.kv_heads != scope.rows.num_heads &&
-      rg.kv_heads <= uint64_t(kMaxOverRead) * scope.rows.num_heads) {
-    PDKV_ASSIGN_OR_RETURN(StagedPlan wide, make_staged_plan(scope, rg, R, /*over_read=*/true));
-    const uint64_t wide_runs = count_wire_runs(wide, rg, R, rids);
-    if (staged >= kMinGain * wide_runs) {
-      plan = std::move(wide);
-      staged = wide_runs;
-    }
-  }
+  // One dense block per remote block, in the remote's row order, holding the moved heads.
+  KVGeometry sg = rg;
+  sg.num_layers = static_cast<uint32_t>(nseg / rg.kv_parts);
+  sg.kv_heads = scope.rows.num_heads;
+  sg.num_blocks = static_cast<uint32_t>((scope.rows.num_tokens + rg.block_tokens - 1) / rg.block_tokens);
+  sg.order = R.head_stride <= R.token_stride ? TokenOrder::kNHD : TokenOrder::kHND;
+  PDKV_ASSIGN_OR_RETURN(KVLayout staging, KVLayout::contiguous(sg, 0, /*interleaved=*/false));
+  const uint64_t staged = planner::count_segment_runs(rg.block_tokens, staging.segments()[0], first_ids(sg.num_blocks),
+                                                      rg.block_tokens, R, rids, row, from_staging(scope.rows));
   if (direct < kMinGain * staged) return std::optional<StagedPlan>();
+  StagedPlan plan;
+  plan.bytes = KVLayout::contiguous_bytes(sg);
+  plan.staging = std::move(staging);
+  plan.scope = scope;
   return std::optional<StagedPlan>(std::move(plan));
 }
 
@@ -101,12 +72,13 @@ std::vector<Extent> staged_wire_extents(const StagedPlan& plan, uint64_t staging
                                         const std::vector<uint32_t>& rids) {
   const KVGeometry& sg = plan.staging.geometry();
   const std::vector<uint32_t> sids = first_ids(sg.num_blocks);
+  const RowRange rows = from_staging(plan.scope.rows);
   std::vector<Extent> out;
   for (size_t s = plan.scope.seg_begin; s < plan.scope.seg_end; ++s) {
     const KVSegment& S = plan.staging.segments()[s - plan.scope.seg_begin];
     const KVSegment& R = remote.segments()[s];
     const uint64_t rbase = R.region_id == KVSegment::kUnbound ? R.addr : R.region_offset;
-    walk_segment_runs(sg.block_tokens, S, S.addr, sids, sg.block_tokens, R, rbase, rids, sg.row_bytes(), plan.wire,
+    walk_segment_runs(sg.block_tokens, S, S.addr, sids, sg.block_tokens, R, rbase, rids, sg.row_bytes(), rows,
                       [&](uint64_t so, uint64_t ro, uint64_t len) {
                         if (!out.empty()) {
                           Extent& b = out.back();
@@ -122,19 +94,9 @@ std::vector<Extent> staged_wire_extents(const StagedPlan& plan, uint64_t staging
   return out;
 }
 
-uint64_t StagedPlan::payload_bytes() const {
-  return uint64_t(scope.seg_end - scope.seg_begin) * copy.num_tokens * copy.num_heads *
-         staging.geometry().row_bytes();
-}
-
 StagedTransfer::StagedTransfer(OpKind op, StagedPlan plan, KVLayout local, std::vector<uint32_t> lids,
-                               std::shared_ptr<StagingBuffer> buf, uint64_t wire_bytes)
-    : op_(op),
-      plan_(std::move(plan)),
-      local_(std::move(local)),
-      lids_(std::move(lids)),
-      buf_(std::move(buf)),
-      wire_bytes_(wire_bytes) {}
+                               std::shared_ptr<StagingBuffer> buf)
+    : op_(op), plan_(std::move(plan)), local_(std::move(local)), lids_(std::move(lids)), buf_(std::move(buf)) {}
 
 namespace {
 
@@ -146,11 +108,12 @@ void for_each_staged_run(const StagedPlan& plan, const KVLayout& local, const st
   const KVGeometry& lg = local.geometry();
   const KVGeometry& sg = plan.staging.geometry();
   const std::vector<uint32_t> sids = first_ids(sg.num_blocks);
+  const RowRange rows = to_staging(plan.scope.rows);
   const uint64_t base = reinterpret_cast<uint64_t>(staging);
   for (size_t s = plan.scope.seg_begin; s < plan.scope.seg_end; ++s) {
     const KVSegment& L = local.segments()[s];
     const KVSegment& S = plan.staging.segments()[s - plan.scope.seg_begin];
-    walk_segment_runs(lg.block_tokens, L, L.addr, lids, sg.block_tokens, S, base + S.addr, sids, lg.row_bytes(), plan.copy,
+    walk_segment_runs(lg.block_tokens, L, L.addr, lids, sg.block_tokens, S, base + S.addr, sids, lg.row_bytes(), rows,
                       copy);
   }
 }

@@ -45,38 +45,19 @@ class StagingBuffer {
   uint64_t size_;
 };
 
-// The staging layout of a transfer and the rows that move it: what prepare computes.
-// The staging buffer holds one dense block per remote block; normally only the moved
-// heads, but a pull whose moved heads are scattered inside the peer's blocks (an NHD
-// head split) over-reads them: the staging blocks hold every head of the peer's
-// blocks (at most kMaxOverRead times the moved bytes), so the wire carries whole
-// blocks, and the scatter picks the moved heads out of them.
+// The staging layout of a push and the extents that move it: what prepare computes.
 struct StagedPlan {
   KVLayout staging;          // dense, in the remote's row order, at address 0 (offsets into the buffer)
   uint64_t bytes = 0;        // staging buffer size
   planner::PlanScope scope;  // of the local -> remote plan
-  planner::RowRange wire;    // staging ("local") <-> remote rows the transport moves
-  planner::RowRange copy;    // local <-> staging ("remote") rows the host copy moves
-
-  // Bytes of the rows asked for (what lands at the destination).
-  uint64_t payload_bytes() const;
 };
 
-// Largest factor by which an over-reading pull may exceed the bytes asked for.
-constexpr uint32_t kMaxOverRead = 2;
-
-// The staging plan for `scope` against a remote segment `R` of geometry `rg`
-// (over_read: every remote head and every token of the last block is staged).
-// Errors: the staging layout's (an impossible geometry).
-Result<StagedPlan> make_staged_plan(const planner::PlanScope& scope, const KVGeometry& rg, const KVSegment& R,
-                                    bool over_read);
-
-// The staged plan for `op` moving `lids` of `local` to or from `rids` of `remote`, or
+// The staged plan for moving `lids` of `local` to or from `rids` of `remote`, or
 // nullopt when staging would not shorten the wire's extent list at least 4-fold (or
 // the plan is small, or whole blocks map already). Errors: plan_blocks()'.
-Result<std::optional<StagedPlan>> plan_staged(OpKind op, const KVLayout& local, const std::vector<uint32_t>& lids,
-                                              const KVLayout& remote, const std::vector<uint32_t>& rids,
-                                              const PlanOptions& opts);
+Result<std::optional<StagedPlan>> plan_staged(const KVLayout& local, const std::vector<uint32_t>& lids,
+                                                    const KVLayout& remote, const std::vector<uint32_t>& rids,
+                                                    const PlanOptions& opts);
 
 // Extents between the staging buffer (region `staging_region`, offsets from its
 // start) and `remote`'s blocks `rids`: the wire's part of a staged transfer.
@@ -87,11 +68,8 @@ std::vector<Extent> staged_wire_extents(const StagedPlan& plan, uint64_t staging
 // after each post's last byte.
 class StagedTransfer {
  public:
-  // `wire_bytes`: what the transport moves (more than the payload for an over-read).
   StagedTransfer(OpKind op, StagedPlan plan, KVLayout local, std::vector<uint32_t> lids,
-                 std::shared_ptr<StagingBuffer> buf, uint64_t wire_bytes);
-
-  uint64_t wire_bytes() const { return wire_bytes_; }
+                 std::shared_ptr<StagingBuffer> buf);
 
   // Waits (until `deadline`) for no earlier post of this transfer to still use the
   // buffer and returns true (a push has then gathered its rows into it); false when
@@ -107,7 +85,6 @@ class StagedTransfer {
   KVLayout local_;  // addresses are this process's
   std::vector<uint32_t> lids_;
   std::shared_ptr<StagingBuffer> buf_;
-  const uint64_t wire_bytes_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool busy_ = false;
