@@ -9,7 +9,7 @@ prepare's milliseconds (best of 5), and the direct plan's extents and millisecon
 (``pdkv.plan_blocks`` including its Python list: what the transfer would carry
 without staging).
 
-    .venv/bin/python bench/layout_prepare.py [--random-ids]
+    .venv/bin/python bench/layout_prepare.py [--random-ids] [--transport shm] [--mode tp4:tp2 ...]
 """
 
 from __future__ import annotations
@@ -25,17 +25,26 @@ TOKENS, LAYERS, HEAD_DIM, POOL_BLOCKS = 4096, 80, 128, 512
 
 
 def modes(h: int) -> dict[str, tuple]:
-    """name: (local T, H, order, remote T, H, order, heads moved, local offset, remote offset)."""
-    split = (16, 2 * h, "NHD", 16, h, "NHD", h, h, 0)
-    merge = (16, h, "NHD", 16, 2 * h, "NHD", h, 0, h)
-    if h == 8:  # llama-3-70b at tp2 vs tp4: 4 and 2 of the 8 kv heads per rank
-        split = (16, 4, "NHD", 16, 2, "NHD", 2, 2, 0)
-        merge = (16, 2, "NHD", 16, 4, "NHD", 2, 0, 2)
+    """name: (local T, H, order, remote T, H, order, heads moved, local offset, remote offset)
+    of the push (local = prefill rank, remote = decode rank)."""
+    if h == 1:  # llama-3-70b at tp8: 1 kv head per rank; tp4 ranks hold 2
+        return {
+            "tp4:tp8": (16, 2, "NHD", 16, 1, "NHD", 1, 1, 0),
+            "tp8:tp4": (16, 1, "NHD", 16, 2, "NHD", 1, 0, 1),
+            "bs16:bs32": (16, 1, "NHD", 32, 1, "NHD", 0, 0, 0),
+            "bs32:bs16": (32, 1, "NHD", 16, 1, "NHD", 0, 0, 0),
+        }
+    # llama-3-70b at tp2 vs tp4: 4 and 2 of the 8 kv heads per rank
     return {
-        "tp2:tp4" if h == 8 else "tp4:tp8": split,
-        "tp4:tp2" if h == 8 else "tp8:tp4": merge,
+        "tp2:tp4": (16, 4, "NHD", 16, 2, "NHD", 2, 2, 0),
+        "tp4:tp2": (16, 2, "NHD", 16, 4, "NHD", 2, 0, 2),
         "bs16:bs32": (16, h, "NHD", 32, h, "NHD", 0, 0, 0),
+        "bs32:bs16": (32, h, "NHD", 16, h, "NHD", 0, 0, 0),
         "nhd:hnd": (16, h, "NHD", 16, h, "HND", 0, 0, 0),
+        "hnd:nhd": (16, h, "HND", 16, h, "NHD", 0, 0, 0),
+        "tp2:tp4+nhd:hnd": (16, 4, "NHD", 16, 2, "HND", 2, 2, 0),
+        "tp4:tp2+hnd:nhd": (16, 2, "HND", 16, 4, "NHD", 2, 0, 2),
+        "tp4:tp2+bs16:bs32+nhd:hnd": (16, 2, "NHD", 32, 4, "HND", 2, 0, 2),
     }
 
 
@@ -51,13 +60,17 @@ def best_of(fn, n=5):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--random-ids", action="store_true", help="scattered block ids instead of consecutive ones")
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "shm"])
+    ap.add_argument("--mode", action="append", help="only these modes (repeatable; default: all)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    print(f"{'geometry':<10} {'mode':<10} {'op':<5} {'extents':>8} {'prepare ms':>10} {'direct extents':>14} "
+    print(f"{'geometry':<10} {'mode':<26} {'op':<5} {'extents':>8} {'prepare ms':>10} {'direct extents':>14} "
           f"{'direct ms':>9}")
     for h, label in ((8, "70b-full"), (1, "70b-tp8")):
         for name, (lt, lh, lo, rt, rh, ro, nh, lho, rho) in modes(h).items():
-            with pdkv.Agent("bench-layout", secret="x", transports=["tcp"]) as a:
+            if args.mode and name not in args.mode:
+                continue
+            with pdkv.Agent("bench-layout", secret="x", transports=[args.transport]) as a:
                 layouts = []
                 for i, (t, hh, order) in enumerate(((lt, lh, lo), (rt, rh, ro))):
                     geo = pdkv.KVGeometry(LAYERS, POOL_BLOCKS, t, hh, HEAD_DIM, "bfloat16", order=order)
@@ -75,7 +88,7 @@ def main() -> None:
                                                      ("read", (1, rids, 0, lids, pull))):
                     direct, dsecs = best_of(lambda: pdkv.plan_blocks(layouts[li], lo_, layouts[ri], ro_, **opts), 2)
                     prep, secs = best_of(lambda: a.prepare(op, me, f"kv{li}", lo_, f"kv{ri}", ro_, **opts))
-                    print(f"{label:<10} {name:<10} {op:<5} {prep.num_extents:>8} {secs * 1e3:>10.3f} "
+                    print(f"{label:<10} {name:<26} {op:<5} {prep.num_extents:>8} {secs * 1e3:>10.3f} "
                           f"{len(direct):>14} {dsecs * 1e3:>9.1f}")
 
 

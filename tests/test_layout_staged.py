@@ -149,3 +149,29 @@ def test_small_or_whole_block_plans_are_not_staged():
         assert prep.num_extents == len(pdkv.plan_blocks(local2.layout, [0], remote2.layout, [0])) == 2 * 16 * 4
         prep.post().wait(10)
         assert np.array_equal(remote2.logical([0]), local2.logical([0]))
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_layer_range_moves_only_those_layers(op):
+    """Agent.prepare/write/read take first_layer/num_layers: only those layers move,
+    staged or not, and a range beyond the layouts is refused."""
+    with pdkv.Agent("a", secret="s", transports=["tcp"]) as a, pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
+        local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"),
+                                    PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"), pull=op == "read")
+        src, dst = (local, remote) if op == "write" else (remote, local)
+        ids = list(range(40))
+        whole = a.prepare(op, peer, "kv", ids)
+        prep = a.prepare(op, peer, "kv", ids, first_layer=2, num_layers=3)
+        assert prep.nbytes * LAYERS == whole.nbytes * 3
+        prep.post().wait(10)
+        got, want = dst.logical(ids), src.logical(ids)
+        assert np.array_equal(got[2:5], want[2:5]) and want[2:5].any()
+        assert not got[:2].any() and not got[5:].any()
+        # The rest from layer 5 on (num_layers 0: through the last layer), with write()/read().
+        getattr(a, op)(peer, "kv", ids, first_layer=5).wait(10)
+        assert np.array_equal(dst.logical(ids)[2:], want[2:]) and not dst.logical(ids)[:2].any()
+        for bad in (dict(first_layer=LAYERS), dict(first_layer=2, num_layers=LAYERS - 1)):
+            with pytest.raises(pdkv.OutOfRange, match="exceed the 8 layers"):
+                a.prepare(op, peer, "kv", ids, **bad)
+        with pytest.raises(pdkv.InvalidArgument, match="first_layer"):
+            a.prepare(op, peer, "kv", ids, first_layer=-1)

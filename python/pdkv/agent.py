@@ -880,6 +880,8 @@ class Agent:
         num_heads: int = 0,
         local_head_offset: int = 0,
         remote_head_offset: int = 0,
+        first_layer: int = 0,
+        num_layers: int = 0,
         transport: str | None = None,
         remote_generations: Iterable[int] | None = None,
     ) -> PreparedTransfer:
@@ -904,6 +906,10 @@ class Agent:
             means "all", which is accepted only when both block lists hold the same
             number of tokens and both layouts the same number of kv heads: a plan
             never moves part of the data unless asked to.
+        first_layer, num_layers : int
+            The layers to move: ``[first_layer, first_layer + num_layers)``
+            (``num_layers`` 0: through the last layer). A range beyond the layouts'
+            layers raises :class:`OutOfRange`.
         remote_generations : sequence of int, optional
             The generations the peer handed out with ``remote_blocks`` (one per remote
             block, see :meth:`generations`). Every post then has the peer check them
@@ -926,12 +932,13 @@ class Agent:
         plan = (_validate.count(num_tokens, "num_tokens", maximum=2**64 - 1), _validate.count(num_heads, "num_heads"),
                 _validate.count(local_head_offset, "local_head_offset"),
                 _validate.count(remote_head_offset, "remote_head_offset"))
+        layers = (_validate.count(first_layer, "first_layer"), _validate.count(num_layers, "num_layers"))
         lids = _validate.block_ids(local_blocks, "local_blocks")
         rids = lids if remote_blocks is None else _validate.block_ids(remote_blocks, "remote_blocks")
         gens = None if remote_generations is None else _validate.block_ids(remote_generations, "remote_generations")
         transport = _transport_name(transport)
         native = self._n.prepare_blocks(peer, opk, local_layout, lids, remote_layout, rids, *plan, transport or "",
-                                        gens)
+                                        gens, *layers)
         return PreparedTransfer(self, native)
 
     def prepare_extents(self, op: str, peer: str, extents: Sequence[tuple[int, int, int, int, int]], *,
@@ -948,14 +955,15 @@ class Agent:
     def write(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
               remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
               timeout: float | None = None, num_tokens: int = 0, num_heads: int = 0,
-              local_head_offset: int = 0, remote_head_offset: int = 0, transport: str | None = None,
-              remote_generations: Iterable[int] | None = None) -> Transfer:
+              local_head_offset: int = 0, remote_head_offset: int = 0, first_layer: int = 0, num_layers: int = 0,
+              transport: str | None = None, remote_generations: Iterable[int] | None = None) -> Transfer:
         """Pushes local blocks into the peer's blocks; returns at once. See :meth:`prepare`
         (``remote_generations``, plan options) and :meth:`PreparedTransfer.post`."""
         self._check_post_args(notify, timeout)  # caller errors first, before any peer work
         return self.prepare("write", peer, local_layout, local_blocks, remote_layout, remote_blocks,
                             num_tokens=num_tokens, num_heads=num_heads, local_head_offset=local_head_offset,
-                            remote_head_offset=remote_head_offset, transport=transport,
+                            remote_head_offset=remote_head_offset, first_layer=first_layer,
+                            num_layers=num_layers, transport=transport,
                             remote_generations=remote_generations).post(notify=notify, timeout=timeout)
 
     def _check_post_args(self, notify: Any, timeout: Any) -> None:
@@ -965,14 +973,15 @@ class Agent:
     def read(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
              remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
              timeout: float | None = None, num_tokens: int = 0, num_heads: int = 0,
-             local_head_offset: int = 0, remote_head_offset: int = 0, transport: str | None = None,
-             remote_generations: Iterable[int] | None = None) -> Transfer:
+             local_head_offset: int = 0, remote_head_offset: int = 0, first_layer: int = 0, num_layers: int = 0,
+             transport: str | None = None, remote_generations: Iterable[int] | None = None) -> Transfer:
         """Pulls the peer's blocks into local blocks; ``notify`` reaches the peer once
         every byte has landed here."""
         self._check_post_args(notify, timeout)
         return self.prepare("read", peer, local_layout, local_blocks, remote_layout, remote_blocks,
                             num_tokens=num_tokens, num_heads=num_heads, local_head_offset=local_head_offset,
-                            remote_head_offset=remote_head_offset, transport=transport,
+                            remote_head_offset=remote_head_offset, first_layer=first_layer,
+                            num_layers=num_layers, transport=transport,
                             remote_generations=remote_generations).post(notify=notify, timeout=timeout)
 
     def open_stream(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
