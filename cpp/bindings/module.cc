@@ -367,6 +367,8 @@ PYBIND11_MODULE(_pdkv, m) {
       .def_property_readonly("bytes_total", &Transfer::bytes_total)
       .def_property_readonly("bytes_done", &Transfer::bytes_done)
       .def_property_readonly("elapsed_s", &Transfer::elapsed_s)
+      .def_property_readonly("compression", [](const Transfer& t) { return std::string(t.compression()); })
+      .def_property_readonly("wire_bytes", &Transfer::wire_bytes)
       .def("error_info",
            [](const Transfer& t) -> py::object {
              Status st = t.error();

@@ -119,6 +119,10 @@ struct NestedOptions {
   }
 };
 template <>
+struct FieldType<TcpCompression> : NestedOptions<TcpCompression> {
+  static constexpr const char* kPyType = "TcpCompression";
+};
+template <>
 struct FieldType<TcpOptions> : NestedOptions<TcpOptions> {
   static constexpr const char* kPyType = "TcpOptions";
 };
@@ -247,7 +251,7 @@ class OptionsClass {
 
   // "int", "list[str]" as they are; class names qualified by the module ("pdkv._pdkv.TcpOptions").
   std::string qualified(const std::string& py_type) const {
-    static const char* const kBuiltins[] = {"int", "float", "str", "bytes"};
+    static const char* const kBuiltins[] = {"int", "float", "str", "bytes", "bool"};
     for (const char* b : kBuiltins)
       if (py_type == b) return py_type;
     if (py_type.find('[') != std::string::npos) return py_type;
@@ -273,7 +277,7 @@ class OptionsClass {
     const C defaults;
     for (const Field& f : *fields_) {
       const py::object d = f.get(defaults);
-      const bool literal = py::isinstance<py::int_>(d) || py::isinstance<py::float_>(d) ||
+      const bool literal = py::isinstance<py::int_>(d) || py::isinstance<py::float_>(d) || py::isinstance<py::bool_>(d) ||
                            py::isinstance<py::str>(d) || py::isinstance<py::bytes>(d) ||
                            py::isinstance<py::list>(d);
       sig += ", " + f.name + ": " + qualified(f.py_type) + " = " +
@@ -290,7 +294,74 @@ class OptionsClass {
 
 }  // namespace
 
+// A str option parsed into its enum once, here (`parse` returns Result<E>).
+template <typename E>
+std::function<void(TcpCompression&, py::handle)> enum_setter(E TcpCompression::*member, Result<E> (*parse)(std::string_view),
+                                                             std::string where) {
+  return [member, parse, where](TcpCompression& c, py::handle v) {
+    auto e = parse(FieldType<std::string>::from(v, where));
+    if (!e.ok()) raise_status(e.status());
+    c.*member = *e;
+  };
+}
+
+Result<CodecKind> parse_lossless_codec(std::string_view s) { return parse_codec_kind(s); }
+
+void bind_compression(py::module_& m) {
+  using C = TcpCompression;
+  auto u32 = [](uint32_t Fp8Grouping::*member, const char* where) {
+    return std::make_pair(
+        std::function<py::object(const C&)>([member](const C& c) { return py::cast(c.fp8.*member); }),
+        std::function<void(C&, py::handle)>(
+            [member, where](C& c, py::handle v) { c.fp8.*member = FieldType<uint32_t>::from(v, where); }));
+  };
+  auto heads = u32(&Fp8Grouping::heads, "TcpCompression.fp8_heads");
+  auto head_dim = u32(&Fp8Grouping::head_dim, "TcpCompression.fp8_head_dim");
+  auto rows = u32(&Fp8Grouping::rows_per_group, "TcpCompression.fp8_rows_per_group");
+  OptionsClass<C>(m, "TcpCompression",
+                  "Compression of tcp writes (docs/compression.md, 'On the wire'). Off by default.")
+      .property("mode", "str", [](const C& c) -> py::object { return py::str(std::string(compress_mode_name(c.mode))); },
+                enum_setter(&C::mode, &parse_compress_mode, "TcpCompression.mode"),
+                "str: 'off', 'lossless' (bit-exact), 'fp8' (lossy, opt-in) or 'auto' (per peer, from the measured "
+                "link and codec throughput; see policy).")
+      .property("policy", "str",
+                [](const C& c) -> py::object { return py::str(std::string(compress_policy_name(c.policy))); },
+                enum_setter(&C::policy, &parse_compress_policy, "TcpCompression.policy"),
+                "str: what mode 'auto' may choose besides plain: 'lossless' or 'lossy-allowed' (fp8).")
+      .property("codec", "str", [](const C& c) -> py::object { return py::str(std::string(codec_kind_name(c.codec))); },
+                enum_setter(&C::codec, &parse_lossless_codec, "TcpCompression.codec"),
+                "str: the lossless codec, 'zstd' or 'lz4'.")
+      .property("level", "int", [](const C& c) -> py::object { return py::int_(c.level); },
+                [](C& c, py::handle v) {
+                  if (PyBool_Check(v.ptr()) || !PyLong_Check(v.ptr()))
+                    raise_invalid("TcpCompression.level must be an int, got " + describe(v));
+                  const long long x = v.cast<long long>();
+                  if (x < -7 || x > 9) raise_invalid("TcpCompression.level must be in -7..9, got " + std::to_string(x));
+                  c.level = static_cast<int32_t>(x);
+                },
+                "int (-7..9): zstd level (1: fast; negative: faster still).")
+      .property("checksum", "bool", [](const C& c) -> py::object { return py::bool_(c.checksum); },
+                [](C& c, py::handle v) {
+                  if (!PyBool_Check(v.ptr())) raise_invalid("TcpCompression.checksum must be a bool, got " + describe(v));
+                  c.checksum = v.cast<bool>();
+                },
+                "bool: XXH3-64 of every chunk's uncompressed bytes, verified by the receiver (DataCorrupted).")
+      .field("chunk_bytes", &C::chunk_bytes,
+             "int, bytes (4096..2**26): raw bytes per codec frame, the pipeline unit (chunk i+1 is encoded while "
+             "chunk i is on the wire).")
+      .field("threads", &C::threads, "int (1..16): encoder threads per agent.")
+      .property("dtype", "str", [](const C& c) -> py::object { return py::str(std::string(dtype_name(c.dtype))); },
+                enum_setter(&C::dtype, &parse_dtype, "TcpCompression.dtype"),
+                "str: element type of the KV sent ('bfloat16', 'float16', 'float32', ...): byte planes, fp8.")
+      .property("fp8_heads", "int", heads.first, heads.second, "int: fp8 rows are fp8_heads x fp8_head_dim elements.")
+      .property("fp8_head_dim", "int", head_dim.first, head_dim.second, "int: elements per head.")
+      .property("fp8_rows_per_group", "int", rows.first, rows.second,
+                "int: rows per fp8 scale (tokens per block: per-block-per-head scales).")
+      .finish();
+}
+
 void bind_options(py::module_& m) {
+  bind_compression(m);
   OptionsClass<TcpOptions>(m, "TcpOptions", "Options of the tcp transport (any host). Units are in the names.")
       .field("listen_host", &TcpOptions::listen_host,
              "str: address to bind and publish (Agent(listen='host:port') sets it).")
@@ -320,6 +391,7 @@ void bind_options(py::module_& m) {
       .field("stage_buffers", &TcpOptions::stage_buffers,
              "int (2..1024): pinned chunks per agent for sending device memory (allocated on first use); "
              "each connection receiving into device memory holds two more.")
+      .field("compress", &TcpOptions::compress, "TcpCompression: compression of writes (off by default).")
       .finish();
 
   OptionsClass<ShmOptions>(m, "ShmOptions", "Options of the shm transport (same host, one copy).")

@@ -119,7 +119,7 @@ TEST(TcpFrame, FlagsStatusAndMagic) {
   EXPECT_TRUE(check_header(h, kOutOpen, kLim).ok());
   h.magic = 0x12345678;
   EXPECT_NE(check_header(h, kOutOpen, kLim).message().find("magic"), std::string::npos);
-  for (uint16_t t : {uint16_t(0), uint16_t(11), uint16_t(99), uint16_t(0xFFFF)}) {
+  for (uint16_t t : {uint16_t(0), uint16_t(12), uint16_t(99), uint16_t(0xFFFF)}) {
     h = hdr(FrameType::kAck);
     h.type = t;
     EXPECT_FALSE(check_header(h, kOutOpen, kLim).ok()) << t;

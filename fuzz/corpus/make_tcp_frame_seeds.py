@@ -26,7 +26,24 @@ ACK = struct.pack("<Q", 7) + s32(b"target")
 # Block generations (flag 4): u32 length, then the claim (name, count, (block, gen) pairs).
 CLAIM = s32(b"kv") + struct.pack("<I", 2) + struct.pack("<IIII", 3, 1, 4, 2)
 GENS = s32(CLAIM)
+
+
+def codec_frame(data, *, codec=0, dtype=6, raw_len=None, payload_len=None):
+    """A pdkv codec frame (docs/compression.md): 48-byte header, then the payload (raw here)."""
+    raw = len(data) if raw_len is None else raw_len
+    pay = len(data) if payload_len is None else payload_len
+    return b"PKVC" + struct.pack("<BBBBQQIIIIQ", 1, codec, dtype, 0, raw, pay, 0, 0, 0, 0, 0) + data
+
+
+Z1 = codec_frame(b"abcd") + codec_frame(b"efghijkl")
 SEEDS = {
+    # Compressed writes (type 11): two raw codec frames into two extents, then frames
+    # that lie about their sizes (raw_len past the extents, payload_len past the frame).
+    "writez_two_frames": bytes([1]) + frame(11, count=2, payload=len(Z1)) + EXT.pack(1, 0, 4) + EXT.pack(1, 64, 8) + Z1,
+    "writez_raw_len_too_big": bytes([1]) + frame(11, count=1, payload=52) + EXT.pack(1, 0, 4)
+    + codec_frame(b"abcd", raw_len=4096, payload_len=4),
+    "writez_short": bytes([1]) + frame(11, count=1, payload=60) + EXT.pack(1, 0, 4) + codec_frame(b"abcd", payload_len=16),
+
     "write_gens_notif": bytes([1]) + frame(5, count=1, payload=4, flags=5, aux_len=len(GENS) + 4)[:40] + EXT.pack(1, 0, 4)
     + GENS + b"note" + b"abcd",
     "read_gens": bytes([1]) + frame(6, count=1, flags=4, aux_len=len(GENS))[:40] + EXT.pack(1, 0, 8) + GENS,

@@ -4,12 +4,17 @@
 // a stream of frames (header, extents, aux, payload) run through the same checks the
 // progress thread, the handshake and the metadata fetch apply, in the same order.
 // Invariants: nothing crashes, and whatever passes check_header announces a bounded
-// control buffer.
+// control buffer. A compressed write's payload goes through the receiver's decoder
+// (compress.h decode_payload) into destination buffers as large as its extents, under
+// ASan: a frame that decodes past them is a crash.
 #include <algorithm>
+#include <array>
+#include <memory>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "transport/tcp/compress.h"
 #include "transport/tcp/frame.h"
 
 using namespace pdkv::tcp;
@@ -58,6 +63,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         state.phase = ConnPhase::kOpen;
         break;
       case FrameType::kWrite:
+      case FrameType::kWriteZ:
       case FrameType::kReadReq: {
         std::vector<WireExtent> ext(h.count);
         std::memcpy(ext.data(), c, ext.size() * sizeof(WireExtent));
@@ -67,6 +73,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         auto parts = split_data_aux(h, aux);  // block generations (flag 4), then the notification
         if (!parts.ok()) return 0;
         if ((h.flags & kFlagGens) && !pdkv::decode_claim(parts->claim).ok()) return 0;
+        if (static_cast<FrameType>(h.type) == FrameType::kWriteZ) {
+          if (size - pos < h.payload) return 0;  // truncated
+          uint64_t total = 0;
+          for (const WireExtent& e : ext) total += e.len;
+          if (total > (16u << 20)) break;  // a fuzzer-sized destination only
+          std::vector<std::vector<uint8_t>> dst(ext.size());
+          std::vector<iovec> iov;
+          for (size_t i = 0; i < ext.size(); ++i) {
+            dst[i].resize(ext[i].len);
+            iov.push_back({dst[i].data(), dst[i].size()});
+          }
+          std::array<std::unique_ptr<pdkv::Codec>, 4> codecs;
+          std::vector<uint8_t> scratch;
+          (void)decode_payload(data + pos, h.payload, iov.data(), iov.size(), codecs, scratch);
+        }
         break;
       }
       case FrameType::kMetaResp:

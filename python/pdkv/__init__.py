@@ -48,13 +48,13 @@ from .tp import HeadRange, TPMapping, TPTransfer
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ._pdkv import ShmOptions, TcpOptions
+    from ._pdkv import ShmOptions, TcpCompression, TcpOptions
 
 
 def __getattr__(name: str) -> Any:
     # TcpOptions and ShmOptions are native classes, loaded on first use so that
     # `import pdkv` loads no native code (see agent.py).
-    if name in ("TcpOptions", "ShmOptions"):
+    if name in ("TcpOptions", "ShmOptions", "TcpCompression"):
         from . import agent
 
         return getattr(agent, name)
@@ -84,6 +84,7 @@ __all__ = [
     "DataCorrupted",
     "StalePeer",
     "TcpOptions",
+    "TcpCompression",
     "StreamingWrite",
     "TPMapping",
     "TPTransfer",

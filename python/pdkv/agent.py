@@ -40,7 +40,7 @@ from .errors import InvalidArgument, NotFound, OutOfRange, PdkvError, error_clas
 from .layout import KVLayout, _describe_memory
 from .xfer_state import XferState, from_native as _state
 
-__all__ = ["Agent", "TcpOptions", "ShmOptions", "Region", "SharedRegion", "Transfer", "PreparedTransfer",
+__all__ = ["Agent", "TcpOptions", "TcpCompression", "ShmOptions", "Region", "SharedRegion", "Transfer", "PreparedTransfer",
            "StreamingWrite", "Notification", "XferState"]
 
 
@@ -61,9 +61,9 @@ def _native_states():
 # constructors that validate at once (InvalidArgument naming the field). Looked up on
 # first use (module __getattr__ below), so `import pdkv` still loads no native code.
 if TYPE_CHECKING:  # the classes as the stubs (python/pdkv/_pdkv/__init__.pyi) describe them
-    from ._pdkv import ShmOptions, TcpOptions
+    from ._pdkv import ShmOptions, TcpCompression, TcpOptions
 
-_NATIVE_OPTIONS = ("TcpOptions", "ShmOptions")
+_NATIVE_OPTIONS = ("TcpOptions", "ShmOptions", "TcpCompression")
 
 
 def __getattr__(name: str) -> Any:
@@ -190,6 +190,10 @@ class Transfer:
     bytes_total = property(lambda self: self._n.bytes_total)
     bytes_done = property(lambda self: self._n.bytes_done, doc="Bytes confirmed landed so far.")
     elapsed = property(lambda self: self._n.elapsed_s, doc="Seconds from post to completion (0 while pending).")
+    compression = property(lambda self: self._n.compression,
+                           doc="Codec that compressed this write on the wire ('zstd', 'lz4', 'fp8'; '' = none).")
+    wire_bytes = property(lambda self: self._n.wire_bytes,
+                          doc="Payload bytes this agent sent for it (compressed size when compressed; tcp only).")
 
     @property
     def state(self) -> XferState:

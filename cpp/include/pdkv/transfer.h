@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "pdkv/status.h"
@@ -59,6 +60,12 @@ class Transfer {
   Clock::time_point deadline() const { return deadline_; }
   // Seconds from post to completion (0 while pending).
   double elapsed_s() const;
+  // How the bytes travelled (set by the transport at post): the codec that
+  // compressed a write ("zstd", "lz4", "fp8"; "" when sent as is), and the payload
+  // bytes this agent put on the wire for it (compressed size; bytes_total when plain;
+  // 0 for a read, and for transports that do not count).
+  std::string_view compression() const { return compression_.load(std::memory_order_acquire); }
+  uint64_t wire_bytes() const { return wire_bytes_.load(std::memory_order_relaxed); }
 
   // Blocks until terminal or `timeout_s` passes (< 0: no limit); returns state().
   // Spins briefly first (wait_spin_us) to catch fast completions without a wakeup.
@@ -96,6 +103,8 @@ class Transfer {
   std::atomic<uint32_t> parts_left_{0};
   std::atomic<bool> cancel_requested_{false};
   std::atomic<int64_t> end_ns_{0};
+  std::atomic<const char*> compression_{""};  // a string literal
+  std::atomic<uint64_t> wire_bytes_{0};
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   Status error_;              // first error, guarded by mu_

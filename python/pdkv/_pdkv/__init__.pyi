@@ -6,7 +6,7 @@ import collections.abc
 import typing
 import typing_extensions
 from . import bench
-__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'status_code_names']
+__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'status_code_names']
 class XferState:
     """
     Members:
@@ -293,6 +293,9 @@ class Transfer:
     def cancel_requested(self) -> bool:
         ...
     @property
+    def compression(self) -> str:
+        ...
+    @property
     def elapsed_s(self) -> float:
         ...
     @property
@@ -317,6 +320,9 @@ class Transfer:
         ...
     @property
     def transport(self) -> str:
+        ...
+    @property
+    def wire_bytes(self) -> int:
         ...
 class TransportCaps:
     """
@@ -430,6 +436,119 @@ class PreparedTransfer:
     @property
     def transport(self) -> str:
         ...
+class TcpCompression:
+    """
+    Compression of tcp writes (docs/compression.md, 'On the wire'). Off by default.
+    """
+    __hash__: typing.ClassVar[None] = None
+    def __copy__(self) -> TcpCompression:
+        ...
+    def __deepcopy__(self, memo: typing.Any) -> TcpCompression:
+        ...
+    def __eq__(self, arg0: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> dict:
+        ...
+    def __init__(self, *, mode: str = 'off', policy: str = 'lossless', codec: str = 'zstd', level: int = 1, checksum: bool = False, chunk_bytes: int = 1048576, threads: int = 1, dtype: str = 'bfloat16', fp8_heads: int = 1, fp8_head_dim: int = 64, fp8_rows_per_group: int = 16) -> None:
+        """
+        Keyword arguments are the attributes (defaults shown); validates at once.
+        """
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, arg0: dict) -> None:
+        ...
+    def validate(self) -> None:
+        """
+        Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
+        """
+    @property
+    def checksum(self) -> typing.Any:
+        """
+        bool: XXH3-64 of every chunk's uncompressed bytes, verified by the receiver (DataCorrupted).
+        """
+    @checksum.setter
+    def checksum(self, value: bool) -> None:
+        ...
+    @property
+    def chunk_bytes(self) -> int:
+        """
+        int, bytes (4096..2**26): raw bytes per codec frame, the pipeline unit (chunk i+1 is encoded while chunk i is on the wire).
+        """
+    @chunk_bytes.setter
+    def chunk_bytes(self, value: int) -> None:
+        ...
+    @property
+    def codec(self) -> typing.Any:
+        """
+        str: the lossless codec, 'zstd' or 'lz4'.
+        """
+    @codec.setter
+    def codec(self, value: str) -> None:
+        ...
+    @property
+    def dtype(self) -> typing.Any:
+        """
+        str: element type of the KV sent ('bfloat16', 'float16', 'float32', ...): byte planes, fp8.
+        """
+    @dtype.setter
+    def dtype(self, value: str) -> None:
+        ...
+    @property
+    def fp8_head_dim(self) -> typing.Any:
+        """
+        int: elements per head.
+        """
+    @fp8_head_dim.setter
+    def fp8_head_dim(self, value: int) -> None:
+        ...
+    @property
+    def fp8_heads(self) -> typing.Any:
+        """
+        int: fp8 rows are fp8_heads x fp8_head_dim elements.
+        """
+    @fp8_heads.setter
+    def fp8_heads(self, value: int) -> None:
+        ...
+    @property
+    def fp8_rows_per_group(self) -> typing.Any:
+        """
+        int: rows per fp8 scale (tokens per block: per-block-per-head scales).
+        """
+    @fp8_rows_per_group.setter
+    def fp8_rows_per_group(self, value: int) -> None:
+        ...
+    @property
+    def level(self) -> typing.Any:
+        """
+        int (-7..9): zstd level (1: fast; negative: faster still).
+        """
+    @level.setter
+    def level(self, value: int) -> None:
+        ...
+    @property
+    def mode(self) -> typing.Any:
+        """
+        str: 'off', 'lossless' (bit-exact), 'fp8' (lossy, opt-in) or 'auto' (per peer, from the measured link and codec throughput; see policy).
+        """
+    @mode.setter
+    def mode(self, value: str) -> None:
+        ...
+    @property
+    def policy(self) -> typing.Any:
+        """
+        str: what mode 'auto' may choose besides plain: 'lossless' or 'lossy-allowed' (fp8).
+        """
+    @policy.setter
+    def policy(self, value: str) -> None:
+        ...
+    @property
+    def threads(self) -> int:
+        """
+        int (1..16): encoder threads per agent.
+        """
+    @threads.setter
+    def threads(self, value: int) -> None:
+        ...
 class TcpOptions:
     """
     Options of the tcp transport (any host). Units are in the names.
@@ -443,7 +562,7 @@ class TcpOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4) -> None:
+    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, compress: TcpCompression = ...) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -470,6 +589,14 @@ class TcpOptions:
         """
     @batch_extents.setter
     def batch_extents(self, value: int) -> None:
+        ...
+    @property
+    def compress(self) -> TcpCompression:
+        """
+        TcpCompression: compression of writes (off by default).
+        """
+    @compress.setter
+    def compress(self, value: TcpCompression) -> None:
         ...
     @property
     def connect_timeout_s(self) -> float:

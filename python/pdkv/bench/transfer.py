@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import Agent, KVLayout, TcpOptions, _native, plan_blocks
 from ..errors import InvalidArgument, PdkvError
-from . import hetero, models
+from . import compress, hetero, models
 
 SECRET_ENV = "PDKV_BENCH_SECRET"
 
@@ -326,6 +326,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     payloads = [parse_size(p) for p in args.payload.split(",")]
     if args.hetero:
         return run_hetero(args, payloads)
+    if args.compress:  # compressed writes beside plain ones (compress.py)
+        return compress.run(args, payloads, spawn_target, Target)
     args.remote_blocks = args.local_blocks = pool_blocks(args.model, payloads)
     if args.pin and len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
@@ -483,6 +485,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object per payload instead of a table")
     ap.add_argument("--out", default="", help="also write all results to this JSON file")
     hetero.add_arguments(ap)
+    compress.add_arguments(ap)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,9 +8,48 @@
 #include <cstdint>
 #include <string>
 
+#include "pdkv/codec.h"
 #include "pdkv/status.h"
+#include "pdkv/types.h"
 
 namespace pdkv {
+
+// Whether the tcp transport compresses the payload of writes (docs/compression.md,
+// "On the wire"). Reads are never compressed.
+enum class CompressMode : uint8_t {
+  kOff = 0,       // plain frames (the default; the wire is exactly as before)
+  kLossless = 1,  // every host-memory write: byte planes + `codec` (bit-exact)
+  kFp8 = 2,       // every host-memory write: FP8 e4m3 + per-group scales (lossy, opt-in)
+  kAuto = 3,      // per peer, from the measured link and codec throughput (see policy)
+};
+// What kAuto may choose.
+enum class CompressPolicy : uint8_t {
+  kLossless = 0,      // plain or lossless
+  kLossyAllowed = 1,  // plain or fp8 (fp8's ratio is ~2x, so it wins whenever lossless would)
+};
+std::string_view compress_mode_name(CompressMode m);
+Result<CompressMode> parse_compress_mode(std::string_view s);  // "off", "lossless", "fp8", "auto"
+std::string_view compress_policy_name(CompressPolicy p);
+Result<CompressPolicy> parse_compress_policy(std::string_view s);  // "lossless", "lossy-allowed"
+
+// Compression of tcp writes. The element type and the FP8 grouping describe the KV
+// the agent sends (they come from its layout: one agent, one KV dtype); a write whose
+// extents are not whole FP8 rows fails with InvalidArgument at post.
+struct TcpCompression {
+  CompressMode mode = CompressMode::kOff;
+  CompressPolicy policy = CompressPolicy::kLossless;  // kAuto only
+  CodecKind codec = CodecKind::kZstd;                 // the lossless codec: kZstd or kLz4
+  int32_t level = 1;                                  // zstd level (-7..9)
+  bool checksum = false;  // XXH3-64 of every chunk's uncompressed bytes, verified by the receiver
+  // Raw bytes per codec frame, the pipeline unit (4096..64 MiB): chunk i+1 is encoded
+  // while chunk i is on the wire. Rounded down to whole FP8 groups for fp8.
+  uint64_t chunk_bytes = 1u << 20;
+  uint32_t threads = 1;        // encoder threads per agent (1..16)
+  DType dtype = DType::kBF16;  // element type of the KV (byte planes; fp8: bfloat16, float16, float32)
+  Fp8Grouping fp8{1, 64, 16};  // fp8: rows of heads x head_dim, rows_per_group rows per scale
+
+  Status validate() const;
+};
 
 struct TcpOptions {
   std::string listen_host = "127.0.0.1";  // address to bind and publish
@@ -36,6 +75,7 @@ struct TcpOptions {
   // receiving into device memory holds two more.
   uint64_t stage_chunk_bytes = 4ull << 20;
   uint32_t stage_buffers = 4;
+  TcpCompression compress;  // off by default
 
   // OK, or InvalidArgument naming the first field out of range and its value
   // ("tcp.conns_per_peer must be in 1..64, got 0").

@@ -54,6 +54,10 @@ class TransferControl {
   // state() is terminal. `fn` must be quick and must not block or take the GIL (the
   // Python binding uses it to wake an event loop through an eventfd).
   void on_terminal(std::function<void()> fn) { t_.on_terminal(std::move(fn)); }
+  // Records how the bytes travel (Transfer::compression, wire_bytes). `codec` must be
+  // a string literal (codec_kind_name()).
+  void set_compression(const char* codec) { t_.compression_.store(codec, std::memory_order_release); }
+  void add_wire_bytes(uint64_t n) { t_.wire_bytes_.fetch_add(n, std::memory_order_relaxed); }
 
  private:
   Transfer& t_;

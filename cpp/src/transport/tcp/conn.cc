@@ -14,6 +14,7 @@ void RxState::abandon() {
   if (pipe) pipe->abandon();
   staged = false;
   pins.clear();
+  zdst.clear();
   gens.reset();
   reject = Status::Ok();
   read_part = PendingPart{};

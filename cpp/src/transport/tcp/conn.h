@@ -37,6 +37,7 @@
 // draining, deadline flags) are read without locks, e.g. by the owner's deadline scan.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -51,6 +52,7 @@
 #include "pdkv/spi/region_table.h"
 #include "pdkv/spi/transfer_control.h"
 #include "pdkv/transfer.h"
+#include "pdkv/codec.h"
 #include "transport/tcp/out_msg.h"
 #include "transport/tcp/transfer_parts.h"
 
@@ -97,6 +99,12 @@ struct RxState {
   std::unique_ptr<cuda::ScatterPipe> pipe;
   bool staged = false;
   int cur_lowat = 1;  // SO_RCVLOWAT now set on the socket
+  // A compressed write (kWriteZ): its payload is received into `zbuf`, then decoded
+  // into `zdst`, the checked extents (compress.h decode_payload).
+  std::vector<uint8_t> zbuf;
+  std::vector<iovec> zdst;
+  std::array<std::unique_ptr<Codec>, 4> zcodecs;  // by CodecKind, created on first use
+  std::vector<uint8_t> zscratch;                  // a frame that spans extents
 
   // True while a frame is partly received (its bytes must keep coming).
   bool mid_frame() const { return stage != RxStage::kHeader || hdr_got != 0; }

@@ -45,6 +45,7 @@ constexpr FrameRule kRules[] = {
     {"ack", kOut, 0, kOpen, 0, 0, 0, kMaxErrorBytes, 0, 0, true},
     {"notification", kIn, kOpen, 0, 0, 0, 0, kNotifAux, 0, 0, false},
     {"error", kIn | kOut, kOpen, kHs | kOpen | kMeta, 0, 0, 0, kMaxErrorBytes, 0, 0, true},
+    {"compressed write", kIn, kOpen, 0, 1, kMaxExtentsPerFrame, 0, kNotifAux, 1, kMaxCompressedPayload, false},
 };
 constexpr uint16_t kNumTypes = sizeof(kRules) / sizeof(kRules[0]);
 
@@ -98,7 +99,8 @@ Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim) {
                          (inbound ? "inbound" : "outbound") + " connection");
   if (!((inbound ? r.in_phases : r.out_phases) & phase_bit(s.phase)))
     return ProtocolError("unexpected " + what + " (type " + std::to_string(h.type) + ") " + phase_name(s));
-  const bool is_write = h.type == static_cast<uint16_t>(FrameType::kWrite);
+  const bool is_write =
+      h.type == static_cast<uint16_t>(FrameType::kWrite) || h.type == static_cast<uint16_t>(FrameType::kWriteZ);
   const bool is_read_req = h.type == static_cast<uint16_t>(FrameType::kReadReq);
   const uint16_t allowed_flags = is_write ? (kFlagNotif | kFlagGens) : is_read_req ? kFlagGens : 0;
   if (h.flags & ~allowed_flags) return ProtocolError(what + " has unknown flags " + std::to_string(h.flags));

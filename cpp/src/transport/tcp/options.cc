@@ -32,7 +32,60 @@ Status TcpOptions::validate() const {
       check_in_range<uint64_t>("tcp.stage_chunk_bytes", stage_chunk_bytes, kMinStageChunkBytes, tcp::kMaxPayloadPerFrame));
   PDKV_RETURN_IF_ERROR(
       check_in_range<uint32_t>("tcp.stage_buffers", stage_buffers, kMinStageBuffers, kMaxStageBuffers));
+  PDKV_RETURN_IF_ERROR(compress.validate());
   if (listen_host.empty()) return InvalidArgument("tcp.listen_host is empty (use an address such as 127.0.0.1)");
+  return Status::Ok();
+}
+
+std::string_view compress_mode_name(CompressMode m) {
+  switch (m) {
+    case CompressMode::kOff: return "off";
+    case CompressMode::kLossless: return "lossless";
+    case CompressMode::kFp8: return "fp8";
+    case CompressMode::kAuto: return "auto";
+  }
+  return "?";
+}
+
+Result<CompressMode> parse_compress_mode(std::string_view s) {
+  for (auto m : {CompressMode::kOff, CompressMode::kLossless, CompressMode::kFp8, CompressMode::kAuto})
+    if (s == compress_mode_name(m)) return m;
+  return InvalidArgument("tcp.compress.mode must be off, lossless, fp8 or auto, got '" + std::string(s) + "'");
+}
+
+std::string_view compress_policy_name(CompressPolicy p) {
+  return p == CompressPolicy::kLossless ? "lossless" : "lossy-allowed";
+}
+
+Result<CompressPolicy> parse_compress_policy(std::string_view s) {
+  for (auto p : {CompressPolicy::kLossless, CompressPolicy::kLossyAllowed})
+    if (s == compress_policy_name(p)) return p;
+  return InvalidArgument("tcp.compress.policy must be lossless or lossy-allowed, got '" + std::string(s) + "'");
+}
+
+Status TcpCompression::validate() const {
+  using util::check_in_range;
+  if (codec != CodecKind::kZstd && codec != CodecKind::kLz4)
+    return InvalidArgument("tcp.compress.codec must be zstd or lz4, got " + std::string(codec_kind_name(codec)));
+  PDKV_RETURN_IF_ERROR(check_in_range<int32_t>("tcp.compress.level", level, -7, 9));
+  PDKV_RETURN_IF_ERROR(check_in_range<uint64_t>("tcp.compress.chunk_bytes", chunk_bytes, 4096, tcp::kMaxCompressedChunk));
+  PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.compress.threads", threads, 1, 16));
+  PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.compress.fp8_heads", fp8.heads, 1, 1u << 16));
+  PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.compress.fp8_head_dim", fp8.head_dim, 1, 1u << 16));
+  PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.compress.fp8_rows_per_group", fp8.rows_per_group, 1, 1u << 16));
+  const bool fp8_possible = mode == CompressMode::kFp8 ||
+                            (mode == CompressMode::kAuto && policy == CompressPolicy::kLossyAllowed);
+  if (fp8_possible && dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32)
+    return InvalidArgument("tcp.compress.dtype must be bfloat16, float16 or float32 for fp8, got " +
+                           std::string(dtype_name(dtype)));
+  if (fp8_possible && uint64_t(fp8.heads) * fp8.head_dim * dtype_size(dtype) > chunk_bytes)
+    return InvalidArgument("tcp.compress.chunk_bytes (" + std::to_string(chunk_bytes) +
+                           ") is smaller than one fp8 row (fp8_heads x fp8_head_dim elements)");
+  if ((mode == CompressMode::kLossless || mode == CompressMode::kAuto) && !codec_available(codec))
+    return NotSupported("tcp.compress.codec " + std::string(codec_kind_name(codec)) +
+                        " is not in this build (its library was not found at configure time)");
+  if (checksum && mode != CompressMode::kOff && !checksum_available())
+    return NotSupported("tcp.compress.checksum needs xxHash, which is not in this build");
   return Status::Ok();
 }
 

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "transport/tcp/compress.h"
 #include "transport/tcp/frame.h"
 #include "transport/tcp/progress.h"
 #include "transport/tcp/tcp_transport_impl.h"
@@ -285,6 +286,7 @@ bool FrameReceiver::on_control(const std::shared_ptr<TcpConn>& c) {
     case FrameType::kHello: return on_hello(c);
     case FrameType::kMetaReq: return on_metadata_request(c);
     case FrameType::kWrite:
+    case FrameType::kWriteZ:
     case FrameType::kReadReq: return on_data_request(c);
     case FrameType::kAck: return on_failed_ack(c);
     case FrameType::kNotify: return on_notify(c);
@@ -451,6 +453,7 @@ void FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
 
 bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Request req) {
   const FrameHeader& h = rx(c).cur;
+  if (static_cast<FrameType>(h.type) == FrameType::kWriteZ) return begin_compressed_payload(c, std::move(req));
   if (!req.reject.ok()) {  // receive the payload into scratch memory, then refuse
     req.pins.clear();
     req.iov = discard_iov(req.bytes);
@@ -476,6 +479,52 @@ bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Reque
       return false;
     }
   }
+  return true;
+}
+
+// The payload (codec frames, at most kMaxCompressedPayload bytes: check_header) is
+// received into zbuf; the checked extents wait in zdst for on_payload_done.
+bool FrameReceiver::begin_compressed_payload(const std::shared_ptr<TcpConn>& c, Request req) {
+  RxState& st = rx(c);
+  const FrameHeader& h = st.cur;
+  if (req.reject.ok() && req.device >= 0)
+    req.reject = NotSupported("compressed writes into device memory are not supported (the sender compresses "
+                              "only host-to-host writes)");
+  st.gens = std::move(req.gens);
+  st.reject = req.reject;
+  if (req.reject.ok()) {
+    st.zdst = std::move(req.iov);
+    st.pins = std::move(req.pins);
+  }
+  st.zbuf.resize(static_cast<size_t>(h.payload));
+  st.dst_own.assign(1, iovec{st.zbuf.data(), st.zbuf.size()});
+  st.dst = st.dst_own.data();
+  st.ndst = 1;
+  st.dst_idx = 0;
+  st.dst_off = 0;
+  st.remaining = h.payload;
+  st.gather = false;
+  st.stage = RxStage::kPayload;
+  return true;
+}
+
+// A compressed write's payload is in: decodes it into its extents. A malformed
+// payload fails the connection; a checksum mismatch (DataCorrupted) or a codec this
+// build lacks fails only this part. False when the connection was failed.
+bool FrameReceiver::decode_compressed(const std::shared_ptr<TcpConn>& c) {
+  RxState& st = rx(c);
+  const FrameHeader& h = st.cur;
+  if (st.reject.ok()) {
+    Status d = decode_payload(st.zbuf.data(), st.zbuf.size(), st.zdst.data(), st.zdst.size(), st.zcodecs, st.zscratch);
+    if (d.code() == StatusCode::kProtocolError) {
+      t_.fail_conn_locked(c, ProtocolError(d.message() + " (from " + c->desc() + ")"), h.xfer_id, h.batch);
+      return false;
+    }
+    if (!d.ok()) st.reject = Status(d.code(), d.message() + " (from " + c->desc() + ")");
+  }
+  st.zdst.clear();
+  if (st.zbuf.capacity() > (8u << 20)) std::vector<uint8_t>().swap(st.zbuf);  // a rare huge frame is not kept
+  if (st.zscratch.capacity() > (8u << 20)) std::vector<uint8_t>().swap(st.zscratch);
   return true;
 }
 
@@ -555,7 +604,9 @@ void FrameReceiver::on_payload_done(const std::shared_ptr<TcpConn>& c) {
       return;
     }
   }
-  if (static_cast<FrameType>(h.type) == FrameType::kWrite) return write_landed(c);
+  if (static_cast<FrameType>(h.type) == FrameType::kWriteZ && !decode_compressed(c)) return;
+  if (static_cast<FrameType>(h.type) == FrameType::kWrite || static_cast<FrameType>(h.type) == FrameType::kWriteZ)
+    return write_landed(c);
   // Read response complete.
   PendingPart part;
   const bool found = c->take_pending(h.xfer_id, h.batch, &part);

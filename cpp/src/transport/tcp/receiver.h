@@ -91,6 +91,8 @@ class FrameReceiver {
   bool decode_request(const std::shared_ptr<TcpConn>& c, Request* req);
   void answer_read(const std::shared_ptr<TcpConn>& c, Request req);
   bool begin_write_payload(const std::shared_ptr<TcpConn>& c, Request req);
+  bool begin_compressed_payload(const std::shared_ptr<TcpConn>& c, Request req);
+  bool decode_compressed(const std::shared_ptr<TcpConn>& c);
   // The current payload is complete.
   void on_payload_done(const std::shared_ptr<TcpConn>& c);
   void write_landed(const std::shared_ptr<TcpConn>& c);

@@ -57,6 +57,17 @@ std::string advertised_host(const std::string& listen) {
   return found;
 }
 
+// Raw bytes per batch of a write that may be compressed: the codec chunk, in whole
+// FP8 scale groups (or rows) when FP8 may be chosen, so every frame is whole rows.
+uint64_t compressed_batch_bytes(const TcpCompression& o) {
+  const bool fp8 = o.mode == CompressMode::kFp8 || (o.mode == CompressMode::kAuto && o.policy == CompressPolicy::kLossyAllowed);
+  if (!fp8) return o.chunk_bytes;
+  const uint64_t row = uint64_t(o.fp8.heads) * o.fp8.head_dim * dtype_size(o.dtype);
+  const uint64_t group = row * o.fp8.rows_per_group;
+  const uint64_t unit = group <= o.chunk_bytes ? group : row;  // validate() keeps row <= chunk_bytes
+  return o.chunk_bytes / unit * unit;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- life
@@ -64,7 +75,9 @@ std::string advertised_host(const std::string& listen) {
 TcpTransport::TcpTransport(const AgentConfig& cfg)
     : opts_(cfg.tcp),
       staging_(*this, cfg.tcp.stage_chunk_bytes, cfg.tcp.stage_buffers),
-      backoff_(kAuthBackoffBaseS, kAuthBackoffMaxS, kAuthBackoffSources, kAuthFreeFailures) {}
+      backoff_(kAuthBackoffBaseS, kAuthBackoffMaxS, kAuthBackoffSources, kAuthFreeFailures) {
+  if (cfg.tcp.compress.mode != CompressMode::kOff) encoder_ = std::make_unique<Encoder>(cfg.tcp.compress);
+}
 
 TransportCaps TcpTransport::caps() const {
   TransportCaps c;
@@ -92,6 +105,7 @@ Status TcpTransport::start(AgentHooks* hooks) {
 
 void TcpTransport::shutdown() {
   if (shut_.exchange(true)) return;
+  if (encoder_) encoder_->stop();  // queued encodes fail fast once shut_ is set; later batches fail in pump_encodes
   staging_.stop();  // queued tasks fail fast once shut_ is set
   for (auto& t : threads_) t->stop();
   std::lock_guard<std::mutex> lk(mu_);
@@ -130,6 +144,9 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
     // Batches are staged through pinned chunks: no batch may exceed one.
     PDKV_ASSIGN_OR_RETURN(auto st, staging_.stager());
     batch_bytes = std::min(batch_bytes, st->chunk());
+  } else if (encoder_ && op == OpKind::kWrite) {
+    // Batches of a write that may be compressed are codec chunks: the pipeline unit.
+    batch_bytes = std::min(batch_bytes, compressed_batch_bytes(encoder_->options()));
   }
   size_t n = 0;
   for (const auto& e : extents) n += (e.len + batch_bytes - 1) / batch_bytes;
@@ -188,8 +205,10 @@ Result<std::shared_ptr<PeerConns>> TcpTransport::peer_conns(const std::shared_pt
   const Endpoint* ep = peer->md.find_endpoint("tcp");
   if (!ep) return NotSupported("peer '" + peer->md.name + "' publishes no tcp endpoint");
   PDKV_ASSIGN_OR_RETURN(util::HostPort hp, util::parse_host_port(ep->address));
-  auto pc = std::make_shared<PeerConns>();
+  auto pc = std::make_shared<PeerConns>(peer->md.name);
   pc->peer = peer;
+  for (const auto& [transport, extra] : peer->md.extras)
+    if (transport == "tcp") pc->features = decode_extra(extra);
   pc->hp = hp;
   pc->conns.resize(opts_.conns_per_peer);
   if (it != peers_.end()) {
@@ -325,13 +344,27 @@ void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
   const uint32_t nb = static_cast<uint32_t>(prep->batches.size());
   const uint32_t base = post->pc->rr.fetch_add(1, std::memory_order_relaxed);
   const bool spread = nconn > 1 && nb > 1;
-  post->separate_notif = !post->notif.empty() && (prep->op == OpKind::kRead || spread);
+  auto choice = choose_compression(*prep, *post->pc);
+  if (!choice.ok()) {
+    spi::TransferControl(xfer).fail_now(choice.status());
+    return;
+  }
+  post->compress = *choice;
+  if (post->compress.compress) spi::TransferControl(xfer).set_compression(codec_kind_name(post->compress.kind).data());
+  // Compressed batches may leave out of order (several encoder threads): the
+  // notification then follows the last ack, as for a spread transfer.
+  const bool unordered = post->compress.compress && nb > 1;
+  post->separate_notif = !post->notif.empty() && (prep->op == OpKind::kRead || spread || unordered);
   post->data_left = nb;
   spi::TransferControl(xfer).set_parts(nb + (post->separate_notif ? 1 : 0));
   std::weak_ptr<TcpPost> wp = post;
   spi::TransferControl(xfer).set_cancel_hook([this, wp] {
     if (auto p = wp.lock()) cancel(p);
   });
+  if (post->compress.compress) {
+    post->zbase = base;
+    return pump_encodes(post);
+  }
   for (uint32_t i = 0; i < nb; ++i) {
     const uint32_t slot = (base + i) % nconn;
     if (prep->staged && prep->op == OpKind::kWrite) {
@@ -343,7 +376,8 @@ void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
 }
 
 void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot,
-                              std::shared_ptr<cuda::PinnedBuffer> staged) {
+                              std::shared_ptr<cuda::PinnedBuffer> staged, std::shared_ptr<EncodedBatch> encoded,
+                              std::shared_ptr<void> ticket) {
   const auto& prep = post->prep;
   const auto& xfer = post->xfer;
   const TcpBatch& b = prep->batches[i];
@@ -372,6 +406,7 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
     std::lock_guard<std::mutex> lk(post->mu);
     post->conns.push_back(conn);
   }
+  const bool compressed = encoded != nullptr;  // (posted from an encoder thread: no driver for wait())
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(prep->op == OpKind::kWrite ? FrameType::kWrite : FrameType::kReadReq, xfer->id(), i);
   m->hdr.count = b.count;
@@ -379,7 +414,15 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
   m->desc_bytes = size_t(b.count) * sizeof(WireExtent);
   if (prep->op == OpKind::kWrite) {
     m->hdr.payload = b.bytes;
-    if (staged) {
+    if (encoded) {
+      m->hdr.type = static_cast<uint16_t>(FrameType::kWriteZ);
+      m->hdr.payload = encoded->bytes.size();
+      m->own_iov.push_back({encoded->bytes.data(), encoded->bytes.size()});
+      // Released once the frame left (or was dropped): the buffer goes back, the ticket
+      // lets the next batch of this write be encoded.
+      m->lease = std::make_shared<std::pair<std::shared_ptr<EncodedBatch>, std::shared_ptr<void>>>(std::move(encoded),
+                                                                                                 std::move(ticket));
+    } else if (staged) {
       m->own_iov.push_back({staged->data(), b.bytes});
       m->lease = std::move(staged);
     } else {
@@ -398,11 +441,12 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
   }
   m->keep = prep;
   m->finalize();
+  if (prep->op == OpKind::kWrite) spi::TransferControl(xfer).add_wire_bytes(m->hdr.payload);
   if (!conn->track(std::move(part), xfer->id())) {
     resolve(PendingPart{post, i, b.bytes}, 0, ConnectionError("connection to " + conn->desc() + " closed"));
     return;
   }
-  if (nb == 1 && !prep->staged) {
+  if (nb == 1 && !prep->staged && !compressed) {
     // Small transfers: the caller's wait() reads the ack itself (one thread hop
     // fewer, the latency of a plain socket round trip). Not for device memory: the
     // caller's thread would have to bind a CUDA context.
@@ -437,7 +481,7 @@ void TcpTransport::resolve(const PendingPart& p, uint64_t bytes, const Status& s
   if (post->separate_notif && p.batch != kNotifyBatch) {
     if (!st.ok()) post->data_failed = true;
     const bool last_data = post->data_left.fetch_sub(1, std::memory_order_acq_rel) == 1;
-    spi::TransferControl(post->xfer).resolve_part(bytes, st);
+    settle(post, bytes, st);
     if (last_data) {
       if (post->data_failed || spi::TransferControl(post->xfer).cancel_requested()) {
         spi::TransferControl(post->xfer).resolve_part(0, Cancelled("notification not sent: the data did not all land"));
@@ -447,7 +491,92 @@ void TcpTransport::resolve(const PendingPart& p, uint64_t bytes, const Status& s
     }
     return;
   }
-  spi::TransferControl(post->xfer).resolve_part(bytes, st);
+  settle(post, bytes, st);
+}
+
+void TcpTransport::settle(const std::shared_ptr<TcpPost>& post, uint64_t bytes, const Status& st) {
+  if (!spi::TransferControl(post->xfer).resolve_part(bytes, st)) return;
+  // A plain write that completed measures the link to its peer (compression kAuto).
+  if (!encoder_ || !post->prep || post->prep->op != OpKind::kWrite || post->compress.compress) return;
+  if (post->xfer->state() != XferState::kDone) return;
+  post->pc->chooser.plain_delivered(post->prep->total,
+                                    std::chrono::duration<double>(Clock::now() - post->posted).count());
+}
+
+// ---------------------------------------------------------------- compression
+
+Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerConns& pc) {
+  if (!encoder_ || prep.op != OpKind::kWrite || prep.staged || prep.batches.empty()) return Choice{};
+  const TcpCompression& o = encoder_->options();
+  const PeerFeatures& f = pc.features;
+  const std::string& peer = pc.peer->md.name;
+  auto decodes = [&](CodecKind k) { return f.compressed_write && ((f.codecs >> static_cast<unsigned>(k)) & 1u); };
+  if (o.mode == CompressMode::kAuto) {
+    if (!f.compressed_write) return Choice{};  // an older peer: plain, as it expects
+    const bool fp8 = o.policy == CompressPolicy::kLossyAllowed && decodes(CodecKind::kFp8);
+    const CodecKind k = fp8 ? CodecKind::kFp8 : o.codec;
+    encoder_->calibrate(k, prep.iov.data(), prep.batches[0].count);  // once per codec
+    return pc.chooser.choose(*encoder_, fp8, f.codecs);
+  }
+  const CodecKind k = o.mode == CompressMode::kFp8 ? CodecKind::kFp8 : o.codec;
+  if (!f.compressed_write)
+    return NotSupported("peer '" + peer + "' does not accept compressed writes (an older pdkv: its metadata has no "
+                        "tcp features); set tcp.compress.mode to 'auto' or 'off' for it");
+  if (!decodes(k))
+    return NotSupported("peer '" + peer + "' cannot decode " + std::string(codec_kind_name(k)) +
+                        " frames (its build lacks that library)");
+  return Choice{true, k};
+}
+
+void TcpTransport::pump_encodes(const std::shared_ptr<TcpPost>& post) {
+  const uint32_t nb = static_cast<uint32_t>(post->prep->batches.size());
+  for (;;) {
+    uint32_t i = 0;
+    std::vector<uint32_t> unsent;
+    {
+      std::lock_guard<std::mutex> lk(post->mu);
+      if (post->znext >= nb || post->zinflight >= kEncodeAhead) return;
+      if (encoder_->stopped()) {  // shutting down: fail the rest here, without recursing
+        for (uint32_t j = post->znext; j < nb; ++j) unsent.push_back(j);
+        post->znext = nb;
+      } else {
+        i = post->znext++;
+        ++post->zinflight;
+      }
+    }
+    if (!unsent.empty()) {
+      post->data_failed = true;
+      for (uint32_t j : unsent)
+        resolve(PendingPart{post, j, post->prep->batches[j].bytes}, 0, ConnectionError("agent is shutting down"));
+      return;
+    }
+    std::shared_ptr<void> ticket(new char, [this, post](void* p) {
+      delete static_cast<char*>(p);
+      {
+        std::lock_guard<std::mutex> lk(post->mu);
+        --post->zinflight;
+      }
+      pump_encodes(post);
+    });
+    encoder_->run([this, post, i, ticket]() mutable { encode_and_send(post, i, std::move(ticket)); });
+  }
+}
+
+void TcpTransport::encode_and_send(const std::shared_ptr<TcpPost>& post, uint32_t i, std::shared_ptr<void> ticket) {
+  const auto& prep = post->prep;
+  const TcpBatch& b = prep->batches[i];
+  auto fail = [&](const Status& st) {
+    post->data_failed = true;
+    resolve(PendingPart{post, i, b.bytes}, 0, st);
+  };
+  if (shut_) return fail(ConnectionError("agent is shutting down"));
+  if (spi::TransferControl(post->xfer).cancel_requested()) return fail(Cancelled("cancelled"));
+  if (post->data_failed) return fail(Cancelled("an earlier batch of this transfer failed"));
+  auto buf = encoder_->buffer();
+  Status st = encoder_->encode(post->compress.kind, &prep->iov[b.first], b.count, *buf);
+  if (!st.ok()) return fail(st.with_context("compressing batch " + std::to_string(i) + " of the write"));
+  const uint32_t slot = (post->zbase + i) % opts_.conns_per_peer;
+  send_batch(post, i, slot, nullptr, std::move(buf), std::move(ticket));
 }
 
 void TcpTransport::send_separate_notify(const std::shared_ptr<TcpPost>& p) {

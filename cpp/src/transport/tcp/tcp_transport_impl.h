@@ -22,6 +22,7 @@
 
 #include "pdkv/config.h"
 #include "pdkv/spi/transport.h"
+#include "transport/tcp/compress.h"
 #include "transport/tcp/conn.h"
 #include "transport/tcp/device_staging.h"
 #include "transport/tcp/frame.h"
@@ -47,6 +48,8 @@ class TcpTransport final : public Transport {
   Status start(AgentHooks* hooks) override;
   void shutdown() override;
   std::vector<Endpoint> endpoints() const override { return {Endpoint{"tcp", addr_.str()}}; }
+  // Says that this agent accepts compressed writes and which codecs it decodes.
+  std::string metadata_extra() const override { return encode_extra(); }
   bool can_reach(const AgentMetadata& peer) const override { return peer.find_endpoint("tcp") != nullptr; }
   Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                      std::vector<ResolvedExtent> extents) override;
@@ -92,9 +95,23 @@ class TcpTransport final : public Transport {
   Result<std::shared_ptr<TcpConn>> get_conn(PeerConns& pc, uint32_t slot, bool may_connect);
   // Asks the owners of these connections to kill them with `why`.
   void request_kills(const std::vector<std::shared_ptr<TcpConn>>& cs, const Status& why);
-  // Sends batch i of `post` (data from registered memory, or from `staged`).
+  // Sends batch i of `post` (data from registered memory, from `staged`, or the
+  // codec frames in `encoded` as a kWriteZ).
   void send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot,
-                  std::shared_ptr<cuda::PinnedBuffer> staged);
+                  std::shared_ptr<cuda::PinnedBuffer> staged, std::shared_ptr<EncodedBatch> encoded = nullptr,
+                  std::shared_ptr<void> ticket = nullptr);
+  // How a write to this peer goes (compress.h): plain, or compressed with a codec;
+  // an error when compression was demanded and the peer cannot take it.
+  Result<Choice> choose_compression(const TcpPrepared& prep, PeerConns& pc);
+  // Schedules the encoding of a compressed write's next batches while fewer than
+  // kEncodeAhead of them are encoded and not yet sent. Each scheduled batch holds a
+  // ticket whose release (its frame sent, dropped or failed) schedules the next.
+  void pump_encodes(const std::shared_ptr<TcpPost>& post);
+  // Encodes batch i of a compressed write, then sends it (on an encoder thread).
+  void encode_and_send(const std::shared_ptr<TcpPost>& post, uint32_t i, std::shared_ptr<void> ticket);
+  // Resolves one part of the transfer; when that made it terminal, feeds the
+  // delivered throughput of a plain write to the peer's LinkChooser.
+  void settle(const std::shared_ptr<TcpPost>& post, uint64_t bytes, const Status& st);
   // Gathers batch i of a device-memory WRITE into a pinned buffer, then sends it
   // (on the staging thread).
   void stage_and_send(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot);
@@ -114,6 +131,7 @@ class TcpTransport final : public Transport {
   std::mutex mu_;  // guards peers_
   std::map<std::string, std::shared_ptr<PeerConns>> peers_;
   DeviceStaging staging_;
+  std::unique_ptr<Encoder> encoder_;  // null when compression is off
   AuthBackoff backoff_;
   LogLimiter reject_log_{std::chrono::seconds(1)};
 };

@@ -24,6 +24,7 @@
 #include "pdkv/transfer.h"
 #include "pdkv/spi/transport.h"
 #include "util/socket.h"
+#include "transport/tcp/compress.h"
 #include "transport/tcp/wire.h"
 
 namespace pdkv::tcp {
@@ -60,6 +61,9 @@ struct PeerConns : std::enable_shared_from_this<PeerConns> {
   std::mutex mu;                                // guards conns
   std::vector<std::shared_ptr<TcpConn>> conns;  // [conns_per_peer]; null or dead: dial on next use
   std::atomic<uint32_t> rr{0};                  // round-robin start slot of the next post
+  PeerFeatures features;                        // from its tcp metadata extra (compressed writes?)
+  LinkChooser chooser;                          // compression kAuto: plain or compressed
+  explicit PeerConns(const std::string& name) : chooser(name) {}
 };
 
 // State of one posted transfer inside the transport.
@@ -74,6 +78,11 @@ struct TcpPost {
   std::mutex mu;
   std::vector<std::weak_ptr<TcpConn>> conns;  // guarded by mu; for cancel
   Status connect_err;                          // guarded by mu: later batches fail fast
+  Choice compress;                             // fixed at post: batches go as kWriteZ
+  uint32_t zbase = 0;                          // compressed: slot of batch 0
+  uint32_t znext = 0;                          // guarded by mu: next batch to encode
+  uint32_t zinflight = 0;                      // guarded by mu: encoded (or encoding), not yet sent
+  Clock::time_point posted = Clock::now();
 };
 
 // One batch in flight, in the pending table of the connection carrying it.

@@ -23,7 +23,17 @@ enum class FrameType : uint16_t {
   kAck = 8,       // (xfer_id, batch) landed (write) or notification delivered; status != 0: failed, aux = message
   kNotify = 9,    // aux = notification
   kError = 10,    // status = StatusCode, aux = message; the sender then closes
+  // -> target: a write whose payload is a sequence of codec frames (pdkv/codec.h)
+  // that decode, in order, to the bytes of its extents; only to a peer whose tcp
+  // metadata extra says it accepts them (kFeatureCompressedWrite).
+  kWriteZ = 11,
 };
+
+// The tcp transport's metadata extra (Transport::metadata_extra): u32 magic, u32
+// feature bits, u32 bitmask of the codecs (1 << CodecKind) it decodes. A peer that
+// publishes none is older and gets only plain frames.
+inline constexpr uint32_t kExtraMagic = 0x58504354;  // "TCPX"
+inline constexpr uint32_t kFeatureCompressedWrite = 1;
 
 inline constexpr uint16_t kFlagNotif = 1;  // kWrite: aux is a notification, deliver after payload
 // kWrite / kReadReq: aux starts with a block generation claim (u32 length + claim,
@@ -58,6 +68,10 @@ inline constexpr uint64_t kMaxPayloadPerFrame = 1ull << 30;
 inline constexpr uint32_t kMaxHelloBytes = 4096;
 inline constexpr uint32_t kMaxErrorBytes = 4096;
 inline constexpr uint32_t kMaxMetadataBytes = 64u << 20;
+// A compressed write's payload: at most this many bytes (the receiver allocates it),
+// and at most one codec frame per extent, each at most this many raw bytes.
+inline constexpr uint64_t kMaxCompressedPayload = 64ull << 20;
+inline constexpr uint64_t kMaxCompressedChunk = 64ull << 20;
 inline constexpr uint32_t kNotifyBatch = 0xFFFFFFFFu;  // batch index of a standalone notification
 
 }  // namespace pdkv::tcp

@@ -1,0 +1,308 @@
+#include "transport/tcp/compress.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "transport/tcp/out_msg.h"
+#include "transport/tcp/wire.h"
+#include "util/bytes.h"
+#include "util/log.h"
+#include "util/thread_name.h"
+
+namespace pdkv::tcp {
+namespace {
+
+constexpr double kEwma = 0.5;           // weight of a new measurement
+constexpr double kWinMargin = 1.10;     // compressed must beat plain by this factor
+constexpr uint64_t kProbeEvery = 16;    // every n-th write to a compressing peer goes plain
+constexpr double kLinkStaleS = 5.0;     // ... and any write once the link figure is this old
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+CodecOptions codec_options(const TcpCompression& o, CodecKind kind) {
+  CodecOptions c;
+  c.kind = kind;
+  c.level = o.level;
+  c.checksum = o.checksum;
+  c.fp8 = o.fp8;
+  return c;
+}
+
+uint64_t iov_bytes(const iovec* iov, uint32_t n) {
+  uint64_t sum = 0;
+  for (uint32_t i = 0; i < n; ++i) sum += iov[i].iov_len;
+  return sum;
+}
+
+// Appends the frame(s) of `iov[0, n)` encoded by `codec` to `out`.
+Status encode_into(Codec& codec, DType dtype, const iovec* iov, uint32_t n, std::vector<uint8_t>& out) {
+  thread_local std::vector<uint8_t> frame;
+  thread_local std::vector<uint8_t> gathered;
+  out.clear();
+  const uint64_t bytes = iov_bytes(iov, n);
+  if (gathers(bytes, n)) {  // small extents: one frame for all of them
+    gathered.resize(bytes);
+    uint64_t off = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      std::memcpy(gathered.data() + off, iov[i].iov_base, iov[i].iov_len);
+      off += iov[i].iov_len;
+    }
+    return codec.encode(gathered.data(), bytes, dtype, out);
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    PDKV_RETURN_IF_ERROR(codec.encode(static_cast<const uint8_t*>(iov[i].iov_base), iov[i].iov_len, dtype, frame));
+    out.insert(out.end(), frame.begin(), frame.end());
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- Encoder
+
+void Encoder::run(std::function<void()> f) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!stop_ || !threads_.empty()) {  // stopping: the threads still drain the queue
+      if (!stop_ && threads_.size() < opts_.threads) threads_.emplace_back([this] { loop(); });
+      tasks_.push_back(std::move(f));
+      cv_.notify_one();
+      return;
+    }
+  }
+  f();
+}
+
+void Encoder::loop() {
+  util::name_this_thread("pdkv-tcp-zip");
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stop_ || !tasks_.empty(); });
+    if (tasks_.empty()) return;  // stopping, nothing left
+    auto f = std::move(tasks_.front());
+    tasks_.pop_front();
+    lk.unlock();
+    f();
+    lk.lock();
+  }
+}
+
+void Encoder::stop() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stop_) return;
+    stop_ = true;  // no thread is added from now on
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();  // they drain the queue (the tasks fail fast: the transport is shutting down)
+  std::deque<std::function<void()>> left;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    threads_.clear();
+    left.swap(tasks_);  // queued after the last thread looked
+  }
+  for (auto& f : left) f();
+}
+
+bool Encoder::stopped() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return stop_ && threads_.empty();
+}
+
+std::shared_ptr<EncodedBatch> Encoder::buffer() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_ptr<EncodedBatch> b;
+  if (!free_.empty()) {
+    b = std::move(free_.back());
+    free_.pop_back();
+  } else {
+    b = std::make_unique<EncodedBatch>();
+  }
+  // Back to the pool when the frame that carries it is gone (sent or dropped).
+  return std::shared_ptr<EncodedBatch>(b.release(), [this](EncodedBatch* p) {
+    std::unique_ptr<EncodedBatch> own(p);
+    std::lock_guard<std::mutex> lk(mu_);
+    if (own->bytes.capacity() <= (8u << 20) && free_.size() < 64) free_.push_back(std::move(own));
+  });
+}
+
+Result<Codec*> Encoder::codec_for(CodecKind kind) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const auto me = std::this_thread::get_id();
+  auto it = std::find_if(codecs_.begin(), codecs_.end(), [&](const auto& e) { return e.first == me; });
+  if (it == codecs_.end()) {
+    codecs_.emplace_back(me, std::array<std::unique_ptr<Codec>, 4>{});
+    it = codecs_.end() - 1;
+  }
+  auto& slot = it->second[static_cast<size_t>(kind)];
+  if (!slot) {
+    PDKV_ASSIGN_OR_RETURN(slot, Codec::create(codec_options(opts_, kind)));
+  }
+  return slot.get();
+}
+
+Status Encoder::encode(CodecKind kind, const iovec* iov, uint32_t n, EncodedBatch& out) {
+  PDKV_ASSIGN_OR_RETURN(Codec * codec, codec_for(kind));
+  const auto t0 = Clock::now();
+  PDKV_RETURN_IF_ERROR(encode_into(*codec, opts_.dtype, iov, n, out.bytes));
+  out.kind = kind;
+  record(kind, iov_bytes(iov, n), out.bytes.size(), seconds_since(t0));
+  return Status::Ok();
+}
+
+void Encoder::calibrate(CodecKind kind, const iovec* iov, uint32_t n) {
+  if (figures(kind).encode_bps > 0) return;
+  auto codec = Codec::create(codec_options(opts_, kind));
+  if (!codec.ok()) return;
+  uint32_t take = 0;  // about one chunk
+  uint64_t bytes = 0;
+  while (take < n && bytes < opts_.chunk_bytes) bytes += iov[take++].iov_len;
+  std::vector<uint8_t> out;
+  const auto t0 = Clock::now();
+  if (!encode_into(**codec, opts_.dtype, iov, take, out).ok()) return;
+  record(kind, bytes, out.size(), seconds_since(t0));
+}
+
+void Encoder::record(CodecKind kind, uint64_t raw, uint64_t wire, double seconds) {
+  if (raw < 4096 || wire == 0 || seconds <= 0) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  CodecFigures& f = figures_[static_cast<size_t>(kind)];
+  const double bps = raw / seconds;
+  const double ratio = double(raw) / double(wire);
+  if (f.encode_bps == 0) {
+    f.encode_bps = bps;
+    f.ratio = ratio;
+  } else {
+    f.encode_bps = kEwma * bps + (1 - kEwma) * f.encode_bps;
+    f.ratio = kEwma * ratio + (1 - kEwma) * f.ratio;
+  }
+}
+
+CodecFigures Encoder::figures(CodecKind kind) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return figures_[static_cast<size_t>(kind)];
+}
+
+// ---------------------------------------------------------------- LinkChooser
+
+Choice LinkChooser::choose(const Encoder& enc, bool peer_decodes_fp8, uint32_t peer_codecs) {
+  const TcpCompression& o = enc.options();
+  const bool lossy = o.policy == CompressPolicy::kLossyAllowed && peer_decodes_fp8;
+  const CodecKind kind = lossy ? CodecKind::kFp8 : o.codec;
+  std::lock_guard<std::mutex> lk(mu_);
+  ++writes_;
+  if (!(peer_codecs & (1u << static_cast<unsigned>(kind)))) return Choice{};
+  if (link_bps_ == 0) return Choice{};  // measure the link first
+  if (last_ == 1 && (writes_ % kProbeEvery == 0 || seconds_since(measured_) > kLinkStaleS)) return Choice{};
+  const CodecFigures f = enc.figures(kind);
+  const double compressed_bps = std::min(f.encode_bps * o.threads, link_bps_ * f.ratio);
+  const bool on = f.encode_bps > 0 && compressed_bps > kWinMargin * link_bps_;
+  if (int(on) != last_) {
+    PDKV_LOG_INFO("tcp: writes to peer '%s' now %s %s (link %.3f GB/s plain; %s encodes %.3f GB/s x %u threads, ratio %.2f)",
+                  peer_.c_str(), on ? "compressed with" : "plain, not", std::string(codec_kind_name(kind)).c_str(),
+                  link_bps_ / 1e9, std::string(codec_kind_name(kind)).c_str(), f.encode_bps / 1e9, o.threads,
+                  f.ratio);
+    last_ = on;
+  }
+  return on ? Choice{true, kind} : Choice{};
+}
+
+void LinkChooser::plain_delivered(uint64_t bytes, double seconds) {
+  if (bytes < kMinMeasuredBytes || seconds <= 0) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  const double bps = bytes / seconds;
+  link_bps_ = link_bps_ == 0 ? bps : kEwma * bps + (1 - kEwma) * link_bps_;
+  measured_ = Clock::now();
+}
+
+double LinkChooser::link_bps() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return link_bps_;
+}
+
+// ---------------------------------------------------------------- the receiver's side
+
+Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
+                      std::array<std::unique_ptr<Codec>, 4>& codecs, std::vector<uint8_t>& scratch) {
+  uint64_t capacity = 0;
+  for (size_t i = 0; i < n; ++i) capacity += dst[i].iov_len;
+  size_t idx = 0;      // current destination extent
+  uint64_t off = 0;    // bytes of it already written
+  uint64_t done = 0;   // bytes of the extents written
+  uint64_t at = 0;     // payload offset of the current frame
+  for (uint32_t k = 0; at < len; ++k) {
+    const std::string where = "compressed write, codec frame " + std::to_string(k) + " (payload offset " +
+                              std::to_string(at) + "): ";
+    auto info = peek_frame(payload + at, static_cast<size_t>(len - at));
+    if (!info.ok()) return ProtocolError(where + info.status().message());
+    if (info->frame_len > len - at)
+      return ProtocolError(where + "frame_len " + std::to_string(info->frame_len) + " runs past the payload (" +
+                           std::to_string(len - at) + " bytes left)");
+    if (info->raw_len == 0) return ProtocolError(where + "raw_len is 0");
+    auto out_len = decoded_size(*info, info->dtype);
+    if (!out_len.ok()) return ProtocolError(where + out_len.status().message());
+    if (*out_len > capacity - done)
+      return ProtocolError(where + "raw_len " + std::to_string(*out_len) + " exceeds the " +
+                           std::to_string(capacity - done) + " bytes left in the write's extents");
+    auto& codec = codecs[static_cast<size_t>(info->kind)];
+    if (!codec) {
+      CodecOptions co;
+      co.kind = info->kind;
+      PDKV_ASSIGN_OR_RETURN(codec, Codec::create(co));
+    }
+    size_t written = 0;
+    const bool in_place = dst[idx].iov_len - off >= *out_len;
+    uint8_t* out = in_place ? static_cast<uint8_t*>(dst[idx].iov_base) + off : nullptr;
+    if (!in_place) {
+      scratch.resize(static_cast<size_t>(*out_len));
+      out = scratch.data();
+    }
+    Status st = codec->decode(payload + at, static_cast<size_t>(info->frame_len), info->dtype, out,
+                              static_cast<size_t>(*out_len), &written);
+    if (!st.ok()) return Status(st.code(), where + st.message());
+    // Spread over the extents (in place: only the cursor moves).
+    for (uint64_t left = written, from = 0; left > 0;) {
+      const uint64_t step = std::min<uint64_t>(left, dst[idx].iov_len - off);
+      if (!in_place) std::memcpy(static_cast<uint8_t*>(dst[idx].iov_base) + off, scratch.data() + from, step);
+      from += step;
+      left -= step;
+      off += step;
+      if (off == dst[idx].iov_len && idx + 1 < n) {
+        ++idx;
+        off = 0;
+      }
+    }
+    done += written;
+    at += info->frame_len;
+  }
+  if (done != capacity)
+    return ProtocolError("compressed write: the codec frames decode to " + std::to_string(done) +
+                         " bytes (sum of raw_len), its extents hold " + std::to_string(capacity));
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------- metadata extra
+
+std::string encode_extra() {
+  uint32_t codecs = 0;
+  for (auto k : {CodecKind::kRaw, CodecKind::kZstd, CodecKind::kLz4, CodecKind::kFp8})
+    if (codec_available(k)) codecs |= 1u << static_cast<unsigned>(k);
+  util::ByteWriter w;
+  w.put<uint32_t>(kExtraMagic);
+  w.put<uint32_t>(kFeatureCompressedWrite);
+  w.put<uint32_t>(codecs);
+  return w.take();
+}
+
+PeerFeatures decode_extra(std::string_view extra) {
+  util::ByteReader r(extra);
+  uint32_t magic = 0, features = 0, codecs = 0;
+  PeerFeatures f;
+  if (!r.get(&magic, "tcp extra magic").ok() || magic != kExtraMagic) return f;
+  if (!r.get(&features, "tcp extra features").ok() || !r.get(&codecs, "tcp extra codecs").ok()) return f;
+  f.compressed_write = features & kFeatureCompressedWrite;
+  f.codecs = codecs;
+  return f;
+}
+
+}  // namespace pdkv::tcp

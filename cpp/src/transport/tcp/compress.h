@@ -1,0 +1,148 @@
+// Compressed writes on the tcp transport: the encoder threads that turn a batch into
+// a kWriteZ payload while earlier batches are on the wire, and the per-peer choice
+// (TcpCompression::mode kAuto) of whether compressing pays on that link.
+//
+//   Encoder         encoder threads, a free list of payload buffers, and the measured
+//                   encode throughput and ratio of each codec. (How far a write's
+//                   encoding runs ahead of its socket is the transport's business:
+//                   kEncodeAhead batches per write, TcpTransport::pump_encodes.)
+//   LinkChooser     per peer: the delivered throughput of its plain writes, and the
+//                   decision plain / compressed from that and the Encoder's figures.
+//   encode_batch    one batch's extents -> codec frames, back to back (docs/wire.md,
+//                   "Compressed writes").
+//   decode_payload  the receiver's side: codec frames -> the checked extents.
+//
+// Thread safety: Encoder and LinkChooser are thread-safe; encode_batch and
+// decode_payload use only their arguments.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <array>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "pdkv/codec.h"
+#include "pdkv/options/tcp.h"
+#include "pdkv/status.h"
+#include "pdkv/transfer.h"
+
+namespace pdkv::tcp {
+
+// One encoded batch: the kWriteZ payload. Returned to its Encoder's pool when the
+// last reference (the OutMsg that sent it) goes.
+struct EncodedBatch {
+  std::vector<uint8_t> bytes;
+  CodecKind kind = CodecKind::kRaw;
+};
+
+// Measured figures of one codec on this agent's data (exponentially averaged).
+struct CodecFigures {
+  double encode_bps = 0;  // raw bytes encoded per second by one thread (0: not measured)
+  double ratio = 1;       // raw bytes / payload bytes
+};
+
+class Encoder {
+ public:
+  explicit Encoder(const TcpCompression& opts) : opts_(opts) {}
+  ~Encoder() { stop(); }
+  Encoder(const Encoder&) = delete;
+  Encoder& operator=(const Encoder&) = delete;
+
+  // Runs `f` on an encoder thread (started on first use), after the tasks queued
+  // before it; once stopped, on the calling thread (the task then fails fast).
+  void run(std::function<void()> f);
+  void stop();
+  bool stopped() const;
+
+  // A payload buffer (from the free list; back to it when the last reference goes).
+  std::shared_ptr<EncodedBatch> buffer();
+
+  // Encodes the `n` extents at `iov` as one kWriteZ payload into `out` with `kind`
+  // (records the time and ratio). One frame per extent, or one for the whole batch
+  // when its extents are small (out_msg.h gathers()).
+  Status encode(CodecKind kind, const iovec* iov, uint32_t n, EncodedBatch& out);
+
+  CodecFigures figures(CodecKind kind) const;
+  // Measures `kind` on a sample (the first chunk of a transfer) if it never was.
+  void calibrate(CodecKind kind, const iovec* iov, uint32_t n);
+
+  const TcpCompression& options() const { return opts_; }
+
+ private:
+  void loop();
+  Result<Codec*> codec_for(CodecKind kind);
+  void record(CodecKind kind, uint64_t raw, uint64_t wire, double seconds);
+
+  const TcpCompression opts_;
+  mutable std::mutex mu_;  // guards everything below
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  std::vector<std::thread> threads_;
+  bool stop_ = false;
+  std::vector<std::unique_ptr<EncodedBatch>> free_;
+  std::array<CodecFigures, 4> figures_{};
+  // One codec per (encoder thread, kind): a Codec is single-threaded.
+  std::vector<std::pair<std::thread::id, std::array<std::unique_ptr<Codec>, 4>>> codecs_;
+};
+
+// What a write to one peer does now.
+struct Choice {
+  bool compress = false;
+  CodecKind kind = CodecKind::kRaw;
+};
+
+// Per peer (mode kAuto): plain or compressed, from the delivered throughput of plain
+// writes to that peer and the Encoder's figures. Compressed wins when
+// min(threads x encode rate, link x ratio) beats the link by 10 %; every 16th
+// write (and any write when the last plain measurement is over 5 s old) goes plain
+// to measure the link again, so the choice follows the link as it changes.
+class LinkChooser {
+ public:
+  explicit LinkChooser(std::string peer) : peer_(std::move(peer)) {}
+
+  Choice choose(const Encoder& enc, bool peer_decodes_fp8, uint32_t peer_codecs);
+  // A plain write of `bytes` took `seconds` from post to its last ack.
+  void plain_delivered(uint64_t bytes, double seconds);
+  double link_bps() const;
+
+ private:
+  const std::string peer_;
+  mutable std::mutex mu_;
+  double link_bps_ = 0;  // 0: not measured yet
+  Clock::time_point measured_{};
+  uint64_t writes_ = 0;
+  int last_ = -1;  // the last decision logged: 0 plain, 1 compressed
+};
+
+// Batches of one write encoded ahead of those its socket has taken: enough to keep
+// the wire busy while the next is encoded, few enough to bound the memory.
+inline constexpr uint32_t kEncodeAhead = 4;
+
+// Writes of fewer bytes than this say little about the link (latency dominates).
+inline constexpr uint64_t kMinMeasuredBytes = 512u << 10;
+
+// Decodes a kWriteZ payload of `len` bytes into the extents `dst[0, n)` (already
+// checked against the target's regions), using the codecs in `codecs` (created on
+// first use). ProtocolError names the frame and field when the payload is malformed
+// or does not decode to exactly the extents' bytes; DataCorrupted on a checksum
+// mismatch; NotSupported for a codec this build lacks.
+Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
+                      std::array<std::unique_ptr<Codec>, 4>& codecs, std::vector<uint8_t>& scratch);
+
+// The tcp metadata extra this agent publishes, and what a peer's says.
+std::string encode_extra();
+struct PeerFeatures {
+  bool compressed_write = false;
+  uint32_t codecs = 0;  // bit (1 << CodecKind) per codec it decodes
+};
+PeerFeatures decode_extra(std::string_view extra);
+
+}  // namespace pdkv::tcp
