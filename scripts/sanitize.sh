@@ -31,7 +31,8 @@ case $KIND in
     RUNTIME=libasan.so
     # Every file that exists of these (some are added by other work in progress).
     CANDIDATES="tests/test_agent.py tests/test_shm.py tests/test_bad_input.py tests/test_two_process.py
-                tests/test_hostile_tcp.py tests/test_shm_trust.py tests/test_api_validation.py tests/test_threads.py"
+                tests/test_hostile_tcp.py tests/test_shm_trust.py tests/test_api_validation.py tests/test_threads.py
+                tests/test_codec.py tests/test_compress_tcp.py tests/test_shm_engine_memory.py"
     ;;
   tsan)
     FLAGS="-fsanitize=thread -fno-omit-frame-pointer"
