@@ -425,3 +425,17 @@ def test_auto_turns_itself_on_behind_a_slow_link():
     # The first write measures the link (plain); from then on compressing pays.
     assert got["chosen"][0] == "" and got["chosen"][-1] == LOSSLESS[0], got
     assert got["chosen"].count(LOSSLESS[0]) >= 5, got
+
+
+def test_bench_transfer_compress_reports_both_sides_verified(tmp_path):
+    # `pdkv bench transfer --compress`: compressed and plain writes of the same blocks
+    # in one run, the compressed target read back and compared (values, not speed).
+    env = dict(os.environ, PDKV_LOG="error", UCX_NET_DEVICES="lo")
+    res = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--compress", "lossless",
+                          "--payload", "1M", "--json"], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    [row] = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    assert row["verified"] is True and row["compress"] == "lossless" and row["codec_chosen"] in ("zstd", "lz4")
+    assert row["wire_ratio"] > 1.0  # KV-like bf16 data (real or synthetic) always shrinks under byte planes
+    assert row["ratios"]["uncompressed"] == pytest.approx(row["gbps_effective"] / row["gbps_uncompressed"])

@@ -121,19 +121,13 @@ def timed(prep, iters: int) -> tuple[float, float, object]:
     return time.perf_counter() - t0, time.process_time() - c0, x
 
 
-def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> list[dict]:
-    from .transfer import SECRET_ENV, pool_blocks, write_out
+def run(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
+    from .transfer import SECRET_ENV, pool_blocks, start_target, write_out
 
     if args.memory != "host" or args.transport != "tcp":
         raise InvalidArgument("--compress measures tcp writes of host memory (drop --memory/--transport)")
     blocks = pool_blocks(args.model, payloads)
-    if args.pin and len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    if args.target:
-        host, _, port = args.target.rpartition(":")
-        target = Target(args.target, host.strip("[]"), int(port) + 1)
-    else:
-        target = spawn_target(args, blocks)
+    target = start_target(args, blocks)
     secret = os.environ.get(SECRET_ENV, "pdkv-bench")
     geo = models.geometry(args.model, blocks)
     results = []

@@ -158,6 +158,17 @@ class Target:
             self.proc.stdout.close()
 
 
+def start_target(args: argparse.Namespace, blocks: int) -> Target:
+    """Pins this process to one core when asked (--pin), then reaches the --target the
+    user started or spawns one with `blocks` blocks."""
+    if args.pin and len(os.sched_getaffinity(0)) >= 2:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    if args.target:
+        host, _, port = args.target.rpartition(":")
+        return Target(args.target, host.strip("[]"), int(port) + 1)
+    return spawn_target(args, blocks)
+
+
 def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
     cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--child", "--model", args.model,
            "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
@@ -327,15 +338,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.hetero:
         return run_hetero(args, payloads)
     if args.compress:  # compressed writes beside plain ones (compress.py)
-        return compress.run(args, payloads, spawn_target, Target)
+        return compress.run(args, payloads)
     args.remote_blocks = args.local_blocks = pool_blocks(args.model, payloads)
-    if args.pin and len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    if args.target:
-        host, _, port = args.target.rpartition(":")
-        target = Target(args.target, host.strip("[]"), int(port) + 1)
-    else:
-        target = spawn_target(args, args.remote_blocks)
+    target = start_target(args, args.remote_blocks)
     results = []
     try:
         secret = os.environ.get(SECRET_ENV, "pdkv-bench")
