@@ -1,6 +1,7 @@
 #include "core/page_share.h"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -81,6 +82,30 @@ std::string why_not_shareable(const std::vector<Vma>& vmas, uint64_t lo, uint64_
   return "part of it is not mapped";
 }
 
+// The path of a loaded CUDA driver library (libcuda.so*, or the one $PDKV_CUDA_DRIVER
+// names), or "" when none is loaded. Looked up in the loader's list, not by a failing
+// dlopen: that would leave the thread's dlerror state allocated for good.
+std::string loaded_cuda_driver() {
+  struct Search {
+    std::string custom, found;
+  } search;
+  if (const char* c = std::getenv("PDKV_CUDA_DRIVER"); c && *c) search.custom = c;
+  ::dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) {
+        auto* s = static_cast<Search*>(data);
+        const std::string path = info->dlpi_name ? info->dlpi_name : "";
+        const std::string base = path.substr(path.rfind('/') + 1);
+        const bool custom = !s->custom.empty() && (path == s->custom || base == s->custom);
+        if (custom || base.rfind("libcuda.so", 0) == 0) {
+          s->found = path;
+          return 1;
+        }
+        return 0;
+      },
+      &search);
+  return search.found;
+}
+
 // Non-empty (why not) when CUDA is in use in this process. Pages pinned for DMA
 // (cudaHostRegister, or torch's pinned_use_cuda_host_register) are private anonymous
 // memory too, but re-mapping them would leave the device's DMA on the old physical
@@ -88,20 +113,18 @@ std::string why_not_shareable(const std::vector<Vma>& vmas, uint64_t lo, uint64_
 // driver is loaded AND initialised here, nothing is re-mapped. Probing never loads or
 // initialises CUDA: an unloaded library or CUDA_ERROR_NOT_INITIALIZED means no pins.
 std::string cuda_in_use(uint64_t addr) {
-  const char* custom = std::getenv("PDKV_CUDA_DRIVER");
-  for (const char* lib : {custom && *custom ? custom : nullptr, "libcuda.so.1"}) {
-    if (!lib) continue;
-    void* h = ::dlopen(lib, RTLD_LAZY | RTLD_NOLOAD);
-    if (!h) continue;
-    using GetAttr = int (*)(void*, int, unsigned long long);
-    auto get_attr = reinterpret_cast<GetAttr>(::dlsym(h, "cuPointerGetAttribute"));
-    unsigned memory_type = 0;
-    constexpr int kNotInitialized = 3, kAttrMemoryType = 2;
-    const int r = get_attr ? get_attr(&memory_type, kAttrMemoryType, addr) : kNotInitialized;
-    ::dlclose(h);
-    if (r != kNotInitialized)
-      return "CUDA is initialised in this process, and pages pinned for DMA (cudaHostRegister) must not be re-mapped";
-  }
+  const std::string lib = loaded_cuda_driver();
+  if (lib.empty()) return {};
+  void* h = ::dlopen(lib.c_str(), RTLD_LAZY | RTLD_NOLOAD);  // loaded: succeeds, only a reference
+  if (!h) return {};
+  using GetAttr = int (*)(void*, int, unsigned long long);
+  auto get_attr = reinterpret_cast<GetAttr>(::dlsym(h, "cuPointerGetAttribute"));
+  unsigned memory_type = 0;
+  constexpr int kNotInitialized = 3, kAttrMemoryType = 2;
+  const int r = get_attr ? get_attr(&memory_type, kAttrMemoryType, addr) : kNotInitialized;
+  ::dlclose(h);
+  if (r != kNotInitialized)
+    return "CUDA is initialised in this process, and pages pinned for DMA (cudaHostRegister) must not be re-mapped";
   return {};
 }
 
