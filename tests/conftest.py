@@ -112,7 +112,10 @@ class JsonLineProc:
         self.proc.wait()
 
     def pause(self) -> None:
+        """SIGSTOP, then waits until every thread of the peer is really stopped (a signal
+        is delivered asynchronously: a busy thread could still answer one more frame)."""
         os.kill(self.proc.pid, signal.SIGSTOP)
+        assert wait_until(lambda: threads_stopped(self.proc.pid), timeout=10.0), "the peer did not stop"
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
@@ -230,6 +233,20 @@ def make_pool(spec, seed, agent):
     from kvpools import Pool
 
     return Pool(spec, seed, shared_by=agent if getattr(agent, "test_shared_pools", False) else None)
+
+
+def threads_stopped(pid: int) -> bool:
+    """True once every thread of process ``pid`` is in the stopped state."""
+    task_dir = f"/proc/{pid}/task"
+    for tid in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
 
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.01) -> bool:

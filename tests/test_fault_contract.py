@@ -30,7 +30,7 @@ import time
 import pytest
 
 import pdkv
-from conftest import SECRET, make_pool, wait_until
+from conftest import SECRET, make_pool
 from fake_gpu_peers import fake_peer  # noqa: F401  (fixture)
 from kvpools import PoolSpec
 
@@ -42,26 +42,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def freeze(peer_proc) -> None:
-    """SIGSTOP, then wait until every thread of the peer is really stopped (a signal is
-    delivered asynchronously: a busy thread could still acknowledge one more write)."""
-    peer_proc.pause()
-    task_dir = f"/proc/{peer_proc.pid}/task"
-
-    def stopped() -> bool:
-        for tid in os.listdir(task_dir):
-            try:
-                with open(f"{task_dir}/{tid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-            except FileNotFoundError:
-                continue
-            if state not in ("T", "t"):
-                return False
-        return True
-
-    assert wait_until(stopped, timeout=10.0), "the peer did not stop"
 
 
 def agent_for(flavor, name: str) -> pdkv.Agent:
@@ -100,7 +80,7 @@ def test_peer_fault_fails_the_transfer_and_raises_its_class_from_wait(spawn_peer
             peer.kill()
             expected = pdkv.PeerConnectionError
         elif fault == "frozen":
-            freeze(peer)
+            peer.pause()
             timeout = 1.0
             expected = pdkv.TransferTimeout
         elif fault == "restarted":
@@ -156,7 +136,7 @@ def test_shm_dial_to_a_frozen_peer_with_a_full_backlog_is_bounded(spawn_peer):
         local.register(a)
         name = a.add_peer(a.fetch_metadata(peer.address))  # not dialed yet over shm
         [path] = [addr for t, addr in a.peer_info(name)["endpoints"] if t == "shm"]
-        freeze(peer)
+        peer.pause()
         held: list[socket.socket] = []
         try:
             _fill_backlog(path, held)
@@ -248,7 +228,7 @@ def test_cuda_ipc_exporter_fault_fails_the_transfer_and_raises_its_class_from_wa
         target.kill()
         expected = pdkv.PeerConnectionError
     else:
-        freeze(target)
+        target.pause()
         timeout = 1.0
         expected = pdkv.TransferTimeout
     try:
@@ -285,7 +265,7 @@ def test_cuda_ipc_dial_to_a_frozen_exporter_with_a_full_backlog_is_bounded(fake_
     init = fake_peer("prefill", CUDA_SPEC, 2)
     assert init.call(cmd="xfer", op="notify", address=target.address, notify="hello")["ok"]  # connected
     [path] = glob.glob(str(tmp_path / "decode-*.cuda.sock"))
-    freeze(target)
+    target.pause()
     held: list[socket.socket] = []
     try:
         while len(held) < 10_000:  # queue connections until the backlog refuses one

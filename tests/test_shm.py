@@ -101,6 +101,43 @@ def test_deregistration_waits_for_the_peers_inflight_copy():
         assert all(r is True or r == "refused" for r in results)
 
 
+@pytest.mark.parametrize("kind", ["alloc", "numpy"])
+def test_copies_queued_past_their_deadline_or_cancelled_stop(kind):
+    """A copy does not outlive its transfer: copies queued on the copy thread behind
+    others fail with TransferTimeout once their deadline passed (checked before and
+    every few MiB during the copy), cancelled ones with Cancelled; none hangs, the
+    thread goes on, and the next transfer lands bit-exact."""
+    spec = PoolSpec(layers=4, blocks=128, block_tokens=16, heads=8, head_dim=128, dtype="float16")  # 64 MiB
+    with pdkv.Agent("a", secret=SECRET, shm=pdkv.ShmOptions(inline_bytes=0)) as a, \
+            pdkv.Agent("b", secret=SECRET) as b:
+        pa = Pool(spec, 1, shared_by=a)
+        pa.register(a)
+        pb = Pool(spec, None, shared_by=b if kind == "alloc" else None)
+        pb.register(b)
+        peer = a.connect(b.address)
+        assert a.peer_transport(peer) == "shm"
+        prep = a.prepare("write", peer, "kv", range(128), "kv", range(128))
+        xs = [prep.post(timeout=0.02) for _ in range(12)]  # ~768 MiB queued on one copy thread
+        ys = [prep.post(timeout=60) for _ in range(4)]
+        for y in ys:
+            y.cancel()
+        outcomes = []
+        for x in xs + ys:
+            try:
+                outcomes.append(x.wait(30))
+            except pdkv.TransferTimeout as e:
+                outcomes.append("timeout")
+                assert "timed out" in str(e)
+            except pdkv.Cancelled:
+                outcomes.append("cancelled")
+        assert "timeout" in outcomes[:12], outcomes  # 12 x 64 MiB cannot all copy within 20 ms
+        assert all(o in (True, "timeout") for o in outcomes[:12]), outcomes
+        assert all(o in (True, "cancelled") for o in outcomes[12:]), outcomes
+        pa.fill(7)
+        assert a.write(peer, "kv", [3, 4], "kv", [9, 10], timeout=30).wait(30)
+        assert pb.digest([9, 10]) == pa.digest([3, 4])
+
+
 def test_cross_memory_attach_to_plain_numpy_memory():
     with pdkv.Agent("a", secret=SECRET) as a, pdkv.Agent("b", secret=SECRET) as b:
         src = np.arange(1 << 16, dtype=np.uint16).view(np.uint8)

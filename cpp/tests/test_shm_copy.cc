@@ -97,6 +97,31 @@ TEST(ShmCopy, CrossMemoryAttachToAMissingProcessIsAConnectionError) {
   EXPECT_NE(st.message().find("is gone"), std::string::npos) << st.message();
 }
 
+// A copy longer than its transfer's time stops at the deadline (checked every few
+// MiB), and a cancelled transfer's copy stops early; bytes copied before stay.
+TEST(ShmCopy, StopsAtTheDeadlineAndOnCancel) {
+  constexpr size_t kBig = 32u << 20;
+  std::vector<char> src(kBig, 5), dst(kBig, 0);
+  Binding w;
+  w.op = OpKind::kWrite;
+  w.total = kBig;
+  w.ops = {CopyOp{src.data(), reinterpret_cast<uint64_t>(dst.data()), kBig, 0, true}};
+
+  auto live = std::make_shared<Transfer>(1, OpKind::kWrite, "peer", "shm", kBig, Clock::time_point::max(), 0);
+  ASSERT_TRUE(run_copies(w, live.get()).ok());
+  EXPECT_EQ(dst, src);
+
+  auto late = std::make_shared<Transfer>(2, OpKind::kWrite, "peer", "shm", kBig, Clock::now(), 0);
+  Status st = run_copies(w, late.get());
+  EXPECT_EQ(st.code(), StatusCode::kTimeout) << st.to_string();
+  EXPECT_NE(st.message().find("timed out during the copy (0 of 33554432 bytes"), std::string::npos) << st.message();
+
+  auto gone = std::make_shared<Transfer>(3, OpKind::kWrite, "peer", "shm", kBig, Clock::time_point::max(), 0);
+  gone->cancel();
+  st = run_copies(w, gone.get());
+  EXPECT_EQ(st.code(), StatusCode::kCancelled) << st.to_string();
+}
+
 TEST(ShmCopyEngine, RunsEveryJobInOrderOnOneThreadAndStopsEmpty) {
   std::vector<uint64_t> seen;
   std::mutex mu;

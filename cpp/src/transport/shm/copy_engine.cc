@@ -6,18 +6,69 @@
 #include <cerrno>
 #include <cstring>
 
+#include "pdkv/spi/transfer_control.h"
 #include "util/socket.h"
 #include "util/thread_name.h"
 
 namespace pdkv::shm {
 
-Status run_copies(const Binding& p) {
+namespace {
+
+// Every kCheckBytes copied, a running copy looks at its transfer: past the deadline it
+// stops with a timeout, a cancelled transfer stops with Cancelled (a copy is not
+// recalled: the bytes already written stay, as with tcp). One check costs a clock read.
+constexpr uint64_t kCheckBytes = 4ull << 20;
+
+class CopyClock {
+ public:
+  CopyClock(Transfer* xfer, uint64_t total) : xfer_(xfer), total_(total) {}
+  // Counts `n` more bytes done; an error once the transfer should stop.
+  Status advance(uint64_t n) {
+    done_ += n;
+    since_ += n;
+    if (xfer_ == nullptr || since_ < kCheckBytes) return Status::Ok();
+    since_ = 0;
+    return check();
+  }
+  Status check() const {
+    if (xfer_ == nullptr) return Status::Ok();
+    if (spi::TransferControl(*xfer_).cancel_requested())
+      return Cancelled("cancelled during the copy (" + std::to_string(done_) + " of " + std::to_string(total_) +
+                       " bytes copied)");
+    if (Clock::now() >= xfer_->deadline())
+      return TimeoutError("transfer " + std::to_string(xfer_->id()) + " timed out during the copy (" +
+                          std::to_string(done_) + " of " + std::to_string(total_) + " bytes copied)");
+    return Status::Ok();
+  }
+
+ private:
+  Transfer* xfer_;
+  uint64_t total_;
+  uint64_t done_ = 0;
+  uint64_t since_ = 0;
+};
+
+// memcpy of one extent in kCheckBytes pieces, checking the clock between them.
+Status copy_mapped(const CopyOp& o, OpKind op, CopyClock& clk) {
+  for (uint64_t off = 0; off < o.len;) {
+    const uint64_t n = std::min<uint64_t>(o.len - off, kCheckBytes);
+    if (op == OpKind::kWrite)
+      std::memcpy(reinterpret_cast<char*>(o.remote) + off, o.local + off, n);
+    else
+      std::memcpy(o.local + off, reinterpret_cast<const char*>(o.remote) + off, n);
+    off += n;
+    PDKV_RETURN_IF_ERROR(clk.advance(n));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status run_copies(const Binding& p, Transfer* xfer) {
+  CopyClock clk(xfer, p.total);
+  PDKV_RETURN_IF_ERROR(clk.check());  // the job may have waited in the queue past its deadline
   if (!p.cma) {
-    if (p.op == OpKind::kWrite) {
-      for (const auto& o : p.ops) std::memcpy(reinterpret_cast<void*>(o.remote), o.local, o.len);
-    } else {
-      for (const auto& o : p.ops) std::memcpy(o.local, reinterpret_cast<const void*>(o.remote), o.len);
-    }
+    for (const auto& o : p.ops) PDKV_RETURN_IF_ERROR(copy_mapped(o, p.op, clk));
     return Status::Ok();
   }
   // Mixed: mapped extents by memcpy, the rest by process_vm_{write,read}v in batches.
@@ -52,6 +103,7 @@ Status run_copies(const Binding& p) {
         }
       }
       if (got == 0) return ConnectionError("cross-memory copy made no progress");
+      PDKV_RETURN_IF_ERROR(clk.advance(static_cast<uint64_t>(got)));
     }
     liov.clear();
     riov.clear();
@@ -59,10 +111,7 @@ Status run_copies(const Binding& p) {
   };
   for (const auto& o : p.ops) {
     if (o.mapped) {
-      if (p.op == OpKind::kWrite)
-        std::memcpy(reinterpret_cast<void*>(o.remote), o.local, o.len);
-      else
-        std::memcpy(o.local, reinterpret_cast<const void*>(o.remote), o.len);
+      PDKV_RETURN_IF_ERROR(copy_mapped(o, p.op, clk));
       continue;
     }
     liov.push_back({o.local, o.len});

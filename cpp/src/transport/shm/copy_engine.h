@@ -53,8 +53,10 @@ struct Job {
   uint64_t lease = 0;  // a granted block generation lease to end after the copy, 0: none
 };
 
-// Copies every byte of `b` (the regions are pinned by the caller).
-Status run_copies(const Binding& b);
+// Copies every byte of `b` (the regions are pinned by the caller). With `xfer`, the
+// copy stops early, with TimeoutError or Cancelled, once the transfer's deadline has
+// passed or it was cancelled (checked every few MiB; bytes already copied stay).
+Status run_copies(const Binding& b, Transfer* xfer = nullptr);
 
 // A queue of Jobs and the threads that take them in order.
 class CopyEngine {

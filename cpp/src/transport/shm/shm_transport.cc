@@ -388,7 +388,7 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
   }
   Job job{b, xfer, std::move(notif), lease};
   if (b->total <= opts_.inline_bytes) {
-    Status st = run_copies(*b);
+    Status st = run_copies(*b, xfer.get());
     finish_job(job, st);
     return;
   }
@@ -403,7 +403,7 @@ void ShmTransport::run_job(Job& job) {
     if (!job.notif.empty()) spi::TransferControl(job.xfer).resolve_part(0, Cancelled("notification not sent"));
     return;
   }
-  finish_job(job, run_copies(*job.b));
+  finish_job(job, run_copies(*job.b, job.xfer.get()));
 }
 
 void ShmTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
