@@ -63,7 +63,7 @@ def test_deregistering_mapped_region_revokes_peer_access():
         t0 = time.monotonic()
         for r in b.regions:
             r.close()  # a is told to stop using them and acknowledges
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 8  # acknowledged, not the 10 s revoke timeout (generous: no timing claim)
         with pytest.raises(pdkv.NotFound, match="deregistered"):
             prep.post().wait(5)
 

@@ -82,6 +82,24 @@ def _params() -> GenParams:
     return GenParams(max_tokens=MAX_NEW, temperature=0.0, seed=1)
 
 
+async def streamed_prefill(pair: Pair, rid: str, prompt: list[int], res):
+    """Prefills ``prompt`` with the sender's layer streamer as the engine's sink, one
+    engine step at a time; returns (handle, first token, request, streamer, steps)."""
+    req = PrefillRequest(rid, tuple(prompt), _params(), res, 10.0)
+    loop = asyncio.get_running_loop()
+    streamer = await pair.sender.layer_streamer(req, loop.time() + 10)
+    assert streamer is not None
+    events: list = []
+    h = pair.pre.add_request(rid, prompt, _params().to_sampling(), on_event=events.append, prefill_only=True,
+                             layer_sink=streamer)
+    steps = 0
+    while not h.finished:
+        pair.pre.step()
+        steps += 1
+    [ev] = events
+    return h, ev.token_id, req, streamer, steps
+
+
 async def _until(cond, timeout: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout

@@ -19,7 +19,7 @@ import pdkv  # noqa: E402
 from pdkv.serving.engine import Engine, EngineConfig  # noqa: E402
 from pdkv.serving.kv_pool import PagedKVPool  # noqa: E402
 from pdkv.serving.protocol import KVReady, PrefillRequest  # noqa: E402
-from test_handoff import NUM_BLOCKS, PROMPT, SECRET, Pair, _params  # noqa: E402
+from test_handoff import NUM_BLOCKS, PROMPT, SECRET, Pair, _params, streamed_prefill  # noqa: E402
 
 BLOCK_TOKENS = 4  # Pair's
 
@@ -53,22 +53,6 @@ def expected_streams(prompt_len: int, chunk: int) -> list[tuple[int, int]]:
             out.append((shipped, end))
             shipped = end
     return out
-
-
-async def streamed_prefill(pair: Pair, rid: str, prompt: list[int], res):
-    req = PrefillRequest(rid, tuple(prompt), _params(), res, 10.0)
-    loop = asyncio.get_running_loop()
-    streamer = await pair.sender.layer_streamer(req, loop.time() + 10)
-    assert streamer is not None
-    events: list = []
-    h = pair.pre.add_request(rid, prompt, _params().to_sampling(), on_event=events.append, prefill_only=True,
-                             layer_sink=streamer)
-    steps = 0
-    while not h.finished:
-        pair.pre.step()
-        steps += 1
-    [ev] = events
-    return h, ev.token_id, req, streamer, steps
 
 
 def blocks_equal(pair: Pair, src: list[int], dst: list[int]) -> bool:

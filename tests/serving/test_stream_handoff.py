@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from pdkv.serving.protocol import KVReady, PrefillRequest  # noqa: E402
-from test_handoff import NUM_BLOCKS, PROMPT, Pair, _params  # noqa: E402
+from pdkv.serving.protocol import KVReady  # noqa: E402
+from test_handoff import NUM_BLOCKS, PROMPT, Pair, _params, streamed_prefill  # noqa: E402
 
 
 @pytest.fixture
@@ -27,21 +27,6 @@ def pair():
         p.close()
 
 
-async def streamed_prefill(pair: Pair, rid: str, prompt: list[int], res):
-    """Prefills with the sender's layer streamer as the engine's sink; returns
-    (handle, first token, request, streamer)."""
-    req = PrefillRequest(rid, tuple(prompt), _params(), res, 10.0)
-    loop = asyncio.get_running_loop()
-    streamer = await pair.sender.layer_streamer(req, loop.time() + 10)
-    assert streamer is not None
-    events: list = []
-    h = pair.pre.add_request(rid, prompt, _params().to_sampling(), on_event=events.append, prefill_only=True,
-                             layer_sink=streamer)
-    pair.pre.run_until_idle()
-    [ev] = events
-    return h, ev.token_id, req, streamer
-
-
 def test_streamed_kv_is_decoded_into_the_reference(pair) -> None:
     prompt, ref = list(pair.tm.prompts[PROMPT]), pair.tm.refs[PROMPT]
 
@@ -49,7 +34,7 @@ def test_streamed_kv_is_decoded_into_the_reference(pair) -> None:
         listening = asyncio.ensure_future(pair.receiver.run_notifications())
         try:
             t = await pair.receiver.reserve("s1", len(prompt), wait_s=1.0, kv_timeout_s=10.0)
-            h, first, req, streamer = await streamed_prefill(pair, "s1", prompt, t.reservation)
+            h, first, req, streamer, _ = await streamed_prefill(pair, "s1", prompt, t.reservation)
             assert streamer.usable and streamer.stream.layers_posted == streamer.stream.num_layers
             posted: list = []
             loop = asyncio.get_running_loop()
@@ -82,7 +67,7 @@ def test_a_stream_into_abandoned_blocks_fails_with_stale_block(pair) -> None:
         arrival = await pair.receiver.wait(t)  # times out: the blocks' generations are bumped
         assert arrival.reason == "kv_timeout" and pair.receiver.invalidated == 1
         pair.receiver.finish(t)
-        h, first, req, streamer = await streamed_prefill(pair, "s2", prompt, t.reservation)
+        h, first, req, streamer, _ = await streamed_prefill(pair, "s2", prompt, t.reservation)
         posted: list = []
         loop = asyncio.get_running_loop()
         result = await pair.sender.push(req, h, first, with_kv=True, deadline=loop.time() + 10, posted=posted,
