@@ -310,3 +310,26 @@ def test_older_prefill_without_its_block_size_is_not_misread():
     finally:
         decode.close()
         prefill.close()
+
+
+def test_late_pull_between_block_sizes_goes_stale_through_the_rows_layout(tmp_path):
+    """Pulls between block sizes go through the K|V rows layout: prefill bumps its
+    generations too, so a pull after the hand-out ended reads nothing there either."""
+    stats = tmp_path / "pulls.jsonl"
+    prefill = Instance("prefill", 1, tokens=8, kv_lease_s=60)
+    decode = Instance("decode", 2, tokens=4, stats_path=str(stats))
+    try:
+        late = _finish(prefill, "a", [7, 2], 13)
+        assert _pull(decode, "d1", dict(late), [3, 6, 0, 4]) == set()
+        prefill.until(lambda r: "a" in r[0], "release of a")
+        assert prefill.worker.agent.generations("vllm-kv-rows", [7, 2]) == [2, 2] == \
+            prefill.worker.agent.generations("vllm-kv", [7, 2])
+        before = [b.clone() for i in (1, 5, 6, 7) for b in decode.block(i)]
+        assert _pull(decode, "d2", late, [1, 5, 6, 7]) == {1, 5, 6, 7}
+        assert all(torch.equal(x, y) for x, y in zip([b for i in (1, 5, 6, 7) for b in decode.block(i)], before))
+        first, second = [json.loads(line) for line in stats.read_text().splitlines()]
+        assert first["layout"] == "vllm-kv-rows" and first["error"] is None, first
+        assert second["error"].startswith("StaleBlock"), second
+    finally:
+        decode.close()
+        prefill.close()

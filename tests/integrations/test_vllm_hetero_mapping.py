@@ -126,6 +126,17 @@ def _tokens(caches: dict, block_ids: list[int], block_size: int, start: int, end
 
 
 @pytest.mark.skipif(torch is None, reason="needs torch")
+def test_cpu_caches_also_describe_their_kv_rows():
+    d = describe_kv_caches(_cpu_caches(16, 0))
+    rows, geo = d.rows.geometry, d.layout.geometry
+    assert (rows.kv_parts, rows.head_dim, rows.kv_heads, rows.block_tokens) == (1, 2 * DIM, HEADS, 16)
+    assert rows.block_bytes * rows.kv_parts == geo.block_bytes * geo.kv_parts  # the same bytes
+    gpu = {f"l{i}": torch.zeros(2, 4, 16, HEADS, DIM) for i in range(LAYERS)}
+    assert describe_kv_caches(gpu).rows is None  # K and V apart: nothing to merge
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+@pytest.mark.parametrize("layout", ["layout", "rows"])
 @pytest.mark.parametrize("local_bs, remote_bs, start, end", [
     (16, 32, 0, 5),      # shorter than a block
     (16, 32, 0, 100),    # several blocks and a partial one
@@ -133,9 +144,10 @@ def _tokens(caches: dict, block_ids: list[int], block_size: int, start: int, end
     (16, 32, 32, 32 * 3 + 7),
     (32, 32, 32, 70),    # equal sizes: whole blocks
 ])
-def test_pull_of_a_token_range_is_bit_exact(local_bs, remote_bs, start, end):
+def test_pull_of_a_token_range_is_bit_exact(local_bs, remote_bs, start, end, layout):
     """What the connector does for one request: prefill's request block list and
-    decode's, the span mapped, one read with prefill's generations."""
+    decode's, the span mapped, one read with prefill's generations, through the
+    exact K/V layout or the K|V rows one."""
     prefill, decode = _cpu_caches(remote_bs, 1), _cpu_caches(local_bs, 2)
     remote_list = random.Random(3).sample(range(BLOCKS), -(-end // remote_bs))
     local_list = random.Random(4).sample(range(BLOCKS), -(-end // local_bs))
@@ -146,7 +158,7 @@ def test_pull_of_a_token_range_is_bit_exact(local_bs, remote_bs, start, end):
         for agent, caches in ((dec, decode), (pre, prefill)):
             for t in caches.values():
                 agent.register(t)
-            agent.add_layout("vllm-kv", describe_kv_caches(caches).layout)
+            agent.add_layout("vllm-kv", getattr(describe_kv_caches(caches), layout))
         peer = dec.add_peer(pre.metadata())
         dec.read(peer, "vllm-kv", lids, "vllm-kv", rids, num_tokens=span.plan_tokens,
                  remote_generations=pre.generations("vllm-kv", rids)).wait(10)

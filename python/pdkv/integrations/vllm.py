@@ -137,6 +137,10 @@ _RELEASE = b"pdkv-vllm release "
 _LEASE_MARGIN_S = 5.0
 _GEN_MAX = 2**32 - 1
 _LAYOUT = "vllm-kv"
+#: vLLM CPU caches also export their K|V rows as one part (``VllmKVLayout.rows``):
+#: pulls between different block sizes use it when both sides have it, so each
+#: (layer, head, token chunk) moves as one run instead of one run per token and K/V.
+_ROWS_LAYOUT = "vllm-kv-rows"
 
 
 @dataclass
@@ -163,6 +167,8 @@ class _Recv:
     remote_block_size: int = 0
     #: Why the scheduler could not map the pull (the worker fails it: vLLM recomputes).
     error: str | None = None
+    #: The worker's: the pdkv layout the pull went through (for stats_path).
+    layout: str = ""
 
 
 @dataclass
@@ -596,6 +602,7 @@ class _Worker:
         self._regions: list[pdkv.Region] = []
         self._caches: list[torch.Tensor] = []
         self.geometry: pdkv.KVGeometry | None = None
+        self.has_rows = False  # registered _ROWS_LAYOUT too
         self.phys_per_block = 1
         self.block_bytes = 0
         # decode
@@ -603,6 +610,7 @@ class _Worker:
         self._peers: dict[str, concurrent.futures.Future] = {}
         #: Connected prefill peer -> its layout's geometry (set by the connect thread).
         self._peer_geometry: dict[str, pdkv.KVGeometry] = {}
+        self._peer_rows: set[str] = set()  # peers that export _ROWS_LAYOUT
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect")
         self._parked: dict[str, tuple[_Recv, str, concurrent.futures.Future, float]] = {}
         self._recving: dict[str, tuple[pdkv.Transfer, _Recv, str, float]] = {}
@@ -646,6 +654,9 @@ class _Worker:
             self._regions.append(self.agent.register_address(addr, nbytes))
             self._caches.append(t)
         self.agent.add_layout(_LAYOUT, described.layout)
+        if described.rows is not None:
+            self.agent.add_layout(_ROWS_LAYOUT, described.rows)
+            self.has_rows = True
         g = self.geometry
         self.block_bytes = g.block_bytes * g.kv_parts * g.num_layers * self.phys_per_block
         logger.info("pdkv connector: registered %d layers (%s layout: %d kv heads x %d, %d-token kernel blocks), "
@@ -671,12 +682,14 @@ class _Worker:
         """Runs in the connect thread: fetch the peer's metadata and its layout (each
         pull checks it: a peer of another geometry still gets its release)."""
         peer = self.agent.connect(address, timeout=min(self.timeout_s, 10.0))
-        remote = self.agent.peer_info(peer)["layouts"].get(_LAYOUT)
-        if remote is None:
+        layouts = self.agent.peer_info(peer)["layouts"]
+        if _LAYOUT not in layouts:
             raise pdkv.NotFound(f"peer {peer} at {address} exports no vLLM KV layout")
-        rgeo = pdkv.KVLayout(remote).geometry
+        rgeo = pdkv.KVLayout(layouts[_LAYOUT]).geometry
         with self._lock:
             self._peer_geometry[peer] = rgeo
+            if _ROWS_LAYOUT in layouts:
+                self._peer_rows.add(peer)
         logger.info("pdkv connector: connected to %s at %s over %s", peer, address, self.agent.peer_transport(peer))
         return peer
 
@@ -742,7 +755,7 @@ class _Worker:
         differ."""
         span = self._checked_span(r)
         with self._lock:
-            rgeo = self._peer_geometry[peer]
+            rgeo, peer_rows = self._peer_geometry[peer], peer in self._peer_rows
         assert self.geometry is not None
         check_pullable(self.geometry, rgeo)
         if not r.remote_block_size and rgeo.block_tokens != self.geometry.block_tokens:
@@ -751,7 +764,8 @@ class _Worker:
                                        f"{self.geometry.block_tokens}")
         remote_per_block = kernel_blocks_per_block(span.remote_block_size, rgeo.block_tokens, "prefill")
         gens = self._remote_generations(r, remote_per_block)
-        args = (peer, _LAYOUT, self._phys(r.local_block_ids), _LAYOUT,
+        layout = r.layout = _ROWS_LAYOUT if span.plan_tokens and self.has_rows and peer_rows else _LAYOUT
+        args = (peer, layout, self._phys(r.local_block_ids), layout,
                 kernel_block_ids(r.remote_block_ids, remote_per_block))
         kw = dict(notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s, num_tokens=span.plan_tokens)
         if gens is not None:
@@ -837,7 +851,8 @@ class _Worker:
             return
         row = {"request_id": req_id, "remote_request_id": r.remote_request_id, "blocks": len(r.local_block_ids),
                "remote_blocks": len(r.remote_block_ids), "block_size": self.block_size,
-               "remote_block_size": r.remote_block_size or self.block_size, "tokens": r.num_tokens, "bytes": xfer.bytes_total if xfer is not None else 0,
+               "remote_block_size": r.remote_block_size or self.block_size, "layout": r.layout or None,
+               "tokens": r.num_tokens, "bytes": xfer.bytes_total if xfer is not None else 0,
                "transfer_s": xfer.elapsed if xfer is not None and err is None else None,
                "seen_to_done_s": seconds, "transport": xfer.transport if xfer is not None else None,
                "error": None if err is None else f"{type(err).__name__}: {err}", "time": time.time()}
@@ -849,7 +864,9 @@ class _Worker:
         """Runs in the bump thread: invalidates the handed-out generations of
         ``block_ids``; returns once no pull under the old ones still reads them."""
         if block_ids:
-            self.agent.bump_generations(_LAYOUT, self._phys(block_ids), timeout=None)
+            for layout in (_LAYOUT, _ROWS_LAYOUT) if self.has_rows else (_LAYOUT,):
+                # Both layouts name the same blocks: a pull through either must go stale.
+                self.agent.bump_generations(layout, self._phys(block_ids), timeout=None)
 
     def _poll_released(self) -> set[str]:
         """Collects decode's release notifications (for the scheduler) and returns

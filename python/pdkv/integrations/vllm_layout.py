@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import InvalidArgument
-from ..layout import KVLayout
+from ..layout import KVGeometry, KVLayout
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,11 @@ class VllmKVLayout:
     layout: KVLayout
     phys_per_block: int
     kind: str  # "gpu", "flashinfer", "cpu" or "mla" (see KVLayout.from_vllm)
+    #: CPU caches only: the same bytes as one part whose heads are ``2*head_size``
+    #: elements (each token's K row followed by its V row). Between two CPU caches of
+    #: different block sizes it moves a run per (layer, head, token chunk) where
+    #: ``layout`` needs one per (layer, K/V, head, token).
+    rows: KVLayout | None = None
 
 
 def _kind(t: Any) -> str:
@@ -80,7 +85,23 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], *, logical_blocks: int | No
         if geo.num_blocks % logical_blocks:
             raise InvalidArgument(f"{geo.num_blocks} kernel blocks do not split into {logical_blocks} logical blocks")
         phys = geo.num_blocks // logical_blocks
-    return VllmKVLayout(layout, phys, kind)
+    return VllmKVLayout(layout, phys, kind, _kv_rows(layout) if kind == "cpu" else None)
+
+
+def _kv_rows(layout: KVLayout) -> KVLayout | None:
+    """A CPU cache's K and V parts as one part of K|V rows, when every layer's V
+    row follows its K row with the same strides (None otherwise)."""
+    geo, segs = layout.geometry, layout.segments
+    row = geo.head_dim * geo.itemsize
+    merged = []
+    for k, v in zip(segs[0::2], segs[1::2]):
+        strides = ("block_stride", "token_stride", "head_stride")
+        if v["addr"] != k["addr"] + row or any(k[n] != v[n] for n in strides):
+            return None
+        merged.append((k["addr"], *(k[n] for n in strides)))
+    rows_geo = KVGeometry(geo.num_layers, geo.num_blocks, geo.block_tokens, geo.kv_heads, 2 * geo.head_dim,
+                          geo.dtype, kv_parts=1, order=geo.order)
+    return KVLayout.from_strided(rows_geo, merged)
 
 
 # ---------------------------------------------------------------------------- pulls between block sizes
