@@ -233,7 +233,7 @@ def test_pull_between_block_sizes_lands_every_token(prefill_tokens, decode_token
     prefill = Instance("prefill", 1, tokens=prefill_tokens, kv_lease_s=60)
     decode = Instance("decode", 2, tokens=decode_tokens)
     try:
-        remote = [7, 2, 5, 1][:-(-num_tokens // prefill_tokens)]
+        remote = [7, 2, 5, 1, 0, 6][:-(-num_tokens // prefill_tokens)]
         local = [3, 6, 0, 4, 1, 5][:-(-num_tokens // decode_tokens)]
         params = _finish(prefill, "a", remote, num_tokens)
         assert params["remote_block_size"] == prefill_tokens
@@ -272,6 +272,7 @@ def test_prefix_hit_inside_a_prefill_block_is_computed_not_pulled():
         req = SimpleNamespace(request_id="d", kv_transfer_params=dict(params), num_prompt_tokens=22)
         assert decode.sched.get_num_new_matched_tokens(req, 4) == (0, False)
         decode.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 6, 0, 4, 1, 5],)), 0)
+        decode.step()  # sends the release
         prefill.until(lambda r: "a" in r[0], "release of a")
         assert decode.worker.stats.is_empty()  # no pull, no failure
     finally:
