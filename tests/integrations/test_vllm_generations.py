@@ -30,6 +30,7 @@ if importlib.util.find_spec("vllm") is not None:
         from vllm.v1.request import RequestStatus
 
         from pdkv.integrations import vllm as conn
+        from pdkv.integrations.vllm_layout import cpu_token
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not importable here: run scripts/ci_vllm.sh")
@@ -48,13 +49,14 @@ class Instance:
     """One side: the connector's scheduler half and one worker over a 2-layer KV cache
     of vLLM's CPU layout, ``tokens`` per block."""
 
-    def __init__(self, role: str, seed: int, tokens: int = TOKENS, heads: int = HEADS, **extra) -> None:
+    def __init__(self, role: str, seed: int, tokens: int = TOKENS, heads: int = HEADS, dim: int = DIM,
+                 **extra) -> None:
         cfg = _config(role, tokens, **extra)
         self.tokens = tokens
         self.sched = conn._Scheduler(cfg)
         self.worker = conn._Worker(cfg, None)
         g = torch.Generator().manual_seed(seed)
-        self.caches = {f"layer{i}": torch.rand(BLOCKS, heads, tokens, 2 * DIM, generator=g) for i in range(2)}
+        self.caches = {f"layer{i}": torch.rand(BLOCKS, heads, tokens, 2 * dim, generator=g) for i in range(2)}
         self.worker.register_kv_caches(self.caches)
         self.sched.set_agents({0: self.worker.handshake_metadata()})
 
@@ -219,27 +221,40 @@ def test_transport_without_generations_falls_back_to_the_lease(pd, monkeypatch):
 
 
 # ---------------------------------------------------------------- different block sizes
-def _request_tokens(inst: Instance, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-    """[layers, heads, end - start, 2*DIM]: tokens [start, end) of a request whose
-    block list is ``block_ids``."""
+#: Block sizes and head size vLLM's CPU kernels take (multiples of 32): the connector
+#: checks its per-token layout against the kernel at registration.
+BIG, SMALL, HDIM = 64, 32, 32
+
+
+def _hetero(prefill_tokens: int, decode_tokens: int, prefill_heads: int = HEADS, **decode_extra):
+    return (Instance("prefill", 1, tokens=prefill_tokens, heads=prefill_heads, dim=HDIM, kv_lease_s=60),
+            Instance("decode", 2, tokens=decode_tokens, dim=HDIM, **decode_extra))
+
+
+def _request_tokens(inst: Instance, block_ids: list[int], start: int, end: int) -> list:
+    """(K, V) of every layer, head and token in [start, end) of a request whose block
+    list is ``block_ids``, read where vLLM's CPU kernel keeps them."""
     t = inst.tokens
-    return torch.stack([torch.stack([c[block_ids[i // t], :, i % t] for i in range(start, end)], 1)
-                        for c in inst.caches.values()])
+    return [cpu_token(c, block_ids[i // t], h, i % t) for c in inst.caches.values()
+            for h in range(c.shape[1]) for i in range(start, end)]
 
 
-@pytest.mark.parametrize("prefill_tokens, decode_tokens", [(8, 4), (4, 8)])
-@pytest.mark.parametrize("num_tokens", [3, 21])  # shorter than a block; several blocks and a partial one
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("prefill_tokens, decode_tokens", [(BIG, SMALL), (SMALL, BIG)])
+@pytest.mark.parametrize("num_tokens", [3, 2 * BIG + 21])  # shorter than a block; blocks and a partial one
 def test_pull_between_block_sizes_lands_every_token(prefill_tokens, decode_tokens, num_tokens):
-    prefill = Instance("prefill", 1, tokens=prefill_tokens, kv_lease_s=60)
-    decode = Instance("decode", 2, tokens=decode_tokens)
+    prefill, decode = _hetero(prefill_tokens, decode_tokens)
     try:
+        assert prefill.worker.has_tokens and decode.worker.has_tokens  # the kernel packs fp32 as described
         remote = [7, 2, 5, 1, 0, 6][:-(-num_tokens // prefill_tokens)]
         local = [3, 6, 0, 4, 1, 5][:-(-num_tokens // decode_tokens)]
         params = _finish(prefill, "a", remote, num_tokens)
         assert params["remote_block_size"] == prefill_tokens
         assert _pull(decode, "d", params, local) == set()
-        assert torch.equal(_request_tokens(decode, local, 0, num_tokens),
-                           _request_tokens(prefill, remote, 0, num_tokens))
+        assert _same(_request_tokens(decode, local, 0, num_tokens), _request_tokens(prefill, remote, 0, num_tokens))
         prefill.until(lambda r: "a" in r[0], "release of a")  # the read's notification freed prefill's blocks
     finally:
         decode.close()
@@ -247,31 +262,29 @@ def test_pull_between_block_sizes_lands_every_token(prefill_tokens, decode_token
 
 
 def test_prefix_hit_on_a_prefill_block_boundary_pulls_the_rest():
-    """Decode (4-token blocks) caches the first 8 tokens: it pulls prefill's (8-token)
-    blocks 1.. into its blocks 2.. and leaves its cached ones alone."""
-    prefill = Instance("prefill", 1, tokens=8, kv_lease_s=60)
-    decode = Instance("decode", 2, tokens=4)
+    """Decode (32-token blocks) caches the first 64 tokens: it pulls prefill's
+    (64-token) blocks 1.. into its blocks 2.. and leaves its cached ones alone."""
+    prefill, decode = _hetero(BIG, SMALL)
     try:
-        remote, local = [7, 2, 5], [3, 6, 0, 4, 1, 5]
-        cached = [b.clone() for i in local[:2] for b in decode.block(i)]
-        assert _pull(decode, "d", _finish(prefill, "a", remote, 21), local, cached=8) == set()
-        assert torch.equal(_request_tokens(decode, local, 8, 21), _request_tokens(prefill, remote, 8, 21))
-        assert all(torch.equal(x, y) for x, y in zip([b for i in local[:2] for b in decode.block(i)], cached))
+        remote, local, n = [7, 2, 5], [3, 6, 0, 4, 1], 2 * BIG + 21
+        cached = _request_tokens(decode, local, 0, BIG)
+        assert _pull(decode, "d", _finish(prefill, "a", remote, n), local, cached=BIG) == set()
+        assert _same(_request_tokens(decode, local, BIG, n), _request_tokens(prefill, remote, BIG, n))
+        assert _same(_request_tokens(decode, local, 0, BIG), cached)
     finally:
         decode.close()
         prefill.close()
 
 
 def test_prefix_hit_inside_a_prefill_block_is_computed_not_pulled():
-    """Decode caches 4 tokens, which end inside prefill's first 8-token block: it
+    """Decode caches 32 tokens, which end inside prefill's first 64-token block: it
     claims nothing (computes the rest itself) and lets prefill free its blocks."""
-    prefill = Instance("prefill", 1, tokens=8, kv_lease_s=60)
-    decode = Instance("decode", 2, tokens=4)
+    prefill, decode = _hetero(BIG, SMALL)
     try:
-        params = _finish(prefill, "a", [7, 2, 5], 21)
-        req = SimpleNamespace(request_id="d", kv_transfer_params=dict(params), num_prompt_tokens=22)
-        assert decode.sched.get_num_new_matched_tokens(req, 4) == (0, False)
-        decode.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 6, 0, 4, 1, 5],)), 0)
+        params = _finish(prefill, "a", [7, 2, 5], 2 * BIG + 21)
+        req = SimpleNamespace(request_id="d", kv_transfer_params=dict(params), num_prompt_tokens=2 * BIG + 22)
+        assert decode.sched.get_num_new_matched_tokens(req, SMALL) == (0, False)
+        decode.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 6, 0, 4, 1],)), 0)
         decode.step()  # sends the release
         prefill.until(lambda r: "a" in r[0], "release of a")
         assert decode.worker.stats.is_empty()  # no pull, no failure
@@ -282,10 +295,9 @@ def test_prefix_hit_inside_a_prefill_block_is_computed_not_pulled():
 
 def test_other_kv_heads_are_recomputed_with_the_reason(tmp_path):
     stats = tmp_path / "pulls.jsonl"
-    prefill = Instance("prefill", 1, tokens=8, heads=1, kv_lease_s=60)
-    decode = Instance("decode", 2, tokens=4, stats_path=str(stats))
+    prefill, decode = _hetero(BIG, SMALL, prefill_heads=1, stats_path=str(stats))
     try:
-        assert _pull(decode, "d", _finish(prefill, "a", [7, 2], 16), [3, 6, 0, 4]) == {3, 6, 0, 4}
+        assert _pull(decode, "d", _finish(prefill, "a", [7, 2], 2 * BIG), [3, 6, 0, 4]) == {3, 6, 0, 4}
         (row,) = [json.loads(line) for line in stats.read_text().splitlines()]
         assert row["error"].startswith("InvalidArgument") and "KV heads 1 vs 2" in row["error"], row
         prefill.until(lambda r: "a" in r[0], "release of a")  # decode still frees prefill's copy
@@ -298,14 +310,13 @@ def test_older_prefill_without_its_block_size_is_not_misread():
     """A prefill that sends no remote_block_size is taken to use decode's: when its
     layout says otherwise the pull fails (vLLM recomputes) instead of reading the
     wrong tokens."""
-    prefill = Instance("prefill", 1, tokens=8, kv_lease_s=60)
-    decode = Instance("decode", 2, tokens=4)
+    prefill, decode = _hetero(BIG, SMALL)
     try:
-        params = _finish(prefill, "a", [7, 2], 16)
+        params = _finish(prefill, "a", [7, 2], 2 * BIG)
         del params["remote_block_size"]
-        # decode's reading: 16 tokens in its 4-token blocks, i.e. 4 prefill blocks (only 2 sent)
+        # decode's reading: 128 tokens in its 32-token blocks, i.e. 4 prefill blocks (only 2 sent)
         assert _pull(decode, "d", params, [3, 6, 0, 4]) == {3, 6, 0, 4}
-        params = _finish(prefill, "b", [1, 3, 4, 5], 16)
+        params = _finish(prefill, "b", [1, 3, 4, 5], 2 * BIG)
         del params["remote_block_size"]
         assert _pull(decode, "e", params, [3, 6, 0, 4]) == {3, 6, 0, 4}  # counts fit, layouts do not
     finally:
@@ -313,23 +324,37 @@ def test_older_prefill_without_its_block_size_is_not_misread():
         prefill.close()
 
 
-def test_late_pull_between_block_sizes_goes_stale_through_the_rows_layout(tmp_path):
-    """Pulls between block sizes go through the K|V rows layout: prefill bumps its
+def test_without_a_per_token_layout_block_sizes_are_recomputed(tmp_path):
+    """A cache whose packing the probe did not recognise (bfloat16 on AMX, say)
+    exports no per-token layout: pulls between block sizes fail (vLLM recomputes)."""
+    stats = tmp_path / "pulls.jsonl"
+    prefill, decode = _hetero(BIG, SMALL, stats_path=str(stats))
+    try:
+        decode.worker.has_tokens = False
+        assert _pull(decode, "d", _finish(prefill, "a", [7, 2], 2 * BIG), [3, 6, 0, 4]) == {3, 6, 0, 4}
+        (row,) = [json.loads(line) for line in stats.read_text().splitlines()]
+        assert row["error"].startswith("NotSupported") and "per-token layout" in row["error"], row
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_late_pull_between_block_sizes_goes_stale_through_the_token_layout(tmp_path):
+    """Pulls between block sizes go through the per-token layout: prefill bumps its
     generations too, so a pull after the hand-out ended reads nothing there either."""
     stats = tmp_path / "pulls.jsonl"
-    prefill = Instance("prefill", 1, tokens=8, kv_lease_s=60)
-    decode = Instance("decode", 2, tokens=4, stats_path=str(stats))
+    prefill, decode = _hetero(BIG, SMALL, stats_path=str(stats))
     try:
-        late = _finish(prefill, "a", [7, 2], 13)
-        assert _pull(decode, "d1", dict(late), [3, 6, 0, 4]) == set()
+        late = _finish(prefill, "a", [7, 2], BIG + 13)
+        assert _pull(decode, "d1", dict(late), [3, 6, 0]) == set()
         prefill.until(lambda r: "a" in r[0], "release of a")
-        assert prefill.worker.agent.generations("vllm-kv-rows", [7, 2]) == [2, 2] == \
+        assert prefill.worker.agent.generations("vllm-kv-tokens", [7, 2]) == [2, 2] == \
             prefill.worker.agent.generations("vllm-kv", [7, 2])
-        before = [b.clone() for i in (1, 5, 6, 7) for b in decode.block(i)]
-        assert _pull(decode, "d2", late, [1, 5, 6, 7]) == {1, 5, 6, 7}
-        assert all(torch.equal(x, y) for x, y in zip([b for i in (1, 5, 6, 7) for b in decode.block(i)], before))
+        before = _request_tokens(decode, [1, 5, 4], 0, BIG + 13)
+        assert _pull(decode, "d2", late, [1, 5, 4]) == {1, 5, 4}
+        assert _same(_request_tokens(decode, [1, 5, 4], 0, BIG + 13), before)
         first, second = [json.loads(line) for line in stats.read_text().splitlines()]
-        assert first["layout"] == "vllm-kv-rows" and first["error"] is None, first
+        assert first["layout"] == "vllm-kv-tokens" and first["error"] is None, first
         assert second["error"].startswith("StaleBlock"), second
     finally:
         decode.close()

@@ -18,7 +18,8 @@ import pytest
 import pdkv
 from pdkv.integrations.vllm_layout import (
     check_pullable,
-    describe_kv_caches,
+    cpu_token,
+    cpu_token_layout,
     kernel_block_ids,
     kernel_blocks_per_block,
     pull_span,
@@ -108,46 +109,67 @@ try:
 except ImportError:  # `import pdkv` needs no torch; these tests do
     torch = None
 LAYERS, HEADS, DIM, BLOCKS = 2, 2, 8, 24
+needs_torch = pytest.mark.skipif(torch is None, reason="needs torch")
 
 
-def _cpu_caches(block_size: int, seed: int) -> dict:
+def _cpu_caches(block_size: int, seed: int, dtype=None) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {f"l{i}": torch.randint(-1000, 1000, (BLOCKS, HEADS, block_size, 2 * DIM), generator=g).to(torch.float16)
-            for i in range(LAYERS)}
+    return {f"l{i}": torch.randint(-1000, 1000, (BLOCKS, HEADS, block_size, 2 * DIM), generator=g).to(
+        dtype or torch.float16) for i in range(LAYERS)}
 
 
-def _tokens(caches: dict, block_ids: list[int], block_size: int, start: int, end: int) -> "torch.Tensor":
-    """[layers, heads, end - start, 2*DIM]: the request's tokens [start, end), whose
-    block list ``block_ids`` begins at token 0."""
-    rows = []
-    for t in caches.values():
-        rows.append(torch.stack([t[block_ids[i // block_size], :, i % block_size] for i in range(start, end)], 1))
-    return torch.stack(rows)
+def _tokens(caches: dict, block_ids: list[int], block_size: int, start: int, end: int) -> list:
+    """(K, V) per layer, head and token in [start, end) of a request whose block list
+    ``block_ids`` begins at token 0, read where vLLM's ``vec`` kernels keep them."""
+    return [cpu_token(t, block_ids[i // block_size], h, i % block_size) for t in caches.values()
+            for h in range(HEADS) for i in range(start, end)]
 
 
-@pytest.mark.skipif(torch is None, reason="needs torch")
-def test_cpu_caches_also_describe_their_kv_rows():
-    d = describe_kv_caches(_cpu_caches(16, 0))
-    rows, geo = d.rows.geometry, d.layout.geometry
-    assert (rows.kv_parts, rows.head_dim, rows.kv_heads, rows.block_tokens) == (1, 2 * DIM, HEADS, 16)
-    assert rows.block_bytes * rows.kv_parts == geo.block_bytes * geo.kv_parts  # the same bytes
-    gpu = {f"l{i}": torch.zeros(2, 4, 16, HEADS, DIM) for i in range(LAYERS)}
-    assert describe_kv_caches(gpu).rows is None  # K and V apart: nothing to merge
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[0].view(torch.int16), y[0].view(torch.int16)) and
+                                    torch.equal(x[1].view(torch.int16), y[1].view(torch.int16)) for x, y in zip(a, b))
 
 
-@pytest.mark.skipif(torch is None, reason="needs torch")
-@pytest.mark.parametrize("layout", ["layout", "rows"])
+@needs_torch
+def test_token_layout_names_where_the_kernel_keeps_each_element():
+    """K transposed ([head_size, block_size]) then V ([block_size, head_size]) per
+    (block, head); the layout's layer l*H + h, part K, "head" d, token t is K[t, h, d]."""
+    caches = _cpu_caches(16, 0)
+    layout = cpu_token_layout(caches)
+    geo = layout.geometry
+    assert (geo.num_layers, geo.kv_parts, geo.kv_heads, geo.head_dim, geo.block_tokens) == \
+        (LAYERS * HEADS, 2, DIM, 1, 16)
+    t = caches["l1"]
+    seg_k, seg_v = layout.segments[2 * (1 * HEADS + 1)], layout.segments[2 * (1 * HEADS + 1) + 1]
+    e = t.element_size()
+    for block, token, d in ((3, 5, 2), (0, 15, 7)):
+        k, v = cpu_token(t, block, 1, token)
+        for seg, want in ((seg_k, k[d]), (seg_v, v[d])):
+            addr = seg["addr"] + block * seg["block_stride"] + token * seg["token_stride"] + d * seg["head_stride"]
+            assert (addr - t.data_ptr()) % e == 0
+            assert t.view(-1)[(addr - t.data_ptr()) // e] == want
+
+
+@needs_torch
+def test_token_layout_refuses_other_tensors():
+    with pytest.raises(pdkv.InvalidArgument, match="CPU caches"):
+        cpu_token_layout({"l0": torch.zeros(2, 4, 16, 2, 8)})
+    with pytest.raises(pdkv.InvalidArgument, match="layer 1"):
+        cpu_token_layout({"l0": torch.zeros(4, 2, 16, 16), "l1": torch.zeros(4, 2, 16, 16).transpose(1, 2)})
+
+
+@needs_torch
 @pytest.mark.parametrize("local_bs, remote_bs, start, end", [
     (16, 32, 0, 5),      # shorter than a block
     (16, 32, 0, 100),    # several blocks and a partial one
     (32, 16, 64, 100),   # decode caches the first 64 tokens itself
     (16, 32, 32, 32 * 3 + 7),
-    (32, 32, 32, 70),    # equal sizes: whole blocks
+    (32, 32, 32, 70),    # equal sizes
 ])
-def test_pull_of_a_token_range_is_bit_exact(local_bs, remote_bs, start, end, layout):
-    """What the connector does for one request: prefill's request block list and
-    decode's, the span mapped, one read with prefill's generations, through the
-    exact K/V layout or the K|V rows one."""
+def test_pull_of_a_token_range_is_bit_exact(local_bs, remote_bs, start, end):
+    """What the connector does for one request between block sizes: prefill's
+    request block list and decode's, the span mapped, one read through the
+    per-token layouts with prefill's generations."""
     prefill, decode = _cpu_caches(remote_bs, 1), _cpu_caches(local_bs, 2)
     remote_list = random.Random(3).sample(range(BLOCKS), -(-end // remote_bs))
     local_list = random.Random(4).sample(range(BLOCKS), -(-end // local_bs))
@@ -158,16 +180,14 @@ def test_pull_of_a_token_range_is_bit_exact(local_bs, remote_bs, start, end, lay
         for agent, caches in ((dec, decode), (pre, prefill)):
             for t in caches.values():
                 agent.register(t)
-            agent.add_layout("vllm-kv", getattr(describe_kv_caches(caches), layout))
+            agent.add_layout("vllm-kv-tokens", cpu_token_layout(caches))
         peer = dec.add_peer(pre.metadata())
-        dec.read(peer, "vllm-kv", lids, "vllm-kv", rids, num_tokens=span.plan_tokens,
-                 remote_generations=pre.generations("vllm-kv", rids)).wait(10)
-    got = _tokens(decode, local_list, local_bs, start, end)
-    want = _tokens(prefill, remote_list, remote_bs, start, end)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    # decode's cached prefix and every block outside the pull are untouched
-    if start:
-        assert torch.equal(_tokens(decode, local_list, local_bs, 0, start).view(torch.int16),
-                           _tokens(before, local_list, local_bs, 0, start).view(torch.int16))
+        dec.read(peer, "vllm-kv-tokens", lids, "vllm-kv-tokens", rids, num_tokens=span.num_tokens,
+                 remote_generations=pre.generations("vllm-kv-tokens", rids)).wait(10)
+    assert _same(_tokens(decode, local_list, local_bs, start, end), _tokens(prefill, remote_list, remote_bs, start, end))
+    # decode's cached prefix, the tail of its last block and every other block are untouched
+    assert _same(_tokens(decode, local_list, local_bs, 0, start), _tokens(before, local_list, local_bs, 0, start))
+    tail_end = span.local_last * local_bs
+    assert _same(_tokens(decode, local_list, local_bs, end, tail_end), _tokens(before, local_list, local_bs, end, tail_end))
     others = [b for b in range(BLOCKS) if b not in lids]
     assert all(torch.equal(decode[k][others], before[k][others]) for k in decode)

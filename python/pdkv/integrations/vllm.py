@@ -107,6 +107,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 import pdkv
 from pdkv.integrations.vllm_layout import (
     check_pullable,
+    cpu_token,
+    cpu_token_layout,
     describe_kv_caches,
     kernel_block_ids,
     kernel_blocks_per_block,
@@ -137,10 +139,10 @@ _RELEASE = b"pdkv-vllm release "
 _LEASE_MARGIN_S = 5.0
 _GEN_MAX = 2**32 - 1
 _LAYOUT = "vllm-kv"
-#: vLLM CPU caches also export their K|V rows as one part (``VllmKVLayout.rows``):
-#: pulls between different block sizes use it when both sides have it, so each
-#: (layer, head, token chunk) moves as one run instead of one run per token and K/V.
-_ROWS_LAYOUT = "vllm-kv-rows"
+#: vLLM CPU caches packed by the ``vec`` kernels also export where each token's K and
+#: V elements sit (:func:`~pdkv.integrations.vllm_layout.cpu_token_layout`); pulls
+#: between different block sizes go through it (``_LAYOUT`` only tells whole blocks).
+_TOKEN_LAYOUT = "vllm-kv-tokens"
 
 
 @dataclass
@@ -246,6 +248,34 @@ class PdkvConnectorStats(KVConnectorStats):
 
 def _extra(vllm_config: "VllmConfig") -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+
+
+def _probe_cpu_packing(dtype: torch.dtype, block_size: int, kv_heads: int, head_size: int,
+                       cache_dtype: str) -> str | None:
+    """Writes known K/V through vLLM's own CPU cache kernel into a scratch cache of
+    this geometry and checks every element where :func:`cpu_token_layout` says it
+    is. Returns None when it matches, else why not (another ISA's packing, e.g. AMX
+    for bfloat16, or a kernel this vLLM lacks)."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+        cache = torch.zeros(2, kv_heads, block_size, 2 * head_size, dtype=dtype)
+        key_cache, value_cache = cache.view(2, kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
+        n = block_size + 3  # a whole block and part of the next
+        key = torch.randn(n, kv_heads, head_size).to(dtype)
+        value = torch.randn(n, kv_heads, head_size).to(dtype)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n), isa)
+    except Exception as e:  # noqa: BLE001 - any failure only means "no per-token layout"
+        return f"could not run vLLM's CPU cache kernel to learn its packing ({type(e).__name__}: {e})"
+    for t in range(n):
+        for h in range(kv_heads):
+            k, v = cpu_token(cache, t // block_size, h, t % block_size)
+            if not (torch.equal(k, key[t, h]) and torch.equal(v, value[t, h])):
+                return (f"vLLM's CPU attention ({isa} kernels, {dtype}) packs its KV cache in a way pdkv does not "
+                        f"describe per token")
+    return None
 
 
 class PdkvConnector(KVConnectorBase_V1):
@@ -579,6 +609,7 @@ class _Worker:
         extra = _extra(vllm_config)
         kvt = vllm_config.kv_transfer_config
         self.kv_cache_config = kv_cache_config
+        self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         self.timeout_s = float(extra.get("transfer_timeout_s", 30.0))
         self.stats_path = extra.get("stats_path")
@@ -602,7 +633,7 @@ class _Worker:
         self._regions: list[pdkv.Region] = []
         self._caches: list[torch.Tensor] = []
         self.geometry: pdkv.KVGeometry | None = None
-        self.has_rows = False  # registered _ROWS_LAYOUT too
+        self.has_tokens = False  # registered _TOKEN_LAYOUT too
         self.phys_per_block = 1
         self.block_bytes = 0
         # decode
@@ -610,7 +641,7 @@ class _Worker:
         self._peers: dict[str, concurrent.futures.Future] = {}
         #: Connected prefill peer -> its layout's geometry (set by the connect thread).
         self._peer_geometry: dict[str, pdkv.KVGeometry] = {}
-        self._peer_rows: set[str] = set()  # peers that export _ROWS_LAYOUT
+        self._peer_tokens: set[str] = set()  # peers that export _TOKEN_LAYOUT
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect")
         self._parked: dict[str, tuple[_Recv, str, concurrent.futures.Future, float]] = {}
         self._recving: dict[str, tuple[pdkv.Transfer, _Recv, str, float]] = {}
@@ -654,14 +685,25 @@ class _Worker:
             self._regions.append(self.agent.register_address(addr, nbytes))
             self._caches.append(t)
         self.agent.add_layout(_LAYOUT, described.layout)
-        if described.rows is not None:
-            self.agent.add_layout(_ROWS_LAYOUT, described.rows)
-            self.has_rows = True
+        if described.kind == "cpu":
+            self._add_token_layout(kv_caches)
         g = self.geometry
         self.block_bytes = g.block_bytes * g.kv_parts * g.num_layers * self.phys_per_block
         logger.info("pdkv connector: registered %d layers (%s layout: %d kv heads x %d, %d-token kernel blocks), "
                     "%d bytes per logical block in %d region(s)", g.num_layers, described.kind, g.kv_heads,
                     g.head_dim, g.block_tokens, self.block_bytes, len(self._regions))
+
+    def _add_token_layout(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Exports the CPU cache per token (for pulls between block sizes) when
+        vLLM's kernel packs it the way :func:`cpu_token_layout` says."""
+        t = next(iter(kv_caches.values()))
+        cache_dtype = getattr(self.vllm_config.cache_config, "cache_dtype", "auto")
+        why = _probe_cpu_packing(t.dtype, self.block_size, t.shape[1], t.shape[3] // 2, cache_dtype)
+        if why is not None:
+            logger.info("pdkv connector: %s; pulls between different block sizes will be recomputed", why)
+            return
+        self.agent.add_layout(_TOKEN_LAYOUT, cpu_token_layout(kv_caches))
+        self.has_tokens = True
 
     def handshake_metadata(self) -> PdkvHandshakeMetadata:
         return PdkvHandshakeMetadata(agent_name=self.agent.name, address=self.agent.address)
@@ -688,8 +730,8 @@ class _Worker:
         rgeo = pdkv.KVLayout(layouts[_LAYOUT]).geometry
         with self._lock:
             self._peer_geometry[peer] = rgeo
-            if _ROWS_LAYOUT in layouts:
-                self._peer_rows.add(peer)
+            if _TOKEN_LAYOUT in layouts:
+                self._peer_tokens.add(peer)
         logger.info("pdkv connector: connected to %s at %s over %s", peer, address, self.agent.peer_transport(peer))
         return peer
 
@@ -755,7 +797,7 @@ class _Worker:
         differ."""
         span = self._checked_span(r)
         with self._lock:
-            rgeo, peer_rows = self._peer_geometry[peer], peer in self._peer_rows
+            rgeo, peer_tokens = self._peer_geometry[peer], peer in self._peer_tokens
         assert self.geometry is not None
         check_pullable(self.geometry, rgeo)
         if not r.remote_block_size and rgeo.block_tokens != self.geometry.block_tokens:
@@ -764,7 +806,11 @@ class _Worker:
                                        f"{self.geometry.block_tokens}")
         remote_per_block = kernel_blocks_per_block(span.remote_block_size, rgeo.block_tokens, "prefill")
         gens = self._remote_generations(r, remote_per_block)
-        layout = r.layout = _ROWS_LAYOUT if span.plan_tokens and self.has_rows and peer_rows else _LAYOUT
+        layout = r.layout = _TOKEN_LAYOUT if span.plan_tokens else _LAYOUT
+        if span.plan_tokens and not (self.has_tokens and peer_tokens):
+            side = "decode's" if not self.has_tokens else "prefill's"
+            raise pdkv.NotSupported(f"{side} KV cache has no per-token layout (see its log), so blocks of "
+                                    f"{span.remote_block_size} tokens cannot become blocks of {span.local_block_size}")
         args = (peer, layout, self._phys(r.local_block_ids), layout,
                 kernel_block_ids(r.remote_block_ids, remote_per_block))
         kw = dict(notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s, num_tokens=span.plan_tokens)
@@ -864,7 +910,7 @@ class _Worker:
         """Runs in the bump thread: invalidates the handed-out generations of
         ``block_ids``; returns once no pull under the old ones still reads them."""
         if block_ids:
-            for layout in (_LAYOUT, _ROWS_LAYOUT) if self.has_rows else (_LAYOUT,):
+            for layout in (_LAYOUT, _TOKEN_LAYOUT) if self.has_tokens else (_LAYOUT,):
                 # Both layouts name the same blocks: a pull through either must go stale.
                 self.agent.bump_generations(layout, self._phys(block_ids), timeout=None)
 

@@ -25,11 +25,6 @@ class VllmKVLayout:
     layout: KVLayout
     phys_per_block: int
     kind: str  # "gpu", "flashinfer", "cpu" or "mla" (see KVLayout.from_vllm)
-    #: CPU caches only: the same bytes as one part whose heads are ``2*head_size``
-    #: elements (each token's K row followed by its V row). Between two CPU caches of
-    #: different block sizes it moves a run per (layer, head, token chunk) where
-    #: ``layout`` needs one per (layer, K/V, head, token).
-    rows: KVLayout | None = None
 
 
 def _kind(t: Any) -> str:
@@ -85,23 +80,56 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], *, logical_blocks: int | No
         if geo.num_blocks % logical_blocks:
             raise InvalidArgument(f"{geo.num_blocks} kernel blocks do not split into {logical_blocks} logical blocks")
         phys = geo.num_blocks // logical_blocks
-    return VllmKVLayout(layout, phys, kind, _kv_rows(layout) if kind == "cpu" else None)
+    return VllmKVLayout(layout, phys, kind)
 
 
-def _kv_rows(layout: KVLayout) -> KVLayout | None:
-    """A CPU cache's K and V parts as one part of K|V rows, when every layer's V
-    row follows its K row with the same strides (None otherwise)."""
-    geo, segs = layout.geometry, layout.segments
-    row = geo.head_dim * geo.itemsize
-    merged = []
-    for k, v in zip(segs[0::2], segs[1::2]):
-        strides = ("block_stride", "token_stride", "head_stride")
-        if v["addr"] != k["addr"] + row or any(k[n] != v[n] for n in strides):
-            return None
-        merged.append((k["addr"], *(k[n] for n in strides)))
-    rows_geo = KVGeometry(geo.num_layers, geo.num_blocks, geo.block_tokens, geo.kv_heads, 2 * geo.head_dim,
-                          geo.dtype, kv_parts=1, order=geo.order)
-    return KVLayout.from_strided(rows_geo, merged)
+# ---------------------------------------------------------------------------- vLLM CPU caches per token
+def cpu_token_layout(kv_caches: Mapping[str, Any]) -> KVLayout:
+    """Where each token's K and V elements sit in vLLM CPU caches written by the
+    ``vec`` attention kernels (x86 without AMX, any block size that is a multiple of 32).
+
+    Such a cache ``[num_blocks, kv_heads, block_size, 2*head_size]`` holds, per (block,
+    head), K transposed (``[head_size, block_size]``: a dimension's tokens are
+    contiguous) followed by V (``[block_size, head_size]``). No (token, head) row is
+    contiguous in K, so this layout has one element per row: layer ``l * kv_heads + h``
+    is (layer l, head h), its "heads" are the ``head_size`` dimensions. pdkv's planner
+    then moves a run of tokens per (layer, head, K dimension) and one per (layer, head)
+    for V between two block sizes. Only valid for caches the kernel really packs this
+    way: the connector checks that on vLLM's own kernel first
+    (:func:`pdkv.integrations.vllm._probe_cpu_packing`).
+
+    Raises
+    ------
+    InvalidArgument
+        Tensors that are not contiguous CPU caches of one shape.
+    """
+    tensors = list(kv_caches.values())
+    if not tensors or any(len(t.shape) != 4 for t in tensors):
+        raise InvalidArgument("expected vLLM CPU caches [num_blocks, kv_heads, block_size, 2*head_size]")
+    shape, e = tuple(tensors[0].shape), tensors[0].element_size()
+    nb, heads, bs, d2 = shape
+    dim = d2 // 2
+    segments = []
+    for i, t in enumerate(tensors):
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise InvalidArgument(f"layer {i}: shape {tuple(t.shape)} (contiguous {t.is_contiguous()}) is not the "
+                                  f"first layer's contiguous {shape}")
+        block_stride, head_stride = t.stride(0) * e, t.stride(1) * e
+        for h in range(heads):
+            slab = t.data_ptr() + h * head_stride
+            segments.append((slab, block_stride, e, bs * e))  # K[d, t]: tokens contiguous per dimension
+            segments.append((slab + bs * dim * e, block_stride, dim * e, e))  # V[t, d]
+    geo = KVGeometry(len(tensors) * heads, nb, bs, dim, 1, tensors[0].dtype, kv_parts=2, order="HND")
+    return KVLayout.from_strided(geo, segments, keepalive=tensors)
+
+
+def cpu_token(cache: Any, block: int, head: int, token: int) -> tuple[Any, Any]:
+    """(K, V) of one token and head in a ``vec``-packed CPU cache (the reference the
+    probe and the tests compare with)."""
+    nb, heads, bs, d2 = cache.shape
+    dim = d2 // 2
+    slab = cache.view(nb, heads, bs * d2)[block, head]
+    return slab[token:bs * dim:bs], slab[bs * dim + token * dim:bs * dim + (token + 1) * dim]
 
 
 # ---------------------------------------------------------------------------- pulls between block sizes
