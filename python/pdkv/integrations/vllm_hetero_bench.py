@@ -30,11 +30,8 @@ from vllm.v1.request import RequestStatus
 
 from pdkv.integrations import vllm as conn
 
-#: (prefill block size, decode block size, through the K|V rows layout) per case; the
-#: first is the baseline. The last shows what the rows layout saves: the exact K/V
-#: layout moves one run per (layer, K/V, head, token).
-CASES = {"equal 128/128": (128, 128, True), "prefill 128 -> decode 64": (128, 64, True),
-         "prefill 64 -> decode 128": (64, 128, True), "prefill 128 -> decode 64, K/V layout": (128, 64, False)}
+#: (prefill block size, decode block size) per case; the first is the baseline.
+CASES = {"equal 128/128": (128, 128), "prefill 128 -> decode 64": (128, 64), "prefill 64 -> decode 128": (64, 128)}
 
 
 def _config(role: str, block_size: int, **extra) -> SimpleNamespace:
@@ -47,7 +44,9 @@ class _Side:
     """One instance: the connector's scheduler half and worker over its own KV cache."""
 
     def __init__(self, role: str, block_size: int, blocks: int, args: argparse.Namespace, **extra) -> None:
-        cfg = _config(role, block_size, transports=[args.transport], **extra)
+        # the agent's address is its tcp endpoint: shm pulls still connect over it
+        transports = ["shm", "tcp"] if args.transport == "shm" else ["tcp"]
+        cfg = _config(role, block_size, transports=transports, **extra)
         self.sched, self.worker = conn._Scheduler(cfg), conn._Worker(cfg, None)
         self.caches = {f"layer{i}": torch.rand(blocks, args.kv_heads, block_size, 2 * args.head_size)
                        for i in range(args.layers)}
@@ -69,12 +68,11 @@ class _Side:
             time.sleep(0.0005)
 
 
-def _run_case(name: str, prefill_bs: int, decode_bs: int, rows: bool, stats: Path, args: argparse.Namespace) -> None:
+def _run_case(name: str, prefill_bs: int, decode_bs: int, stats: Path, args: argparse.Namespace) -> None:
     n = args.tokens
     remote, local = list(range(1, 1 + -(-n // prefill_bs))), list(range(1, 1 + -(-n // decode_bs)))
     prefill = _Side("prefill", prefill_bs, len(remote) + 1, args, kv_lease_s=60)
     decode = _Side("decode", decode_bs, len(local) + 1, args, stats_path=str(stats))
-    decode.worker.has_rows = rows
     try:
         for i in range(args.requests):
             req_id = f"{name}#{i}"
@@ -101,11 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-size", type=int, default=32)
-    ap.add_argument("--stats", type=Path, default=None, help="stats_path JSON lines (default: a temporary file)")
+    ap.add_argument("--stats", type=Path, default=None,
+                    help="stats_path JSON lines, replaced (default: a temporary file)")
     args = ap.parse_args(argv)
     stats = args.stats or Path(tempfile.mkdtemp(prefix="pdkv-hetero-")) / "pulls.jsonl"
-    for name, (p, d, rows) in CASES.items():
-        _run_case(name, p, d, rows, stats, args)
+    stats.unlink(missing_ok=True)  # this run's pulls only
+    for name, (p, d) in CASES.items():
+        _run_case(name, p, d, stats, args)
     rows = [json.loads(line) for line in stats.read_text().splitlines()]
     base = None
     print(f"transport {args.transport}, {args.tokens} tokens per request, stats in {stats}")
