@@ -76,8 +76,11 @@ both sides; the connector checks the geometry at the first pull and fails the pu
 (so vLLM recomputes) when one differs. Block sizes may differ: prefill sends its
 ``remote_block_size`` and decode maps the request's token range onto prefill's
 blocks (:func:`pdkv.integrations.vllm_layout.pull_span`), one planned read per
-request; a decode prefix-cache hit that ends inside one of prefill's blocks is
-recomputed instead (the planner moves block lists from their first token).
+request, through the per-token layout of vLLM's CPU cache (``vllm-kv-tokens``,
+exported when vLLM's own cache kernel packs it as
+:func:`pdkv.integrations.vllm_layout.cpu_token_layout` says); a decode prefix-cache
+hit that ends inside one of prefill's blocks is recomputed instead (the planner
+moves block lists from their first token).
 
 This module imports vLLM and torch; ``import pdkv`` does not import it.
 """

@@ -1,4 +1,6 @@
-"""How the vLLM connector describes vLLM's KV cache tensors as one pdkv layout.
+"""How the vLLM connector describes vLLM's KV cache tensors as pdkv layouts, and
+which blocks hold a request's tokens when prefill and decode use different block
+sizes.
 
 Kept apart from :mod:`pdkv.integrations.vllm` (which imports vLLM) so that it is
 tested without vLLM, on tensors of the shapes vLLM's attention backends allocate.
