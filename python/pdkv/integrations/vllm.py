@@ -794,26 +794,36 @@ class _Worker:
                 f"{len(r.remote_block_ids)}")
         return span
 
-    def _read(self, peer: str, r: _Recv) -> pdkv.Transfer:
-        """Posts the pull, with prefill's generations when it sent them: one read of
-        the request's token range, re-blocked by pdkv's planner when the block sizes
-        differ."""
-        span = self._checked_span(r)
-        with self._lock:
-            rgeo, peer_tokens = self._peer_geometry[peer], peer in self._peer_tokens
+    def _pull_layout(self, peer: str, r: _Recv, span: PullSpan, rgeo: pdkv.KVGeometry) -> str:
+        """The layout both sides pull through: whole blocks (``_LAYOUT``) for equal
+        block sizes, else the per-token one. Raises when prefill's cache differs in
+        anything but block size, or when either side has no per-token layout."""
         assert self.geometry is not None
         check_pullable(self.geometry, rgeo)
         if not r.remote_block_size and rgeo.block_tokens != self.geometry.block_tokens:
             raise pdkv.InvalidArgument(f"prefill sent no remote_block_size (an older prefill) and its KV layout's "
                                        f"blocks hold {rgeo.block_tokens} tokens, decode's "
                                        f"{self.geometry.block_tokens}")
-        remote_per_block = kernel_blocks_per_block(span.remote_block_size, rgeo.block_tokens, "prefill")
-        gens = self._remote_generations(r, remote_per_block)
-        layout = r.layout = _TOKEN_LAYOUT if span.plan_tokens else _LAYOUT
-        if span.plan_tokens and not (self.has_tokens and peer_tokens):
-            side = "decode's" if not self.has_tokens else "prefill's"
+        if not span.plan_tokens:
+            return _LAYOUT
+        with self._lock:
+            peer_tokens = peer in self._peer_tokens
+        if not (self.has_tokens and peer_tokens):
+            side = "prefill's" if self.has_tokens else "decode's"
             raise pdkv.NotSupported(f"{side} KV cache has no per-token layout (see its log), so blocks of "
                                     f"{span.remote_block_size} tokens cannot become blocks of {span.local_block_size}")
+        return _TOKEN_LAYOUT
+
+    def _read(self, peer: str, r: _Recv) -> pdkv.Transfer:
+        """Posts the pull, with prefill's generations when it sent them: one read of
+        the request's token range, re-blocked by pdkv's planner when the block sizes
+        differ."""
+        span = self._checked_span(r)
+        with self._lock:
+            rgeo = self._peer_geometry[peer]
+        layout = r.layout = self._pull_layout(peer, r, span, rgeo)
+        remote_per_block = kernel_blocks_per_block(span.remote_block_size, rgeo.block_tokens, "prefill")
+        gens = self._remote_generations(r, remote_per_block)
         args = (peer, layout, self._phys(r.local_block_ids), layout,
                 kernel_block_ids(r.remote_block_ids, remote_per_block))
         kw = dict(notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s, num_tokens=span.plan_tokens)
