@@ -1,10 +1,13 @@
 """vLLM prefill/decode disaggregation through pdkv's connector, end to end on CPU.
 
 A tiny random-weight Llama (built from a config, with a locally made byte-level
-tokenizer) is served by vLLM's CPU build in three processes: a prefill instance
+tokenizer) is served by vLLM's CPU build in four processes: a prefill instance
 and a decode instance connected by :class:`pdkv.integrations.vllm.PdkvConnector`,
-and a second prefill instance serving *different* weights of the same shape (the
-negative control). The references are the same decode and prefill instances
+a second prefill instance serving *different* weights of the same shape (the
+negative control), and ``flex``, an instance of the first weights with another
+block size (``FLEX_BLOCK``) that is both prefill and decode (``kv_both``): decode
+for prefill and prefill_other (decode's blocks smaller than prefill's), prefill for
+decode (larger). The references are the same decode and prefill instances
 answering without ``kv_transfer_params``, i.e. computing the prompt themselves in
 the same ``--enforce-eager`` mode (the connector does nothing for such requests).
 Prefix caching is on (vLLM's default) everywhere; every test uses its own prompts,
@@ -49,6 +52,8 @@ LENGTHS = {"short": 5, "three_blocks": 3 * BLOCK, "partial_last": 2 * BLOCK + 44
 #: two 3-block prompts in a row must share blocks (test_late_pull_of_reused_blocks_recomputes).
 OTHER_LEASE_S = 15
 OTHER_BLOCKS = 5
+#: flex's KV block size: prefill and decode with different block sizes.
+FLEX_BLOCK = 64
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -70,7 +75,7 @@ def deploy(tmp_path_factory):
     for name, seed in (("m0", 0), ("m1", 1)):
         subprocess.run([VLLM_PYTHON, "-m", "pdkv.integrations.tiny_llama", str(root / name), "--seed", str(seed)],
                        check=True, capture_output=True, timeout=300)
-    stats = {k: root / f"{k}.jsonl" for k in ("decode", "prefill", "prefill_other")}
+    stats = {k: root / f"{k}.jsonl" for k in ("decode", "flex")}
     common = dict(python=VLLM_PYTHON, log_dir=logs, wait=False, kv_cache_gib=1)
     procs = []
     try:
@@ -82,31 +87,40 @@ def deploy(tmp_path_factory):
         procs.append(VllmInstance(root / "m0", name="decode", cpus="1", **common,
                                   kv_config=pdkv_kv_config("kv_consumer", stats_path=str(stats["decode"]),
                                                            transfer_timeout_s=10)))
+        procs.append(VllmInstance(root / "m0", name="flex", cpus="1", **common,
+                                  args=["--block-size", str(FLEX_BLOCK)],
+                                  kv_config=pdkv_kv_config("kv_both", stats_path=str(stats["flex"]), kv_lease_s=60,
+                                                           transfer_timeout_s=10)))
         for p in procs:
             p.wait_ready(420)
-        prefill, other, decode = procs
-        procs.append(ProxyProcess([prefill.url], [decode.url], python=VLLM_PYTHON, log_dir=logs, name="proxy"))
-        procs.append(ProxyProcess([other.url], [decode.url], python=VLLM_PYTHON, log_dir=logs, name="proxy_other"))
-        yield {"prefill": prefill, "other": other, "decode": decode, "proxy": procs[3], "proxy_other": procs[4],
-               "stats": stats["decode"], "logs": logs}
+        prefill, other, decode, flex = procs
+        proxies = {}
+        for name, pre, dec in (("proxy", prefill, decode), ("proxy_other", other, decode),
+                               ("proxy_to_flex", prefill, flex), ("proxy_other_to_flex", other, flex),
+                               ("proxy_from_flex", flex, decode)):
+            proxies[name] = ProxyProcess([pre.url], [dec.url], python=VLLM_PYTHON, log_dir=logs, name=name)
+            procs.append(proxies[name])
+        yield {"prefill": prefill, "other": other, "decode": decode, "flex": flex, **proxies,
+               "stats": stats["decode"], "flex_stats": stats["flex"], "logs": logs}
     finally:
         for p in reversed(procs):
             p.close()
 
 
-def _pulls(d, response_id: str) -> list[dict]:
-    """The decode connector's stats rows for one OpenAI response id."""
-    path: Path = d["stats"]
+def _pulls(d, response_id: str, stats: str = "stats") -> list[dict]:
+    """The decode connector's stats rows for one OpenAI response id (``stats``:
+    decode's, or ``"flex_stats"``)."""
+    path: Path = d[stats]
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r for r in rows if r["request_id"].startswith(response_id + "-") or r["request_id"] == response_id]
 
 
-def _wait_pull(d, response_id: str, timeout: float = 10.0) -> dict:
+def _wait_pull(d, response_id: str, timeout: float = 10.0, stats: str = "stats") -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        rows = _pulls(d, response_id)
+        rows = _pulls(d, response_id, stats)
         if rows:
             assert len(rows) == 1, rows
             return rows[0]
@@ -278,3 +292,71 @@ def test_late_pull_of_reused_blocks_recomputes(deploy):
     assert _wait_pull(deploy, ans_b["id"])["error"] is None
     assert _tokens(ans_b) != _tokens(deploy["prefill"].complete(prompt_b, MAX_NEW))
     _wait_free(other)
+
+
+# ---------------------------------------------------------------- different block sizes
+#: (proxy, the stats file of its decode, prefill's block size, decode's block size)
+HETERO = {"to_flex": ("proxy_to_flex", "flex_stats", BLOCK, FLEX_BLOCK),
+          "from_flex": ("proxy_from_flex", "stats", FLEX_BLOCK, BLOCK)}
+
+
+@pytest.mark.parametrize("direction", list(HETERO))
+@pytest.mark.parametrize("kind", ["short", "partial_last"])
+def test_pd_between_block_sizes_equals_colocated(deploy, direction, kind):
+    """Prefill and decode with different block sizes: decode maps the prompt's
+    tokens onto prefill's blocks and pulls them in one read; greedy output equals
+    the colocated instance's."""
+    proxy, stats, pre_block, dec_block = HETERO[direction]
+    n = LENGTHS[kind]
+    prompt = _prompt(n, seed=3000 + n + len(direction))
+    ref = _tokens(deploy["prefill"].complete(prompt, MAX_NEW))
+    ans = deploy[proxy].complete(prompt, MAX_NEW)
+    assert _tokens(ans) == ref
+    pull = _wait_pull(deploy, ans["id"], stats=stats)
+    assert pull["error"] is None, pull
+    assert (pull["block_size"], pull["remote_block_size"]) == (dec_block, pre_block), pull
+    assert (pull["blocks"], pull["remote_blocks"]) == (-(-n // dec_block), -(-n // pre_block)), pull
+    assert pull["bytes"] == n * 2 * 2 * 2 * 32 * 4, pull  # exactly the prompt: tokens*layers*K/V*heads*dim*fp32
+
+
+def test_concurrent_requests_between_block_sizes(deploy):
+    prompts = [_prompt(n, seed=4000 + n) for n in (1, 63, 64, 65, 129, 200, 300, 511)]
+    refs = [_tokens(deploy["prefill"].complete(p, MAX_NEW)) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+        to_flex = ex.map(lambda p: _tokens(deploy["proxy_to_flex"].complete(p, MAX_NEW)), prompts)
+        from_flex = ex.map(lambda p: _tokens(deploy["proxy_from_flex"].complete(p, MAX_NEW)),
+                           [p + [5] for p in prompts])  # other prompts: no prefix-cache hit from the first map
+        assert list(to_flex) == refs
+        assert list(from_flex) == [_tokens(deploy["prefill"].complete(p + [5], MAX_NEW)) for p in prompts]
+
+
+def test_negative_control_between_block_sizes(deploy):
+    """flex (m0, 64-token blocks) pulls prefill_other's (m1, 128-token blocks) KV:
+    the output changes, so decode really uses the re-blocked KV."""
+    prompt = _prompt(LENGTHS["partial_last"], seed=8)
+    ref = _tokens(deploy["prefill"].complete(prompt, MAX_NEW))
+    ans = deploy["proxy_other_to_flex"].complete(prompt, MAX_NEW)
+    pull = _wait_pull(deploy, ans["id"], stats="flex_stats")
+    assert pull["error"] is None and (pull["blocks"], pull["remote_blocks"]) == (5, 3), pull
+    assert _tokens(ans) != ref
+    assert _tokens(ans) != _tokens(deploy["other"].complete(prompt, MAX_NEW))
+    _wait_free(deploy["other"])
+
+
+def test_prefix_hit_inside_a_prefill_block_is_computed(deploy):
+    """flex caches the first 64 tokens itself (one of its blocks, half of one of
+    prefill's): it computes the rest instead of pulling, with the right answer;
+    with 128 cached (a whole prefill block) it pulls only the rest."""
+    prompt = _prompt(2 * BLOCK + 44, seed=9)
+    flex = deploy["flex"]
+    flex.complete(prompt[:FLEX_BLOCK] + [7] * 10, 1)  # caches the first 64 tokens
+    ans = deploy["proxy_to_flex"].complete(prompt, MAX_NEW)
+    assert _tokens(ans) == _tokens(deploy["prefill"].complete(prompt, MAX_NEW))
+    assert _pulls(deploy, ans["id"], "flex_stats") == []
+    assert "end inside one of prefill's 128-token blocks" in flex.log_path.read_text(errors="replace")
+    prompt2 = _prompt(2 * BLOCK + 44, seed=10)
+    flex.complete(prompt2[:BLOCK] + [7] * 10, 1)  # a whole prefill block cached
+    ans = deploy["proxy_to_flex"].complete(prompt2, MAX_NEW)
+    pull = _wait_pull(deploy, ans["id"], stats="flex_stats")
+    assert pull["error"] is None and pull["tokens"] == BLOCK + 44 and pull["remote_blocks"] == 2, pull
+    assert _tokens(ans) == _tokens(deploy["prefill"].complete(prompt2, MAX_NEW))

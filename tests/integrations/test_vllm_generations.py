@@ -30,6 +30,7 @@ if importlib.util.find_spec("vllm") is not None:
         from vllm.v1.request import RequestStatus
 
         from pdkv.integrations import vllm as conn
+        from pdkv.integrations.vllm_layout import cpu_token
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not importable here: run scripts/ci_vllm.sh")
@@ -37,22 +38,25 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 BLOCKS, HEADS, TOKENS, DIM = 8, 2, 4, 8
 
 
-def _config(role: str, **extra) -> SimpleNamespace:
+def _config(role: str, tokens: int = TOKENS, **extra) -> SimpleNamespace:
     kvt = SimpleNamespace(kv_connector_extra_config={"secret": "s" * 16, "transports": ["tcp"], **extra},
                           engine_id=f"{role}-engine", is_kv_consumer=role == "decode",
                           kv_load_failure_policy="recompute")
-    return SimpleNamespace(kv_transfer_config=kvt, cache_config=SimpleNamespace(block_size=TOKENS))
+    return SimpleNamespace(kv_transfer_config=kvt, cache_config=SimpleNamespace(block_size=tokens))
 
 
 class Instance:
-    """One side: the connector's scheduler half and one worker over a 2-layer KV cache."""
+    """One side: the connector's scheduler half and one worker over a 2-layer KV cache
+    of vLLM's CPU layout, ``tokens`` per block."""
 
-    def __init__(self, role: str, seed: int, **extra) -> None:
-        cfg = _config(role, **extra)
+    def __init__(self, role: str, seed: int, tokens: int = TOKENS, heads: int = HEADS, dim: int = DIM,
+                 **extra) -> None:
+        cfg = _config(role, tokens, **extra)
+        self.tokens = tokens
         self.sched = conn._Scheduler(cfg)
         self.worker = conn._Worker(cfg, None)
         g = torch.Generator().manual_seed(seed)
-        self.caches = {f"layer{i}": torch.rand(BLOCKS, HEADS, TOKENS, 2 * DIM, generator=g) for i in range(2)}
+        self.caches = {f"layer{i}": torch.rand(BLOCKS, heads, tokens, 2 * dim, generator=g) for i in range(2)}
         self.worker.register_kv_caches(self.caches)
         self.sched.set_agents({0: self.worker.handshake_metadata()})
 
@@ -93,22 +97,25 @@ def pd():
     prefill.close()
 
 
-def _finish(prefill: Instance, req_id: str, block_ids: list[int]) -> dict:
-    """Prefill finished ``req_id`` (max_tokens=1): the kv_transfer_params it returns."""
+def _finish(prefill: Instance, req_id: str, block_ids: list[int], num_tokens: int | None = None) -> dict:
+    """Prefill finished ``req_id`` (max_tokens=1) after ``num_tokens`` prompt tokens
+    (default: its blocks full): the kv_transfer_params it returns."""
+    n = len(block_ids) * prefill.tokens if num_tokens is None else num_tokens
     req = SimpleNamespace(request_id=req_id, kv_transfer_params={"do_remote_decode": True},
-                          status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=len(block_ids) * TOKENS)
+                          status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=n)
     delay, params = prefill.sched.request_finished(req, block_ids)
     assert delay is True
     return params
 
 
-def _pull(decode: Instance, req_id: str, params: dict, local: list[int]) -> set[int]:
-    """Decode schedules ``req_id`` with ``params`` into ``local`` blocks and pulls;
-    returns the blocks reported as load errors."""
-    n = len(params["remote_block_ids"]) * TOKENS
+def _pull(decode: Instance, req_id: str, params: dict, local: list[int], cached: int = 0) -> set[int]:
+    """Decode schedules ``req_id`` with ``params`` into ``local`` blocks (the request's
+    whole block list; its first ``cached`` tokens are local prefix-cache hits) and
+    pulls; returns the blocks reported as load errors."""
+    n = params["remote_num_tokens"]
     req = SimpleNamespace(request_id=req_id, kv_transfer_params=dict(params), num_prompt_tokens=n + 1)
-    count, is_async = decode.sched.get_num_new_matched_tokens(req, 0)
-    assert (count, is_async) == (n, True)
+    count, is_async = decode.sched.get_num_new_matched_tokens(req, cached)
+    assert (count, is_async) == (n - cached, True)
     decode.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (list(local),)), count)
     decode.until(lambda r: req_id in r[1], f"pull of {req_id}")
     return decode.worker.take_load_errors()
@@ -211,3 +218,144 @@ def test_transport_without_generations_falls_back_to_the_lease(pd, monkeypatch):
     params = _finish(prefill, "a", [1, 2])
     assert _pull(decode, "d1", dict(params, remote_expires_at=time.time() - 1), [3, 4]) == {3, 4}
     assert _pull(decode, "d2", params, [3, 4]) == set()
+
+
+# ---------------------------------------------------------------- different block sizes
+#: Block sizes and head size vLLM's CPU kernels take (multiples of 32): the connector
+#: checks its per-token layout against the kernel at registration.
+BIG, SMALL, HDIM = 64, 32, 32
+
+
+def _hetero(prefill_tokens: int, decode_tokens: int, prefill_heads: int = HEADS, **decode_extra):
+    return (Instance("prefill", 1, tokens=prefill_tokens, heads=prefill_heads, dim=HDIM, kv_lease_s=60),
+            Instance("decode", 2, tokens=decode_tokens, dim=HDIM, **decode_extra))
+
+
+def _request_tokens(inst: Instance, block_ids: list[int], start: int, end: int) -> list:
+    """(K, V) of every layer, head and token in [start, end) of a request whose block
+    list is ``block_ids``, read where vLLM's CPU kernel keeps them."""
+    t = inst.tokens
+    return [cpu_token(c, block_ids[i // t], h, i % t) for c in inst.caches.values()
+            for h in range(c.shape[1]) for i in range(start, end)]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("prefill_tokens, decode_tokens", [(BIG, SMALL), (SMALL, BIG)])
+@pytest.mark.parametrize("num_tokens", [3, 2 * BIG + 21])  # shorter than a block; blocks and a partial one
+def test_pull_between_block_sizes_lands_every_token(prefill_tokens, decode_tokens, num_tokens):
+    prefill, decode = _hetero(prefill_tokens, decode_tokens)
+    try:
+        assert prefill.worker.has_tokens and decode.worker.has_tokens  # the kernel packs fp32 as described
+        remote = [7, 2, 5, 1, 0, 6][:-(-num_tokens // prefill_tokens)]
+        local = [3, 6, 0, 4, 1, 5][:-(-num_tokens // decode_tokens)]
+        params = _finish(prefill, "a", remote, num_tokens)
+        assert params["remote_block_size"] == prefill_tokens
+        assert _pull(decode, "d", params, local) == set()
+        assert _same(_request_tokens(decode, local, 0, num_tokens), _request_tokens(prefill, remote, 0, num_tokens))
+        prefill.until(lambda r: "a" in r[0], "release of a")  # the read's notification freed prefill's blocks
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_prefix_hit_on_a_prefill_block_boundary_pulls_the_rest():
+    """Decode (32-token blocks) caches the first 64 tokens: it pulls prefill's
+    (64-token) blocks 1.. into its blocks 2.. and leaves its cached ones alone."""
+    prefill, decode = _hetero(BIG, SMALL)
+    try:
+        remote, local, n = [7, 2, 5], [3, 6, 0, 4, 1], 2 * BIG + 21
+        cached = _request_tokens(decode, local, 0, BIG)
+        assert _pull(decode, "d", _finish(prefill, "a", remote, n), local, cached=BIG) == set()
+        assert _same(_request_tokens(decode, local, BIG, n), _request_tokens(prefill, remote, BIG, n))
+        assert _same(_request_tokens(decode, local, 0, BIG), cached)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_prefix_hit_inside_a_prefill_block_is_computed_not_pulled():
+    """Decode caches 32 tokens, which end inside prefill's first 64-token block: it
+    claims nothing (computes the rest itself) and lets prefill free its blocks."""
+    prefill, decode = _hetero(BIG, SMALL)
+    try:
+        params = _finish(prefill, "a", [7, 2, 5], 2 * BIG + 21)
+        req = SimpleNamespace(request_id="d", kv_transfer_params=dict(params), num_prompt_tokens=2 * BIG + 22)
+        assert decode.sched.get_num_new_matched_tokens(req, SMALL) == (0, False)
+        decode.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 6, 0, 4, 1],)), 0)
+        decode.step()  # sends the release
+        prefill.until(lambda r: "a" in r[0], "release of a")
+        assert decode.worker.stats.is_empty()  # no pull, no failure
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_other_kv_heads_are_recomputed_with_the_reason(tmp_path):
+    stats = tmp_path / "pulls.jsonl"
+    prefill, decode = _hetero(BIG, SMALL, prefill_heads=1, stats_path=str(stats))
+    try:
+        assert _pull(decode, "d", _finish(prefill, "a", [7, 2], 2 * BIG), [3, 6, 0, 4]) == {3, 6, 0, 4}
+        (row,) = [json.loads(line) for line in stats.read_text().splitlines()]
+        assert row["error"].startswith("InvalidArgument") and "KV heads 1 vs 2" in row["error"], row
+        prefill.until(lambda r: "a" in r[0], "release of a")  # decode still frees prefill's copy
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_older_prefill_without_its_block_size_is_not_misread():
+    """A prefill that sends no remote_block_size is taken to use decode's: when its
+    layout says otherwise the pull fails (vLLM recomputes) instead of reading the
+    wrong tokens."""
+    prefill, decode = _hetero(BIG, SMALL)
+    try:
+        params = _finish(prefill, "a", [7, 2], 2 * BIG)
+        del params["remote_block_size"]
+        # decode's reading: 128 tokens in its 32-token blocks, i.e. 4 prefill blocks (only 2 sent)
+        assert _pull(decode, "d", params, [3, 6, 0, 4]) == {3, 6, 0, 4}
+        params = _finish(prefill, "b", [1, 3, 4, 5], 2 * BIG)
+        del params["remote_block_size"]
+        assert _pull(decode, "e", params, [3, 6, 0, 4]) == {3, 6, 0, 4}  # counts fit, layouts do not
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_without_a_per_token_layout_block_sizes_are_recomputed(tmp_path):
+    """A cache whose packing the probe did not recognise (bfloat16 on AMX, say)
+    exports no per-token layout: pulls between block sizes fail (vLLM recomputes)."""
+    stats = tmp_path / "pulls.jsonl"
+    prefill, decode = _hetero(BIG, SMALL, stats_path=str(stats))
+    try:
+        decode.worker.has_tokens = False
+        assert _pull(decode, "d", _finish(prefill, "a", [7, 2], 2 * BIG), [3, 6, 0, 4]) == {3, 6, 0, 4}
+        (row,) = [json.loads(line) for line in stats.read_text().splitlines()]
+        assert row["error"].startswith("NotSupported") and "per-token layout" in row["error"], row
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_late_pull_between_block_sizes_goes_stale_through_the_token_layout(tmp_path):
+    """Pulls between block sizes go through the per-token layout: prefill bumps its
+    generations too, so a pull after the hand-out ended reads nothing there either."""
+    stats = tmp_path / "pulls.jsonl"
+    prefill, decode = _hetero(BIG, SMALL, stats_path=str(stats))
+    try:
+        late = _finish(prefill, "a", [7, 2], BIG + 13)
+        assert _pull(decode, "d1", dict(late), [3, 6, 0]) == set()
+        prefill.until(lambda r: "a" in r[0], "release of a")
+        assert prefill.worker.agent.generations("vllm-kv-tokens", [7, 2]) == [2, 2] == \
+            prefill.worker.agent.generations("vllm-kv", [7, 2])
+        before = _request_tokens(decode, [1, 5, 4], 0, BIG + 13)
+        assert _pull(decode, "d2", late, [1, 5, 4]) == {1, 5, 4}
+        assert _same(_request_tokens(decode, [1, 5, 4], 0, BIG + 13), before)
+        first, second = [json.loads(line) for line in stats.read_text().splitlines()]
+        assert first["layout"] == "vllm-kv-tokens" and first["error"] is None, first
+        assert second["error"].startswith("StaleBlock"), second
+    finally:
+        decode.close()
+        prefill.close()

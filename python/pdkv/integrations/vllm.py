@@ -71,9 +71,16 @@ Extra config keys (``kv_connector_extra_config``):
     Append one JSON line per pull (request, blocks, bytes, seconds) to this file.
 
 Only vLLM's own attention layouts with one KV cache group are supported (no
-hybrid/sliding-window groups), with equal block size, KV heads and TP size on both
-sides; the connector checks the geometry at the first pull and fails the pull
-(so vLLM recomputes) when it differs.
+hybrid/sliding-window groups), with equal KV heads, head size, dtype and TP size on
+both sides; the connector checks the geometry at the first pull and fails the pull
+(so vLLM recomputes) when one differs. Block sizes may differ: prefill sends its
+``remote_block_size`` and decode maps the request's token range onto prefill's
+blocks (:func:`pdkv.integrations.vllm_layout.pull_span`), one planned read per
+request, through the per-token layout of vLLM's CPU cache (``vllm-kv-tokens``,
+exported when vLLM's own cache kernel packs it as
+:func:`pdkv.integrations.vllm_layout.cpu_token_layout` says); a decode prefix-cache
+hit that ends inside one of prefill's blocks is recomputed instead (the planner
+moves block lists from their first token).
 
 This module imports vLLM and torch; ``import pdkv`` does not import it.
 """
@@ -101,7 +108,17 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 import pdkv
-from pdkv.integrations.vllm_layout import describe_kv_caches
+from pdkv.integrations.vllm_layout import (
+    check_pullable,
+    cpu_token,
+    cpu_token_layout,
+    describe_kv_caches,
+    kernel_block_ids,
+    kernel_blocks_per_block,
+    PullSpan,
+    pull_span,
+    splits_remote_block,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,6 +142,10 @@ _RELEASE = b"pdkv-vllm release "
 _LEASE_MARGIN_S = 5.0
 _GEN_MAX = 2**32 - 1
 _LAYOUT = "vllm-kv"
+#: vLLM CPU caches packed by the ``vec`` kernels also export where each token's K and
+#: V elements sit (:func:`~pdkv.integrations.vllm_layout.cpu_token_layout`); pulls
+#: between different block sizes go through it (``_LAYOUT`` only tells whole blocks).
+_TOKEN_LAYOUT = "vllm-kv-tokens"
 
 
 @dataclass
@@ -147,6 +168,12 @@ class _Recv:
     num_tokens: int
     #: Prefill's generations of ``remote_block_ids`` (None: an older prefill sent none).
     remote_generations: Any = None
+    #: Tokens per prefill block (0: an older prefill sent none, i.e. decode's own).
+    remote_block_size: int = 0
+    #: Why the scheduler could not map the pull (the worker fails it: vLLM recomputes).
+    error: str | None = None
+    #: The worker's: the pdkv layout the pull went through (for stats_path).
+    layout: str = ""
 
 
 @dataclass
@@ -224,6 +251,34 @@ class PdkvConnectorStats(KVConnectorStats):
 
 def _extra(vllm_config: "VllmConfig") -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+
+
+def _probe_cpu_packing(dtype: torch.dtype, block_size: int, kv_heads: int, head_size: int,
+                       cache_dtype: str) -> str | None:
+    """Writes known K/V through vLLM's own CPU cache kernel into a scratch cache of
+    this geometry and checks every element where :func:`cpu_token_layout` says it
+    is. Returns None when it matches, else why not (another ISA's packing, e.g. AMX
+    for bfloat16, or a kernel this vLLM lacks)."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+        cache = torch.zeros(2, kv_heads, block_size, 2 * head_size, dtype=dtype)
+        key_cache, value_cache = cache.view(2, kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
+        n = block_size + 3  # a whole block and part of the next
+        key = torch.randn(n, kv_heads, head_size).to(dtype)
+        value = torch.randn(n, kv_heads, head_size).to(dtype)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n), isa)
+    except Exception as e:  # noqa: BLE001 - any failure only means "no per-token layout"
+        return f"could not run vLLM's CPU cache kernel to learn its packing ({type(e).__name__}: {e})"
+    for t in range(n):
+        for h in range(kv_heads):
+            k, v = cpu_token(cache, t // block_size, h, t % block_size)
+            if not (torch.equal(k, key[t, h]) and torch.equal(v, value[t, h])):
+                return (f"vLLM's CPU attention ({isa} kernels, {dtype}) packs its KV cache in a way pdkv does not "
+                        f"describe per token")
+    return None
 
 
 class PdkvConnector(KVConnectorBase_V1):
@@ -428,13 +483,31 @@ class _Scheduler:
         remote = params.get("remote_num_tokens")
         return n if remote is None else max(0, min(int(remote), n))
 
+    def _remote_block_size(self, params: dict[str, Any]) -> int | None:
+        """Prefill's tokens per block (an older prefill sends none: decode's own);
+        None when the value is no positive integer."""
+        bs = params.get("remote_block_size", self.block_size)
+        return bs if type(bs) is int and bs > 0 else None
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not self._pull_params(params):
             return 0, False
         count = self._loaded_end(request, params) - num_computed_tokens
-        # vLLM recomputes the last prompt token itself when every token is loaded.
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            # vLLM recomputes the last prompt token itself when every token is loaded.
+            return 0, False
+        remote_bs = self._remote_block_size(params)
+        if remote_bs is None:
+            logger.warning("pdkv connector: %s: prefill sent remote_block_size=%r; computing the prompt here",
+                           request.request_id, params.get("remote_block_size"))
+            return 0, False
+        if splits_remote_block(num_computed_tokens, remote_bs):
+            logger.info("pdkv connector: %s: the %d tokens cached here end inside one of prefill's %d-token "
+                        "blocks; computing the other %d here instead of pulling them", request.request_id,
+                        num_computed_tokens, remote_bs, count)
+            return 0, False
+        return count, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -449,17 +522,22 @@ class _Scheduler:
             return
         end = self._loaded_end(request, params)
         start = end - num_external_tokens  # local prefix-cache hits are whole blocks
-        first, last = start // self.block_size, -(-end // self.block_size)
-        (local_all,) = blocks.get_block_ids()[:1]
-        remote_all = [int(b) for b in params["remote_block_ids"]]
-        gens = params.get("remote_block_generations")
-        if isinstance(gens, list):
-            gens = gens[first:last]  # checked by the worker: a bad value fails the pull
-        self._recv[request.request_id] = _Recv(
-            local_block_ids=list(local_all[first:last]), remote_block_ids=remote_all[first:last],
-            remote_agents=agents, remote_request_id=rid,
-            expires_at=float(params.get("remote_expires_at") or 0.0), num_tokens=num_external_tokens,
-            remote_generations=gens)
+        remote_bs = self._remote_block_size(params) or 0
+        recv = _Recv(local_block_ids=[], remote_block_ids=[], remote_agents=agents, remote_request_id=rid,
+                     expires_at=float(params.get("remote_expires_at") or 0.0), num_tokens=num_external_tokens,
+                     remote_block_size=remote_bs)
+        try:
+            span = pull_span(start, end, self.block_size, remote_bs)
+        except pdkv.InvalidArgument as e:  # get_num_new_matched_tokens declined these; be safe anyway
+            recv.error = str(e)
+        else:
+            (local_all,) = blocks.get_block_ids()[:1]
+            recv.local_block_ids = list(local_all[span.local_first:span.local_last])
+            recv.remote_block_ids = [int(b) for b in params["remote_block_ids"]][span.remote_first:span.remote_last]
+            gens = params.get("remote_block_generations")
+            # checked by the worker: a bad value fails the pull
+            recv.remote_generations = gens[span.remote_first:span.remote_last] if isinstance(gens, list) else gens
+        self._recv[request.request_id] = recv
 
     def _finish_held(self, req_id: str) -> None:
         """Prefill: the request's blocks may go (bumped first, by the worker)."""
@@ -519,6 +597,7 @@ class _Scheduler:
             "remote_request_id": request.request_id,
             "remote_block_ids": [int(b) for b in block_ids],
             "remote_num_tokens": int(request.num_computed_tokens),
+            "remote_block_size": self.block_size,
             "remote_agents": list(self.agents),
             "remote_expires_at": expires,
             "remote_block_generations": gens,
@@ -533,6 +612,7 @@ class _Worker:
         extra = _extra(vllm_config)
         kvt = vllm_config.kv_transfer_config
         self.kv_cache_config = kv_cache_config
+        self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         self.timeout_s = float(extra.get("transfer_timeout_s", 30.0))
         self.stats_path = extra.get("stats_path")
@@ -556,11 +636,15 @@ class _Worker:
         self._regions: list[pdkv.Region] = []
         self._caches: list[torch.Tensor] = []
         self.geometry: pdkv.KVGeometry | None = None
+        self.has_tokens = False  # registered _TOKEN_LAYOUT too
         self.phys_per_block = 1
         self.block_bytes = 0
         # decode
         self._lock = threading.Lock()
         self._peers: dict[str, concurrent.futures.Future] = {}
+        #: Connected prefill peer -> its layout's geometry (set by the connect thread).
+        self._peer_geometry: dict[str, pdkv.KVGeometry] = {}
+        self._peer_tokens: set[str] = set()  # peers that export _TOKEN_LAYOUT
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect")
         self._parked: dict[str, tuple[_Recv, str, concurrent.futures.Future, float]] = {}
         self._recving: dict[str, tuple[pdkv.Transfer, _Recv, str, float]] = {}
@@ -604,20 +688,31 @@ class _Worker:
             self._regions.append(self.agent.register_address(addr, nbytes))
             self._caches.append(t)
         self.agent.add_layout(_LAYOUT, described.layout)
+        if described.kind == "cpu":
+            self._add_token_layout(kv_caches)
         g = self.geometry
         self.block_bytes = g.block_bytes * g.kv_parts * g.num_layers * self.phys_per_block
         logger.info("pdkv connector: registered %d layers (%s layout: %d kv heads x %d, %d-token kernel blocks), "
                     "%d bytes per logical block in %d region(s)", g.num_layers, described.kind, g.kv_heads,
                     g.head_dim, g.block_tokens, self.block_bytes, len(self._regions))
 
+    def _add_token_layout(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Exports the CPU cache per token (for pulls between block sizes) when
+        vLLM's kernel packs it the way :func:`cpu_token_layout` says."""
+        t = next(iter(kv_caches.values()))
+        cache_dtype = getattr(self.vllm_config.cache_config, "cache_dtype", "auto")
+        why = _probe_cpu_packing(t.dtype, self.block_size, t.shape[1], t.shape[3] // 2, cache_dtype)
+        if why is not None:
+            logger.info("pdkv connector: %s; pulls between different block sizes will be recomputed", why)
+            return
+        self.agent.add_layout(_TOKEN_LAYOUT, cpu_token_layout(kv_caches))
+        self.has_tokens = True
+
     def handshake_metadata(self) -> PdkvHandshakeMetadata:
         return PdkvHandshakeMetadata(agent_name=self.agent.name, address=self.agent.address)
 
     def _phys(self, ids: list[int]) -> list[int]:
-        k = self.phys_per_block
-        if k == 1:
-            return list(ids)
-        return [b * k + i for b in ids for i in range(k)]
+        return kernel_block_ids(ids, self.phys_per_block)
 
     # ---------------------------------------------------------------- decode: pulls
     def _agent_for(self, agents: list[str]) -> str:
@@ -629,15 +724,17 @@ class _Worker:
         return agents[self.tp_rank]
 
     def _connect(self, address: str) -> str:
-        """Runs in the connect thread: fetch the peer's metadata and check its layout."""
+        """Runs in the connect thread: fetch the peer's metadata and its layout (each
+        pull checks it: a peer of another geometry still gets its release)."""
         peer = self.agent.connect(address, timeout=min(self.timeout_s, 10.0))
-        remote = self.agent.peer_info(peer)["layouts"].get(_LAYOUT)
-        if remote is None:
+        layouts = self.agent.peer_info(peer)["layouts"]
+        if _LAYOUT not in layouts:
             raise pdkv.NotFound(f"peer {peer} at {address} exports no vLLM KV layout")
-        rgeo, mine = pdkv.KVLayout(remote).geometry, self.geometry
-        assert mine is not None
-        if rgeo.with_blocks(1) != mine.with_blocks(1):
-            raise pdkv.InvalidArgument(f"prefill's KV layout {rgeo} differs from this one {mine}")
+        rgeo = pdkv.KVLayout(layouts[_LAYOUT]).geometry
+        with self._lock:
+            self._peer_geometry[peer] = rgeo
+            if _TOKEN_LAYOUT in layouts:
+                self._peer_tokens.add(peer)
         logger.info("pdkv connector: connected to %s at %s over %s", peer, address, self.agent.peer_transport(peer))
         return peer
 
@@ -662,6 +759,8 @@ class _Worker:
         now = time.perf_counter()
         for req_id, r in meta.reqs_to_recv.items():
             try:
+                if r.error is not None:
+                    raise pdkv.InvalidArgument(r.error)
                 addr = self._agent_for(r.remote_agents)
                 fut = self._peer_future(addr)
             except Exception as e:  # noqa: BLE001 - every failure becomes a recompute
@@ -678,21 +777,56 @@ class _Worker:
                 continue
             del self._parked[req_id]
             try:
-                peer = fut.result()
-                if len(r.remote_block_ids) != len(r.local_block_ids) or not r.local_block_ids:
-                    raise pdkv.InvalidArgument(f"{len(r.local_block_ids)} local blocks for "
-                                               f"{len(r.remote_block_ids)} prefill blocks")
-                xfer = self._read(peer, r)
+                xfer = self._read(fut.result(), r)
             except Exception as e:  # noqa: BLE001 - every failure becomes a recompute
                 self._fail(req_id, r, addr, e)
                 continue
             self._recving[req_id] = (xfer, r, addr, t_seen)
 
+    def _checked_span(self, r: _Recv) -> PullSpan:
+        """The pull's tokens, counted from the first block of each list, after
+        checking that both lists hold exactly those tokens."""
+        span = pull_span(0, r.num_tokens, self.block_size, r.remote_block_size or self.block_size)
+        if len(r.local_block_ids) != span.local_last or len(r.remote_block_ids) != span.remote_last:
+            raise pdkv.InvalidArgument(
+                f"{r.num_tokens} tokens need {span.local_last} local blocks of {span.local_block_size} tokens and "
+                f"{span.remote_last} prefill blocks of {span.remote_block_size}; got {len(r.local_block_ids)} and "
+                f"{len(r.remote_block_ids)}")
+        return span
+
+    def _pull_layout(self, peer: str, r: _Recv, span: PullSpan, rgeo: pdkv.KVGeometry) -> str:
+        """The layout both sides pull through: whole blocks (``_LAYOUT``) for equal
+        block sizes, else the per-token one. Raises when prefill's cache differs in
+        anything but block size, or when either side has no per-token layout."""
+        assert self.geometry is not None
+        check_pullable(self.geometry, rgeo)
+        if not r.remote_block_size and rgeo.block_tokens != self.geometry.block_tokens:
+            raise pdkv.InvalidArgument(f"prefill sent no remote_block_size (an older prefill) and its KV layout's "
+                                       f"blocks hold {rgeo.block_tokens} tokens, decode's "
+                                       f"{self.geometry.block_tokens}")
+        if not span.plan_tokens:
+            return _LAYOUT
+        with self._lock:
+            peer_tokens = peer in self._peer_tokens
+        if not (self.has_tokens and peer_tokens):
+            side = "prefill's" if self.has_tokens else "decode's"
+            raise pdkv.NotSupported(f"{side} KV cache has no per-token layout (see its log), so blocks of "
+                                    f"{span.remote_block_size} tokens cannot become blocks of {span.local_block_size}")
+        return _TOKEN_LAYOUT
+
     def _read(self, peer: str, r: _Recv) -> pdkv.Transfer:
-        """Posts the pull, with prefill's generations when it sent them."""
-        gens = self._remote_generations(r)
-        args = (peer, _LAYOUT, self._phys(r.local_block_ids), _LAYOUT, self._phys(r.remote_block_ids))
-        kw = dict(notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s)
+        """Posts the pull, with prefill's generations when it sent them: one read of
+        the request's token range, re-blocked by pdkv's planner when the block sizes
+        differ."""
+        span = self._checked_span(r)
+        with self._lock:
+            rgeo = self._peer_geometry[peer]
+        layout = r.layout = self._pull_layout(peer, r, span, rgeo)
+        remote_per_block = kernel_blocks_per_block(span.remote_block_size, rgeo.block_tokens, "prefill")
+        gens = self._remote_generations(r, remote_per_block)
+        args = (peer, layout, self._phys(r.local_block_ids), layout,
+                kernel_block_ids(r.remote_block_ids, remote_per_block))
+        kw = dict(notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s, num_tokens=span.plan_tokens)
         if gens is not None:
             try:
                 return self.agent.read(*args, remote_generations=gens, **kw)
@@ -705,7 +839,7 @@ class _Worker:
             raise pdkv.TransferTimeout(f"prefill's lease on {r.remote_request_id} ran out before the pull")
         return self.agent.read(*args, **kw)
 
-    def _remote_generations(self, r: _Recv) -> list[int] | None:
+    def _remote_generations(self, r: _Recv, per_block: int) -> list[int] | None:
         """Prefill's generations per kernel block (None: prefill sent none). Prefill
         checks them before sending a byte: a pull of blocks it freed (and may have
         reused) since fails with ``StaleBlock`` instead of reading another request's KV."""
@@ -716,8 +850,7 @@ class _Worker:
                 type(g) is int and 0 < g <= _GEN_MAX for g in gens):
             raise pdkv.InvalidArgument(f"remote_block_generations must be {len(r.remote_block_ids)} integers in "
                                        f"[1, 2^32-1], got {str(gens)[:200]}")
-        k = self.phys_per_block
-        return list(gens) if k == 1 else [g for g in gens for _ in range(k)]
+        return list(gens) if per_block == 1 else [g for g in gens for _ in range(per_block)]
 
     def _poll_recving(self) -> None:
         for req_id in list(self._recving):
@@ -776,6 +909,8 @@ class _Worker:
         if not self.stats_path:
             return
         row = {"request_id": req_id, "remote_request_id": r.remote_request_id, "blocks": len(r.local_block_ids),
+               "remote_blocks": len(r.remote_block_ids), "block_size": self.block_size,
+               "remote_block_size": r.remote_block_size or self.block_size, "layout": r.layout or None,
                "tokens": r.num_tokens, "bytes": xfer.bytes_total if xfer is not None else 0,
                "transfer_s": xfer.elapsed if xfer is not None and err is None else None,
                "seen_to_done_s": seconds, "transport": xfer.transport if xfer is not None else None,
@@ -788,7 +923,9 @@ class _Worker:
         """Runs in the bump thread: invalidates the handed-out generations of
         ``block_ids``; returns once no pull under the old ones still reads them."""
         if block_ids:
-            self.agent.bump_generations(_LAYOUT, self._phys(block_ids), timeout=None)
+            for layout in (_LAYOUT, _TOKEN_LAYOUT) if self.has_tokens else (_LAYOUT,):
+                # Both layouts name the same blocks: a pull through either must go stale.
+                self.agent.bump_generations(layout, self._phys(block_ids), timeout=None)
 
     def _poll_released(self) -> set[str]:
         """Collects decode's release notifications (for the scheduler) and returns

@@ -42,12 +42,13 @@ def pdkv_kv_config(role: str, *, listen: str = "127.0.0.1:0", connector: str = "
                    module: str = "pdkv.integrations.vllm", **extra: Any) -> dict[str, Any]:
     """``--kv-transfer-config`` for :class:`~pdkv.integrations.vllm.PdkvConnector`.
 
-    ``role``: ``"kv_producer"`` (prefill) or ``"kv_consumer"`` (decode). ``extra`` goes
-    to ``kv_connector_extra_config`` (``transports``, ``kv_lease_s``, ``stats_path``...).
+    ``role``: ``"kv_producer"`` (prefill), ``"kv_consumer"`` (decode) or ``"kv_both"``.
+    ``extra`` goes to ``kv_connector_extra_config`` (``transports``, ``kv_lease_s``,
+    ``stats_path``...).
     """
     cfg: dict[str, Any] = {"kv_connector": connector, "kv_connector_module_path": module, "kv_role": role,
                            "kv_connector_extra_config": {"listen": listen, **extra}}
-    if role == "kv_consumer":
+    if role in ("kv_consumer", "kv_both"):
         cfg["kv_load_failure_policy"] = "recompute"
     return cfg
 

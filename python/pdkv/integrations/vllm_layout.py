@@ -1,4 +1,6 @@
-"""How the vLLM connector describes vLLM's KV cache tensors as one pdkv layout.
+"""How the vLLM connector describes vLLM's KV cache tensors as pdkv layouts, and
+which blocks hold a request's tokens when prefill and decode use different block
+sizes.
 
 Kept apart from :mod:`pdkv.integrations.vllm` (which imports vLLM) so that it is
 tested without vLLM, on tensors of the shapes vLLM's attention backends allocate.
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import InvalidArgument
-from ..layout import KVLayout
+from ..layout import KVGeometry, KVLayout
 
 
 @dataclass(frozen=True)
@@ -81,3 +83,174 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], *, logical_blocks: int | No
             raise InvalidArgument(f"{geo.num_blocks} kernel blocks do not split into {logical_blocks} logical blocks")
         phys = geo.num_blocks // logical_blocks
     return VllmKVLayout(layout, phys, kind)
+
+
+# ---------------------------------------------------------------------------- vLLM CPU caches per token
+def cpu_token_layout(kv_caches: Mapping[str, Any]) -> KVLayout:
+    """Where each token's K and V elements sit in vLLM CPU caches written by the
+    ``vec`` attention kernels (x86 without AMX, any block size that is a multiple of 32).
+
+    Such a cache ``[num_blocks, kv_heads, block_size, 2*head_size]`` holds, per (block,
+    head), K transposed (``[head_size, block_size]``: a dimension's tokens are
+    contiguous) followed by V (``[block_size, head_size]``). No (token, head) row is
+    contiguous in K, so this layout has one element per row: layer ``l * kv_heads + h``
+    is (layer l, head h), its "heads" are the ``head_size`` dimensions. pdkv's planner
+    then moves a run of tokens per (layer, head, K dimension) and one per (layer, head)
+    for V between two block sizes. Only valid for caches the kernel really packs this
+    way: the connector checks that on vLLM's own kernel first
+    (:func:`pdkv.integrations.vllm._probe_cpu_packing`).
+
+    Raises
+    ------
+    InvalidArgument
+        Tensors that are not contiguous CPU caches of one shape.
+    """
+    tensors = list(kv_caches.values())
+    if not tensors or any(len(t.shape) != 4 for t in tensors):
+        raise InvalidArgument("expected vLLM CPU caches [num_blocks, kv_heads, block_size, 2*head_size]")
+    shape, e = tuple(tensors[0].shape), tensors[0].element_size()
+    nb, heads, bs, d2 = shape
+    dim = d2 // 2
+    segments = []
+    for i, t in enumerate(tensors):
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise InvalidArgument(f"layer {i}: shape {tuple(t.shape)} (contiguous {t.is_contiguous()}) is not the "
+                                  f"first layer's contiguous {shape}")
+        block_stride, head_stride = t.stride(0) * e, t.stride(1) * e
+        for h in range(heads):
+            slab = t.data_ptr() + h * head_stride
+            segments.append((slab, block_stride, e, bs * e))  # K[d, t]: tokens contiguous per dimension
+            segments.append((slab + bs * dim * e, block_stride, dim * e, e))  # V[t, d]
+    geo = KVGeometry(len(tensors) * heads, nb, bs, dim, 1, tensors[0].dtype, kv_parts=2, order="HND")
+    return KVLayout.from_strided(geo, segments, keepalive=tensors)
+
+
+def cpu_token(cache: Any, block: int, head: int, token: int) -> tuple[Any, Any]:
+    """(K, V) of one token and head in a ``vec``-packed CPU cache (the reference the
+    probe and the tests compare with)."""
+    nb, heads, bs, d2 = cache.shape
+    dim = d2 // 2
+    slab = cache.view(nb, heads, bs * d2)[block, head]
+    return slab[token:bs * dim:bs], slab[bs * dim + token * dim:bs * dim + (token + 1) * dim]
+
+
+# ---------------------------------------------------------------------------- pulls between block sizes
+@dataclass(frozen=True)
+class PullSpan:
+    """What one pull moves: the prompt tokens ``[start, end)``.
+
+    They sit in decode's blocks ``[local_first, local_last)`` of ``local_block_size``
+    tokens and in prefill's blocks ``[remote_first, remote_last)`` of
+    ``remote_block_size`` tokens (positions in each side's block list of the
+    request). Both ranges begin at a block boundary, as pdkv's planner maps the
+    tokens ``[0, num_tokens)`` of one block list onto those of the other.
+    """
+
+    start: int
+    end: int
+    local_block_size: int
+    remote_block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def local_first(self) -> int:
+        return self.start // self.local_block_size
+
+    @property
+    def local_last(self) -> int:
+        return -(-self.end // self.local_block_size)
+
+    @property
+    def remote_first(self) -> int:
+        return self.start // self.remote_block_size
+
+    @property
+    def remote_last(self) -> int:
+        return -(-self.end // self.remote_block_size)
+
+    @property
+    def plan_tokens(self) -> int:
+        """``num_tokens`` for :meth:`pdkv.Agent.read`: 0 (whole blocks, partial last
+        block included) when both sides use one block size, else the exact count."""
+        return 0 if self.local_block_size == self.remote_block_size else self.num_tokens
+
+
+def _positive(value: Any, name: str) -> int:
+    if type(value) is not int or value <= 0:
+        raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def pull_span(start: int, end: int, local_block_size: int, remote_block_size: int) -> PullSpan:
+    """The blocks on each side that hold prompt tokens ``[start, end)``.
+
+    Parameters
+    ----------
+    start : int
+        First token to pull: decode's local prefix-cache hit, a whole number of
+        decode's blocks.
+    end : int
+        One past the last token prefill computed.
+    local_block_size, remote_block_size : int
+        Tokens per block of decode's and of prefill's vLLM (``cache_config.block_size``).
+
+    Raises
+    ------
+    InvalidArgument
+        An empty or negative range, a non-positive block size, or a ``start`` inside
+        a block of either side (see :func:`splits_remote_block`).
+    """
+    local_block_size = _positive(local_block_size, "local_block_size")
+    remote_block_size = _positive(remote_block_size, "remote_block_size")
+    if type(start) is not int or type(end) is not int or not 0 <= start < end:
+        raise InvalidArgument(f"token range [{start}, {end}) is empty or negative")
+    if start % local_block_size:
+        raise InvalidArgument(f"the pull starts at token {start}, inside one of decode's "
+                              f"{local_block_size}-token blocks")
+    if splits_remote_block(start, remote_block_size):
+        raise InvalidArgument(f"the pull starts at token {start}, inside one of prefill's "
+                              f"{remote_block_size}-token blocks")
+    return PullSpan(start, end, local_block_size, remote_block_size)
+
+
+def splits_remote_block(start: int, remote_block_size: int) -> bool:
+    """True when a pull from token ``start`` would begin inside one of prefill's
+    blocks: decode holds that block's first tokens already (a prefix-cache hit of an
+    odd number of 16-token blocks against prefill's 32-token ones, say). pdkv's
+    planner moves whole block lists from token 0, so such a request is computed by
+    decode instead of pulled."""
+    return start % remote_block_size != 0
+
+
+def kernel_block_ids(block_ids: list[int], per_block: int) -> list[int]:
+    """vLLM block ids -> the layout's kernel block ids (``per_block`` kernel blocks
+    of each logical block, in token order)."""
+    if per_block == 1:
+        return list(block_ids)
+    return [b * per_block + i for b in block_ids for i in range(per_block)]
+
+
+def kernel_blocks_per_block(block_size: int, kernel_block_tokens: int, side: str) -> int:
+    """How many kernel blocks of ``kernel_block_tokens`` make one ``block_size``-token
+    vLLM block (``side`` names the instance in the error)."""
+    if kernel_block_tokens <= 0 or block_size % kernel_block_tokens:
+        raise InvalidArgument(f"{side}'s vLLM blocks of {block_size} tokens do not split into its KV layout's "
+                              f"{kernel_block_tokens}-token blocks")
+    return block_size // kernel_block_tokens
+
+
+def check_pullable(local: Any, remote: Any) -> None:
+    """Raises :class:`InvalidArgument` naming what differs when decode (``local``
+    :class:`pdkv.KVGeometry`) cannot pull from prefill (``remote``). Block sizes
+    (and strides) may differ; layers, KV heads, head size, dtype and K/V parts must
+    not: a TP or model difference is recomputed, never pulled in part."""
+    fields = (("layers", "num_layers"), ("KV heads", "kv_heads"), ("head size", "head_dim"), ("dtype", "dtype"),
+              ("KV parts", "kv_parts"))
+    diff = [f"{label} {getattr(remote, attr)} vs {getattr(local, attr)}" for label, attr in fields
+            if getattr(remote, attr) != getattr(local, attr)]
+    if diff:
+        raise InvalidArgument(f"prefill's KV cache differs from decode's in {', '.join(diff)} (prefill vs decode; "
+                              f"prefill {remote}, decode {local}): not pulled, decode recomputes")
