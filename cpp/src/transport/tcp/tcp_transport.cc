@@ -107,6 +107,7 @@ void TcpTransport::shutdown() {
   if (shut_.exchange(true)) return;
   if (encoder_) encoder_->stop();  // queued encodes fail fast once shut_ is set; later batches fail in pump_encodes
   staging_.stop();  // queued tasks fail fast once shut_ is set
+  decoder_.stop();  // queued decodes finish (their acks go out before the progress threads stop)
   for (auto& t : threads_) t->stop();
   std::lock_guard<std::mutex> lk(mu_);
   peers_.clear();
@@ -516,7 +517,7 @@ Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerCon
     const bool fp8 = o.policy == CompressPolicy::kLossyAllowed && decodes(CodecKind::kFp8);
     const CodecKind k = fp8 ? CodecKind::kFp8 : o.codec;
     encoder_->calibrate(k, prep.iov.data(), prep.batches[0].count);  // once per codec
-    return pc.chooser.choose(*encoder_, fp8, f.codecs);
+    return pc.chooser.choose(*encoder_, fp8, f.codecs, f.decode_threads);
   }
   const CodecKind k = o.mode == CompressMode::kFp8 ? CodecKind::kFp8 : o.codec;
   if (!f.compressed_write)

@@ -69,6 +69,7 @@ class TcpTransport final : public Transport {
   FrameLimits frame_limits() const { return FrameLimits{hooks_->max_notif_bytes()}; }
   AuthBackoff& auth_backoff() { return backoff_; }
   DeviceStaging& staging() { return staging_; }
+  Decoder& decoder() { return decoder_; }
   bool shutting_down() const { return shut_.load(std::memory_order_acquire); }
   // The progress thread that gets the next connection (round robin).
   ProgressThread* pick_thread() { return threads_[next_thread_++ % threads_.size()].get(); }
@@ -132,6 +133,7 @@ class TcpTransport final : public Transport {
   std::map<std::string, std::shared_ptr<PeerConns>> peers_;
   DeviceStaging staging_;
   std::unique_ptr<Encoder> encoder_;  // null when compression is off
+  Decoder decoder_;                   // compressed writes received (threads start on the first)
   AuthBackoff backoff_;
   LogLimiter reject_log_{std::chrono::seconds(1)};
 };
