@@ -178,8 +178,8 @@ void bind_codec(py::module_& m) {
   m.def("codec_checksum_available", &checksum_available);
   m.def("codec_kernels", [] { return std::string(codec_kernels_name(codec_kernels())); });
   m.def("codec_kernels_available", [] {
-    std::vector<std::string> out;
-    for (CodecKernels k : codec_kernels_available()) out.emplace_back(codec_kernels_name(k));
+    py::list out;
+    for (CodecKernels k : codec_kernels_available()) out.append(py::str(std::string(codec_kernels_name(k))));
     return out;
   });
   m.def("set_codec_kernels", [](const std::string& name) {
