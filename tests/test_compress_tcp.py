@@ -571,3 +571,32 @@ def test_sender_killed_mid_decode_leaves_the_target_serving():
             assert x.wait(30), x.error
             assert np.array_equal(back, src)
             assert [n.data for n in target.wait_notifications(timeout=5)] == [b"alive"]
+
+
+def test_auto_plain_writes_keep_their_generation_claims():
+    """An auto write that goes plain is sent in plain-sized batches (a second cut of
+    the same extents); the block generation claim travels with those too."""
+    from kvpools import Pool, PoolSpec
+
+    spec = PoolSpec(layers=2, blocks=8, block_tokens=4, heads=2, head_dim=8)
+    z = pdkv.TcpCompression(mode="auto", codec=LOSSLESS[0], dtype="float32", chunk_bytes=4096)
+    a = pdkv.Agent("zauto", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(compress=z))
+    b = pdkv.Agent("ztarget", secret=SECRET, transports=["tcp"])
+    with a, b:
+        src, dst = Pool(spec, 1), Pool(spec, 2)
+        src.register(a)
+        dst.register(b)
+        peer = a.add_peer(b.metadata())
+        gens = b.generations("kv", [4, 5])
+        x = a.write(peer, "kv", [0, 1], "kv", [4, 5], remote_generations=gens, notify="w")
+        assert x.wait(10), x.error
+        assert x.compression == ""  # the first write to a peer measures the link: plain
+        assert dst.digest([4, 5]) == src.digest([0, 1])
+        assert [n.data for n in b.wait_notifications(timeout=5)] == [b"w"]
+        b.bump_generations("kv", [5])
+        canary = dst.logical(range(spec.blocks)).copy()
+        y = a.write(peer, "kv", [2, 3], "kv", [4, 5], remote_generations=gens)
+        with pytest.raises(pdkv.StaleBlock):
+            y.wait(10)
+        assert y.compression == ""
+        assert np.array_equal(dst.logical(range(spec.blocks)), canary)

@@ -53,6 +53,8 @@ class TcpTransport final : public Transport {
   bool can_reach(const AgentMetadata& peer) const override { return peer.find_endpoint("tcp") != nullptr; }
   Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                      std::vector<ResolvedExtent> extents) override;
+  // Cuts `extents` into `prep`'s wire batches of at most `batch_bytes`.
+  Status cut_batches(TcpPrepared& prep, const std::vector<ResolvedExtent>& extents, uint64_t batch_bytes) const;
   Result<std::shared_ptr<const PreparedOps>> prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
                                                              std::vector<ResolvedExtent> extents,
                                                              std::shared_ptr<const GenClaim> claim) override;
