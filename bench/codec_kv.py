@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -236,6 +237,10 @@ def throughput(chunks: list[np.ndarray], dtype: str, geo: dict, repeats: int) ->
         t = c.throughput(data, dtype=dtype, repeats=repeats)
         out[name] = {"encode_GBps": round(t["raw_bytes"] / t["encode_s"] / 1e9, 3),
                      "decode_GBps": round(t["raw_bytes"] / t["decode_s"] / 1e9, 3),
+                     # per core: this thread's CPU time (wall GB/s on a shared machine is what the
+                     # scheduler gave the thread, not what the code does)
+                     "encode_GBps_per_core": round(t["raw_bytes"] / t["encode_cpu_s"] / 1e9, 3),
+                     "decode_GBps_per_core": round(t["raw_bytes"] / t["decode_cpu_s"] / 1e9, 3),
                      "ratio": round(t["raw_bytes"] / t["frame_bytes"], 4)}
     out["bytes"] = int(data.nbytes)
     return out
@@ -302,16 +307,21 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(path)
     if args.throughput_only:
         chunks, geo = kv_chunks(load_model(path, dtype=torch.bfloat16, attn_implementation="sdpa"), tok, torch.bfloat16)
-        runs = [throughput(chunks, "bfloat16", geo, args.repeats) for _ in range(2)]
+        # Every kernel path (scalar reference, vectorised, AVX2) in this one run, twice.
+        runs = []
+        for _ in range(2):
+            for path in codec.kernels_available():
+                codec.set_kernels(path)
+                runs.append({"kernels": path} | throughput(chunks, "bfloat16", geo, args.repeats))
         out = {"command": " ".join(["bench/codec_kv.py"] + (argv if argv is not None else sys.argv[1:])),
-               "model": path.name, "dtype": "bfloat16", "runs": runs}
+               "model": Path(path).name, "dtype": "bfloat16", "runs": runs}
         print(json.dumps(out, indent=1))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
         return 0
     result: dict = {"command": " ".join(["bench/codec_kv.py"] + (argv if argv is not None else sys.argv[1:])),
-                    "model": path.name, "block_tokens": BLOCK_TOKENS, "fp8_grouping": "per block (16 tokens) per kv head"}
+                    "model": Path(path).name, "block_tokens": BLOCK_TOKENS, "fp8_grouping": "per block (16 tokens) per kv head"}
     t0 = time.time()
     for dt_name, tdtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         model = load_model(path, dtype=tdtype, attn_implementation="sdpa")

@@ -4,6 +4,7 @@
 #include "py_codec.h"
 
 #include <chrono>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -124,6 +125,12 @@ py::bytes decode(Codec& c, const py::buffer& frame, const std::string& dtype) {
   return out;
 }
 
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
 // Encodes `src` `repeats` times and decodes the frame `repeats` times on this thread,
 // GIL released; returns seconds per encode and per decode and the frame size.
 py::dict throughput(Codec& c, const py::buffer& src, const std::string& dtype, const std::string& out_dtype,
@@ -134,24 +141,31 @@ py::dict throughput(Codec& c, const py::buffer& src, const std::string& dtype, c
   Bytes in = contiguous_bytes(src, false, "codec input");
   std::vector<uint8_t> frame;
   std::vector<uint8_t> out(in.len / dtype_size(dt) * dtype_size(odt) + dtype_size(odt));
-  double enc_s = 0, dec_s = 0;
+  double enc_s = 0, dec_s = 0, enc_cpu_s = 0, dec_cpu_s = 0;
   Status st;
   {
     py::gil_scoped_release nogil;
     using clock = std::chrono::steady_clock;
+    const double c0 = thread_cpu_seconds();
     auto t0 = clock::now();
     for (int i = 0; i < repeats && st.ok(); ++i) st = c.encode(in.ptr, in.len, dt, frame);
     auto t1 = clock::now();
+    const double c1 = thread_cpu_seconds();
     size_t written = 0;
     for (int i = 0; i < repeats && st.ok(); ++i) st = c.decode(frame.data(), frame.size(), odt, out.data(), out.size(), &written);
     auto t2 = clock::now();
+    const double c2 = thread_cpu_seconds();
     enc_s = std::chrono::duration<double>(t1 - t0).count() / repeats;
     dec_s = std::chrono::duration<double>(t2 - t1).count() / repeats;
+    enc_cpu_s = (c1 - c0) / repeats;
+    dec_cpu_s = (c2 - c1) / repeats;
   }
   check_or_raise(st);
   py::dict d;
   d["encode_s"] = enc_s;
   d["decode_s"] = dec_s;
+  d["encode_cpu_s"] = enc_cpu_s;  // this thread's CPU time: per-core rates on a shared machine
+  d["decode_cpu_s"] = dec_cpu_s;
   d["raw_bytes"] = in.len;
   d["frame_bytes"] = frame.size();
   return d;
@@ -162,6 +176,15 @@ py::dict throughput(Codec& c, const py::buffer& src, const std::string& dtype, c
 void bind_codec(py::module_& m) {
   m.def("codec_available", [](const std::string& kind) { return codec_available(unwrap_or_raise(parse_codec_kind(kind))); });
   m.def("codec_checksum_available", &checksum_available);
+  m.def("codec_kernels", [] { return std::string(codec_kernels_name(codec_kernels())); });
+  m.def("codec_kernels_available", [] {
+    py::list out;
+    for (CodecKernels k : codec_kernels_available()) out.append(py::str(std::string(codec_kernels_name(k))));
+    return out;
+  });
+  m.def("set_codec_kernels", [](const std::string& name) {
+    check_or_raise(set_codec_kernels(unwrap_or_raise(parse_codec_kernels(name))));
+  }, py::arg("name"));
   m.attr("codec_header_bytes") = kCodecHeaderBytes;
   m.def("codec_peek_frame", [](const py::buffer& frame) {
     Bytes f = contiguous_bytes(frame, false, "codec frame");

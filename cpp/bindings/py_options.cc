@@ -349,7 +349,7 @@ void bind_compression(py::module_& m) {
       .field("chunk_bytes", &C::chunk_bytes,
              "int, bytes (4096..2**26): raw bytes per codec frame, the pipeline unit (chunk i+1 is encoded while "
              "chunk i is on the wire).")
-      .field("threads", &C::threads, "int (1..16): encoder threads per agent.")
+      .field("threads", &C::threads, "int (0..16): encoder threads per agent (0: min(4, hardware threads)).")
       .property("dtype", "str", [](const C& c) -> py::object { return py::str(std::string(dtype_name(c.dtype))); },
                 enum_setter(&C::dtype, &parse_dtype, "TcpCompression.dtype"),
                 "str: element type of the KV sent ('bfloat16', 'float16', 'float32', ...): byte planes, fp8.")

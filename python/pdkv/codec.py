@@ -26,7 +26,8 @@ from typing import Any
 from . import _native
 from .errors import InvalidArgument
 
-__all__ = ["Codec", "available", "checksum_available", "peek_frame", "encode", "decode", "dtype_of"]
+__all__ = ["Codec", "available", "checksum_available", "peek_frame", "encode", "decode", "dtype_of",
+           "kernels", "kernels_available", "set_kernels"]
 
 CODECS = ("raw", "zstd", "lz4", "fp8")
 
@@ -39,6 +40,32 @@ def available(kind: str) -> bool:
 def checksum_available() -> bool:
     """Whether this build can checksum frames (XXH3-64 from libxxhash)."""
     return bool(_native.module().codec_checksum_available())
+
+
+def kernels() -> str:
+    """Which implementation runs the codecs' element loops now: ``"avx2"``, ``"vector"``
+    (compiler-vectorised for the build's baseline ISA) or ``"scalar"`` (the reference).
+    All give bit-identical frames and decoded bytes; the default is the fastest this
+    CPU runs."""
+    return str(_native.module().codec_kernels())
+
+
+def kernels_available() -> list[str]:
+    """The kernel paths this process can run (``"scalar"`` and ``"vector"`` always)."""
+    return list(_native.module().codec_kernels_available())
+
+
+def set_kernels(name: str) -> None:
+    """Switches the kernel path process-wide (for tests and benchmarks that compare them).
+
+    Raises
+    ------
+    InvalidArgument
+        An unknown name.
+    NotSupported
+        ``"avx2"`` on a CPU (or build) without AVX2.
+    """
+    _native.module().set_codec_kernels(name)
 
 
 def peek_frame(frame: Any) -> dict:
@@ -126,7 +153,9 @@ class Codec:
 
     def throughput(self, data: Any, dtype: str | None = None, out_dtype: str | None = None,
                    repeats: int = 3) -> dict:
-        """Seconds per encode and per decode of ``data`` on this thread (timed in C++),
+        """Seconds per encode and per decode of ``data`` on this thread (timed in C++):
+        wall clock (``encode_s``, ``decode_s``) and this thread's CPU time
+        (``encode_cpu_s``, ``decode_cpu_s``: the per-core rate on a shared machine),
         plus raw_bytes and frame_bytes."""
         return dict(self._c.throughput(_as_buffer(data), dtype_of(data, dtype), out_dtype or "", repeats))
 

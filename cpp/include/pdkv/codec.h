@@ -44,6 +44,24 @@ bool codec_available(CodecKind kind);
 // Whether this build can checksum frames (xxHash found at configure time).
 bool checksum_available();
 
+// Which implementation runs the codecs' element loops (FP8 quantize / dequantize and
+// the byte-plane split / merge). All give bit-identical output; the default is the
+// fastest this CPU runs (kAvx2 on x86-64 CPUs with AVX2, else kVector). Tests and
+// benchmarks switch it to compare. Process-wide; thread-safe (a switch applies to
+// the loops that start after it).
+enum class CodecKernels : uint8_t {
+  kScalar = 0,  // the reference loops, one element at a time
+  kVector = 1,  // branch-free loops the compiler vectorises for the build's baseline ISA
+  kAvx2 = 2,    // the same loops compiled for AVX2 (x86-64 builds, AVX2 CPUs)
+};
+std::string_view codec_kernels_name(CodecKernels k);
+Result<CodecKernels> parse_codec_kernels(std::string_view name);  // "scalar", "vector", "avx2"
+// The paths this process can run (kScalar and kVector always).
+std::vector<CodecKernels> codec_kernels_available();
+CodecKernels codec_kernels();
+// NotSupported for kAvx2 on a CPU (or build) without it.
+Status set_codec_kernels(CodecKernels k);
+
 // How the elements of a chunk group for FP8 scales. The chunk is read as rows of
 // `heads` x `head_dim` elements (NHD: heads = the block's kv heads; HND or one head's
 // block: heads = 1); one scale covers `rows_per_group` consecutive rows of one head:

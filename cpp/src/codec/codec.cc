@@ -12,6 +12,7 @@
 #include "codec/entropy.h"
 #include "codec/fp8.h"
 #include "codec/frame.h"
+#include "codec/kernels.h"
 
 namespace pdkv {
 
@@ -146,7 +147,7 @@ Status Codec::Impl::encode_entropy(const uint8_t* src, size_t len, DType dtype, 
     const uint8_t* input = src;
     if (esize > 1) {
       scratch.resize(len);
-      codec::split_planes(src, len, esize, scratch.data());
+      codec::split_planes(src, len, esize, scratch.data(), codec::planes_fast());
       input = scratch.data();
     }
     out.resize(kCodecHeaderBytes + coder->bound(len));
@@ -244,7 +245,7 @@ Status Codec::Impl::decode_entropy(const FrameInfo& f, const uint8_t* payload, u
   if (esize == 1) return c->decompress(payload, f.payload_len, dst, f.raw_len);
   scratch.resize(f.raw_len);
   PDKV_RETURN_IF_ERROR(c->decompress(payload, f.payload_len, scratch.data(), f.raw_len));
-  codec::merge_planes(scratch.data(), f.raw_len, esize, dst);
+  codec::merge_planes(scratch.data(), f.raw_len, esize, dst, codec::planes_fast());
   return Status::Ok();
 }
 

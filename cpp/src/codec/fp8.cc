@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "codec/float_bits.h"
+#include "codec/kernels.h"
 
 namespace pdkv::codec {
 
@@ -72,6 +73,9 @@ inline void store(uint8_t* p, uint64_t i, float v) {
   }
 }
 
+// The scalar reference (CodecKernels::kScalar); fp8_kernels.h has the vectorised
+// loops, bit-identical to these.
+
 // Calls f(first_element, count, scale_index) for every (row group, head) run of
 // head_dim contiguous elements, in element order within a group.
 template <typename F>
@@ -137,6 +141,7 @@ uint64_t fp8_group_count(uint64_t elems, const Fp8Grouping& g) {
 
 void fp8_quantize(const uint8_t* src, uint64_t elems, DType dtype, const Fp8Grouping& g, uint8_t* scales,
                   uint8_t* codes) {
+  if (codec_kernels() != CodecKernels::kScalar) return fp8_quantize_fast(src, elems, dtype, g, scales, codes);
   switch (dtype) {
     case DType::kBF16: return quantize<DType::kBF16>(src, elems, g, scales, codes);
     case DType::kF16: return quantize<DType::kF16>(src, elems, g, scales, codes);
@@ -146,6 +151,7 @@ void fp8_quantize(const uint8_t* src, uint64_t elems, DType dtype, const Fp8Grou
 
 void fp8_dequantize(const uint8_t* scales, const uint8_t* codes, uint64_t elems, const Fp8Grouping& g,
                     DType dst_dtype, uint8_t* dst) {
+  if (codec_kernels() != CodecKernels::kScalar) return fp8_dequantize_fast(scales, codes, elems, g, dst_dtype, dst);
   switch (dst_dtype) {
     case DType::kBF16: return dequantize<DType::kBF16>(scales, codes, elems, g, dst);
     case DType::kF16: return dequantize<DType::kF16>(scales, codes, elems, g, dst);

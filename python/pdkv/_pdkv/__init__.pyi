@@ -6,7 +6,7 @@ import collections.abc
 import typing
 import typing_extensions
 from . import bench
-__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'status_code_names']
+__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'status_code_names']
 class XferState:
     """
     Members:
@@ -449,7 +449,7 @@ class TcpCompression:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, mode: str = 'off', policy: str = 'lossless', codec: str = 'zstd', level: int = 1, checksum: bool = False, chunk_bytes: int = 1048576, threads: int = 1, dtype: str = 'bfloat16', fp8_heads: int = 1, fp8_head_dim: int = 64, fp8_rows_per_group: int = 16) -> None:
+    def __init__(self, *, mode: str = 'off', policy: str = 'lossless', codec: str = 'zstd', level: int = 1, checksum: bool = False, chunk_bytes: int = 1048576, threads: int = 0, dtype: str = 'bfloat16', fp8_heads: int = 1, fp8_head_dim: int = 64, fp8_rows_per_group: int = 16) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -544,7 +544,7 @@ class TcpCompression:
     @property
     def threads(self) -> int:
         """
-        int (1..16): encoder threads per agent.
+        int (0..16): encoder threads per agent (0: min(4, hardware threads)).
         """
     @threads.setter
     def threads(self, value: int) -> None:
@@ -970,6 +970,10 @@ def codec_available(arg0: str) -> bool:
     ...
 def codec_checksum_available() -> bool:
     ...
+def codec_kernels() -> str:
+    ...
+def codec_kernels_available() -> list:
+    ...
 def codec_peek_frame(arg0: typing_extensions.Buffer) -> dict:
     ...
 def decode_metadata(arg0: bytes) -> dict:
@@ -993,6 +997,8 @@ def plan_blocks(local: KVLayout, local_ids: typing.Any, remote: KVLayout, remote
 def register_transport(name: str, description: str, priority: typing.Any, viable: typing.Any, create: typing.Any, metadata_via: str = '') -> None:
     ...
 def registered_transports() -> list[str]:
+    ...
+def set_codec_kernels(name: str) -> None:
     ...
 def status_code_names() -> list[str]:
     ...

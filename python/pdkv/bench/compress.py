@@ -52,7 +52,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compress", choices=("auto", "lossless", "fp8"), default="",
                     help="compare compressed tcp writes (TcpOptions.compress) with plain ones on KV bytes")
     ap.add_argument("--compress-codec", choices=("zstd", "lz4"), default="zstd", help="lossless codec (default zstd)")
-    ap.add_argument("--compress-threads", type=int, default=1, help="encoder threads (default 1)")
+    ap.add_argument("--compress-threads", type=int, default=0,
+                    help="encoder threads (default 0: min(4, hardware threads))")
     ap.add_argument("--compress-chunk", default="1M", help="raw bytes per codec frame (default 1M)")
     ap.add_argument("--compress-policy", choices=("lossless", "lossy-allowed"), default="lossless",
                     help="what --compress auto may choose besides plain (default lossless)")
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
             zipped.add_layout("kv", KVLayout.contiguous(geo, zipped_buf))
             peers = plain.connect(target.address), zipped.connect(target.address)
             for p in payloads:
-                r = run_case(args, plain, zipped, peers, geo, p)
+                r = run_case(args, plain, zipped, peers, geo, p, zipped_buf)
                 r["data"] = data
                 results.append(r)
                 if args.json:
@@ -159,7 +160,8 @@ def run(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
     return results
 
 
-def run_case(args, plain: Agent, zipped: Agent, peers: tuple[str, str], geo, payload: int) -> dict:
+def run_case(args, plain: Agent, zipped: Agent, peers: tuple[str, str], geo, payload: int,
+             pool: np.ndarray) -> dict:
     block = geo.num_layers * geo.kv_parts * geo.block_bytes
     nblocks = max(1, payload // block)
     payload = nblocks * block
@@ -174,6 +176,7 @@ def run_case(args, plain: Agent, zipped: Agent, peers: tuple[str, str], geo, pay
     plain_s, plain_cpu, _ = timed(prep_plain, iters)
     zip_s, zip_cpu, last = timed(prep_zip, iters)
     total = payload * iters
+    codec_rates = codec_per_core(args, pool, geo)
     verified = None
     if not args.no_verify and args.compress != "fp8":
         verified = verify(zipped, peers[1], lids, rids, geo)
@@ -191,8 +194,28 @@ def run_case(args, plain: Agent, zipped: Agent, peers: tuple[str, str], geo, pay
         "cpu_s_per_gb": {"uncompressed": plain_cpu / (total / 1e9), "compressed": zip_cpu / (total / 1e9)},
         "ratios": {"uncompressed": zip_gbps / plain_gbps},
         "verified": verified,
-        "encoder_threads": args.compress_threads,
+        "encoder_threads": args.compress_threads or min(4, os.cpu_count() or 1),
+        "codec_gbps_per_core": codec_rates,
     }
+
+
+def codec_per_core(args, pool: np.ndarray, geo) -> dict:
+    """Encode and decode GB/s of the codec this run compares, on one chunk of the pool
+    being sent, per core (thread CPU time) and per wall second (what a thread got of
+    the shared machine in this run)."""
+    from ..codec import Codec, kernels
+    from .transfer import parse_size
+
+    kind = "fp8" if args.compress == "fp8" or args.compress_policy == "lossy-allowed" else args.compress_codec
+    opts = {"heads": geo.kv_heads, "head_dim": geo.head_dim, "rows_per_group": geo.block_tokens} if kind == "fp8" else {}
+    chunk = parse_size(args.compress_chunk)
+    row = geo.kv_heads * geo.head_dim * np.dtype(np.uint16).itemsize
+    chunk = max(row, chunk // row * row)
+    sample = np.ascontiguousarray(pool.reshape(-1).view(np.uint8)[:chunk])
+    t = Codec(kind, **opts).throughput(sample, geo.dtype, repeats=5)
+    return {"codec": kind, "kernels": kernels(), "chunk_bytes": int(sample.size),
+            "encode": sample.size / t["encode_cpu_s"] / 1e9, "decode": sample.size / t["decode_cpu_s"] / 1e9,
+            "encode_wall": sample.size / t["encode_s"] / 1e9, "decode_wall": sample.size / t["decode_s"] / 1e9}
 
 
 def verify(agent: Agent, peer: str, lids, rids, geo) -> bool:
@@ -222,3 +245,8 @@ def print_table(results: list[dict]) -> None:
         print(f"{r['payload_bytes'] / 2**20:>8.0f}M {r['compress']:>8} {r['codec_chosen']:>6} "
               f"{r['gbps_uncompressed']:>10.3f} {r['gbps_effective']:>10.3f} {r['ratios']['uncompressed']:>6.2f} "
               f"{r['wire_ratio']:>6.2f} {c['uncompressed']:>14.3f} {c['compressed']:>12.3f}")
+    for r in results:
+        k = r["codec_gbps_per_core"]
+        print(f"{k['codec']} ({k['kernels']}) per core: encode {k['encode']:.3f} GB/s, decode {k['decode']:.3f} GB/s "
+              f"(per wall second in this run: {k['encode_wall']:.3f} / {k['decode_wall']:.3f}); "
+              f"encoder threads {r['encoder_threads']}")

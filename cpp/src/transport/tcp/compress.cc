@@ -58,26 +58,31 @@ Status encode_into(Codec& codec, DType dtype, const iovec* iov, uint32_t n, std:
 
 }  // namespace
 
-// ---------------------------------------------------------------- Encoder
-
-void Encoder::run(std::function<void()> f) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!stop_ || !threads_.empty()) {  // stopping: the threads still drain the queue
-      if (!stop_ && threads_.size() < opts_.threads) threads_.emplace_back([this] { loop(); });
-      tasks_.push_back(std::move(f));
-      cv_.notify_one();
-      return;
-    }
-  }
-  f();
+uint32_t codec_threads(const TcpCompression& opts) {
+  if (opts.threads > 0) return opts.threads;
+  const uint32_t hw = std::thread::hardware_concurrency();
+  return std::max(1u, std::min(4u, hw));
 }
 
-void Encoder::loop() {
-  util::name_this_thread("pdkv-tcp-zip");
+// ---------------------------------------------------------------- TaskPool
+
+bool TaskPool::post(std::function<void()> f) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (stop_ && threads_.empty()) return false;  // (stopping: the threads still drain the queue)
+  // Another thread only when every running one is busy with an earlier task.
+  if (!stop_ && threads_.size() < max_threads_ && tasks_.size() >= idle_) threads_.emplace_back([this] { loop(); });
+  tasks_.push_back(std::move(f));
+  cv_.notify_one();
+  return true;
+}
+
+void TaskPool::loop() {
+  util::name_this_thread(name_);
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
+    ++idle_;
     cv_.wait(lk, [&] { return stop_ || !tasks_.empty(); });
+    --idle_;
     if (tasks_.empty()) return;  // stopping, nothing left
     auto f = std::move(tasks_.front());
     tasks_.pop_front();
@@ -87,14 +92,14 @@ void Encoder::loop() {
   }
 }
 
-void Encoder::stop() {
+void TaskPool::stop() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (stop_) return;
     stop_ = true;  // no thread is added from now on
   }
   cv_.notify_all();
-  for (auto& t : threads_) t.join();  // they drain the queue (the tasks fail fast: the transport is shutting down)
+  for (auto& t : threads_) t.join();  // they drain the queue
   std::deque<std::function<void()>> left;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -104,10 +109,12 @@ void Encoder::stop() {
   for (auto& f : left) f();
 }
 
-bool Encoder::stopped() const {
+bool TaskPool::stopped() const {
   std::lock_guard<std::mutex> lk(mu_);
   return stop_ && threads_.empty();
 }
+
+// ---------------------------------------------------------------- Encoder
 
 std::shared_ptr<EncodedBatch> Encoder::buffer() {
   std::lock_guard<std::mutex> lk(mu_);
@@ -161,6 +168,15 @@ void Encoder::calibrate(CodecKind kind, const iovec* iov, uint32_t n) {
   const auto t0 = Clock::now();
   if (!encode_into(**codec, opts_.dtype, iov, take, out).ok()) return;
   record(kind, bytes, out.size(), seconds_since(t0));
+  // Decode the sample the way the peer will (into a scratch copy of its extents).
+  std::vector<uint8_t> back(bytes);
+  const iovec whole{back.data(), back.size()};
+  const auto t1 = Clock::now();
+  if (!Decoder::decode(out.data(), out.size(), &whole, 1).ok()) return;
+  const double s = seconds_since(t1);
+  if (bytes < 4096 || s <= 0) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  figures_[static_cast<size_t>(kind)].decode_bps = bytes / s;
 }
 
 void Encoder::record(CodecKind kind, uint64_t raw, uint64_t wire, double seconds) {
@@ -185,7 +201,8 @@ CodecFigures Encoder::figures(CodecKind kind) const {
 
 // ---------------------------------------------------------------- LinkChooser
 
-Choice LinkChooser::choose(const Encoder& enc, bool peer_decodes_fp8, uint32_t peer_codecs) {
+Choice LinkChooser::choose(const Encoder& enc, bool peer_decodes_fp8, uint32_t peer_codecs,
+                           uint32_t peer_decode_threads) {
   const TcpCompression& o = enc.options();
   const bool lossy = o.policy == CompressPolicy::kLossyAllowed && peer_decodes_fp8;
   const CodecKind kind = lossy ? CodecKind::kFp8 : o.codec;
@@ -195,13 +212,18 @@ Choice LinkChooser::choose(const Encoder& enc, bool peer_decodes_fp8, uint32_t p
   if (link_bps_ == 0) return Choice{};  // measure the link first
   if (last_ == 1 && (writes_ % kProbeEvery == 0 || seconds_since(measured_) > kLinkStaleS)) return Choice{};
   const CodecFigures f = enc.figures(kind);
-  const double compressed_bps = std::min(f.encode_bps * o.threads, link_bps_ * f.ratio);
+  // The pipeline runs at its slowest stage: our encoders, the wire carrying the
+  // compressed bytes, or the peer's decoders (not measured: as fast as ours).
+  const double encode_bps = f.encode_bps * enc.threads();
+  const double decode_bps = f.decode_bps > 0 ? f.decode_bps * std::max(1u, peer_decode_threads) : encode_bps;
+  const double compressed_bps = std::min({encode_bps, decode_bps, link_bps_ * f.ratio});
   const bool on = f.encode_bps > 0 && compressed_bps > kWinMargin * link_bps_;
   if (int(on) != last_) {
-    PDKV_LOG_INFO("tcp: writes to peer '%s' now %s %s (link %.3f GB/s plain; %s encodes %.3f GB/s x %u threads, ratio %.2f)",
+    PDKV_LOG_INFO("tcp: writes to peer '%s' now %s %s (link %.3f GB/s plain; %s encodes %.3f GB/s x %u threads, "
+                  "decodes %.3f GB/s x %u peer threads, ratio %.2f)",
                   peer_.c_str(), on ? "compressed with" : "plain, not", std::string(codec_kind_name(kind)).c_str(),
-                  link_bps_ / 1e9, std::string(codec_kind_name(kind)).c_str(), f.encode_bps / 1e9, o.threads,
-                  f.ratio);
+                  link_bps_ / 1e9, std::string(codec_kind_name(kind)).c_str(), f.encode_bps / 1e9, enc.threads(),
+                  f.decode_bps / 1e9, peer_decode_threads, f.ratio);
     last_ = on;
   }
   return on ? Choice{true, kind} : Choice{};
@@ -221,6 +243,32 @@ double LinkChooser::link_bps() const {
 }
 
 // ---------------------------------------------------------------- the receiver's side
+
+Decoder::Decoder() : pool_("pdkv-tcp-unzip", codec_threads(TcpCompression{})) {}
+
+std::vector<uint8_t> Decoder::buffer() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (free_.empty()) return {};
+  std::vector<uint8_t> b = std::move(free_.back());
+  free_.pop_back();
+  return b;
+}
+
+void Decoder::give_back(std::vector<uint8_t> buf) {
+  if (buf.capacity() > (8u << 20)) return;  // a rare huge payload is not kept
+  std::lock_guard<std::mutex> lk(mu_);
+  if (free_.size() < 2 * kDecodeAhead) free_.push_back(std::move(buf));
+}
+
+Status Decoder::decode(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n) {
+  // A Codec is single-threaded: one set per thread (decode threads, or a caller
+  // decoding inline at shutdown), created on first use.
+  thread_local std::array<std::unique_ptr<Codec>, 4> codecs;
+  thread_local std::vector<uint8_t> scratch;
+  Status st = decode_payload(payload, len, dst, n, codecs, scratch);
+  if (scratch.capacity() > (8u << 20)) std::vector<uint8_t>().swap(scratch);
+  return st;
+}
 
 Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
                       std::array<std::unique_ptr<Codec>, 4>& codecs, std::vector<uint8_t>& scratch) {
@@ -291,6 +339,7 @@ std::string encode_extra() {
   w.put<uint32_t>(kExtraMagic);
   w.put<uint32_t>(kFeatureCompressedWrite);
   w.put<uint32_t>(codecs);
+  w.put<uint32_t>(codec_threads(TcpCompression{}));  // decode threads (Decoder); older peers stop reading before it
   return w.take();
 }
 
@@ -302,6 +351,8 @@ PeerFeatures decode_extra(std::string_view extra) {
   if (!r.get(&features, "tcp extra features").ok() || !r.get(&codecs, "tcp extra codecs").ok()) return f;
   f.compressed_write = features & kFeatureCompressedWrite;
   f.codecs = codecs;
+  uint32_t threads = 0;
+  if (r.get(&threads, "tcp extra decode threads").ok()) f.decode_threads = std::max(1u, std::min(threads, 64u));
   return f;
 }
 

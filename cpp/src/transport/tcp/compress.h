@@ -1,19 +1,23 @@
 // Compressed writes on the tcp transport: the encoder threads that turn a batch into
-// a kWriteZ payload while earlier batches are on the wire, and the per-peer choice
-// (TcpCompression::mode kAuto) of whether compressing pays on that link.
+// a kWriteZ payload while earlier batches are on the wire, the decoder threads that
+// turn it back off the progress threads, and the per-peer choice (TcpCompression::mode
+// kAuto) of whether compressing pays on that link.
 //
+//   TaskPool        named worker threads (started on first use) running queued tasks.
 //   Encoder         encoder threads, a free list of payload buffers, and the measured
-//                   encode throughput and ratio of each codec. (How far a write's
-//                   encoding runs ahead of its socket is the transport's business:
-//                   kEncodeAhead batches per write, TcpTransport::pump_encodes.)
+//                   encode and decode throughput and ratio of each codec. (How far a
+//                   write's encoding runs ahead of its socket is the transport's
+//                   business: kEncodeAhead batches per write, TcpTransport::pump_encodes.)
+//   Decoder         the receiver's decode threads (pdkv-tcp-unzip): a compressed
+//                   batch is decoded there while its progress thread reads on.
 //   LinkChooser     per peer: the delivered throughput of its plain writes, and the
 //                   decision plain / compressed from that and the Encoder's figures.
 //   encode_batch    one batch's extents -> codec frames, back to back (docs/wire.md,
 //                   "Compressed writes").
 //   decode_payload  the receiver's side: codec frames -> the checked extents.
 //
-// Thread safety: Encoder and LinkChooser are thread-safe; encode_batch and
-// decode_payload use only their arguments.
+// Thread safety: TaskPool, Encoder, Decoder and LinkChooser are thread-safe;
+// decode_payload uses only its arguments.
 #pragma once
 
 #include <sys/uio.h>
@@ -46,21 +50,61 @@ struct EncodedBatch {
 // Measured figures of one codec on this agent's data (exponentially averaged).
 struct CodecFigures {
   double encode_bps = 0;  // raw bytes encoded per second by one thread (0: not measured)
+  double decode_bps = 0;  // raw bytes decoded per second by one thread (0: not measured)
   double ratio = 1;       // raw bytes / payload bytes
+};
+
+// Encoder / decoder threads for `opts` (its `threads`, or when 0 min(4, the
+// hardware threads)).
+uint32_t codec_threads(const TcpCompression& opts);
+
+// Up to `threads` threads named `name`, started as tasks arrive, running them in
+// queue order (several at once when there are several threads).
+class TaskPool {
+ public:
+  TaskPool(const char* name, uint32_t threads) : name_(name), max_threads_(threads) {}
+  ~TaskPool() { stop(); }
+  TaskPool(const TaskPool&) = delete;
+  TaskPool& operator=(const TaskPool&) = delete;
+
+  // Runs `f` on a pool thread, after the tasks queued before it; once stopped, on
+  // the calling thread.
+  void run(std::function<void()> f) {
+    if (!post(f)) f();
+  }
+  // Queues `f` for a pool thread; false (and `f` not run) once stopped.
+  bool post(std::function<void()> f);
+  // Runs what is queued, joins the threads; later run() calls run inline.
+  void stop();
+  bool stopped() const;
+  uint32_t max_threads() const { return max_threads_; }
+
+ private:
+  void loop();
+
+  const char* const name_;
+  const uint32_t max_threads_;
+  mutable std::mutex mu_;  // guards everything below
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  std::vector<std::thread> threads_;
+  uint32_t idle_ = 0;  // threads waiting for a task
+  bool stop_ = false;
 };
 
 class Encoder {
  public:
-  explicit Encoder(const TcpCompression& opts) : opts_(opts) {}
+  explicit Encoder(const TcpCompression& opts) : opts_(opts), pool_("pdkv-tcp-zip", codec_threads(opts)) {}
   ~Encoder() { stop(); }
   Encoder(const Encoder&) = delete;
   Encoder& operator=(const Encoder&) = delete;
 
   // Runs `f` on an encoder thread (started on first use), after the tasks queued
   // before it; once stopped, on the calling thread (the task then fails fast).
-  void run(std::function<void()> f);
-  void stop();
-  bool stopped() const;
+  void run(std::function<void()> f) { pool_.run(std::move(f)); }
+  void stop() { pool_.stop(); }
+  bool stopped() const { return pool_.stopped(); }
+  uint32_t threads() const { return pool_.max_threads(); }
 
   // A payload buffer (from the free list; back to it when the last reference goes).
   std::shared_ptr<EncodedBatch> buffer();
@@ -71,26 +115,47 @@ class Encoder {
   Status encode(CodecKind kind, const iovec* iov, uint32_t n, EncodedBatch& out);
 
   CodecFigures figures(CodecKind kind) const;
-  // Measures `kind` on a sample (the first chunk of a transfer) if it never was.
+  // Measures `kind`'s encode and decode on a sample (the first chunk of a transfer)
+  // if it never was. The decode rate stands for the peer's (same code, and the
+  // peer's CPU is not known here).
   void calibrate(CodecKind kind, const iovec* iov, uint32_t n);
 
   const TcpCompression& options() const { return opts_; }
 
  private:
-  void loop();
   Result<Codec*> codec_for(CodecKind kind);
   void record(CodecKind kind, uint64_t raw, uint64_t wire, double seconds);
 
   const TcpCompression opts_;
+  TaskPool pool_;
   mutable std::mutex mu_;  // guards everything below
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  std::vector<std::thread> threads_;
-  bool stop_ = false;
   std::vector<std::unique_ptr<EncodedBatch>> free_;
   std::array<CodecFigures, 4> figures_{};
   // One codec per (encoder thread, kind): a Codec is single-threaded.
   std::vector<std::pair<std::thread::id, std::array<std::unique_ptr<Codec>, 4>>> codecs_;
+};
+
+// The receiver's decode threads (pdkv-tcp-unzip, min(4, hardware threads)): a
+// compressed batch whose payload is in is decoded here while the progress thread
+// reads other frames and connections. Also keeps payload buffers for reuse.
+class Decoder {
+ public:
+  Decoder();
+  // Queues `f` for a decode thread; false (and `f` not run) once stopped.
+  bool post(std::function<void()> f) { return pool_.post(std::move(f)); }
+  void stop() { pool_.stop(); }
+  uint32_t threads() const { return pool_.max_threads(); }
+  // An empty payload buffer (capacity from an earlier payload when there is one).
+  std::vector<uint8_t> buffer();
+  // Gives a payload buffer back (kept when it is not huge and few are kept).
+  void give_back(std::vector<uint8_t> buf);
+  // Decodes a kWriteZ payload with this thread's codecs (decode_payload below).
+  static Status decode(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n);
+
+ private:
+  TaskPool pool_;
+  std::mutex mu_;  // guards free_
+  std::vector<std::vector<uint8_t>> free_;
 };
 
 // What a write to one peer does now.
@@ -101,14 +166,16 @@ struct Choice {
 
 // Per peer (mode kAuto): plain or compressed, from the delivered throughput of plain
 // writes to that peer and the Encoder's figures. Compressed wins when
-// min(threads x encode rate, link x ratio) beats the link by 10 %; every 16th
+// min(encoder threads x encode rate, peer's decode threads x decode rate,
+// link x ratio) beats the link by 10 %; every 16th
 // write (and any write when the last plain measurement is over 5 s old) goes plain
 // to measure the link again, so the choice follows the link as it changes.
 class LinkChooser {
  public:
   explicit LinkChooser(std::string peer) : peer_(std::move(peer)) {}
 
-  Choice choose(const Encoder& enc, bool peer_decodes_fp8, uint32_t peer_codecs);
+  // `peer_decode_threads`: from the peer's metadata (PeerFeatures).
+  Choice choose(const Encoder& enc, bool peer_decodes_fp8, uint32_t peer_codecs, uint32_t peer_decode_threads);
   // A plain write of `bytes` took `seconds` from post to its last ack.
   void plain_delivered(uint64_t bytes, double seconds);
   double link_bps() const;
@@ -126,6 +193,11 @@ class LinkChooser {
 // the wire busy while the next is encoded, few enough to bound the memory.
 inline constexpr uint32_t kEncodeAhead = 4;
 
+// Compressed batches of one connection decoding at once (or queued to): at this many
+// its progress thread stops reading it until one is done, so a sender faster than
+// our decoders waits in its socket buffers, not in our memory.
+inline constexpr uint32_t kDecodeAhead = 4;
+
 // Writes of fewer bytes than this say little about the link (latency dominates).
 inline constexpr uint64_t kMinMeasuredBytes = 512u << 10;
 
@@ -141,7 +213,8 @@ Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, si
 std::string encode_extra();
 struct PeerFeatures {
   bool compressed_write = false;
-  uint32_t codecs = 0;  // bit (1 << CodecKind) per codec it decodes
+  uint32_t codecs = 0;          // bit (1 << CodecKind) per codec it decodes
+  uint32_t decode_threads = 1;  // its decode threads (1 when an older peer does not say)
 };
 PeerFeatures decode_extra(std::string_view extra);
 

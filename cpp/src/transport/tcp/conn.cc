@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "transport/tcp/compress.h"
 #include "transport/tcp/progress.h"
 #include "util/socket.h"
 
@@ -162,7 +163,22 @@ uint64_t TcpConn::expired_transfer(Clock::time_point now) {
 // ---------------------------------------------------------------- send side
 
 void TcpConn::update_interest_locked() {
-  if (owner_) owner_->set_interest(*this, !driven_ && !rx_paused_.load(std::memory_order_acquire), want_out_);
+  if (owner_) owner_->set_interest(*this, !driven_ && !reading_paused(), want_out_);
+}
+
+void TcpConn::decode_started() {
+  std::lock_guard<std::mutex> lk(smu_);
+  if (++decodes_ < kDecodeAhead || decode_paused_.load()) return;
+  decode_paused_ = true;
+  if (!dead_ && fd() >= 0) update_interest_locked();
+}
+
+void TcpConn::decode_done() {
+  std::lock_guard<std::mutex> lk(smu_);
+  --decodes_;
+  if (!decode_paused_.load() || decodes_ >= kDecodeAhead) return;
+  decode_paused_ = false;  // read again (level-triggered epoll reports what waited)
+  if (!dead_ && fd() >= 0) update_interest_locked();
 }
 
 TcpConn::SendResult TcpConn::send(std::unique_ptr<OutMsg> m) {

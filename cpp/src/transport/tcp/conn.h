@@ -99,12 +99,10 @@ struct RxState {
   std::unique_ptr<cuda::ScatterPipe> pipe;
   bool staged = false;
   int cur_lowat = 1;  // SO_RCVLOWAT now set on the socket
-  // A compressed write (kWriteZ): its payload is received into `zbuf`, then decoded
-  // into `zdst`, the checked extents (compress.h decode_payload).
+  // A compressed write (kWriteZ): its payload is received into `zbuf`; then both it
+  // and `zdst`, the checked extents, go to a decode thread (compress.h Decoder).
   std::vector<uint8_t> zbuf;
   std::vector<iovec> zdst;
-  std::array<std::unique_ptr<Codec>, 4> zcodecs;  // by CodecKind, created on first use
-  std::vector<uint8_t> zscratch;                  // a frame that spans extents
 
   // True while a frame is partly received (its bytes must keep coming).
   bool mid_frame() const { return stage != RxStage::kHeader || hdr_got != 0; }
@@ -161,8 +159,16 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   bool draining() const { return draining_.load(std::memory_order_acquire); }
   // Inbound before its hello: when the hello is due. Draining: when lingering ends.
   Clock::time_point deadline() const { return Clock::time_point(Clock::duration(deadline_.load(std::memory_order_acquire))); }
-  // Back-pressure: too much output is queued, the connection must not be read.
-  bool reading_paused() const { return rx_paused_.load(std::memory_order_acquire); }
+  // Back-pressure: too much output is queued, or too many compressed batches are
+  // decoding (decode_started): the connection must not be read.
+  bool reading_paused() const {
+    return rx_paused_.load(std::memory_order_acquire) || decode_paused_.load(std::memory_order_acquire);
+  }
+  // A compressed batch of this connection went to the decode threads (receiver.cc);
+  // at kDecodeAhead (compress.h) of them reading pauses until decode_done().
+  // Any thread (take smu_).
+  void decode_started();
+  void decode_done();
   // After a receive that took `got` bytes: records whether a frame is left half-read,
   // and when bytes last came, for frame_stalled().
   void note_received(uint64_t got);
@@ -254,6 +260,7 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   std::atomic<bool> rx_mid_{false};
   std::atomic<int64_t> rx_progress_{0};
   std::atomic<bool> rx_paused_{false};  // back-pressure (set and cleared under smu_)
+  std::atomic<bool> decode_paused_{false};  // decodes_ reached kDecodeAhead (under smu_)
   std::atomic<bool> draining_{false};
   std::atomic<Clock::rep> deadline_;    // deadline()
 
@@ -267,6 +274,7 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   // ---- Send side, guarded by smu_.
   std::mutex smu_;
   std::deque<std::unique_ptr<OutMsg>> sq_;
+  uint32_t decodes_ = 0;  // compressed batches at the decode threads
   size_t sq_cost_ = 0;   // sum of cost() over sq_
   bool want_out_ = false;
   bool driven_ = false;  // a waiting caller is reading this connection (EPOLLIN off)

@@ -69,7 +69,7 @@ Status TcpCompression::validate() const {
     return InvalidArgument("tcp.compress.codec must be zstd or lz4, got " + std::string(codec_kind_name(codec)));
   PDKV_RETURN_IF_ERROR(check_in_range<int32_t>("tcp.compress.level", level, -7, 9));
   PDKV_RETURN_IF_ERROR(check_in_range<uint64_t>("tcp.compress.chunk_bytes", chunk_bytes, 4096, tcp::kMaxCompressedChunk));
-  PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.compress.threads", threads, 1, 16));
+  PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.compress.threads", threads, 0, 16));
   PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.compress.fp8_heads", fp8.heads, 1, 1u << 16));
   PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.compress.fp8_head_dim", fp8.head_dim, 1, 1u << 16));
   PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.compress.fp8_rows_per_group", fp8.rows_per_group, 1, 1u << 16));

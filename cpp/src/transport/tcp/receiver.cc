@@ -496,6 +496,7 @@ bool FrameReceiver::begin_compressed_payload(const std::shared_ptr<TcpConn>& c, 
     st.zdst = std::move(req.iov);
     st.pins = std::move(req.pins);
   }
+  if (st.zbuf.capacity() == 0) st.zbuf = t_.decoder().buffer();  // one a decoded batch gave back
   st.zbuf.resize(static_cast<size_t>(h.payload));
   st.dst_own.assign(1, iovec{st.zbuf.data(), st.zbuf.size()});
   st.dst = st.dst_own.data();
@@ -508,24 +509,79 @@ bool FrameReceiver::begin_compressed_payload(const std::shared_ptr<TcpConn>& c, 
   return true;
 }
 
-// A compressed write's payload is in: decodes it into its extents. A malformed
-// payload fails the connection; a checksum mismatch (DataCorrupted) or a codec this
-// build lacks fails only this part. False when the connection was failed.
-bool FrameReceiver::decode_compressed(const std::shared_ptr<TcpConn>& c) {
+// What a compressed batch takes to its decode thread: everything the write needs
+// once its payload is in (the connection's receive state moves on to the next frame).
+struct FrameReceiver::DecodeJob {
+  FrameHeader hdr{};
+  std::vector<uint8_t> payload;  // the codec frames
+  std::vector<iovec> dst;        // the checked extents
+  std::vector<RegionPin> pins;
+  GenPin gens;
+  Status reject;      // refused before its payload came: discarded, failed ack
+  std::string notif;  // kFlagNotif: delivered after the last byte is decoded
+};
+
+// A compressed write's payload is in: a decode thread decodes it (finish_decode)
+// while this thread reads on. Reading this connection pauses while kDecodeAhead of
+// its batches are at the decode threads.
+void FrameReceiver::hand_to_decoder(const std::shared_ptr<TcpConn>& c) {
   RxState& st = rx(c);
-  const FrameHeader& h = st.cur;
-  if (st.reject.ok()) {
-    Status d = decode_payload(st.zbuf.data(), st.zbuf.size(), st.zdst.data(), st.zdst.size(), st.zcodecs, st.zscratch);
-    if (d.code() == StatusCode::kProtocolError) {
-      t_.fail_conn_locked(c, ProtocolError(d.message() + " (from " + c->desc() + ")"), h.xfer_id, h.batch);
-      return false;
-    }
-    if (!d.ok()) st.reject = Status(d.code(), d.message() + " (from " + c->desc() + ")");
-  }
+  auto job = std::make_shared<DecodeJob>();
+  job->hdr = st.cur;
+  job->payload = std::move(st.zbuf);
+  job->dst = std::move(st.zdst);
+  job->pins = std::move(st.pins);
+  job->gens = std::move(st.gens);
+  job->reject = std::move(st.reject);
+  if (st.cur.flags & kFlagNotif) job->notif = st.ctrl.substr(st.notif_off);
+  st.reject = Status::Ok();
+  st.zbuf.clear();
   st.zdst.clear();
-  if (st.zbuf.capacity() > (8u << 20)) std::vector<uint8_t>().swap(st.zbuf);  // a rare huge frame is not kept
-  if (st.zscratch.capacity() > (8u << 20)) std::vector<uint8_t>().swap(st.zscratch);
-  return true;
+  st.dst_own.clear();
+  c->decode_started();
+  TcpTransport& t = t_;
+  if (!t.decoder().post([&t, c, job] { finish_decode(t, c, *job); })) {
+    // Shutting down (the decode threads are gone): refuse it rather than decode
+    // here, under the receive lock a failing decode would take.
+    job->reject = ConnectionError("agent is shutting down");
+    finish_decode(t, c, *job);
+  }
+}
+
+// On a decode thread (no receive lock held): decodes the job's payload into its
+// extents, then acknowledges it. A malformed payload fails the connection; a
+// checksum mismatch (DataCorrupted) or a codec this build lacks fails only this
+// part. Nothing is acknowledged or notified on a connection that died meanwhile:
+// its sender's transfer has failed with it.
+void FrameReceiver::finish_decode(TcpTransport& t, const std::shared_ptr<TcpConn>& c, DecodeJob& job) {
+  const FrameHeader& h = job.hdr;
+  Status result = job.reject;
+  bool conn_failed = false;
+  if (result.ok()) {
+    Status d = Decoder::decode(job.payload.data(), job.payload.size(), job.dst.data(), job.dst.size());
+    if (d.code() == StatusCode::kProtocolError) {
+      auto lk = c->lock_rx();
+      t.fail_conn_locked(c, ProtocolError(d.message() + " (from " + c->desc() + ")"), h.xfer_id, h.batch);
+      conn_failed = true;
+    } else if (!d.ok()) {
+      result = Status(d.code(), d.message() + " (from " + c->desc() + ")");
+    }
+  }
+  job.pins.clear();
+  job.gens.reset();  // landed: a bump of these blocks may return now
+  t.decoder().give_back(std::move(job.payload));
+  if (!conn_failed && !c->is_dead() && c->owner()) {
+    if (!result.ok()) {
+      c->owner()->enqueue(c, failed_ack(h, result));  // discarded: no notification
+    } else {
+      if (h.flags & kFlagNotif) t.hooks()->deliver_notification(Notification{c->peer_name(), std::move(job.notif)});
+      auto m = std::make_unique<OutMsg>();
+      m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
+      m->finalize();
+      c->owner()->enqueue(c, std::move(m));
+    }
+  }
+  c->decode_done();
 }
 
 // A failed part with its message (block generations).
@@ -604,9 +660,8 @@ void FrameReceiver::on_payload_done(const std::shared_ptr<TcpConn>& c) {
       return;
     }
   }
-  if (static_cast<FrameType>(h.type) == FrameType::kWriteZ && !decode_compressed(c)) return;
-  if (static_cast<FrameType>(h.type) == FrameType::kWrite || static_cast<FrameType>(h.type) == FrameType::kWriteZ)
-    return write_landed(c);
+  if (static_cast<FrameType>(h.type) == FrameType::kWriteZ) return hand_to_decoder(c);
+  if (static_cast<FrameType>(h.type) == FrameType::kWrite) return write_landed(c);
   // Read response complete.
   PendingPart part;
   const bool found = c->take_pending(h.xfer_id, h.batch, &part);

@@ -19,7 +19,9 @@
 // nothing else reads or writes it.
 //
 // Thread safety: every function runs with the connection's receive lock held
-// (TcpConn::lock_rx: the owner thread, or a caller driving its own transfer).
+// (TcpConn::lock_rx: the owner thread, or a caller driving its own transfer),
+// except finish_decode, which runs on a decode thread (compress.h Decoder) and
+// touches no receive state.
 #pragma once
 
 #include <sys/uio.h>
@@ -92,7 +94,9 @@ class FrameReceiver {
   void answer_read(const std::shared_ptr<TcpConn>& c, Request req);
   bool begin_write_payload(const std::shared_ptr<TcpConn>& c, Request req);
   bool begin_compressed_payload(const std::shared_ptr<TcpConn>& c, Request req);
-  bool decode_compressed(const std::shared_ptr<TcpConn>& c);
+  struct DecodeJob;
+  void hand_to_decoder(const std::shared_ptr<TcpConn>& c);
+  static void finish_decode(TcpTransport& t, const std::shared_ptr<TcpConn>& c, DecodeJob& job);
   // The current payload is complete.
   void on_payload_done(const std::shared_ptr<TcpConn>& c);
   void write_landed(const std::shared_ptr<TcpConn>& c);

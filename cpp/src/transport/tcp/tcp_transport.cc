@@ -107,6 +107,7 @@ void TcpTransport::shutdown() {
   if (shut_.exchange(true)) return;
   if (encoder_) encoder_->stop();  // queued encodes fail fast once shut_ is set; later batches fail in pump_encodes
   staging_.stop();  // queued tasks fail fast once shut_ is set
+  decoder_.stop();  // queued decodes finish (their acks go out before the progress threads stop)
   for (auto& t : threads_) t->stop();
   std::lock_guard<std::mutex> lk(mu_);
   peers_.clear();
@@ -146,8 +147,25 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
     batch_bytes = std::min(batch_bytes, st->chunk());
   } else if (encoder_ && op == OpKind::kWrite) {
     // Batches of a write that may be compressed are codec chunks: the pipeline unit.
-    batch_bytes = std::min(batch_bytes, compressed_batch_bytes(encoder_->options()));
+    const uint64_t chunked = std::min(batch_bytes, compressed_batch_bytes(encoder_->options()));
+    if (encoder_->options().mode == CompressMode::kAuto && chunked < batch_bytes) {
+      // auto may send it plain: then in plain-sized batches (1 MiB batches cost a
+      // loopback write a third of its speed in acks and frames).
+      auto plain = std::make_shared<TcpPrepared>();
+      plain->peer = p->peer;
+      plain->op = op;
+      PDKV_RETURN_IF_ERROR(cut_batches(*plain, extents, batch_bytes));
+      p->plain = std::move(plain);
+    }
+    batch_bytes = chunked;
   }
+  PDKV_RETURN_IF_ERROR(cut_batches(*p, extents, batch_bytes));
+  return std::shared_ptr<const PreparedOps>(std::move(p));
+}
+
+Status TcpTransport::cut_batches(TcpPrepared& prep, const std::vector<ResolvedExtent>& extents,
+                                 uint64_t batch_bytes) const {
+  TcpPrepared* p = &prep;
   size_t n = 0;
   for (const auto& e : extents) n += (e.len + batch_bytes - 1) / batch_bytes;
   p->descs.reserve(n);
@@ -184,7 +202,7 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
   }
   close_batch();
   if (p->descs.size() > 0xFFFFFFFFull) return InvalidArgument("transfer has too many extents");
-  return std::shared_ptr<const PreparedOps>(std::move(p));
+  return Status::Ok();
 }
 
 Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
@@ -193,6 +211,7 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare_checked(std::sh
   PDKV_ASSIGN_OR_RETURN(auto ops, prepare(std::move(peer), op, std::move(extents)));
   auto p = std::const_pointer_cast<TcpPrepared>(std::static_pointer_cast<const TcpPrepared>(ops));
   p->claim_aux = encode_claim_aux(encode_claim(*claim));
+  if (p->plain) p->plain->claim_aux = p->claim_aux;
   return ops;
 }
 
@@ -335,6 +354,12 @@ void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
     spi::TransferControl(xfer).fail_now(pcr.status());
     return;
   }
+  auto choice = choose_compression(*prep, **pcr);
+  if (!choice.ok()) {
+    spi::TransferControl(xfer).fail_now(choice.status());
+    return;
+  }
+  if (!choice->compress && prep->plain) prep = prep->plain;  // auto chose plain: plain-sized batches
   auto post = std::make_shared<TcpPost>();
   post->xfer = xfer;
   post->prep = prep;
@@ -344,11 +369,6 @@ void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
   const uint32_t nb = static_cast<uint32_t>(prep->batches.size());
   const uint32_t base = post->pc->rr.fetch_add(1, std::memory_order_relaxed);
   const bool spread = nconn > 1 && nb > 1;
-  auto choice = choose_compression(*prep, *post->pc);
-  if (!choice.ok()) {
-    spi::TransferControl(xfer).fail_now(choice.status());
-    return;
-  }
   post->compress = *choice;
   if (post->compress.compress) spi::TransferControl(xfer).set_compression(codec_kind_name(post->compress.kind).data());
   // Compressed batches may leave out of order (several encoder threads): the
@@ -516,7 +536,7 @@ Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerCon
     const bool fp8 = o.policy == CompressPolicy::kLossyAllowed && decodes(CodecKind::kFp8);
     const CodecKind k = fp8 ? CodecKind::kFp8 : o.codec;
     encoder_->calibrate(k, prep.iov.data(), prep.batches[0].count);  // once per codec
-    return pc.chooser.choose(*encoder_, fp8, f.codecs);
+    return pc.chooser.choose(*encoder_, fp8, f.codecs, f.decode_threads);
   }
   const CodecKind k = o.mode == CompressMode::kFp8 ? CodecKind::kFp8 : o.codec;
   if (!f.compressed_write)

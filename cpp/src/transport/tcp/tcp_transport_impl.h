@@ -53,6 +53,8 @@ class TcpTransport final : public Transport {
   bool can_reach(const AgentMetadata& peer) const override { return peer.find_endpoint("tcp") != nullptr; }
   Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                      std::vector<ResolvedExtent> extents) override;
+  // Cuts `extents` into `prep`'s wire batches of at most `batch_bytes`.
+  Status cut_batches(TcpPrepared& prep, const std::vector<ResolvedExtent>& extents, uint64_t batch_bytes) const;
   Result<std::shared_ptr<const PreparedOps>> prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
                                                              std::vector<ResolvedExtent> extents,
                                                              std::shared_ptr<const GenClaim> claim) override;
@@ -69,6 +71,7 @@ class TcpTransport final : public Transport {
   FrameLimits frame_limits() const { return FrameLimits{hooks_->max_notif_bytes()}; }
   AuthBackoff& auth_backoff() { return backoff_; }
   DeviceStaging& staging() { return staging_; }
+  Decoder& decoder() { return decoder_; }
   bool shutting_down() const { return shut_.load(std::memory_order_acquire); }
   // The progress thread that gets the next connection (round robin).
   ProgressThread* pick_thread() { return threads_[next_thread_++ % threads_.size()].get(); }
@@ -132,6 +135,7 @@ class TcpTransport final : public Transport {
   std::map<std::string, std::shared_ptr<PeerConns>> peers_;
   DeviceStaging staging_;
   std::unique_ptr<Encoder> encoder_;  // null when compression is off
+  Decoder decoder_;                   // compressed writes received (threads start on the first)
   AuthBackoff backoff_;
   LogLimiter reject_log_{std::chrono::seconds(1)};
 };

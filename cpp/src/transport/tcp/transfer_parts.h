@@ -52,6 +52,9 @@ struct TcpPrepared final : PreparedOps {
   // Block generation claim (u32 length + claim) sent at the start of every frame's
   // aux, so the target checks it per frame before its bytes land or are sent.
   std::string claim_aux;
+  // Compression kAuto writes: the same extents cut into plain-sized batches, sent
+  // instead when the write goes plain (these batches are codec chunks).
+  std::shared_ptr<TcpPrepared> plain;
 };
 
 // The connection slots to one peer instance (replaced when the peer restarts).

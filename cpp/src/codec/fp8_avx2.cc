@@ -1,0 +1,19 @@
+// The FP8 loops vectorised for AVX2 (this file is compiled with -mavx2 on x86-64;
+// kernels.cc calls it only on a CPU that reports AVX2).
+#define PDKV_FP8_KERNEL_NS vec_avx2
+#include "codec/fp8_kernels.h"
+#include "codec/kernels.h"
+
+namespace pdkv::codec {
+
+void fp8_quantize_avx2(const uint8_t* src, uint64_t elems, DType dtype, const Fp8Grouping& g, uint8_t* scales,
+                       uint8_t* codes) {
+  vec_avx2::quantize_any(src, elems, dtype, g, scales, codes);
+}
+
+void fp8_dequantize_avx2(const uint8_t* scales, const uint8_t* codes, uint64_t elems, const Fp8Grouping& g,
+                         DType dst_dtype, uint8_t* dst) {
+  vec_avx2::dequantize_any(scales, codes, elems, g, dst_dtype, dst);
+}
+
+}  // namespace pdkv::codec
