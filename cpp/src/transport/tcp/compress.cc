@@ -289,7 +289,7 @@ std::string encode_extra() {
     if (codec_available(k)) codecs |= 1u << static_cast<unsigned>(k);
   util::ByteWriter w;
   w.put<uint32_t>(kExtraMagic);
-  w.put<uint32_t>(kFeatureCompressedWrite);
+  w.put<uint32_t>(kFeatureCompressedWrite | kFeatureStridedExtents);
   w.put<uint32_t>(codecs);
   return w.take();
 }
@@ -301,6 +301,7 @@ PeerFeatures decode_extra(std::string_view extra) {
   if (!r.get(&magic, "tcp extra magic").ok() || magic != kExtraMagic) return f;
   if (!r.get(&features, "tcp extra features").ok() || !r.get(&codecs, "tcp extra codecs").ok()) return f;
   f.compressed_write = features & kFeatureCompressedWrite;
+  f.strided_extents = features & kFeatureStridedExtents;
   f.codecs = codecs;
   return f;
 }

@@ -141,6 +141,7 @@ Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, si
 std::string encode_extra();
 struct PeerFeatures {
   bool compressed_write = false;
+  bool strided_extents = false;  // takes kFlagStrided frames (wire.h)
   uint32_t codecs = 0;  // bit (1 << CodecKind) per codec it decodes
 };
 PeerFeatures decode_extra(std::string_view extra);
