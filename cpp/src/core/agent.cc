@@ -627,11 +627,20 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_staged(
     auto d = regions_.get(s.region_id);
     if (!d.ok() || d->kind != MemKind::kHost) return std::shared_ptr<PreparedTransfer>();
   }
-  PDKV_ASSIGN_OR_RETURN(auto staged, plan_staged(local, local_ids, remote, remote_ids, plan));
+  const bool strided = routed->transport->caps().strided_extents;
+  PDKV_ASSIGN_OR_RETURN(auto staged, plan_staged(local, local_ids, remote, remote_ids, plan, strided));
   if (!staged) return std::shared_ptr<PreparedTransfer>();
   PDKV_ASSIGN_OR_RETURN(auto buf, staging_buffer(staged->bytes));
-  std::vector<Extent> ex = staged_wire_extents(*staged, buf->region_id, remote, remote_ids);
-  PDKV_ASSIGN_OR_RETURN(auto prep, prepare_resolved(peer_name, op, ex, opts, std::move(claim)));
+  std::shared_ptr<PreparedTransfer> prep;
+  if (strided) {
+    PDKV_ASSIGN_OR_RETURN(prep, prepare_resolved(peer_name, op, staged_wire_runs(*staged, buf->region_id, remote,
+                                                                                 remote_ids),
+                                                 opts, std::move(claim)));
+  } else {
+    PDKV_ASSIGN_OR_RETURN(prep, prepare_resolved(peer_name, op, staged_wire_extents(*staged, buf->region_id, remote,
+                                                                                    remote_ids),
+                                                 opts, std::move(claim)));
+  }
   // The copies touch the local layout's regions, which no extent names: pin them too.
   for (const KVSegment& s : local.segments())
     if (std::find(prep->local_regions.begin(), prep->local_regions.end(), s.region_id) == prep->local_regions.end())

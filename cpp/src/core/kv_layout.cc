@@ -426,6 +426,19 @@ uint64_t count_segment_runs(uint64_t LT, const KVSegment& L, const std::vector<u
   return n;
 }
 
+uint64_t strided_segment_cost(uint64_t LT, const KVSegment& L, const std::vector<uint32_t>& lids, uint64_t RT,
+                              const KVSegment& R, const std::vector<uint32_t>& rids, uint64_t row, const RowRange& rr) {
+  std::vector<StridedExtent> runs;
+  walk_segment_strided(LT, L, 0, lids, RT, R, 0, rids, row, rr,
+                       [&](uint64_t lo, uint64_t ro, uint64_t len, uint64_t n, uint64_t ls, uint64_t rs) {
+                         push_strided(runs, StridedExtent{0, lo, 0, ro, len, n, ls, rs});
+                       });
+  uint64_t cost = runs.size();
+  for (const StridedExtent& r : runs)
+    if (r.count > 1 && r.local_stride != r.len) cost += r.count;
+  return cost;
+}
+
 namespace {
 
 void plan_segment_strided(const KVLayout& local, const KVSegment& L, uint64_t lreg, uint64_t lbase,

@@ -88,14 +88,28 @@ struct StridedExtent {
 
 // Appends `x` or extends the last run when `x` continues it: a plain extent that
 // continues a plain one on both sides grows it; pieces of the same length that sit
-// where the last run's next piece would (same strides) join it.
-inline void push_strided(std::vector<StridedExtent>& out, const StridedExtent& x) {
+// where the last run's next piece would (same strides) join it, and two plain
+// extents of one length, the second after the first on both sides, become a run.
+// A run whose pieces touch on both sides is a plain extent.
+inline void push_strided(std::vector<StridedExtent>& out, StridedExtent x) {
+  if (x.count > 1 && x.local_stride == x.len && x.remote_stride == x.len) {
+    x.len *= x.count;
+    x.count = 1;
+    x.local_stride = x.remote_stride = 0;
+  }
   if (!out.empty()) {
     StridedExtent& b = out.back();
     if (b.local_region == x.local_region && b.remote_region == x.remote_region) {
       if (b.count == 1 && x.count == 1 && b.local_offset + b.len == x.local_offset &&
           b.remote_offset + b.len == x.remote_offset) {
         b.len += x.len;
+        return;
+      }
+      if (b.len == x.len && b.count == 1 && x.count == 1 && x.local_offset >= b.local_offset + b.len &&
+          x.remote_offset >= b.remote_offset + b.len) {
+        b.count = 2;
+        b.local_stride = x.local_offset - b.local_offset;
+        b.remote_stride = x.remote_offset - b.remote_offset;
         return;
       }
       if (b.len == x.len && (b.count > 1 || x.count > 1)) {
@@ -159,6 +173,12 @@ void walk_segment_strided(uint64_t LT, const KVSegment& L, uint64_t lbase, const
 Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                 const KVLayout& remote, const std::vector<uint32_t>& rids,
                                                 const PlanOptions& opts);
+
+// What a transport that takes strided runs is handed for one (layer, part) pair: its
+// coalesced runs, plus one per local piece of each run whose local pieces are apart
+// (the tcp sender lists those one by one).
+uint64_t strided_segment_cost(uint64_t LT, const KVSegment& L, const std::vector<uint32_t>& lids, uint64_t RT,
+                              const KVSegment& R, const std::vector<uint32_t>& rids, uint64_t row, const RowRange& rr);
 
 // How many extents walk_segment_runs() leaves after coalescing neighbours.
 uint64_t count_segment_runs(uint64_t LT, const KVSegment& L, const std::vector<uint32_t>& lids, uint64_t RT,
