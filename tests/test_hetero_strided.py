@@ -94,3 +94,24 @@ def test_consecutive_blocks_are_one_run_per_layer_part(transport):
             prep.post().wait(10)
         check(local, ids, remote, ids, 32 * 16, 2, 0, 2)
 
+
+
+def test_a_compressed_push_into_a_peers_cut_blocks_is_bit_exact():
+    """Compressed writes (kWriteZ) carry strided descriptors too: the codec frames decode
+    into the pieces the target expanded from them."""
+    from pdkv import codec
+
+    opts = pdkv.TcpCompression(mode="lossless", codec="zstd" if codec.available("zstd") else "raw",
+                               dtype="bfloat16", chunk_bytes=64 * 1024)
+    with pdkv.Agent("a", secret="s", transports=["tcp"], tcp=pdkv.TcpOptions(compress=opts)) as a, \
+            pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
+        local, remote = Pool(PoolSpec(LAYERS, BLOCKS, 16, 2, D, "bfloat16", "nhd"), 9), \
+            Pool(PoolSpec(LAYERS, BLOCKS, 16, 4, D, "bfloat16", "nhd"))
+        local.register(a)
+        remote.register(b)
+        peer = a.add_peer(b.metadata())
+        ids = list(range(40))
+        x = a.prepare("write", peer, "kv", ids, "kv", ids, num_heads=2, remote_head_offset=2).post()
+        assert x.wait(20), x.error
+        assert x.compression != ""
+        check(local, ids, remote, ids, 40 * 16, 2, 0, 2)
