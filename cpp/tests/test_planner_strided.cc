@@ -172,18 +172,20 @@ TEST(PushStrided, MergesPiecesAtTheNextStrideOnly) {
   planner::push_strided(v, StridedExtent{1, 8, 2, 108, 8});  // continues both sides: one plain extent
   ASSERT_EQ(v.size(), 1u);
   EXPECT_EQ(v[0].len, 16u);
-  planner::push_strided(v, StridedExtent{1, 32, 2, 200, 16});  // same length, after both: a run of 2
+  planner::push_strided(v, StridedExtent{1, 16, 2, 200, 16});  // same length, touching here only: a run of 2
   ASSERT_EQ(v.size(), 1u);
   EXPECT_EQ(v[0].count, 2u);
-  EXPECT_EQ(v[0].local_stride, 32u);
+  EXPECT_EQ(v[0].local_stride, 16u);
   EXPECT_EQ(v[0].remote_stride, 100u);
-  planner::push_strided(v, StridedExtent{1, 64, 2, 300, 16, 3, 32, 100});  // the run's next 3 pieces
+  planner::push_strided(v, StridedExtent{1, 32, 2, 300, 16, 3, 16, 100});  // the run's next 3 pieces
   ASSERT_EQ(v.size(), 1u);
   EXPECT_EQ(v[0].count, 5u);
-  planner::push_strided(v, StridedExtent{1, 160, 2, 501, 16});  // off by one byte remotely: a new extent
+  planner::push_strided(v, StridedExtent{1, 80, 2, 601, 16});  // off by one byte remotely: a new extent
   EXPECT_EQ(v.size(), 2u);
-  planner::push_strided(v, StridedExtent{1, 1000, 3, 0, 16});  // another region
+  planner::push_strided(v, StridedExtent{1, 1000, 2, 700, 16});  // apart on both sides: stays plain
   EXPECT_EQ(v.size(), 3u);
+  planner::push_strided(v, StridedExtent{1, 1016, 3, 0, 16});  // another region
+  EXPECT_EQ(v.size(), 4u);
   std::vector<StridedExtent> t;
   planner::push_strided(t, StridedExtent{1, 0, 2, 0, 8, 4, 8, 8});  // touching pieces: a plain extent
   ASSERT_EQ(t.size(), 1u);
