@@ -115,3 +115,28 @@ def test_a_compressed_push_into_a_peers_cut_blocks_is_bit_exact():
         assert x.wait(20), x.error
         assert x.compression != ""
         check(local, ids, remote, ids, 40 * 16, 2, 0, 2)
+
+
+def test_a_peer_without_strided_extents_gets_every_piece_plain():
+    """An older peer's tcp metadata extra lacks feature bit 1 (docs/wire.md): the sender
+    expands the strided runs into plain extents for it (no flag 8 reaches it), and the
+    bytes are the same."""
+    import struct
+
+    with pdkv.Agent("a", secret="s", transports=["tcp"]) as a, pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
+        local, remote = Pool(PoolSpec(LAYERS, BLOCKS, 16, 2, D, "float16", "nhd"), 4), \
+            Pool(PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"))
+        local.register(a)
+        remote.register(b)
+        blob = b.metadata()
+        extra = pdkv.decode_metadata(blob)["extras"]["tcp"]
+        magic, features = struct.unpack_from("<II", extra)
+        assert features & 2, "this pdkv publishes strided extents"
+        old = blob.replace(extra, struct.pack("<II", magic, features & ~2) + extra[8:])
+        assert old != blob and not struct.unpack_from("<I", pdkv.decode_metadata(old)["extras"]["tcp"], 4)[0] & 2
+        peer = a.add_peer(old)
+        ids = list(range(8, 24))
+        for op in ("write", "read"):
+            x = a.prepare(op, peer, "kv", ids, "kv", ids, num_heads=2, remote_head_offset=1).post()
+            assert x.wait(10), x.error
+        check(local, ids, remote, ids, 16 * 16, 2, 0, 1)
