@@ -58,8 +58,9 @@ def test_staged_transfers_are_bit_exact(op, transport, dtype, mode):
         kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
         prep = a.prepare(op, peer, "kv", lids, "kv", rids, **kw)
         direct = pdkv.plan_blocks(local.layout, lids, remote.layout, rids, **kw)
-        if transport == "shm":  # a memcpy engine: staging would add a copy (TransportCaps.direct_small_extents)
-            assert prep.num_extents == len(direct), "shm was handed a staged transfer"
+        if transport == "shm":  # a memcpy engine: staging would add a copy (TransportCaps.direct_small_extents);
+            # it takes the direct plan as strided runs (one per run of pieces, never more than the pieces)
+            assert prep.num_extents <= len(direct)
         else:
             assert prep.num_extents * 4 <= len(direct), "the transfer was not staged"
         assert prep.nbytes == sum(e[4] for e in direct)
@@ -146,7 +147,8 @@ def test_small_or_whole_block_plans_are_not_staged():
         local2.register(a, "small")
         peer = a.add_peer(b.metadata())
         prep = a.prepare("write", peer, "small", [0], "small", [0])
-        assert prep.num_extents == len(pdkv.plan_blocks(local2.layout, [0], remote2.layout, [0])) == 2 * 16 * 4
+        assert len(pdkv.plan_blocks(local2.layout, [0], remote2.layout, [0])) == 2 * 16 * 4
+        assert prep.num_extents == 2 * 4  # the direct plan as strided runs: one per (part, head), 16 tokens each
         prep.post().wait(10)
         assert np.array_equal(remote2.logical([0]), local2.logical([0]))
 

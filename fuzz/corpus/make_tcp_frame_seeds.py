@@ -9,6 +9,7 @@ import struct
 
 HDR = struct.Struct("<IHHQIIQII")
 EXT = struct.Struct("<QQQ")
+SEXT = struct.Struct("<QQQQQ")  # strided extent (flag 8): region, offset, len, count, stride
 MAGIC = 0x464B4450
 
 
@@ -64,6 +65,19 @@ SEEDS = {
     + b"".join(EXT.pack(1, i * 32, 16) for i in range(300)) + bytes(range(256)) * 18 + b"x" * 192,
     "write_small_pieces_bad_sum": bytes([1]) + frame(5, count=64, payload=64 * 16 + 1)
     + b"".join(EXT.pack(1, i * 32, 16) for i in range(64)),
+    # Strided descriptors (flag 8): a write of 2 runs (16 x 32 B every 128 B, 4 x 64 B
+    # touching), a pull of one run, then hostile ones: count 0, a stride shorter than the
+    # pieces, count x stride past 2^64, a last piece past the region, too many pieces.
+    "write_strided": bytes([1]) + frame(5, count=2, payload=16 * 32 + 256, flags=8)
+    + SEXT.pack(1, 0, 32, 16, 128) + SEXT.pack(1, 4096, 64, 4, 64) + bytes(range(256)) * 3,
+    "read_strided_gens": bytes([1]) + frame(6, count=1, flags=12, aux_len=len(GENS))[:40]
+    + SEXT.pack(1, 64, 512, 8, 2048) + GENS,
+    "strided_count_zero": bytes([1]) + frame(6, count=1, flags=8) + SEXT.pack(1, 0, 32, 0, 64),
+    "strided_overlap": bytes([1]) + frame(6, count=1, flags=8) + SEXT.pack(1, 0, 64, 4, 32),
+    "strided_overflow": bytes([1]) + frame(6, count=1, flags=8) + SEXT.pack(1, 0, 8, 2**63, 2**4),
+    "strided_last_piece_out": bytes([1]) + frame(6, count=1, flags=8) + SEXT.pack(1, 0, 256, 8192, 256),
+    "strided_too_many_pieces": bytes([1]) + frame(6, count=2, flags=8) + SEXT.pack(1, 0, 1, 1 << 17, 1)
+    + SEXT.pack(1, 0, 1, (1 << 17) + 1, 1),
 }
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ namespace {
 
 constexpr uint64_t kRegionLen = 1ull << 20;  // every region of the pretend target
 constexpr uint64_t kCtrlBound =
-    uint64_t(kMaxExtentsPerFrame) * sizeof(WireExtent) +
+    uint64_t(kMaxExtentsPerFrame) * sizeof(WireStridedExtent) +
     std::max<uint64_t>(kMaxMetadataBytes, uint64_t(kMaxNotifWireBytes) + kMaxClaimAux);
 
 ConnState pick_state(uint8_t b) {
@@ -52,7 +52,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (size - pos < ctrl) return 0;          // truncated: the receiver waits (deadline)
     const uint8_t* c = data + pos;
     pos += ctrl;
-    const std::string_view aux(reinterpret_cast<const char*>(c) + size_t(h.count) * sizeof(WireExtent), h.aux_len);
+    const std::string_view aux(reinterpret_cast<const char*>(c) + size_t(h.count) * desc_bytes(h), h.aux_len);
     switch (static_cast<FrameType>(h.type)) {
       case FrameType::kHello:
         if (!decode_hello(aux).ok()) return 0;
@@ -65,6 +65,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case FrameType::kWrite:
       case FrameType::kWriteZ:
       case FrameType::kReadReq: {
+        if (h.flags & kFlagStrided) {  // strided descriptors (flag 8): checked whole, as the receiver does
+          std::vector<WireStridedExtent> sext(h.count);
+          std::memcpy(sext.data(), c, sext.size() * sizeof(WireStridedExtent));
+          if (!check_strided_extents(sext.data(), h.count, h).ok()) return 0;
+          for (const WireStridedExtent& e : sext)
+            if (!extent_in_region(e.offset, strided_span(e), kRegionLen)) return 0;
+          auto parts = split_data_aux(h, aux);
+          if (!parts.ok()) return 0;
+          if ((h.flags & kFlagGens) && !pdkv::decode_claim(parts->claim).ok()) return 0;
+          break;
+        }
         std::vector<WireExtent> ext(h.count);
         std::memcpy(ext.data(), c, ext.size() * sizeof(WireExtent));
         for (const WireExtent& e : ext)

@@ -147,6 +147,13 @@ class Agent::Impl final : public AgentHooks {
   // The peer `peer_name` and the transport a transfer to it uses: the peer's own, or the
   // one `opts.transport` names (which must reach it). NotFound / NotSupported otherwise.
   Result<PeerEntry> route(const std::string& peer_name, const XferOptions& opts) const;
+  // Checks every run against its regions (the whole run: first and last piece) and
+  // hands the transport the resolved runs: strided as planned when it takes them
+  // (caps().strided_extents), piece by piece otherwise (expand_strided).
+  Result<std::shared_ptr<PreparedTransfer>> prepare_resolved(const std::string& peer, OpKind op,
+                                                             const std::vector<planner::StridedExtent>& extents,
+                                                             const XferOptions& opts,
+                                                             std::shared_ptr<const GenClaim> claim = nullptr);
   Result<std::shared_ptr<PreparedTransfer>> prepare_resolved(const std::string& peer, OpKind op,
                                                              const std::vector<Extent>& extents,
                                                              const XferOptions& opts,
@@ -596,6 +603,14 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_blocks(
   PDKV_ASSIGN_OR_RETURN(auto staged,
                         prepare_staged(peer_name, op, local, local_ids, *remote, remote_ids, plan, opts, claim));
   if (staged) return staged;
+  // A transport that takes strided runs gets a peer's fragmented blocks as one run
+  // per block (or per request) instead of one extent per token; the others get the
+  // plan they always had. (A routing error is left for prepare_resolved() to report.)
+  auto routed = route(peer_name, opts);
+  if (routed.ok() && routed->transport->caps().strided_extents) {
+    PDKV_ASSIGN_OR_RETURN(auto runs, planner::plan_strided(local, local_ids, *remote, remote_ids, plan));
+    return prepare_resolved(peer_name, op, runs, opts, std::move(claim));
+  }
   PDKV_ASSIGN_OR_RETURN(std::vector<Extent> ex, plan_blocks(local, local_ids, *remote, remote_ids, plan));
   return prepare_resolved(peer_name, op, ex, opts, std::move(claim));
 }
@@ -612,11 +627,20 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_staged(
     auto d = regions_.get(s.region_id);
     if (!d.ok() || d->kind != MemKind::kHost) return std::shared_ptr<PreparedTransfer>();
   }
-  PDKV_ASSIGN_OR_RETURN(auto staged, plan_staged(local, local_ids, remote, remote_ids, plan));
+  const bool strided = routed->transport->caps().strided_extents;
+  PDKV_ASSIGN_OR_RETURN(auto staged, plan_staged(local, local_ids, remote, remote_ids, plan, strided));
   if (!staged) return std::shared_ptr<PreparedTransfer>();
   PDKV_ASSIGN_OR_RETURN(auto buf, staging_buffer(staged->bytes));
-  std::vector<Extent> ex = staged_wire_extents(*staged, buf->region_id, remote, remote_ids);
-  PDKV_ASSIGN_OR_RETURN(auto prep, prepare_resolved(peer_name, op, ex, opts, std::move(claim)));
+  std::shared_ptr<PreparedTransfer> prep;
+  if (strided) {
+    PDKV_ASSIGN_OR_RETURN(prep, prepare_resolved(peer_name, op, staged_wire_runs(*staged, buf->region_id, remote,
+                                                                                 remote_ids),
+                                                 opts, std::move(claim)));
+  } else {
+    PDKV_ASSIGN_OR_RETURN(prep, prepare_resolved(peer_name, op, staged_wire_extents(*staged, buf->region_id, remote,
+                                                                                    remote_ids),
+                                                 opts, std::move(claim)));
+  }
   // The copies touch the local layout's regions, which no extent names: pin them too.
   for (const KVSegment& s : local.segments())
     if (std::find(prep->local_regions.begin(), prep->local_regions.end(), s.region_id) == prep->local_regions.end())
@@ -661,6 +685,35 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
                                                                   const std::vector<Extent>& ex,
                                                                   const XferOptions& opts,
                                                                   std::shared_ptr<const GenClaim> claim) {
+  std::vector<planner::StridedExtent> runs;
+  runs.reserve(ex.size());
+  for (const Extent& x : ex)
+    runs.push_back(planner::StridedExtent{x.local_region, x.local_offset, x.remote_region, x.remote_offset, x.len});
+  return prepare_resolved(peer_name, op, runs, opts, std::move(claim));
+}
+
+namespace {
+
+// Bytes from the first byte of a run's first piece to the end of its last piece on
+// one side, or nullopt when that overflows u64.
+std::optional<uint64_t> run_span(const planner::StridedExtent& x, uint64_t stride) {
+  uint64_t steps = 0, span = 0;
+  if (__builtin_mul_overflow(x.count - 1, stride, &steps) || __builtin_add_overflow(steps, x.len, &span))
+    return std::nullopt;
+  return span;
+}
+
+// Whether [offset, offset + span) lies inside a region of `region_len` bytes.
+bool span_in_region(uint64_t offset, std::optional<uint64_t> span, uint64_t region_len) {
+  return span && offset <= region_len && *span <= region_len - offset;
+}
+
+}  // namespace
+
+Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const std::string& peer_name, OpKind op,
+                                                                  const std::vector<planner::StridedExtent>& ex,
+                                                                  const XferOptions& opts,
+                                                                  std::shared_ptr<const GenClaim> claim) {
   if (ex.empty()) return InvalidArgument("no extents to transfer");
   PDKV_ASSIGN_OR_RETURN(PeerEntry e, route(peer_name, opts));
   Transport* t = e.transport;
@@ -692,9 +745,15 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
   uint64_t last_l = ~0ull, last_r = ~0ull;
   const RegionDesc* ld = nullptr;
   const RegionDesc* rd = nullptr;
+  bool strided = false;
   for (size_t i = 0; i < ex.size(); ++i) {
-    const Extent& x = ex[i];
+    const planner::StridedExtent& x = ex[i];
     if (x.len == 0) return InvalidArgument("extent " + std::to_string(i) + " has length 0");
+    if (x.count == 0) return InvalidArgument("extent " + std::to_string(i) + " has 0 pieces");
+    if (x.count > 1 && (x.local_stride < x.len || x.remote_stride < x.len))
+      return InvalidArgument("extent " + std::to_string(i) + ": strides " + std::to_string(x.local_stride) + "/" +
+                             std::to_string(x.remote_stride) + " are shorter than its " + std::to_string(x.len) +
+                             "-byte pieces (they would overlap)");
     if (x.local_region != last_l) {
       auto it = local.find(x.local_region);
       if (it == local.end()) {
@@ -720,21 +779,35 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
                             alternatives(false, rd->kind));
       last_r = x.remote_region;
     }
-    if (x.local_offset > ld->len || x.len > ld->len - x.local_offset)
+    // A run is checked whole: its first and last piece (the ones between lie between).
+    const auto lspan = x.count > 1 ? run_span(x, x.local_stride) : std::optional<uint64_t>(x.len);
+    const auto rspan = x.count > 1 ? run_span(x, x.remote_stride) : std::optional<uint64_t>(x.len);
+    auto span_str = [&](std::optional<uint64_t> sp) {
+      return sp ? std::to_string(*sp) : std::string("more than 2^64");
+    };
+    if (!span_in_region(x.local_offset, lspan, ld->len))
       return OutOfRange("extent " + std::to_string(i) + ": local bytes [" + std::to_string(x.local_offset) + ", +" +
-                        std::to_string(x.len) + ") fall outside region " + std::to_string(ld->id) + " (" +
+                        span_str(lspan) + ") fall outside region " + std::to_string(ld->id) + " (" +
                         std::to_string(ld->len) + " bytes)");
-    if (x.remote_offset > rd->len || x.len > rd->len - x.remote_offset)
+    if (!span_in_region(x.remote_offset, rspan, rd->len))
       return OutOfRange("extent " + std::to_string(i) + ": remote bytes [" + std::to_string(x.remote_offset) + ", +" +
-                        std::to_string(x.len) + ") fall outside the peer's region " + std::to_string(rd->id) + " (" +
+                        span_str(rspan) + ") fall outside the peer's region " + std::to_string(rd->id) + " (" +
                         std::to_string(rd->len) + " bytes)");
-    out.push_back(ResolvedExtent{ld->addr + x.local_offset, x.remote_region, x.remote_offset, x.len, ld->kind, ld->device});
-    prep->bytes += x.len;
+    ResolvedExtent r{ld->addr + x.local_offset, x.remote_region, x.remote_offset, x.len, ld->kind, ld->device};
+    if (x.count > 1) {
+      r.count = x.count;
+      r.local_stride = x.local_stride;
+      r.remote_stride = x.remote_stride;
+      strided = true;
+    }
+    out.push_back(r);
+    prep->bytes += r.bytes();
   }
+  if (strided && !caps.strided_extents) out = expand_strided(out);
   prep->peer = peer_name;
   prep->transport = std::string(t->name());
   prep->op = op;
-  prep->num_extents = ex.size();
+  prep->num_extents = out.size();  // what the transport gets (a strided run counts once)
   prep->instance_id = e.peer->md.instance_id;
   prep->checked = claim != nullptr;
   if (claim) {

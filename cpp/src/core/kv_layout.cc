@@ -426,6 +426,82 @@ uint64_t count_segment_runs(uint64_t LT, const KVSegment& L, const std::vector<u
   return n;
 }
 
+uint64_t strided_segment_cost(uint64_t LT, const KVSegment& L, const std::vector<uint32_t>& lids, uint64_t RT,
+                              const KVSegment& R, const std::vector<uint32_t>& rids, uint64_t row, const RowRange& rr) {
+  std::vector<StridedExtent> runs;
+  walk_segment_strided(LT, L, 0, lids, RT, R, 0, rids, row, rr,
+                       [&](uint64_t lo, uint64_t ro, uint64_t len, uint64_t n, uint64_t ls, uint64_t rs) {
+                         push_strided(runs, StridedExtent{0, lo, 0, ro, len, n, ls, rs});
+                       });
+  uint64_t cost = runs.size();
+  for (const StridedExtent& r : runs)
+    if (r.count > 1 && r.local_stride != r.len) cost += r.count;
+  return cost;
+}
+
+namespace {
+
+void plan_segment_strided(const KVLayout& local, const KVSegment& L, uint64_t lreg, uint64_t lbase,
+                          const std::vector<uint32_t>& lids, const KVLayout& remote, const KVSegment& R, uint64_t rreg,
+                          uint64_t rbase, const std::vector<uint32_t>& rids, const RowRange& rr,
+                          std::vector<StridedExtent>& out) {
+  walk_segment_strided(local.geometry().block_tokens, L, lbase, lids, remote.geometry().block_tokens, R, rbase, rids,
+                       local.geometry().row_bytes(), rr,
+                       [&](uint64_t lo, uint64_t ro, uint64_t len, uint64_t n, uint64_t ls, uint64_t rs) {
+                         push_strided(out, StridedExtent{lreg, lo, rreg, ro, len, n, ls, rs});
+                       });
+}
+
+}  // namespace
+
+Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std::vector<uint32_t>& lids,
+                                                const KVLayout& remote, const std::vector<uint32_t>& rids,
+                                                const PlanOptions& opts) {
+  PDKV_ASSIGN_OR_RETURN(PlanScope scope, plan_scope(local, lids, remote, rids, opts));
+  std::vector<StridedExtent> out;
+  if (scope.whole_blocks) {
+    std::vector<Extent> whole;
+    if (plan_whole_blocks(local, lids, remote, rids, scope.seg_begin, scope.seg_end, whole)) {
+      out.reserve(whole.size());
+      for (const Extent& e : whole)
+        out.push_back(StridedExtent{e.local_region, e.local_offset, e.remote_region, e.remote_offset, e.len});
+      return out;
+    }
+  }
+  // As plan_runs(): the runs of the first (layer, part) pair, relative to base 0,
+  // replayed for every pair with the same strides.
+  const auto& ls = local.segments();
+  const auto& rs = remote.segments();
+  const KVSegment& L0 = ls[scope.seg_begin];
+  const KVSegment& R0 = rs[scope.seg_begin];
+  std::vector<StridedExtent> tmpl;
+  plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, tmpl);
+  out.reserve(tmpl.size() * (scope.seg_end - scope.seg_begin));
+  for (size_t s = scope.seg_begin; s < scope.seg_end; ++s) {
+    const KVSegment& L = ls[s];
+    const KVSegment& R = rs[s];
+    if (!same_strides(L, L0) || !same_strides(R, R0)) {
+      plan_segment_strided(local, L, L.region_id, seg_base(L), lids, remote, R, R.region_id, seg_base(R), rids,
+                           scope.rows, out);
+      continue;
+    }
+    const uint64_t lb = seg_base(L), rb = seg_base(R);
+    for (size_t i = 0; i < tmpl.size(); ++i) {
+      StridedExtent x = tmpl[i];
+      x.local_region = L.region_id;
+      x.local_offset += lb;
+      x.remote_region = R.region_id;
+      x.remote_offset += rb;
+      if (i == 0) {
+        push_strided(out, x);  // may continue the previous pair's last run
+      } else {
+        out.push_back(x);
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace planner
 
 Result<std::vector<Extent>> plan_blocks(const KVLayout& local, const std::vector<uint32_t>& lids,

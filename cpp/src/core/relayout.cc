@@ -40,15 +40,16 @@ StagingBuffer::~StagingBuffer() { munmap(data_, size_); }
 
 Result<std::optional<StagedPlan>> plan_staged(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                     const KVLayout& remote, const std::vector<uint32_t>& rids,
-                                                    const PlanOptions& opts) {
+                                                    const PlanOptions& opts, bool strided) {
   PDKV_ASSIGN_OR_RETURN(planner::PlanScope scope, planner::plan_scope(local, lids, remote, rids, opts));
+  const auto count = strided ? planner::strided_segment_cost : planner::count_segment_runs;
   const KVGeometry& lg = local.geometry();
   const KVGeometry& rg = remote.geometry();
   const KVSegment& L = local.segments()[scope.seg_begin];
   const KVSegment& R = remote.segments()[scope.seg_begin];
   const uint64_t row = lg.row_bytes();
   const uint64_t nseg = scope.seg_end - scope.seg_begin;
-  const uint64_t direct = planner::count_segment_runs(lg.block_tokens, L, lids, rg.block_tokens, R, rids, row, scope.rows);
+  const uint64_t direct = count(lg.block_tokens, L, lids, rg.block_tokens, R, rids, row, scope.rows);
   if (direct * nseg < kMinDirectExtents) return std::optional<StagedPlan>();
 
   // One dense block per remote block, in the remote's row order, holding the moved heads.
@@ -58,8 +59,8 @@ Result<std::optional<StagedPlan>> plan_staged(const KVLayout& local, const std::
   sg.num_blocks = static_cast<uint32_t>((scope.rows.num_tokens + rg.block_tokens - 1) / rg.block_tokens);
   sg.order = R.head_stride <= R.token_stride ? TokenOrder::kNHD : TokenOrder::kHND;
   PDKV_ASSIGN_OR_RETURN(KVLayout staging, KVLayout::contiguous(sg, 0, /*interleaved=*/false));
-  const uint64_t staged = planner::count_segment_runs(rg.block_tokens, staging.segments()[0], first_ids(sg.num_blocks),
-                                                      rg.block_tokens, R, rids, row, from_staging(scope.rows));
+  const uint64_t staged = count(rg.block_tokens, staging.segments()[0], first_ids(sg.num_blocks), rg.block_tokens, R,
+                                rids, row, from_staging(scope.rows));
   if (direct < kMinGain * staged) return std::optional<StagedPlan>();
   StagedPlan plan;
   plan.bytes = KVLayout::contiguous_bytes(sg);
@@ -90,6 +91,25 @@ std::vector<Extent> staged_wire_extents(const StagedPlan& plan, uint64_t staging
                         }
                         out.push_back(Extent{staging_region, so, R.region_id, ro, len});
                       });
+  }
+  return out;
+}
+
+std::vector<planner::StridedExtent> staged_wire_runs(const StagedPlan& plan, uint64_t staging_region,
+                                                     const KVLayout& remote, const std::vector<uint32_t>& rids) {
+  const KVGeometry& sg = plan.staging.geometry();
+  const std::vector<uint32_t> sids = first_ids(sg.num_blocks);
+  const RowRange rows = from_staging(plan.scope.rows);
+  std::vector<planner::StridedExtent> out;
+  for (size_t s = plan.scope.seg_begin; s < plan.scope.seg_end; ++s) {
+    const KVSegment& S = plan.staging.segments()[s - plan.scope.seg_begin];
+    const KVSegment& R = remote.segments()[s];
+    const uint64_t rbase = R.region_id == KVSegment::kUnbound ? R.addr : R.region_offset;
+    planner::walk_segment_strided(
+        sg.block_tokens, S, S.addr, sids, sg.block_tokens, R, rbase, rids, sg.row_bytes(), rows,
+        [&](uint64_t so, uint64_t ro, uint64_t len, uint64_t n, uint64_t ss, uint64_t rs) {
+          planner::push_strided(out, planner::StridedExtent{staging_region, so, R.region_id, ro, len, n, ss, rs});
+        });
   }
   return out;
 }

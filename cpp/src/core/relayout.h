@@ -54,15 +54,24 @@ struct StagedPlan {
 
 // The staged plan for moving `lids` of `local` to or from `rids` of `remote`, or
 // nullopt when staging would not shorten the wire's extent list at least 4-fold (or
-// the plan is small, or whole blocks map already). Errors: plan_blocks()'.
+// the plan is small, or whole blocks map already). `strided`: the transport takes
+// strided runs (spi/transport.h), so both plans are counted as it would get them
+// (planner::strided_segment_cost): a peer's fragmented blocks are then cheap
+// directly, and staging pays only where this side's pieces are apart or both sides
+// cut the rows differently (NHD <-> HND with a head split on the far side).
+// Errors: plan_blocks()'.
 Result<std::optional<StagedPlan>> plan_staged(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                     const KVLayout& remote, const std::vector<uint32_t>& rids,
-                                                    const PlanOptions& opts);
+                                                    const PlanOptions& opts, bool strided = false);
 
 // Extents between the staging buffer (region `staging_region`, offsets from its
 // start) and `remote`'s blocks `rids`: the wire's part of a staged transfer.
 std::vector<Extent> staged_wire_extents(const StagedPlan& plan, uint64_t staging_region, const KVLayout& remote,
                                         const std::vector<uint32_t>& rids);
+// The same as strided runs (for a transport that takes them): one per remote block
+// or fewer.
+std::vector<planner::StridedExtent> staged_wire_runs(const StagedPlan& plan, uint64_t staging_region,
+                                                     const KVLayout& remote, const std::vector<uint32_t>& rids);
 
 // One prepared staged transfer: a push gathers before each post, a pull scatters
 // after each post's last byte.

@@ -51,6 +51,9 @@ struct TransportCaps {
   // engine): the core hands it a fragmented host transfer as planned instead of staging
   // it through a buffer (core/relayout.h), which would only add a copy.
   bool direct_small_extents = false;
+  // Takes strided ResolvedExtents (count > 1) as they are. Without it the agent hands
+  // the transport every piece as its own extent (expand_strided), as before.
+  bool strided_extents = false;
 };
 
 class Transport;
@@ -89,7 +92,12 @@ class AgentHooks {
                                                   double timeout_s) = 0;
 };
 
-// One resolved piece of a transfer: local pointer, remote (region, offset), length.
+// One resolved run of a transfer: `count` pieces of `len` bytes; piece i moves
+// [local_addr + i * local_stride, +len) to or from the peer's region `remote_region`
+// at remote_offset + i * remote_stride. count == 1 is a plain extent (strides unused).
+// The agent has checked the whole run against both regions (first and last piece,
+// no u64 overflow) and, for count > 1, that both strides are at least `len` (pieces
+// never overlap). Only a transport with caps().strided_extents gets count > 1.
 struct ResolvedExtent {
   uint64_t local_addr = 0;
   uint64_t remote_region = 0;
@@ -97,7 +105,36 @@ struct ResolvedExtent {
   uint64_t len = 0;
   MemKind local_kind = MemKind::kHost;  // of the local region
   int32_t local_device = -1;            // CUDA ordinal of the local region (-1: host)
+  uint64_t count = 1;
+  uint64_t local_stride = 0;
+  uint64_t remote_stride = 0;
+
+  uint64_t bytes() const { return count * len; }
+  // Piece i as a plain extent.
+  ResolvedExtent piece(uint64_t i) const {
+    return ResolvedExtent{local_addr + i * local_stride, remote_region, remote_offset + i * remote_stride, len,
+                          local_kind, local_device};
+  }
 };
+
+// The shared expansion for transports without caps().strided_extents: every piece of
+// `in` as a plain extent, in order (a run whose pieces touch on both sides stays one).
+inline std::vector<ResolvedExtent> expand_strided(const std::vector<ResolvedExtent>& in) {
+  uint64_t n = 0;
+  for (const ResolvedExtent& e : in) n += e.count;
+  std::vector<ResolvedExtent> out;
+  out.reserve(n);
+  for (const ResolvedExtent& e : in) {
+    if (e.count <= 1 || (e.local_stride == e.len && e.remote_stride == e.len)) {
+      ResolvedExtent whole = e.piece(0);
+      whole.len = e.bytes();
+      out.push_back(whole);
+      continue;
+    }
+    for (uint64_t i = 0; i < e.count; ++i) out.push_back(e.piece(i));
+  }
+  return out;
+}
 
 // Transport-owned, immutable result of prepare(); may be posted many times.
 class PreparedOps {

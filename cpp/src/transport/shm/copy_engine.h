@@ -26,12 +26,18 @@
 
 namespace pdkv::shm {
 
+// `count` copies of `len` bytes, copy i between local + i * local_stride and
+// remote + i * remote_stride (a strided run of a heterogeneous transfer: one op per
+// run, not per piece; count 1 is one plain copy).
 struct CopyOp {
   char* local;
   uint64_t remote;  // mapped pointer (mapped) or the peer's address
   uint64_t len;
   uint32_t region;  // index into Binding::regions
   bool mapped;      // memcpy through our mapping, else cross-memory attach
+  uint64_t count = 1;
+  uint64_t local_stride = 0;
+  uint64_t remote_stride = 0;
 };
 
 // A prepared transfer bound to one connection and the regions confirmed on it.

@@ -211,11 +211,12 @@ namespace {
 
 // Appends one CopyOp, merged into the previous one when both sides continue it.
 void push_op(Binding& b, CopyOp op) {
-  b.total += op.len;
+  b.total += op.count * op.len;
   b.cma |= !op.mapped;
   if (!b.ops.empty()) {
     CopyOp& o = b.ops.back();
-    if (o.region == op.region && o.mapped == op.mapped && o.local + o.len == op.local && o.remote + o.len == op.remote) {
+    if (o.count == 1 && op.count == 1 && o.region == op.region && o.mapped == op.mapped &&
+        o.local + o.len == op.local && o.remote + o.len == op.remote) {
       o.len += op.len;
       return;
     }
@@ -241,6 +242,27 @@ Status add_copy_ops(Binding& b, const RemoteRegion& r, uint32_t idx, char* local
     }
     local += n;
     off = stop;
+  }
+  return Status::Ok();
+}
+
+// The copies of a strided run `e` of remote region r: one strided op when the whole
+// run lies in r's mapped window, else its pieces one by one (add_copy_ops).
+Status add_strided_ops(Binding& b, const RemoteRegion& r, uint32_t idx, const ResolvedExtent& e, uint64_t span) {
+  const bool mapped = r.base && e.remote_offset >= r.shared_offset && span <= r.shared_len &&
+                      e.remote_offset - r.shared_offset <= r.shared_len - span;
+  if (mapped) {
+    CopyOp op{reinterpret_cast<char*>(e.local_addr),
+              reinterpret_cast<uint64_t>(r.base) + (e.remote_offset - r.shared_offset), e.len, idx, true};
+    op.count = e.count;
+    op.local_stride = e.local_stride;
+    op.remote_stride = e.remote_stride;
+    push_op(b, op);
+    return Status::Ok();
+  }
+  for (uint64_t i = 0; i < e.count; ++i) {
+    const ResolvedExtent p = e.piece(i);
+    PDKV_RETURN_IF_ERROR(add_copy_ops(b, r, idx, reinterpret_cast<char*>(p.local_addr), p.remote_offset, p.len));
   }
   return Status::Ok();
 }
@@ -278,10 +300,17 @@ Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) 
       last_idx = it->second;
     }
     const RemoteRegion& r = *b->regions[last_idx];
-    if (e.remote_offset > r.len || e.len > r.len - e.remote_offset)
-      return OutOfRange("remote bytes [" + std::to_string(e.remote_offset) + ", +" + std::to_string(e.len) +
+    // A strided run is checked whole: first byte to the end of its last piece (the
+    // agent checked that this does not overflow).
+    const uint64_t span = (e.count - 1) * e.remote_stride + e.len;
+    if (e.remote_offset > r.len || span > r.len - e.remote_offset)
+      return OutOfRange("remote bytes [" + std::to_string(e.remote_offset) + ", +" + std::to_string(span) +
                         ") fall outside region " + std::to_string(r.id) + " of peer '" + peer.md.name + "' (" +
                         std::to_string(r.len) + " bytes as the peer confirms it)");
+    if (e.count > 1) {
+      PDKV_RETURN_IF_ERROR(add_strided_ops(*b, r, last_idx, e, span));
+      continue;
+    }
     PDKV_RETURN_IF_ERROR(add_copy_ops(*b, r, last_idx, reinterpret_cast<char*>(e.local_addr), e.remote_offset, e.len));
   }
   p.bound = b;

@@ -61,6 +61,7 @@ class ShmTransport final : public Transport {
     c.remote_mem_kinds = mem_kind_bit(MemKind::kHost);
     c.generations = true;
     c.direct_small_extents = true;  // memcpy / process_vm_writev per extent: staging = one more copy
+    c.strided_extents = true;       // a strided run is one copy op (a memcpy loop)
     return c;
   }
   Status start(AgentHooks* hooks) override;

@@ -337,7 +337,7 @@ std::string encode_extra() {
     if (codec_available(k)) codecs |= 1u << static_cast<unsigned>(k);
   util::ByteWriter w;
   w.put<uint32_t>(kExtraMagic);
-  w.put<uint32_t>(kFeatureCompressedWrite);
+  w.put<uint32_t>(kFeatureCompressedWrite | kFeatureStridedExtents);
   w.put<uint32_t>(codecs);
   w.put<uint32_t>(codec_threads(TcpCompression{}));  // decode threads (Decoder); older peers stop reading before it
   return w.take();
@@ -350,6 +350,7 @@ PeerFeatures decode_extra(std::string_view extra) {
   if (!r.get(&magic, "tcp extra magic").ok() || magic != kExtraMagic) return f;
   if (!r.get(&features, "tcp extra features").ok() || !r.get(&codecs, "tcp extra codecs").ok()) return f;
   f.compressed_write = features & kFeatureCompressedWrite;
+  f.strided_extents = features & kFeatureStridedExtents;
   f.codecs = codecs;
   uint32_t threads = 0;
   if (r.get(&threads, "tcp extra decode threads").ok()) f.decode_threads = std::max(1u, std::min(threads, 64u));

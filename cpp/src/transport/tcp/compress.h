@@ -213,8 +213,9 @@ Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, si
 std::string encode_extra();
 struct PeerFeatures {
   bool compressed_write = false;
-  uint32_t codecs = 0;          // bit (1 << CodecKind) per codec it decodes
-  uint32_t decode_threads = 1;  // its decode threads (1 when an older peer does not say)
+  bool strided_extents = false;  // takes kFlagStrided frames (wire.h)
+  uint32_t codecs = 0;           // bit (1 << CodecKind) per codec it decodes
+  uint32_t decode_threads = 1;   // its decode threads (1 when an older peer does not say)
 };
 PeerFeatures decode_extra(std::string_view extra);
 

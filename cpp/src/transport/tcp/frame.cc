@@ -102,7 +102,8 @@ Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim) {
   const bool is_write =
       h.type == static_cast<uint16_t>(FrameType::kWrite) || h.type == static_cast<uint16_t>(FrameType::kWriteZ);
   const bool is_read_req = h.type == static_cast<uint16_t>(FrameType::kReadReq);
-  const uint16_t allowed_flags = is_write ? (kFlagNotif | kFlagGens) : is_read_req ? kFlagGens : 0;
+  const uint16_t allowed_flags =
+      is_write ? (kFlagNotif | kFlagGens | kFlagStrided) : is_read_req ? (kFlagGens | kFlagStrided) : 0;
   if (h.flags & ~allowed_flags) return ProtocolError(what + " has unknown flags " + std::to_string(h.flags));
   if (!r.has_status && h.status != 0)
     return ProtocolError(what + " carries a status (" + std::to_string(h.status) + ")");
@@ -151,6 +152,37 @@ Result<uint64_t> check_extents(const WireExtent* ext, uint32_t n, const FrameHea
   if (h.type == static_cast<uint16_t>(FrameType::kWrite) && sum != h.payload)
     return ProtocolError("write frame declares " + std::to_string(h.payload) +
                          " payload bytes but its extents add up to " + std::to_string(sum));
+  return sum;
+}
+
+Result<uint64_t> check_strided_extents(const WireStridedExtent* ext, uint32_t n, const FrameHeader& h) {
+  uint64_t sum = 0, pieces = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    WireStridedExtent e;
+    std::memcpy(&e, ext + i, sizeof e);
+    const std::string at = "strided extent " + std::to_string(i);
+    if (e.len == 0) return ProtocolError(at + " has length 0");
+    if (e.count == 0) return ProtocolError(at + " has count 0");
+    if (e.count > kMaxStridedPieces - pieces)
+      return ProtocolError(at + " has count " + std::to_string(e.count) + ": the frame's pieces exceed " +
+                           std::to_string(kMaxStridedPieces));
+    pieces += e.count;
+    if (e.count > 1 && e.stride < e.len)
+      return ProtocolError(at + " has stride " + std::to_string(e.stride) + " shorter than its length " +
+                           std::to_string(e.len) + " (pieces would overlap)");
+    uint64_t steps = 0, span = 0;
+    if (__builtin_mul_overflow(e.count - 1, e.stride, &steps) || __builtin_add_overflow(steps, e.len, &span))
+      return ProtocolError(at + ": count " + std::to_string(e.count) + " x stride " + std::to_string(e.stride) +
+                           " overflows");
+    uint64_t bytes = 0;
+    if (__builtin_mul_overflow(e.count, e.len, &bytes) || bytes > kMaxPayloadPerFrame - sum)
+      return ProtocolError("the strided extents ask for more than " + std::to_string(kMaxPayloadPerFrame) +
+                           " bytes in one frame");
+    sum += bytes;
+  }
+  if (h.type == static_cast<uint16_t>(FrameType::kWrite) && sum != h.payload)
+    return ProtocolError("write frame declares " + std::to_string(h.payload) +
+                         " payload bytes but its strided extents add up to " + std::to_string(sum));
   return sum;
 }
 

@@ -54,11 +54,15 @@ FrameHeader decode_header(const void* bytes);
 // Validates magic, type, direction/phase, flags, status, count, aux_len and
 // payload of `h` for a connection in state `s`. ProtocolError naming the field and
 // the limit on failure (the caller adds who sent it). When OK, control_bytes(h)
-// is at most kMaxExtentsPerFrame * 24 + max(kMaxMetadataBytes, kMaxNotifWireBytes + kMaxClaimAux).
+// is at most kMaxExtentsPerFrame * 40 + max(kMaxMetadataBytes, kMaxNotifWireBytes + kMaxClaimAux).
 Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim);
 
+// Bytes of one extent descriptor of `h` (plain or strided).
+inline uint64_t desc_bytes(const FrameHeader& h) {
+  return (h.flags & kFlagStrided) ? sizeof(WireStridedExtent) : sizeof(WireExtent);
+}
 // Bytes of extents plus aux that follow the header.
-inline uint64_t control_bytes(const FrameHeader& h) { return uint64_t(h.count) * sizeof(WireExtent) + h.aux_len; }
+inline uint64_t control_bytes(const FrameHeader& h) { return uint64_t(h.count) * desc_bytes(h) + h.aux_len; }
 
 // The aux of a kWrite / kReadReq that passed check_header, split into its block
 // generation claim (kFlagGens; empty otherwise, not yet decoded: decode_claim) and
@@ -79,6 +83,17 @@ std::string frame_type_name(uint16_t type);
 // equals the declared payload. Returns the sum. Region bounds are checked by
 // extent_in_region().
 Result<uint64_t> check_extents(const WireExtent* ext, uint32_t n, const FrameHeader& h);
+
+// check_extents() for a kFlagStrided frame, run before anything is allocated for
+// it: every descriptor has count >= 1, len >= 1, stride >= len when count > 1, and a
+// span (count - 1) * stride + len without u64 overflow; all pieces together are at
+// most kMaxStridedPieces and kMaxPayloadPerFrame bytes, and for a write the declared
+// payload. ProtocolError naming the descriptor and field. Returns the byte sum.
+Result<uint64_t> check_strided_extents(const WireStridedExtent* ext, uint32_t n, const FrameHeader& h);
+
+// Bytes from a strided descriptor's first byte to its last piece's end (the
+// descriptor passed check_strided_extents: no overflow).
+inline uint64_t strided_span(const WireStridedExtent& e) { return (e.count - 1) * e.stride + e.len; }
 
 // True when [offset, offset + len) lies inside a region of `region_len` bytes
 // (no u64 overflow).

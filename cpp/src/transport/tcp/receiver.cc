@@ -364,30 +364,67 @@ bool FrameReceiver::on_data_request(const std::shared_ptr<TcpConn>& c) {
   return begin_write_payload(c, std::move(req));
 }
 
+namespace {
+
+// One extent descriptor of either form, as the pin loop sees it: `count` pieces of
+// `len` bytes `stride` apart (a plain WireExtent is one piece).
+struct DescView {
+  uint64_t region, offset, len, count, stride;
+};
+
+DescView desc_at(const std::string& ctrl, bool strided, uint32_t i) {
+  if (strided) {
+    WireStridedExtent e;
+    std::memcpy(&e, ctrl.data() + size_t(i) * sizeof e, sizeof e);
+    return {e.region, e.offset, e.len, e.count, e.stride};
+  }
+  WireExtent e;
+  std::memcpy(&e, ctrl.data() + size_t(i) * sizeof e, sizeof e);
+  return {e.region, e.offset, e.len, 1, 0};
+}
+
+}  // namespace
+
 bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* req) {
   const FrameHeader& h = rx(c).cur;
   const bool is_write = static_cast<FrameType>(h.type) == FrameType::kWrite;
+  const bool strided = h.flags & kFlagStrided;
   AgentHooks* hooks = t_.hooks();
-  const auto* d = reinterpret_cast<const WireExtent*>(rx(c).ctrl.data());
+  const std::string& ctrl = rx(c).ctrl;
   const uint32_t n = h.count;
-  req->iov.reserve(n);
-  // Consecutive extents of one region share its pin.
+  auto protocol_error = [&](const Status& st) {
+    t_.fail_conn_locked(c, ProtocolError(st.message() + " (from " + c->desc() + ")"), h.xfer_id, h.batch);
+    return false;
+  };
+  // Strided descriptors are checked (counts, overflow, total pieces) before their
+  // pieces' iovecs are allocated; plain ones after, as they cost one iovec each.
+  uint64_t pieces = n;
+  if (strided) {
+    auto sizes = check_strided_extents(reinterpret_cast<const WireStridedExtent*>(ctrl.data()), n, h);
+    if (!sizes.ok()) return protocol_error(sizes.status());
+    req->bytes = *sizes;
+    pieces = 0;
+    for (uint32_t i = 0; i < n; ++i) pieces += desc_at(ctrl, true, i).count;
+  }
+  req->iov.reserve(pieces);
+  // Consecutive extents of one region share its pin. A strided run is checked whole
+  // (first byte to the end of its last piece).
   uint64_t last_region = 0;
   const RegionDesc* last = nullptr;
   for (uint32_t i = 0; i < n; ++i) {
-    WireExtent e;
-    std::memcpy(&e, d + i, sizeof e);
+    const DescView e = desc_at(ctrl, strided, i);
+    const uint64_t span = (e.count - 1) * e.stride + e.len;  // no overflow: checked above (plain: count 1)
     Status err;
     if (e.len == 0) {
       err = ProtocolError("extent " + std::to_string(i) + " has length 0");
     } else if (last && e.region == last_region) {
-      if (!extent_in_region(e.offset, e.len, last->len))
-        err = OutOfRange("bytes [" + std::to_string(e.offset) + ", +" + std::to_string(e.len) +
+      if (!extent_in_region(e.offset, span, last->len))
+        err = OutOfRange("bytes [" + std::to_string(e.offset) + ", +" + std::to_string(span) +
                          ") fall outside region " + std::to_string(e.region) + " (" + std::to_string(last->len) +
                          " bytes)");
     } else {
       uint64_t addr = 0;
-      auto pin = hooks->region_table().pin(e.region, e.offset, e.len, true, TcpTransport::mem_kinds(), &addr);
+      auto pin = hooks->region_table().pin(e.region, e.offset, span, true, TcpTransport::mem_kinds(), &addr);
       if (!pin.ok()) {
         err = pin.status();
       } else {
@@ -403,17 +440,20 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
                           h.xfer_id, h.batch);
       return false;
     }
-    req->iov.push_back({reinterpret_cast<void*>(last->addr + e.offset), e.len});
+    const uint64_t base = last->addr + e.offset;
+    if (e.count > 1 && e.stride == e.len) {  // pieces that touch: one iovec
+      req->iov.push_back({reinterpret_cast<void*>(base), e.count * e.len});
+      continue;
+    }
+    for (uint64_t k = 0; k < e.count; ++k) req->iov.push_back({reinterpret_cast<void*>(base + k * e.stride), e.len});
   }
-  auto protocol_error = [&](const Status& st) {
-    t_.fail_conn_locked(c, ProtocolError(st.message() + " (from " + c->desc() + ")"), h.xfer_id, h.batch);
-    return false;
-  };
-  // Total size (no overflow) and, for a write, the declared payload.
-  auto sizes = check_extents(d, n, h);
-  if (!sizes.ok()) return protocol_error(sizes.status());
-  req->bytes = *sizes;
-  const std::string_view aux = std::string_view(rx(c).ctrl).substr(size_t(n) * sizeof(WireExtent));
+  if (!strided) {
+    // Total size (no overflow) and, for a write, the declared payload.
+    auto sizes = check_extents(reinterpret_cast<const WireExtent*>(ctrl.data()), n, h);
+    if (!sizes.ok()) return protocol_error(sizes.status());
+    req->bytes = *sizes;
+  }
+  const std::string_view aux = std::string_view(ctrl).substr(size_t(n) * desc_bytes(h));
   auto parts = split_data_aux(h, aux);
   if (!parts.ok()) return protocol_error(parts.status());
   rx(c).notif_off = rx(c).ctrl.size() - parts->notif.size();

@@ -85,6 +85,7 @@ TransportCaps TcpTransport::caps() const {
   c.remote_mem_kinds = mem_kinds();
   c.generations = true;
   c.serves_metadata = true;
+  c.strided_extents = true;  // kFlagStrided frames to peers that take them, plain pieces to the others
   return c;
 }
 
@@ -163,46 +164,126 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
   return std::shared_ptr<const PreparedOps>(std::move(p));
 }
 
-Status TcpTransport::cut_batches(TcpPrepared& prep, const std::vector<ResolvedExtent>& extents,
+// Strided runs go out as strided descriptors to a peer that takes them; to an older
+// peer each run is expanded into one plain descriptor per piece.
+Status TcpTransport::cut_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents,
                                  uint64_t batch_bytes) const {
-  TcpPrepared* p = &prep;
+  const bool has_runs =
+      std::any_of(extents.begin(), extents.end(), [](const ResolvedExtent& e) { return e.count > 1; });
+  p.strided = has_runs && peer_takes_strided(*p.peer);
+  if (p.strided)
+    cut_strided_batches(p, extents, batch_bytes);
+  else if (has_runs)
+    cut_plain_batches(p, expand_strided(extents), batch_bytes);
+  else
+    cut_plain_batches(p, extents, batch_bytes);
+  if (p.iov.size() > 0xFFFFFFFFull || p.descs.size() > 0xFFFFFFFFull || p.sdescs.size() > 0xFFFFFFFFull)
+    return InvalidArgument("transfer has too many extents");
+  return Status::Ok();
+}
+
+bool TcpTransport::peer_takes_strided(const Peer& peer) {
+  for (const auto& [transport, extra] : peer.md.extras)
+    if (transport == "tcp") return decode_extra(extra).strided_extents;
+  return false;
+}
+
+// A batch of small extents is gathered into one segment (out_msg.h), so it is not
+// bound by the iovec limit behind batch_extents: it may grow to kMaxGatherExtents.
+// Staged (device) batches go through one pinned buffer either way.
+bool TcpTransport::batch_full(const TcpPrepared& p, const TcpBatch& cur) const {
+  if (cur.count == 0) return false;
+  if (cur.count < opts_.batch_extents) return false;
+  return p.staged || !gathers(cur.bytes, cur.count) || cur.count >= kMaxGatherExtents;
+}
+
+void TcpTransport::cut_plain_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents,
+                                     uint64_t batch_bytes) const {
   size_t n = 0;
   for (const auto& e : extents) n += (e.len + batch_bytes - 1) / batch_bytes;
-  p->descs.reserve(n);
-  p->iov.reserve(n);
+  p.descs.reserve(n);
+  p.iov.reserve(n);
   TcpBatch cur;
   auto close_batch = [&] {
-    if (cur.count) p->batches.push_back(cur);
-    cur = TcpBatch{static_cast<uint32_t>(p->descs.size()), 0, 0};
-  };
-  // A batch of small extents is gathered into one segment (out_msg.h), so it is not
-  // bound by the iovec limit behind batch_extents: it may grow to kMaxGatherExtents.
-  // Staged (device) batches go through one pinned buffer either way.
-  auto batch_full = [&] {
-    if (cur.count == 0) return false;
-    if (cur.count < opts_.batch_extents) return false;
-    return p->staged || !gathers(cur.bytes, cur.count) || cur.count >= kMaxGatherExtents;
+    if (cur.count) p.batches.push_back(cur);
+    const auto at = static_cast<uint32_t>(p.descs.size());
+    cur = TcpBatch{at, 0, 0, at, 0, 0};
   };
   for (const auto& e : extents) {
     uint64_t off = 0;
     while (off < e.len) {
       uint64_t room = batch_bytes - cur.bytes;
-      if (room == 0 || batch_full()) {
+      if (room == 0 || batch_full(p, cur)) {
         close_batch();
         room = batch_bytes;
       }
       uint64_t len = std::min(e.len - off, room);
-      p->descs.push_back(WireExtent{e.remote_region, e.remote_offset + off, len});
-      p->iov.push_back({reinterpret_cast<void*>(e.local_addr + off), len});
+      p.descs.push_back(WireExtent{e.remote_region, e.remote_offset + off, len});
+      p.iov.push_back({reinterpret_cast<void*>(e.local_addr + off), len});
       ++cur.count;
+      ++cur.desc_count;
+      ++cur.pieces;
       cur.bytes += len;
-      p->total += len;
+      p.total += len;
       off += len;
     }
   }
   close_batch();
-  if (p->descs.size() > 0xFFFFFFFFull) return InvalidArgument("transfer has too many extents");
-  return Status::Ok();
+}
+
+// Strided runs become strided descriptors, cut between batches at piece boundaries
+// (a piece larger than a batch is cut like a plain extent). The prepare cost is
+// O(runs) when the local pieces of a run touch (one iovec), O(pieces) otherwise.
+void TcpTransport::cut_strided_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents,
+                                       uint64_t batch_bytes) const {
+  p.sdescs.reserve(extents.size());
+  p.iov.reserve(extents.size());
+  TcpBatch cur;
+  auto close_batch = [&] {
+    if (cur.count) p.batches.push_back(cur);
+    cur = TcpBatch{static_cast<uint32_t>(p.iov.size()), 0, 0, static_cast<uint32_t>(p.sdescs.size()), 0, 0};
+  };
+  auto full = [&] {
+    return cur.count > 0 && (batch_full(p, cur) || cur.pieces >= kMaxStridedPieces ||
+                             cur.desc_count >= kMaxExtentsPerFrame);
+  };
+  // Pieces [first, first + k) of `e` (k * len bytes) into the current batch.
+  auto add_pieces = [&](const ResolvedExtent& e, uint64_t first, uint64_t k, uint64_t off, uint64_t len) {
+    const uint64_t rstride = k > 1 ? e.remote_stride : 0;
+    p.sdescs.push_back(WireStridedExtent{e.remote_region, e.remote_offset + first * e.remote_stride + off, len, k,
+                                         rstride});
+    const uint64_t local = e.local_addr + first * e.local_stride + off;
+    if (k == 1 || e.local_stride == len) {
+      p.iov.push_back({reinterpret_cast<void*>(local), k * len});
+      ++cur.count;
+    } else {
+      for (uint64_t j = 0; j < k; ++j) p.iov.push_back({reinterpret_cast<void*>(local + j * e.local_stride), len});
+      cur.count += static_cast<uint32_t>(k);
+    }
+    ++cur.desc_count;
+    cur.pieces += k;
+    cur.bytes += k * len;
+    p.total += k * len;
+  };
+  for (const auto& e : extents) {
+    if (e.len > batch_bytes || e.count == 1) {  // piece by piece, each cut by bytes like a plain extent
+      for (uint64_t i = 0; i < e.count; ++i)
+        for (uint64_t off = 0; off < e.len;) {
+          if (cur.bytes == batch_bytes || full()) close_batch();
+          const uint64_t len = std::min(e.len - off, batch_bytes - cur.bytes);
+          add_pieces(e, i, 1, off, len);
+          off += len;
+        }
+      continue;
+    }
+    for (uint64_t done = 0; done < e.count;) {
+      if (batch_bytes - cur.bytes < e.len || full()) close_batch();
+      const uint64_t k = std::min({e.count - done, (batch_bytes - cur.bytes) / e.len, kMaxStridedPieces - cur.pieces});
+      add_pieces(e, done, k, 0, e.len);
+      done += k;
+    }
+  }
+  close_batch();
 }
 
 Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
@@ -429,9 +510,15 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
   const bool compressed = encoded != nullptr;  // (posted from an encoder thread: no driver for wait())
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(prep->op == OpKind::kWrite ? FrameType::kWrite : FrameType::kReadReq, xfer->id(), i);
-  m->hdr.count = b.count;
-  m->descs = &prep->descs[b.first];
-  m->desc_bytes = size_t(b.count) * sizeof(WireExtent);
+  m->hdr.count = b.desc_count;
+  if (prep->strided) {
+    m->hdr.flags |= kFlagStrided;
+    m->descs = &prep->sdescs[b.desc_first];
+    m->desc_bytes = size_t(b.desc_count) * sizeof(WireStridedExtent);
+  } else {
+    m->descs = &prep->descs[b.desc_first];
+    m->desc_bytes = size_t(b.desc_count) * sizeof(WireExtent);
+  }
   if (prep->op == OpKind::kWrite) {
     m->hdr.payload = b.bytes;
     if (encoded) {

@@ -94,6 +94,13 @@ class TcpTransport final : public Transport {
 
  private:
   Result<std::shared_ptr<PeerConns>> peer_conns(const std::shared_ptr<const Peer>& peer);
+  // prepare()'s cut of the extents into batches (one frame each): plain descriptors
+  // parallel to the local iovecs, or strided descriptors (kFlagStrided) for a peer
+  // that takes them.
+  static bool peer_takes_strided(const Peer& peer);
+  bool batch_full(const TcpPrepared& p, const TcpBatch& cur) const;
+  void cut_plain_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents, uint64_t batch_bytes) const;
+  void cut_strided_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents, uint64_t batch_bytes) const;
   // The live connection in `slot`, dialling a new one if `may_connect`.
   Result<std::shared_ptr<TcpConn>> get_conn(PeerConns& pc, uint32_t slot, bool may_connect);
   // Asks the owners of these connections to kill them with `why`.

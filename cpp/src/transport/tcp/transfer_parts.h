@@ -33,16 +33,24 @@ class TcpConn;
 
 // One frame's worth of a prepared transfer.
 struct TcpBatch {
-  uint32_t first = 0;  // index into descs/iov
+  uint32_t first = 0;  // index into iov (the local pieces)
   uint32_t count = 0;
   uint64_t bytes = 0;
+  uint32_t desc_first = 0;  // index into descs or sdescs (the frame's descriptors)
+  uint32_t desc_count = 0;
+  uint64_t pieces = 0;  // remote pieces the descriptors name (strided: kMaxStridedPieces at most)
 };
 
 struct TcpPrepared final : PreparedOps {
   std::shared_ptr<const Peer> peer;
   OpKind op = OpKind::kWrite;
-  std::vector<WireExtent> descs;  // remote side
-  std::vector<iovec> iov;         // local side, parallel to descs
+  std::vector<WireExtent> descs;  // remote side, parallel to iov (plain frames)
+  std::vector<iovec> iov;         // local side
+  // The peer takes strided frames and the transfer has strided runs: the remote side
+  // is sdescs (kFlagStrided frames), not parallel to iov (a run whose local pieces
+  // touch is one iovec, one whose local pieces are apart one iovec per piece).
+  bool strided = false;
+  std::vector<WireStridedExtent> sdescs;
   std::vector<TcpBatch> batches;
   uint64_t total = 0;
   // Local extents in device memory: WRITE batches are gathered into pinned buffers

@@ -1,7 +1,7 @@
 // The tcp transport's wire format (version 1). Documented in docs/wire.md.
 //
 // Every frame starts with a 40-byte FrameHeader, followed by `count` 24-byte
-// WireExtents, then `aux_len` bytes of aux data (notification, message, hello body),
+// WireExtents (40-byte WireStridedExtents when the frame has kFlagStrided), then `aux_len` bytes of aux data (notification, message, hello body),
 // then `payload` bytes of data. All integers little endian.
 #pragma once
 
@@ -34,6 +34,8 @@ enum class FrameType : uint16_t {
 // publishes none is older and gets only plain frames.
 inline constexpr uint32_t kExtraMagic = 0x58504354;  // "TCPX"
 inline constexpr uint32_t kFeatureCompressedWrite = 1;
+// It accepts kFlagStrided on kWrite, kWriteZ and kReadReq.
+inline constexpr uint32_t kFeatureStridedExtents = 2;
 
 inline constexpr uint16_t kFlagNotif = 1;  // kWrite: aux is a notification, deliver after payload
 // kWrite / kReadReq: aux starts with a block generation claim (u32 length + claim,
@@ -41,6 +43,10 @@ inline constexpr uint16_t kFlagNotif = 1;  // kWrite: aux is a notification, del
 // notification (kFlagNotif) follows it. A failed check is answered with a kAck whose
 // status is the error and whose aux is its message (the connection stays open).
 inline constexpr uint16_t kFlagGens = 4;
+// kWrite / kWriteZ / kReadReq: the descriptors are WireStridedExtents (a peer's
+// fragmented blocks as one descriptor per run instead of one per piece). Sent only to
+// a peer whose tcp metadata extra has kFeatureStridedExtents.
+inline constexpr uint16_t kFlagStrided = 8;
 
 struct FrameHeader {
   uint32_t magic;
@@ -62,8 +68,23 @@ struct WireExtent {
 };
 static_assert(sizeof(WireExtent) == 24, "wire extent must be 24 bytes");
 
+// `count` pieces of `len` bytes, piece i at [offset + i * stride, +len) of `region`
+// (count >= 1; stride >= len when count > 1, so pieces never overlap). The payload
+// carries the pieces in order.
+struct WireStridedExtent {
+  uint64_t region;
+  uint64_t offset;
+  uint64_t len;
+  uint64_t count;
+  uint64_t stride;
+};
+static_assert(sizeof(WireStridedExtent) == 40, "wire strided extent must be 40 bytes");
+
 // Limits a receiver enforces before allocating or reading anything.
 inline constexpr uint32_t kMaxExtentsPerFrame = 65536;
+// Pieces of all strided descriptors of one frame together (the receiver keeps one
+// iovec per piece: 4 MiB at most).
+inline constexpr uint64_t kMaxStridedPieces = 1u << 18;
 inline constexpr uint64_t kMaxPayloadPerFrame = 1ull << 30;
 inline constexpr uint32_t kMaxHelloBytes = 4096;
 inline constexpr uint32_t kMaxErrorBytes = 4096;
