@@ -418,7 +418,12 @@ class KVLayout:
             * ``"flashinfer"``: ``[num_blocks, 2, block_size, num_kv_heads, head_size]``
               (also a view permuted to HND in memory: the strides say so);
             * ``"cpu"``: ``[num_blocks, num_kv_heads, block_size, 2*head_size]`` (K at
-              element 0 of the last dimension, V at ``head_size``);
+              element 0 of the last dimension, V at ``head_size``). This is the shape,
+              not how vLLM 0.32's CPU attention kernels pack a block (``vec``: per
+              (block, head) K transposed, then V; AMX: another packing): exact for
+              whole-block moves between equal geometries, not for token- or
+              head-granular plans of caches vLLM wrote (see
+              ``pdkv.integrations.vllm_layout.cpu_token_layout``);
             * ``"mla"``: ``[num_blocks, block_size, latent_size]`` (one latent part).
 
             ``"auto"`` picks from the number of dimensions and where the 2 is.
