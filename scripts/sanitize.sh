@@ -3,7 +3,7 @@
 #
 #   scripts/sanitize.sh asan [PYTEST ARGS]   ASan + UBSan (and LeakSanitizer): the core,
 #                                            shm, bad-input, two-process and hostile-peer tests
-#   scripts/sanitize.sh tsan [PYTEST ARGS]   ThreadSanitizer: the agent and thread tests
+#   scripts/sanitize.sh tsan [PYTEST ARGS]   ThreadSanitizer: the agent, thread and compressed-tcp tests
 #   scripts/sanitize.sh asan tests/test_shm.py -k alloc     only these tests
 #   scripts/sanitize.sh asan --build-only    build (or bring up to date) and stop: .ci/run
 #                                            builds both kinds in the background while
@@ -32,12 +32,13 @@ case $KIND in
     # Every file that exists of these (some are added by other work in progress).
     CANDIDATES="tests/test_agent.py tests/test_shm.py tests/test_bad_input.py tests/test_two_process.py
                 tests/test_hostile_tcp.py tests/test_shm_trust.py tests/test_api_validation.py tests/test_threads.py
-                tests/test_codec.py tests/test_compress_tcp.py tests/test_shm_engine_memory.py"
+                tests/test_codec.py tests/test_compress_tcp.py tests/test_shm_engine_memory.py
+                tests/test_codec_kernels.py tests/test_hetero_strided_hostile.py"
     ;;
   tsan)
     FLAGS="-fsanitize=thread -fno-omit-frame-pointer"
     RUNTIME=libtsan.so
-    CANDIDATES="tests/test_agent.py tests/test_threads.py"
+    CANDIDATES="tests/test_agent.py tests/test_threads.py tests/test_compress_tcp.py"
     ;;
   *)
     echo "usage: $0 asan|tsan [pytest args]" >&2
