@@ -89,6 +89,8 @@ class StreamingWrite final {
   // The stream's state as a Transfer: bytes_total = every layer's bytes, bytes_done
   // grows as batches land; terminal once the notification was delivered or the stream
   // failed and no batch is in flight any more. Its cancel() cancels the stream.
+  // wire_bytes() sums the landed batches' wire bytes; compression() is the codec of the
+  // last landed batch that was compressed ("" if none was).
   const std::shared_ptr<Transfer>& transfer() const;
 
   uint32_t first_layer() const;

@@ -102,6 +102,7 @@ class StreamCore final : public PumpedStream, public std::enable_shared_from_thi
   bool finished_locked() const { return final_settled_; }
   void fail_locked(const Status& why);
   void reap_locked(Settle& s);
+  void record_how_it_travelled(const Transfer& batch);
   void settle_failure_locked(Settle& s);
   std::vector<Run> take_ready_locked();
   Result<std::shared_ptr<Transfer>> post_run(Run& run);
@@ -210,6 +211,7 @@ void StreamCore::reap_locked(Settle& s) {
     }
     if (ok) {
       landed_ += b.count;
+      record_how_it_travelled(*b.xfer);
     } else {
       fail_locked(st);
     }
@@ -222,6 +224,16 @@ void StreamCore::reap_locked(Settle& s) {
     s.parts.emplace_back(0, st);
     final_settled_ = true;
   }
+}
+
+// The stream's Transfer reports what its batches did on the wire: the sum of their
+// wire bytes, and the codec of the last batch that was compressed ("" while none was;
+// with mode "auto" a batch that measures the link goes plain among compressed ones).
+void StreamCore::record_how_it_travelled(const Transfer& batch) {
+  spi::TransferControl ctl(xfer_);
+  ctl.add_wire_bytes(batch.wire_bytes());
+  const std::string_view codec = batch.compression();
+  if (!codec.empty()) ctl.set_compression(codec.data());  // a string literal (Transfer::compression)
 }
 
 void StreamCore::settle_failure_locked(Settle& s) {

@@ -117,6 +117,8 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
                        "(default: --host with any free port)")
         p.add_argument("--secret", help="pdkv secret shared by all prefill and decode workers "
                        "(default: $PDKV_SECRET)")
+        p.add_argument("--transports", help="the pdkv agent's transports in order of preference, comma-separated "
+                       "(default: every available one; 'tcp' makes same-host workers talk over tcp)")
     if role == "decode":
         p.add_argument("--agent-advertise", help="address prefill workers connect to for this worker's agent "
                        "(default: its listen address)")
@@ -128,6 +130,14 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
         p.add_argument("--stream-layers", action=argparse.BooleanOptionalAction, default=True,
                        help="stream each layer's KV to the decode worker while later layers compute (default); "
                        "--no-stream-layers writes the whole KV once after the prefill")
+        p.add_argument("--compress", choices=["off", "lossless", "fp8", "auto"], default="off",
+                       help="compress the KV pushed over tcp: lossless (bit-exact), fp8 (lossy, opt-in) or auto "
+                       "(per decode worker, from the measured link; see --compress-policy); default off. "
+                       "See docs/compression.md")
+        p.add_argument("--compress-codec", choices=["zstd", "lz4"], default="zstd",
+                       help="the lossless codec (default zstd)")
+        p.add_argument("--compress-policy", choices=["lossless", "lossy-allowed"], default="lossless",
+                       help="what --compress auto may choose besides plain (default lossless; lossy-allowed: fp8)")
         p.add_argument("--debug-drop-kv", action="store_true",
                        help="testing only: skip every KV write but report success")
 
@@ -194,6 +204,31 @@ def _limits(args: argparse.Namespace) -> Any:
                         body_timeout_s=args.body_timeout)
 
 
+def _kv_compress(args: argparse.Namespace) -> Any:
+    """``--compress*`` as a pdkv.TcpCompression (None when off: the default)."""
+    mode = getattr(args, "compress", "off")
+    if mode == "off":
+        return None
+    import pdkv
+
+    return pdkv.TcpCompression(mode=mode, codec=args.compress_codec, policy=args.compress_policy)
+
+
+def _transports(args: argparse.Namespace) -> tuple[str, ...] | None:
+    spec = getattr(args, "transports", None)
+    if spec is None:
+        return None
+    import pdkv
+    from pdkv.errors import InvalidArgument
+
+    names = tuple(t.strip() for t in spec.split(",") if t.strip())
+    unknown = [t for t in names if t not in pdkv.available_transports()]
+    if not names or unknown:
+        raise InvalidArgument(f"--transports {spec!r}: unknown or unavailable {unknown or 'none given'}; "
+                              f"available: {', '.join(pdkv.available_transports())}")
+    return names
+
+
 def _run_worker(args: argparse.Namespace) -> int:
     from pdkv.errors import InvalidArgument
 
@@ -229,6 +264,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                        kv_margin_s=getattr(args, "kv_margin", 2.0),
                        reserve_wait_s=getattr(args, "reserve_wait", 60.0),
                        stream_layers=getattr(args, "stream_layers", True),
+                       kv_compress=_kv_compress(args), transports=_transports(args),
                        debug_drop_kv=getattr(args, "debug_drop_kv", False),
                        max_body_bytes=args.max_body_bytes, limits=_limits(args),
                        registry=args.registry, registry_ttl=args.registry_ttl)

@@ -531,6 +531,9 @@ class KVSender:
         self.m_kv_bytes = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes pushed, by transport.", ("transport",))
         self.m_kv_time = r.histogram("pdkv_kv_transfer_seconds", "Time of each KV push (post to completion).",
                                      ("transport",))
+        self.m_kv_wire = r.counter("pdkv_kv_wire_bytes_total", "Bytes the KV pushes put on the wire (compressed "
+                                   "size when compressed; tcp counts them), by transport and codec ('none': "
+                                   "sent as is).", ("transport", "codec"))
         self.m_kv_streamed = r.counter("pdkv_kv_streamed_total", "KV pushes by how they went: streamed layer by "
                                        "layer, or one write after prefill (monolithic, or a stream that fell "
                                        "back).", ("path",))
@@ -672,6 +675,7 @@ class KVSender:
         self.m_kv.inc(("ok",))
         self.m_kv_bytes.inc((transport,), xfer.bytes_total)
         self.m_kv_time.observe(xfer.elapsed, (transport,))
+        self._count_wire([xfer], transport)
         return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport)
 
     async def _push_streamed(self, req: PrefillRequest, ready: KVReady, streamer: LayerStreamer,
@@ -705,6 +709,7 @@ class KVSender:
                 self.m_kv_streamed.inc(("streamed",))
                 self.m_kv_bytes.inc((transport,), nbytes)
                 self.m_kv_time.observe(elapsed, (transport,))
+                self._count_wire(xfers, transport)
                 return KVResult(True, True, nbytes, elapsed, transport)
         # Not streamed in full: nothing of it may still be in flight when one write
         # replaces it (the same bytes, but a deadline of its own).
@@ -729,6 +734,10 @@ class KVSender:
         return self.agent.write(peer, "kv", list(handle.block_ids), "kv", list(req.dst.blocks),
                                 notify=ready.encode(), timeout=timeout,
                                 remote_generations=list(req.dst.generations) or None, **self._plan(req))
+
+    def _count_wire(self, xfers: Sequence[pdkv.Transfer], transport: str) -> None:
+        for x in xfers:
+            self.m_kv_wire.inc((transport, x.compression or "none"), x.wire_bytes)
 
     def _failed(self, req: PrefillRequest, e: PdkvError, *, posted: bool, transport: str) -> KVResult:
         self.link_event(req.dst.agent, e)

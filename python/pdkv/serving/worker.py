@@ -38,6 +38,7 @@ proxy continues the stream elsewhere when it is the worker's.
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import json
 import logging
@@ -108,6 +109,19 @@ class WorkerConfig:
     stream_layers : bool
         Prefill: stream each layer's KV to the decode worker while later layers compute
         (default); False pushes the whole KV with one write after the prefill.
+    kv_compress : pdkv.TcpCompression, optional
+        Prefill: compression of the KV it pushes over tcp (docs/compression.md): its
+        ``mode`` (``off``, ``lossless``, ``fp8``, ``auto``), ``policy``, ``codec``,
+        ``level``, ``checksum``, ``chunk_bytes`` and ``threads`` are used as given; the
+        KV's ``dtype`` and the FP8 grouping (``fp8_heads`` = KV heads, ``fp8_head_dim``,
+        ``fp8_rows_per_group`` = block tokens: one scale per block per head) are set
+        from the worker's pool. Applies to streamed and one-write pushes alike; only
+        tcp compresses (same-host peers use shm unless ``transports`` excludes it), and
+        GPU pools go plain. Default: off.
+    transports : tuple of str, optional
+        Prefill and decode: the agent's transports in order of preference (default:
+        every available one; ``("tcp",)`` makes same-host workers talk over tcp, e.g.
+        to compress between them).
     debug_drop_kv : bool
         Prefill, testing only: skip the KV write and its notification but report
         success (the decode worker then times out and recomputes).
@@ -144,6 +158,8 @@ class WorkerConfig:
     kv_margin_s: float = 2.0
     reserve_wait_s: float = 60.0
     stream_layers: bool = True
+    kv_compress: pdkv.TcpCompression | None = None
+    transports: tuple[str, ...] | None = None
     debug_drop_kv: bool = False
     debug_error_after: int | None = None
     debug_error_code: str = "internal_error"
@@ -170,11 +186,28 @@ class WorkerConfig:
                                                    or isinstance(self.debug_error_after, bool)
                                                    or self.debug_error_after < 0):
             raise InvalidArgument(f"debug_error_after must be an integer >= 0, got {self.debug_error_after!r}")
+        if self.kv_compress is not None and not isinstance(self.kv_compress, pdkv.TcpCompression):
+            raise InvalidArgument(f"kv_compress must be a pdkv.TcpCompression, got {type(self.kv_compress).__name__}")
+        if self.transports is not None:
+            if isinstance(self.transports, str) or not self.transports:
+                raise InvalidArgument(f"transports must be a non-empty sequence of names, got {self.transports!r}")
+            object.__setattr__(self, "transports", tuple(self.transports))
         if self.registry is not None:  # checked here: before a CLI loads the model
             DiscoveryRegistry(self.registry, ttl=self.registry_ttl)
         if self.debug_error_code not in STREAM_ERROR_STATUS:
             raise InvalidArgument(f"debug_error_code must be one of {sorted(STREAM_ERROR_STATUS)}, "
                                   f"got {self.debug_error_code!r}")
+
+
+def kv_compression(requested: pdkv.TcpCompression | None, geometry: pdkv.KVGeometry) -> pdkv.TcpCompression:
+    """``requested`` (a copy; default: off) with the KV's dtype and the FP8 grouping of
+    ``geometry``'s NHD blocks: one scale per block (``block_tokens`` rows) per KV head."""
+    z = pdkv.TcpCompression() if requested is None else copy.copy(requested)
+    z.dtype = geometry.dtype
+    z.fp8_heads = geometry.kv_heads
+    z.fp8_head_dim = geometry.head_dim
+    z.fp8_rows_per_group = geometry.block_tokens
+    return z
 
 
 class _Events:
@@ -312,10 +345,11 @@ class Worker:
             raise InvalidArgument("prefill and decode workers need a shared pdkv secret: set PDKV_SECRET "
                                   "(the same value in every prefill and decode worker) or pass --secret")
         name = f"{cfg.role.value}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.agent = pdkv.Agent(name, secret=secret, listen=cfg.agent_listen)
         param = next(self.model.parameters())
         geometry = pdkv.KVGeometry.from_hf_config(self.model.config, num_blocks=cfg.engine.num_blocks,
                                                   block_tokens=cfg.engine.block_tokens, dtype=param.dtype)
+        tcp = pdkv.TcpOptions(compress=kv_compression(cfg.kv_compress, geometry))
+        self.agent = pdkv.Agent(name, secret=secret, listen=cfg.agent_listen, transports=cfg.transports, tcp=tcp)
         if param.device.type == "cpu":
             pool = PagedKVPool.shared(self.agent, geometry, block_order=self.block_order)
         else:
