@@ -31,10 +31,11 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import serve_cli, serve_link, serve_stream
+from . import serve_cli, serve_compress, serve_link, serve_stream
 from .serve_metrics import BenchResults, RunResult
 
-MODES = ("colocated", "chunked", "disagg", "hybrid", "disagg-nostream")
+MODES = ("colocated", "chunked", "disagg", "hybrid", "disagg-nostream", serve_compress.PLAIN,
+         *(serve_compress.mode_name(m) for m in serve_compress.COMPRESS_MODES))
 DEFAULT_MODES = ("colocated", "chunked", "disagg", "hybrid")
 #: Layer-wise streaming (the prefill worker's default) against one write after prefill:
 #: disagg twice, the second with ``--no-stream-layers`` (see :mod:`pdkv.bench.serve_stream`).
@@ -74,11 +75,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("modes (when --url is not given)")
     g.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"modes to compare, of {','.join(MODES)} (default: {','.join(DEFAULT_MODES)}); "
-                   "disagg-nostream is disagg whose prefill worker writes the KV once after prefill")
+                   "disagg-nostream is disagg whose prefill worker writes the KV once after prefill; "
+                   "disagg-tcp forces tcp between the workers, disagg-lossless|fp8|auto also compresses the KV")
     g.add_argument("--compare-stream", action="store_true",
                    help="short for --modes disagg,disagg-nostream: layer-wise streaming vs one write after "
                    "prefill on the same trace (and --link), with TTFT, time to 2nd token (KV ready), ITL, "
                    "throughput, their ratios and a token-for-token check of the outputs in the report")
+    g.add_argument("--compare-compress", metavar="MODES",
+                   help="KV compression vs plain on the same trace (and --link): disagg-tcp plus disagg-<mode> "
+                   f"for each of MODES ({','.join(serve_compress.COMPRESS_MODES)}, comma-separated; the prefill "
+                   "worker's --compress), with TTFT, time to 2nd token, ITL, throughput, their ratios and a "
+                   "token-for-token check of the outputs in the report")
     g.add_argument("--serve-model", default="smollm2",
                    help=f"model directory, smollm2 (the demo model) or a generated one: {', '.join(GENERATED)}")
     g.add_argument("--pd", default="1:1", help="prefill:decode workers of disagg and hybrid (default 1:1)")
@@ -109,8 +116,9 @@ def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir
     proxy_args = []
     if mode == "hybrid" and args.hybrid_threshold is not None:
         proxy_args = ["--hybrid-threshold", str(args.hybrid_threshold)]
-    prefill_args = ["--no-stream-layers"] if mode == "disagg-nostream" else []
-    return Deployment("disagg" if mode == "disagg-nostream" else mode, model_dir, num_prefill=p, num_decode=d,
+    prefill_args = ["--no-stream-layers"] if mode == "disagg-nostream" else serve_compress.prefill_args(mode) or []
+    disagg_variant = mode == "disagg-nostream" or serve_compress.prefill_args(mode) is not None
+    return Deployment("disagg" if disagg_variant else mode, model_dir, num_prefill=p, num_decode=d,
                       worker_args=worker_args, prefill_args=prefill_args, proxy_args=proxy_args,
                       pin=args.pin, log_dir=log_dir, **place), f"{p}:{d}"
 
@@ -125,7 +133,7 @@ async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
     async with aiohttp.ClientSession() as session:
         model = model_name or await fetch_model(session, url)
     client = serve_cli.client_kwargs(args, model)
-    if serve_stream.comparing(args):  # token ids back, to check that both modes answered alike
+    if serve_stream.comparing(args) or serve_compress.comparing(args):  # token ids: did the modes answer alike
         client["extra_body"] = {"return_token_ids": True}
     if args.warmup > 0:
         await serve_cli.warmup(url, requests=args.warmup, **client)
@@ -151,6 +159,12 @@ def _run_each_mode(modes, model_dir: Path, traces, args, lab) -> tuple[list[RunR
 def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.compare_stream:
         args.modes = ",".join(COMPARE_STREAM)
+    if args.compare_compress:
+        try:
+            args.modes = ",".join(serve_compress.modes_for(serve_compress.parse_modes(args.compare_compress)))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -202,9 +216,14 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     comparison = serve_stream.compare(results) if serve_stream.comparing(args) else None
     if comparison is not None:
         meta["stream_comparison"] = comparison  # in results.json
+    zcomparison = serve_compress.compare(results) if serve_compress.comparing(args) else None
+    if zcomparison is not None:
+        meta["compress_comparison"] = zcomparison
     serve_cli.emit_results(results, out=args.out, traces=traces, plots=args.plots)
     if comparison is not None:
         serve_stream.emit(comparison, out=args.out)
+    if zcomparison is not None:
+        serve_compress.emit(zcomparison, out=args.out)
     return 0
 
 
@@ -218,6 +237,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--link starts the deployments in a lab; it cannot measure a server given by --url")
     if args.compare_stream and args.url:
         parser.error("--compare-stream starts both disagg deployments itself; it cannot measure a server given by --url")
+    if args.compare_compress and args.url:
+        parser.error("--compare-compress starts the disagg deployments itself; it cannot measure a server given by "
+                     "--url")
+    if args.compare_compress and args.compare_stream:
+        parser.error("--compare-compress and --compare-stream are separate runs (each replaces --modes)")
     if args.url or args.list_presets:
         return serve_cli.run_from_args(args, argv)
     return run_modes(args, argv)

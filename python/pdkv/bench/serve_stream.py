@@ -27,9 +27,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence
 
-from .serve_metrics import BenchResults, RequestRecord, RunResult, Stats
+from .serve_metrics import BenchResults
+from .serve_pair import compare_pair, rows_markdown
 
 __all__ = ["STREAMED", "MONOLITHIC", "comparing", "compare", "markdown", "emit"]
 
@@ -43,109 +44,21 @@ def comparing(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "compare_stream", False)) or {STREAMED, MONOLITHIC} <= modes
 
 
-def _stats(values: Sequence[float]) -> Dict[str, Optional[float]]:
-    s = Stats.of(values)
-    return {"count": s.count, "p50": s.p50, "p90": s.p90, "mean": s.mean}
-
-
-def _mode_summary(run: RunResult) -> Dict[str, Any]:
-    ok = [r for r in run.records if r.ok]
-    sends = [r.send_s for r in run.records if r.send_s is not None]
-    lasts = [t for t in (r.last_event_s for r in run.records) if t is not None]
-    duration = max(lasts) - min(sends) if sends and lasts else 0.0
-    out_tokens = sum(r.output_tokens for r in ok)
-    return {
-        "requests": len(run.records),
-        "ok": len(ok),
-        "ttft_s": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "t2t_s": _stats([r.t2t_s for r in ok if r.t2t_s is not None]),
-        # 2nd token minus 1st: the KV hop left after prefill plus one decode step; unlike
-        # TTFT and t2t it does not carry the prefill time, which a loaded CPU varies.
-        "kv_wait_s": _stats([r.t2t_s - r.ttft_s for r in ok if r.t2t_s is not None and r.ttft_s is not None]),
-        "itl_s": _stats([g for r in ok for g in r.itls_s]),
-        "output_tokens": out_tokens,
-        "output_tok_s": out_tokens / duration if duration > 0 else None,
-    }
-
-
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return a / b if a is not None and b else None
-
-
-def _outputs(streamed: Sequence[RequestRecord], monolithic: Sequence[RequestRecord]) -> Dict[str, Any]:
-    """Requests (paired by trace index) whose outputs were compared, and those that differ."""
-    other = {r.index: r for r in monolithic}
-    compared, differ, missing = 0, [], 0
-    for r in streamed:
-        m = other.get(r.index)
-        if m is None or r.output_token_ids is None or m.output_token_ids is None:
-            missing += 1
-            continue
-        compared += 1
-        if r.output_token_ids != m.output_token_ids:
-            differ.append(r.index)
-    return {"compared": compared, "differ": differ, "without_token_ids": missing,
-            "equal": compared > 0 and not differ and missing == 0}
-
-
-def _paired_t2t_saved(streamed: Sequence[RequestRecord], monolithic: Sequence[RequestRecord]) -> Dict[str, Any]:
-    """Per request (same trace index): monolithic t2t minus streamed t2t."""
-    other = {r.index: r for r in monolithic if r.ok and r.t2t_s is not None}
-    saved = [other[r.index].t2t_s - r.t2t_s for r in streamed  # type: ignore[operator]
-             if r.ok and r.t2t_s is not None and r.index in other]
-    return _stats(saved)
-
-
 def compare(results: BenchResults) -> Optional[Dict[str, Any]]:
     """The comparison of every rate both modes ran, or None when one mode is missing.
 
     Returns
     -------
     dict
-        ``{"streamed": "disagg", "monolithic": "disagg-nostream", "rates": [...],
-        "all_ok": bool, "outputs_equal": bool}``; each rate holds both modes' summaries
-        (``ttft_s``, ``t2t_s``, ``itl_s`` statistics in seconds, ``output_tok_s``),
-        ``ratio`` (streamed / monolithic of the p50s and of throughput),
-        ``t2t_saved_s`` (per-request monolithic - streamed t2t) and ``outputs``.
+        :func:`pdkv.bench.serve_pair.compare_pair` of streamed against monolithic, plus
+        ``"streamed": "disagg", "monolithic": "disagg-nostream"``: each rate holds both
+        modes' summaries (``ttft_s``, ``t2t_s``, ``itl_s`` statistics in seconds,
+        ``output_tok_s``), ``ratio`` (streamed / monolithic of the p50s and of
+        throughput), ``t2t_saved_s`` (per-request monolithic - streamed t2t) and
+        ``outputs``.
     """
-    by_mode: Dict[str, Dict[float, RunResult]] = {}
-    for run in results.runs:
-        by_mode.setdefault(run.mode, {})[run.rate] = run
-    if STREAMED not in by_mode or MONOLITHIC not in by_mode:
-        return None
-    rates: List[Dict[str, Any]] = []
-    for rate in sorted(set(by_mode[STREAMED]) & set(by_mode[MONOLITHIC])):
-        s_run, m_run = by_mode[STREAMED][rate], by_mode[MONOLITHIC][rate]
-        s, m = _mode_summary(s_run), _mode_summary(m_run)
-        rates.append({
-            "rate": rate,
-            STREAMED: s,
-            MONOLITHIC: m,
-            "ratio": {
-                "ttft_p50": _ratio(s["ttft_s"]["p50"], m["ttft_s"]["p50"]),
-                "t2t_p50": _ratio(s["t2t_s"]["p50"], m["t2t_s"]["p50"]),
-                "t2t_p90": _ratio(s["t2t_s"]["p90"], m["t2t_s"]["p90"]),
-                "kv_wait_p50": _ratio(s["kv_wait_s"]["p50"], m["kv_wait_s"]["p50"]),
-                "itl_p50": _ratio(s["itl_s"]["p50"], m["itl_s"]["p50"]),
-                "output_tok_s": _ratio(s["output_tok_s"], m["output_tok_s"]),
-            },
-            "t2t_saved_s": _paired_t2t_saved(s_run.records, m_run.records),
-            "outputs": _outputs(s_run.records, m_run.records),
-        })
-    if not rates:
-        return None
-    all_ok = all(r[mode]["ok"] == r[mode]["requests"] for r in rates for mode in (STREAMED, MONOLITHIC))
-    link = (results.meta.get("deployment") or {}).get("link") if isinstance(results.meta, Mapping) else None
-    return {"streamed": STREAMED, "monolithic": MONOLITHIC, "link": link, "rates": rates, "all_ok": all_ok,
-            "outputs_equal": all(r["outputs"]["equal"] for r in rates)}
-
-
-def _ms(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f}"
-
-
-def _x(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.2f}"
+    c = compare_pair(results, STREAMED, MONOLITHIC)
+    return None if c is None else {"streamed": STREAMED, "monolithic": MONOLITHIC, **c}
 
 
 def markdown(comparison: Mapping[str, Any]) -> str:
@@ -161,31 +74,10 @@ def markdown(comparison: Mapping[str, Any]) -> str:
         "shortens. t2t - TTFT is the KV hop left after prefill plus one decode step, free of the prefill "
         "time's noise. Times in ms (p50 / p90).",
         "",
-        "| rate | mode | ok | TTFT | t2t (KV ready) | t2t - TTFT | ITL | output tok/s |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|",
-    ]
-    for r in comparison["rates"]:
-        for mode in (STREAMED, MONOLITHIC):
-            m = r[mode]
-            lines.append(
-                f"| {r['rate']:g} | {mode} | {m['ok']}/{m['requests']} | {_ms(m['ttft_s']['p50'])} / "
-                f"{_ms(m['ttft_s']['p90'])} | {_ms(m['t2t_s']['p50'])} / {_ms(m['t2t_s']['p90'])} | "
-                f"{_ms(m['kv_wait_s']['p50'])} / {_ms(m['kv_wait_s']['p90'])} | "
-                f"{_ms(m['itl_s']['p50'])} / {_ms(m['itl_s']['p90'])} | {_x(m['output_tok_s'])} |")
-    lines += [
+        *rows_markdown({"variant": STREAMED, "baseline": MONOLITHIC, **comparison}),
         "",
-        "| rate | TTFT p50 ratio | t2t p50 ratio | t2t p90 ratio | t2t - TTFT p50 ratio | ITL p50 ratio | "
-        "throughput ratio | t2t saved per request p50 (ms) | outputs equal |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+        "Ratios are streamed / monolithic: below 1 streaming is faster (throughput: above 1).",
     ]
-    for r in comparison["rates"]:
-        q, o = r["ratio"], r["outputs"]
-        same = "yes" if o["equal"] else f"NO ({len(o['differ'])} differ, {o['without_token_ids']} unchecked)"
-        lines.append(f"| {r['rate']:g} | {_x(q['ttft_p50'])} | {_x(q['t2t_p50'])} | {_x(q['t2t_p90'])} | "
-                     f"{_x(q['kv_wait_p50'])} | "
-                     f"{_x(q['itl_p50'])} | {_x(q['output_tok_s'])} | {_ms(r['t2t_saved_s']['p50'])} | "
-                     f"{same} ({o['compared']} requests) |")
-    lines += ["", "Ratios are streamed / monolithic: below 1 streaming is faster (throughput: above 1)."]
     if not comparison["all_ok"]:
         lines.append("**Some requests failed**: see the per-mode table and results.json.")
     return "\n".join(lines) + "\n"
