@@ -109,3 +109,30 @@ def test_bad_worker_settings_are_named() -> None:
         WorkerConfig(role="prefill", engine=eng, model_name="m", kv_compress="lossless")
     with pytest.raises(InvalidArgument, match="transports"):
         WorkerConfig(role="prefill", engine=eng, model_name="m", transports="tcp")
+
+
+def test_demo_passes_compress_to_the_prefill_worker(monkeypatch, tmp_path) -> None:
+    import io
+
+    from pdkv.serving import demo, launch
+
+    seen = {}
+
+    class FakeDeployment:
+        def __init__(self, mode, model_dir, **kw):
+            seen.update(kw, mode=mode)
+
+        def start(self, timeout):
+            raise launch.StartupError("not starting anything in this test")
+
+        def stop(self):
+            seen["stopped"] = True
+
+    monkeypatch.setattr(launch, "Deployment", FakeDeployment)
+    out = io.StringIO()
+    assert demo.run_demo(tmp_path, compress="fp8", out=out) == 1
+    assert seen["mode"] == "disagg" and seen["stopped"]
+    assert seen["prefill_args"] == ["--transports", "tcp", "--compress", "fp8"]
+    assert "KV compression: fp8" in out.getvalue()
+    with pytest.raises(SystemExit):
+        demo.main(["--compress", "gzip"])

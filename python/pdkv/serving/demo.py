@@ -117,7 +117,8 @@ def _summary(results: list[dict[str, Any]], questions: Sequence[str], out: TextI
 
 
 def run_demo(model_dir: str | Path | None = None, *, questions: Sequence[str] = QUESTIONS, max_tokens: int = 48,
-             out: TextIO = sys.stdout, log_dir: str | Path | None = None, startup_timeout: float = 300.0) -> int:
+             out: TextIO = sys.stdout, log_dir: str | Path | None = None, startup_timeout: float = 300.0,
+             compress: str = "off") -> int:
     """Runs the demo; returns the exit status.
 
     Parameters
@@ -131,6 +132,10 @@ def run_demo(model_dir: str | Path | None = None, *, questions: Sequence[str] = 
     log_dir : path-like, optional
         Keep the processes' logs there (default: a temporary directory).
     startup_timeout : float
+    compress : {"off", "lossless", "fp8", "auto"}
+        The prefill worker's ``--compress`` (docs/compression.md); any other than
+        ``"off"`` also makes the workers talk over tcp (``--transports tcp``), the
+        transport that compresses.
     """
     from .launch import Deployment, StartupError
 
@@ -145,7 +150,11 @@ def run_demo(model_dir: str | Path | None = None, *, questions: Sequence[str] = 
     model_dir = Path(model_dir)
     out.write(f"model: {model_dir}\n")
     out.flush()
-    dep = Deployment("disagg", model_dir, worker_args=["--num-blocks", "256"], log_dir=log_dir)
+    prefill_args = [] if compress == "off" else ["--transports", "tcp", "--compress", compress]
+    if compress != "off":
+        out.write(f"KV compression: {compress} (over tcp)\n")
+    dep = Deployment("disagg", model_dir, worker_args=["--num-blocks", "256"], prefill_args=prefill_args,
+                     log_dir=log_dir)
     t0 = time.perf_counter()
     try:
         try:
@@ -181,17 +190,19 @@ def run_demo(model_dir: str | Path | None = None, *, questions: Sequence[str] = 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``pdkv demo [--model DIR] [--max-tokens N] [--question TEXT ...] [--keep-logs DIR]``."""
+    """``pdkv demo [--model DIR] [--max-tokens N] [--question TEXT ...] [--keep-logs DIR] [--compress MODE]``."""
     ap = argparse.ArgumentParser(prog="pdkv demo", description=__doc__.split("\n\n")[1].replace("\n", " "))
     ap.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-tokens", type=int, default=48, help="answer length cap (default 48)")
     ap.add_argument("--question", action="append", help="ask this instead of the built-in questions (repeatable)")
     ap.add_argument("--keep-logs", metavar="DIR", help="keep the processes' logs in DIR")
+    ap.add_argument("--compress", choices=["off", "lossless", "fp8", "auto"], default="off",
+                    help="the prefill worker compresses the KV it pushes, over tcp (default off; docs/compression.md)")
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.max_tokens < 1:
         ap.error("--max-tokens must be >= 1")
     try:
         return run_demo(args.model, questions=args.question or QUESTIONS, max_tokens=args.max_tokens,
-                        log_dir=args.keep_logs)
+                        log_dir=args.keep_logs, compress=args.compress)
     except KeyboardInterrupt:
         return 130
