@@ -54,6 +54,28 @@ def test_each_compressed_mode_is_compared_with_plain():
     assert "| yes (2 requests) |" in text and "NO (1 differ" in text and "that is a bug" not in text
 
 
+def test_wire_bytes_come_from_the_prefill_workers_metrics():
+    pytest.importorskip("prometheus_client")
+    from pdkv.serving.metrics import Registry
+
+    r = Registry()
+    kv = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes.", ("transport",))
+    wire = r.counter("pdkv_kv_wire_bytes_total", "Wire bytes.", ("transport", "codec"))
+    kv.inc(("tcp",), 3000.0)
+    wire.inc(("tcp", "zstd"), 1500.0)
+    wire.inc(("tcp", "none"), 500.0)
+    got = sc.parse_kv_wire(r.render())
+    assert got == {"kv_bytes": 3000.0, "wire_bytes": {"zstd": 1500.0, "none": 500.0}}
+    assert sc.wire_summary(got) == {"ratio": 1.5, "codecs": {"none": 0.25, "zstd": 0.75}}
+    assert sc.wire_summary(None) is None and sc.wire_summary({"kv_bytes": 0, "wire_bytes": {}}) is None
+    res = _results([8, 9, 10])
+    for run in res.runs:
+        run.config["kv_wire"] = got if run.mode == LOSSLESS else None
+    c = sc.compare(res)
+    assert c["pairs"][0]["wire"] == {LOSSLESS: sc.wire_summary(got), sc.PLAIN: None}
+    assert f"{LOSSLESS} 1.50x (none 25%, zstd 75%)" in sc.markdown(c)
+
+
 def test_lossless_outputs_that_differ_are_flagged():
     c = sc.compare(_results([8, 9, 11]))
     assert c is not None and c["lossless_outputs_equal"] is False

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -33,7 +34,7 @@ from .serve_metrics import BenchResults
 from .serve_pair import compare_pair, rows_markdown
 
 __all__ = ["PLAIN", "COMPRESS_MODES", "mode_name", "parse_modes", "modes_for", "prefill_args", "comparing",
-           "compare", "markdown", "emit"]
+           "parse_kv_wire", "fetch_kv_wire", "wire_summary", "compare", "markdown", "emit"]
 
 PLAIN = "disagg-tcp"
 COMPRESS_MODES = ("lossless", "fp8", "auto")
@@ -68,6 +69,63 @@ def prefill_args(mode: str) -> Optional[List[str]]:
     return None
 
 
+_WIRE_LINE = re.compile(r'^pdkv_kv_wire_bytes_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$')
+_KV_LINE = re.compile(r'^pdkv_kv_transfer_bytes_total\{[^}]*\}\s+(?P<value>\S+)$')
+
+
+def parse_kv_wire(metrics_text: str) -> Dict[str, Any]:
+    """A prefill worker's ``/metrics`` -> ``{"kv_bytes": KV bytes pushed, "wire_bytes":
+    {codec: bytes on the wire}}`` (``pdkv_kv_transfer_bytes_total`` and
+    ``pdkv_kv_wire_bytes_total``, summed over transports; codec ``none``: sent as is)."""
+    kv, wire = 0.0, {}  # type: float, Dict[str, float]
+    for line in metrics_text.splitlines():
+        m = _WIRE_LINE.match(line)
+        if m:
+            codec = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"])).get("codec", "")
+            wire[codec] = wire.get(codec, 0.0) + float(m["value"])
+            continue
+        m = _KV_LINE.match(line)
+        if m:
+            kv += float(m["value"])
+    return {"kv_bytes": kv, "wire_bytes": wire}
+
+
+def merge_kv_wire(parts: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    wire: Dict[str, float] = {}
+    for p in parts:
+        for codec, n in p["wire_bytes"].items():
+            wire[codec] = wire.get(codec, 0.0) + n
+    return {"kv_bytes": sum(p["kv_bytes"] for p in parts), "wire_bytes": wire}
+
+
+async def fetch_kv_wire(prefill_urls: Sequence[str]) -> Optional[Dict[str, Any]]:
+    """The prefill workers' KV and wire bytes so far (:func:`parse_kv_wire`, summed), or
+    None when a worker's ``/metrics`` cannot be read (the report then goes without)."""
+    import aiohttp
+
+    parts = []
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            for url in prefill_urls:
+                async with session.get(url.rstrip("/") + "/metrics") as r:
+                    parts.append(parse_kv_wire(await r.text()))
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        print(f"warning: could not read a prefill worker's /metrics: {exc}", file=sys.stderr)
+        return None
+    return merge_kv_wire(parts)
+
+
+def wire_summary(kv_wire: Optional[Mapping[str, Any]]) -> Optional[Dict[str, Any]]:
+    """``{"ratio": KV bytes / wire bytes, "codecs": {codec: share of the wire bytes}}``."""
+    if not kv_wire or not kv_wire["kv_bytes"]:
+        return None
+    total = sum(kv_wire["wire_bytes"].values())
+    if not total:
+        return None
+    return {"ratio": kv_wire["kv_bytes"] / total,
+            "codecs": {c: n / total for c, n in sorted(kv_wire["wire_bytes"].items())}}
+
+
 def comparing(args: argparse.Namespace) -> bool:
     """Whether this run compares compression modes with plain."""
     return bool(getattr(args, "compare_compress", None))
@@ -81,13 +139,18 @@ def compare(results: BenchResults) -> Optional[Dict[str, Any]]:
     -------
     dict
         ``{"plain": "disagg-tcp", "link", "pairs": [compare_pair(compressed, plain), ...],
-        "all_ok", "lossless_outputs_equal"}``: ratios are compressed / plain.
+        "all_ok", "lossless_outputs_equal"}``: ratios are compressed / plain; each pair
+        also has ``wire``: per mode, :func:`wire_summary` of its prefill workers'
+        counters (None when they were not read).
     """
     modes = {run.mode for run in results.runs}
     pairs = [c for m in COMPRESS_MODES if mode_name(m) in modes
              for c in [compare_pair(results, mode_name(m), PLAIN)] if c is not None]
     if not pairs:
         return None
+    for c in pairs:  # the prefill workers' counters over each mode's whole run (warm-up included)
+        c["wire"] = {m: wire_summary(next((r.config.get("kv_wire") for r in results.runs if r.mode == m), None))
+                     for m in (c["variant"], c["baseline"])}
     lossless = [c for c in pairs if c["variant"] == mode_name("lossless")]
     return {"plain": PLAIN, "link": pairs[0]["link"], "pairs": pairs, "all_ok": all(c["all_ok"] for c in pairs),
             "lossless_outputs_equal": all(c["outputs_equal"] for c in lossless) if lossless else None}
@@ -109,11 +172,20 @@ def markdown(comparison: Mapping[str, Any]) -> str:
     ]
     for c in comparison["pairs"]:
         lines += ["", f"### {c['variant']} vs {c['baseline']}", "", *rows_markdown(c)]
+        wire = [f"{m} {_wire_text(w)}" for m, w in c.get("wire", {}).items() if w is not None]
+        if wire:
+            lines += ["", "KV bytes / wire bytes over the mode's run (warm-up included), and the codecs that carried "
+                      "them: " + "; ".join(wire) + "."]
     if not comparison["all_ok"]:
         lines += ["", "**Some requests failed**: see the per-mode table and results.json."]
     if comparison["lossless_outputs_equal"] is False:
         lines += ["", "**Lossless outputs differ from plain**: that is a bug (see results.json)."]
     return "\n".join(lines) + "\n"
+
+
+def _wire_text(w: Mapping[str, Any]) -> str:
+    shares = ", ".join(f"{c} {share:.0%}" for c, share in w["codecs"].items())
+    return f"{w['ratio']:.2f}x ({shares})"
 
 
 def emit(comparison: Mapping[str, Any], *, out: Optional[str]) -> None:

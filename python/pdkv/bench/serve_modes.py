@@ -124,7 +124,7 @@ def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir
 
 
 async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
-                   model_name: Optional[str]) -> tuple[list[RunResult], str]:
+                   model_name: Optional[str], prefill_urls: Sequence[str] = ()) -> tuple[list[RunResult], str]:
     import aiohttp
 
     from .serve_client import fetch_model, wait_until_ready
@@ -139,6 +139,10 @@ async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
         await serve_cli.warmup(url, requests=args.warmup, **client)
     runs = await serve_cli.run_sweep(url, traces, mode=mode, pd_ratio=pd_ratio, cooldown_s=args.cooldown,
                                      progress=args.progress, config={"mode": mode, "pd": pd_ratio}, **client)
+    if serve_compress.comparing(args) and prefill_urls:  # what the KV pushes put on the wire, by codec
+        wire = await serve_compress.fetch_kv_wire(prefill_urls)
+        for run in runs:
+            run.config["kv_wire"] = wire
     return runs, model
 
 
@@ -151,7 +155,8 @@ def _run_each_mode(modes, model_dir: Path, traces, args, lab) -> tuple[list[RunR
         dep, pd_ratio = deployment_for(mode, model_dir, args, log_dir, lab)
         print(f"== {mode} ({pd_ratio}) on {model_dir}", file=sys.stderr, flush=True)
         with dep:
-            got, model_name = run_client(_measure(dep.url, traces, mode, pd_ratio, args, model_name))
+            prefill_urls = [w.url for w in dep.workers if w.role == "prefill"]
+            got, model_name = run_client(_measure(dep.url, traces, mode, pd_ratio, args, model_name, prefill_urls))
         runs += got
     return runs, model_name
 
