@@ -77,7 +77,8 @@ def parse_kv_wire(metrics_text: str) -> Dict[str, Any]:
     """A prefill worker's ``/metrics`` -> ``{"kv_bytes": KV bytes pushed, "wire_bytes":
     {codec: bytes on the wire}}`` (``pdkv_kv_transfer_bytes_total`` and
     ``pdkv_kv_wire_bytes_total``, summed over transports; codec ``none``: sent as is)."""
-    kv, wire = 0.0, {}  # type: float, Dict[str, float]
+    kv = 0.0
+    wire: Dict[str, float] = {}
     for line in metrics_text.splitlines():
         m = _WIRE_LINE.match(line)
         if m:
@@ -91,6 +92,7 @@ def parse_kv_wire(metrics_text: str) -> Dict[str, Any]:
 
 
 def merge_kv_wire(parts: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Several workers' :func:`parse_kv_wire` results, summed."""
     wire: Dict[str, float] = {}
     for p in parts:
         for codec, n in p["wire_bytes"].items():
