@@ -157,8 +157,8 @@ Status Encoder::encode(CodecKind kind, const iovec* iov, uint32_t n, EncodedBatc
   return Status::Ok();
 }
 
-void Encoder::calibrate(CodecKind kind, const iovec* iov, uint32_t n) {
-  if (figures(kind).encode_bps > 0) return;
+void Encoder::calibrate(CodecKind kind, const iovec* iov, uint32_t n, bool again) {
+  if (!again && figures(kind).encode_bps > 0) return;
   auto codec = Codec::create(codec_options(opts_, kind));
   if (!codec.ok()) return;
   uint32_t take = 0;  // about one chunk
@@ -235,6 +235,11 @@ void LinkChooser::plain_delivered(uint64_t bytes, double seconds) {
   const double bps = bytes / seconds;
   link_bps_ = link_bps_ == 0 ? bps : kEwma * bps + (1 - kEwma) * link_bps_;
   measured_ = Clock::now();
+}
+
+bool LinkChooser::resample_due() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return last_ == 0 && (writes_ + 1) % kProbeEvery == 0;
 }
 
 double LinkChooser::link_bps() const {

@@ -116,9 +116,10 @@ class Encoder {
 
   CodecFigures figures(CodecKind kind) const;
   // Measures `kind`'s encode and decode on a sample (the first chunk of a transfer)
-  // if it never was. The decode rate stands for the peer's (same code, and the
-  // peer's CPU is not known here).
-  void calibrate(CodecKind kind, const iovec* iov, uint32_t n);
+  // if it never was, or again when `again` (folded into the figures as a batch's
+  // would be). The decode rate stands for the peer's (same code, and the peer's CPU
+  // is not known here).
+  void calibrate(CodecKind kind, const iovec* iov, uint32_t n, bool again = false);
 
   const TcpCompression& options() const { return opts_; }
 
@@ -178,6 +179,11 @@ class LinkChooser {
   Choice choose(const Encoder& enc, bool peer_decodes_fp8, uint32_t peer_codecs, uint32_t peer_decode_threads);
   // A plain write of `bytes` took `seconds` from post to its last ack.
   void plain_delivered(uint64_t bytes, double seconds);
+  // Whether the codec should be sampled again before the next choose(): while writes
+  // go plain, the codec's figures come only from samples, and the first (one chunk of
+  // the first write) may not represent the data; every kProbeEvery-th plain write
+  // samples again.
+  bool resample_due() const;
   double link_bps() const;
 
  private:

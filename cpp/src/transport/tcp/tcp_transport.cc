@@ -622,7 +622,7 @@ Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerCon
     if (!f.compressed_write) return Choice{};  // an older peer: plain, as it expects
     const bool fp8 = o.policy == CompressPolicy::kLossyAllowed && decodes(CodecKind::kFp8);
     const CodecKind k = fp8 ? CodecKind::kFp8 : o.codec;
-    encoder_->calibrate(k, prep.iov.data(), prep.batches[0].count);  // once per codec
+    encoder_->calibrate(k, prep.iov.data(), prep.batches[0].count, pc.chooser.resample_due());
     return pc.chooser.choose(*encoder_, fp8, f.codecs, f.decode_threads);
   }
   const CodecKind k = o.mode == CompressMode::kFp8 ? CodecKind::kFp8 : o.codec;
