@@ -183,7 +183,7 @@ def run_case(args, plain: Agent, zipped: Agent, peers: tuple[str, str], geo, pay
     plain_gbps, zip_gbps = total / plain_s / 1e9, total / zip_s / 1e9
     return {
         "compress": args.compress,
-        "policy": args.compress_policy,
+        "policy": args.compress_policy if args.compress == "auto" else None,  # only auto chooses
         "codec_chosen": last.compression or "none",
         "model": args.model,
         "payload_bytes": payload,
