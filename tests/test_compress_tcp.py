@@ -398,11 +398,10 @@ LAB_SENDER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(bool(os.environ.get("PDKV_SANITIZER")),
-                    reason="the sanitizer runtime preloaded into `ip` makes the lab's set-up fail (its own leak report)")
-def test_auto_turns_itself_on_behind_a_slow_link():
-    """Behind an emulated 50 Mbit/s link (pdkv.netlab; skipped where network namespaces
-    cannot be made) one encoder thread compresses faster than the link carries bytes."""
+def send_behind_slow_link(sender_script: str) -> list[str]:
+    """Runs LAB_TARGET on lab host h1 and ``sender_script`` (argv: secret, its address,
+    the target's address, codec) on h0, behind an emulated 50 Mbit/s link (skips where
+    network namespaces cannot be made); returns the sender's output lines."""
     from pdkv import netlab
 
     try:
@@ -415,7 +414,7 @@ def test_auto_turns_itself_on_behind_a_slow_link():
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             address = target.stdout.readline().strip()
-            out = lab.run("h0", [sys.executable, "-c", LAB_SENDER, SECRET, lab.address("h0"), address, LOSSLESS[0]],
+            out = lab.run("h0", [sys.executable, "-c", sender_script, SECRET, lab.address("h0"), address, LOSSLESS[0]],
                           timeout=120, env=env)
         finally:
             target.stdin.close()
@@ -423,7 +422,15 @@ def test_auto_turns_itself_on_behind_a_slow_link():
             target.stdout.close()
     finally:
         lab.down()
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return out.stdout.strip().splitlines()
+
+
+@pytest.mark.skipif(bool(os.environ.get("PDKV_SANITIZER")),
+                    reason="the sanitizer runtime preloaded into `ip` makes the lab's set-up fail (its own leak report)")
+def test_auto_turns_itself_on_behind_a_slow_link():
+    """Behind an emulated 50 Mbit/s link (pdkv.netlab; skipped where network namespaces
+    cannot be made) one encoder thread compresses faster than the link carries bytes."""
+    got = json.loads(send_behind_slow_link(LAB_SENDER)[-1])
     assert all(got["exact"]), got
     # The first write measures the link (plain); from then on compressing pays.
     assert got["chosen"][0] == "" and got["chosen"][-1] == LOSSLESS[0], got

@@ -156,31 +156,8 @@ def test_auto_samples_the_codec_again_while_plain():
     plain it is sampled again every 16 writes, so an unrepresentative first write (here
     incompressible noise, then KV-like bf16) does not keep a slow link plain for good
     (found in serving: float32 KV's layer 0 sampled 1.07, the whole KV 1.17)."""
-    import os
-    import subprocess
-    import sys
+    from test_compress_tcp import send_behind_slow_link
 
-    from pdkv import netlab
-    from test_compress_tcp import LAB_TARGET
-
-    try:
-        lab = netlab.Lab(hosts=2, link="50mbit").up()
-    except netlab.NetlabUnavailable as e:
-        pytest.skip(str(e))
-    env = {**os.environ, "PDKV_LOG": "error"}
-    try:
-        target = lab.popen("h1", [sys.executable, "-c", LAB_TARGET, SECRET, lab.address("h1")],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        try:
-            address = target.stdout.readline().strip()
-            out = lab.run("h0", [sys.executable, "-c", LAB_SENDER_FIRST_INCOMPRESSIBLE, SECRET, lab.address("h0"),
-                                 address, LOSSLESS[0]], timeout=120, env=env)
-        finally:
-            target.stdin.close()
-            target.wait(timeout=20)
-            target.stdout.close()
-    finally:
-        lab.down()
-    chosen = __import__("json").loads(out.stdout.strip().splitlines()[-1])["chosen"]
+    chosen = __import__("json").loads(send_behind_slow_link(LAB_SENDER_FIRST_INCOMPRESSIBLE)[-1])["chosen"]
     assert chosen[:2] == ["", ""], chosen  # the noise sample says plain
     assert chosen[-1] == LOSSLESS[0] and chosen.count(LOSSLESS[0]) >= 10, chosen
