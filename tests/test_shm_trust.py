@@ -226,6 +226,48 @@ def test_restarted_peer_is_stale_at_wait():
             legit_write(a, b2, 6)
 
 
+@pytest.mark.parametrize("frozen_for", [1.5, None])
+def test_region_confirmation_waits_for_the_transfers_deadline(spawn_peer, frozen_for):
+    """The first write naming a region asks the target to confirm it. A target that is
+    alive but slow (frozen 1.5 s here; a loaded host in CI) answers within the transfer's
+    deadline and the write lands, even past the connect timeout (0.5 s); one frozen past
+    the deadline fails that transfer with TransferTimeout at its deadline."""
+    import threading
+
+    spec = PoolSpec(layers=2, blocks=8, block_tokens=4, heads=2, head_dim=16, dtype="float16")
+    peer = spawn_peer("decode", spec, transports=("shm", "tcp"), shared=True)
+    opts = pdkv.TcpOptions(connect_timeout_s=0.5)
+    with pdkv.Agent("prefill", secret=SECRET, transports=["shm", "tcp"], tcp=opts) as a:
+        local = Pool(spec, 3)
+        local.register(a)
+        name = a.connect(peer.address)
+        assert a.peer_transport(name) == "shm"
+        assert a.notify(name, b"dialed").wait(10)  # the shm connection is up; no region confirmed yet
+        peer.pause()
+        resumed = threading.Timer(frozen_for, peer.resume) if frozen_for else None
+        try:
+            t0 = time.monotonic()
+            if resumed:
+                resumed.start()
+            x = a.write(name, "kv", [1, 2], "kv", [3, 4], timeout=10.0 if resumed else 1.0)
+            if resumed:
+                assert x.wait(20)
+                assert time.monotonic() - t0 >= frozen_for - 0.1
+            else:
+                with pytest.raises(pdkv.TransferTimeout, match="did not confirm region"):
+                    x.wait(20)
+                assert 0.9 <= time.monotonic() - t0 < 8.0
+        finally:
+            if resumed:
+                resumed.join()
+            else:
+                peer.resume()
+        assert a.write(name, "kv", [5], "kv", [6]).wait(10)
+        assert peer.call(cmd="digest", blocks=[6])["digest"] == local.digest([5])
+        if resumed:
+            assert peer.call(cmd="digest", blocks=[3, 4])["digest"] == local.digest([1, 2])
+
+
 # ---------------------------------------------------------------- hostile raw clients
 
 

@@ -76,8 +76,13 @@ std::string deregistered(const std::string& peer, uint64_t id) {
 }
 
 Result<std::shared_ptr<RemoteRegion>> confirm_region(const std::shared_ptr<ShmConn>& c, const Peer& peer, uint64_t id,
-                                                     double timeout_s) {
-  auto one_request = c->lock_region_requests();
+                                                     Clock::time_point until) {
+  const auto asked_at = Clock::now();
+  auto one_request = c->lock_region_requests(until);
+  if (!one_request.owns_lock())
+    return TimeoutError("region " + std::to_string(id) + " of peer '" + peer.md.name +
+                        "' was not confirmed before the transfer's deadline: another transfer's request for a "
+                        "region of this peer was still waiting for the answer");
   {
     auto s = c->lock();
     auto it = s->regions.find(id);
@@ -95,8 +100,7 @@ Result<std::shared_ptr<RemoteRegion>> confirm_region(const std::shared_ptr<ShmCo
     }
     Status sent = c->send_frame(Ctl::kRegionReq, id, {});
     auto s = c->lock();
-    const bool got = sent.ok() && s.wait_until(util::deadline_after(timeout_s),
-                                               [&] { return s->dead || s->answers.count(id); });
+    const bool got = sent.ok() && s.wait_until(until, [&] { return s->dead || s->answers.count(id); });
     s->pending_req = 0;
     auto it = s->answers.find(id);
     if (it != s->answers.end()) {
@@ -110,7 +114,8 @@ Result<std::shared_ptr<RemoteRegion>> confirm_region(const std::shared_ptr<ShmCo
     if (!sent.ok()) return sent;
     if (!got)
       return TimeoutError("peer '" + peer.md.name + "' did not confirm region " + std::to_string(id) + " within " +
-                          std::to_string(timeout_s) + " s");
+                          std::to_string(std::chrono::duration<double>(Clock::now() - asked_at).count()) +
+                          " s (the transfer's deadline, or the connect timeout for a transfer without one)");
   }
   if (!ans.st.ok()) return ans.st.with_context("region " + std::to_string(id) + " of peer '" + peer.md.name + "'");
   PDKV_ASSIGN_OR_RETURN(auto r, attach(c, peer, *d, std::move(ans)));

@@ -25,10 +25,10 @@ namespace pdkv::shm {
 // The message of a NotFound for a region the peer deregistered.
 std::string deregistered(const std::string& peer, uint64_t id);
 
-// Region `id` of `peer` as the peer confirms it now on c, waiting up to
-// `timeout_s` for the answer (cached per connection until revoked).
+// Region `id` of `peer` as the peer confirms it now on c, waiting until `until`
+// for the answer (cached per connection until revoked).
 Result<std::shared_ptr<RemoteRegion>> confirm_region(const std::shared_ptr<ShmConn>& c, const Peer& peer, uint64_t id,
-                                                     double timeout_s);
+                                                     Clock::time_point until);
 
 // Sends the RevokeAck of r once it is revoked and no copy uses it (once).
 void ack_revoke_when_idle(const std::shared_ptr<RemoteRegion>& r);

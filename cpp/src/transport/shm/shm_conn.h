@@ -165,7 +165,10 @@ class ShmConn {
   bool retire(const Status& why, std::map<uint64_t, PendingNotify>* notifies, std::map<uint64_t, Lease>* leases);
 
   // ---- Region requests: one in flight per connection (remote_region.h).
-  std::unique_lock<std::mutex> lock_region_requests() { return std::unique_lock<std::mutex>(map_mu_); }
+  // Empty (not owned) when another request still holds it at `until`.
+  std::unique_lock<std::timed_mutex> lock_region_requests(Clock::time_point until) {
+    return std::unique_lock<std::timed_mutex>(map_mu_, until);
+  }
 
   // ---- Sending: one control frame (passing `pass_fd` with it if >= 0), whole,
   // within 5 s. Any thread (frames never interleave).
@@ -208,7 +211,7 @@ class ShmConn {
   std::atomic<bool> gone_{false};
 
   std::mutex send_mu_;  // whole frames on the socket; a leaf
-  std::mutex map_mu_;   // one region request in flight per connection
+  std::timed_mutex map_mu_;  // one region request in flight per connection
 
   // ---- Receive state, guarded by rx_mu_.
   std::mutex rx_mu_;

@@ -173,8 +173,7 @@ Result<uint64_t> ShmTransport::take_lease(const std::shared_ptr<ShmConn>& c, con
   bool got = false;
   {
     auto s = c->lock();
-    const auto until = std::min(deadline, util::deadline_after(connect_timeout_));
-    got = sent.ok() && s.wait_until(until, [&] { return s->dead || s->lease_answers[id].has_value(); });
+    got = sent.ok() && s.wait_until(answer_by(deadline), [&] { return s->dead || s->lease_answers[id].has_value(); });
     ans = s->lease_answers[id];
     s->lease_answers.erase(id);
     if (s->dead) return s->dead_reason;  // the target released the lease with the connection
@@ -271,7 +270,7 @@ Status add_strided_ops(Binding& b, const RemoteRegion& r, uint32_t idx, const Re
 
 // Binds a prepared transfer to a live connection and the regions confirmed on it;
 // every extent is checked against the confirmed lengths.
-Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) {
+Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p, Clock::time_point deadline) {
   std::lock_guard<std::mutex> lk(p.mu);
   const Peer& peer = *p.peer;
   if (p.bound) {
@@ -292,7 +291,7 @@ Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p) 
     if (e.remote_region != last_id) {
       auto it = index.find(e.remote_region);
       if (it == index.end()) {
-        PDKV_ASSIGN_OR_RETURN(auto r, confirm_region(conn, peer, e.remote_region, connect_timeout_));
+        PDKV_ASSIGN_OR_RETURN(auto r, confirm_region(conn, peer, e.remote_region, answer_by(deadline)));
         it = index.emplace(e.remote_region, static_cast<uint32_t>(b->regions.size())).first;
         b->regions.push_back(std::move(r));
       }
@@ -376,7 +375,7 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
     spi::TransferControl(xfer).resolve_part(0, st);
     if (!notif.empty()) spi::TransferControl(xfer).resolve_part(0, Cancelled("notification not sent"));
   };
-  auto bound = bind(*prep);
+  auto bound = bind(*prep, xfer->deadline());
   if (!bound.ok()) return fail(bound.status());
   auto b = std::move(bound).value();
   drain_control(b->conn);
@@ -384,7 +383,7 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
     // The peer closed the connection before this transfer touched it: dial again, so
     // the dial itself says what happened (StalePeer for a restarted peer,
     // PeerConnectionError for a dead one, NotFound for a revoked region).
-    bound = bind(*prep);
+    bound = bind(*prep, xfer->deadline());
     if (!bound.ok()) return fail(bound.status());
     b = std::move(bound).value();
     drain_control(b->conn);

@@ -109,7 +109,12 @@ class ShmTransport final : public Transport {
   // Initiator side: connections, region confirmation, copies.
   std::shared_ptr<ShmPeerState> peer_state(const std::shared_ptr<const Peer>& peer);
   Result<std::shared_ptr<ShmConn>> get_conn(ShmPeerState& ps);
-  Result<std::shared_ptr<const Binding>> bind(const ShmPrepared& p);
+  // Round trips inside a transfer (region confirmation, block lease) wait until its
+  // deadline, or the connect timeout for a transfer without one.
+  Clock::time_point answer_by(Clock::time_point deadline) const {
+    return deadline == Clock::time_point::max() ? util::deadline_after(connect_timeout_) : deadline;
+  }
+  Result<std::shared_ptr<const Binding>> bind(const ShmPrepared& p, Clock::time_point deadline);
   Result<uint64_t> take_lease(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
                               Clock::time_point deadline);
   static void end_lease(Job& job);
