@@ -310,24 +310,97 @@ def test_rate_within_band(link, nbytes, low, high):
         assert low <= back <= high, f"{link} (reverse): measured {back / 1e9:.3f} Gbit/s"
 
 
+def tcp_round_trip_s(lab: netlab.Lab, src: str, dst: str, rounds: int = 21) -> float:
+    """Median time of a 1-byte TCP ping-pong from src to dst (TCP_NODELAY)."""
+    import socket
+    import threading
+    import time
+
+    addr = lab.address(dst)
+    ready = threading.Event()
+
+    def serve() -> None:
+        with socket.create_server((addr, 0)) as srv:
+            serve.port = srv.getsockname()[1]  # type: ignore[attr-defined]
+            ready.set()
+            c, _ = srv.accept()
+            with c:
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for _ in range(rounds):
+                    c.sendall(c.recv(1))
+
+    def ping() -> float:
+        assert ready.wait(10)
+        with socket.create_connection((addr, serve.port), timeout=20) as c:  # type: ignore[attr-defined]
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                c.sendall(b"p")
+                assert c.recv(1) == b"p"
+                times.append(time.perf_counter() - t0)
+        return sorted(times)[rounds // 2]
+
+    server = threading.Thread(target=lambda: lab.call_in(dst, serve), daemon=True)
+    server.start()
+    rtt = lab.call_in(src, ping)
+    server.join(10)
+    return rtt
+
+
 @pytestmark_netns
-def test_rtt_is_emulated_or_said_not_to_be():
-    with lab_up(2, "1gbit,rtt=0.2ms") as lab:
+@pytest.mark.parametrize("link,rtt_ms", [("1gbit,rtt=2ms", 2.0), ("unlimited,rtt=5ms", 5.0)])
+def test_rtt_is_emulated(link, rtt_ms):
+    """The round trip between two hosts is at least the requested rtt (netem, or the delay
+    line on kernels without it), and not far above it; without rtt it is loopback-fast."""
+    with lab_up(2, link) as lab:
+        assert lab.info["rtt_emulated"] is True and lab.info["delay"] in ("netem", "delay line")
         qdiscs = lab.run("h0", ["tc", "qdisc", "show", "dev", "eth0"]).stdout
-        assert "htb" in qdiscs
-        if lab.info["rtt_emulated"]:
-            assert "netem" in qdiscs and "delay 50us" in qdiscs  # rtt / 4 on each of 4 egresses
+        if lab.info["delay"] == "netem":
+            assert "netem" in qdiscs
         else:
-            assert "netem" not in qdiscs
-            state = json.loads((netlab.STATE_DIR / f"{lab.name}.json").read_text())
-            assert state["rtt_emulated"] is False
+            bridge = subprocess.run(["ip", "-n", lab.switch_namespace, "-o", "link", "show", "master", "br0"],
+                                    capture_output=True, text=True, check=True).stdout
+            assert "d-h0" in bridge and "d-h1" in bridge and " h0@" not in bridge  # taps in, veths out
+        rtt = tcp_round_trip_s(lab, "h0", "h1")
+        assert rtt_ms / 1e3 <= rtt <= rtt_ms / 1e3 + 0.05, f"{link}: measured rtt {rtt * 1e3:.3f} ms"
+        assert rtt_ms / 1e3 <= tcp_round_trip_s(lab, "h1", "h0") <= rtt_ms / 1e3 + 0.05
+    with lab_up(2, "1gbit") as lab:
+        assert lab.info["delay"] is None
+        assert tcp_round_trip_s(lab, "h0", "h1") < rtt_ms / 1e3
+
+
+@pytestmark_netns
+def test_rate_holds_behind_the_delay():
+    """A delayed link still carries its rate (the delay line queues a few round trips'
+    bytes, like netem's limit): 1 Gbit/s with a 1 ms rtt."""
+    with lab_up(2, "1gbit,rtt=1ms") as lab:
+        bps = measure_rate(lab, "h0", "h1", 64 << 20)
+        assert 0.5e9 <= bps <= 1.1e9, f"measured {bps / 1e9:.3f} Gbit/s"
+
+
+@pytestmark_netns
+def test_delay_line_names_a_missing_interface():
+    from pdkv._native import module
+
+    with lab_up(1) as lab:
+        def make():
+            return module().netlab.DelayLine(["nosuchlink"], 0.001, 1 << 20)
+
+        with pytest.raises(RuntimeError, match="no interface nosuchlink"):
+            lab.call_in("h0", make)
+        with pytest.raises(ValueError, match="one-way delay"):
+            lab.call_in("h0", lambda: module().netlab.DelayLine(["eth0"], -1.0, 1 << 20))
+        # the TAP made before the failure went with its descriptor
+        assert "d-nosuchlink" not in lab.run("h0", ["ip", "-o", "link"]).stdout
 
 
 # ---------------------------------------------------------------- pdkv across lab hosts
 @pytestmark_netns
-@pytest.mark.parametrize("op", ["write", "read"])
-def test_pdkv_transfer_across_lab_hosts_is_bit_exact(spawn_peer, op):
-    with lab_up(2, "1gbit") as lab:
+@pytest.mark.parametrize("op,link", [("write", "1gbit"), ("read", "1gbit"), ("write", "1gbit,rtt=1ms"),
+                                     ("read", "1gbit,rtt=1ms")])
+def test_pdkv_transfer_across_lab_hosts_is_bit_exact(spawn_peer, op, link):
+    with lab_up(2, link) as lab:
         spec = PoolSpec(layers=4, blocks=128, block_tokens=16, heads=4, head_dim=64, dtype="float16")
         target = spawn_peer("decode", spec, seed=2, listen=f"{lab.address('h1')}:0", prefix=lab.prefix("h1"),
                             transports=("tcp", "shm"))

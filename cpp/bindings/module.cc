@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "bench.h"
+#include "netlab_delay.h"
 #include "py_common.h"
 #include "py_async.h"
 #include "py_dlpack.h"
@@ -597,4 +598,6 @@ PYBIND11_MODULE(_pdkv, m) {
   // path quality as the transport (C++, no Python in the loop).
   py::module_ bench = m.def_submodule("bench", "ceilings for `pdkv bench transfer`");
   bench::bind(bench);
+  py::module_ lab = m.def_submodule("netlab", "the delay line of `pdkv netlab` (kernels without sch_netem)");
+  netlab::bind(lab);
 }

@@ -3,9 +3,10 @@
 A *lab* is a set of hosts ``h0 .. hN-1``, each a network namespace with one
 interface ``eth0`` (address ``10.211.0.<i+1>/24``), plugged into a switch: a bridge
 in a namespace of its own. Every host's access link is shaped in both directions
-with ``tc`` (an ``htb`` rate limit and, where the kernel has ``sch_netem``, a
-delay), so traffic between two hosts crosses exactly one rate limit per direction
-and sees the requested round-trip time. Nothing is added to the machine's own
+with ``tc`` (an ``htb`` rate limit) and delayed (by ``sch_netem`` where the kernel
+has it, else by a userspace delay line in the switch namespace: :mod:`pdkv.netlab_delay`),
+so traffic between two hosts crosses exactly one rate limit per direction and sees the
+requested round-trip time. Nothing is added to the machine's own
 network namespace: traffic never leaves namespaces the lab created.
 
 Hosts look like separate machines to pdkv, not only to the network: a command run
@@ -286,9 +287,10 @@ class Lab:
         Number of hosts, 1..200, named ``h0 .. h{hosts-1}``.
     link : str or Link
         Each access link's shape, ``"RATE[,rtt=DURATION]"`` (:func:`parse_link`).
-        ``rtt`` is the round trip between two hosts. Without sch_netem in the kernel
-        the delay cannot be emulated: the lab still comes up with the rate limit and
-        says so in :attr:`info` (``rtt_emulated: false``) and on stderr.
+        ``rtt`` is the round trip between two hosts: ``sch_netem`` delays each shaped
+        egress where the kernel has it; else a delay line (a process of this lab in its
+        switch namespace, forwarding frames in native threads) holds every frame for
+        rtt/4 on each host link, both ways. :attr:`info` says which (``delay``).
     name : str, optional
         Lab name (lowercase letters and digits); default: unique per process and call,
         so parallel tests never collide.
@@ -304,6 +306,7 @@ class Lab:
         self.name = _check_name(name) if name is not None else _unique_name()
         self.hosts = [f"h{i}" for i in range(hosts)]
         self.info: dict[str, Any] = {}
+        self._delay_line: subprocess.Popen | None = None  # rtt without sch_netem
 
     # -- names
     @property
@@ -399,12 +402,11 @@ class Lab:
         except BaseException:
             down(self.name)
             self.info = {}
+            self._reap_delay_line()
             raise
-        self._write_state(status="up", rtt_emulated=netem or not self.link.rtt_s)
+        delay = None if not self.link.rtt_s else "netem" if netem else "delay line"
+        self._write_state(status="up", rtt_emulated=True, delay=delay)
         _labs_of_this_process[self.name] = self
-        if self.link.rtt_s and not netem:
-            print(f"pdkv netlab: this kernel has no sch_netem: rtt={self.link.rtt_s * 1e3:g}ms is NOT emulated; "
-                  f"links are rate-limited only", file=sys.stderr)
         return self
 
     def _build(self) -> bool:
@@ -421,18 +423,53 @@ class Lab:
             ns = self.namespace(h)
             _sh("ip", "netns", "add", ns)
             _sh("ip", "-n", sw, "link", "add", h, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _sh("ip", "-n", sw, "link", "set", h, "master", "br0", "up")
             _sh("ip", "-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             if netem is None:
                 netem = bool(self.link.rtt_s) and _netem_available(ns, "eth0")
+            if netem or not self.link.rtt_s:
+                _sh("ip", "-n", sw, "link", "set", h, "master", "br0")
+            _sh("ip", "-n", sw, "link", "set", h, "up")  # with a delay line: out of the bridge
             _shape(ns, "eth0", self.link, netem)  # host -> switch
             _shape(sw, h, self.link, netem)  # switch -> host
             self._boot_id_path(h).write_text(f"{uuid.uuid4()}\n")
             self._shm_dir(h).mkdir(mode=0o1777, exist_ok=True)
             os.chmod(self._shm_dir(h), 0o1777)
+        if self.link.rtt_s and not netem:
+            self._start_delay_line()
         return bool(netem)
+
+    def _start_delay_line(self) -> None:
+        """Starts the lab's delay line in the switch namespace and plugs its TAP devices
+        into the bridge in place of the hosts' veth ends."""
+        sw = self.switch_namespace
+        # Room for a few round trips of the link's bytes in flight (netem's `limit`).
+        rate = self.link.rate_bps or 100 * 10**9
+        limit = int(min(256 << 20, max(8 << 20, 4 * rate / 8 * self.link.one_way_delay_s)))
+        p = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, "-m", "pdkv.netlab_delay",
+                              "--links", ",".join(self.hosts),
+                              "--one-way-delay-us", f"{self.link.one_way_delay_s * 1e6:.3f}",
+                              "--queue-limit-bytes", str(limit)],
+                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        assert p.stdout is not None
+        ready: list[str] = []
+        reader = threading.Thread(target=lambda: ready.append(p.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(30)
+        p.stdout.close()
+        line = ready[0] if ready else ""
+        try:
+            msg = json.loads(line) if line else {"error": "it did not start within 30 s" if p.poll() is None
+                                                 else f"it exited with status {p.poll()}"}
+        except json.JSONDecodeError:
+            msg = {"error": f"unexpected output {line!r}"}
+        self._delay_line = p
+        if "taps" not in msg:
+            p.kill()
+            raise NetlabError(f"the lab's delay line (rtt without sch_netem) failed: {msg.get('error')}")
+        for tap in msg["taps"]:
+            _sh("ip", "-n", sw, "link", "set", tap, "master", "br0", "up")
 
     def _write_state(self, **extra: Any) -> None:
         self.info = {"name": self.name, "link": str(self.link), "rate_bps": self.link.rate_bps,
@@ -456,6 +493,16 @@ class Lab:
             down(self.name)
             self.info = {}
             _labs_of_this_process.pop(self.name, None)
+        self._reap_delay_line()
+
+    def _reap_delay_line(self) -> None:
+        if self._delay_line is not None:
+            try:
+                self._delay_line.wait(5)  # down() ended it with the lab's other processes
+            except subprocess.TimeoutExpired:
+                self._delay_line.kill()
+                self._delay_line.wait()
+            self._delay_line = None
 
     def __enter__(self) -> "Lab":
         return self if self.info else self.up()

@@ -61,7 +61,7 @@ def transfer_behind_link(args: argparse.Namespace, argv: Sequence[str]) -> int:
         try:
             return _run_initiator(lab, args, argv, link_info={
                 "spec": str(link), "rate_bps": link.rate_bps, "rtt_s": link.rtt_s,
-                "rtt_emulated": lab.info["rtt_emulated"], "lab": lab.name,
+                "rtt_emulated": lab.info["rtt_emulated"], "delay": lab.info.get("delay"), "lab": lab.name,
                 "initiator": lab.address("h0"), "target": lab.address("h1")})
         finally:
             _stop(target)
@@ -102,7 +102,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def _run_initiator(lab: Lab, args: argparse.Namespace, argv: Sequence[str], link_info: dict[str, Any]) -> int:
     cmd = [sys.executable, "-m", "pdkv.bench.transfer", *_without_link(argv),
            "--target", f"{lab.address('h1')}:{TARGET_PORT}", "--host", lab.address("h0")]
-    rtt = f"rtt {link_info['rtt_s'] * 1e3:g} ms" + ("" if link_info["rtt_emulated"] else " NOT emulated (no sch_netem)")
+    rtt = f"rtt {link_info['rtt_s'] * 1e3:g} ms" + (f" ({link_info['delay']})" if link_info.get("delay") else "")
     print(f"link: {link_info['spec']} between lab hosts h0 {link_info['initiator']} (initiator) and h1 "
           f"{link_info['target']} (target); {rtt}", file=sys.stderr, flush=True)
     proc = lab.popen("h0", cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **LAB_ENV})

@@ -21,7 +21,7 @@ from . import netlab
 def _up(args: argparse.Namespace) -> int:
     lab = netlab.Lab(hosts=args.hosts, link=args.link, name=args.name).up().persist()
     print(f"lab {lab.name}: {len(lab.hosts)} hosts on a switch, each link {lab.link}"
-          f"{'' if lab.info['rtt_emulated'] else ' (rtt NOT emulated: no sch_netem in this kernel)'}")
+          f"{' (delay: ' + lab.info['delay'] + ')' if lab.info.get('delay') else ''}")
     for h in lab.hosts:
         print(f"  {h}  {lab.address(h):15s} netns {lab.namespace(h)}")
     if args.check:
@@ -58,7 +58,8 @@ def _status(args: argparse.Namespace) -> int:
     if not labs and not leftovers:
         print("no labs")
     for lab in labs:
-        rtt = "" if lab.get("rtt_emulated", True) else " (rtt not emulated)"
+        rtt = f" (delay: {lab['delay']})" if lab.get("delay") else "" if lab.get("rtt_emulated", True) \
+            else " (rtt not emulated)"
         missing = [h for h, v in lab["hosts"].items() if v["namespace"] not in live]
         print(f"lab {lab['name']} ({lab.get('status')}), link {lab['link']}{rtt}, created by pid {lab['pid']}"
               f"{', MISSING hosts ' + ' '.join(missing) if missing else ''}")

@@ -37,4 +37,4 @@ def client_runner(lab: Lab) -> Callable[[Any], Any]:
 
 def describe(lab: Lab) -> dict[str, Any]:
     return {"spec": str(lab.link), "rate_bps": lab.link.rate_bps, "rtt_s": lab.link.rtt_s,
-            "rtt_emulated": lab.info["rtt_emulated"], "hosts": len(lab.hosts), "proxy_host": "h0"}
+            "rtt_emulated": lab.info["rtt_emulated"], "delay": lab.info.get("delay"), "hosts": len(lab.hosts), "proxy_host": "h0"}

@@ -183,7 +183,7 @@ def run(preset: str, prompt_len: int, transport: str, trials: int, block_tokens:
         raise pdkv.InvalidArgument(f"--link runs over tcp between two lab hosts; --transport {transport} cannot")
     with netlab.Lab(hosts=2, link=link) as lab:
         report = lab.call_in("h0", _run, preset, prompt_len, transport, trials, block_tokens, lab)
-        report["link"] = {"spec": link, "rtt_emulated": lab.info.get("rtt_emulated")}
+        report["link"] = {"spec": link, "rtt_emulated": lab.info.get("rtt_emulated"), "delay": lab.info.get("delay")}
         return report
 
 
