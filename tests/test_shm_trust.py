@@ -226,12 +226,25 @@ def test_restarted_peer_is_stale_at_wait():
             legit_write(a, b2, 6)
 
 
+def _socket_inodes() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out.add(link)
+    return out
+
+
 @pytest.mark.parametrize("frozen_for", [1.5, None])
 def test_region_confirmation_waits_for_the_transfers_deadline(spawn_peer, frozen_for):
     """The first write naming a region asks the target to confirm it. A target that is
     alive but slow (frozen 1.5 s here; a loaded host in CI) answers within the transfer's
     deadline and the write lands, even past the connect timeout (0.5 s); one frozen past
-    the deadline fails that transfer with TransferTimeout at its deadline."""
+    the deadline fails that transfer with TransferTimeout at its deadline, and its late
+    answer does not cost the connection."""
     import threading
 
     spec = PoolSpec(layers=2, blocks=8, block_tokens=4, heads=2, head_dim=16, dtype="float16")
@@ -262,6 +275,13 @@ def test_region_confirmation_waits_for_the_transfers_deadline(spawn_peer, frozen
                 resumed.join()
             else:
                 peer.resume()
+        if not resumed:
+            # The peer answers the timed-out request late: dropped, the connection stays
+            # (no new socket: the next write does not dial again).
+            sockets = _socket_inodes()
+            time.sleep(0.5)
+            assert a.write(name, "kv", [7], "kv", [7]).wait(10)
+            assert _socket_inodes() <= sockets
         assert a.write(name, "kv", [5], "kv", [6]).wait(10)
         assert peer.call(cmd="digest", blocks=[6])["digest"] == local.digest([5])
         if resumed:

@@ -71,6 +71,9 @@ Result<std::shared_ptr<RemoteRegion>> attach(const std::shared_ptr<ShmConn>& c, 
 
 }  // namespace
 
+// Region requests given up on (answers still owed) that one connection remembers.
+constexpr size_t kMaxAbandonedRegionReqs = 64;
+
 std::string deregistered(const std::string& peer, uint64_t id) {
   return "peer '" + peer + "' deregistered region " + std::to_string(id) + "; fetch its metadata again";
 }
@@ -112,10 +115,14 @@ Result<std::shared_ptr<RemoteRegion>> confirm_region(const std::shared_ptr<ShmCo
       return s->dead_reason;
     }
     if (!sent.ok()) return sent;
-    if (!got)
+    if (!got) {
+      // Its answer may still come. Past a bound, a late answer is not expected any more
+      // and closes the connection as an unasked one.
+      if (s->abandoned_reqs.size() < kMaxAbandonedRegionReqs) s->abandoned_reqs.push_back(id);
       return TimeoutError("peer '" + peer.md.name + "' did not confirm region " + std::to_string(id) + " within " +
                           std::to_string(std::chrono::duration<double>(Clock::now() - asked_at).count()) +
                           " s (the transfer's deadline, or the connect timeout for a transfer without one)");
+    }
   }
   if (!ans.st.ok()) return ans.st.with_context("region " + std::to_string(id) + " of peer '" + peer.md.name + "'");
   PDKV_ASSIGN_OR_RETURN(auto r, attach(c, peer, *d, std::move(ans)));

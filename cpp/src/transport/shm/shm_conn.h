@@ -103,6 +103,10 @@ struct ShmShared {
   // Outbound (we are the initiator).
   uint64_t pending_req = 0;                  // region asked about, 0: none
   std::map<uint64_t, RegionAnswer> answers;  // at most one: pending_req's
+  // Region requests whose asker stopped waiting (its transfer's deadline passed), in
+  // the order sent: the target answers in order, so their late answers come first and
+  // are dropped instead of being taken for the current request's.
+  std::deque<uint64_t> abandoned_reqs;
   std::map<uint64_t, PendingNotify> notifies;
   std::unordered_map<uint64_t, std::shared_ptr<RemoteRegion>> regions;  // by region id
   std::set<uint64_t> revoked_ids;  // confirmed (or being confirmed) here, then revoked

@@ -265,6 +265,11 @@ void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlH
       }
       {
         auto s = c->lock();
+        if (!s->abandoned_reqs.empty() && s->abandoned_reqs.front() == h.id) {
+          s->abandoned_reqs.pop_front();  // the late answer of a request whose transfer timed out
+          if (a.fd >= 0) ::close(a.fd);
+          return;
+        }
         if (s->pending_req == h.id && !s->answers.count(h.id)) {
           s->answers.emplace(h.id, std::move(a));
           s.notify_all();
