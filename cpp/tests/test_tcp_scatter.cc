@@ -1,14 +1,19 @@
-// The tcp scatter/gather helper (transport/tcp/scatter.h): every piece size (the
-// fixed-size loops and the generic copy), chunks that end inside a piece, mixed runs.
+// The tcp scatter/gather helper (transport/tcp/scatter.h) and the strided piece copy
+// (util/piece_copy.h): pieces under and over one 64-byte streaming block, 16-byte
+// tails, unaligned destinations (the memcpy fallback), chunks that end inside a
+// piece, mixed runs; nothing outside the pieces is written.
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <numeric>
 #include <random>
 #include <vector>
 
 #include "transport/tcp/out_msg.h"
 #include "transport/tcp/scatter.h"
+#include "util/piece_copy.h"
 
 namespace pdkv::tcp {
 namespace {
@@ -114,6 +119,32 @@ TEST(TcpScatter, GatherIsTheInverse) {
     }
     EXPECT_EQ(got, want);
     EXPECT_EQ(gather_from_iov(p.iov.data(), p.iov.size(), cur, buf.data(), cap), 0u);  // at the end: nothing
+  }
+}
+
+TEST(TcpScatter, UnalignedDestinationsFallBackToMemcpy) {
+  // Pieces of 600 bytes at a 1000-byte stride from 8 bytes into the pool: no
+  // destination is 16-byte aligned.
+  Pieces p(std::vector<size_t>(50, 600), 1000);
+  for (iovec& v : p.iov) v.iov_base = static_cast<char*>(v.iov_base) + 8;
+  const auto src = random_bytes(p.bytes, 4);
+  scatter_in_chunks(p, src, 1500);
+}
+
+TEST(PieceCopy, StridedCopyEveryShape) {
+  for (size_t len : {13, 64, 80, 512, 600, 2000, 8192}) {
+    for (size_t misalign : {0, 8}) {
+      SCOPED_TRACE(std::to_string(len) + " +" + std::to_string(misalign));
+      const uint64_t count = 37, dstride = len * 2 + 48, sstride = len + 16;
+      std::vector<char> src = random_bytes(count * sstride, static_cast<uint32_t>(len));
+      std::vector<char> dst(count * dstride + 64, '\x5a');
+      char* d = dst.data() + 32 + misalign;
+      util::copy_strided(d, dstride, src.data(), sstride, len, count);
+      std::vector<char> want(dst.size(), '\x5a');
+      for (uint64_t i = 0; i < count; ++i)
+        std::memcpy(want.data() + 32 + misalign + i * dstride, src.data() + i * sstride, len);
+      EXPECT_EQ(dst, want);
+    }
   }
 }
 
