@@ -2,8 +2,9 @@
 half): tcp lands strided pieces under 4 KiB in a per-connection buffer and scatters
 them with streaming stores (transport/tcp/scatter.h, util/piece_copy.h), larger ones
 are received straight into place; shm copies a strided run's pieces with the same
-streaming stores. These tests take both sides of the threshold, pieces whose
-destinations are not 16-byte aligned (the memcpy fallback), push and pull, tcp and
+streaming stores, and tcp's staged plans fill and empty their staging buffer so.
+These tests take both sides of the threshold, pieces whose destinations are not
+16-byte aligned (the memcpy fallback), push and pull with either side cut, tcp and
 shm, and peers that die while a landed strided payload is in flight."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from test_hostile_tcp import REGION, raw_header, target  # noqa: F401 (fixture)
 
 LAYERS, BLOCKS = 2, 24
 
-CASES = {  # name: (head_dim, dtype, heads per side (local, remote), heads moved, remote head offset)
+CASES = {  # name: (head_dim, dtype, heads (narrow side, wide side), heads moved, head offset on the wide side)
     # 512-byte pieces at a 1 KiB stride: the llama-3-70b-tp8 tp4:tp2 shape, landed
     "512B-landed": (128, "bfloat16", (2, 4), 2, 2),
     # 2000-byte pieces: landed, a tail of 16-byte streaming stores
