@@ -75,7 +75,8 @@ def test_small_and_large_strided_pieces_are_bit_exact(case, transport, op, cut, 
     lho, rho = (off, 0) if local_wide else (0, off)
     with pdkv.Agent("a", secret="s", transports=[transport]) as a, \
             pdkv.Agent("b", secret="s", transports=[transport]) as b:
-        lspec, rspec = PoolSpec(LAYERS, BLOCKS, 16, lh, d, dtype, "nhd"), PoolSpec(LAYERS, BLOCKS, 16, rh, d, dtype, "nhd")
+        lspec = PoolSpec(LAYERS, BLOCKS, 16, lh, d, dtype, "nhd")
+        rspec = PoolSpec(LAYERS, BLOCKS, 16, rh, d, dtype, "nhd")
         local, remote = (Pool(lspec), Pool(rspec, 11)) if pull else (Pool(lspec, 11), Pool(rspec))
         local.register(a)
         remote.register(b)
@@ -178,13 +179,14 @@ def test_a_raw_initiator_dying_mid_landed_strided_payload(target):  # noqa: F811
     payload = bytes(np.random.default_rng(8).integers(0, 256, count * 512, dtype=np.uint8))
     desc = SEXT.pack(rid, 0, 512, count, 1024)
     s = target["connect"]()
-    s.sendall(raw_header(T_WRITE, count=1, payload=len(payload), flags=F_STRIDED) + desc + payload[:len(payload) // 2 + 99])
+    head = raw_header(T_WRITE, count=1, payload=len(payload), flags=F_STRIDED) + desc
+    s.sendall(head + payload[:len(payload) // 2 + 99])
     s.close()
     assert target["serves"]()
     mem = target["mem"][:REGION].reshape(-1, 2, 512)
     assert not mem[:, 1].any()
     s = target["connect"]()
-    s.sendall(raw_header(T_WRITE, count=1, payload=len(payload), flags=F_STRIDED) + desc + payload)
+    s.sendall(head + payload)
     h, _ = recv_frame(s)
     assert h[1] == T_ACK and h[8] == 0
     assert np.array_equal(mem[:, 0].reshape(-1), np.frombuffer(payload, np.uint8))
