@@ -1,8 +1,8 @@
 """Many small extents over tcp: gathered by the sender, landed by the receiver.
 
 Below an average of 8 KiB per extent the sender copies a frame's extents into a
-staging chunk and sends that (out_msg.h); below 512 bytes the receiver receives into
-a landing chunk and copies out (receiver.h). The frame on the wire is the usual Write
+staging chunk and sends that (out_msg.h); below 4 KiB the receiver receives into
+a landing chunk and scatters it (receiver.h, scatter.h). The frame on the wire is the usual Write
 or ReadResp (docs/wire.md), so these tests check what can go wrong locally: every
 byte where it belongs for sizes on both sides of both thresholds and batches that mix
 them, a peer dying in the middle of a gathered frame, and hostile frames of many
@@ -55,8 +55,10 @@ def pair():
 
 SIZES = {
     "256B": [256] * 20000,  # gathered and landed; more than one frame of kMaxGatherExtents
-    "1KiB": [1024] * 3000,  # gathered, not landed
-    "straddle-gathered": [1, 255, 256, 257, 511, 512, 513, 2048, 4095, 4096, 4097] * 300,  # average ~1.5 KiB
+    "1KiB": [1024] * 3000,  # gathered and landed
+    "5KiB": [5120] * 1000,  # gathered, not landed
+    "straddle-gathered": [1, 255, 256, 257, 511, 512, 513, 2048, 4095, 4096, 4097] * 300,  # average ~1.5 KiB: landed
+    "straddle-direct": [4095, 4096, 4097, 8191, 8192] * 300,  # average ~5.7 KiB: gathered, not landed
     "straddle-landed": [1, 100, 255, 256, 257, 511, 512, 513, 1000] * 1000,  # average ~380 B
     "small-then-large": [300] * 1100 + [20000] * 900,  # a gathered batch whose average then crosses 8 KiB
     "large-then-small": [64 << 10] * 40 + [300] * 1500,

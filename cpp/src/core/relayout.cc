@@ -3,8 +3,11 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+
+#include "util/piece_copy.h"
 
 namespace pdkv {
 namespace {
@@ -16,6 +19,16 @@ using planner::walk_segment_runs;
 // would hand the transport many more, smaller extents.
 constexpr uint64_t kMinGain = 4;           // direct extents per staged extent
 constexpr uint64_t kMinDirectExtents = 4096;  // below this the direct plan is cheap anyway
+
+// False under the benchmark switch PDKV_BENCH_NO_STAGING=1 (read once per process;
+// docs/benchmarks.md): every plan direct, to compare the two in one build.
+bool staging_allowed() {
+  static const bool on = [] {
+    const char* v = std::getenv("PDKV_BENCH_NO_STAGING");
+    return v == nullptr || std::strcmp(v, "1") != 0;
+  }();
+  return on;
+}
 
 // Rows of a push as the staging side sees them: local -> staging, staging -> remote.
 RowRange to_staging(const RowRange& r) { return RowRange{r.num_tokens, r.num_heads, r.local_head_offset, 0}; }
@@ -50,7 +63,7 @@ Result<std::optional<StagedPlan>> plan_staged(const KVLayout& local, const std::
   const uint64_t row = lg.row_bytes();
   const uint64_t nseg = scope.seg_end - scope.seg_begin;
   const uint64_t direct = count(lg.block_tokens, L, lids, rg.block_tokens, R, rids, row, scope.rows);
-  if (direct * nseg < kMinDirectExtents) return std::optional<StagedPlan>();
+  if (direct * nseg < kMinDirectExtents || !staging_allowed()) return std::optional<StagedPlan>();
 
   // One dense block per remote block, in the remote's row order, holding the moved heads.
   KVGeometry sg = rg;
@@ -140,10 +153,15 @@ void for_each_staged_run(const StagedPlan& plan, const KVLayout& local, const st
 
 }  // namespace
 
+// Both copies write with streaming stores (util/piece_copy.h): the runs are a few
+// hundred bytes at a stride on the local side, and the staging buffer is as large
+// as the transfer; neither is read again before the transfer completes (measured
+// for the tcp landing scatter: 2-3x the memcpy per piece).
 void StagedTransfer::scatter() const {
   for_each_staged_run(plan_, local_, lids_, buf_->data(), [](uint64_t local, uint64_t staged, uint64_t len) {
-    std::memcpy(reinterpret_cast<void*>(local), reinterpret_cast<const void*>(staged), len);
+    util::stream_piece(reinterpret_cast<char*>(local), reinterpret_cast<const char*>(staged), len);
   });
+  util::stream_fence();
 }
 
 bool StagedTransfer::begin_post(std::chrono::steady_clock::time_point deadline) {
@@ -159,8 +177,9 @@ bool StagedTransfer::begin_post(std::chrono::steady_clock::time_point deadline) 
   }
   if (op_ == OpKind::kWrite)
     for_each_staged_run(plan_, local_, lids_, buf_->data(), [](uint64_t local, uint64_t staged, uint64_t len) {
-      std::memcpy(reinterpret_cast<void*>(staged), reinterpret_cast<const void*>(local), len);
+      util::stream_piece(reinterpret_cast<char*>(staged), reinterpret_cast<const char*>(local), len);
     });
+  util::stream_fence();
   return true;
 }
 

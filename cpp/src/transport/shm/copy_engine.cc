@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "pdkv/spi/transfer_control.h"
+#include "util/piece_copy.h"
 #include "util/socket.h"
 #include "util/thread_name.h"
 
@@ -62,19 +63,23 @@ Status copy_span(char* local, char* remote, uint64_t len, OpKind op, CopyClock& 
   return Status::Ok();
 }
 
-// Every piece of a mapped op; a strided run's small pieces in a tight loop (the
-// clock still sees every byte).
+// Every piece of a mapped op. A strided run's pieces are written with streaming
+// stores (util/piece_copy.h: scattered small pieces copy 2-3x faster so), in groups
+// of about kCheckBytes, so the clock is read as often as for a plain copy.
 Status copy_mapped(const CopyOp& o, OpKind op, CopyClock& clk) {
   char* remote = reinterpret_cast<char*>(o.remote);
   if (o.count == 1) return copy_span(o.local, remote, o.len, op, clk);
-  for (uint64_t i = 0; i < o.count; ++i) {
+  const uint64_t group = std::max<uint64_t>(1, kCheckBytes / o.len);
+  for (uint64_t i = 0; i < o.count;) {
+    const uint64_t k = std::min(group, o.count - i);
     char* l = o.local + i * o.local_stride;
     char* r = remote + i * o.remote_stride;
     if (op == OpKind::kWrite)
-      std::memcpy(r, l, o.len);
+      util::copy_strided(r, o.remote_stride, l, o.local_stride, o.len, k);
     else
-      std::memcpy(l, r, o.len);
-    PDKV_RETURN_IF_ERROR(clk.advance(o.len));
+      util::copy_strided(l, o.local_stride, r, o.remote_stride, o.len, k);
+    i += k;
+    PDKV_RETURN_IF_ERROR(clk.advance(k * o.len));
   }
   return Status::Ok();
 }

@@ -4,9 +4,41 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
+#include "transport/tcp/scatter.h"
+#include "util/log.h"
+
 namespace pdkv::tcp {
+
+namespace {
+
+// A benchmark switch's value: the bytes in `name`, or `dflt` when unset or not a
+// plain number (a typo must not change a measured path silently: it is logged).
+uint64_t bench_threshold(const char* name, uint64_t dflt) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return dflt;
+  char* end = nullptr;
+  const unsigned long long n = std::strtoull(v, &end, 10);
+  if (*end != '\0') {
+    PDKV_LOG_WARN("ignoring %s=%s (not a byte count)", name, v);
+    return dflt;
+  }
+  return n;
+}
+
+}  // namespace
+
+uint64_t gather_below_bytes() {
+  static const uint64_t v = bench_threshold("PDKV_BENCH_TCP_GATHER_BELOW", kGatherBelowBytes);
+  return v;
+}
+
+uint64_t land_below_bytes() {
+  static const uint64_t v = bench_threshold("PDKV_BENCH_TCP_LAND_BELOW", kLandBelowBytes);
+  return v;
+}
 
 FrameHeader make_hdr(FrameType t, uint64_t xfer, uint32_t batch) {
   FrameHeader h{};
@@ -69,28 +101,12 @@ void OutMsg::advance_gathered(size_t w) {
   stage_off += w;
 }
 
-namespace {
-// How many extents ahead the gather and scatter loops prefetch.
-constexpr size_t kPrefetchAhead = 8;
-}  // namespace
-
 void OutMsg::refill_stage() {
   if (!stage) stage.reset(new char[kStageBytes]);  // uninitialized: every byte sent is copied in first
-  size_t len = 0;
-  while (len < kStageBytes && gather_idx < ndata) {
-    if (gather_off == 0 && gather_idx + kPrefetchAhead < ndata)
-      __builtin_prefetch(data[gather_idx + kPrefetchAhead].iov_base);  // scattered: the hardware cannot guess it
-    const iovec& v = data[gather_idx];
-    const size_t take = std::min(v.iov_len - gather_off, kStageBytes - len);
-    std::memcpy(stage.get() + len, static_cast<const char*>(v.iov_base) + gather_off, take);
-    len += take;
-    gather_off += take;
-    if (gather_off == v.iov_len) {
-      ++gather_idx;
-      gather_off = 0;
-    }
-  }
-  stage_len = len;
+  IovCursor cur{gather_idx, gather_off};
+  stage_len = gather_from_iov(data, ndata, cur, stage.get(), kStageBytes);  // scatter.h
+  gather_idx = cur.idx;
+  gather_off = cur.off;
   stage_off = 0;
 }
 

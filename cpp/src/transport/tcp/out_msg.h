@@ -13,7 +13,7 @@
 // payload whose extents average under kGatherBelowBytes is gathered, kStageBytes at
 // a time, into a staging chunk that stays in cache, and sent from there as one
 // segment. The frame on the wire is the same (docs/wire.md); the receiver decides
-// on its own whether to land it in a buffer (receiver.h, kLandBelowBytes).
+// on its own whether to land it in a buffer (kLandBelowBytes, scatter.h).
 //
 // Thread safety: an OutMsg is owned by one send queue (TcpConn::sq_, under smu_).
 #pragma once
@@ -44,9 +44,12 @@ inline constexpr size_t kHdr = sizeof(FrameHeader);
 // 1.1-1.3x the plain socket pair instead of 0.9-1.2x, in the same runs); at 8 KiB
 // and 32 KiB it makes no difference, so they keep their iovecs ...
 inline constexpr uint64_t kGatherBelowBytes = 8192;
-// ... and below this landed in a buffer, then scattered, by the receiver (the
-// kernel's per-segment cost is lower on receive: landing pays at 256 B, not at 1 KiB).
-inline constexpr uint64_t kLandBelowBytes = 512;
+// ... and below this landed in a buffer, then scattered with streaming stores, by
+// the receiver (scatter.h). Measured (pdkv bench transfer --hetero tp4:tp2, 512-byte
+// pieces at a 1 KiB stride, llama-3-70b-tp8): landing with streaming stores 0.68-0.70x
+// the homogeneous transfer against 0.51x straight into 512-byte iovecs; 1 KiB and
+// 4 KiB thresholds measured alike. 4 KiB extents (block-halves) stay direct.
+inline constexpr uint64_t kLandBelowBytes = 4096;
 // The chunk gathered (sent) or landed (received) at a time: small enough to stay
 // in the core's cache between the memcpy and the socket copy.
 inline constexpr size_t kStageBytes = 256u << 10;
@@ -54,10 +57,16 @@ inline constexpr size_t kStageBytes = 256u << 10;
 // the wire; this keeps one frame's descriptors at 384 KiB).
 inline constexpr uint32_t kMaxGatherExtents = 16384;
 
+// The two thresholds in force: the constants above, unless the benchmark switches
+// PDKV_BENCH_TCP_GATHER_BELOW / PDKV_BENCH_TCP_LAND_BELOW (bytes, read once per
+// process; docs/benchmarks.md) replace them to compare paths in one build.
+uint64_t gather_below_bytes();
+uint64_t land_below_bytes();
+
 // True when the sender gathers a payload of `bytes` over `extents` extents.
-inline bool gathers(uint64_t bytes, uint64_t extents) { return extents > 1 && bytes < extents * kGatherBelowBytes; }
+inline bool gathers(uint64_t bytes, uint64_t extents) { return extents > 1 && bytes < extents * gather_below_bytes(); }
 // True when the receiver lands a payload of `bytes` over `extents` extents.
-inline bool lands(uint64_t bytes, uint64_t extents) { return extents > 1 && bytes < extents * kLandBelowBytes; }
+inline bool lands(uint64_t bytes, uint64_t extents) { return extents > 1 && bytes < extents * land_below_bytes(); }
 
 FrameHeader make_hdr(FrameType t, uint64_t xfer, uint32_t batch);
 

@@ -10,6 +10,7 @@
 #include "transport/tcp/compress.h"
 #include "transport/tcp/frame.h"
 #include "transport/tcp/progress.h"
+#include "transport/tcp/scatter.h"
 #include "transport/tcp/tcp_transport_impl.h"
 #include "util/socket.h"
 
@@ -152,22 +153,22 @@ ssize_t FrameReceiver::read_landed_payload(const std::shared_ptr<TcpConn>& c, ui
 }
 
 void FrameReceiver::advance_dst(RxState& st, uint64_t n, const char* from) {
-  while (n > 0) {
-    if (from && st.dst_off == 0 && st.dst_idx + 8 < st.ndst)
-      __builtin_prefetch(st.dst[st.dst_idx + 8].iov_base, 1);  // scattered: the hardware cannot guess it
-    const iovec& d = st.dst[st.dst_idx];
-    const size_t step = static_cast<size_t>(std::min<uint64_t>(n, d.iov_len - st.dst_off));
-    if (from) {
-      std::memcpy(static_cast<char*>(d.iov_base) + st.dst_off, from, step);
-      from += step;
-    }
-    n -= step;
-    st.dst_off += step;
-    if (st.dst_off == d.iov_len) {
-      ++st.dst_idx;
-      st.dst_off = 0;
+  IovCursor cur{st.dst_idx, st.dst_off};
+  if (from) {
+    scatter_to_iov(st.dst, st.ndst, cur, from, n);  // landed: copy on the way (scatter.h)
+  } else {
+    while (n > 0) {
+      const size_t step = static_cast<size_t>(std::min<uint64_t>(n, st.dst[cur.idx].iov_len - cur.off));
+      n -= step;
+      cur.off += step;
+      if (cur.off == st.dst[cur.idx].iov_len) {
+        ++cur.idx;
+        cur.off = 0;
+      }
     }
   }
+  st.dst_idx = cur.idx;
+  st.dst_off = cur.off;
 }
 
 void FrameReceiver::payload_received(const std::shared_ptr<TcpConn>& c, uint64_t took, uint64_t extra, bool* stop) {
