@@ -276,7 +276,8 @@ def test_a_peer_that_does_not_answer_compressed_reads_is_read_plain(mode):
     with reader, target:
         rd, rs = reader.register(dst), target.register(src)
         peer = reader.add_peer(without_compressed_reads(target.metadata()))
-        assert "TCPX" not in str(reader.peer_info(peer))  # (sanity: the blob still parses)
+        extra = reader.peer_info(peer)["extras"]["tcp"]  # (the blob still parses, the bit is gone)
+        assert not struct.unpack_from("<I", extra, 4)[0] & FEATURE_COMPRESSED_READ
         for _ in range(3):
             x = reader.prepare_extents("read", peer, [(rd.id, 0, rs.id, 0, src.nbytes)]).post()
             assert x.wait(30), x.error
@@ -386,8 +387,7 @@ def test_corrupt_compressed_response_fails_only_that_read():
             rd = reader.register(dst)
             x = reader.prepare_extents("read", peer, [(rd.id, 0, remote, 0, total)]).post(timeout=10)
             with pytest.raises(pdkv.DataCorrupted, match="checksum"):
-                x.wait(10)
-            assert not dst.any()
+                x.wait(10)  # (what the failed read left in dst is undefined, as for any failed read)
             # The connection stays: the next read on it lands.
             y = reader.prepare_extents("read", peer, [(rd.id, 0, remote, 0, total)]).post(timeout=10)
             assert y.wait(10), y.error
@@ -465,8 +465,14 @@ def test_frozen_then_killed_peer_fails_only_that_read():
             with pytest.raises(pdkv.TransferTimeout):
                 x.wait(30)
             assert time.monotonic() - t0 < 15
-            # Again, now killed while it is frozen mid-read.
-            y = reader.prepare_extents("read", peer, [(rd.id, 0, remote, 0, total)]).post(timeout=60)
+            # Thawed, it serves again (a fresh connection: the timeout closed the old one).
+            os.kill(proc.pid, signal.SIGCONT)
+            w = reader.prepare_extents("read", peer, [(rd.id, 0, remote, 0, 1 << 20)]).post(timeout=30)
+            assert w.wait(30), w.error
+            assert w.compression == LOSSLESS[0]
+            # Frozen again, then killed mid-read.
+            os.kill(proc.pid, signal.SIGSTOP)
+            y = prep.post(timeout=60)
             time.sleep(0.5)
             assert not y.done
             os.kill(proc.pid, signal.SIGKILL)
