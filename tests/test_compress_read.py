@@ -534,3 +534,20 @@ def test_auto_reads_turn_compression_on_behind_a_slow_link():
     assert all(got["exact"]), got
     assert got["chosen"][0] == "" and got["chosen"][-1] == LOSSLESS[0], got
     assert got["chosen"].count(LOSSLESS[0]) >= 5, got
+
+
+@pytest.mark.skipif(not codec.available("zstd"), reason="the bench's default codec is zstd")
+def test_bench_transfer_compressed_reads_verified(tmp_path):
+    # `pdkv bench transfer --compress lossless --compress-op read`: plain and compressed
+    # reads of the same blocks in one run, the compressed ones compared with the plain.
+    import json
+
+    env = dict(os.environ, PDKV_LOG="error", UCX_NET_DEVICES="lo")
+    res = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--compress", "lossless",
+                          "--compress-op", "read", "--payload", "1M", "--iters", "2", "--json"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    [row] = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    assert (row["op"], row["verified"], row["codec_chosen"]) == ("read", True, "zstd")
+    assert row["wire_ratio"] > 1.0
+    assert row["ratios"]["uncompressed"] == pytest.approx(row["gbps_effective"] / row["gbps_uncompressed"])
