@@ -402,7 +402,7 @@ def test_corrupt_compressed_response_fails_only_that_read():
             fake.close()
 
 
-@pytest.mark.parametrize("lie", ["decodes_short", "not_a_frame", "unasked"])
+@pytest.mark.parametrize("lie", ["decodes_short", "not_a_frame", "unasked", "lossy_unasked"])
 def test_malformed_compressed_response_fails_the_read_with_protocol_error(lie):
     total = 4096
     data = bytes(range(256)) * (total // 256)
@@ -410,7 +410,10 @@ def test_malformed_compressed_response_fails_the_read_with_protocol_error(lie):
     def respond(h, ctrl):
         payload = {"decodes_short": Codec("raw").encode(np.frombuffer(data[:1000], np.uint8)),
                    "not_a_frame": b"X" * 300,
-                   "unasked": Codec("raw").encode(np.frombuffer(data, np.uint8))}[lie]
+                   "unasked": Codec("raw").encode(np.frombuffer(data, np.uint8)),
+                   # fp8 to a lossless read: well-formed, but lossy bytes it did not accept
+                   "lossy_unasked": Codec("fp8", heads=1, head_dim=64, rows_per_group=16).encode(
+                       np.frombuffer(data, np.uint16), "bfloat16")}[lie]
         return HDR.pack(MAGIC, T_READ_RESP_Z, 0, h[3], h[4], 0, len(payload), 0, 0) + payload
 
     mode = "off" if lie == "unasked" else "lossless"
@@ -427,7 +430,8 @@ def test_malformed_compressed_response_fails_the_read_with_protocol_error(lie):
             remote = reader.peer_info(peer)["regions"][0]["id"]
             rd = reader.register(np.zeros(total, np.uint8))
             x = reader.prepare_extents("read", peer, [(rd.id, 0, remote, 0, total)]).post(timeout=10)
-            with pytest.raises(pdkv.ProtocolError):
+            with pytest.raises(pdkv.ProtocolError, match={"decodes_short": "decode to", "not_a_frame": "magic", "unasked": "did not ask",
+                                                   "lossy_unasked": "fp8 was not asked for"}[lie]):
                 x.wait(10)
         finally:
             fake.close()

@@ -288,19 +288,20 @@ void Decoder::give_back(std::vector<uint8_t> buf) {
   if (free_.size() < 2 * kDecodeAhead) free_.push_back(std::move(buf));
 }
 
-Status Decoder::decode(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n, const char* what) {
+Status Decoder::decode(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n, const char* what,
+                       uint32_t allowed) {
   // A Codec is single-threaded: one set per thread (decode threads, or a caller
   // decoding inline at shutdown), created on first use.
   thread_local std::array<std::unique_ptr<Codec>, 4> codecs;
   thread_local std::vector<uint8_t> scratch;
-  Status st = decode_payload(payload, len, dst, n, codecs, scratch, what);
+  Status st = decode_payload(payload, len, dst, n, codecs, scratch, what, allowed);
   if (scratch.capacity() > (8u << 20)) std::vector<uint8_t>().swap(scratch);
   return st;
 }
 
 Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
                       std::array<std::unique_ptr<Codec>, 4>& codecs, std::vector<uint8_t>& scratch,
-                      const char* what) {
+                      const char* what, uint32_t allowed) {
   uint64_t capacity = 0;
   for (size_t i = 0; i < n; ++i) capacity += dst[i].iov_len;
   size_t idx = 0;      // current destination extent
@@ -316,6 +317,8 @@ Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, si
       return ProtocolError(where + "frame_len " + std::to_string(info->frame_len) + " runs past the payload (" +
                            std::to_string(len - at) + " bytes left)");
     if (info->raw_len == 0) return ProtocolError(where + "raw_len is 0");
+    if (!((allowed >> static_cast<unsigned>(info->kind)) & 1u))
+      return ProtocolError(where + "codec " + std::string(codec_kind_name(info->kind)) + " was not asked for");
     auto out_len = decoded_size(*info, info->dtype);
     if (!out_len.ok()) return ProtocolError(where + out_len.status().message());
     if (*out_len > capacity - done)

@@ -161,9 +161,9 @@ class Decoder {
   // Gives a payload buffer back (kept when it is not huge and few are kept).
   void give_back(std::vector<uint8_t> buf);
   // Decodes a kWriteZ or kReadRespZ payload with this thread's codecs (decode_payload
-  // below; `what` names it in errors).
+  // below; `what` names it in errors, `allowed` the codecs it may use).
   static Status decode(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
-                       const char* what = "compressed write");
+                       const char* what = "compressed write", uint32_t allowed = ~0u);
 
  private:
   TaskPool pool_;
@@ -236,11 +236,13 @@ inline constexpr uint64_t kMinMeasuredBytes = 512u << 10;
 // `dst[0, n)` (already checked against the target's regions, or a read's own
 // destination), using the codecs in `codecs` (created on first use). ProtocolError
 // names `what`, the frame and the field when the payload is malformed or does not
-// decode to exactly the extents' bytes; DataCorrupted on a checksum mismatch;
-// NotSupported for a codec this build lacks.
+// decode to exactly the extents' bytes, or uses a codec outside `allowed` (bit
+// 1 << CodecKind: a read's initiator allows raw and the codec it asked for, so a
+// target cannot hand it lossy bytes it did not accept); DataCorrupted on a checksum
+// mismatch; NotSupported for a codec this build lacks.
 Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
                       std::array<std::unique_ptr<Codec>, 4>& codecs, std::vector<uint8_t>& scratch,
-                      const char* what = "compressed write");
+                      const char* what = "compressed write", uint32_t allowed = ~0u);
 
 // The codec a transfer with `o` (mode not kOff) uses when it compresses, given the
 // codecs the peer handles: fp8 for mode kFp8, or kAuto with policy lossy-allowed

@@ -872,7 +872,12 @@ void FrameReceiver::finish_read_decode(TcpTransport& t, const std::shared_ptr<Tc
   const FrameHeader& h = job.hdr;
   const PendingPart& part = job.part;
   spi::TransferControl(part.post->xfer).add_wire_bytes(job.payload.size());
-  Status d = Decoder::decode(job.payload.data(), job.payload.size(), part.dst, part.ndst, "compressed read response");
+  // Raw frames (a chunk that did not shrink) or the codec this read asked for: never
+  // lossy bytes a lossless read did not accept.
+  const uint32_t allowed = (1u << static_cast<unsigned>(CodecKind::kRaw)) |
+                           (1u << static_cast<unsigned>(part.post->compress.kind));
+  Status d = Decoder::decode(job.payload.data(), job.payload.size(), part.dst, part.ndst, "compressed read response",
+                             allowed);
   t.decoder().give_back(std::move(job.payload));
   if (d.code() == StatusCode::kProtocolError) {
     d = ProtocolError(d.message() + " (from " + c->desc() + ")");
