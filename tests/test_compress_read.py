@@ -286,7 +286,7 @@ def test_a_peer_that_does_not_answer_compressed_reads_is_read_plain(mode):
 
 
 def test_auto_reads_stay_plain_on_loopback():
-    total = 4 << 20
+    total = 16 << 20  # large enough that a scheduling hiccup of this shared machine does not pass for the link
     src, dst = kv_like(total, "bfloat16"), np.zeros(total, np.uint8)
     reader, target = agents(pdkv.TcpCompression(mode="auto", codec=LOSSLESS[0], dtype="bfloat16"))
     with reader, target:
