@@ -35,7 +35,8 @@ struct TcpCompression {
   // Raw bytes per codec frame, the pipeline unit (4096..64 MiB): chunk i+1 is encoded
   // while chunk i is on the wire. Rounded down to whole FP8 groups for fp8.
   uint64_t chunk_bytes = 1u << 20;
-  // Encoder threads per agent (1..16; 0: min(4, hardware threads)). The receiver
+  // Encoder threads per agent (1..16; 0: min(4, hardware threads)): its compressed
+  // writes, and the compressed responses it answers to peers' reads. The receiver
   // decodes on as many (pdkv-tcp-unzip, min(4, hardware threads)).
   uint32_t threads = 0;
   DType dtype = DType::kBF16;  // element type of the KV (byte planes; fp8: bfloat16, float16, float32)
