@@ -497,11 +497,11 @@ PYBIND11_MODULE(_pdkv, m) {
            [](Agent& a, const std::string& peer, OpKind op, const std::string& ll, py::object lids,
               const std::string& rl, py::object rids, uint64_t num_tokens, uint32_t num_heads, uint32_t lho,
               uint32_t rho, const std::string& transport, py::object rgens, uint32_t first_layer,
-              uint32_t num_layers) {
+              uint32_t num_layers, std::optional<std::string> compress) {
              auto l = ids_from(lids, "local_blocks");
              auto r = ids_from(rids, "remote_blocks");
              PlanOptions po{num_tokens, num_heads, lho, rho, first_layer, num_layers};
-             XferOptions xo{transport, {}};
+             XferOptions xo{transport, {}, transfer_compress(compress)};
              if (!rgens.is_none()) {
                xo.remote_generations = ids_from(rgens, "remote_generations");
                if (xo.remote_generations.empty())
@@ -517,7 +517,7 @@ PYBIND11_MODULE(_pdkv, m) {
            py::arg("peer"), py::arg("op"), py::arg("local_layout"), py::arg("local_ids"), py::arg("remote_layout"),
            py::arg("remote_ids"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("local_head_offset"),
            py::arg("remote_head_offset"), py::arg("transport"), py::arg("remote_generations") = py::none(),
-           py::arg("first_layer") = 0, py::arg("num_layers") = 0)
+           py::arg("first_layer") = 0, py::arg("num_layers") = 0, py::arg("compress") = py::none())
       .def("generations",
            [](const Agent& a, const std::string& layout, py::object ids) {
              return unwrap(a.generations(layout, ids_from(ids, "block_ids")));
@@ -535,17 +535,19 @@ PYBIND11_MODULE(_pdkv, m) {
       .def("prepare_extents",
            [](Agent& a, const std::string& peer, OpKind op,
               const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>>& ex,
-              const std::string& transport) {
+              const std::string& transport, std::optional<std::string> compress) {
+             const XferOptions xo{transport, {}, transfer_compress(compress)};
              std::vector<Extent> v;
              v.reserve(ex.size());
              for (auto& [lr, lo, rr, ro, len] : ex) v.push_back(Extent{lr, lo, rr, ro, len});
              Result<std::shared_ptr<PreparedTransfer>> res = Status();
              {
                py::gil_scoped_release rel;
-               res = a.prepare_extents(peer, op, v, XferOptions{transport, {}});
+               res = a.prepare_extents(peer, op, v, xo);
              }
              return unwrap(std::move(res));
-           })
+           },
+           py::arg("peer"), py::arg("op"), py::arg("extents"), py::arg("transport"), py::arg("compress") = py::none())
       .def("post",
            [](Agent& a, const PreparedTransfer& p, py::bytes notif, double timeout_s) {
              std::string n = notif;

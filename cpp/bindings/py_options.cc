@@ -319,11 +319,12 @@ void bind_compression(py::module_& m) {
   auto head_dim = u32(&Fp8Grouping::head_dim, "TcpCompression.fp8_head_dim");
   auto rows = u32(&Fp8Grouping::rows_per_group, "TcpCompression.fp8_rows_per_group");
   OptionsClass<C>(m, "TcpCompression",
-                  "Compression of tcp writes (docs/compression.md, 'On the wire'). Off by default.")
+                  "Compression of tcp writes and reads (docs/compression.md, 'On the wire'). Off by default; "
+                  "a transfer may override the mode (compress=).")
       .property("mode", "str", [](const C& c) -> py::object { return py::str(std::string(compress_mode_name(c.mode))); },
-                enum_setter(&C::mode, &parse_compress_mode, "TcpCompression.mode"),
-                "str: 'off', 'lossless' (bit-exact), 'fp8' (lossy, opt-in) or 'auto' (per peer, from the measured "
-                "link and codec throughput; see policy).")
+                enum_setter(&C::mode, +[](std::string_view v) { return parse_compress_mode(v); }, "TcpCompression.mode"),
+                "str: 'off', 'lossless' (bit-exact), 'fp8' (lossy, opt-in) or 'auto' (per peer and direction, from "
+                "the measured link and codec throughput; see policy).")
       .property("policy", "str",
                 [](const C& c) -> py::object { return py::str(std::string(compress_policy_name(c.policy))); },
                 enum_setter(&C::policy, &parse_compress_policy, "TcpCompression.policy"),
@@ -360,6 +361,13 @@ void bind_compression(py::module_& m) {
       .finish();
 }
 
+std::optional<CompressMode> transfer_compress(const std::optional<std::string>& s) {
+  if (!s) return std::nullopt;
+  auto m = parse_compress_mode(*s, "compress");
+  if (!m.ok()) raise_status(m.status());
+  return *m;
+}
+
 void bind_options(py::module_& m) {
   bind_compression(m);
   OptionsClass<TcpOptions>(m, "TcpOptions", "Options of the tcp transport (any host). Units are in the names.")
@@ -391,7 +399,7 @@ void bind_options(py::module_& m) {
       .field("stage_buffers", &TcpOptions::stage_buffers,
              "int (2..1024): pinned chunks per agent for sending device memory (allocated on first use); "
              "each connection receiving into device memory holds two more.")
-      .field("compress", &TcpOptions::compress, "TcpCompression: compression of writes (off by default).")
+      .field("compress", &TcpOptions::compress, "TcpCompression: compression of writes and reads (off by default).")
       .finish();
 
   OptionsClass<ShmOptions>(m, "ShmOptions", "Options of the shm transport (same host, one copy).")

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "py_common.h"
+#include "py_options.h"
 #include "pdkv/agent.h"
 #include "pdkv/stream.h"
 
@@ -29,9 +30,11 @@ std::shared_ptr<StreamingWrite> open_stream(Agent& a, const std::string& peer, c
                                             uint32_t first_layer, uint32_t num_layers, const std::string& transport,
                                             std::optional<std::vector<uint32_t>> remote_generations,
                                             py::bytes notif, double timeout_s, uint64_t min_batch_bytes,
-                                            uint32_t max_inflight_batches, py::bytes progress_prefix) {
+                                            uint32_t max_inflight_batches, py::bytes progress_prefix,
+                                            std::optional<std::string> compress) {
   PlanOptions plan{num_tokens, num_heads, local_head_offset, remote_head_offset, first_layer, num_layers};
-  XferOptions xo{transport, remote_generations ? std::move(*remote_generations) : std::vector<uint32_t>{}};
+  XferOptions xo{transport, remote_generations ? std::move(*remote_generations) : std::vector<uint32_t>{},
+                 transfer_compress(compress)};
   StreamOptions so{min_batch_bytes, max_inflight_batches, std::string(progress_prefix)};
   std::string n = notif;
   Result<std::shared_ptr<StreamingWrite>> r = Status();
@@ -83,7 +86,7 @@ void bind_stream(py::module_& m) {
         py::arg("num_heads"), py::arg("local_head_offset"), py::arg("remote_head_offset"), py::arg("first_layer"),
         py::arg("num_layers"), py::arg("transport"), py::arg("remote_generations"), py::arg("notif"),
         py::arg("timeout_s"), py::arg("min_batch_bytes"), py::arg("max_inflight_batches"),
-        py::arg("progress_prefix"),
+        py::arg("progress_prefix"), py::arg("compress") = py::none(),
         "Opens a layer-wise streaming write (Agent::open_stream); python/pdkv/agent.py documents it.");
 }
 

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/tcp/compress.h"
 #include "transport/tcp/frame.h"
 #include "transport/tcp/out_msg.h"
 #include "transport/tcp/guard.h"
@@ -37,6 +38,7 @@ FrameHeader valid(FrameType t) {
     case FrameType::kWrite: return hdr(t, 1, 0, 16);
     case FrameType::kReadReq: return hdr(t, 1);
     case FrameType::kReadResp: return hdr(t, 0, 0, 16);
+    case FrameType::kReadRespZ: return hdr(t, 0, 0, 64);
     case FrameType::kMetaResp: return hdr(t, 0, 1000);
     default: return hdr(t);
   }
@@ -51,7 +53,7 @@ const std::vector<Where> kWhere = {
     {FrameType::kHello, kInHs},      {FrameType::kHelloAck, kOutHs}, {FrameType::kMetaReq, kInOpen},
     {FrameType::kMetaResp, kOutMeta}, {FrameType::kWrite, kInOpen},   {FrameType::kReadReq, kInOpen},
     {FrameType::kReadResp, kOutOpen}, {FrameType::kAck, kOutOpen},    {FrameType::kNotify, kInOpen},
-    {FrameType::kError, kOutOpen},
+    {FrameType::kError, kOutOpen},    {FrameType::kReadRespZ, kOutOpen},
 };
 const std::vector<ConnState> kAllStates = {kInHs, kInOpen, kOutHs, kOutOpen, kOutMeta};
 
@@ -257,6 +259,44 @@ TEST(TcpGuard, LogLimiterCountsWhatItHoldsBack) {
   for (int i = 0; i < 500; ++i) EXPECT_FALSE(l.allow(t0 + std::chrono::milliseconds(i), &held));
   EXPECT_TRUE(l.allow(t0 + std::chrono::milliseconds(1000), &held));
   EXPECT_EQ(held, 500u);
+}
+
+// A compressed read: kFlagZReply adds exactly one ReadZSpec to the read request's
+// aux, after its block generation claim; the spec's fields are checked by decode_zspec.
+TEST(TcpFrame, ReadRequestCarriesItsCompressionSpec) {
+  ReadZSpec z = make_zspec(TcpCompression{}, CodecKind::kFp8);
+  const std::string spec(reinterpret_cast<const char*>(&z), sizeof z);
+  FrameHeader h = hdr(FrameType::kReadReq, 1, sizeof z);
+  h.flags = kFlagZReply;
+  ASSERT_TRUE(check_header(h, kInOpen, kLim).ok());
+  auto parts = split_data_aux(h, spec);
+  ASSERT_TRUE(parts.ok()) << parts.status().message();
+  EXPECT_EQ(parts->zspec.size(), sizeof z);
+  auto codec = decode_zspec(parts->zspec);
+  ASSERT_TRUE(codec.ok()) << codec.status().message();
+  EXPECT_EQ(codec->options.kind, CodecKind::kFp8);
+  EXPECT_EQ(codec->dtype, DType::kBF16);
+  // One byte short, or more aux than a spec: refused before anything is read.
+  EXPECT_EQ(split_data_aux(h, spec.substr(1)).status().code(), StatusCode::kProtocolError);
+  h.aux_len = sizeof z + 1;
+  EXPECT_EQ(check_header(h, kInOpen, kLim).code(), StatusCode::kProtocolError);
+  // Without the flag, a read request carries no aux beyond its claim.
+  h.flags = 0;
+  h.aux_len = sizeof z;
+  EXPECT_EQ(check_header(h, kInOpen, kLim).code(), StatusCode::kProtocolError);
+  // Bad fields name themselves.
+  auto with = [&](auto mutate) {
+    ReadZSpec b = z;
+    mutate(b);
+    return decode_zspec(std::string(reinterpret_cast<const char*>(&b), sizeof b)).status();
+  };
+  EXPECT_NE(with([](ReadZSpec& b) { b.codec = 0; }).message().find("codec"), std::string::npos);
+  EXPECT_NE(with([](ReadZSpec& b) { b.dtype = 200; }).message().find("dtype"), std::string::npos);
+  EXPECT_NE(with([](ReadZSpec& b) { b.heads = 0; }).message().find("heads"), std::string::npos);
+  EXPECT_NE(with([](ReadZSpec& b) { b.rows_per_group = 1u << 30; }).message().find("rows_per_group"),
+            std::string::npos);
+  EXPECT_NE(with([](ReadZSpec& b) { b.level = 99; }).message().find("level"), std::string::npos);
+  EXPECT_EQ(with([](ReadZSpec& b) { b.reserved2 = 1; }).code(), StatusCode::kProtocolError);
 }
 
 }  // namespace

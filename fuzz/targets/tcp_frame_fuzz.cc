@@ -74,6 +74,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           auto parts = split_data_aux(h, aux);
           if (!parts.ok()) return 0;
           if ((h.flags & kFlagGens) && !pdkv::decode_claim(parts->claim).ok()) return 0;
+          if ((h.flags & kFlagZReply) && !decode_zspec(parts->zspec).ok()) return 0;  // compressed read's spec
           break;
         }
         std::vector<WireExtent> ext(h.count);
@@ -84,6 +85,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         auto parts = split_data_aux(h, aux);  // block generations (flag 4), then the notification
         if (!parts.ok()) return 0;
         if ((h.flags & kFlagGens) && !pdkv::decode_claim(parts->claim).ok()) return 0;
+        if ((h.flags & kFlagZReply) && !decode_zspec(parts->zspec).ok()) return 0;  // compressed read's spec
         if (static_cast<FrameType>(h.type) == FrameType::kWriteZ) {
           if (size - pos < h.payload) return 0;  // truncated
           uint64_t total = 0;

@@ -191,9 +191,11 @@ class Transfer:
     bytes_done = property(lambda self: self._n.bytes_done, doc="Bytes confirmed landed so far.")
     elapsed = property(lambda self: self._n.elapsed_s, doc="Seconds from post to completion (0 while pending).")
     compression = property(lambda self: self._n.compression,
-                           doc="Codec that compressed this write on the wire ('zstd', 'lz4', 'fp8'; '' = none).")
+                           doc="Codec that compressed this write, or this read's responses, on the wire "
+                               "('zstd', 'lz4', 'fp8'; '' = none).")
     wire_bytes = property(lambda self: self._n.wire_bytes,
-                          doc="Payload bytes this agent sent for it (compressed size when compressed; tcp only).")
+                          doc="Payload bytes on the wire for it: sent (write) or received (read); the "
+                              "compressed size when compressed; tcp only.")
 
     @property
     def state(self) -> XferState:
@@ -510,6 +512,17 @@ def _transport_name(transport: Any) -> str | None:
     if transport is not None and not isinstance(transport, str):
         raise InvalidArgument(f"transport must be a str, got {type(transport).__name__}")
     return transport
+
+
+_COMPRESS_MODES = ("off", "lossless", "fp8", "auto")
+
+
+def _compress_mode(compress: Any) -> str | None:
+    """A transfer's ``compress=``: None (the agent's mode) or one of _COMPRESS_MODES."""
+    if compress is None or (isinstance(compress, str) and compress in _COMPRESS_MODES):
+        return compress
+    raise InvalidArgument(f"compress must be one of {', '.join(map(repr, _COMPRESS_MODES))} or None, "
+                          f"got {type(compress).__name__} {compress!r}")
 
 
 def _as_bytes(v: bytes | str | None, what: str = "secret") -> bytes:
@@ -888,6 +901,7 @@ class Agent:
         num_layers: int = 0,
         transport: str | None = None,
         remote_generations: Iterable[int] | None = None,
+        compress: str | None = None,
     ) -> PreparedTransfer:
         """Validates and lays out a block transfer once; ``.post()`` it many times.
 
@@ -921,6 +935,14 @@ class Agent:
             since (the peer called :meth:`bump_generations`) fails the transfer with
             :class:`StaleBlock` from ``wait()``, with nothing transferred and no
             notification delivered. tcp and shm only (NotSupported elsewhere).
+        compress : {"off", "lossless", "fp8", "auto"}, optional
+            How this transfer's payload travels on a tcp wire, overriding the agent's
+            ``TcpOptions.compress.mode`` for this transfer only (its codec, dtype and
+            FP8 grouping apply as they are); None: the agent's mode. ``"fp8"`` (or
+            ``"auto"`` with policy ``"lossy-allowed"``) allows lossy KV for this
+            transfer. Reads ask the peer for compressed responses (a peer that cannot
+            answer them sends plain). Other transports move the bytes exactly. See
+            docs/compression.md.
 
         Raises
         ------
@@ -942,33 +964,36 @@ class Agent:
         gens = None if remote_generations is None else _validate.block_ids(remote_generations, "remote_generations")
         transport = _transport_name(transport)
         native = self._n.prepare_blocks(peer, opk, local_layout, lids, remote_layout, rids, *plan, transport or "",
-                                        gens, *layers)
+                                        gens, *layers, _compress_mode(compress))
         return PreparedTransfer(self, native)
 
     def prepare_extents(self, op: str, peer: str, extents: Sequence[tuple[int, int, int, int, int]], *,
-                        transport: str | None = None) -> PreparedTransfer:
+                        transport: str | None = None, compress: str | None = None) -> PreparedTransfer:
         """Raw form: ``(local_region_id, local_offset, remote_region_id, remote_offset,
-        nbytes)`` tuples of non-negative integers (remote ids from :meth:`peer_info`)."""
+        nbytes)`` tuples of non-negative integers (remote ids from :meth:`peer_info`).
+        ``compress`` as :meth:`prepare`."""
         opk = self._op(op)
         peer = _validate.text(peer, "peer")
         rows = _validate.extents(extents)
         transport = _transport_name(transport)
-        native = self._n.prepare_extents(peer, opk, rows, transport or "")
+        native = self._n.prepare_extents(peer, opk, rows, transport or "", _compress_mode(compress))
         return PreparedTransfer(self, native)
 
     def write(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
               remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
               timeout: float | None = None, num_tokens: int = 0, num_heads: int = 0,
               local_head_offset: int = 0, remote_head_offset: int = 0, first_layer: int = 0, num_layers: int = 0,
-              transport: str | None = None, remote_generations: Iterable[int] | None = None) -> Transfer:
+              transport: str | None = None, remote_generations: Iterable[int] | None = None,
+              compress: str | None = None) -> Transfer:
         """Pushes local blocks into the peer's blocks; returns at once. See :meth:`prepare`
-        (``remote_generations``, plan options) and :meth:`PreparedTransfer.post`."""
+        (``remote_generations``, ``compress``, plan options) and :meth:`PreparedTransfer.post`."""
         self._check_post_args(notify, timeout)  # caller errors first, before any peer work
         return self.prepare("write", peer, local_layout, local_blocks, remote_layout, remote_blocks,
                             num_tokens=num_tokens, num_heads=num_heads, local_head_offset=local_head_offset,
                             remote_head_offset=remote_head_offset, first_layer=first_layer,
                             num_layers=num_layers, transport=transport,
-                            remote_generations=remote_generations).post(notify=notify, timeout=timeout)
+                            remote_generations=remote_generations, compress=compress).post(notify=notify,
+                                                                                           timeout=timeout)
 
     def _check_post_args(self, notify: Any, timeout: Any) -> None:
         _validate.notification(notify, self._max_notif_bytes)
@@ -978,15 +1003,18 @@ class Agent:
              remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
              timeout: float | None = None, num_tokens: int = 0, num_heads: int = 0,
              local_head_offset: int = 0, remote_head_offset: int = 0, first_layer: int = 0, num_layers: int = 0,
-             transport: str | None = None, remote_generations: Iterable[int] | None = None) -> Transfer:
+             transport: str | None = None, remote_generations: Iterable[int] | None = None,
+             compress: str | None = None) -> Transfer:
         """Pulls the peer's blocks into local blocks; ``notify`` reaches the peer once
-        every byte has landed here."""
+        every byte has landed here. ``compress`` as :meth:`prepare` (the peer encodes its
+        responses, this agent decodes them)."""
         self._check_post_args(notify, timeout)
         return self.prepare("read", peer, local_layout, local_blocks, remote_layout, remote_blocks,
                             num_tokens=num_tokens, num_heads=num_heads, local_head_offset=local_head_offset,
                             remote_head_offset=remote_head_offset, first_layer=first_layer,
                             num_layers=num_layers, transport=transport,
-                            remote_generations=remote_generations).post(notify=notify, timeout=timeout)
+                            remote_generations=remote_generations, compress=compress).post(notify=notify,
+                                                                                           timeout=timeout)
 
     def open_stream(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
                     remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
@@ -994,7 +1022,7 @@ class Agent:
                     num_heads: int = 0, local_head_offset: int = 0, remote_head_offset: int = 0,
                     transport: str | None = None, remote_generations: Iterable[int] | None = None,
                     min_batch_bytes: int = 0, max_inflight_batches: int = 4,
-                    progress_prefix: bytes | str | None = None) -> StreamingWrite:
+                    progress_prefix: bytes | str | None = None, compress: str | None = None) -> StreamingWrite:
         """Opens a layer-wise streaming write of local blocks into the peer's blocks.
 
         The same write as :meth:`write`, but its layers are sent as the caller posts
@@ -1014,7 +1042,7 @@ class Agent:
         first_layer, num_layers : int
             The layers the stream carries: ``[first_layer, first_layer + num_layers)``
             (``num_layers`` 0: through the last layer).
-        num_tokens, num_heads, local_head_offset, remote_head_offset, transport, remote_generations
+        num_tokens, num_heads, local_head_offset, remote_head_offset, transport, remote_generations, compress
             As :meth:`prepare`, applied to every layer.
         min_batch_bytes : int
             Posted layers holding fewer bytes than this wait for more (or for close).
@@ -1050,7 +1078,8 @@ class Agent:
             _validate.count(remote_head_offset, "remote_head_offset"), _validate.count(first_layer, "first_layer"),
             _validate.count(num_layers, "num_layers"), _transport_name(transport) or "", gens, notif,
             -1.0 if tmo is None else tmo, _validate.count(min_batch_bytes, "min_batch_bytes", maximum=2**64 - 1),
-            _validate.positive_int(max_inflight_batches, "max_inflight_batches", maximum=2**32 - 1), prefix)
+            _validate.positive_int(max_inflight_batches, "max_inflight_batches", maximum=2**32 - 1), prefix,
+            _compress_mode(compress))
         return StreamingWrite(native, self._max_notif_bytes)
 
     def notify(self, peer: str, data: bytes | str, *, timeout: float | None = None) -> Transfer:

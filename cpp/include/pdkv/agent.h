@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -63,6 +64,10 @@ struct XferOptions {
   // ids (one per remote id; empty = unchecked). The target checks them at every post
   // before any byte lands or is sent; a mismatch fails the transfer with StaleBlock.
   std::vector<uint32_t> remote_generations;
+  // Compression of this transfer's payload on the wire (tcp, host memory): overrides
+  // the agent's TcpOptions::compress.mode for this transfer only (its other fields,
+  // codec, dtype, FP8 grouping, apply as they are); nullopt: the agent's mode.
+  std::optional<CompressMode> compress;
 };
 
 class Agent final {

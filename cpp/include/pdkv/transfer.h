@@ -38,6 +38,20 @@ class TransferControl;
 
 using Clock = std::chrono::steady_clock;
 
+// Whether a transfer's payload is compressed on the wire (docs/compression.md). The
+// agent's default is its transport's option (TcpOptions::compress); one transfer may
+// override it (XferOptions::compress). Only tcp compresses, host memory only; other
+// transports move the bytes exactly, which every mode allows.
+enum class CompressMode : uint8_t {
+  kOff = 0,       // plain frames (the default; the wire is exactly as before)
+  kLossless = 1,  // byte planes + the lossless codec (bit-exact)
+  kFp8 = 2,       // FP8 e4m3 + per-group scales (lossy, opt-in)
+  kAuto = 3,      // per peer and direction, from the measured link and codec throughput (see policy)
+};
+std::string_view compress_mode_name(CompressMode m);
+// "off", "lossless", "fp8", "auto"; InvalidArgument naming `what` and the value otherwise.
+Result<CompressMode> parse_compress_mode(std::string_view s, std::string_view what = "tcp.compress.mode");
+
 class Transfer {
  public:
   Transfer(uint64_t id, OpKind op, std::string peer, std::string transport, uint64_t bytes_total,
@@ -60,10 +74,11 @@ class Transfer {
   Clock::time_point deadline() const { return deadline_; }
   // Seconds from post to completion (0 while pending).
   double elapsed_s() const;
-  // How the bytes travelled (set by the transport at post): the codec that
-  // compressed a write ("zstd", "lz4", "fp8"; "" when sent as is), and the payload
-  // bytes this agent put on the wire for it (compressed size; bytes_total when plain;
-  // 0 for a read, and for transports that do not count).
+  // How the bytes travelled (set by the transport): the codec that compressed a
+  // write or a read's responses ("zstd", "lz4", "fp8"; "" when they travelled as
+  // they are), and the payload bytes on the wire for it: sent for a write, received
+  // for a read (compressed size; bytes_total when plain; 0 for transports that do
+  // not count).
   std::string_view compression() const { return compression_.load(std::memory_order_acquire); }
   uint64_t wire_bytes() const { return wire_bytes_.load(std::memory_order_relaxed); }
 

@@ -272,7 +272,8 @@ Result<std::shared_ptr<StreamingWrite>> Agent::open_stream(
     const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
     const XferOptions& opts, std::string notif, double timeout_s, const StreamOptions& stream_opts) {
   StreamSpec spec{peer,       local_layout, local_ids,      remote_layout,    remote_ids, plan,
-                  opts.remote_generations, opts.transport, std::move(notif), timeout_s,  stream_opts};
+                  opts.remote_generations, opts.transport, std::move(notif), timeout_s,  stream_opts,
+                  opts.compress};
   return open_streaming_write(*this, impl_->stream_pump(this), impl_->next_transfer_id(), std::move(spec));
 }
 
@@ -810,11 +811,8 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
   prep->num_extents = out.size();  // what the transport gets (a strided run counts once)
   prep->instance_id = e.peer->md.instance_id;
   prep->checked = claim != nullptr;
-  if (claim) {
-    PDKV_ASSIGN_OR_RETURN(prep->ops, t->prepare_checked(e.peer, op, std::move(out), std::move(claim)));
-  } else {
-    PDKV_ASSIGN_OR_RETURN(prep->ops, t->prepare(e.peer, op, std::move(out)));
-  }
+  PDKV_ASSIGN_OR_RETURN(prep->ops,
+                        t->prepare_with(e.peer, op, std::move(out), std::move(claim), TransferHints{opts.compress}));
   return prep;
 }
 

@@ -288,7 +288,7 @@ Result<std::shared_ptr<Transfer>> StreamCore::post_run(Run& run) {
     plan.num_layers = run.count;
     PDKV_ASSIGN_OR_RETURN(run.prep, agent->prepare_blocks(spec_.peer, OpKind::kWrite, spec_.local_layout,
                                                           spec_.local_ids, spec_.remote_layout, spec_.remote_ids, plan,
-                                                          XferOptions{spec_.transport, spec_.remote_generations}));
+                                                          XferOptions{spec_.transport, spec_.remote_generations, spec_.compress}));
   }
   if (run.prep->instance_id != instance_id_)
     return StalePeer("peer '" + spec_.peer + "' was re-added (restarted) since the stream was opened");
@@ -432,7 +432,7 @@ Result<std::shared_ptr<StreamingWrite>> open_streaming_write(Agent& agent, const
   one.num_layers = 1;
   PDKV_ASSIGN_OR_RETURN(auto prep, agent.prepare_blocks(spec.peer, OpKind::kWrite, spec.local_layout, spec.local_ids,
                                                         spec.remote_layout, spec.remote_ids, one,
-                                                        XferOptions{spec.transport, spec.remote_generations}));
+                                                        XferOptions{spec.transport, spec.remote_generations, spec.compress}));
   const double timeout_s = spec.timeout_s < 0 ? cfg.default_timeout_s : spec.timeout_s;
   const Clock::time_point deadline = deadline_after(timeout_s);
   auto xfer = std::make_shared<Transfer>(xfer_id, OpKind::kWrite, spec.peer, prep->transport, prep->bytes * count,

@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
@@ -104,6 +105,7 @@ struct StreamSpec {
   std::string notif;
   double timeout_s = -1;  // < 0: the agent's default; 0: none
   StreamOptions opts;
+  std::optional<CompressMode> compress;  // XferOptions::compress
 };
 
 // Validates `spec` (preparing its first layer) and opens the stream; `xfer_id` names

@@ -439,7 +439,7 @@ class PreparedTransfer:
         ...
 class TcpCompression:
     """
-    Compression of tcp writes (docs/compression.md, 'On the wire'). Off by default.
+    Compression of tcp writes and reads (docs/compression.md, 'On the wire'). Off by default; a transfer may override the mode (compress=).
     """
     __hash__: typing.ClassVar[None] = None
     def __copy__(self) -> TcpCompression:
@@ -529,7 +529,7 @@ class TcpCompression:
     @property
     def mode(self) -> typing.Any:
         """
-        str: 'off', 'lossless' (bit-exact), 'fp8' (lossy, opt-in) or 'auto' (per peer, from the measured link and codec throughput; see policy).
+        str: 'off', 'lossless' (bit-exact), 'fp8' (lossy, opt-in) or 'auto' (per peer and direction, from the measured link and codec throughput; see policy).
         """
     @mode.setter
     def mode(self, value: str) -> None:
@@ -594,7 +594,7 @@ class TcpOptions:
     @property
     def compress(self) -> TcpCompression:
         """
-        TcpCompression: compression of writes (off by default).
+        TcpCompression: compression of writes and reads (off by default).
         """
     @compress.setter
     def compress(self, value: TcpCompression) -> None:
@@ -877,9 +877,9 @@ class Agent:
         ...
     def post(self, arg0: PreparedTransfer, arg1: bytes, arg2: typing.SupportsFloat | typing.SupportsIndex) -> Transfer:
         ...
-    def prepare_blocks(self, peer: str, op: OpKind, local_layout: str, local_ids: typing.Any, remote_layout: str, remote_ids: typing.Any, num_tokens: typing.SupportsInt | typing.SupportsIndex, num_heads: typing.SupportsInt | typing.SupportsIndex, local_head_offset: typing.SupportsInt | typing.SupportsIndex, remote_head_offset: typing.SupportsInt | typing.SupportsIndex, transport: str, remote_generations: typing.Any = None, first_layer: typing.SupportsInt | typing.SupportsIndex = 0, num_layers: typing.SupportsInt | typing.SupportsIndex = 0) -> PreparedTransfer:
+    def prepare_blocks(self, peer: str, op: OpKind, local_layout: str, local_ids: typing.Any, remote_layout: str, remote_ids: typing.Any, num_tokens: typing.SupportsInt | typing.SupportsIndex, num_heads: typing.SupportsInt | typing.SupportsIndex, local_head_offset: typing.SupportsInt | typing.SupportsIndex, remote_head_offset: typing.SupportsInt | typing.SupportsIndex, transport: str, remote_generations: typing.Any = None, first_layer: typing.SupportsInt | typing.SupportsIndex = 0, num_layers: typing.SupportsInt | typing.SupportsIndex = 0, compress: str | None = None) -> PreparedTransfer:
         ...
-    def prepare_extents(self, arg0: str, arg1: OpKind, arg2: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], arg3: str) -> PreparedTransfer:
+    def prepare_extents(self, peer: str, op: OpKind, extents: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], transport: str, compress: str | None = None) -> PreparedTransfer:
         ...
     def regions(self) -> list:
         ...
@@ -989,7 +989,7 @@ def dtype_name(arg0: str) -> str:
     ...
 def dtype_size(arg0: str) -> int:
     ...
-def open_stream(agent: Agent, peer: str, local_layout: str, local_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], remote_layout: str, remote_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], num_tokens: typing.SupportsInt | typing.SupportsIndex, num_heads: typing.SupportsInt | typing.SupportsIndex, local_head_offset: typing.SupportsInt | typing.SupportsIndex, remote_head_offset: typing.SupportsInt | typing.SupportsIndex, first_layer: typing.SupportsInt | typing.SupportsIndex, num_layers: typing.SupportsInt | typing.SupportsIndex, transport: str, remote_generations: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None, notif: bytes, timeout_s: typing.SupportsFloat | typing.SupportsIndex, min_batch_bytes: typing.SupportsInt | typing.SupportsIndex, max_inflight_batches: typing.SupportsInt | typing.SupportsIndex, progress_prefix: bytes) -> StreamingWrite:
+def open_stream(agent: Agent, peer: str, local_layout: str, local_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], remote_layout: str, remote_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], num_tokens: typing.SupportsInt | typing.SupportsIndex, num_heads: typing.SupportsInt | typing.SupportsIndex, local_head_offset: typing.SupportsInt | typing.SupportsIndex, remote_head_offset: typing.SupportsInt | typing.SupportsIndex, first_layer: typing.SupportsInt | typing.SupportsIndex, num_layers: typing.SupportsInt | typing.SupportsIndex, transport: str, remote_generations: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None, notif: bytes, timeout_s: typing.SupportsFloat | typing.SupportsIndex, min_batch_bytes: typing.SupportsInt | typing.SupportsIndex, max_inflight_batches: typing.SupportsInt | typing.SupportsIndex, progress_prefix: bytes, compress: str | None = None) -> StreamingWrite:
     """
     Opens a layer-wise streaming write (Agent::open_stream); python/pdkv/agent.py documents it.
     """

@@ -1,12 +1,15 @@
-"""``pdkv bench transfer --compress auto|lossless|fp8``: compressed tcp writes beside
-plain ones, in the same run, on KV-like bytes.
+"""``pdkv bench transfer --compress auto|lossless|fp8 [--compress-op read]``: compressed
+tcp writes (or reads) beside plain ones, in the same run, on KV-like bytes.
 
 Two initiator agents write the same blocks of one KV pool to the same target: one with
-compression off, one with ``TcpOptions.compress`` set. Reported per payload: effective
-GB/s (uncompressed bytes delivered per second) of each, their ratio
-(``ratios.uncompressed``), the wire ratio (raw / wire bytes), the codec each write
-used, and the CPU seconds per GB the initiator process spent (its encoder threads
-included; the target decodes in its own process).
+compression off, one with ``TcpOptions.compress`` set. With ``--compress-op read`` the
+plain agent first writes those blocks into the target, then both *read* them back
+(the pull of a decode worker): the target encodes the compressed agent's responses,
+that agent decodes them. Reported per payload: effective GB/s (uncompressed bytes
+delivered per second) of each, their ratio (``ratios.uncompressed``), the wire ratio
+(raw / wire bytes), the codec each transfer used, and the CPU seconds per GB the
+initiator process spent (writes: its encoder threads; reads: its decode threads; the
+other side codes in its own process).
 
 Data: the pool is filled with the K/V of SmolLM2-135M-Instruct after prefilling the
 prompts below (bf16, NHD blocks), tiled to the pool's size, when torch, transformers
@@ -57,6 +60,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compress-chunk", default="1M", help="raw bytes per codec frame (default 1M)")
     ap.add_argument("--compress-policy", choices=("lossless", "lossy-allowed"), default="lossless",
                     help="what --compress auto may choose besides plain (default lossless)")
+    ap.add_argument("--compress-op", choices=("write", "read"), default="write",
+                    help="what --compress measures: writes (push, default) or reads (pull: the target compresses)")
 
 
 def compression(args: argparse.Namespace, geo) -> TcpCompression:
@@ -126,7 +131,7 @@ def run(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
     from .transfer import SECRET_ENV, pool_blocks, start_target, write_out
 
     if args.memory != "host" or args.transport != "tcp":
-        raise InvalidArgument("--compress measures tcp writes of host memory (drop --memory/--transport)")
+        raise InvalidArgument("--compress measures tcp transfers of host memory (drop --memory/--transport)")
     blocks = pool_blocks(args.model, payloads)
     target = start_target(args, blocks)
     secret = os.environ.get(SECRET_ENV, "pdkv-bench")
@@ -147,7 +152,7 @@ def run(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
             zipped.add_layout("kv", KVLayout.contiguous(geo, zipped_buf))
             peers = plain.connect(target.address), zipped.connect(target.address)
             for p in payloads:
-                r = run_case(args, plain, zipped, peers, geo, p, zipped_buf)
+                r = run_case(args, plain, zipped, peers, geo, p, buf, zipped_buf)
                 r["data"] = data
                 results.append(r)
                 if args.json:
@@ -161,7 +166,9 @@ def run(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
 
 
 def run_case(args, plain: Agent, zipped: Agent, peers: tuple[str, str], geo, payload: int,
-             pool: np.ndarray) -> dict:
+             pool: np.ndarray, zipped_pool: np.ndarray) -> dict:
+    """One payload: plain, then compressed transfers of the same blocks; `pool` is the
+    plain agent's (the KV), `zipped_pool` the compressed agent's."""
     block = geo.num_layers * geo.kv_parts * geo.block_bytes
     nblocks = max(1, payload // block)
     payload = nblocks * block
@@ -169,8 +176,12 @@ def run_case(args, plain: Agent, zipped: Agent, peers: tuple[str, str], geo, pay
     rng = np.random.default_rng(args.seed)
     lids = rng.permutation(geo.num_blocks)[:nblocks].astype(np.uint32)
     rids = rng.permutation(geo.num_blocks)[:nblocks].astype(np.uint32)
-    prep_plain = plain.prepare("write", peers[0], "kv", lids, "kv", rids)
-    prep_zip = zipped.prepare("write", peers[1], "kv", lids, "kv", rids)
+    op = args.compress_op
+    if op == "read":  # the target's blocks hold the KV the reads pull
+        timed(plain.prepare("write", peers[0], "kv", lids, "kv", rids), 1)
+        zipped_pool[:] = 0  # the compressed agent's blocks: only what its reads land
+    prep_plain = plain.prepare(op, peers[0], "kv", lids, "kv", rids)
+    prep_zip = zipped.prepare(op, peers[1], "kv", lids, "kv", rids)
     timed(prep_plain, 1)  # warm-up: connections, page faults on the target
     timed(prep_zip, 3)    # and auto's first measurements of the link and the codec
     plain_s, plain_cpu, _ = timed(prep_plain, iters)
@@ -179,10 +190,12 @@ def run_case(args, plain: Agent, zipped: Agent, peers: tuple[str, str], geo, pay
     codec_rates = codec_per_core(args, pool, geo)
     verified = None
     if not args.no_verify and args.compress != "fp8":
-        verified = verify(zipped, peers[1], lids, rids, geo)
+        verified = (verify(zipped, peers[1], lids, rids, geo) if op == "write"
+                    else verify_read(zipped, plain, lids))
     plain_gbps, zip_gbps = total / plain_s / 1e9, total / zip_s / 1e9
     return {
         "compress": args.compress,
+        "op": op,
         "policy": args.compress_policy if args.compress == "auto" else None,  # only auto chooses
         "codec_chosen": last.compression or "none",
         "model": args.model,
@@ -218,6 +231,15 @@ def codec_per_core(args, pool: np.ndarray, geo) -> dict:
             "encode_wall": sample.size / t["encode_s"] / 1e9, "decode_wall": sample.size / t["decode_s"] / 1e9}
 
 
+def verify_read(zipped: Agent, plain: Agent, lids) -> bool:
+    """The compressed agent's read blocks equal the plain agent's, bit for bit (both read
+    the same remote blocks; the plain read is exact)."""
+    from .transfer import _view
+
+    pairs = plan_blocks(zipped.layout("kv").unbound(), lids, plain.layout("kv").unbound(), lids)
+    return all(np.array_equal(_view(lo, ln), _view(ro, ln)) for _, lo, _, ro, ln in pairs)
+
+
 def verify(agent: Agent, peer: str, lids, rids, geo) -> bool:
     """Reads the written blocks back (plain) and compares them bit for bit."""
     scratch = agent.alloc(geo.pool_bytes).array()
@@ -238,11 +260,12 @@ def verify(agent: Agent, peer: str, lids, rids, geo) -> bool:
 
 def print_table(results: list[dict]) -> None:
     print(f"data: {results[0]['data'] if results else '-'}")
-    print(f"{'payload':>9} {'mode':>8} {'codec':>6} {'plain GB/s':>10} {'eff. GB/s':>10} {'ratio':>6} "
+    print(f"{'payload':>9} {'mode':>13} {'codec':>6} {'plain GB/s':>10} {'eff. GB/s':>10} {'ratio':>6} "
           f"{'wire x':>6} {'CPU s/GB plain':>14} {'CPU s/GB zip':>12}")
     for r in results:
         c = r["cpu_s_per_gb"]
-        print(f"{r['payload_bytes'] / 2**20:>8.0f}M {r['compress']:>8} {r['codec_chosen']:>6} "
+        mode = r["compress"] + (" read" if r.get("op") == "read" else "")
+        print(f"{r['payload_bytes'] / 2**20:>8.0f}M {mode:>13} {r['codec_chosen']:>6} "
               f"{r['gbps_uncompressed']:>10.3f} {r['gbps_effective']:>10.3f} {r['ratios']['uncompressed']:>6.2f} "
               f"{r['wire_ratio']:>6.2f} {c['uncompressed']:>14.3f} {c['compressed']:>12.3f}")
     for r in results:

@@ -10,30 +10,21 @@
 
 #include "pdkv/codec.h"
 #include "pdkv/status.h"
+#include "pdkv/transfer.h"  // CompressMode
 #include "pdkv/types.h"
 
 namespace pdkv {
 
-// Whether the tcp transport compresses the payload of writes (docs/compression.md,
-// "On the wire"). Reads are never compressed.
-enum class CompressMode : uint8_t {
-  kOff = 0,       // plain frames (the default; the wire is exactly as before)
-  kLossless = 1,  // every host-memory write: byte planes + `codec` (bit-exact)
-  kFp8 = 2,       // every host-memory write: FP8 e4m3 + per-group scales (lossy, opt-in)
-  kAuto = 3,      // per peer, from the measured link and codec throughput (see policy)
-};
 // What kAuto may choose.
 enum class CompressPolicy : uint8_t {
   kLossless = 0,      // plain or lossless
   kLossyAllowed = 1,  // plain or fp8 (fp8's ratio is ~2x, so it wins whenever lossless would)
 };
-std::string_view compress_mode_name(CompressMode m);
-Result<CompressMode> parse_compress_mode(std::string_view s);  // "off", "lossless", "fp8", "auto"
 std::string_view compress_policy_name(CompressPolicy p);
 Result<CompressPolicy> parse_compress_policy(std::string_view s);  // "lossless", "lossy-allowed"
 
-// Compression of tcp writes. The element type and the FP8 grouping describe the KV
-// the agent sends (they come from its layout: one agent, one KV dtype); a write whose
+// Compression of tcp writes and reads (CompressMode, pdkv/transfer.h). The element
+// type and the FP8 grouping describe the KV the agent sends or reads (they come from its layout: one agent, one KV dtype); a write whose
 // extents are not whole FP8 rows fails with InvalidArgument at post.
 struct TcpCompression {
   CompressMode mode = CompressMode::kOff;
@@ -44,7 +35,8 @@ struct TcpCompression {
   // Raw bytes per codec frame, the pipeline unit (4096..64 MiB): chunk i+1 is encoded
   // while chunk i is on the wire. Rounded down to whole FP8 groups for fp8.
   uint64_t chunk_bytes = 1u << 20;
-  // Encoder threads per agent (1..16; 0: min(4, hardware threads)). The receiver
+  // Encoder threads per agent (1..16; 0: min(4, hardware threads)): its compressed
+  // writes, and the compressed responses it answers to peers' reads. The receiver
   // decodes on as many (pdkv-tcp-unzip, min(4, hardware threads)).
   uint32_t threads = 0;
   DType dtype = DType::kBF16;  // element type of the KV (byte planes; fp8: bfloat16, float16, float32)
@@ -77,7 +69,7 @@ struct TcpOptions {
   // receiving into device memory holds two more.
   uint64_t stage_chunk_bytes = 4ull << 20;
   uint32_t stage_buffers = 4;
-  TcpCompression compress;  // off by default
+  TcpCompression compress;  // off by default; a transfer may override the mode (XferOptions::compress)
 
   // OK, or InvalidArgument naming the first field out of range and its value
   // ("tcp.conns_per_peer must be in 1..64, got 0").

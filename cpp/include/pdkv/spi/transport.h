@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -136,6 +137,15 @@ inline std::vector<ResolvedExtent> expand_strided(const std::vector<ResolvedExte
   return out;
 }
 
+// What the caller asked of one transfer beyond its extents (XferOptions), for the
+// transport to honour where it can.
+struct TransferHints {
+  // Overrides the transport's compression default for this transfer (nullopt: the
+  // default). A transport that does not compress ignores it: it moves the bytes
+  // exactly, which every mode allows.
+  std::optional<CompressMode> compress;
+};
+
 // Transport-owned, immutable result of prepare(); may be posted many times.
 class PreparedOps {
  public:
@@ -174,6 +184,16 @@ class Transport {
                                                                      std::shared_ptr<const GenClaim> claim) {
     (void)peer; (void)op; (void)extents; (void)claim;
     return NotSupported(std::string(name()) + " cannot check block generations");
+  }
+  // prepare() (claim null) or prepare_checked() with the caller's per-transfer hints.
+  // The default ignores the hints.
+  virtual Result<std::shared_ptr<const PreparedOps>> prepare_with(std::shared_ptr<const Peer> peer, OpKind op,
+                                                                  std::vector<ResolvedExtent> extents,
+                                                                  std::shared_ptr<const GenClaim> claim,
+                                                                  const TransferHints& hints) {
+    (void)hints;
+    if (claim) return prepare_checked(std::move(peer), op, std::move(extents), std::move(claim));
+    return prepare(std::move(peer), op, std::move(extents));
   }
   // Queues a prepared transfer. Completion (and any error) arrives through `xfer`.
   // `notif` (may be empty = none) reaches the peer only after all bytes landed.

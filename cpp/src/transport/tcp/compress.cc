@@ -157,6 +157,32 @@ Status Encoder::encode(CodecKind kind, const iovec* iov, uint32_t n, EncodedBatc
   return Status::Ok();
 }
 
+Status Encoder::encode_with(const CodecOptions& options, DType dtype, const iovec* iov, uint32_t n,
+                            EncodedBatch& out) {
+  // A Codec is single-threaded and the options vary by initiator: each thread keeps
+  // the last few it used.
+  struct Cached {
+    CodecOptions options;
+    std::unique_ptr<Codec> codec;
+  };
+  thread_local std::vector<Cached> cache;
+  auto same = [&](const CodecOptions& o) {
+    return o.kind == options.kind && o.level == options.level && o.checksum == options.checksum &&
+           o.fp8.heads == options.fp8.heads && o.fp8.head_dim == options.fp8.head_dim &&
+           o.fp8.rows_per_group == options.fp8.rows_per_group;
+  };
+  auto it = std::find_if(cache.begin(), cache.end(), [&](const Cached& c) { return same(c.options); });
+  if (it == cache.end()) {
+    PDKV_ASSIGN_OR_RETURN(auto codec, Codec::create(options));
+    if (cache.size() >= 4) cache.erase(cache.begin());
+    cache.push_back(Cached{options, std::move(codec)});
+    it = cache.end() - 1;
+  }
+  PDKV_RETURN_IF_ERROR(encode_into(*it->codec, dtype, iov, n, out.bytes));
+  out.kind = options.kind;
+  return Status::Ok();
+}
+
 void Encoder::calibrate(CodecKind kind, const iovec* iov, uint32_t n, bool again) {
   if (!again && figures(kind).encode_bps > 0) return;
   auto codec = Codec::create(codec_options(opts_, kind));
@@ -201,29 +227,26 @@ CodecFigures Encoder::figures(CodecKind kind) const {
 
 // ---------------------------------------------------------------- LinkChooser
 
-Choice LinkChooser::choose(const Encoder& enc, bool peer_decodes_fp8, uint32_t peer_codecs,
-                           uint32_t peer_decode_threads) {
-  const TcpCompression& o = enc.options();
-  const bool lossy = o.policy == CompressPolicy::kLossyAllowed && peer_decodes_fp8;
-  const CodecKind kind = lossy ? CodecKind::kFp8 : o.codec;
+Choice LinkChooser::choose(const Encoder& enc, CodecKind kind, uint32_t peer_codecs, CodecPipeline pipe) {
   std::lock_guard<std::mutex> lk(mu_);
   ++writes_;
   if (!(peer_codecs & (1u << static_cast<unsigned>(kind)))) return Choice{};
   if (link_bps_ == 0) return Choice{};  // measure the link first
   if (last_ == 1 && (writes_ % kProbeEvery == 0 || seconds_since(measured_) > kLinkStaleS)) return Choice{};
   const CodecFigures f = enc.figures(kind);
-  // The pipeline runs at its slowest stage: our encoders, the wire carrying the
-  // compressed bytes, or the peer's decoders (not measured: as fast as ours).
-  const double encode_bps = f.encode_bps * enc.threads();
-  const double decode_bps = f.decode_bps > 0 ? f.decode_bps * std::max(1u, peer_decode_threads) : encode_bps;
+  // The pipeline runs at its slowest stage: the encoders, the wire carrying the
+  // compressed bytes, or the decoders (not measured: as fast as the encoders).
+  const double encode_bps = f.encode_bps * std::max(1u, pipe.encode_threads);
+  const double decode_bps = f.decode_bps > 0 ? f.decode_bps * std::max(1u, pipe.decode_threads) : encode_bps;
   const double compressed_bps = std::min({encode_bps, decode_bps, link_bps_ * f.ratio});
   const bool on = f.encode_bps > 0 && compressed_bps > kWinMargin * link_bps_;
   if (int(on) != last_) {
-    PDKV_LOG_INFO("tcp: writes to peer '%s' now %s %s (link %.3f GB/s plain; %s encodes %.3f GB/s x %u threads, "
-                  "decodes %.3f GB/s x %u peer threads, ratio %.2f)",
-                  peer_.c_str(), on ? "compressed with" : "plain, not", std::string(codec_kind_name(kind)).c_str(),
-                  link_bps_ / 1e9, std::string(codec_kind_name(kind)).c_str(), f.encode_bps / 1e9, enc.threads(),
-                  f.decode_bps / 1e9, peer_decode_threads, f.ratio);
+    PDKV_LOG_INFO("tcp: %s peer '%s' now %s %s (link %.3f GB/s plain; %s encodes %.3f GB/s x %u threads, "
+                  "decodes %.3f GB/s x %u threads, ratio %.2f)",
+                  what_, peer_.c_str(), on ? "compressed with" : "plain, not",
+                  std::string(codec_kind_name(kind)).c_str(), link_bps_ / 1e9,
+                  std::string(codec_kind_name(kind)).c_str(), f.encode_bps / 1e9, pipe.encode_threads,
+                  f.decode_bps / 1e9, pipe.decode_threads, f.ratio);
     last_ = on;
   }
   return on ? Choice{true, kind} : Choice{};
@@ -265,18 +288,20 @@ void Decoder::give_back(std::vector<uint8_t> buf) {
   if (free_.size() < 2 * kDecodeAhead) free_.push_back(std::move(buf));
 }
 
-Status Decoder::decode(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n) {
+Status Decoder::decode(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n, const char* what,
+                       uint32_t allowed) {
   // A Codec is single-threaded: one set per thread (decode threads, or a caller
   // decoding inline at shutdown), created on first use.
   thread_local std::array<std::unique_ptr<Codec>, 4> codecs;
   thread_local std::vector<uint8_t> scratch;
-  Status st = decode_payload(payload, len, dst, n, codecs, scratch);
+  Status st = decode_payload(payload, len, dst, n, codecs, scratch, what, allowed);
   if (scratch.capacity() > (8u << 20)) std::vector<uint8_t>().swap(scratch);
   return st;
 }
 
 Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
-                      std::array<std::unique_ptr<Codec>, 4>& codecs, std::vector<uint8_t>& scratch) {
+                      std::array<std::unique_ptr<Codec>, 4>& codecs, std::vector<uint8_t>& scratch,
+                      const char* what, uint32_t allowed) {
   uint64_t capacity = 0;
   for (size_t i = 0; i < n; ++i) capacity += dst[i].iov_len;
   size_t idx = 0;      // current destination extent
@@ -284,7 +309,7 @@ Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, si
   uint64_t done = 0;   // bytes of the extents written
   uint64_t at = 0;     // payload offset of the current frame
   for (uint32_t k = 0; at < len; ++k) {
-    const std::string where = "compressed write, codec frame " + std::to_string(k) + " (payload offset " +
+    const std::string where = std::string(what) + ", codec frame " + std::to_string(k) + " (payload offset " +
                               std::to_string(at) + "): ";
     auto info = peek_frame(payload + at, static_cast<size_t>(len - at));
     if (!info.ok()) return ProtocolError(where + info.status().message());
@@ -292,11 +317,13 @@ Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, si
       return ProtocolError(where + "frame_len " + std::to_string(info->frame_len) + " runs past the payload (" +
                            std::to_string(len - at) + " bytes left)");
     if (info->raw_len == 0) return ProtocolError(where + "raw_len is 0");
+    if (!((allowed >> static_cast<unsigned>(info->kind)) & 1u))
+      return ProtocolError(where + "codec " + std::string(codec_kind_name(info->kind)) + " was not asked for");
     auto out_len = decoded_size(*info, info->dtype);
     if (!out_len.ok()) return ProtocolError(where + out_len.status().message());
     if (*out_len > capacity - done)
       return ProtocolError(where + "raw_len " + std::to_string(*out_len) + " exceeds the " +
-                           std::to_string(capacity - done) + " bytes left in the write's extents");
+                           std::to_string(capacity - done) + " bytes left in its extents");
     auto& codec = codecs[static_cast<size_t>(info->kind)];
     if (!codec) {
       CodecOptions co;
@@ -329,22 +356,76 @@ Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, si
     at += info->frame_len;
   }
   if (done != capacity)
-    return ProtocolError("compressed write: the codec frames decode to " + std::to_string(done) +
+    return ProtocolError(std::string(what) + ": the codec frames decode to " + std::to_string(done) +
                          " bytes (sum of raw_len), its extents hold " + std::to_string(capacity));
   return Status::Ok();
 }
 
+// ---------------------------------------------------------------- compressed reads
+
+CodecKind codec_for_mode(const TcpCompression& o, uint32_t peer_codecs) {
+  if (o.mode == CompressMode::kFp8) return CodecKind::kFp8;
+  const bool peer_fp8 = peer_codecs & (1u << static_cast<unsigned>(CodecKind::kFp8));
+  if (o.mode == CompressMode::kAuto && o.policy == CompressPolicy::kLossyAllowed && peer_fp8) return CodecKind::kFp8;
+  return o.codec;
+}
+
+ReadZSpec make_zspec(const TcpCompression& o, CodecKind kind) {
+  ReadZSpec z{};
+  z.codec = static_cast<uint8_t>(kind);
+  z.dtype = static_cast<uint8_t>(o.dtype);
+  z.checksum = o.checksum ? 1 : 0;
+  z.level = o.level;
+  z.heads = o.fp8.heads;
+  z.head_dim = o.fp8.head_dim;
+  z.rows_per_group = o.fp8.rows_per_group;
+  return z;
+}
+
+Result<ZSpecCodec> decode_zspec(std::string_view bytes) {
+  if (bytes.size() != sizeof(ReadZSpec))
+    return ProtocolError("read compression spec is " + std::to_string(bytes.size()) + " bytes, expected " +
+                         std::to_string(sizeof(ReadZSpec)));
+  ReadZSpec z;
+  std::memcpy(&z, bytes.data(), sizeof z);
+  auto bad = [](const std::string& field, uint64_t v) {
+    return ProtocolError("read compression spec: " + field + " " + std::to_string(v) + " is out of range");
+  };
+  const auto kind = static_cast<CodecKind>(z.codec);
+  if (kind != CodecKind::kZstd && kind != CodecKind::kLz4 && kind != CodecKind::kFp8) return bad("codec", z.codec);
+  if (z.dtype > static_cast<uint8_t>(DType::kI64))
+    return bad("dtype", z.dtype);
+  if (z.checksum > 1) return bad("checksum", z.checksum);
+  if (z.reserved != 0 || z.reserved2 != 0) return ProtocolError("read compression spec: reserved fields are not 0");
+  if (z.level < -7 || z.level > 9) return bad("level", static_cast<uint64_t>(static_cast<int64_t>(z.level)));
+  constexpr uint32_t kMaxGroupDim = 1u << 16;
+  if (z.heads == 0 || z.heads > kMaxGroupDim) return bad("heads", z.heads);
+  if (z.head_dim == 0 || z.head_dim > kMaxGroupDim) return bad("head_dim", z.head_dim);
+  if (z.rows_per_group == 0 || z.rows_per_group > kMaxGroupDim) return bad("rows_per_group", z.rows_per_group);
+  if (!codec_available(kind))
+    return NotSupported("this agent cannot encode " + std::string(codec_kind_name(kind)) +
+                        " (its build lacks that library)");
+  ZSpecCodec c;
+  c.options.kind = kind;
+  c.options.level = z.level;
+  c.options.checksum = z.checksum != 0;
+  c.options.fp8 = Fp8Grouping{z.heads, z.head_dim, z.rows_per_group};
+  c.dtype = static_cast<DType>(z.dtype);
+  return c;
+}
+
 // ---------------------------------------------------------------- metadata extra
 
-std::string encode_extra() {
+std::string encode_extra(uint32_t encode_threads) {
   uint32_t codecs = 0;
   for (auto k : {CodecKind::kRaw, CodecKind::kZstd, CodecKind::kLz4, CodecKind::kFp8})
     if (codec_available(k)) codecs |= 1u << static_cast<unsigned>(k);
   util::ByteWriter w;
   w.put<uint32_t>(kExtraMagic);
-  w.put<uint32_t>(kFeatureCompressedWrite | kFeatureStridedExtents);
+  w.put<uint32_t>(kFeatureCompressedWrite | kFeatureStridedExtents | kFeatureCompressedRead);
   w.put<uint32_t>(codecs);
   w.put<uint32_t>(codec_threads(TcpCompression{}));  // decode threads (Decoder); older peers stop reading before it
+  w.put<uint32_t>(encode_threads);                   // encoder threads answering compressed reads (newer still)
   return w.take();
 }
 
@@ -356,9 +437,11 @@ PeerFeatures decode_extra(std::string_view extra) {
   if (!r.get(&features, "tcp extra features").ok() || !r.get(&codecs, "tcp extra codecs").ok()) return f;
   f.compressed_write = features & kFeatureCompressedWrite;
   f.strided_extents = features & kFeatureStridedExtents;
+  f.compressed_read = features & kFeatureCompressedRead;
   f.codecs = codecs;
   uint32_t threads = 0;
   if (r.get(&threads, "tcp extra decode threads").ok()) f.decode_threads = std::max(1u, std::min(threads, 64u));
+  if (r.get(&threads, "tcp extra encode threads").ok()) f.encode_threads = std::max(1u, std::min(threads, 64u));
   return f;
 }
 

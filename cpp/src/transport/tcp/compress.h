@@ -1,7 +1,8 @@
-// Compressed writes on the tcp transport: the encoder threads that turn a batch into
-// a kWriteZ payload while earlier batches are on the wire, the decoder threads that
-// turn it back off the progress threads, and the per-peer choice (TcpCompression::mode
-// kAuto) of whether compressing pays on that link.
+// Compressed writes and reads on the tcp transport: the encoder threads that turn a
+// batch into a kWriteZ payload (or a read's kReadRespZ payload at the target) while
+// earlier batches are on the wire, the decoder threads that turn it back off the
+// progress threads, and the per-peer choice (TcpCompression::mode kAuto) of whether
+// compressing pays on that link, for writes to and reads from each peer.
 //
 //   TaskPool        named worker threads (started on first use) running queued tasks.
 //   Encoder         encoder threads, a free list of payload buffers, and the measured
@@ -15,6 +16,8 @@
 //   encode_batch    one batch's extents -> codec frames, back to back (docs/wire.md,
 //                   "Compressed writes").
 //   decode_payload  the receiver's side: codec frames -> the checked extents.
+//   ReadZSpec       (wire.h) what a compressed read asks the target for: make_zspec /
+//                   decode_zspec.
 //
 // Thread safety: TaskPool, Encoder, Decoder and LinkChooser are thread-safe;
 // decode_payload uses only its arguments.
@@ -30,6 +33,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -37,6 +41,7 @@
 #include "pdkv/options/tcp.h"
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
+#include "transport/tcp/wire.h"
 
 namespace pdkv::tcp {
 
@@ -102,6 +107,8 @@ class Encoder {
   // Runs `f` on an encoder thread (started on first use), after the tasks queued
   // before it; once stopped, on the calling thread (the task then fails fast).
   void run(std::function<void()> f) { pool_.run(std::move(f)); }
+  // Queues `f` for an encoder thread; false (and `f` not run) once stopped.
+  bool post(std::function<void()> f) { return pool_.post(std::move(f)); }
   void stop() { pool_.stop(); }
   bool stopped() const { return pool_.stopped(); }
   uint32_t threads() const { return pool_.max_threads(); }
@@ -113,6 +120,9 @@ class Encoder {
   // (records the time and ratio). One frame per extent, or one for the whole batch
   // when its extents are small (out_msg.h gathers()).
   Status encode(CodecKind kind, const iovec* iov, uint32_t n, EncodedBatch& out);
+  // The same with codec options and dtype a read's initiator asked for (ReadZSpec),
+  // not this agent's (records nothing: the initiator's data, the initiator's choice).
+  Status encode_with(const CodecOptions& codec, DType dtype, const iovec* iov, uint32_t n, EncodedBatch& out);
 
   CodecFigures figures(CodecKind kind) const;
   // Measures `kind`'s encode and decode on a sample (the first chunk of a transfer)
@@ -150,8 +160,10 @@ class Decoder {
   std::vector<uint8_t> buffer();
   // Gives a payload buffer back (kept when it is not huge and few are kept).
   void give_back(std::vector<uint8_t> buf);
-  // Decodes a kWriteZ payload with this thread's codecs (decode_payload below).
-  static Status decode(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n);
+  // Decodes a kWriteZ or kReadRespZ payload with this thread's codecs (decode_payload
+  // below; `what` names it in errors, `allowed` the codecs it may use).
+  static Status decode(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
+                       const char* what = "compressed write", uint32_t allowed = ~0u);
 
  private:
   TaskPool pool_;
@@ -159,25 +171,37 @@ class Decoder {
   std::vector<std::vector<uint8_t>> free_;
 };
 
-// What a write to one peer does now.
+// What a write to (or a read from) one peer does now.
 struct Choice {
   bool compress = false;
   CodecKind kind = CodecKind::kRaw;
 };
 
-// Per peer (mode kAuto): plain or compressed, from the delivered throughput of plain
-// writes to that peer and the Encoder's figures. Compressed wins when
-// min(encoder threads x encode rate, peer's decode threads x decode rate,
+// The two ends of a compressed transfer's pipeline: threads encoding (writes: this
+// agent's encoder; reads: the peer's) and threads decoding (writes: the peer's
+// decoder; reads: this agent's).
+struct CodecPipeline {
+  uint32_t encode_threads = 1;
+  uint32_t decode_threads = 1;
+};
+
+// Per peer and direction (mode kAuto): plain or compressed, from the delivered
+// throughput of plain transfers with that peer (writes: post to last ack; reads: post
+// to last response) and the Encoder's figures. Compressed wins when
+// min(encode threads x encode rate, decode threads x decode rate,
 // link x ratio) beats the link by 10 %; every 16th
-// write (and any write when the last plain measurement is over 5 s old) goes plain
+// transfer (and any when the last plain measurement is over 5 s old) goes plain
 // to measure the link again, so the choice follows the link as it changes.
 class LinkChooser {
  public:
-  explicit LinkChooser(std::string peer) : peer_(std::move(peer)) {}
+  // `what`: "writes to" or "reads from" (the log line).
+  explicit LinkChooser(std::string peer, const char* what = "writes to") : peer_(std::move(peer)), what_(what) {}
 
-  // `peer_decode_threads`: from the peer's metadata (PeerFeatures).
-  Choice choose(const Encoder& enc, bool peer_decodes_fp8, uint32_t peer_codecs, uint32_t peer_decode_threads);
-  // A plain write of `bytes` took `seconds` from post to its last ack.
+  // `kind`: the codec it would use; `peer_codecs`: bit (1 << CodecKind) per codec the
+  // peer handles (PeerFeatures); the encode and decode rates are this agent's (the
+  // same code; the peer's CPU is not known).
+  Choice choose(const Encoder& enc, CodecKind kind, uint32_t peer_codecs, CodecPipeline pipe);
+  // A plain transfer of `bytes` took `seconds` from post to its last ack / response.
   void plain_delivered(uint64_t bytes, double seconds);
   // Whether the codec should be sampled again before the next choose(): while writes
   // go plain, the codec's figures come only from samples, and the first (one chunk of
@@ -188,6 +212,7 @@ class LinkChooser {
 
  private:
   const std::string peer_;
+  const char* const what_;
   mutable std::mutex mu_;
   double link_bps_ = 0;  // 0: not measured yet
   Clock::time_point measured_{};
@@ -207,21 +232,45 @@ inline constexpr uint32_t kDecodeAhead = 4;
 // Writes of fewer bytes than this say little about the link (latency dominates).
 inline constexpr uint64_t kMinMeasuredBytes = 512u << 10;
 
-// Decodes a kWriteZ payload of `len` bytes into the extents `dst[0, n)` (already
-// checked against the target's regions), using the codecs in `codecs` (created on
-// first use). ProtocolError names the frame and field when the payload is malformed
-// or does not decode to exactly the extents' bytes; DataCorrupted on a checksum
+// Decodes a kWriteZ (or kReadRespZ) payload of `len` bytes into the extents
+// `dst[0, n)` (already checked against the target's regions, or a read's own
+// destination), using the codecs in `codecs` (created on first use). ProtocolError
+// names `what`, the frame and the field when the payload is malformed or does not
+// decode to exactly the extents' bytes, or uses a codec outside `allowed` (bit
+// 1 << CodecKind: a read's initiator allows raw and the codec it asked for, so a
+// target cannot hand it lossy bytes it did not accept); DataCorrupted on a checksum
 // mismatch; NotSupported for a codec this build lacks.
 Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
-                      std::array<std::unique_ptr<Codec>, 4>& codecs, std::vector<uint8_t>& scratch);
+                      std::array<std::unique_ptr<Codec>, 4>& codecs, std::vector<uint8_t>& scratch,
+                      const char* what = "compressed write", uint32_t allowed = ~0u);
 
-// The tcp metadata extra this agent publishes, and what a peer's says.
-std::string encode_extra();
+// The codec a transfer with `o` (mode not kOff) uses when it compresses, given the
+// codecs the peer handles: fp8 for mode kFp8, or kAuto with policy lossy-allowed
+// when the peer has it; else the lossless codec.
+CodecKind codec_for_mode(const TcpCompression& o, uint32_t peer_codecs);
+
+// What a compressed read asks the target for: `kind` with `o`'s parameters.
+ReadZSpec make_zspec(const TcpCompression& o, CodecKind kind);
+// Validates a ReadZSpec from the wire (exactly sizeof(ReadZSpec) bytes): a codec this
+// build encodes (not raw), a dtype, a zstd level, an FP8 grouping in range (fp8:
+// a float dtype), reserved fields 0. ProtocolError naming the field otherwise;
+// NotSupported for a codec this build lacks.
+struct ZSpecCodec {
+  CodecOptions options;
+  DType dtype = DType::kU8;
+};
+Result<ZSpecCodec> decode_zspec(std::string_view bytes);
+
+// The tcp metadata extra this agent publishes (`encode_threads`: the encoder threads
+// that answer compressed reads), and what a peer's says.
+std::string encode_extra(uint32_t encode_threads);
 struct PeerFeatures {
   bool compressed_write = false;
+  bool compressed_read = false;  // answers kFlagZReply read requests (kFeatureCompressedRead)
   bool strided_extents = false;  // takes kFlagStrided frames (wire.h)
-  uint32_t codecs = 0;           // bit (1 << CodecKind) per codec it decodes
+  uint32_t codecs = 0;           // bit (1 << CodecKind) per codec it decodes (and encodes)
   uint32_t decode_threads = 1;   // its decode threads (1 when an older peer does not say)
+  uint32_t encode_threads = 1;   // its encoder threads answering compressed reads (1 when not said)
 };
 PeerFeatures decode_extra(std::string_view extra);
 

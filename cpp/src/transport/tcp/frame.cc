@@ -46,6 +46,7 @@ constexpr FrameRule kRules[] = {
     {"notification", kIn, kOpen, 0, 0, 0, 0, kNotifAux, 0, 0, false},
     {"error", kIn | kOut, kOpen, kHs | kOpen | kMeta, 0, 0, 0, kMaxErrorBytes, 0, 0, true},
     {"compressed write", kIn, kOpen, 0, 1, kMaxExtentsPerFrame, 0, kNotifAux, 1, kMaxCompressedPayload, false},
+    {"compressed read response", kOut, 0, kOpen, 0, 0, 0, 0, 1, kMaxCompressedPayload, false},
 };
 constexpr uint16_t kNumTypes = sizeof(kRules) / sizeof(kRules[0]);
 
@@ -103,7 +104,7 @@ Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim) {
       h.type == static_cast<uint16_t>(FrameType::kWrite) || h.type == static_cast<uint16_t>(FrameType::kWriteZ);
   const bool is_read_req = h.type == static_cast<uint16_t>(FrameType::kReadReq);
   const uint16_t allowed_flags =
-      is_write ? (kFlagNotif | kFlagGens | kFlagStrided) : is_read_req ? (kFlagGens | kFlagStrided) : 0;
+      is_write ? (kFlagNotif | kFlagGens | kFlagStrided) : is_read_req ? (kFlagGens | kFlagStrided | kFlagZReply) : 0;
   if (h.flags & ~allowed_flags) return ProtocolError(what + " has unknown flags " + std::to_string(h.flags));
   if (!r.has_status && h.status != 0)
     return ProtocolError(what + " carries a status (" + std::to_string(h.status) + ")");
@@ -118,7 +119,8 @@ Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim) {
     const uint32_t notif = std::min(lim.max_notif_bytes, kMaxNotifWireBytes);
     const bool carries = h.type == static_cast<uint16_t>(FrameType::kNotify) || (h.flags & kFlagNotif);
     const uint32_t gens = (h.flags & kFlagGens) ? kMaxClaimAux : 0;
-    max_aux = (carries ? notif : 0) + gens;
+    const uint32_t zspec = (is_read_req && (h.flags & kFlagZReply)) ? sizeof(ReadZSpec) : 0;
+    max_aux = (carries ? notif : 0) + gens + zspec;
     if (h.aux_len > max_aux)
       return ProtocolError(what + " carries " + std::to_string(h.aux_len) + " aux bytes (limit " +
                            std::to_string(max_aux) + (gens ? ": block generations and " : ": ") + "notification)");
@@ -198,6 +200,14 @@ Result<DataAux> split_data_aux(const FrameHeader& h, std::string_view aux) {
                            ")");
     out.claim = aux.substr(4, n);
     aux.remove_prefix(4 + size_t(n));
+  }
+  if (h.type == static_cast<uint16_t>(FrameType::kReadReq) && (h.flags & kFlagZReply)) {
+    if (aux.size() != sizeof(ReadZSpec))
+      return ProtocolError("read request frame announces a compressed response but carries " +
+                           std::to_string(aux.size()) + " spec bytes (expected " + std::to_string(sizeof(ReadZSpec)) +
+                           ")");
+    out.zspec = aux;
+    return out;
   }
   if (!(h.flags & kFlagNotif) && !aux.empty())
     return ProtocolError(frame_type_name(h.type) + " frame has " + std::to_string(aux.size()) +

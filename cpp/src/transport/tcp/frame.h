@@ -66,10 +66,12 @@ inline uint64_t control_bytes(const FrameHeader& h) { return uint64_t(h.count) *
 
 // The aux of a kWrite / kReadReq that passed check_header, split into its block
 // generation claim (kFlagGens; empty otherwise, not yet decoded: decode_claim) and
-// its notification (kFlagNotif).
+// its notification (kFlagNotif), or for a kReadReq with kFlagZReply its ReadZSpec
+// (exactly sizeof(ReadZSpec) bytes, not yet validated: decode_zspec).
 struct DataAux {
   std::string_view claim;
   std::string_view notif;
+  std::string_view zspec;
 };
 Result<DataAux> split_data_aux(const FrameHeader& h, std::string_view aux);
 // The aux prefix a sender puts before the notification: u32 length + claim.

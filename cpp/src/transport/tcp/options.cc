@@ -47,10 +47,10 @@ std::string_view compress_mode_name(CompressMode m) {
   return "?";
 }
 
-Result<CompressMode> parse_compress_mode(std::string_view s) {
+Result<CompressMode> parse_compress_mode(std::string_view s, std::string_view what) {
   for (auto m : {CompressMode::kOff, CompressMode::kLossless, CompressMode::kFp8, CompressMode::kAuto})
     if (s == compress_mode_name(m)) return m;
-  return InvalidArgument("tcp.compress.mode must be off, lossless, fp8 or auto, got '" + std::string(s) + "'");
+  return InvalidArgument(std::string(what) + " must be off, lossless, fp8 or auto, got '" + std::string(s) + "'");
 }
 
 std::string_view compress_policy_name(CompressPolicy p) {

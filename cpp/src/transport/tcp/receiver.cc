@@ -240,6 +240,8 @@ bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
     }
     case FrameType::kReadResp:
       return on_read_response_header(c);
+    case FrameType::kReadRespZ:
+      return on_compressed_read_response_header(c);
     default:
       break;
   }
@@ -276,6 +278,34 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
       return false;
     }
   }
+  return true;
+}
+
+// The payload (codec frames, at most kMaxCompressedPayload bytes: check_header) is
+// received into zbuf; the pending part stays in the table (deadlines, connection
+// death) until the payload is in.
+bool FrameReceiver::on_compressed_read_response_header(const std::shared_ptr<TcpConn>& c) {
+  RxState& st = rx(c);
+  const FrameHeader& h = st.cur;
+  auto bad = [&](const std::string& why) {
+    t_.fail_conn_locked(c, ProtocolError(why + " from " + c->desc()), h.xfer_id, h.batch);
+    return false;
+  };
+  if (!c->find_pending_read(h.xfer_id, h.batch, &st.read_part))
+    return bad("compressed read response for unknown transfer " + std::to_string(h.xfer_id));
+  if (!st.read_part.post->compress.compress)
+    return bad("compressed read response to transfer " + std::to_string(h.xfer_id) +
+               ", which did not ask for one");
+  if (st.zbuf.capacity() == 0) st.zbuf = t_.decoder().buffer();
+  st.zbuf.resize(static_cast<size_t>(h.payload));
+  st.dst_own.assign(1, iovec{st.zbuf.data(), st.zbuf.size()});
+  st.dst = st.dst_own.data();
+  st.ndst = 1;
+  st.dst_idx = 0;
+  st.dst_off = 0;
+  st.remaining = h.payload;
+  st.gather = false;
+  st.stage = RxStage::kPayload;
   return true;
 }
 
@@ -358,10 +388,7 @@ bool FrameReceiver::on_metadata_request(const std::shared_ptr<TcpConn>& c) {
 bool FrameReceiver::on_data_request(const std::shared_ptr<TcpConn>& c) {
   Request req;
   if (!decode_request(c, &req)) return false;
-  if (static_cast<FrameType>(rx(c).cur.type) == FrameType::kReadReq) {
-    answer_read(c, std::move(req));
-    return true;
-  }
+  if (static_cast<FrameType>(rx(c).cur.type) == FrameType::kReadReq) return answer_read(c, std::move(req));
   return begin_write_payload(c, std::move(req));
 }
 
@@ -460,6 +487,7 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
   rx(c).notif_off = rx(c).ctrl.size() - parts->notif.size();
   // Block generations: checked (and the blocks pinned) before a byte lands or is
   // sent. A stale claim fails this part only.
+  req->zspec = std::string(parts->zspec);
   if (h.flags & kFlagGens) {
     auto claim = decode_claim(parts->claim);
     if (!claim.ok()) return protocol_error(claim.status());
@@ -473,23 +501,116 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
   return true;
 }
 
-void FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) {
+bool FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) {
   const FrameHeader& h = rx(c).cur;
-  if (!req.reject.ok()) return reply(c, failed_ack(h, req.reject));
+  if (!req.reject.ok()) {
+    reply(c, failed_ack(h, req.reject));
+    return true;
+  }
   if (req.device >= 0) {
-    // Gathered from the GPU on the staging thread, which sends the response.
+    // Gathered from the GPU on the staging thread, which sends the response (plain:
+    // compressed responses are for host memory).
     t_.staging().respond_read(c, h, std::move(req.iov), std::move(req.pins), std::move(req.gens), req.bytes,
                               req.device);
-    return;
+    return true;
   }
+  if (h.flags & kFlagZReply) {
+    auto codec = decode_zspec(req.zspec);
+    if (codec.ok()) return answer_read_compressed(c, req, *codec);
+    if (codec.status().code() != StatusCode::kNotSupported) {
+      t_.fail_conn_locked(c, ProtocolError(codec.status().message() + " (from " + c->desc() + ")"), h.xfer_id,
+                          h.batch);
+      return false;
+    }
+    // A codec this build lacks: answered plain (the initiator accepts either).
+  }
+  reply(c, plain_read_response(h, std::move(req.iov), std::move(req.pins), std::move(req.gens), req.bytes));
+  return true;
+}
+
+std::unique_ptr<OutMsg> FrameReceiver::plain_read_response(const FrameHeader& h, std::vector<iovec> iov,
+                                                           std::vector<RegionPin> pins, GenPin gens, uint64_t bytes) {
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(FrameType::kReadResp, h.xfer_id, h.batch);
-  m->hdr.payload = req.bytes;
-  m->own_iov = std::move(req.iov);
-  m->pins = std::move(req.pins);
-  m->gens = std::move(req.gens);
+  m->hdr.payload = bytes;
+  m->own_iov = std::move(iov);
+  m->pins = std::move(pins);
+  m->gens = std::move(gens);
   m->finalize();
-  reply(c, std::move(m));
+  return m;
+}
+
+// What a compressed read response takes to its encoder thread.
+struct FrameReceiver::ReplyJob {
+  FrameHeader hdr{};
+  std::vector<iovec> iov;  // the checked extents, in order
+  std::vector<RegionPin> pins;
+  GenPin gens;
+  uint64_t bytes = 0;
+  CodecOptions codec;
+  DType dtype = DType::kU8;
+};
+
+bool FrameReceiver::answer_read_compressed(const std::shared_ptr<TcpConn>& c, Request& req,
+                                           const ZSpecCodec& codec) {
+  const FrameHeader& h = rx(c).cur;
+  auto job = std::make_shared<ReplyJob>();
+  job->hdr = h;
+  job->codec = codec.options;
+  job->dtype = codec.dtype;
+  job->iov = std::move(req.iov);
+  job->pins = std::move(req.pins);
+  job->gens = std::move(req.gens);
+  job->bytes = req.bytes;
+  c->decode_started();  // done when the response left (or was dropped): kDecodeAhead bounds the memory
+  TcpTransport& t = t_;
+  t.encoder().run([&t, c, job] { encode_reply(t, c, *job); });  // (inline once stopped: encode_reply gives up)
+  return true;
+}
+
+// On an encoder thread: encodes the response and queues it. A codec error (FP8 on
+// extents that are not whole rows) fails that part with a failed ack; a response
+// that does not fit in kMaxCompressedPayload goes plain. The extents' pins and
+// block claim are released once encoded (the bytes were copied), or with the plain
+// response once sent.
+void FrameReceiver::encode_reply(TcpTransport& t, const std::shared_ptr<TcpConn>& c, ReplyJob& job) {
+  if (t.shutting_down() || c->is_dead() || !c->owner()) {  // its initiator's read fails with the connection
+    c->decode_done();
+    return;
+  }
+  const FrameHeader& h = job.hdr;
+  auto buf = t.encoder().buffer();
+  Status st = t.encoder().encode_with(job.codec, job.dtype, job.iov.data(), static_cast<uint32_t>(job.iov.size()),
+                                      *buf);
+  std::unique_ptr<OutMsg> m;
+  if (!st.ok()) {
+    m = failed_ack(h, st.with_context("compressing the read response"));
+  } else if (buf->bytes.size() > kMaxCompressedPayload) {
+    m = plain_read_response(h, std::move(job.iov), std::move(job.pins), std::move(job.gens), job.bytes);
+  } else {
+    job.pins.clear();
+    job.gens.reset();  // read: a bump of these blocks may return now
+    m = std::make_unique<OutMsg>();
+    m->hdr = make_hdr(FrameType::kReadRespZ, h.xfer_id, h.batch);
+    m->hdr.payload = buf->bytes.size();
+    m->own_iov.push_back({buf->bytes.data(), buf->bytes.size()});
+    // Freed once the frame left or was dropped, under the send queue's lock: the
+    // connection's decode_done() (which takes that lock) is left to an encoder thread.
+    Encoder* enc = &t.encoder();
+    std::shared_ptr<void> done(nullptr, [enc, c](void*) {
+      if (!enc->post([c] { c->decode_done(); })) return;  // stopped: the connection goes with the agent
+    });
+    m->lease = std::make_shared<std::pair<std::shared_ptr<EncodedBatch>, std::shared_ptr<void>>>(std::move(buf),
+                                                                                               std::move(done));
+    m->finalize();
+    c->owner()->enqueue(c, std::move(m));
+    c->owner()->wake_if_idle();
+    return;
+  }
+  m->finalize();
+  c->owner()->enqueue(c, std::move(m));
+  c->owner()->wake_if_idle();
+  c->decode_done();
 }
 
 bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Request req) {
@@ -703,13 +824,73 @@ void FrameReceiver::on_payload_done(const std::shared_ptr<TcpConn>& c) {
   }
   if (static_cast<FrameType>(h.type) == FrameType::kWriteZ) return hand_to_decoder(c);
   if (static_cast<FrameType>(h.type) == FrameType::kWrite) return write_landed(c);
+  if (static_cast<FrameType>(h.type) == FrameType::kReadRespZ) return hand_read_to_decoder(c);
   // Read response complete.
   PendingPart part;
   const bool found = c->take_pending(h.xfer_id, h.batch, &part);
   rx(c).read_part = PendingPart{};
   rx(c).dst = nullptr;
-  if (found)
+  if (found) {
+    spi::TransferControl(part.post->xfer).add_wire_bytes(h.payload);
     t_.resolve(part, staged.ok() ? part.bytes : 0, staged.with_context("copying a read response into device memory"));
+  }
+}
+
+// What a compressed read response takes to its decode thread.
+struct FrameReceiver::ReadDecodeJob {
+  FrameHeader hdr{};
+  std::vector<uint8_t> payload;  // the codec frames
+  PendingPart part;              // taken from the pending table: this job resolves it
+};
+
+void FrameReceiver::hand_read_to_decoder(const std::shared_ptr<TcpConn>& c) {
+  RxState& st = rx(c);
+  auto job = std::make_shared<ReadDecodeJob>();
+  job->hdr = st.cur;
+  job->payload = std::move(st.zbuf);
+  st.zbuf.clear();
+  st.dst_own.clear();
+  st.dst = nullptr;
+  st.read_part = PendingPart{};
+  if (!c->take_pending(job->hdr.xfer_id, job->hdr.batch, &job->part)) {
+    t_.decoder().give_back(std::move(job->payload));  // (resolved meanwhile)
+    return;
+  }
+  c->decode_started();
+  TcpTransport& t = t_;
+  if (!t.decoder().post([&t, c, job] { finish_read_decode(t, c, *job); })) {
+    t.resolve(job->part, 0, ConnectionError("agent is shutting down"));
+    t.decoder().give_back(std::move(job->payload));
+    c->decode_done();
+  }
+}
+
+// On a decode thread (no receive lock held): decodes into the read's destination
+// (pinned until the transfer completes, which it cannot before this part resolves).
+// A malformed payload fails the connection; a checksum mismatch (DataCorrupted)
+// fails this part only.
+void FrameReceiver::finish_read_decode(TcpTransport& t, const std::shared_ptr<TcpConn>& c, ReadDecodeJob& job) {
+  const FrameHeader& h = job.hdr;
+  const PendingPart& part = job.part;
+  spi::TransferControl(part.post->xfer).add_wire_bytes(job.payload.size());
+  // Raw frames (a chunk that did not shrink) or the codec this read asked for: never
+  // lossy bytes a lossless read did not accept.
+  const uint32_t allowed = (1u << static_cast<unsigned>(CodecKind::kRaw)) |
+                           (1u << static_cast<unsigned>(part.post->compress.kind));
+  Status d = Decoder::decode(job.payload.data(), job.payload.size(), part.dst, part.ndst, "compressed read response",
+                             allowed);
+  t.decoder().give_back(std::move(job.payload));
+  if (d.code() == StatusCode::kProtocolError) {
+    d = ProtocolError(d.message() + " (from " + c->desc() + ")");
+    auto lk = c->lock_rx();
+    t.fail_conn_locked(c, d, h.xfer_id, h.batch);
+  } else if (!d.ok()) {
+    d = Status(d.code(), d.message() + " (from " + c->desc() + ")");
+  } else {
+    spi::TransferControl(part.post->xfer).set_compression(codec_kind_name(part.post->compress.kind).data());
+  }
+  t.resolve(part, d.ok() ? part.bytes : 0, d);
+  c->decode_done();
 }
 
 // The payload of a write is in place (or discarded): release it and acknowledge.

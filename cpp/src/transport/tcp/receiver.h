@@ -18,10 +18,17 @@
 // Ownership: the receive state of every connection (conn.h RxState) is this class's;
 // nothing else reads or writes it.
 //
+// Compressed frames are coded off the progress threads: a kWriteZ payload and a
+// kReadRespZ payload (a compressed read's response) are decoded on a decode thread
+// (compress.h Decoder), a read request with kFlagZReply is answered by an encoder
+// thread (compress.h Encoder). At most kDecodeAhead of them per connection are at
+// those threads (or encoded and not yet sent); at that many, reading the connection
+// pauses.
+//
 // Thread safety: every function runs with the connection's receive lock held
 // (TcpConn::lock_rx: the owner thread, or a caller driving its own transfer),
-// except finish_decode, which runs on a decode thread (compress.h Decoder) and
-// touches no receive state.
+// except finish_decode, finish_read_decode and encode_reply, which run on a decode
+// or encoder thread and touch no receive state.
 #pragma once
 
 #include <sys/uio.h>
@@ -59,6 +66,7 @@ class FrameReceiver {
     uint64_t bytes = 0;
     GenPin gens;    // the claimed blocks, held until the bytes landed or left
     Status reject;  // the claim failed: refuse this part only
+    std::string zspec;  // a read request with kFlagZReply: its ReadZSpec (unchecked)
   };
 
   // One read of the current stage. Returns the syscall's result; when it read
@@ -79,6 +87,7 @@ class FrameReceiver {
   // the connection was failed.
   bool on_header(const std::shared_ptr<TcpConn>& c);
   bool on_read_response_header(const std::shared_ptr<TcpConn>& c);
+  bool on_compressed_read_response_header(const std::shared_ptr<TcpConn>& c);
   // The control bytes of c->cur are in c->ctrl: acts on the frame. False when the
   // connection was failed.
   bool on_control(const std::shared_ptr<TcpConn>& c);
@@ -91,12 +100,27 @@ class FrameReceiver {
   // Pins the extents of the write / read request in c->cur and checks its aux and
   // block generation claim. False when the connection was failed.
   bool decode_request(const std::shared_ptr<TcpConn>& c, Request* req);
-  void answer_read(const std::shared_ptr<TcpConn>& c, Request req);
+  // Answers a read request (plain, compressed, or from device memory). False when
+  // the connection was failed.
+  bool answer_read(const std::shared_ptr<TcpConn>& c, Request req);
+  // A read request with kFlagZReply from host memory, its spec checked: an encoder
+  // thread encodes the response (encode_reply) and sends it.
+  bool answer_read_compressed(const std::shared_ptr<TcpConn>& c, Request& req, const ZSpecCodec& codec);
+  struct ReplyJob;
+  static void encode_reply(TcpTransport& t, const std::shared_ptr<TcpConn>& c, ReplyJob& job);
+  // A plain response carrying the request's extents (pins and claim held until sent).
+  static std::unique_ptr<OutMsg> plain_read_response(const FrameHeader& h, std::vector<iovec> iov,
+                                                     std::vector<RegionPin> pins, GenPin gens, uint64_t bytes);
   bool begin_write_payload(const std::shared_ptr<TcpConn>& c, Request req);
   bool begin_compressed_payload(const std::shared_ptr<TcpConn>& c, Request req);
   struct DecodeJob;
   void hand_to_decoder(const std::shared_ptr<TcpConn>& c);
   static void finish_decode(TcpTransport& t, const std::shared_ptr<TcpConn>& c, DecodeJob& job);
+  // A compressed read response is in: a decode thread decodes it into the read's
+  // destination (finish_read_decode) and resolves that part.
+  struct ReadDecodeJob;
+  void hand_read_to_decoder(const std::shared_ptr<TcpConn>& c);
+  static void finish_read_decode(TcpTransport& t, const std::shared_ptr<TcpConn>& c, ReadDecodeJob& job);
   // The current payload is complete.
   void on_payload_done(const std::shared_ptr<TcpConn>& c);
   void write_landed(const std::shared_ptr<TcpConn>& c);

@@ -76,7 +76,9 @@ TcpTransport::TcpTransport(const AgentConfig& cfg)
     : opts_(cfg.tcp),
       staging_(*this, cfg.tcp.stage_chunk_bytes, cfg.tcp.stage_buffers),
       backoff_(kAuthBackoffBaseS, kAuthBackoffMaxS, kAuthBackoffSources, kAuthFreeFailures) {
-  if (cfg.tcp.compress.mode != CompressMode::kOff) encoder_ = std::make_unique<Encoder>(cfg.tcp.compress);
+  // Always there: a transfer may ask for compression with the agent's mode off, and
+  // peers may ask for compressed read responses (its threads start on first use).
+  encoder_ = std::make_unique<Encoder>(cfg.tcp.compress);
 }
 
 TransportCaps TcpTransport::caps() const {
@@ -106,7 +108,7 @@ Status TcpTransport::start(AgentHooks* hooks) {
 
 void TcpTransport::shutdown() {
   if (shut_.exchange(true)) return;
-  if (encoder_) encoder_->stop();  // queued encodes fail fast once shut_ is set; later batches fail in pump_encodes
+  encoder_->stop();  // queued encodes fail fast once shut_ is set; later batches fail in pump_encodes
   staging_.stop();  // queued tasks fail fast once shut_ is set
   decoder_.stop();  // queued decodes finish (their acks go out before the progress threads stop)
   for (auto& t : threads_) t->stop();
@@ -130,11 +132,29 @@ void TcpTransport::log_rejected(const std::string& line) {
 
 Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                                  std::vector<ResolvedExtent> extents) {
+  return prepare_with(std::move(peer), op, std::move(extents), nullptr, TransferHints{});
+}
+
+Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare_with(std::shared_ptr<const Peer> peer, OpKind op,
+                                                                      std::vector<ResolvedExtent> extents,
+                                                                      std::shared_ptr<const GenClaim> claim,
+                                                                      const TransferHints& hints) {
   if (!peer->md.find_endpoint("tcp"))
     return NotSupported("peer '" + peer->md.name + "' publishes no tcp endpoint");
+  TcpCompression z = opts_.compress;
+  if (hints.compress) {
+    z.mode = *hints.compress;
+    // The agent's codec options were checked for its own mode, not this one (FP8 rows
+    // against chunk_bytes).
+    Status valid = z.validate();
+    if (!valid.ok())
+      return InvalidArgument("compress='" + std::string(compress_mode_name(z.mode)) +
+                             "' does not fit the agent's tcp.compress options: " + valid.message());
+  }
   auto p = std::make_shared<TcpPrepared>();
   p->peer = std::move(peer);
   p->op = op;
+  p->zmode = z.mode;
   uint64_t batch_bytes = opts_.batch_bytes;
   for (const auto& e : extents)
     if (e.local_kind == MemKind::kCuda) {
@@ -146,21 +166,27 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
     // Batches are staged through pinned chunks: no batch may exceed one.
     PDKV_ASSIGN_OR_RETURN(auto st, staging_.stager());
     batch_bytes = std::min(batch_bytes, st->chunk());
-  } else if (encoder_ && op == OpKind::kWrite) {
-    // Batches of a write that may be compressed are codec chunks: the pipeline unit.
-    const uint64_t chunked = std::min(batch_bytes, compressed_batch_bytes(encoder_->options()));
-    if (encoder_->options().mode == CompressMode::kAuto && chunked < batch_bytes) {
+  } else if (z.mode != CompressMode::kOff) {
+    // Batches of a transfer that may be compressed are codec chunks: the pipeline
+    // unit (a write's frames; a read's requests, each answered by one response).
+    const uint64_t chunked = std::min(batch_bytes, compressed_batch_bytes(z));
+    if (z.mode == CompressMode::kAuto && chunked < batch_bytes) {
       // auto may send it plain: then in plain-sized batches (1 MiB batches cost a
       // loopback write a third of its speed in acks and frames).
       auto plain = std::make_shared<TcpPrepared>();
       plain->peer = p->peer;
       plain->op = op;
+      plain->zmode = z.mode;
       PDKV_RETURN_IF_ERROR(cut_batches(*plain, extents, batch_bytes));
       p->plain = std::move(plain);
     }
     batch_bytes = chunked;
   }
   PDKV_RETURN_IF_ERROR(cut_batches(*p, extents, batch_bytes));
+  if (claim) {
+    p->claim_aux = encode_claim_aux(encode_claim(*claim));
+    if (p->plain) p->plain->claim_aux = p->claim_aux;
+  }
   return std::shared_ptr<const PreparedOps>(std::move(p));
 }
 
@@ -289,11 +315,7 @@ void TcpTransport::cut_strided_batches(TcpPrepared& p, const std::vector<Resolve
 Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
                                                                          std::vector<ResolvedExtent> extents,
                                                                          std::shared_ptr<const GenClaim> claim) {
-  PDKV_ASSIGN_OR_RETURN(auto ops, prepare(std::move(peer), op, std::move(extents)));
-  auto p = std::const_pointer_cast<TcpPrepared>(std::static_pointer_cast<const TcpPrepared>(ops));
-  p->claim_aux = encode_claim_aux(encode_claim(*claim));
-  if (p->plain) p->plain->claim_aux = p->claim_aux;
-  return ops;
+  return prepare_with(std::move(peer), op, std::move(extents), std::move(claim), TransferHints{});
 }
 
 // ---------------------------------------------------------------- peers and their connection slots
@@ -435,23 +457,32 @@ void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
     spi::TransferControl(xfer).fail_now(pcr.status());
     return;
   }
-  auto choice = choose_compression(*prep, **pcr);
+  bool sample = false;
+  auto choice = choose_compression(*prep, **pcr, &sample);
   if (!choice.ok()) {
     spi::TransferControl(xfer).fail_now(choice.status());
     return;
   }
+  const TcpCompression z = compression_of(*prep);
   if (!choice->compress && prep->plain) prep = prep->plain;  // auto chose plain: plain-sized batches
   auto post = std::make_shared<TcpPost>();
   post->xfer = xfer;
   post->prep = prep;
   post->pc = *pcr;
   post->notif = std::move(notif);
+  post->sample_codec = sample;
   const uint32_t nconn = opts_.conns_per_peer;
   const uint32_t nb = static_cast<uint32_t>(prep->batches.size());
   const uint32_t base = post->pc->rr.fetch_add(1, std::memory_order_relaxed);
   const bool spread = nconn > 1 && nb > 1;
   post->compress = *choice;
-  if (post->compress.compress) spi::TransferControl(xfer).set_compression(codec_kind_name(post->compress.kind).data());
+  post->reads_unsettled = nb;
+  if (post->compress.compress && prep->op == OpKind::kRead) {
+    post->zspec = make_zspec(z, post->compress.kind);
+  } else if (post->compress.compress) {
+    // (A read says so when a compressed response lands: the target may answer plain.)
+    spi::TransferControl(xfer).set_compression(codec_kind_name(post->compress.kind).data());
+  }
   // Compressed batches may leave out of order (several encoder threads): the
   // notification then follows the last ack, as for a spread transfer.
   const bool unordered = post->compress.compress && nb > 1;
@@ -462,7 +493,7 @@ void TcpTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
   spi::TransferControl(xfer).set_cancel_hook([this, wp] {
     if (auto p = wp.lock()) cancel(p);
   });
-  if (post->compress.compress) {
+  if (post->compress.compress && prep->op == OpKind::kWrite) {
     post->zbase = base;
     return pump_encodes(post);
   }
@@ -541,6 +572,11 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
     m->hdr.flags |= kFlagGens;
     m->aux = prep->claim_aux;
   }
+  const bool zreply = prep->op == OpKind::kRead && post->compress.compress;
+  if (zreply) {  // the spec follows the claim (docs/wire.md, "Compressed reads")
+    m->hdr.flags |= kFlagZReply;
+    m->aux.append(reinterpret_cast<const char*>(&post->zspec), sizeof post->zspec);
+  }
   if (prep->op == OpKind::kWrite && !post->separate_notif && !post->notif.empty() && i == nb - 1 &&
       !post->data_failed) {
     m->hdr.flags |= kFlagNotif;
@@ -553,7 +589,7 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
     resolve(PendingPart{post, i, b.bytes}, 0, ConnectionError("connection to " + conn->desc() + " closed"));
     return;
   }
-  if (nb == 1 && !prep->staged && !compressed) {
+  if (nb == 1 && !prep->staged && !compressed && !zreply) {
     // Small transfers: the caller's wait() reads the ack itself (one thread hop
     // fewer, the latency of a plain socket round trip). Not for device memory: the
     // caller's thread would have to bind a CUDA context.
@@ -588,7 +624,7 @@ void TcpTransport::resolve(const PendingPart& p, uint64_t bytes, const Status& s
   if (post->separate_notif && p.batch != kNotifyBatch) {
     if (!st.ok()) post->data_failed = true;
     const bool last_data = post->data_left.fetch_sub(1, std::memory_order_acq_rel) == 1;
-    settle(post, bytes, st);
+    settle(post, p.batch, bytes, st);
     if (last_data) {
       if (post->data_failed || spi::TransferControl(post->xfer).cancel_requested()) {
         spi::TransferControl(post->xfer).resolve_part(0, Cancelled("notification not sent: the data did not all land"));
@@ -598,32 +634,55 @@ void TcpTransport::resolve(const PendingPart& p, uint64_t bytes, const Status& s
     }
     return;
   }
-  settle(post, bytes, st);
+  settle(post, p.batch, bytes, st);
 }
 
-void TcpTransport::settle(const std::shared_ptr<TcpPost>& post, uint64_t bytes, const Status& st) {
+void TcpTransport::settle(const std::shared_ptr<TcpPost>& post, uint32_t batch, uint64_t bytes, const Status& st) {
+  if (post->prep && post->prep->op == OpKind::kRead && batch != kNotifyBatch && settle_read(post, bytes, st)) return;
   if (!spi::TransferControl(post->xfer).resolve_part(bytes, st)) return;
   // A plain write that completed measures the link to its peer (compression kAuto).
-  if (!encoder_ || !post->prep || post->prep->op != OpKind::kWrite || post->compress.compress) return;
-  if (post->xfer->state() != XferState::kDone) return;
+  if (!post->prep || post->prep->op != OpKind::kWrite || post->compress.compress) return;
+  if (post->prep->zmode != CompressMode::kAuto || post->xfer->state() != XferState::kDone) return;
   post->pc->chooser.plain_delivered(post->prep->total,
                                     std::chrono::duration<double>(Clock::now() - post->posted).count());
 }
 
+bool TcpTransport::settle_read(const std::shared_ptr<TcpPost>& post, uint64_t bytes, const Status& st) {
+  if (!st.ok()) post->read_failed = true;
+  if (post->reads_unsettled.fetch_sub(1, std::memory_order_acq_rel) != 1) return false;  // not the last
+  const TcpPrepared& prep = *post->prep;
+  if (post->compress.compress || prep.zmode != CompressMode::kAuto || post->read_failed) return false;
+  post->pc->read_chooser.plain_delivered(prep.total, std::chrono::duration<double>(Clock::now() - post->posted).count());
+  if (!post->sample_codec || prep.batches.empty()) return false;
+  // Not on this (progress) thread: a sample costs a chunk's encode and decode.
+  return encoder_->post([this, post, bytes, st] {
+    const TcpPrepared& p = *post->prep;
+    const CodecKind kind = codec_for_mode(compression_of(p), post->pc->features.codecs);
+    encoder_->calibrate(kind, &p.iov[p.batches[0].first], p.batches[0].count, /*again=*/true);
+    spi::TransferControl(post->xfer).resolve_part(bytes, st);
+  });
+}
+
 // ---------------------------------------------------------------- compression
 
-Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerConns& pc) {
-  if (!encoder_ || prep.op != OpKind::kWrite || prep.staged || prep.batches.empty()) return Choice{};
-  const TcpCompression& o = encoder_->options();
+TcpCompression TcpTransport::compression_of(const TcpPrepared& prep) const {
+  TcpCompression z = opts_.compress;
+  z.mode = prep.zmode;
+  return z;
+}
+
+Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerConns& pc, bool* sample) {
+  if (prep.zmode == CompressMode::kOff || prep.staged || prep.batches.empty()) return Choice{};
+  if (prep.op == OpKind::kRead) return choose_read_compression(prep, pc, sample);
+  const TcpCompression o = compression_of(prep);
   const PeerFeatures& f = pc.features;
   const std::string& peer = pc.peer->md.name;
   auto decodes = [&](CodecKind k) { return f.compressed_write && ((f.codecs >> static_cast<unsigned>(k)) & 1u); };
   if (o.mode == CompressMode::kAuto) {
     if (!f.compressed_write) return Choice{};  // an older peer: plain, as it expects
-    const bool fp8 = o.policy == CompressPolicy::kLossyAllowed && decodes(CodecKind::kFp8);
-    const CodecKind k = fp8 ? CodecKind::kFp8 : o.codec;
+    const CodecKind k = codec_for_mode(o, f.codecs);
     encoder_->calibrate(k, prep.iov.data(), prep.batches[0].count, pc.chooser.resample_due());
-    return pc.chooser.choose(*encoder_, fp8, f.codecs, f.decode_threads);
+    return pc.chooser.choose(*encoder_, k, f.codecs, CodecPipeline{encoder_->threads(), f.decode_threads});
   }
   const CodecKind k = o.mode == CompressMode::kFp8 ? CodecKind::kFp8 : o.codec;
   if (!f.compressed_write)
@@ -633,6 +692,23 @@ Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerCon
     return NotSupported("peer '" + peer + "' cannot decode " + std::string(codec_kind_name(k)) +
                         " frames (its build lacks that library)");
   return Choice{true, k};
+}
+
+// A read asks; the target answers compressed or plain. So a peer that cannot answer
+// compressed (an older pdkv, or one lacking the codec) is simply read plain, whatever
+// the mode; kAuto decides from the delivered rate of plain reads from that peer (the
+// initiator waits for the whole round trip, so its measure is the one that counts)
+// and this agent's codec figures (sampled on bytes read from that peer).
+Choice TcpTransport::choose_read_compression(const TcpPrepared& prep, PeerConns& pc, bool* sample) {
+  const TcpCompression o = compression_of(prep);
+  const PeerFeatures& f = pc.features;
+  const CodecKind k = codec_for_mode(o, f.codecs);
+  if (!f.compressed_read || !((f.codecs >> static_cast<unsigned>(k)) & 1u)) return Choice{};
+  if (o.mode != CompressMode::kAuto) return Choice{true, k};
+  const bool due = pc.read_chooser.resample_due() || encoder_->figures(k).encode_bps == 0;
+  const Choice c = pc.read_chooser.choose(*encoder_, k, f.codecs, CodecPipeline{f.encode_threads, decoder_.threads()});
+  *sample = !c.compress && due;
+  return c;
 }
 
 void TcpTransport::pump_encodes(const std::shared_ptr<TcpPost>& post) {

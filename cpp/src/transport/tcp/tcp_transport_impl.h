@@ -48,8 +48,9 @@ class TcpTransport final : public Transport {
   Status start(AgentHooks* hooks) override;
   void shutdown() override;
   std::vector<Endpoint> endpoints() const override { return {Endpoint{"tcp", addr_.str()}}; }
-  // Says that this agent accepts compressed writes and which codecs it decodes.
-  std::string metadata_extra() const override { return encode_extra(); }
+  // Says that this agent accepts compressed writes, answers compressed reads, and
+  // which codecs it decodes and encodes.
+  std::string metadata_extra() const override { return encode_extra(encoder_->threads()); }
   bool can_reach(const AgentMetadata& peer) const override { return peer.find_endpoint("tcp") != nullptr; }
   Result<std::shared_ptr<const PreparedOps>> prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                      std::vector<ResolvedExtent> extents) override;
@@ -58,6 +59,11 @@ class TcpTransport final : public Transport {
   Result<std::shared_ptr<const PreparedOps>> prepare_checked(std::shared_ptr<const Peer> peer, OpKind op,
                                                              std::vector<ResolvedExtent> extents,
                                                              std::shared_ptr<const GenClaim> claim) override;
+  // Honours hints.compress (this transfer's compression mode instead of the agent's).
+  Result<std::shared_ptr<const PreparedOps>> prepare_with(std::shared_ptr<const Peer> peer, OpKind op,
+                                                          std::vector<ResolvedExtent> extents,
+                                                          std::shared_ptr<const GenClaim> claim,
+                                                          const TransferHints& hints) override;
   void post(const std::shared_ptr<const PreparedOps>& ops, const std::shared_ptr<Transfer>& xfer,
             std::string notif) override;
   void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) override;
@@ -72,6 +78,7 @@ class TcpTransport final : public Transport {
   AuthBackoff& auth_backoff() { return backoff_; }
   DeviceStaging& staging() { return staging_; }
   Decoder& decoder() { return decoder_; }
+  Encoder& encoder() { return *encoder_; }
   bool shutting_down() const { return shut_.load(std::memory_order_acquire); }
   // The progress thread that gets the next connection (round robin).
   ProgressThread* pick_thread() { return threads_[next_thread_++ % threads_.size()].get(); }
@@ -111,17 +118,27 @@ class TcpTransport final : public Transport {
                   std::shared_ptr<cuda::PinnedBuffer> staged, std::shared_ptr<EncodedBatch> encoded = nullptr,
                   std::shared_ptr<void> ticket = nullptr);
   // How a write to this peer goes (compress.h): plain, or compressed with a codec;
-  // an error when compression was demanded and the peer cannot take it.
-  Result<Choice> choose_compression(const TcpPrepared& prep, PeerConns& pc);
+  // an error when compression was demanded and the peer cannot take it. A read asks
+  // for compressed responses only from a peer that answers them (else plain);
+  // *sample says a plain kAuto read samples the codec once landed (settle_read).
+  Result<Choice> choose_compression(const TcpPrepared& prep, PeerConns& pc, bool* sample);
+  Choice choose_read_compression(const TcpPrepared& prep, PeerConns& pc, bool* sample);
+  // prep's compression options: the agent's, with this transfer's mode.
+  TcpCompression compression_of(const TcpPrepared& prep) const;
   // Schedules the encoding of a compressed write's next batches while fewer than
   // kEncodeAhead of them are encoded and not yet sent. Each scheduled batch holds a
   // ticket whose release (its frame sent, dropped or failed) schedules the next.
   void pump_encodes(const std::shared_ptr<TcpPost>& post);
   // Encodes batch i of a compressed write, then sends it (on an encoder thread).
   void encode_and_send(const std::shared_ptr<TcpPost>& post, uint32_t i, std::shared_ptr<void> ticket);
-  // Resolves one part of the transfer; when that made it terminal, feeds the
+  // Resolves one part (`batch`) of the transfer; when that made it terminal, feeds the
   // delivered throughput of a plain write to the peer's LinkChooser.
-  void settle(const std::shared_ptr<TcpPost>& post, uint64_t bytes, const Status& st);
+  void settle(const std::shared_ptr<TcpPost>& post, uint32_t batch, uint64_t bytes, const Status& st);
+  // A read's data part: on the last one of a plain kAuto read, measures the link
+  // and, when due, samples the codec on the landed bytes on an encoder thread before
+  // resolving it (the read is not complete, so its memory is still pinned). True
+  // when it took over resolving the part.
+  bool settle_read(const std::shared_ptr<TcpPost>& post, uint64_t bytes, const Status& st);
   // Gathers batch i of a device-memory WRITE into a pinned buffer, then sends it
   // (on the staging thread).
   void stage_and_send(const std::shared_ptr<TcpPost>& post, uint32_t i, uint32_t slot);
@@ -141,8 +158,10 @@ class TcpTransport final : public Transport {
   std::mutex mu_;  // guards peers_
   std::map<std::string, std::shared_ptr<PeerConns>> peers_;
   DeviceStaging staging_;
-  std::unique_ptr<Encoder> encoder_;  // null when compression is off
-  Decoder decoder_;                   // compressed writes received (threads start on the first)
+  // Compressed writes sent and compressed read responses answered (threads start on
+  // the first); its codec figures drive kAuto.
+  std::unique_ptr<Encoder> encoder_;
+  Decoder decoder_;  // compressed writes and read responses received (threads start on the first)
   AuthBackoff backoff_;
   LogLimiter reject_log_{std::chrono::seconds(1)};
 };

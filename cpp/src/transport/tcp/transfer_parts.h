@@ -60,8 +60,10 @@ struct TcpPrepared final : PreparedOps {
   // Block generation claim (u32 length + claim) sent at the start of every frame's
   // aux, so the target checks it per frame before its bytes land or are sent.
   std::string claim_aux;
-  // Compression kAuto writes: the same extents cut into plain-sized batches, sent
-  // instead when the write goes plain (these batches are codec chunks).
+  // This transfer's compression mode (the agent's, or the caller's XferOptions::compress).
+  CompressMode zmode = CompressMode::kOff;
+  // Compression kAuto: the same extents cut into plain-sized batches, sent instead
+  // when the transfer goes plain (these batches are codec chunks).
   std::shared_ptr<TcpPrepared> plain;
 };
 
@@ -73,8 +75,9 @@ struct PeerConns : std::enable_shared_from_this<PeerConns> {
   std::vector<std::shared_ptr<TcpConn>> conns;  // [conns_per_peer]; null or dead: dial on next use
   std::atomic<uint32_t> rr{0};                  // round-robin start slot of the next post
   PeerFeatures features;                        // from its tcp metadata extra (compressed writes?)
-  LinkChooser chooser;                          // compression kAuto: plain or compressed
-  explicit PeerConns(const std::string& name) : chooser(name) {}
+  LinkChooser chooser;                          // compression kAuto: writes plain or compressed
+  LinkChooser read_chooser;                     // ... and reads
+  explicit PeerConns(const std::string& name) : chooser(name, "writes to"), read_chooser(name, "reads from") {}
 };
 
 // State of one posted transfer inside the transport.
@@ -89,7 +92,13 @@ struct TcpPost {
   std::mutex mu;
   std::vector<std::weak_ptr<TcpConn>> conns;  // guarded by mu; for cancel
   Status connect_err;                          // guarded by mu: later batches fail fast
-  Choice compress;                             // fixed at post: batches go as kWriteZ
+  Choice compress;                             // fixed at post: batches go as kWriteZ (reads: ask kReadRespZ)
+  ReadZSpec zspec{};                           // compressed read: what its requests ask for
+  // A plain kAuto read: samples the codec on the landed bytes before it completes
+  // (the read chooser had no figures, or it is time to sample again).
+  bool sample_codec = false;
+  std::atomic<uint32_t> reads_unsettled{0};  // read: data parts not yet resolved
+  std::atomic<bool> read_failed{false};      // read: a data part failed
   uint32_t zbase = 0;                          // compressed: slot of batch 0
   uint32_t znext = 0;                          // guarded by mu: next batch to encode
   uint32_t zinflight = 0;                      // guarded by mu: encoded (or encoding), not yet sent

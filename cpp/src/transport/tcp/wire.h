@@ -27,6 +27,10 @@ enum class FrameType : uint16_t {
   // that decode, in order, to the bytes of its extents; only to a peer whose tcp
   // metadata extra says it accepts them (kFeatureCompressedWrite).
   kWriteZ = 11,
+  // <- target: the response to a kReadReq with kFlagZReply whose payload is a
+  // sequence of codec frames decoding, in order, to the bytes of the requested extents
+  // (the target may answer such a request with a plain kReadResp instead).
+  kReadRespZ = 12,
 };
 
 // The tcp transport's metadata extra (Transport::metadata_extra): u32 magic, u32
@@ -36,6 +40,8 @@ inline constexpr uint32_t kExtraMagic = 0x58504354;  // "TCPX"
 inline constexpr uint32_t kFeatureCompressedWrite = 1;
 // It accepts kFlagStrided on kWrite, kWriteZ and kReadReq.
 inline constexpr uint32_t kFeatureStridedExtents = 2;
+// It accepts kFlagZReply on kReadReq (answers with kReadRespZ when it can).
+inline constexpr uint32_t kFeatureCompressedRead = 4;
 
 inline constexpr uint16_t kFlagNotif = 1;  // kWrite: aux is a notification, deliver after payload
 // kWrite / kReadReq: aux starts with a block generation claim (u32 length + claim,
@@ -47,6 +53,25 @@ inline constexpr uint16_t kFlagGens = 4;
 // fragmented blocks as one descriptor per run instead of one per piece). Sent only to
 // a peer whose tcp metadata extra has kFeatureStridedExtents.
 inline constexpr uint16_t kFlagStrided = 8;
+// kReadReq: the initiator accepts a compressed response (kReadRespZ); its aux ends
+// with a ReadZSpec (after the block generation claim, if any). Sent only to a peer
+// whose tcp metadata extra has kFeatureCompressedRead.
+inline constexpr uint16_t kFlagZReply = 16;
+
+// How the initiator of a compressed read wants its response encoded: the codec and
+// its parameters (the initiator knows the KV it reads: its dtype and FP8 grouping).
+struct ReadZSpec {
+  uint8_t codec;  // pdkv::CodecKind: zstd, lz4 or fp8
+  uint8_t dtype;  // pdkv::DType of the KV (byte planes; fp8: bfloat16, float16, float32)
+  uint8_t checksum;  // 1: XXH3-64 in every codec frame; 0: none
+  uint8_t reserved;  // 0
+  int32_t level;     // zstd level
+  uint32_t heads;    // fp8 grouping (1.. each; rows of heads x head_dim elements)
+  uint32_t head_dim;
+  uint32_t rows_per_group;
+  uint32_t reserved2;  // 0
+};
+static_assert(sizeof(ReadZSpec) == 24, "read compression spec must be 24 bytes");
 
 struct FrameHeader {
   uint32_t magic;
