@@ -59,13 +59,15 @@ std::string advertised_host(const std::string& listen) {
 
 // Raw bytes per batch of a write that may be compressed: the codec chunk, in whole
 // FP8 scale groups (or rows) when FP8 may be chosen, so every frame is whole rows.
-uint64_t compressed_batch_bytes(const TcpCompression& o) {
+// At most `cap` bytes (device memory: a staging chunk); 0 when a row does not fit.
+uint64_t compressed_batch_bytes(const TcpCompression& o, uint64_t cap = UINT64_MAX) {
+  const uint64_t chunk = std::min<uint64_t>(o.chunk_bytes, cap);
   const bool fp8 = o.mode == CompressMode::kFp8 || (o.mode == CompressMode::kAuto && o.policy == CompressPolicy::kLossyAllowed);
-  if (!fp8) return o.chunk_bytes;
+  if (!fp8) return chunk;
   const uint64_t row = uint64_t(o.fp8.heads) * o.fp8.head_dim * dtype_size(o.dtype);
   const uint64_t group = row * o.fp8.rows_per_group;
-  const uint64_t unit = group <= o.chunk_bytes ? group : row;  // validate() keeps row <= chunk_bytes
-  return o.chunk_bytes / unit * unit;
+  const uint64_t unit = group <= chunk ? group : row;  // validate() keeps row <= chunk_bytes
+  return chunk / unit * unit;
 }
 
 }  // namespace
@@ -146,6 +148,12 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare(std::shared_ptr
     // Batches are staged through pinned chunks: no batch may exceed one.
     PDKV_ASSIGN_OR_RETURN(auto st, staging_.stager());
     batch_bytes = std::min(batch_bytes, st->chunk());
+    if (encoder_ && op == OpKind::kWrite && device_may_compress(p->device)) {
+      batch_bytes = compressed_batch_bytes(encoder_->options(), st->chunk());  // codec chunks, whole fp8 groups
+      if (batch_bytes == 0)
+        return InvalidArgument("tcp stage_chunk_bytes (" + std::to_string(st->chunk()) +
+                               ") is smaller than one fp8 row of the compressed device write");
+    }
   } else if (encoder_ && op == OpKind::kWrite) {
     // Batches of a write that may be compressed are codec chunks: the pipeline unit.
     const uint64_t chunked = std::min(batch_bytes, compressed_batch_bytes(encoder_->options()));
@@ -612,12 +620,26 @@ void TcpTransport::settle(const std::shared_ptr<TcpPost>& post, uint64_t bytes, 
 
 // ---------------------------------------------------------------- compression
 
+// Device memory: forced modes compress; auto only with FP8 kernels on a real GPU
+// (device_staging.h; a lossless codec would run on the host after staging).
+bool TcpTransport::device_may_compress(int device) {
+  const TcpCompression& o = encoder_->options();
+  if (o.mode != CompressMode::kAuto) return true;
+  return o.policy == CompressPolicy::kLossyAllowed && staging_.gpu_fp8_on_hardware(device);
+}
+
 Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerConns& pc) {
-  if (!encoder_ || prep.op != OpKind::kWrite || prep.staged || prep.batches.empty()) return Choice{};
+  if (!encoder_ || prep.op != OpKind::kWrite || prep.batches.empty()) return Choice{};
   const TcpCompression& o = encoder_->options();
   const PeerFeatures& f = pc.features;
   const std::string& peer = pc.peer->md.name;
   auto decodes = [&](CodecKind k) { return f.compressed_write && ((f.codecs >> static_cast<unsigned>(k)) & 1u); };
+  if (o.mode == CompressMode::kAuto && prep.staged) {
+    // The GPU quantizes at device-memory speed, far above a socket: FP8 wins whenever
+    // the peer decodes it, once a plain write has measured the link.
+    if (!decodes(CodecKind::kFp8) || !device_may_compress(prep.device) || pc.chooser.link_bps() == 0) return Choice{};
+    return Choice{true, CodecKind::kFp8};
+  }
   if (o.mode == CompressMode::kAuto) {
     if (!f.compressed_write) return Choice{};  // an older peer: plain, as it expects
     const bool fp8 = o.policy == CompressPolicy::kLossyAllowed && decodes(CodecKind::kFp8);
@@ -680,7 +702,12 @@ void TcpTransport::encode_and_send(const std::shared_ptr<TcpPost>& post, uint32_
   if (spi::TransferControl(post->xfer).cancel_requested()) return fail(Cancelled("cancelled"));
   if (post->data_failed) return fail(Cancelled("an earlier batch of this transfer failed"));
   auto buf = encoder_->buffer();
-  Status st = encoder_->encode(post->compress.kind, &prep->iov[b.first], b.count, *buf);
+  Status st = prep->staged
+                  ? staging_.encode(*encoder_, post->compress.kind, prep->device, &prep->iov[b.first], b.count,
+                                    post->xfer->deadline(),
+                                    [&] { return spi::TransferControl(post->xfer).cancel_requested() || shut_.load(); },
+                                    *buf)
+                  : encoder_->encode(post->compress.kind, &prep->iov[b.first], b.count, *buf);
   if (!st.ok()) return fail(st.with_context("compressing batch " + std::to_string(i) + " of the write"));
   const uint32_t slot = (post->zbase + i) % opts_.conns_per_peer;
   send_batch(post, i, slot, nullptr, std::move(buf), std::move(ticket));

@@ -113,6 +113,8 @@ class TcpTransport final : public Transport {
   // How a write to this peer goes (compress.h): plain, or compressed with a codec;
   // an error when compression was demanded and the peer cannot take it.
   Result<Choice> choose_compression(const TcpPrepared& prep, PeerConns& pc);
+  // Whether a write from device memory of `device` may be compressed (encoder_ set).
+  bool device_may_compress(int device);
   // Schedules the encoding of a compressed write's next batches while fewer than
   // kEncodeAhead of them are encoded and not yet sent. Each scheduled batch holds a
   // ticket whose release (its frame sent, dropped or failed) schedules the next.
