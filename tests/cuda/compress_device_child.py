@@ -35,8 +35,11 @@ ESIZE = {"bfloat16": 2, "float16": 2, "float32": 4}[DTYPE]
 GEOM = pdkv.KVGeometry(num_layers=2, num_blocks=48, block_tokens=5, kv_heads=3, head_dim=40, dtype=DTYPE)
 BB = GEOM.block_bytes
 ROW = GEOM.kv_heads * GEOM.head_dim * ESIZE
+CHECKSUM = os.environ.get("CHECKSUM", "0") == "1"  # XXH3 of each frame's codes + scales, verified on arrival
+KERNELS = not os.environ.get("FAKECUDA_NO_KERNEL")
 Z = pdkv.TcpCompression(mode=MODE, policy="lossy-allowed", dtype=DTYPE, fp8_heads=GEOM.kv_heads,
-                        fp8_head_dim=GEOM.head_dim, fp8_rows_per_group=GEOM.block_tokens, chunk_bytes=8192)
+                        fp8_head_dim=GEOM.head_dim, fp8_rows_per_group=GEOM.block_tokens, chunk_bytes=8192,
+                        checksum=CHECKSUM)
 TCP = pdkv.TcpOptions(stage_chunk_bytes=16384, stage_buffers=2, compress=Z)
 
 
@@ -176,7 +179,7 @@ def main() -> None:
                 b.reset(2)
     checks.append("odd extents")
 
-    if FAKE and MODE == "fp8":
+    if FAKE and MODE == "fp8" and KERNELS:
         # A kernel that faults fails that transfer with the CUDA error, nothing else.
         LIB.fakecuda_fail_launches(1)  # the sender's quantize
         err = failure(a.agent.write(peer, "dev", lids, "dev", rids, notify=b"never"))
