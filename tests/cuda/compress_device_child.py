@@ -203,9 +203,17 @@ def main() -> None:
         write("host", "dev")
         checks.append("copy failures")
 
-    print(json.dumps({"checks": checks, "wire": wire, "kernel_launches": launched, "fake": FAKE}))
     for s in (a, b):
         s.agent.close()
+    if FAKE:
+        # Closed agents leave no staging buffer, stream or event (the GPU codec's included).
+        from ctypes import c_ulonglong
+
+        arr = (c_ulonglong * 16)()
+        LIB.fakecuda_stats(arr, 16)
+        live = {"pinned": int(arr[12]), "streams": int(arr[13]), "events": int(arr[14]), "no_context": int(arr[9])}
+        assert live == {"pinned": 0, "streams": 0, "events": 0, "no_context": 0}, live
+    print(json.dumps({"checks": checks, "wire": wire, "kernel_launches": launched, "fake": FAKE}))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ __device__ __forceinline__ void store(unsigned dtype, char* p, float v) {
     if (ax > 0x7F800000u) h = sign | 0x7E00u;                                   // NaN
     else if (ax >= 0x477FF000u) h = sign | 0x7C00u;                             // rounds to infinity
     else if (ax < 0x38800000u) h = sign | unsigned(__float2int_rn(float_of(ax) * 16777216.0f));  // subnormal
-    else h = ((ax + 0xFFFu + ((ax >> 13) & 1u)) >> 13) - (112u << 10);
+    else h = sign | (((ax + 0xFFFu + ((ax >> 13) & 1u)) >> 13) - (112u << 10));
   } else {  // bfloat16
     h = ax > 0x7F800000u ? ((x >> 16) | 0x0040u) : ((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
   }
