@@ -65,3 +65,26 @@ def test_auto_keeps_device_memory_plain_on_an_emulated_driver(fakecuda_path):
     out = run_child(fakecuda_path, COMPRESS="auto", DTYPE="bfloat16")
     assert out["checks"] == ALL_DIRECTIONS
     assert out["kernel_launches"] == 0
+
+
+def test_compressed_write_into_device_memory_needs_a_cuda_driver():
+    # This process has no CUDA driver: the receiver refuses a compressed write into its
+    # device region as it refuses a plain one, and nothing lands.
+    import ctypes
+
+    import pdkv
+
+    if "cuda_ipc" in pdkv.available_transports() or os.environ.get("PDKV_CUDA_DRIVER"):
+        pytest.skip("a CUDA driver is loaded in this process")
+    buf = bytearray(1 << 16)
+    addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+    z = pdkv.TcpCompression(mode="fp8", fp8_heads=1, fp8_head_dim=64, fp8_rows_per_group=16)
+    with pdkv.Agent("a", secret="s", transports=["tcp"], tcp=pdkv.TcpOptions(compress=z)) as a, \
+            pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
+        src = a.register(bytearray(b"\x3f\x80" * 4096))
+        r = b.register_address(addr, len(buf), kind="cuda", device=0, keepalive=buf)
+        x = a.prepare_extents("write", a.connect(b.address), [(src.id, 0, r.id, 0, 8192)]).post()
+        with pytest.raises(pdkv.NotSupported, match="compressed write into device memory.*CUDA driver"):
+            x.wait(10)
+        assert not any(buf), "nothing may land in a device region that cannot be staged"
+        r.close()
