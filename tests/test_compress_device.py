@@ -33,9 +33,10 @@ def run_child(driver: str, **env) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_fp8_of_device_memory_lands_the_host_codecs_round_trip(fakecuda_path, dtype):
-    out = run_child(fakecuda_path, COMPRESS="fp8", DTYPE=dtype, CHECKSUM="1" if dtype == "float16" else "0")
+@pytest.mark.parametrize("dtype,conns", [("bfloat16", "1"), ("float16", "1"), ("float32", "1"), ("bfloat16", "2")])
+def test_fp8_of_device_memory_lands_the_host_codecs_round_trip(fakecuda_path, dtype, conns):
+    out = run_child(fakecuda_path, COMPRESS="fp8", DTYPE=dtype, CHECKSUM="1" if dtype == "float16" else "0",
+                    CONNS=conns)
     assert out["fake"]
     assert out["checks"] == ALL_DIRECTIONS + ["write dev->dev", "write host->dev", "launch failures"]
     # Same frames as a host sender: the same bytes on the wire in every direction.

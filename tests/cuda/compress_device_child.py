@@ -40,7 +40,11 @@ KERNELS = not os.environ.get("FAKECUDA_NO_KERNEL")
 Z = pdkv.TcpCompression(mode=MODE, policy="lossy-allowed", dtype=DTYPE, fp8_heads=GEOM.kv_heads,
                         fp8_head_dim=GEOM.head_dim, fp8_rows_per_group=GEOM.block_tokens, chunk_bytes=8192,
                         checksum=CHECKSUM)
-TCP = pdkv.TcpOptions(stage_chunk_bytes=16384, stage_buffers=2, compress=Z)
+# CONNS=2: batches spread over two connections and progress threads, so several
+# encoder and decode threads use the GPU codec at once.
+CONNS = int(os.environ.get("CONNS", "1"))
+TCP = pdkv.TcpOptions(stage_chunk_bytes=16384, stage_buffers=2, compress=Z, conns_per_peer=CONNS,
+                      progress_threads=CONNS)
 
 
 def kv_values(n_elems: int, seed: int) -> np.ndarray:
