@@ -13,36 +13,7 @@
 #include "cuda/fp8_device.h"
 #include "pdkv/codec.h"
 
-// ---- CUDA built-ins for a one-thread grid on the host ----
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-namespace {
-struct Dim3 {
-  unsigned x;
-};
-const Dim3 threadIdx{0}, blockIdx{0}, blockDim{1}, gridDim{1};
-inline void __syncthreads() {}
-inline unsigned __float_as_uint(float f) {
-  unsigned u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float __uint_as_float(unsigned u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline int __float2int_rn(float f) { return static_cast<int>(std::nearbyint(f)); }  // default mode: to nearest even
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline unsigned atomicMax(unsigned* p, unsigned v) {
-  const unsigned old = *p;
-  if (v > old) *p = v;
-  return old;
-}
-}  // namespace
-
+#include "cuda/host_shim.h"  // the kernels as a one-thread grid on the host
 #include "cuda/fp8_codec.cu"
 
 namespace pdkv {

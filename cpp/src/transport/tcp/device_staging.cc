@@ -2,8 +2,6 @@
 
 #include "transport/tcp/device_staging.h"
 
-#include "codec/entropy.h"
-#include "codec/frame.h"
 #include "transport/tcp/compress.h"
 #include "transport/tcp/conn.h"
 #include "transport/tcp/out_msg.h"
@@ -172,63 +170,10 @@ Status DeviceStaging::encode(Encoder& enc, CodecKind kind, int device, const iov
   return enc.encode(kind, staged.data(), n, out);
 }
 
-namespace {
-
-// The frames of a kWriteZ payload, checked as decode_payload (compress.h) checks
-// them; their sizes must add up to the extents' `capacity`.
-Result<std::vector<cuda::Fp8FrameAt>> walk_frames(const uint8_t* payload, uint64_t len, uint64_t capacity) {
-  std::vector<cuda::Fp8FrameAt> frames;
-  uint64_t done = 0;
-  for (uint64_t at = 0, k = 0; at < len; ++k) {
-    const std::string where = "compressed write, codec frame " + std::to_string(k) + " (payload offset " +
-                              std::to_string(at) + "): ";
-    auto info = peek_frame(payload + at, static_cast<size_t>(len - at));
-    if (!info.ok()) return ProtocolError(where + info.status().message());
-    if (info->frame_len > len - at)
-      return ProtocolError(where + "frame_len " + std::to_string(info->frame_len) + " runs past the payload (" +
-                           std::to_string(len - at) + " bytes left)");
-    if (info->raw_len == 0) return ProtocolError(where + "raw_len is 0");
-    auto out_len = decoded_size(*info, info->dtype);
-    if (!out_len.ok()) return ProtocolError(where + out_len.status().message());
-    if (*out_len > capacity - done)
-      return ProtocolError(where + "raw_len " + std::to_string(*out_len) + " exceeds the " +
-                           std::to_string(capacity - done) + " bytes left in the write's extents");
-    frames.push_back(cuda::Fp8FrameAt{at, *info});
-    done += *out_len;
-    at += info->frame_len;
-  }
-  if (done != capacity)
-    return ProtocolError("compressed write: the codec frames decode to " + std::to_string(done) +
-                         " bytes (sum of raw_len), its extents hold " + std::to_string(capacity));
-  return frames;
-}
-
-// The XXH3 of each fp8 frame's codes + scales that carries one (the host codec's check).
-Status verify_fp8_checksums(const uint8_t* payload, const std::vector<cuda::Fp8FrameAt>& frames) {
-  for (size_t k = 0; k < frames.size(); ++k) {
-    const FrameInfo& f = frames[k].info;
-    if (!f.has_checksum) continue;
-    const std::string where = "compressed write, codec frame " + std::to_string(k) + " (payload offset " +
-                              std::to_string(frames[k].offset) + "): ";
-    if (!codec::xxh3_available())
-      return NotSupported(where + "codec frame carries a checksum but this build has no xxHash to verify it");
-    uint64_t sent = 0;
-    const uint8_t* frame = payload + frames[k].offset;
-    PDKV_RETURN_IF_ERROR(codec::read_frame_header(frame, static_cast<size_t>(f.frame_len), &sent).status());
-    const uint64_t got = codec::xxh3_64(frame + kCodecHeaderBytes, f.payload_len);
-    if (got != sent)
-      return DataCorrupted(where + "codec frame: checksum of the fp8 codes and scales does not match (sent " +
-                           std::to_string(sent) + ", computed " + std::to_string(got) + ")");
-  }
-  return Status::Ok();
-}
-
-}  // namespace
-
 Status DeviceStaging::decode(int device, const uint8_t* payload, uint64_t len, const iovec* dst, size_t n) {
   uint64_t capacity = 0;
   for (size_t i = 0; i < n; ++i) capacity += dst[i].iov_len;
-  PDKV_ASSIGN_OR_RETURN(auto frames, walk_frames(payload, len, capacity));
+  PDKV_ASSIGN_OR_RETURN(auto frames, cuda::read_payload_frames(payload, len, capacity));
   const bool all_fp8 = std::all_of(frames.begin(), frames.end(),
                                    [](const cuda::Fp8FrameAt& f) { return f.info.kind == CodecKind::kFp8; });
   if (all_fp8 && !frames.empty()) {
@@ -237,7 +182,7 @@ Status DeviceStaging::decode(int device, const uint8_t* payload, uint64_t len, c
     // decoded on the host below: correct, only slower.
     auto plan = k.ok() ? cuda::plan_fp8_frames(frames, dst, n) : Result<cuda::Fp8Plan>(k.status());
     if (plan.ok()) {
-      PDKV_RETURN_IF_ERROR(verify_fp8_checksums(payload, frames));
+      PDKV_RETURN_IF_ERROR(cuda::verify_fp8_checksums(payload, frames));
       const FrameInfo& f = frames.front().info;
       return (*k)->decode(device, payload, len, *plan, f.dtype, f.fp8);
     }
