@@ -5,6 +5,7 @@
 // semantics and the CTA-wide reduction, bench/gpu_check.sh checks on one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -123,6 +124,24 @@ TEST_P(Fp8Kernel, QuantizeAndDequantizeMatchTheHostCodecBitForBit) {
   auto dplan = cuda::plan_fp8_frames(frames, dst.data(), dst.size());
   ASSERT_TRUE(dplan.ok()) << dplan.status().to_string();
   pdkv_fp8_dequantize(launch_of(*dplan, payload.data(), dtype));
+  auto landed = [&] {
+    std::vector<uint8_t> got;
+    for (const iovec& d : dst) got.insert(got.end(), (uint8_t*)d.iov_base, (uint8_t*)d.iov_base + d.iov_len);
+    return got;
+  };
+  const std::vector<uint8_t> one_thread = landed();
+  // The same as wider grids (dequantize has no barrier, so each (block, thread) can run
+  // in turn): threads fewer and more than head_dim, blocks fewer than groups.
+  for (unsigned threads : {7u, 64u, 128u}) {
+    std::fill(out_pool.begin(), out_pool.end(), 0xCD);
+    blockDim.x = threads;
+    gridDim.x = 3;
+    for (blockIdx.x = 0; blockIdx.x < gridDim.x; ++blockIdx.x)
+      for (threadIdx.x = 0; threadIdx.x < threads; ++threadIdx.x) pdkv_fp8_dequantize(launch_of(*dplan, payload.data(), dtype));
+    blockIdx.x = threadIdx.x = 0;
+    blockDim.x = gridDim.x = 1;
+    EXPECT_EQ(landed(), one_thread) << threads << " threads x 3 blocks";
+  }
   std::vector<uint8_t> want(batch.size());
   size_t off = 0, written = 0;
   for (const auto& f : frames) {
@@ -130,9 +149,7 @@ TEST_P(Fp8Kernel, QuantizeAndDequantizeMatchTheHostCodecBitForBit) {
                                  want.size() - off, &written).ok());
     off += written;
   }
-  std::vector<uint8_t> got;
-  for (const iovec& d : dst) got.insert(got.end(), (uint8_t*)d.iov_base, (uint8_t*)d.iov_base + d.iov_len);
-  EXPECT_EQ(got, want);
+  EXPECT_EQ(one_thread, want);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8Kernel,

@@ -87,15 +87,16 @@ __device__ const Fp8FrameDesc& frame_of(const Fp8Launch& a, unsigned long long g
   return f[lo];
 }
 
-__device__ char* row_addr(const Fp8Launch& a, unsigned long long row, unsigned long long row_bytes) {
+// Index of the piece holding batch row `row` (the last with first_row <= row).
+__device__ unsigned piece_of(const Fp8Launch& a, unsigned long long row) {
   const Fp8Piece* p = reinterpret_cast<const Fp8Piece*>(a.pieces);
-  unsigned lo = 0, hi = a.npieces - 1;  // last piece with first_row <= row
+  unsigned lo = 0, hi = a.npieces - 1;
   while (lo < hi) {
     const unsigned mid = (lo + hi + 1) / 2;
     if (p[mid].first_row <= row) lo = mid;
     else hi = mid - 1;
   }
-  return reinterpret_cast<char*>(p[lo].addr + (row - p[lo].first_row) * row_bytes);
+  return lo;
 }
 
 // Scale group g: its frame, the frame-relative group k, its head and rows [r0, r1).
@@ -116,26 +117,49 @@ __device__ Group group_of(const Fp8Launch& a, unsigned long long g) {
   return x;
 }
 
+// Calls f(element address, index of its code in buf) for this thread's elements of
+// group x: element i = threadIdx.x, + blockDim.x, ... of the group's rows in order,
+// head_dim at a time. The row, column and piece advance incrementally (no division
+// or search per element: rows are consecutive and pieces hold whole rows).
+template <typename F>
+__device__ void for_each_element(const Fp8Launch& a, const Group& x, F&& f) {
+  const Fp8Piece* pieces = reinterpret_cast<const Fp8Piece*>(a.pieces);
+  const unsigned esize = a.dtype == kF32 ? 4 : 2;
+  const unsigned long long row_elems = (unsigned long long)a.heads * a.head_dim, row_bytes = row_elems * esize;
+  const unsigned step_rows = blockDim.x / a.head_dim, step_d = blockDim.x % a.head_dim;
+  unsigned long long r = x.r0 + threadIdx.x / a.head_dim;
+  unsigned d = threadIdx.x % a.head_dim;
+  if (r >= x.r1) return;
+  unsigned p = piece_of(a, r);
+  for (; r < x.r1;) {
+    while (p + 1 < a.npieces && pieces[p + 1].first_row <= r) ++p;
+    const unsigned long long col = (unsigned long long)x.head * a.head_dim + d;
+    f(reinterpret_cast<char*>(pieces[p].addr + (r - pieces[p].first_row) * row_bytes + col * esize),
+      x.f->codes_off + (r - x.f->first_row) * row_elems + col);
+    r += step_rows;
+    d += step_d;
+    if (d >= a.head_dim) {
+      d -= a.head_dim;
+      ++r;
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" __global__ void pdkv_fp8_quantize(Fp8Launch a) {
   __shared__ unsigned amax_bits;
   __shared__ float inv_shared;
-  const unsigned esize = a.dtype == kF32 ? 4 : 2;
-  const unsigned long long row_elems = (unsigned long long)a.heads * a.head_dim, row_bytes = row_elems * esize;
   unsigned char* buf = reinterpret_cast<unsigned char*>(a.buf);
   for (unsigned long long g = blockIdx.x; g < a.total_groups; g += gridDim.x) {
     const Group x = group_of(a, g);
-    const unsigned long long n = (x.r1 - x.r0) * a.head_dim;
     if (threadIdx.x == 0) amax_bits = 0;
     __syncthreads();
     unsigned local = 0;  // largest finite magnitude, as bits (ordered as the values)
-    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-      const unsigned long long r = x.r0 + i / a.head_dim, d = i % a.head_dim;
-      const unsigned b = bits_of(load(a.dtype, row_addr(a, r, row_bytes) + (x.head * a.head_dim + d) * esize)) &
-                         0x7FFFFFFFu;
+    for_each_element(a, x, [&](const char* e, unsigned long long) {
+      const unsigned b = bits_of(load(a.dtype, e)) & 0x7FFFFFFFu;
       if (b < 0x7F800000u && b > local) local = b;
-    }
+    });
     atomicMax(&amax_bits, local);
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -149,30 +173,20 @@ extern "C" __global__ void pdkv_fp8_quantize(Fp8Launch a) {
     }
     __syncthreads();
     const float inv = inv_shared;
-    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-      const unsigned long long r = x.r0 + i / a.head_dim, d = i % a.head_dim;
-      const float v = load(a.dtype, row_addr(a, r, row_bytes) + (x.head * a.head_dim + d) * esize);
-      const unsigned char code = v != v ? (unsigned char)(((bits_of(v) >> 24) & 0x80u) | 0x7Fu)
-                                        : to_e4m3(__fmul_rn(v, inv));
-      buf[x.f->codes_off + (r - x.f->first_row) * row_elems + x.head * a.head_dim + d] = code;
-    }
+    for_each_element(a, x, [&](const char* e, unsigned long long code_at) {
+      const float v = load(a.dtype, e);
+      buf[code_at] = v != v ? (unsigned char)(((bits_of(v) >> 24) & 0x80u) | 0x7Fu) : to_e4m3(__fmul_rn(v, inv));
+    });
     __syncthreads();  // amax_bits is reset for the next group
   }
 }
 
 extern "C" __global__ void pdkv_fp8_dequantize(Fp8Launch a) {
-  const unsigned esize = a.dtype == kF32 ? 4 : 2;
-  const unsigned long long row_elems = (unsigned long long)a.heads * a.head_dim, row_bytes = row_elems * esize;
   const unsigned char* buf = reinterpret_cast<const unsigned char*>(a.buf);
   for (unsigned long long g = blockIdx.x; g < a.total_groups; g += gridDim.x) {
     const Group x = group_of(a, g);
     const unsigned char* sp = buf + x.f->scales_off + x.k * 4;
     const float scale = float_of(unsigned(sp[0]) | unsigned(sp[1]) << 8 | unsigned(sp[2]) << 16 | unsigned(sp[3]) << 24);
-    const unsigned long long n = (x.r1 - x.r0) * a.head_dim;
-    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-      const unsigned long long r = x.r0 + i / a.head_dim, d = i % a.head_dim;
-      const unsigned char c = buf[x.f->codes_off + (r - x.f->first_row) * row_elems + x.head * a.head_dim + d];
-      store(a.dtype, row_addr(a, r, row_bytes) + (x.head * a.head_dim + d) * esize, dequant(c, scale));
-    }
+    for_each_element(a, x, [&](char* e, unsigned long long code_at) { store(a.dtype, e, dequant(buf[code_at], scale)); });
   }
 }

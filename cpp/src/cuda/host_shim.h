@@ -19,7 +19,9 @@ namespace {
 struct PdkvHostDim3 {
   unsigned x;
 };
-const PdkvHostDim3 threadIdx{0}, blockIdx{0}, blockDim{1}, gridDim{1};
+// A one-thread grid by default. A kernel without __syncthreads (dequantize) may also be
+// run as a wider grid: set these and call it once per (block, thread).
+PdkvHostDim3 threadIdx{0}, blockIdx{0}, blockDim{1}, gridDim{1};
 
 inline void __syncthreads() {}
 inline unsigned __float_as_uint(float f) {
