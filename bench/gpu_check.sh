@@ -4,7 +4,9 @@
 # Runs the CUDA tests (cuda_ipc between two processes on one device, tcp staging of
 # device memory in every direction, and the fake-driver tests), then measures cuda_ipc
 # GB/s against a device-to-device copy of the same scattered blocks, and staged tcp
-# from GPU pools against tcp from host pools, in the same run. Writes
+# from GPU pools against tcp from host pools, in the same run; then compressed tcp
+# writes of GPU pools (fp8 quantized on the GPU: bit-exact vs the host codec, GB/s
+# plain vs fp8). Writes
 # ${OUT:-.}/gpu_check.json. Uses $PYTHON, else .venv/bin/python, else python3; builds
 # pdkv only when it is missing, without network access (the lent H200 machines have
 # python3 with torch, numpy, pybind11, scikit-build-core, cmake, ninja, nvcc and pytest):
@@ -24,4 +26,12 @@ if $PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
 fi
 $PY -m pdkv.cli bench transfer --transport tcp --memory cuda --payload 256M,1G --prepare-blocks 0 \
   --out "${OUT:-.}/gpu_tcp_staging.json"
+# FP8 of device memory as CUDA kernels (issue 16): the fake-driver checks again on the real
+# kernels (every dtype, lossless, every direction, exact bytes vs the host codec), then
+# plain vs fp8 device writes (GB/s in one run) with every landed byte checked.
+for spec in fp8:bfloat16 fp8:float16 fp8:float32 lossless:bfloat16; do
+  COMPRESS=${spec%%:*} DTYPE=${spec##*:} PYTHONPATH=tests PDKV_LOG=error \
+    $PY tests/cuda/compress_device_child.py > "${OUT:-.}/gpu_compress_${spec/:/_}.json" || rc=$?
+done
+$PY bench/gpu_fp8.py --mib 256 --out "${OUT:-.}/gpu_fp8.json" || rc=$?
 exit $rc

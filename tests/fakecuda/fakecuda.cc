@@ -13,8 +13,15 @@
 // * IPC handles name (pid, memfd); a peer opens /proc/<pid>/fd/<fd>. Opening a handle
 //   in the process that made it fails (201), as with real CUDA; opening one twice
 //   returns the same pointer (reference counted).
-// * A kernel (pdkv_batch_copy, emulated) may only touch device or pinned memory: a
-//   pageable host pointer in its descriptors is an illegal address (700).
+// * A kernel (pdkv_batch_copy, pdkv_fp8_quantize, pdkv_fp8_dequantize; emulated) may
+//   only touch device or pinned memory: a pageable host pointer in its descriptors is
+//   an illegal address (700).
+// * The FP8 kernels (cpp/src/cuda/fp8_codec.cu) are emulated from the rules in
+//   docs/compression.md ("Exact rounding"), written independently of pdkv's codec:
+//   e4m3 by searching the nearest of the 127 finite magnitudes (ties to the even
+//   code), fp16 through the compiler's _Float16, bf16 by comparing the two
+//   neighbours. Tests compare what lands with pdkv's host codec, so a rounding slip
+//   on either side shows up.
 //   FAKECUDA_NO_KERNEL=1 makes cuModuleLoadData fail (209), as on a GPU the fatbin
 //   has no code for, so callers take their no-kernel path.
 // * Calls that need a context fail with 201 on a thread without a current one.
@@ -24,13 +31,16 @@
 // usable so tests can check recovery).
 //
 // Test hooks (extern "C"): fakecuda_fail_copies(n) makes the next n copies (stream,
-// synchronous or kernel) fail with 700; fakecuda_stats(out, n) fills counters, see
-// enum Stat. Build: g++ -std=c++17 -O2 -shared -fPIC -pthread fakecuda.cc -o libfakecuda.so
+// synchronous or kernel) fail with 700; fakecuda_fail_launches(n) the next n kernel
+// launches only (reported by the stream, as a fault inside a kernel is);
+// fakecuda_stats(out, n) fills counters, see enum Stat. Build: g++ -std=c++17 -O2 -shared -fPIC -pthread fakecuda.cc -o libfakecuda.so
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -97,11 +107,12 @@ void bump(Stat s, unsigned long long by = 1) { g_stats[s].fetch_add(by, std::mem
 void drop(Stat s) { g_stats[s].fetch_sub(1, std::memory_order_relaxed); }
 
 std::atomic<int> g_fail_copies{0};
-// Consumes one injected failure, if any is left.
-bool take_failure() {
-  int n = g_fail_copies.load();
+std::atomic<int> g_fail_launches{0};
+// Consumes one injected failure of `counter`, if any is left.
+bool take_failure(std::atomic<int>& counter = g_fail_copies) {
+  int n = counter.load();
   while (n > 0)
-    if (g_fail_copies.compare_exchange_weak(n, n - 1)) {
+    if (counter.compare_exchange_weak(n, n - 1)) {
       bump(kFailedCopies);
       return true;
     }
@@ -119,6 +130,8 @@ unsigned copy_delay_us() {
 CUctx_st g_ctx;
 CUmod_st g_module;
 CUfunc_st g_batch_copy;
+CUfunc_st g_fp8_quantize;
+CUfunc_st g_fp8_dequantize;
 thread_local CUctx_st* t_current = nullptr;
 
 // CUDA needs a current context for most calls; a thread that never set one fails.
@@ -724,22 +737,275 @@ CUresult cuModuleLoadData(CUmod_st** out, const void* image) {
 CUresult cuModuleGetFunction(CUfunc_st** out, CUmod_st* mod, const char* name) {
   if (!out || !name) return kInvalidValue;
   if (mod != &g_module) return kInvalidHandle;
-  if (std::strcmp(name, "pdkv_batch_copy") != 0) return kNotFound;
-  *out = &g_batch_copy;
+  if (std::strcmp(name, "pdkv_batch_copy") == 0) *out = &g_batch_copy;
+  else if (std::strcmp(name, "pdkv_fp8_quantize") == 0) *out = &g_fp8_quantize;
+  else if (std::strcmp(name, "pdkv_fp8_dequantize") == 0) *out = &g_fp8_dequantize;
+  else return kNotFound;
   return kOk;
 }
+
+
+}  // extern "C"
+
+// ---- the FP8 kernels, emulated from docs/compression.md ----
+//
+// Arguments (cpp/src/cuda/fp8_abi.h; a copy: this file is built alone).
+struct Fp8Piece {
+  uint64_t addr, first_row, rows;
+};
+struct Fp8FrameDesc {
+  uint64_t first_group, first_row, rows, scales_off, codes_off;
+};
+struct Fp8Launch {
+  uint64_t pieces, frames, buf, total_groups;
+  uint32_t npieces, nframes, heads, head_dim, rows_per_group, dtype;
+};
+static_assert(sizeof(Fp8Piece) == 24 && sizeof(Fp8FrameDesc) == 40 && sizeof(Fp8Launch) == 56,
+              "keep in sync with cpp/src/cuda/fp8_abi.h");
+
+namespace {
+
+uint32_t f2u(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float u2f(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The value of an e4m3fn code by its definition (0x7F / 0xFF are NaN).
+double e4m3_value(unsigned c) {
+  const unsigned e = (c >> 3) & 15, m = c & 7;
+  const double mag = e == 0 ? std::ldexp(double(m), -9) : std::ldexp(1.0 + m / 8.0, int(e) - 7);
+  return (c & 0x80) ? -mag : mag;
+}
+
+// Nearest e4m3 code, ties to the even code, saturating at 448; NaN keeps its sign.
+uint8_t e4m3_of(float y) {
+  const uint8_t sign = std::signbit(y) ? 0x80 : 0;
+  if (std::isnan(y)) return sign | 0x7F;
+  const double a = std::fabs(double(y));
+  if (a >= 448.0) return sign | 0x7E;
+  unsigned best = 0;
+  double best_d = a;
+  for (unsigned c = 1; c <= 0x7E; ++c) {
+    const double d = std::fabs(a - e4m3_value(c));
+    if (d < best_d || (d == best_d && (c & 1) == 0)) {
+      best = c;
+      best_d = d;
+    }
+  }
+  return uint8_t(sign | best);
+}
+
+float read_elem(const char* p, uint32_t dtype) {
+  if (dtype == 0) {
+    float f;
+    std::memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  if (dtype == 2) return u2f(uint32_t(h) << 16);
+  _Float16 x;
+  std::memcpy(&x, &h, 2);
+  return float(x);
+}
+
+// bf16 nearest to v: of the two neighbours of its truncation, the closer; a tie to
+// the even one. (The step past the largest finite bf16 stands for infinity.)
+uint16_t bf16_of(float v) {
+  const uint32_t x = f2u(v);
+  if (std::isnan(v)) return uint16_t((x >> 16) | 0x40);
+  const uint16_t lo = uint16_t(x >> 16);
+  if ((x & 0xFFFF) == 0) return lo;
+  const uint16_t hi = uint16_t(lo + 1);
+  auto mag = [](uint16_t b) {
+    const uint32_t e = (b >> 7) & 0xFF, m = b & 0x7F;
+    return e == 0 ? std::ldexp(double(m), -133) : std::ldexp(1.0 + m / 128.0, int(e) - 127);
+  };
+  const double a = std::fabs(double(v)), dlo = a - mag(lo & 0x7FFF), dhi = mag(hi & 0x7FFF) - a;
+  return dlo < dhi || (dlo == dhi && (lo & 1) == 0) ? lo : hi;
+}
+
+void write_elem(char* p, uint32_t dtype, float v) {
+  if (dtype == 0) {
+    std::memcpy(p, &v, 4);
+    return;
+  }
+  uint16_t h;
+  if (dtype == 2) {
+    h = bf16_of(v);
+  } else if (std::isnan(v)) {
+    h = std::signbit(v) ? 0xFE00 : 0x7E00;
+  } else {
+    const _Float16 x = static_cast<_Float16>(v);
+    std::memcpy(&h, &x, 2);
+  }
+  std::memcpy(p, &h, 2);
+}
+
+// The emulated kernels' view of one launch: its tables, read through the fake's
+// device mappings (device or pinned memory only, as a kernel).
+struct Fp8View {
+  Fp8Launch a;
+  std::vector<Fp8Piece> pieces;
+  std::vector<Fp8FrameDesc> frames;
+  Span buf;
+  uint64_t row_elems = 0;
+  size_t esize = 0;
+
+  CUresult load(const Fp8Launch& launch) {
+    a = launch;
+    if (a.npieces == 0 || a.nframes == 0 || a.heads == 0 || a.head_dim == 0 || a.rows_per_group == 0 || a.dtype > 2)
+      return kInvalidValue;
+    esize = a.dtype == 0 ? 4 : 2;
+    row_elems = uint64_t(a.heads) * a.head_dim;
+    pieces.resize(a.npieces);
+    frames.resize(a.nframes);
+    Span p, f;
+    if (translate(a.pieces, pieces.size() * sizeof(Fp8Piece), Access::kKernel, &p) != kOk ||
+        translate(a.frames, frames.size() * sizeof(Fp8FrameDesc), Access::kKernel, &f) != kOk)
+      return kIllegalAddress;
+    std::memcpy(pieces.data(), p.p, pieces.size() * sizeof(Fp8Piece));
+    std::memcpy(frames.data(), f.p, frames.size() * sizeof(Fp8FrameDesc));
+    return kOk;
+  }
+  // Element (row, head, d) of the extents, or nullptr if it is not in device memory.
+  char* elem(uint64_t row, uint32_t head, uint32_t d, std::vector<Span>& keep) {
+    const Fp8Piece* p = nullptr;
+    for (const Fp8Piece& q : pieces)
+      if (row >= q.first_row && row < q.first_row + q.rows) p = &q;
+    if (!p) return nullptr;
+    const uint64_t addr = p->addr + ((row - p->first_row) * row_elems + uint64_t(head) * a.head_dim + d) * esize;
+    Span s;
+    if (translate(addr, esize, Access::kKernel, &s) != kOk) return nullptr;
+    keep.push_back(s);
+    return s.p;
+  }
+  // Byte `off` of buf (the scales and codes), or nullptr.
+  char* at(uint64_t off, size_t n, std::vector<Span>& keep) {
+    Span s;
+    if (translate(a.buf + off, n, Access::kKernel, &s) != kOk) return nullptr;
+    keep.push_back(s);
+    return s.p;
+  }
+};
+
+// Calls f(frame, k, head, r0, r1) for every scale group (group k of its frame).
+template <typename F>
+void for_each_fp8_group(const Fp8View& v, F&& f) {
+  for (const Fp8FrameDesc& fr : v.frames) {
+    uint64_t k = 0;
+    for (uint64_t r0 = fr.first_row; r0 < fr.first_row + fr.rows; r0 += v.a.rows_per_group)
+      for (uint32_t h = 0; h < v.a.heads; ++h, ++k)
+        f(fr, k, h, r0, std::min<uint64_t>(r0 + v.a.rows_per_group, fr.first_row + fr.rows));
+  }
+}
+
+CUresult fp8_quantize(const Fp8Launch& launch) {
+  Fp8View v;
+  CUresult r = v.load(launch);
+  if (r != kOk) return r;
+  CUresult err = kOk;
+  for_each_fp8_group(v, [&](const Fp8FrameDesc& fr, uint64_t k, uint32_t h, uint64_t r0, uint64_t r1) {
+    if (err != kOk) return;
+    std::vector<Span> keep;
+    float amax = 0;
+    for (uint64_t row = r0; row < r1; ++row)
+      for (uint32_t d = 0; d < v.a.head_dim; ++d) {
+        const char* p = v.elem(row, h, d, keep);
+        if (!p) {
+          err = kIllegalAddress;
+          return;
+        }
+        const float x = std::fabs(read_elem(p, v.a.dtype));
+        if (std::isfinite(x) && x > amax) amax = x;
+      }
+    float scale = amax / 448.0f, inv = 448.0f / amax;
+    if (scale == 0.0f || !std::isfinite(inv)) scale = inv = 1.0f;
+    char* sp = v.at(fr.scales_off + 4 * k, 4, keep);
+    if (!sp) {
+      err = kIllegalAddress;
+      return;
+    }
+    std::memcpy(sp, &scale, 4);
+    for (uint64_t row = r0; row < r1; ++row)
+      for (uint32_t d = 0; d < v.a.head_dim; ++d) {
+        const float x = read_elem(v.elem(row, h, d, keep), v.a.dtype);
+        char* cp = v.at(fr.codes_off + (row - fr.first_row) * v.row_elems + uint64_t(h) * v.a.head_dim + d, 1, keep);
+        if (!cp) {
+          err = kIllegalAddress;
+          return;
+        }
+        *cp = char(e4m3_of(x * inv));
+      }
+  });
+  return err;
+}
+
+CUresult fp8_dequantize(const Fp8Launch& launch) {
+  Fp8View v;
+  CUresult r = v.load(launch);
+  if (r != kOk) return r;
+  CUresult err = kOk;
+  for_each_fp8_group(v, [&](const Fp8FrameDesc& fr, uint64_t k, uint32_t h, uint64_t r0, uint64_t r1) {
+    if (err != kOk) return;
+    std::vector<Span> keep;
+    const char* sp = v.at(fr.scales_off + 4 * k, 4, keep);
+    if (!sp) {
+      err = kIllegalAddress;
+      return;
+    }
+    float scale;
+    std::memcpy(&scale, sp, 4);
+    for (uint64_t row = r0; row < r1; ++row)
+      for (uint32_t d = 0; d < v.a.head_dim; ++d) {
+        const char* cp = v.at(fr.codes_off + (row - fr.first_row) * v.row_elems + uint64_t(h) * v.a.head_dim + d, 1, keep);
+        char* out = v.elem(row, h, d, keep);
+        if (!cp || !out) {
+          err = kIllegalAddress;
+          return;
+        }
+        const uint8_t c = uint8_t(*cp);
+        // NaN codes decode to a quiet NaN of their sign; the rest to value x scale.
+        const float val = (c & 0x7F) == 0x7F ? u2f((c & 0x80 ? 0x80000000u : 0u) | 0x7FC00000u)
+                                             : float(e4m3_value(c)) * scale;
+        write_elem(out, v.a.dtype, val);
+      }
+  });
+  return err;
+}
+
+}  // namespace
+
+extern "C" {
 
 // pdkv_batch_copy(const u64* src, const u64* dst, const u64* len, unsigned n): copies
 // extent i from src[i] to dst[i]; the arrays and every extent must be device-visible.
 CUresult cuLaunchKernel(CUfunc_st* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, CUstream_st* stream, void** params, void** extra) {
-  if (f != &g_batch_copy) return kInvalidHandle;
+  if (f != &g_batch_copy && f != &g_fp8_quantize && f != &g_fp8_dequantize) return kInvalidHandle;
   if (!params || extra || gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024 ||
       gy > 65535 || gz > 65535)
     return kInvalidValue;
   CUstream_st* s = nullptr;
   CUresult r = lookup_stream(stream, &s);
   if (r != kOk) return r;
+  if (f != &g_batch_copy) {
+    Fp8Launch a;
+    std::memcpy(&a, params[0], sizeof a);  // copied at launch, as CUDA does
+    bump(kKernelLaunches);
+    const bool fail = take_failure() || take_failure(g_fail_launches);
+    const bool quantize = f == &g_fp8_quantize;
+    return submit_copy(s, [=]() -> CUresult {
+      if (fail) return kIllegalAddress;
+      return quantize ? fp8_quantize(a) : fp8_dequantize(a);
+    });
+  }
   // Arguments are copied at launch, as CUDA does: params may point at the caller's stack.
   const CUdeviceptr src = *static_cast<CUdeviceptr*>(params[0]), dst = *static_cast<CUdeviceptr*>(params[1]),
                     len = *static_cast<CUdeviceptr*>(params[2]);
@@ -771,6 +1037,10 @@ CUresult cuLaunchKernel(CUfunc_st* f, unsigned gx, unsigned gy, unsigned gz, uns
 // The next `n` copies (cuMemcpyAsync, cuMemcpyHtoD/DtoH, kernel launches) fail with
 // CUDA_ERROR_ILLEGAL_ADDRESS without moving bytes; n <= 0 clears.
 void fakecuda_fail_copies(int n) { g_fail_copies.store(n > 0 ? n : 0); }
+
+// The next `n` kernel launches fail with CUDA_ERROR_ILLEGAL_ADDRESS when they run
+// (the launch call itself succeeds); n <= 0 clears.
+void fakecuda_fail_launches(int n) { g_fail_launches.store(n > 0 ? n : 0); }
 
 // Copies up to `n` counters (enum Stat order) into out; returns how many exist.
 int fakecuda_stats(unsigned long long* out, int n) {

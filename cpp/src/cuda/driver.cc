@@ -9,9 +9,6 @@
 #include <map>
 #include <mutex>
 
-#include <cstdlib>
-#include <mutex>
-
 #include "util/log.h"
 
 namespace pdkv::cuda {
@@ -150,6 +147,8 @@ Status CudaDriver::probe() {
   if (!overridden && !nvidia_device_present()) return NotSupported("no NVIDIA GPU found (no /dev/nvidia* device)");
   return Status::Ok();
 }
+
+bool CudaDriver::hardware_present() { return nvidia_device_present(); }
 
 bool cuda_available() { return CudaDriver::get().ok(); }
 

@@ -84,6 +84,10 @@ struct CudaDriver {
   // process that later fork()s breaks CUDA in its children): the library loads and an
   // NVIDIA device node exists. The real answer once get() has run.
   static Status probe();
+  // Whether NVIDIA GPU hardware is present (a device node), whatever driver library is
+  // loaded: speeds of GPU kernels are modelled only there, never for an emulation
+  // (tests/fakecuda) named by PDKV_CUDA_DRIVER.
+  static bool hardware_present();
   // OK, or `what` failed with the driver's error string.
   Status check(CUresult r, const char* what) const;
   // Makes device `ordinal`'s primary context current on this thread.

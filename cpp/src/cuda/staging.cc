@@ -85,6 +85,14 @@ void Stager::give_back(char* data) {
 }
 
 Status Stager::gather(int device, const iovec* src, size_t n, char* dst) {
+  return copy_extents(device, dst, src, n, false);
+}
+
+Status Stager::scatter(int device, const char* src, const iovec* dst, size_t n) {
+  return copy_extents(device, const_cast<char*>(src), dst, n, true);
+}
+
+Status Stager::copy_extents(int device, char* host, const iovec* ext, size_t n, bool to_device) {
   std::lock_guard<std::mutex> lk(gather_mu_);
   PDKV_RETURN_IF_ERROR(bind(device));
   auto it = copy_.find(device);
@@ -100,17 +108,19 @@ Status Stager::gather(int device, const iovec* src, size_t n, char* dst) {
     it = copy_.emplace(device, std::make_pair(s, e)).first;
   }
   const auto [stream, event] = it->second;
+  const char* what = to_device ? "cuMemcpyAsync (staging buffer to device)" : "cuMemcpyAsync (device to staging buffer)";
   uint64_t off = 0;
   Status st;
   for (size_t i = 0; i < n && st.ok(); ++i) {
-    st = drv_->check(drv_->cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst + off),
-                                         reinterpret_cast<CUdeviceptr>(src[i].iov_base), src[i].iov_len, stream),
-                     "cuMemcpyAsync (device to staging buffer)");
-    off += src[i].iov_len;
+    const CUdeviceptr h = reinterpret_cast<CUdeviceptr>(host + off), e = reinterpret_cast<CUdeviceptr>(ext[i].iov_base);
+    st = drv_->check(drv_->cuMemcpyAsync(to_device ? e : h, to_device ? h : e, ext[i].iov_len, stream), what);
+    off += ext[i].iov_len;
   }
-  // Wait even after a failed enqueue: copies already queued must not outlive `dst`.
+  // Wait even after a failed enqueue: copies already queued must not outlive `host`.
   Status rec = drv_->check(drv_->cuEventRecord(event, stream), "cuEventRecord");
-  Status sync = rec.ok() ? drv_->check(drv_->cuEventSynchronize(event), "cuEventSynchronize (device to staging buffer)")
+  Status sync = rec.ok() ? drv_->check(drv_->cuEventSynchronize(event), to_device
+                                           ? "cuEventSynchronize (staging buffer to device)"
+                                           : "cuEventSynchronize (device to staging buffer)")
                          : rec;
   return st.ok() ? sync : st;
 }

@@ -75,6 +75,8 @@ class Stager : public std::enable_shared_from_this<Stager> {
   // Copies src[0..n) (device or host pointers of `device`'s address space) back to
   // back into `dst` and waits until the bytes are there.
   Status gather(int device, const iovec* src, size_t n, char* dst);
+  // The reverse: copies `src` (host memory) out to dst[0..n) in order and waits.
+  Status scatter(int device, const char* src, const iovec* dst, size_t n);
 
   // Makes `device`'s primary context current on the calling thread.
   Status bind(int device) const;
@@ -83,6 +85,8 @@ class Stager : public std::enable_shared_from_this<Stager> {
   friend class PinnedBuffer;
   Stager(const CudaDriver* drv, uint64_t chunk, uint32_t count) : drv_(drv), chunk_(chunk), count_(count) {}
   void give_back(char* data);
+  // gather (to_device false) or scatter: one cuMemcpyAsync per extent, one wait.
+  Status copy_extents(int device, char* host, const iovec* ext, size_t n, bool to_device);
 
   const CudaDriver* drv_;
   const uint64_t chunk_;

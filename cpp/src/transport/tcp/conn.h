@@ -103,6 +103,7 @@ struct RxState {
   // and `zdst`, the checked extents, go to a decode thread (compress.h Decoder).
   std::vector<uint8_t> zbuf;
   std::vector<iovec> zdst;
+  int zdevice = -1;  // CUDA device of zdst (device_staging.h decodes it), or -1: host memory
 
   // True while a frame is partly received (its bytes must keep coming).
   bool mid_frame() const { return stage != RxStage::kHeader || hdr_got != 0; }

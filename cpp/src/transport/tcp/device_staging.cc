@@ -1,8 +1,13 @@
+#include <algorithm>
+
 #include "transport/tcp/device_staging.h"
 
+#include "transport/tcp/compress.h"
 #include "transport/tcp/conn.h"
+#include "transport/tcp/out_msg.h"
 #include "transport/tcp/progress.h"
 #include "transport/tcp/tcp_transport_impl.h"
+#include "util/log.h"
 #include "util/socket.h"
 #include "util/thread_name.h"
 
@@ -105,6 +110,91 @@ void DeviceStaging::respond_read(const std::shared_ptr<TcpConn>& c, const FrameH
     m->finalize();
     c->owner()->enqueue(c, std::move(m));
   });
+}
+
+// ---------------------------------------------------------------- compressed writes
+
+Result<std::shared_ptr<cuda::DeviceFp8>> DeviceStaging::fp8(int device) {
+  std::shared_ptr<cuda::DeviceFp8> k;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!fp8_tried_) {
+      fp8_tried_ = true;
+      auto made = cuda::DeviceFp8::create();
+      if (made.ok()) fp8_ = std::move(made).value();
+      else fp8_status_ = made.status();
+    }
+    if (!fp8_) return fp8_status_;
+    k = fp8_;
+  }
+  PDKV_RETURN_IF_ERROR(k->ready(device));
+  return k;
+}
+
+bool DeviceStaging::gpu_fp8_on_hardware(int device) {
+  return cuda::CudaDriver::hardware_present() && fp8(device).ok();
+}
+
+Status DeviceStaging::encode(Encoder& enc, CodecKind kind, int device, const iovec* src, uint32_t n,
+                             Clock::time_point deadline, const std::function<bool()>& abandon, EncodedBatch& out) {
+  const TcpCompression& o = enc.options();
+  uint64_t bytes = 0;
+  for (uint32_t i = 0; i < n; ++i) bytes += src[i].iov_len;
+  if (kind == CodecKind::kFp8) {
+    auto k = fp8(device);
+    // The frames the host encoder writes: one for a batch of small extents, else one
+    // per extent. Extents the kernels cannot take (not whole rows, or unaligned) go
+    // the host's way below, which also fails where the host codec would.
+    auto plan = k.ok() ? cuda::plan_fp8_batch(src, n, gathers(bytes, n), o.dtype, o.fp8)
+                       : Result<cuda::Fp8Plan>(k.status());
+    if (plan.ok()) {
+      PDKV_RETURN_IF_ERROR((*k)->encode(device, *plan, o.dtype, o.fp8, o.checksum, out.bytes));
+      out.kind = kind;
+      return Status::Ok();
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!k.ok() && !fp8_fallback_logged_) {
+      fp8_fallback_logged_ = true;
+      PDKV_LOG_WARN("tcp: fp8 of device memory runs on the host after staging: %s", k.status().message().c_str());
+    }
+  }
+  // On the host: gathered into a pinned buffer, then encoded from there extent by
+  // extent, so the frames are those of the same bytes in host memory.
+  PDKV_ASSIGN_OR_RETURN(auto buf, gather(device, src, n, deadline, abandon));
+  std::vector<iovec> staged(n);
+  uint64_t off = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    staged[i] = iovec{buf->data() + off, src[i].iov_len};
+    off += src[i].iov_len;
+  }
+  return enc.encode(kind, staged.data(), n, out);
+}
+
+Status DeviceStaging::decode(int device, const uint8_t* payload, uint64_t len, const iovec* dst, size_t n) {
+  uint64_t capacity = 0;
+  for (size_t i = 0; i < n; ++i) capacity += dst[i].iov_len;
+  PDKV_ASSIGN_OR_RETURN(auto frames, cuda::read_payload_frames(payload, len, capacity));
+  const bool all_fp8 = std::all_of(frames.begin(), frames.end(),
+                                   [](const cuda::Fp8FrameAt& f) { return f.info.kind == CodecKind::kFp8; });
+  if (all_fp8 && !frames.empty()) {
+    auto k = fp8(device);
+    // Frames whose rows do not sit whole in the extents (or mixed groupings) are
+    // decoded on the host below: correct, only slower.
+    auto plan = k.ok() ? cuda::plan_fp8_frames(frames, dst, n) : Result<cuda::Fp8Plan>(k.status());
+    if (plan.ok()) {
+      PDKV_RETURN_IF_ERROR(cuda::verify_fp8_checksums(payload, frames));
+      const FrameInfo& f = frames.front().info;
+      return (*k)->decode(device, payload, len, *plan, f.dtype, f.fp8);
+    }
+  }
+  PDKV_ASSIGN_OR_RETURN(auto st, stager());
+  thread_local std::vector<uint8_t> host;
+  host.resize(static_cast<size_t>(capacity));
+  const iovec whole{host.data(), host.size()};
+  Status d = Decoder::decode(payload, len, &whole, 1);
+  if (d.ok()) d = st->scatter(device, reinterpret_cast<const char*>(host.data()), dst, n);
+  if (host.capacity() > (8u << 20)) std::vector<uint8_t>().swap(host);
+  return d;
 }
 
 }  // namespace pdkv::tcp

@@ -9,6 +9,14 @@
 //   receiving:        the payload lands in pinned buffers that a ScatterPipe copies
 //                     to the GPU double buffered (FrameReceiver::begin_staged_rx);
 //                     the ack follows the last completed copy.
+//   compressed write, initiator (encode, on an encoder thread): fp8 is quantized on
+//                     the GPU (cuda/fp8_device.h) and only the codes + scales come
+//                     to the host; lossless (or fp8 where the kernels do not load) is
+//                     gathered into a pinned buffer and encoded there by the host codec.
+//                     Either way the frames are the host codec's, byte for byte.
+//   compressed write, receiver (decode, on a decode thread): fp8 frames go to the
+//                     GPU as they came and are dequantized into place; anything else
+//                     is decoded on the host and copied in.
 //
 // The CUDA driver is loaded on first use (stager()), never at start-up: cuInit in a
 // process that later forks would break CUDA in its children.
@@ -27,6 +35,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/fp8_device.h"
 #include "cuda/staging.h"
 #include "pdkv/spi/generations.h"
 #include "pdkv/spi/region_table.h"
@@ -38,6 +47,8 @@ namespace pdkv::tcp {
 
 class TcpConn;
 class TcpTransport;
+class Encoder;
+struct EncodedBatch;
 
 class DeviceStaging {
  public:
@@ -67,14 +78,34 @@ class DeviceStaging {
   void respond_read(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<iovec> src,
                     std::vector<RegionPin> pins, GenPin gens, uint64_t bytes, int device);
 
+  // Encodes the device extents src[0..n) of `device` as one kWriteZ payload into
+  // `out` with `kind`, the frames `enc` would write for the same bytes in host memory
+  // (see the file comment). Waits for a staging buffer until `deadline` / `abandon()`.
+  Status encode(Encoder& enc, CodecKind kind, int device, const iovec* src, uint32_t n, Clock::time_point deadline,
+                const std::function<bool()>& abandon, EncodedBatch& out);
+  // Decodes a kWriteZ payload into the device extents dst[0..n) of `device`. Errors as
+  // Decoder::decode: ProtocolError for a malformed payload, DataCorrupted for a
+  // checksum mismatch; a driver failure is the driver's error.
+  Status decode(int device, const uint8_t* payload, uint64_t len, const iovec* dst, size_t n);
+  // Whether fp8 of device memory runs as GPU kernels on real hardware here (what
+  // compression mode auto assumes to be far faster than any socket); false on an
+  // emulated driver, without nvcc, or when the kernels do not load on `device`.
+  bool gpu_fp8_on_hardware(int device);
+
  private:
   void loop();
+  // The GPU FP8 codec, created on first use; NotSupported naming why there is none.
+  Result<std::shared_ptr<cuda::DeviceFp8>> fp8(int device);
 
   TcpTransport& t_;
   const uint64_t chunk_bytes_;
   const uint32_t buffers_;
   std::mutex mu_;  // guards everything below (a leaf lock: see conn.h)
   std::shared_ptr<cuda::Stager> stager_;
+  std::shared_ptr<cuda::DeviceFp8> fp8_;
+  Status fp8_status_;        // why there is no fp8_ (once tried)
+  bool fp8_tried_ = false;
+  bool fp8_fallback_logged_ = false;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
   std::thread th_;

@@ -649,14 +649,19 @@ bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Reque
 bool FrameReceiver::begin_compressed_payload(const std::shared_ptr<TcpConn>& c, Request req) {
   RxState& st = rx(c);
   const FrameHeader& h = st.cur;
-  if (req.reject.ok() && req.device >= 0)
-    req.reject = NotSupported("compressed writes into device memory are not supported (the sender compresses "
-                              "only host-to-host writes)");
+  if (req.reject.ok() && req.device >= 0) {
+    auto stager = t_.staging().stager();  // decoded on the host or the GPU, copied in through the driver
+    if (!stager.ok())
+      req.reject = Status(stager.status().code(), "a compressed write into device memory cannot be received: " +
+                                                       stager.status().message());
+  }
   st.gens = std::move(req.gens);
   st.reject = req.reject;
+  st.zdevice = -1;
   if (req.reject.ok()) {
     st.zdst = std::move(req.iov);
     st.pins = std::move(req.pins);
+    st.zdevice = req.device;
   }
   if (st.zbuf.capacity() == 0) st.zbuf = t_.decoder().buffer();  // one a decoded batch gave back
   st.zbuf.resize(static_cast<size_t>(h.payload));
@@ -677,6 +682,7 @@ struct FrameReceiver::DecodeJob {
   FrameHeader hdr{};
   std::vector<uint8_t> payload;  // the codec frames
   std::vector<iovec> dst;        // the checked extents
+  int device = -1;               // their CUDA device, or -1: host memory
   std::vector<RegionPin> pins;
   GenPin gens;
   Status reject;      // refused before its payload came: discarded, failed ack
@@ -692,6 +698,7 @@ void FrameReceiver::hand_to_decoder(const std::shared_ptr<TcpConn>& c) {
   job->hdr = st.cur;
   job->payload = std::move(st.zbuf);
   job->dst = std::move(st.zdst);
+  job->device = std::exchange(st.zdevice, -1);
   job->pins = std::move(st.pins);
   job->gens = std::move(st.gens);
   job->reject = std::move(st.reject);
@@ -720,7 +727,9 @@ void FrameReceiver::finish_decode(TcpTransport& t, const std::shared_ptr<TcpConn
   Status result = job.reject;
   bool conn_failed = false;
   if (result.ok()) {
-    Status d = Decoder::decode(job.payload.data(), job.payload.size(), job.dst.data(), job.dst.size());
+    Status d = job.device >= 0 ? t.staging().decode(job.device, job.payload.data(), job.payload.size(),
+                                                    job.dst.data(), job.dst.size())
+                               : Decoder::decode(job.payload.data(), job.payload.size(), job.dst.data(), job.dst.size());
     if (d.code() == StatusCode::kProtocolError) {
       auto lk = c->lock_rx();
       t.fail_conn_locked(c, ProtocolError(d.message() + " (from " + c->desc() + ")"), h.xfer_id, h.batch);

@@ -59,13 +59,15 @@ std::string advertised_host(const std::string& listen) {
 
 // Raw bytes per batch of a write that may be compressed: the codec chunk, in whole
 // FP8 scale groups (or rows) when FP8 may be chosen, so every frame is whole rows.
-uint64_t compressed_batch_bytes(const TcpCompression& o) {
+// At most `cap` bytes (device memory: a staging chunk); 0 when a row does not fit.
+uint64_t compressed_batch_bytes(const TcpCompression& o, uint64_t cap = UINT64_MAX) {
+  const uint64_t chunk = std::min<uint64_t>(o.chunk_bytes, cap);
   const bool fp8 = o.mode == CompressMode::kFp8 || (o.mode == CompressMode::kAuto && o.policy == CompressPolicy::kLossyAllowed);
-  if (!fp8) return o.chunk_bytes;
+  if (!fp8) return chunk;
   const uint64_t row = uint64_t(o.fp8.heads) * o.fp8.head_dim * dtype_size(o.dtype);
   const uint64_t group = row * o.fp8.rows_per_group;
-  const uint64_t unit = group <= o.chunk_bytes ? group : row;  // validate() keeps row <= chunk_bytes
-  return o.chunk_bytes / unit * unit;
+  const uint64_t unit = group <= chunk ? group : row;  // validate() keeps row <= chunk_bytes
+  return chunk / unit * unit;
 }
 
 }  // namespace
@@ -166,6 +168,12 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare_with(std::share
     // Batches are staged through pinned chunks: no batch may exceed one.
     PDKV_ASSIGN_OR_RETURN(auto st, staging_.stager());
     batch_bytes = std::min(batch_bytes, st->chunk());
+    if (op == OpKind::kWrite && z.mode != CompressMode::kOff && device_may_compress(z, p->device)) {
+      batch_bytes = compressed_batch_bytes(z, st->chunk());  // codec chunks, whole fp8 groups
+      if (batch_bytes == 0)
+        return InvalidArgument("tcp stage_chunk_bytes (" + std::to_string(st->chunk()) +
+                               ") is smaller than one fp8 row of the compressed device write");
+    }
   } else if (z.mode != CompressMode::kOff) {
     // Batches of a transfer that may be compressed are codec chunks: the pipeline
     // unit (a write's frames; a read's requests, each answered by one response).
@@ -671,13 +679,28 @@ TcpCompression TcpTransport::compression_of(const TcpPrepared& prep) const {
   return z;
 }
 
+// Device memory: forced modes compress; auto only with FP8 kernels on a real GPU
+// (device_staging.h; a lossless codec would run on the host after staging).
+bool TcpTransport::device_may_compress(const TcpCompression& z, int device) {
+  if (z.mode != CompressMode::kAuto) return true;
+  return z.policy == CompressPolicy::kLossyAllowed && staging_.gpu_fp8_on_hardware(device);
+}
+
 Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerConns& pc, bool* sample) {
-  if (prep.zmode == CompressMode::kOff || prep.staged || prep.batches.empty()) return Choice{};
-  if (prep.op == OpKind::kRead) return choose_read_compression(prep, pc, sample);
+  if (prep.zmode == CompressMode::kOff || prep.batches.empty()) return Choice{};
+  if (prep.op == OpKind::kRead)  // device memory is read plain
+    return prep.staged ? Choice{} : choose_read_compression(prep, pc, sample);
   const TcpCompression o = compression_of(prep);
   const PeerFeatures& f = pc.features;
   const std::string& peer = pc.peer->md.name;
   auto decodes = [&](CodecKind k) { return f.compressed_write && ((f.codecs >> static_cast<unsigned>(k)) & 1u); };
+  if (o.mode == CompressMode::kAuto && prep.staged) {
+    // The GPU quantizes at device-memory speed, far above a socket: FP8 wins whenever
+    // the peer decodes it, once a plain write has measured the link.
+    if (!decodes(CodecKind::kFp8) || !device_may_compress(o, prep.device) || pc.chooser.link_bps() == 0)
+      return Choice{};
+    return Choice{true, CodecKind::kFp8};
+  }
   if (o.mode == CompressMode::kAuto) {
     if (!f.compressed_write) return Choice{};  // an older peer: plain, as it expects
     const CodecKind k = codec_for_mode(o, f.codecs);
@@ -756,7 +779,12 @@ void TcpTransport::encode_and_send(const std::shared_ptr<TcpPost>& post, uint32_
   if (spi::TransferControl(post->xfer).cancel_requested()) return fail(Cancelled("cancelled"));
   if (post->data_failed) return fail(Cancelled("an earlier batch of this transfer failed"));
   auto buf = encoder_->buffer();
-  Status st = encoder_->encode(post->compress.kind, &prep->iov[b.first], b.count, *buf);
+  Status st = prep->staged
+                  ? staging_.encode(*encoder_, post->compress.kind, prep->device, &prep->iov[b.first], b.count,
+                                    post->xfer->deadline(),
+                                    [&] { return spi::TransferControl(post->xfer).cancel_requested() || shut_.load(); },
+                                    *buf)
+                  : encoder_->encode(post->compress.kind, &prep->iov[b.first], b.count, *buf);
   if (!st.ok()) return fail(st.with_context("compressing batch " + std::to_string(i) + " of the write"));
   const uint32_t slot = (post->zbase + i) % opts_.conns_per_peer;
   send_batch(post, i, slot, nullptr, std::move(buf), std::move(ticket));

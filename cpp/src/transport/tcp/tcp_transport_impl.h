@@ -125,6 +125,8 @@ class TcpTransport final : public Transport {
   Choice choose_read_compression(const TcpPrepared& prep, PeerConns& pc, bool* sample);
   // prep's compression options: the agent's, with this transfer's mode.
   TcpCompression compression_of(const TcpPrepared& prep) const;
+  // Whether a write from device memory of `device` may be compressed under `z`.
+  bool device_may_compress(const TcpCompression& z, int device);
   // Schedules the encoding of a compressed write's next batches while fewer than
   // kEncodeAhead of them are encoded and not yet sent. Each scheduled batch holds a
   // ticket whose release (its frame sent, dropped or failed) schedules the next.
