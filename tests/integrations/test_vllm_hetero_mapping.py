@@ -191,3 +191,42 @@ def test_pull_of_a_token_range_is_bit_exact(local_bs, remote_bs, start, end):
     assert _same(_tokens(decode, local_list, local_bs, end, tail_end), _tokens(before, local_list, local_bs, end, tail_end))
     others = [b for b in range(BLOCKS) if b not in lids]
     assert all(torch.equal(decode[k][others], before[k][others]) for k in decode)
+
+
+@pytest.mark.parametrize("mode,dtype,says", [("fp8", "bfloat16", "FP8 is not offered"), ("zstd", "bfloat16", "one of"),
+                                             ("lossless", "fp8_e4m3", "needs a bfloat16")])
+def test_connector_compress_option_is_checked(mode, dtype, says):
+    from pdkv.integrations.vllm_layout import connector_compression
+
+    with pytest.raises(pdkv.InvalidArgument, match=says):
+        connector_compression(mode, dtype)
+    assert connector_compression("off", "bfloat16") is None and connector_compression(None, "x") is None
+
+
+@needs_torch
+@pytest.mark.parametrize("local_bs, remote_bs", [(16, 16), (16, 32)])
+def test_compressed_pull_through_the_connector_options_is_bit_exact(local_bs, remote_bs):
+    """Decode's agent as the connector makes it with ``compress="lossless"``: the pull of
+    a request (whole blocks, or the per-token layout between block sizes) comes back
+    compressed over tcp (the transfer says zstd, fewer wire bytes than the KV) and
+    bit-exact. The caches hold small integers in bf16: compressible, as real KV is."""
+    from pdkv.integrations.vllm_layout import connector_compression
+
+    end = 100
+    prefill, decode = _cpu_caches(remote_bs, 5, torch.bfloat16), _cpu_caches(local_bs, 6, torch.bfloat16)
+    remote_list = random.Random(7).sample(range(BLOCKS), -(-end // remote_bs))
+    local_list = random.Random(8).sample(range(BLOCKS), -(-end // local_bs))
+    span = pull_span(0, end, local_bs, remote_bs)
+    z = connector_compression("lossless", "bfloat16")
+    with pdkv.Agent("d", secret="s", transports=["tcp"], tcp=pdkv.TcpOptions(compress=z)) as dec, \
+            pdkv.Agent("p", secret="s", transports=["tcp"]) as pre:
+        for agent, caches in ((dec, decode), (pre, prefill)):
+            for t in caches.values():
+                agent.register(t)
+            agent.add_layout("vllm-kv-tokens", cpu_token_layout(caches))
+        peer = dec.add_peer(pre.metadata())
+        x = dec.read(peer, "vllm-kv-tokens", local_list[span.local_first:span.local_last], "vllm-kv-tokens",
+                     remote_list[span.remote_first:span.remote_last], num_tokens=span.num_tokens)
+        assert x.wait(20)
+        assert x.compression == "zstd" and 0 < x.wire_bytes < x.bytes_total, (x.compression, x.wire_bytes)
+    assert _same(_tokens(decode, local_list, local_bs, 0, end), _tokens(prefill, remote_list, remote_bs, 0, end))

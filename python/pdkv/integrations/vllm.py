@@ -69,6 +69,12 @@ Extra config keys (``kv_connector_extra_config``):
     Deadline of one pull (default 30).
 ``stats_path``
     Append one JSON line per pull (request, blocks, bytes, seconds) to this file.
+``compress``
+    ``"lossless"`` or ``"auto"`` (lossless when the measured link is slower than the
+    codec): decode's pulls over tcp ask prefill for compressed KV, bit-exact
+    (docs/compression.md, compressed reads); default ``"off"``. Set on decode;
+    prefill answers what the reader asks. No FP8 (see
+    :func:`~pdkv.integrations.vllm_layout.connector_compression`).
 
 Only vLLM's own attention layouts with one KV cache group are supported (no
 hybrid/sliding-window groups), with equal KV heads, head size, dtype and TP size on
@@ -110,6 +116,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 import pdkv
 from pdkv.integrations.vllm_layout import (
     check_pullable,
+    connector_compression,
     cpu_token,
     cpu_token_layout,
     describe_kv_caches,
@@ -630,9 +637,13 @@ class _Worker:
         port_n = int(port) + self.tp_rank if int(port) else 0
         name = f"vllm-{kvt.engine_id}-tp{self.tp_rank}".replace(" ", "_")
         transports = extra.get("transports")
+        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        kv_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+        compress = connector_compression(extra.get("compress"), kv_dtype)
         self.agent = pdkv.Agent(name, secret=secret, listen=f"{host}:{port_n}",
                                 transports=list(transports) if transports else None,
-                                default_timeout=self.timeout_s)
+                                default_timeout=self.timeout_s,
+                                tcp=pdkv.TcpOptions(compress=compress) if compress else None)
         self._regions: list[pdkv.Region] = []
         self._caches: list[torch.Tensor] = []
         self.geometry: pdkv.KVGeometry | None = None
@@ -914,6 +925,8 @@ class _Worker:
                "tokens": r.num_tokens, "bytes": xfer.bytes_total if xfer is not None else 0,
                "transfer_s": xfer.elapsed if xfer is not None and err is None else None,
                "seen_to_done_s": seconds, "transport": xfer.transport if xfer is not None else None,
+               "compression": xfer.compression if xfer is not None else None,
+               "wire_bytes": xfer.wire_bytes if xfer is not None else None,
                "error": None if err is None else f"{type(err).__name__}: {err}", "time": time.time()}
         with open(self.stats_path, "a") as f:
             f.write(json.dumps(row) + "\n")

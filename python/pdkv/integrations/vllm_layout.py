@@ -254,3 +254,29 @@ def check_pullable(local: Any, remote: Any) -> None:
     if diff:
         raise InvalidArgument(f"prefill's KV cache differs from decode's in {', '.join(diff)} (prefill vs decode; "
                               f"prefill {remote}, decode {local}): not pulled, decode recomputes")
+
+
+#: ``kv_connector_extra_config["compress"]`` values: how decode's pulls over tcp ask
+#: prefill to compress the KV (prefill encodes what the reader asks; nothing to set there).
+CONNECTOR_COMPRESS_MODES = ("off", "lossless", "auto")
+
+
+def connector_compression(mode: Any, dtype: str) -> Any:
+    """The connector agent's ``TcpCompression`` for ``compress=mode`` on a KV cache of
+    ``dtype`` (``"bfloat16"``, ``"float16"``, ``"float32"``), or None for ``"off"``/None.
+
+    Lossless only (``auto`` never chooses FP8 here): FP8 needs one scale per head per
+    block, and vLLM's CPU cache interleaves K and V per head, which a scale group would
+    mix. Raises InvalidArgument naming a bad mode or a dtype the codec does not take."""
+    from .. import TcpCompression
+
+    if mode is None or mode == "off":
+        return None
+    if mode not in CONNECTOR_COMPRESS_MODES:
+        raise InvalidArgument(f"pdkv connector: compress must be one of {', '.join(CONNECTOR_COMPRESS_MODES)}, "
+                              f"got {mode!r}" + (" (FP8 is not offered for vLLM caches: K and V share a "
+                                                 "head's block, a scale group would mix them)" if mode == "fp8" else ""))
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise InvalidArgument(f"pdkv connector: compress={mode!r} needs a bfloat16, float16 or float32 KV cache, "
+                              f"this one is {dtype}")
+    return TcpCompression(mode=mode, dtype=dtype, policy="lossless")
