@@ -9,6 +9,7 @@
 //   shm_dial.h        the initiator's blocking handshake
 //   shm_conn.h        one control connection, its state and its lock order
 //   remote_region.h   confirming a peer's region before first use, acking revokes
+//   copy_ops.h        a bound transfer's copy ops, built from its runs (bounds checked)
 //   copy_engine.h     the copies themselves and the copy threads
 //
 // Thread safety: the Transport methods as pdkv/transport.h says.
@@ -62,6 +63,7 @@ class ShmTransport final : public Transport {
     c.generations = true;
     c.direct_small_extents = true;  // memcpy / process_vm_writev per extent: staging = one more copy
     c.strided_extents = true;       // a strided run is one copy op (a memcpy loop)
+    c.two_level_extents = true;     // so is a two-level one (NHD <-> HND: O(heads) runs, not O(blocks x heads))
     return c;
   }
   Status start(AgentHooks* hooks) override;
