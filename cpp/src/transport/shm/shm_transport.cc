@@ -38,6 +38,7 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -59,6 +60,14 @@
 #include "util/socket.h"
 
 namespace pdkv::shm {
+
+bool two_level_runs_allowed() {
+  static const bool on = [] {
+    const char* v = std::getenv("PDKV_BENCH_SHM_ONE_LEVEL");
+    return v == nullptr || std::strcmp(v, "1") != 0;
+  }();
+  return on;
+}
 
 Status ShmTransport::start(AgentHooks* hooks) {
   hooks_ = hooks;

@@ -49,6 +49,11 @@ struct ShmPrepared final : PreparedOps {
   mutable std::shared_ptr<const Binding> bound;
 };
 
+// False under the benchmark switch PDKV_BENCH_SHM_ONE_LEVEL=1 (read once per process;
+// docs/benchmarks.md): shm takes one-level runs only, as before two-level runs, to
+// compare the two in one build.
+bool two_level_runs_allowed();
+
 class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(const AgentConfig& cfg) : opts_(cfg.shm), connect_timeout_(cfg.tcp.connect_timeout_s) {}
@@ -63,7 +68,7 @@ class ShmTransport final : public Transport {
     c.generations = true;
     c.direct_small_extents = true;  // memcpy / process_vm_writev per extent: staging = one more copy
     c.strided_extents = true;       // a strided run is one copy op (a memcpy loop)
-    c.two_level_extents = true;     // so is a two-level one (NHD <-> HND: O(heads) runs, not O(blocks x heads))
+    c.two_level_extents = two_level_runs_allowed();  // so is a two-level one (NHD <-> HND: O(heads) runs)
     return c;
   }
   Status start(AgentHooks* hooks) override;
