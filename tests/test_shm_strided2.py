@@ -169,3 +169,24 @@ def test_deregistration_waits_for_a_two_level_copy():
                 assert x.wait(10)
             except pdkv.NotFound as e:
                 assert "deregistered" in str(e)
+
+
+def test_a_layer_wise_stream_into_hnd_blocks_lands_bit_exact():
+    """A streaming write prepares each batch of layers like a write: two-level runs too."""
+    ls, lt, lh, rs, rt, rh, nh, lho, rho = MODES["tp2:tp4+nhd:hnd"]
+    with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a, \
+            pdkv.Agent("b", secret=SECRET, transports=["shm"]) as b:
+        local = Pool(PoolSpec(4, BLOCKS, lt, lh, D, "float16", ls), 5, shared_by=a)
+        remote = Pool(PoolSpec(4, BLOCKS, rt, rh, D, "float16", rs), None, shared_by=b)
+        local.register(a)
+        remote.register(b)
+        peer = a.add_peer(b.metadata())
+        lids, rids = list(range(3, 13)), list(range(20, 30))
+        s = a.open_stream(peer, "kv", lids, "kv", rids, notify=b"r", timeout=30, num_heads=nh,
+                          local_head_offset=lho, remote_head_offset=rho)
+        for layer in (2, 0, 3, 1):
+            s.post_layers(layer)
+        x = s.close()
+        assert x.wait(30) and x.bytes_done == x.bytes_total
+        assert [n.data for n in b.wait_notifications(10)] == [b"r"]
+        check(local, lids, remote, rids, 10 * lt, nh, lho, rho)
