@@ -1,5 +1,6 @@
 """Prepare cost of heterogeneous pushes at llama-3-70b geometry (80 layers, head_dim 128,
-bf16, 4096 tokens), full 8 kv heads and tp8's 1 kv head per rank.
+bf16, 4096 tokens), full 8 kv heads and tp8's 1 kv head per rank, and at llama-3-8b
+geometry (32 layers, 8 kv heads).
 
 Like ``pdkv bench transfer``'s prepare cost: two synthetic, never-touched address
 ranges are registered and the agent prepares against itself (no memory, no network).
@@ -9,19 +10,29 @@ prepare's milliseconds (best of 5), and the direct plan's extents and millisecon
 (``pdkv.plan_blocks`` including its Python list: what the transfer would carry
 without staging).
 
+With ``--compare-one-level`` (shm) each line also gives the extents and milliseconds of
+the same prepare with shm taking one-level runs only (``PDKV_BENCH_SHM_ONE_LEVEL=1``, as
+before two-level runs), measured by a child process right before, in the same run.
+
     .venv/bin/python bench/layout_prepare.py [--random-ids] [--transport shm] [--mode tp4:tp2 ...]
+                                             [--compare-one-level]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
 
 import pdkv
 
-TOKENS, LAYERS, HEAD_DIM, POOL_BLOCKS = 4096, 80, 128, 512
+TOKENS, HEAD_DIM, POOL_BLOCKS = 4096, 128, 512
+GEOMETRIES = ((8, 80, "70b-full"), (1, 80, "70b-tp8"), (8, 32, "8b"))  # kv heads per rank, layers, label
 
 
 def modes(h: int) -> dict[str, tuple]:
@@ -57,23 +68,18 @@ def best_of(fn, n=5):
     return out, best
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--random-ids", action="store_true", help="scattered block ids instead of consecutive ones")
-    ap.add_argument("--transport", default="tcp", choices=["tcp", "shm"])
-    ap.add_argument("--mode", action="append", help="only these modes (repeatable; default: all)")
-    args = ap.parse_args()
+def measure(args) -> list[dict]:
+    """One row per (geometry, mode, op): extents and prepare ms, and the direct plan's."""
     rng = np.random.default_rng(0)
-    print(f"{'geometry':<10} {'mode':<26} {'op':<5} {'extents':>8} {'prepare ms':>10} {'direct extents':>14} "
-          f"{'direct ms':>9}")
-    for h, label in ((8, "70b-full"), (1, "70b-tp8")):
+    rows = []
+    for h, layers, label in GEOMETRIES:
         for name, (lt, lh, lo, rt, rh, ro, nh, lho, rho) in modes(h).items():
             if args.mode and name not in args.mode:
                 continue
             with pdkv.Agent("bench-layout", secret="x", transports=[args.transport]) as a:
                 layouts = []
                 for i, (t, hh, order) in enumerate(((lt, lh, lo), (rt, rh, ro))):
-                    geo = pdkv.KVGeometry(LAYERS, POOL_BLOCKS, t, hh, HEAD_DIM, "bfloat16", order=order)
+                    geo = pdkv.KVGeometry(layers, POOL_BLOCKS, t, hh, HEAD_DIM, "bfloat16", order=order)
                     base = (1 << 44) + i * (1 << 43)
                     a.register_address(base, geo.pool_bytes, remote_access=True)
                     layouts.append(pdkv.KVLayout.contiguous(geo, base))
@@ -86,10 +92,50 @@ def main() -> None:
                 pull = dict(num_tokens=kw["num_tokens"], num_heads=nh, local_head_offset=rho, remote_head_offset=lho)
                 for op, (li, lo_, ri, ro_, opts) in (("write", (0, lids, 1, rids, kw)),
                                                      ("read", (1, rids, 0, lids, pull))):
-                    direct, dsecs = best_of(lambda: pdkv.plan_blocks(layouts[li], lo_, layouts[ri], ro_, **opts), 2)
+                    direct, dsecs = (None, 0.0) if args.no_direct else best_of(
+                        lambda: pdkv.plan_blocks(layouts[li], lo_, layouts[ri], ro_, **opts), 2)
                     prep, secs = best_of(lambda: a.prepare(op, me, f"kv{li}", lo_, f"kv{ri}", ro_, **opts))
-                    print(f"{label:<10} {name:<26} {op:<5} {prep.num_extents:>8} {secs * 1e3:>10.3f} "
-                          f"{len(direct):>14} {dsecs * 1e3:>9.1f}")
+                    rows.append(dict(geometry=label, mode=name, op=op, extents=prep.num_extents, ms=secs * 1e3,
+                                     direct_extents=len(direct) if direct is not None else -1, direct_ms=dsecs * 1e3))
+    return rows
+
+
+def one_level_rows(argv: list[str]) -> dict:
+    """The same measurement by a child process with PDKV_BENCH_SHM_ONE_LEVEL=1."""
+    env = dict(os.environ, PDKV_BENCH_SHM_ONE_LEVEL="1")
+    out = subprocess.run([sys.executable, __file__, *argv, "--json-rows", "--no-direct"], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return {(r["geometry"], r["mode"], r["op"]): r for r in json.loads(out)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--random-ids", action="store_true", help="scattered block ids instead of consecutive ones")
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "shm"])
+    ap.add_argument("--mode", action="append", help="only these modes (repeatable; default: all)")
+    ap.add_argument("--compare-one-level", action="store_true",
+                    help="shm: also measure one-level runs only (PDKV_BENCH_SHM_ONE_LEVEL=1) in a child process")
+    ap.add_argument("--no-direct", action="store_true", help="skip the direct plan (pdkv.plan_blocks) columns")
+    ap.add_argument("--json-rows", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    child_argv = ["--transport", args.transport] + (["--random-ids"] if args.random_ids else [])
+    for m in args.mode or []:
+        child_argv += ["--mode", m]
+    before = one_level_rows(child_argv) if args.compare_one_level else {}
+    rows = measure(args)
+    if args.json_rows:
+        print(json.dumps(rows))
+        return
+    print(f"{'geometry':<10} {'mode':<26} {'op':<5} {'extents':>8} {'prepare ms':>10} {'direct extents':>14} "
+          f"{'direct ms':>9}" + (f" {'one-level extents':>17} {'one-level ms':>12}" if before else ""))
+    for r in rows:
+        direct = (f"{r['direct_extents']:>14} {r['direct_ms']:>9.1f}" if r["direct_extents"] >= 0
+                  else f"{'-':>14} {'-':>9}")
+        line = f"{r['geometry']:<10} {r['mode']:<26} {r['op']:<5} {r['extents']:>8} {r['ms']:>10.3f} {direct}"
+        b = before.get((r["geometry"], r["mode"], r["op"]))
+        if b:
+            line += f" {b['extents']:>17} {b['ms']:>12.3f}"
+        print(line)
 
 
 if __name__ == "__main__":

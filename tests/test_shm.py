@@ -117,6 +117,9 @@ def test_copies_queued_past_their_deadline_or_cancelled_stop(kind):
         peer = a.connect(b.address)
         assert a.peer_transport(peer) == "shm"
         prep = a.prepare("write", peer, "kv", range(128), "kv", range(128))
+        # Regions confirmed first: on a loaded machine the first post's confirmation
+        # alone can outlast 20 ms (a TransferTimeout that is not the copy's).
+        assert prep.post(timeout=60).wait(60)
         xs = [prep.post(timeout=0.02) for _ in range(12)]  # ~768 MiB queued on one copy thread
         ys = [prep.post(timeout=60) for _ in range(4)]
         for y in ys:

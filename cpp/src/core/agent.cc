@@ -609,7 +609,8 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_blocks(
   // plan they always had. (A routing error is left for prepare_resolved() to report.)
   auto routed = route(peer_name, opts);
   if (routed.ok() && routed->transport->caps().strided_extents) {
-    PDKV_ASSIGN_OR_RETURN(auto runs, planner::plan_strided(local, local_ids, *remote, remote_ids, plan));
+    PDKV_ASSIGN_OR_RETURN(auto runs, planner::plan_strided(local, local_ids, *remote, remote_ids, plan,
+                                                           routed->transport->caps().two_level_extents));
     return prepare_resolved(peer_name, op, runs, opts, std::move(claim));
   }
   PDKV_ASSIGN_OR_RETURN(std::vector<Extent> ex, plan_blocks(local, local_ids, *remote, remote_ids, plan));
@@ -696,10 +697,11 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
 namespace {
 
 // Bytes from the first byte of a run's first piece to the end of its last piece on
-// one side, or nullopt when that overflows u64.
-std::optional<uint64_t> run_span(const planner::StridedExtent& x, uint64_t stride) {
-  uint64_t steps = 0, span = 0;
-  if (__builtin_mul_overflow(x.count - 1, stride, &steps) || __builtin_add_overflow(steps, x.len, &span))
+// one side (`stride2`: its repetitions' stride), or nullopt when that overflows u64.
+std::optional<uint64_t> run_span(const planner::StridedExtent& x, uint64_t stride, uint64_t stride2) {
+  uint64_t steps = 0, steps2 = 0, span = 0;
+  if (__builtin_mul_overflow(x.count - 1, stride, &steps) || __builtin_mul_overflow(x.count2 - 1, stride2, &steps2) ||
+      __builtin_add_overflow(steps, steps2, &span) || __builtin_add_overflow(span, x.len, &span))
     return std::nullopt;
   return span;
 }
@@ -746,7 +748,7 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
   uint64_t last_l = ~0ull, last_r = ~0ull;
   const RegionDesc* ld = nullptr;
   const RegionDesc* rd = nullptr;
-  bool strided = false;
+  bool strided = false, two_level = false;
   for (size_t i = 0; i < ex.size(); ++i) {
     const planner::StridedExtent& x = ex[i];
     if (x.len == 0) return InvalidArgument("extent " + std::to_string(i) + " has length 0");
@@ -755,6 +757,12 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
       return InvalidArgument("extent " + std::to_string(i) + ": strides " + std::to_string(x.local_stride) + "/" +
                              std::to_string(x.remote_stride) + " are shorter than its " + std::to_string(x.len) +
                              "-byte pieces (they would overlap)");
+    if (x.count2 == 0) return InvalidArgument("extent " + std::to_string(i) + " has 0 repetitions");
+    if (x.count2 > 1 && (!planner::nested_disjoint(x.len, x.count, x.local_stride, x.count2, x.local_stride2) ||
+                         !planner::nested_disjoint(x.len, x.count, x.remote_stride, x.count2, x.remote_stride2)))
+      return InvalidArgument("extent " + std::to_string(i) + ": its " + std::to_string(x.count2) +
+                             " repetitions (strides " + std::to_string(x.local_stride2) + "/" +
+                             std::to_string(x.remote_stride2) + ") would overlap its pieces");
     if (x.local_region != last_l) {
       auto it = local.find(x.local_region);
       if (it == local.end()) {
@@ -781,8 +789,9 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
       last_r = x.remote_region;
     }
     // A run is checked whole: its first and last piece (the ones between lie between).
-    const auto lspan = x.count > 1 ? run_span(x, x.local_stride) : std::optional<uint64_t>(x.len);
-    const auto rspan = x.count > 1 ? run_span(x, x.remote_stride) : std::optional<uint64_t>(x.len);
+    const bool plain = x.count == 1 && x.count2 == 1;
+    const auto lspan = plain ? std::optional<uint64_t>(x.len) : run_span(x, x.local_stride, x.local_stride2);
+    const auto rspan = plain ? std::optional<uint64_t>(x.len) : run_span(x, x.remote_stride, x.remote_stride2);
     auto span_str = [&](std::optional<uint64_t> sp) {
       return sp ? std::to_string(*sp) : std::string("more than 2^64");
     };
@@ -801,9 +810,16 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
       r.remote_stride = x.remote_stride;
       strided = true;
     }
+    if (x.count2 > 1) {
+      r.count2 = x.count2;
+      r.local_stride2 = x.local_stride2;
+      r.remote_stride2 = x.remote_stride2;
+      strided = two_level = true;
+    }
     out.push_back(r);
     prep->bytes += r.bytes();
   }
+  if (two_level && caps.strided_extents && !caps.two_level_extents) out = expand_two_level(out);
   if (strided && !caps.strided_extents) out = expand_strided(out);
   prep->peer = peer_name;
   prep->transport = std::string(t->name());

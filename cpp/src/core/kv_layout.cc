@@ -443,8 +443,17 @@ namespace {
 
 void plan_segment_strided(const KVLayout& local, const KVSegment& L, uint64_t lreg, uint64_t lbase,
                           const std::vector<uint32_t>& lids, const KVLayout& remote, const KVSegment& R, uint64_t rreg,
-                          uint64_t rbase, const std::vector<uint32_t>& rids, const RowRange& rr,
+                          uint64_t rbase, const std::vector<uint32_t>& rids, const RowRange& rr, bool two_level,
                           std::vector<StridedExtent>& out) {
+  if (two_level) {
+    walk_segment_two_level(local.geometry().block_tokens, L, lbase, lids, remote.geometry().block_tokens, R, rbase,
+                           rids, local.geometry().row_bytes(), rr, [&](StridedExtent x) {
+                             x.local_region = lreg;
+                             x.remote_region = rreg;
+                             push_strided(out, x);
+                           });
+    return;
+  }
   walk_segment_strided(local.geometry().block_tokens, L, lbase, lids, remote.geometry().block_tokens, R, rbase, rids,
                        local.geometry().row_bytes(), rr,
                        [&](uint64_t lo, uint64_t ro, uint64_t len, uint64_t n, uint64_t ls, uint64_t rs) {
@@ -456,7 +465,7 @@ void plan_segment_strided(const KVLayout& local, const KVSegment& L, uint64_t lr
 
 Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                 const KVLayout& remote, const std::vector<uint32_t>& rids,
-                                                const PlanOptions& opts) {
+                                                const PlanOptions& opts, bool two_level) {
   PDKV_ASSIGN_OR_RETURN(PlanScope scope, plan_scope(local, lids, remote, rids, opts));
   std::vector<StridedExtent> out;
   if (scope.whole_blocks) {
@@ -475,14 +484,14 @@ Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std
   const KVSegment& L0 = ls[scope.seg_begin];
   const KVSegment& R0 = rs[scope.seg_begin];
   std::vector<StridedExtent> tmpl;
-  plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, tmpl);
+  plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, two_level, tmpl);
   out.reserve(tmpl.size() * (scope.seg_end - scope.seg_begin));
   for (size_t s = scope.seg_begin; s < scope.seg_end; ++s) {
     const KVSegment& L = ls[s];
     const KVSegment& R = rs[s];
     if (!same_strides(L, L0) || !same_strides(R, R0)) {
       plan_segment_strided(local, L, L.region_id, seg_base(L), lids, remote, R, R.region_id, seg_base(R), rids,
-                           scope.rows, out);
+                           scope.rows, two_level, out);
       continue;
     }
     const uint64_t lb = seg_base(L), rb = seg_base(R);

@@ -75,6 +75,11 @@ void walk_segment_runs(uint64_t LT, const KVSegment& L, uint64_t lbase, const st
 // and remote_offset + i * remote_stride (count == 1: a plain extent, strides 0). What
 // the planner hands a transport that takes strided runs (spi/transport.h
 // ResolvedExtent): a peer's fragmented block costs one run, not one extent per token.
+//
+// A two-level run repeats that whole run `count2` times, repetition j shifted by
+// j * local_stride2 / j * remote_stride2 (count2 == 1: one level, strides2 0): what
+// NHD <-> HND with several heads needs (one head's tokens, repeated per head or per
+// block), handed only to a transport with caps().two_level_extents.
 struct StridedExtent {
   uint64_t local_region = 0;
   uint64_t local_offset = 0;
@@ -84,7 +89,26 @@ struct StridedExtent {
   uint64_t count = 1;
   uint64_t local_stride = 0;
   uint64_t remote_stride = 0;
+  uint64_t count2 = 1;
+  uint64_t local_stride2 = 0;
+  uint64_t remote_stride2 = 0;
 };
+
+// Whether the count x count2 pieces of `len` bytes at i * stride + j * stride2 are
+// pairwise disjoint because one level nests inside the other's gaps: every piece of
+// an inner repetition ends before the next repetition starts (stride2 >= span of the
+// inner run), or one inner step jumps over every repetition (stride >= span of the
+// outer level). Overflow-safe: a span past 2^64 is not nested.
+inline bool nested_disjoint(uint64_t len, uint64_t count, uint64_t stride, uint64_t count2, uint64_t stride2) {
+  auto span = [len](uint64_t n, uint64_t st, uint64_t* out) {
+    uint64_t steps = 0;
+    return !__builtin_mul_overflow(n - 1, st, &steps) && !__builtin_add_overflow(steps, len, out);
+  };
+  uint64_t inner = 0, outer = 0;
+  if (count <= 1 || count2 <= 1) return (count <= 1 || stride >= len) && (count2 <= 1 || stride2 >= len);
+  if (stride >= len && span(count, stride, &inner) && stride2 >= inner) return true;
+  return stride2 >= len && span(count2, stride2, &outer) && stride >= outer;
+}
 
 // Appends `x` or extends the last run when `x` continues it: a plain extent that
 // continues a plain one on both sides grows it; pieces of the same length that sit
@@ -94,6 +118,10 @@ struct StridedExtent {
 // extents: measured, a run of them moved 0.7x the GB/s of the same plain extents).
 // A run whose pieces touch on both sides is a plain extent.
 inline void push_strided(std::vector<StridedExtent>& out, StridedExtent x) {
+  if (x.count2 > 1 || (!out.empty() && out.back().count2 > 1)) {  // two-level runs come whole
+    out.push_back(x);
+    return;
+  }
   if (x.count > 1 && x.local_stride == x.len && x.remote_stride == x.len) {
     x.len *= x.count;
     x.count = 1;
@@ -168,13 +196,117 @@ void walk_segment_strided(uint64_t LT, const KVSegment& L, uint64_t lbase, const
   }
 }
 
+// A run of `n` pieces repeated `n2` times, in its simplest form: a level of one piece
+// or of touching pieces folds away (a plain extent or a one-level run when it can).
+inline StridedExtent two_level_run(uint64_t lo, uint64_t ro, uint64_t len, uint64_t n, uint64_t ls, uint64_t rs,
+                                   uint64_t n2, uint64_t ls2, uint64_t rs2) {
+  if (n > 1 && ls == len && rs == len) {
+    len *= n;
+    n = 1;
+  }
+  if (n == 1) {
+    n = n2;
+    ls = ls2;
+    rs = rs2;
+    n2 = 1;
+  }
+  if (n > 1 && n2 == 1 && ls == len && rs == len) {
+    len *= n;
+    n = 1;
+  }
+  if (n == 1) ls = rs = 0;
+  if (n2 == 1) ls2 = rs2 = 0;
+  return StridedExtent{0, lo, 0, ro, len, n, ls, rs, n2, ls2, rs2};
+}
+
+// walk_segment_strided() for a transport that takes two-level runs. Only where both
+// token and head are cut (NHD <-> HND with several heads moved) does it differ: the
+// chunks are joined into spans along which both sides stay affine in the token
+// (consecutive blocks of a contiguous pool), spans that follow each other at one
+// distance into groups, and a group of g spans becomes one run per head (the head's
+// tokens, repeated per span) when the heads are no more than the spans, else one run
+// per span (its tokens, repeated per head). O(chunks) work; with consecutive block ids
+// O(heads) runs per (layer, part), with scattered ids one per chunk. A run whose
+// levels would not nest (nested_disjoint) is emitted per head instead.
+// emit(const StridedExtent&) gets runs with regions 0, offsets from lbase/rbase.
+template <class Emit>
+void walk_segment_two_level(uint64_t LT, const KVSegment& L, uint64_t lbase, const std::vector<uint32_t>& lids,
+                            uint64_t RT, const KVSegment& R, uint64_t rbase, const std::vector<uint32_t>& rids,
+                            uint64_t row, const RowRange& rr, Emit&& emit) {
+  const uint64_t nh = rr.num_heads;
+  const bool heads_run = nh == 1 || (L.head_stride == row && R.head_stride == row);
+  if (heads_run || (L.token_stride == row && R.token_stride == row)) {
+    walk_segment_strided(LT, L, lbase, lids, RT, R, rbase, rids, row, rr,
+                         [&](uint64_t lo, uint64_t ro, uint64_t len, uint64_t n, uint64_t ls, uint64_t rs) {
+                           emit(StridedExtent{0, lo, 0, ro, len, n, ls, rs});
+                         });
+    return;
+  }
+  struct Span {
+    uint64_t lo, ro, tokens;
+  };
+  std::vector<Span> spans;
+  const uint64_t la = lbase + rr.local_head_offset * L.head_stride;
+  const uint64_t ra = rbase + rr.remote_head_offset * R.head_stride;
+  for (uint64_t t = 0; t < rr.num_tokens;) {
+    const uint64_t lslot = t % LT, rslot = t % RT;
+    const uint64_t c = std::min({LT - lslot, RT - rslot, rr.num_tokens - t});
+    const uint64_t lo = la + lids[t / LT] * L.block_stride + lslot * L.token_stride;
+    const uint64_t ro = ra + rids[t / RT] * R.block_stride + rslot * R.token_stride;
+    if (!spans.empty() && lo == spans.back().lo + spans.back().tokens * L.token_stride &&
+        ro == spans.back().ro + spans.back().tokens * R.token_stride) {
+      spans.back().tokens += c;
+    } else {
+      spans.push_back(Span{lo, ro, c});
+    }
+    t += c;
+  }
+  auto nested = [&](uint64_t n, uint64_t ls, uint64_t rs, uint64_t n2, uint64_t ls2, uint64_t rs2) {
+    return nested_disjoint(row, n, ls, n2, ls2) && nested_disjoint(row, n, rs, n2, rs2);
+  };
+  for (size_t i = 0; i < spans.size();) {
+    const Span& s = spans[i];
+    size_t g = 1;
+    uint64_t dl = 0, dr = 0;
+    if (i + 1 < spans.size() && spans[i + 1].lo > s.lo && spans[i + 1].ro > s.ro) {
+      dl = spans[i + 1].lo - s.lo;
+      dr = spans[i + 1].ro - s.ro;
+      while (i + g < spans.size() && spans[i + g].tokens == s.tokens && spans[i + g].lo == s.lo + g * dl &&
+             spans[i + g].ro == s.ro + g * dr)
+        ++g;
+    }
+    if (g > 1 && nh <= g && nested(s.tokens, L.token_stride, R.token_stride, g, dl, dr)) {
+      for (uint64_t h = 0; h < nh; ++h)
+        emit(two_level_run(s.lo + h * L.head_stride, s.ro + h * R.head_stride, row, s.tokens, L.token_stride,
+                           R.token_stride, g, dl, dr));
+      i += g;
+      continue;
+    }
+    for (size_t k = i; k < i + g; ++k) {
+      const Span& x = spans[k];
+      if (nested(x.tokens, L.token_stride, R.token_stride, nh, L.head_stride, R.head_stride)) {
+        emit(two_level_run(x.lo, x.ro, row, x.tokens, L.token_stride, R.token_stride, nh, L.head_stride,
+                           R.head_stride));
+        continue;
+      }
+      for (uint64_t h = 0; h < nh; ++h)
+        emit(two_level_run(x.lo + h * L.head_stride, x.ro + h * R.head_stride, row, x.tokens, L.token_stride,
+                           R.token_stride, 1, 0, 0));
+    }
+    i += g;
+  }
+}
+
 // plan_blocks() as strided runs (same checks and errors, same bytes in the same
 // order once every run is expanded piece by piece, except that a run whose pieces
 // are one head's tokens may come before the next head's): O(blocks x layers x parts)
 // runs for any pair of layouts, O(layers x parts) when the block ids are consecutive.
+// With `two_level` (a transport with caps().two_level_extents), runs may have two
+// levels (walk_segment_two_level): O(heads x layers x parts) runs for NHD <-> HND with
+// consecutive block ids instead of O(blocks x heads x layers x parts).
 Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                 const KVLayout& remote, const std::vector<uint32_t>& rids,
-                                                const PlanOptions& opts);
+                                                const PlanOptions& opts, bool two_level = false);
 
 // What a transport that takes strided runs is handed for one (layer, part) pair: its
 // coalesced runs, plus one per local piece of each run whose local pieces are apart

@@ -20,6 +20,7 @@
 // trampoline (cpp/bindings/py_transport.cc); the agent treats them like any other.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -55,6 +56,9 @@ struct TransportCaps {
   // Takes strided ResolvedExtents (count > 1) as they are. Without it the agent hands
   // the transport every piece as its own extent (expand_strided), as before.
   bool strided_extents = false;
+  // Takes two-level runs (ResolvedExtent count2 > 1) as they are; needs
+  // strided_extents. Without it a transport never gets count2 > 1.
+  bool two_level_extents = false;
 };
 
 class Transport;
@@ -99,6 +103,10 @@ class AgentHooks {
 // The agent has checked the whole run against both regions (first and last piece,
 // no u64 overflow) and, for count > 1, that both strides are at least `len` (pieces
 // never overlap). Only a transport with caps().strided_extents gets count > 1.
+// A two-level run (count2 > 1, only for caps().two_level_extents) repeats that run
+// count2 times, repetition j shifted by j * local_stride2 / j * remote_stride2; the
+// agent has checked the whole of it against both regions and that one level nests
+// in the other's gaps (its count * count2 pieces are disjoint on each side).
 struct ResolvedExtent {
   uint64_t local_addr = 0;
   uint64_t remote_region = 0;
@@ -109,18 +117,46 @@ struct ResolvedExtent {
   uint64_t count = 1;
   uint64_t local_stride = 0;
   uint64_t remote_stride = 0;
+  uint64_t count2 = 1;
+  uint64_t local_stride2 = 0;
+  uint64_t remote_stride2 = 0;
 
-  uint64_t bytes() const { return count * len; }
-  // Piece i as a plain extent.
+  uint64_t bytes() const { return count2 * count * len; }
+  // Piece i (of the first repetition) as a plain extent.
   ResolvedExtent piece(uint64_t i) const {
     return ResolvedExtent{local_addr + i * local_stride, remote_region, remote_offset + i * remote_stride, len,
                           local_kind, local_device};
   }
+  // Repetition j of a two-level run as a one-level run.
+  ResolvedExtent repetition(uint64_t j) const {
+    ResolvedExtent r = *this;
+    r.local_addr += j * local_stride2;
+    r.remote_offset += j * remote_stride2;
+    r.count2 = 1;
+    r.local_stride2 = r.remote_stride2 = 0;
+    return r;
+  }
 };
+
+// The shared expansion of two-level runs for transports without
+// caps().two_level_extents: each repetition as its own one-level run, in order.
+inline std::vector<ResolvedExtent> expand_two_level(const std::vector<ResolvedExtent>& in) {
+  uint64_t n = 0;
+  for (const ResolvedExtent& e : in) n += e.count2;
+  std::vector<ResolvedExtent> out;
+  out.reserve(n);
+  for (const ResolvedExtent& e : in)
+    for (uint64_t j = 0; j < e.count2; ++j) out.push_back(e.repetition(j));
+  return out;
+}
 
 // The shared expansion for transports without caps().strided_extents: every piece of
 // `in` as a plain extent, in order (a run whose pieces touch on both sides stays one).
-inline std::vector<ResolvedExtent> expand_strided(const std::vector<ResolvedExtent>& in) {
+inline std::vector<ResolvedExtent> expand_strided(const std::vector<ResolvedExtent>& in_runs) {
+  const bool two_level =
+      std::any_of(in_runs.begin(), in_runs.end(), [](const ResolvedExtent& e) { return e.count2 > 1; });
+  const std::vector<ResolvedExtent> flat = two_level ? expand_two_level(in_runs) : std::vector<ResolvedExtent>();
+  const std::vector<ResolvedExtent>& in = two_level ? flat : in_runs;
   uint64_t n = 0;
   for (const ResolvedExtent& e : in) n += e.count;
   std::vector<ResolvedExtent> out;

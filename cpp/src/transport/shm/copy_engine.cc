@@ -63,16 +63,16 @@ Status copy_span(char* local, char* remote, uint64_t len, OpKind op, CopyClock& 
   return Status::Ok();
 }
 
-// Every piece of a mapped op. A strided run's pieces are written with streaming
-// stores (util/piece_copy.h: scattered small pieces copy 2-3x faster so), in groups
-// of about kCheckBytes, so the clock is read as often as for a plain copy.
-Status copy_mapped(const CopyOp& o, OpKind op, CopyClock& clk) {
-  char* remote = reinterpret_cast<char*>(o.remote);
-  if (o.count == 1) return copy_span(o.local, remote, o.len, op, clk);
+// The pieces of one level of a mapped op (`count` pieces from local/remote at the
+// op's inner strides). A strided run's pieces are written with streaming stores
+// (util/piece_copy.h: scattered small pieces copy 2-3x faster so), in groups of about
+// kCheckBytes, so the clock is read as often as for a plain copy.
+Status copy_level(const CopyOp& o, char* local, char* remote, OpKind op, CopyClock& clk) {
+  if (o.count == 1) return copy_span(local, remote, o.len, op, clk);
   const uint64_t group = std::max<uint64_t>(1, kCheckBytes / o.len);
   for (uint64_t i = 0; i < o.count;) {
     const uint64_t k = std::min(group, o.count - i);
-    char* l = o.local + i * o.local_stride;
+    char* l = local + i * o.local_stride;
     char* r = remote + i * o.remote_stride;
     if (op == OpKind::kWrite)
       util::copy_strided(r, o.remote_stride, l, o.local_stride, o.len, k);
@@ -81,6 +81,15 @@ Status copy_mapped(const CopyOp& o, OpKind op, CopyClock& clk) {
     i += k;
     PDKV_RETURN_IF_ERROR(clk.advance(k * o.len));
   }
+  return Status::Ok();
+}
+
+// Every piece of a mapped op, repetition by repetition (the clock counts every piece,
+// so a two-level run of small repetitions is checked every kCheckBytes too).
+Status copy_mapped(const CopyOp& o, OpKind op, CopyClock& clk) {
+  char* remote = reinterpret_cast<char*>(o.remote);
+  for (uint64_t j = 0; j < o.count2; ++j)
+    PDKV_RETURN_IF_ERROR(copy_level(o, o.local + j * o.local_stride2, remote + j * o.remote_stride2, op, clk));
   return Status::Ok();
 }
 
@@ -136,10 +145,14 @@ Status run_copies(const Binding& p, Transfer* xfer) {
       PDKV_RETURN_IF_ERROR(copy_mapped(o, p.op, clk));
       continue;
     }
-    for (uint64_t i = 0; i < o.count; ++i) {
-      liov.push_back({o.local + i * o.local_stride, o.len});
-      riov.push_back({reinterpret_cast<void*>(o.remote + i * o.remote_stride), o.len});
-      if (liov.size() == 1024) PDKV_RETURN_IF_ERROR(flush());
+    for (uint64_t j = 0; j < o.count2; ++j) {
+      char* l = o.local + j * o.local_stride2;
+      const uint64_t r = o.remote + j * o.remote_stride2;
+      for (uint64_t i = 0; i < o.count; ++i) {
+        liov.push_back({l + i * o.local_stride, o.len});
+        riov.push_back({reinterpret_cast<void*>(r + i * o.remote_stride), o.len});
+        if (liov.size() == 1024) PDKV_RETURN_IF_ERROR(flush());
+      }
     }
   }
   return flush();

@@ -26,9 +26,10 @@
 
 namespace pdkv::shm {
 
-// `count` copies of `len` bytes, copy i between local + i * local_stride and
-// remote + i * remote_stride (a strided run of a heterogeneous transfer: one op per
-// run, not per piece; count 1 is one plain copy).
+// `count2` x `count` copies of `len` bytes, copy (j, i) between
+// local + j * local_stride2 + i * local_stride and remote + j * remote_stride2 +
+// i * remote_stride (a strided run of a heterogeneous transfer, one or two levels:
+// one op per run, not per piece; count 1 and count2 1 is one plain copy).
 struct CopyOp {
   char* local;
   uint64_t remote;  // mapped pointer (mapped) or the peer's address
@@ -38,6 +39,9 @@ struct CopyOp {
   uint64_t count = 1;
   uint64_t local_stride = 0;
   uint64_t remote_stride = 0;
+  uint64_t count2 = 1;
+  uint64_t local_stride2 = 0;
+  uint64_t remote_stride2 = 0;
 };
 
 // A prepared transfer bound to one connection and the regions confirmed on it.

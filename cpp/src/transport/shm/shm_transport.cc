@@ -38,6 +38,7 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -49,6 +50,7 @@
 #include <vector>
 
 #include "pdkv/spi/registry.h"
+#include "transport/shm/copy_ops.h"
 #include "transport/shm/remote_region.h"
 #include "transport/shm/shm_ctl.h"
 #include "transport/shm/shm_dial.h"
@@ -58,6 +60,14 @@
 #include "util/socket.h"
 
 namespace pdkv::shm {
+
+bool two_level_runs_allowed() {
+  static const bool on = [] {
+    const char* v = std::getenv("PDKV_BENCH_SHM_ONE_LEVEL");
+    return v == nullptr || std::strcmp(v, "1") != 0;
+  }();
+  return on;
+}
 
 Status ShmTransport::start(AgentHooks* hooks) {
   hooks_ = hooks;
@@ -206,70 +216,8 @@ Result<std::shared_ptr<const PreparedOps>> ShmTransport::prepare(std::shared_ptr
   return std::shared_ptr<const PreparedOps>(std::move(p));
 }
 
-namespace {
-
-// Appends one CopyOp, merged into the previous one when both sides continue it.
-void push_op(Binding& b, CopyOp op) {
-  b.total += op.count * op.len;
-  b.cma |= !op.mapped;
-  if (!b.ops.empty()) {
-    CopyOp& o = b.ops.back();
-    if (o.count == 1 && op.count == 1 && o.region == op.region && o.mapped == op.mapped &&
-        o.local + o.len == op.local && o.remote + o.len == op.remote) {
-      o.len += op.len;
-      return;
-    }
-  }
-  b.ops.push_back(op);
-}
-
-// The copies of remote bytes [off, off + len) of r (checked inside it): memcpy where
-// r's shared window is mapped, cross-memory attach before and after it.
-Status add_copy_ops(Binding& b, const RemoteRegion& r, uint32_t idx, char* local, uint64_t off,
-                                  uint64_t len) {
-  const uint64_t win_lo = r.base ? r.shared_offset : 0, win_hi = r.base ? r.shared_offset + r.shared_len : 0;
-  const uint64_t end = off + len;
-  while (off < end) {
-    const bool in_window = off >= win_lo && off < win_hi;
-    const uint64_t stop = in_window ? std::min(end, win_hi) : (off < win_lo ? std::min(end, win_lo) : end);
-    const uint64_t n = stop - off;
-    if (in_window) {
-      push_op(b, CopyOp{local, reinterpret_cast<uint64_t>(r.base) + (off - r.shared_offset), n, idx, true});
-    } else {
-      if (!r.cma_denied.empty()) return NotSupported(r.cma_denied);
-      push_op(b, CopyOp{local, r.remote_addr + off, n, idx, false});
-    }
-    local += n;
-    off = stop;
-  }
-  return Status::Ok();
-}
-
-// The copies of a strided run `e` of remote region r: one strided op when the whole
-// run lies in r's mapped window, else its pieces one by one (add_copy_ops).
-Status add_strided_ops(Binding& b, const RemoteRegion& r, uint32_t idx, const ResolvedExtent& e, uint64_t span) {
-  const bool mapped = r.base && e.remote_offset >= r.shared_offset && span <= r.shared_len &&
-                      e.remote_offset - r.shared_offset <= r.shared_len - span;
-  if (mapped) {
-    CopyOp op{reinterpret_cast<char*>(e.local_addr),
-              reinterpret_cast<uint64_t>(r.base) + (e.remote_offset - r.shared_offset), e.len, idx, true};
-    op.count = e.count;
-    op.local_stride = e.local_stride;
-    op.remote_stride = e.remote_stride;
-    push_op(b, op);
-    return Status::Ok();
-  }
-  for (uint64_t i = 0; i < e.count; ++i) {
-    const ResolvedExtent p = e.piece(i);
-    PDKV_RETURN_IF_ERROR(add_copy_ops(b, r, idx, reinterpret_cast<char*>(p.local_addr), p.remote_offset, p.len));
-  }
-  return Status::Ok();
-}
-
-}  // namespace
-
 // Binds a prepared transfer to a live connection and the regions confirmed on it;
-// every extent is checked against the confirmed lengths.
+// every run is checked against the confirmed lengths (copy_ops.h).
 Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p, Clock::time_point deadline) {
   std::lock_guard<std::mutex> lk(p.mu);
   const Peer& peer = *p.peer;
@@ -298,19 +246,7 @@ Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p, 
       last_id = e.remote_region;
       last_idx = it->second;
     }
-    const RemoteRegion& r = *b->regions[last_idx];
-    // A strided run is checked whole: first byte to the end of its last piece (the
-    // agent checked that this does not overflow).
-    const uint64_t span = (e.count - 1) * e.remote_stride + e.len;
-    if (e.remote_offset > r.len || span > r.len - e.remote_offset)
-      return OutOfRange("remote bytes [" + std::to_string(e.remote_offset) + ", +" + std::to_string(span) +
-                        ") fall outside region " + std::to_string(r.id) + " of peer '" + peer.md.name + "' (" +
-                        std::to_string(r.len) + " bytes as the peer confirms it)");
-    if (e.count > 1) {
-      PDKV_RETURN_IF_ERROR(add_strided_ops(*b, r, last_idx, e, span));
-      continue;
-    }
-    PDKV_RETURN_IF_ERROR(add_copy_ops(*b, r, last_idx, reinterpret_cast<char*>(e.local_addr), e.remote_offset, e.len));
+    PDKV_RETURN_IF_ERROR(add_run_ops(*b, *b->regions[last_idx], last_idx, e, peer.md.name));
   }
   p.bound = b;
   return std::shared_ptr<const Binding>(b);

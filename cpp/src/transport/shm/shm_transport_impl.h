@@ -9,6 +9,7 @@
 //   shm_dial.h        the initiator's blocking handshake
 //   shm_conn.h        one control connection, its state and its lock order
 //   remote_region.h   confirming a peer's region before first use, acking revokes
+//   copy_ops.h        a bound transfer's copy ops, built from its runs (bounds checked)
 //   copy_engine.h     the copies themselves and the copy threads
 //
 // Thread safety: the Transport methods as pdkv/transport.h says.
@@ -48,6 +49,11 @@ struct ShmPrepared final : PreparedOps {
   mutable std::shared_ptr<const Binding> bound;
 };
 
+// False under the benchmark switch PDKV_BENCH_SHM_ONE_LEVEL=1 (read once per process;
+// docs/benchmarks.md): shm takes one-level runs only, as before two-level runs, to
+// compare the two in one build.
+bool two_level_runs_allowed();
+
 class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(const AgentConfig& cfg) : opts_(cfg.shm), connect_timeout_(cfg.tcp.connect_timeout_s) {}
@@ -62,6 +68,7 @@ class ShmTransport final : public Transport {
     c.generations = true;
     c.direct_small_extents = true;  // memcpy / process_vm_writev per extent: staging = one more copy
     c.strided_extents = true;       // a strided run is one copy op (a memcpy loop)
+    c.two_level_extents = two_level_runs_allowed();  // so is a two-level one (NHD <-> HND: O(heads) runs)
     return c;
   }
   Status start(AgentHooks* hooks) override;
