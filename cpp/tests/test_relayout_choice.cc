@@ -5,7 +5,10 @@
 // transport that lists every extent still stages the head split.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "core/relayout.h"
@@ -29,17 +32,23 @@ KVLayout pool(uint32_t heads, TokenOrder order, uint64_t base) {
   return std::move(r).value();
 }
 
+// Block ids 0..n-1, or n of the pool's blocks in a shuffled order (an arithmetic
+// progression would not do: whole blocks at a fixed stride coalesce into one run).
 std::vector<uint32_t> ids(uint32_t n, bool scattered) {
-  std::vector<uint32_t> v(n);
-  for (uint32_t i = 0; i < n; ++i) v[i] = scattered ? (7 * i + 3) % 512 : i;
+  std::vector<uint32_t> v(scattered ? 512 : n);
+  std::iota(v.begin(), v.end(), 0u);
+  if (scattered) std::shuffle(v.begin(), v.end(), std::mt19937(7));
+  v.resize(n);
   return v;
 }
 
 TEST(StagingChoice, HeadSplitGoesDirectForAStridedTransport) {
   const KVLayout wide = pool(4, TokenOrder::kNHD, 1ull << 40), narrow = pool(2, TokenOrder::kNHD, 1ull << 41);
+  // Consecutive ids on both sides (one run per (layer, part)), or shuffled on both
+  // (one run per block, staging would not coalesce them).
   for (bool scattered : {false, true}) {
     SCOPED_TRACE(scattered);
-    const auto l = ids(256, scattered), r = ids(256, !scattered);
+    const auto l = ids(256, scattered), r = ids(256, scattered);
     PlanOptions o;
     o.num_heads = 2;
     o.local_head_offset = 2;  // tp2 -> tp4 push: 512-byte pieces at a 1 KiB stride here
@@ -52,6 +61,18 @@ TEST(StagingChoice, HeadSplitGoesDirectForAStridedTransport) {
     ASSERT_TRUE(pull.ok());
     EXPECT_FALSE(pull->has_value());
   }
+}
+
+TEST(StagingChoice, ScatteredLocalBlocksAgainstConsecutiveRemoteOnesAreStaged) {
+  // The staging buffer is in the peer's block order: the wire then moves one run per
+  // (layer, part) instead of one per block (256x fewer), which prepares faster.
+  const KVLayout wide = pool(4, TokenOrder::kNHD, 1ull << 40), narrow = pool(2, TokenOrder::kNHD, 1ull << 41);
+  PlanOptions o;
+  o.num_heads = 2;
+  o.local_head_offset = 2;
+  auto push = plan_staged(wide, ids(256, true), narrow, ids(256, false), o, /*strided=*/true);
+  ASSERT_TRUE(push.ok());
+  EXPECT_TRUE(push->has_value());
 }
 
 TEST(StagingChoice, ListingTransportsStillStageTheHeadSplit) {
