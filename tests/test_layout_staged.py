@@ -83,7 +83,7 @@ def test_each_post_gathers_the_rows_as_they_are_then():
         for seed in (1, 2):
             local.fill(seed)
             prep.post().wait(10)
-            check(local, ids, remote, ids, 8 * 16, 4, 0, 0)
+            check(local, ids, remote, ids, len(ids) * 16, 4, 0, 0)
 
 
 def test_a_staged_pull_from_a_gone_peer_fails_and_writes_nothing():
@@ -127,9 +127,9 @@ def test_posts_of_one_staged_transfer_take_turns(op):
             t.join(60)
         assert not errors
         if op == "write":
-            check(local, ids, remote, ids, 8 * 16, 4, 0, 0)
+            check(local, ids, remote, ids, len(ids) * 16, 4, 0, 0)
         else:
-            check(remote, ids, local, ids, 8 * 16, 4, 0, 0)
+            check(remote, ids, local, ids, len(ids) * 16, 4, 0, 0)
 
 
 def test_small_or_whole_block_plans_are_not_staged():
