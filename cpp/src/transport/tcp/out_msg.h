@@ -13,7 +13,9 @@
 // payload whose extents average under kGatherBelowBytes is gathered, kStageBytes at
 // a time, into a staging chunk that stays in cache, and sent from there as one
 // segment. The frame on the wire is the same (docs/wire.md); the receiver decides
-// on its own whether to land it in a buffer (kLandBelowBytes, scatter.h).
+// on its own whether to land it in a buffer (kLandBelowBytes, scatter.h). A payload
+// may also be given as strided runs (a heterogeneous transfer's pieces): gathered
+// from them piece by piece, or listed as iovecs by finalize when its pieces are large.
 //
 // Thread safety: an OutMsg is owned by one send queue (TcpConn::sq_, under smu_).
 #pragma once

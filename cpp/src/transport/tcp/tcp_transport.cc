@@ -276,7 +276,11 @@ void TcpTransport::cut_strided_batches(TcpPrepared& p, const std::vector<Resolve
                                        uint64_t batch_bytes) const {
   p.lazy = !p.staged && lazy_runs_allowed();
   p.sdescs.reserve(extents.size());
-  (p.lazy ? p.runs.reserve(extents.size()) : p.iov.reserve(extents.size()));
+  if (p.lazy) {
+    p.runs.reserve(extents.size());
+  } else {
+    p.iov.reserve(extents.size());
+  }
   TcpBatch cur;
   auto close_batch = [&] {
     if (cur.count) p.batches.push_back(cur);
