@@ -5,7 +5,13 @@ are received straight into place; shm copies a strided run's pieces with the sam
 streaming stores, and tcp's staged plans fill and empty their staging buffer so.
 These tests take both sides of the threshold, pieces whose destinations are not
 16-byte aligned (the memcpy fallback), push and pull with either side cut, tcp and
-shm, and peers that die while a landed strided payload is in flight."""
+shm, and peers that die while a landed strided payload is in flight.
+
+tcp walks strided runs lazily (the sender gathers a run's pieces into its chunk, the
+receiver scatters them out of its landing chunk, never listing one iovec per piece),
+so a TP head split goes direct over tcp at any size; the larger cases below are the
+ones that were staged before, now moved by the lazy walk, push and pull, with and
+without compression (codecs list a batch's pieces when they need them)."""
 
 from __future__ import annotations
 
@@ -191,3 +197,98 @@ def test_a_raw_initiator_dying_mid_landed_strided_payload(target):  # noqa: F811
     assert h[1] == T_ACK and h[8] == 0
     assert np.array_equal(mem[:, 0].reshape(-1), np.frombuffer(payload, np.uint8))
     assert not mem[:, 1].any()
+
+
+# ---------------------------------------------------------------- large TP splits: the lazy walk
+# 4 layers x 128 blocks of 16 tokens: the direct plan has 16k+ pieces, which tcp
+# used to stage; it now takes the runs as they are.
+BIG_LAYERS, BIG_BLOCKS = 4, 128
+
+
+@pytest.mark.parametrize("compress", [None, "lossless"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
+@pytest.mark.parametrize("ids", ["consecutive", "scattered"])
+@pytest.mark.parametrize("split", ["tp2:tp4", "tp4:tp2"])
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_large_tp_splits_over_tcp_walk_the_runs_bit_exact(op, split, ids, dtype, compress):
+    """tp2:tp4: the prefill rank (4 heads) sends 2 of them to a decode rank (2 heads);
+    tp4:tp2: a prefill rank (2 heads) fills half of each 4-head decode row. A push runs
+    from the prefill side, a pull from the decode side; a partial last block."""
+    wide_prefill = split == "tp2:tp4"
+    ntok = BIG_BLOCKS * 16 - 7
+    n = -(-ntok // 16)
+    if ids == "consecutive":
+        pids, dids = list(range(n)), list(range(n))
+    else:
+        pids = list(range(BIG_BLOCKS - 1, BIG_BLOCKS - 1 - n, -1))
+        dids = [(5 * i + 1) % BIG_BLOCKS for i in range(n)]
+    pspec = PoolSpec(BIG_LAYERS, BIG_BLOCKS, 16, 4 if wide_prefill else 2, 128, dtype, "nhd")
+    dspec = PoolSpec(BIG_LAYERS, BIG_BLOCKS, 16, 2 if wide_prefill else 4, 128, dtype, "nhd")
+    pho, dho = (2, 0) if wide_prefill else (0, 2)
+    with pdkv.Agent("a", secret="s", transports=["tcp"]) as a, pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
+        prefill, decode = Pool(pspec, 13), Pool(dspec)
+        if op == "write":
+            prefill.register(a)
+            decode.register(b)
+            lids, rids, lho, rho = pids, dids, pho, dho
+        else:
+            decode.register(a)
+            prefill.register(b)
+            lids, rids, lho, rho = dids, pids, dho, pho
+        peer = a.add_peer(b.metadata())
+        kw = dict(num_tokens=ntok, num_heads=2, local_head_offset=lho, remote_head_offset=rho)
+        prep = a.prepare(op, peer, "kv", lids, "kv", rids, compress=compress, **kw)
+        # Direct: the transport got the planner's runs (one per block or block range and
+        # (layer, part)), not a staging buffer's.
+        assert prep.num_extents <= 2 * BIG_LAYERS * n
+        for _ in range(2):  # a prepared transfer posts again with the same result
+            x = prep.post()
+            assert x.wait(60), x.error
+            check(prefill, pids, decode, dids, ntok, 2, pho, dho)
+
+
+DOOMED_KV = textwrap.dedent(f"""
+    import json, sys, numpy as np, pdkv
+    with pdkv.Agent("doomedkv", secret={SECRET!r}, transports=["tcp"]) as t:
+        parts = [np.full(({BIG_BLOCKS}, 16, 2, 128), 3, np.uint16) for _ in range({2 * BIG_LAYERS})]
+        for p in parts:
+            t.register(p)
+        t.add_layout("kv", pdkv.KVLayout.from_tensors(parts[0::2], parts[1::2], order="NHD", dtype="bfloat16"))
+        print(json.dumps({{"address": t.address}}), flush=True)
+        sys.stdin.read()
+""")
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_peer_killed_mid_lazy_tp_split_fails_and_the_next_one_lands(op):
+    """A large TP split (our 4-head rows, heads 2..3, against a 2-head peer) with a
+    process that is stopped, then killed, mid-transfer: the transfer fails with a named
+    error; the same transfer with a live peer lands every byte."""
+    with pdkv.Agent("init", secret=SECRET, transports=["tcp"]) as a:
+        mine = Pool(PoolSpec(BIG_LAYERS, BIG_BLOCKS, 16, 4, 128, "bfloat16", "nhd"), None if op == "read" else 19)
+        mine.register(a)
+        ids = list(range(BIG_BLOCKS))
+        kw = dict(num_heads=2, local_head_offset=2)
+        proc = subprocess.Popen([sys.executable, "-c", DOOMED_KV], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            info = json.loads(proc.stdout.readline())
+            doomed = a.connect(info["address"])
+            prep = a.prepare(op, doomed, "kv", ids, "kv", ids, **kw)
+            os.kill(proc.pid, signal.SIGSTOP)  # it stops mid-stream: a frame stays half-moved
+            x = prep.post(timeout=30)
+            proc.kill()
+            with pytest.raises((pdkv.PeerConnectionError, pdkv.TransferTimeout)):
+                x.wait(30)
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
+        with pdkv.Agent("good", secret=SECRET, transports=["tcp"]) as good:
+            theirs = Pool(PoolSpec(BIG_LAYERS, BIG_BLOCKS, 16, 2, 128, "bfloat16", "nhd"), 17 if op == "read" else None)
+            theirs.register(good)
+            peer = a.add_peer(good.metadata())
+            x = a.prepare(op, peer, "kv", ids, "kv", ids, **kw).post()
+            assert x.wait(60), x.error
+            assert np.array_equal(mine.logical(ids)[:, :, :, 2:4], theirs.logical(ids))

@@ -77,13 +77,13 @@ def test_each_post_gathers_the_rows_as_they_are_then():
     with pdkv.Agent("a", secret="s", transports=["tcp"]) as a, pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
         local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"),
                                     PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"))
-        ids = list(range(8))
+        ids = list(range(BLOCKS))  # 4096 direct runs (block x head x segment): staged
         prep = a.prepare("write", peer, "kv", ids, "kv", ids)
         assert prep.num_extents < 64
         for seed in (1, 2):
             local.fill(seed)
             prep.post().wait(10)
-            check(local, ids, remote, ids, 8 * 16, 4, 0, 0)
+            check(local, ids, remote, ids, len(ids) * 16, 4, 0, 0)
 
 
 def test_a_staged_pull_from_a_gone_peer_fails_and_writes_nothing():
@@ -91,7 +91,7 @@ def test_a_staged_pull_from_a_gone_peer_fails_and_writes_nothing():
         with pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
             local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"),
                                         PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"), pull=True)
-            ids = list(range(8))
+            ids = list(range(BLOCKS))  # 4096 direct runs (block x head x segment): staged
             prep = a.prepare("read", peer, "kv", ids, "kv", ids)
             assert prep.num_extents < 64
         with pytest.raises(pdkv.PdkvError):
@@ -109,7 +109,7 @@ def test_posts_of_one_staged_transfer_take_turns(op):
     with pdkv.Agent("a", secret="s", transports=["tcp"]) as a, pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
         local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"),
                                     PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"), pull=op == "read")
-        ids = list(range(8))
+        ids = list(range(BLOCKS))  # 4096 direct runs (block x head x segment): staged
         prep = a.prepare(op, peer, "kv", ids, "kv", ids)
         errors = []
 
@@ -127,9 +127,9 @@ def test_posts_of_one_staged_transfer_take_turns(op):
             t.join(60)
         assert not errors
         if op == "write":
-            check(local, ids, remote, ids, 8 * 16, 4, 0, 0)
+            check(local, ids, remote, ids, len(ids) * 16, 4, 0, 0)
         else:
-            check(remote, ids, local, ids, 8 * 16, 4, 0, 0)
+            check(remote, ids, local, ids, len(ids) * 16, 4, 0, 0)
 
 
 def test_small_or_whole_block_plans_are_not_staged():

@@ -30,6 +30,32 @@ bool staging_allowed() {
   return on;
 }
 
+// True under the benchmark switch PDKV_BENCH_STAGING_BY_PIECES=1 (read once per
+// process; docs/benchmarks.md): a strided transport's direct plan is counted with one
+// extent per local piece of each run whose local pieces are apart
+// (planner::strided_segment_cost), the choice made before tcp walked such runs lazily
+// (transport/tcp/scatter.h), to compare both plans in one build.
+bool count_pieces() {
+  static const bool on = [] {
+    const char* v = std::getenv("PDKV_BENCH_STAGING_BY_PIECES");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
+// The runs a transport that takes strided runs is handed for one (layer, part) pair
+// once neighbours are coalesced: what its prepare and its descriptors cost (it walks
+// each run's pieces while copying, never listing them).
+uint64_t strided_run_count(uint64_t LT, const KVSegment& L, const std::vector<uint32_t>& lids, uint64_t RT,
+                           const KVSegment& R, const std::vector<uint32_t>& rids, uint64_t row, const RowRange& rr) {
+  std::vector<planner::StridedExtent> runs;
+  planner::walk_segment_strided(LT, L, 0, lids, RT, R, 0, rids, row, rr,
+                                [&](uint64_t lo, uint64_t ro, uint64_t len, uint64_t n, uint64_t ls, uint64_t rs) {
+                                  planner::push_strided(runs, planner::StridedExtent{0, lo, 0, ro, len, n, ls, rs});
+                                });
+  return runs.size();
+}
+
 // Rows of a push as the staging side sees them: local -> staging, staging -> remote.
 RowRange to_staging(const RowRange& r) { return RowRange{r.num_tokens, r.num_heads, r.local_head_offset, 0}; }
 RowRange from_staging(const RowRange& r) { return RowRange{r.num_tokens, r.num_heads, 0, r.remote_head_offset}; }
@@ -55,7 +81,9 @@ Result<std::optional<StagedPlan>> plan_staged(const KVLayout& local, const std::
                                                     const KVLayout& remote, const std::vector<uint32_t>& rids,
                                                     const PlanOptions& opts, bool strided) {
   PDKV_ASSIGN_OR_RETURN(planner::PlanScope scope, planner::plan_scope(local, lids, remote, rids, opts));
-  const auto count = strided ? planner::strided_segment_cost : planner::count_segment_runs;
+  const auto count = !strided ? planner::count_segment_runs
+                    : count_pieces() ? planner::strided_segment_cost
+                                     : strided_run_count;
   const KVGeometry& lg = local.geometry();
   const KVGeometry& rg = remote.geometry();
   const KVSegment& L = local.segments()[scope.seg_begin];

@@ -55,10 +55,11 @@ struct StagedPlan {
 // The staged plan for moving `lids` of `local` to or from `rids` of `remote`, or
 // nullopt when staging would not shorten the wire's extent list at least 4-fold (or
 // the plan is small, or whole blocks map already). `strided`: the transport takes
-// strided runs (spi/transport.h), so both plans are counted as it would get them
-// (planner::strided_segment_cost): a peer's fragmented blocks are then cheap
-// directly, and staging pays only where this side's pieces are apart or both sides
-// cut the rows differently (NHD <-> HND with a head split on the far side).
+// strided runs (spi/transport.h) and walks their pieces while copying, so both plans
+// are counted in coalesced runs: a TP head split (pieces apart on one side, in
+// order on both) is then one run per (layer, part) and block range and goes direct,
+// its gather and scatter overlapping the wire; staging pays only where the two
+// sides cut the rows in different orders (NHD <-> HND: one run per head and block).
 // Errors: plan_blocks()'.
 Result<std::optional<StagedPlan>> plan_staged(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                     const KVLayout& remote, const std::vector<uint32_t>& rids,

@@ -16,6 +16,8 @@ void RxState::abandon() {
   staged = false;
   pins.clear();
   zdst.clear();
+  runs = nullptr;
+  runs_own.clear();
   gens.reset();
   reject = Status::Ok();
   read_part = PendingPart{};
@@ -141,7 +143,7 @@ bool TcpConn::take_pending(uint64_t xfer, uint32_t batch, PendingPart* out) {
 bool TcpConn::find_pending_read(uint64_t xfer, uint32_t batch, PendingPart* out) {
   std::lock_guard<std::mutex> lk(pmu_);
   auto it = pending_.find(pending_key(xfer, batch));
-  if (it == pending_.end() || it->second.dst == nullptr) return false;
+  if (it == pending_.end() || (it->second.dst == nullptr && it->second.runs == nullptr)) return false;
   *out = it->second;
   return true;
 }

@@ -85,8 +85,14 @@ struct RxState {
   size_t dst_idx = 0;
   size_t dst_off = 0;
   uint64_t remaining = 0;
+  // Or (landed payloads only) into strided runs: the write's descriptors, or a lazy
+  // read's local runs, walked from `run_cur` (dst is null then).
+  std::vector<PieceRun> runs_own;
+  const PieceRun* runs = nullptr;
+  size_t nruns = 0;
+  RunCursor run_cur;
   // Small extents (out_msg.h gathers()): the payload is received into `landing`, a
-  // chunk at a time, and copied out to dst from there.
+  // chunk at a time, and copied out to dst (or runs) from there.
   bool gather = false;
   std::unique_ptr<char[]> landing;  // kStageBytes, allocated on first use
   std::vector<RegionPin> pins;  // the write's destination regions

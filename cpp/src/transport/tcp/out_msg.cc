@@ -40,6 +40,14 @@ uint64_t land_below_bytes() {
   return v;
 }
 
+bool lazy_runs_allowed() {
+  static const bool on = [] {
+    const char* v = std::getenv("PDKV_BENCH_TCP_PIECE_IOVECS");
+    return v == nullptr || std::strcmp(v, "1") != 0;
+  }();
+  return on;
+}
+
 FrameHeader make_hdr(FrameType t, uint64_t xfer, uint32_t batch) {
   FrameHeader h{};
   h.magic = kFrameMagic;
@@ -60,14 +68,36 @@ iovec OutMsg::segment(size_t i) const {
 
 void OutMsg::finalize() {
   hdr.aux_len = static_cast<uint32_t>(aux.size());
+  if (!own_runs.empty()) {
+    runs = own_runs.data();
+    nruns = own_runs.size();
+  }
+  uint64_t payload = 0;
+  if (runs) {
+    // The same choice as for the pieces listed one by one; pieces too large to gather
+    // are few (a batch holds at most batch_bytes), so listing them costs little.
+    uint64_t pieces = 0;
+    for (size_t i = 0; i < nruns; ++i) {
+      payload += runs[i].bytes();
+      pieces += runs[i].extents();
+    }
+    gather = gathers(payload, pieces);
+    if (!gather) {
+      append_iovecs(runs, nruns, own_iov);
+      runs = nullptr;
+      nruns = 0;
+    }
+  }
   if (!own_iov.empty()) {
     data = own_iov.data();
     ndata = own_iov.size();
   }
-  uint64_t payload = 0;
-  for (size_t i = 0; i < ndata; ++i) payload += data[i].iov_len;
+  if (!gather) {  // from the iovecs (those listed from runs hold the same bytes)
+    payload = 0;
+    for (size_t i = 0; i < ndata; ++i) payload += data[i].iov_len;
+    gather = gathers(payload, ndata);
+  }
   total = kHdr + desc_bytes + aux.size() + payload;
-  gather = gathers(payload, ndata);
 }
 
 void OutMsg::advance(size_t w) {
@@ -103,10 +133,14 @@ void OutMsg::advance_gathered(size_t w) {
 
 void OutMsg::refill_stage() {
   if (!stage) stage.reset(new char[kStageBytes]);  // uninitialized: every byte sent is copied in first
-  IovCursor cur{gather_idx, gather_off};
-  stage_len = gather_from_iov(data, ndata, cur, stage.get(), kStageBytes);  // scatter.h
-  gather_idx = cur.idx;
-  gather_off = cur.off;
+  if (runs) {
+    stage_len = gather_from_runs(runs, nruns, run_cur, stage.get(), kStageBytes);  // scatter.h
+  } else {
+    IovCursor cur{gather_idx, gather_off};
+    stage_len = gather_from_iov(data, ndata, cur, stage.get(), kStageBytes);
+    gather_idx = cur.idx;
+    gather_off = cur.off;
+  }
   stage_off = 0;
 }
 

@@ -13,7 +13,9 @@
 // payload whose extents average under kGatherBelowBytes is gathered, kStageBytes at
 // a time, into a staging chunk that stays in cache, and sent from there as one
 // segment. The frame on the wire is the same (docs/wire.md); the receiver decides
-// on its own whether to land it in a buffer (kLandBelowBytes, scatter.h).
+// on its own whether to land it in a buffer (kLandBelowBytes, scatter.h). A payload
+// may also be given as strided runs (a heterogeneous transfer's pieces): gathered
+// from them piece by piece, or listed as iovecs by finalize when its pieces are large.
 //
 // Thread safety: an OutMsg is owned by one send queue (TcpConn::sq_, under smu_).
 #pragma once
@@ -29,6 +31,7 @@
 #include "pdkv/spi/generations.h"
 #include "pdkv/spi/region_table.h"
 #include "pdkv/status.h"
+#include "transport/tcp/scatter.h"
 #include "transport/tcp/wire.h"
 
 namespace pdkv::tcp {
@@ -62,6 +65,9 @@ inline constexpr uint32_t kMaxGatherExtents = 16384;
 // process; docs/benchmarks.md) replace them to compare paths in one build.
 uint64_t gather_below_bytes();
 uint64_t land_below_bytes();
+// False under the benchmark switch PDKV_BENCH_TCP_PIECE_IOVECS=1: prepare lists one
+// iovec per local piece of a strided run (as before lazy runs), to compare in one build.
+bool lazy_runs_allowed();
 
 // True when the sender gathers a payload of `bytes` over `extents` extents.
 inline bool gathers(uint64_t bytes, uint64_t extents) { return extents > 1 && bytes < extents * gather_below_bytes(); }
@@ -78,6 +84,11 @@ struct OutMsg {
   const iovec* data = nullptr;
   size_t ndata = 0;
   std::vector<iovec> own_iov;
+  // Or the payload as strided runs (a prepared transfer's, or a read request's): walked
+  // by the gather when it gathers, else listed into own_iov by finalize.
+  const PieceRun* runs = nullptr;
+  size_t nruns = 0;
+  std::vector<PieceRun> own_runs;
   std::vector<RegionPin> pins;        // released once sent (read responses)
   GenPin gens;                        // blocks checked for this read response, released once sent
   std::shared_ptr<const void> keep;   // keeps descs/data alive
@@ -93,14 +104,15 @@ struct OutMsg {
   size_t stage_off = 0;           // of which sent
   size_t gather_idx = 0;          // next byte to stage: data[gather_idx] + gather_off
   size_t gather_off = 0;
+  RunCursor run_cur;              // ... or, from runs, this one
 
   size_t nsegs() const { return 3 + ndata; }
   iovec segment(size_t i) const;
   // Memory this message holds besides the registered data it points at (counted
   // against the connection's back-pressure limit; fixed once finalized).
   size_t cost() const {
-    return sizeof(OutMsg) + own_iov.size() * sizeof(iovec) + pins.size() * sizeof(RegionPin) + aux.size() +
-           (gather ? kStageBytes : 0);
+    return sizeof(OutMsg) + own_iov.size() * sizeof(iovec) + own_runs.size() * sizeof(PieceRun) +
+           pins.size() * sizeof(RegionPin) + aux.size() + (gather ? kStageBytes : 0);
   }
   // Fixes aux_len, the total and whether the payload is gathered once every part is
   // set; call before queueing.

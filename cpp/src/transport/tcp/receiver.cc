@@ -153,6 +153,10 @@ ssize_t FrameReceiver::read_landed_payload(const std::shared_ptr<TcpConn>& c, ui
 }
 
 void FrameReceiver::advance_dst(RxState& st, uint64_t n, const char* from) {
+  if (st.runs) {  // landed into strided runs (begin_write_payload, on_read_response_header)
+    scatter_to_runs(st.runs, st.nruns, st.run_cur, from, n);
+    return;
+  }
   IovCursor cur{st.dst_idx, st.dst_off};
   if (from) {
     scatter_to_iov(st.dst, st.ndst, cur, from, n);  // landed: copy on the way (scatter.h)
@@ -264,12 +268,25 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
   if (h.payload != rx(c).read_part.bytes)
     return bad("read response carries " + std::to_string(h.payload) + " bytes, expected " +
                std::to_string(rx(c).read_part.bytes));
-  rx(c).dst = rx(c).read_part.dst;
-  rx(c).ndst = rx(c).read_part.ndst;
+  const PendingPart& part = rx(c).read_part;
+  rx(c).dst = part.dst;
+  rx(c).ndst = part.ndst;
+  rx(c).runs = nullptr;
+  rx(c).nruns = 0;
+  if (part.runs && lands(h.payload, part.extents)) {  // a lazy read's runs, walked while landing
+    rx(c).runs = part.runs;
+    rx(c).nruns = part.nruns;
+    rx(c).run_cur = RunCursor{};
+  } else if (part.runs) {  // pieces large enough to receive into directly: listed
+    rx(c).dst_own.clear();
+    append_iovecs(part.runs, part.nruns, rx(c).dst_own);
+    rx(c).dst = rx(c).dst_own.data();
+    rx(c).ndst = rx(c).dst_own.size();
+  }
   rx(c).dst_idx = 0;
   rx(c).dst_off = 0;
   rx(c).remaining = h.payload;
-  rx(c).gather = lands(h.payload, rx(c).ndst);
+  rx(c).gather = lands(h.payload, part.extents);
   rx(c).stage = RxStage::kPayload;
   if (rx(c).read_part.post->prep->staged) {
     Status st = begin_staged_rx(*c, rx(c).read_part.post->prep->device);
@@ -301,6 +318,8 @@ bool FrameReceiver::on_compressed_read_response_header(const std::shared_ptr<Tcp
   st.dst_own.assign(1, iovec{st.zbuf.data(), st.zbuf.size()});
   st.dst = st.dst_own.data();
   st.ndst = 1;
+  st.runs = nullptr;
+  st.nruns = 0;
   st.dst_idx = 0;
   st.dst_off = 0;
   st.remaining = h.payload;
@@ -424,17 +443,14 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
     t_.fail_conn_locked(c, ProtocolError(st.message() + " (from " + c->desc() + ")"), h.xfer_id, h.batch);
     return false;
   };
-  // Strided descriptors are checked (counts, overflow, total pieces) before their
-  // pieces' iovecs are allocated; plain ones after, as they cost one iovec each.
-  uint64_t pieces = n;
+  // Strided descriptors are checked (counts, overflow, total pieces) before anything
+  // is built from them; plain ones after (their count is bounded by check_header).
   if (strided) {
     auto sizes = check_strided_extents(reinterpret_cast<const WireStridedExtent*>(ctrl.data()), n, h);
     if (!sizes.ok()) return protocol_error(sizes.status());
     req->bytes = *sizes;
-    pieces = 0;
-    for (uint32_t i = 0; i < n; ++i) pieces += desc_at(ctrl, true, i).count;
   }
-  req->iov.reserve(pieces);
+  req->runs.reserve(n);
   // Consecutive extents of one region share its pin. A strided run is checked whole
   // (first byte to the end of its last piece).
   uint64_t last_region = 0;
@@ -468,12 +484,11 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
                           h.xfer_id, h.batch);
       return false;
     }
-    const uint64_t base = last->addr + e.offset;
-    if (e.count > 1 && e.stride == e.len) {  // pieces that touch: one iovec
-      req->iov.push_back({reinterpret_cast<void*>(base), e.count * e.len});
-      continue;
-    }
-    for (uint64_t k = 0; k < e.count; ++k) req->iov.push_back({reinterpret_cast<void*>(base + k * e.stride), e.len});
+    char* const base = reinterpret_cast<char*>(last->addr + e.offset);
+    const PieceRun run = e.count == 1 || e.stride == e.len ? PieceRun{base, e.count * e.len, 1, 0}  // pieces touch
+                                                           : PieceRun{base, e.len, e.count, e.stride};
+    req->runs.push_back(run);
+    req->extents += run.extents();
   }
   if (!strided) {
     // Total size (no overflow) and, for a write, the declared payload.
@@ -510,13 +525,17 @@ bool FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
   if (req.device >= 0) {
     // Gathered from the GPU on the staging thread, which sends the response (plain:
     // compressed responses are for host memory).
+    list_iovecs(req);
     t_.staging().respond_read(c, h, std::move(req.iov), std::move(req.pins), std::move(req.gens), req.bytes,
                               req.device);
     return true;
   }
   if (h.flags & kFlagZReply) {
     auto codec = decode_zspec(req.zspec);
-    if (codec.ok()) return answer_read_compressed(c, req, *codec);
+    if (codec.ok()) {
+      list_iovecs(req);
+      return answer_read_compressed(c, req, *codec);
+    }
     if (codec.status().code() != StatusCode::kNotSupported) {
       t_.fail_conn_locked(c, ProtocolError(codec.status().message() + " (from " + c->desc() + ")"), h.xfer_id,
                           h.batch);
@@ -524,8 +543,25 @@ bool FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
     }
     // A codec this build lacks: answered plain (the initiator accepts either).
   }
-  reply(c, plain_read_response(h, std::move(req.iov), std::move(req.pins), std::move(req.gens), req.bytes));
+  reply(c, gathered_read_response(h, req));
   return true;
+}
+
+void FrameReceiver::list_iovecs(Request& req) {
+  if (!req.iov.empty() || req.runs.empty()) return;
+  req.iov.reserve(static_cast<size_t>(req.extents));  // bounded: kMaxStridedPieces (check_strided_extents)
+  append_iovecs(req.runs.data(), req.runs.size(), req.iov);
+}
+
+std::unique_ptr<OutMsg> FrameReceiver::gathered_read_response(const FrameHeader& h, Request& req) {
+  auto m = std::make_unique<OutMsg>();
+  m->hdr = make_hdr(FrameType::kReadResp, h.xfer_id, h.batch);
+  m->hdr.payload = req.bytes;
+  m->own_runs = std::move(req.runs);  // finalize lists them when the pieces are too large to gather
+  m->pins = std::move(req.pins);
+  m->gens = std::move(req.gens);
+  m->finalize();
+  return m;
 }
 
 std::unique_ptr<OutMsg> FrameReceiver::plain_read_response(const FrameHeader& h, std::vector<iovec> iov,
@@ -618,18 +654,28 @@ bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Reque
   if (static_cast<FrameType>(h.type) == FrameType::kWriteZ) return begin_compressed_payload(c, std::move(req));
   if (!req.reject.ok()) {  // receive the payload into scratch memory, then refuse
     req.pins.clear();
+    req.runs.clear();
     req.iov = discard_iov(req.bytes);
+    req.extents = req.iov.size();
     req.device = -1;
   }
+  // Small pieces in host memory are landed and scattered out of the runs; the others
+  // are received straight into their pieces (or staged to the device) from a list.
+  const bool walk_runs = req.device < 0 && !req.runs.empty() && lands(req.bytes, req.extents);
+  if (!walk_runs) list_iovecs(req);
   rx(c).gens = std::move(req.gens);
   rx(c).reject = req.reject;
   rx(c).dst_own = std::move(req.iov);
   rx(c).dst = rx(c).dst_own.data();
   rx(c).ndst = rx(c).dst_own.size();
+  rx(c).runs_own = std::move(req.runs);
+  rx(c).runs = walk_runs ? rx(c).runs_own.data() : nullptr;
+  rx(c).nruns = walk_runs ? rx(c).runs_own.size() : 0;
+  rx(c).run_cur = RunCursor{};
   rx(c).dst_idx = 0;
   rx(c).dst_off = 0;
   rx(c).remaining = req.bytes;
-  rx(c).gather = lands(req.bytes, rx(c).ndst);
+  rx(c).gather = lands(req.bytes, req.extents);
   rx(c).pins = std::move(req.pins);
   rx(c).stage = RxStage::kPayload;
   if (req.device >= 0) {
@@ -647,6 +693,7 @@ bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Reque
 // The payload (codec frames, at most kMaxCompressedPayload bytes: check_header) is
 // received into zbuf; the checked extents wait in zdst for on_payload_done.
 bool FrameReceiver::begin_compressed_payload(const std::shared_ptr<TcpConn>& c, Request req) {
+  list_iovecs(req);  // the decoder writes into a list of extents
   RxState& st = rx(c);
   const FrameHeader& h = st.cur;
   if (req.reject.ok() && req.device >= 0) {
@@ -668,6 +715,8 @@ bool FrameReceiver::begin_compressed_payload(const std::shared_ptr<TcpConn>& c, 
   st.dst_own.assign(1, iovec{st.zbuf.data(), st.zbuf.size()});
   st.dst = st.dst_own.data();
   st.ndst = 1;
+  st.runs = nullptr;
+  st.nruns = 0;
   st.dst_idx = 0;
   st.dst_off = 0;
   st.remaining = h.payload;
@@ -839,6 +888,7 @@ void FrameReceiver::on_payload_done(const std::shared_ptr<TcpConn>& c) {
   const bool found = c->take_pending(h.xfer_id, h.batch, &part);
   rx(c).read_part = PendingPart{};
   rx(c).dst = nullptr;
+  rx(c).runs = nullptr;
   if (found) {
     spi::TransferControl(part.post->xfer).add_wire_bytes(h.payload);
     t_.resolve(part, staged.ok() ? part.bytes : 0, staged.with_context("copying a read response into device memory"));
@@ -886,8 +936,10 @@ void FrameReceiver::finish_read_decode(TcpTransport& t, const std::shared_ptr<Tc
   // lossy bytes a lossless read did not accept.
   const uint32_t allowed = (1u << static_cast<unsigned>(CodecKind::kRaw)) |
                            (1u << static_cast<unsigned>(part.post->compress.kind));
-  Status d = Decoder::decode(job.payload.data(), job.payload.size(), part.dst, part.ndst, "compressed read response",
-                             allowed);
+  std::vector<iovec> listed;  // a lazy read's runs, listed for the decoder
+  if (part.runs) append_iovecs(part.runs, part.nruns, listed);
+  Status d = Decoder::decode(job.payload.data(), job.payload.size(), part.runs ? listed.data() : part.dst,
+                             part.runs ? listed.size() : part.ndst, "compressed read response", allowed);
   t.decoder().give_back(std::move(job.payload));
   if (d.code() == StatusCode::kProtocolError) {
     d = ProtocolError(d.message() + " (from " + c->desc() + ")");
@@ -908,6 +960,8 @@ void FrameReceiver::write_landed(const std::shared_ptr<TcpConn>& c) {
   rx(c).pins.clear();
   rx(c).gens.reset();  // landed: a bump of these blocks may return now
   rx(c).dst_own.clear();
+  rx(c).runs_own.clear();
+  rx(c).runs = nullptr;
   const Status reject = std::move(rx(c).reject);
   rx(c).reject = Status::Ok();
   if (!reject.ok()) return reply(c, failed_ack(h, reject));  // discarded: no notification

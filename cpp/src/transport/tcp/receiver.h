@@ -60,7 +60,9 @@ class FrameReceiver {
   // What a write or read request addresses, once its extents are pinned and its
   // aux checked.
   struct Request {
-    std::vector<iovec> iov;  // the local extents, in order
+    std::vector<PieceRun> runs;  // the local extents, one run per descriptor, in order
+    uint64_t extents = 0;        // ... holding this many pieces (touching ones count once)
+    std::vector<iovec> iov;      // the same pieces listed, for the paths that take iovecs (list_iovecs)
     std::vector<RegionPin> pins;
     int device = -1;  // >= 0: the extents are in this device's memory
     uint64_t bytes = 0;
@@ -111,6 +113,10 @@ class FrameReceiver {
   // A plain response carrying the request's extents (pins and claim held until sent).
   static std::unique_ptr<OutMsg> plain_read_response(const FrameHeader& h, std::vector<iovec> iov,
                                                      std::vector<RegionPin> pins, GenPin gens, uint64_t bytes);
+  // The same, gathering its pieces from the request's runs (host memory, small pieces).
+  static std::unique_ptr<OutMsg> gathered_read_response(const FrameHeader& h, Request& req);
+  // Lists req's runs as iovecs (once): for the paths that are not walked lazily.
+  static void list_iovecs(Request& req);
   bool begin_write_payload(const std::shared_ptr<TcpConn>& c, Request req);
   bool begin_compressed_payload(const std::shared_ptr<TcpConn>& c, Request req);
   struct DecodeJob;

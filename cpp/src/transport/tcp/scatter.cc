@@ -41,4 +41,77 @@ size_t gather_from_iov(const iovec* src, size_t nsrc, IovCursor& cur, char* to, 
   return done;
 }
 
+namespace {
+
+// Moves `cur` `n` bytes on within run `r` (n never passes the run's end).
+void step_run(const PieceRun& r, RunCursor& cur, uint64_t n) {
+  const uint64_t at = cur.off + n;
+  cur.piece += at / r.len;
+  cur.off = at % r.len;
+  if (cur.piece == r.count) {
+    ++cur.idx;
+    cur.piece = 0;
+    cur.off = 0;
+  }
+}
+
+}  // namespace
+
+void scatter_to_runs(const PieceRun* dst, size_t ndst, RunCursor& cur, const char* from, uint64_t n) {
+  while (n > 0 && cur.idx < ndst) {
+    const PieceRun& r = dst[cur.idx];
+    char* to = r.base + cur.piece * r.stride + cur.off;
+    if (cur.off == 0 && n >= r.len) {  // whole pieces: the tight loop
+      const uint64_t k = std::min(n / r.len, r.count - cur.piece);
+      const size_t len = static_cast<size_t>(r.len);
+      for (uint64_t j = 0; j < k; ++j) util::stream_piece(to + j * r.stride, from + j * r.len, len);
+      from += k * r.len;
+      n -= k * r.len;
+      step_run(r, cur, k * r.len);
+      continue;
+    }
+    const uint64_t step = std::min(n, r.len - cur.off);  // a piece cut by the chunk's edge
+    util::stream_piece(to, from, static_cast<size_t>(step));
+    from += step;
+    n -= step;
+    step_run(r, cur, step);
+  }
+  util::stream_fence();
+}
+
+size_t gather_from_runs(const PieceRun* src, size_t nsrc, RunCursor& cur, char* to, size_t cap) {
+  size_t done = 0;
+  while (done < cap && cur.idx < nsrc) {
+    const PieceRun& r = src[cur.idx];
+    const char* from = r.base + cur.piece * r.stride + cur.off;
+    if (cur.off == 0 && cap - done >= r.len) {  // whole pieces, prefetching the scattered sources ahead
+      const uint64_t k = std::min<uint64_t>((cap - done) / r.len, r.count - cur.piece);
+      const size_t len = static_cast<size_t>(r.len);
+      for (uint64_t j = 0; j < k; ++j) {
+        if (j + util::kPiecePrefetchAhead < k) __builtin_prefetch(from + (j + util::kPiecePrefetchAhead) * r.stride, 0);
+        std::memcpy(to + done + j * len, from + j * r.stride, len);
+      }
+      done += static_cast<size_t>(k * r.len);
+      step_run(r, cur, k * r.len);
+      continue;
+    }
+    const size_t step = static_cast<size_t>(std::min<uint64_t>(cap - done, r.len - cur.off));
+    std::memcpy(to + done, from, step);
+    done += step;
+    step_run(r, cur, step);
+  }
+  return done;
+}
+
+void append_iovecs(const PieceRun* runs, size_t n, std::vector<iovec>& out) {
+  for (size_t i = 0; i < n; ++i) {
+    const PieceRun& r = runs[i];
+    if (r.extents() == 1) {
+      out.push_back({r.base, static_cast<size_t>(r.bytes())});
+      continue;
+    }
+    for (uint64_t k = 0; k < r.count; ++k) out.push_back({r.base + k * r.stride, static_cast<size_t>(r.len)});
+  }
+}
+
 }  // namespace pdkv::tcp

@@ -1,6 +1,11 @@
-// Copies between one contiguous buffer and a list of extents (iovecs): the receiver
-// scatters a landed chunk of payload into the destination extents, the sender
-// gathers small extents into its staging chunk (out_msg.h).
+// Copies between one contiguous buffer and a list of extents (iovecs) or strided
+// runs (PieceRun): the receiver scatters a landed chunk of payload into the
+// destination extents, the sender gathers small extents into its staging chunk
+// (out_msg.h).
+//
+// Strided runs are walked lazily: a heterogeneous transfer's pieces (a TP head split:
+// 512 B at a 1 KiB stride, 100k+ of them per request) are generated from their run
+// while copying, so nobody lists one iovec per piece at prepare (or per frame).
 //
 // The scatter writes the pieces with streaming stores (util/piece_copy.h): a
 // heterogeneous transfer's pieces are a few hundred bytes at a stride (a TP head
@@ -15,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace pdkv::tcp {
 
@@ -31,5 +37,36 @@ void scatter_to_iov(const iovec* dst, size_t ndst, IovCursor& cur, const char* f
 // Copies up to `cap` bytes from src[cur...] into `to`, advancing `cur`; returns the
 // bytes copied (less than `cap` only at the end of src).
 size_t gather_from_iov(const iovec* src, size_t nsrc, IovCursor& cur, char* to, size_t cap);
+
+// `count` pieces of `len` bytes, piece i at base + i * stride (count == 1: one plain
+// extent, stride unused). Whoever builds one has checked it lies in memory it may
+// touch; pieces of one run never overlap (stride >= len when count > 1).
+struct PieceRun {
+  char* base = nullptr;
+  uint64_t len = 0;
+  uint64_t count = 1;
+  uint64_t stride = 0;
+
+  uint64_t bytes() const { return len * count; }
+  // The pieces as separate extents would number this many (touching pieces are one).
+  uint64_t extents() const { return count > 1 && stride != len ? count : 1; }
+};
+
+// A position in a PieceRun list: byte `off` of piece `piece` of run `idx` (idx ==
+// count: the end).
+struct RunCursor {
+  size_t idx = 0;
+  uint64_t piece = 0;
+  uint64_t off = 0;
+};
+
+// scatter_to_iov / gather_from_iov over strided runs (the same contracts).
+void scatter_to_runs(const PieceRun* dst, size_t ndst, RunCursor& cur, const char* from, uint64_t n);
+size_t gather_from_runs(const PieceRun* src, size_t nsrc, RunCursor& cur, char* to, size_t cap);
+
+// Every piece of `runs` as its own iovec, in order (a run whose pieces touch is one),
+// appended to `out`: for the paths that need a list (the kernel's recvmsg/sendmsg
+// straight into memory, codecs, device staging).
+void append_iovecs(const PieceRun* runs, size_t n, std::vector<iovec>& out);
 
 }  // namespace pdkv::tcp

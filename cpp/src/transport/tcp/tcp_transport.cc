@@ -211,7 +211,9 @@ Status TcpTransport::cut_batches(TcpPrepared& p, const std::vector<ResolvedExten
     cut_plain_batches(p, expand_strided(extents), batch_bytes);
   else
     cut_plain_batches(p, extents, batch_bytes);
-  if (p.iov.size() > 0xFFFFFFFFull || p.descs.size() > 0xFFFFFFFFull || p.sdescs.size() > 0xFFFFFFFFull)
+  constexpr uint64_t kMaxEntries = 0xFFFFFFFFull;  // batches index them with u32
+  if (p.iov.size() > kMaxEntries || p.runs.size() > kMaxEntries || p.descs.size() > kMaxEntries ||
+      p.sdescs.size() > kMaxEntries)
     return InvalidArgument("transfer has too many extents");
   return Status::Ok();
 }
@@ -226,9 +228,10 @@ bool TcpTransport::peer_takes_strided(const Peer& peer) {
 // bound by the iovec limit behind batch_extents: it may grow to kMaxGatherExtents.
 // Staged (device) batches go through one pinned buffer either way.
 bool TcpTransport::batch_full(const TcpPrepared& p, const TcpBatch& cur) const {
-  if (cur.count == 0) return false;
-  if (cur.count < opts_.batch_extents) return false;
-  return p.staged || !gathers(cur.bytes, cur.count) || cur.count >= kMaxGatherExtents;
+  const uint64_t n = p.lazy ? cur.extents : cur.count;
+  if (n == 0) return false;
+  if (n < opts_.batch_extents) return false;
+  return p.staged || !gathers(cur.bytes, n) || n >= kMaxGatherExtents;
 }
 
 void TcpTransport::cut_plain_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents,
@@ -266,16 +269,23 @@ void TcpTransport::cut_plain_batches(TcpPrepared& p, const std::vector<ResolvedE
 }
 
 // Strided runs become strided descriptors, cut between batches at piece boundaries
-// (a piece larger than a batch is cut like a plain extent). The prepare cost is
-// O(runs) when the local pieces of a run touch (one iovec), O(pieces) otherwise.
+// (a piece larger than a batch is cut like a plain extent). From host memory the
+// local side stays a run per descriptor (p.lazy): prepare is O(runs). Device memory
+// is staged through pinned buffers that take iovecs: one per piece there.
 void TcpTransport::cut_strided_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents,
                                        uint64_t batch_bytes) const {
+  p.lazy = !p.staged && lazy_runs_allowed();
   p.sdescs.reserve(extents.size());
-  p.iov.reserve(extents.size());
+  if (p.lazy) {
+    p.runs.reserve(extents.size());
+  } else {
+    p.iov.reserve(extents.size());
+  }
   TcpBatch cur;
   auto close_batch = [&] {
     if (cur.count) p.batches.push_back(cur);
-    cur = TcpBatch{static_cast<uint32_t>(p.iov.size()), 0, 0, static_cast<uint32_t>(p.sdescs.size()), 0, 0};
+    const size_t local = p.lazy ? p.runs.size() : p.iov.size();
+    cur = TcpBatch{static_cast<uint32_t>(local), 0, 0, static_cast<uint32_t>(p.sdescs.size()), 0, 0};
   };
   auto full = [&] {
     return cur.count > 0 && (batch_full(p, cur) || cur.pieces >= kMaxStridedPieces ||
@@ -287,7 +297,14 @@ void TcpTransport::cut_strided_batches(TcpPrepared& p, const std::vector<Resolve
     p.sdescs.push_back(WireStridedExtent{e.remote_region, e.remote_offset + first * e.remote_stride + off, len, k,
                                          rstride});
     const uint64_t local = e.local_addr + first * e.local_stride + off;
-    if (k == 1 || e.local_stride == len) {
+    if (p.lazy) {
+      const PieceRun run = k == 1 || e.local_stride == len
+                               ? PieceRun{reinterpret_cast<char*>(local), k * len, 1, 0}
+                               : PieceRun{reinterpret_cast<char*>(local), len, k, e.local_stride};
+      p.runs.push_back(run);
+      ++cur.count;
+      cur.extents += run.extents();
+    } else if (k == 1 || e.local_stride == len) {
       p.iov.push_back({reinterpret_cast<void*>(local), k * len});
       ++cur.count;
     } else {
@@ -522,7 +539,16 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
   const auto& xfer = post->xfer;
   const TcpBatch& b = prep->batches[i];
   const uint32_t nb = static_cast<uint32_t>(prep->batches.size());
-  PendingPart part{post, i, b.bytes, prep->op == OpKind::kRead ? &prep->iov[b.first] : nullptr, b.count};
+  PendingPart part{post, i, b.bytes};
+  if (prep->op == OpKind::kRead && prep->lazy) {
+    part.runs = &prep->runs[b.first];
+    part.nruns = b.count;
+    part.extents = b.extents;
+  } else if (prep->op == OpKind::kRead) {
+    part.dst = &prep->iov[b.first];
+    part.ndst = b.count;
+    part.extents = b.count;
+  }
   Status connect_err;
   {
     std::lock_guard<std::mutex> lk(post->mu);
@@ -571,6 +597,9 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
     } else if (staged) {
       m->own_iov.push_back({staged->data(), b.bytes});
       m->lease = std::move(staged);
+    } else if (prep->lazy) {
+      m->runs = &prep->runs[b.first];
+      m->nruns = b.count;
     } else {
       m->data = &prep->iov[b.first];
       m->ndata = b.count;
@@ -666,7 +695,10 @@ bool TcpTransport::settle_read(const std::shared_ptr<TcpPost>& post, uint64_t by
   return encoder_->post([this, post, bytes, st] {
     const TcpPrepared& p = *post->prep;
     const CodecKind kind = codec_for_mode(compression_of(p), post->pc->features.codecs);
-    encoder_->calibrate(kind, &p.iov[p.batches[0].first], p.batches[0].count, /*again=*/true);
+    std::vector<iovec> scratch;
+    uint32_t n = 0;
+    const iovec* iov = iovecs_of(p, p.batches[0], scratch, &n);
+    encoder_->calibrate(kind, iov, n, /*again=*/true);
     spi::TransferControl(post->xfer).resolve_part(bytes, st);
   });
 }
@@ -704,7 +736,10 @@ Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerCon
   if (o.mode == CompressMode::kAuto) {
     if (!f.compressed_write) return Choice{};  // an older peer: plain, as it expects
     const CodecKind k = codec_for_mode(o, f.codecs);
-    encoder_->calibrate(k, prep.iov.data(), prep.batches[0].count, pc.chooser.resample_due());
+    std::vector<iovec> scratch;
+    uint32_t n = 0;
+    const iovec* iov = iovecs_of(prep, prep.batches[0], scratch, &n);
+    encoder_->calibrate(k, iov, n, pc.chooser.resample_due());
     return pc.chooser.choose(*encoder_, k, f.codecs, CodecPipeline{encoder_->threads(), f.decode_threads});
   }
   const CodecKind k = o.mode == CompressMode::kFp8 ? CodecKind::kFp8 : o.codec;
@@ -784,10 +819,17 @@ void TcpTransport::encode_and_send(const std::shared_ptr<TcpPost>& post, uint32_
                                     post->xfer->deadline(),
                                     [&] { return spi::TransferControl(post->xfer).cancel_requested() || shut_.load(); },
                                     *buf)
-                  : encoder_->encode(post->compress.kind, &prep->iov[b.first], b.count, *buf);
+                  : encode_batch(*prep, b, post->compress.kind, *buf);
   if (!st.ok()) return fail(st.with_context("compressing batch " + std::to_string(i) + " of the write"));
   const uint32_t slot = (post->zbase + i) % opts_.conns_per_peer;
   send_batch(post, i, slot, nullptr, std::move(buf), std::move(ticket));
+}
+
+Status TcpTransport::encode_batch(const TcpPrepared& prep, const TcpBatch& b, CodecKind kind, EncodedBatch& out) {
+  std::vector<iovec> scratch;
+  uint32_t n = 0;
+  const iovec* iov = iovecs_of(prep, b, scratch, &n);
+  return encoder_->encode(kind, iov, n, out);
 }
 
 void TcpTransport::send_separate_notify(const std::shared_ptr<TcpPost>& p) {

@@ -108,6 +108,9 @@ class TcpTransport final : public Transport {
   bool batch_full(const TcpPrepared& p, const TcpBatch& cur) const;
   void cut_plain_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents, uint64_t batch_bytes) const;
   void cut_strided_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents, uint64_t batch_bytes) const;
+  // Host batch `b` of `prep` compressed with `kind` into `out` (its pieces listed first
+  // when the transfer is lazy).
+  Status encode_batch(const TcpPrepared& prep, const TcpBatch& b, CodecKind kind, EncodedBatch& out);
   // The live connection in `slot`, dialling a new one if `may_connect`.
   Result<std::shared_ptr<TcpConn>> get_conn(PeerConns& pc, uint32_t slot, bool may_connect);
   // Asks the owners of these connections to kill them with `why`.

@@ -25,6 +25,7 @@
 #include "pdkv/spi/transport.h"
 #include "util/socket.h"
 #include "transport/tcp/compress.h"
+#include "transport/tcp/scatter.h"
 #include "transport/tcp/wire.h"
 
 namespace pdkv::tcp {
@@ -33,12 +34,13 @@ class TcpConn;
 
 // One frame's worth of a prepared transfer.
 struct TcpBatch {
-  uint32_t first = 0;  // index into iov (the local pieces)
-  uint32_t count = 0;
+  uint32_t first = 0;  // index into iov (the local pieces), or into runs (TcpPrepared::lazy)
+  uint32_t count = 0;  // of those entries
   uint64_t bytes = 0;
   uint32_t desc_first = 0;  // index into descs or sdescs (the frame's descriptors)
   uint32_t desc_count = 0;
   uint64_t pieces = 0;  // remote pieces the descriptors name (strided: kMaxStridedPieces at most)
+  uint64_t extents = 0;  // lazy: local pieces its runs hold (touching pieces count once)
 };
 
 struct TcpPrepared final : PreparedOps {
@@ -51,6 +53,11 @@ struct TcpPrepared final : PreparedOps {
   // touch is one iovec, one whose local pieces are apart one iovec per piece).
   bool strided = false;
   std::vector<WireStridedExtent> sdescs;
+  // Strided frames from host memory: the local side is `runs` (one per descriptor),
+  // not `iov`; pieces are generated while gathering or landing (scatter.h), so
+  // prepare is O(runs). Codecs list a batch's pieces when they need them (iovecs_of).
+  bool lazy = false;
+  std::vector<PieceRun> runs;
   std::vector<TcpBatch> batches;
   uint64_t total = 0;
   // Local extents in device memory: WRITE batches are gathered into pinned buffers
@@ -112,7 +119,23 @@ struct PendingPart {
   uint64_t bytes = 0;
   const iovec* dst = nullptr;  // kReadReq: where the response lands
   uint32_t ndst = 0;
+  const PieceRun* runs = nullptr;  // ... or there (a lazy prepared transfer's)
+  uint32_t nruns = 0;
+  uint64_t extents = 0;  // local extents of dst or runs
 };
+
+// The local pieces of batch `b` as iovecs: a pointer into p.iov, or for a lazy
+// transfer the pieces listed into `scratch`.
+inline const iovec* iovecs_of(const TcpPrepared& p, const TcpBatch& b, std::vector<iovec>& scratch, uint32_t* n) {
+  if (!p.lazy) {
+    *n = b.count;
+    return &p.iov[b.first];
+  }
+  scratch.clear();
+  append_iovecs(&p.runs[b.first], b.count, scratch);
+  *n = static_cast<uint32_t>(scratch.size());
+  return scratch.data();
+}
 
 // Key of a pending part: (transfer id, batch).
 inline uint64_t pending_key(uint64_t xfer, uint32_t batch) { return (xfer << 32) ^ batch; }
