@@ -17,26 +17,17 @@
 
 #include "core/relayout.h"
 #include "pdkv/kv_layout.h"
+#include "planner_rows.h"
 
 namespace pdkv {
 namespace {
 
-struct Pool {
-  KVGeometry geo;
-  KVLayout layout;
-};
+using namespace pdkv::test;  // NOLINT: the shared pools and reference
 
 // Per-layer K and V arrays, each at its own base far from the others.
 Pool make_pool(uint32_t block_tokens, uint32_t heads, TokenOrder order, uint32_t layers = 2, uint32_t blocks = 8,
                uint32_t head_dim = 4, uint64_t base = 1ull << 32, uint64_t spacing = 1ull << 24) {
-  KVGeometry g;
-  g.num_layers = layers;
-  g.num_blocks = blocks;
-  g.block_tokens = block_tokens;
-  g.kv_heads = heads;
-  g.head_dim = head_dim;
-  g.dtype = DType::kF16;
-  g.order = order;
+  const KVGeometry g = f16_geometry(block_tokens, heads, order, layers, blocks, head_dim);
   std::vector<uint64_t> k, v;
   for (uint32_t l = 0; l < layers; ++l) {
     k.push_back(base + (2 * l) * spacing);
@@ -45,30 +36,6 @@ Pool make_pool(uint32_t block_tokens, uint32_t heads, TokenOrder order, uint32_t
   auto r = KVLayout::per_layer(g, k, v);
   EXPECT_TRUE(r.ok()) << r.status().to_string();
   return Pool{g, std::move(r).value()};
-}
-
-using Rows = std::vector<std::pair<uint64_t, uint64_t>>;  // (local address, remote address)
-
-uint64_t row_bytes(const KVGeometry& g) { return uint64_t(g.head_dim) * dtype_size(g.dtype); }
-
-// The row's address from the segment's strides (checked against the dense NHD/HND
-// formula in StridedLayout.OlderConstructorsFillTheOrdersStrides).
-uint64_t row_addr(const Pool& p, size_t seg, const std::vector<uint32_t>& ids, uint64_t t, uint64_t h) {
-  const KVGeometry& g = p.geo;
-  const KVSegment& s = p.layout.segments()[seg];
-  const uint64_t block = ids[t / g.block_tokens], slot = t % g.block_tokens;
-  return s.addr + block * s.block_stride + slot * s.token_stride + h * s.head_stride;
-}
-
-// What the transfer must move: every token < ntok and head < nh of every segment.
-Rows reference(const Pool& l, const std::vector<uint32_t>& lids, const Pool& r, const std::vector<uint32_t>& rids,
-               uint64_t ntok, uint32_t nh, uint32_t lho = 0, uint32_t rho = 0) {
-  Rows out;
-  for (size_t s = 0; s < l.layout.segments().size(); ++s)
-    for (uint64_t t = 0; t < ntok; ++t)
-      for (uint32_t h = 0; h < nh; ++h) out.emplace_back(row_addr(l, s, lids, t, lho + h), row_addr(r, s, rids, t, rho + h));
-  std::sort(out.begin(), out.end());
-  return out;
 }
 
 Rows expand(const std::vector<Extent>& ex, uint64_t row) {

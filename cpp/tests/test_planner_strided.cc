@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/plan_runs.h"
+#include "planner_rows.h"
 #include "pdkv/kv_layout.h"
 #include "pdkv/spi/transport.h"
 #include "transport/tcp/frame.h"
@@ -24,47 +25,12 @@ namespace pdkv {
 namespace {
 
 using planner::StridedExtent;
+using namespace pdkv::test;  // NOLINT: the shared pools and reference
 
-struct Pool {
-  KVGeometry geo;
-  KVLayout layout;
-};
-
-// One contiguous pool (K and V of every layer one after the other) at `base`.
+// This file's pools: contiguous, 3 layers, 16 blocks, head_dim 4, at 4 GiB unless told.
 Pool make_pool(uint32_t block_tokens, uint32_t heads, TokenOrder order, uint32_t layers = 3, uint32_t blocks = 16,
                uint32_t head_dim = 4, uint64_t base = 1ull << 32) {
-  KVGeometry g;
-  g.num_layers = layers;
-  g.num_blocks = blocks;
-  g.block_tokens = block_tokens;
-  g.kv_heads = heads;
-  g.head_dim = head_dim;
-  g.dtype = DType::kF16;
-  g.order = order;
-  auto r = KVLayout::contiguous(g, base, /*interleaved=*/false);
-  EXPECT_TRUE(r.ok()) << r.status().to_string();
-  return Pool{g, std::move(r).value()};
-}
-
-using Rows = std::vector<std::pair<uint64_t, uint64_t>>;  // (local address, remote address) of a row
-
-uint64_t row_bytes(const KVGeometry& g) { return uint64_t(g.head_dim) * dtype_size(g.dtype); }
-
-uint64_t row_addr(const Pool& p, size_t seg, const std::vector<uint32_t>& ids, uint64_t t, uint64_t h) {
-  const KVSegment& s = p.layout.segments()[seg];
-  return s.addr + ids[t / p.geo.block_tokens] * s.block_stride + (t % p.geo.block_tokens) * s.token_stride +
-         h * s.head_stride;
-}
-
-Rows reference(const Pool& l, const std::vector<uint32_t>& lids, const Pool& r, const std::vector<uint32_t>& rids,
-               uint64_t ntok, uint32_t nh, uint32_t lho, uint32_t rho) {
-  Rows out;
-  for (size_t s = 0; s < l.layout.segments().size(); ++s)
-    for (uint64_t t = 0; t < ntok; ++t)
-      for (uint32_t h = 0; h < nh; ++h)
-        out.emplace_back(row_addr(l, s, lids, t, lho + h), row_addr(r, s, rids, t, rho + h));
-  std::sort(out.begin(), out.end());
-  return out;
+  return contiguous_pool(block_tokens, heads, order, layers, blocks, head_dim, base);
 }
 
 // Every row of every piece; also checks that a run's pieces never overlap.

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/plan_runs.h"
+#include "planner_rows.h"
 #include "pdkv/kv_layout.h"
 #include "pdkv/spi/transport.h"
 
@@ -20,46 +21,11 @@ namespace pdkv {
 namespace {
 
 using planner::StridedExtent;
+using namespace pdkv::test;  // NOLINT: the shared pools and reference
 
-struct Pool {
-  KVGeometry geo;
-  KVLayout layout;
-};
-
-Pool make_pool(uint32_t block_tokens, uint32_t heads, TokenOrder order, uint64_t base, uint32_t layers = 3,
-               uint32_t blocks = 24, uint32_t head_dim = 4) {
-  KVGeometry g;
-  g.num_layers = layers;
-  g.num_blocks = blocks;
-  g.block_tokens = block_tokens;
-  g.kv_heads = heads;
-  g.head_dim = head_dim;
-  g.dtype = DType::kF16;
-  g.order = order;
-  auto r = KVLayout::contiguous(g, base, /*interleaved=*/false);
-  EXPECT_TRUE(r.ok()) << r.status().to_string();
-  return Pool{g, std::move(r).value()};
-}
-
-using Rows = std::vector<std::pair<uint64_t, uint64_t>>;  // (local address, remote address) of a row
-
-uint64_t row_bytes(const KVGeometry& g) { return uint64_t(g.head_dim) * dtype_size(g.dtype); }
-
-uint64_t row_addr(const Pool& p, size_t seg, const std::vector<uint32_t>& ids, uint64_t t, uint64_t h) {
-  const KVSegment& s = p.layout.segments()[seg];
-  return s.addr + ids[t / p.geo.block_tokens] * s.block_stride + (t % p.geo.block_tokens) * s.token_stride +
-         h * s.head_stride;
-}
-
-Rows reference(const Pool& l, const std::vector<uint32_t>& lids, const Pool& r, const std::vector<uint32_t>& rids,
-               uint64_t ntok, uint32_t nh, uint32_t lho, uint32_t rho) {
-  Rows out;
-  for (size_t s = 0; s < l.layout.segments().size(); ++s)
-    for (uint64_t t = 0; t < ntok; ++t)
-      for (uint32_t h = 0; h < nh; ++h)
-        out.emplace_back(row_addr(l, s, lids, t, lho + h), row_addr(r, s, rids, t, rho + h));
-  std::sort(out.begin(), out.end());
-  return out;
+// Defaults of this file's pools: 3 layers, 24 blocks, head_dim 4.
+Pool make_pool(uint32_t block_tokens, uint32_t heads, TokenOrder order, uint64_t base) {
+  return contiguous_pool(block_tokens, heads, order, 3, 24, 4, base);
 }
 
 // Every row of every piece of every repetition, sorted; checks each run's nesting.
