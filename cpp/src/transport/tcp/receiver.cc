@@ -301,6 +301,23 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
 // The payload (codec frames, at most kMaxCompressedPayload bytes: check_header) is
 // received into zbuf; the pending part stays in the table (deadlines, connection
 // death) until the payload is in.
+// A compressed frame's payload is read whole into st.zbuf (a buffer a decoded batch
+// gave back, when there is one), then decoded off this thread.
+void FrameReceiver::receive_into_zbuf(RxState& st, uint64_t payload) {
+  if (st.zbuf.capacity() == 0) st.zbuf = t_.decoder().buffer();
+  st.zbuf.resize(static_cast<size_t>(payload));
+  st.dst_own.assign(1, iovec{st.zbuf.data(), st.zbuf.size()});
+  st.dst = st.dst_own.data();
+  st.ndst = 1;
+  st.runs = nullptr;
+  st.nruns = 0;
+  st.dst_idx = 0;
+  st.dst_off = 0;
+  st.remaining = payload;
+  st.gather = false;
+  st.stage = RxStage::kPayload;
+}
+
 bool FrameReceiver::on_compressed_read_response_header(const std::shared_ptr<TcpConn>& c) {
   RxState& st = rx(c);
   const FrameHeader& h = st.cur;
@@ -313,18 +330,7 @@ bool FrameReceiver::on_compressed_read_response_header(const std::shared_ptr<Tcp
   if (!st.read_part.post->compress.compress)
     return bad("compressed read response to transfer " + std::to_string(h.xfer_id) +
                ", which did not ask for one");
-  if (st.zbuf.capacity() == 0) st.zbuf = t_.decoder().buffer();
-  st.zbuf.resize(static_cast<size_t>(h.payload));
-  st.dst_own.assign(1, iovec{st.zbuf.data(), st.zbuf.size()});
-  st.dst = st.dst_own.data();
-  st.ndst = 1;
-  st.runs = nullptr;
-  st.nruns = 0;
-  st.dst_idx = 0;
-  st.dst_off = 0;
-  st.remaining = h.payload;
-  st.gather = false;
-  st.stage = RxStage::kPayload;
+  receive_into_zbuf(st, h.payload);
   return true;
 }
 
@@ -710,18 +716,7 @@ bool FrameReceiver::begin_compressed_payload(const std::shared_ptr<TcpConn>& c, 
     st.pins = std::move(req.pins);
     st.zdevice = req.device;
   }
-  if (st.zbuf.capacity() == 0) st.zbuf = t_.decoder().buffer();  // one a decoded batch gave back
-  st.zbuf.resize(static_cast<size_t>(h.payload));
-  st.dst_own.assign(1, iovec{st.zbuf.data(), st.zbuf.size()});
-  st.dst = st.dst_own.data();
-  st.ndst = 1;
-  st.runs = nullptr;
-  st.nruns = 0;
-  st.dst_idx = 0;
-  st.dst_off = 0;
-  st.remaining = h.payload;
-  st.gather = false;
-  st.stage = RxStage::kPayload;
+  receive_into_zbuf(st, h.payload);
   return true;
 }
 

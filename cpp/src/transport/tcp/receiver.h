@@ -90,6 +90,8 @@ class FrameReceiver {
   bool on_header(const std::shared_ptr<TcpConn>& c);
   bool on_read_response_header(const std::shared_ptr<TcpConn>& c);
   bool on_compressed_read_response_header(const std::shared_ptr<TcpConn>& c);
+  // Sets up the payload stage to read a compressed frame's `payload` bytes into st.zbuf.
+  void receive_into_zbuf(RxState& st, uint64_t payload);
   // The control bytes of c->cur are in c->ctrl: acts on the frame. False when the
   // connection was failed.
   bool on_control(const std::shared_ptr<TcpConn>& c);
