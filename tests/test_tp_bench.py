@@ -50,6 +50,7 @@ def test_hetero_json(transport, spec, model, feeds, mode):
     assert r["ratios"] == {"homogeneous": pytest.approx(r["gbps"] / r["homogeneous_gbps"])}
     assert set(r["extents"]) == set(r["prepare_ms"]) == {"hetero", "homogeneous"}
     assert r["prepare_request"]["tokens"] == 256 and r["prepare_request"]["hetero_ms"] > 0
+    assert r["prepare_request"]["transport"] == ("shm" if transport == "shm" else "tcp")  # planned as the run's
     dec = r["decode"]
     assert r["payload_bytes"] == r["tokens"] // dec["block_tokens"] * dec["block_half_bytes"] * {
         "llama-3-8b": 64, "llama-3-70b-tp8": 160}[model]

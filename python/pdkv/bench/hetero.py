@@ -269,15 +269,16 @@ def time_round(preps) -> float:
     return time.perf_counter() - t0
 
 
-def prepare_request_ms(plan: Plan, tokens: int, mode: str) -> dict:
-    """Milliseconds to prepare one ``tokens``-token request in ``mode``, hetero (every
-    push, or every pull) and homogeneous, against synthetic never-mapped ranges (no
-    memory, no network; as ``prepare_cost`` in transfer.py)."""
+def prepare_request_ms(plan: Plan, tokens: int, mode: str, transport: str = "tcp") -> dict:
+    """Milliseconds to prepare one ``tokens``-token request in ``mode`` over ``transport``
+    (tcp or shm: each plans differently), hetero (every push, or every pull) and
+    homogeneous, against synthetic never-mapped ranges (no memory, no network; as
+    ``prepare_cost`` in transfer.py)."""
     dst_blocks = math.ceil(tokens / plan.spec.dst_block_tokens)
     src_blocks = plan.src_blocks_for(tokens)
     base = 1 << 44
-    out = {"tokens": tokens}
-    with Agent("bench-hetero-prepare", secret="x", transports=["tcp"]) as a:
+    out = {"tokens": tokens, "transport": transport}
+    with Agent("bench-hetero-prepare", secret="x", transports=[transport]) as a:
         geos = {f"src{p.prefill_rank}": plan.src_geometry(p.prefill_rank, src_blocks) for p in plan.pushes}
         geos["dst"] = plan.dst_geometry(dst_blocks)
         geos["hom"] = plan.dst_geometry(dst_blocks)
@@ -512,7 +513,8 @@ def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> 
             for p in payloads:
                 r = run_case(args, plan, agent, peer, p, info.num_blocks)
                 if args.hetero_request_tokens:
-                    r["prepare_request"] = prepare_request_ms(plan, args.hetero_request_tokens, args.hetero_mode)
+                    r["prepare_request"] = prepare_request_ms(plan, args.hetero_request_tokens, args.hetero_mode,
+                                                                "shm" if args.transport == "shm" else "tcp")
                 results.append(r)
                 if args.json:
                     print(json.dumps(r), flush=True)
