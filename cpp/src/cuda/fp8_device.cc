@@ -71,6 +71,10 @@ Result<Fp8Plan> plan_fp8_frames(const std::vector<Fp8FrameAt>& frames, const iov
   if (frames.empty()) return InvalidArgument("no fp8 frames");
   const FrameInfo& first = frames.front().info;
   const Fp8Grouping& g = first.fp8;
+  // Checked before any division by the row size (a non-fp8 first frame has no grouping).
+  if (first.kind != CodecKind::kFp8 || !fp8_dtype(first.dtype) || g.heads == 0 || g.head_dim == 0 ||
+      g.rows_per_group == 0)
+    return InvalidArgument("the first frame is not an fp8 frame of a bfloat16, float16 or float32 batch");
   const size_t esize = dtype_size(first.dtype);
   const uint64_t row_bytes = uint64_t(g.heads) * g.head_dim * esize;
   Fp8Plan p;

@@ -256,6 +256,14 @@ class PdkvConnectorStats(KVConnectorStats):
         }
 
 
+def _kv_dtype_name(vllm_config: "VllmConfig") -> str:
+    """The KV cache's dtype name ("bfloat16", ...; vLLM's cache_dtype when not "auto")."""
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    if cache_dtype != "auto":
+        return str(cache_dtype)
+    return str(getattr(getattr(vllm_config, "model_config", None), "dtype", "unknown")).removeprefix("torch.")
+
+
 def _extra(vllm_config: "VllmConfig") -> dict[str, Any]:
     return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
 
@@ -637,9 +645,8 @@ class _Worker:
         port_n = int(port) + self.tp_rank if int(port) else 0
         name = f"vllm-{kvt.engine_id}-tp{self.tp_rank}".replace(" ", "_")
         transports = extra.get("transports")
-        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-        kv_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
-        compress = connector_compression(extra.get("compress"), kv_dtype)
+        compress = connector_compression(extra.get("compress"), _kv_dtype_name(vllm_config)) \
+            if extra.get("compress") not in (None, "off") else None
         self.agent = pdkv.Agent(name, secret=secret, listen=f"{host}:{port_n}",
                                 transports=list(transports) if transports else None,
                                 default_timeout=self.timeout_s,

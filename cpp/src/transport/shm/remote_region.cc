@@ -81,8 +81,8 @@ std::string deregistered(const std::string& peer, uint64_t id) {
 Result<std::shared_ptr<RemoteRegion>> confirm_region(const std::shared_ptr<ShmConn>& c, const Peer& peer, uint64_t id,
                                                      Clock::time_point until) {
   const auto asked_at = Clock::now();
-  auto one_request = c->lock_region_requests(until);
-  if (!one_request.owns_lock())
+  auto one_request = c->take_region_request_slot(until);
+  if (!one_request.taken())
     return TimeoutError("region " + std::to_string(id) + " of peer '" + peer.md.name +
                         "' was not confirmed before the transfer's deadline: another transfer's request for a "
                         "region of this peer was still waiting for the answer");

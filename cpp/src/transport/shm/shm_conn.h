@@ -11,7 +11,8 @@
 // for as long as the returned guard lives.
 //
 // Locks of a ShmConn, in the order they may nest (outer first):
-//   map_mu_   one region request in flight per connection (lock_region_requests)
+//   region slot  one region request in flight (take_region_request_slot: a flag under
+//             mu_, waited for on its condition variable, held across the request)
 //   rx_mu_    the receive state (lock_rx): the progress thread, or a posting thread
 //             draining frames that arrived while it was not looking
 //   mu_       the shared state (lock(), with a condition variable for answers,
@@ -168,10 +169,33 @@ class ShmConn {
   // already was dead (kill runs once).
   bool retire(const Status& why, std::map<uint64_t, PendingNotify>* notifies, std::map<uint64_t, Lease>* leases);
 
-  // ---- Region requests: one in flight per connection (remote_region.h).
-  // Empty (not owned) when another request still holds it at `until`.
-  std::unique_lock<std::timed_mutex> lock_region_requests(Clock::time_point until) {
-    return std::unique_lock<std::timed_mutex>(map_mu_, until);
+  // ---- Region requests: one in flight per connection (remote_region.h). The slot
+  // is taken by waiting (until `until`) on the shared state's condition variable, not
+  // a timed mutex: ThreadSanitizer does not model pthread_mutex_clocklock.
+  class RegionRequestSlot {
+   public:
+    bool taken() const { return c_ != nullptr; }
+    RegionRequestSlot(RegionRequestSlot&& o) noexcept : c_(o.c_) { o.c_ = nullptr; }
+    RegionRequestSlot(const RegionRequestSlot&) = delete;
+    RegionRequestSlot& operator=(const RegionRequestSlot&) = delete;
+    ~RegionRequestSlot() {
+      if (!c_) return;
+      auto s = c_->lock();
+      c_->region_req_busy_ = false;
+      s.notify_all();
+    }
+
+   private:
+    friend class ShmConn;
+    explicit RegionRequestSlot(ShmConn* c) : c_(c) {}
+    ShmConn* c_;
+  };
+  // The slot, or an empty one when another request still holds it at `until`.
+  RegionRequestSlot take_region_request_slot(Clock::time_point until) {
+    auto s = lock();
+    if (!s.wait_until(until, [&] { return !region_req_busy_; })) return RegionRequestSlot(nullptr);
+    region_req_busy_ = true;
+    return RegionRequestSlot(this);
   }
 
   // ---- Sending: one control frame (passing `pass_fd` with it if >= 0), whole,
@@ -215,7 +239,7 @@ class ShmConn {
   std::atomic<bool> gone_{false};
 
   std::mutex send_mu_;  // whole frames on the socket; a leaf
-  std::timed_mutex map_mu_;  // one region request in flight per connection
+  bool region_req_busy_ = false;  // a region request holds the slot (under mu_)
 
   // ---- Receive state, guarded by rx_mu_.
   std::mutex rx_mu_;
