@@ -84,13 +84,16 @@ def deploy(tmp_path_factory):
         procs.append(VllmInstance(root / "m1", name="prefill_other", cpus="0", **common, max_model_len=512,
                                   args=["--num-gpu-blocks-override", str(OTHER_BLOCKS)],
                                   kv_config=pdkv_kv_config("kv_producer", kv_lease_s=OTHER_LEASE_S)))
+        # Pulls get the connector's default 30 s: decode and flex share one core beside
+        # the sanitizer runs in CI, and a peer stalled ~10 s there (first contact of
+        # decode with flex) failed a pull that a 10 s timeout cut short.
         procs.append(VllmInstance(root / "m0", name="decode", cpus="1", **common,
                                   kv_config=pdkv_kv_config("kv_consumer", stats_path=str(stats["decode"]),
-                                                           transfer_timeout_s=10)))
+                                                           transfer_timeout_s=30)))
         procs.append(VllmInstance(root / "m0", name="flex", cpus="1", **common,
                                   args=["--block-size", str(FLEX_BLOCK)],
                                   kv_config=pdkv_kv_config("kv_both", stats_path=str(stats["flex"]), kv_lease_s=60,
-                                                           transfer_timeout_s=10)))
+                                                           transfer_timeout_s=30)))
         for p in procs:
             p.wait_ready(420)
         prefill, other, decode, flex = procs
@@ -117,7 +120,7 @@ def _pulls(d, response_id: str, stats: str = "stats") -> list[dict]:
     return [r for r in rows if r["request_id"].startswith(response_id + "-") or r["request_id"] == response_id]
 
 
-def _wait_pull(d, response_id: str, timeout: float = 10.0, stats: str = "stats") -> dict:
+def _wait_pull(d, response_id: str, timeout: float = 40.0, stats: str = "stats") -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         rows = _pulls(d, response_id, stats)
