@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 
+#include "util/bench_switch.h"
 #include "util/piece_copy.h"
 
 namespace pdkv {
@@ -23,10 +24,7 @@ constexpr uint64_t kMinDirectExtents = 4096;  // below this the direct plan is c
 // False under the benchmark switch PDKV_BENCH_NO_STAGING=1 (read once per process;
 // docs/benchmarks.md): every plan direct, to compare the two in one build.
 bool staging_allowed() {
-  static const bool on = [] {
-    const char* v = std::getenv("PDKV_BENCH_NO_STAGING");
-    return v == nullptr || std::strcmp(v, "1") != 0;
-  }();
+  static const bool on = !util::bench_switch_is("PDKV_BENCH_NO_STAGING", "1");
   return on;
 }
 
@@ -36,10 +34,7 @@ bool staging_allowed() {
 // (planner::strided_segment_cost), the choice made before tcp walked such runs lazily
 // (transport/tcp/scatter.h), to compare both plans in one build.
 bool count_pieces() {
-  static const bool on = [] {
-    const char* v = std::getenv("PDKV_BENCH_STAGING_BY_PIECES");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
+  static const bool on = util::bench_switch_is("PDKV_BENCH_STAGING_BY_PIECES", "1");
   return on;
 }
 

@@ -25,6 +25,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "util/bench_switch.h"
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -35,10 +37,7 @@ namespace pdkv::util {
 // memcpy per piece instead (read once per process; docs/benchmarks.md), to compare
 // both in one build.
 inline bool stream_pieces() {
-  static const bool on = [] {
-    const char* v = std::getenv("PDKV_BENCH_PIECE_COPY");
-    return v == nullptr || std::strcmp(v, "memcpy") != 0;
-  }();
+  static const bool on = !bench_switch_is("PDKV_BENCH_PIECE_COPY", "memcpy");
   return on;
 }
 

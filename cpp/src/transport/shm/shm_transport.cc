@@ -58,14 +58,12 @@
 #include "util/bytes.h"
 #include "util/log.h"
 #include "util/socket.h"
+#include "util/bench_switch.h"
 
 namespace pdkv::shm {
 
 bool two_level_runs_allowed() {
-  static const bool on = [] {
-    const char* v = std::getenv("PDKV_BENCH_SHM_ONE_LEVEL");
-    return v == nullptr || std::strcmp(v, "1") != 0;
-  }();
+  static const bool on = !util::bench_switch_is("PDKV_BENCH_SHM_ONE_LEVEL", "1");
   return on;
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "transport/tcp/scatter.h"
+#include "util/bench_switch.h"
 #include "util/log.h"
 
 namespace pdkv::tcp {
@@ -41,10 +42,7 @@ uint64_t land_below_bytes() {
 }
 
 bool lazy_runs_allowed() {
-  static const bool on = [] {
-    const char* v = std::getenv("PDKV_BENCH_TCP_PIECE_IOVECS");
-    return v == nullptr || std::strcmp(v, "1") != 0;
-  }();
+  static const bool on = !util::bench_switch_is("PDKV_BENCH_TCP_PIECE_IOVECS", "1");
   return on;
 }
 
