@@ -121,4 +121,37 @@ Result<FrameInfo> read_frame_header(const uint8_t* frame, size_t n, uint64_t* ch
   return f;
 }
 
+Status walk_payload_frames(const uint8_t* payload, uint64_t len, uint64_t capacity, std::string_view what,
+                           uint32_t allowed, const std::function<Status(const PayloadFrame&)>& fn) {
+  PayloadFrame f;
+  uint64_t done = 0;  // bytes the frames so far decode to
+  for (uint64_t at = 0; at < len; ++f.index) {
+    f.offset = at;
+    f.where = std::string(what) + ", codec frame " + std::to_string(f.index) + " (payload offset " +
+              std::to_string(at) + "): ";
+    auto info = peek_frame(payload + at, static_cast<size_t>(len - at));
+    if (!info.ok()) return ProtocolError(f.where + info.status().message());
+    if (info->frame_len > len - at)
+      return ProtocolError(f.where + "frame_len " + std::to_string(info->frame_len) + " runs past the payload (" +
+                           std::to_string(len - at) + " bytes left)");
+    if (info->raw_len == 0) return ProtocolError(f.where + "raw_len is 0");
+    if (!((allowed >> static_cast<unsigned>(info->kind)) & 1u))
+      return ProtocolError(f.where + "codec " + std::string(codec_kind_name(info->kind)) + " was not asked for");
+    auto out_len = decoded_size(*info, info->dtype);
+    if (!out_len.ok()) return ProtocolError(f.where + out_len.status().message());
+    if (*out_len > capacity - done)
+      return ProtocolError(f.where + "raw_len " + std::to_string(*out_len) + " exceeds the " +
+                           std::to_string(capacity - done) + " bytes left in its extents");
+    f.info = *info;
+    f.out_len = *out_len;
+    PDKV_RETURN_IF_ERROR(fn(f));
+    done += *out_len;
+    at += info->frame_len;
+  }
+  if (done != capacity)
+    return ProtocolError(std::string(what) + ": the codec frames decode to " + std::to_string(done) +
+                         " bytes (sum of raw_len), its extents hold " + std::to_string(capacity));
+  return Status::Ok();
+}
+
 }  // namespace pdkv::codec

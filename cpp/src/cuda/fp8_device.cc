@@ -94,28 +94,11 @@ Result<Fp8Plan> plan_fp8_frames(const std::vector<Fp8FrameAt>& frames, const iov
 
 Result<std::vector<Fp8FrameAt>> read_payload_frames(const uint8_t* payload, uint64_t len, uint64_t capacity) {
   std::vector<Fp8FrameAt> frames;
-  uint64_t done = 0;
-  for (uint64_t at = 0, k = 0; at < len; ++k) {
-    const std::string where = "compressed write, codec frame " + std::to_string(k) + " (payload offset " +
-                              std::to_string(at) + "): ";
-    auto info = peek_frame(payload + at, static_cast<size_t>(len - at));
-    if (!info.ok()) return ProtocolError(where + info.status().message());
-    if (info->frame_len > len - at)
-      return ProtocolError(where + "frame_len " + std::to_string(info->frame_len) + " runs past the payload (" +
-                           std::to_string(len - at) + " bytes left)");
-    if (info->raw_len == 0) return ProtocolError(where + "raw_len is 0");
-    auto out_len = decoded_size(*info, info->dtype);
-    if (!out_len.ok()) return ProtocolError(where + out_len.status().message());
-    if (*out_len > capacity - done)
-      return ProtocolError(where + "raw_len " + std::to_string(*out_len) + " exceeds the " +
-                           std::to_string(capacity - done) + " bytes left in the write's extents");
-    frames.push_back(Fp8FrameAt{at, *info});
-    done += *out_len;
-    at += info->frame_len;
-  }
-  if (done != capacity)
-    return ProtocolError("compressed write: the codec frames decode to " + std::to_string(done) +
-                         " bytes (sum of raw_len), its extents hold " + std::to_string(capacity));
+  PDKV_RETURN_IF_ERROR(codec::walk_payload_frames(payload, len, capacity, "compressed write", ~0u,
+                                                  [&](const codec::PayloadFrame& f) {
+                                                    frames.push_back(Fp8FrameAt{f.offset, f.info});
+                                                    return Status::Ok();
+                                                  }));
   return frames;
 }
 

@@ -55,10 +55,10 @@ struct Fp8FrameAt {
 // extent is not whole rows or not aligned (the caller then decodes on the host).
 Result<Fp8Plan> plan_fp8_frames(const std::vector<Fp8FrameAt>& frames, const iovec* dst, size_t n);
 
-// The codec frames of a compressed tcp batch (docs/wire.md, type 11), checked as the
-// host decoder (tcp decode_payload) checks them: ProtocolError naming the frame and
-// field unless every header is valid, the frames tile the payload and their decoded
-// sizes add up to `capacity`, the bytes of the destination extents.
+// The codec frames of a compressed tcp batch (docs/wire.md, type 11), checked by the
+// walk the host decoder (tcp decode_payload) uses, codec::walk_payload_frames: ProtocolError
+// naming the frame and field unless every header is valid, the frames tile the payload
+// and their decoded sizes add up to `capacity`, the bytes of the destination extents.
 Result<std::vector<Fp8FrameAt>> read_payload_frames(const uint8_t* payload, uint64_t len, uint64_t capacity);
 // The XXH3 of each frame's codes + scales that carries one: DataCorrupted on a mismatch.
 Status verify_fp8_checksums(const uint8_t* payload, const std::vector<Fp8FrameAt>& frames);

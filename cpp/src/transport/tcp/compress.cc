@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "codec/frame.h"
 #include "transport/tcp/out_msg.h"
 #include "transport/tcp/wire.h"
 #include "util/bytes.h"
@@ -306,40 +307,26 @@ Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, si
   for (size_t i = 0; i < n; ++i) capacity += dst[i].iov_len;
   size_t idx = 0;      // current destination extent
   uint64_t off = 0;    // bytes of it already written
-  uint64_t done = 0;   // bytes of the extents written
-  uint64_t at = 0;     // payload offset of the current frame
-  for (uint32_t k = 0; at < len; ++k) {
-    const std::string where = std::string(what) + ", codec frame " + std::to_string(k) + " (payload offset " +
-                              std::to_string(at) + "): ";
-    auto info = peek_frame(payload + at, static_cast<size_t>(len - at));
-    if (!info.ok()) return ProtocolError(where + info.status().message());
-    if (info->frame_len > len - at)
-      return ProtocolError(where + "frame_len " + std::to_string(info->frame_len) + " runs past the payload (" +
-                           std::to_string(len - at) + " bytes left)");
-    if (info->raw_len == 0) return ProtocolError(where + "raw_len is 0");
-    if (!((allowed >> static_cast<unsigned>(info->kind)) & 1u))
-      return ProtocolError(where + "codec " + std::string(codec_kind_name(info->kind)) + " was not asked for");
-    auto out_len = decoded_size(*info, info->dtype);
-    if (!out_len.ok()) return ProtocolError(where + out_len.status().message());
-    if (*out_len > capacity - done)
-      return ProtocolError(where + "raw_len " + std::to_string(*out_len) + " exceeds the " +
-                           std::to_string(capacity - done) + " bytes left in its extents");
-    auto& codec = codecs[static_cast<size_t>(info->kind)];
+  return codec::walk_payload_frames(payload, len, capacity, what, allowed, [&](const codec::PayloadFrame& f) {
+    auto& codec = codecs[static_cast<size_t>(f.info.kind)];
     if (!codec) {
       CodecOptions co;
-      co.kind = info->kind;
+      co.kind = f.info.kind;
       PDKV_ASSIGN_OR_RETURN(codec, Codec::create(co));
     }
     size_t written = 0;
-    const bool in_place = dst[idx].iov_len - off >= *out_len;
+    const bool in_place = dst[idx].iov_len - off >= f.out_len;
     uint8_t* out = in_place ? static_cast<uint8_t*>(dst[idx].iov_base) + off : nullptr;
     if (!in_place) {
-      scratch.resize(static_cast<size_t>(*out_len));
+      scratch.resize(static_cast<size_t>(f.out_len));
       out = scratch.data();
     }
-    Status st = codec->decode(payload + at, static_cast<size_t>(info->frame_len), info->dtype, out,
-                              static_cast<size_t>(*out_len), &written);
-    if (!st.ok()) return Status(st.code(), where + st.message());
+    Status st = codec->decode(payload + f.offset, static_cast<size_t>(f.info.frame_len), f.info.dtype, out,
+                              static_cast<size_t>(f.out_len), &written);
+    if (!st.ok()) return Status(st.code(), f.where + st.message());
+    if (written != f.out_len)
+      return ProtocolError(f.where + "decoded " + std::to_string(written) + " bytes, its header says " +
+                           std::to_string(f.out_len));
     // Spread over the extents (in place: only the cursor moves).
     for (uint64_t left = written, from = 0; left > 0;) {
       const uint64_t step = std::min<uint64_t>(left, dst[idx].iov_len - off);
@@ -352,13 +339,8 @@ Status decode_payload(const uint8_t* payload, uint64_t len, const iovec* dst, si
         off = 0;
       }
     }
-    done += written;
-    at += info->frame_len;
-  }
-  if (done != capacity)
-    return ProtocolError(std::string(what) + ": the codec frames decode to " + std::to_string(done) +
-                         " bytes (sum of raw_len), its extents hold " + std::to_string(capacity));
-  return Status::Ok();
+    return Status::Ok();
+  });
 }
 
 // ---------------------------------------------------------------- compressed reads
