@@ -253,11 +253,21 @@ Choice LinkChooser::choose(const Encoder& enc, CodecKind kind, uint32_t peer_cod
   return on ? Choice{true, kind} : Choice{};
 }
 
-void LinkChooser::plain_delivered(uint64_t bytes, double seconds) {
-  if (bytes < kMinMeasuredBytes || seconds <= 0) return;
+void LinkChooser::plain_delivered(uint64_t bytes, Clock::time_point posted, Clock::time_point done) {
   std::lock_guard<std::mutex> lk(mu_);
-  const double bps = bytes / seconds;
+  const bool overlapped = posted < last_done_;  // posted while an earlier one was still on the link
+  const Clock::time_point from = std::max(posted, last_done_);
+  last_done_ = std::max(last_done_, done);
+  if (bytes < kMinMeasuredBytes && !overlapped) return;
+  acc_bytes_ += bytes;
+  if (done > from) acc_s_ += std::chrono::duration<double>(done - from).count();
+  if (acc_bytes_ < kMinMeasuredBytes || acc_s_ <= 0) return;
+  const double bps = acc_bytes_ / acc_s_;
   link_bps_ = link_bps_ == 0 ? bps : kEwma * bps + (1 - kEwma) * link_bps_;
+  PDKV_LOG_DEBUG("tcp: link sample for %s peer '%s': %llu bytes in %.6f s busy = %.6f GB/s (average %.6f GB/s)", what_,
+                 peer_.c_str(), static_cast<unsigned long long>(acc_bytes_), acc_s_, bps / 1e9, link_bps_ / 1e9);
+  acc_bytes_ = 0;
+  acc_s_ = 0;
   measured_ = Clock::now();
 }
 

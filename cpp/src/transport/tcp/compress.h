@@ -201,8 +201,15 @@ class LinkChooser {
   // peer handles (PeerFeatures); the encode and decode rates are this agent's (the
   // same code; the peer's CPU is not known).
   Choice choose(const Encoder& enc, CodecKind kind, uint32_t peer_codecs, CodecPipeline pipe);
-  // A plain transfer of `bytes` took `seconds` from post to its last ack / response.
-  void plain_delivered(uint64_t bytes, double seconds);
+  // A plain transfer of `bytes` posted at `posted` was delivered (last ack / response)
+  // at `done`. Transfers to one peer share its link: when several are in flight (a
+  // layer-wise stream's batches, concurrent requests), each one's post-to-ack time
+  // counts the others' bytes too, so the link is measured as the bytes delivered over
+  // the time the link was busy: a transfer is charged from max(its post, the previous
+  // delivery). A transfer under kMinMeasuredBytes that did not overlap another says
+  // more about latency than the link and is not counted; overlapping ones add up
+  // until kMinMeasuredBytes make a sample.
+  void plain_delivered(uint64_t bytes, Clock::time_point posted, Clock::time_point done = Clock::now());
   // Whether the codec should be sampled again before the next choose(): while writes
   // go plain, the codec's figures come only from samples, and the first (one chunk of
   // the first write) may not represent the data; every kProbeEvery-th plain write
@@ -216,6 +223,9 @@ class LinkChooser {
   mutable std::mutex mu_;
   double link_bps_ = 0;  // 0: not measured yet
   Clock::time_point measured_{};
+  Clock::time_point last_done_{};  // the latest delivery counted
+  uint64_t acc_bytes_ = 0;         // delivered since the last sample
+  double acc_s_ = 0;               // link-busy seconds they took
   uint64_t writes_ = 0;
   int last_ = -1;  // the last decision logged: 0 plain, 1 compressed
 };

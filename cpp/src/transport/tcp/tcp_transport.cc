@@ -680,8 +680,7 @@ void TcpTransport::settle(const std::shared_ptr<TcpPost>& post, uint32_t batch, 
   // A plain write that completed measures the link to its peer (compression kAuto).
   if (!post->prep || post->prep->op != OpKind::kWrite || post->compress.compress) return;
   if (post->prep->zmode != CompressMode::kAuto || post->xfer->state() != XferState::kDone) return;
-  post->pc->chooser.plain_delivered(post->prep->total,
-                                    std::chrono::duration<double>(Clock::now() - post->posted).count());
+  post->pc->chooser.plain_delivered(post->prep->total, post->posted);
 }
 
 bool TcpTransport::settle_read(const std::shared_ptr<TcpPost>& post, uint64_t bytes, const Status& st) {
@@ -689,7 +688,7 @@ bool TcpTransport::settle_read(const std::shared_ptr<TcpPost>& post, uint64_t by
   if (post->reads_unsettled.fetch_sub(1, std::memory_order_acq_rel) != 1) return false;  // not the last
   const TcpPrepared& prep = *post->prep;
   if (post->compress.compress || prep.zmode != CompressMode::kAuto || post->read_failed) return false;
-  post->pc->read_chooser.plain_delivered(prep.total, std::chrono::duration<double>(Clock::now() - post->posted).count());
+  post->pc->read_chooser.plain_delivered(prep.total, post->posted);
   if (!post->sample_codec || prep.batches.empty()) return false;
   // Not on this (progress) thread: a sample costs a chunk's encode and decode.
   return encoder_->post([this, post, bytes, st] {
