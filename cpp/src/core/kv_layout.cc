@@ -553,15 +553,23 @@ bool plan_across_segments(const KVLayout& local, const std::vector<uint32_t>& li
 Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                 const KVLayout& remote, const std::vector<uint32_t>& rids,
                                                 const PlanOptions& opts, bool two_level) {
-  PDKV_ASSIGN_OR_RETURN(PlanScope scope, plan_scope(local, lids, remote, rids, opts));
   std::vector<StridedExtent> out;
+  PDKV_RETURN_IF_ERROR(plan_strided_into(out, local, lids, remote, rids, opts, two_level));
+  return out;
+}
+
+Status plan_strided_into(std::vector<StridedExtent>& out, const KVLayout& local, const std::vector<uint32_t>& lids,
+                         const KVLayout& remote, const std::vector<uint32_t>& rids, const PlanOptions& opts,
+                         bool two_level) {
+  out.clear();
+  PDKV_ASSIGN_OR_RETURN(PlanScope scope, plan_scope(local, lids, remote, rids, opts));
   if (scope.whole_blocks) {
     std::vector<Extent> whole;
     if (plan_whole_blocks(local, lids, remote, rids, scope.seg_begin, scope.seg_end, whole)) {
       out.reserve(whole.size());
       for (const Extent& e : whole)
         out.push_back(StridedExtent{e.local_region, e.local_offset, e.remote_region, e.remote_offset, e.len});
-      return out;
+      return Status::Ok();
     }
   }
   // As plan_runs(): the runs of the first (layer, part) pair, relative to base 0,
@@ -573,7 +581,7 @@ Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std
   std::vector<StridedExtent> tmpl;
   plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, two_level, tmpl);
   if (two_level && across_segments_allowed() && plan_across_segments(local, lids, remote, rids, scope, tmpl.size(), out))
-    return out;
+    return Status::Ok();
   out.reserve(tmpl.size() * (scope.seg_end - scope.seg_begin));
   for (size_t s = scope.seg_begin; s < scope.seg_end; ++s) {
     const KVSegment& L = ls[s];
@@ -597,7 +605,7 @@ Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std
       }
     }
   }
-  return out;
+  return Status::Ok();
 }
 
 }  // namespace planner
