@@ -523,10 +523,19 @@ bool plan_across_segments(const KVLayout& local, const std::vector<uint32_t>& li
         !same_strides(rs[scope.seg_begin + g], rs[scope.seg_begin]))
       return false;
   }
-  std::vector<StridedExtent> one;  // the first segment's one-level runs, relative to base 0
-  plan_segment_strided(local, ls[scope.seg_begin], 0, 0, lids, remote, rs[scope.seg_begin], 0, 0, rids, scope.rows,
-                       /*two_level=*/false, one);
-  if (one.empty() || one.size() * groups >= per_segment * nseg) return false;
+  // The first segment's one-level runs, relative to base 0; given up on as soon as they
+  // are too many to gain (consecutive ids: the usual plan is a few runs per segment).
+  const uint64_t limit = per_segment * nseg / groups;
+  std::vector<StridedExtent> one;
+  bool over = false;
+  walk_segment_strided(local.geometry().block_tokens, ls[scope.seg_begin], 0, lids, remote.geometry().block_tokens,
+                       rs[scope.seg_begin], 0, rids, local.geometry().row_bytes(), scope.rows,
+                       [&](uint64_t lo, uint64_t ro, uint64_t len, uint64_t n, uint64_t lst, uint64_t rst) {
+                         if (over) return;
+                         push_strided(one, StridedExtent{0, lo, 0, ro, len, n, lst, rst});
+                         over = one.size() > limit;
+                       });
+  if (over || one.empty() || one.size() * groups >= per_segment * nseg) return false;
   for (const StridedExtent& x : one)
     for (size_t g = 0; g < groups; ++g)
       if (!nested_disjoint(x.len, x.count, x.local_stride, per_group, gl[g]) ||
