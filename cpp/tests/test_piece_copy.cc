@@ -67,7 +67,7 @@ TEST(PieceCopy, EveryStoreWidthEveryShape) {
   }
 }
 
-TEST(PieceCopy, DefaultIsTheWidestStoresOrTheSwitch) {
+TEST(PieceCopy, StridedCopiesTakeTheWidestStoresPiecesTheNarrow) {
   const PieceStores s = piece_stores();
   const std::vector<PieceStores> k = kinds_here();
   if (bench_switch_is("PDKV_BENCH_PIECE_COPY", "memcpy")) {
@@ -77,6 +77,10 @@ TEST(PieceCopy, DefaultIsTheWidestStoresOrTheSwitch) {
   } else {
     EXPECT_EQ(s, k.back());
   }
+  // stream_piece() (tcp's scatter, the staging copies) keeps 16-byte stores.
+#if defined(__SSE2__)
+  EXPECT_EQ(narrow_stores(), s == PieceStores::kMemcpy ? PieceStores::kMemcpy : PieceStores::kSse);
+#endif
 }
 
 }  // namespace

@@ -41,7 +41,7 @@ enum class PieceStores {
   kAvx512,  // 64-byte streaming stores: one instruction per cache line
 };
 
-// Why the widest stores: a line written by four 16-byte non-temporal stores leaves
+// Why the widest stores (copy_strided(), the shm copy): a line written by four 16-byte non-temporal stores leaves
 // the write-combining buffer as one line only when all four arrive before it is
 // flushed; a 64-byte store writes the whole line at once. Measured on the 2-core dev
 // VM (Xeon, AVX-512), 64 MiB of 512-byte pieces read at a 1 KiB stride into 8 KiB
@@ -70,9 +70,23 @@ inline PieceStores piece_stores() {
   return s;
 }
 
-// False when pieces are copied by plain memcpy (PDKV_BENCH_PIECE_COPY=memcpy, or no
-// streaming stores on this CPU).
-inline bool stream_pieces() { return piece_stores() != PieceStores::kMemcpy; }
+// The stores of stream_piece(): 16-byte streaming stores (a memcpy per piece under
+// PDKV_BENCH_PIECE_COPY=memcpy, or without SSE2). Its callers (the tcp landing scatter
+// and gather, the staging copies) keep the 16-byte stores: over tcp the socket copy
+// dominates, and the wider stores measured no better there at the load of the day
+// (bench/results/hetero/wide/sweep-tcp*.txt), so they were not switched.
+inline PieceStores narrow_stores() {
+  static const PieceStores s = piece_stores() == PieceStores::kMemcpy ? PieceStores::kMemcpy
+#if defined(__SSE2__)
+                                                                       : PieceStores::kSse;
+#else
+                                                                       : PieceStores::kMemcpy;
+#endif
+  return s;
+}
+
+// False when stream_piece() copies by plain memcpy.
+inline bool stream_pieces() { return narrow_stores() != PieceStores::kMemcpy; }
 
 namespace piece_copy_detail {
 
@@ -151,10 +165,10 @@ inline void stream_piece_with(PieceStores how, char* to, const char* from, size_
   std::memcpy(to, from, len);
 }
 
-// Copies `len` bytes from `from` to `to` with streaming stores where `to` is 16-byte
-// aligned and len is 64 or more (the tail under 16 bytes, and an unaligned `to`, by
-// memcpy). Follow a series of these with stream_fence().
-inline void stream_piece(char* to, const char* from, size_t len) { stream_piece_with(piece_stores(), to, from, len); }
+// Copies `len` bytes from `from` to `to` with 16-byte streaming stores where `to` is
+// 16-byte aligned and len is 64 or more (the tail under 16 bytes, and an unaligned
+// `to`, by memcpy). Follow a series of these with stream_fence().
+inline void stream_piece(char* to, const char* from, size_t len) { stream_piece_with(narrow_stores(), to, from, len); }
 
 // Orders the streaming stores before every later store (the "landed" signal).
 inline void stream_fence() {
@@ -179,7 +193,8 @@ inline void copy_strided_with(PieceStores how, char* dst, uint64_t dst_stride, c
   stream_fence();
 }
 
-// copy_strided_with() the stores piece_stores() picks.
+// copy_strided_with() the stores piece_stores() picks (the widest: the shm strided
+// copy, transport/shm/copy_engine.cc).
 inline void copy_strided(char* dst, uint64_t dst_stride, const char* src, uint64_t src_stride, uint64_t len,
                          uint64_t count) {
   copy_strided_with(piece_stores(), dst, dst_stride, src, src_stride, len, count);
