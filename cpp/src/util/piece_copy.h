@@ -46,8 +46,8 @@ enum class PieceStores {
 // flushed; a 64-byte store writes the whole line at once. Measured on the 2-core dev
 // VM (Xeon, AVX-512), 64 MiB of 512-byte pieces read at a 1 KiB stride into 8 KiB
 // destination runs (a TP2 -> TP4 push), against memcpy of the same bytes as 8 KiB
-// runs, thread CPU time: 16-byte 0.63-0.77x, 32-byte 0.83-0.89x, 64-byte 0.96-1.05x
-// (bench/piece_copy_bench.cc).
+// runs, thread CPU time: 16-byte 0.77x, 32-byte 0.90-0.94x, 64-byte 0.98-1.01x
+// (bench/piece_copy_bench.cc; docs/benchmarks.md "Full-line streaming stores").
 //
 // The widest the CPU has, unless the benchmark switch PDKV_BENCH_PIECE_COPY=memcpy or
 // =sse asks for an older path (read once per process; docs/benchmarks.md), to compare
