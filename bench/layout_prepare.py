@@ -10,12 +10,15 @@ prepare's milliseconds (best of 5), and the direct plan's extents and millisecon
 (``pdkv.plan_blocks`` including its Python list: what the transfer would carry
 without staging).
 
-With ``--compare-one-level`` (shm) each line also gives the extents and milliseconds of
-the same prepare with shm taking one-level runs only (``PDKV_BENCH_SHM_ONE_LEVEL=1``, as
-before two-level runs), measured by a child process right before, in the same run.
+With ``--compare-env NAME=VALUE`` each line also gives the extents and milliseconds of
+the same prepare under that benchmark switch (docs/benchmarks.md lists them), measured
+by a child process right before, in the same run: ``--compare-one-level`` is
+``--compare-env PDKV_BENCH_SHM_ONE_LEVEL=1`` (shm taking one-level runs only, as before
+two-level runs); ``--compare-env PDKV_BENCH_PER_SEGMENT_RUNS=1`` (shm) keeps two-level
+runs inside one (layer, part), as before runs across segments.
 
     .venv/bin/python bench/layout_prepare.py [--random-ids] [--transport shm] [--mode tp4:tp2 ...]
-                                             [--compare-one-level]
+                                             [--compare-one-level | --compare-env NAME=VALUE]
 """
 
 from __future__ import annotations
@@ -100,9 +103,10 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def one_level_rows(argv: list[str]) -> dict:
-    """The same measurement by a child process with PDKV_BENCH_SHM_ONE_LEVEL=1."""
-    env = dict(os.environ, PDKV_BENCH_SHM_ONE_LEVEL="1")
+def switched_rows(argv: list[str], switch: str) -> dict:
+    """The same measurement by a child process with the benchmark switch ``NAME=VALUE``."""
+    name, _, value = switch.partition("=")
+    env = dict(os.environ, **{name: value})
     out = subprocess.run([sys.executable, __file__, *argv, "--json-rows", "--no-direct"], env=env, check=True,
                          capture_output=True, text=True).stdout
     return {(r["geometry"], r["mode"], r["op"]): r for r in json.loads(out)}
@@ -115,19 +119,26 @@ def main() -> None:
     ap.add_argument("--mode", action="append", help="only these modes (repeatable; default: all)")
     ap.add_argument("--compare-one-level", action="store_true",
                     help="shm: also measure one-level runs only (PDKV_BENCH_SHM_ONE_LEVEL=1) in a child process")
+    ap.add_argument("--compare-env", metavar="NAME=VALUE",
+                    help="also measure with this benchmark switch set, in a child process")
     ap.add_argument("--no-direct", action="store_true", help="skip the direct plan (pdkv.plan_blocks) columns")
     ap.add_argument("--json-rows", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     child_argv = ["--transport", args.transport] + (["--random-ids"] if args.random_ids else [])
     for m in args.mode or []:
         child_argv += ["--mode", m]
-    before = one_level_rows(child_argv) if args.compare_one_level else {}
+    switch = "PDKV_BENCH_SHM_ONE_LEVEL=1" if args.compare_one_level else args.compare_env
+    if switch and "=" not in switch:
+        ap.error(f"--compare-env wants NAME=VALUE, not {switch!r}")
+    before = switched_rows(child_argv, switch) if switch else {}
     rows = measure(args)
     if args.json_rows:
         print(json.dumps(rows))
         return
     print(f"{'geometry':<10} {'mode':<26} {'op':<5} {'extents':>8} {'prepare ms':>10} {'direct extents':>14} "
-          f"{'direct ms':>9}" + (f" {'one-level extents':>17} {'one-level ms':>12}" if before else ""))
+          f"{'direct ms':>9}" + (f" {'switched extents':>17} {'switched ms':>12}" if before else ""))
+    if before:
+        print(f"(switched: {switch}, measured right before by a child process)")
     for r in rows:
         direct = (f"{r['direct_extents']:>14} {r['direct_ms']:>9.1f}" if r["direct_extents"] >= 0
                   else f"{'-':>14} {'-':>9}")

@@ -190,3 +190,44 @@ def test_a_layer_wise_stream_into_hnd_blocks_lands_bit_exact():
         assert x.wait(30) and x.bytes_done == x.bytes_total
         assert [n.data for n in b.wait_notifications(10)] == [b"r"]
         check(local, lids, remote, rids, 10 * lt, nh, lho, rho)
+
+
+@pytest.mark.parametrize("memory", ["alloc", "numpy", "cma"])
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("style", ["interleaved", "cross_layer"])
+@pytest.mark.parametrize("mode", ["tp2:tp4", "tp4:tp2", "3 of 4 heads"])
+def test_scattered_ids_in_one_region_pools_are_one_run_per_block(mode, style, op, memory):
+    """A pool that is one region with its (layer, part) segments evenly spaced (K/V
+    interleaved per block, or vLLM's cross-layer blocks): with scattered block ids each
+    block's run repeats in every segment at one distance, so shm gets one two-level run
+    per block (per part where K and V sit apart) instead of one per block and
+    segment, and the rows land bit-exact (numpy pools: the runs cross the shared
+    window's edges; cma: cross-memory attach only)."""
+    layers = 6
+    lh, rh, nh, lho, rho = {"tp2:tp4": (4, 2, 2, 2, 0), "tp4:tp2": (2, 4, 2, 0, 2),
+                            "3 of 4 heads": (4, 4, 3, 1, 0)}[mode]
+    ntok = 12 * 16 - 5
+    nl = nr = -(-ntok // 16)
+    lids, rids = block_ids("scattered", nl, nr)
+    pull = op == "read"
+    bopts = pdkv.ShmOptions(share_pages_min_bytes=0) if memory == "cma" else None
+    with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a, \
+            pdkv.Agent("b", secret=SECRET, transports=["shm"], shm=bopts) as b:
+        la, ra = (a, b) if memory == "alloc" else (None, None)
+        local = Pool(PoolSpec(layers, BLOCKS, 16, lh, D, "bfloat16", style), None if pull else 5, shared_by=la)
+        remote = Pool(PoolSpec(layers, BLOCKS, 16, rh, D, "bfloat16", style), 5 if pull else None, shared_by=ra)
+        local.register(a)
+        remote.register(b)
+        peer = a.add_peer(b.metadata())
+        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+        prep = a.prepare(op, peer, "kv", lids, "kv", rids, **kw)
+        groups = 2 if style == "interleaved" else 1
+        assert prep.num_extents <= groups * max(nl, nr), prep.num_extents  # was layers * 2 * blocks
+        for _ in range(2):  # the second post reuses the bound ops
+            xfer = prep.post()
+            assert xfer.wait(30)
+            assert xfer.bytes_done == prep.nbytes
+        if pull:
+            check(remote, rids, local, lids, ntok, nh, rho, lho)
+        else:
+            check(local, lids, remote, rids, ntok, nh, lho, rho)

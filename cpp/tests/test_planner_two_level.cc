@@ -131,6 +131,43 @@ TEST(PlanTwoLevel, ConsecutiveIdsAreOneRunPerHeadAndSegment) {
   }
 }
 
+// Scattered ids in contiguous pools (K/V apart, or interleaved per block): each
+// block's run repeats in every (layer, part) at one distance, so it is one two-level
+// run across them: O(blocks) runs per request, not O(blocks x layers x parts), and
+// still exactly the reference rows.
+TEST(PlanTwoLevel, ScatteredIdsAreOneRunPerBlockAcrossSegments) {
+  for (const Case& c : kCases) {
+    for (bool interleaved : {false, true}) {
+      const KVGeometry lg = f16_geometry(c.lt, c.lh, c.lo, 8, 24, 4), rg = f16_geometry(c.rt, c.rh, c.ro, 8, 24, 4);
+      auto la = KVLayout::contiguous(lg, 1ull << 32, interleaved), lb = KVLayout::contiguous(rg, 1ull << 40, interleaved);
+      ASSERT_TRUE(la.ok() && lb.ok());
+      Pool a{lg, std::move(la).value()}, b{rg, std::move(lb).value()};
+      std::vector<uint32_t> lids, rids;
+      ids_for(c, 96, true, lids, rids);
+      PlanOptions o;
+      o.num_tokens = 96;
+      o.num_heads = c.nh;
+      o.local_head_offset = c.lho;
+      o.remote_head_offset = c.rho;
+      auto runs = plan2(a, lids, b, rids, o);
+      EXPECT_EQ(expand(runs, row_bytes(a.geo)), reference(a, lids, b, rids, 96, c.nh, c.lho, c.rho))
+          << c.name << (interleaved ? " interleaved" : "");
+      const uint64_t segs = a.layout.segments().size();  // 8 layers x 2 parts
+      const uint64_t groups = interleaved ? 2 : 1;        // K/V interleaved: one group per part
+      const uint64_t chunks = lids.size() + rids.size();
+      EXPECT_LE(runs.size(), groups * chunks * (c.cut_both ? c.nh : 1)) << c.name;
+      EXPECT_LT(runs.size(), segs * (96 / std::max(c.lt, c.rt))) << c.name;  // fewer than one per (segment, block)
+      // Per (layer, part) when the pools' segments are not evenly spaced: the first
+      // layer's K moved past the others.
+      KVLayout moved = a.layout;
+      moved.mutable_segments()[0].addr += 1ull << 30;
+      auto res = planner::plan_strided(moved, lids, b.layout, rids, o, /*two_level=*/true);
+      ASSERT_TRUE(res.ok());
+      EXPECT_GE(res->size(), segs * (96 / std::max(c.lt, c.rt)) / 2) << c.name;
+    }
+  }
+}
+
 TEST(NestedDisjoint, OneLevelMustNestInTheOthersGaps) {
   // 16 tokens of 256 B at 2048 (NHD), repeated per head at 256: inner steps jump the heads.
   EXPECT_TRUE(planner::nested_disjoint(256, 16, 2048, 8, 256));

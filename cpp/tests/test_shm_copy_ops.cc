@@ -142,6 +142,33 @@ TEST(ShmCopyOps, ARunAcrossTheWindowsEdgeIsCutThereAndLandsWhole) {
   expect_landed(m, e);
 }
 
+TEST(ShmCopyOps, OnlyTheRepetitionAcrossTheEdgeIsCutIntoPieces) {
+  Mem m;
+  auto r = region(m.peer.data(), 4096 + 1000 + 300, kLen);  // the edge cuts repetition 1's piece 1
+  Binding b;
+  b.op = OpKind::kWrite;
+  b.pid = ::getpid();
+  b.regions = {r};
+  const ResolvedExtent e = two_level(reinterpret_cast<uint64_t>(m.local.data()), 1000);
+  ASSERT_TRUE(add_run_ops(b, *r, 0, e, "p").ok());
+  // Repetition 0 before the window: one cross-memory op of 8 pieces; repetition 1:
+  // piece 0 outside, piece 1 cut in two, pieces 2-7 inside; repetitions 2, 3: one
+  // mapped op of 8 pieces each.
+  ASSERT_EQ(b.ops.size(), 1u + 1 + 2 + 6 + 1 + 1);
+  EXPECT_FALSE(b.ops.front().mapped);
+  EXPECT_EQ(b.ops.front().count, 8u);
+  for (size_t k : {b.ops.size() - 2, b.ops.size() - 1}) {
+    EXPECT_TRUE(b.ops[k].mapped);
+    EXPECT_EQ(b.ops[k].count, 8u);
+    EXPECT_EQ(b.ops[k].remote_stride, 256u);
+  }
+  EXPECT_EQ(b.total, 4u * 8 * 64);
+  Status st = run_copies(b);
+  if (cma_denied(st)) GTEST_SKIP() << st.message();
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  expect_landed(m, e);
+}
+
 TEST(ShmCopyOps, EveryByteOfARunIsCheckedAgainstTheConfirmedRegion) {
   Mem m;
   auto r = region(m.peer.data(), 0, kLen);

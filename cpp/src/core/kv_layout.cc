@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/plan_runs.h"
+#include "util/bench_switch.h"
 
 namespace pdkv {
 namespace {
@@ -441,6 +442,14 @@ uint64_t strided_segment_cost(uint64_t LT, const KVSegment& L, const std::vector
 
 namespace {
 
+// False under the benchmark switch PDKV_BENCH_PER_SEGMENT_RUNS=1 (read once per
+// process; docs/benchmarks.md): two-level runs stay inside one (layer, part), as
+// before plan_across_segments(), to compare both in one build.
+bool across_segments_allowed() {
+  static const bool on = !util::bench_switch_is("PDKV_BENCH_PER_SEGMENT_RUNS", "1");
+  return on;
+}
+
 void plan_segment_strided(const KVLayout& local, const KVSegment& L, uint64_t lreg, uint64_t lbase,
                           const std::vector<uint32_t>& lids, const KVLayout& remote, const KVSegment& R, uint64_t rreg,
                           uint64_t rbase, const std::vector<uint32_t>& rids, const RowRange& rr, bool two_level,
@@ -461,20 +470,115 @@ void plan_segment_strided(const KVLayout& local, const KVSegment& L, uint64_t lr
                        });
 }
 
+// The distance between the bases of segments first, first + step, ... (n of them)
+// when they share the first one's region and strides and follow each other at one
+// positive distance (overflow-safe); 0 otherwise.
+uint64_t even_spacing(const std::vector<KVSegment>& segs, size_t first, size_t step, size_t n) {
+  if (n < 2) return 0;
+  const KVSegment& s0 = segs[first];
+  const uint64_t b0 = seg_base(s0), b1 = seg_base(segs[first + step]);
+  if (b1 <= b0) return 0;
+  const uint64_t d = b1 - b0;
+  for (size_t k = 1; k < n; ++k) {
+    const KVSegment& s = segs[first + k * step];
+    uint64_t at = 0;
+    if (s.region_id != s0.region_id || !same_strides(s, s0) || __builtin_mul_overflow(uint64_t(k), d, &at) ||
+        __builtin_add_overflow(at, b0, &at) || seg_base(s) != at)
+      return 0;
+  }
+  return d;
+}
+
+// Two-level runs across segments, for a transport that takes them: where the segments
+// of the plan (all of them, or each part's) share their strides and follow each other
+// at one distance on both sides (a contiguous pool), a one-level run of the first
+// segment repeats in every other at that distance, so it becomes one two-level run
+// (its pieces, repeated per segment). With scattered block ids that is O(blocks) runs
+// per request instead of O(blocks x layers x parts) (each one checked and bound whole,
+// the pieces walked only while copying). Appends to `out` and returns true only when
+// it gives fewer runs than `per_segment` per segment (the usual plan's count) and
+// every run nests in the segment distance; else leaves `out` alone.
+bool plan_across_segments(const KVLayout& local, const std::vector<uint32_t>& lids, const KVLayout& remote,
+                          const std::vector<uint32_t>& rids, const PlanScope& scope, uint64_t per_segment,
+                          std::vector<StridedExtent>& out) {
+  const auto& ls = local.segments();
+  const auto& rs = remote.segments();
+  const size_t nseg = scope.seg_end - scope.seg_begin;
+  // Groups of evenly spaced segments: every segment in one, or one group per part
+  // (K/V interleaved per block: parts sit a half block apart, layers a layer apart).
+  size_t groups = 1, step = 1;
+  uint64_t dl = even_spacing(ls, scope.seg_begin, 1, nseg), dr = even_spacing(rs, scope.seg_begin, 1, nseg);
+  if (dl == 0 || dr == 0) {
+    groups = local.geometry().kv_parts;
+    step = groups;
+    dl = dr = 0;
+  }
+  const size_t per_group = nseg / groups;
+  if (per_group < 2) return false;
+  std::vector<uint64_t> gl(groups), gr(groups);
+  for (size_t g = 0; g < groups; ++g) {
+    gl[g] = even_spacing(ls, scope.seg_begin + g, step, per_group);
+    gr[g] = even_spacing(rs, scope.seg_begin + g, step, per_group);
+    if (gl[g] == 0 || gr[g] == 0 || !same_strides(ls[scope.seg_begin + g], ls[scope.seg_begin]) ||
+        !same_strides(rs[scope.seg_begin + g], rs[scope.seg_begin]))
+      return false;
+  }
+  // The first segment's one-level runs, relative to base 0; given up on as soon as they
+  // are too many to gain (consecutive ids: the usual plan is a few runs per segment).
+  const uint64_t limit = per_segment * nseg / groups;
+  std::vector<StridedExtent> one;
+  bool over = false;
+  walk_segment_strided(local.geometry().block_tokens, ls[scope.seg_begin], 0, lids, remote.geometry().block_tokens,
+                       rs[scope.seg_begin], 0, rids, local.geometry().row_bytes(), scope.rows,
+                       [&](uint64_t lo, uint64_t ro, uint64_t len, uint64_t n, uint64_t lst, uint64_t rst) {
+                         if (over) return;
+                         push_strided(one, StridedExtent{0, lo, 0, ro, len, n, lst, rst});
+                         over = one.size() > limit;
+                       });
+  if (over || one.empty() || one.size() * groups >= per_segment * nseg) return false;
+  for (const StridedExtent& x : one)
+    for (size_t g = 0; g < groups; ++g)
+      if (!nested_disjoint(x.len, x.count, x.local_stride, per_group, gl[g]) ||
+          !nested_disjoint(x.len, x.count, x.remote_stride, per_group, gr[g]))
+        return false;
+  out.reserve(out.size() + one.size() * groups);
+  for (size_t g = 0; g < groups; ++g) {
+    const KVSegment& L = ls[scope.seg_begin + g];
+    const KVSegment& R = rs[scope.seg_begin + g];
+    const uint64_t lb = seg_base(L), rb = seg_base(R);
+    for (const StridedExtent& x : one) {
+      StridedExtent y = two_level_run(lb + x.local_offset, rb + x.remote_offset, x.len, x.count, x.local_stride,
+                                      x.remote_stride, per_group, gl[g], gr[g]);
+      y.local_region = L.region_id;
+      y.remote_region = R.region_id;
+      out.push_back(y);
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                 const KVLayout& remote, const std::vector<uint32_t>& rids,
                                                 const PlanOptions& opts, bool two_level) {
-  PDKV_ASSIGN_OR_RETURN(PlanScope scope, plan_scope(local, lids, remote, rids, opts));
   std::vector<StridedExtent> out;
+  PDKV_RETURN_IF_ERROR(plan_strided_into(out, local, lids, remote, rids, opts, two_level));
+  return out;
+}
+
+Status plan_strided_into(std::vector<StridedExtent>& out, const KVLayout& local, const std::vector<uint32_t>& lids,
+                         const KVLayout& remote, const std::vector<uint32_t>& rids, const PlanOptions& opts,
+                         bool two_level) {
+  out.clear();
+  PDKV_ASSIGN_OR_RETURN(PlanScope scope, plan_scope(local, lids, remote, rids, opts));
   if (scope.whole_blocks) {
     std::vector<Extent> whole;
     if (plan_whole_blocks(local, lids, remote, rids, scope.seg_begin, scope.seg_end, whole)) {
       out.reserve(whole.size());
       for (const Extent& e : whole)
         out.push_back(StridedExtent{e.local_region, e.local_offset, e.remote_region, e.remote_offset, e.len});
-      return out;
+      return Status::Ok();
     }
   }
   // As plan_runs(): the runs of the first (layer, part) pair, relative to base 0,
@@ -485,6 +589,8 @@ Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std
   const KVSegment& R0 = rs[scope.seg_begin];
   std::vector<StridedExtent> tmpl;
   plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, two_level, tmpl);
+  if (two_level && across_segments_allowed() && plan_across_segments(local, lids, remote, rids, scope, tmpl.size(), out))
+    return Status::Ok();
   out.reserve(tmpl.size() * (scope.seg_end - scope.seg_begin));
   for (size_t s = scope.seg_begin; s < scope.seg_end; ++s) {
     const KVSegment& L = ls[s];
@@ -508,7 +614,7 @@ Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std
       }
     }
   }
-  return out;
+  return Status::Ok();
 }
 
 }  // namespace planner

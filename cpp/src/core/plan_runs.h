@@ -303,10 +303,18 @@ void walk_segment_two_level(uint64_t LT, const KVSegment& L, uint64_t lbase, con
 // runs for any pair of layouts, O(layers x parts) when the block ids are consecutive.
 // With `two_level` (a transport with caps().two_level_extents), runs may have two
 // levels (walk_segment_two_level): O(heads x layers x parts) runs for NHD <-> HND with
-// consecutive block ids instead of O(blocks x heads x layers x parts).
+// consecutive block ids instead of O(blocks x heads x layers x parts); and where the
+// pools' (layer, part) segments are evenly spaced in one region each (a contiguous
+// pool), a run repeated in every segment is one two-level run across them: O(blocks)
+// runs (x heads where both sides cut rows) for scattered block ids.
 Result<std::vector<StridedExtent>> plan_strided(const KVLayout& local, const std::vector<uint32_t>& lids,
                                                 const KVLayout& remote, const std::vector<uint32_t>& rids,
                                                 const PlanOptions& opts, bool two_level = false);
+// plan_strided() into `out` (cleared first; its capacity is kept): a caller that plans
+// often reuses one vector instead of faulting in fresh pages for every plan.
+Status plan_strided_into(std::vector<StridedExtent>& out, const KVLayout& local, const std::vector<uint32_t>& lids,
+                         const KVLayout& remote, const std::vector<uint32_t>& rids, const PlanOptions& opts,
+                         bool two_level = false);
 
 // What a transport that takes strided runs is handed for one (layer, part) pair: its
 // coalesced runs, plus one per local piece of each run whose local pieces are apart

@@ -89,9 +89,18 @@ Status add_run_ops(Binding& b, const RemoteRegion& r, uint32_t idx, const Resolv
     push_op(b, *op);
     return Status::Ok();
   }
-  // Straddles the window's edge: piece by piece, each cut at the edge.
+  // Straddles the window's edge: repetition by repetition (each one op where it lies
+  // wholly on one side: a run repeated across a pool's layers crosses the edge in
+  // few of them), the others piece by piece, each cut at the edge.
   for (uint64_t j = 0; j < e.count2; ++j) {
     const ResolvedExtent rep = e.repetition(j);
+    if (e.count2 > 1) {
+      const auto rep_span = remote_span(rep);  // inside the run's checked span
+      if (auto op = whole_run_op(r, idx, rep, *rep_span)) {
+        push_op(b, *op);
+        continue;
+      }
+    }
     for (uint64_t i = 0; i < rep.count; ++i) {
       const ResolvedExtent p = rep.piece(i);
       PDKV_RETURN_IF_ERROR(add_span_ops(b, r, idx, reinterpret_cast<char*>(p.local_addr), p.remote_offset, p.len));

@@ -3,8 +3,9 @@
 // of its last piece, overflow-safe), then becomes one op where it can: a plain
 // extent, a one-level strided run or a two-level run lying wholly inside the peer's
 // mapped window is one memcpy op, one lying wholly outside it one cross-memory
-// attach op; only a run that straddles the window's edge is cut into its pieces.
-// The work is per run, never per piece, except for such a straddling run.
+// attach op; only a run that straddles the window's edge is cut: into its
+// repetitions, and a repetition that straddles it into its pieces. The work is per
+// run, never per piece, except for such a straddling repetition.
 //
 // Thread safety: pure functions of their arguments (the Binding is the caller's).
 #pragma once
