@@ -75,6 +75,20 @@ Result<std::shared_ptr<cuda::PinnedBuffer>> DeviceStaging::gather(int device, co
   return buf;
 }
 
+Result<std::shared_ptr<cuda::PinnedBuffer>> DeviceStaging::gather_runs(int device, const PieceRun* runs, size_t n,
+                                                                       Clock::time_point deadline,
+                                                                       const std::function<bool()>& abandon) {
+  PDKV_ASSIGN_OR_RETURN(auto st, stager());
+  PDKV_ASSIGN_OR_RETURN(auto buf, st->acquire(device, deadline, abandon));
+  thread_local std::vector<cuda::DeviceRun> dr;
+  dr.resize(n);
+  for (size_t i = 0; i < n; ++i)
+    dr[i] = cuda::DeviceRun{reinterpret_cast<uint64_t>(runs[i].base), runs[i].len, runs[i].count, runs[i].stride};
+  Status g = st->gather_runs(device, dr.data(), n, buf->data());
+  if (!g.ok()) return g.with_context("copying device memory into the staging buffer");
+  return buf;
+}
+
 void DeviceStaging::respond_read(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<iovec> src,
                                  std::vector<RegionPin> pins, GenPin gens, uint64_t bytes, int device) {
   struct Job {
@@ -192,7 +206,7 @@ Status DeviceStaging::decode(int device, const uint8_t* payload, uint64_t len, c
   host.resize(static_cast<size_t>(capacity));
   const iovec whole{host.data(), host.size()};
   Status d = Decoder::decode(payload, len, &whole, 1);
-  if (d.ok()) d = st->scatter(device, reinterpret_cast<const char*>(host.data()), dst, n);
+  if (d.ok()) d = st->scatter(device, reinterpret_cast<const char*>(host.data()), dst, n, /*src_pinned=*/false);
   if (host.capacity() > (8u << 20)) std::vector<uint8_t>().swap(host);
   return d;
 }

@@ -41,6 +41,7 @@
 #include "pdkv/spi/region_table.h"
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
+#include "transport/tcp/scatter.h"
 #include "transport/tcp/wire.h"
 
 namespace pdkv::tcp {
@@ -72,6 +73,11 @@ class DeviceStaging {
   // give up. Runs on the staging thread.
   Result<std::shared_ptr<cuda::PinnedBuffer>> gather(int device, const iovec* src, size_t n,
                                                      Clock::time_point deadline, const std::function<bool()>& abandon);
+  // The same for the runs runs[0..n) (a lazy prepared write's, scatter.h): one
+  // strided-kernel launch, no iovec per piece.
+  Result<std::shared_ptr<cuda::PinnedBuffer>> gather_runs(int device, const PieceRun* runs, size_t n,
+                                                          Clock::time_point deadline,
+                                                          const std::function<bool()>& abandon);
   // Answers the read request `h` on c for device memory: gathers `src` on the
   // staging thread and queues the response; fails the connection if that fails.
   // `pins` and `gens` are held until the bytes are gathered (pins: until sent).
