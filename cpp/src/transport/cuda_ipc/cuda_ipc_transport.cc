@@ -593,6 +593,11 @@ Result<std::shared_ptr<const Mapped>> CudaIpcTransport::map_extents(const CudaPr
   }
   const bool use_strided = strided_fn != nullptr;
   std::vector<cuda::StridedRun> runs;
+  Op plain{0, 0, 0};  // plain extents are merged while they touch, then cut into runs
+  auto flush_plain = [&] {
+    if (plain.len) cuda::append_run(runs, plain.src, plain.dst, plain.len, 1, 0, 0);
+    plain.len = 0;
+  };
   std::unordered_map<uint64_t, std::shared_ptr<Opened>> by_id;
   for (const auto& e : p.extents) {
     auto it = by_id.find(e.remote_region);
@@ -646,10 +651,18 @@ Result<std::shared_ptr<const Mapped>> CudaIpcTransport::map_extents(const CudaPr
                         ") fall outside the " + std::to_string(reg.len) + " bytes it exports through cuda_ipc");
     const CUdeviceptr remote = reg.base + reg.offset + e.remote_offset;
     if (use_strided) {
-      if (p.op == OpKind::kWrite)
-        cuda::append_run(runs, e.local_addr, remote, e.len, e.count, e.local_stride, e.remote_stride);
-      else
-        cuda::append_run(runs, remote, e.local_addr, e.len, e.count, e.remote_stride, e.local_stride);
+      const bool w = p.op == OpKind::kWrite;
+      const uint64_t src = w ? e.local_addr : remote, dst = w ? remote : e.local_addr;
+      if (e.count == 1 && plain.len > 0 && plain.src + plain.len == src && plain.dst + plain.len == dst) {
+        plain.len += e.len;  // touching plain extents: one piece
+      } else {
+        flush_plain();
+        if (e.count == 1)
+          plain = Op{dst, src, e.len};
+        else
+          cuda::append_run(runs, src, dst, e.len, e.count, w ? e.local_stride : e.remote_stride,
+                           w ? e.remote_stride : e.local_stride);
+      }
     } else {
       for (uint64_t i = 0; i < e.count; ++i) {
         const CUdeviceptr r = remote + i * e.remote_stride, l = e.local_addr + i * e.local_stride;
@@ -665,6 +678,7 @@ Result<std::shared_ptr<const Mapped>> CudaIpcTransport::map_extents(const CudaPr
     m->total += e.len * e.count;
   }
   if (use_strided) {  // one launch of the strided kernel moves every run
+    flush_plain();
     m->strided = strided_fn;
     return upload_runs(std::move(m), runs);
   }
