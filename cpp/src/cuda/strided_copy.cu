@@ -9,16 +9,26 @@
 
 namespace pdkv_strided {
 
-template <typename W>
-__device__ __forceinline__ void copy_run(const pdkv::cuda::StridedRun& r) {
-  const unsigned long long words = r.len / sizeof(W);
-  const unsigned long long total = words * r.count;
+// Index type I: 32-bit division where the run's words fit below 2^31 (every run cut by
+// append_run does), 64-bit otherwise.
+template <typename W, typename I>
+__device__ __forceinline__ void copy_words(const pdkv::cuda::StridedRun& r) {
+  const I words = static_cast<I>(r.len / sizeof(W));
+  const I total = words * static_cast<I>(r.count);
   const char* src = reinterpret_cast<const char*>(r.src);
   char* dst = reinterpret_cast<char*>(r.dst);
-  for (unsigned long long i = threadIdx.x; i < total; i += blockDim.x) {
-    const unsigned long long piece = i / words, w = i - piece * words;
+  for (I i = threadIdx.x; i < total; i += blockDim.x) {
+    const I piece = i / words, w = i - piece * words;
     reinterpret_cast<W*>(dst + piece * r.dst_stride)[w] = reinterpret_cast<const W*>(src + piece * r.src_stride)[w];
   }
+}
+
+template <typename W>
+__device__ __forceinline__ void copy_run(const pdkv::cuda::StridedRun& r) {
+  if ((r.len / sizeof(W)) * r.count < 0x80000000ull)  // i + blockDim.x cannot wrap
+    copy_words<W, unsigned>(r);
+  else
+    copy_words<W, unsigned long long>(r);
 }
 
 }  // namespace pdkv_strided
