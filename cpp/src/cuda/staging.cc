@@ -185,6 +185,23 @@ ScatterPipe::~ScatterPipe() {
 }
 
 Status ScatterPipe::begin(int device, const iovec* dst, size_t n, uint64_t total) {
+  PDKV_RETURN_IF_ERROR(start(device, total));
+  dst_ = dst;
+  ndst_ = n;
+  by_runs_ = false;
+  return Status::Ok();
+}
+
+Status ScatterPipe::begin_runs(int device, std::vector<DeviceRun> dst, uint64_t total) {
+  PDKV_RETURN_IF_ERROR(start(device, total));
+  runs_ = std::move(dst);
+  by_runs_ = true;
+  ri_ = 0;
+  piece_ = poff_ = 0;
+  return Status::Ok();
+}
+
+Status ScatterPipe::start(int device, uint64_t total) {
   const CudaDriver& d = st_->driver();
   abandon();
   PDKV_RETURN_IF_ERROR(st_->bind(device));
@@ -208,8 +225,9 @@ Status ScatterPipe::begin(int device, const iovec* dst, size_t n, uint64_t total
       PDKV_ASSIGN_OR_RETURN(b, st_->allocate(device, st_->chunk()));
     }
   }
-  dst_ = dst;
-  ndst_ = n;
+  dst_ = nullptr;
+  ndst_ = 0;
+  runs_.clear();
   di_ = 0;
   doff_ = 0;
   left_ = total;
@@ -238,11 +256,8 @@ Status ScatterPipe::received(uint64_t n) {
   return Status::Ok();
 }
 
-Status ScatterPipe::flush() {
-  const CudaDriver& d = st_->driver();
-  PDKV_RETURN_IF_ERROR(st_->bind(device_));
-  char* src = buf_[cur_]->data();
-  // This buffer's share of the destinations (the first and last may be partial).
+// This buffer's share of the iovec destinations (the first and last may be partial).
+Status ScatterPipe::flush_iovecs(char* src) {
   segs_.clear();
   uint64_t done = 0;
   while (done < fill_) {
@@ -255,8 +270,50 @@ Status ScatterPipe::flush() {
       doff_ = 0;
     }
   }
-  Status st = enqueue_pieces(d, device_, stream_, &tables_[cur_], src, true, segs_.data(), nullptr, segs_.size(), true);
+  Status st = enqueue_pieces(st_->driver(), device_, stream_, &tables_[cur_], src, true, segs_.data(), nullptr,
+                             segs_.size(), true);
   if (segs_.capacity() > (1u << 16)) std::vector<iovec>().swap(segs_);
+  return st;
+}
+
+// This buffer's share of the run destinations: a partial piece where the buffer starts
+// or ends inside one, whole pieces as one run between.
+Status ScatterPipe::flush_runs(char* src) {
+  rsegs_.clear();
+  uint64_t done = 0;
+  while (done < fill_ && ri_ < runs_.size()) {
+    const DeviceRun& r = runs_[ri_];
+    const uint64_t left = fill_ - done;
+    if (poff_ > 0 || left < r.len) {
+      const uint64_t take = std::min(r.len - poff_, left);
+      rsegs_.push_back(DeviceRun{r.addr + piece_ * r.stride + poff_, take, 1, 0});
+      done += take;
+      poff_ += take;
+      if (poff_ == r.len) {
+        poff_ = 0;
+        ++piece_;
+      }
+    } else {
+      const uint64_t k = std::min(r.count - piece_, left / r.len);
+      rsegs_.push_back(DeviceRun{r.addr + piece_ * r.stride, r.len, k, r.stride});
+      done += k * r.len;
+      piece_ += k;
+    }
+    if (piece_ == r.count) {
+      ++ri_;
+      piece_ = 0;
+    }
+  }
+  if (done != fill_) return Internal("staged payload is longer than its destination runs");
+  return enqueue_pieces(st_->driver(), device_, stream_, &tables_[cur_], src, true, nullptr, rsegs_.data(),
+                        rsegs_.size(), true);
+}
+
+Status ScatterPipe::flush() {
+  const CudaDriver& d = st_->driver();
+  PDKV_RETURN_IF_ERROR(st_->bind(device_));
+  char* src = buf_[cur_]->data();
+  Status st = by_runs_ ? flush_runs(src) : flush_iovecs(src);
   // Record even after a failed enqueue so abandon() can wait for what was queued.
   Status rec = d.check(d.cuEventRecord(ev_[cur_], stream_), "cuEventRecord");
   if (rec.ok()) busy_[cur_] = true;

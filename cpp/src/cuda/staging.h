@@ -147,6 +147,8 @@ class ScatterPipe {
   // Starts a payload of `total` bytes for dst[0..n) (kept alive by the caller until
   // finish() or abandon()).
   Status begin(int device, const iovec* dst, size_t n, uint64_t total);
+  // The same for the runs `dst` (strided descriptors as they came): no iovec per piece.
+  Status begin_runs(int device, std::vector<DeviceRun> dst, uint64_t total);
   // Where the next received bytes go (never more than the payload has left).
   iovec space() const;
   // `n` bytes were received into space(); full buffers are copied out asynchronously.
@@ -159,7 +161,10 @@ class ScatterPipe {
   bool active() const { return active_; }
 
  private:
+  Status start(int device, uint64_t total);
   Status flush();
+  Status flush_iovecs(char* src);
+  Status flush_runs(char* src);
   Status wait_slot(int i);
 
   std::shared_ptr<Stager> st_;
@@ -167,6 +172,11 @@ class ScatterPipe {
   CUevent ev_[2] = {nullptr, nullptr};
   PinnedRuns tables_[2];  // the kernel's run table of each buffer's copy-out
   std::vector<iovec> segs_;
+  bool by_runs_ = false;          // begin_runs (else begin: dst_)
+  std::vector<DeviceRun> runs_;   // begin_runs: the destinations, walked by (ri_, piece_, poff_)
+  std::vector<DeviceRun> rsegs_;  // one buffer's share of them
+  size_t ri_ = 0;
+  uint64_t piece_ = 0, poff_ = 0;
   bool busy_[2] = {false, false};
   CUstream stream_ = nullptr;
   int device_ = -1;

@@ -583,16 +583,19 @@ Result<std::shared_ptr<const Mapped>> CudaIpcTransport::map_extents(const CudaPr
   PDKV_ASSIGN_OR_RETURN(std::shared_ptr<CtlConn> ctl, ctl_to(peer, p.ctl_path, deadline));
   auto m = std::make_shared<Mapped>();
   m->device = p.device;
-  // The strided kernel takes the runs as they are when every local extent is device
-  // memory and it loads; else each piece is an Op (the batched-copy kernel or one
-  // cuMemcpyAsync each, as before strided runs).
+  // The strided kernel takes the runs as they are when there are runs, every local
+  // extent is device memory and it loads; else each piece is an Op (the batched-copy
+  // kernel or one cuMemcpyAsync each, as before strided runs: plain extents only, a
+  // homogeneous transfer, go that way too).
   cuda::CUfunction strided_fn = nullptr;
-  if (p.local_all_device && (p.extents.size() > 1 || (!p.extents.empty() && p.extents[0].count > 1))) {
+  if (p.local_all_device &&
+      std::any_of(p.extents.begin(), p.extents.end(), [](const ResolvedExtent& e) { return e.count > 1; })) {
     auto f = cuda::StridedKernel::get().function(*drv_, p.device);
     if (f.ok()) strided_fn = *f;
   }
   const bool use_strided = strided_fn != nullptr;
   std::vector<cuda::StridedRun> runs;
+  if (use_strided) runs.reserve(p.extents.size());
   Op plain{0, 0, 0};  // plain extents are merged while they touch, then cut into runs
   auto flush_plain = [&] {
     if (plain.len) cuda::append_run(runs, plain.src, plain.dst, plain.len, 1, 0, 0);

@@ -270,14 +270,14 @@ void TcpTransport::cut_plain_batches(TcpPrepared& p, const std::vector<ResolvedE
 
 // Strided runs become strided descriptors, cut between batches at piece boundaries
 // (a piece larger than a batch is cut like a plain extent). From host memory the
-// local side stays a run per descriptor (p.lazy): prepare is O(runs). So does a plain
-// write from device memory: the strided-copy kernel gathers its runs into the pinned
-// buffer (cuda/strided_copy.h). Device reads and compressed device writes (their
-// receiving and encoding sides walk iovecs) keep one iovec per piece.
+// local side stays a run per descriptor (p.lazy): prepare is O(runs). So does device
+// memory: the strided-copy kernel gathers a write's runs into the pinned buffer and
+// copies a read response out to them (cuda/strided_copy.h). Compressed device writes
+// (their encoder walks iovecs) keep one iovec per piece.
 void TcpTransport::cut_strided_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents,
                                        uint64_t batch_bytes) const {
   p.lazy = lazy_runs_allowed() &&
-           (!p.staged || (p.op == OpKind::kWrite && p.zmode == CompressMode::kOff && cuda::strided_kernel_enabled()));
+           (!p.staged || (cuda::strided_kernel_enabled() && (p.op == OpKind::kRead || p.zmode == CompressMode::kOff)));
   p.sdescs.reserve(extents.size());
   if (p.lazy) {
     p.runs.reserve(extents.size());
