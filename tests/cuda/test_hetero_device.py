@@ -145,3 +145,45 @@ def test_cuda_ipc_refuses_a_run_outside_the_exported_region(fake_peer, op):  # n
     assert not got["nonzero"] and got["rest_zero"], "bytes moved for a refused transfer"
     s = a.stats()
     assert s["strided_launches"] == 0 and s["async_copies"] == 0
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_tcp_refuses_a_strided_run_outside_a_device_region(fake_peer, op):  # noqa: F811
+    """A raw strided descriptor (docs/wire.md, flag 8) whose last piece falls past a
+    device region: refused by name before any byte is staged or copied, the target's
+    device memory untouched, and it keeps serving (a good heterogeneous push lands)."""
+    import socket
+
+    from test_bad_input import T_HELLO_ACK, T_READ_REQ, T_WRITE, expect_error_and_close, hello, recv_frame
+    from test_hetero_strided_hostile import F_STRIDED, SEXT
+    from test_hostile_tcp import raw_header
+
+    sa, sb = specs("tp4:tp2")
+    target = fake_peer("dv-target", sb, None, transports="tcp")
+    good = fake_peer("dv-good", sa, 7, transports="tcp")
+    region = pdkv.decode_metadata(bytes.fromhex(target.call(cmd="metadata")["blob"]))["regions"][0]
+    assert region["kind"] == "cuda"
+    host, port = target.address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    try:
+        s.sendall(hello("s", target="dv-target"))
+        assert recv_frame(s)[0][1] == T_HELLO_ACK
+        # 256-byte pieces every 512 bytes: the first inside, the last past the region's end.
+        piece, stride = 256, 512
+        count = region["len"] // stride + 1
+        payload = piece * count if op == "write" else 0  # a consistent frame: only the region check refuses it
+        s.sendall(raw_header(T_WRITE if op == "write" else T_READ_REQ, count=1, payload=payload, flags=F_STRIDED)
+                  + SEXT.pack(region["id"], 0, piece, count, stride))
+        expect_error_and_close(s, "OutOfRange", "outside")
+    finally:
+        s.close()
+    every = list(range(BLOCKS))
+    got = target.call(cmd="rows", blocks=every, ntok=BLOCKS * sb.block_tokens, h0=0, nh=sb.heads)
+    assert not got["nonzero"], "bytes landed in device memory from a refused request"
+    st = target.stats()
+    assert st["strided_launches"] == 0 and st["async_copies"] == 0, st
+    ids = list(range(8))
+    r = good.call(cmd="xfer", op="write", address=target.address, lblocks=ids, rblocks=ids,
+                  plan=dict(num_heads=2, local_head_offset=0, remote_head_offset=2))
+    assert r["ok"], r["error"]
+    check_moved(good, ids, 0, target, ids, 2, 8 * 16, 2)
