@@ -231,11 +231,13 @@ def main() -> None:
     ap.add_argument("--transports", default="cuda_ipc,tcp")
     ap.add_argument("--memory", choices=("device", "host"), default="device")
     ap.add_argument("--alloc", choices=("one", "odd", "per-array"), default="per-array")
+    ap.add_argument("--stage-chunk", type=int, default=0, help="tcp stage_chunk_bytes (0: the default)")
     args = ap.parse_args()
     cuda = FakeCuda(os.environ["PDKV_CUDA_DRIVER"])
     spec = PoolSpec(**json.loads(args.spec))
     transports = args.transports.split(",")
-    agent = pdkv.Agent(args.name, secret=args.secret, transports=transports)
+    tcp = pdkv.TcpOptions(stage_chunk_bytes=args.stage_chunk, stage_buffers=2) if args.stage_chunk else None
+    agent = pdkv.Agent(args.name, secret=args.secret, transports=transports, **({"tcp": tcp} if tcp else {}))
     pool = DevicePool(cuda, spec, args.seed, args.alloc) if args.memory == "device" else HostPool(spec, args.seed)
     pool.register(agent)
 
