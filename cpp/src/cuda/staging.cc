@@ -96,6 +96,10 @@ Status Stager::scatter(int device, const char* src, const iovec* dst, size_t n, 
   return copy_extents(device, const_cast<char*>(src), src_pinned, dst, n, nullptr, 0, true);
 }
 
+namespace {
+constexpr uint64_t kDmaPieceBytes = 1 << 20;
+}  // namespace
+
 Status enqueue_pieces(const CudaDriver& d, int device, CUstream stream, PinnedRuns* table, char* host,
                       bool host_pinned, const iovec* ext, const DeviceRun* runs, size_t n, bool to_device) {
   const char* what = to_device ? "cuMemcpyAsync (staging buffer to device)" : "cuMemcpyAsync (device to staging buffer)";
@@ -112,7 +116,14 @@ Status enqueue_pieces(const CudaDriver& d, int device, CUstream stream, PinnedRu
   // count pieces of len bytes at a + i * stride, against host + off onwards.
   auto add = [&](uint64_t a, uint64_t len, uint64_t count, uint64_t stride) {
     const uint64_t h = reinterpret_cast<uint64_t>(host + off);
-    if (fn && len > 0 && ranges.contains(a, (count - 1) * stride + len)) {
+    if (count > 1 && stride == len) {  // touching pieces: one
+      len *= count;
+      count = 1;
+      stride = 0;
+    }
+    // Pieces of a MiB or more go to the copy engines (few calls, DMA bandwidth to
+    // and from pinned memory); smaller ones to the kernel.
+    if (fn && len > 0 && len < kDmaPieceBytes && ranges.contains(a, (count - 1) * stride + len)) {
       if (to_device)
         append_run(work, h, a, len, count, len, stride);
       else

@@ -127,11 +127,11 @@ class Stager : public std::enable_shared_from_this<Stager> {
 };
 
 // Enqueues on `stream` the copies between the contiguous host buffer `host` and the
-// pieces ext[0..n) (or, with ext null, runs[0..n)), in order: device pieces with one
-// strided-kernel launch reading its runs from `table` (which must not be in use by an
-// earlier launch still running), anything else (host pieces; everything when the
-// kernel is unavailable or `host` is not pinned) by one cuMemcpyAsync per piece.
-// `launches` / `memcpys` (optional) count what was enqueued.
+// pieces ext[0..n) (or, with ext null, runs[0..n)), in order: device pieces under a
+// MiB with one strided-kernel launch reading its runs from `table` (which must not be
+// in use by an earlier launch still running), anything else (pieces of a MiB or more:
+// the copy engines; host pieces; everything when the kernel is unavailable or `host`
+// is not pinned) by one cuMemcpyAsync per piece.
 Status enqueue_pieces(const CudaDriver& d, int device, CUstream stream, PinnedRuns* table, char* host,
                       bool host_pinned, const iovec* ext, const DeviceRun* runs, size_t n, bool to_device);
 
