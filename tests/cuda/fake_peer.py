@@ -255,7 +255,8 @@ def main() -> None:
         if cmd == "digest":
             out({"digest": pool.digest(req["blocks"])})
         elif cmd == "rows":  # digest of tokens [0, ntok) x heads [h0, h0 + nh) of blocks; the rest all zero?
-            pool.download() if hasattr(pool, "download") else None
+            if isinstance(pool, DevicePool):
+                pool.download()
             x = pool.host.logical(req["blocks"])
             sel = x[:, :, :req["ntok"], req["h0"]:req["h0"] + req["nh"]]
             rest = x.copy()

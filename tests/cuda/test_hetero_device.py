@@ -188,3 +188,21 @@ def test_tcp_refuses_a_strided_run_outside_a_device_region(fake_peer, op):  # no
                   plan=dict(num_heads=2, local_head_offset=0, remote_head_offset=2))
     assert r["ok"], r["error"]
     check_moved(good, ids, 0, target, ids, 2, 8 * 16, 2)
+
+
+def test_cuda_ipc_hetero_from_a_pageable_host_pool_goes_piece_by_piece(fake_peer):  # noqa: F811
+    """The initiator's pool is pageable host memory, which a kernel cannot touch: the
+    strided runs are copied piece by piece (cuMemcpyAsync), bit exact, no launch."""
+    sa, sb = specs("tp2:tp4")
+    _, _, nh, ah0, bh0, _ = MODES["tp2:tp4"]
+    a = fake_peer("hh-a", sa, 7, memory="host")
+    b = fake_peer("hh-b", sb, None)
+    ids = list(range(6))
+    plan = dict(num_heads=nh, local_head_offset=ah0, remote_head_offset=bh0)
+    r = a.call(cmd="xfer", op="write", address=b.address, lblocks=ids, rblocks=ids, plan=plan)
+    assert r["ok"], r["error"]
+    assert r["transport"] == "cuda_ipc"
+    check_moved(a, ids, ah0, b, ids, bh0, 6 * 16, nh)
+    s = a.stats()
+    assert s["strided_launches"] == 0 and s["kernel_launches"] == 0
+    assert s["async_copies"] >= pieces_of(sa, ids, sb, ids, **plan)
