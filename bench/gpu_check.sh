@@ -6,7 +6,8 @@
 # GB/s against a device-to-device copy of the same scattered blocks, and staged tcp
 # from GPU pools against tcp from host pools, in the same run; then compressed tcp
 # writes of GPU pools (fp8 quantized on the GPU: bit-exact vs the host codec, GB/s
-# plain vs fp8). Writes
+# plain vs fp8); then heterogeneous (tp4:tp2, tp2:tp4) device pushes over cuda_ipc and
+# tcp staging vs homogeneous vs the old per-piece path (bench/gpu_hetero.py). Writes
 # ${OUT:-.}/gpu_check.json. Uses $PYTHON, else .venv/bin/python, else python3; builds
 # pdkv only when it is missing, without network access (the lent H200 machines have
 # python3 with torch, numpy, pybind11, scikit-build-core, cmake, ninja, nvcc and pytest):
@@ -34,4 +35,10 @@ for spec in fp8:bfloat16 fp8:float16 fp8:float32 lossless:bfloat16; do
     $PY tests/cuda/compress_device_child.py > "${OUT:-.}/gpu_compress_${spec/:/_}.json" || rc=$?
 done
 $PY bench/gpu_fp8.py --mib 256 --out "${OUT:-.}/gpu_fp8.json" || rc=$?
+# Heterogeneous device transfers (issue 14): tp4:tp2 and tp2:tp4 pushes of llama-3-70b
+# ranks (4096 tokens, 80 layers: ~655k pieces of 512 B) over cuda_ipc and tcp staging,
+# one strided-kernel launch per transfer / batch, against homogeneous pushes of the same
+# bytes and the old per-piece path (PDKV_BENCH_DEVICE_PIECES=1), GB/s in one run, every
+# line checked bit exact.
+PDKV_LOG=error $PY bench/gpu_hetero.py --iters 3 --out "${OUT:-.}/gpu_hetero.json" || rc=$?
 exit $rc

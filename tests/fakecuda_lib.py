@@ -21,11 +21,14 @@ from pdkv.bench.devmem import DeviceMemory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fakecuda", "fakecuda.cc")
+# pdkv's own kernel sources the fake runs as host code (the strided copy): part of the hash.
+KERNEL_DIR = os.path.join(os.path.dirname(HERE), "cpp", "src", "cuda")
+KERNEL_SOURCES = ("host_shim.h", "strided_abi.h", "strided_copy.cu")
 
 # Counter names in fakecuda.cc's enum Stat order.
 STATS = ("async_copies", "kernel_launches", "h2d", "d2h", "bytes_copied", "failed_copies", "module_loads",
          "ipc_opens", "ipc_closes", "no_context_errors", "live_allocs", "live_ipc_mappings", "live_pinned",
-         "live_streams", "live_events", "inits")
+         "live_streams", "live_events", "inits", "strided_launches", "strided_runs", "batch_extents")
 
 CU_ERROR_ILLEGAL_ADDRESS = 700
 
@@ -44,9 +47,11 @@ def build(dest_dir: str) -> str:
     RuntimeError
         When the compile fails.
     """
-    with open(SOURCE, "rb") as f:
-        src = f.read()
-    digest = hashlib.sha256(src).hexdigest()[:16]
+    h = hashlib.sha256()
+    for path in (SOURCE, *(os.path.join(KERNEL_DIR, k) for k in KERNEL_SOURCES)):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    digest = h.hexdigest()[:16]
     out = os.path.join(dest_dir, f"libfakecuda-{digest}.so")
     if os.path.exists(out):
         return out
@@ -57,7 +62,7 @@ def build(dest_dir: str) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest_dir)
     os.close(fd)
     cmd = [*cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter",
-           SOURCE, "-o", tmp]
+           f"-I{KERNEL_DIR}", SOURCE, "-o", tmp]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)

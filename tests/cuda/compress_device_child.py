@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -118,13 +119,18 @@ def failure(x: pdkv.Transfer) -> str:
 
 
 def kernel_launches() -> int:
+    """FP8 kernel launches so far (all launches but the strided copies that staging does)."""
     if not FAKE:
         return 0
     from ctypes import c_ulonglong
 
-    arr = (c_ulonglong * 16)()
-    LIB.fakecuda_stats(arr, 16)
-    return int(arr[1])
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from fakecuda_lib import STATS
+
+    arr = (c_ulonglong * len(STATS))()
+    LIB.fakecuda_stats(arr, len(STATS))
+    stats = dict(zip(STATS, arr))
+    return int(stats["kernel_launches"] - stats["strided_launches"])
 
 
 def main() -> None:

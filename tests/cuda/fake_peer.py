@@ -32,12 +32,20 @@ and then answers one JSON line per command:
 * ``{"cmd": "close"}``: closes the agent -> ``{"stats"}`` afterwards (leak checks).
 * ``{"cmd": "same_process_pair"}``: two agents in this process over device memory ->
   ``{"peer_transport", "ok", "error"}``.
+* ``{"cmd": "rows", "blocks", "ntok", "h0", "nh"}`` -> ``{"digest", "nonzero", "rest_zero"}``: the
+  digest of those token rows and heads of the blocks' logical bytes, and whether every
+  other byte of the blocks is zero (a heterogeneous transfer's target).
+* ``{"cmd": "metadata"}`` -> ``{"blob"}`` (hex); ``{"cmd": "add_peer", "address", "blob"}``
+  -> ``{"ok", "error"}``: transfers to ``address`` then use that (possibly altered) metadata.
+* ``xfer`` takes ``"plan"``: prepare()'s heterogeneous options (num_tokens, num_heads,
+  local_head_offset, remote_head_offset); its answer has ``num_extents``.
 * ``{"cmd": "exit"}``
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -63,11 +71,13 @@ class DevicePool:
         self.cuda = cuda
         self.host = Pool(spec, seed)
         sizes = [a.nbytes for a in self.host.arrays]
-        if alloc == "one":  # one allocation, sub-ranges per array (torch's caching allocator)
+        if alloc in ("one", "odd"):  # one allocation, sub-ranges per array (torch's caching allocator)
+            # "odd": every array starts 13 bytes past an aligned address (unaligned pieces).
+            skew = 13 if alloc == "odd" else 0
             offs, total = [], 0
             for n in sizes:
-                offs.append(total)
-                total += -(-n // ALIGN) * ALIGN
+                offs.append(total + skew)
+                total += -(-(n + skew) // ALIGN) * ALIGN
             base = cuda.alloc(total)
             self.ptrs = [base + o for o in offs]
         else:
@@ -170,8 +180,9 @@ def xfer(agent: pdkv.Agent, cuda: FakeCuda, peers: dict, req: dict) -> dict:
         stage = "prepare"
         if req.get("reuse"):
             prep = KEPT[req["reuse"]]
-        else:
-            prep = agent.prepare(req["op"], peer, "kv", req["lblocks"], "kv", req["rblocks"])
+        else:  # "plan": heterogeneous options (num_tokens, num_heads, head offsets)
+            prep = agent.prepare(req["op"], peer, "kv", req["lblocks"], "kv", req["rblocks"], **req.get("plan", {}))
+        res["num_extents"] = prep.num_extents
         if req.get("keep"):
             KEPT[req["keep"]] = prep
         if req.get("fail_after_prepare"):
@@ -219,12 +230,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--transports", default="cuda_ipc,tcp")
     ap.add_argument("--memory", choices=("device", "host"), default="device")
-    ap.add_argument("--alloc", choices=("one", "per-array"), default="per-array")
+    ap.add_argument("--alloc", choices=("one", "odd", "per-array"), default="per-array")
+    ap.add_argument("--stage-chunk", type=int, default=0, help="tcp stage_chunk_bytes (0: the default)")
     args = ap.parse_args()
     cuda = FakeCuda(os.environ["PDKV_CUDA_DRIVER"])
     spec = PoolSpec(**json.loads(args.spec))
     transports = args.transports.split(",")
-    agent = pdkv.Agent(args.name, secret=args.secret, transports=transports)
+    tcp = pdkv.TcpOptions(stage_chunk_bytes=args.stage_chunk, stage_buffers=2) if args.stage_chunk else None
+    agent = pdkv.Agent(args.name, secret=args.secret, transports=transports, **({"tcp": tcp} if tcp else {}))
     pool = DevicePool(cuda, spec, args.seed, args.alloc) if args.memory == "device" else HostPool(spec, args.seed)
     pool.register(agent)
 
@@ -241,6 +254,23 @@ def main() -> None:
             break
         if cmd == "digest":
             out({"digest": pool.digest(req["blocks"])})
+        elif cmd == "rows":  # digest of tokens [0, ntok) x heads [h0, h0 + nh) of blocks; the rest all zero?
+            if isinstance(pool, DevicePool):
+                pool.download()
+            x = pool.host.logical(req["blocks"])
+            sel = x[:, :, :req["ntok"], req["h0"]:req["h0"] + req["nh"]]
+            rest = x.copy()
+            rest[:, :, :req["ntok"], req["h0"]:req["h0"] + req["nh"]] = 0
+            out({"digest": hashlib.sha256(np.ascontiguousarray(sel).tobytes()).hexdigest(),
+                 "nonzero": bool(sel.any()), "rest_zero": not rest.any()})
+        elif cmd == "metadata":
+            out({"blob": agent.metadata().hex()})
+        elif cmd == "add_peer":  # a peer from (possibly altered) metadata, used for transfers to `address`
+            try:
+                peers[req["address"]] = agent.add_peer(bytes.fromhex(req["blob"]))
+                out({"ok": True, "error": None})
+            except pdkv.PdkvError as e:
+                out({"ok": False, "error": f"{type(e).__name__}: {e}"})
         elif cmd == "expect":
             out(expect_notifications(agent, pool.digest, req))
         elif cmd == "xfer":

@@ -148,7 +148,9 @@ def test_device_pools_over_tcp_between_processes(fake_peer, style):
     assert init.call(cmd="digest", blocks=lids[:15]) == target.call(cmd="digest", blocks=rids[20:35])
     for p in (init, target):
         st = p.stats()
-        assert st["async_copies"] > 0 and st["ipc_opens"] == 0 and st["no_context_errors"] == 0, st
+        # Staged by the strided-copy kernel (one launch per batch), or piece by piece without it.
+        assert st["async_copies"] + st["strided_launches"] > 0, st
+        assert st["ipc_opens"] == 0 and st["no_context_errors"] == 0, st
 
 
 @pytest.mark.parametrize("path", list(PATHS))

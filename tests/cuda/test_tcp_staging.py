@@ -31,21 +31,29 @@ def run_child(driver: str, **env) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("path", ["kernel", "pieces"])
 @pytest.mark.parametrize("conns", ["1", "2"])
-def test_device_memory_over_tcp_every_direction_bit_exact(fakecuda_path, conns):
+def test_device_memory_over_tcp_every_direction_bit_exact(fakecuda_path, conns, path):
     import fakecuda_lib
 
-    out = run_child(fakecuda_path, FAKECUDA_COPY_DELAY_US="100", STAGING_CONNS=conns)
+    # pieces: PDKV_BENCH_DEVICE_PIECES=1, the old path (one cuMemcpyAsync per piece).
+    forced = {"PDKV_BENCH_DEVICE_PIECES": "1"} if path == "pieces" else {}
+    out = run_child(fakecuda_path, FAKECUDA_COPY_DELAY_US="100", STAGING_CONNS=conns, **forced)
     assert out["checks"] == [
         "write dev->dev", "write host->dev", "write dev->host", "read dev->dev", "read dev->host",
         "read host->dev", "read dev->host", "prepared reposted", "write dev->dev", "copy failures",
         "write dev->dev", "cancel", "write dev->dev", "peer closed",
     ]
     stats = dict(zip(fakecuda_lib.STATS, out["stats"]))
-    # Everything moved through copies the driver performed (no kernel: tcp stages
-    # with cuMemcpyAsync), and both injected failures were hit.
-    assert stats["async_copies"] > 500
-    assert stats["kernel_launches"] == 0
+    # Everything moved through copies the driver performed: one strided-kernel launch
+    # per staged batch (runs of the scattered blocks; cpp/src/cuda/strided_copy.h), or
+    # forced back to one cuMemcpyAsync per piece. Both injected failures were hit.
+    if path == "kernel" and stats["module_loads"] > 0:
+        assert stats["strided_launches"] > 50, stats
+        assert stats["async_copies"] == 0 and stats["batch_extents"] == 0, stats
+    else:
+        assert stats["async_copies"] > 500
+        assert stats["kernel_launches"] == 0
     assert stats["failed_copies"] == 2
     # Closed agents leave no pinned buffer, stream or event behind, and pdkv never
     # called the driver on a thread without a context.

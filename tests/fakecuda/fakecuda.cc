@@ -22,6 +22,11 @@
 //   code), fp16 through the compiler's _Float16, bf16 by comparing the two
 //   neighbours. Tests compare what lands with pdkv's host codec, so a rounding slip
 //   on either side shows up.
+// * The strided-copy kernel (pdkv_strided_copy) is NOT re-implemented: its source
+//   (cpp/src/cuda/strided_copy.cu) is compiled in here as host code (host_shim.h) and
+//   run over the launched grid, every (block, thread) pair, on the fake's aliases of
+//   the runs' memory. Each run is checked whole (first to last piece) against device
+//   or pinned memory first, as a GPU would fault on it.
 //   FAKECUDA_NO_KERNEL=1 makes cuModuleLoadData fail (209), as on a GPU the fatbin
 //   has no code for, so callers take their no-kernel path.
 // * Calls that need a context fail with 201 on a thread without a current one.
@@ -33,7 +38,8 @@
 // Test hooks (extern "C"): fakecuda_fail_copies(n) makes the next n copies (stream,
 // synchronous or kernel) fail with 700; fakecuda_fail_launches(n) the next n kernel
 // launches only (reported by the stream, as a fault inside a kernel is);
-// fakecuda_stats(out, n) fills counters, see enum Stat. Build: g++ -std=c++17 -O2 -shared -fPIC -pthread fakecuda.cc -o libfakecuda.so
+// fakecuda_stats(out, n) fills counters, see enum Stat. Build (tests/fakecuda_lib.py):
+// g++ -std=c++17 -O2 -shared -fPIC -pthread -I../../cpp/src/cuda fakecuda.cc -o libfakecuda.so
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -100,7 +106,7 @@ const char* error_name(CUresult r) {
 enum Stat {
   kAsyncCopies, kKernelLaunches, kH2D, kD2H, kBytesCopied, kFailedCopies, kModuleLoads, kIpcOpens,
   kIpcCloses, kNoContextErrors, kLiveAllocs, kLiveIpcMappings, kLivePinned, kLiveStreams, kLiveEvents,
-  kInits, kNumStats
+  kInits, kStridedLaunches, kStridedRuns, kBatchExtents, kNumStats
 };
 std::atomic<unsigned long long> g_stats[kNumStats];
 void bump(Stat s, unsigned long long by = 1) { g_stats[s].fetch_add(by, std::memory_order_relaxed); }
@@ -132,6 +138,7 @@ CUmod_st g_module;
 CUfunc_st g_batch_copy;
 CUfunc_st g_fp8_quantize;
 CUfunc_st g_fp8_dequantize;
+CUfunc_st g_strided_copy;
 thread_local CUctx_st* t_current = nullptr;
 
 // CUDA needs a current context for most calls; a thread that never set one fails.
@@ -740,6 +747,7 @@ CUresult cuModuleGetFunction(CUfunc_st** out, CUmod_st* mod, const char* name) {
   if (std::strcmp(name, "pdkv_batch_copy") == 0) *out = &g_batch_copy;
   else if (std::strcmp(name, "pdkv_fp8_quantize") == 0) *out = &g_fp8_quantize;
   else if (std::strcmp(name, "pdkv_fp8_dequantize") == 0) *out = &g_fp8_dequantize;
+  else if (std::strcmp(name, "pdkv_strided_copy") == 0) *out = &g_strided_copy;
   else return kNotFound;
   return kOk;
 }
@@ -982,19 +990,74 @@ CUresult fp8_dequantize(const Fp8Launch& launch) {
 
 }  // namespace
 
+// ---- the strided-copy kernel: pdkv's own source, run as host code ----
+
+#include "host_shim.h"
+#include "strided_copy.cu"
+
+namespace {
+
+// pdkv_strided_copy(const StridedRun* runs, unsigned n): reads the run table through
+// the fake's mappings, replaces every run's addresses by the fake's aliases (a run
+// reaching outside device or pinned memory is an illegal address, nothing copied),
+// then runs the kernel for every (block, thread) of the launched grid.
+CUresult strided_copy(uint64_t table, unsigned n, unsigned grid, unsigned block) {
+  using pdkv::cuda::StridedRun;
+  if (n == 0) return kOk;
+  Span t;
+  if (translate(table, size_t(n) * sizeof(StridedRun), Access::kKernel, &t) != kOk) return kIllegalAddress;
+  std::vector<StridedRun> runs(n);
+  std::memcpy(runs.data(), t.p, runs.size() * sizeof(StridedRun));
+  std::vector<Span> keep;
+  for (StridedRun& r : runs) {
+    if (r.len == 0 || r.count == 0) continue;
+    // [first byte, last byte] of each side; the kernel reads and writes inside it.
+    const uint64_t sspan = (r.count - 1) * r.src_stride + r.len, dspan = (r.count - 1) * r.dst_stride + r.len;
+    Span s, d;
+    if (translate(r.src, sspan, Access::kKernel, &s) != kOk || translate(r.dst, dspan, Access::kKernel, &d) != kOk)
+      return kIllegalAddress;
+    r.src = reinterpret_cast<uint64_t>(s.p);
+    r.dst = reinterpret_cast<uint64_t>(d.p);
+    bump(kBytesCopied, r.len * r.count);
+    keep.push_back(std::move(s));
+    keep.push_back(std::move(d));
+  }
+  gridDim.x = grid;
+  blockDim.x = block;
+  for (unsigned b = 0; b < grid; ++b)
+    for (unsigned th = 0; th < block; ++th) {
+      blockIdx.x = b;
+      threadIdx.x = th;
+      pdkv_strided_copy(runs.data(), n);
+    }
+  return kOk;
+}
+
+}  // namespace
+
 extern "C" {
 
 // pdkv_batch_copy(const u64* src, const u64* dst, const u64* len, unsigned n): copies
 // extent i from src[i] to dst[i]; the arrays and every extent must be device-visible.
 CUresult cuLaunchKernel(CUfunc_st* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, CUstream_st* stream, void** params, void** extra) {
-  if (f != &g_batch_copy && f != &g_fp8_quantize && f != &g_fp8_dequantize) return kInvalidHandle;
+  if (f != &g_batch_copy && f != &g_fp8_quantize && f != &g_fp8_dequantize && f != &g_strided_copy)
+    return kInvalidHandle;
   if (!params || extra || gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024 ||
       gy > 65535 || gz > 65535)
     return kInvalidValue;
   CUstream_st* s = nullptr;
   CUresult r = lookup_stream(stream, &s);
   if (r != kOk) return r;
+  if (f == &g_strided_copy) {
+    const uint64_t table = *static_cast<uint64_t*>(params[0]);  // copied at launch, as CUDA does
+    const unsigned n = *static_cast<unsigned*>(params[1]);
+    bump(kKernelLaunches);
+    bump(kStridedLaunches);
+    bump(kStridedRuns, n);
+    const bool fail = take_failure() || take_failure(g_fail_launches);
+    return submit_copy(s, [=]() -> CUresult { return fail ? kIllegalAddress : strided_copy(table, n, gx, bx); });
+  }
   if (f != &g_batch_copy) {
     Fp8Launch a;
     std::memcpy(&a, params[0], sizeof a);  // copied at launch, as CUDA does
@@ -1011,6 +1074,7 @@ CUresult cuLaunchKernel(CUfunc_st* f, unsigned gx, unsigned gy, unsigned gz, uns
                     len = *static_cast<CUdeviceptr*>(params[2]);
   const unsigned n = *static_cast<unsigned*>(params[3]);
   bump(kKernelLaunches);
+  bump(kBatchExtents, n);
   const bool fail = take_failure();
   return submit_copy(s, [=]() -> CUresult {
     if (fail) return kIllegalAddress;

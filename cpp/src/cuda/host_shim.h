@@ -1,6 +1,7 @@
-// For tests and fuzzers only: the CUDA built-ins fp8_codec.cu uses, for running its
-// kernels on the host as a one-thread grid (cpp/tests/test_fp8_kernel.cc,
-// fuzz/targets/fp8_frames_fuzz.cc). Include it, then the .cu, in one translation unit;
+// For tests, fuzzers and the fake driver only: the CUDA built-ins fp8_codec.cu and
+// strided_copy.cu use, for running their kernels on the host as a one-thread grid
+// (cpp/tests/test_fp8_kernel.cc, cpp/tests/test_strided_kernel.cc,
+// fuzz/targets/fp8_frames_fuzz.cc, tests/fakecuda/fakecuda.cc). Include it, then the .cu, in one translation unit;
 // call a kernel as a plain function with its Fp8Launch. Host pointers stand in for
 // device ones. What this cannot show (a GPU's float unit, a CTA of many threads) is
 // left to bench/gpu_check.sh.
@@ -19,9 +20,14 @@ namespace {
 struct PdkvHostDim3 {
   unsigned x;
 };
-// A one-thread grid by default. A kernel without __syncthreads (dequantize) may also be
-// run as a wider grid: set these and call it once per (block, thread).
-PdkvHostDim3 threadIdx{0}, blockIdx{0}, blockDim{1}, gridDim{1};
+// A one-thread grid by default. A kernel without __syncthreads (dequantize, the strided
+// copy) may also be run as a wider grid: set these and call it once per (block,
+// thread). Per host thread: the fake driver runs kernels on several stream threads.
+thread_local PdkvHostDim3 threadIdx{0}, blockIdx{0}, blockDim{1}, gridDim{1};
+
+struct uint4 {
+  unsigned x, y, z, w;
+};
 
 inline void __syncthreads() {}
 inline unsigned __float_as_uint(float f) {

@@ -2,14 +2,16 @@
 // memory (tcp): GPU pools then work across hosts without RDMA.
 //
 // Sending side: Stager::gather() copies a batch's scattered device extents into one
-// pinned buffer (cuMemcpyAsync per extent on pdkv's own stream, one event wait); the
+// pinned buffer (one launch of the strided-copy kernel over the batch's runs,
+// strided_copy.h, on pdkv's own stream, one event wait; pieces outside device memory,
+// or every piece where the kernel does not load, by cuMemcpyAsync each); the
 // transport sends that buffer while the next batch is being gathered, so the copy and
 // the network overlap. Buffers come from a bounded pool (chunk x count pinned bytes,
 // allocated on first use), which also bounds how far staging runs ahead of the socket.
 //
 // Receiving side: ScatterPipe receives a payload into two pinned buffers in turn;
-// each full buffer is copied out to its device destinations asynchronously while the
-// next one fills (double buffering). finish() waits for every copy before the
+// each full buffer is copied out to its device destinations asynchronously (one
+// kernel launch per buffer) while the next one fills (double buffering). finish() waits for every copy before the
 // transport acknowledges the batch, so an ack still means "the bytes landed".
 //
 // Thread safety: Stager is thread-safe. A ScatterPipe belongs to one connection and
@@ -27,12 +29,21 @@
 #include <vector>
 
 #include "cuda/driver.h"
+#include "cuda/strided_copy.h"
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
 
 namespace pdkv::cuda {
 
 class Stager;
+
+// `count` pieces of `len` bytes at addr + i * stride (device or host pointers).
+struct DeviceRun {
+  uint64_t addr;
+  uint64_t len;
+  uint64_t count;
+  uint64_t stride;
+};
 
 // Pinned host memory (cuMemHostAlloc). Returned to its pool, or freed, when the last
 // reference goes away.
@@ -46,6 +57,14 @@ class PinnedBuffer {
 
  private:
   friend class Stager;
+
+// `count` pieces of `len` bytes at addr + i * stride (device or host pointers).
+struct DeviceRun {
+  uint64_t addr;
+  uint64_t len;
+  uint64_t count;
+  uint64_t stride;
+};
   PinnedBuffer(std::shared_ptr<Stager> owner, char* data, uint64_t size, bool pooled, int device)
       : owner_(std::move(owner)), data_(data), size_(size), pooled_(pooled), device_(device) {}
   std::shared_ptr<Stager> owner_;
@@ -73,10 +92,14 @@ class Stager : public std::enable_shared_from_this<Stager> {
   Result<std::shared_ptr<PinnedBuffer>> allocate(int device, uint64_t n);
 
   // Copies src[0..n) (device or host pointers of `device`'s address space) back to
-  // back into `dst` and waits until the bytes are there.
-  Status gather(int device, const iovec* src, size_t n, char* dst);
-  // The reverse: copies `src` (host memory) out to dst[0..n) in order and waits.
-  Status scatter(int device, const char* src, const iovec* dst, size_t n);
+  // back into `dst` and waits until the bytes are there. `dst` is pinned memory (a
+  // buffer of this stager) unless `dst_pinned` is false (then piece by piece).
+  Status gather(int device, const iovec* src, size_t n, char* dst, bool dst_pinned = true);
+  // Copies runs[0..n) (device pieces: count x len bytes at addr + i * stride) back to
+  // back into the pinned buffer `dst` and waits: no iovec per piece.
+  Status gather_runs(int device, const DeviceRun* runs, size_t n, char* dst);
+  // The reverse of gather: copies `src` out to dst[0..n) in order and waits.
+  Status scatter(int device, const char* src, const iovec* dst, size_t n, bool src_pinned = true);
 
   // Makes `device`'s primary context current on the calling thread.
   Status bind(int device) const;
@@ -85,8 +108,10 @@ class Stager : public std::enable_shared_from_this<Stager> {
   friend class PinnedBuffer;
   Stager(const CudaDriver* drv, uint64_t chunk, uint32_t count) : drv_(drv), chunk_(chunk), count_(count) {}
   void give_back(char* data);
-  // gather (to_device false) or scatter: one cuMemcpyAsync per extent, one wait.
-  Status copy_extents(int device, char* host, const iovec* ext, size_t n, bool to_device);
+  // gather (to_device false) or scatter: enqueue_pieces() on this stager's stream of
+  // `device`, one wait.
+  Status copy_extents(int device, char* host, bool host_pinned, const iovec* ext, size_t n, const DeviceRun* runs,
+                      size_t nruns, bool to_device);
 
   const CudaDriver* drv_;
   const uint64_t chunk_;
@@ -98,7 +123,17 @@ class Stager : public std::enable_shared_from_this<Stager> {
   int pool_device_ = -1;      // context the pooled buffers were allocated in
   std::mutex gather_mu_;      // one gather at a time per stager (its stream and event)
   std::map<int, std::pair<CUstream, CUevent>> copy_;  // per device, guarded by gather_mu_
+  std::map<int, PinnedRuns> tables_;                  // per device, guarded by gather_mu_
 };
+
+// Enqueues on `stream` the copies between the contiguous host buffer `host` and the
+// pieces ext[0..n) (or, with ext null, runs[0..n)), in order: device pieces under a
+// MiB with one strided-kernel launch reading its runs from `table` (which must not be
+// in use by an earlier launch still running), anything else (pieces of a MiB or more:
+// the copy engines; host pieces; everything when the kernel is unavailable or `host`
+// is not pinned) by one cuMemcpyAsync per piece.
+Status enqueue_pieces(const CudaDriver& d, int device, CUstream stream, PinnedRuns* table, char* host,
+                      bool host_pinned, const iovec* ext, const DeviceRun* runs, size_t n, bool to_device);
 
 // Receives one payload at a time into pinned buffers and copies it out to its
 // (device) destinations, double buffered. See the file comment.
@@ -112,6 +147,8 @@ class ScatterPipe {
   // Starts a payload of `total` bytes for dst[0..n) (kept alive by the caller until
   // finish() or abandon()).
   Status begin(int device, const iovec* dst, size_t n, uint64_t total);
+  // The same for the runs `dst` (strided descriptors as they came): no iovec per piece.
+  Status begin_runs(int device, std::vector<DeviceRun> dst, uint64_t total);
   // Where the next received bytes go (never more than the payload has left).
   iovec space() const;
   // `n` bytes were received into space(); full buffers are copied out asynchronously.
@@ -124,12 +161,22 @@ class ScatterPipe {
   bool active() const { return active_; }
 
  private:
+  Status start(int device, uint64_t total);
   Status flush();
+  Status flush_iovecs(char* src);
+  Status flush_runs(char* src);
   Status wait_slot(int i);
 
   std::shared_ptr<Stager> st_;
   std::shared_ptr<PinnedBuffer> buf_[2];
   CUevent ev_[2] = {nullptr, nullptr};
+  PinnedRuns tables_[2];  // the kernel's run table of each buffer's copy-out
+  std::vector<iovec> segs_;
+  bool by_runs_ = false;          // begin_runs (else begin: dst_)
+  std::vector<DeviceRun> runs_;   // begin_runs: the destinations, walked by (ri_, piece_, poff_)
+  std::vector<DeviceRun> rsegs_;  // one buffer's share of them
+  size_t ri_ = 0;
+  uint64_t piece_ = 0, poff_ = 0;
   bool busy_[2] = {false, false};
   CUstream stream_ = nullptr;
   int device_ = -1;

@@ -4,7 +4,10 @@
 // allocation holding it (cuMemGetAddressRange + cuIpcGetMemHandle, so tensors from
 // torch's caching allocator work) and the region's offset inside it. A peer opens
 // each handle once (cuIpcOpenMemHandle, lazy peer access) and a transfer is one
-// cuMemcpyAsync per extent on pdkv's own stream; a completion thread waits on an
+// launch of the strided-copy kernel on pdkv's own stream for all extents, strided
+// runs as they are (TransportCaps::strided_extents; cuda/strided_copy.h: a TP split
+// is a few runs, not 100k extents), or where the kernel does not load (or a local
+// extent is pageable host memory) one cuMemcpyAsync per piece; a completion thread waits on an
 // event (blocking sync, no spinning) and then resolves the transfer. Notifications
 // travel through the agent's tcp/shm transport after the copy completed.
 //
@@ -46,6 +49,7 @@
 #include <vector>
 
 #include "cuda/driver.h"
+#include "cuda/strided_copy.h"
 #include "pdkv/spi/registry.h"
 #include "transport/cuda_ipc/cuda_ipc_ctl.h"
 #include "transport/shm/ctl_guard.h"
@@ -167,6 +171,9 @@ struct Mapped {
   CUdeviceptr d_desc = 0;
   unsigned n_chunks = 0;
   cuda::CUfunction kernel = nullptr;
+  // Strided path: the cut runs (cuda::StridedRun[n_runs]) uploaded to d_desc instead.
+  cuda::CUfunction strided = nullptr;
+  size_t n_runs = 0;
 };
 
 // A prepared transfer: what the caller asked for, checked, plus its mapping. The
@@ -266,6 +273,7 @@ class CudaIpcTransport final : public Transport {
     c.notify = false;  // relayed through tcp/shm
     c.local_mem_kinds = mem_kind_bit(MemKind::kCuda) | mem_kind_bit(MemKind::kHost);
     c.remote_mem_kinds = mem_kind_bit(MemKind::kCuda);
+    c.strided_extents = true;  // one strided-kernel launch (pieces one by one without it)
     return c;
   }
   Status start(AgentHooks* hooks) override {
@@ -372,6 +380,8 @@ class CudaIpcTransport final : public Transport {
   // The batched-copy kernel for `device`, or nullptr when it was not built.
   Result<cuda::CUfunction> kernel_for(int device);
   Status upload_descriptors(Mapped& m);
+  // Uploads the strided runs to device memory (the kernel's table) and finishes `m`.
+  Result<std::shared_ptr<const Mapped>> upload_runs(std::shared_ptr<Mapped> m, const std::vector<cuda::StridedRun>& runs);
   void complete_loop();
 
   AgentHooks* hooks_ = nullptr;
@@ -511,6 +521,17 @@ Status CudaIpcTransport::upload_descriptors(Mapped& m) {
   return Status::Ok();
 }
 
+Result<std::shared_ptr<const Mapped>> CudaIpcTransport::upload_runs(std::shared_ptr<Mapped> m,
+                                                                     const std::vector<cuda::StridedRun>& runs) {
+  m->n_runs = runs.size();
+  if (!runs.empty()) {
+    const size_t bytes = runs.size() * sizeof(cuda::StridedRun);
+    PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuMemAlloc(&m->d_desc, bytes), "cuMemAlloc"));
+    PDKV_RETURN_IF_ERROR(drv_->check(drv_->cuMemcpyHtoD(m->d_desc, runs.data(), bytes), "cuMemcpyHtoD"));
+  }
+  return std::shared_ptr<const Mapped>(std::move(m));
+}
+
 Result<std::shared_ptr<const PreparedOps>> CudaIpcTransport::prepare(std::shared_ptr<const Peer> peer, OpKind op,
                                                                      std::vector<ResolvedExtent> extents) {
   std::string blob;
@@ -562,6 +583,24 @@ Result<std::shared_ptr<const Mapped>> CudaIpcTransport::map_extents(const CudaPr
   PDKV_ASSIGN_OR_RETURN(std::shared_ptr<CtlConn> ctl, ctl_to(peer, p.ctl_path, deadline));
   auto m = std::make_shared<Mapped>();
   m->device = p.device;
+  // The strided kernel takes the runs as they are when there are runs, every local
+  // extent is device memory and it loads; else each piece is an Op (the batched-copy
+  // kernel or one cuMemcpyAsync each, as before strided runs: plain extents only, a
+  // homogeneous transfer, go that way too).
+  cuda::CUfunction strided_fn = nullptr;
+  if (p.local_all_device &&
+      std::any_of(p.extents.begin(), p.extents.end(), [](const ResolvedExtent& e) { return e.count > 1; })) {
+    auto f = cuda::StridedKernel::get().function(*drv_, p.device);
+    if (f.ok()) strided_fn = *f;
+  }
+  const bool use_strided = strided_fn != nullptr;
+  std::vector<cuda::StridedRun> runs;
+  if (use_strided) runs.reserve(p.extents.size());
+  Op plain{0, 0, 0};  // plain extents are merged while they touch, then cut into runs
+  auto flush_plain = [&] {
+    if (plain.len) cuda::append_run(runs, plain.src, plain.dst, plain.len, 1, 0, 0);
+    plain.len = 0;
+  };
   std::unordered_map<uint64_t, std::shared_ptr<Opened>> by_id;
   for (const auto& e : p.extents) {
     auto it = by_id.find(e.remote_region);
@@ -603,15 +642,48 @@ Result<std::shared_ptr<const Mapped>> CudaIpcTransport::map_extents(const CudaPr
       it = by_id.emplace(e.remote_region, o).first;
       m->opened.push_back(o);
     }
-    const CUdeviceptr remote = it->second->base + it->second->offset + e.remote_offset;
-    Op o2 = p.op == OpKind::kWrite ? Op{remote, e.local_addr, e.len} : Op{e.local_addr, remote, e.len};
-    if (!m->ops.empty() && m->ops.back().dst + m->ops.back().len == o2.dst &&
-        m->ops.back().src + m->ops.back().len == o2.src) {
-      m->ops.back().len += o2.len;
+    // Every run is checked whole (first to last piece) against the region the peer
+    // exported here, whatever the agent checked against its metadata.
+    const Opened& reg = *it->second;
+    uint64_t span = 0;
+    if (e.count == 0 || e.count2 != 1 || __builtin_mul_overflow(e.count - 1, e.remote_stride, &span) ||
+        __builtin_add_overflow(span, e.len, &span) || e.remote_offset > reg.len || span > reg.len - e.remote_offset)
+      return OutOfRange("peer '" + peer.md.name + "' region " + std::to_string(e.remote_region) + ": bytes [" +
+                        std::to_string(e.remote_offset) + ", +" + std::to_string(e.len) + " x " +
+                        std::to_string(e.count) + " pieces, stride " + std::to_string(e.remote_stride) +
+                        ") fall outside the " + std::to_string(reg.len) + " bytes it exports through cuda_ipc");
+    const CUdeviceptr remote = reg.base + reg.offset + e.remote_offset;
+    if (use_strided) {
+      const bool w = p.op == OpKind::kWrite;
+      const uint64_t src = w ? e.local_addr : remote, dst = w ? remote : e.local_addr;
+      if (e.count == 1 && plain.len > 0 && plain.src + plain.len == src && plain.dst + plain.len == dst) {
+        plain.len += e.len;  // touching plain extents: one piece
+      } else {
+        flush_plain();
+        if (e.count == 1)
+          plain = Op{dst, src, e.len};
+        else
+          cuda::append_run(runs, src, dst, e.len, e.count, w ? e.local_stride : e.remote_stride,
+                           w ? e.remote_stride : e.local_stride);
+      }
     } else {
-      m->ops.push_back(o2);
+      for (uint64_t i = 0; i < e.count; ++i) {
+        const CUdeviceptr r = remote + i * e.remote_stride, l = e.local_addr + i * e.local_stride;
+        Op o2 = p.op == OpKind::kWrite ? Op{r, l, e.len} : Op{l, r, e.len};
+        if (!m->ops.empty() && m->ops.back().dst + m->ops.back().len == o2.dst &&
+            m->ops.back().src + m->ops.back().len == o2.src) {
+          m->ops.back().len += o2.len;
+        } else {
+          m->ops.push_back(o2);
+        }
+      }
     }
-    m->total += e.len;
+    m->total += e.len * e.count;
+  }
+  if (use_strided) {  // one launch of the strided kernel moves every run
+    flush_plain();
+    m->strided = strided_fn;
+    return upload_runs(std::move(m), runs);
   }
   // Many extents: one kernel launch moves them all (device memory only, see prepare()).
   PDKV_ASSIGN_OR_RETURN(m->kernel, kernel_for(p.device));
@@ -666,7 +738,9 @@ void CudaIpcTransport::post(const std::shared_ptr<const PreparedOps>& ops, const
     return fail(stream.status());
   }
   Status st = drv_->use_device(m->device);
-  if (st.ok() && m->kernel) {
+  if (st.ok() && m->strided) {
+    st = cuda::StridedKernel::launch(*drv_, m->strided, *stream, m->d_desc, m->n_runs);
+  } else if (st.ok() && m->kernel) {
     CUdeviceptr src = m->d_desc, dst = src + 8ull * m->n_chunks, len = dst + 8ull * m->n_chunks;
     unsigned n = m->n_chunks;
     void* params[] = {&src, &dst, &len, &n};

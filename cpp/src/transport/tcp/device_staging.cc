@@ -75,14 +75,31 @@ Result<std::shared_ptr<cuda::PinnedBuffer>> DeviceStaging::gather(int device, co
   return buf;
 }
 
-void DeviceStaging::respond_read(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<iovec> src,
+Result<std::shared_ptr<cuda::PinnedBuffer>> DeviceStaging::gather_runs(int device, const PieceRun* runs, size_t n,
+                                                                       Clock::time_point deadline,
+                                                                       const std::function<bool()>& abandon) {
+  PDKV_ASSIGN_OR_RETURN(auto st, stager());
+  PDKV_ASSIGN_OR_RETURN(auto buf, st->acquire(device, deadline, abandon));
+  thread_local std::vector<cuda::DeviceRun> dr;
+  dr.resize(n);
+  for (size_t i = 0; i < n; ++i)
+    dr[i] = cuda::DeviceRun{reinterpret_cast<uint64_t>(runs[i].base), runs[i].len, runs[i].count, runs[i].stride};
+  Status g = st->gather_runs(device, dr.data(), n, buf->data());
+  if (!g.ok()) return g.with_context("copying device memory into the staging buffer");
+  return buf;
+}
+
+void DeviceStaging::respond_read(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<PieceRun> src,
                                  std::vector<RegionPin> pins, GenPin gens, uint64_t bytes, int device) {
   struct Job {
-    std::vector<iovec> src;
+    std::vector<cuda::DeviceRun> src;
     std::vector<RegionPin> pins;
     GenPin gens;  // held until the bytes are gathered (the job ends)
   };
-  auto job = std::make_shared<Job>(Job{std::move(src), std::move(pins), std::move(gens)});
+  std::vector<cuda::DeviceRun> runs(src.size());
+  for (size_t i = 0; i < src.size(); ++i)
+    runs[i] = cuda::DeviceRun{reinterpret_cast<uint64_t>(src[i].base), src[i].len, src[i].count, src[i].stride};
+  auto job = std::make_shared<Job>(Job{std::move(runs), std::move(pins), std::move(gens)});
   run([this, c, h, job, bytes, device] {
     auto fail = [&](const Status& st) {
       if (!c->owner()) return;
@@ -99,7 +116,7 @@ void DeviceStaging::respond_read(const std::shared_ptr<TcpConn>& c, const FrameH
     auto buf = bytes <= (*st)->chunk() ? (*st)->acquire(device, util::deadline_after(kStageWaitS), dead)
                                        : (*st)->allocate(device, bytes);
     if (!buf.ok()) return fail(buf.status());
-    Status g = (*st)->gather(device, job->src.data(), job->src.size(), (*buf)->data());
+    Status g = (*st)->gather_runs(device, job->src.data(), job->src.size(), (*buf)->data());
     if (!g.ok()) return fail(g.with_context("copying device memory into the staging buffer"));
     auto m = std::make_unique<OutMsg>();
     m->hdr = make_hdr(FrameType::kReadResp, h.xfer_id, h.batch);
@@ -192,7 +209,7 @@ Status DeviceStaging::decode(int device, const uint8_t* payload, uint64_t len, c
   host.resize(static_cast<size_t>(capacity));
   const iovec whole{host.data(), host.size()};
   Status d = Decoder::decode(payload, len, &whole, 1);
-  if (d.ok()) d = st->scatter(device, reinterpret_cast<const char*>(host.data()), dst, n);
+  if (d.ok()) d = st->scatter(device, reinterpret_cast<const char*>(host.data()), dst, n, /*src_pinned=*/false);
   if (host.capacity() > (8u << 20)) std::vector<uint8_t>().swap(host);
   return d;
 }

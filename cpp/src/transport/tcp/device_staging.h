@@ -9,6 +9,10 @@
 //   receiving:        the payload lands in pinned buffers that a ScatterPipe copies
 //                     to the GPU double buffered (FrameReceiver::begin_staged_rx);
 //                     the ack follows the last completed copy.
+//   Every copy between the GPU and a pinned buffer is one launch of the strided-copy
+//   kernel per batch (cuda/strided_copy.h) over the batch's runs, strided descriptors
+//   as they are: no iovec or cuMemcpyAsync per piece (where the kernel does not load,
+//   or PDKV_BENCH_DEVICE_PIECES=1, one cuMemcpyAsync per piece as before).
 //   compressed write, initiator (encode, on an encoder thread): fp8 is quantized on
 //                     the GPU (cuda/fp8_device.h) and only the codes + scales come
 //                     to the host; lossless (or fp8 where the kernels do not load) is
@@ -41,6 +45,7 @@
 #include "pdkv/spi/region_table.h"
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
+#include "transport/tcp/scatter.h"
 #include "transport/tcp/wire.h"
 
 namespace pdkv::tcp {
@@ -72,10 +77,16 @@ class DeviceStaging {
   // give up. Runs on the staging thread.
   Result<std::shared_ptr<cuda::PinnedBuffer>> gather(int device, const iovec* src, size_t n,
                                                      Clock::time_point deadline, const std::function<bool()>& abandon);
-  // Answers the read request `h` on c for device memory: gathers `src` on the
-  // staging thread and queues the response; fails the connection if that fails.
-  // `pins` and `gens` are held until the bytes are gathered (pins: until sent).
-  void respond_read(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<iovec> src,
+  // The same for the runs runs[0..n) (a lazy prepared write's, scatter.h): one
+  // strided-kernel launch, no iovec per piece.
+  Result<std::shared_ptr<cuda::PinnedBuffer>> gather_runs(int device, const PieceRun* runs, size_t n,
+                                                          Clock::time_point deadline,
+                                                          const std::function<bool()>& abandon);
+  // Answers the read request `h` on c for device memory: gathers the runs `src` (its
+  // descriptors as they came, one strided-kernel launch) on the staging thread and
+  // queues the response; fails the connection if that fails. `pins` and `gens` are
+  // held until the bytes are gathered (pins: until sent).
+  void respond_read(const std::shared_ptr<TcpConn>& c, const FrameHeader& h, std::vector<PieceRun> src,
                     std::vector<RegionPin> pins, GenPin gens, uint64_t bytes, int device);
 
   // Encodes the device extents src[0..n) of `device` as one kWriteZ payload into

@@ -273,7 +273,8 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
   rx(c).ndst = part.ndst;
   rx(c).runs = nullptr;
   rx(c).nruns = 0;
-  if (part.runs && lands(h.payload, part.extents)) {  // a lazy read's runs, walked while landing
+  const bool staged = part.post->prep->staged;
+  if (part.runs && (staged || lands(h.payload, part.extents))) {  // a lazy read's runs, walked while landing
     rx(c).runs = part.runs;
     rx(c).nruns = part.nruns;
     rx(c).run_cur = RunCursor{};
@@ -288,7 +289,7 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
   rx(c).remaining = h.payload;
   rx(c).gather = lands(h.payload, part.extents);
   rx(c).stage = RxStage::kPayload;
-  if (rx(c).read_part.post->prep->staged) {
+  if (staged) {
     Status st = begin_staged_rx(*c, rx(c).read_part.post->prep->device);
     if (!st.ok()) {
       t_.kill_locked(c, st.with_context("receiving a read response into device memory"));
@@ -530,9 +531,8 @@ bool FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
   }
   if (req.device >= 0) {
     // Gathered from the GPU on the staging thread, which sends the response (plain:
-    // compressed responses are for host memory).
-    list_iovecs(req);
-    t_.staging().respond_read(c, h, std::move(req.iov), std::move(req.pins), std::move(req.gens), req.bytes,
+    // compressed responses are for host memory). From the runs: no iovec per piece.
+    t_.staging().respond_read(c, h, std::move(req.runs), std::move(req.pins), std::move(req.gens), req.bytes,
                               req.device);
     return true;
   }
@@ -665,9 +665,10 @@ bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Reque
     req.extents = req.iov.size();
     req.device = -1;
   }
-  // Small pieces in host memory are landed and scattered out of the runs; the others
-  // are received straight into their pieces (or staged to the device) from a list.
-  const bool walk_runs = req.device < 0 && !req.runs.empty() && lands(req.bytes, req.extents);
+  // Small pieces in host memory are landed and scattered out of the runs, device
+  // memory is staged and copied out to the runs; the others are received straight
+  // into their pieces from a list.
+  const bool walk_runs = !req.runs.empty() && (req.device >= 0 || lands(req.bytes, req.extents));
   if (!walk_runs) list_iovecs(req);
   rx(c).gens = std::move(req.gens);
   rx(c).reject = req.reject;
@@ -841,7 +842,16 @@ Status FrameReceiver::begin_staged_rx(TcpConn& c, int device) {
     PDKV_ASSIGN_OR_RETURN(auto st, t_.staging().stager());
     rx(c).pipe = std::make_unique<cuda::ScatterPipe>(std::move(st));
   }
-  PDKV_RETURN_IF_ERROR(rx(c).pipe->begin(device, rx(c).dst, rx(c).ndst, rx(c).remaining));
+  if (rx(c).runs) {  // a strided request's runs, or a lazy read's: copied out run by run
+    std::vector<cuda::DeviceRun> runs(rx(c).nruns);
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const PieceRun& r = rx(c).runs[i];
+      runs[i] = cuda::DeviceRun{reinterpret_cast<uint64_t>(r.base), r.len, r.count, r.stride};
+    }
+    PDKV_RETURN_IF_ERROR(rx(c).pipe->begin_runs(device, std::move(runs), rx(c).remaining));
+  } else {
+    PDKV_RETURN_IF_ERROR(rx(c).pipe->begin(device, rx(c).dst, rx(c).ndst, rx(c).remaining));
+  }
   rx(c).staged = true;
   return Status::Ok();
 }

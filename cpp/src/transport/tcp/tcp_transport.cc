@@ -228,7 +228,7 @@ bool TcpTransport::peer_takes_strided(const Peer& peer) {
 // bound by the iovec limit behind batch_extents: it may grow to kMaxGatherExtents.
 // Staged (device) batches go through one pinned buffer either way.
 bool TcpTransport::batch_full(const TcpPrepared& p, const TcpBatch& cur) const {
-  const uint64_t n = p.lazy ? cur.extents : cur.count;
+  const uint64_t n = p.lazy && !p.staged ? cur.extents : cur.count;  // staged: gathered by runs
   if (n == 0) return false;
   if (n < opts_.batch_extents) return false;
   return p.staged || !gathers(cur.bytes, n) || n >= kMaxGatherExtents;
@@ -270,11 +270,14 @@ void TcpTransport::cut_plain_batches(TcpPrepared& p, const std::vector<ResolvedE
 
 // Strided runs become strided descriptors, cut between batches at piece boundaries
 // (a piece larger than a batch is cut like a plain extent). From host memory the
-// local side stays a run per descriptor (p.lazy): prepare is O(runs). Device memory
-// is staged through pinned buffers that take iovecs: one per piece there.
+// local side stays a run per descriptor (p.lazy): prepare is O(runs). So does device
+// memory: the strided-copy kernel gathers a write's runs into the pinned buffer and
+// copies a read response out to them (cuda/strided_copy.h). Compressed device writes
+// (their encoder walks iovecs) keep one iovec per piece.
 void TcpTransport::cut_strided_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents,
                                        uint64_t batch_bytes) const {
-  p.lazy = !p.staged && lazy_runs_allowed();
+  p.lazy = lazy_runs_allowed() &&
+           (!p.staged || (cuda::strided_kernel_enabled() && (p.op == OpKind::kRead || p.zmode == CompressMode::kOff)));
   p.sdescs.reserve(extents.size());
   if (p.lazy) {
     p.runs.reserve(extents.size());
@@ -650,8 +653,9 @@ void TcpTransport::stage_and_send(const std::shared_ptr<TcpPost>& post, uint32_t
   if (shut_) return fail(ConnectionError("agent is shutting down"));
   if (spi::TransferControl(xfer).cancel_requested()) return fail(Cancelled("cancelled"));
   if (post->data_failed) return fail(Cancelled("an earlier batch of this transfer failed"));
-  auto buf = staging_.gather(prep->device, &prep->iov[b.first], b.count, xfer->deadline(),
-                             [&] { return spi::TransferControl(xfer).cancel_requested() || shut_.load(); });
+  auto abandon = [&] { return spi::TransferControl(xfer).cancel_requested() || shut_.load(); };
+  auto buf = prep->lazy ? staging_.gather_runs(prep->device, &prep->runs[b.first], b.count, xfer->deadline(), abandon)
+                        : staging_.gather(prep->device, &prep->iov[b.first], b.count, xfer->deadline(), abandon);
   if (!buf.ok()) return fail(buf.status());
   send_batch(post, i, slot, std::move(buf).value());
 }
