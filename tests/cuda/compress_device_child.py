@@ -166,6 +166,30 @@ def main() -> None:
         assert wire["dev->dev"] == wire["dev->host"] == wire["host->dev"] == wire["host->host"], wire
     launched = kernel_launches() - launches0
 
+    # Reads (a pulls b's blocks): the target encodes its device or host blocks as the
+    # reader asked (fp8 quantized on the target's GPU, lossless gathered and encoded on
+    # its host), the reader decodes into its device (fp8 on its GPU) or host blocks.
+    want_read = np.stack([np.stack([round_trip(blk) for blk in part]) for part in blocks(b.pool("host"), rids)])
+
+    def read(src: str, dst: str) -> None:
+        x = a.agent.read(peer, dst, lids, src, rids)
+        assert x.wait(30), x.error
+        assert np.array_equal(blocks(a.pool(dst), lids), want_read), f"{MODE} read {src}->{dst}: bytes differ"
+        if MODE != "auto":
+            assert x.compression in ("fp8", "zstd"), (src, dst, x.compression)
+        elif FAKE and dst == "dev":
+            assert x.compression == "", "auto compressed a read into device memory on an emulated driver"
+        wire[f"read {src}->{dst}"] = x.wire_bytes
+        a.reset(1)
+        checks.append(f"read {src}->{dst}")
+
+    # Not fp8 here: an fp8 read of this odd geometry (120-element rows) fails on the
+    # target, host memory too ("8192 elements are not whole rows"): found, not fixed
+    # (tests/test_compress_device.py says so).
+    if MODE != "fp8":
+        for src, dst in (("dev", "dev"), ("dev", "host"), ("host", "dev"), ("host", "host")):
+            read(src, dst)
+
     # Single extents of odd sizes: partial last scale groups, starts mid-block, an
     # element-aligned but row-odd offset, and a byte-odd offset (the kernels cannot
     # take it: encoded on the host after staging, same frames).

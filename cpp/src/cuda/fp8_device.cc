@@ -92,9 +92,10 @@ Result<Fp8Plan> plan_fp8_frames(const std::vector<Fp8FrameAt>& frames, const iov
   return p;
 }
 
-Result<std::vector<Fp8FrameAt>> read_payload_frames(const uint8_t* payload, uint64_t len, uint64_t capacity) {
+Result<std::vector<Fp8FrameAt>> read_payload_frames(const uint8_t* payload, uint64_t len, uint64_t capacity,
+                                                    std::string_view what, uint32_t allowed) {
   std::vector<Fp8FrameAt> frames;
-  PDKV_RETURN_IF_ERROR(codec::walk_payload_frames(payload, len, capacity, "compressed write", ~0u,
+  PDKV_RETURN_IF_ERROR(codec::walk_payload_frames(payload, len, capacity, what, allowed,
                                                   [&](const codec::PayloadFrame& f) {
                                                     frames.push_back(Fp8FrameAt{f.offset, f.info});
                                                     return Status::Ok();

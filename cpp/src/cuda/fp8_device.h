@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <vector>
 
 #include "cuda/driver.h"
@@ -59,7 +60,10 @@ Result<Fp8Plan> plan_fp8_frames(const std::vector<Fp8FrameAt>& frames, const iov
 // walk the host decoder (tcp decode_payload) uses, codec::walk_payload_frames: ProtocolError
 // naming the frame and field unless every header is valid, the frames tile the payload
 // and their decoded sizes add up to `capacity`, the bytes of the destination extents.
-Result<std::vector<Fp8FrameAt>> read_payload_frames(const uint8_t* payload, uint64_t len, uint64_t capacity);
+// `what` names the payload in errors; `allowed`: bit (1 << CodecKind) per codec accepted
+// (a read's initiator accepts raw and the codec it asked for).
+Result<std::vector<Fp8FrameAt>> read_payload_frames(const uint8_t* payload, uint64_t len, uint64_t capacity,
+                                                    std::string_view what = "compressed write", uint32_t allowed = ~0u);
 // The XXH3 of each frame's codes + scales that carries one: DataCorrupted on a mismatch.
 Status verify_fp8_checksums(const uint8_t* payload, const std::vector<Fp8FrameAt>& frames);
 

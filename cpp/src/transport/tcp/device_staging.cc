@@ -155,6 +155,21 @@ bool DeviceStaging::gpu_fp8_on_hardware(int device) {
 Status DeviceStaging::encode(Encoder& enc, CodecKind kind, int device, const iovec* src, uint32_t n,
                              Clock::time_point deadline, const std::function<bool()>& abandon, EncodedBatch& out) {
   const TcpCompression& o = enc.options();
+  return encode_device(kind, o.dtype, o.fp8, o.checksum, device, src, n, deadline, abandon, out,
+                       [&](const iovec* staged, uint32_t k) { return enc.encode(kind, staged, k, out); });
+}
+
+Status DeviceStaging::encode_with(Encoder& enc, const CodecOptions& codec, DType dtype, int device, const iovec* src,
+                                  uint32_t n, Clock::time_point deadline, const std::function<bool()>& abandon,
+                                  EncodedBatch& out) {
+  return encode_device(codec.kind, dtype, codec.fp8, codec.checksum, device, src, n, deadline, abandon, out,
+                       [&](const iovec* staged, uint32_t k) { return enc.encode_with(codec, dtype, staged, k, out); });
+}
+
+Status DeviceStaging::encode_device(CodecKind kind, DType dtype, const Fp8Grouping& g, bool checksum, int device,
+                                    const iovec* src, uint32_t n, Clock::time_point deadline,
+                                    const std::function<bool()>& abandon, EncodedBatch& out,
+                                    const std::function<Status(const iovec*, uint32_t)>& host_encode) {
   uint64_t bytes = 0;
   for (uint32_t i = 0; i < n; ++i) bytes += src[i].iov_len;
   if (kind == CodecKind::kFp8) {
@@ -162,10 +177,9 @@ Status DeviceStaging::encode(Encoder& enc, CodecKind kind, int device, const iov
     // The frames the host encoder writes: one for a batch of small extents, else one
     // per extent. Extents the kernels cannot take (not whole rows, or unaligned) go
     // the host's way below, which also fails where the host codec would.
-    auto plan = k.ok() ? cuda::plan_fp8_batch(src, n, gathers(bytes, n), o.dtype, o.fp8)
-                       : Result<cuda::Fp8Plan>(k.status());
+    auto plan = k.ok() ? cuda::plan_fp8_batch(src, n, gathers(bytes, n), dtype, g) : Result<cuda::Fp8Plan>(k.status());
     if (plan.ok()) {
-      PDKV_RETURN_IF_ERROR((*k)->encode(device, *plan, o.dtype, o.fp8, o.checksum, out.bytes));
+      PDKV_RETURN_IF_ERROR((*k)->encode(device, *plan, dtype, g, checksum, out.bytes));
       out.kind = kind;
       return Status::Ok();
     }
@@ -184,13 +198,14 @@ Status DeviceStaging::encode(Encoder& enc, CodecKind kind, int device, const iov
     staged[i] = iovec{buf->data() + off, src[i].iov_len};
     off += src[i].iov_len;
   }
-  return enc.encode(kind, staged.data(), n, out);
+  return host_encode(staged.data(), n);
 }
 
-Status DeviceStaging::decode(int device, const uint8_t* payload, uint64_t len, const iovec* dst, size_t n) {
+Status DeviceStaging::decode(int device, const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
+                             const char* what, uint32_t allowed) {
   uint64_t capacity = 0;
   for (size_t i = 0; i < n; ++i) capacity += dst[i].iov_len;
-  PDKV_ASSIGN_OR_RETURN(auto frames, cuda::read_payload_frames(payload, len, capacity));
+  PDKV_ASSIGN_OR_RETURN(auto frames, cuda::read_payload_frames(payload, len, capacity, what, allowed));
   const bool all_fp8 = std::all_of(frames.begin(), frames.end(),
                                    [](const cuda::Fp8FrameAt& f) { return f.info.kind == CodecKind::kFp8; });
   if (all_fp8 && !frames.empty()) {
@@ -208,7 +223,7 @@ Status DeviceStaging::decode(int device, const uint8_t* payload, uint64_t len, c
   thread_local std::vector<uint8_t> host;
   host.resize(static_cast<size_t>(capacity));
   const iovec whole{host.data(), host.size()};
-  Status d = Decoder::decode(payload, len, &whole, 1);
+  Status d = Decoder::decode(payload, len, &whole, 1, what, allowed);
   if (d.ok()) d = st->scatter(device, reinterpret_cast<const char*>(host.data()), dst, n, /*src_pinned=*/false);
   if (host.capacity() > (8u << 20)) std::vector<uint8_t>().swap(host);
   return d;

@@ -94,10 +94,17 @@ class DeviceStaging {
   // (see the file comment). Waits for a staging buffer until `deadline` / `abandon()`.
   Status encode(Encoder& enc, CodecKind kind, int device, const iovec* src, uint32_t n, Clock::time_point deadline,
                 const std::function<bool()>& abandon, EncodedBatch& out);
-  // Decodes a kWriteZ payload into the device extents dst[0..n) of `device`. Errors as
-  // Decoder::decode: ProtocolError for a malformed payload, DataCorrupted for a
-  // checksum mismatch; a driver failure is the driver's error.
-  Status decode(int device, const uint8_t* payload, uint64_t len, const iovec* dst, size_t n);
+  // The same for a compressed read response of device memory (the target's side):
+  // with the codec, dtype and FP8 grouping the reader asked for (its ReadZSpec), not
+  // this agent's options. On an encoder thread.
+  Status encode_with(Encoder& enc, const CodecOptions& codec, DType dtype, int device, const iovec* src, uint32_t n,
+                     Clock::time_point deadline, const std::function<bool()>& abandon, EncodedBatch& out);
+  // Decodes a kWriteZ (or kReadRespZ) payload into the device extents dst[0..n) of
+  // `device`. Errors as Decoder::decode (`what` names the payload, `allowed` the codecs
+  // accepted): ProtocolError for a malformed payload, DataCorrupted for a checksum
+  // mismatch; a driver failure is the driver's error.
+  Status decode(int device, const uint8_t* payload, uint64_t len, const iovec* dst, size_t n,
+                const char* what = "compressed write", uint32_t allowed = ~0u);
   // Whether fp8 of device memory runs as GPU kernels on real hardware here (what
   // compression mode auto assumes to be far faster than any socket); false on an
   // emulated driver, without nvcc, or when the kernels do not load on `device`.
@@ -107,6 +114,11 @@ class DeviceStaging {
   void loop();
   // The GPU FP8 codec, created on first use; NotSupported naming why there is none.
   Result<std::shared_ptr<cuda::DeviceFp8>> fp8(int device);
+  // encode / encode_with: FP8 on the GPU where the kernels take the extents, else
+  // gathered into a pinned buffer and encoded there by `host_encode`.
+  Status encode_device(CodecKind kind, DType dtype, const Fp8Grouping& fp8, bool checksum, int device,
+                       const iovec* src, uint32_t n, Clock::time_point deadline, const std::function<bool()>& abandon,
+                       EncodedBatch& out, const std::function<Status(const iovec*, uint32_t)>& host_encode);
 
   TcpTransport& t_;
   const uint64_t chunk_bytes_;

@@ -529,9 +529,23 @@ bool FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
     reply(c, failed_ack(h, req.reject));
     return true;
   }
+  if (req.device >= 0 && (h.flags & kFlagZReply)) {
+    // Compressed from the GPU on an encoder thread (fp8 quantized there; lossless
+    // gathered to a pinned buffer and encoded on the host), as a device write is.
+    auto codec = decode_zspec(req.zspec);
+    if (codec.ok()) {
+      list_iovecs(req);
+      return answer_read_compressed(c, req, *codec);
+    }
+    if (codec.status().code() != StatusCode::kNotSupported) {
+      t_.fail_conn_locked(c, ProtocolError(codec.status().message() + " (from " + c->desc() + ")"), h.xfer_id,
+                          h.batch);
+      return false;
+    }
+    // A codec this build lacks: answered plain (the initiator accepts either).
+  }
   if (req.device >= 0) {
-    // Gathered from the GPU on the staging thread, which sends the response (plain:
-    // compressed responses are for host memory). From the runs: no iovec per piece.
+    // Gathered from the GPU on the staging thread, which sends the response. From the runs: no iovec per piece.
     t_.staging().respond_read(c, h, std::move(req.runs), std::move(req.pins), std::move(req.gens), req.bytes,
                               req.device);
     return true;
@@ -582,6 +596,10 @@ std::unique_ptr<OutMsg> FrameReceiver::plain_read_response(const FrameHeader& h,
   return m;
 }
 
+// How long a compressed read response of device memory waits for a staging buffer
+// (the reader's own deadline is not sent; a dead connection stops the wait sooner).
+constexpr double kDeviceReplyWaitS = 60.0;  // as a plain one (device_staging.cc kStageWaitS)
+
 // What a compressed read response takes to its encoder thread.
 struct FrameReceiver::ReplyJob {
   FrameHeader hdr{};
@@ -591,6 +609,7 @@ struct FrameReceiver::ReplyJob {
   uint64_t bytes = 0;
   CodecOptions codec;
   DType dtype = DType::kU8;
+  int device = -1;  // >= 0: the extents are device memory (encoded through the staging path)
 };
 
 bool FrameReceiver::answer_read_compressed(const std::shared_ptr<TcpConn>& c, Request& req,
@@ -604,6 +623,7 @@ bool FrameReceiver::answer_read_compressed(const std::shared_ptr<TcpConn>& c, Re
   job->pins = std::move(req.pins);
   job->gens = std::move(req.gens);
   job->bytes = req.bytes;
+  job->device = req.device;
   c->decode_started();  // done when the response left (or was dropped): kDecodeAhead bounds the memory
   TcpTransport& t = t_;
   t.encoder().run([&t, c, job] { encode_reply(t, c, *job); });  // (inline once stopped: encode_reply gives up)
@@ -622,11 +642,23 @@ void FrameReceiver::encode_reply(TcpTransport& t, const std::shared_ptr<TcpConn>
   }
   const FrameHeader& h = job.hdr;
   auto buf = t.encoder().buffer();
-  Status st = t.encoder().encode_with(job.codec, job.dtype, job.iov.data(), static_cast<uint32_t>(job.iov.size()),
-                                      *buf);
+  const auto n = static_cast<uint32_t>(job.iov.size());
+  Status st = job.device < 0
+                  ? t.encoder().encode_with(job.codec, job.dtype, job.iov.data(), n, *buf)
+                  : t.staging().encode_with(t.encoder(), job.codec, job.dtype, job.device, job.iov.data(), n,
+                                            util::deadline_after(kDeviceReplyWaitS),
+                                            [&] { return c->is_dead() || t.shutting_down(); }, *buf);
   std::unique_ptr<OutMsg> m;
   if (!st.ok()) {
     m = failed_ack(h, st.with_context("compressing the read response"));
+  } else if (buf->bytes.size() > kMaxCompressedPayload && job.device >= 0) {
+    // Too large compressed: plain, gathered from the GPU by the staging thread.
+    std::vector<PieceRun> runs(job.iov.size());
+    for (size_t i = 0; i < job.iov.size(); ++i)
+      runs[i] = PieceRun{static_cast<char*>(job.iov[i].iov_base), job.iov[i].iov_len, 1, 0};
+    t.staging().respond_read(c, h, std::move(runs), std::move(job.pins), std::move(job.gens), job.bytes, job.device);
+    c->decode_done();
+    return;
   } else if (buf->bytes.size() > kMaxCompressedPayload) {
     m = plain_read_response(h, std::move(job.iov), std::move(job.pins), std::move(job.gens), job.bytes);
   } else {
@@ -943,8 +975,13 @@ void FrameReceiver::finish_read_decode(TcpTransport& t, const std::shared_ptr<Tc
                            (1u << static_cast<unsigned>(part.post->compress.kind));
   std::vector<iovec> listed;  // a lazy read's runs, listed for the decoder
   if (part.runs) append_iovecs(part.runs, part.nruns, listed);
-  Status d = Decoder::decode(job.payload.data(), job.payload.size(), part.runs ? listed.data() : part.dst,
-                             part.runs ? listed.size() : part.ndst, "compressed read response", allowed);
+  const iovec* dst = part.runs ? listed.data() : part.dst;
+  const size_t ndst = part.runs ? listed.size() : part.ndst;
+  const int device = part.post->prep->staged ? part.post->prep->device : -1;  // the read lands in device memory
+  Status d = device < 0 ? Decoder::decode(job.payload.data(), job.payload.size(), dst, ndst,
+                                          "compressed read response", allowed)
+                        : t.staging().decode(device, job.payload.data(), job.payload.size(), dst, ndst,
+                                             "compressed read response", allowed);
   t.decoder().give_back(std::move(job.payload));
   if (d.code() == StatusCode::kProtocolError) {
     d = ProtocolError(d.message() + " (from " + c->desc() + ")");

@@ -723,8 +723,22 @@ bool TcpTransport::device_may_compress(const TcpCompression& z, int device) {
 
 Result<Choice> TcpTransport::choose_compression(const TcpPrepared& prep, PeerConns& pc, bool* sample) {
   if (prep.zmode == CompressMode::kOff || prep.batches.empty()) return Choice{};
-  if (prep.op == OpKind::kRead)  // device memory is read plain
-    return prep.staged ? Choice{} : choose_read_compression(prep, pc, sample);
+  if (prep.op == OpKind::kRead) {
+    if (!prep.staged) return choose_read_compression(prep, pc, sample);
+    // Into device memory: forced modes ask as for host memory (the response is decoded
+    // on the GPU for fp8, on the host then copied in otherwise); auto only for FP8
+    // with real GPU kernels, once a plain read measured the link (as writes), and
+    // never a codec sample (that would read device memory on the host).
+    const TcpCompression o = compression_of(prep);
+    if (o.mode != CompressMode::kAuto) {
+      bool no_sample = false;
+      return choose_read_compression(prep, pc, &no_sample);
+    }
+    const PeerFeatures& f = pc.features;
+    const bool peer_fp8 = f.compressed_read && ((f.codecs >> static_cast<unsigned>(CodecKind::kFp8)) & 1u);
+    if (!peer_fp8 || !device_may_compress(o, prep.device) || pc.read_chooser.link_bps() == 0) return Choice{};
+    return Choice{true, CodecKind::kFp8};
+  }
   const TcpCompression o = compression_of(prep);
   const PeerFeatures& f = pc.features;
   const std::string& peer = pc.peer->md.name;
