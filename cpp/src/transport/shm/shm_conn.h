@@ -31,6 +31,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -74,6 +75,32 @@ struct PendingNotify {
   Clock::time_point deadline;
 };
 
+// A read's copy that finished before the target answered the lease it sent with it
+// (ShmTransport::begin_read_lease): run with the answer when it arrives, or with the
+// connection's death; the progress thread closes the connection at `deadline`.
+struct LeaseWaiter {
+  Clock::time_point deadline;
+  std::function<void(Status)> run;
+};
+
+// A target's published generation table for one layout (GenReq/GenResp), mapped
+// read-only: n u32 generations, read with acquire loads. Its values are the target's
+// word only; the reader bounds-checks block ids against n (checked against the
+// memfd's size and seals when mapped), never against anything in the table.
+struct RemoteGens {
+  const uint32_t* base = nullptr;
+  uint32_t n = 0;
+  ~RemoteGens();
+};
+
+// The target's answer to a generation table request.
+struct GenAnswer {
+  bool done = false;
+  Status st;
+  uint32_t n = 0;
+  int fd = -1;  // owned
+};
+
 // The target's answer to a region request.
 struct RegionAnswer {
   Status st;
@@ -113,6 +140,10 @@ struct ShmShared {
   std::set<uint64_t> revoked_ids;  // confirmed (or being confirmed) here, then revoked
   uint64_t next_seq = 1;
   std::map<uint64_t, std::optional<Status>> lease_answers;  // requested leases; set when answered
+  std::map<uint64_t, LeaseWaiter> lease_waiters;             // reads copied, waiting for the answer
+  std::map<std::string, std::shared_ptr<RemoteGens>> gen_tables;  // by layout name, mapped
+  std::map<uint64_t, GenAnswer> gen_answers;                      // requested tables; done when answered
+  uint64_t next_gen_req = 1;
   uint64_t next_lease = 1;
 };
 
