@@ -459,12 +459,21 @@ void ShmTransport::finish_job(Job& job, Status st) {
 // Reads c's socket in this thread until lease `id` is answered (or c died), at most
 // until `until`.
 void ShmTransport::await_lease_answer(const std::shared_ptr<ShmConn>& c, uint64_t id, Clock::time_point until) {
+  read_until(c, until, [&](ShmShared& s) {
+    auto it = s.lease_answers.find(id);
+    return it == s.lease_answers.end() || it->second.has_value();
+  });
+}
+
+// Reads c's socket in this thread (on_readable) until done(shared state) holds under
+// c's lock, c died, or `until`: an answer this thread waits for is then taken without
+// waking the progress thread, which would otherwise read it.
+void ShmTransport::read_until(const std::shared_ptr<ShmConn>& c, Clock::time_point until,
+                              const std::function<bool(ShmShared&)>& done) {
   for (;;) {
     {
       auto s = c->lock();
-      if (s->dead) return;
-      auto it = s->lease_answers.find(id);
-      if (it == s->lease_answers.end() || it->second) return;
+      if (s->dead || done(*s)) return;
     }
     const auto now = Clock::now();
     if (now >= until) return;
