@@ -31,7 +31,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -73,14 +72,6 @@ struct RemoteRegion {
 struct PendingNotify {
   std::shared_ptr<Transfer> xfer;
   Clock::time_point deadline;
-};
-
-// A read's copy that finished before the target answered the lease it sent with it
-// (ShmTransport::begin_read_lease): run with the answer when it arrives, or with the
-// connection's death; the progress thread closes the connection at `deadline`.
-struct LeaseWaiter {
-  Clock::time_point deadline;
-  std::function<void(Status)> run;
 };
 
 // A target's published generation table for one layout (GenReq/GenResp), mapped
@@ -140,7 +131,6 @@ struct ShmShared {
   std::set<uint64_t> revoked_ids;  // confirmed (or being confirmed) here, then revoked
   uint64_t next_seq = 1;
   std::map<uint64_t, std::optional<Status>> lease_answers;  // requested leases; set when answered
-  std::map<uint64_t, LeaseWaiter> lease_waiters;             // reads copied, waiting for the answer
   std::map<std::string, std::shared_ptr<RemoteGens>> gen_tables;  // by layout name, mapped
   std::map<uint64_t, GenAnswer> gen_answers;                      // requested tables; done when answered
   uint64_t next_gen_req = 1;

@@ -19,7 +19,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -61,9 +60,7 @@ void ShmTransport::run() {
       const auto never = Clock::time_point::max();
       for (auto& [p, c] : conns_) {
         auto s = c->lock();
-        if (!c->authed() || !s->notifies.empty() || !s->leases.empty() || !s->lease_waiters.empty() ||
-            c->frame_deadline() != never)
-          busy = true;
+        if (!c->authed() || !s->notifies.empty() || !s->leases.empty() || c->frame_deadline() != never) busy = true;
       }
     }
     int n = ::epoll_wait(epfd_, evs, 32, busy ? 20 : -1);
@@ -119,13 +116,6 @@ void ShmTransport::check_deadlines() {
         if (l.expires <= now) {
           doomed.emplace_back(c, TimeoutError(c->desc() + " held block lease " + std::to_string(id) +
                                               " past its hold time; closing the connection releases it"));
-          expired = true;
-          break;
-        }
-      if (expired) continue;
-      for (auto& [id, w] : s->lease_waiters)
-        if (w.deadline <= now) {
-          doomed.emplace_back(c, TimeoutError(c->desc() + " did not answer a block lease request in time"));
           expired = true;
           break;
         }
@@ -291,26 +281,16 @@ void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlH
     }
     case Ctl::kLeaseResp: {
       bool asked = false;
-      std::function<void(Status)> waiter;  // a read whose copy is done: finish it, outside the lock
-      const Status ans = h.status == 0 ? Status::Ok() : Status(status_code_from_wire(h.status), c->frame_aux());
       {
         auto s = c->lock();
         auto it = s->lease_answers.find(h.id);
         if (it != s->lease_answers.end() && !it->second) {
+          it->second = h.status == 0 ? Status::Ok() : Status(status_code_from_wire(h.status), c->frame_aux());
           asked = true;
-          auto w = s->lease_waiters.find(h.id);
-          if (w != s->lease_waiters.end()) {
-            waiter = std::move(w->second.run);
-            s->lease_waiters.erase(w);
-            s->lease_answers.erase(it);
-          } else {
-            it->second = ans;
-            s.notify_all();
-          }
+          s.notify_all();
         }
       }
       if (!asked) return kill(c, ProtocolError(c->desc() + " answered a lease request it was not asked"));
-      if (waiter) waiter(ans);
       return;
     }
     case Ctl::kGenResp: {
@@ -384,13 +364,6 @@ void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
   if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd(), nullptr);
   ::shutdown(c->fd(), SHUT_RDWR);
   for (auto& [seq, pn] : pend) spi::TransferControl(pn.xfer).resolve_part(0, why);
-  std::map<uint64_t, LeaseWaiter> waiters;  // reads copied under a lease never answered: fail them
-  {
-    auto s = c->lock();
-    waiters.swap(s->lease_waiters);
-    s->lease_answers.clear();
-  }
-  for (auto& [id, w] : waiters) w.run(why.ok() ? ConnectionError("connection closed") : why);
   std::lock_guard<std::mutex> lk(mu_);
   conns_.erase(c.get());
 }

@@ -8,6 +8,8 @@
 // permits it. Small transfers copy inline in the posting thread (lowest latency);
 // larger ones on pdkv's copy thread. Notifications go over the Unix socket after
 // every byte was copied and complete the transfer when the peer acknowledges them.
+// Block generations: a write leases the blocks first (one round trip); a read checks
+// them against the target's shared generation table, before and after the copy.
 //
 // Direct access means the target cannot check each write, so the initiator never
 // trusts the metadata blob for bounds: before first use it asks the target, over
@@ -90,6 +92,10 @@ void ShmTransport::shutdown() {
   wake();
   if (th_.joinable()) th_.join();
   for (auto& j : copies_.stop()) {
+    {
+      std::lock_guard<std::mutex> lk(checks_mu_);
+      read_checks_.erase(j.xfer.get());
+    }
     end_lease(j);
     unpin(*j.b);
     spi::TransferControl(j.xfer).resolve_part(0, ConnectionError("agent is shutting down"));
@@ -401,15 +407,12 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
   wake();  // start the deadline clock
 }
 
-// A read's lease is asked for when the copy starts, not before (send_lease_req in
-// post): the copy and the round trip overlap. The bytes are only accepted once the
-// target granted it: a grant means the claimed generations still held when the
-// target checked, so nothing the copy read before then was freed, and the pin keeps
-// the blocks from being freed after it until LeaseEnd. A refusal (StaleBlock: a block
-// was freed, possibly while it was being copied) fails the transfer, and then the
-// destination bytes are not valid.
+// A read checked against the target's shared generation table before its copy
+// (post) is checked again after it: a bump of a claimed block that the copy could
+// have seen the effects of is seen here, and fails the read with StaleBlock (its
+// destination bytes are then not valid).
 void ShmTransport::finish_job(Job& job, Status st) {
-  if (job.b->op == OpKind::kRead && job.lease == 0) {
+  if (job.b->op == OpKind::kRead) {
     ReadCheck rc;
     {
       std::lock_guard<std::mutex> lk(checks_mu_);
@@ -420,77 +423,10 @@ void ShmTransport::finish_job(Job& job, Status st) {
       }
     }
     if (rc.table && st.ok()) {
-      // Every load of the copy happens before the second look at the table: a bump
-      // the copy could have seen the effects of is seen here.
+      // Every load of the copy happens before the second look at the table.
       std::atomic_thread_fence(std::memory_order_acquire);
       st = check_gens(*rc.table, *rc.claim, true, nullptr);
     }
-  }
-  if (job.lease == 0 || job.b->op != OpKind::kRead) return complete_job(job, st);
-  const auto c = job.b->conn;
-  // The answer is usually on the socket by now (the target checked while we copied):
-  // read it here rather than wait for the progress thread to wake up, for a moment.
-  await_lease_answer(c, job.lease, std::min(Clock::now() + std::chrono::milliseconds(2), answer_by(job.xfer->deadline())));
-  Status ans;
-  {
-    auto s = c->lock();
-    auto it = s->lease_answers.find(job.lease);
-    if (s->dead) {
-      ans = s->dead_reason.ok() ? ConnectionError("connection closed") : s->dead_reason;
-      if (it != s->lease_answers.end()) s->lease_answers.erase(it);
-    } else if (it == s->lease_answers.end()) {
-      ans = Internal("shm: lease " + std::to_string(job.lease) + " has no record");
-    } else if (it->second) {
-      ans = *it->second;
-      s->lease_answers.erase(it);
-    } else {
-      // Not answered yet: the progress thread finishes the job with the answer.
-      auto j = std::make_shared<Job>(std::move(job));
-      s->lease_waiters[j->lease] = LeaseWaiter{answer_by(j->xfer->deadline()),
-                                               [this, j, st](const Status& a) { settle_read_lease(*j, st, a); }};
-      s.notify_all();
-      wake();  // start the deadline clock
-      return;
-    }
-  }
-  settle_read_lease(job, st, ans);
-}
-
-// Reads c's socket in this thread until lease `id` is answered (or c died), at most
-// until `until`.
-void ShmTransport::await_lease_answer(const std::shared_ptr<ShmConn>& c, uint64_t id, Clock::time_point until) {
-  read_until(c, until, [&](ShmShared& s) {
-    auto it = s.lease_answers.find(id);
-    return it == s.lease_answers.end() || it->second.has_value();
-  });
-}
-
-// Reads c's socket in this thread (on_readable) until done(shared state) holds under
-// c's lock, c died, or `until`: an answer this thread waits for is then taken without
-// waking the progress thread, which would otherwise read it.
-void ShmTransport::read_until(const std::shared_ptr<ShmConn>& c, Clock::time_point until,
-                              const std::function<bool(ShmShared&)>& done) {
-  for (;;) {
-    {
-      auto s = c->lock();
-      if (s->dead || done(*s)) return;
-    }
-    const auto now = Clock::now();
-    if (now >= until) return;
-    const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(until - now).count();
-    timespec ts{static_cast<time_t>(left / 1000000000), static_cast<long>(left % 1000000000)};
-    pollfd pfd{c->fd(), POLLIN | POLLRDHUP, 0};
-    if (::ppoll(&pfd, 1, &ts, nullptr) > 0) on_readable(c);
-  }
-}
-
-void ShmTransport::settle_read_lease(Job& job, Status st, const Status& answer) {
-  if (!answer.ok()) {
-    job.lease = 0;  // refused, or released with the connection
-    if (st.ok())
-      st = answer.code() == StatusCode::kStaleBlock
-               ? Status(answer.code(), answer.message() + " (the read's destination bytes are not valid)")
-               : answer;
   }
   complete_job(job, st);
 }
@@ -568,10 +504,8 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
     }
   }
   if (prep->claim && (prep->op != OpKind::kRead || !read_checked(xfer.get()))) {
-    // A read without a shared table copies while its lease request is in flight
-    // (finish_job); a write waits for its lease.
-    auto l = prep->op == OpKind::kRead ? send_lease_req(b->conn, prep->claim_wire, xfer->deadline())
-                                       : take_lease(b->conn, prep->claim_wire, xfer->deadline());
+    // A write (or a read from a target without a shared table) takes a lease first.
+    auto l = take_lease(b->conn, prep->claim_wire, xfer->deadline());
     if (!l.ok()) {
       unpin(*b);
       return fail(l.status());
@@ -589,7 +523,7 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
 
 void ShmTransport::run_job(Job& job) {
   if (spi::TransferControl(job.xfer).cancel_requested())
-    return finish_job(job, Cancelled("cancelled before the copy started"));  // ends (or settles) the lease
+    return finish_job(job, Cancelled("cancelled before the copy started"));  // ends the lease, drops the read check
   finish_job(job, run_copies(*job.b, job.xfer.get()));
 }
 

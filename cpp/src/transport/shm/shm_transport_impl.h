@@ -20,7 +20,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -141,13 +140,9 @@ class ShmTransport final : public Transport {
   }
   // Runs a queued job on a copy thread (or fails it if it was cancelled meanwhile).
   void run_job(Job& job);
-  // After the copy: settles a read's lease (finish_job), then resolves the transfer,
-  // ends the lease, unpins and sends the notification (complete_job).
+  // After the copy: checks a read's generations again (finish_job), then resolves the
+  // transfer, ends the lease, unpins and sends the notification (complete_job).
   void finish_job(Job& job, Status st);
-  void read_until(const std::shared_ptr<ShmConn>& c, Clock::time_point until,
-                  const std::function<bool(ShmShared&)>& done);
-  void await_lease_answer(const std::shared_ptr<ShmConn>& c, uint64_t id, Clock::time_point until);
-  void settle_read_lease(Job& job, Status st, const Status& answer);
   void complete_job(Job& job, Status st);
   void send_notify(const std::shared_ptr<ShmConn>& c, const std::shared_ptr<Transfer>& xfer,
                    const std::string& notif);
