@@ -153,3 +153,21 @@ def test_a_re_added_layout_is_read_through_its_new_table():
         src.fill(4)
         assert a.read(peer, "kv", [1], "kv", [1], remote_generations=new).wait(10)
         assert np.array_equal(dst.logical([1]), src.logical([1]))
+
+
+def test_a_layout_re_added_with_more_blocks_is_read_through_its_new_table():
+    a, b = _agents()
+    with a, b:
+        small, big = Pool(SPEC, 1), Pool(PoolSpec(layers=2, blocks=16, block_tokens=4, heads=2, head_dim=8), 5)
+        small.register(b)
+        big.register(b, name="kv-big")  # registers big's arrays; its layout goes in as "kv" below
+        dst = Pool(PoolSpec(layers=2, blocks=16, block_tokens=4, heads=2, head_dim=8), 2)
+        dst.register(a)
+        peer = a.add_peer(b.metadata())
+        assert a.read(peer, "kv", [1], "kv", [1], remote_generations=b.generations("kv", [1])).wait(10)
+        b.remove_layout("kv")
+        b.add_layout("kv", big.layout)
+        peer = a.add_peer(b.metadata())
+        gens = b.generations("kv", [12])
+        assert a.read(peer, "kv", [3], "kv", [12], remote_generations=gens).wait(10)
+        assert np.array_equal(dst.logical([3]), big.logical([12]))

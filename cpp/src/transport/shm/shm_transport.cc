@@ -286,9 +286,12 @@ Result<std::shared_ptr<RemoteGens>> ShmTransport::gen_table(const std::shared_pt
 Status ShmTransport::check_gens(const RemoteGens& t, const GenClaim& claim, bool during, bool* retired) {
   for (size_t i = 0; i < claim.blocks.size(); ++i) {
     const uint32_t b = claim.blocks[i];
-    if (b >= t.n)
+    if (b >= t.n) {
+      // A removed layout's table (all 0) may have been re-added with more blocks.
+      if (retired && __atomic_load_n(&t.base[0], __ATOMIC_ACQUIRE) == 0) *retired = true;
       return OutOfRange("block " + std::to_string(b) + " is beyond layout '" + claim.layout + "' (" +
                         std::to_string(t.n) + " blocks)");
+    }
     const uint32_t g = __atomic_load_n(&t.base[b], __ATOMIC_ACQUIRE);
     if (g == claim.gens[i]) continue;
     if (g == 0 && retired) *retired = true;
