@@ -168,11 +168,14 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare_with(std::share
     // Batches are staged through pinned chunks: no batch may exceed one.
     PDKV_ASSIGN_OR_RETURN(auto st, staging_.stager());
     batch_bytes = std::min(batch_bytes, st->chunk());
-    if (op == OpKind::kWrite && z.mode != CompressMode::kOff && device_may_compress(z, p->device)) {
-      batch_bytes = compressed_batch_bytes(z, st->chunk());  // codec chunks, whole fp8 groups
+    if (z.mode != CompressMode::kOff && device_may_compress(z, p->device)) {
+      // A compressed write's frames, or a compressed read's responses: codec chunks of
+      // whole fp8 groups.
+      batch_bytes = compressed_batch_bytes(z, st->chunk());
       if (batch_bytes == 0)
         return InvalidArgument("tcp stage_chunk_bytes (" + std::to_string(st->chunk()) +
-                               ") is smaller than one fp8 row of the compressed device write");
+                               ") is smaller than one fp8 row of the compressed device " +
+                               (op == OpKind::kWrite ? "write" : "read"));
     }
   } else if (z.mode != CompressMode::kOff) {
     // Batches of a transfer that may be compressed are codec chunks: the pipeline
