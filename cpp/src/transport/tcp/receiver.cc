@@ -529,9 +529,10 @@ bool FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
     reply(c, failed_ack(h, req.reject));
     return true;
   }
-  if (req.device >= 0 && (h.flags & kFlagZReply)) {
-    // Compressed from the GPU on an encoder thread (fp8 quantized there; lossless
-    // gathered to a pinned buffer and encoded on the host), as a device write is.
+  if (h.flags & kFlagZReply) {
+    // Encoded on an encoder thread; device memory through the device path (fp8
+    // quantized on the GPU, lossless gathered to a pinned buffer and encoded on the
+    // host), as a device write is.
     auto codec = decode_zspec(req.zspec);
     if (codec.ok()) {
       list_iovecs(req);
@@ -549,19 +550,6 @@ bool FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
     t_.staging().respond_read(c, h, std::move(req.runs), std::move(req.pins), std::move(req.gens), req.bytes,
                               req.device);
     return true;
-  }
-  if (h.flags & kFlagZReply) {
-    auto codec = decode_zspec(req.zspec);
-    if (codec.ok()) {
-      list_iovecs(req);
-      return answer_read_compressed(c, req, *codec);
-    }
-    if (codec.status().code() != StatusCode::kNotSupported) {
-      t_.fail_conn_locked(c, ProtocolError(codec.status().message() + " (from " + c->desc() + ")"), h.xfer_id,
-                          h.batch);
-      return false;
-    }
-    // A codec this build lacks: answered plain (the initiator accepts either).
   }
   reply(c, gathered_read_response(h, req));
   return true;
