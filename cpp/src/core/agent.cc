@@ -35,6 +35,38 @@ bool reuse_plan_memory() {
   return on;
 }
 
+// Plan vectors kept from one prepare to the next, so their pages stay mapped: a small
+// pool shared by the threads that prepare. (Not thread_local: a thread_local with a
+// destructor in this dlopen'ed library made ThreadSanitizer report glibc's reuse of a
+// finished Python thread's TLS block as a race.)
+class PlanPool {
+ public:
+  static constexpr size_t kKeep = 4;                     // vectors kept
+  static constexpr size_t kKeepRuns = size_t(1) << 17;  // 11.5 MB each: a 4K-token 70B request's runs with room
+  std::vector<planner::StridedExtent> take() {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (free_.empty()) return {};
+    auto v = std::move(free_.back());
+    free_.pop_back();
+    return v;
+  }
+  void give(std::vector<planner::StridedExtent> v) {
+    if (v.capacity() > kKeepRuns || v.capacity() == 0) return;
+    v.clear();
+    std::lock_guard<std::mutex> lk(mu_);
+    if (free_.size() < kKeep) free_.push_back(std::move(v));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::vector<planner::StridedExtent>> free_;
+};
+
+PlanPool& plan_pool() {
+  static PlanPool* pool = new PlanPool;  // never destroyed: threads may prepare while the process exits
+  return *pool;
+}
+
 std::string random_hex(size_t bytes) {
   std::random_device rd;
   static const char* hex = "0123456789abcdef";
@@ -618,18 +650,16 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_blocks(
   // plan they always had. (A routing error is left for prepare_resolved() to report.)
   auto routed = route(peer_name, opts);
   if (routed.ok() && routed->transport->caps().strided_extents) {
-    // The plan is a temporary (prepare_resolved() keeps its own list): planned into
-    // this thread's vector, whose pages stay mapped from one prepare to the next. A
-    // fresh 3.6 MB plan per 4K-token 70B request with scattered ids (40,960 runs)
-    // spent more in page faults than in planning.
-    thread_local std::vector<planner::StridedExtent> reused;
-    std::vector<planner::StridedExtent> fresh;
-    auto& runs = reuse_plan_memory() ? reused : fresh;
+    // The plan is a temporary (prepare_resolved() keeps its own list): planned into a
+    // pooled vector, whose pages stay mapped from one prepare to the next. A fresh
+    // 3.6 MB plan per 4K-token 70B request with scattered ids (40,960 runs) spent
+    // more in page faults than in planning.
+    std::vector<planner::StridedExtent> runs = reuse_plan_memory() ? plan_pool().take()
+                                                                   : std::vector<planner::StridedExtent>();
     PDKV_RETURN_IF_ERROR(planner::plan_strided_into(runs, local, local_ids, *remote, remote_ids, plan,
                                                     routed->transport->caps().two_level_extents));
     auto prep = prepare_resolved(peer_name, op, runs, opts, std::move(claim));
-    constexpr size_t kKeepRuns = size_t(1) << 17;  // 11.5 MB: a 4K-token 70B request's runs with room to spare
-    if (runs.capacity() > kKeepRuns) std::vector<planner::StridedExtent>().swap(runs);
+    if (reuse_plan_memory()) plan_pool().give(std::move(runs));
     return prep;
   }
   PDKV_ASSIGN_OR_RETURN(std::vector<Extent> ex, plan_blocks(local, local_ids, *remote, remote_ids, plan));
