@@ -92,10 +92,7 @@ def deploy(tmp_path_factory):
                                                            transfer_timeout_s=30)))
         # flex talks tcp only, and asks prefill for lossless-compressed KV (issue 16:
         # compressed pulls inside vLLM, bit-exact); decode pulls from it plain over tcp.
-        # On core 0, apart from decode: with both on core 1, flex's process (pdkv's
-        # threads inherit vLLM's CPU binding) went unscheduled for 10-60 s right after it
-        # served as prefill for decode, under CI load (docs/vllm.md, "Tests").
-        procs.append(VllmInstance(root / "m0", name="flex", cpus="0", **common,
+        procs.append(VllmInstance(root / "m0", name="flex", cpus="1", **common,
                                   args=["--block-size", str(FLEX_BLOCK)],
                                   kv_config=pdkv_kv_config("kv_both", stats_path=str(stats["flex"]), kv_lease_s=60,
                                                            transfer_timeout_s=30, transports=["tcp"],
