@@ -143,6 +143,14 @@ def main() -> None:
     # Every block's expected bytes: its own round trip (one scale group per block per head).
     want_blocks = np.stack([np.stack([round_trip(blk) for blk in part]) for part in blocks(a.pool("host"), lids)])
 
+    def check_codec(x: pdkv.Transfer, what: str, device_side: bool) -> None:
+        """The codec the transfer says it used: the mode's; auto keeps the device side
+        (a write's source, a read's destination) plain on an emulated driver."""
+        if MODE != "auto":
+            assert x.compression in ("fp8", "zstd"), (what, x.compression)
+        elif FAKE and device_side:
+            assert x.compression == "", f"auto compressed device memory on an emulated driver ({what})"
+
     def write(src: str, dst: str) -> None:
         x = a.agent.write(peer, src, lids, dst, rids, notify=src.encode() + b"->" + dst.encode())
         got = b.agent.wait_notifications(timeout=30)
@@ -150,10 +158,7 @@ def main() -> None:
             x.wait(0)
         assert np.array_equal(blocks(b.pool(dst), rids), want_blocks), f"{MODE} write {src}->{dst}: bytes differ"
         assert x.wait(30), x.error
-        if MODE != "auto":
-            assert x.compression in ("fp8", "zstd"), (src, dst, x.compression)
-        elif FAKE and src == "dev":
-            assert x.compression == "", "auto compressed device memory on an emulated driver"
+        check_codec(x, f"write {src}->{dst}", device_side=src == "dev")
         wire[f"{src}->{dst}"] = x.wire_bytes
         b.reset(2)
         checks.append(f"write {src}->{dst}")
@@ -175,10 +180,7 @@ def main() -> None:
         x = a.agent.read(peer, dst, lids, src, rids)
         assert x.wait(30), x.error
         assert np.array_equal(blocks(a.pool(dst), lids), want_read), f"{MODE} read {src}->{dst}: bytes differ"
-        if MODE != "auto":
-            assert x.compression in ("fp8", "zstd"), (src, dst, x.compression)
-        elif FAKE and dst == "dev":
-            assert x.compression == "", "auto compressed a read into device memory on an emulated driver"
+        check_codec(x, f"read {src}->{dst}", device_side=dst == "dev")
         wire[f"read {src}->{dst}"] = x.wire_bytes
         a.reset(1)
         checks.append(f"read {src}->{dst}")
