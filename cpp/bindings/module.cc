@@ -27,6 +27,7 @@
 #include "pdkv/metadata.h"
 #include "pdkv/spi/registry.h"
 #include "pdkv/status.h"
+#include "util/thread_cpus.h"
 
 namespace py = pybind11;
 using namespace pdkv;
@@ -210,6 +211,8 @@ PYBIND11_MODULE(_pdkv, m) {
 
   m.def("dtype_size", [](const std::string& name) { return dtype_size(unwrap(parse_dtype(name))); });
   m.def("dtype_name", [](const std::string& name) { return std::string(dtype_name(unwrap(parse_dtype(name)))); });
+  m.def("set_thread_cpus", [](const std::vector<int>& cpus) { check(util::set_thread_cpus(cpus)); });
+  m.def("thread_cpus", &util::thread_cpus);
   m.def("registered_transports", &registered_transports);
   m.def("available_transports", &available_transports);
   m.def("status_code_names", [] {

@@ -95,7 +95,9 @@ __all__ = [
     "available_transports",
     "decode_metadata",
     "plan_blocks",
+    "set_thread_cpus",
     "tensor_address",
+    "thread_cpus",
 ]
 
 
@@ -105,6 +107,52 @@ def available_transports() -> list[str]:
     from . import _native, backends  # noqa: F401 - backends registers the Python transports
 
     return _native.module().available_transports()
+
+
+def set_thread_cpus(cpus) -> None:
+    """Puts every thread pdkv starts from now on (progress, copy, codec, staging
+    threads of agents created or connecting later) on these CPUs.
+
+    By default a pdkv thread inherits the affinity of the thread that starts it, so an
+    engine that pins its worker thread to a core (vLLM's CPU backend, OpenMP binding)
+    gets pdkv's threads on that core too, behind its compute. Give them their own
+    cores instead, before creating the agent (threads already running keep theirs).
+    Process-wide.
+
+    Parameters
+    ----------
+    cpus : iterable of int, or None
+        CPU numbers (as ``os.sched_getaffinity`` lists them); ``None`` or empty: inherit
+        again (the default).
+
+    Raises
+    ------
+    InvalidArgument
+        A CPU that is not an int, out of range, or a set the kernel refuses for this
+        process (offline, outside its cpuset); nothing changes then.
+    """
+    from . import _native
+
+    if cpus is None:
+        cpus = []
+    if isinstance(cpus, (str, bytes)) or not hasattr(cpus, "__iter__"):
+        raise InvalidArgument(f"cpus must be an iterable of CPU numbers or None, got {cpus!r}")
+    out = []
+    for c in cpus:
+        if isinstance(c, bool) or not isinstance(c, int):
+            raise InvalidArgument(f"cpus: {c!r} is not a CPU number (int)")
+        if c < 0 or c >= 1 << 20:
+            raise InvalidArgument(f"cpus: CPU {c} is out of range")
+        out.append(int(c))
+    _native.module().set_thread_cpus(out)
+
+
+def thread_cpus() -> list[int]:
+    """The CPUs :func:`set_thread_cpus` put pdkv's new threads on (sorted), or ``[]``
+    when they inherit their starter's affinity (the default)."""
+    from . import _native
+
+    return list(_native.module().thread_cpus())
 
 
 def decode_metadata(blob: bytes) -> dict:

@@ -7,7 +7,7 @@ import typing
 import typing_extensions
 from . import bench
 from . import netlab
-__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'netlab', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'status_code_names']
+__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'netlab', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
 class XferState:
     """
     Members:
@@ -1001,7 +1001,11 @@ def registered_transports() -> list[str]:
     ...
 def set_codec_kernels(name: str) -> None:
     ...
+def set_thread_cpus(arg0: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None:
+    ...
 def status_code_names() -> list[str]:
+    ...
+def thread_cpus() -> list[int]:
     ...
 EXTENT_COLUMNS: tuple = ('local_addr', 'len', 'local_kind', 'local_device', 'remote_region', 'remote_offset', 'remote_addr')
 codec_header_bytes: int = 48
