@@ -41,7 +41,7 @@ case $KIND in
     FLAGS="-fsanitize=thread -fno-omit-frame-pointer"
     RUNTIME=libtsan.so
     CANDIDATES="tests/test_agent.py tests/test_threads.py tests/test_compress_tcp.py tests/test_compress_read.py
-                tests/test_shm_strided2.py tests/test_generations.py"
+                tests/test_shm_strided2.py tests/test_generations.py tests/test_thread_cpus.py"
     ;;
   *)
     echo "usage: $0 asan|tsan [pytest args]" >&2
