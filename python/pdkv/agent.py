@@ -782,7 +782,9 @@ class Agent:
         From the moment this is called, a transfer that names the old generation fails
         with :class:`StaleBlock` at this agent before any byte lands (or is sent). The
         call returns once no transfer accepted under the old generation still touches
-        the blocks, so they may be reused at once.
+        the blocks, so they may be reused at once. (An shm read is not waited for: it
+        checks this agent's published generations again after its copy, and one still
+        copying when this is called fails with :class:`StaleBlock`.)
 
         Parameters
         ----------

@@ -171,6 +171,9 @@ class Agent::Impl final : public AgentHooks {
   std::string metadata_blob() override { return metadata(); }
   uint32_t max_notif_bytes() const override { return cfg_.max_notif_bytes; }
   Result<GenPin> check_generations(const GenClaim& claim) override { return gens_.check_and_pin(claim); }
+  Result<int> share_generations(const std::string& layout, uint32_t* num_blocks) override {
+    return gens_.dup_shared_fd(layout, num_blocks);
+  }
   void relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
                           std::string notif, const Transport* from) override;
   Result<std::string> fetch_peer_metadata(const std::string& address, std::string_view secret,

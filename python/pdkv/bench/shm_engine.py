@@ -14,6 +14,8 @@ initiator, in this process, measures in interleaved rounds of one run:
   installed): a 1 MiB pull as ``_Worker._read`` posts it (``agent.read`` of layout
   blocks with prefill's generations and the release notification, waited by polling
   ``done``), decomposed step by step against the prepared post of the same bytes.
+  Generations over shm are checked against prefill's shared generation table
+  (docs/wire-shm.md), before and after the copy, without a round trip.
 
 Every transfer is verified once. Ratios are within this run; absolute numbers depend
 on the machine's load.
@@ -197,7 +199,7 @@ def _measure_connector_path(args: argparse.Namespace, agent: pdkv.Agent, caches,
 
     steps = {
         "prepared post (bench transfer)": lambda: _post_wait(prep),
-        "+ generations lease (prepared)": lambda: _post_wait(prep_gens),
+        "+ generations (prepared, shared table)": lambda: _post_wait(prep_gens),
         "read() unprepared, no gens/notify": lambda: _timed(lambda: agent.read(peer, "vllm", local_ids, "vllm",
                                                                                remote_ids).wait(30)),
         "+ notify": lambda: _timed(lambda: agent.read(peer, "vllm", local_ids, "vllm", remote_ids,

@@ -40,10 +40,12 @@ How a request flows (pull, like vLLM's NixlConnector):
    ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"``
    vLLM recomputes the prompt locally and the request still completes.
 
-Stale pulls: prefill checks the generations before it sends a byte, so a pull
-that comes after prefill freed the blocks (lease ran out, replayed parameters,
-clocks that disagree) fails with ``StaleBlock`` instead of reading the request
-that reused them (docs/generations.md). The scheduler has no agent: it mirrors
+Stale pulls: prefill checks the generations before it sends a byte (over ``shm``,
+decode checks prefill's published generation table before and after its copy,
+without a round trip), so a pull that comes after prefill freed the blocks (lease
+ran out, replayed parameters, clocks that disagree), or while it frees them, fails
+with ``StaleBlock`` instead of reading the request that reused them
+(docs/generations.md). The scheduler has no agent: it mirrors
 the generations (every block starts at 1, as in every pdkv layout) and bumps the
 mirror exactly when it tells the worker to bump, for the blocks no other
 hand-out still holds (:class:`_HeldBlocks`; a block shared through the prefix
@@ -941,7 +943,8 @@ class _Worker:
     # ---------------------------------------------------------------- prefill: releases
     def _bump(self, block_ids: list[int]) -> None:
         """Runs in the bump thread: invalidates the handed-out generations of
-        ``block_ids``; returns once no pull under the old ones still reads them."""
+        ``block_ids``; returns once no pull under the old ones still reads them
+        (an shm pull is not waited for: one still copying fails with StaleBlock)."""
         if block_ids:
             for layout in (_LAYOUT, _TOKEN_LAYOUT) if self.has_tokens else (_LAYOUT,):
                 # Both layouts name the same blocks: a pull through either must go stale.

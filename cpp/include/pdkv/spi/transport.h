@@ -85,6 +85,13 @@ class AgentHooks {
   // byte of the transfer lands or is sent; drop the pin once the bytes have landed
   // (or been sent) or the transfer died.
   virtual Result<GenPin> check_generations(const GenClaim& claim) = 0;
+  // A new fd of `layout`'s published generation table (GenerationTable::dup_shared_fd),
+  // for a same-host transport whose readers validate claims without a round trip.
+  virtual Result<int> share_generations(const std::string& layout, uint32_t* num_blocks) {
+    (void)layout;
+    (void)num_blocks;
+    return NotSupported("this agent does not share generation tables");
+  }
   // Delivers a notification to `peer` through another transport that can reach it
   // (for transports without a control channel of their own); resolves one part of
   // `xfer`, with ConnectionError when no other transport reaches the peer.

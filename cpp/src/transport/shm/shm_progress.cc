@@ -293,6 +293,31 @@ void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlH
       if (!asked) return kill(c, ProtocolError(c->desc() + " answered a lease request it was not asked"));
       return;
     }
+    case Ctl::kGenResp: {
+      GenAnswer a;
+      a.done = true;
+      if (h.status != 0) {
+        a.st = Status(status_code_from_wire(h.status), c->frame_aux());
+      } else {
+        if (c->frame_aux().size() != kGenRespLen)
+          return kill(c, ProtocolError(c->desc() + " sent a generation table answer of " +
+                                       std::to_string(c->frame_aux().size()) + " bytes"));
+        std::memcpy(&a.n, c->frame_aux().data(), sizeof a.n);  // little-endian hosts only (shm is same-host)
+        a.fd = c->take_fd();
+        if (a.fd < 0) return kill(c, ProtocolError(c->desc() + " shared a generation table without its fd"));
+      }
+      {
+        auto s = c->lock();
+        auto it = s->gen_answers.find(h.id);
+        if (it != s->gen_answers.end() && !it->second.done) {
+          it->second = std::move(a);
+          s.notify_all();
+          return;
+        }
+      }
+      if (a.fd >= 0) ::close(a.fd);
+      return kill(c, ProtocolError(c->desc() + " answered a generation table request it was not asked"));
+    }
     case Ctl::kNotifyAck: {
       std::shared_ptr<Transfer> x;
       {

@@ -109,6 +109,7 @@ class ShmTransport final : public Transport {
   void on_hello(const std::shared_ptr<ShmConn>& c);
   void answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
   void answer_lease_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
+  void answer_gen_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
   void refuse(const std::shared_ptr<ShmConn>& c, const Status& st, uint64_t id = 0);
   void log_refusal(const Status& st);
   void kill(const std::shared_ptr<ShmConn>& c, const Status& why);
@@ -122,12 +123,27 @@ class ShmTransport final : public Transport {
     return deadline == Clock::time_point::max() ? util::deadline_after(connect_timeout_) : deadline;
   }
   Result<std::shared_ptr<const Binding>> bind(const ShmPrepared& p, Clock::time_point deadline);
+  Result<uint64_t> send_lease_req(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
+                                  Clock::time_point deadline);
   Result<uint64_t> take_lease(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
                               Clock::time_point deadline);
   static void end_lease(Job& job);
+  // Shared generation tables: reads validate their claims without a round trip.
+  Result<std::shared_ptr<RemoteGens>> gen_table(const std::shared_ptr<ShmConn>& c, const std::string& layout,
+                                                Clock::time_point deadline);
+  static Status check_gens(const RemoteGens& t, const GenClaim& claim, bool during, bool* retired);
+  Result<std::shared_ptr<RemoteGens>> check_read_claim(const std::shared_ptr<ShmConn>& c, const GenClaim& claim,
+                                                       Clock::time_point deadline);
+  bool read_checked(const Transfer* x) {
+    std::lock_guard<std::mutex> lk(checks_mu_);
+    return read_checks_.count(x) > 0;
+  }
   // Runs a queued job on a copy thread (or fails it if it was cancelled meanwhile).
   void run_job(Job& job);
+  // After the copy: checks a read's generations again (finish_job), then resolves the
+  // transfer, ends the lease, unpins and sends the notification (complete_job).
   void finish_job(Job& job, Status st);
+  void complete_job(Job& job, Status st);
   void send_notify(const std::shared_ptr<ShmConn>& c, const std::shared_ptr<Transfer>& xfer,
                    const std::string& notif);
   static void unpin(const Binding& b);
@@ -150,6 +166,14 @@ class ShmTransport final : public Transport {
   std::mutex mu_;  // conns_, peers_
   std::unordered_map<ShmConn*, std::shared_ptr<ShmConn>> conns_;
   std::map<std::string, std::shared_ptr<ShmPeerState>> peers_;
+  // Reads checked against a shared generation table before their copy, to check
+  // again after it (finish_job), by transfer.
+  struct ReadCheck {
+    std::shared_ptr<RemoteGens> table;
+    std::shared_ptr<const GenClaim> claim;
+  };
+  std::mutex checks_mu_;
+  std::unordered_map<const Transfer*, ReadCheck> read_checks_;
   CopyEngine copies_{[this](Job& job) { run_job(job); }};
   util::HandshakeThrottle throttle_;
   util::LogLimiter refusal_log_;
