@@ -1106,6 +1106,15 @@ class Agent:
                                                                          _validate.count(max_count, "max_count"))]
 
     @property
+    def notifications_unacknowledged(self) -> int:
+        """Notifications this agent sent whose transfers completed when they were sent
+        (``ShmOptions(notify_on_send=True)``) and that the peer then never acknowledged
+        (its connection closed, or the transfer's deadline passed, first): the peer may
+        not have received them. Monotonic; each is also logged (docs/api.md,
+        "Notifications")."""
+        return self._n.notifications_unacknowledged
+
+    @property
     def notification_fd(self) -> int:
         """An eventfd readable exactly while notifications are queued (for select/epoll)."""
         return self._n.notification_fd

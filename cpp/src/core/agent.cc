@@ -122,6 +122,11 @@ class Agent::Impl final : public AgentHooks {
   const AgentConfig& config() const { return cfg_; }
   std::vector<std::string> transports() const;
   std::vector<Endpoint> endpoints() const;
+  uint64_t notifications_unacknowledged() const {
+    uint64_t n = 0;
+    for (const auto& t : transports_) n += t->notifications_unacknowledged();
+    return n;
+  }
 
   Result<RegionDesc> register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
                                      bool remote_access, int shm_fd);
@@ -322,6 +327,7 @@ Result<std::shared_ptr<StreamingWrite>> Agent::open_stream(
 }
 
 NotifQueue& Agent::notifications() { return impl_->notifications(); }
+uint64_t Agent::notifications_unacknowledged() const { return impl_->notifications_unacknowledged(); }
 
 // ---- Agent::Impl ----
 

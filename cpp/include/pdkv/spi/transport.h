@@ -253,6 +253,9 @@ class Transport {
   }
   // Closes connections to a peer; its in-flight transfers fail with ConnectionError.
   virtual void drop_peer(const std::string& name) = 0;
+  // Notifications that completed their transfer when sent and that the peer then
+  // never acknowledged (ShmOptions::notify_on_send); 0 for transports without it.
+  virtual uint64_t notifications_unacknowledged() const { return 0; }
   // Called after a region was registered, before anyone can name it in a transfer: a
   // transport whose library must register memory itself (NIXL) does it here. An error
   // undoes the registration and is returned to the caller of register_memory.

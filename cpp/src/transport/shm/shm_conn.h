@@ -72,6 +72,9 @@ struct RemoteRegion {
 struct PendingNotify {
   std::shared_ptr<Transfer> xfer;
   Clock::time_point deadline;
+  // ShmOptions::notify_on_send: the transfer completed when the Notify was sent; a
+  // missing acknowledgement is counted and logged, not resolved into the transfer.
+  bool resolved = false;
 };
 
 // A target's published generation table for one layout (GenReq/GenResp), mapped

@@ -324,7 +324,7 @@ void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlH
         auto s = c->lock();
         auto it = s->notifies.find(h.id);
         if (it != s->notifies.end()) {
-          x = it->second.xfer;
+          if (!it->second.resolved) x = it->second.xfer;  // else: completed when sent
           s->notifies.erase(it);
         }
       }
@@ -363,9 +363,21 @@ void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
   if (!c->retire(why, &pend, &leases)) return;
   if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd(), nullptr);
   ::shutdown(c->fd(), SHUT_RDWR);
-  for (auto& [seq, pn] : pend) spi::TransferControl(pn.xfer).resolve_part(0, why);
+  size_t lost = 0;
+  for (auto& [seq, pn] : pend) {
+    if (pn.resolved) ++lost;  // notify_on_send: its transfer completed when it was sent
+    else spi::TransferControl(pn.xfer).resolve_part(0, why);
+  }
+  if (lost) lose_notifications(c, lost, why);
   std::lock_guard<std::mutex> lk(mu_);
   conns_.erase(c.get());
+}
+
+void ShmTransport::lose_notifications(const std::shared_ptr<ShmConn>& c, size_t n, const Status& why) {
+  unacked_notifs_.fetch_add(n, std::memory_order_relaxed);
+  log_refusal(ConnectionError(std::to_string(n) + " notification(s) sent to " + c->desc() +
+                              " were never acknowledged (their transfers completed when they were sent, "
+                              "ShmOptions.notify_on_send): " + why.to_string()));
 }
 
 }  // namespace pdkv::shm

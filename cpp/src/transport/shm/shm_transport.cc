@@ -396,7 +396,7 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
       return;
     }
     seq = s->next_seq++;
-    s->notifies[seq] = PendingNotify{xfer, xfer->deadline()};
+    s->notifies[seq] = PendingNotify{xfer, xfer->deadline(), false};
   }
   Status st = c->send_frame(Ctl::kNotify, seq, notif);
   if (!st.ok()) {
@@ -406,6 +406,21 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
     }
     if (mine) spi::TransferControl(xfer).resolve_part(0, st);
     return;
+  }
+  if (opts_.notify_on_send) {
+    // The whole Notify frame is in the socket, after every byte landed: complete the
+    // transfer now. The acknowledgement is still awaited (to its deadline); one that
+    // never comes is counted and logged (lose_notifications), not resolved here.
+    bool mine = false;
+    {
+      auto s = c->lock();
+      auto it = s->notifies.find(seq);
+      if (it != s->notifies.end()) {
+        it->second.resolved = true;
+        mine = true;
+      }
+    }
+    if (mine) spi::TransferControl(xfer).resolve_part(0, Status::Ok());
   }
   wake();  // start the deadline clock
 }

@@ -90,6 +90,7 @@ class ShmTransport final : public Transport {
   void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) override;
   Status connect(std::shared_ptr<const Peer> peer, double timeout_s) override;
   void drop_peer(const std::string& name) override;
+  uint64_t notifications_unacknowledged() const override { return unacked_notifs_.load(std::memory_order_relaxed); }
   void region_removed(const RegionDesc& region) override;
 
  private:
@@ -112,6 +113,9 @@ class ShmTransport final : public Transport {
   void answer_gen_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
   void refuse(const std::shared_ptr<ShmConn>& c, const Status& st, uint64_t id = 0);
   void log_refusal(const Status& st);
+  // notify_on_send: notifications that completed their transfer and were then never
+  // acknowledged (`why`: the connection closed); counted and logged.
+  void lose_notifications(const std::shared_ptr<ShmConn>& c, size_t n, const Status& why);
   void kill(const std::shared_ptr<ShmConn>& c, const Status& why);
   void add_conn(const std::shared_ptr<ShmConn>& c);
   // Initiator side: connections, region confirmation, copies.
@@ -163,6 +167,7 @@ class ShmTransport final : public Transport {
   std::thread th_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> shut_{false};
+  std::atomic<uint64_t> unacked_notifs_{0};  // notify_on_send: sent, never acknowledged
   std::mutex mu_;  // conns_, peers_
   std::unordered_map<ShmConn*, std::shared_ptr<ShmConn>> conns_;
   std::map<std::string, std::shared_ptr<ShmPeerState>> peers_;
