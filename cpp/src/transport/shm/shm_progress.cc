@@ -76,6 +76,14 @@ void ShmTransport::run() {
         accept_all();
         continue;
       }
+      if (p == &tfd_) {  // a deadline (wake_at): check_deadlines below
+        uint64_t v;
+        if (::read(tfd_, &v, sizeof v) < 0) {
+        }
+        std::lock_guard<std::mutex> lk(timer_mu_);
+        armed_ = Clock::time_point::max();
+        continue;
+      }
       std::shared_ptr<ShmConn> c;
       {
         std::lock_guard<std::mutex> lk(mu_);

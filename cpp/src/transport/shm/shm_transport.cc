@@ -32,6 +32,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/timerfd.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -81,6 +82,12 @@ Status ShmTransport::start(AgentHooks* hooks) {
   epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
   ev.data.ptr = this;
   epoll_ctl(epfd_, EPOLL_CTL_ADD, listen_fd_.get(), &ev);
+  tfd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);  // -1: wake_at wakes at once
+  ev.data.ptr = &tfd_;
+  if (tfd_ >= 0 && epoll_ctl(epfd_, EPOLL_CTL_ADD, tfd_, &ev) != 0) {
+    ::close(tfd_);
+    tfd_ = -1;
+  }
   th_ = std::thread([this] { run(); });
   copies_.start(opts_.copy_threads);
   return Status::Ok();
@@ -115,7 +122,23 @@ void ShmTransport::shutdown() {
   if (!path_.empty()) ::unlink(path_.c_str());
   if (epfd_ >= 0) ::close(epfd_);
   if (evfd_ >= 0) ::close(evfd_);
-  epfd_ = evfd_ = -1;
+  if (tfd_ >= 0) ::close(tfd_);
+  epfd_ = evfd_ = tfd_ = -1;
+}
+
+void ShmTransport::wake_at(Clock::time_point t) {
+  if (t == Clock::time_point::max()) return;  // no deadline to watch
+  if (tfd_ < 0) return wake();
+  std::lock_guard<std::mutex> lk(timer_mu_);
+  if (t >= armed_) return;  // the thread looks earlier anyway (and polls while anything is pending)
+  // steady_clock is CLOCK_MONOTONIC (what the timerfd counts).
+  const int64_t ns = std::max<int64_t>(
+      1, std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+  itimerspec its{};
+  its.it_value.tv_sec = static_cast<time_t>(ns / 1000000000);
+  its.it_value.tv_nsec = static_cast<long>(ns % 1000000000);
+  if (::timerfd_settime(tfd_, TFD_TIMER_ABSTIME, &its, nullptr) != 0) return wake();
+  armed_ = t;
 }
 
 // ---------------------------------------------------------------- initiator side
@@ -422,7 +445,7 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
     }
     if (mine) spi::TransferControl(xfer).resolve_part(0, Status::Ok());
   }
-  wake();  // start the deadline clock
+  wake_at(xfer->deadline());  // the acknowledgement's deadline, without a thread switch now
 }
 
 // A read checked against the target's shared generation table before its copy

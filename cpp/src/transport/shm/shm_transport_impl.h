@@ -156,6 +156,10 @@ class ShmTransport final : public Transport {
     if (evfd_ >= 0 && ::write(evfd_, &one, sizeof one) < 0) {
     }
   }
+  // Makes the progress thread look at deadlines by `t` at the latest without waking
+  // it now (a timerfd armed at the earliest such time; one syscall, no thread
+  // switch): a Notify's acknowledgement deadline. Wakes it at once without a timerfd.
+  void wake_at(Clock::time_point t);
 
   ShmOptions opts_;
   double connect_timeout_;
@@ -164,6 +168,9 @@ class ShmTransport final : public Transport {
   util::ScopedFd listen_fd_;
   int epfd_ = -1;
   int evfd_ = -1;
+  int tfd_ = -1;                      // deadline timer (wake_at), in epfd_
+  std::mutex timer_mu_;               // armed_
+  Clock::time_point armed_ = Clock::time_point::max();  // when tfd_ fires next (max: disarmed)
   std::thread th_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> shut_{false};
