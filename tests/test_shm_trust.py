@@ -38,7 +38,7 @@ def header(type_: int, aux_len: int, ident: int = 0) -> bytes:
     return struct.pack("<IHHQII", MAGIC, type_, 0, ident, aux_len, 0)
 
 
-def hello(secret: str, to: str = "", version: int = 4) -> bytes:
+def hello(secret: str, to: str = "", version: int = 5) -> bytes:
     def s(x: str) -> bytes:
         return struct.pack("<I", len(x)) + x.encode()
     aux = struct.pack("<HQ", version, 0) + s("mallory") + s(to) + s(secret)

@@ -594,7 +594,8 @@ PYBIND11_MODULE(_pdkv, m) {
              for (auto& n : v) out.append(py::make_tuple(n.peer, to_bytes(n.data)));
              return out;
            })
-      .def_property_readonly("notification_fd", [](Agent& a) { return a.notifications().fd(); });
+      .def_property_readonly("notification_fd", [](Agent& a) { return a.notifications().fd(); })
+      .def_property_readonly("notifications_unacknowledged", &Agent::notifications_unacknowledged);
 
   bind_stream(m);  // after Agent: its signatures name the class
   bind_codec(m);

@@ -411,6 +411,14 @@ void bind_options(py::module_& m) {
              "int, bytes: exported host memory registered from the engine (numpy, torch) whose whole pages "
              "span at least this much is re-mapped onto shareable memory at registration, so same-host peers "
              "copy into it as into Agent.alloc memory; 0 turns it off (cross-memory attach).")
+      .property("notify_on_send", "bool", [](const ShmOptions& c) -> py::object { return py::bool_(c.notify_on_send); },
+                [](ShmOptions& c, py::handle v) {
+                  if (!PyBool_Check(v.ptr())) raise_invalid("ShmOptions.notify_on_send must be a bool, got " + describe(v));
+                  c.notify_on_send = v.cast<bool>();
+                },
+             "bool: a transfer's notification completes it once sent (after every byte landed) instead of "
+             "on the peer's acknowledgement; one never acknowledged is counted in "
+             "Agent.notifications_unacknowledged and logged, not raised (docs/api.md, Notifications).")
       .finish();
 
   OptionsClass<AgentConfig>(m, "AgentConfig", "Everything an agent is created with (pdkv/config.h).")

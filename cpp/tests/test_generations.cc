@@ -1,6 +1,10 @@
 // GenerationTable (pdkv/generations.h): check + pin, bump waits for pins, timeout,
 // and the claim codec.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -30,6 +34,35 @@ TEST(Generations, StartAtOneAndBumpReturnsNewValues) {
   EXPECT_EQ(t.get("nope", {0}).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(t.bump("kv", {1, 1}, 1.0).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(t.get("kv", {1}).value(), (std::vector<uint32_t>{1}));  // a refused bump changes nothing
+}
+
+// The published table (shared with same-host readers): sealed, exactly the block
+// count, bumps stored into it, all 0 once the layout is removed.
+TEST(Generations, SharedTableMirrorsBumpsAndIsZeroedOnRemoval) {
+  GenerationTable t;
+  ASSERT_TRUE(t.add_layout("kv", 4).ok());
+  uint32_t n = 0;
+  auto fd = t.dup_shared_fd("kv", &n);
+  ASSERT_TRUE(fd.ok()) << fd.status().to_string();
+  EXPECT_EQ(n, 4u);
+  struct stat st {};
+  ASSERT_EQ(::fstat(*fd, &st), 0);
+  EXPECT_EQ(st.st_size, 16);
+  const int seals = ::fcntl(*fd, F_GET_SEALS);
+  EXPECT_TRUE(seals & F_SEAL_SHRINK);
+  EXPECT_TRUE(seals & F_SEAL_GROW);
+  EXPECT_NE(::ftruncate(*fd, 4), 0);  // a reader's mapping can never be cut short
+  void* p = ::mmap(nullptr, 16, PROT_READ, MAP_SHARED, *fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  const auto* g = static_cast<const uint32_t*>(p);
+  EXPECT_EQ((std::vector<uint32_t>(g, g + 4)), (std::vector<uint32_t>{1, 1, 1, 1}));
+  ASSERT_TRUE(t.bump("kv", {2}, 1.0).ok());
+  EXPECT_EQ((std::vector<uint32_t>(g, g + 4)), (std::vector<uint32_t>{1, 1, 2, 1}));
+  t.remove_layout("kv");
+  EXPECT_EQ((std::vector<uint32_t>(g, g + 4)), (std::vector<uint32_t>{0, 0, 0, 0}));
+  EXPECT_EQ(t.dup_shared_fd("kv", &n).status().code(), StatusCode::kNotFound);
+  ::munmap(p, 16);
+  ::close(*fd);
 }
 
 TEST(Generations, CheckPinsAndStaleClaimsNameTheBlock) {

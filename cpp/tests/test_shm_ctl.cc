@@ -56,6 +56,28 @@ TEST(ShmCtl, PerTypeLimitsAfterHello) {
   EXPECT_FALSE(check_ctl_header(shm_hdr(static_cast<Ctl>(999), 0), CtlSide::kInitiator, 10).ok());
 }
 
+TEST(ShmCtl, GenerationTableFrames) {
+  using shm::Ctl;
+  using shm::CtlSide;
+  // GenReq: initiator -> target, a layout name of at most 128 bytes.
+  EXPECT_TRUE(check_ctl_header(shm_hdr(Ctl::kGenReq, 128), CtlSide::kTarget, 0).ok());
+  EXPECT_FALSE(check_ctl_header(shm_hdr(Ctl::kGenReq, 129), CtlSide::kTarget, 0).ok());
+  EXPECT_FALSE(check_ctl_header(shm_hdr(Ctl::kGenReq, 2), CtlSide::kInitiator, 0).ok());     // wrong direction
+  EXPECT_FALSE(check_ctl_header(shm_hdr(Ctl::kGenReq, 2, 3), CtlSide::kTarget, 0).ok());     // stray status
+  EXPECT_FALSE(check_ctl_header(shm_hdr(Ctl::kGenReq, 2), CtlSide::kTargetPreHello, 0).ok());
+  EXPECT_TRUE(validate_ctl_frame(shm_hdr(Ctl::kGenReq, 2), "kv", CtlSide::kTarget, 0).ok());
+  EXPECT_FALSE(validate_ctl_frame(shm_hdr(Ctl::kGenReq, 0), "", CtlSide::kTarget, 0).ok());
+  EXPECT_FALSE(validate_ctl_frame(shm_hdr(Ctl::kGenReq, 3), "k v", CtlSide::kTarget, 0).ok());
+  // GenResp: target -> initiator; success is exactly a u32 block count, a failure a message.
+  EXPECT_TRUE(check_ctl_header(shm_hdr(Ctl::kGenResp, 4096, 2), CtlSide::kInitiator, 0).ok());
+  EXPECT_FALSE(check_ctl_header(shm_hdr(Ctl::kGenResp, 4097, 2), CtlSide::kInitiator, 0).ok());
+  EXPECT_FALSE(check_ctl_header(shm_hdr(Ctl::kGenResp, 4), CtlSide::kTarget, 0).ok());
+  EXPECT_TRUE(validate_ctl_frame(shm_hdr(Ctl::kGenResp, 4), std::string(4, '\1'), CtlSide::kInitiator, 0).ok());
+  EXPECT_FALSE(validate_ctl_frame(shm_hdr(Ctl::kGenResp, 3), std::string(3, '\1'), CtlSide::kInitiator, 0).ok());
+  EXPECT_FALSE(validate_ctl_frame(shm_hdr(Ctl::kGenResp, 8), std::string(8, '\1'), CtlSide::kInitiator, 0).ok());
+  EXPECT_TRUE(validate_ctl_frame(shm_hdr(Ctl::kGenResp, 3, 2), "bad", CtlSide::kInitiator, 0).ok());
+}
+
 TEST(ShmCtl, HelloRoundTripAndRejections) {
   shm::Hello h{shm::kShmVersion, 42, "alice", "bob", "s3cret"};
   auto back = shm::parse_hello(shm::encode_hello(h));

@@ -782,7 +782,9 @@ class Agent:
         From the moment this is called, a transfer that names the old generation fails
         with :class:`StaleBlock` at this agent before any byte lands (or is sent). The
         call returns once no transfer accepted under the old generation still touches
-        the blocks, so they may be reused at once.
+        the blocks, so they may be reused at once. (An shm read is not waited for: it
+        checks this agent's published generations again after its copy, and one still
+        copying when this is called fails with :class:`StaleBlock`.)
 
         Parameters
         ----------
@@ -1102,6 +1104,15 @@ class Agent:
         timeout = _validate.wait_timeout(timeout)
         return [Notification(p, d) for p, d in self._n.wait_notifications(-1.0 if timeout is None else timeout,
                                                                          _validate.count(max_count, "max_count"))]
+
+    @property
+    def notifications_unacknowledged(self) -> int:
+        """Notifications this agent sent whose transfers completed when they were sent
+        (``ShmOptions(notify_on_send=True)``) and that the peer then never acknowledged
+        (its connection closed, or the transfer's deadline passed, first): the peer may
+        not have received them. Monotonic; each is also logged (docs/api.md,
+        "Notifications")."""
+        return self._n.notifications_unacknowledged
 
     @property
     def notification_fd(self) -> int:

@@ -167,6 +167,10 @@ class Agent final {
 
   // ---- notifications ----
   NotifQueue& notifications();
+  // Notifications sent by transfers that completed when they were sent
+  // (ShmOptions::notify_on_send) and that the peer never acknowledged (its connection
+  // closed, or the transfer's deadline passed, first). Monotonic.
+  uint64_t notifications_unacknowledged() const;
 
  private:
   class Impl;  // agent.cc: the state, and what transports may ask of the agent (AgentHooks)

@@ -122,6 +122,11 @@ class Agent::Impl final : public AgentHooks {
   const AgentConfig& config() const { return cfg_; }
   std::vector<std::string> transports() const;
   std::vector<Endpoint> endpoints() const;
+  uint64_t notifications_unacknowledged() const {
+    uint64_t n = 0;
+    for (const auto& t : transports_) n += t->notifications_unacknowledged();
+    return n;
+  }
 
   Result<RegionDesc> register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
                                      bool remote_access, int shm_fd);
@@ -171,6 +176,9 @@ class Agent::Impl final : public AgentHooks {
   std::string metadata_blob() override { return metadata(); }
   uint32_t max_notif_bytes() const override { return cfg_.max_notif_bytes; }
   Result<GenPin> check_generations(const GenClaim& claim) override { return gens_.check_and_pin(claim); }
+  Result<int> share_generations(const std::string& layout, uint32_t* num_blocks) override {
+    return gens_.dup_shared_fd(layout, num_blocks);
+  }
   void relay_notification(const std::shared_ptr<const Peer>& peer, const std::shared_ptr<Transfer>& xfer,
                           std::string notif, const Transport* from) override;
   Result<std::string> fetch_peer_metadata(const std::string& address, std::string_view secret,
@@ -319,6 +327,7 @@ Result<std::shared_ptr<StreamingWrite>> Agent::open_stream(
 }
 
 NotifQueue& Agent::notifications() { return impl_->notifications(); }
+uint64_t Agent::notifications_unacknowledged() const { return impl_->notifications_unacknowledged(); }
 
 // ---- Agent::Impl ----
 

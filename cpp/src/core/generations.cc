@@ -1,7 +1,14 @@
 #include "pdkv/spi/generations.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <unordered_set>
 
 #include "pdkv/metadata.h"
@@ -18,6 +25,20 @@ struct LayoutGens {
   std::condition_variable cv;  // a pin count dropped to 0
   std::vector<uint32_t> gen;
   std::vector<uint32_t> pins;
+  // The published copy of gen (docs/wire-shm.md "Shared generation tables"): a sealed
+  // memfd of gen.size() u32s that same-host readers map read-only. Written under mu
+  // with release stores; 0 everywhere once the layout is removed. -1/nullptr when the
+  // memfd could not be made (readers then fall back to leases).
+  int fd = -1;
+  uint32_t* shared = nullptr;
+  size_t shared_len = 0;
+  void publish(uint32_t id) {
+    if (shared) __atomic_store_n(&shared[id], gen[id], __ATOMIC_RELEASE);
+  }
+  ~LayoutGens() {
+    if (shared) ::munmap(shared, shared_len);
+    if (fd >= 0) ::close(fd);
+  }
 };
 
 }  // namespace detail
@@ -103,6 +124,7 @@ Status GenerationTable::add_layout(const std::string& name, uint32_t num_blocks)
   const uint32_t start = it == retired_.end() ? 1 : next_gen(it->second);
   l->gen.assign(num_blocks, start);
   l->pins.assign(num_blocks, 0);
+  share(*l);
   layouts_.emplace(name, std::move(l));
   return Status::Ok();
 }
@@ -116,9 +138,44 @@ void GenerationTable::remove_layout(const std::string& name) {
     std::lock_guard<std::mutex> lk2(it->second->mu);
     for (uint32_t g : it->second->gen) top = std::max(top, g);
   }
+  {
+    // Readers still mapping the table see 0 (no generation) and fail their claims.
+    std::lock_guard<std::mutex> lk2(it->second->mu);
+    if (it->second->shared)
+      for (size_t i = 0; i < it->second->gen.size(); ++i) __atomic_store_n(&it->second->shared[i], 0u, __ATOMIC_RELEASE);
+  }
   auto& r = retired_[name];
   r = std::max(r, top);
   layouts_.erase(it);
+}
+
+void GenerationTable::share(detail::LayoutGens& l) {
+  if (l.gen.empty()) return;
+  const size_t len = l.gen.size() * sizeof(uint32_t);
+  int fd = ::memfd_create(("pdkv-gens-" + l.name).substr(0, 240).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return;
+  void* p = MAP_FAILED;
+  if (::ftruncate(fd, static_cast<off_t>(len)) == 0)
+    p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // A reader maps exactly len bytes; the seals keep the file from shrinking under it.
+  if (p == MAP_FAILED || ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    if (p != MAP_FAILED) ::munmap(p, len);
+    ::close(fd);
+    return;
+  }
+  l.fd = fd;
+  l.shared = static_cast<uint32_t*>(p);
+  l.shared_len = len;
+  for (uint32_t i = 0; i < l.gen.size(); ++i) l.publish(i);
+}
+
+Result<int> GenerationTable::dup_shared_fd(const std::string& layout, uint32_t* num_blocks) const {
+  PDKV_ASSIGN_OR_RETURN(auto l, find(layout));
+  if (l->fd < 0) return NotSupported("layout '" + layout + "' has no shared generation table");
+  int fd = ::fcntl(l->fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return ResourceExhausted("dup of a generation table fd failed: " + std::string(std::strerror(errno)));
+  *num_blocks = static_cast<uint32_t>(l->gen.size());
+  return fd;
 }
 
 Result<std::shared_ptr<detail::LayoutGens>> GenerationTable::find(const std::string& layout) const {
@@ -155,6 +212,7 @@ Result<std::vector<uint32_t>> GenerationTable::bump(const std::string& layout, c
   }
   for (uint32_t id : ids) {
     l->gen[id] = next_gen(l->gen[id]);
+    l->publish(id);
     out.push_back(l->gen[id]);
   }
   auto unpinned = [&] {

@@ -700,7 +700,7 @@ class ShmOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144, share_pages_min_bytes: int = 1048576) -> None:
+    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144, share_pages_min_bytes: int = 1048576, notify_on_send: bool = False) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -727,6 +727,14 @@ class ShmOptions:
         """
     @inline_bytes.setter
     def inline_bytes(self, value: int) -> None:
+        ...
+    @property
+    def notify_on_send(self) -> typing.Any:
+        """
+        bool: a transfer's notification completes it once sent (after every byte landed) instead of on the peer's acknowledgement; one never acknowledged is counted in Agent.notifications_unacknowledged and logged, not raised (docs/api.md, Notifications).
+        """
+    @notify_on_send.setter
+    def notify_on_send(self, value: bool) -> None:
         ...
     @property
     def share_pages_min_bytes(self) -> int:
@@ -906,6 +914,9 @@ class Agent:
         ...
     @property
     def notification_fd(self) -> int:
+        ...
+    @property
+    def notifications_unacknowledged(self) -> int:
         ...
     @property
     def secret(self) -> bytes:

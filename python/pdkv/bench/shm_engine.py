@@ -14,6 +14,11 @@ initiator, in this process, measures in interleaved rounds of one run:
   installed): a 1 MiB pull as ``_Worker._read`` posts it (``agent.read`` of layout
   blocks with prefill's generations and the release notification, waited by polling
   ``done``), decomposed step by step against the prepared post of the same bytes.
+  Generations over shm are checked against prefill's shared generation table
+  (docs/wire-shm.md), before and after the copy, without a round trip. The
+  notification steps run twice: completing on prefill's NotifyAck (pdkv's default)
+  and on the Notify being sent (``ShmOptions(notify_on_send=True)``, a second
+  initiator agent: what the connector's agent uses).
 
 Every transfer is verified once. Ratios are within this run; absolute numbers depend
 on the machine's load.
@@ -162,18 +167,26 @@ def _measure(args: argparse.Namespace, info: dict, nbytes: int) -> dict:
     if args.vllm:
         caches = _torch_caches(*args.vllm_geometry)
         _register_caches(agent, caches)
-        out["vllm_pull"] = {name: _measure_connector_path(args, agent, caches, info[name])
+        ons = pdkv.Agent("bench-init-ons", secret=SECRET, transports=["shm"],
+                         shm=pdkv.ShmOptions(inline_bytes=1 << 30, notify_on_send=True))
+        ons_caches = _torch_caches(*args.vllm_geometry)
+        _register_caches(ons, ons_caches)
+        out["vllm_pull"] = {name: _measure_connector_path(args, agent, caches, ons, ons_caches, info[name])
                             for name in ("vllm", "vllm-cma")}
+        ons.close()
     agent.close()
     return out
 
 
-def _measure_connector_path(args: argparse.Namespace, agent: pdkv.Agent, caches, info: dict) -> dict:
-    """One 1 MiB pull through the connector's steps, against the prepared post of the same bytes."""
+def _measure_connector_path(args: argparse.Namespace, agent: pdkv.Agent, caches, ons: pdkv.Agent, ons_caches,
+                            info: dict) -> dict:
+    """One 1 MiB pull through the connector's steps, against the prepared post of the
+    same bytes; ``ons`` is an initiator with ``ShmOptions(notify_on_send=True)``."""
     import torch
 
     layers, _, heads, tokens, head_dim = args.vllm_geometry
     peer = agent.add_peer(base64.b64decode(info["metadata"]))
+    ons_peer = ons.add_peer(base64.b64decode(info["metadata"]))
     block_bytes = layers * heads * tokens * 2 * head_dim * 2
     n = max(1, MIB // block_bytes)
     remote_ids, local_ids = list(range(1, 1 + n)), list(range(3, 3 + n))
@@ -181,9 +194,10 @@ def _measure_connector_path(args: argparse.Namespace, agent: pdkv.Agent, caches,
     prep = agent.prepare("read", peer, "vllm", local_ids, "vllm", remote_ids)
     prep_gens = agent.prepare("read", peer, "vllm", local_ids, "vllm", remote_ids, remote_generations=gens)
     prep.post().wait(30)
+    ons.read(ons_peer, "vllm", local_ids, "vllm", remote_ids).wait(30)  # connect, confirm, map
     counter = [0]
 
-    def connector_pull() -> float:  # _Worker._read + _poll_recving, as the connector runs them
+    def connector_pull(agent=agent, peer=peer) -> float:  # _Worker._read + _poll_recving, as the connector runs them
         counter[0] += 1
         t0 = time.perf_counter()
         x = agent.read(peer, "vllm", local_ids, "vllm", remote_ids, remote_generations=gens,
@@ -197,12 +211,15 @@ def _measure_connector_path(args: argparse.Namespace, agent: pdkv.Agent, caches,
 
     steps = {
         "prepared post (bench transfer)": lambda: _post_wait(prep),
-        "+ generations lease (prepared)": lambda: _post_wait(prep_gens),
+        "+ generations (prepared, shared table)": lambda: _post_wait(prep_gens),
         "read() unprepared, no gens/notify": lambda: _timed(lambda: agent.read(peer, "vllm", local_ids, "vllm",
                                                                                remote_ids).wait(30)),
-        "+ notify": lambda: _timed(lambda: agent.read(peer, "vllm", local_ids, "vllm", remote_ids,
-                                                      notify=b"x").wait(30)),
-        "connector pull (gens + notify + poll)": connector_pull,
+        "+ notify (complete on NotifyAck)": lambda: _timed(lambda: agent.read(peer, "vllm", local_ids, "vllm",
+                                                                              remote_ids, notify=b"x").wait(30)),
+        "+ notify (notify_on_send)": lambda: _timed(lambda: ons.read(ons_peer, "vllm", local_ids, "vllm", remote_ids,
+                                                                     notify=b"x").wait(30)),
+        "connector pull, NotifyAck (before)": connector_pull,
+        "connector pull, notify_on_send (now)": lambda: connector_pull(ons, ons_peer),
     }
     res = {k: [] for k in steps}
     for _ in range(args.rounds):
@@ -210,10 +227,12 @@ def _measure_connector_path(args: argparse.Namespace, agent: pdkv.Agent, caches,
             res[k].append(_median(f, args.reps))
     us = {k: statistics.median(v) * 1e6 for k, v in res.items()}
     base = us["prepared post (bench transfer)"]
-    for i, c in enumerate(caches.values()):  # the last pull landed bit-exact
-        want = torch.from_numpy(_layer_bytes(100 + i, c.numel() * 2)).view(c.shape[0], -1)
-        got = c.view(torch.uint8).view(c.shape[0], -1)
-        assert torch.equal(got[local_ids], want[remote_ids]), f"layer {i} differs"
+    for cs in (caches, ons_caches):  # the last pulls landed bit-exact
+        for i, c in enumerate(cs.values()):
+            want = torch.from_numpy(_layer_bytes(100 + i, c.numel() * 2)).view(c.shape[0], -1)
+            got = c.view(torch.uint8).view(c.shape[0], -1)
+            assert torch.equal(got[local_ids], want[remote_ids]), f"layer {i} differs"
+    assert ons.notifications_unacknowledged == 0, ons.notifications_unacknowledged
     return {"bytes": n * block_bytes, "us": {k: round(v, 1) for k, v in us.items()},
             "ratio_vs_bench": {k: round(v / base, 2) for k, v in us.items()}}
 

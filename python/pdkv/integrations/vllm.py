@@ -40,10 +40,12 @@ How a request flows (pull, like vLLM's NixlConnector):
    ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy="recompute"``
    vLLM recomputes the prompt locally and the request still completes.
 
-Stale pulls: prefill checks the generations before it sends a byte, so a pull
-that comes after prefill freed the blocks (lease ran out, replayed parameters,
-clocks that disagree) fails with ``StaleBlock`` instead of reading the request
-that reused them (docs/generations.md). The scheduler has no agent: it mirrors
+Stale pulls: prefill checks the generations before it sends a byte (over ``shm``,
+decode checks prefill's published generation table before and after its copy,
+without a round trip), so a pull that comes after prefill freed the blocks (lease
+ran out, replayed parameters, clocks that disagree), or while it frees them, fails
+with ``StaleBlock`` instead of reading the request that reused them
+(docs/generations.md). The scheduler has no agent: it mirrors
 the generations (every block starts at 1, as in every pdkv layout) and bumps the
 mirror exactly when it tells the worker to bump, for the blocks no other
 hand-out still holds (:class:`_HeldBlocks`; a block shared through the prefix
@@ -153,6 +155,10 @@ _LAYOUT = "vllm-kv"
 #: V elements sit (:func:`~pdkv.integrations.vllm_layout.cpu_token_layout`); pulls
 #: between different block sizes go through it (``_LAYOUT`` only tells whole blocks).
 _TOKEN_LAYOUT = "vllm-kv-tokens"
+#: ``PDKV_VLLM_DEBUG_GENS=1``: log every hand-out's generations (scheduler) and every
+#: bump's new generations per layout (worker), to tell a stalled instance from a
+#: mirror that disagrees with the agent when a pull fails with ``StaleBlock``.
+_DEBUG_GENS = os.environ.get("PDKV_VLLM_DEBUG_GENS", "") not in ("", "0")
 
 
 @dataclass
@@ -556,7 +562,11 @@ class _Scheduler:
 
     def _finish_held(self, req_id: str) -> None:
         """Prefill: the request's blocks may go (bumped first, by the worker)."""
-        self._finish.append((req_id, self.held.release(req_id)))
+        bump = self.held.release(req_id)
+        if _DEBUG_GENS:
+            logger.info("pdkv connector: gens: release %s: bump blocks %s to %s", req_id, bump,
+                        self.held.generations(bump))
+        self._finish.append((req_id, bump))
 
     def build_connector_meta(self) -> PdkvConnectorMetadata:
         for req_id in self.held.expired(time.time()):
@@ -605,6 +615,9 @@ class _Scheduler:
             return False, None
         expires = time.time() + self.lease_s
         gens = self.held.hold(request.request_id, [int(b) for b in block_ids], expires)
+        if _DEBUG_GENS:
+            logger.info("pdkv connector: gens: hand out %s: blocks %s at %s", request.request_id,
+                        [int(b) for b in block_ids], gens)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -647,10 +660,16 @@ class _Worker:
         transports = extra.get("transports")
         compress = connector_compression(extra.get("compress"), _kv_dtype_name(vllm_config)) \
             if extra.get("compress") not in (None, "off") else None
+        # A pull over shm completes once its release notification is sent (after every
+        # byte landed), not one round trip later when prefill acknowledges it: a release
+        # prefill never acknowledges only delays its freeing to the lease; it is counted
+        # (Agent.notifications_unacknowledged: the stats rows' "releases_unacknowledged")
+        # and logged by pdkv.
         self.agent = pdkv.Agent(name, secret=secret, listen=f"{host}:{port_n}",
                                 transports=list(transports) if transports else None,
                                 default_timeout=self.timeout_s,
-                                tcp=pdkv.TcpOptions(compress=compress) if compress else None)
+                                tcp=pdkv.TcpOptions(compress=compress) if compress else None,
+                                shm=pdkv.ShmOptions(notify_on_send=True))
         self._regions: list[pdkv.Region] = []
         self._caches: list[torch.Tensor] = []
         self.geometry: pdkv.KVGeometry | None = None
@@ -934,18 +953,23 @@ class _Worker:
                "seen_to_done_s": seconds, "transport": xfer.transport if xfer is not None else None,
                "compression": xfer.compression if xfer is not None else None,
                "wire_bytes": xfer.wire_bytes if xfer is not None else None,
-               "error": None if err is None else f"{type(err).__name__}: {err}", "time": time.time()}
+               "error": None if err is None else f"{type(err).__name__}: {err}",
+               "releases_unacknowledged": self.agent.notifications_unacknowledged, "time": time.time()}
         with open(self.stats_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
     # ---------------------------------------------------------------- prefill: releases
     def _bump(self, block_ids: list[int]) -> None:
         """Runs in the bump thread: invalidates the handed-out generations of
-        ``block_ids``; returns once no pull under the old ones still reads them."""
+        ``block_ids``; returns once no pull under the old ones still reads them
+        (an shm pull is not waited for: one still copying fails with StaleBlock)."""
         if block_ids:
             for layout in (_LAYOUT, _TOKEN_LAYOUT) if self.has_tokens else (_LAYOUT,):
                 # Both layouts name the same blocks: a pull through either must go stale.
-                self.agent.bump_generations(layout, self._phys(block_ids), timeout=None)
+                new = self.agent.bump_generations(layout, self._phys(block_ids), timeout=None)
+                if _DEBUG_GENS:
+                    logger.info("pdkv connector: gens: bumped %s kernel blocks %s to %s", layout,
+                                self._phys(block_ids), list(new))
 
     def _poll_released(self) -> set[str]:
         """Collects decode's release notifications (for the scheduler) and returns

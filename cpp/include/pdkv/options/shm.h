@@ -19,6 +19,13 @@ struct ShmOptions {
   // same-host peers copy into it as fast as into Agent.alloc memory instead of through
   // cross-memory attach (docs/transports.md). 0: never (the off switch). Bytes.
   uint64_t share_pages_min_bytes = 1u << 20;
+  // A transfer's notification completes the transfer once it is sent (after every
+  // byte landed, so the peer still gets it only then) instead of when the peer
+  // acknowledges it (one round trip less). One the peer never acknowledges (the
+  // connection closed, or the transfer's deadline passed first) is then not the
+  // transfer's error: it is counted (Agent::notifications_unacknowledged) and
+  // logged. Off: the transfer fails instead (docs/api.md, "Notifications").
+  bool notify_on_send = false;
 
   // OK, or InvalidArgument naming the field out of range and its value.
   Status validate() const;

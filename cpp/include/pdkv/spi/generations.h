@@ -96,8 +96,15 @@ class GenerationTable {
   // Checks every entry of `claim`; on success pins the blocks (bump waits for the
   // pin). Errors: NotFound (no such layout), OutOfRange (block id), StaleBlock.
   Result<GenPin> check_and_pin(const GenClaim& claim);
+  // A new fd of the layout's published generation table (a sealed memfd of
+  // num_blocks little-endian u32s, updated with release stores by bump(), all 0 once
+  // the layout is removed), for same-host readers that validate optimistically
+  // (docs/wire-shm.md "Shared generation tables"). NotFound, or NotSupported when the
+  // table could not be made.
+  Result<int> dup_shared_fd(const std::string& layout, uint32_t* num_blocks) const;
 
  private:
+  static void share(detail::LayoutGens& l);
   Result<std::shared_ptr<detail::LayoutGens>> find(const std::string& layout) const;
 
   mutable std::mutex mu_;

@@ -85,6 +85,13 @@ class AgentHooks {
   // byte of the transfer lands or is sent; drop the pin once the bytes have landed
   // (or been sent) or the transfer died.
   virtual Result<GenPin> check_generations(const GenClaim& claim) = 0;
+  // A new fd of `layout`'s published generation table (GenerationTable::dup_shared_fd),
+  // for a same-host transport whose readers validate claims without a round trip.
+  virtual Result<int> share_generations(const std::string& layout, uint32_t* num_blocks) {
+    (void)layout;
+    (void)num_blocks;
+    return NotSupported("this agent does not share generation tables");
+  }
   // Delivers a notification to `peer` through another transport that can reach it
   // (for transports without a control channel of their own); resolves one part of
   // `xfer`, with ConnectionError when no other transport reaches the peer.
@@ -246,6 +253,9 @@ class Transport {
   }
   // Closes connections to a peer; its in-flight transfers fail with ConnectionError.
   virtual void drop_peer(const std::string& name) = 0;
+  // Notifications that completed their transfer when sent and that the peer then
+  // never acknowledged (ShmOptions::notify_on_send); 0 for transports without it.
+  virtual uint64_t notifications_unacknowledged() const { return 0; }
   // Called after a region was registered, before anyone can name it in a transfer: a
   // transport whose library must register memory itself (NIXL) does it here. An error
   // undoes the registration and is returned to the caller of register_memory.

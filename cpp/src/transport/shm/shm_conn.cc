@@ -70,6 +70,10 @@ void ShmConn::authenticate(std::string name) {
 
 // ---------------------------------------------------------------- shared state
 
+RemoteGens::~RemoteGens() {
+  if (base) ::munmap(const_cast<uint32_t*>(base), size_t{n} * sizeof(uint32_t));
+}
+
 bool ShmConn::retire(const Status& why, std::map<uint64_t, PendingNotify>* notifies, std::map<uint64_t, Lease>* leases) {
   std::lock_guard<std::mutex> lk(mu_);
   if (shared_.dead) return false;
@@ -77,6 +81,9 @@ bool ShmConn::retire(const Status& why, std::map<uint64_t, PendingNotify>* notif
   gone_.store(true, std::memory_order_release);
   shared_.dead_reason = why;
   notifies->swap(shared_.notifies);
+  for (auto& [id, a] : shared_.gen_answers)
+    if (a.fd >= 0) ::close(a.fd);
+  shared_.gen_answers.clear();
   leases->swap(shared_.leases);
   shared_.leased_blocks = 0;
   cv_.notify_all();

@@ -72,6 +72,27 @@ struct RemoteRegion {
 struct PendingNotify {
   std::shared_ptr<Transfer> xfer;
   Clock::time_point deadline;
+  // ShmOptions::notify_on_send: the transfer completed when the Notify was sent; a
+  // missing acknowledgement is counted and logged, not resolved into the transfer.
+  bool resolved = false;
+};
+
+// A target's published generation table for one layout (GenReq/GenResp), mapped
+// read-only: n u32 generations, read with acquire loads. Its values are the target's
+// word only; the reader bounds-checks block ids against n (checked against the
+// memfd's size and seals when mapped), never against anything in the table.
+struct RemoteGens {
+  const uint32_t* base = nullptr;
+  uint32_t n = 0;
+  ~RemoteGens();
+};
+
+// The target's answer to a generation table request.
+struct GenAnswer {
+  bool done = false;
+  Status st;
+  uint32_t n = 0;
+  int fd = -1;  // owned
 };
 
 // The target's answer to a region request.
@@ -113,6 +134,9 @@ struct ShmShared {
   std::set<uint64_t> revoked_ids;  // confirmed (or being confirmed) here, then revoked
   uint64_t next_seq = 1;
   std::map<uint64_t, std::optional<Status>> lease_answers;  // requested leases; set when answered
+  std::map<std::string, std::shared_ptr<RemoteGens>> gen_tables;  // by layout name, mapped
+  std::map<uint64_t, GenAnswer> gen_answers;                      // requested tables; done when answered
+  uint64_t next_gen_req = 1;
   uint64_t next_lease = 1;
 };
 

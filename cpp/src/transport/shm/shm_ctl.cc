@@ -8,8 +8,8 @@ namespace {
 
 std::string type_name(uint16_t t) {
   static const char* names[] = {"?", "hello", "hello-ack", "region-req", "region-resp", "notify", "notify-ack",
-                                "revoke", "revoke-ack", "error", "lease-req", "lease-resp", "lease-end"};
-  return t >= 1 && t <= 12 ? names[t] : "type " + std::to_string(t);
+                                "revoke", "revoke-ack", "error", "lease-req", "lease-resp", "lease-end", "gen-req", "gen-resp"};
+  return t >= 1 && t <= 14 ? names[t] : "type " + std::to_string(t);
 }
 
 // The largest aux a frame of `type` may carry on `side`; -1: the type is not allowed there.
@@ -24,6 +24,7 @@ int64_t aux_limit(Ctl type, CtlSide side, uint32_t max_notif) {
         case Ctl::kRevokeAck: return 0;
         case Ctl::kLeaseReq: return int64_t{kMaxLeaseReqAux};
         case Ctl::kLeaseEnd: return 0;
+        case Ctl::kGenReq: return int64_t{kMaxNameLen};
         default: return -1;
       }
     case CtlSide::kInitiatorHello:
@@ -34,6 +35,7 @@ int64_t aux_limit(Ctl type, CtlSide side, uint32_t max_notif) {
         case Ctl::kNotifyAck: return 0;
         case Ctl::kRevoke: return 0;
         case Ctl::kLeaseResp: return int64_t{kMaxErrorAux};
+        case Ctl::kGenResp: return int64_t{kMaxErrorAux};
         case Ctl::kError: return int64_t{kMaxErrorAux};
         default: return -1;
       }
@@ -56,7 +58,8 @@ Status check_ctl_header(const CtlHdr& h, CtlSide side, uint32_t max_notif) {
   if (h.aux_len > limit)
     return ProtocolError("control frame " + type_name(h.type) + " declares " + std::to_string(h.aux_len) +
                          " aux bytes (limit " + std::to_string(limit) + ")");
-  if (h.status != 0 && type != Ctl::kRegionResp && type != Ctl::kLeaseResp && type != Ctl::kError)
+  if (h.status != 0 && type != Ctl::kRegionResp && type != Ctl::kLeaseResp && type != Ctl::kGenResp &&
+      type != Ctl::kError)
     return ProtocolError("control frame " + type_name(h.type) + " carries a status");
   return Status::Ok();
 }
@@ -175,6 +178,12 @@ Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side, u
     case Ctl::kLeaseReq: return parse_lease_req(aux).status();
     case Ctl::kLeaseResp:
       return h.status == 0 && !aux.empty() ? ProtocolError("a granted lease carries no aux") : Status::Ok();
+    case Ctl::kGenReq: return validate_name("generation table layout name", aux);
+    case Ctl::kGenResp:
+      return h.status == 0 && aux.size() != kGenRespLen
+                 ? ProtocolError("a generation table answer is " + std::to_string(aux.size()) + " bytes, not " +
+                                 std::to_string(kGenRespLen))
+                 : Status::Ok();
     default: return Status::Ok();
   }
 }

@@ -22,7 +22,9 @@ constexpr uint32_t kCtlMagic = 0x534b4450;  // "PDKS"
 // 3: block generation leases (LeaseReq/LeaseResp/LeaseEnd).
 // 4: RegionInfo names the memfd-backed window of a region (engine memory whose whole
 //    pages were re-mapped onto a memfd at registration; docs/transports.md).
-constexpr uint16_t kShmVersion = 4;
+// 5: shared generation tables (GenReq/GenResp): reads validate block generations
+//    against the target's published table, before and after the copy, without a lease.
+constexpr uint16_t kShmVersion = 5;
 
 // Limits (bytes of aux), checked on the header before anything is allocated.
 constexpr uint32_t kMaxHelloAux = 4096;   // hello, hello-ack
@@ -30,6 +32,7 @@ constexpr uint32_t kMaxErrorAux = 4096;   // error messages, RegionResp failures
 constexpr uint32_t kMaxNameLen = 128;
 constexpr uint32_t kMaxSecretLen = 1024;
 constexpr uint32_t kRegionInfoLen = 40;   // RegionResp success body
+constexpr uint32_t kGenRespLen = 4;       // GenResp success body: u32 block count
 // Deadlines (seconds).
 constexpr double kHandshakeTimeoutS = 5.0;  // accept -> authenticated hello
 constexpr double kFrameTimeoutS = 5.0;      // first byte of a frame -> its last byte
@@ -58,6 +61,8 @@ enum class Ctl : uint16_t {
   kLeaseReq = 10,   // initiator -> target: id = lease, aux = LeaseReq; check and pin block generations
   kLeaseResp = 11,  // target -> initiator: id = lease; status 0: granted (no aux), else message
   kLeaseEnd = 12,   // initiator -> target: id = lease; the copy is over, unpin
+  kGenReq = 13,     // initiator -> target: id = request, aux = layout name; share its generation table
+  kGenResp = 14,    // target -> initiator: id = request; status 0: u32 block count + the table's memfd, else message
 };
 
 struct CtlHdr {
@@ -66,7 +71,7 @@ struct CtlHdr {
   uint16_t flags;  // 0
   uint64_t id;
   uint32_t aux_len;
-  uint32_t status;  // a StatusCode in RegionResp, LeaseResp and Error, else 0
+  uint32_t status;  // a StatusCode in RegionResp, LeaseResp, GenResp and Error, else 0
 };
 static_assert(sizeof(CtlHdr) == 24, "control header must be 24 bytes");
 

@@ -76,6 +76,14 @@ void ShmTransport::run() {
         accept_all();
         continue;
       }
+      if (p == &tfd_) {  // a deadline (wake_at): check_deadlines below
+        uint64_t v;
+        if (::read(tfd_, &v, sizeof v) < 0) {
+        }
+        std::lock_guard<std::mutex> lk(timer_mu_);
+        armed_ = Clock::time_point::max();
+        continue;
+      }
       std::shared_ptr<ShmConn> c;
       {
         std::lock_guard<std::mutex> lk(mu_);
@@ -293,13 +301,38 @@ void ShmTransport::handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlH
       if (!asked) return kill(c, ProtocolError(c->desc() + " answered a lease request it was not asked"));
       return;
     }
+    case Ctl::kGenResp: {
+      GenAnswer a;
+      a.done = true;
+      if (h.status != 0) {
+        a.st = Status(status_code_from_wire(h.status), c->frame_aux());
+      } else {
+        if (c->frame_aux().size() != kGenRespLen)
+          return kill(c, ProtocolError(c->desc() + " sent a generation table answer of " +
+                                       std::to_string(c->frame_aux().size()) + " bytes"));
+        std::memcpy(&a.n, c->frame_aux().data(), sizeof a.n);  // little-endian hosts only (shm is same-host)
+        a.fd = c->take_fd();
+        if (a.fd < 0) return kill(c, ProtocolError(c->desc() + " shared a generation table without its fd"));
+      }
+      {
+        auto s = c->lock();
+        auto it = s->gen_answers.find(h.id);
+        if (it != s->gen_answers.end() && !it->second.done) {
+          it->second = std::move(a);
+          s.notify_all();
+          return;
+        }
+      }
+      if (a.fd >= 0) ::close(a.fd);
+      return kill(c, ProtocolError(c->desc() + " answered a generation table request it was not asked"));
+    }
     case Ctl::kNotifyAck: {
       std::shared_ptr<Transfer> x;
       {
         auto s = c->lock();
         auto it = s->notifies.find(h.id);
         if (it != s->notifies.end()) {
-          x = it->second.xfer;
+          if (!it->second.resolved) x = it->second.xfer;  // else: completed when sent
           s->notifies.erase(it);
         }
       }
@@ -338,9 +371,21 @@ void ShmTransport::kill(const std::shared_ptr<ShmConn>& c, const Status& why) {
   if (!c->retire(why, &pend, &leases)) return;
   if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd(), nullptr);
   ::shutdown(c->fd(), SHUT_RDWR);
-  for (auto& [seq, pn] : pend) spi::TransferControl(pn.xfer).resolve_part(0, why);
+  size_t lost = 0;
+  for (auto& [seq, pn] : pend) {
+    if (pn.resolved) ++lost;  // notify_on_send: its transfer completed when it was sent
+    else spi::TransferControl(pn.xfer).resolve_part(0, why);
+  }
+  if (lost) lose_notifications(c, lost, why);
   std::lock_guard<std::mutex> lk(mu_);
   conns_.erase(c.get());
+}
+
+void ShmTransport::lose_notifications(const std::shared_ptr<ShmConn>& c, size_t n, const Status& why) {
+  unacked_notifs_.fetch_add(n, std::memory_order_relaxed);
+  log_refusal(ConnectionError(std::to_string(n) + " notification(s) sent to " + c->desc() +
+                              " were never acknowledged (their transfers completed when they were sent, "
+                              "ShmOptions.notify_on_send): " + why.to_string()));
 }
 
 }  // namespace pdkv::shm

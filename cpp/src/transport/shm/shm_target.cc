@@ -8,7 +8,9 @@
 
 #include <chrono>
 
+#include "pdkv/metadata.h"
 #include "transport/shm/shm_ctl.h"
+#include "util/bytes.h"
 #include "transport/shm/shm_transport_impl.h"
 #include "util/log.h"
 
@@ -64,6 +66,8 @@ void ShmTransport::handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHd
     }
     case Ctl::kLeaseReq:
       return answer_lease_req(c, h.id);
+    case Ctl::kGenReq:
+      return answer_gen_req(c, h.id);
     case Ctl::kLeaseEnd: {
       Lease ended;  // unpinned outside c's lock
       {
@@ -111,6 +115,26 @@ void ShmTransport::answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t
   RegionInfo info{d->addr, d->len, d->kind, d->shared_len > 0, d->shared_offset, d->shared_len};
   (void)c->send_frame(Ctl::kRegionResp, id, encode_region_info(info), 0, fd);
   if (fd >= 0) ::close(fd);
+}
+
+// Shares the layout's published generation table: its memfd, sealed, mapped
+// read-only by the peer (docs/wire-shm.md "Shared generation tables"). Nothing is
+// recorded: the table only grows stale (all 0) when the layout is removed.
+void ShmTransport::answer_gen_req(const std::shared_ptr<ShmConn>& c, uint64_t id) {
+  const std::string name = c->frame_aux();
+  Status v = validate_name("generation table layout name", name);
+  if (!v.ok()) return refuse(c, ProtocolError(c->desc() + ": " + v.message()), id);
+  uint32_t n = 0;
+  auto fd = hooks_->share_generations(name, &n);
+  if (!fd.ok()) {
+    const Status& st = fd.status();
+    (void)c->send_frame(Ctl::kGenResp, id, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
+    return;
+  }
+  util::ByteWriter w;
+  w.put<uint32_t>(n);
+  (void)c->send_frame(Ctl::kGenResp, id, w.take(), 0, *fd);
+  ::close(*fd);
 }
 
 // Checks the claim against this agent's generations now and pins the blocks until

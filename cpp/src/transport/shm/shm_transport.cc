@@ -8,6 +8,8 @@
 // permits it. Small transfers copy inline in the posting thread (lowest latency);
 // larger ones on pdkv's copy thread. Notifications go over the Unix socket after
 // every byte was copied and complete the transfer when the peer acknowledges them.
+// Block generations: a write leases the blocks first (one round trip); a read checks
+// them against the target's shared generation table, before and after the copy.
 //
 // Direct access means the target cannot check each write, so the initiator never
 // trusts the metadata blob for bounds: before first use it asks the target, over
@@ -30,6 +32,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/timerfd.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -79,6 +82,12 @@ Status ShmTransport::start(AgentHooks* hooks) {
   epoll_ctl(epfd_, EPOLL_CTL_ADD, evfd_, &ev);
   ev.data.ptr = this;
   epoll_ctl(epfd_, EPOLL_CTL_ADD, listen_fd_.get(), &ev);
+  tfd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);  // -1: wake_at wakes at once
+  ev.data.ptr = &tfd_;
+  if (tfd_ >= 0 && epoll_ctl(epfd_, EPOLL_CTL_ADD, tfd_, &ev) != 0) {
+    ::close(tfd_);
+    tfd_ = -1;
+  }
   th_ = std::thread([this] { run(); });
   copies_.start(opts_.copy_threads);
   return Status::Ok();
@@ -90,6 +99,10 @@ void ShmTransport::shutdown() {
   wake();
   if (th_.joinable()) th_.join();
   for (auto& j : copies_.stop()) {
+    {
+      std::lock_guard<std::mutex> lk(checks_mu_);
+      read_checks_.erase(j.xfer.get());
+    }
     end_lease(j);
     unpin(*j.b);
     spi::TransferControl(j.xfer).resolve_part(0, ConnectionError("agent is shutting down"));
@@ -109,7 +122,23 @@ void ShmTransport::shutdown() {
   if (!path_.empty()) ::unlink(path_.c_str());
   if (epfd_ >= 0) ::close(epfd_);
   if (evfd_ >= 0) ::close(evfd_);
-  epfd_ = evfd_ = -1;
+  if (tfd_ >= 0) ::close(tfd_);
+  epfd_ = evfd_ = tfd_ = -1;
+}
+
+void ShmTransport::wake_at(Clock::time_point t) {
+  if (t == Clock::time_point::max()) return;  // no deadline to watch
+  if (tfd_ < 0) return wake();
+  std::lock_guard<std::mutex> lk(timer_mu_);
+  if (t >= armed_) return;  // the thread looks earlier anyway (and polls while anything is pending)
+  // steady_clock is CLOCK_MONOTONIC (what the timerfd counts).
+  const int64_t ns = std::max<int64_t>(
+      1, std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+  itimerspec its{};
+  its.it_value.tv_sec = static_cast<time_t>(ns / 1000000000);
+  its.it_value.tv_nsec = static_cast<long>(ns % 1000000000);
+  if (::timerfd_settime(tfd_, TFD_TIMER_ABSTIME, &its, nullptr) != 0) return wake();
+  armed_ = t;
 }
 
 // ---------------------------------------------------------------- initiator side
@@ -155,11 +184,10 @@ Result<std::shared_ptr<const PreparedOps>> ShmTransport::prepare_checked(std::sh
   return ops;
 }
 
-// Asks the target to check and pin the claimed block generations before a copy (one
-// round trip); returns the lease id to end after the copy. A target that does not
-// answer in time loses the connection, which releases whatever it granted.
-Result<uint64_t> ShmTransport::take_lease(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
-                                          Clock::time_point deadline) {
+// Sends LeaseReq: the target is to check the claimed block generations and pin the
+// blocks until LeaseEnd. Returns the lease id; its answer lands in lease_answers.
+Result<uint64_t> ShmTransport::send_lease_req(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
+                                              Clock::time_point deadline) {
   const auto now = Clock::now();
   if (deadline <= now) return TimeoutError("the transfer's deadline passed before its blocks were leased");
   const double hold_s = deadline == Clock::time_point::max()
@@ -177,16 +205,28 @@ Result<uint64_t> ShmTransport::take_lease(const std::shared_ptr<ShmConn>& c, con
     s->lease_answers.emplace(id, std::nullopt);
   }
   Status sent = c->send_frame(Ctl::kLeaseReq, id, aux);
+  if (!sent.ok()) {
+    c->lock()->lease_answers.erase(id);
+    return sent;
+  }
+  return id;
+}
+
+// A write's lease: granted before the copy (one round trip), since a write into blocks
+// the target freed would corrupt their new owner. A target that does not answer in
+// time loses the connection, which releases whatever it granted.
+Result<uint64_t> ShmTransport::take_lease(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
+                                          Clock::time_point deadline) {
+  PDKV_ASSIGN_OR_RETURN(uint64_t id, send_lease_req(c, claim_wire, deadline));
   std::optional<Status> ans;
   bool got = false;
   {
     auto s = c->lock();
-    got = sent.ok() && s.wait_until(answer_by(deadline), [&] { return s->dead || s->lease_answers[id].has_value(); });
+    got = s.wait_until(answer_by(deadline), [&] { return s->dead || s->lease_answers[id].has_value(); });
     ans = s->lease_answers[id];
     s->lease_answers.erase(id);
     if (s->dead) return s->dead_reason;  // the target released the lease with the connection
   }
-  if (!sent.ok()) return sent;
   if (!got) {
     Status st = TimeoutError(c->desc() + " did not answer a block lease request in time");
     kill(c, st);
@@ -194,6 +234,119 @@ Result<uint64_t> ShmTransport::take_lease(const std::shared_ptr<ShmConn>& c, con
   }
   if (!ans->ok()) return *ans;
   return id;
+}
+
+// ---- Shared generation tables (docs/wire-shm.md): a read checks its claim against
+// the target's published table before the copy and again after it, with no round
+// trip; a write still takes a lease.
+
+// The target's table for `layout`, mapped on first use (one round trip per
+// connection and layout). nullptr: the target does not share it (use a lease).
+Result<std::shared_ptr<RemoteGens>> ShmTransport::gen_table(const std::shared_ptr<ShmConn>& c,
+                                                              const std::string& layout, Clock::time_point deadline) {
+  uint64_t id;
+  {
+    auto s = c->lock();
+    if (s->dead) return s->dead_reason.ok() ? ConnectionError("connection closed") : s->dead_reason;
+    auto it = s->gen_tables.find(layout);
+    if (it != s->gen_tables.end()) return it->second;
+    id = s->next_gen_req++;
+    s->gen_answers.emplace(id, GenAnswer{});
+  }
+  Status sent = c->send_frame(Ctl::kGenReq, id, layout);
+  GenAnswer a;
+  bool got = false;
+  {
+    auto s = c->lock();
+    got = sent.ok() && s.wait_until(answer_by(deadline), [&] { return s->dead || s->gen_answers[id].done; });
+    a = std::move(s->gen_answers[id]);
+    s->gen_answers.erase(id);
+    if (s->dead) {
+      if (a.fd >= 0) ::close(a.fd);
+      return s->dead_reason.ok() ? ConnectionError("connection closed") : s->dead_reason;
+    }
+  }
+  if (!sent.ok()) return sent;
+  if (!got) {
+    Status st = TimeoutError(c->desc() + " did not share its generation table in time");
+    kill(c, st);
+    return st;
+  }
+  if (!a.st.ok()) {
+    if (a.st.code() == StatusCode::kNotSupported) return std::shared_ptr<RemoteGens>();
+    return a.st;
+  }
+  util::ScopedFd fd(a.fd);
+  // The table is the target's word: check what mapping it can do to us. Its size and
+  // seals (no shrinking: a shrunk file would fault our loads) before mapping n u32s.
+  struct stat st {};
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  const uint64_t need = uint64_t{a.n} * sizeof(uint32_t);
+  Status bad;
+  if (a.n == 0) bad = ProtocolError(c->desc() + " shared an empty generation table for layout '" + layout + "'");
+  else if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || uint64_t(st.st_size) < need)
+    bad = ProtocolError(c->desc() + " shared a generation table for layout '" + layout + "' smaller than its " +
+                        std::to_string(a.n) + " blocks");
+  else if (seals < 0 || !(seals & F_SEAL_SHRINK))
+    bad = ProtocolError(c->desc() + " shared a generation table for layout '" + layout + "' that is not sealed");
+  if (!bad.ok()) {
+    kill(c, bad);
+    return bad;
+  }
+  void* p = ::mmap(nullptr, need, PROT_READ, MAP_SHARED, fd.get(), 0);
+  if (p == MAP_FAILED) return ResourceExhausted("mapping a generation table failed: " + util::errno_str(errno));
+  auto t = std::make_shared<RemoteGens>();
+  t->base = static_cast<const uint32_t*>(p);
+  t->n = a.n;
+  auto s = c->lock();
+  auto [it, fresh] = s->gen_tables.emplace(layout, t);
+  (void)fresh;  // another post mapped it meanwhile: use that one
+  return it->second;
+}
+
+// Checks `claim` against the published table now (acquire loads). *retired: a
+// claimed entry is 0, the mark of a removed layout (its name may have a new table).
+Status ShmTransport::check_gens(const RemoteGens& t, const GenClaim& claim, bool during, bool* retired) {
+  for (size_t i = 0; i < claim.blocks.size(); ++i) {
+    const uint32_t b = claim.blocks[i];
+    if (b >= t.n) {
+      // A removed layout's table (all 0) may have been re-added with more blocks.
+      if (retired && __atomic_load_n(&t.base[0], __ATOMIC_ACQUIRE) == 0) *retired = true;
+      return OutOfRange("block " + std::to_string(b) + " is beyond layout '" + claim.layout + "' (" +
+                        std::to_string(t.n) + " blocks)");
+    }
+    const uint32_t g = __atomic_load_n(&t.base[b], __ATOMIC_ACQUIRE);
+    if (g == claim.gens[i]) continue;
+    if (g == 0 && retired) *retired = true;
+    if (during)
+      return StaleBlock("layout '" + claim.layout + "' block " + std::to_string(b) + ": the transfer expects "
+                        "generation " + std::to_string(claim.gens[i]) + ", the block went to generation " +
+                        std::to_string(g) + " during the read (freed or reused while it was copied); the read's "
+                        "destination bytes are not valid");
+    return StaleBlock("layout '" + claim.layout + "' block " + std::to_string(b) + ": the transfer expects "
+                      "generation " + std::to_string(claim.gens[i]) + ", the block is at generation " +
+                      std::to_string(g) + " (freed or reused since it was handed out); nothing was transferred");
+  }
+  return Status::Ok();
+}
+
+// Before a read's copy: the table, mapped, and the claim checked against it. nullptr:
+// the target shares no table (the caller takes a lease).
+Result<std::shared_ptr<RemoteGens>> ShmTransport::check_read_claim(const std::shared_ptr<ShmConn>& c,
+                                                                     const GenClaim& claim,
+                                                                     Clock::time_point deadline) {
+  for (int attempt = 0;; ++attempt) {
+    PDKV_ASSIGN_OR_RETURN(auto t, gen_table(c, claim.layout, deadline));
+    if (!t) return t;
+    bool retired = false;
+    Status st = check_gens(*t, claim, false, &retired);
+    if (st.ok()) return t;
+    if (!retired || attempt > 0) return st;
+    // The layout was removed since we mapped its table: ask for the current one.
+    auto s = c->lock();
+    auto it = s->gen_tables.find(claim.layout);
+    if (it != s->gen_tables.end() && it->second == t) s->gen_tables.erase(it);
+  }
 }
 
 void ShmTransport::end_lease(Job& job) {
@@ -266,7 +419,7 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
       return;
     }
     seq = s->next_seq++;
-    s->notifies[seq] = PendingNotify{xfer, xfer->deadline()};
+    s->notifies[seq] = PendingNotify{xfer, xfer->deadline(), false};
   }
   Status st = c->send_frame(Ctl::kNotify, seq, notif);
   if (!st.ok()) {
@@ -277,10 +430,49 @@ void ShmTransport::send_notify(const std::shared_ptr<ShmConn>& c, const std::sha
     if (mine) spi::TransferControl(xfer).resolve_part(0, st);
     return;
   }
-  wake();  // start the deadline clock
+  if (opts_.notify_on_send) {
+    // The whole Notify frame is in the socket, after every byte landed: complete the
+    // transfer now. The acknowledgement is still awaited (to its deadline); one that
+    // never comes is counted and logged (lose_notifications), not resolved here.
+    bool mine = false;
+    {
+      auto s = c->lock();
+      auto it = s->notifies.find(seq);
+      if (it != s->notifies.end()) {
+        it->second.resolved = true;
+        mine = true;
+      }
+    }
+    if (mine) spi::TransferControl(xfer).resolve_part(0, Status::Ok());
+  }
+  wake_at(xfer->deadline());  // the acknowledgement's deadline, without a thread switch now
 }
 
+// A read checked against the target's shared generation table before its copy
+// (post) is checked again after it: a bump of a claimed block that the copy could
+// have seen the effects of is seen here, and fails the read with StaleBlock (its
+// destination bytes are then not valid).
 void ShmTransport::finish_job(Job& job, Status st) {
+  if (job.b->op == OpKind::kRead) {
+    ReadCheck rc;
+    {
+      std::lock_guard<std::mutex> lk(checks_mu_);
+      auto it = read_checks_.find(job.xfer.get());
+      if (it != read_checks_.end()) {
+        rc = std::move(it->second);
+        read_checks_.erase(it);
+      }
+    }
+    if (rc.table && st.ok()) {
+      // Every load of the copy happens before the second look at the table.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      st = check_gens(*rc.table, *rc.claim, true, nullptr);
+    }
+  }
+  complete_job(job, st);
+}
+
+void ShmTransport::complete_job(Job& job, Status st) {
   // The bytes are in memory the peer shares with us; fail the transfer if the peer
   // died meanwhile (the progress thread sees its socket close at once).
   if (st.ok() && job.b->conn->gone())
@@ -340,7 +532,20 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
     }
   }
   uint64_t lease = 0;
-  if (prep->claim) {
+  if (prep->claim && prep->op == OpKind::kRead) {
+    // Checked against the target's table now and again after the copy (finish_job).
+    auto t = check_read_claim(b->conn, *prep->claim, xfer->deadline());
+    if (!t.ok()) {
+      unpin(*b);
+      return fail(t.status());
+    }
+    if (*t) {
+      std::lock_guard<std::mutex> lk(checks_mu_);
+      read_checks_[xfer.get()] = ReadCheck{std::move(*t), prep->claim};
+    }
+  }
+  if (prep->claim && (prep->op != OpKind::kRead || !read_checked(xfer.get()))) {
+    // A write (or a read from a target without a shared table) takes a lease first.
     auto l = take_lease(b->conn, prep->claim_wire, xfer->deadline());
     if (!l.ok()) {
       unpin(*b);
@@ -358,13 +563,8 @@ void ShmTransport::post(const std::shared_ptr<const PreparedOps>& ops, const std
 }
 
 void ShmTransport::run_job(Job& job) {
-  if (spi::TransferControl(job.xfer).cancel_requested()) {
-    end_lease(job);
-    unpin(*job.b);
-    spi::TransferControl(job.xfer).resolve_part(0, Cancelled("cancelled before the copy started"));
-    if (!job.notif.empty()) spi::TransferControl(job.xfer).resolve_part(0, Cancelled("notification not sent"));
-    return;
-  }
+  if (spi::TransferControl(job.xfer).cancel_requested())
+    return finish_job(job, Cancelled("cancelled before the copy started"));  // ends the lease, drops the read check
   finish_job(job, run_copies(*job.b, job.xfer.get()));
 }
 

@@ -90,6 +90,7 @@ class ShmTransport final : public Transport {
   void notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) override;
   Status connect(std::shared_ptr<const Peer> peer, double timeout_s) override;
   void drop_peer(const std::string& name) override;
+  uint64_t notifications_unacknowledged() const override { return unacked_notifs_.load(std::memory_order_relaxed); }
   void region_removed(const RegionDesc& region) override;
 
  private:
@@ -109,8 +110,12 @@ class ShmTransport final : public Transport {
   void on_hello(const std::shared_ptr<ShmConn>& c);
   void answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
   void answer_lease_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
+  void answer_gen_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
   void refuse(const std::shared_ptr<ShmConn>& c, const Status& st, uint64_t id = 0);
   void log_refusal(const Status& st);
+  // notify_on_send: notifications that completed their transfer and were then never
+  // acknowledged (`why`: the connection closed); counted and logged.
+  void lose_notifications(const std::shared_ptr<ShmConn>& c, size_t n, const Status& why);
   void kill(const std::shared_ptr<ShmConn>& c, const Status& why);
   void add_conn(const std::shared_ptr<ShmConn>& c);
   // Initiator side: connections, region confirmation, copies.
@@ -122,12 +127,27 @@ class ShmTransport final : public Transport {
     return deadline == Clock::time_point::max() ? util::deadline_after(connect_timeout_) : deadline;
   }
   Result<std::shared_ptr<const Binding>> bind(const ShmPrepared& p, Clock::time_point deadline);
+  Result<uint64_t> send_lease_req(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
+                                  Clock::time_point deadline);
   Result<uint64_t> take_lease(const std::shared_ptr<ShmConn>& c, const std::string& claim_wire,
                               Clock::time_point deadline);
   static void end_lease(Job& job);
+  // Shared generation tables: reads validate their claims without a round trip.
+  Result<std::shared_ptr<RemoteGens>> gen_table(const std::shared_ptr<ShmConn>& c, const std::string& layout,
+                                                Clock::time_point deadline);
+  static Status check_gens(const RemoteGens& t, const GenClaim& claim, bool during, bool* retired);
+  Result<std::shared_ptr<RemoteGens>> check_read_claim(const std::shared_ptr<ShmConn>& c, const GenClaim& claim,
+                                                       Clock::time_point deadline);
+  bool read_checked(const Transfer* x) {
+    std::lock_guard<std::mutex> lk(checks_mu_);
+    return read_checks_.count(x) > 0;
+  }
   // Runs a queued job on a copy thread (or fails it if it was cancelled meanwhile).
   void run_job(Job& job);
+  // After the copy: checks a read's generations again (finish_job), then resolves the
+  // transfer, ends the lease, unpins and sends the notification (complete_job).
   void finish_job(Job& job, Status st);
+  void complete_job(Job& job, Status st);
   void send_notify(const std::shared_ptr<ShmConn>& c, const std::shared_ptr<Transfer>& xfer,
                    const std::string& notif);
   static void unpin(const Binding& b);
@@ -136,6 +156,10 @@ class ShmTransport final : public Transport {
     if (evfd_ >= 0 && ::write(evfd_, &one, sizeof one) < 0) {
     }
   }
+  // Makes the progress thread look at deadlines by `t` at the latest without waking
+  // it now (a timerfd armed at the earliest such time; one syscall, no thread
+  // switch): a Notify's acknowledgement deadline. Wakes it at once without a timerfd.
+  void wake_at(Clock::time_point t);
 
   ShmOptions opts_;
   double connect_timeout_;
@@ -144,12 +168,24 @@ class ShmTransport final : public Transport {
   util::ScopedFd listen_fd_;
   int epfd_ = -1;
   int evfd_ = -1;
+  int tfd_ = -1;                      // deadline timer (wake_at), in epfd_
+  std::mutex timer_mu_;               // armed_
+  Clock::time_point armed_ = Clock::time_point::max();  // when tfd_ fires next (max: disarmed)
   std::thread th_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> shut_{false};
+  std::atomic<uint64_t> unacked_notifs_{0};  // notify_on_send: sent, never acknowledged
   std::mutex mu_;  // conns_, peers_
   std::unordered_map<ShmConn*, std::shared_ptr<ShmConn>> conns_;
   std::map<std::string, std::shared_ptr<ShmPeerState>> peers_;
+  // Reads checked against a shared generation table before their copy, to check
+  // again after it (finish_job), by transfer.
+  struct ReadCheck {
+    std::shared_ptr<RemoteGens> table;
+    std::shared_ptr<const GenClaim> claim;
+  };
+  std::mutex checks_mu_;
+  std::unordered_map<const Transfer*, ReadCheck> read_checks_;
   CopyEngine copies_{[this](Job& job) { run_job(job); }};
   util::HandshakeThrottle throttle_;
   util::LogLimiter refusal_log_;
