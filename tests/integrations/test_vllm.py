@@ -48,6 +48,8 @@ BLOCK = 128  # vLLM's CPU KV block size
 MAX_NEW = 24
 #: Prompt lengths: shorter than a block, exactly three blocks, two blocks and a partial third.
 LENGTHS = {"short": 5, "three_blocks": 3 * BLOCK, "partial_last": 2 * BLOCK + 44}
+#: prefill's and flex's lease.
+LEASE_S = 300
 #: prefill_other's lease, and its KV cache: 5 blocks (block 0 is vLLM's null block), so
 #: two 3-block prompts in a row must share blocks (test_late_pull_of_reused_blocks_recomputes).
 OTHER_LEASE_S = 15
@@ -79,21 +81,27 @@ def deploy(tmp_path_factory):
     common = dict(python=VLLM_PYTHON, log_dir=logs, wait=False, kv_cache_gib=1)
     procs = []
     try:
+        # Leases of 300 s (the tests never wait for these to run out): on this shared
+        # 2-core machine every instance stalled for 43 s once while flex held a
+        # request's blocks, and a 60 s lease ran out before decode's pull.
         procs.append(VllmInstance(root / "m0", name="prefill", cpus="0", **common,
-                                  kv_config=pdkv_kv_config("kv_producer", kv_lease_s=60)))
+                                  kv_config=pdkv_kv_config("kv_producer", kv_lease_s=LEASE_S)))
         procs.append(VllmInstance(root / "m1", name="prefill_other", cpus="0", **common, max_model_len=512,
                                   args=["--num-gpu-blocks-override", str(OTHER_BLOCKS)],
                                   kv_config=pdkv_kv_config("kv_producer", kv_lease_s=OTHER_LEASE_S)))
         # Pulls get the connector's default 30 s: decode and flex share one core beside
         # the sanitizer runs in CI, and a peer stalled ~10 s there (first contact of
         # decode with flex) failed a pull that a 10 s timeout cut short.
+        # decode and flex share core 1 for their compute; their pdkv threads may use
+        # both cores (kv_cpus), the prefill instances' stay on core 0 with their compute.
         procs.append(VllmInstance(root / "m0", name="decode", cpus="1", **common,
                                   kv_config=pdkv_kv_config("kv_consumer", stats_path=str(stats["decode"]),
-                                                           transfer_timeout_s=30)))
+                                                           transfer_timeout_s=30, kv_cpus="all")))
         procs.append(VllmInstance(root / "m0", name="flex", cpus="1", **common,
                                   args=["--block-size", str(FLEX_BLOCK)],
-                                  kv_config=pdkv_kv_config("kv_both", stats_path=str(stats["flex"]), kv_lease_s=60,
-                                                           transfer_timeout_s=30)))
+                                  kv_config=pdkv_kv_config("kv_both", stats_path=str(stats["flex"]),
+                                                           kv_lease_s=LEASE_S, transfer_timeout_s=30,
+                                                           kv_cpus="all")))
         for p in procs:
             p.wait_ready(420)
         prefill, other, decode, flex = procs
@@ -261,6 +269,39 @@ def _wait_free(proc, timeout: float = 20.0) -> None:
     while _gauge(proc.url, "vllm:kv_cache_usage_perc") > 0:
         assert time.monotonic() < deadline, f"{proc.name} still holds KV blocks after {timeout} s"
         time.sleep(0.5)
+
+
+def _pdkv_thread_cpus(instance) -> dict[str, set[str]]:
+    """``Cpus_allowed_list`` of each of pdkv's native threads in a vLLM instance's
+    processes (its process group: the API server, the engine core, the worker)."""
+    out: dict[str, set[str]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2]) != instance.proc.pid:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                if name in ("pdkv-tcp", "pdkv-shm", "pdkv-shm-copy"):
+                    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+                    allowed = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
+                    out.setdefault(name, set()).add(allowed.split(":", 1)[1].strip())
+        except (OSError, ValueError, IndexError, StopIteration):
+            continue  # the process or thread ended meanwhile
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not sys.platform.startswith("linux"),
+                    reason="needs 2 CPUs and /proc")
+def test_kv_cpus_gives_pdkv_threads_cores_apart_from_the_engine(deploy):
+    """decode's worker computes on core 1 only (VLLM_CPU_OMP_THREADS_BIND=1); with
+    ``kv_cpus: "all"`` its pdkv threads may run on every CPU. prefill, without it,
+    keeps them on its compute core 0 (what kv_cpus changes)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    every = f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+    decode, prefill = _pdkv_thread_cpus(deploy["decode"]), _pdkv_thread_cpus(deploy["prefill"])
+    assert {"pdkv-tcp", "pdkv-shm"} <= set(decode) and {"pdkv-tcp", "pdkv-shm"} <= set(prefill), (decode, prefill)
+    assert all(v == {every} for v in decode.values()), decode
+    assert all(v == {"0"} for v in prefill.values()), prefill
 
 
 def test_late_pull_of_reused_blocks_recomputes(deploy):

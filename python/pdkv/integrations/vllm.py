@@ -68,7 +68,13 @@ Extra config keys (``kv_connector_extra_config``):
     Seconds prefill keeps a finished request's blocks for decode (default 120);
     a later pull fails (``StaleBlock``) and decode recomputes.
 ``transfer_timeout_s``
-    Deadline of one pull (default 30).
+    Deadline of one pull, and of the first contact with a prefill agent (fetching
+    its metadata), default 30.
+``kv_cpus``
+    CPUs for pdkv's own threads in this worker (a list of CPU numbers, or ``"all"``:
+    every CPU the machine has online); default: they inherit the worker's binding
+    (``VLLM_CPU_OMP_THREADS_BIND``), i.e. share its compute core. Like the cores
+    NixlConnector reserves for KV transfer on CPU (:func:`pdkv.set_thread_cpus`).
 ``stats_path``
     Append one JSON line per pull (request, blocks, bytes, seconds) to this file.
 ``compress``
@@ -268,6 +274,17 @@ def _kv_dtype_name(vllm_config: "VllmConfig") -> str:
     if cache_dtype != "auto":
         return str(cache_dtype)
     return str(getattr(getattr(vllm_config, "model_config", None), "dtype", "unknown")).removeprefix("torch.")
+
+
+def _kv_cpus(value: Any) -> list[int] | None:
+    """``kv_cpus`` of the extra config: ``None`` (inherit), ``"all"`` or CPU numbers."""
+    if value is None:
+        return None
+    if value == "all":
+        return sorted(range(os.cpu_count() or 1))
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"pdkv connector: kv_cpus must be a list of CPU numbers or \"all\", got {value!r}")
+    return list(value)  # pdkv.set_thread_cpus checks each
 
 
 def _extra(vllm_config: "VllmConfig") -> dict[str, Any]:
@@ -665,6 +682,9 @@ class _Worker:
         # prefill never acknowledges only delays its freeing to the lease; it is counted
         # (Agent.notifications_unacknowledged: the stats rows' "releases_unacknowledged")
         # and logged by pdkv.
+        kv_cpus = _kv_cpus(extra.get("kv_cpus"))
+        if kv_cpus is not None:
+            pdkv.set_thread_cpus(kv_cpus)  # before the agent starts its threads
         self.agent = pdkv.Agent(name, secret=secret, listen=f"{host}:{port_n}",
                                 transports=list(transports) if transports else None,
                                 default_timeout=self.timeout_s,
@@ -763,7 +783,7 @@ class _Worker:
     def _connect(self, address: str) -> str:
         """Runs in the connect thread: fetch the peer's metadata and its layout (each
         pull checks it: a peer of another geometry still gets its release)."""
-        peer = self.agent.connect(address, timeout=min(self.timeout_s, 10.0))
+        peer = self.agent.connect(address, timeout=self.timeout_s)
         layouts = self.agent.peer_info(peer)["layouts"]
         if _LAYOUT not in layouts:
             raise pdkv.NotFound(f"peer {peer} at {address} exports no vLLM KV layout")
