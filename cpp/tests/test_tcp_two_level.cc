@@ -44,7 +44,7 @@ struct Shape {
 const std::vector<Shape>& shapes() {
   static const std::vector<Shape> s = {
       {3, 4, 5, 3, 32},    // repetitions after each other (stride2 >= inner span)
-      {4, 3, 16, 4, 5},    // repetitions in the inner gaps (stride >= outer span: NHD <-> HND)
+      {4, 3, 16, 3, 5},    // repetitions in the inner gaps (stride >= outer span: NHD <-> HND)
       {2, 1, 0, 5, 3},     // one piece per repetition: a one-level run
       {5, 2, 5, 3, 17},    // inner pieces touch: one 10-byte piece per repetition
       {1, 7, 2, 2, 1},     // interleaved single bytes: pieces 0,2,..,12 then 1,3,..,13
@@ -172,12 +172,12 @@ TEST(TcpTwoLevel, MakeRunFoldsWhatTouches) {
   EXPECT_EQ(r.count, 1u);
   EXPECT_EQ(r.count2, 1u);
   EXPECT_EQ(r.extents(), 1u);
-  r = make_run(b, 4, 3, 16, 4, 5);  // stays two-level
+  r = make_run(b, 4, 3, 16, 3, 5);  // stays two-level
   EXPECT_EQ(r.count, 3u);
-  EXPECT_EQ(r.count2, 4u);
-  EXPECT_EQ(r.pieces(), 12u);
-  EXPECT_EQ(r.bytes(), 48u);
-  EXPECT_EQ(r.extents(), 12u);
+  EXPECT_EQ(r.count2, 3u);
+  EXPECT_EQ(r.pieces(), 9u);
+  EXPECT_EQ(r.bytes(), 36u);
+  EXPECT_EQ(r.extents(), 9u);
 }
 
 FrameHeader write_hdr(uint64_t payload, uint32_t count) {
@@ -197,15 +197,15 @@ Status check_one(const WireStrided2Extent& e, uint64_t payload) {
 
 TEST(TcpTwoLevelFrame, WellFormedDescriptorsPass) {
   const WireStrided2Extent ext[] = {
-      {1, 0, 4, 3, 16, 4, 5},       // interleaved
+      {1, 0, 4, 3, 16, 3, 5},       // interleaved
       {1, 100, 3, 4, 5, 3, 32},     // after each other
       {1, 900, 8, 1, 0, 1, 0},      // a plain extent in the two-level form
       {1, 1000, 2, 1, 0, 5, 3},     // one piece per repetition
   };
-  auto r = check_strided2_extents(ext, 4, write_hdr(48 + 36 + 8 + 10, 4));
+  auto r = check_strided2_extents(ext, 4, write_hdr(36 + 36 + 8 + 10, 4));
   ASSERT_TRUE(r.ok()) << r.status().to_string();
-  EXPECT_EQ(*r, 48u + 36 + 8 + 10);
-  EXPECT_EQ(strided2_span(ext[0]), 2u * 16 + 3 * 5 + 4);
+  EXPECT_EQ(*r, 36u + 36 + 8 + 10);
+  EXPECT_EQ(strided2_span(ext[0]), 2u * 16 + 2 * 5 + 4);
 }
 
 TEST(TcpTwoLevelFrame, EveryViolationIsNamed) {
