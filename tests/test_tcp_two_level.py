@@ -379,3 +379,31 @@ def test_too_many_pieces_across_two_level_descriptors_are_refused(target):  # no
     expect_error_and_close(s, "ProtocolError", "pieces exceed")
     assert not target["mem"].any()
     assert target["serves"]()
+
+
+@pytest.mark.parametrize("batch_bytes", [100, 1000, 4096, 50_000])
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("mode", ["tp2:tp4", "tp2:tp4+nhd:hnd", "hnd:nhd"])
+def test_two_level_runs_cut_between_frames_are_bit_exact(mode, op, batch_bytes):
+    """Frames of at most batch_bytes: a two-level run is cut at whole repetitions, a
+    repetition larger than what is left of a frame at pieces, a piece larger than a
+    frame inside it; the pieces land in order all the same (and many frames, on
+    several connections, carry one transfer)."""
+    lt, lh, lo, rt, rh, ro, nh, lho, rho = MODES[mode]
+    ntok = 6 * 16 - 7
+    nl, nr = -(-ntok // lt), -(-ntok // rt)
+    lids, rids = block_ids("scattered", nl, nr)
+    opts = pdkv.TcpOptions(batch_bytes=batch_bytes)
+    pull = op == "read"
+    with pdkv.Agent("a", secret="s", transports=["tcp"], tcp=opts) as a, \
+            pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
+        local = KV(a, lt, lh, lo, "bfloat16", None if pull else 11)
+        remote = KV(b, rt, rh, ro, "bfloat16", 12 if pull else None)
+        peer = a.add_peer(b.metadata())
+        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+        x = a.prepare(op, peer, "kv", lids, "kv", rids, **kw).post()
+        assert x.wait(30), x.error
+        if pull:
+            check(remote, rids, local, lids, ntok, nh, rho, lho)
+        else:
+            check(local, lids, remote, rids, ntok, nh, lho, rho)
