@@ -10,6 +10,7 @@ import struct
 HDR = struct.Struct("<IHHQIIQII")
 EXT = struct.Struct("<QQQ")
 SEXT = struct.Struct("<QQQQQ")  # strided extent (flag 8): region, offset, len, count, stride
+S2 = struct.Struct("<QQQQQQQ")  # two-level extent (flag 32): ... count2, stride2
 MAGIC = 0x464B4450
 
 
@@ -78,6 +79,23 @@ SEEDS = {
     "strided_last_piece_out": bytes([1]) + frame(6, count=1, flags=8) + SEXT.pack(1, 0, 256, 8192, 256),
     "strided_too_many_pieces": bytes([1]) + frame(6, count=2, flags=8) + SEXT.pack(1, 0, 1, 1 << 17, 1)
     + SEXT.pack(1, 0, 1, (1 << 17) + 1, 1),
+    # Two-level descriptors (flag 32): a write of an interleaved run (4 B x 3 at 16, x 3
+    # at 5: NHD <-> HND) and one with repetitions apart (3 B x 4 at 5, x 3 at 32), a
+    # compressed write and a pull with one, then hostile ones: overlapping repetitions,
+    # count2 0, count2 x stride2 past 2^64, a span past the region, too many pieces,
+    # both strided flags.
+    "write_two_level": bytes([1]) + frame(5, count=2, payload=36 + 36, flags=32)
+    + S2.pack(1, 64, 4, 3, 16, 3, 5) + S2.pack(1, 1000, 3, 4, 5, 3, 32) + bytes(range(72)),
+    "writez_two_level": bytes([1]) + frame(11, count=1, payload=len(codec_frame(b"a" * 24)), flags=32)
+    + S2.pack(1, 0, 4, 2, 32, 3, 8) + codec_frame(b"a" * 24),
+    "read_two_level_gens": bytes([1]) + frame(6, count=1, flags=36, aux_len=len(GENS))[:40]
+    + S2.pack(1, 0, 256, 4, 1024, 2, 256) + GENS,
+    "two_level_overlap": bytes([1]) + frame(6, count=1, flags=32) + S2.pack(1, 0, 4, 4, 8, 2, 16),
+    "two_level_count2_zero": bytes([1]) + frame(6, count=1, flags=32) + S2.pack(1, 0, 4, 2, 8, 0, 64),
+    "two_level_overflow": bytes([1]) + frame(6, count=1, flags=32) + S2.pack(1, 0, 1, 2, 1, 1 << 17, 1 << 50),
+    "two_level_span_out": bytes([1]) + frame(6, count=1, flags=32) + S2.pack(1, 0, 256, 2, 512, 1 << 12, 1024),
+    "two_level_too_many_pieces": bytes([1]) + frame(6, count=1, flags=32) + S2.pack(1, 0, 1, 1 << 10, 1, 1 << 9, 1 << 10),
+    "two_level_both_flags": bytes([1]) + frame(5, count=1, payload=16, flags=40) + S2.pack(1, 0, 4, 2, 8, 2, 64),
 }
 
 if __name__ == "__main__":

@@ -6,7 +6,11 @@
 // Invariants: nothing crashes, and whatever passes check_header announces a bounded
 // control buffer. A compressed write's payload goes through the receiver's decoder
 // (compress.h decode_payload) into destination buffers as large as its extents, under
-// ASan: a frame that decodes past them is a crash.
+// ASan: a frame that decodes past them is a crash. A strided or two-level write's
+// payload is scattered by the receiver's run walker (scatter.h) into a region of
+// kRegionLen bytes, in chunks of a fuzzed size: a descriptor that passed the checks
+// and still walks out of the region is a crash, and so is a walk that does not end
+// exactly at the payload's end.
 #include <algorithm>
 #include <array>
 #include <memory>
@@ -16,6 +20,7 @@
 
 #include "transport/tcp/compress.h"
 #include "transport/tcp/frame.h"
+#include "transport/tcp/scatter.h"
 
 using namespace pdkv::tcp;
 
@@ -23,7 +28,7 @@ namespace {
 
 constexpr uint64_t kRegionLen = 1ull << 20;  // every region of the pretend target
 constexpr uint64_t kCtrlBound =
-    uint64_t(kMaxExtentsPerFrame) * sizeof(WireStridedExtent) +
+    uint64_t(kMaxExtentsPerFrame) * sizeof(WireStrided2Extent) +
     std::max<uint64_t>(kMaxMetadataBytes, uint64_t(kMaxNotifWireBytes) + kMaxClaimAux);
 
 ConnState pick_state(uint8_t b) {
@@ -34,6 +39,18 @@ ConnState pick_state(uint8_t b) {
     case 3: return {ConnRole::kOutbound, ConnPhase::kOpen};
     default: return {ConnRole::kOutbound, ConnPhase::kMetaWait};
   }
+}
+
+// Scatters the write payload `p` (`n` bytes) into runs over `region` in chunks of
+// `chunk` bytes (resuming mid-piece), as the receiver's landing path does.
+void walk_runs(const std::vector<PieceRun>& runs, const uint8_t* p, uint64_t n, size_t chunk) {
+  RunCursor cur;
+  for (uint64_t done = 0; done < n;) {
+    const uint64_t step = std::min<uint64_t>(chunk, n - done);
+    scatter_to_runs(runs.data(), runs.size(), cur, reinterpret_cast<const char*>(p) + done, step);
+    done += step;
+  }
+  if (cur.idx != runs.size()) __builtin_trap();  // the pieces and the payload disagree
 }
 
 }  // namespace
@@ -65,16 +82,41 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case FrameType::kWrite:
       case FrameType::kWriteZ:
       case FrameType::kReadReq: {
-        if (h.flags & kFlagStrided) {  // strided descriptors (flag 8): checked whole, as the receiver does
-          std::vector<WireStridedExtent> sext(h.count);
-          std::memcpy(sext.data(), c, sext.size() * sizeof(WireStridedExtent));
-          if (!check_strided_extents(sext.data(), h.count, h).ok()) return 0;
-          for (const WireStridedExtent& e : sext)
-            if (!extent_in_region(e.offset, strided_span(e), kRegionLen)) return 0;
+        if (h.flags & (kFlagStrided | kFlagStrided2)) {  // strided (flag 8) or two-level (flag 32): checked whole
+          static std::vector<char> region(kRegionLen);
+          std::vector<PieceRun> runs;
+          uint64_t total = 0;
+          if (h.flags & kFlagStrided2) {
+            std::vector<WireStrided2Extent> sext(h.count);
+            std::memcpy(sext.data(), c, sext.size() * sizeof(WireStrided2Extent));
+            auto sum = check_strided2_extents(sext.data(), h.count, h);
+            if (!sum.ok()) return 0;
+            total = *sum;
+            for (const WireStrided2Extent& e : sext) {
+              if (!extent_in_region(e.offset, strided2_span(e), kRegionLen)) return 0;
+              runs.push_back(make_run(region.data() + e.offset, e.len, e.count, e.stride, e.count2, e.stride2));
+            }
+          } else {
+            std::vector<WireStridedExtent> sext(h.count);
+            std::memcpy(sext.data(), c, sext.size() * sizeof(WireStridedExtent));
+            auto sum = check_strided_extents(sext.data(), h.count, h);
+            if (!sum.ok()) return 0;
+            total = *sum;
+            for (const WireStridedExtent& e : sext) {
+              if (!extent_in_region(e.offset, strided_span(e), kRegionLen)) return 0;
+              runs.push_back(make_run(region.data() + e.offset, e.len, e.count, e.stride));
+            }
+          }
           auto parts = split_data_aux(h, aux);
           if (!parts.ok()) return 0;
           if ((h.flags & kFlagGens) && !pdkv::decode_claim(parts->claim).ok()) return 0;
           if ((h.flags & kFlagZReply) && !decode_zspec(parts->zspec).ok()) return 0;  // compressed read's spec
+          if (static_cast<FrameType>(h.type) == FrameType::kWrite && size - pos >= h.payload) {
+            uint64_t pieces = 0;
+            for (const PieceRun& r : runs) pieces += r.bytes();
+            if (pieces != total || total != h.payload) __builtin_trap();  // the checks and the runs disagree
+            walk_runs(runs, data + pos, h.payload, 1 + (h.xfer_id % 4099));
+          }
           break;
         }
         std::vector<WireExtent> ext(h.count);

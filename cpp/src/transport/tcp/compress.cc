@@ -414,7 +414,7 @@ std::string encode_extra(uint32_t encode_threads) {
     if (codec_available(k)) codecs |= 1u << static_cast<unsigned>(k);
   util::ByteWriter w;
   w.put<uint32_t>(kExtraMagic);
-  w.put<uint32_t>(kFeatureCompressedWrite | kFeatureStridedExtents | kFeatureCompressedRead);
+  w.put<uint32_t>(kFeatureCompressedWrite | kFeatureStridedExtents | kFeatureCompressedRead | kFeatureTwoLevelExtents);
   w.put<uint32_t>(codecs);
   w.put<uint32_t>(codec_threads(TcpCompression{}));  // decode threads (Decoder); older peers stop reading before it
   w.put<uint32_t>(encode_threads);                   // encoder threads answering compressed reads (newer still)
@@ -430,6 +430,7 @@ PeerFeatures decode_extra(std::string_view extra) {
   f.compressed_write = features & kFeatureCompressedWrite;
   f.strided_extents = features & kFeatureStridedExtents;
   f.compressed_read = features & kFeatureCompressedRead;
+  f.two_level_extents = f.strided_extents && (features & kFeatureTwoLevelExtents);
   f.codecs = codecs;
   uint32_t threads = 0;
   if (r.get(&threads, "tcp extra decode threads").ok()) f.decode_threads = std::max(1u, std::min(threads, 64u));

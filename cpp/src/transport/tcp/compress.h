@@ -278,6 +278,7 @@ struct PeerFeatures {
   bool compressed_write = false;
   bool compressed_read = false;  // answers kFlagZReply read requests (kFeatureCompressedRead)
   bool strided_extents = false;  // takes kFlagStrided frames (wire.h)
+  bool two_level_extents = false;  // takes kFlagStrided2 frames (kFeatureTwoLevelExtents)
   uint32_t codecs = 0;           // bit (1 << CodecKind) per codec it decodes (and encodes)
   uint32_t decode_threads = 1;   // its decode threads (1 when an older peer does not say)
   uint32_t encode_threads = 1;   // its encoder threads answering compressed reads (1 when not said)

@@ -75,16 +75,23 @@ Result<std::shared_ptr<cuda::PinnedBuffer>> DeviceStaging::gather(int device, co
   return buf;
 }
 
+void append_device_runs(const PieceRun* runs, size_t n, std::vector<cuda::DeviceRun>& out) {
+  for (size_t i = 0; i < n; ++i) {
+    const PieceRun& r = runs[i];
+    for (uint64_t j = 0; j < r.count2; ++j)
+      out.push_back(cuda::DeviceRun{reinterpret_cast<uint64_t>(r.base + j * r.stride2), r.len, r.count, r.stride});
+  }
+}
+
 Result<std::shared_ptr<cuda::PinnedBuffer>> DeviceStaging::gather_runs(int device, const PieceRun* runs, size_t n,
                                                                        Clock::time_point deadline,
                                                                        const std::function<bool()>& abandon) {
   PDKV_ASSIGN_OR_RETURN(auto st, stager());
   PDKV_ASSIGN_OR_RETURN(auto buf, st->acquire(device, deadline, abandon));
   thread_local std::vector<cuda::DeviceRun> dr;
-  dr.resize(n);
-  for (size_t i = 0; i < n; ++i)
-    dr[i] = cuda::DeviceRun{reinterpret_cast<uint64_t>(runs[i].base), runs[i].len, runs[i].count, runs[i].stride};
-  Status g = st->gather_runs(device, dr.data(), n, buf->data());
+  dr.clear();
+  append_device_runs(runs, n, dr);
+  Status g = st->gather_runs(device, dr.data(), dr.size(), buf->data());
   if (!g.ok()) return g.with_context("copying device memory into the staging buffer");
   return buf;
 }
@@ -96,9 +103,8 @@ void DeviceStaging::respond_read(const std::shared_ptr<TcpConn>& c, const FrameH
     std::vector<RegionPin> pins;
     GenPin gens;  // held until the bytes are gathered (the job ends)
   };
-  std::vector<cuda::DeviceRun> runs(src.size());
-  for (size_t i = 0; i < src.size(); ++i)
-    runs[i] = cuda::DeviceRun{reinterpret_cast<uint64_t>(src[i].base), src[i].len, src[i].count, src[i].stride};
+  std::vector<cuda::DeviceRun> runs;
+  append_device_runs(src.data(), src.size(), runs);
   auto job = std::make_shared<Job>(Job{std::move(runs), std::move(pins), std::move(gens)});
   run([this, c, h, job, bytes, device] {
     auto fail = [&](const Status& st) {

@@ -55,6 +55,11 @@ class TcpTransport;
 class Encoder;
 struct EncodedBatch;
 
+// The strided-copy kernel's runs for `runs` (one level each): a two-level run becomes
+// one run per repetition, in order (bounded: a frame holds at most kMaxStridedPieces
+// pieces, a prepared batch as many).
+void append_device_runs(const PieceRun* runs, size_t n, std::vector<cuda::DeviceRun>& out);
+
 class DeviceStaging {
  public:
   DeviceStaging(TcpTransport& t, uint64_t chunk_bytes, uint32_t buffers)

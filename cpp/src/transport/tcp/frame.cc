@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "core/plan_runs.h"
 #include "pdkv/spi/generations.h"
 #include "pdkv/metadata.h"
 #include "util/bytes.h"
@@ -104,8 +105,12 @@ Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim) {
       h.type == static_cast<uint16_t>(FrameType::kWrite) || h.type == static_cast<uint16_t>(FrameType::kWriteZ);
   const bool is_read_req = h.type == static_cast<uint16_t>(FrameType::kReadReq);
   const uint16_t allowed_flags =
-      is_write ? (kFlagNotif | kFlagGens | kFlagStrided) : is_read_req ? (kFlagGens | kFlagStrided | kFlagZReply) : 0;
+      is_write ? (kFlagNotif | kFlagGens | kFlagStrided | kFlagStrided2)
+      : is_read_req ? (kFlagGens | kFlagStrided | kFlagStrided2 | kFlagZReply)
+                    : 0;
   if (h.flags & ~allowed_flags) return ProtocolError(what + " has unknown flags " + std::to_string(h.flags));
+  if ((h.flags & kFlagStrided) && (h.flags & kFlagStrided2))
+    return ProtocolError(what + " sets both strided flags (8 and 32): its descriptor size is ambiguous");
   if (!r.has_status && h.status != 0)
     return ProtocolError(what + " carries a status (" + std::to_string(h.status) + ")");
   if (h.count < r.min_count || h.count > r.max_count)
@@ -185,6 +190,42 @@ Result<uint64_t> check_strided_extents(const WireStridedExtent* ext, uint32_t n,
   if (h.type == static_cast<uint16_t>(FrameType::kWrite) && sum != h.payload)
     return ProtocolError("write frame declares " + std::to_string(h.payload) +
                          " payload bytes but its strided extents add up to " + std::to_string(sum));
+  return sum;
+}
+
+Result<uint64_t> check_strided2_extents(const WireStrided2Extent* ext, uint32_t n, const FrameHeader& h) {
+  uint64_t sum = 0, pieces = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    WireStrided2Extent e;
+    std::memcpy(&e, ext + i, sizeof e);
+    const std::string at = "two-level extent " + std::to_string(i);
+    if (e.len == 0) return ProtocolError(at + " has length 0");
+    if (e.count == 0) return ProtocolError(at + " has count 0");
+    if (e.count2 == 0) return ProtocolError(at + " has count2 0");
+    uint64_t n_pieces = 0;
+    if (__builtin_mul_overflow(e.count, e.count2, &n_pieces) || n_pieces > kMaxStridedPieces - pieces)
+      return ProtocolError(at + " has " + std::to_string(e.count) + " x " + std::to_string(e.count2) +
+                           " pieces: the frame's pieces exceed " + std::to_string(kMaxStridedPieces));
+    pieces += n_pieces;
+    uint64_t steps = 0, steps2 = 0, span = 0;
+    if (__builtin_mul_overflow(e.count - 1, e.stride, &steps) ||
+        __builtin_mul_overflow(e.count2 - 1, e.stride2, &steps2) || __builtin_add_overflow(steps, steps2, &span) ||
+        __builtin_add_overflow(span, e.len, &span))
+      return ProtocolError(at + ": count " + std::to_string(e.count) + " x stride " + std::to_string(e.stride) +
+                           " + count2 " + std::to_string(e.count2) + " x stride2 " + std::to_string(e.stride2) +
+                           " overflows");
+    if (!planner::nested_disjoint(e.len, e.count, e.stride, e.count2, e.stride2))
+      return ProtocolError(at + " (len " + std::to_string(e.len) + ", stride " + std::to_string(e.stride) +
+                           ", stride2 " + std::to_string(e.stride2) + ") has pieces that overlap");
+    uint64_t bytes = 0;
+    if (__builtin_mul_overflow(n_pieces, e.len, &bytes) || bytes > kMaxPayloadPerFrame - sum)
+      return ProtocolError("the two-level extents ask for more than " + std::to_string(kMaxPayloadPerFrame) +
+                           " bytes in one frame");
+    sum += bytes;
+  }
+  if (h.type == static_cast<uint16_t>(FrameType::kWrite) && sum != h.payload)
+    return ProtocolError("write frame declares " + std::to_string(h.payload) +
+                         " payload bytes but its two-level extents add up to " + std::to_string(sum));
   return sum;
 }
 

@@ -54,12 +54,14 @@ FrameHeader decode_header(const void* bytes);
 // Validates magic, type, direction/phase, flags, status, count, aux_len and
 // payload of `h` for a connection in state `s`. ProtocolError naming the field and
 // the limit on failure (the caller adds who sent it). When OK, control_bytes(h)
-// is at most kMaxExtentsPerFrame * 40 + max(kMaxMetadataBytes, kMaxNotifWireBytes + kMaxClaimAux).
+// is at most kMaxExtentsPerFrame * 56 + max(kMaxMetadataBytes, kMaxNotifWireBytes + kMaxClaimAux).
 Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim);
 
 // Bytes of one extent descriptor of `h` (plain or strided).
 inline uint64_t desc_bytes(const FrameHeader& h) {
-  return (h.flags & kFlagStrided) ? sizeof(WireStridedExtent) : sizeof(WireExtent);
+  return (h.flags & kFlagStrided2)  ? sizeof(WireStrided2Extent)
+         : (h.flags & kFlagStrided) ? sizeof(WireStridedExtent)
+                                    : sizeof(WireExtent);
 }
 // Bytes of extents plus aux that follow the header.
 inline uint64_t control_bytes(const FrameHeader& h) { return uint64_t(h.count) * desc_bytes(h) + h.aux_len; }
@@ -96,6 +98,20 @@ Result<uint64_t> check_strided_extents(const WireStridedExtent* ext, uint32_t n,
 // Bytes from a strided descriptor's first byte to its last piece's end (the
 // descriptor passed check_strided_extents: no overflow).
 inline uint64_t strided_span(const WireStridedExtent& e) { return (e.count - 1) * e.stride + e.len; }
+
+// check_strided_extents() for a kFlagStrided2 frame (two-level descriptors): every
+// descriptor has len >= 1, count >= 1, count2 >= 1; its levels nest (no two of its
+// count x count2 pieces overlap: planner::nested_disjoint); its span
+// (count - 1) * stride + (count2 - 1) * stride2 + len and count x count2 x len do not
+// wrap u64; all pieces together are at most kMaxStridedPieces and kMaxPayloadPerFrame
+// bytes, and for a write the declared payload. ProtocolError naming the descriptor
+// and the field. Returns the byte sum.
+Result<uint64_t> check_strided2_extents(const WireStrided2Extent* ext, uint32_t n, const FrameHeader& h);
+
+// The span of a two-level descriptor that passed check_strided2_extents (no overflow).
+inline uint64_t strided2_span(const WireStrided2Extent& e) {
+  return (e.count - 1) * e.stride + (e.count2 - 1) * e.stride2 + e.len;
+}
 
 // True when [offset, offset + len) lies inside a region of `region_len` bytes
 // (no u64 overflow).

@@ -46,6 +46,11 @@ bool lazy_runs_allowed() {
   return on;
 }
 
+bool two_level_wire_allowed() {
+  static const bool on = !util::bench_switch_is("PDKV_BENCH_TCP_ONE_LEVEL", "1");
+  return on;
+}
+
 FrameHeader make_hdr(FrameType t, uint64_t xfer, uint32_t batch) {
   FrameHeader h{};
   h.magic = kFrameMagic;

@@ -68,6 +68,10 @@ uint64_t land_below_bytes();
 // False under the benchmark switch PDKV_BENCH_TCP_PIECE_IOVECS=1: prepare lists one
 // iovec per local piece of a strided run (as before lazy runs), to compare in one build.
 bool lazy_runs_allowed();
+// False under the benchmark switch PDKV_BENCH_TCP_ONE_LEVEL=1: tcp does not take
+// two-level runs (the agent expands them into one-level runs, as before), to compare
+// in one build.
+bool two_level_wire_allowed();
 
 // True when the sender gathers a payload of `bytes` over `extents` extents.
 inline bool gathers(uint64_t bytes, uint64_t extents) { return extents > 1 && bytes < extents * gather_below_bytes(); }

@@ -420,21 +420,27 @@ bool FrameReceiver::on_data_request(const std::shared_ptr<TcpConn>& c) {
 
 namespace {
 
-// One extent descriptor of either form, as the pin loop sees it: `count` pieces of
-// `len` bytes `stride` apart (a plain WireExtent is one piece).
+// One extent descriptor of any form, as the pin loop sees it: `count` pieces of
+// `len` bytes `stride` apart, repeated `count2` times `stride2` apart (a plain
+// WireExtent is one piece, a one-level strided one one repetition).
 struct DescView {
-  uint64_t region, offset, len, count, stride;
+  uint64_t region, offset, len, count, stride, count2, stride2;
 };
 
-DescView desc_at(const std::string& ctrl, bool strided, uint32_t i) {
-  if (strided) {
+DescView desc_at(const std::string& ctrl, uint16_t flags, uint32_t i) {
+  if (flags & kFlagStrided2) {
+    WireStrided2Extent e;
+    std::memcpy(&e, ctrl.data() + size_t(i) * sizeof e, sizeof e);
+    return {e.region, e.offset, e.len, e.count, e.stride, e.count2, e.stride2};
+  }
+  if (flags & kFlagStrided) {
     WireStridedExtent e;
     std::memcpy(&e, ctrl.data() + size_t(i) * sizeof e, sizeof e);
-    return {e.region, e.offset, e.len, e.count, e.stride};
+    return {e.region, e.offset, e.len, e.count, e.stride, 1, 0};
   }
   WireExtent e;
   std::memcpy(&e, ctrl.data() + size_t(i) * sizeof e, sizeof e);
-  return {e.region, e.offset, e.len, 1, 0};
+  return {e.region, e.offset, e.len, 1, 0, 1, 0};
 }
 
 }  // namespace
@@ -442,7 +448,7 @@ DescView desc_at(const std::string& ctrl, bool strided, uint32_t i) {
 bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* req) {
   const FrameHeader& h = rx(c).cur;
   const bool is_write = static_cast<FrameType>(h.type) == FrameType::kWrite;
-  const bool strided = h.flags & kFlagStrided;
+  const bool strided = h.flags & (kFlagStrided | kFlagStrided2);
   AgentHooks* hooks = t_.hooks();
   const std::string& ctrl = rx(c).ctrl;
   const uint32_t n = h.count;
@@ -453,7 +459,9 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
   // Strided descriptors are checked (counts, overflow, total pieces) before anything
   // is built from them; plain ones after (their count is bounded by check_header).
   if (strided) {
-    auto sizes = check_strided_extents(reinterpret_cast<const WireStridedExtent*>(ctrl.data()), n, h);
+    auto sizes = (h.flags & kFlagStrided2)
+                     ? check_strided2_extents(reinterpret_cast<const WireStrided2Extent*>(ctrl.data()), n, h)
+                     : check_strided_extents(reinterpret_cast<const WireStridedExtent*>(ctrl.data()), n, h);
     if (!sizes.ok()) return protocol_error(sizes.status());
     req->bytes = *sizes;
   }
@@ -463,8 +471,9 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
   uint64_t last_region = 0;
   const RegionDesc* last = nullptr;
   for (uint32_t i = 0; i < n; ++i) {
-    const DescView e = desc_at(ctrl, strided, i);
-    const uint64_t span = (e.count - 1) * e.stride + e.len;  // no overflow: checked above (plain: count 1)
+    const DescView e = desc_at(ctrl, h.flags, i);
+    // No overflow: checked above (plain: count 1, count2 1).
+    const uint64_t span = (e.count - 1) * e.stride + (e.count2 - 1) * e.stride2 + e.len;
     Status err;
     if (e.len == 0) {
       err = ProtocolError("extent " + std::to_string(i) + " has length 0");
@@ -492,8 +501,7 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
       return false;
     }
     char* const base = reinterpret_cast<char*>(last->addr + e.offset);
-    const PieceRun run = e.count == 1 || e.stride == e.len ? PieceRun{base, e.count * e.len, 1, 0}  // pieces touch
-                                                           : PieceRun{base, e.len, e.count, e.stride};
+    const PieceRun run = make_run(base, e.len, e.count, e.stride, e.count2, e.stride2);  // touching pieces fold
     req->runs.push_back(run);
     req->extents += run.extents();
   }
@@ -863,11 +871,8 @@ Status FrameReceiver::begin_staged_rx(TcpConn& c, int device) {
     rx(c).pipe = std::make_unique<cuda::ScatterPipe>(std::move(st));
   }
   if (rx(c).runs) {  // a strided request's runs, or a lazy read's: copied out run by run
-    std::vector<cuda::DeviceRun> runs(rx(c).nruns);
-    for (size_t i = 0; i < runs.size(); ++i) {
-      const PieceRun& r = rx(c).runs[i];
-      runs[i] = cuda::DeviceRun{reinterpret_cast<uint64_t>(r.base), r.len, r.count, r.stride};
-    }
+    std::vector<cuda::DeviceRun> runs;  // two-level runs: one per repetition (scatter.h)
+    append_device_runs(rx(c).runs, rx(c).nruns, runs);
     PDKV_RETURN_IF_ERROR(rx(c).pipe->begin_runs(device, std::move(runs), rx(c).remaining));
   } else {
     PDKV_RETURN_IF_ERROR(rx(c).pipe->begin(device, rx(c).dst, rx(c).ndst, rx(c).remaining));

@@ -90,6 +90,9 @@ TransportCaps TcpTransport::caps() const {
   c.generations = true;
   c.serves_metadata = true;
   c.strided_extents = true;  // kFlagStrided frames to peers that take them, plain pieces to the others
+  // kFlagStrided2 frames to peers that take them, one-level descriptors to the others
+  // (off under the benchmark switch PDKV_BENCH_TCP_ONE_LEVEL=1: the agent expands them).
+  c.two_level_extents = two_level_wire_allowed();
   return c;
 }
 
@@ -201,14 +204,23 @@ Result<std::shared_ptr<const PreparedOps>> TcpTransport::prepare_with(std::share
   return std::shared_ptr<const PreparedOps>(std::move(p));
 }
 
-// Strided runs go out as strided descriptors to a peer that takes them; to an older
-// peer each run is expanded into one plain descriptor per piece.
+// Strided runs go out as strided descriptors to a peer that takes them, two-level
+// runs as two-level descriptors to a peer that takes those (else one one-level
+// descriptor per repetition); to an older peer each run is expanded into one plain
+// descriptor per piece.
 Status TcpTransport::cut_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents,
                                  uint64_t batch_bytes) const {
-  const bool has_runs =
-      std::any_of(extents.begin(), extents.end(), [](const ResolvedExtent& e) { return e.count > 1; });
-  p.strided = has_runs && peer_takes_strided(*p.peer);
-  if (p.strided)
+  bool has_runs = false, has_two_level = false;
+  for (const ResolvedExtent& e : extents) {
+    has_runs |= e.count > 1 || e.count2 > 1;
+    has_two_level |= e.count2 > 1;
+  }
+  const PeerFeatures f = peer_features(*p.peer);
+  p.strided = has_runs && f.strided_extents;
+  p.two_level = p.strided && has_two_level && f.two_level_extents && two_level_wire_allowed();
+  if (p.strided && has_two_level && !p.two_level)
+    cut_strided_batches(p, expand_two_level(extents), batch_bytes);
+  else if (p.strided)
     cut_strided_batches(p, extents, batch_bytes);
   else if (has_runs)
     cut_plain_batches(p, expand_strided(extents), batch_bytes);
@@ -216,15 +228,15 @@ Status TcpTransport::cut_batches(TcpPrepared& p, const std::vector<ResolvedExten
     cut_plain_batches(p, extents, batch_bytes);
   constexpr uint64_t kMaxEntries = 0xFFFFFFFFull;  // batches index them with u32
   if (p.iov.size() > kMaxEntries || p.runs.size() > kMaxEntries || p.descs.size() > kMaxEntries ||
-      p.sdescs.size() > kMaxEntries)
+      p.sdescs.size() > kMaxEntries || p.sdescs2.size() > kMaxEntries)
     return InvalidArgument("transfer has too many extents");
   return Status::Ok();
 }
 
-bool TcpTransport::peer_takes_strided(const Peer& peer) {
+PeerFeatures TcpTransport::peer_features(const Peer& peer) {
   for (const auto& [transport, extra] : peer.md.extras)
-    if (transport == "tcp") return decode_extra(extra).strided_extents;
-  return false;
+    if (transport == "tcp") return decode_extra(extra);
+  return PeerFeatures{};
 }
 
 // A batch of small extents is gathered into one segment (out_msg.h), so it is not
@@ -281,63 +293,87 @@ void TcpTransport::cut_strided_batches(TcpPrepared& p, const std::vector<Resolve
                                        uint64_t batch_bytes) const {
   p.lazy = lazy_runs_allowed() &&
            (!p.staged || (cuda::strided_kernel_enabled() && (p.op == OpKind::kRead || p.zmode == CompressMode::kOff)));
-  p.sdescs.reserve(extents.size());
+  if (p.two_level) {
+    p.sdescs2.reserve(extents.size());
+  } else {
+    p.sdescs.reserve(extents.size());
+  }
   if (p.lazy) {
     p.runs.reserve(extents.size());
   } else {
     p.iov.reserve(extents.size());
   }
+  auto ndescs = [&] { return p.two_level ? p.sdescs2.size() : p.sdescs.size(); };
   TcpBatch cur;
   auto close_batch = [&] {
     if (cur.count) p.batches.push_back(cur);
     const size_t local = p.lazy ? p.runs.size() : p.iov.size();
-    cur = TcpBatch{static_cast<uint32_t>(local), 0, 0, static_cast<uint32_t>(p.sdescs.size()), 0, 0};
+    cur = TcpBatch{static_cast<uint32_t>(local), 0, 0, static_cast<uint32_t>(ndescs()), 0, 0};
   };
   auto full = [&] {
     return cur.count > 0 && (batch_full(p, cur) || cur.pieces >= kMaxStridedPieces ||
                              cur.desc_count >= kMaxExtentsPerFrame);
   };
-  // Pieces [first, first + k) of `e` (k * len bytes) into the current batch.
-  auto add_pieces = [&](const ResolvedExtent& e, uint64_t first, uint64_t k, uint64_t off, uint64_t len) {
+  // Repetitions [rep, rep + k2) of pieces [first, first + k) of `e` (each piece from
+  // byte `off`, `len` bytes) as one descriptor of the current batch.
+  auto add = [&](const ResolvedExtent& e, uint64_t first, uint64_t k, uint64_t off, uint64_t len, uint64_t rep,
+                 uint64_t k2) {
     const uint64_t rstride = k > 1 ? e.remote_stride : 0;
-    p.sdescs.push_back(WireStridedExtent{e.remote_region, e.remote_offset + first * e.remote_stride + off, len, k,
-                                         rstride});
-    const uint64_t local = e.local_addr + first * e.local_stride + off;
+    const uint64_t rstride2 = k2 > 1 ? e.remote_stride2 : 0;
+    const uint64_t roff = e.remote_offset + rep * e.remote_stride2 + first * e.remote_stride + off;
+    if (p.two_level) {
+      p.sdescs2.push_back(WireStrided2Extent{e.remote_region, roff, len, k, rstride, k2, rstride2});
+    } else {
+      p.sdescs.push_back(WireStridedExtent{e.remote_region, roff, len, k, rstride});
+    }
+    const uint64_t local = e.local_addr + rep * e.local_stride2 + first * e.local_stride + off;
+    const PieceRun run = make_run(reinterpret_cast<char*>(local), len, k, e.local_stride, k2, e.local_stride2);
     if (p.lazy) {
-      const PieceRun run = k == 1 || e.local_stride == len
-                               ? PieceRun{reinterpret_cast<char*>(local), k * len, 1, 0}
-                               : PieceRun{reinterpret_cast<char*>(local), len, k, e.local_stride};
       p.runs.push_back(run);
       ++cur.count;
       cur.extents += run.extents();
-    } else if (k == 1 || e.local_stride == len) {
-      p.iov.push_back({reinterpret_cast<void*>(local), k * len});
-      ++cur.count;
     } else {
-      for (uint64_t j = 0; j < k; ++j) p.iov.push_back({reinterpret_cast<void*>(local + j * e.local_stride), len});
-      cur.count += static_cast<uint32_t>(k);
+      const size_t before = p.iov.size();
+      append_iovecs(&run, 1, p.iov);
+      cur.count += static_cast<uint32_t>(p.iov.size() - before);
     }
     ++cur.desc_count;
-    cur.pieces += k;
-    cur.bytes += k * len;
-    p.total += k * len;
+    cur.pieces += k * k2;
+    cur.bytes += k * k2 * len;
+    p.total += k * k2 * len;
   };
-  for (const auto& e : extents) {
+  // Repetition `rep` of `e` as one-level descriptors.
+  auto add_level = [&](const ResolvedExtent& e, uint64_t rep) {
     if (e.len > batch_bytes || e.count == 1) {  // piece by piece, each cut by bytes like a plain extent
       for (uint64_t i = 0; i < e.count; ++i)
         for (uint64_t off = 0; off < e.len;) {
           if (cur.bytes == batch_bytes || full()) close_batch();
           const uint64_t len = std::min(e.len - off, batch_bytes - cur.bytes);
-          add_pieces(e, i, 1, off, len);
+          add(e, i, 1, off, len, rep, 1);
           off += len;
         }
-      continue;
+      return;
     }
     for (uint64_t done = 0; done < e.count;) {
       if (batch_bytes - cur.bytes < e.len || full()) close_batch();
       const uint64_t k = std::min({e.count - done, (batch_bytes - cur.bytes) / e.len, kMaxStridedPieces - cur.pieces});
-      add_pieces(e, done, k, 0, e.len);
+      add(e, done, k, 0, e.len, rep, 1);
       done += k;
+    }
+  };
+  for (const auto& e : extents) {
+    const uint64_t rep_bytes = e.count * e.len;  // no overflow: the agent checked the run's span
+    if (e.count2 == 1 || rep_bytes > batch_bytes || e.count > kMaxStridedPieces) {
+      for (uint64_t j = 0; j < e.count2; ++j) add_level(e, j);
+      continue;
+    }
+    // Whole repetitions at a time: as many as the batch has room for.
+    for (uint64_t j = 0; j < e.count2;) {
+      if (batch_bytes - cur.bytes < rep_bytes || kMaxStridedPieces - cur.pieces < e.count || full()) close_batch();
+      const uint64_t k2 = std::min({e.count2 - j, (batch_bytes - cur.bytes) / rep_bytes,
+                                    (kMaxStridedPieces - cur.pieces) / e.count});
+      add(e, 0, e.count, 0, e.len, j, k2);
+      j += k2;
     }
   }
   close_batch();
@@ -582,7 +618,11 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(prep->op == OpKind::kWrite ? FrameType::kWrite : FrameType::kReadReq, xfer->id(), i);
   m->hdr.count = b.desc_count;
-  if (prep->strided) {
+  if (prep->two_level) {
+    m->hdr.flags |= kFlagStrided2;
+    m->descs = &prep->sdescs2[b.desc_first];
+    m->desc_bytes = size_t(b.desc_count) * sizeof(WireStrided2Extent);
+  } else if (prep->strided) {
     m->hdr.flags |= kFlagStrided;
     m->descs = &prep->sdescs[b.desc_first];
     m->desc_bytes = size_t(b.desc_count) * sizeof(WireStridedExtent);

@@ -104,7 +104,7 @@ class TcpTransport final : public Transport {
   // prepare()'s cut of the extents into batches (one frame each): plain descriptors
   // parallel to the local iovecs, or strided descriptors (kFlagStrided) for a peer
   // that takes them.
-  static bool peer_takes_strided(const Peer& peer);
+  static PeerFeatures peer_features(const Peer& peer);
   bool batch_full(const TcpPrepared& p, const TcpBatch& cur) const;
   void cut_plain_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents, uint64_t batch_bytes) const;
   void cut_strided_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents, uint64_t batch_bytes) const;

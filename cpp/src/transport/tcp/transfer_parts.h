@@ -37,7 +37,7 @@ struct TcpBatch {
   uint32_t first = 0;  // index into iov (the local pieces), or into runs (TcpPrepared::lazy)
   uint32_t count = 0;  // of those entries
   uint64_t bytes = 0;
-  uint32_t desc_first = 0;  // index into descs or sdescs (the frame's descriptors)
+  uint32_t desc_first = 0;  // index into descs, sdescs or sdescs2 (the frame's descriptors)
   uint32_t desc_count = 0;
   uint64_t pieces = 0;  // remote pieces the descriptors name (strided: kMaxStridedPieces at most)
   uint64_t extents = 0;  // lazy: local pieces its runs hold (touching pieces count once)
@@ -53,6 +53,10 @@ struct TcpPrepared final : PreparedOps {
   // touch is one iovec, one whose local pieces are apart one iovec per piece).
   bool strided = false;
   std::vector<WireStridedExtent> sdescs;
+  // The peer takes two-level frames and the transfer has two-level runs: the remote
+  // side is sdescs2 (kFlagStrided2 frames; one-level runs as count2 = 1), not sdescs.
+  bool two_level = false;
+  std::vector<WireStrided2Extent> sdescs2;
   // Strided frames from host memory: the local side is `runs` (one per descriptor),
   // not `iov`; pieces are generated while gathering or landing (scatter.h), so
   // prepare is O(runs). Codecs list a batch's pieces when they need them (iovecs_of).

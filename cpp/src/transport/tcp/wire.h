@@ -1,7 +1,8 @@
 // The tcp transport's wire format (version 1). Documented in docs/wire.md.
 //
 // Every frame starts with a 40-byte FrameHeader, followed by `count` 24-byte
-// WireExtents (40-byte WireStridedExtents when the frame has kFlagStrided), then `aux_len` bytes of aux data (notification, message, hello body),
+// WireExtents (40-byte WireStridedExtents when the frame has kFlagStrided, 56-byte
+// WireStrided2Extents with kFlagStrided2), then `aux_len` bytes of aux data (notification, message, hello body),
 // then `payload` bytes of data. All integers little endian.
 #pragma once
 
@@ -42,6 +43,8 @@ inline constexpr uint32_t kFeatureCompressedWrite = 1;
 inline constexpr uint32_t kFeatureStridedExtents = 2;
 // It accepts kFlagZReply on kReadReq (answers with kReadRespZ when it can).
 inline constexpr uint32_t kFeatureCompressedRead = 4;
+// It accepts kFlagStrided2 on kWrite, kWriteZ and kReadReq (two-level runs).
+inline constexpr uint32_t kFeatureTwoLevelExtents = 8;
 
 inline constexpr uint16_t kFlagNotif = 1;  // kWrite: aux is a notification, deliver after payload
 // kWrite / kReadReq: aux starts with a block generation claim (u32 length + claim,
@@ -57,6 +60,11 @@ inline constexpr uint16_t kFlagStrided = 8;
 // with a ReadZSpec (after the block generation claim, if any). Sent only to a peer
 // whose tcp metadata extra has kFeatureCompressedRead.
 inline constexpr uint16_t kFlagZReply = 16;
+// kWrite / kWriteZ / kReadReq: the descriptors are WireStrided2Extents (two-level runs:
+// NHD <-> HND, a block's run repeated over every (layer, part) of a contiguous pool).
+// Never together with kFlagStrided. Sent only to a peer whose tcp metadata extra has
+// kFeatureTwoLevelExtents.
+inline constexpr uint16_t kFlagStrided2 = 32;
 
 // How the initiator of a compressed read wants its response encoded: the codec and
 // its parameters (the initiator knows the KV it reads: its dtype and FP8 grouping).
@@ -105,10 +113,25 @@ struct WireStridedExtent {
 };
 static_assert(sizeof(WireStridedExtent) == 40, "wire strided extent must be 40 bytes");
 
+// A two-level run: the one-level run {offset, len, count, stride} repeated `count2`
+// times, repetition j starting stride2 * j bytes after repetition 0 (count, count2 >= 1;
+// one level nests in the other's gaps, so no two of the count x count2 pieces overlap).
+// The payload carries repetition 0's pieces in order, then repetition 1's, and so on.
+struct WireStrided2Extent {
+  uint64_t region;
+  uint64_t offset;
+  uint64_t len;
+  uint64_t count;
+  uint64_t stride;
+  uint64_t count2;
+  uint64_t stride2;
+};
+static_assert(sizeof(WireStrided2Extent) == 56, "wire two-level extent must be 56 bytes");
+
 // Limits a receiver enforces before allocating or reading anything.
 inline constexpr uint32_t kMaxExtentsPerFrame = 65536;
-// Pieces of all strided descriptors of one frame together (the receiver keeps one
-// iovec per piece: 4 MiB at most).
+// Pieces of all strided descriptors of one frame together, count x count2 for a
+// two-level one (the receiver lists at most one iovec per piece: 4 MiB at most).
 inline constexpr uint64_t kMaxStridedPieces = 1u << 18;
 inline constexpr uint64_t kMaxPayloadPerFrame = 1ull << 30;
 inline constexpr uint32_t kMaxHelloBytes = 4096;
