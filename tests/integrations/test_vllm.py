@@ -89,19 +89,21 @@ def deploy(tmp_path_factory):
         procs.append(VllmInstance(root / "m1", name="prefill_other", cpus="0", **common, max_model_len=512,
                                   args=["--num-gpu-blocks-override", str(OTHER_BLOCKS)],
                                   kv_config=pdkv_kv_config("kv_producer", kv_lease_s=OTHER_LEASE_S)))
-        # Pulls get the connector's default 30 s: decode and flex share one core beside
-        # the sanitizer runs in CI, and a peer stalled ~10 s there (first contact of
-        # decode with flex) failed a pull that a 10 s timeout cut short.
+        # Pulls get the connector's default 30 s: a peer stalled ~10 s once (first contact
+        # of decode with flex) and failed a pull that a 10 s timeout cut short.
         # decode and flex share core 1 for their compute; their pdkv threads may use
         # both cores (kv_cpus), the prefill instances' stay on core 0 with their compute.
         procs.append(VllmInstance(root / "m0", name="decode", cpus="1", **common,
                                   kv_config=pdkv_kv_config("kv_consumer", stats_path=str(stats["decode"]),
                                                            transfer_timeout_s=30, kv_cpus="all")))
+        # flex talks tcp only, and asks prefill for lossless-compressed KV (issue 16:
+        # compressed pulls inside vLLM, bit-exact); decode pulls from it plain over tcp.
         procs.append(VllmInstance(root / "m0", name="flex", cpus="1", **common,
                                   args=["--block-size", str(FLEX_BLOCK)],
                                   kv_config=pdkv_kv_config("kv_both", stats_path=str(stats["flex"]),
                                                            kv_lease_s=LEASE_S, transfer_timeout_s=30,
-                                                           kv_cpus="all")))
+                                                           kv_cpus="all", transports=["tcp"],
+                                                           compress="lossless")))
         for p in procs:
             p.wait_ready(420)
         prefill, other, decode, flex = procs
@@ -361,6 +363,11 @@ def test_pd_between_block_sizes_equals_colocated(deploy, direction, kind):
     assert (pull["block_size"], pull["remote_block_size"]) == (dec_block, pre_block), pull
     assert (pull["blocks"], pull["remote_blocks"]) == (-(-n // dec_block), -(-n // pre_block)), pull
     assert pull["bytes"] == n * 2 * 2 * 2 * 32 * 4, pull  # exactly the prompt: tokens*layers*K/V*heads*dim*fp32
+    assert pull["transport"] == "tcp", pull  # flex speaks tcp only
+    if direction == "to_flex":  # flex asks for compressed KV: the output above is bit-exact proof
+        assert pull["compression"] in ("zstd", "lz4") and 0 < pull["wire_bytes"], pull
+    else:
+        assert pull["compression"] == "" and pull["wire_bytes"] == pull["bytes"], pull
 
 
 def test_concurrent_requests_between_block_sizes(deploy):
