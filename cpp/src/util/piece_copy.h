@@ -70,23 +70,16 @@ inline PieceStores piece_stores() {
   return s;
 }
 
-// The stores of stream_piece(): 16-byte streaming stores (a memcpy per piece under
-// PDKV_BENCH_PIECE_COPY=memcpy, or without SSE2). Its callers (the tcp landing scatter
-// and gather, the staging copies) keep the 16-byte stores: over tcp the socket copy
-// dominates, and the wider stores measured no better there at the load of the day
-// (bench/results/hetero/wide/sweep-tcp*.txt), so they were not switched.
-inline PieceStores narrow_stores() {
-  static const PieceStores s = piece_stores() == PieceStores::kMemcpy ? PieceStores::kMemcpy
-#if defined(__SSE2__)
-                                                                       : PieceStores::kSse;
-#else
-                                                                       : PieceStores::kMemcpy;
-#endif
-  return s;
-}
+// The stores of stream_piece() (the tcp landing scatter and gather, the staging
+// copies): the widest the CPU has too, as copy_strided's. Measured on a quiet machine
+// (load ~1; bench/results/hetero/tcp-quiet/wide-vs-sse.txt: tp2:tp4, tp4:tp2, nhd:hnd at
+// llama-3-8b and llama-3-70b-tp8, push and pull, 3 rounds, 16-byte stores
+// (PDKV_BENCH_PIECE_COPY=sse) and wide back to back): 0.787x -> 0.824x the homogeneous
+// transfer on average over the 36 pairs each, better in 8 of the 12 groups; an earlier
+// comparison at load 8-19 was within noise.
 
 // False when stream_piece() copies by plain memcpy.
-inline bool stream_pieces() { return narrow_stores() != PieceStores::kMemcpy; }
+inline bool stream_pieces() { return piece_stores() != PieceStores::kMemcpy; }
 
 namespace piece_copy_detail {
 
@@ -168,7 +161,7 @@ inline void stream_piece_with(PieceStores how, char* to, const char* from, size_
 // Copies `len` bytes from `from` to `to` with 16-byte streaming stores where `to` is
 // 16-byte aligned and len is 64 or more (the tail under 16 bytes, and an unaligned
 // `to`, by memcpy). Follow a series of these with stream_fence().
-inline void stream_piece(char* to, const char* from, size_t len) { stream_piece_with(narrow_stores(), to, from, len); }
+inline void stream_piece(char* to, const char* from, size_t len) { stream_piece_with(piece_stores(), to, from, len); }
 
 // Orders the streaming stores before every later store (the "landed" signal).
 inline void stream_fence() {
