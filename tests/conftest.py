@@ -7,6 +7,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -247,6 +248,21 @@ def threads_stopped(pid: int) -> bool:
         if state not in ("T", "t"):
             return False
     return True
+
+
+def listen_like(real_addr: str) -> tuple[socket.socket, str]:
+    """A listening socket on 127.0.0.1 whose "host:port" has the length of
+    `real_addr`'s, so an agent's metadata blob with one put for the other keeps its
+    lengths (a fake or relaying peer posing as the real one)."""
+    for _ in range(50):
+        ls = socket.socket()
+        ls.bind(("127.0.0.1", 0))
+        addr = "127.0.0.1:%d" % ls.getsockname()[1]
+        if len(addr) == len(real_addr):
+            ls.listen(16)
+            return ls, addr
+        ls.close()
+    raise AssertionError(f"no free port gives an address as long as {real_addr!r}")
 
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.01) -> bool:

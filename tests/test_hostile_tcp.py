@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import pdkv
-from conftest import SECRET
+from conftest import SECRET, listen_like
 from test_bad_input import (CODES, EXT, HDR, MAGIC, T_ACK, T_ERROR, T_HELLO, T_HELLO_ACK, T_META_REQ, T_META_RESP,
                             T_NOTIFY, T_READ_REQ, T_READ_RESP, T_WRITE, expect_error_and_close, frame, hello,
                             recv_frame)
@@ -367,16 +367,8 @@ class FakeTarget:
 
     def __init__(self, blob: bytes, real_addr: str, phase: str, attack: bytes):
         self.phase, self.attack = phase, attack
-        for _ in range(50):
-            self.ls = socket.socket()
-            self.ls.bind(("127.0.0.1", 0))
-            self.addr = "127.0.0.1:%d" % self.ls.getsockname()[1]
-            if len(self.addr) == len(real_addr):
-                break
-            self.ls.close()
-        assert len(self.addr) == len(real_addr)
+        self.ls, self.addr = listen_like(real_addr)
         self.blob = blob.replace(real_addr.encode(), self.addr.encode())
-        self.ls.listen(16)
         self.ls.settimeout(0.2)
         self.stop = False
         self.th = threading.Thread(target=self.serve, daemon=True)

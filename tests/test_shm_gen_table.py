@@ -9,6 +9,8 @@ succeeds: the mid-copy test below never sees its StaleBlock.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 
 import numpy as np
@@ -32,6 +34,18 @@ def _agents():
     return a, b
 
 
+@contextlib.contextmanager
+def _connected(spec):
+    """Reader a and owner b over shm, b exporting pool `src` (seed 1), a holding `dst`
+    (seed 2) of the same spec: yields (a, b, src, dst, b's peer name at a)."""
+    a, b = _agents()
+    with a, b:
+        src, dst = Pool(spec, 1), Pool(spec, 2)
+        src.register(b)
+        dst.register(a)
+        yield a, b, src, dst, a.add_peer(b.metadata())
+
+
 def _table_file(layout: str):
     """The owner's published table of `layout`, opened writable through /proc (a
     stand-in for an owner that garbles its own table)."""
@@ -46,12 +60,7 @@ def _table_file(layout: str):
 
 
 def test_read_with_generations_is_bit_exact_and_stale_before_the_read_copies_nothing():
-    a, b = _agents()
-    with a, b:
-        src, dst = Pool(SPEC, 1), Pool(SPEC, 2)
-        src.register(b)
-        dst.register(a)
-        peer = a.add_peer(b.metadata())
+    with _connected(SPEC) as (a, b, src, dst, peer):
         gens = b.generations("kv", [1, 2])
         assert a.read(peer, "kv", [5, 6], "kv", [1, 2], remote_generations=gens, notify=b"ok").wait(10)
         assert np.array_equal(dst.logical([5, 6]), src.logical([1, 2]))
@@ -77,12 +86,7 @@ def test_a_bump_during_the_read_fails_it_and_does_not_wait_for_it():
     into the block at once (a bump no longer waits for readers). The read must fail
     with StaleBlock (the destination bytes are then not valid); a read that finished
     before the bump must hold the old owner's bytes exactly."""
-    a, b = _agents()
-    with a, b:
-        src, dst = Pool(BIG, 1), Pool(BIG, 2)
-        src.register(b)
-        dst.register(a)
-        peer = a.add_peer(b.metadata())
+    with _connected(BIG) as (a, b, src, dst, peer):
         assert a.read(peer, "kv", [0], "kv", [0]).wait(30)  # connect, confirm, map
         mid_copy = 0
         for attempt in range(5):
@@ -155,12 +159,7 @@ def test_a_bump_between_the_checks_of_a_queued_read_fails_it_every_time():
 
 
 def test_a_garbled_table_fails_reads_and_never_crashes_the_reader():
-    a, b = _agents()
-    with a, b:
-        src, dst = Pool(SPEC, 1), Pool(SPEC, 2)
-        src.register(b)
-        dst.register(a)
-        peer = a.add_peer(b.metadata())
+    with _connected(SPEC) as (a, b, src, dst, peer):
         gens = b.generations("kv", list(range(SPEC.blocks)))
         assert a.read(peer, "kv", [0], "kv", [0], remote_generations=gens[:1]).wait(10)  # maps the table
         with _table_file("kv") as f:
@@ -185,12 +184,7 @@ def test_a_garbled_table_fails_reads_and_never_crashes_the_reader():
 def test_a_re_added_layout_is_read_through_its_new_table():
     """The owner removes and re-adds a layout: the reader's mapped table is all 0 (the
     mark of a removed layout), so it asks for the new one; old claims stay stale."""
-    a, b = _agents()
-    with a, b:
-        src, dst = Pool(SPEC, 1), Pool(SPEC, 2)
-        src.register(b)
-        dst.register(a)
-        peer = a.add_peer(b.metadata())
+    with _connected(SPEC) as (a, b, src, dst, peer):
         old = b.generations("kv", [1])
         assert a.read(peer, "kv", [1], "kv", [1], remote_generations=old).wait(10)
         b.remove_layout("kv")

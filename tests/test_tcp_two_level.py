@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import pdkv
+from conftest import listen_like
 from test_bad_input import T_ACK, T_READ_REQ, T_READ_RESP, T_WRITE, expect_error_and_close, recv_frame
 from test_hostile_tcp import REGION, U64, raw_header, recv_exact, target  # noqa: F401 (fixture)
 
@@ -161,15 +162,7 @@ class Relay:
     def __init__(self, real_addr: str):
         host, port = real_addr.rsplit(":", 1)
         self.real = (host, int(port))
-        for _ in range(50):  # an address of the same length, so the blob's lengths hold
-            self.ls = socket.socket()
-            self.ls.bind(("127.0.0.1", 0))
-            self.addr = "127.0.0.1:%d" % self.ls.getsockname()[1]
-            if len(self.addr) == len(real_addr):
-                break
-            self.ls.close()
-        assert len(self.addr) == len(real_addr)
-        self.ls.listen(16)
+        self.ls, self.addr = listen_like(real_addr)  # the blob's lengths hold
         self.ls.settimeout(0.2)
         self.frames: list[tuple[int, int, int]] = []
         self.socks: list[socket.socket] = []
