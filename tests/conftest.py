@@ -236,6 +236,14 @@ def make_pool(spec, seed, agent):
     return Pool(spec, seed, shared_by=agent if getattr(agent, "test_shared_pools", False) else None)
 
 
+def freeze(pid: int) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has really stopped (the signal
+    is delivered asynchronously: a test that posts right after os.kill can race a peer
+    that still runs for a moment and finishes the transfer)."""
+    os.kill(pid, signal.SIGSTOP)
+    assert wait_until(lambda: threads_stopped(pid), timeout=10.0), f"process {pid} did not stop"
+
+
 def threads_stopped(pid: int) -> bool:
     """True once every thread of process ``pid`` is in the stopped state."""
     task_dir = f"/proc/{pid}/task"

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import pdkv
-from conftest import SECRET
+from conftest import SECRET, freeze
 from pdkv import codec
 from pdkv.codec import Codec
 from test_bad_input import EXT, HDR, MAGIC, T_HELLO_ACK, T_READ_REQ, s32
@@ -453,7 +453,7 @@ def test_frozen_then_killed_peer_fails_only_that_read():
             peer = reader.connect(address)
             remote = reader.peer_info(peer)["regions"][0]["id"]
             prep = reader.prepare_extents("read", peer, [(rd.id, 0, remote, 0, total)])
-            os.kill(proc.pid, signal.SIGSTOP)  # frozen: the read cannot finish
+            freeze(proc.pid)  # frozen: the read cannot finish
             t0 = time.monotonic()
             x = prep.post(timeout=1.5)
             with pytest.raises(pdkv.TransferTimeout):
@@ -465,7 +465,7 @@ def test_frozen_then_killed_peer_fails_only_that_read():
             assert w.wait(30), w.error
             assert w.compression == LOSSLESS[0]
             # Frozen again, then killed mid-read.
-            os.kill(proc.pid, signal.SIGSTOP)
+            freeze(proc.pid)
             y = prep.post(timeout=60)
             time.sleep(0.5)
             assert not y.done

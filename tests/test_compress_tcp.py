@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import pdkv
-from conftest import SECRET
+from conftest import SECRET, freeze
 from pdkv import codec
 from pdkv.codec import Codec
 from test_bad_input import EXT, T_ACK, expect_error_and_close, frame, hello, recv_frame
@@ -322,7 +322,7 @@ def test_peer_killed_mid_transfer_fails_only_that_transfer(tmp_path):
             peer = sender.connect(address)
             remote = sender.peer_info(peer)["regions"][0]["id"]
             prep = sender.prepare_extents("write", peer, [(rs.id, 0, remote, 0, total)])
-            os.kill(proc.pid, signal.SIGSTOP)  # frozen: the transfer cannot finish
+            freeze(proc.pid)  # frozen: the transfer cannot finish
             x = prep.post(timeout=60)
             time.sleep(0.5)
             assert not x.done

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import numpy as np
 import pytest
 
 import pdkv
-from conftest import SECRET
+from conftest import SECRET, freeze
 from kvpools import Pool, PoolSpec
 from test_bad_input import T_ACK, T_WRITE, recv_frame
 from test_hostile_tcp import REGION, raw_header, target  # noqa: F401 (fixture)
@@ -146,7 +145,7 @@ def test_a_peer_killed_mid_landing_fails_only_that_transfer(op):
             # 32 MiB in 512-byte pieces: ours contiguous, the peer's at a 1 KiB stride.
             ext = [(rs.id, i * 512, info["region"], i * 1024, 512) for i in range((32 << 20) // 512)]
             prep = a.prepare_extents(op, doomed, ext)
-            os.kill(proc.pid, signal.SIGSTOP)  # it stops mid-stream: the frame stays half-moved
+            freeze(proc.pid)  # it stops mid-stream: the frame stays half-moved
             x = prep.post(timeout=30)
             proc.kill()
             with pytest.raises((pdkv.PeerConnectionError, pdkv.TransferTimeout)):
@@ -275,7 +274,7 @@ def test_a_peer_killed_mid_lazy_tp_split_fails_and_the_next_one_lands(op):
             info = json.loads(proc.stdout.readline())
             doomed = a.connect(info["address"])
             prep = a.prepare(op, doomed, "kv", ids, "kv", ids, **kw)
-            os.kill(proc.pid, signal.SIGSTOP)  # it stops mid-stream: a frame stays half-moved
+            freeze(proc.pid)  # it stops mid-stream: a frame stays half-moved
             x = prep.post(timeout=30)
             proc.kill()
             with pytest.raises((pdkv.PeerConnectionError, pdkv.TransferTimeout)):

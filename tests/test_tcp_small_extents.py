@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 
 import pdkv
-from conftest import SECRET
+from conftest import SECRET, freeze
 from test_bad_input import EXT, T_WRITE, expect_error_and_close, frame
 from test_hostile_tcp import REGION, closed_within, target  # noqa: F401  (fixture)
 
@@ -105,7 +104,7 @@ def test_a_peer_dying_in_the_middle_of_a_gathered_frame_fails_only_that_transfer
         n = (32 << 20) // 256
         ext = [(rs.id, (i * 512) % (POOL - 256), info["region"], i * 512, 256) for i in range(n)]
         prep = a.prepare_extents("write", doomed, ext)
-        os.kill(proc.pid, signal.SIGSTOP)  # it stops reading: the frame stays half-sent
+        freeze(proc.pid)  # it stops reading: the frame stays half-sent
         x = prep.post(timeout=30)
         proc.kill()
         with pytest.raises((pdkv.PeerConnectionError, pdkv.TransferTimeout)):
