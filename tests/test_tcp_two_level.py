@@ -91,6 +91,29 @@ def block_ids(ids, nl, nr):
     return [int(x) for x in rng.permutation(BLOCKS)[:nl]], [int(x) for x in rng.permutation(BLOCKS)[:nr]]
 
 
+def run_case(mode, op, dtype, lids, rids, ntok, *, seeds, tcp=None):
+    """Moves rows [:ntok] of MODES[mode]'s heads between this side's blocks `lids` and
+    the peer's `rids` over tcp (write: this side's pool seeded seeds[0]; read: the
+    peer's seeded seeds[1]) and checks the destination bit-exact; returns (prepared,
+    transfer)."""
+    lt, lh, lo, rt, rh, ro, nh, lho, rho = MODES[mode]
+    pull = op == "read"
+    with pdkv.Agent("a", secret="s", transports=["tcp"], tcp=tcp) as a, \
+            pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
+        local = KV(a, lt, lh, lo, dtype, None if pull else seeds[0])
+        remote = KV(b, rt, rh, ro, dtype, seeds[1] if pull else None)
+        peer = a.add_peer(b.metadata())
+        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+        prep = a.prepare(op, peer, "kv", lids, "kv", rids, **kw)
+        x = prep.post()
+        assert x.wait(30), x.error
+        if pull:
+            check(remote, rids, local, lids, ntok, nh, rho, lho)
+        else:
+            check(local, lids, remote, rids, ntok, nh, lho, rho)
+        return prep, x
+
+
 def run_bound(mode, nl, nr, nh):
     """At most one two-level run per block (x heads where both sides cut the rows): the
     one-level plan holds one per (layer, part, block) at least."""
@@ -103,25 +126,13 @@ def run_bound(mode, nl, nr, nh):
 @pytest.mark.parametrize("op", ["write", "read"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_two_level_transfers_are_bit_exact(mode, op, dtype, ids):
-    lt, lh, lo, rt, rh, ro, nh, lho, rho = MODES[mode]
+    lt, rt, nh = MODES[mode][0], MODES[mode][3], MODES[mode][6]
     ntok = 10 * 16 - 5  # a partial last block on both sides
     nl, nr = -(-ntok // lt), -(-ntok // rt)
     lids, rids = block_ids(ids, nl, nr)
-    pull = op == "read"
-    with pdkv.Agent("a", secret="s", transports=["tcp"]) as a, pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
-        local = KV(a, lt, lh, lo, dtype, None if pull else 5)
-        remote = KV(b, rt, rh, ro, dtype, 6 if pull else None)
-        peer = a.add_peer(b.metadata())
-        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
-        prep = a.prepare(op, peer, "kv", lids, "kv", rids, **kw)
-        assert prep.num_extents <= run_bound(mode, nl, nr, nh), prep.num_extents
-        x = prep.post()
-        assert x.wait(20), x.error
-        assert x.bytes_done == prep.nbytes
-        if pull:
-            check(remote, rids, local, lids, ntok, nh, rho, lho)
-        else:
-            check(local, lids, remote, rids, ntok, nh, lho, rho)
+    prep, x = run_case(mode, op, dtype, lids, rids, ntok, seeds=(5, 6))
+    assert prep.num_extents <= run_bound(mode, nl, nr, nh), prep.num_extents
+    assert x.bytes_done == prep.nbytes
 
 
 @pytest.mark.parametrize("op", ["write", "read"])
@@ -382,21 +393,8 @@ def test_two_level_runs_cut_between_frames_are_bit_exact(mode, op, batch_bytes):
     repetition larger than what is left of a frame at pieces, a piece larger than a
     frame inside it; the pieces land in order all the same (and many frames, on
     several connections, carry one transfer)."""
-    lt, lh, lo, rt, rh, ro, nh, lho, rho = MODES[mode]
+    lt, rt = MODES[mode][0], MODES[mode][3]
     ntok = 6 * 16 - 7
     nl, nr = -(-ntok // lt), -(-ntok // rt)
     lids, rids = block_ids("scattered", nl, nr)
-    opts = pdkv.TcpOptions(batch_bytes=batch_bytes)
-    pull = op == "read"
-    with pdkv.Agent("a", secret="s", transports=["tcp"], tcp=opts) as a, \
-            pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
-        local = KV(a, lt, lh, lo, "bfloat16", None if pull else 11)
-        remote = KV(b, rt, rh, ro, "bfloat16", 12 if pull else None)
-        peer = a.add_peer(b.metadata())
-        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
-        x = a.prepare(op, peer, "kv", lids, "kv", rids, **kw).post()
-        assert x.wait(30), x.error
-        if pull:
-            check(remote, rids, local, lids, ntok, nh, rho, lho)
-        else:
-            check(local, lids, remote, rids, ntok, nh, lho, rho)
+    run_case(mode, op, "bfloat16", lids, rids, ntok, seeds=(11, 12), tcp=pdkv.TcpOptions(batch_bytes=batch_bytes))
