@@ -41,7 +41,12 @@ def _blocks_needed(args: argparse.Namespace) -> int:
     """The target pool size the initiator's ``run`` will ask for (its largest payload)."""
     from .bench.transfer import parse_size, pool_blocks
 
-    return pool_blocks(args.model, [parse_size(p) for p in args.payload.split(",")])
+    payloads = [parse_size(p) for p in args.payload.split(",")]
+    if args.hetero:  # decode rank 0's pool, sized as the --hetero run asks for it
+        from .bench import hetero
+
+        return hetero.target_blocks(args, payloads)
+    return pool_blocks(args.model, payloads)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -80,6 +85,10 @@ def _start_target(lab: Lab, args: argparse.Namespace) -> subprocess.Popen:
            "--model", args.model, "--blocks", str(_blocks_needed(args)), "--rcvlowat", str(args.rcvlowat),
            "--batch-bytes", str(args.batch_bytes), "--conns", str(args.conns), "--threads", str(args.threads),
            "--memory", args.memory]
+    if args.hetero:
+        from .bench import hetero
+
+        cmd += hetero.target_flags(args)
     proc = lab.popen("h1", cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                      text=True, preexec_fn=_pin(1, args.pin), env={**os.environ, **LAB_ENV})
     line = proc.stdout.readline()

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <type_traits>
 
 #include "core/plan_runs.h"
 #include "pdkv/spi/generations.h"
@@ -162,71 +163,69 @@ Result<uint64_t> check_extents(const WireExtent* ext, uint32_t n, const FrameHea
   return sum;
 }
 
-Result<uint64_t> check_strided_extents(const WireStridedExtent* ext, uint32_t n, const FrameHeader& h) {
-  uint64_t sum = 0, pieces = 0;
-  for (uint32_t i = 0; i < n; ++i) {
-    WireStridedExtent e;
-    std::memcpy(&e, ext + i, sizeof e);
-    const std::string at = "strided extent " + std::to_string(i);
-    if (e.len == 0) return ProtocolError(at + " has length 0");
-    if (e.count == 0) return ProtocolError(at + " has count 0");
-    if (e.count > kMaxStridedPieces - pieces)
-      return ProtocolError(at + " has count " + std::to_string(e.count) + ": the frame's pieces exceed " +
-                           std::to_string(kMaxStridedPieces));
-    pieces += e.count;
-    if (e.count > 1 && e.stride < e.len)
-      return ProtocolError(at + " has stride " + std::to_string(e.stride) + " shorter than its length " +
-                           std::to_string(e.len) + " (pieces would overlap)");
-    uint64_t steps = 0, span = 0;
-    if (__builtin_mul_overflow(e.count - 1, e.stride, &steps) || __builtin_add_overflow(steps, e.len, &span))
-      return ProtocolError(at + ": count " + std::to_string(e.count) + " x stride " + std::to_string(e.stride) +
-                           " overflows");
-    uint64_t bytes = 0;
-    if (__builtin_mul_overflow(e.count, e.len, &bytes) || bytes > kMaxPayloadPerFrame - sum)
-      return ProtocolError("the strided extents ask for more than " + std::to_string(kMaxPayloadPerFrame) +
-                           " bytes in one frame");
-    sum += bytes;
-  }
-  if (h.type == static_cast<uint16_t>(FrameType::kWrite) && sum != h.payload)
-    return ProtocolError("write frame declares " + std::to_string(h.payload) +
-                         " payload bytes but its strided extents add up to " + std::to_string(sum));
-  return sum;
-}
+namespace {
 
-Result<uint64_t> check_strided2_extents(const WireStrided2Extent* ext, uint32_t n, const FrameHeader& h) {
+// One strided descriptor's fields; a one-level one is a two-level one with count2 1.
+struct RunFields {
+  uint64_t len, count, stride, count2, stride2;
+};
+RunFields fields_of(const WireStridedExtent& e) { return {e.len, e.count, e.stride, 1, 0}; }
+RunFields fields_of(const WireStrided2Extent& e) { return {e.len, e.count, e.stride, e.count2, e.stride2}; }
+
+// The checks check_strided_extents and check_strided2_extents share; `kind` names
+// the descriptors in the messages ("strided", "two-level").
+template <class Ext>
+Result<uint64_t> check_runs(const Ext* ext, uint32_t n, const FrameHeader& h, const std::string& kind) {
+  constexpr bool two_level = std::is_same_v<Ext, WireStrided2Extent>;
   uint64_t sum = 0, pieces = 0;
   for (uint32_t i = 0; i < n; ++i) {
-    WireStrided2Extent e;
-    std::memcpy(&e, ext + i, sizeof e);
-    const std::string at = "two-level extent " + std::to_string(i);
+    Ext raw;
+    std::memcpy(&raw, ext + i, sizeof raw);
+    const RunFields e = fields_of(raw);
+    const std::string at = kind + " extent " + std::to_string(i);
     if (e.len == 0) return ProtocolError(at + " has length 0");
     if (e.count == 0) return ProtocolError(at + " has count 0");
     if (e.count2 == 0) return ProtocolError(at + " has count2 0");
     uint64_t n_pieces = 0;
     if (__builtin_mul_overflow(e.count, e.count2, &n_pieces) || n_pieces > kMaxStridedPieces - pieces)
-      return ProtocolError(at + " has " + std::to_string(e.count) + " x " + std::to_string(e.count2) +
-                           " pieces: the frame's pieces exceed " + std::to_string(kMaxStridedPieces));
+      return ProtocolError(at + " has " +
+                           (two_level ? std::to_string(e.count) + " x " + std::to_string(e.count2) + " pieces"
+                                      : "count " + std::to_string(e.count)) +
+                           ": the frame's pieces exceed " + std::to_string(kMaxStridedPieces));
     pieces += n_pieces;
     uint64_t steps = 0, steps2 = 0, span = 0;
     if (__builtin_mul_overflow(e.count - 1, e.stride, &steps) ||
         __builtin_mul_overflow(e.count2 - 1, e.stride2, &steps2) || __builtin_add_overflow(steps, steps2, &span) ||
         __builtin_add_overflow(span, e.len, &span))
       return ProtocolError(at + ": count " + std::to_string(e.count) + " x stride " + std::to_string(e.stride) +
-                           " + count2 " + std::to_string(e.count2) + " x stride2 " + std::to_string(e.stride2) +
+                           (two_level ? " + count2 " + std::to_string(e.count2) + " x stride2 " +
+                                            std::to_string(e.stride2)
+                                      : std::string()) +
                            " overflows");
     if (!planner::nested_disjoint(e.len, e.count, e.stride, e.count2, e.stride2))
       return ProtocolError(at + " (len " + std::to_string(e.len) + ", stride " + std::to_string(e.stride) +
-                           ", stride2 " + std::to_string(e.stride2) + ") has pieces that overlap");
+                           (two_level ? ", stride2 " + std::to_string(e.stride2) : std::string()) +
+                           ") has pieces that overlap");
     uint64_t bytes = 0;
     if (__builtin_mul_overflow(n_pieces, e.len, &bytes) || bytes > kMaxPayloadPerFrame - sum)
-      return ProtocolError("the two-level extents ask for more than " + std::to_string(kMaxPayloadPerFrame) +
+      return ProtocolError("the " + kind + " extents ask for more than " + std::to_string(kMaxPayloadPerFrame) +
                            " bytes in one frame");
     sum += bytes;
   }
   if (h.type == static_cast<uint16_t>(FrameType::kWrite) && sum != h.payload)
-    return ProtocolError("write frame declares " + std::to_string(h.payload) +
-                         " payload bytes but its two-level extents add up to " + std::to_string(sum));
+    return ProtocolError("write frame declares " + std::to_string(h.payload) + " payload bytes but its " + kind +
+                         " extents add up to " + std::to_string(sum));
   return sum;
+}
+
+}  // namespace
+
+Result<uint64_t> check_strided_extents(const WireStridedExtent* ext, uint32_t n, const FrameHeader& h) {
+  return check_runs(ext, n, h, "strided");
+}
+
+Result<uint64_t> check_strided2_extents(const WireStrided2Extent* ext, uint32_t n, const FrameHeader& h) {
+  return check_runs(ext, n, h, "two-level");
 }
 
 Result<DataAux> split_data_aux(const FrameHeader& h, std::string_view aux) {
