@@ -441,6 +441,21 @@ def test_bench_transfer_across_a_link(transport):
     assert "link: 1gbit between lab hosts h0 10.211.0.1 (initiator) and h1 10.211.0.2 (target)" in p.stderr
 
 
+@pytestmark_netns
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_bench_transfer_hetero_across_a_link(mode):
+    """--hetero behind --link: the lab's target is started with the hetero pool and flags."""
+    p = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--link", "1gbit", "--hetero", "tp4:tp2",
+                        "--hetero-mode", mode, "--payload", "4M", "--iters", "2", "--hetero-request-tokens", "0",
+                        "--json"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["hetero"] == "tp4:tp2" and r["mode"] == mode and r["verified"] is True
+    assert r["transport"] == "tcp" and r["link"]["rate_bps"] == 10**9
+    # Both crossed the 1 Gbit/s link: a bound, not a speed test.
+    assert r["gbps"] < 0.14 and r["homogeneous_gbps"] < 0.14
+
+
 def test_bench_transfer_link_refuses_shm():
     p = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--link", "1gbit", "--transport",
                         "shm"], capture_output=True, text=True, env=ENV, timeout=120)
