@@ -113,6 +113,18 @@ def _post_wait(prep) -> float:
     return time.perf_counter() - t0
 
 
+def _post_poll(prep) -> float:
+    """As _post_wait, but polling ``done`` as the connector does instead of waiting."""
+    t0 = time.perf_counter()
+    x = prep.post()
+    while not x.done:
+        pass
+    dt = time.perf_counter() - t0
+    if x.error is not None:
+        raise x.error
+    return dt
+
+
 def run(args: argparse.Namespace) -> dict:
     nbytes = args.pool_mib * MIB
     cmd = [sys.executable, "-m", "pdkv.bench.shm_engine", "--serve", "--pool-mib", str(args.pool_mib)]
@@ -252,6 +264,7 @@ def _measure_connector_path(args: argparse.Namespace, inits: dict, info: dict) -
         "connector pull, NotifyAck, copy in the posting thread": lambda: connector_pull("inline"),
         "connector pull, notify_on_send, copy in the posting thread": lambda: connector_pull("ons"),
         BENCH_TRANSFER: lambda: _post_wait(prep_default),
+        "prepared post, default ShmOptions, polled": lambda: _post_poll(prep_default),
         CONNECTOR: lambda: connector_pull("deployed"),
     }
     res = {k: [] for k in steps}
