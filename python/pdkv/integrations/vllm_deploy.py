@@ -31,6 +31,10 @@ from typing import Any, Mapping, Sequence
 __all__ = ["VllmInstance", "ProxyProcess", "pdkv_kv_config", "nixl_kv_config", "free_port", "post_json"]
 
 
+#: Holds the ``sitecustomize`` that VllmInstance(fair_spin=True) loads into vLLM's processes.
+FAIR_SPIN_DIR = str(Path(__file__).resolve().parent / "vllm_fair_spin")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket() as s:
@@ -180,6 +184,12 @@ class VllmInstance(_Proc):
         Where ``<name>.log`` goes.
     wait : bool
         Start and wait for ``/health`` in the constructor.
+    fair_spin : bool
+        Make vLLM's spin-waits call ``time.sleep(0)`` instead of ``os.sched_yield()``
+        (``vllm_fair_spin/sitecustomize.py`` first on the instance's ``PYTHONPATH``):
+        under the kernel's EEVDF scheduler a yielding spin-wait starves itself next to
+        another busy task on its core, and instances sharing cores stalled each other
+        for tens of seconds. Default True.
     """
 
     def __init__(self, model: str | os.PathLike, *, port: int | None = None, cpus: str = "all",
@@ -187,7 +197,7 @@ class VllmInstance(_Proc):
                  python: str | None = None, env: Mapping[str, str] | None = None, args: Sequence[str] = (),
                  name: str = "vllm", log_dir: str | os.PathLike = ".", max_model_len: int = 4096,
                  enforce_eager: bool = True, prefix_caching: bool = True, wait: bool = True,
-                 ready_timeout: float = 300.0) -> None:
+                 ready_timeout: float = 300.0, fair_spin: bool = True) -> None:
         self.name = name
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -209,6 +219,8 @@ class VllmInstance(_Proc):
                   "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
         if cpus != "all":
             e["VLLM_CPU_OMP_THREADS_BIND"] = cpus
+        if fair_spin:
+            e["PYTHONPATH"] = os.pathsep.join(p for p in (FAIR_SPIN_DIR, e.get("PYTHONPATH", "")) if p)
         e.update(env or {})
         self.cmd = cmd
         self._spawn(cmd, e, Path(log_dir) / f"{name}.log")
