@@ -113,10 +113,11 @@ def _post_wait(prep) -> float:
     return time.perf_counter() - t0
 
 
-def _post_poll(prep) -> float:
-    """As _post_wait, but polling ``done`` as the connector does instead of waiting."""
+def _polled(start) -> float:
+    """Seconds from calling ``start()`` (which returns a transfer) until the transfer
+    is done, polling ``done`` as the connector does instead of waiting."""
     t0 = time.perf_counter()
-    x = prep.post()
+    x = start()
     while not x.done:
         pass
     dt = time.perf_counter() - t0
@@ -241,15 +242,9 @@ def _measure_connector_path(args: argparse.Namespace, inits: dict, info: dict) -
 
     def connector_pull(k: str) -> float:  # _Worker._read + _poll_recving, as the connector runs them
         counter[0] += 1
-        t0 = time.perf_counter()
-        x = inits[k][0].read(peers[k], "vllm", local_ids, "vllm", remote_ids, remote_generations=gens,
-                             notify=b"pdkv-release:req-%d" % counter[0], timeout=30.0)
-        while not x.done:
-            pass
-        dt = time.perf_counter() - t0
-        if x.error is not None:
-            raise x.error
-        return dt
+        return _polled(lambda: inits[k][0].read(peers[k], "vllm", local_ids, "vllm", remote_ids,
+                                                remote_generations=gens,
+                                                notify=b"pdkv-release:req-%d" % counter[0], timeout=30.0))
 
     ons, ons_peer = inits["ons"][0], peers["ons"]
     steps = {
@@ -264,7 +259,7 @@ def _measure_connector_path(args: argparse.Namespace, inits: dict, info: dict) -
         "connector pull, NotifyAck, copy in the posting thread": lambda: connector_pull("inline"),
         "connector pull, notify_on_send, copy in the posting thread": lambda: connector_pull("ons"),
         BENCH_TRANSFER: lambda: _post_wait(prep_default),
-        "prepared post, default ShmOptions, polled": lambda: _post_poll(prep_default),
+        "prepared post, default ShmOptions, polled": lambda: _polled(prep_default.post),
         CONNECTOR: lambda: connector_pull("deployed"),
     }
     res = {k: [] for k in steps}
