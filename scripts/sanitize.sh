@@ -111,6 +111,7 @@ if [ $# -eq 0 ] || [ ! -e "${1%%::*}" ]; then
 fi
 
 SUPP=$PWD/scripts/lsan.supp
+TSAN_SUPP=$PWD/scripts/tsan.supp
 # ASan, LSan and TSan reports are written to files, one per process, printed below;
 # UBSan's go to stderr, which pytest leaves alone (--capture=sys: only Python-level
 # output is captured, so a report from a process a sanitizer stops is never lost).
@@ -128,7 +129,8 @@ export ASAN_OPTIONS="$LOG:detect_leaks=1:exitcode=66:abort_on_error=0:strict_ini
 # without TLS as roots it can only report more, never fewer, leaks (the loader's own
 # allocations it then reports are suppressed in lsan.supp).
 export LSAN_OPTIONS="suppressions=$SUPP:print_suppressions=0:exitcode=66:use_tls=0"
-export TSAN_OPTIONS="$LOG:halt_on_error=1:exitcode=66:second_deadlock_stack=1:report_signal_unsafe=0"
+# tsan.supp: only glibc's dynamic-TLS free of a finished thread (a known false report).
+export TSAN_OPTIONS="$LOG:halt_on_error=1:exitcode=66:second_deadlock_stack=1:report_signal_unsafe=0:suppressions=$TSAN_SUPP:print_suppressions=0"
 # tests/conftest.py then blocks `import torch`: the few tests that use it skip with a
 # reason (torch's own import-time allocations and threads are not pdkv's to check).
 export PDKV_SANITIZER=$KIND
