@@ -28,6 +28,13 @@ def test_fair_spin_replaces_sched_yield_in_every_process_that_starts():
     assert p.stdout.split() == ["sitecustomize", "_fair_yield"]
 
 
+def test_a_sitecustomize_it_shadows_still_runs(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("print('the other sitecustomize ran')\n")
+    p = _run(os.pathsep.join([vllm_deploy.FAIR_SPIN_DIR, str(tmp_path)]))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["the other sitecustomize ran", "sitecustomize _fair_yield"]
+
+
 def test_without_it_sched_yield_is_the_system_call():
     p = _run(None)
     assert p.returncode == 0, p.stderr

@@ -21,6 +21,7 @@ calls ``os.sched_yield`` from Python.
 """
 
 import os
+import sys
 import time
 
 
@@ -28,4 +29,20 @@ def _fair_yield() -> None:
     time.sleep(0)
 
 
+def _run_shadowed_sitecustomize() -> None:
+    """Being first on the path, this module hides any other ``sitecustomize`` (Debian's
+    Pythons ship one): run the next one on the path, as Python would have."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
 os.sched_yield = _fair_yield
+_run_shadowed_sitecustomize()
