@@ -3,9 +3,41 @@
 #include "pdkv/spi/region_table.h"
 #include "pdkv/spi/transfer_control.h"
 
+#include <cstdlib>
 #include <thread>
 
 namespace pdkv {
+namespace {
+
+// One step of Transfer::wait's spin: a few CPU pause hints, not a yield. Under the
+// kernel's EEVDF scheduler every sched_yield pushes the caller's deadline back, so a
+// waiter that yields in a loop loses its core to any busy task beside it for as long
+// as those pushes add up (docs/vllm.md: vLLM's workers starved that way); pausing
+// keeps the waiter's place for the (wall-clock bounded) spin. PDKV_BENCH_WAIT_YIELD=1
+// restores the yield to compare in one build.
+bool wait_spin_yields() {
+  static const bool yields = [] {
+    const char* v = std::getenv("PDKV_BENCH_WAIT_YIELD");
+    return v != nullptr && v[0] == '1';
+  }();
+  return yields;
+}
+
+inline void spin_step() {
+  if (wait_spin_yields()) {
+    std::this_thread::yield();
+    return;
+  }
+  for (int i = 0; i < 16; ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield" ::: "memory");
+#endif
+  }
+}
+
+}  // namespace
 
 Transfer::Transfer(uint64_t id, OpKind op, std::string peer, std::string transport, uint64_t bytes_total,
                    Clock::time_point deadline, uint32_t wait_spin_us)
@@ -53,7 +85,7 @@ XferState Transfer::wait(double timeout_s) const {
     while (Clock::now() < spin_end) {
       s = state();
       if (s != XferState::kPending) return s;
-      std::this_thread::yield();
+      spin_step();
     }
   }
   std::unique_lock<std::mutex> lk(mu_);
