@@ -25,7 +25,6 @@
 #include "transport/tcp/scatter.h"
 
 using namespace pdkv::tcp;
-using pdkv::Result;
 
 namespace {
 
@@ -56,31 +55,19 @@ void walk_runs(const std::vector<PieceRun>& runs, const uint8_t* p, uint64_t n, 
   if (cur.idx != runs.size()) __builtin_trap();  // the pieces and the payload disagree
 }
 
-// The descriptors of a strided (WireStridedExtent) or two-level (WireStrided2Extent)
-// frame at `c`, checked as the receiver checks them and placed into `region`: their
-// byte sum and runs, or nothing when the receiver refuses them.
-PieceRun run_of(char* at, const WireStridedExtent& e) { return make_run(at, e.len, e.count, e.stride); }
-PieceRun run_of(char* at, const WireStrided2Extent& e) {
-  return make_run(at, e.len, e.count, e.stride, e.count2, e.stride2);
-}
-uint64_t span_of(const WireStridedExtent& e) { return strided_span(e); }
-uint64_t span_of(const WireStrided2Extent& e) { return strided2_span(e); }
-Result<uint64_t> check_of(const WireStridedExtent* e, const FrameHeader& h) { return check_strided_extents(e, h.count, h); }
-Result<uint64_t> check_of(const WireStrided2Extent* e, const FrameHeader& h) {
-  return check_strided2_extents(e, h.count, h);
-}
-
-template <class Ext>
+// The descriptors of a strided or two-level frame at `c`, checked as the receiver
+// checks them and placed into `region`: their byte sum and runs, or nothing when the
+// receiver refuses them.
 std::optional<std::pair<uint64_t, std::vector<PieceRun>>> strided_runs(const uint8_t* c, const FrameHeader& h,
                                                                         char* region) {
-  std::vector<Ext> sext(h.count);
-  std::memcpy(sext.data(), c, sext.size() * sizeof(Ext));
-  auto sum = check_of(sext.data(), h);
+  auto sum = (h.flags & kFlagStrided2) ? check_strided2_extents(reinterpret_cast<const WireStrided2Extent*>(c), h.count, h)
+                                       : check_strided_extents(reinterpret_cast<const WireStridedExtent*>(c), h.count, h);
   if (!sum.ok()) return std::nullopt;
   std::vector<PieceRun> runs;
-  for (const Ext& e : sext) {
-    if (!extent_in_region(e.offset, span_of(e), kRegionLen)) return std::nullopt;
-    runs.push_back(run_of(region + e.offset, e));
+  for (uint32_t i = 0; i < h.count; ++i) {
+    const DescView e = desc_at(c, h.flags, i);
+    if (!extent_in_region(e.offset, e.span(), kRegionLen)) return std::nullopt;
+    runs.push_back(make_run(region + e.offset, e.len, e.count, e.stride, e.count2, e.stride2));
   }
   return std::make_pair(*sum, std::move(runs));
 }
@@ -116,8 +103,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case FrameType::kReadReq: {
         if (h.flags & (kFlagStrided | kFlagStrided2)) {  // strided (flag 8) or two-level (flag 32): checked whole
           static std::vector<char> region(kRegionLen);
-          const auto checked = (h.flags & kFlagStrided2) ? strided_runs<WireStrided2Extent>(c, h, region.data())
-                                                         : strided_runs<WireStridedExtent>(c, h, region.data());
+          const auto checked = strided_runs(c, h, region.data());
           if (!checked) return 0;
           const uint64_t total = checked->first;
           const std::vector<PieceRun>& runs = checked->second;

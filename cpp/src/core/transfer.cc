@@ -2,8 +2,8 @@
 
 #include "pdkv/spi/region_table.h"
 #include "pdkv/spi/transfer_control.h"
+#include "util/bench_switch.h"
 
-#include <cstdlib>
 #include <thread>
 
 namespace pdkv {
@@ -16,10 +16,7 @@ namespace {
 // keeps the waiter's place for the (wall-clock bounded) spin. PDKV_BENCH_WAIT_YIELD=1
 // restores the yield to compare in one build.
 bool wait_spin_yields() {
-  static const bool yields = [] {
-    const char* v = std::getenv("PDKV_BENCH_WAIT_YIELD");
-    return v != nullptr && v[0] == '1';
-  }();
+  static const bool yields = util::bench_switch_is("PDKV_BENCH_WAIT_YIELD", "1");
   return yields;
 }
 

@@ -158,9 +158,10 @@ inline void stream_piece_with(PieceStores how, char* to, const char* from, size_
   std::memcpy(to, from, len);
 }
 
-// Copies `len` bytes from `from` to `to` with 16-byte streaming stores where `to` is
-// 16-byte aligned and len is 64 or more (the tail under 16 bytes, and an unaligned
-// `to`, by memcpy). Follow a series of these with stream_fence().
+// Copies `len` bytes from `from` to `to` with streaming stores of piece_stores()'s
+// width where `to` is 16-byte aligned and len is 64 or more (the tail the stores leave,
+// and an unaligned `to` or a shorter piece, by memcpy).
+// Follow a series of these with stream_fence().
 inline void stream_piece(char* to, const char* from, size_t len) { stream_piece_with(piece_stores(), to, from, len); }
 
 // Orders the streaming stores before every later store (the "landed" signal).

@@ -2,7 +2,6 @@
 
 #include <cstdio>
 #include <cstring>
-#include <type_traits>
 
 #include "core/plan_runs.h"
 #include "pdkv/spi/generations.h"
@@ -163,25 +162,33 @@ Result<uint64_t> check_extents(const WireExtent* ext, uint32_t n, const FrameHea
   return sum;
 }
 
+DescView desc_at(const void* descs, uint16_t flags, uint32_t i) {
+  const char* at = static_cast<const char*>(descs);
+  if (flags & kFlagStrided2) {
+    WireStrided2Extent e;
+    std::memcpy(&e, at + size_t(i) * sizeof e, sizeof e);
+    return {e.region, e.offset, e.len, e.count, e.stride, e.count2, e.stride2};
+  }
+  if (flags & kFlagStrided) {
+    WireStridedExtent e;
+    std::memcpy(&e, at + size_t(i) * sizeof e, sizeof e);
+    return {e.region, e.offset, e.len, e.count, e.stride, 1, 0};
+  }
+  WireExtent e;
+  std::memcpy(&e, at + size_t(i) * sizeof e, sizeof e);
+  return {e.region, e.offset, e.len, 1, 0, 1, 0};
+}
+
 namespace {
 
-// One strided descriptor's fields; a one-level one is a two-level one with count2 1.
-struct RunFields {
-  uint64_t len, count, stride, count2, stride2;
-};
-RunFields fields_of(const WireStridedExtent& e) { return {e.len, e.count, e.stride, 1, 0}; }
-RunFields fields_of(const WireStrided2Extent& e) { return {e.len, e.count, e.stride, e.count2, e.stride2}; }
-
-// The checks check_strided_extents and check_strided2_extents share; `kind` names
-// the descriptors in the messages ("strided", "two-level").
-template <class Ext>
-Result<uint64_t> check_runs(const Ext* ext, uint32_t n, const FrameHeader& h, const std::string& kind) {
-  constexpr bool two_level = std::is_same_v<Ext, WireStrided2Extent>;
+// The checks check_strided_extents and check_strided2_extents share (`flags`: which
+// of the two); `kind` names the descriptors in the messages ("strided", "two-level").
+Result<uint64_t> check_runs(const void* descs, uint16_t flags, uint32_t n, const FrameHeader& h,
+                            const std::string& kind) {
+  const bool two_level = flags & kFlagStrided2;
   uint64_t sum = 0, pieces = 0;
   for (uint32_t i = 0; i < n; ++i) {
-    Ext raw;
-    std::memcpy(&raw, ext + i, sizeof raw);
-    const RunFields e = fields_of(raw);
+    const DescView e = desc_at(descs, flags, i);
     const std::string at = kind + " extent " + std::to_string(i);
     if (e.len == 0) return ProtocolError(at + " has length 0");
     if (e.count == 0) return ProtocolError(at + " has count 0");
@@ -221,11 +228,11 @@ Result<uint64_t> check_runs(const Ext* ext, uint32_t n, const FrameHeader& h, co
 }  // namespace
 
 Result<uint64_t> check_strided_extents(const WireStridedExtent* ext, uint32_t n, const FrameHeader& h) {
-  return check_runs(ext, n, h, "strided");
+  return check_runs(ext, kFlagStrided, n, h, "strided");
 }
 
 Result<uint64_t> check_strided2_extents(const WireStrided2Extent* ext, uint32_t n, const FrameHeader& h) {
-  return check_runs(ext, n, h, "two-level");
+  return check_runs(ext, kFlagStrided2, n, h, "two-level");
 }
 
 Result<DataAux> split_data_aux(const FrameHeader& h, std::string_view aux) {

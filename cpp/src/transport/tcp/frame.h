@@ -108,6 +108,19 @@ inline uint64_t strided_span(const WireStridedExtent& e) { return (e.count - 1) 
 // and the field. Returns the byte sum.
 Result<uint64_t> check_strided2_extents(const WireStrided2Extent* ext, uint32_t n, const FrameHeader& h);
 
+// One extent descriptor of any form: `count` pieces of `len` bytes `stride` apart,
+// repeated `count2` times `stride2` apart (a plain WireExtent is one piece, a
+// one-level strided one one repetition).
+struct DescView {
+  uint64_t region, offset, len, count, stride, count2, stride2;
+  // First byte to the end of the last piece (no overflow once the frame's check passed).
+  uint64_t span() const { return (count - 1) * stride + (count2 - 1) * stride2 + len; }
+};
+
+// Descriptor `i` of a frame with `flags` whose descriptors start at `descs` (any
+// alignment: read with memcpy).
+DescView desc_at(const void* descs, uint16_t flags, uint32_t i);
+
 // The span of a two-level descriptor that passed check_strided2_extents (no overflow).
 inline uint64_t strided2_span(const WireStrided2Extent& e) {
   return (e.count - 1) * e.stride + (e.count2 - 1) * e.stride2 + e.len;

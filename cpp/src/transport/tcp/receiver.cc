@@ -418,33 +418,6 @@ bool FrameReceiver::on_data_request(const std::shared_ptr<TcpConn>& c) {
   return begin_write_payload(c, std::move(req));
 }
 
-namespace {
-
-// One extent descriptor of any form, as the pin loop sees it: `count` pieces of
-// `len` bytes `stride` apart, repeated `count2` times `stride2` apart (a plain
-// WireExtent is one piece, a one-level strided one one repetition).
-struct DescView {
-  uint64_t region, offset, len, count, stride, count2, stride2;
-};
-
-DescView desc_at(const std::string& ctrl, uint16_t flags, uint32_t i) {
-  if (flags & kFlagStrided2) {
-    WireStrided2Extent e;
-    std::memcpy(&e, ctrl.data() + size_t(i) * sizeof e, sizeof e);
-    return {e.region, e.offset, e.len, e.count, e.stride, e.count2, e.stride2};
-  }
-  if (flags & kFlagStrided) {
-    WireStridedExtent e;
-    std::memcpy(&e, ctrl.data() + size_t(i) * sizeof e, sizeof e);
-    return {e.region, e.offset, e.len, e.count, e.stride, 1, 0};
-  }
-  WireExtent e;
-  std::memcpy(&e, ctrl.data() + size_t(i) * sizeof e, sizeof e);
-  return {e.region, e.offset, e.len, 1, 0, 1, 0};
-}
-
-}  // namespace
-
 bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* req) {
   const FrameHeader& h = rx(c).cur;
   const bool is_write = static_cast<FrameType>(h.type) == FrameType::kWrite;
@@ -471,9 +444,8 @@ bool FrameReceiver::decode_request(const std::shared_ptr<TcpConn>& c, Request* r
   uint64_t last_region = 0;
   const RegionDesc* last = nullptr;
   for (uint32_t i = 0; i < n; ++i) {
-    const DescView e = desc_at(ctrl, h.flags, i);
-    // No overflow: checked above (plain: count 1, count2 1).
-    const uint64_t span = (e.count - 1) * e.stride + (e.count2 - 1) * e.stride2 + e.len;
+    const DescView e = desc_at(ctrl.data(), h.flags, i);
+    const uint64_t span = e.span();  // no overflow: checked above (plain: count 1, count2 1)
     Status err;
     if (e.len == 0) {
       err = ProtocolError("extent " + std::to_string(i) + " has length 0");
