@@ -399,6 +399,12 @@ void bind_options(py::module_& m) {
       .field("stage_buffers", &TcpOptions::stage_buffers,
              "int (2..1024): pinned chunks per agent for sending device memory (allocated on first use); "
              "each connection receiving into device memory holds two more.")
+      .field("max_inbound_conns", &TcpOptions::max_inbound_conns,
+             "int (1..65536): inbound connections open at once, authenticated or not; one more is refused at "
+             "accept with ResourceExhausted.")
+      .field("max_inbound_per_peer", &TcpOptions::max_inbound_per_peer,
+             "int (1..65536): inbound connections one authenticated peer (agent name) may hold; one more is "
+             "refused with ResourceExhausted naming the peer (its first request fails with it).")
       .field("compress", &TcpOptions::compress, "TcpCompression: compression of writes and reads (off by default).")
       .finish();
 
@@ -438,6 +444,12 @@ void bind_options(py::module_& m) {
              "float, seconds (>= 0): deadline of transfers posted without one (0: none).")
       .field("max_notif_bytes", &AgentConfig::max_notif_bytes,
              "int, bytes (>= 1): largest notification sent or received.")
+      .field("max_queued_notifs", &AgentConfig::max_queued_notifs,
+             "int (>= 1): received notifications not yet taken by the application; one more is refused "
+             "before it is accepted (the sender's transfer fails with ResourceExhausted).")
+      .field("max_queued_notif_bytes", &AgentConfig::max_queued_notif_bytes,
+             "int, bytes (>= 1): payload and sender-name bytes of the notifications not yet taken; one more "
+             "that does not fit is refused as above (an empty queue takes any one).")
       .field("wait_spin_us", &AgentConfig::wait_spin_us,
              "int, microseconds: Transfer.wait spins this long before sleeping.")
       .finish();

@@ -359,7 +359,9 @@ void bind_hooks(py::module_& m) {
            })
       .def("deliver_notification",
            [](const HooksRef& r, const std::string& peer, py::bytes data) {
-             r.h->deliver_notification(Notification{peer, std::string(data)});
+             // Raises ResourceExhausted when the agent's queue is full (not queued).
+             Status st = r.h->deliver_notification(Notification{peer, std::string(data)});
+             if (!st.ok()) raise_status(st);
            },
            py::arg("peer"), py::arg("data"))
       .def("metadata_blob", [](const HooksRef& r) { return to_bytes(r.h->metadata_blob()); })

@@ -38,12 +38,34 @@ def codec_frame(data, *, codec=0, dtype=6, raw_len=None, payload_len=None):
 
 
 Z1 = codec_frame(b"abcd") + codec_frame(b"efghijkl")
+
+
+def zstd_zeros(n):
+    """A zstd frame of n zero bytes made of RLE blocks (4 bytes per 128 KiB): a compression bomb."""
+    out = bytearray(struct.pack("<IB", 0xFD2FB528, 0xE0) + struct.pack("<Q", n))
+    left = n
+    while left:
+        k = min(128 << 10, left)
+        left -= k
+        out += (int(left == 0) | 2 | (k << 3)).to_bytes(3, "little") + b"\0"
+    return bytes(out)
+
+
+# Compression bombs over repeated extents (issue 26): 1 MiB from a few bytes into 64
+# copies of the same 16 KiB (decoded), and 128 MiB over 4,096 copies of 32 KiB (refused
+# by the extents' 64 MiB bound before any decoding).
+BOMB_1M = codec_frame(zstd_zeros(1 << 20), codec=1, dtype=2, raw_len=1 << 20)
+BOMB_128M = codec_frame(zstd_zeros(128 << 20), codec=1, dtype=2, raw_len=128 << 20)
 SEEDS = {
     # Compressed writes (type 11): two raw codec frames into two extents, then frames
     # that lie about their sizes (raw_len past the extents, payload_len past the frame).
     "writez_two_frames": bytes([1]) + frame(11, count=2, payload=len(Z1)) + EXT.pack(1, 0, 4) + EXT.pack(1, 64, 8) + Z1,
     "writez_raw_len_too_big": bytes([1]) + frame(11, count=1, payload=52) + EXT.pack(1, 0, 4)
     + codec_frame(b"abcd", raw_len=4096, payload_len=4),
+    "writez_bomb_repeated_extents": bytes([1]) + frame(11, count=64, payload=len(BOMB_1M))
+    + EXT.pack(1, 0, 16 << 10) * 64 + BOMB_1M,
+    "writez_bomb_128mib": bytes([1]) + frame(11, count=4096, payload=len(BOMB_128M))
+    + EXT.pack(1, 0, 32 << 10) * 4096 + BOMB_128M,
     "writez_short": bytes([1]) + frame(11, count=1, payload=60) + EXT.pack(1, 0, 4) + codec_frame(b"abcd", payload_len=16),
 
     "write_gens_notif": bytes([1]) + frame(5, count=1, payload=4, flags=5, aux_len=len(GENS) + 4)[:40] + EXT.pack(1, 0, 4)

@@ -566,6 +566,11 @@ class Agent:
         Deadline of transfers posted without one (0 or None: none).
     max_notif_bytes : int
         Largest notification accepted (sent or received).
+    max_queued_notifs, max_queued_notif_bytes : int
+        Received notifications not yet taken (:meth:`get_notifications`, ...): at most
+        this many (default 65536) and this many bytes (default 64 MiB; an empty queue
+        takes any one). One more is refused before it is accepted: the sender's
+        transfer fails with ``ResourceExhausted``; nothing accepted is dropped.
     registry : pdkv.discovery.Registry or str, optional
         Discovery (``"etcd://host:port"`` or a Registry): the agent publishes itself under
         ``/pdkv/agents/<name>`` with a lease while it is open, and :meth:`connect` also
@@ -586,6 +591,8 @@ class Agent:
         nixl: Any = None,
         default_timeout: float | None = 60.0,
         max_notif_bytes: int = 1 << 20,
+        max_queued_notifs: int = 65536,
+        max_queued_notif_bytes: int = 64 << 20,
         wait_spin_us: int = 50,
         registry: Any = None,
         advertise_host: str | None = None,
@@ -597,6 +604,9 @@ class Agent:
         default_timeout = _validate.wait_timeout(default_timeout, "default_timeout") or 0.0  # None, 0: no limit
         max_notif_bytes = _validate.positive_int(max_notif_bytes, "max_notif_bytes", maximum=2**32 - 1)
         wait_spin_us = _validate.count(wait_spin_us, "wait_spin_us")
+        max_queued_notifs = _validate.positive_int(max_queued_notifs, "max_queued_notifs", maximum=2**32 - 1)
+        max_queued_notif_bytes = _validate.positive_int(max_queued_notif_bytes, "max_queued_notif_bytes",
+                                                        maximum=2**64 - 1)
         listen_at = None if listen is None else _listen_address(listen)
         from . import backends  # noqa: F401 - registers the transports written in Python
 
@@ -606,7 +616,8 @@ class Agent:
         config = m.AgentConfig(
             name=name, secret=_as_bytes(secret), transports=list(transports),
             tcp=m.TcpOptions() if tcp is None else tcp, shm=m.ShmOptions() if shm is None else shm,
-            default_timeout_s=float(default_timeout), max_notif_bytes=max_notif_bytes, wait_spin_us=wait_spin_us)
+            default_timeout_s=float(default_timeout), max_notif_bytes=max_notif_bytes, wait_spin_us=wait_spin_us,
+            max_queued_notifs=max_queued_notifs, max_queued_notif_bytes=max_queued_notif_bytes)
         if listen_at is not None:  # the config holds a copy: the caller's tcp options stay as they are
             config.tcp.listen_host, config.tcp.listen_port = listen_at
         with _transport.creating_agent({"nixl": nixl}, listen_host=config.tcp.listen_host):

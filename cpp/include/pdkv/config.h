@@ -25,6 +25,13 @@ struct AgentConfig {
   ShmOptions shm;
   double default_timeout_s = 60.0;  // s, deadline of transfers posted without one (0: none)
   uint32_t max_notif_bytes = 1u << 20;  // largest notification sent or received (>= 1)
+  // Received notifications not yet taken by the application (get_notifications /
+  // wait_notifications): at most this many (>= 1) and this many bytes of payload and
+  // sender names (>= 1; an empty queue takes any one notification). One more is
+  // refused before it is accepted: the sender's transfer (or notify) fails with
+  // ResourceExhausted naming these limits; nothing accepted is dropped.
+  uint32_t max_queued_notifs = 65536;
+  uint64_t max_queued_notif_bytes = 64ull << 20;
   uint32_t wait_spin_us = 50;           // µs Transfer::wait spins before sleeping
 
   // OK, or InvalidArgument naming the first bad field and its value. Checks every

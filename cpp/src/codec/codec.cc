@@ -66,6 +66,20 @@ Result<uint64_t> decoded_size(const FrameInfo& info, DType dst_dtype) {
   return info.raw_len / dtype_size(info.dtype) * dtype_size(dst_dtype);
 }
 
+namespace {
+
+// Byte-plane scratch a Codec keeps between chunks; a larger chunk's is released
+// after it (a Codec lives as long as its thread, and one huge frame must not pin
+// its size for good).
+constexpr size_t kKeepScratchBytes = 8u << 20;
+
+// Releases `v`'s memory when it grew past kKeepScratchBytes.
+void trim(std::vector<uint8_t>& v) {
+  if (v.capacity() > kKeepScratchBytes) std::vector<uint8_t>().swap(v);
+}
+
+}  // namespace
+
 struct Codec::Impl {
   CodecOptions options;
   std::unique_ptr<EntropyCoder> coder;  // kZstd / kLz4 only
@@ -151,8 +165,9 @@ Status Codec::Impl::encode_entropy(const uint8_t* src, size_t len, DType dtype, 
       input = scratch.data();
     }
     out.resize(kCodecHeaderBytes + coder->bound(len));
-    PDKV_ASSIGN_OR_RETURN(size_t n, coder->compress(input, len, out.data() + kCodecHeaderBytes,
-                                                    out.size() - kCodecHeaderBytes));
+    auto compressed = coder->compress(input, len, out.data() + kCodecHeaderBytes, out.size() - kCodecHeaderBytes);
+    trim(scratch);
+    PDKV_ASSIGN_OR_RETURN(size_t n, std::move(compressed));
     if (n >= len) return encode_raw(src, len, dtype, out);  // incompressible: never bigger than raw
     f.payload_len = n;
   }
@@ -244,9 +259,10 @@ Status Codec::Impl::decode_entropy(const FrameInfo& f, const uint8_t* payload, u
   const size_t esize = dtype_size(f.dtype);
   if (esize == 1) return c->decompress(payload, f.payload_len, dst, f.raw_len);
   scratch.resize(f.raw_len);
-  PDKV_RETURN_IF_ERROR(c->decompress(payload, f.payload_len, scratch.data(), f.raw_len));
-  codec::merge_planes(scratch.data(), f.raw_len, esize, dst, codec::planes_fast());
-  return Status::Ok();
+  Status st = c->decompress(payload, f.payload_len, scratch.data(), f.raw_len);
+  if (st.ok()) codec::merge_planes(scratch.data(), f.raw_len, esize, dst, codec::planes_fast());
+  trim(scratch);
+  return st;
 }
 
 }  // namespace pdkv

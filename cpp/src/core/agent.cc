@@ -111,7 +111,7 @@ void add_metadata_channels(std::vector<std::string>& names) {
 // Agent method forwards to the method of the same name here.
 class Agent::Impl final : public AgentHooks {
  public:
-  explicit Impl(AgentConfig cfg) : cfg_(std::move(cfg)) {}
+  explicit Impl(AgentConfig cfg) : cfg_(std::move(cfg)) { notifs_.set_limits(cfg_.max_queued_notifs, cfg_.max_queued_notif_bytes); }
   ~Impl() override;
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -172,7 +172,11 @@ class Agent::Impl final : public AgentHooks {
   bool secret_matches(std::string_view presented) const override;
   const std::string& agent_secret() const override { return cfg_.secret; }
   const RegionTable& region_table() const override { return regions_; }
-  void deliver_notification(Notification n) override { notifs_.push(std::move(n)); }
+  Status deliver_notification(Notification n) override {
+    Status st = notifs_.push(std::move(n));
+    if (st.ok()) return st;
+    return ResourceExhausted("agent '" + cfg_.name + "': " + st.message());
+  }
   std::string metadata_blob() override { return metadata(); }
   uint32_t max_notif_bytes() const override { return cfg_.max_notif_bytes; }
   Result<GenPin> check_generations(const GenClaim& claim) override { return gens_.check_and_pin(claim); }

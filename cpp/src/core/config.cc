@@ -20,6 +20,8 @@ Status AgentConfig::validate() const {
     return InvalidArgument("default_timeout_s must be a finite number of seconds >= 0 (0: none), got " +
                            util::format_number(default_timeout_s));
   if (max_notif_bytes == 0) return InvalidArgument("max_notif_bytes must be >= 1, got 0");
+  if (max_queued_notifs == 0) return InvalidArgument("max_queued_notifs must be >= 1, got 0");
+  if (max_queued_notif_bytes == 0) return InvalidArgument("max_queued_notif_bytes must be >= 1, got 0");
   PDKV_RETURN_IF_ERROR(tcp.validate());
   return shm.validate();
 }

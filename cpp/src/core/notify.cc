@@ -13,8 +13,26 @@ NotifQueue::~NotifQueue() {
   if (efd_ >= 0) ::close(efd_);
 }
 
-void NotifQueue::push(Notification n) {
+void NotifQueue::set_limits(uint64_t max_count, uint64_t max_bytes) {
   std::lock_guard<std::mutex> lk(mu_);
+  max_count_ = max_count;
+  max_bytes_ = max_bytes;
+}
+
+Status NotifQueue::push(Notification n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const uint64_t size = n.data.size() + n.peer.size();
+  const bool full_count = max_count_ != 0 && q_.size() >= max_count_;
+  const bool full_bytes = max_bytes_ != 0 && !q_.empty() && bytes_ + size > max_bytes_;
+  if (full_count || full_bytes) {
+    ++refused_;
+    return ResourceExhausted("the notification queue is full (" + std::to_string(q_.size()) + " notifications, " +
+                             std::to_string(bytes_) + " bytes not yet taken; limits max_queued_notifs " +
+                             std::to_string(max_count_) + ", max_queued_notif_bytes " + std::to_string(max_bytes_) +
+                             "): the receiving application is not taking its notifications; refused one of " +
+                             std::to_string(n.data.size()) + " bytes");
+  }
+  bytes_ += size;
   q_.push_back(std::move(n));
   if (q_.size() == 1 && efd_ >= 0) {
     uint64_t one = 1;
@@ -22,6 +40,7 @@ void NotifQueue::push(Notification n) {
     (void)r;
   }
   cv_.notify_all();
+  return Status::Ok();
 }
 
 std::vector<Notification> NotifQueue::take_locked(size_t max) {
@@ -29,6 +48,7 @@ std::vector<Notification> NotifQueue::take_locked(size_t max) {
   size_t n = (max == 0 || max > q_.size()) ? q_.size() : max;
   out.reserve(n);
   for (size_t i = 0; i < n; ++i) {
+    bytes_ -= q_.front().data.size() + q_.front().peer.size();
     out.push_back(std::move(q_.front()));
     q_.pop_front();
   }
@@ -65,6 +85,16 @@ void NotifQueue::close() {
 size_t NotifQueue::size() const {
   std::lock_guard<std::mutex> lk(mu_);
   return q_.size();
+}
+
+uint64_t NotifQueue::bytes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return bytes_;
+}
+
+uint64_t NotifQueue::refused() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return refused_;
 }
 
 }  // namespace pdkv

@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 
-from ..errors import NotFound, PdkvError, ProtocolError
+from ..errors import NotFound, PdkvError, ProtocolError, ResourceExhausted
 from ._nixl_records import _S
 from ._nixl_wire import _CTL, _ctl, _hello_mac, log, _parse_ctl, _pdkv_name, _USER
 
@@ -124,7 +124,10 @@ class _Control:
                             self._log_refused(sender, ProtocolError(
                                 f"notification of {len(m) - 1} bytes (limit {self._max_notif})"))
                         elif hooks is not None:
-                            hooks.deliver_notification(_pdkv_name(sender), m[1:])
+                            try:
+                                hooks.deliver_notification(_pdkv_name(sender), m[1:])
+                            except ResourceExhausted as e:  # the queue is full: refused (one-sided: the
+                                self._log_refused(sender, e)  # sender is not told; docs/faults.md)
                     elif m[:1] == _CTL:
                         with self._lock:
                             self._control(sender, m[1:])

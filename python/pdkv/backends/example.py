@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from .. import _native
-from ..errors import NotFound, OutOfRange, PeerConnectionError
+from ..errors import NotFound, OutOfRange, PdkvError, PeerConnectionError
 from ..transport import HOST, Transport
 
 # The live transports of this process, by agent instance id: a peer that is not here
@@ -88,7 +88,11 @@ class LoopbackTransport(Transport):
             transfer.resolve_part(0, err)
             return
         if notif:  # after every byte landed (copies are synchronous)
-            target._hooks.deliver_notification(self._agent, notif)
+            try:
+                target._hooks.deliver_notification(self._agent, notif)
+            except PdkvError as e:  # the target's queue is full: this transfer fails with it
+                transfer.resolve_part(0, e)
+                return
         transfer.resolve_part(sum(r[3] for r in rows))
 
     def notify(self, peer: Any, transfer: Any, notif: bytes) -> None:
@@ -96,7 +100,11 @@ class LoopbackTransport(Transport):
         if isinstance(target, Exception):
             transfer.resolve_part(0, target)
             return
-        target._hooks.deliver_notification(self._agent, notif)
+        try:
+            target._hooks.deliver_notification(self._agent, notif)
+        except PdkvError as e:  # the target's queue is full
+            transfer.resolve_part(0, e)
+            return
         transfer.resolve_part(0)
 
     def drop_peer(self, name: str) -> None:

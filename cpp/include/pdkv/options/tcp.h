@@ -69,6 +69,15 @@ struct TcpOptions {
   // receiving into device memory holds two more.
   uint64_t stage_chunk_bytes = 4ull << 20;
   uint32_t stage_buffers = 4;
+  // Inbound connections open at once, authenticated or not (1..65536): one more is
+  // answered with a ResourceExhausted error frame and closed at accept.
+  uint32_t max_inbound_conns = 1024;
+  // Inbound connections one authenticated peer (by agent name) may hold (1..65536):
+  // one more is answered with ResourceExhausted (naming the peer and this option)
+  // and closed, its first request failing with it. Each connection can make this
+  // agent hold receive buffers (at most 4 compressed payloads of <= 64 MiB, each
+  // grown only as its bytes arrive), so this bounds what one peer can make it hold.
+  uint32_t max_inbound_per_peer = 128;
   TcpCompression compress;  // off by default; a transfer may override the mode (XferOptions::compress)
 
   // OK, or InvalidArgument naming the first field out of range and its value

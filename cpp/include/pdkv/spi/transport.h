@@ -77,7 +77,12 @@ class AgentHooks {
   // than present it.
   virtual const std::string& agent_secret() const = 0;
   virtual const RegionTable& region_table() const = 0;
-  virtual void deliver_notification(Notification n) = 0;
+  // Queues a received notification for the application, or refuses it
+  // (ResourceExhausted: the agent's queue is full, AgentConfig::max_queued_notifs /
+  // max_queued_notif_bytes). A transport calls it before acknowledging the
+  // notification and, when refused, fails the sender's transfer with that status
+  // instead of acknowledging it.
+  virtual Status deliver_notification(Notification n) = 0;
   virtual std::string metadata_blob() = 0;
   virtual uint32_t max_notif_bytes() const = 0;
   // Checks an initiator's claim about this agent's block generations and pins the

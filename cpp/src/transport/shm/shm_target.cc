@@ -54,10 +54,13 @@ void ShmTransport::handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHd
   switch (static_cast<Ctl>(h.type)) {
     case Ctl::kRegionReq:
       return answer_region_req(c, h.id);
-    case Ctl::kNotify:
-      hooks_->deliver_notification(Notification{c->peer_name(), c->frame_aux()});
+    case Ctl::kNotify: {
+      // Refused by a full queue (issue 26): the sender's notification fails with it.
+      Status taken = hooks_->deliver_notification(Notification{c->peer_name(), c->frame_aux()});
+      if (!taken.ok()) return refuse(c, taken, h.id);
       (void)c->send_frame(Ctl::kNotifyAck, h.id, {});
       return;
+    }
     case Ctl::kRevokeAck: {
       auto s = c->lock();
       s->revoke_acks.insert(h.id);

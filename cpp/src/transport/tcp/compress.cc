@@ -35,12 +35,26 @@ uint64_t iov_bytes(const iovec* iov, uint32_t n) {
   return sum;
 }
 
-// Appends the frame(s) of `iov[0, n)` encoded by `codec` to `out`.
+// Per-thread buffers kept between batches up to this size; a larger batch's are
+// released after it (codec threads live as long as the agent).
+constexpr size_t kKeepBufferBytes = 8u << 20;
+
+void trim(std::vector<uint8_t>& v) {
+  if (v.capacity() > kKeepBufferBytes) std::vector<uint8_t>().swap(v);
+}
+
+// Appends the frame(s) of `iov[0, n)` encoded by `codec` to `out`. At most
+// kMaxCompressedChunk raw bytes (callers check it first: a compressed batch is one
+// codec chunk), so the gather buffer and the codec's scratch stay bounded.
 Status encode_into(Codec& codec, DType dtype, const iovec* iov, uint32_t n, std::vector<uint8_t>& out) {
   thread_local std::vector<uint8_t> frame;
   thread_local std::vector<uint8_t> gathered;
   out.clear();
   const uint64_t bytes = iov_bytes(iov, n);
+  if (bytes > kMaxCompressedChunk)
+    return InvalidArgument("a compressed batch of " + std::to_string(bytes) + " bytes exceeds " +
+                           std::to_string(kMaxCompressedChunk));
+  Status st;
   if (gathers(bytes, n)) {  // small extents: one frame for all of them
     gathered.resize(bytes);
     uint64_t off = 0;
@@ -48,13 +62,16 @@ Status encode_into(Codec& codec, DType dtype, const iovec* iov, uint32_t n, std:
       std::memcpy(gathered.data() + off, iov[i].iov_base, iov[i].iov_len);
       off += iov[i].iov_len;
     }
-    return codec.encode(gathered.data(), bytes, dtype, out);
+    st = codec.encode(gathered.data(), bytes, dtype, out);
+  } else {
+    for (uint32_t i = 0; i < n && st.ok(); ++i) {
+      st = codec.encode(static_cast<const uint8_t*>(iov[i].iov_base), iov[i].iov_len, dtype, frame);
+      if (st.ok()) out.insert(out.end(), frame.begin(), frame.end());
+    }
   }
-  for (uint32_t i = 0; i < n; ++i) {
-    PDKV_RETURN_IF_ERROR(codec.encode(static_cast<const uint8_t*>(iov[i].iov_base), iov[i].iov_len, dtype, frame));
-    out.insert(out.end(), frame.begin(), frame.end());
-  }
-  return Status::Ok();
+  trim(gathered);
+  trim(frame);
+  return st;
 }
 
 }  // namespace
@@ -294,7 +311,7 @@ std::vector<uint8_t> Decoder::buffer() {
 }
 
 void Decoder::give_back(std::vector<uint8_t> buf) {
-  if (buf.capacity() > (8u << 20)) return;  // a rare huge payload is not kept
+  if (buf.capacity() > kKeepBufferBytes) return;  // a rare huge payload is not kept
   std::lock_guard<std::mutex> lk(mu_);
   if (free_.size() < 2 * kDecodeAhead) free_.push_back(std::move(buf));
 }
@@ -306,7 +323,7 @@ Status Decoder::decode(const uint8_t* payload, uint64_t len, const iovec* dst, s
   thread_local std::array<std::unique_ptr<Codec>, 4> codecs;
   thread_local std::vector<uint8_t> scratch;
   Status st = decode_payload(payload, len, dst, n, codecs, scratch, what, allowed);
-  if (scratch.capacity() > (8u << 20)) std::vector<uint8_t>().swap(scratch);
+  trim(scratch);
   return st;
 }
 

@@ -13,6 +13,8 @@ namespace pdkv::tcp {
 
 void RxState::abandon() {
   if (pipe) pipe->abandon();
+  std::vector<uint8_t>().swap(zbuf);  // a half-received compressed payload
+  zgrow = false;
   staged = false;
   pins.clear();
   zdst.clear();
@@ -95,6 +97,16 @@ void TcpConn::close_socket() {
   const int fd = fd_.exchange(-1);
   if (fd >= 0) ::close(fd);
   if (draining_.exchange(false) && owner_) owner_->slow_end();
+  std::vector<std::shared_ptr<void>> gone;
+  {
+    std::lock_guard<std::mutex> lk(tickets_mu_);
+    gone.swap(tickets_);
+  }
+}
+
+void TcpConn::hold(std::shared_ptr<void> ticket) {
+  std::lock_guard<std::mutex> lk(tickets_mu_);
+  if (fd() >= 0) tickets_.push_back(std::move(ticket));  // (closed meanwhile: released here)
 }
 
 Status TcpConn::frame_stalled(Clock::time_point now, Clock::duration limit, double limit_s) {

@@ -107,7 +107,12 @@ struct RxState {
   int cur_lowat = 1;  // SO_RCVLOWAT now set on the socket
   // A compressed write (kWriteZ): its payload is received into `zbuf`; then both it
   // and `zdst`, the checked extents, go to a decode thread (compress.h Decoder).
+  // zbuf grows as the payload's bytes arrive (doubling from kZbufFirstBytes), never
+  // to the declared size at the header: a peer that announces 64 MiB and trickles
+  // makes the receiver hold about what it sent.
   std::vector<uint8_t> zbuf;
+  bool zgrow = false;  // the payload stage reads into zbuf (read_zbuf_payload)
+  uint64_t zgot = 0;   // payload bytes in zbuf so far
   std::vector<iovec> zdst;
   int zdevice = -1;  // CUDA device of zdst (device_staging.h decodes it), or -1: host memory
 
@@ -186,6 +191,11 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   void start_draining(Clock::duration linger);
   // Closes the socket for good (the owner removed it from epoll first).
   void close_socket();
+  // Keeps an admission slot (admission.h) until close_socket() (or destruction).
+  void hold(std::shared_ptr<void> ticket);
+  // An authenticated peer's slot was taken (TcpTransport::admit): admitted once.
+  bool admitted() const { return admitted_.load(std::memory_order_acquire); }
+  void set_admitted() { admitted_.store(true, std::memory_order_release); }
 
   // ---- Deadlines (any thread, no lock). Timeout if a frame is half-read, or queued
   // output has not moved, for `limit` (`limit_s` in the message); OK otherwise.
@@ -259,6 +269,9 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   std::string peer_name_;           // written once, before authed_ is set
   std::atomic<bool> authed_{false};
   std::atomic<int> fd_;             // closed by close_socket() or the destructor
+  std::atomic<bool> admitted_{false};
+  std::mutex tickets_mu_;  // guards tickets_
+  std::vector<std::shared_ptr<void>> tickets_;  // admission slots, released at close_socket
 
   // ---- Deadline bookkeeping, read by the owner's scan without locks: output is
   // stuck in the send queue (tx_blocked_), or a frame is partly received (rx_mid_)

@@ -145,6 +145,23 @@ Status check_header(const FrameHeader& h, ConnState s, const FrameLimits& lim) {
   return Status::Ok();
 }
 
+namespace {
+
+// What a compressed write's codec frames may decode to: its extents' bytes, and at
+// most kMaxCompressedChunk of them (a sender cuts a compressed write into codec
+// chunks of at most that: TcpCompression::chunk_bytes). Checked with the extents,
+// before anything is received or decoded, so repeated or overlapping extents cannot
+// multiply a small payload's output beyond it.
+Status check_decoded_bound(const FrameHeader& h, uint64_t sum) {
+  if (h.type == static_cast<uint16_t>(FrameType::kWriteZ) && sum > kMaxCompressedChunk)
+    return ProtocolError("compressed write frame's extents add up to " + std::to_string(sum) +
+                         " bytes, more than a compressed frame may decode to (" + std::to_string(kMaxCompressedChunk) +
+                         ")");
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<uint64_t> check_extents(const WireExtent* ext, uint32_t n, const FrameHeader& h) {
   uint64_t sum = 0;
   for (uint32_t i = 0; i < n; ++i) {
@@ -159,6 +176,7 @@ Result<uint64_t> check_extents(const WireExtent* ext, uint32_t n, const FrameHea
   if (h.type == static_cast<uint16_t>(FrameType::kWrite) && sum != h.payload)
     return ProtocolError("write frame declares " + std::to_string(h.payload) +
                          " payload bytes but its extents add up to " + std::to_string(sum));
+  PDKV_RETURN_IF_ERROR(check_decoded_bound(h, sum));
   return sum;
 }
 
@@ -222,6 +240,7 @@ Result<uint64_t> check_runs(const void* descs, uint16_t flags, uint32_t n, const
   if (h.type == static_cast<uint16_t>(FrameType::kWrite) && sum != h.payload)
     return ProtocolError("write frame declares " + std::to_string(h.payload) + " payload bytes but its " + kind +
                          " extents add up to " + std::to_string(sum));
+  PDKV_RETURN_IF_ERROR(check_decoded_bound(h, sum));
   return sum;
 }
 

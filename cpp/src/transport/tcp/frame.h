@@ -84,15 +84,17 @@ std::string frame_type_name(uint16_t type);
 
 // Checks the extent list of a kWrite / kReadReq that passed check_header: no empty
 // extent, the sum fits in kMaxPayloadPerFrame (no u64 overflow), and for a write it
-// equals the declared payload. Returns the sum. Region bounds are checked by
+// equals the declared payload; for a kWriteZ, the sum (what its codec frames decode
+// to) is at most kMaxCompressedChunk. Returns the sum. Region bounds are checked by
 // extent_in_region().
 Result<uint64_t> check_extents(const WireExtent* ext, uint32_t n, const FrameHeader& h);
 
 // check_extents() for a kFlagStrided frame, run before anything is allocated for
 // it: every descriptor has count >= 1, len >= 1, stride >= len when count > 1, and a
 // span (count - 1) * stride + len without u64 overflow; all pieces together are at
-// most kMaxStridedPieces and kMaxPayloadPerFrame bytes, and for a write the declared
-// payload. ProtocolError naming the descriptor and field. Returns the byte sum.
+// most kMaxStridedPieces and kMaxPayloadPerFrame bytes (kMaxCompressedChunk for a
+// kWriteZ), and for a write the declared payload. ProtocolError naming the
+// descriptor and field. Returns the byte sum.
 Result<uint64_t> check_strided_extents(const WireStridedExtent* ext, uint32_t n, const FrameHeader& h);
 
 // Bytes from a strided descriptor's first byte to its last piece's end (the

@@ -16,6 +16,7 @@ constexpr uint64_t kMinStageChunkBytes = 4096;
 constexpr uint32_t kMinStageBuffers = 2;  // one filling while one is on the wire
 constexpr uint32_t kMaxStageBuffers = 1024;
 constexpr double kMaxTimeoutS = 86400;
+constexpr uint32_t kMaxInboundConns = 65536;
 }  // namespace
 
 Status TcpOptions::validate() const {
@@ -32,6 +33,9 @@ Status TcpOptions::validate() const {
       check_in_range<uint64_t>("tcp.stage_chunk_bytes", stage_chunk_bytes, kMinStageChunkBytes, tcp::kMaxPayloadPerFrame));
   PDKV_RETURN_IF_ERROR(
       check_in_range<uint32_t>("tcp.stage_buffers", stage_buffers, kMinStageBuffers, kMaxStageBuffers));
+  PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.max_inbound_conns", max_inbound_conns, 1, kMaxInboundConns));
+  PDKV_RETURN_IF_ERROR(
+      check_in_range<uint32_t>("tcp.max_inbound_per_peer", max_inbound_per_peer, 1, kMaxInboundConns));
   PDKV_RETURN_IF_ERROR(compress.validate());
   if (listen_host.empty()) return InvalidArgument("tcp.listen_host is empty (use an address such as 127.0.0.1)");
   return Status::Ok();

@@ -235,7 +235,20 @@ void ProgressThread::accept_all() {
     ProgressThread* owner = t_->pick_thread();
     auto c = TcpConn::accepted(fd, owner, "inbound connection from " + std::string(host) + ":" + std::to_string(port),
                                host, util::deadline_after(t_->opts().handshake_timeout_s));
+    uint32_t open = 0;
+    auto slot = t_->admission().accept(&open);
     owner->add(c, true);
+    if (slot) {
+      c->hold(std::move(slot));
+    } else {
+      // Over TcpOptions::max_inbound_conns: told why (an error frame before its hello
+      // is answered), then closed like any refused connection.
+      auto lk = c->lock_rx();
+      if (c->fd() >= 0)
+        t_->fail_conn_locked(c, ResourceExhausted("this agent has " + std::to_string(open) +
+                                                  " inbound connections open (TcpOptions.max_inbound_conns); "
+                                                  "refusing " + c->desc()));
+    }
   }
 }
 

@@ -62,6 +62,7 @@ uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
       case RxStage::kControl: r = read_control(c, &stop); break;
       case RxStage::kPayload:
         r = rx(c).staged   ? read_staged_payload(c, &budget, &stop)
+            : rx(c).zgrow  ? read_zbuf_payload(c, &budget, &stop)
             : rx(c).gather ? read_landed_payload(c, &budget, &stop)
                            : read_payload(c, &budget, &stop);
         break;
@@ -152,6 +153,31 @@ ssize_t FrameReceiver::read_landed_payload(const std::shared_ptr<TcpConn>& c, ui
   return r;
 }
 
+// A compressed frame's payload: into zbuf, grown only as far as the bytes coming
+// next (at most double what already arrived, at least kZbufFirstBytes), so its
+// memory follows what the peer actually sent.
+ssize_t FrameReceiver::read_zbuf_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop) {
+  RxState& st = rx(c);
+  const uint64_t room = st.zbuf.size() - st.zgot;
+  if (room == 0) {
+    const uint64_t grow = std::min<uint64_t>(st.remaining, std::max<uint64_t>(kZbufFirstBytes, st.zgot));
+    st.zbuf.resize(static_cast<size_t>(st.zgot + grow));
+  }
+  const size_t want = static_cast<size_t>(std::min<uint64_t>(st.remaining, st.zbuf.size() - st.zgot));
+  iovec iov[2] = {{st.zbuf.data() + st.zgot, want}, {&st.hdr, kHdr}};
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = want == st.remaining ? 2 : 1;  // the last read picks up the next header
+  ssize_t r = ::recvmsg(c->fd(), &mh, MSG_DONTWAIT);
+  if (r <= 0) return r;
+  *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
+  const uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), st.remaining);
+  st.zgot += take;
+  if (take == st.remaining) st.zgrow = false;  // complete: zbuf holds exactly the payload
+  payload_received(c, take, static_cast<uint64_t>(r) - take, stop);
+  return r;
+}
+
 void FrameReceiver::advance_dst(RxState& st, uint64_t n, const char* from) {
   if (st.runs) {  // landed into strided runs (begin_write_payload, on_read_response_header)
     scatter_to_runs(st.runs, st.nruns, st.run_cur, from, n);
@@ -227,6 +253,15 @@ bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
   if (!valid.ok()) {
     t_.fail_conn_locked(c, ProtocolError(valid.message() + " from " + c->desc()), h.xfer_id, h.batch);
     return false;
+  }
+  if (!c->outbound() && c->authed() && !c->admitted()) {
+    // The per-peer connection cap (TcpOptions::max_inbound_per_peer), at the first
+    // frame after the hello at the latest (admit() is a no-op once on_hello took it).
+    Status in = t_.admit(c, c->peer_name());
+    if (!in.ok()) {
+      t_.fail_conn_locked(c, in, h.xfer_id, h.batch);
+      return false;
+    }
   }
   switch (static_cast<FrameType>(h.type)) {
     case FrameType::kAck: {
@@ -306,10 +341,14 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
 // gave back, when there is one), then decoded off this thread.
 void FrameReceiver::receive_into_zbuf(RxState& st, uint64_t payload) {
   if (st.zbuf.capacity() == 0) st.zbuf = t_.decoder().buffer();
-  st.zbuf.resize(static_cast<size_t>(payload));
-  st.dst_own.assign(1, iovec{st.zbuf.data(), st.zbuf.size()});
-  st.dst = st.dst_own.data();
-  st.ndst = 1;
+  // Grown as the bytes arrive (read_zbuf_payload); a reused buffer's capacity is
+  // used without zero-filling it here.
+  st.zbuf.clear();
+  st.zgot = 0;
+  st.zgrow = true;
+  st.dst_own.clear();
+  st.dst = nullptr;
+  st.ndst = 0;
   st.runs = nullptr;
   st.nruns = 0;
   st.dst_idx = 0;
@@ -514,6 +553,12 @@ bool FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
     // quantized on the GPU, lossless gathered to a pinned buffer and encoded on the
     // host), as a device write is.
     auto codec = decode_zspec(req.zspec);
+    // More than one codec chunk (kMaxCompressedChunk) is never asked for compressed
+    // by a pdkv initiator (its compressed reads are cut into codec chunks): answered
+    // plain before anything is gathered or encoded, so a request cannot make the
+    // encoder buffer more than one chunk.
+    if (codec.ok() && req.bytes > kMaxCompressedChunk)
+      codec = NotSupported("a compressed response of more than one codec chunk");
     if (codec.ok()) {
       list_iovecs(req);
       return answer_read_compressed(c, req, *codec);
@@ -790,11 +835,18 @@ void FrameReceiver::finish_decode(TcpTransport& t, const std::shared_ptr<TcpConn
     if (!result.ok()) {
       c->owner()->enqueue(c, failed_ack(h, result));  // discarded: no notification
     } else {
-      if (h.flags & kFlagNotif) t.hooks()->deliver_notification(Notification{c->peer_name(), std::move(job.notif)});
-      auto m = std::make_unique<OutMsg>();
-      m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
-      m->finalize();
-      c->owner()->enqueue(c, std::move(m));
+      // A notification the agent's queue refuses fails the batch (it was not accepted).
+      Status taken = (h.flags & kFlagNotif)
+                         ? t.hooks()->deliver_notification(Notification{c->peer_name(), std::move(job.notif)})
+                         : Status::Ok();
+      if (!taken.ok()) {
+        c->owner()->enqueue(c, failed_ack(h, taken));
+      } else {
+        auto m = std::make_unique<OutMsg>();
+        m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
+        m->finalize();
+        c->owner()->enqueue(c, std::move(m));
+      }
     }
   }
   c->decode_done();
@@ -815,7 +867,11 @@ bool FrameReceiver::on_failed_ack(const std::shared_ptr<TcpConn>& c) {
 
 bool FrameReceiver::on_notify(const std::shared_ptr<TcpConn>& c) {
   const FrameHeader& h = rx(c).cur;
-  t_.hooks()->deliver_notification(Notification{c->peer_name(), rx(c).ctrl});
+  Status taken = t_.hooks()->deliver_notification(Notification{c->peer_name(), rx(c).ctrl});
+  if (!taken.ok()) {  // the queue is full: the sender's notify fails with it
+    reply(c, failed_ack(h, taken));
+    return true;
+  }
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
   m->finalize();
@@ -972,8 +1028,10 @@ void FrameReceiver::write_landed(const std::shared_ptr<TcpConn>& c) {
   const Status reject = std::move(rx(c).reject);
   rx(c).reject = Status::Ok();
   if (!reject.ok()) return reply(c, failed_ack(h, reject));  // discarded: no notification
-  if (h.flags & kFlagNotif)
-    t_.hooks()->deliver_notification(Notification{c->peer_name(), rx(c).ctrl.substr(rx(c).notif_off)});
+  if (h.flags & kFlagNotif) {
+    Status taken = t_.hooks()->deliver_notification(Notification{c->peer_name(), rx(c).ctrl.substr(rx(c).notif_off)});
+    if (!taken.ok()) return reply(c, failed_ack(h, taken));  // the queue is full: the batch fails with it
+  }
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(FrameType::kAck, h.xfer_id, h.batch);
   m->finalize();

@@ -78,6 +78,9 @@ class FrameReceiver {
   ssize_t read_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);
   ssize_t read_staged_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);
   ssize_t read_landed_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);
+  ssize_t read_zbuf_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);
+  // The first step a compressed payload's buffer grows by (then it doubles).
+  static constexpr uint64_t kZbufFirstBytes = 1u << 20;
   // Moves the payload cursor `n` bytes through the destination extents, copying them
   // from `from` on the way (landed payloads) unless it is null.
   static void advance_dst(RxState& st, uint64_t n, const char* from);

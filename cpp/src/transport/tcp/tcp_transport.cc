@@ -77,7 +77,8 @@ uint64_t compressed_batch_bytes(const TcpCompression& o, uint64_t cap = UINT64_M
 TcpTransport::TcpTransport(const AgentConfig& cfg)
     : opts_(cfg.tcp),
       staging_(*this, cfg.tcp.stage_chunk_bytes, cfg.tcp.stage_buffers),
-      backoff_(kAuthBackoffBaseS, kAuthBackoffMaxS, kAuthBackoffSources, kAuthFreeFailures) {
+      backoff_(kAuthBackoffBaseS, kAuthBackoffMaxS, kAuthBackoffSources, kAuthFreeFailures),
+      admission_(cfg.tcp.max_inbound_conns, cfg.tcp.max_inbound_per_peer) {
   // Always there: a transfer may ask for compression with the agent's mode off, and
   // peers may ask for compressed read responses (its threads start on first use).
   encoder_ = std::make_unique<Encoder>(cfg.tcp.compress);
@@ -422,17 +423,28 @@ void TcpTransport::request_kills(const std::vector<std::shared_ptr<TcpConn>>& cs
     }
 }
 
-Result<std::shared_ptr<TcpConn>> TcpTransport::get_conn(PeerConns& pc, uint32_t slot, bool may_connect) {
+Result<std::shared_ptr<TcpConn>> TcpTransport::get_conn(PeerConns& pc, uint32_t slot, bool may_connect,
+                                                        Clock::time_point deadline) {
   std::lock_guard<std::mutex> lk(pc.mu);
   auto& c = pc.conns[slot];
   if (c && !c->is_dead()) return c;
   if (!may_connect) return ConnectionError("no open connection to peer '" + pc.peer->md.name + "'");
   if (shut_) return ConnectionError("agent is shutting down");
+  // (Another post may have dialled this slot while we waited for pc.mu, up to its
+  // own deadline: ours is checked again here.)
+  double timeout_s = opts_.connect_timeout_s;
+  if (deadline != Clock::time_point::max()) {
+    const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+    if (left <= 0)
+      return TimeoutError("the transfer's deadline passed before a connection to peer '" + pc.peer->md.name + "' at " +
+                          pc.hp.str() + " was made");
+    timeout_s = std::min(timeout_s, left);
+  }
   std::string name;
   PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd,
                         dial(pc.hp, HelloParams{hooks_->agent_name(), pc.peer->md.name, pc.peer->md.instance_id,
                                                 pc.peer->secret},
-                             opts_.connect_timeout_s, &name));
+                             timeout_s, &name));
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
   ProgressThread* owner = pick_thread();
   auto conn = TcpConn::dialled(fd.release(), owner, "peer '" + pc.peer->md.name + "' at " + pc.hp.str(), name,
@@ -443,10 +455,10 @@ Result<std::shared_ptr<TcpConn>> TcpTransport::get_conn(PeerConns& pc, uint32_t 
 }
 
 Status TcpTransport::connect(std::shared_ptr<const Peer> peer, double timeout_s) {
-  (void)timeout_s;
   PDKV_ASSIGN_OR_RETURN(auto pc, peer_conns(peer));
+  const auto deadline = timeout_s > 0 ? util::deadline_after(timeout_s) : Clock::time_point::max();
   for (uint32_t i = 0; i < opts_.conns_per_peer; ++i) {
-    auto c = get_conn(*pc, i, true);
+    auto c = get_conn(*pc, i, true, deadline);
     if (!c.ok()) return c.status();
   }
   return Status::Ok();
@@ -504,6 +516,14 @@ void TcpTransport::kill_locked(const std::shared_ptr<TcpConn>& c, const Status& 
   // Stop reading and writing; linger briefly so an error frame we sent is read
   // before the peer sees a reset.
   c->start_draining(std::chrono::milliseconds(500));
+}
+
+Status TcpTransport::admit(const std::shared_ptr<TcpConn>& c, const std::string& name) {
+  if (c->outbound() || c->admitted()) return Status::Ok();
+  PDKV_ASSIGN_OR_RETURN(auto ticket, admission_.admit(name));
+  c->hold(std::move(ticket));
+  c->set_admitted();
+  return Status::Ok();
 }
 
 void TcpTransport::fail_conn_locked(const std::shared_ptr<TcpConn>& c, const Status& st, uint64_t xfer,
@@ -600,7 +620,7 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
     resolve(part, 0, connect_err.ok() ? Cancelled("cancelled") : connect_err);
     return;
   }
-  auto cr = get_conn(*post->pc, slot, true);
+  auto cr = get_conn(*post->pc, slot, true, xfer->deadline());
   if (!cr.ok()) {
     {
       std::lock_guard<std::mutex> lk(post->mu);
@@ -922,7 +942,7 @@ void TcpTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_pt
   post->pc = *pcr;
   post->notif = std::move(notif);
   post->separate_notif = true;
-  auto cr = get_conn(*post->pc, 0, true);
+  auto cr = get_conn(*post->pc, 0, true, xfer->deadline());
   if (!cr.ok()) {
     spi::TransferControl(xfer).resolve_part(0, cr.status());
     return;

@@ -22,6 +22,7 @@
 
 #include "pdkv/config.h"
 #include "pdkv/spi/transport.h"
+#include "transport/tcp/admission.h"
 #include "transport/tcp/compress.h"
 #include "transport/tcp/conn.h"
 #include "transport/tcp/device_staging.h"
@@ -76,6 +77,14 @@ class TcpTransport final : public Transport {
   const TcpOptions& opts() const { return opts_; }
   FrameLimits frame_limits() const { return FrameLimits{hooks_->max_notif_bytes()}; }
   AuthBackoff& auth_backoff() { return backoff_; }
+  // Counts inbound connections (TcpOptions::max_inbound_conns, max_inbound_per_peer).
+  Admission& admission() { return admission_; }
+  // Takes a slot for the inbound connection c, authenticated as `name`
+  // (max_inbound_per_peer): OK (once per connection; again is a no-op), or
+  // ResourceExhausted naming the peer, which the caller answers by failing c.
+  // Call it right after the hello authenticated c (receiver.cc on_hello); until
+  // then the receiver calls it at c's first frame after the hello.
+  Status admit(const std::shared_ptr<TcpConn>& c, const std::string& name);
   DeviceStaging& staging() { return staging_; }
   Decoder& decoder() { return decoder_; }
   Encoder& encoder() { return *encoder_; }
@@ -111,8 +120,12 @@ class TcpTransport final : public Transport {
   // Host batch `b` of `prep` compressed with `kind` into `out` (its pieces listed first
   // when the transfer is lazy).
   Status encode_batch(const TcpPrepared& prep, const TcpBatch& b, CodecKind kind, EncodedBatch& out);
-  // The live connection in `slot`, dialling a new one if `may_connect`.
-  Result<std::shared_ptr<TcpConn>> get_conn(PeerConns& pc, uint32_t slot, bool may_connect);
+  // The live connection in `slot`, dialling a new one if `may_connect`. The dial
+  // (connect + handshake) gives up at min(connect_timeout_s, `deadline`): a transfer's
+  // first contact fails with Timeout at the transfer's deadline, never later
+  // (docs/faults.md); a deadline already passed fails at once.
+  Result<std::shared_ptr<TcpConn>> get_conn(PeerConns& pc, uint32_t slot, bool may_connect,
+                                            Clock::time_point deadline = Clock::time_point::max());
   // Asks the owners of these connections to kill them with `why`.
   void request_kills(const std::vector<std::shared_ptr<TcpConn>>& cs, const Status& why);
   // Sends batch i of `post` (data from registered memory, from `staged`, or the
@@ -168,6 +181,7 @@ class TcpTransport final : public Transport {
   std::unique_ptr<Encoder> encoder_;
   Decoder decoder_;  // compressed writes and read responses received (threads start on the first)
   AuthBackoff backoff_;
+  Admission admission_;
   LogLimiter reject_log_{std::chrono::seconds(1)};
 };
 
