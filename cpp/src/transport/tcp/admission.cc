@@ -23,7 +23,7 @@ Result<std::shared_ptr<void>> Admission::admit(const std::string& peer) {
   if (n >= max_per_peer_) {
     if (n == 0) counts_->per_peer.erase(peer);
     return ResourceExhausted("agent '" + peer + "' already has " + std::to_string(max_per_peer_) +
-                             " connections open to this agent (TcpOptions.max_conns_per_peer); refusing another");
+                             " connections open to this agent (TcpOptions.max_inbound_per_peer); refusing another");
   }
   ++n;
   auto counts = counts_;

@@ -1,6 +1,6 @@
 // How many inbound connections the tcp transport keeps open: in total
 // (TcpOptions::max_inbound_conns, counted from accept, authenticated or not) and per
-// authenticated peer name (TcpOptions::max_conns_per_peer, counted from admit()).
+// authenticated peer name (TcpOptions::max_inbound_per_peer, counted from admit()).
 // Every connection a peer holds can make this agent hold receive buffers (a
 // compressed payload, a landing chunk, queued responses), so an authenticated but
 // hostile peer must not open them without limit.
