@@ -563,7 +563,7 @@ class TcpOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, compress: TcpCompression = ...) -> None:
+    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, max_inbound_conns: int = 1024, max_inbound_per_peer: int = 128, compress: TcpCompression = ...) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -646,6 +646,22 @@ class TcpOptions:
         """
     @listen_port.setter
     def listen_port(self, value: int) -> None:
+        ...
+    @property
+    def max_inbound_conns(self) -> int:
+        """
+        int (1..65536): inbound connections open at once, authenticated or not; one more is refused at accept with ResourceExhausted.
+        """
+    @max_inbound_conns.setter
+    def max_inbound_conns(self, value: int) -> None:
+        ...
+    @property
+    def max_inbound_per_peer(self) -> int:
+        """
+        int (1..65536): inbound connections one authenticated peer (agent name) may hold; one more is refused with ResourceExhausted naming the peer (its first request fails with it).
+        """
+    @max_inbound_per_peer.setter
+    def max_inbound_per_peer(self, value: int) -> None:
         ...
     @property
     def progress_threads(self) -> int:
@@ -757,7 +773,7 @@ class AgentConfig:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, name: str = '', secret: bytes = b'', transports: list[str] = ['tcp'], tcp: TcpOptions = ..., shm: ShmOptions = ..., default_timeout_s: float = 60.0, max_notif_bytes: int = 1048576, wait_spin_us: int = 50) -> None:
+    def __init__(self, *, name: str = '', secret: bytes = b'', transports: list[str] = ['tcp'], tcp: TcpOptions = ..., shm: ShmOptions = ..., default_timeout_s: float = 60.0, max_notif_bytes: int = 1048576, max_queued_notifs: int = 65536, max_queued_notif_bytes: int = 67108864, wait_spin_us: int = 50) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -784,6 +800,22 @@ class AgentConfig:
         """
     @max_notif_bytes.setter
     def max_notif_bytes(self, value: int) -> None:
+        ...
+    @property
+    def max_queued_notif_bytes(self) -> int:
+        """
+        int, bytes (>= 1): payload and sender-name bytes of the notifications not yet taken; one more that does not fit is refused as above (an empty queue takes any one).
+        """
+    @max_queued_notif_bytes.setter
+    def max_queued_notif_bytes(self, value: int) -> None:
+        ...
+    @property
+    def max_queued_notifs(self) -> int:
+        """
+        int (>= 1): received notifications not yet taken by the application; one more is refused before it is accepted (the sender's transfer fails with ResourceExhausted).
+        """
+    @max_queued_notifs.setter
+    def max_queued_notifs(self, value: int) -> None:
         ...
     @property
     def name(self) -> str:
