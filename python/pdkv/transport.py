@@ -19,7 +19,10 @@ Contract (see cpp/include/pdkv/spi/transport.h for the full text):
   after ``post`` returns go through the transfer, never as exceptions). The
   transfer's deadline is ``transfer.remaining_s``.
 * Notifications received go to ``hooks.deliver_notification(peer_name, data)`` (the
-  ``hooks`` object ``start`` got), queued after every byte of their transfer landed.
+  ``hooks`` object ``start`` got), queued after every byte of their transfer landed. It
+  raises :class:`pdkv.errors.ResourceExhausted` (nothing queued) when the agent's queue is
+  full (``Agent(max_queued_notifs=, max_queued_notif_bytes=)``): fail the sender's
+  transfer with it where the protocol can tell the sender.
 * Threads of the transport must not call a blocking agent method that waits on
   something needing the GIL; the transport-side Transfer methods never block.
 * ``shutdown`` fails everything in flight; the agent calls it once, then drops the object.
