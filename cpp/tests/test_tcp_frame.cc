@@ -146,6 +146,26 @@ TEST(TcpFrame, ExtentsSumWithoutOverflow) {
   EXPECT_TRUE(check_extents(big, 1, hdr(FrameType::kReadReq, 1)).ok());
 }
 
+// A compressed write decodes to at most one codec chunk (issue 26): its extents may
+// add up to kMaxCompressedChunk, not more, however often they repeat one range.
+TEST(TcpFrame, CompressedWriteExtentsAreBoundedBeforeDecoding) {
+  std::vector<WireExtent> repeated(4096, WireExtent{1, 0, 16u << 10});  // 64 MiB over one 16 KiB range
+  EXPECT_TRUE(check_extents(repeated.data(), 4096, hdr(FrameType::kWriteZ, 4096, 0, 2048)).ok());
+  repeated.push_back(WireExtent{1, 0, 1});
+  auto over = check_extents(repeated.data(), 4097, hdr(FrameType::kWriteZ, 4097, 0, 2048));
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kProtocolError);
+  EXPECT_NE(over.status().message().find("more than a compressed frame may decode to"), std::string::npos);
+  // A plain write or read of the same extents is not limited by it.
+  EXPECT_TRUE(check_extents(repeated.data(), 4097, hdr(FrameType::kReadReq, 4097)).ok());
+  FrameHeader sh = hdr(FrameType::kWriteZ, 1, 0, 2048);
+  sh.flags = kFlagStrided;
+  const WireStridedExtent big{1, 0, 4096, (64u << 20) / 4096 + 1, 4096};
+  EXPECT_FALSE(check_strided_extents(&big, 1, sh).ok());
+  const WireStridedExtent fits{1, 0, 4096, (64u << 20) / 4096, 4096};
+  EXPECT_TRUE(check_strided_extents(&fits, 1, sh).ok());
+}
+
 // The largest frame a sender of gathered small extents makes (out_msg.h) passes the
 // receiver's rules; one bad piece among many, or a count that does not add up, fails.
 TEST(TcpFrame, AFrameOfManySmallPiecesIsCheckedPieceByPiece) {
