@@ -40,6 +40,10 @@ FLAG_STRIDED, FLAG_ZREPLY = 8, 16
 BF16 = 2  # DType::kBF16
 MiB = 1 << 20
 
+# Under scripts/sanitize.sh the allocator (shadow memory, quarantine of freed blocks)
+# decides RSS, not pdkv: the memory bounds are checked in plain runs only; everything
+# else (refusals, errors, acks) is checked in both.
+SANITIZED = bool(os.environ.get("PDKV_SANITIZER"))
 needs_zstd = pytest.mark.skipif(not codec.available("zstd"), reason="this build has no zstd")
 
 
@@ -54,6 +58,12 @@ def status_kib(pid: int, field: str) -> int:
 
 def mib(pid: int, field: str) -> float:
     return status_kib(pid, field) / 1024
+
+
+def check_mem(ok: bool, what: str) -> None:
+    """A memory bound, asserted outside sanitizer runs."""
+    if not SANITIZED:
+        assert ok, what
 
 
 class Target(JsonLineProc):
@@ -144,7 +154,7 @@ def test_writez_bomb_over_repeated_extents_is_refused(target):
     err = error_code(s)
     assert err is not None and err[0] == PROTOCOL_ERROR and "more than a compressed frame may decode to" in err[1], err
     time.sleep(0.5)
-    assert mib(t.pid, "VmHWM") - base < 120, f"peak {mib(t.pid, 'VmHWM'):.0f} MiB from {base:.0f} MiB"
+    check_mem(mib(t.pid, "VmHWM") - base < 120, f"peak {mib(t.pid, 'VmHWM'):.0f} MiB from {base:.0f} MiB")
 
 
 @needs_zstd
@@ -166,9 +176,9 @@ def test_writez_bombs_within_the_limit_are_released(target):
             h, _ = recv_frame(s, 30)
             assert h[1] == 8 and h[8] == 0, h  # acked: these are valid writes
     peak = mib(t.pid, "VmHWM") - base
-    assert peak < 700, f"peak grew {peak:.0f} MiB"  # <= 4 decode threads x (64 MiB scratch + 64 MiB planes) + slack
-    assert wait_until(lambda: mib(t.pid, "VmRSS") - base < 40, timeout=3.0), \
-        f"still {mib(t.pid, 'VmRSS') - base:.0f} MiB above the start"
+    check_mem(peak < 700, f"peak grew {peak:.0f} MiB")  # <= 4 decode threads x (64 MiB scratch + 64 MiB planes)
+    check_mem(SANITIZED or wait_until(lambda: mib(t.pid, "VmRSS") - base < 40, timeout=3.0),
+              f"still {mib(t.pid, 'VmRSS') - base:.0f} MiB above the start")
 
 
 def test_writez_headers_that_trickle_hold_little(target):
@@ -185,7 +195,7 @@ def test_writez_headers_that_trickle_hold_little(target):
         socks.append(s)
     time.sleep(1.0)
     grown = mib(t.pid, "VmRSS") - base
-    assert grown < 120, f"16 trickling WriteZ headers hold {grown:.0f} MiB"
+    check_mem(grown < 120, f"16 trickling WriteZ headers hold {grown:.0f} MiB")
     for s in socks:
         s.close()
 
@@ -210,7 +220,7 @@ def test_compressed_read_of_many_pieces_is_answered_plain_before_encoding(target
     assert struct.unpack_from("<H", hdr, 4)[0] == T_READ_RESP
     time.sleep(1.0)
     grown = mib(t.pid, "VmHWM") - base
-    assert grown < 150, f"a 256 MiB compressed read request grew the peak by {grown:.0f} MiB"
+    check_mem(grown < 150, f"a 256 MiB compressed read request grew the peak by {grown:.0f} MiB")
     s.close()
 
 
@@ -298,7 +308,7 @@ def test_notification_flood_is_refused_before_it_is_accepted(target, transport):
         assert "notification queue is full" in str(refused) and "max_queued_notif_bytes" in str(refused)
         assert 60 <= accepted <= 64, accepted
         grown = mib(t.pid, "VmRSS") - base
-        assert grown < 200, f"queued notifications hold {grown:.0f} MiB"
+        check_mem(grown < 200, f"queued notifications hold {grown:.0f} MiB")
         # Nothing accepted was dropped: the target takes exactly what was acknowledged.
         assert t.call(cmd="take")["taken"] == accepted
 
