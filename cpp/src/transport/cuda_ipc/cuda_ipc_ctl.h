@@ -48,10 +48,10 @@ static_assert(sizeof(CtlHdr) == 24, "control header must be 24 bytes");
 
 enum class CtlSide : uint8_t {
   kExporterPreHello,  // accepted, nothing but a hello yet
-  kExporterProof,     // accepted, hello answered with a challenge: only the proof may come
   kExporter,          // accepted, authenticated
   kImporterHello,     // dialed, waiting for the challenge, then the hello-ack (or an error)
   kImporter,          // dialed, authenticated
+  kExporterProof,     // accepted, hello answered with a challenge: only the proof may come
 };
 
 // OK when reading h.aux_len more bytes is allowed on `side`.

@@ -82,10 +82,10 @@ static_assert(sizeof(CtlHdr) == 24, "control header must be 24 bytes");
 // Which end of a connection is reading, and how far its handshake got.
 enum class CtlSide : uint8_t {
   kTargetPreHello,  // we accepted; nothing but a hello is allowed yet
-  kTargetProof,     // we accepted and answered the hello with a challenge; only the proof may come
   kTarget,          // we accepted; the initiator authenticated
   kInitiatorHello,  // we dialed; waiting for the challenge, then the hello-ack (or an error)
   kInitiator,       // we dialed; authenticated
+  kTargetProof,     // we accepted and answered the hello with a challenge; only the proof may come
 };
 
 // Checks a received header against the limits of `side`; OK means reading
