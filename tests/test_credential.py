@@ -48,11 +48,11 @@ def test_too_many_or_a_string_for_accepted():
 def test_from_env(monkeypatch):
     monkeypatch.delenv("PDKV_SECRET", raising=False)
     assert Credential.from_env() is None
-    monkeypatch.setenv("PDKV_SECRET", "e")
-    monkeypatch.setenv("PDKV_ACCEPTED_SECRETS", "o1, o2,")
+    monkeypatch.setenv("PDKV_SECRET", "envsecret")
+    monkeypatch.setenv("PDKV_ACCEPTED_SECRETS", "old1, old2,")
     c = Credential.from_env()
-    assert c.accepted == (b"e", b"o1", b"o2")
-    assert "e" not in repr(c) and "o1" not in repr(c)
+    assert c.accepted == (b"envsecret", b"old1", b"old2")
+    assert "envsecret" not in repr(c) and "old1" not in repr(c)
 
 
 def test_new_secret_and_the_cli():
