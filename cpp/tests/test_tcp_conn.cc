@@ -381,7 +381,7 @@ class ScriptedTarget {
   util::HostPort where() const { return util::HostPort{"127.0.0.1", port_}; }
   // The hello body the target received (after it answered).
   std::string received_hello() {
-    th_.join();
+    if (th_.joinable()) th_.join();
     return hello_;
   }
   // The proof it received, and whether it matched its secret (scripted with a secret).
