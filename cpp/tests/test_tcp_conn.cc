@@ -491,7 +491,7 @@ TEST(TcpHandshake, DialRejectsAnAnswerThatIsNoFrame) {
   auto fd = dial(t.where(), HelloParams{"me", "", 0, auth::derive_key("s")}, 5, nullptr);
   ASSERT_FALSE(fd.ok());
   EXPECT_EQ(fd.status().code(), StatusCode::kProtocolError);
-  EXPECT_NE(fd.status().message().find("answered the hello with a bad frame"), std::string::npos)
+  EXPECT_NE(fd.status().message().find("answered the handshake with a bad frame"), std::string::npos)
       << fd.status().message();
 }
 
