@@ -48,6 +48,34 @@ def hello(*, version=WIRE_VERSION, target="target", name="raw-client", instance=
     return frame(T_HELLO, xfer=0, aux=body) + body
 
 
+def challenge(conn: socket.socket, hello_aux: bytes, name: str, instance: int):
+    """Answers a received hello body with a challenge as agent `name`: returns the
+    initiator's name and the target's half of the handshake (pdkv/spi/auth.h)."""
+    n = struct.unpack_from("<I", hello_aux, 16)[0]
+    initiator = hello_aux[20:20 + n].decode()
+    m = 20 + n + 4 + struct.unpack_from("<I", hello_aux, 20 + n)[0]
+    hs = pdkv._native.module().TargetHandshake("tcp", WIRE_VERSION, initiator, name, instance,
+                                               hello_aux[m:m + 32], hello_aux[m + 32:m + 64])
+    ch = struct.pack("<QI", instance, len(name)) + name.encode() + hs.nonce + hs.pub
+    conn.sendall(frame(T_CHALLENGE, xfer=0, aux=ch) + ch)
+    return initiator, hs
+
+
+def accept_handshake(conn: socket.socket, name: str, instance: int, secret=SECRET) -> str:
+    """The target's side of the handshake on a raw accepted socket, as agent `name`
+    (instance `instance`) knowing `secret`: reads the hello, challenges, checks the
+    proof (AuthFailed if it does not match) and answers the hello-ack. Returns the
+    initiator's name."""
+    h, aux = recv_frame(conn)
+    assert h[1] == T_HELLO, h
+    initiator, hs = challenge(conn, aux, name, instance)
+    h, proof = recv_frame(conn)
+    assert h[1] == T_PROOF, h
+    _, ack = hs.check(proof, [secret.encode() if isinstance(secret, str) else secret])
+    conn.sendall(frame(T_HELLO_ACK, xfer=0, aux=ack) + ack)
+    return initiator
+
+
 def parse_challenge(aux: bytes):
     """(instance, name, nonce, pub) of a challenge body."""
     instance, n = struct.unpack_from("<QI", aux)

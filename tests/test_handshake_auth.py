@@ -25,7 +25,7 @@ import pytest
 
 import pdkv
 from conftest import listen_like
-from test_bad_input import (HDR, T_CHALLENGE, T_ERROR, T_HELLO_ACK, T_PROOF, T_WRITE, WIRE_VERSION, authenticate,
+from test_bad_input import (HDR, T_CHALLENGE, challenge, T_ERROR, T_HELLO_ACK, T_PROOF, T_WRITE, WIRE_VERSION, authenticate,
                             frame, parse_challenge, recv_frame)
 
 SECRET = "correct horse battery staple"
@@ -249,14 +249,7 @@ def test_an_impostor_target_is_refused_before_any_data():
                 c.settimeout(10)
                 h, aux = recv_frame(c)
                 got.append(h[1])
-                n = struct.unpack_from("<I", aux, 16)[0]
-                initiator = aux[20:20 + n].decode()
-                m = 20 + n + 4 + struct.unpack_from("<I", aux, 20 + n)[0]
-                inst = pdkv.decode_metadata(real.metadata())["instance_id"]
-                hs = pdkv._native.module().TargetHandshake("tcp", WIRE_VERSION, initiator, "real", inst,
-                                                           aux[m:m + 32], aux[m + 32:m + 64])
-                ch = struct.pack("<QI", inst, 4) + b"real" + hs.nonce + hs.pub
-                c.sendall(frame(T_CHALLENGE, xfer=0, aux=ch) + ch)
+                _, hs = challenge(c, aux, "real", pdkv.decode_metadata(real.metadata())["instance_id"])
                 h, proof = recv_frame(c)
                 got.append(h[1])
                 with pytest.raises(pdkv.AuthFailed):

@@ -25,7 +25,7 @@ import pytest
 import pdkv
 from conftest import SECRET, listen_like
 from test_bad_input import (CODES, EXT, HDR, MAGIC, T_ACK, T_ERROR, T_HELLO, T_HELLO_ACK, T_META_REQ, T_META_RESP,
-                            T_CHALLENGE, T_NOTIFY, T_PROOF, T_READ_REQ, T_READ_RESP, T_WRITE, authenticate, expect_error_and_close, frame, hello,
+                            T_CHALLENGE, T_NOTIFY, T_PROOF, challenge, T_READ_REQ, T_READ_RESP, T_WRITE, authenticate, expect_error_and_close, frame, hello,
                             recv_frame)
 
 FRAME_TIMEOUT = 0.5  # TcpOptions.frame_timeout_s of the victims
@@ -394,13 +394,7 @@ class FakeTarget:
                 s.sendall(self.attack)
                 return
             # It knows the secret (a hostile peer that authenticates): the real handshake.
-            n = struct.unpack_from("<I", aux, 16)[0]
-            initiator = aux[20:20 + n].decode()
-            m = 20 + n + 4 + struct.unpack_from("<I", aux, 20 + n)[0]
-            hs = pdkv._native.module().TargetHandshake("tcp", 2, initiator, "real", self.instance, aux[m:m + 32],
-                                                       aux[m + 32:m + 64])
-            ch = struct.pack("<QI", self.instance, 4) + b"real" + hs.nonce + hs.pub
-            s.sendall(frame(T_CHALLENGE, xfer=0, aux=ch) + ch)
+            _, hs = challenge(s, aux, "real", self.instance)
             if self.phase == "proof":
                 s.sendall(self.attack)
                 return
