@@ -543,7 +543,7 @@ class Registry:
         """The record stored as ``raw`` under ``key`` (attached to ``lease`` in etcd; None:
         unknown), or None when it is refused (logged once per key and reason, counted)."""
         record, why = self._check(key, raw, lease)
-        if why:
+        if why[0]:
             self._reject(key, why[0], why[1])
             return None
         return record
