@@ -126,8 +126,11 @@ class EtcdOptions:
         password = env.get("PDKV_ETCD_PASSWORD") or None
         pw_file = env.get("PDKV_ETCD_PASSWORD_FILE")
         if password is None and pw_file:
-            with open(pw_file, encoding="utf-8") as f:
-                password = f.read().strip()
+            try:
+                with open(pw_file, encoding="utf-8") as f:
+                    password = f.read().strip()
+            except OSError as e:
+                raise InvalidArgument(f"PDKV_ETCD_PASSWORD_FILE: cannot read {pw_file!r}: {e}") from None
         return cls(user=env.get("PDKV_ETCD_USER") or None, password=password,
                    ca_file=env.get("PDKV_ETCD_CA") or None, cert_file=env.get("PDKV_ETCD_CERT") or None,
                    key_file=env.get("PDKV_ETCD_KEY") or None)
@@ -279,8 +282,12 @@ class EtcdClient:
         try:
             answer = json.loads(raw)
         except ValueError:
-            raise PeerConnectionError(f"{self._where()} answered {path} with HTTP {resp.status} and no JSON") \
-                from None
+            text = raw[:300].decode(errors="replace").strip()
+            hint = ""
+            if "CommonName" in text:  # etcd 3.4's gateway, auth on: client certificates must not carry a CN
+                hint = " (with etcd auth enabled, the client certificate must have no CommonName)"
+            raise EtcdRefused(f"{self._where()} answered {path} with HTTP {resp.status} and no JSON: "
+                              f"{text!r}{hint}") from None
         if resp.status != 200 or "error" in answer:
             msg = answer.get("message") or answer.get("error") or f"HTTP {resp.status}"
             if "lease not found" in str(msg):

@@ -127,16 +127,19 @@ class EtcdServer:
         end = time.monotonic() + timeout
         while True:
             try:
-                if probe is None:  # a TLS etcd requiring client certificates is probed by the TCP connect
+                if probe is None:  # with client certificates required: the server's own (if it may be one)
+                    opts = None
                     if self.tls is not None and self.tls.ca_file:
-                        socket.create_connection((self.host, self.port), timeout=1.0).close()
-                        return self.url
-                    probe = self.client(timeout=1.0)
+                        opts = EtcdOptions(ca_file=self.tls.ca_file, cert_file=self.tls.cert_file,
+                                           key_file=self.tls.key_file)
+                    probe = self.client(opts, timeout=1.0)
                 probe.get("/pdkv-ready-probe")
                 return self.url
             except EtcdRefused:  # it answers (and wants authentication)
                 return self.url
-            except (PeerConnectionError, OSError):
+            except (PeerConnectionError, OSError) as e:
+                if self.tls is not None and "SSL" in str(e) and "Connection refused" not in str(e):
+                    return self.url  # it speaks TLS and refused our certificate: it is up
                 if self.proc.poll() is not None or time.monotonic() > end:
                     self.stop()
                     with open(self.log_path, "rb") as f:
