@@ -10,6 +10,7 @@ Key space (``prefix`` defaults to ``/pdkv``)::
 
     /pdkv/agents/<agent name>   JSON: name, instance_id, address, metadata (base64)
     /pdkv/workers/<worker id>   JSON: url, role, model, capacity, load, state
+    /pdkv/proxies/<proxy id>    JSON: url, mode, pid
 
 Every published key is attached to its publisher's lease: when the publisher stops
 refreshing (killed, frozen, partitioned from etcd), etcd deletes the key within the TTL.
@@ -45,7 +46,7 @@ from .credential import Credential
 from .errors import InvalidArgument, NotFound, PeerConnectionError
 
 __all__ = ["EtcdClient", "EtcdOptions", "EtcdRefused", "KeyValue", "Registry", "Publication", "Watch",
-           "WatchEvent", "WatchIdle", "parse_registry_url", "RECORD_VERSION", "REJECT_REASONS"]
+           "WatchEvent", "WatchIdle", "canonical_json", "parse_registry_url", "RECORD_VERSION", "REJECT_REASONS"]
 
 log = logging.getLogger("pdkv.discovery")
 
