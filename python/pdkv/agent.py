@@ -629,12 +629,12 @@ class Agent:
         self._layout_keep: dict[str, KVLayout] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._publish(registry, advertise_host)
+        self._publish(registry, advertise_host, secret)
 
-    def _publish(self, registry: Any, advertise_host: str | None) -> None:
+    def _publish(self, registry: Any, advertise_host: str | None, secret: str | bytes = "") -> None:
         from . import discovery
 
-        self._registry = discovery.resolve(registry)
+        self._registry = discovery.resolve(registry, secret)  # a URL's registry signs with the agent's secret
         self._publication = None
         if self._registry is not None:
             try:
