@@ -629,12 +629,14 @@ class Agent:
         self._layout_keep: dict[str, KVLayout] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._publish(registry, advertise_host, secret)
+        self._publish(registry, advertise_host, secret, accepted_secrets)
 
-    def _publish(self, registry: Any, advertise_host: str | None, secret: str | bytes = "") -> None:
+    def _publish(self, registry: Any, advertise_host: str | None, secret: str | bytes = "",
+                 accepted: Sequence[str | bytes] = ()) -> None:
         from . import discovery
 
-        self._registry = discovery.resolve(registry, secret)  # a URL's registry signs with the agent's secret
+        # A URL's registry signs with the agent's secret and accepts its accepted ones.
+        self._registry = discovery.resolve(registry, secret, list(accepted))
         self._publication = None
         if self._registry is not None:
             try:

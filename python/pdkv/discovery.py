@@ -40,7 +40,7 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from .credential import Credential
 from .errors import InvalidArgument, NotFound, PeerConnectionError
@@ -766,11 +766,12 @@ class Watch:
         self._thread.join(timeout=5.0)
 
 
-def resolve(registry: "Registry | str | None", secret: str | bytes | None = None) -> Registry | None:
+def resolve(registry: "Registry | str | None", secret: str | bytes | None = None,
+            accepted: "Sequence[str | bytes] | None" = None) -> Registry | None:
     """A Registry from an ``etcd://`` URL (or the Registry itself, or None). A URL's
     registry signs with ``secret`` (the agent's cluster secret) when given, else with
-    ``PDKV_SECRET``."""
+    ``PDKV_SECRET``, and accepts ``accepted`` too (else ``PDKV_ACCEPTED_SECRETS``)."""
     if registry is None or isinstance(registry, Registry):
         return registry
-    return Registry(registry, credential=Credential.from_env(secret or None))
+    return Registry(registry, credential=Credential.from_env(secret or None, accepted))
 
