@@ -7,12 +7,13 @@
 #   etcd-server    discovery tests (docs/discovery.md)
 #   libgtest-dev   C++ unit tests (ctest)
 #   clang, libclang-rt-14-dev   libFuzzer targets and sanitizer runtimes
+#   libssl-dev     libcrypto: the handshakes' HMAC-SHA256, X25519, PBKDF2 (cpp/src/core/auth.cc)
 #   libzstd-dev, liblz4-dev, libxxhash-dev   the lossless codecs and the frame checksum (cpp/src/codec)
 #
 # Needs root (or password-less sudo) and apt-get; elsewhere it says what is missing
 # and returns 0: the tests that need a package skip with a reason naming it.
 set -uo pipefail
-PKGS="libibverbs1 iproute2 libgtest-dev clang libclang-rt-14-dev etcd-server libzstd-dev liblz4-dev libxxhash-dev"
+PKGS="libssl-dev libibverbs1 iproute2 libgtest-dev clang libclang-rt-14-dev etcd-server libzstd-dev liblz4-dev libxxhash-dev"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -11,7 +11,7 @@ import pytest
 
 import pdkv
 from conftest import SECRET
-from test_bad_input import CODES, T_ERROR, hello, recv_frame
+from test_bad_input import CODES, T_ERROR, authenticate
 
 
 @pytest.fixture
@@ -55,8 +55,7 @@ def test_rotating_names_from_one_address_still_back_off(target) -> None:
     answers = []
     for i in range(40):
         with socket.create_connection((host, int(port)), timeout=5) as s:
-            s.sendall(hello("wrong-secret", name=f"guess-{i}"))
-            h, aux = recv_frame(s)
+            h, aux = authenticate(s, "wrong-secret", name=f"guess-{i}")
             assert h[1] == T_ERROR and CODES[h[8]] == "AuthFailed"
             answers.append(aux.decode())
     judged = sum("wrong secret" in a for a in answers)

@@ -20,6 +20,8 @@ from conftest import SECRET
 HDR = struct.Struct("<IHHQIIQII")  # magic type flags xfer batch count payload aux_len status
 MAGIC = 0x464B4450
 T_HELLO, T_HELLO_ACK, T_META_REQ, T_META_RESP, T_WRITE, T_READ_REQ, T_READ_RESP, T_ACK, T_NOTIFY, T_ERROR = range(1, 11)
+T_CHALLENGE, T_PROOF = 13, 14
+WIRE_VERSION = 2
 EXT = struct.Struct("<QQQ")
 CODES = ["OK", "InvalidArgument", "NotFound", "AlreadyExists", "OutOfRange", "AuthFailed", "ProtocolError",
          "VersionMismatch", "StalePeer", "ConnectionError", "Timeout", "Cancelled", "NotSupported",
@@ -34,10 +36,69 @@ def s32(b: bytes) -> bytes:
     return struct.pack("<I", len(b)) + b
 
 
-def hello(secret=SECRET, *, version=1, target="target", name="raw-client", instance=0):
-    body = struct.pack("<HHIQ", version, 0, 0, instance) + s32(name.encode()) + s32(target.encode()) + s32(
-        secret.encode())
+def initiator(name="raw-client"):
+    """The initiator's half of a tcp handshake (pdkv/spi/auth.h, through the bindings)."""
+    return pdkv._native.module().InitiatorHandshake("tcp", WIRE_VERSION, name)
+
+
+def hello(*, version=WIRE_VERSION, target="target", name="raw-client", instance=0, hs=None):
+    """A hello frame (it carries no secret: a nonce and an ephemeral key)."""
+    hs = hs or initiator(name)
+    body = struct.pack("<HHIQ", version, 0, 0, instance) + s32(name.encode()) + s32(target.encode()) + hs.nonce + hs.pub
     return frame(T_HELLO, xfer=0, aux=body) + body
+
+
+def challenge(conn: socket.socket, hello_aux: bytes, name: str, instance: int):
+    """Answers a received hello body with a challenge as agent `name`: returns the
+    initiator's name and the target's half of the handshake (pdkv/spi/auth.h)."""
+    n = struct.unpack_from("<I", hello_aux, 16)[0]
+    initiator = hello_aux[20:20 + n].decode()
+    m = 20 + n + 4 + struct.unpack_from("<I", hello_aux, 20 + n)[0]
+    hs = pdkv._native.module().TargetHandshake("tcp", WIRE_VERSION, initiator, name, instance,
+                                               hello_aux[m:m + 32], hello_aux[m + 32:m + 64])
+    ch = struct.pack("<QI", instance, len(name)) + name.encode() + hs.nonce + hs.pub
+    conn.sendall(frame(T_CHALLENGE, xfer=0, aux=ch) + ch)
+    return initiator, hs
+
+
+def accept_handshake(conn: socket.socket, name: str, instance: int, secret=SECRET) -> str:
+    """The target's side of the handshake on a raw accepted socket, as agent `name`
+    (instance `instance`) knowing `secret`: reads the hello, challenges, checks the
+    proof (AuthFailed if it does not match) and answers the hello-ack. Returns the
+    initiator's name."""
+    h, aux = recv_frame(conn)
+    assert h[1] == T_HELLO, h
+    initiator, hs = challenge(conn, aux, name, instance)
+    h, proof = recv_frame(conn)
+    assert h[1] == T_PROOF, h
+    _, ack = hs.check(proof, [secret.encode() if isinstance(secret, str) else secret])
+    conn.sendall(frame(T_HELLO_ACK, xfer=0, aux=ack) + ack)
+    return initiator
+
+
+def parse_challenge(aux: bytes):
+    """(instance, name, nonce, pub) of a challenge body."""
+    instance, n = struct.unpack_from("<QI", aux)
+    name = aux[12:12 + n].decode()
+    return instance, name, aux[12 + n:44 + n], aux[44 + n:76 + n]
+
+
+def authenticate(s: socket.socket, secret=SECRET, *, target="target", name="raw-client", instance=0):
+    """The initiator's side of the handshake on a raw socket: hello, the target's
+    challenge, our proof made with `secret`. Returns the target's last answer: its
+    hello-ack (whose MAC is checked), or its error frame (to the hello or to the proof)."""
+    hs = initiator(name)
+    s.sendall(hello(target=target, name=name, instance=instance, hs=hs))
+    got = recv_frame(s)
+    if got is None or got[0][1] != T_CHALLENGE:
+        return got
+    t_instance, t_name, nonce, pub = parse_challenge(got[1])
+    proof = hs.answer(t_name, t_instance, nonce, pub, secret.encode() if isinstance(secret, str) else secret)
+    s.sendall(frame(T_PROOF, xfer=0, aux=proof) + proof)
+    got = recv_frame(s)
+    if got is not None and got[0][1] == T_HELLO_ACK:
+        hs.check_accept(got[1])
+    return got
 
 
 def recv_frame(s: socket.socket, timeout=5.0):
@@ -58,8 +119,10 @@ def recv_frame(s: socket.socket, timeout=5.0):
     return h, aux
 
 
-def expect_error_and_close(s: socket.socket, code: str, match: str):
-    got = recv_frame(s)
+def expect_error_and_close(s: socket.socket, code: str, match: str, got=None):
+    """The next frame (or `got`, already read) is an error of `code` matching `match`,
+    and then the connection closes."""
+    got = got or recv_frame(s)
     assert got is not None, "connection closed without an error frame"
     h, aux = got
     assert h[1] == T_ERROR, f"expected an error frame, got type {h[1]}"
@@ -109,8 +172,7 @@ def connect(target, authed=True):
     s = socket.create_connection(target["addr"], timeout=5)
     target["socks"].append(s)
     if authed:
-        s.sendall(hello())
-        h, aux = recv_frame(s)
+        h, aux = authenticate(s)
         assert h[1] == T_HELLO_ACK
     return s
 
@@ -131,8 +193,7 @@ def test_http_request_is_rejected(target):
 
 def test_wrong_secret(target):
     s = connect(target, authed=False)
-    s.sendall(hello("not-the-secret"))
-    expect_error_and_close(s, "AuthFailed", "wrong secret")
+    expect_error_and_close(s, "AuthFailed", "wrong secret", authenticate(s, "not-the-secret"))
     assert target["serves"]()
 
 
@@ -292,7 +353,7 @@ def test_many_bad_clients_at_once(target):
     socks = []
     for i in range(50):
         s = connect(target, authed=False)
-        s.sendall(b"\x00" * 40 if i % 2 else hello("bad"))
+        s.sendall(b"\x00" * 40 if i % 2 else hello(version=1))
         socks.append(s)
     for s in socks:
         got = recv_frame(s)

@@ -2,7 +2,7 @@
 
 Each target runs in its own process (tests/bounds_target.py) and its memory is read from
 /proc/<pid>/status (VmHWM: peak, VmRSS: now). The attacker speaks the tcp wire protocol
-from raw sockets with the right secret (test_bad_input.hello), or is a pdkv agent.
+from raw sockets with the right secret (test_bad_input.authenticate), or is a pdkv agent.
 
 * compression bombs: a small kWriteZ whose codec frame decodes far past what it carries,
   over repeated extents; a WriteZ header that announces 64 MiB and trickles; a compressed
@@ -31,7 +31,7 @@ import pdkv
 from pdkv import codec
 from pdkv.errors import ResourceExhausted, TransferTimeout
 from conftest import SECRET, JsonLineProc, freeze, wait_until
-from test_bad_input import EXT, T_ERROR, T_HELLO_ACK, T_NOTIFY, T_READ_REQ, frame, hello, recv_frame
+from test_bad_input import EXT, T_ERROR, T_HELLO_ACK, T_NOTIFY, T_READ_REQ, authenticate, frame, recv_frame
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 T_READ_RESP, T_WRITEZ, T_READ_RESP_Z = 7, 11, 12
@@ -79,8 +79,7 @@ class Target(JsonLineProc):
         s = socket.create_connection(self.hp, timeout=5)
         self.socks.append(s)
         if authed:
-            s.sendall(hello(name=name))
-            h, _ = recv_frame(s)
+            h, _ = authenticate(s, name=name)
             assert h[1] == T_HELLO_ACK
         return s
 

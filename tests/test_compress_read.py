@@ -29,7 +29,7 @@ import pdkv
 from conftest import SECRET, freeze
 from pdkv import codec
 from pdkv.codec import Codec
-from test_bad_input import EXT, HDR, MAGIC, T_HELLO_ACK, T_READ_REQ, s32
+from test_bad_input import EXT, HDR, MAGIC, T_READ_REQ, accept_handshake
 from test_compress_tcp import kv_like, odd_extents
 
 T_READ_RESP_Z = 12
@@ -331,9 +331,7 @@ class FakeTarget:
             return
         with conn:
             try:
-                recv_request(conn)  # hello
-                body = struct.pack("<Q", self.instance) + s32(self.name.encode())
-                conn.sendall(HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0, len(body), 0) + body)
+                accept_handshake(conn, self.name, self.instance, SECRET)
                 while True:
                     h, ctrl = recv_request(conn)
                     self.requests.append((h, ctrl))

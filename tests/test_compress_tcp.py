@@ -29,7 +29,7 @@ import pdkv
 from conftest import SECRET, freeze
 from pdkv import codec
 from pdkv.codec import Codec
-from test_bad_input import EXT, T_ACK, expect_error_and_close, frame, hello, recv_frame
+from test_bad_input import EXT, T_ACK, authenticate, expect_error_and_close, frame, recv_frame
 
 T_WRITEZ = 11
 DATA_CORRUPTED = 16  # StatusCode::kDataCorrupted (last, pdkv/status.h)
@@ -201,8 +201,7 @@ def victim():
         def connect():
             s = socket.create_connection((host, int(port)), timeout=5)
             socks.append(s)
-            s.sendall(hello())
-            h, _ = recv_frame(s)
+            h, _ = authenticate(s)
             assert h[1] == 2
             return s
 

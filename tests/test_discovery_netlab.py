@@ -20,6 +20,7 @@ pytest.importorskip("aiohttp")
 sys.path.insert(0, str(Path(__file__).resolve().parent / "serving"))
 
 from pdkv import netlab  # noqa: E402
+from pdkv.credential import Credential, new_secret  # noqa: E402
 from pdkv.discovery import Registry  # noqa: E402
 from pdkv.discovery_etcd import EtcdServer, etcd_binary  # noqa: E402
 from pdkv.serving.launch import Deployment, ServerProcess  # noqa: E402
@@ -58,15 +59,17 @@ def test_registry_deployment_across_lab_hosts(tiny, lab, tmp_path):
     second = None
     try:
         place = lambda role, i: (lab.prefix(HOSTS[role]), lab.address(HOSTS[role]))  # noqa: E731
+        env = {"PDKV_SECRET": new_secret()}  # signs the workers' and proxies' records; both proxies check them
         dep = Deployment("disagg", tiny.model_dir, num_prefill=1, num_decode=1, registry=etcd.url,
-                         registry_ttl=3, pin=False, placement=place, log_dir=tmp_path,
+                         registry_ttl=3, pin=False, placement=place, log_dir=tmp_path, env=env,
                          worker_args=["--block-tokens", "4", "--num-blocks", "256", "--max-num-seqs", "8"])
         with dep:
             second = ServerProcess("proxy", ["--mode", "disagg", "--registry", etcd.url, "--host", lab.address("h0")],
-                                   log_path=tmp_path / "proxy-2.log", env={"PDKV_SECRET": "unused-by-a-proxy"},
+                                   log_path=tmp_path / "proxy-2.log", env=env,
                                    name="proxy-2", prefix=lab.prefix("h0")).start()
             second.wait_ready(60)
-            workers = lab.call_in("h0", lambda: Registry(etcd.url).list("workers")[0])
+            cred = Credential(env["PDKV_SECRET"])
+            workers = lab.call_in("h0", lambda: Registry(etcd.url, credential=cred).list("workers")[0])
             assert sorted((w["role"], w["url"].split(":")[1]) for w in workers.values()) == \
                 [("decode", "//" + lab.address("h2")), ("prefill", "//" + lab.address("h1"))]
             for host, url in (("h3", dep.url), ("h0", second.url)):

@@ -204,13 +204,12 @@ def test_nixl_refuses_generations(pools, flavor):
 
 # ---------------------------------------------------------------- bump vs. transfers in flight
 def _raw_tcp(target: pdkv.Agent) -> socket.socket:
-    from test_bad_input import T_HELLO_ACK, hello, recv_frame
+    from test_bad_input import T_HELLO_ACK, authenticate
 
     host, port = target.address.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
     _OPEN.append(s)
-    s.sendall(hello(target="target"))
-    h, _ = recv_frame(s)
+    h, _ = authenticate(s, target="target")
     assert h[1] == T_HELLO_ACK
     return s
 
@@ -311,18 +310,14 @@ LEASE_REQ, LEASE_RESP, LEASE_END = 10, 11, 12
 
 
 def _shm_raw(target: pdkv.Agent) -> socket.socket:
-    from test_shm_trust import hello, shm_path
+    from test_shm_trust import HELLO_ACK, authenticate, recv_ctl, shm_path
 
     s = socket.socket(socket.AF_UNIX)
     _OPEN.append(s)
     s.settimeout(5)
     s.connect(shm_path(target))
-    s.sendall(hello(SECRET, "target"))
-    h = s.recv(24)
-    assert struct.unpack("<IHHQII", h)[1] == 2  # hello-ack
-    aux_len = struct.unpack("<IHHQII", h)[4]
-    while aux_len:
-        aux_len -= len(s.recv(aux_len))
+    authenticate(s, SECRET, "target")
+    assert recv_ctl(s)[0] == HELLO_ACK
     return s
 
 

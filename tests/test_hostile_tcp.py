@@ -25,7 +25,7 @@ import pytest
 import pdkv
 from conftest import SECRET, listen_like
 from test_bad_input import (CODES, EXT, HDR, MAGIC, T_ACK, T_ERROR, T_HELLO, T_HELLO_ACK, T_META_REQ, T_META_RESP,
-                            T_NOTIFY, T_READ_REQ, T_READ_RESP, T_WRITE, expect_error_and_close, frame, hello,
+                            T_CHALLENGE, T_NOTIFY, T_PROOF, challenge, T_READ_REQ, T_READ_RESP, T_WRITE, authenticate, expect_error_and_close, frame, hello,
                             recv_frame)
 
 FRAME_TIMEOUT = 0.5  # TcpOptions.frame_timeout_s of the victims
@@ -106,8 +106,7 @@ def target(request):
             s.connect((host, int(port)))
             socks.append(s)
             if authed:
-                s.sendall(hello())
-                h, _ = recv_frame(s)
+                h, _ = authenticate(s)
                 assert h[1] == T_HELLO_ACK
             return s
 
@@ -270,8 +269,7 @@ def test_wrong_secret_flood_backs_off_and_logs_little(target, capfd):
     t0 = time.monotonic()
     for i in range(60):
         s = target["connect"](authed=False, source="127.0.0.2")
-        s.sendall(hello(f"guess-{i}"))
-        h, aux = recv_frame(s)
+        h, aux = authenticate(s, f"guess-{i}")
         assert h[1] == T_ERROR and CODES[h[8]] == "AuthFailed"
         answers.append(aux.decode())
         s.close()
@@ -369,6 +367,7 @@ class FakeTarget:
         self.phase, self.attack = phase, attack
         self.ls, self.addr = listen_like(real_addr)
         self.blob = blob.replace(real_addr.encode(), self.addr.encode())
+        self.instance = pdkv.decode_metadata(blob)["instance_id"]
         self.ls.settimeout(0.2)
         self.stop = False
         self.th = threading.Thread(target=self.serve, daemon=True)
@@ -394,7 +393,14 @@ class FakeTarget:
             if self.phase == "hello":
                 s.sendall(self.attack)
                 return
-            ack = struct.pack("<Q", 1) + struct.pack("<I", 4) + b"real"
+            # It knows the secret (a hostile peer that authenticates): the real handshake.
+            _, hs = challenge(s, aux, "real", self.instance)
+            if self.phase == "proof":
+                s.sendall(self.attack)
+                return
+            h, proof, _ = read_frame_raw(s)
+            assert h[1] == T_PROOF
+            _, ack = hs.check(proof, [SECRET.encode()])
             s.sendall(frame(T_HELLO_ACK, xfer=0, aux=ack) + ack)
             h, _, _ = read_frame_raw(s)
             if h[1] == T_META_REQ:
@@ -429,6 +435,13 @@ ATTACKS = {
     "hello/ack-aux-max": ("hello", fake(T_HELLO_ACK, aux_len=U32)),
     "hello/ack-count": ("hello", fake(T_HELLO_ACK, count=1000, aux=b"\0" * 16)),
     "hello/ack-bad-body": ("hello", fake(T_HELLO_ACK, aux=b"\xff" * 16)),
+    "hello/ack-without-proof": ("hello", fake(T_HELLO_ACK, aux=b"\xff" * 32)),
+    "hello/challenge-aux-max": ("hello", fake(T_CHALLENGE, aux_len=U32)),
+    "hello/challenge-bad-body": ("hello", fake(T_CHALLENGE, aux=b"\xff" * 80)),
+    "hello/proof-to-initiator": ("hello", fake(T_PROOF, aux=b"\0" * 32)),
+    "proof/ack-wrong-mac": ("proof", fake(T_HELLO_ACK, aux=b"\0" * 32)),
+    "proof/challenge-again": ("proof", fake(T_CHALLENGE, aux=b"\0" * 80)),
+    "proof/write": ("proof", fake(T_WRITE, count=1, payload=16)),
     "hello/write": ("hello", fake(T_WRITE, count=1, payload=16)),
     "hello/garbage": ("hello", RND),
     "meta/meta-resp-aux-max": ("meta", fake(T_META_RESP, aux_len=U32)),
@@ -443,7 +456,8 @@ ATTACKS = {
     "data/read-resp-huge": ("data", fake(T_READ_RESP, payload=U64)),
     "data/ack-unknown": ("data", fake(T_ACK, xfer=999)),
     "data/ack-with-payload": ("data", fake(T_ACK, payload=1 << 40)),
-    "data/hello-ack-again": ("data", fake(T_HELLO_ACK, aux=b"\0" * 16)),
+    "data/hello-ack-again": ("data", fake(T_HELLO_ACK, aux=b"\0" * 32)),
+    "data/challenge-again": ("data", fake(T_CHALLENGE, aux=b"\0" * 80)),
     "data/write-to-initiator": ("data", fake(T_WRITE, count=1, payload=16)),
     "data/notify-to-initiator": ("data", fake(T_NOTIFY, aux_len=U32)),
     "data/unknown-type": ("data", fake(77, count=U32)),
@@ -474,7 +488,8 @@ def test_fake_target_cannot_crash_or_balloon_an_initiator(real_target, name):
             with pytest.raises(pdkv.PdkvError) as err:
                 peer = ini.connect(ft.addr, timeout=3)
                 assert ini.prepare_extents("write", peer, [(rs.id, 0, real_region.id, 0, 4096)]).post().wait(5)
-            expected = pdkv.TransferTimeout if name.endswith("stall-mid-header") else pdkv.ProtocolError
+            expected = (pdkv.TransferTimeout if name.endswith("stall-mid-header")
+                        else pdkv.AuthFailed if name.endswith("ack-wrong-mac") else pdkv.ProtocolError)
             assert type(err.value) is expected, repr(err.value)
             assert rss_mib() - before < 64, "the initiator allocated what the fake target announced"
             # The same initiator then talks to the real target, bit-exact.

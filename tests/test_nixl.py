@@ -5,6 +5,8 @@ deregistration, handle hygiene, and that ``import pdkv`` never imports NIXL."""
 
 from __future__ import annotations
 
+import json
+
 import contextlib
 import gc
 import os
@@ -325,6 +327,47 @@ def test_handshake_with_the_wrong_secret_is_refused():
             x.wait(5)
         a.add_peer(b.metadata(), secret="other")
         assert a.write(peer, "kv", [0]).wait(5)
+
+
+@pytest.mark.nixl
+def test_handshake_control_messages_carry_no_secret_and_a_replayed_proof_fails():
+    """Every control message both nixl transports send during the handshake is recorded:
+    none carries the secret or anything derived from it alone; the captured proof,
+    sent again for a new hello, is refused (the target's challenge is fresh)."""
+    from test_handshake_auth import derived
+
+    sent: list[bytes] = []
+    with nixl_agent("a") as a, nixl_agent("b") as b:
+        for t in (transport(a), transport(b)):
+            eng = t._eng
+            orig = eng.notify
+
+            def rec(name, data, orig=orig):
+                sent.append(bytes(data))
+                return orig(name, data)
+
+            eng.notify = rec
+        pa, pb = Pool(PoolSpec(), 1), Pool(PoolSpec())
+        pa.register(a)
+        pb.register(b)
+        peer = a.add_peer(b.metadata())
+        assert a.write(peer, "kv", [0]).wait(10)
+        kinds = [json.loads(m[1:])["k"] for m in sent if m[:1] == b"C"]
+        assert kinds[:4] == ["hello", "challenge", "proof", "hello-ack"], kinds
+        wire = b"".join(sent)
+        for needle in derived(SECRET):
+            assert needle not in wire
+        # Replay: a's captured proof answers a new challenge of b's: refused.
+        tb = transport(b)
+        proof = next(m for m in sent if m.startswith(b'C{"k":"proof"'))
+        hello = next(m for m in sent if m.startswith(b'C{"k":"hello"'))
+        before = len(sent)
+        with tb._lock:
+            tb._control(transport(a)._nixl_name, hello[1:])
+            tb._control(transport(a)._nixl_name, proof[1:])
+        answers = [json.loads(m[1:]) for m in sent[before:]]
+        assert answers[0]["k"] == "challenge" and answers[-1] == {"k": "hello-ack", "epoch": answers[-1]["epoch"],
+                                                                   "error": "wrong secret", "mac": ""}, answers
 
 
 @pytest.mark.nixl

@@ -1,5 +1,5 @@
 """nixl control messages (NIXL notifications pdkv's nixl transport exchanges: hello,
-hello-ack, bye, revoke, revoke-ack) are decoded by one validating function with size
+challenge, proof, hello-ack, bye, revoke, revoke-ack) are decoded by one validating function with size
 limits checked before parsing; a peer sending garbage changes nothing and the agent
 keeps serving (docs/wire.md, "nixl control messages")."""
 
@@ -16,8 +16,10 @@ from pdkv.backends.nixl import (NixlTransport, _CTL, _MAX_CTL_BYTES, _MAX_REVOKE
                                 nixl_agent_name)
 
 VALID = [
-    _ctl(k="hello", epoch=3, md="AAAA", mac="ab" * 32),
-    _ctl(k="hello-ack", epoch=3, error=""),
+    _ctl(k="hello", epoch=3, md="AAAA", nonce="ab" * 32, pub="cd" * 32),
+    _ctl(k="challenge", epoch=3, nonce="ab" * 32, pub="cd" * 32),
+    _ctl(k="proof", epoch=3, mac="ef" * 32),
+    _ctl(k="hello-ack", epoch=3, error="", mac="ef" * 32),
     _ctl(k="bye", epoch=3),
     _ctl(k="revoke", regions=[1, 2], seq=9),
     _ctl(k="revoke-ack", seq=9),
@@ -41,7 +43,7 @@ BAD = {
     "too many regions": json.dumps({"k": "revoke", "regions": list(range(_MAX_REVOKE_REGIONS + 1)),
                                     "seq": 1}).encode(),
     "non-int region": json.dumps({"k": "revoke", "regions": [1, "2"], "seq": 1}).encode(),
-    "long error": json.dumps({"k": "hello-ack", "epoch": 1, "error": "x" * 5000}).encode(),
+    "long error": json.dumps({"k": "hello-ack", "epoch": 1, "error": "x" * 5000, "mac": ""}).encode(),
     "oversized": json.dumps({"k": "bye", "epoch": 1, "pad": "x" * _MAX_CTL_BYTES}).encode(),
 }
 
@@ -68,7 +70,8 @@ def test_any_input_is_accepted_or_a_protocol_error(raw):
         msg = _parse_ctl(raw)
     except pdkv.ProtocolError:
         return
-    assert isinstance(msg, dict) and msg["k"] in {"hello", "hello-ack", "bye", "revoke", "revoke-ack"}
+    assert isinstance(msg, dict) and msg["k"] in {"hello", "challenge", "proof", "hello-ack", "bye", "revoke",
+                                                 "revoke-ack"}
 
 
 @pytest.mark.nixl

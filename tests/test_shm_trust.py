@@ -26,7 +26,8 @@ from kvpools import Pool, PoolSpec
 pytestmark = pytest.mark.skipif("shm" not in pdkv.available_transports(), reason="shm transport not available")
 
 MAGIC = 0x534B4450
-HELLO, HELLO_ACK, NOTIFY, ERROR = 1, 2, 5, 9
+HELLO, HELLO_ACK, NOTIFY, ERROR, CHALLENGE, PROOF = 1, 2, 5, 9, 15, 16
+SHM_VERSION = 6
 NBYTES = 1 << 16
 
 
@@ -38,11 +39,42 @@ def header(type_: int, aux_len: int, ident: int = 0) -> bytes:
     return struct.pack("<IHHQII", MAGIC, type_, 0, ident, aux_len, 0)
 
 
-def hello(secret: str, to: str = "", version: int = 5) -> bytes:
+def hello(to: str = "", version: int = SHM_VERSION, hs=None, name: str = "mallory") -> bytes:
+    """A hello frame: no secret, a nonce and an ephemeral key (pdkv/spi/auth.h)."""
     def s(x: str) -> bytes:
         return struct.pack("<I", len(x)) + x.encode()
-    aux = struct.pack("<HQ", version, 0) + s("mallory") + s(to) + s(secret)
+    hs = hs or pdkv._native.module().InitiatorHandshake("shm", SHM_VERSION, name)
+    aux = struct.pack("<HQ", version, 0) + s(name) + s(to) + hs.nonce + hs.pub
     return header(HELLO, len(aux)) + aux
+
+
+def recv_ctl(sock: socket.socket) -> tuple[int, bytes]:
+    """(type, aux) of the next control frame."""
+    h = b""
+    while len(h) < 24:
+        chunk = sock.recv(24 - len(h))
+        if not chunk:
+            raise ConnectionError("closed")
+        h += chunk
+    aux_len = struct.unpack_from("<I", h, 16)[0]
+    aux = b""
+    while len(aux) < aux_len:
+        aux += sock.recv(aux_len - len(aux))
+    return struct.unpack_from("<H", h, 4)[0], aux
+
+
+def authenticate(sock: socket.socket, secret: str, to: str = "", name: str = "mallory") -> None:
+    """The initiator's handshake up to its proof (made with `secret`); the target's
+    answer to the proof (hello-ack or error) is left unread."""
+    hs = pdkv._native.module().InitiatorHandshake("shm", SHM_VERSION, name)
+    sock.settimeout(10)
+    sock.sendall(hello(to, hs=hs, name=name))
+    kind, aux = recv_ctl(sock)
+    assert kind == CHALLENGE, (kind, aux)
+    instance, n = struct.unpack_from("<QI", aux)
+    target = aux[12:12 + n].decode()
+    proof = hs.answer(target, instance, aux[12 + n:44 + n], aux[44 + n:76 + n], secret.encode())
+    sock.sendall(header(PROOF, len(proof)) + proof)
 
 
 def read_until_closed(sock: socket.socket, limit: float) -> bytes:
@@ -330,14 +362,8 @@ def test_silent_clients_are_dropped():
             mute.connect(path)  # never says anything
             stalled.connect(path)
             # Authenticates, then announces a 1000-byte notification and sends 10 bytes.
-            stalled.sendall(hello(SECRET, "b"))
-            stalled.settimeout(10)
-            ack = stalled.recv(24)
-            assert struct.unpack_from("<H", ack, 4)[0] == HELLO_ACK
-            aux_len = struct.unpack_from("<I", ack, 16)[0]
-            got = b""
-            while len(got) < aux_len:
-                got += stalled.recv(aux_len - len(got))
+            authenticate(stalled, SECRET, "b")
+            assert recv_ctl(stalled)[0] == HELLO_ACK
             stalled.sendall(header(NOTIFY, 1000, 1) + b"x" * 10)
             assert read_until_closed(mute, 15) == b""
             assert read_until_closed(stalled, 15) == b""
@@ -354,7 +380,7 @@ def test_wrong_secret_guesses_are_slowed_and_logged_sparingly(capfd):
         for i in range(60):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.connect(path)
-                s.sendall(hello(f"guess-{i}", "b"))
+                authenticate(s, f"guess-{i}", "b")
                 reply = read_until_closed(s, 10)
                 assert b"wrong secret" in reply
         took = time.monotonic() - t0

@@ -17,6 +17,7 @@
 #include "netlab_delay.h"
 #include "py_common.h"
 #include "py_async.h"
+#include "py_auth.h"
 #include "py_dlpack.h"
 #include "py_options.h"
 #include "py_codec.h"
@@ -599,6 +600,7 @@ PYBIND11_MODULE(_pdkv, m) {
 
   bind_stream(m);  // after Agent: its signatures name the class
   bind_codec(m);
+  bind_auth(m);
 
   // Benchmark helpers: raw-socket and memcpy ceilings measured with the same code
   // path quality as the transport (C++, no Python in the loop).

@@ -436,7 +436,27 @@ void bind_options(py::module_& m) {
             else if (py::isinstance<py::str>(v)) c.secret = v.cast<std::string>();  // UTF-8
             else raise_invalid("AgentConfig.secret must be bytes or str, got " + describe(v));
           },
-          "bytes (at most 1024): peers must present it; empty: a random one.")
+          "bytes (at most 1024): the cluster secret this agent proves knowledge of in every handshake "
+          "(never sent); empty: a random one.")
+      .property(
+          "accepted_secrets", "list[bytes]",
+          [](const AgentConfig& c) -> py::object {
+            py::list out;
+            for (const std::string& s : c.accepted_secrets) out.append(py::bytes(s));
+            return out;
+          },
+          [](AgentConfig& c, py::handle v) {
+            if (py::isinstance<py::str>(v) || py::isinstance<py::bytes>(v) || !py::isinstance<py::sequence>(v))
+              raise_invalid("AgentConfig.accepted_secrets must be a list of bytes or str, got " + describe(v));
+            std::vector<std::string> out;
+            for (py::handle s : v) {
+              if (py::isinstance<py::bytes>(s) || py::isinstance<py::str>(s)) out.push_back(s.cast<std::string>());
+              else raise_invalid("AgentConfig.accepted_secrets entries must be bytes or str, got " + describe(s));
+            }
+            c.accepted_secrets = std::move(out);
+          },
+          "list[bytes] (at most 7, each 1..1024 bytes): further secrets whose proofs this agent accepts "
+          "(rotation: docs/security.md).")
       .field("transports", &AgentConfig::transports, "list[str]: native transports in order of preference.")
       .field("tcp", &AgentConfig::tcp, "TcpOptions: options of the tcp transport.")
       .field("shm", &AgentConfig::shm, "ShmOptions: options of the shm transport.")

@@ -336,7 +336,7 @@ void bind_peer(py::module_& m) {
         return py::none();
       }, "The bytes transport `name` published (metadata_extra), or None.");
 
-  py::class_<Peer, std::shared_ptr<Peer>>(m, "Peer", "A known peer: its metadata and the secret to present to it.")
+  py::class_<Peer, std::shared_ptr<Peer>>(m, "Peer", "A known peer: its metadata and the secret to prove knowledge of to it (never sent).")
       .def_property_readonly("name", [](const Peer& p) { return p.md.name; })
       .def_property_readonly("md", [](const Peer& p) -> const AgentMetadata& { return p.md; },
                              py::return_value_policy::reference_internal)
@@ -348,9 +348,16 @@ void bind_hooks(py::module_& m) {
       .def_property_readonly("agent_name", [](const HooksRef& r) { return r.h->agent_name(); })
       .def_property_readonly("instance_id", [](const HooksRef& r) { return r.h->instance_id(); })
       .def_property_readonly("host_id", [](const HooksRef& r) { return r.h->host_id(); })
-      .def_property_readonly("secret", [](const HooksRef& r) { return to_bytes(r.h->agent_secret()); })
+      .def_property_readonly("secret", [](const HooksRef& r) { return to_bytes(r.h->accepted_secrets().front()); })
+      .def_property_readonly(
+          "accepted_secrets",
+          [](const HooksRef& r) {
+            py::list out;
+            for (const std::string& s : r.h->accepted_secrets()) out.append(to_bytes(s));
+            return out;
+          },
+          "Every secret this agent accepts, its own first (derive keys from them; never send them).")
       .def_property_readonly("max_notif_bytes", [](const HooksRef& r) { return r.h->max_notif_bytes(); })
-      .def("secret_matches", [](const HooksRef& r, py::bytes s) { return r.h->secret_matches(std::string(s)); })
       .def("regions",
            [](const HooksRef& r) {
              py::list out;

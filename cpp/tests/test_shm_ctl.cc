@@ -79,13 +79,16 @@ TEST(ShmCtl, GenerationTableFrames) {
 }
 
 TEST(ShmCtl, HelloRoundTripAndRejections) {
-  shm::Hello h{shm::kShmVersion, 42, "alice", "bob", "s3cret"};
+  shm::Hello h{shm::kShmVersion, 42, "alice", "bob", {}, {}};
+  h.nonce.fill(4);
+  h.pub.fill(5);
   auto back = shm::parse_hello(shm::encode_hello(h));
   ASSERT_TRUE(back.ok()) << back.status().to_string();
   EXPECT_EQ(back->expect_instance, 42u);
   EXPECT_EQ(back->from, "alice");
   EXPECT_EQ(back->to, "bob");
-  EXPECT_EQ(back->secret, "s3cret");
+  EXPECT_EQ(back->nonce, h.nonce);
+  EXPECT_EQ(back->pub, h.pub);
   std::string enc = shm::encode_hello(h);
   for (size_t cut = 0; cut < enc.size(); ++cut)
     EXPECT_EQ(shm::parse_hello(enc.substr(0, cut)).status().code(), StatusCode::kProtocolError) << cut;
@@ -164,16 +167,22 @@ TEST(CudaIpcCtl, PerStateLimits) {
   EXPECT_TRUE(check_ctl_header(cuda_hdr(Ctl::kError, 4096, 5), CtlSide::kImporter).ok());
   EXPECT_FALSE(check_ctl_header(cuda_hdr(Ctl::kRevoke, 0, 5), CtlSide::kImporter).ok());
   EXPECT_TRUE(check_ctl_header(cuda_hdr(Ctl::kHelloAck, 0), CtlSide::kImporterHello).ok());
-  EXPECT_FALSE(check_ctl_header(cuda_hdr(Ctl::kHelloAck, 1), CtlSide::kImporterHello).ok());
+  EXPECT_TRUE(check_ctl_header(cuda_hdr(Ctl::kHelloAck, 32), CtlSide::kImporterHello).ok());  // the exporter's MAC
+  EXPECT_FALSE(check_ctl_header(cuda_hdr(Ctl::kHelloAck, 33), CtlSide::kImporterHello).ok());
+  EXPECT_TRUE(check_ctl_header(cuda_hdr(Ctl::kChallenge, 80), CtlSide::kImporterHello).ok());
+  EXPECT_TRUE(check_ctl_header(cuda_hdr(Ctl::kProof, 32), CtlSide::kExporterProof).ok());
+  EXPECT_FALSE(check_ctl_header(cuda_hdr(Ctl::kProof, 32), CtlSide::kExporterPreHello).ok());
+  EXPECT_FALSE(check_ctl_header(cuda_hdr(Ctl::kRevokeAck, 0), CtlSide::kExporterProof).ok());
 }
 
 TEST(CudaIpcCtl, HelloRoundTrip) {
-  cuda_ipc::Hello h{cuda_ipc::kCtlVersion, 5, "imp", "sec"};
+  cuda_ipc::Hello h{cuda_ipc::kCtlVersion, 5, "imp", {}, {}};
+  h.pub.fill(6);
   std::string enc = cuda_ipc::encode_hello(h);
   auto back = cuda_ipc::parse_hello(enc);
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->from, "imp");
-  EXPECT_EQ(back->secret, "sec");
+  EXPECT_EQ(back->pub, h.pub);
   for (size_t cut = 0; cut < enc.size(); ++cut) EXPECT_FALSE(cuda_ipc::parse_hello(enc.substr(0, cut)).ok());
   h.version = 9;
   EXPECT_EQ(cuda_ipc::parse_hello(cuda_ipc::encode_hello(h)).status().code(), StatusCode::kVersionMismatch);

@@ -346,10 +346,17 @@ TEST(TcpConnTables, RetireHandsOverEverythingOnceAndRefusesNewParts) {
 
 // ---------------------------------------------------------------- handshake
 
-// A target on 127.0.0.1 that reads one hello and answers with `reply`.
+// A target on 127.0.0.1 that reads one hello and answers with `reply`; or, given a
+// secret, runs the real target side (challenge, proof check, hello-ack) as agent
+// `name` instance `instance`, with `secret` (an impostor when it is the wrong one).
 class ScriptedTarget {
  public:
-  explicit ScriptedTarget(std::string reply) : reply_(std::move(reply)) {
+  explicit ScriptedTarget(std::string reply) : reply_(std::move(reply)) { start(); }
+  ScriptedTarget(std::string name, uint64_t instance, std::string secret)
+      : name_(std::move(name)), instance_(instance), secret_(std::move(secret)) {
+    start();
+  }
+  void start() {
     auto fd = util::listen_tcp(util::HostPort{"127.0.0.1", 0}, &port_);
     EXPECT_TRUE(fd.ok());
     listen_ = std::move(fd).value();
@@ -360,8 +367,10 @@ class ScriptedTarget {
       FrameHeader h{};
       if (util::recv_all(c, &h, kHdr, deadline).ok() && h.aux_len <= kMaxHelloBytes) {
         hello_.resize(h.aux_len);
-        if (util::recv_all(c, hello_.data(), hello_.size(), deadline).ok())
-          (void)util::send_all(c, reply_.data(), reply_.size(), deadline);
+        if (util::recv_all(c, hello_.data(), hello_.size(), deadline).ok()) {
+          if (name_.empty()) (void)util::send_all(c, reply_.data(), reply_.size(), deadline);
+          else answer(c, deadline);
+        }
       }
       ::close(c);
     });
@@ -372,48 +381,105 @@ class ScriptedTarget {
   util::HostPort where() const { return util::HostPort{"127.0.0.1", port_}; }
   // The hello body the target received (after it answered).
   std::string received_hello() {
-    th_.join();
+    if (th_.joinable()) th_.join();
     return hello_;
+  }
+  // The proof it received, and whether it matched its secret (scripted with a secret).
+  bool proof_matched() {
+    if (th_.joinable()) th_.join();
+    return matched_;
   }
 
  private:
+  void answer(int c, std::chrono::steady_clock::time_point deadline) {
+    auto hello = decode_hello(hello_);
+    if (!hello.ok()) return;
+    std::string ch;
+    auto hs = begin_challenge(*hello, name_, instance_, &ch);
+    if (!hs.ok()) return;
+    FrameHeader h = make_hdr(FrameType::kChallenge, 0, 0);
+    h.aux_len = static_cast<uint32_t>(ch.size());
+    const std::string f = frame_bytes(h, ch);
+    if (!util::send_all(c, f.data(), f.size(), deadline).ok()) return;
+    FrameHeader p{};
+    std::string proof(auth::kMacBytes, '\0');
+    if (!util::recv_all(c, &p, kHdr, deadline).ok() || p.aux_len != auth::kMacBytes ||
+        !util::recv_all(c, proof.data(), proof.size(), deadline).ok())
+      return;
+    auth::Mac mac{}, ack{};
+    std::memcpy(mac.data(), proof.data(), mac.size());
+    auto ok = hs->check(mac, {auth::derive_key(secret_)}, &ack);
+    matched_ = ok.ok();
+    if (!ok.ok()) {  // an impostor answers with a made-up MAC
+      ack.fill(0x5a);
+    }
+    FrameHeader a = make_hdr(FrameType::kHelloAck, 0, 0);
+    a.aux_len = static_cast<uint32_t>(ack.size());
+    const std::string af = frame_bytes(a, encode_mac(ack));
+    (void)util::send_all(c, af.data(), af.size(), deadline);
+  }
+
   std::string reply_;
+  std::string name_;
+  uint64_t instance_ = 0;
+  std::string secret_;
+  bool matched_ = false;
   uint16_t port_ = 0;
   util::ScopedFd listen_;
   std::string hello_;
   std::thread th_;
 };
 
-std::string hello_ack(const std::string& name, uint64_t instance) {
-  FrameHeader h = make_hdr(FrameType::kHelloAck, 0, 0);
-  const std::string body = encode_hello_ack(HelloAckBody{instance, name});
-  h.aux_len = static_cast<uint32_t>(body.size());
-  return frame_bytes(h, body);
-}
 
 std::string error_reply(const Status& st) {
   OutMsg m = error_frame(st, 0, 0);
   return frame_bytes(m.hdr, m.aux);
 }
 
-TEST(TcpHandshake, DialSendsTheHelloAndReturnsThePeerName) {
-  ScriptedTarget t(hello_ack("target", 77));
+TEST(TcpHandshake, DialProvesTheSecretWithoutSendingItAndReturnsThePeerName) {
+  ScriptedTarget t("target", 77, "s3cret");
   std::string name;
-  auto fd = dial(t.where(), HelloParams{"me", "target", 77, "s3cret"}, 5, &name);
+  auto fd = dial(t.where(), HelloParams{"me", "target", 77, auth::derive_key("s3cret")}, 5, &name);
   ASSERT_TRUE(fd.ok()) << fd.status().to_string();
   EXPECT_EQ(name, "target");
-  auto hello = decode_hello(t.received_hello());
+  EXPECT_TRUE(t.proof_matched());
+  const std::string raw = t.received_hello();
+  auto hello = decode_hello(raw);
   ASSERT_TRUE(hello.ok()) << hello.status().to_string();
   EXPECT_EQ(hello->version, kWireVersion);
   EXPECT_EQ(hello->from, "me");
   EXPECT_EQ(hello->to, "target");
   EXPECT_EQ(hello->instance, 77u);
-  EXPECT_EQ(hello->secret, "s3cret");
+  EXPECT_EQ(raw.find("s3cret"), std::string::npos);
+}
+
+TEST(TcpHandshake, DialRefusesAnImpostorTarget) {
+  ScriptedTarget t("target", 77, "not-the-secret");
+  auto fd = dial(t.where(), HelloParams{"me", "target", 77, auth::derive_key("s3cret")}, 5, nullptr);
+  ASSERT_FALSE(fd.ok());
+  EXPECT_EQ(fd.status().code(), StatusCode::kAuthFailed);
+  EXPECT_NE(fd.status().message().find("could not prove it knows the secret"), std::string::npos)
+      << fd.status().message();
+  EXPECT_FALSE(t.proof_matched());
+}
+
+TEST(TcpHandshake, DialRefusesAnotherAgentOrInstance) {
+  {
+    ScriptedTarget t("someone", 77, "s3cret");
+    auto fd = dial(t.where(), HelloParams{"me", "target", 77, auth::derive_key("s3cret")}, 5, nullptr);
+    ASSERT_FALSE(fd.ok());
+    EXPECT_EQ(fd.status().code(), StatusCode::kProtocolError) << fd.status().to_string();
+    EXPECT_FALSE(t.proof_matched());  // nothing proved to the wrong agent
+  }
+  ScriptedTarget t("target", 78, "s3cret");
+  auto fd = dial(t.where(), HelloParams{"me", "target", 77, auth::derive_key("s3cret")}, 5, nullptr);
+  ASSERT_FALSE(fd.ok());
+  EXPECT_EQ(fd.status().code(), StatusCode::kStalePeer) << fd.status().to_string();
 }
 
 TEST(TcpHandshake, DialReturnsTheTargetsRefusal) {
   ScriptedTarget t(error_reply(AuthFailed("wrong secret")));
-  auto fd = dial(t.where(), HelloParams{"me", "target", 0, "bad"}, 5, nullptr);
+  auto fd = dial(t.where(), HelloParams{"me", "target", 0, auth::derive_key("bad")}, 5, nullptr);
   ASSERT_FALSE(fd.ok());
   EXPECT_EQ(fd.status().code(), StatusCode::kAuthFailed);
   EXPECT_NE(fd.status().message().find("refused the connection: wrong secret"), std::string::npos)
@@ -422,10 +488,10 @@ TEST(TcpHandshake, DialReturnsTheTargetsRefusal) {
 
 TEST(TcpHandshake, DialRejectsAnAnswerThatIsNoFrame) {
   ScriptedTarget t(std::string(kHdr, 'x'));
-  auto fd = dial(t.where(), HelloParams{"me", "", 0, "s"}, 5, nullptr);
+  auto fd = dial(t.where(), HelloParams{"me", "", 0, auth::derive_key("s")}, 5, nullptr);
   ASSERT_FALSE(fd.ok());
   EXPECT_EQ(fd.status().code(), StatusCode::kProtocolError);
-  EXPECT_NE(fd.status().message().find("answered the hello with a bad frame"), std::string::npos)
+  EXPECT_NE(fd.status().message().find("answered the handshake with a bad frame"), std::string::npos)
       << fd.status().message();
 }
 

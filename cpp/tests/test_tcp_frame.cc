@@ -15,6 +15,7 @@ namespace {
 
 constexpr ConnState kInHs{ConnRole::kInbound, ConnPhase::kHandshake};
 constexpr ConnState kInOpen{ConnRole::kInbound, ConnPhase::kOpen};
+constexpr ConnState kInProof{ConnRole::kInbound, ConnPhase::kProofWait};
 constexpr ConnState kOutHs{ConnRole::kOutbound, ConnPhase::kHandshake};
 constexpr ConnState kOutOpen{ConnRole::kOutbound, ConnPhase::kOpen};
 constexpr ConnState kOutMeta{ConnRole::kOutbound, ConnPhase::kMetaWait};
@@ -34,7 +35,9 @@ FrameHeader hdr(FrameType t, uint32_t count = 0, uint32_t aux = 0, uint64_t payl
 FrameHeader valid(FrameType t) {
   switch (t) {
     case FrameType::kHello: return hdr(t, 0, 100);
-    case FrameType::kHelloAck: return hdr(t, 0, 20);
+    case FrameType::kHelloAck: return hdr(t, 0, 32);
+    case FrameType::kChallenge: return hdr(t, 0, 80);
+    case FrameType::kProof: return hdr(t, 0, 32);
     case FrameType::kWrite: return hdr(t, 1, 0, 16);
     case FrameType::kReadReq: return hdr(t, 1);
     case FrameType::kReadResp: return hdr(t, 0, 0, 16);
@@ -53,9 +56,10 @@ const std::vector<Where> kWhere = {
     {FrameType::kHello, kInHs},      {FrameType::kHelloAck, kOutHs}, {FrameType::kMetaReq, kInOpen},
     {FrameType::kMetaResp, kOutMeta}, {FrameType::kWrite, kInOpen},   {FrameType::kReadReq, kInOpen},
     {FrameType::kReadResp, kOutOpen}, {FrameType::kAck, kOutOpen},    {FrameType::kNotify, kInOpen},
-    {FrameType::kError, kOutOpen},    {FrameType::kReadRespZ, kOutOpen},
+    {FrameType::kError, kOutOpen},    {FrameType::kReadRespZ, kOutOpen}, {FrameType::kChallenge, kOutHs},
+    {FrameType::kProof, kInProof},
 };
-const std::vector<ConnState> kAllStates = {kInHs, kInOpen, kOutHs, kOutOpen, kOutMeta};
+const std::vector<ConnState> kAllStates = {kInHs, kInProof, kInOpen, kOutHs, kOutOpen, kOutMeta};
 
 bool same(ConnState a, ConnState b) { return a.role == b.role && a.phase == b.phase; }
 
@@ -64,7 +68,7 @@ TEST(TcpFrame, EachTypeIsValidOnlyWhereItBelongs) {
     const FrameHeader h = valid(w.type);
     EXPECT_TRUE(check_header(h, w.ok_in, kLim).ok()) << frame_type_name(h.type);
     for (ConnState s : kAllStates) {
-      const bool error_ok = w.type == FrameType::kError && !same(s, kInHs);
+      const bool error_ok = w.type == FrameType::kError && !same(s, kInHs) && !same(s, kInProof);
       if (same(s, w.ok_in) || error_ok) continue;
       Status st = check_header(h, s, kLim);
       EXPECT_EQ(st.code(), StatusCode::kProtocolError) << frame_type_name(h.type) << " accepted in a wrong state";
@@ -198,14 +202,17 @@ TEST(TcpFrame, ExtentInRegionHandlesOverflow) {
 }
 
 TEST(TcpFrame, HelloRoundTripAndRejections) {
-  HelloBody b{kWireVersion, 3, 42, "init", "target", "s3cret"};
+  HelloBody b{kWireVersion, 3, 42, "init", "target", {}, {}};
+  b.nonce.fill(7);
+  b.pub.fill(9);
   auto d = decode_hello(encode_hello(b));
   ASSERT_TRUE(d.ok()) << d.status().message();
   EXPECT_EQ(d->slot, 3u);
   EXPECT_EQ(d->instance, 42u);
   EXPECT_EQ(d->from, "init");
   EXPECT_EQ(d->to, "target");
-  EXPECT_EQ(d->secret, "s3cret");
+  EXPECT_EQ(d->nonce, b.nonce);
+  EXPECT_EQ(d->pub, b.pub);
 
   b.version = 7;
   EXPECT_EQ(decode_hello(encode_hello(b)).status().code(), StatusCode::kVersionMismatch);
@@ -213,9 +220,6 @@ TEST(TcpFrame, HelloRoundTripAndRejections) {
   b.from = "bad name";
   EXPECT_EQ(decode_hello(encode_hello(b)).status().code(), StatusCode::kProtocolError);
   b.from = "init";
-  b.secret.assign(kMaxSecretBytes + 1, 'x');
-  EXPECT_EQ(decode_hello(encode_hello(b)).status().code(), StatusCode::kProtocolError);
-  b.secret = "s";
   const std::string good = encode_hello(b);
   EXPECT_FALSE(decode_hello(good + "x").ok());  // trailing bytes
   std::string reserved = good;
@@ -226,14 +230,28 @@ TEST(TcpFrame, HelloRoundTripAndRejections) {
   EXPECT_FALSE(decode_hello(huge_len).ok());
 }
 
-TEST(TcpFrame, HelloAckRoundTripAndRejections) {
-  auto d = decode_hello_ack(encode_hello_ack(HelloAckBody{9, "target"}));
+TEST(TcpFrame, ChallengeAndMacRoundTripAndRejections) {
+  ChallengeBody c{9, "target", {}, {}};
+  c.nonce.fill(1);
+  c.pub.fill(2);
+  const std::string good = encode_challenge(c);
+  auto d = decode_challenge(good);
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(d->instance, 9u);
   EXPECT_EQ(d->name, "target");
-  EXPECT_FALSE(decode_hello_ack(encode_hello_ack(HelloAckBody{9, ""})).ok());
-  EXPECT_FALSE(decode_hello_ack(encode_hello_ack(HelloAckBody{9, "target"}) + "z").ok());
-  EXPECT_FALSE(decode_hello_ack("short").ok());
+  EXPECT_EQ(d->nonce, c.nonce);
+  EXPECT_EQ(d->pub, c.pub);
+  c.name = "";
+  EXPECT_FALSE(decode_challenge(encode_challenge(c)).ok());
+  EXPECT_FALSE(decode_challenge(good + "z").ok());
+  for (size_t cut = 0; cut < good.size(); ++cut) EXPECT_FALSE(decode_challenge(good.substr(0, cut)).ok()) << cut;
+  auth::Mac m{};
+  m.fill(3);
+  auto back = decode_mac(encode_mac(m), "proof");
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(*back, m);
+  EXPECT_FALSE(decode_mac(std::string(31, 'x'), "proof").ok());
+  EXPECT_FALSE(decode_mac(std::string(33, 'x'), "proof").ok());
 }
 
 TEST(TcpGuard, BackoffDoublesIsCappedAndClearsOnSuccess) {

@@ -23,8 +23,11 @@ def s32(b):
     return struct.pack("<I", len(b)) + b
 
 
-HELLO = struct.pack("<HHIQ", 1, 0, 0, 0) + s32(b"init") + s32(b"target") + s32(b"secret")
-ACK = struct.pack("<Q", 7) + s32(b"target")
+# The handshake (wire v2): hello {nonce, key}; challenge; proof and hello-ack are one MAC each.
+HELLO = struct.pack("<HHIQ", 2, 0, 0, 0) + s32(b"init") + s32(b"target") + b"\x11" * 32 + b"\x22" * 32
+CHALLENGE = struct.pack("<Q", 7) + s32(b"target") + b"\x33" * 32 + b"\x44" * 32
+MAC = b"\x55" * 32
+ACK = MAC
 # Block generations (flag 4): u32 length, then the claim (name, count, (block, gen) pairs).
 CLAIM = s32(b"kv") + struct.pack("<I", 2) + struct.pack("<IIII", 3, 1, 4, 2)
 GENS = s32(CLAIM)
@@ -72,14 +75,15 @@ SEEDS = {
     + GENS + b"note" + b"abcd",
     "read_gens": bytes([1]) + frame(6, count=1, flags=4, aux_len=len(GENS))[:40] + EXT.pack(1, 0, 8) + GENS,
     "ack_failed_with_message": bytes([3]) + frame(8, status=15, aux=b"layout 'kv' block 3: stale"),
-    "hello_then_write": bytes([0]) + frame(1, aux=HELLO) + frame(5, count=1, payload=8) + EXT.pack(1, 0, 8) + b"x" * 8,
-    "hello_then_read": bytes([0]) + frame(1, aux=HELLO) + frame(6, count=2) + EXT.pack(1, 0, 8) + EXT.pack(1, 64, 8),
+    "hello_then_write": bytes([0]) + frame(1, aux=HELLO) + frame(14, aux=MAC) + frame(5, count=1, payload=8) + EXT.pack(1, 0, 8) + b"x" * 8,
+    "hello_then_read": bytes([0]) + frame(1, aux=HELLO) + frame(14, aux=MAC) + frame(6, count=2) + EXT.pack(1, 0, 8) + EXT.pack(1, 64, 8),
     "write_notif": bytes([1]) + frame(5, count=1, payload=4, flags=1, aux=b"note") + EXT.pack(1, 0, 4) + b"abcd",
     "notify_meta": bytes([1]) + frame(9, aux=b"ready") + frame(3),
     "overflow_extent": bytes([1]) + frame(6, count=2) + EXT.pack(1, 2**64 - 8, 16) + EXT.pack(1, 0, 2**64 - 1),
     "huge_error": bytes([3]) + frame(10, count=1 << 24, aux=b"x", status=6),
     "ack_readresp": bytes([3]) + frame(8, status=0) + frame(7, payload=4) + b"data",
-    "handshake_ack": bytes([2]) + frame(2, aux=ACK),
+    "handshake_ack": bytes([2]) + frame(13, aux=CHALLENGE) + frame(2, aux=ACK),
+    "proof_before_hello": bytes([0]) + frame(14, aux=MAC),
     "meta_resp": bytes([4]) + frame(4, aux=b"\x01" * 32),
     "garbage": bytes([1]) + b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 40,
     # A frame of many small pieces (what a sender gathers), then one whose pieces do

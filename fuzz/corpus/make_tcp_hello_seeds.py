@@ -8,8 +8,15 @@ def s32(b):
     return struct.pack("<I", len(b)) + b
 
 
-def hello(version=1, slot=0, instance=0, frm=b"init", to=b"target", secret=b"secret"):
-    return struct.pack("<HHIQ", version, 0, slot, instance) + s32(frm) + s32(to) + s32(secret)
+NONCE, PUB, MAC = b"\x11" * 32, b"\x22" * 32, b"\x33" * 32
+
+
+def hello(version=2, slot=0, instance=0, frm=b"init", to=b"target", nonce=NONCE, pub=PUB):
+    return struct.pack("<HHIQ", version, 0, slot, instance) + s32(frm) + s32(to) + nonce + pub
+
+
+def challenge(instance=9, name=b"target", nonce=NONCE, pub=PUB):
+    return struct.pack("<Q", instance) + s32(name) + nonce + pub
 
 
 SEEDS = {
@@ -17,9 +24,12 @@ SEEDS = {
     "hello_any_target": hello(to=b"", instance=42, slot=3),
     "hello_v7": hello(version=7),
     "hello_bad_name": hello(frm=b"bad name"),
-    "hello_long_secret": hello(secret=b"s" * 1025),
+    "hello_short_key": hello(pub=PUB[:31]),
     "hello_truncated": hello()[:20],
-    "hello_ack": struct.pack("<Q", 9) + s32(b"target"),
+    "challenge": challenge(),
+    "challenge_bad_name": challenge(name=b""),
+    "mac": MAC,
+    "mac_long": MAC + b"x",
 }
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace pdkv::cuda_ipc;
   if (size < 1) return 0;
-  CtlSide side = static_cast<CtlSide>(data[0] % 4);
+  CtlSide side = static_cast<CtlSide>(data[0] % 5);
   std::string_view in(reinterpret_cast<const char*>(data + 1), size - 1);
   while (in.size() >= sizeof(CtlHdr)) {
     CtlHdr h;
@@ -21,8 +21,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string_view aux = in.substr(0, h.aux_len);
     in.remove_prefix(h.aux_len);
     if (!validate_ctl_frame(h, aux, side).ok()) return 0;
-    if (side == CtlSide::kExporterPreHello) side = CtlSide::kExporter;
-    if (side == CtlSide::kImporterHello) side = CtlSide::kImporter;
+    // The handshake's steps: hello -> proof -> open (exporter); challenge -> hello-ack -> open.
+    if (side == CtlSide::kExporterPreHello) side = CtlSide::kExporterProof;
+    else if (side == CtlSide::kExporterProof) side = CtlSide::kExporter;
+    else if (side == CtlSide::kImporterHello && h.type != static_cast<uint16_t>(Ctl::kChallenge))
+      side = CtlSide::kImporter;
   }
   return 0;
 }

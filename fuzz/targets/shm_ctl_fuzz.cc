@@ -11,7 +11,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace pdkv::shm;
   if (size < 1) return 0;
-  CtlSide side = static_cast<CtlSide>(data[0] % 4);
+  CtlSide side = static_cast<CtlSide>(data[0] % 5);
   std::string_view in(reinterpret_cast<const char*>(data + 1), size - 1);
   while (in.size() >= sizeof(CtlHdr)) {
     CtlHdr h;
@@ -22,8 +22,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::string_view aux = in.substr(0, h.aux_len);
     in.remove_prefix(h.aux_len);
     if (!validate_ctl_frame(h, aux, side, 1u << 20).ok()) return 0;
-    if (side == CtlSide::kTargetPreHello) side = CtlSide::kTarget;
-    if (side == CtlSide::kInitiatorHello) side = CtlSide::kInitiator;
+    // The handshake's steps: hello -> proof -> open (target); challenge -> hello-ack -> open.
+    if (side == CtlSide::kTargetPreHello) side = CtlSide::kTargetProof;
+    else if (side == CtlSide::kTargetProof) side = CtlSide::kTarget;
+    else if (side == CtlSide::kInitiatorHello && h.type != static_cast<uint16_t>(Ctl::kChallenge))
+      side = CtlSide::kInitiator;
   }
   return 0;
 }

@@ -91,12 +91,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     pos += ctrl;
     const std::string_view aux(reinterpret_cast<const char*>(c) + size_t(h.count) * desc_bytes(h), h.aux_len);
     switch (static_cast<FrameType>(h.type)) {
-      case FrameType::kHello:
+      case FrameType::kHello:  // the handshake's steps, as the receiver takes them
         if (!decode_hello(aux).ok()) return 0;
+        state.phase = ConnPhase::kProofWait;
+        break;
+      case FrameType::kProof:
+        if (!decode_mac(aux, "proof").ok()) return 0;
         state.phase = ConnPhase::kOpen;
         break;
+      case FrameType::kChallenge:
+        if (!decode_challenge(aux).ok()) return 0;
+        break;
       case FrameType::kHelloAck:
-        if (!decode_hello_ack(aux).ok()) return 0;
+        if (!decode_mac(aux, "hello-ack").ok()) return 0;
         state.phase = ConnPhase::kOpen;
         break;
       case FrameType::kWrite:

@@ -1,4 +1,5 @@
-// libFuzzer target: the hello and hello-ack bodies (transport/tcp/frame.h).
+// libFuzzer target: the handshake bodies (transport/tcp/frame.h): hello, challenge,
+// and the proof / hello-ack MAC.
 // Invariants: no crash; whatever decodes re-encodes to the same bytes.
 #include <cstdint>
 #include <string_view>
@@ -12,8 +13,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (auto h = decode_hello(in); h.ok()) {
     if (encode_hello(*h) != in) __builtin_trap();
   }
-  if (auto a = decode_hello_ack(in); a.ok()) {
-    if (encode_hello_ack(*a) != in) __builtin_trap();
+  if (auto c = decode_challenge(in); c.ok()) {
+    if (encode_challenge(*c) != in) __builtin_trap();
+  }
+  if (auto m = decode_mac(in, "mac"); m.ok()) {
+    if (encode_mac(*m) != in) __builtin_trap();
   }
   return 0;
 }

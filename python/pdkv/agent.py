@@ -543,10 +543,16 @@ class Agent:
     name : str
         Unique among the agents that talk to each other (printable ASCII, no spaces).
     secret : str or bytes, optional
-        Peers must present it to read or write this agent's memory. Defaults to the
-        ``PDKV_SECRET`` environment variable, else a random one (see :attr:`secret`).
-        By default this agent presents its own secret to peers, so a deployment that
-        shares one secret needs no per-peer configuration.
+        The cluster secret. Peers must prove they know it to read or write this agent's
+        memory, and this agent proves it to them; it never crosses the wire (a mutual
+        challenge-response, docs/security.md). Defaults to the ``PDKV_SECRET``
+        environment variable, else a random one (see :attr:`secret`). By default this
+        agent proves its own secret to peers, so a deployment that shares one secret
+        needs no per-peer configuration. Use a random one (``pdkv.credential.new_secret()``).
+    accepted_secrets : sequence of str or bytes, optional
+        Further secrets whose proofs this agent accepts (at most 7): rotation without
+        downtime (docs/security.md, "Rotating the secret"). Defaults to the comma-separated
+        ``PDKV_ACCEPTED_SECRETS`` environment variable.
     listen : str, optional
         ``"host:port"`` the tcp transport binds and publishes (port 0: any free port);
         it overrides ``tcp.listen_host``/``tcp.listen_port`` (default ``127.0.0.1:0``).
@@ -584,6 +590,7 @@ class Agent:
         name: str,
         *,
         secret: str | bytes | None = None,
+        accepted_secrets: Sequence[str | bytes] | None = None,
         listen: str | None = None,
         transports: Sequence[str] | None = None,
         tcp: TcpOptions | None = None,
@@ -601,6 +608,11 @@ class Agent:
             secret = os.environ.get("PDKV_SECRET", "")
         if not isinstance(secret, (str, bytes)):
             raise InvalidArgument(f"secret must be str or bytes, got {type(secret).__name__}")
+        if accepted_secrets is None:
+            raw = os.environ.get("PDKV_ACCEPTED_SECRETS", "")
+            accepted_secrets = [a for a in (x.strip() for x in raw.split(",")) if a]
+        if isinstance(accepted_secrets, (str, bytes)):
+            raise InvalidArgument("accepted_secrets must be a sequence of secrets, not one secret")
         default_timeout = _validate.wait_timeout(default_timeout, "default_timeout") or 0.0  # None, 0: no limit
         max_notif_bytes = _validate.positive_int(max_notif_bytes, "max_notif_bytes", maximum=2**32 - 1)
         wait_spin_us = _validate.count(wait_spin_us, "wait_spin_us")
@@ -614,7 +626,8 @@ class Agent:
         if transports is None:
             transports = m.default_transports()  # the viable ones, by priority
         config = m.AgentConfig(
-            name=name, secret=_as_bytes(secret), transports=list(transports),
+            name=name, secret=_as_bytes(secret),
+            accepted_secrets=[_as_bytes(s, "accepted secret") for s in accepted_secrets], transports=list(transports),
             tcp=m.TcpOptions() if tcp is None else tcp, shm=m.ShmOptions() if shm is None else shm,
             default_timeout_s=float(default_timeout), max_notif_bytes=max_notif_bytes, wait_spin_us=wait_spin_us,
             max_queued_notifs=max_queued_notifs, max_queued_notif_bytes=max_queued_notif_bytes)
@@ -627,12 +640,14 @@ class Agent:
         self._layout_keep: dict[str, KVLayout] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._publish(registry, advertise_host)
+        self._publish(registry, advertise_host, secret, accepted_secrets)
 
-    def _publish(self, registry: Any, advertise_host: str | None) -> None:
+    def _publish(self, registry: Any, advertise_host: str | None, secret: str | bytes = "",
+                 accepted: Sequence[str | bytes] = ()) -> None:
         from . import discovery
 
-        self._registry = discovery.resolve(registry)
+        # A URL's registry signs with the agent's secret and accepts its accepted ones.
+        self._registry = discovery.resolve(registry, secret, list(accepted))
         self._publication = None
         if self._registry is not None:
             try:
@@ -648,7 +663,7 @@ class Agent:
 
     @property
     def secret(self) -> bytes:
-        """The secret peers must present (give it to peers that do not share yours)."""
+        """The secret peers must prove they know (give it to peers that do not share yours)."""
         return self._n.secret
 
     @property

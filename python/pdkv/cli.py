@@ -1,4 +1,4 @@
-"""The ``pdkv`` command: ``info``, ``bench transfer``, ``bench serve``, ``plan``, ``serve``, ``demo``, ``netlab``."""
+"""The ``pdkv`` command: ``info``, ``secret``, ``bench transfer``, ``bench serve``, ``plan``, ``serve``, ``demo``, ``netlab``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ commands:
   plan               the prefill:decode split for a trace and SLO, from measured worker capacity
   netlab             hosts in network namespaces behind emulated links: up | exec | status | down (root)
   info               version, transports available here, optional dependencies
+  secret             print a new random cluster secret (128 bits, hex) for PDKV_SECRET
 
 run `pdkv <command> --help` for a command's options
 """
@@ -29,6 +30,7 @@ COMMANDS = {
     ("plan",): "pdkv.bench.plan:main",
     ("netlab",): "pdkv.netlab_cli:main",
     ("info",): "pdkv.cli:info",
+    ("secret",): "pdkv.cli:secret",
 }
 
 
@@ -49,6 +51,16 @@ def info(argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 - report any import failure
             ver = f"not available ({type(e).__name__})"
         print(f"  {mod:13s} {ver}  ({what})")
+    return 0
+
+
+def secret(argv: list[str]) -> int:
+    """Prints a new random cluster secret (docs/security.md)."""
+    argparse.ArgumentParser(prog="pdkv secret", description="Print a new random cluster secret (128 bits, "
+                            "hex): export PDKV_SECRET=$(pdkv secret)").parse_args(argv)
+    from .credential import new_secret
+
+    print(new_secret())
     return 0
 
 

@@ -1,6 +1,10 @@
 """Runs a single-member etcd (Debian's ``etcd-server``) for tests, demos and small
 deployments: ``python -m pdkv.discovery_etcd [--host H] [--port P] [--data-dir D]``
-prints ``etcd://H:P`` once etcd answers and runs until interrupted.
+prints ``etcd://H:P`` once etcd answers and runs until interrupted. With
+``--cert-file/--key-file [--trusted-ca-file]`` it serves TLS (``etcds://H:P``; a CA
+file also turns on client-certificate authentication); with ``--auth-user U`` (password
+from ``PDKV_ETCD_PASSWORD``) it enables etcd's authentication, with a user ``U`` that
+may read and write pdkv's prefix only (and a ``root`` user with the same password).
 
 A production deployment uses its own etcd cluster; pdkv only needs its client URL.
 """
@@ -17,12 +21,49 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
-from .discovery import EtcdClient
+from .discovery import EtcdClient, EtcdOptions, EtcdRefused, _b64, _prefix_end
 from .errors import NotFound, PeerConnectionError
 
-__all__ = ["EtcdServer", "etcd_binary"]
+__all__ = ["EtcdServer", "EtcdTLS", "etcd_binary", "enable_auth"]
+
+
+@dataclass(frozen=True)
+class EtcdTLS:
+    """etcd's server certificate and key; ``ca_file``: also require client certificates
+    signed by that CA (``--client-cert-auth``)."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str | None = None
+
+
+def enable_auth(client: EtcdClient, user: str, password: str, *, prefix: str = "/pdkv",
+                root_password: str | None = None) -> None:
+    """Turns on etcd's authentication through the gateway (what ``etcdctl user add``,
+    ``role add``, ``role grant-permission``, ``user grant-role`` and ``auth enable`` do):
+    a ``root`` user (role ``root``, password ``root_password``, default ``password``)
+    and ``user`` with a role that may read and write ``prefix/`` only."""
+    root_pw = root_password or password
+    p = (prefix.rstrip("/") + "/").encode()
+    for path, body in (("auth/role/add", {"name": "root"}),
+                       ("auth/user/add", {"name": "root", "password": root_pw}),
+                       ("auth/user/grant", {"user": "root", "role": "root"}),
+                       ("auth/role/add", {"name": user}),
+                       ("auth/role/grant", {"name": user, "perm": {"permType": "READWRITE", "key": _b64(p),
+                                                                   "range_end": _b64(_prefix_end(p))}}),
+                       ("auth/user/add", {"name": user, "password": password}),
+                       ("auth/user/grant", {"user": user, "role": user}),
+                       ("auth/enable", {})):
+        if path == "auth/user/add" and body["name"] == "root" and user == "root":
+            continue
+        try:
+            client.call(path, body)
+        except EtcdRefused as e:
+            if "already exists" not in str(e):
+                raise
 
 
 def etcd_binary() -> str | None:
@@ -42,7 +83,8 @@ class EtcdServer:
     :meth:`stop` and :meth:`start` again keep the port and the data (etcd down, then back).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, data_dir: str | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, data_dir: str | None = None, *,
+                 tls: EtcdTLS | None = None, args: Sequence[str] = ()) -> None:
         binary = etcd_binary()
         if binary is None:
             raise NotFound("no etcd binary (install Debian's etcd-server, or set PDKV_ETCD)")
@@ -53,28 +95,51 @@ class EtcdServer:
         self.data_dir = data_dir or os.path.join(self._tmp or "", "data")
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(self._tmp or data_dir or ".", "etcd.log")
+        self.tls, self.args = tls, list(args)
 
     @property
     def url(self) -> str:
-        return f"etcd://{self.host}:{self.port}"
+        return f"{'etcds' if self.tls else 'etcd'}://{self.host}:{self.port}"
+
+    def client(self, options: EtcdOptions | None = None, timeout: float = 5.0) -> EtcdClient:
+        """A client of this etcd (TLS when it serves TLS; ``options``: user, client cert)."""
+        if options is None and self.tls is not None:
+            options = EtcdOptions(ca_file=self.tls.ca_file)
+        return EtcdClient(self.host, self.port, timeout=timeout, tls=self.tls is not None, options=options)
 
     def start(self, timeout: float = 20.0) -> str:
         """Starts etcd and waits until it answers; returns its ``etcd://`` URL."""
-        client_url = f"http://{self.host}:{self.port}"
+        scheme = "https" if self.tls else "http"
+        client_url = f"{scheme}://{self.host}:{self.port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         argv = [self.binary, "--name", "pdkv", "--data-dir", self.data_dir,
                 "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
                 "--initial-cluster", f"pdkv={peer_url}", "--log-level", "error"]
+        if self.tls is not None:
+            argv += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file]
+            if self.tls.ca_file:
+                argv += ["--trusted-ca-file", self.tls.ca_file, "--client-cert-auth"]
+        argv += self.args
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        client = EtcdClient(self.host, self.port, timeout=1.0)
+        probe = None
         end = time.monotonic() + timeout
         while True:
             try:
-                client.get("/pdkv-ready-probe")
+                if probe is None:  # with client certificates required: the server's own (if it may be one)
+                    opts = None
+                    if self.tls is not None and self.tls.ca_file:
+                        opts = EtcdOptions(ca_file=self.tls.ca_file, cert_file=self.tls.cert_file,
+                                           key_file=self.tls.key_file)
+                    probe = self.client(opts, timeout=1.0)
+                probe.get("/pdkv-ready-probe")
                 return self.url
-            except PeerConnectionError:
+            except EtcdRefused:  # it answers (and wants authentication)
+                return self.url
+            except (PeerConnectionError, OSError) as e:
+                if self.tls is not None and "SSL" in str(e) and "Connection refused" not in str(e):
+                    return self.url  # it speaks TLS and refused our certificate: it is up
                 if self.proc.poll() is not None or time.monotonic() > end:
                     self.stop()
                     with open(self.log_path, "rb") as f:
@@ -116,10 +181,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1", help="client and peer address (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=2379, help="client port (default 2379; 0: any free one)")
     ap.add_argument("--data-dir", default=None, help="etcd's data directory (default: a temporary one)")
+    ap.add_argument("--cert-file", help="serve TLS with this certificate (and --key-file)")
+    ap.add_argument("--key-file", help="the certificate's private key")
+    ap.add_argument("--trusted-ca-file", help="require client certificates signed by this CA")
+    ap.add_argument("--auth-user", help="enable etcd authentication: this user may read and write /pdkv/ "
+                    "(password from PDKV_ETCD_PASSWORD; root gets the same one)")
     args = ap.parse_args(argv)
-    server = EtcdServer(args.host, args.port, args.data_dir)
+    if bool(args.cert_file) != bool(args.key_file):
+        ap.error("--cert-file and --key-file go together")
+    password = os.environ.get("PDKV_ETCD_PASSWORD", "")
+    if args.auth_user and not password:
+        ap.error("--auth-user needs the password in PDKV_ETCD_PASSWORD")
+    tls = EtcdTLS(args.cert_file, args.key_file, args.trusted_ca_file) if args.cert_file else None
+    server = EtcdServer(args.host, args.port, args.data_dir, tls=tls)
     try:
-        print(server.start(), flush=True)
+        url = server.start()
+        if args.auth_user:
+            enable_auth(server.client(EtcdOptions(ca_file=args.trusted_ca_file, cert_file=args.cert_file,
+                                                  key_file=args.key_file) if tls else None),
+                        args.auth_user, password)
+        print(url, flush=True)
         wait_for_stop()
     except KeyboardInterrupt:
         pass

@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+import pdkv
+
 from fake_gpu_peers import fake_peer  # noqa: F401  (fixture)
 from kvpools import PoolSpec
 
@@ -195,16 +197,24 @@ def test_control_socket_rejects_bad_input_and_keeps_serving(fake_peer, tmp_path)
     def frame(type_: int, aux: bytes = b"", magic: int = 0x434B4450) -> bytes:
         return struct.pack("<IHHQII", magic, type_, 0, 0, len(aux), 0) + aux
 
-    def hello(secret: str, inst: int = instance, version: int = 1) -> bytes:
+    def hello(secret: str | None = None, inst: int = instance, version: int = 2) -> bytes:
+        """A hello (no secret: a nonce and an ephemeral key); with `secret`, exchange()
+        answers the exporter's challenge with a proof made with it."""
         def s(x: str) -> bytes:
             return struct.pack("<I", len(x)) + x.encode()
-        return frame(1, struct.pack("<HQ", version, inst) + s("mallory") + s(secret))
+        hs = pdkv._native.module().InitiatorHandshake("cuda_ipc", 2, "mallory")
+        hellos[0] = (hs, secret)
+        return frame(1, struct.pack("<HQ", version, inst) + s("mallory") + hs.nonce + hs.pub)
+
+    hellos: list = [None]
 
     def exchange(data: bytes) -> bytes:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
             c.settimeout(10)
             c.connect(path)
             c.sendall(data)
+            hs, secret = hellos[0] or (None, None)
+            hellos[0] = None
             out = b""
             while True:  # until the exporter closes (or answers and we stop)
                 try:
@@ -214,6 +224,17 @@ def test_control_socket_rejects_bad_input_and_keeps_serving(fake_peer, tmp_path)
                 if not chunk:
                     return out
                 out += chunk
+                if len(out) >= 24 and struct.unpack_from("<H", out, 4)[0] == 6 and hs is not None:
+                    aux_len = struct.unpack_from("<I", out, 16)[0]
+                    if len(out) < 24 + aux_len:
+                        continue
+                    aux = out[24:24 + aux_len]  # the challenge: prove (maybe a wrong secret)
+                    inst_t, n = struct.unpack_from("<QI", aux)
+                    proof = hs.answer(aux[12:12 + n].decode(), inst_t, aux[12 + n:44 + n], aux[44 + n:76 + n],
+                                      (secret or "").encode() or b"?")
+                    c.sendall(frame(7, proof))
+                    out, hs = b"", None
+                    continue
                 if len(out) >= 24 and struct.unpack_from("<H", out, 4)[0] == 2:
                     return out  # hello-ack: accepted
 
@@ -227,6 +248,7 @@ def test_control_socket_rejects_bad_input_and_keeps_serving(fake_peer, tmp_path)
     assert "first control frame must be a hello" in error_of(exchange(frame(3)))
     assert "wrong secret" in error_of(exchange(hello("nope")))
     assert "restarted" in error_of(exchange(hello("s", inst=instance + 1)))
+    assert "first control frame must be a hello" in error_of(exchange(frame(7, b"\0" * 32)))  # a proof first
     assert "version 9" in error_of(exchange(hello("s", version=9)))
     assert "malformed hello" in error_of(exchange(frame(1, b"\x01\x00")))
     assert exchange(frame(1, b"x" * 5000)) == b""  # oversized aux: dropped

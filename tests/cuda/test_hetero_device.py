@@ -155,7 +155,7 @@ def test_tcp_refuses_a_strided_run_outside_a_device_region(fake_peer, op):  # no
     device memory untouched, and it keeps serving (a good heterogeneous push lands)."""
     import socket
 
-    from test_bad_input import T_HELLO_ACK, T_READ_REQ, T_WRITE, expect_error_and_close, hello, recv_frame
+    from test_bad_input import T_HELLO_ACK, T_READ_REQ, T_WRITE, authenticate, expect_error_and_close
     from test_hetero_strided_hostile import F_STRIDED, SEXT
     from test_hostile_tcp import raw_header
 
@@ -167,8 +167,7 @@ def test_tcp_refuses_a_strided_run_outside_a_device_region(fake_peer, op):  # no
     host, port = target.address.rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
     try:
-        s.sendall(hello("s", target="dv-target"))
-        assert recv_frame(s)[0][1] == T_HELLO_ACK
+        assert authenticate(s, "s", target="dv-target")[0][1] == T_HELLO_ACK
         # 256-byte pieces every 512 bytes: the first inside, the last past the region's end.
         piece, stride = 256, 512
         count = region["len"] // stride + 1

@@ -85,8 +85,6 @@ class Agent final {
   const AgentConfig& config() const;
   std::vector<std::string> transports() const;
   std::vector<Endpoint> endpoints() const;
-  // Constant-time comparison with this agent's secret.
-  bool secret_matches(std::string_view presented) const;
 
   // ---- memory ----
   // Registers [addr, addr+len). See region.h for overlap and lifetime rules.

@@ -19,7 +19,12 @@ namespace pdkv {
 
 struct AgentConfig {
   std::string name;                               // unique among peers; printable ASCII
-  std::string secret;                             // bytes peers must present (<= 1024); empty: random
+  // The cluster secret this agent proves knowledge of in every handshake (<= 1024
+  // bytes; empty: random). It never crosses the wire (pdkv/spi/auth.h).
+  std::string secret;
+  // Further secrets whose proofs this agent accepts (rotation; at most 7, each 1..1024
+  // bytes). A target proves itself with whichever secret the initiator's proof used.
+  std::vector<std::string> accepted_secrets;
   std::vector<std::string> transports = {"tcp"};  // in order of preference; not empty
   TcpOptions tcp;
   ShmOptions shm;

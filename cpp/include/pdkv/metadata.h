@@ -51,10 +51,10 @@ struct AgentMetadata {
   const Endpoint* find_endpoint(std::string_view transport) const;
 };
 
-// A known peer: its metadata and the secret to present to it.
+// A known peer: its metadata and the secret to prove knowledge of to it.
 struct Peer {
   AgentMetadata md;
-  std::string secret;
+  std::string secret;  // never sent: handshakes prove it (pdkv/spi/auth.h derive_key)
 };
 
 std::string encode_metadata(const AgentMetadata& md);

@@ -111,7 +111,13 @@ void add_metadata_channels(std::vector<std::string>& names) {
 // Agent method forwards to the method of the same name here.
 class Agent::Impl final : public AgentHooks {
  public:
-  explicit Impl(AgentConfig cfg) : cfg_(std::move(cfg)) { notifs_.set_limits(cfg_.max_queued_notifs, cfg_.max_queued_notif_bytes); }
+  explicit Impl(AgentConfig cfg) : cfg_(std::move(cfg)) {
+    secrets_.push_back(cfg_.secret);
+    for (const std::string& s : cfg_.accepted_secrets)
+      if (std::find(secrets_.begin(), secrets_.end(), s) == secrets_.end()) secrets_.push_back(s);
+    for (const std::string& s : secrets_) keys_.push_back(auth::derive_key(s));
+    notifs_.set_limits(cfg_.max_queued_notifs, cfg_.max_queued_notif_bytes);
+  }
   ~Impl() override;
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -169,8 +175,9 @@ class Agent::Impl final : public AgentHooks {
   const std::string& agent_name() const override { return cfg_.name; }
   uint64_t instance_id() const override { return instance_id_; }
   const std::string& host_id() const override { return host_id_; }
-  bool secret_matches(std::string_view presented) const override;
-  const std::string& agent_secret() const override { return cfg_.secret; }
+  const std::vector<auth::Key>& accepted_keys() const override { return keys_; }
+  const std::vector<std::string>& accepted_secrets() const override { return secrets_; }
+  const std::string& agent_secret() const { return cfg_.secret; }
   const RegionTable& region_table() const override { return regions_; }
   Status deliver_notification(Notification n) override {
     Status st = notifs_.push(std::move(n));
@@ -223,6 +230,8 @@ class Agent::Impl final : public AgentHooks {
   Result<std::shared_ptr<StagingBuffer>> staging_buffer(uint64_t bytes);
 
   AgentConfig cfg_;
+  std::vector<std::string> secrets_;  // cfg_.secret, then cfg_.accepted_secrets (deduplicated)
+  std::vector<auth::Key> keys_;       // auth::derive_key of each of secrets_
   uint64_t instance_id_ = 0;
   std::string host_id_;
   RegionTable regions_;
@@ -263,7 +272,6 @@ const std::string& Agent::host_id() const { return impl_->host_id(); }
 const AgentConfig& Agent::config() const { return impl_->config(); }
 std::vector<std::string> Agent::transports() const { return impl_->transports(); }
 std::vector<Endpoint> Agent::endpoints() const { return impl_->endpoints(); }
-bool Agent::secret_matches(std::string_view presented) const { return impl_->secret_matches(presented); }
 
 Result<RegionDesc> Agent::register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
                                           bool remote_access, int shm_fd) {
@@ -420,13 +428,6 @@ Result<Agent::Impl::PeerEntry> Agent::Impl::route(const std::string& peer_name, 
       return NotSupported("transport '" + opts.transport + "' cannot reach peer '" + peer_name + "'");
   }
   return e;
-}
-
-bool Agent::Impl::secret_matches(std::string_view presented) const {
-  const std::string& s = cfg_.secret;
-  unsigned diff = presented.size() != s.size();
-  for (size_t i = 0; i < presented.size(); ++i) diff |= unsigned(presented[i]) ^ unsigned(s[i % s.size()]);
-  return diff == 0;
 }
 
 Result<RegionDesc> Agent::Impl::register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,

@@ -5,14 +5,18 @@ protocol), completes transfers nobody waits on and answers deferred revocations.
 from __future__ import annotations
 
 import base64
-import hmac
 import threading
 import time
 import weakref
 
 from ..errors import NotFound, PdkvError, ProtocolError, ResourceExhausted
 from ._nixl_records import _S
-from ._nixl_wire import _CTL, _ctl, _hello_mac, log, _parse_ctl, _pdkv_name, _USER
+from ._nixl_wire import _CTL, _HS_TRANSPORT, _HS_VERSION, _ctl, _hex32, log, _parse_ctl, _pdkv_name, _USER
+from .. import _native
+
+
+# Hellos answered with a challenge whose proof has not come yet (one per sender).
+_MAX_PENDING_HANDSHAKES = 256
 
 
 class _Control:
@@ -40,22 +44,39 @@ class _Control:
             return
         try:
             if kind == "hello":
+                # Challenge: the initiator proves first (proof); we prove ourselves only
+                # after that, so a sender without the secret learns nothing from us.
                 md = base64.b64decode(msg["md"])
                 epoch = int(msg["epoch"])
-                good = _hello_mac(self._secret, sender, self._nixl_name, epoch, md)
-                if sender not in self._by_nixl and sender not in self._watchers:
+                hs = _native.module().TargetHandshake(_HS_TRANSPORT, _HS_VERSION, sender, self._nixl_name, 0,
+                                                      _hex32(msg, "nonce"), _hex32(msg, "pub"))
+                if sender not in self._by_nixl and sender not in self._watchers and sender not in self._pending_hs:
                     eng.load_md(md)
-                if not hmac.compare_digest(good, str(msg.get("mac", ""))):
-                    eng.notify(sender, _ctl(k="hello-ack", epoch=epoch, error="wrong secret"))
+                self._pending_hs[sender] = (epoch, md, hs)
+                while len(self._pending_hs) > _MAX_PENDING_HANDSHAKES:  # oldest first
+                    old = next(iter(self._pending_hs))
+                    self._pending_hs.pop(old)
+                    if old not in self._by_nixl and old not in self._watchers:
+                        eng.forget(old)
+                eng.notify(sender, _ctl(k="challenge", epoch=epoch, nonce=hs.nonce.hex(), pub=hs.pub.hex()))
+            elif kind == "proof":
+                pending = self._pending_hs.get(sender)
+                if pending is None or pending[0] != int(msg["epoch"]):
+                    raise ProtocolError("nixl proof without a pending hello of that epoch")
+                epoch, md, hs = self._pending_hs.pop(sender)
+                try:
+                    _, ack = hs.check(_hex32(msg, "mac"), list(self._secrets))
+                except PdkvError:
+                    eng.notify(sender, _ctl(k="hello-ack", epoch=epoch, error="wrong secret", mac=""))
                     if sender not in self._by_nixl and sender not in self._watchers:
                         eng.forget(sender)
                     return
                 self._watchers[sender] = (epoch, md)
-                eng.notify(sender, _ctl(k="hello-ack", epoch=epoch, error=""))
-            elif kind == "hello-ack":
+                eng.notify(sender, _ctl(k="hello-ack", epoch=epoch, error="", mac=ack.hex()))
+            elif kind in ("challenge", "hello-ack"):
                 epoch = int(msg["epoch"])
-                if epoch in self._hello_acks:
-                    self._hello_acks[epoch] = str(msg.get("error") or "ok")
+                if self._hello_acks.get(epoch, 0) is None:  # our handshake of that epoch waits
+                    self._hello_acks[epoch] = msg
                     self._cond.notify_all()
             elif kind == "bye":
                 w = self._watchers.get(sender)

@@ -9,7 +9,8 @@ from typing import Any
 
 from ..errors import Cancelled, NotFound, PdkvError, PeerConnectionError, ProtocolError, StalePeer
 from ._nixl_records import _Peer, _S
-from ._nixl_wire import _ctl, _decode_extra, _hello_mac, nixl_agent_name
+from .. import _native
+from ._nixl_wire import _HS_TRANSPORT, _HS_VERSION, _ctl, _decode_extra, _hex32, nixl_agent_name
 
 
 class _Peers:
@@ -80,19 +81,35 @@ class _Peers:
                 return
             self._by_nixl[nixl_name] = p
             p.epoch = next(self._ids)
-            mac = _hello_mac(secret, self._nixl_name, nixl_name, p.epoch, self._conn_md)
-            try:
-                eng.notify(nixl_name, _ctl(k="hello", epoch=p.epoch, md=base64.b64encode(self._conn_md).decode(),
-                                           mac=mac))
-            except PdkvError as e:
-                p.error = PeerConnectionError(f"cannot reach peer {name!r} through NIXL: {e}")
-                return
-            self._hello_acks[p.epoch] = ""
-            self._kick()
+            hs = _native.module().InitiatorHandshake(_HS_TRANSPORT, _HS_VERSION, self._nixl_name)
             deadline = time.monotonic() + self._opts.handshake_timeout_s
-            while self._hello_acks.get(p.epoch) == "" and time.monotonic() < deadline and not p.dropped:
-                self._wait_cond(min(self._opts.poll_busy_max_s * 10, max(0.0, deadline - time.monotonic())))
-            answer = self._hello_acks.pop(p.epoch, "")
+            answer = ""
+            try:
+                self._hello_acks[p.epoch] = None
+                eng.notify(nixl_name, _ctl(k="hello", epoch=p.epoch, md=base64.b64encode(self._conn_md).decode(),
+                                           nonce=hs.nonce.hex(), pub=hs.pub.hex()))
+                ch = self._await_handshake(p, deadline)
+                if ch is not None and ch["k"] == "challenge":
+                    proof = hs.answer(nixl_name, 0, _hex32(ch, "nonce"), _hex32(ch, "pub"), secret)
+                    self._hello_acks[p.epoch] = None
+                    eng.notify(nixl_name, _ctl(k="proof", epoch=p.epoch, mac=proof.hex()))
+                    ack = self._await_handshake(p, deadline)
+                    if ack is not None and ack["k"] == "hello-ack":
+                        answer = ack["error"]
+                        if not answer:
+                            hs.check_accept(_hex32(ack, "mac"))
+                            answer = "ok"
+                    elif ack is not None:
+                        answer = f"answered the proof with a {ack['k']}"
+                elif ch is not None:
+                    answer = ch["error"] or "answered the hello without a challenge"
+            except PdkvError as e:
+                if p.dropped:
+                    return
+                p.error = PeerConnectionError(f"NIXL handshake with peer {name!r} failed: {e}")
+                return
+            finally:
+                self._hello_acks.pop(p.epoch, None)
             if p.dropped:
                 return
             if answer == "ok":
@@ -103,6 +120,13 @@ class _Peers:
                     "(unreachable over UCX, stopped, or not using the secret given to add_peer)")
             else:
                 p.error = PeerConnectionError(f"peer {name!r} refused the NIXL handshake: {answer}")
+
+    def _await_handshake(self, p: _Peer, deadline: float) -> Any:
+        """The next handshake message of ``p``'s epoch (lock held), or None at the deadline."""
+        self._kick()
+        while self._hello_acks.get(p.epoch, 0) is None and time.monotonic() < deadline and not p.dropped:
+            self._wait_cond(min(self._opts.poll_busy_max_s * 10, max(0.0, deadline - time.monotonic())))
+        return self._hello_acks.get(p.epoch)
 
     def _load_more(self, p: _Peer, md: dict, mds: list[bytes], blob: bytes, secret: bytes) -> bool:
         """Updates a known peer in place (lock held): loads its new NIXL metadata on top of

@@ -94,8 +94,12 @@ _MAX_CTL_TEXT = 4096                 # hello-ack error, mac
 _U63 = (1 << 63) - 1
 # kind -> {field: type}; every field is required, no other field is accepted.
 _CTL_SCHEMA: dict[str, dict[str, type]] = {
-    "hello": {"epoch": int, "md": str, "mac": str},
-    "hello-ack": {"epoch": int, "error": str},
+    # The handshake (pdkv/spi/auth.h through the bindings): hello -> challenge -> proof
+    # -> hello-ack; nonces, keys and MACs are hex.
+    "hello": {"epoch": int, "md": str, "nonce": str, "pub": str},
+    "challenge": {"epoch": int, "nonce": str, "pub": str},
+    "proof": {"epoch": int, "mac": str},
+    "hello-ack": {"epoch": int, "error": str, "mac": str},
     "bye": {"epoch": int},
     "revoke": {"regions": list, "seq": int},
     "revoke-ack": {"seq": int},
@@ -142,6 +146,18 @@ def _parse_ctl(raw: bytes) -> dict[str, Any]:
     return msg
 
 
-def _hello_mac(secret: bytes, sender: str, target: str, epoch: int, md: bytes) -> str:
-    data = b"pdkv-nixl-hello\0%s\0%s\0%d\0" % (sender.encode(), target.encode(), epoch) + md
-    return hmac.new(secret, data, hashlib.sha256).hexdigest()
+# The nixl handshake's transcript names the transport and this version of it.
+_HS_TRANSPORT = "nixl"
+_HS_VERSION = 2
+
+
+def _hex32(msg: dict[str, Any], field: str) -> bytes:
+    """A 32-byte value sent as 64 hex digits, or ProtocolError."""
+    v = msg[field]
+    try:
+        b = bytes.fromhex(v)
+    except ValueError:
+        b = b""
+    if len(b) != 32:
+        raise ProtocolError(f"nixl {msg['k']} message: {field} is not 64 hex digits")
+    return b

@@ -226,7 +226,9 @@ class NixlTransport(_Peers, _Memory, _Transfers, _Control, Transport):
         self._preps: "weakref.WeakSet[NixlPrepared]" = weakref.WeakSet()
         self._inflight: dict[int, NixlTransfer] = {}
         self._acks: dict[int, set[str]] = {}
-        self._hello_acks: dict[int, str] = {}
+        # Our handshakes by epoch: None while waiting, then the challenge or hello-ack message.
+        self._hello_acks: dict[int, Any] = {}
+        self._pending_hs: dict[str, tuple] = {}  # sender -> (epoch, its md, TargetHandshake)
         self._deferred_acks: list[tuple[str, int, _Peer, frozenset]] = []
         self._graveyard: list[list[_Group]] = []
         self._zombies: list[int] = []
@@ -256,7 +258,7 @@ class NixlTransport(_Peers, _Memory, _Transfers, _Control, Transport):
     def start(self, hooks: Any) -> None:
         self._hooks = hooks
         self._agent_name = hooks.agent_name
-        self._secret = bytes(hooks.secret)
+        self._secrets = [bytes(s) for s in hooks.accepted_secrets]  # ours first; never sent
         self._max_notif = int(hooks.max_notif_bytes)
         self._nixl_name = nixl_agent_name(hooks.agent_name, hooks.instance_id)
         host = _transport.listen_host() or "127.0.0.1"

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
 
+from ..credential import Credential
 from ..discovery import Publication, Registry, Watch
 from ..errors import PdkvError
 from .aio import json_error
@@ -78,6 +79,9 @@ class WorkerRegistration:
     def __init__(self, worker: "Worker", registry: Registry) -> None:
         self.worker = worker
         self.registry = registry
+        secret = getattr(worker.config, "secret", None)
+        if secret:  # the worker's cluster secret (--secret) signs its record, as its agent proves it
+            registry.credential = Credential.from_env(secret)
         self.id = f"{worker.role.value}-{os.getpid()}-{secrets.token_hex(3)}"
         self.state = "serving"
         self._publication: Publication | None = None
@@ -151,7 +155,11 @@ class PoolWatch:
     """A proxy's watch of ``/pdkv/workers/``: calls ``apply(id, record or None)`` in the
     proxy's event loop for every registration, change and removal. :meth:`announce`
     also registers the proxy itself under ``/pdkv/proxies/<id>`` (``url``, ``mode``); a
-    proxy started while etcd is away keeps trying and is listed once etcd returns."""
+    proxy started while etcd is away keeps trying and is listed once etcd returns.
+
+    With a credential (``PDKV_SECRET``) the registry ignores worker records that are
+    not signed with the cluster secret (see :class:`pdkv.discovery.Registry`): a forged
+    registration never enters rotation; :meth:`rejected_records` counts them."""
 
     def __init__(self, registry: Registry, apply: Callable[[str, dict[str, Any] | None], None], *,
                  retry_s: float = 1.0, idle_s: float = 30.0) -> None:
@@ -194,6 +202,11 @@ class PoolWatch:
             self._publication = pub
             log.info("proxy %s registered in %s (etcd is back)", proxy_id, self.registry.url)
             return
+
+    def rejected_records(self) -> list[tuple[tuple[str, str], int]]:
+        """Records the watch (and this proxy's registration) refused, by (kind, reason):
+        the proxy's ``pdkv_discovery_rejected_records_total``."""
+        return self.registry.rejected_records()
 
     def _from_thread(self, worker_id: str, record: dict[str, Any] | None) -> None:
         self._loop.call_soon_threadsafe(self._apply, worker_id, record)

@@ -350,6 +350,10 @@ class ProxyBackend:
         self.m_peer_transport = r.counter("pdkv_peer_transport_errors_total",
                                           "KV transfers or link checks that failed in the transport (connection, "
                                           "protocol, timeout), by worker pair.", ("prefill", "decode"))
+        r.counter("pdkv_discovery_rejected_records_total", "etcd records ignored because they were unsigned, "
+                  "wrongly signed, moved, altered, on another lease, future-dated or replayed, by kind and reason.",
+                  ("kind", "reason")) \
+            .set_function(lambda: self._pool_watch.rejected_records() if self._pool_watch is not None else [])
 
     def _workers(self) -> list[_Worker]:
         return self.prefill.workers + self.decode.workers

@@ -34,6 +34,7 @@
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
 #include "pdkv/types.h"
+#include "pdkv/spi/auth.h"
 #include "pdkv/spi/generations.h"
 #include "pdkv/spi/region_table.h"
 #include "pdkv/spi/transfer_control.h"
@@ -71,11 +72,13 @@ class AgentHooks {
   virtual uint64_t instance_id() const = 0;
   // Equal for two agents iff they share a kernel (boot id).
   virtual const std::string& host_id() const = 0;
-  // Constant-time comparison with this agent's secret.
-  virtual bool secret_matches(std::string_view presented) const = 0;
-  // The secret itself, for transports that prove knowledge of it (an HMAC) rather
-  // than present it.
-  virtual const std::string& agent_secret() const = 0;
+  // The handshake keys (pdkv/spi/auth.h) of every secret this agent accepts, its own
+  // secret's first. A target checks an initiator's proof against each and proves
+  // itself with the one that matched.
+  virtual const std::vector<auth::Key>& accepted_keys() const = 0;
+  // The secrets themselves, its own first, for a transport written in Python that
+  // derives the same keys (pdkv.credential). Never put them on a wire.
+  virtual const std::vector<std::string>& accepted_secrets() const = 0;
   virtual const RegionTable& region_table() const = 0;
   // Queues a received notification for the application, or refuses it
   // (ResourceExhausted: the agent's queue is full, AgentConfig::max_queued_notifs /

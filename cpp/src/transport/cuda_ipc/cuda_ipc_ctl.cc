@@ -10,8 +10,13 @@ namespace {
 int64_t aux_limit(Ctl type, CtlSide side) {
   switch (side) {
     case CtlSide::kExporterPreHello: return type == Ctl::kHello ? int64_t{kMaxHelloAux} : -1;
+    case CtlSide::kExporterProof: return type == Ctl::kProof ? int64_t{auth::kMacBytes} : -1;
     case CtlSide::kExporter: return type == Ctl::kRevokeAck ? 0 : -1;
-    case CtlSide::kImporterHello: return type == Ctl::kHelloAck ? 0 : type == Ctl::kError ? int64_t{kMaxErrorAux} : -1;
+    case CtlSide::kImporterHello:
+      return type == Ctl::kChallenge ? int64_t{kMaxHelloAux}
+             : type == Ctl::kHelloAck ? int64_t{auth::kMacBytes}
+             : type == Ctl::kError    ? int64_t{kMaxErrorAux}
+                                      : -1;
     case CtlSide::kImporter: return type == Ctl::kRevoke ? 0 : type == Ctl::kError ? int64_t{kMaxErrorAux} : -1;
   }
   return -1;
@@ -40,7 +45,8 @@ std::string encode_hello(const Hello& h) {
   w.put<uint16_t>(h.version);
   w.put<uint64_t>(h.expect_instance);
   w.put_str(h.from);
-  w.put_str(h.secret);
+  w.put_raw(h.nonce.data(), h.nonce.size());
+  w.put_raw(h.pub.data(), h.pub.size());
   return w.take();
 }
 
@@ -52,17 +58,54 @@ Result<Hello> parse_hello(std::string_view aux) {
     return VersionMismatch("cuda_ipc control version " + std::to_string(h.version) + " is not supported");
   PDKV_RETURN_IF_ERROR(r.get(&h.expect_instance, "instance"));
   PDKV_RETURN_IF_ERROR(r.get_str(&h.from, "from", 128));
-  PDKV_RETURN_IF_ERROR(r.get_str(&h.secret, "secret", 1024));
+  PDKV_RETURN_IF_ERROR(r.get(&h.nonce, "nonce"));
+  PDKV_RETURN_IF_ERROR(r.get(&h.pub, "key"));
   PDKV_RETURN_IF_ERROR(r.expect_end("hello"));
   PDKV_RETURN_IF_ERROR(validate_name("importer name", h.from));
   return h;
 }
 
+std::string encode_challenge(const Challenge& c) {
+  util::ByteWriter w;
+  w.put<uint64_t>(c.instance);
+  w.put_str(c.name);
+  w.put_raw(c.nonce.data(), c.nonce.size());
+  w.put_raw(c.pub.data(), c.pub.size());
+  return w.take();
+}
+
+Result<Challenge> parse_challenge(std::string_view aux) {
+  util::ByteReader r(aux);
+  Challenge c;
+  PDKV_RETURN_IF_ERROR(r.get(&c.instance, "instance"));
+  PDKV_RETURN_IF_ERROR(r.get_str(&c.name, "name", 128));
+  PDKV_RETURN_IF_ERROR(r.get(&c.nonce, "nonce"));
+  PDKV_RETURN_IF_ERROR(r.get(&c.pub, "key"));
+  PDKV_RETURN_IF_ERROR(r.expect_end("challenge"));
+  PDKV_RETURN_IF_ERROR(validate_name("exporter name", c.name));
+  return c;
+}
+
+Result<auth::Mac> parse_mac(std::string_view aux) {
+  util::ByteReader r(aux);
+  auth::Mac m{};
+  PDKV_RETURN_IF_ERROR(r.get(&m, "mac"));
+  PDKV_RETURN_IF_ERROR(r.expect_end("mac"));
+  return m;
+}
+
+std::string encode_mac(const auth::Mac& m) { return std::string(reinterpret_cast<const char*>(m.data()), m.size()); }
+
 Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side) {
   PDKV_RETURN_IF_ERROR(check_ctl_header(h, side));
   if (aux.size() != h.aux_len) return ProtocolError("cuda_ipc control frame aux is incomplete");
-  if (static_cast<Ctl>(h.type) == Ctl::kHello) return parse_hello(aux).status();
-  return Status::Ok();
+  switch (static_cast<Ctl>(h.type)) {
+    case Ctl::kHello: return parse_hello(aux).status();
+    case Ctl::kChallenge: return parse_challenge(aux).status();
+    case Ctl::kProof:
+    case Ctl::kHelloAck: return parse_mac(aux).status();
+    default: return Status::Ok();
+  }
 }
 
 }  // namespace pdkv::cuda_ipc

@@ -12,12 +12,14 @@
 #include <string>
 #include <string_view>
 
+#include "pdkv/spi/auth.h"
 #include "pdkv/status.h"
 
 namespace pdkv::cuda_ipc {
 
 constexpr uint32_t kCtlMagic = 0x434b4450;  // "PDKC"
-constexpr uint16_t kCtlVersion = 1;
+// 2: challenge-response authentication (pdkv/spi/auth.h): the secret is never sent.
+constexpr uint16_t kCtlVersion = 2;
 constexpr uint32_t kMaxHelloAux = 4096;
 constexpr uint32_t kMaxErrorAux = 4096;
 constexpr double kCtlTimeoutS = 5.0;       // connect + handshake; and a started frame -> its last byte
@@ -25,11 +27,13 @@ constexpr double kRevokeTimeoutS = 10.0;   // deregistration waits this long for
 constexpr size_t kMaxPendingConns = 64;    // unauthenticated control connections at once
 
 enum class Ctl : uint16_t {
-  kHello = 1,      // importer -> exporter; aux: u16 version, u64 expected instance, str from, str secret
-  kHelloAck = 2,   // exporter -> importer
+  kHello = 1,      // importer -> exporter; aux: Hello
+  kHelloAck = 2,   // exporter -> importer, after a good proof; aux: the exporter's 32-byte MAC
   kRevoke = 3,     // exporter -> importer: stop using region `id`
   kRevokeAck = 4,  // importer -> exporter: region `id` is no longer mapped
   kError = 5,      // status: StatusCode, aux: message; the sender then closes
+  kChallenge = 6,  // exporter -> importer, answering the hello; aux: Challenge
+  kProof = 7,      // importer -> exporter; aux: the importer's 32-byte MAC
 };
 
 struct CtlHdr {
@@ -45,8 +49,9 @@ static_assert(sizeof(CtlHdr) == 24, "control header must be 24 bytes");
 enum class CtlSide : uint8_t {
   kExporterPreHello,  // accepted, nothing but a hello yet
   kExporter,          // accepted, authenticated
-  kImporterHello,     // dialed, waiting for the hello reply
+  kImporterHello,     // dialed, waiting for the challenge, then the hello-ack (or an error)
   kImporter,          // dialed, authenticated
+  kExporterProof,     // accepted, hello answered with a challenge: only the proof may come
 };
 
 // OK when reading h.aux_len more bytes is allowed on `side`.
@@ -55,10 +60,25 @@ Status check_ctl_header(const CtlHdr& h, CtlSide side);
 struct Hello {
   uint16_t version = 0;
   uint64_t expect_instance = 0;
-  std::string from, secret;
+  std::string from;
+  auth::Nonce nonce{};
+  auth::Pub pub{};
 };
 std::string encode_hello(const Hello& h);
 Result<Hello> parse_hello(std::string_view aux);
+
+struct Challenge {
+  uint64_t instance = 0;
+  std::string name;
+  auth::Nonce nonce{};
+  auth::Pub pub{};
+};
+std::string encode_challenge(const Challenge& c);
+Result<Challenge> parse_challenge(std::string_view aux);
+
+// A kProof's or kHelloAck's aux: exactly one MAC.
+Result<auth::Mac> parse_mac(std::string_view aux);
+std::string encode_mac(const auth::Mac& m);
 
 // Header limits plus the body of types that have one.
 Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side);

@@ -125,6 +125,8 @@ struct CtlConn {
   bool authed = false;
   bool dead = false;
   std::set<uint64_t> acks;      // inbound: regions the importer acknowledged
+  // Inbound, between our challenge and the importer's proof (control thread only).
+  std::unique_ptr<auth::TargetHandshake> hs;
   // Read state (control thread only).
   CtlHdr hdr{};
   size_t hdr_got = 0;
@@ -870,17 +872,39 @@ Result<std::shared_ptr<CtlConn>> CudaIpcTransport::ctl_to(const Peer& peer, cons
   auto c = std::make_shared<CtlConn>(std::move(fd).value(), true);
   c->peer = peer.md.name;
   c->peer_instance = peer.md.instance_id;
-  const std::string body = encode_hello(Hello{kCtlVersion, peer.md.instance_id, hooks_->agent_name(), peer.secret});
   const std::string where = "peer '" + peer.md.name + "' (cuda_ipc control " + path + ")";
-  PDKV_RETURN_IF_ERROR(send_ctl(*c, Ctl::kHello, 0, body).with_context("hello to " + where));
-  CtlHdr r{};
-  PDKV_RETURN_IF_ERROR(util::recv_all(c->fd.get(), &r, sizeof r, deadline).with_context("handshake with " + where));
-  PDKV_RETURN_IF_ERROR(check_ctl_header(r, CtlSide::kImporterHello).with_context("handshake with " + where));
-  std::string aux(r.aux_len, '\0');  // bounded by check_ctl_header
-  PDKV_RETURN_IF_ERROR(util::recv_all(c->fd.get(), aux.data(), aux.size(), deadline).with_context("handshake with " + where));
-  if (r.type == static_cast<uint16_t>(Ctl::kError))
-    return Status(status_code_from_wire(r.status), where + " refused the connection: " + aux);
-  if (r.type != static_cast<uint16_t>(Ctl::kHelloAck)) return ProtocolError(where + " answered the hello wrongly");
+  PDKV_ASSIGN_OR_RETURN(auth::InitiatorHandshake hs,
+                        auth::InitiatorHandshake::begin("cuda_ipc", kCtlVersion, hooks_->agent_name()));
+  PDKV_RETURN_IF_ERROR(
+      send_ctl(*c, Ctl::kHello, 0,
+               encode_hello(Hello{kCtlVersion, peer.md.instance_id, hooks_->agent_name(), hs.nonce(), hs.pub()}))
+          .with_context("hello to " + where));
+  // The exporter's next handshake frame, checked before its aux is read.
+  auto next = [&](Ctl want, std::string* aux) -> Status {
+    CtlHdr r{};
+    PDKV_RETURN_IF_ERROR(util::recv_all(c->fd.get(), &r, sizeof r, deadline).with_context("handshake with " + where));
+    PDKV_RETURN_IF_ERROR(check_ctl_header(r, CtlSide::kImporterHello).with_context("handshake with " + where));
+    aux->assign(r.aux_len, '\0');  // bounded by check_ctl_header
+    PDKV_RETURN_IF_ERROR(
+        util::recv_all(c->fd.get(), aux->data(), aux->size(), deadline).with_context("handshake with " + where));
+    if (r.type == static_cast<uint16_t>(Ctl::kError))
+      return Status(status_code_from_wire(r.status), where + " refused the connection: " + *aux);
+    if (r.type != static_cast<uint16_t>(want)) return ProtocolError(where + " answered the handshake out of order");
+    return Status::Ok();
+  };
+  std::string aux;
+  PDKV_RETURN_IF_ERROR(next(Ctl::kChallenge, &aux));
+  PDKV_ASSIGN_OR_RETURN(Challenge ch, parse_challenge(aux));
+  if (ch.instance != peer.md.instance_id || ch.name != peer.md.name)
+    return StalePeer(where + " is agent '" + ch.name + "' instance " + std::to_string(ch.instance) +
+                     ", not the one in its metadata (restarted?)");
+  auth::Mac proof{};
+  PDKV_RETURN_IF_ERROR(
+      hs.answer(ch.name, ch.instance, ch.nonce, ch.pub, auth::derive_key(peer.secret), &proof).with_context(where));
+  PDKV_RETURN_IF_ERROR(send_ctl(*c, Ctl::kProof, 0, encode_mac(proof)).with_context("proof to " + where));
+  PDKV_RETURN_IF_ERROR(next(Ctl::kHelloAck, &aux));
+  PDKV_ASSIGN_OR_RETURN(auth::Mac ack, parse_mac(aux));
+  PDKV_RETURN_IF_ERROR(hs.check_accept(ack).with_context(where));
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(c->fd.get(), true));
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -998,7 +1022,10 @@ void CudaIpcTransport::on_ctl_readable(const std::shared_ptr<CtlConn>& c) {
           std::lock_guard<std::mutex> lk(mu_);
           authed = c->authed;
         }
-        const CtlSide side = c->outbound ? CtlSide::kImporter : authed ? CtlSide::kExporter : CtlSide::kExporterPreHello;
+        const CtlSide side = c->outbound ? CtlSide::kImporter
+                             : authed    ? CtlSide::kExporter
+                             : c->hs     ? CtlSide::kExporterProof
+                                         : CtlSide::kExporterPreHello;
         Status st = check_ctl_header(c->hdr, side);
         if (!st.ok()) {
           // Garbage (bad magic) and oversized frames are dropped without an answer, as before.
@@ -1049,11 +1076,7 @@ bool CudaIpcTransport::on_ctl_frame(const std::shared_ptr<CtlConn>& c) {
       (void)send_ctl(*c, Ctl::kError, 0, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
       return false;
     };
-    auto hello = parse_hello(c->aux);  // check_ctl_header admitted only a hello
-    if (!hello.ok())
-      return refuse(Status(hello.status().code(), "malformed hello: " + hello.status().message()));
-    if (!hooks_->secret_matches(hello->secret)) {
-      Status st = AuthFailed("agent '" + hello->from + "' presented the wrong secret to agent '" + hooks_->agent_name() + "'");
+    auto refuse_auth = [&](const Status& st) {
       const auto delay = throttle_.on_failure(Clock::now());
       if (delay == Clock::duration::zero()) return refuse(st);
       log_refusal(st);
@@ -1061,15 +1084,34 @@ bool CudaIpcTransport::on_ctl_frame(const std::shared_ptr<CtlConn>& c) {
       c->reject_at = Clock::now() + delay;  // answered (and closed) by check_ctl_deadlines
       c->reject = st;
       return true;
+    };
+    if (type == Ctl::kProof) {  // check_ctl_header admitted only a proof after our challenge
+      std::unique_ptr<auth::TargetHandshake> hs = std::move(c->hs);
+      auto proof = parse_mac(c->aux);
+      if (!proof.ok()) return refuse(ProtocolError("malformed proof: " + proof.status().message()));
+      auth::Mac ack{};
+      auto matched = hs->check(*proof, hooks_->accepted_keys(), &ack);
+      if (!matched.ok()) return refuse_auth(matched.status());
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        c->peer = hs->initiator();
+        c->authed = true;
+      }
+      return send_ctl(*c, Ctl::kHelloAck, 0, encode_mac(ack)).ok();
     }
+    auto hello = parse_hello(c->aux);  // check_ctl_header admitted only a hello
+    if (!hello.ok())
+      return refuse(Status(hello.status().code(), "malformed hello: " + hello.status().message()));
     if (hello->expect_instance != hooks_->instance_id())
       return refuse(StalePeer("agent '" + hooks_->agent_name() + "' restarted since its metadata was fetched"));
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      c->peer = hello->from;
-      c->authed = true;
-    }
-    return send_ctl(*c, Ctl::kHelloAck, 0).ok();
+    // The importer proves first; we prove ourselves only after its proof checked.
+    auto hs = auth::TargetHandshake::begin("cuda_ipc", kCtlVersion, hello->from, hooks_->agent_name(),
+                                           hooks_->instance_id(), hello->nonce, hello->pub);
+    if (!hs.ok()) return refuse(hs.status());
+    const std::string body =
+        encode_challenge(Challenge{hooks_->instance_id(), hooks_->agent_name(), hs->nonce(), hs->pub()});
+    c->hs = std::make_unique<auth::TargetHandshake>(std::move(hs).value());
+    return send_ctl(*c, Ctl::kChallenge, 0, body).ok();
   }
   switch (type) {
     case Ctl::kRevoke:

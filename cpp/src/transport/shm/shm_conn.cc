@@ -182,7 +182,10 @@ ShmConn::RxStep ShmConn::read_frame(uint32_t max_notif, Status* err) {
         frame_deadline_ = util::deadline_after(kFrameTimeoutS).time_since_epoch().count();
       hdr_got_ += static_cast<size_t>(r);
       if (hdr_got_ < sizeof(CtlHdr)) continue;
-      const CtlSide side = outbound_ ? CtlSide::kInitiator : (authed() ? CtlSide::kTarget : CtlSide::kTargetPreHello);
+      const CtlSide side = outbound_   ? CtlSide::kInitiator
+                           : authed()  ? CtlSide::kTarget
+                           : handshake_ ? CtlSide::kTargetProof
+                                        : CtlSide::kTargetPreHello;
       Status st = check_ctl_header(hdr_, side, max_notif);
       if (!st.ok()) {
         *err = ProtocolError(desc() + ": " + st.message());

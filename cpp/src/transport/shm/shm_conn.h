@@ -165,6 +165,9 @@ class ShmConn {
   bool authed() const { return authed_.load(std::memory_order_acquire); }
   // Inbound: the hello from agent `name` was accepted. Once, by the reading thread.
   void authenticate(std::string name);
+  // Inbound, under lock_rx(): our half of the handshake between the challenge we sent
+  // and the initiator's proof (null before the hello and after the proof).
+  std::unique_ptr<auth::TargetHandshake>& handshake() { return handshake_; }
   // Killed (retire): set with the shared state's `dead`, readable without the lock.
   bool gone() const { return gone_.load(std::memory_order_acquire); }
 
@@ -267,6 +270,7 @@ class ShmConn {
 
   // ---- Receive state, guarded by rx_mu_.
   std::mutex rx_mu_;
+  std::unique_ptr<auth::TargetHandshake> handshake_;
   CtlHdr hdr_{};
   size_t hdr_got_ = 0;
   std::string aux_;

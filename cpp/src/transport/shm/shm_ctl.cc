@@ -8,8 +8,9 @@ namespace {
 
 std::string type_name(uint16_t t) {
   static const char* names[] = {"?", "hello", "hello-ack", "region-req", "region-resp", "notify", "notify-ack",
-                                "revoke", "revoke-ack", "error", "lease-req", "lease-resp", "lease-end", "gen-req", "gen-resp"};
-  return t >= 1 && t <= 14 ? names[t] : "type " + std::to_string(t);
+                                "revoke", "revoke-ack", "error", "lease-req", "lease-resp", "lease-end", "gen-req", "gen-resp",
+                                "challenge", "proof"};
+  return t >= 1 && t <= 16 ? names[t] : "type " + std::to_string(t);
 }
 
 // The largest aux a frame of `type` may carry on `side`; -1: the type is not allowed there.
@@ -17,6 +18,8 @@ int64_t aux_limit(Ctl type, CtlSide side, uint32_t max_notif) {
   switch (side) {
     case CtlSide::kTargetPreHello:
       return type == Ctl::kHello ? int64_t{kMaxHelloAux} : -1;
+    case CtlSide::kTargetProof:
+      return type == Ctl::kProof ? int64_t{auth::kMacBytes} : -1;
     case CtlSide::kTarget:
       switch (type) {
         case Ctl::kRegionReq: return 0;
@@ -28,7 +31,9 @@ int64_t aux_limit(Ctl type, CtlSide side, uint32_t max_notif) {
         default: return -1;
       }
     case CtlSide::kInitiatorHello:
-      return type == Ctl::kHelloAck ? int64_t{kMaxHelloAux} : type == Ctl::kError ? int64_t{kMaxErrorAux} : -1;
+      return type == Ctl::kChallenge || type == Ctl::kHelloAck ? int64_t{kMaxHelloAux}
+             : type == Ctl::kError                             ? int64_t{kMaxErrorAux}
+                                                               : -1;
     case CtlSide::kInitiator:
       switch (type) {
         case Ctl::kRegionResp: return int64_t{kMaxErrorAux};
@@ -70,7 +75,8 @@ std::string encode_hello(const Hello& h) {
   w.put<uint64_t>(h.expect_instance);
   w.put_str(h.from);
   w.put_str(h.to);
-  w.put_str(h.secret);
+  w.put_raw(h.nonce.data(), h.nonce.size());
+  w.put_raw(h.pub.data(), h.pub.size());
   return w.take();
 }
 
@@ -84,7 +90,8 @@ Result<Hello> parse_hello(std::string_view aux) {
   PDKV_RETURN_IF_ERROR(r.get(&h.expect_instance, "instance"));
   PDKV_RETURN_IF_ERROR(r.get_str(&h.from, "initiator", kMaxNameLen));
   PDKV_RETURN_IF_ERROR(r.get_str(&h.to, "target", kMaxNameLen));
-  PDKV_RETURN_IF_ERROR(r.get_str(&h.secret, "secret", kMaxSecretLen));
+  PDKV_RETURN_IF_ERROR(r.get(&h.nonce, "nonce"));
+  PDKV_RETURN_IF_ERROR(r.get(&h.pub, "key"));
   PDKV_RETURN_IF_ERROR(r.expect_end("hello"));
   PDKV_RETURN_IF_ERROR(validate_name("initiator name", h.from));
   return h;
@@ -95,7 +102,37 @@ std::string encode_hello_ack(const HelloAck& a) {
   w.put<uint64_t>(a.instance);
   w.put<uint32_t>(a.pid);
   w.put_str(a.name);
+  w.put_raw(a.mac.data(), a.mac.size());
   return w.take();
+}
+
+std::string encode_challenge(const Challenge& c) {
+  util::ByteWriter w;
+  w.put<uint64_t>(c.instance);
+  w.put_str(c.name);
+  w.put_raw(c.nonce.data(), c.nonce.size());
+  w.put_raw(c.pub.data(), c.pub.size());
+  return w.take();
+}
+
+Result<Challenge> parse_challenge(std::string_view aux) {
+  util::ByteReader r(aux);
+  Challenge c;
+  PDKV_RETURN_IF_ERROR(r.get(&c.instance, "instance"));
+  PDKV_RETURN_IF_ERROR(r.get_str(&c.name, "name", kMaxNameLen));
+  PDKV_RETURN_IF_ERROR(r.get(&c.nonce, "nonce"));
+  PDKV_RETURN_IF_ERROR(r.get(&c.pub, "key"));
+  PDKV_RETURN_IF_ERROR(r.expect_end("challenge"));
+  PDKV_RETURN_IF_ERROR(validate_name("target name", c.name));
+  return c;
+}
+
+Result<auth::Mac> parse_proof(std::string_view aux) {
+  util::ByteReader r(aux);
+  auth::Mac m{};
+  PDKV_RETURN_IF_ERROR(r.get(&m, "proof"));
+  PDKV_RETURN_IF_ERROR(r.expect_end("proof"));
+  return m;
 }
 
 Result<HelloAck> parse_hello_ack(std::string_view aux) {
@@ -104,6 +141,7 @@ Result<HelloAck> parse_hello_ack(std::string_view aux) {
   PDKV_RETURN_IF_ERROR(r.get(&a.instance, "instance"));
   PDKV_RETURN_IF_ERROR(r.get(&a.pid, "pid"));
   PDKV_RETURN_IF_ERROR(r.get_str(&a.name, "name", kMaxNameLen));
+  PDKV_RETURN_IF_ERROR(r.get(&a.mac, "mac"));
   PDKV_RETURN_IF_ERROR(r.expect_end("hello-ack"));
   if (a.pid == 0) return ProtocolError("hello-ack names pid 0");
   return a;
@@ -173,6 +211,8 @@ Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side, u
   switch (static_cast<Ctl>(h.type)) {
     case Ctl::kHello: return parse_hello(aux).status();
     case Ctl::kHelloAck: return parse_hello_ack(aux).status();
+    case Ctl::kChallenge: return parse_challenge(aux).status();
+    case Ctl::kProof: return parse_proof(aux).status();
     case Ctl::kRegionResp:
       return h.status == 0 ? parse_region_info(aux).status() : Status::Ok();
     case Ctl::kLeaseReq: return parse_lease_req(aux).status();

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "pdkv/spi/auth.h"
 #include "pdkv/spi/generations.h"
 #include "pdkv/status.h"
 #include "pdkv/types.h"
@@ -24,13 +25,14 @@ constexpr uint32_t kCtlMagic = 0x534b4450;  // "PDKS"
 //    pages were re-mapped onto a memfd at registration; docs/transports.md).
 // 5: shared generation tables (GenReq/GenResp): reads validate block generations
 //    against the target's published table, before and after the copy, without a lease.
-constexpr uint16_t kShmVersion = 5;
+// 6: challenge-response authentication (Challenge/Proof; pdkv/spi/auth.h): the hello
+//    carries a nonce and an ephemeral key instead of the secret.
+constexpr uint16_t kShmVersion = 6;
 
 // Limits (bytes of aux), checked on the header before anything is allocated.
 constexpr uint32_t kMaxHelloAux = 4096;   // hello, hello-ack
 constexpr uint32_t kMaxErrorAux = 4096;   // error messages, RegionResp failures
 constexpr uint32_t kMaxNameLen = 128;
-constexpr uint32_t kMaxSecretLen = 1024;
 constexpr uint32_t kRegionInfoLen = 40;   // RegionResp success body
 constexpr uint32_t kGenRespLen = 4;       // GenResp success body: u32 block count
 // Deadlines (seconds).
@@ -63,6 +65,8 @@ enum class Ctl : uint16_t {
   kLeaseEnd = 12,   // initiator -> target: id = lease; the copy is over, unpin
   kGenReq = 13,     // initiator -> target: id = request, aux = layout name; share its generation table
   kGenResp = 14,    // target -> initiator: id = request; status 0: u32 block count + the table's memfd, else message
+  kChallenge = 15,  // target -> initiator, answering the hello: aux = Challenge
+  kProof = 16,      // initiator -> target: aux = the initiator's 32-byte MAC
 };
 
 struct CtlHdr {
@@ -79,26 +83,45 @@ static_assert(sizeof(CtlHdr) == 24, "control header must be 24 bytes");
 enum class CtlSide : uint8_t {
   kTargetPreHello,  // we accepted; nothing but a hello is allowed yet
   kTarget,          // we accepted; the initiator authenticated
-  kInitiatorHello,  // we dialed; waiting for the hello reply
+  kInitiatorHello,  // we dialed; waiting for the challenge, then the hello-ack (or an error)
   kInitiator,       // we dialed; authenticated
+  kTargetProof,     // we accepted and answered the hello with a challenge; only the proof may come
 };
 
 // Checks a received header against the limits of `side`; OK means reading
 // h.aux_len bytes of aux is allowed. `max_notif` bounds notifications.
 Status check_ctl_header(const CtlHdr& h, CtlSide side, uint32_t max_notif);
 
+// No secret: the initiator proves it knows one (Proof; pdkv/spi/auth.h).
 struct Hello {
   uint16_t version = 0;
   uint64_t expect_instance = 0;  // 0: any
-  std::string from, to, secret;  // to "": any
+  std::string from, to;          // to "": any
+  auth::Nonce nonce{};
+  auth::Pub pub{};
 };
 std::string encode_hello(const Hello& h);
 Result<Hello> parse_hello(std::string_view aux);
 
+// The target's answer to a hello: who it is and its half of the exchange.
+struct Challenge {
+  uint64_t instance = 0;
+  std::string name;
+  auth::Nonce nonce{};
+  auth::Pub pub{};
+};
+std::string encode_challenge(const Challenge& c);
+Result<Challenge> parse_challenge(std::string_view aux);
+
+// A Proof's aux (exactly one MAC).
+Result<auth::Mac> parse_proof(std::string_view aux);
+
+// Sent only after the initiator's proof checked: the target's own MAC.
 struct HelloAck {
   uint64_t instance = 0;
   uint32_t pid = 0;
   std::string name;
+  auth::Mac mac{};
 };
 std::string encode_hello_ack(const HelloAck& a);
 Result<HelloAck> parse_hello_ack(std::string_view aux);

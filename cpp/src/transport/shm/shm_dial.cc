@@ -42,6 +42,27 @@ Status explain_unreachable(const Peer& peer, const std::string& path, const Stat
                    other + " listens now; fetch its metadata again (" + st.message() + ")");
 }
 
+// One handshake frame, whole, before `deadline`.
+Status send_ctl(int fd, Ctl type, const std::string& body, std::chrono::steady_clock::time_point deadline) {
+  CtlHdr h{kCtlMagic, static_cast<uint16_t>(type), 0, 0, static_cast<uint32_t>(body.size()), 0};
+  std::string frame(reinterpret_cast<const char*>(&h), sizeof h);
+  frame += body;
+  return util::send_all(fd, frame.data(), frame.size(), deadline);
+}
+
+// The target's next handshake frame, checked before its aux is read; a kError
+// becomes its status.
+Status recv_ctl(int fd, const Peer& peer, const std::string& where, std::chrono::steady_clock::time_point deadline, CtlHdr* r,
+                std::string* aux) {
+  PDKV_RETURN_IF_ERROR(util::recv_all(fd, r, sizeof *r, deadline).with_context(where));
+  PDKV_RETURN_IF_ERROR(check_ctl_header(*r, CtlSide::kInitiatorHello, 0).with_context(where));
+  aux->assign(r->aux_len, '\0');  // bounded by check_ctl_header
+  PDKV_RETURN_IF_ERROR(util::recv_all(fd, aux->data(), aux->size(), deadline).with_context(where));
+  if (r->type == static_cast<uint16_t>(Ctl::kError))
+    return Status(status_code_from_wire(r->status), "peer '" + peer.md.name + "' refused the connection: " + *aux);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<std::shared_ptr<ShmConn>> dial(const Peer& peer, const std::string& self_name, double timeout_s) {
@@ -55,25 +76,36 @@ Result<std::shared_ptr<ShmConn>> dial(const Peer& peer, const std::string& self_
     return explain_unreachable(peer, e->address,
                                Status(fdr.status().code(), "peer '" + peer.md.name + "': " + fdr.status().message()));
   util::ScopedFd fd = std::move(fdr).value();
-  Hello hello{kShmVersion, peer.md.instance_id, self_name, peer.md.name, peer.secret};
-  const std::string body = encode_hello(hello);
-  CtlHdr h{kCtlMagic, static_cast<uint16_t>(Ctl::kHello), 0, 0, static_cast<uint32_t>(body.size()), 0};
-  std::string frame(reinterpret_cast<const char*>(&h), sizeof h);
-  frame += body;
   const std::string where = "handshake with peer '" + peer.md.name + "'";
-  PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), frame.data(), frame.size(), deadline).with_context(where));
+  PDKV_ASSIGN_OR_RETURN(auth::InitiatorHandshake hs, auth::InitiatorHandshake::begin("shm", kShmVersion, self_name));
+  PDKV_RETURN_IF_ERROR(send_ctl(fd.get(), Ctl::kHello,
+                                encode_hello(Hello{kShmVersion, peer.md.instance_id, self_name, peer.md.name,
+                                                   hs.nonce(), hs.pub()}),
+                                deadline)
+                           .with_context(where));
   CtlHdr r{};
-  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), &r, sizeof r, deadline).with_context(where));
-  PDKV_RETURN_IF_ERROR(check_ctl_header(r, CtlSide::kInitiatorHello, 0).with_context(where));
-  std::string aux(r.aux_len, '\0');  // bounded by check_ctl_header
-  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), aux.data(), aux.size(), deadline).with_context(where));
-  if (r.type == static_cast<uint16_t>(Ctl::kError))
-    return Status(status_code_from_wire(r.status), "peer '" + peer.md.name + "' refused the connection: " + aux);
-  PDKV_ASSIGN_OR_RETURN(HelloAck ack, parse_hello_ack(aux));
-  if (ack.instance != peer.md.instance_id)
+  std::string aux;
+  PDKV_RETURN_IF_ERROR(recv_ctl(fd.get(), peer, where, deadline, &r, &aux));
+  if (r.type != static_cast<uint16_t>(Ctl::kChallenge))
+    return ProtocolError(where + ": expected a challenge, got control frame type " + std::to_string(r.type));
+  PDKV_ASSIGN_OR_RETURN(Challenge ch, parse_challenge(aux));
+  if (ch.instance != peer.md.instance_id)
     return StalePeer("peer '" + peer.md.name + "' restarted since its metadata was fetched");
-  if (ack.name != peer.md.name)
-    return ProtocolError("agent '" + ack.name + "' answered at the shm address of peer '" + peer.md.name + "'");
+  if (ch.name != peer.md.name)
+    return ProtocolError("agent '" + ch.name + "' answered at the shm address of peer '" + peer.md.name + "'");
+  auth::Mac proof{};
+  PDKV_RETURN_IF_ERROR(
+      hs.answer(ch.name, ch.instance, ch.nonce, ch.pub, auth::derive_key(peer.secret), &proof).with_context(where));
+  PDKV_RETURN_IF_ERROR(
+      send_ctl(fd.get(), Ctl::kProof, std::string(reinterpret_cast<const char*>(proof.data()), proof.size()), deadline)
+          .with_context(where));
+  PDKV_RETURN_IF_ERROR(recv_ctl(fd.get(), peer, where, deadline, &r, &aux));
+  if (r.type != static_cast<uint16_t>(Ctl::kHelloAck))
+    return ProtocolError(where + ": expected a hello-ack, got control frame type " + std::to_string(r.type));
+  PDKV_ASSIGN_OR_RETURN(HelloAck ack, parse_hello_ack(aux));
+  if (ack.instance != peer.md.instance_id || ack.name != peer.md.name)
+    return ProtocolError(where + ": the hello-ack names another agent than the challenge");
+  PDKV_RETURN_IF_ERROR(hs.check_accept(ack.mac).with_context(where));
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
   return ShmConn::dialled(fd.release(), "peer '" + peer.md.name + "' (shm " + e->address + ")", peer.md.name,
                           static_cast<pid_t>(ack.pid));

@@ -1,7 +1,10 @@
 // The initiator's side of the shm handshake, done blocking on the posting thread:
 //
-//   initiator -> kHello {version, the instance it expects, our name, its name, secret}
-//   target    -> kHelloAck {instance, pid, name}   or kError {why}
+//   initiator -> kHello     {version, the instance it expects, our name, its name, nonce_i, pub_i}
+//   target    -> kChallenge {instance, name, nonce_t, pub_t}   or kError {why}
+//   initiator -> kProof     {mac_i}
+//   target    -> kHelloAck  {instance, pid, name, mac_t}      or kError {why}
+// (the challenge-response of pdkv/spi/auth.h: the secret never crosses the socket)
 //
 // The answer is checked (check_ctl_header) before its body is read; a target of
 // another instance or name is refused. When the socket is gone and another

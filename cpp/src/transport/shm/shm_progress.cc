@@ -250,7 +250,9 @@ void ShmTransport::handle_frame(const std::shared_ptr<ShmConn>& c) {
   if (c->outbound()) {
     handle_outbound(c, h);
   } else if (!c->authed()) {
-    on_hello(c);  // check_ctl_header let nothing else through
+    // check_ctl_header let nothing else through: a hello, then a proof.
+    if (static_cast<Ctl>(h.type) == Ctl::kHello) on_hello(c);
+    else on_proof(c);
   } else {
     handle_inbound(c, h);
   }

@@ -22,32 +22,46 @@ void ShmTransport::on_hello(const std::shared_ptr<ShmConn>& c) {
     const Status& st = hello.status();
     return refuse(c, Status(st.code(), "malformed hello from " + c->desc() + ": " + st.message()));
   }
-  Status st;
-  if (!hooks_->secret_matches(hello->secret)) {
-    st = AuthFailed("agent '" + hello->from + "' (" + c->desc() + ") presented the wrong secret to agent '" +
-                    hooks_->agent_name() + "'");
-  } else if (!hello->to.empty() && hello->to != hooks_->agent_name()) {
-    st = AuthFailed("this is agent '" + hooks_->agent_name() + "', not '" + hello->to + "'");
-  }
-  if (!st.ok()) {
-    // Back-off: once the failure budget is spent, hold the answer (and the slot).
-    const auto delay = throttle_.on_failure(Clock::now());
-    log_refusal(st);
-    if (delay == Clock::duration::zero()) {
-      (void)c->send_frame(Ctl::kError, 0, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
-      return kill(c, st);
-    }
-    if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd(), nullptr);
-    auto s = c->lock();
-    s->reject_at = Clock::now() + delay;
-    s->reject = st;
-    return;
-  }
+  if (!hello->to.empty() && hello->to != hooks_->agent_name())
+    return refuse_auth(c, AuthFailed("this is agent '" + hooks_->agent_name() + "', not '" + hello->to + "'"));
   if (hello->expect_instance != 0 && hello->expect_instance != hooks_->instance_id())
     return refuse(c, StalePeer("agent '" + hooks_->agent_name() + "' restarted since its metadata was fetched"));
-  c->authenticate(hello->from);
-  HelloAck ack{hooks_->instance_id(), static_cast<uint32_t>(::getpid()), hooks_->agent_name()};
+  // The initiator proves first (on_proof); we prove ourselves only after that, so a
+  // process without the secret learns nothing from us.
+  auto hs = auth::TargetHandshake::begin("shm", kShmVersion, hello->from, hooks_->agent_name(),
+                                         hooks_->instance_id(), hello->nonce, hello->pub);
+  if (!hs.ok()) return refuse(c, hs.status().with_context("handshake with " + c->desc()));
+  const std::string body =
+      encode_challenge(Challenge{hooks_->instance_id(), hooks_->agent_name(), hs->nonce(), hs->pub()});
+  c->handshake() = std::make_unique<auth::TargetHandshake>(std::move(hs).value());
+  (void)c->send_frame(Ctl::kChallenge, 0, body);
+}
+
+void ShmTransport::on_proof(const std::shared_ptr<ShmConn>& c) {
+  std::unique_ptr<auth::TargetHandshake> hs = std::move(c->handshake());
+  auto proof = parse_proof(c->frame_aux());
+  if (!proof.ok() || !hs) return refuse(c, ProtocolError("malformed proof from " + c->desc()));
+  auth::Mac mac{};
+  auto matched = hs->check(*proof, hooks_->accepted_keys(), &mac);
+  if (!matched.ok())
+    return refuse_auth(c, Status(matched.status().code(), matched.status().message() + " (" + c->desc() + ")"));
+  c->authenticate(hs->initiator());
+  HelloAck ack{hooks_->instance_id(), static_cast<uint32_t>(::getpid()), hooks_->agent_name(), mac};
   (void)c->send_frame(Ctl::kHelloAck, 0, encode_hello_ack(ack));
+}
+
+void ShmTransport::refuse_auth(const std::shared_ptr<ShmConn>& c, const Status& st) {
+  // Back-off: once the failure budget is spent, hold the answer (and the slot).
+  const auto delay = throttle_.on_failure(Clock::now());
+  log_refusal(st);
+  if (delay == Clock::duration::zero()) {
+    (void)c->send_frame(Ctl::kError, 0, st.message().substr(0, kMaxErrorAux), static_cast<uint32_t>(st.code()));
+    return kill(c, st);
+  }
+  if (epfd_ >= 0) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd(), nullptr);
+  auto s = c->lock();
+  s->reject_at = Clock::now() + delay;
+  s->reject = st;
 }
 
 void ShmTransport::handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h) {

@@ -108,6 +108,10 @@ class ShmTransport final : public Transport {
   void handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h);
   void handle_outbound(const std::shared_ptr<ShmConn>& c, const CtlHdr& h);
   void on_hello(const std::shared_ptr<ShmConn>& c);
+  void on_proof(const std::shared_ptr<ShmConn>& c);
+  // A failed authentication: answered at once, or held back once the failure budget
+  // is spent (ctl_guard.h).
+  void refuse_auth(const std::shared_ptr<ShmConn>& c, const Status& st);
   void answer_region_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
   void answer_lease_req(const std::shared_ptr<ShmConn>& c, uint64_t id);
   void answer_gen_req(const std::shared_ptr<ShmConn>& c, uint64_t id);

@@ -53,6 +53,7 @@
 #include "pdkv/spi/transfer_control.h"
 #include "pdkv/transfer.h"
 #include "pdkv/codec.h"
+#include "transport/tcp/handshake.h"
 #include "transport/tcp/out_msg.h"
 #include "transport/tcp/transfer_parts.h"
 
@@ -77,6 +78,8 @@ struct RxState {
   size_t hdr_got = 0;
   FrameHeader cur{};  // frame being processed
   std::string ctrl;   // its extents and aux
+  // Inbound, between our challenge and the initiator's proof (handshake.h).
+  std::unique_ptr<auth::TargetHandshake> proof;
   size_t ctrl_got = 0;
   // Where its payload lands: dst[dst_idx] + dst_off onwards, `remaining` bytes.
   std::vector<iovec> dst_own;

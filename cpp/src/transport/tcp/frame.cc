@@ -17,6 +17,7 @@ constexpr uint8_t kOut = 2;  // may arrive on an outbound connection
 constexpr uint8_t kHs = 1;    // ConnPhase::kHandshake
 constexpr uint8_t kOpen = 2;  // ConnPhase::kOpen
 constexpr uint8_t kMeta = 4;  // ConnPhase::kMetaWait
+constexpr uint8_t kProofW = 8;  // ConnPhase::kProofWait
 
 // What a receiver accepts of one frame type (docs/wire.md, "Limits per frame type").
 struct FrameRule {
@@ -37,7 +38,7 @@ constexpr uint32_t kNotifAux = 0xFFFFFFFFu;
 constexpr FrameRule kRules[] = {
     {"type 0", 0, 0, 0, 0, 0, 0, 0, 0, 0, false},
     {"hello", kIn, kHs, 0, 0, 0, 1, kMaxHelloBytes, 0, 0, false},
-    {"hello-ack", kOut, 0, kHs, 0, 0, 12, kMaxHelloBytes, 0, 0, true},
+    {"hello-ack", kOut, 0, kHs, 0, 0, auth::kMacBytes, auth::kMacBytes, 0, 0, true},
     {"metadata request", kIn, kOpen, 0, 0, 0, 0, 0, 0, 0, false},
     {"metadata response", kOut, 0, kMeta, 0, 0, 0, kMaxMetadataBytes, 0, 0, false},
     {"write", kIn, kOpen, 0, 1, kMaxExtentsPerFrame, 0, kNotifAux, 1, kMaxPayloadPerFrame, false},
@@ -48,6 +49,8 @@ constexpr FrameRule kRules[] = {
     {"error", kIn | kOut, kOpen, kHs | kOpen | kMeta, 0, 0, 0, kMaxErrorBytes, 0, 0, true},
     {"compressed write", kIn, kOpen, 0, 1, kMaxExtentsPerFrame, 0, kNotifAux, 1, kMaxCompressedPayload, false},
     {"compressed read response", kOut, 0, kOpen, 0, 0, 0, 0, 1, kMaxCompressedPayload, false},
+    {"challenge", kOut, 0, kHs, 0, 0, 12, kMaxHelloBytes, 0, 0, false},
+    {"proof", kIn, kProofW, 0, 0, 0, auth::kMacBytes, auth::kMacBytes, 0, 0, false},
 };
 constexpr uint16_t kNumTypes = sizeof(kRules) / sizeof(kRules[0]);
 
@@ -56,6 +59,7 @@ uint8_t phase_bit(ConnPhase p) {
     case ConnPhase::kHandshake: return kHs;
     case ConnPhase::kOpen: return kOpen;
     case ConnPhase::kMetaWait: return kMeta;
+    case ConnPhase::kProofWait: return kProofW;
   }
   return 0;
 }
@@ -65,6 +69,7 @@ const char* phase_name(ConnState s) {
     case ConnPhase::kHandshake: return s.role == ConnRole::kInbound ? "before its hello" : "during the handshake";
     case ConnPhase::kOpen: return "on an open connection";
     case ConnPhase::kMetaWait: return "while a metadata response was expected";
+    case ConnPhase::kProofWait: return "while its handshake proof was expected";
   }
   return "";
 }
@@ -303,7 +308,8 @@ Result<HelloBody> decode_hello(std::string_view aux) {
   PDKV_RETURN_IF_ERROR(r.get(&b.instance, "hello instance"));
   PDKV_RETURN_IF_ERROR(r.get_str(&b.from, "hello initiator", 128));
   PDKV_RETURN_IF_ERROR(r.get_str(&b.to, "hello target", 128));
-  PDKV_RETURN_IF_ERROR(r.get_str(&b.secret, "hello secret", kMaxSecretBytes));
+  PDKV_RETURN_IF_ERROR(r.get(&b.nonce, "hello nonce"));
+  PDKV_RETURN_IF_ERROR(r.get(&b.pub, "hello key"));
   PDKV_RETURN_IF_ERROR(r.expect_end("hello"));
   Status st = validate_name("initiator name", b.from);
   if (!st.ok()) return ProtocolError(st.message());
@@ -318,26 +324,41 @@ std::string encode_hello(const HelloBody& b) {
   w.put<uint64_t>(b.instance);
   w.put_str(b.from);
   w.put_str(b.to);
-  w.put_str(b.secret);
+  w.put_raw(b.nonce.data(), b.nonce.size());
+  w.put_raw(b.pub.data(), b.pub.size());
   return w.take();
 }
 
-Result<HelloAckBody> decode_hello_ack(std::string_view aux) {
+Result<ChallengeBody> decode_challenge(std::string_view aux) {
   util::ByteReader r(aux);
-  HelloAckBody b;
-  PDKV_RETURN_IF_ERROR(r.get(&b.instance, "hello-ack instance"));
-  PDKV_RETURN_IF_ERROR(r.get_str(&b.name, "hello-ack name", 128));
-  PDKV_RETURN_IF_ERROR(r.expect_end("hello-ack"));
+  ChallengeBody b;
+  PDKV_RETURN_IF_ERROR(r.get(&b.instance, "challenge instance"));
+  PDKV_RETURN_IF_ERROR(r.get_str(&b.name, "challenge name", 128));
+  PDKV_RETURN_IF_ERROR(r.get(&b.nonce, "challenge nonce"));
+  PDKV_RETURN_IF_ERROR(r.get(&b.pub, "challenge key"));
+  PDKV_RETURN_IF_ERROR(r.expect_end("challenge"));
   Status st = validate_name("target name", b.name);
   if (!st.ok()) return ProtocolError(st.message());
   return b;
 }
 
-std::string encode_hello_ack(const HelloAckBody& b) {
+std::string encode_challenge(const ChallengeBody& b) {
   util::ByteWriter w;
   w.put<uint64_t>(b.instance);
   w.put_str(b.name);
+  w.put_raw(b.nonce.data(), b.nonce.size());
+  w.put_raw(b.pub.data(), b.pub.size());
   return w.take();
 }
+
+Result<auth::Mac> decode_mac(std::string_view aux, const char* what) {
+  util::ByteReader r(aux);
+  auth::Mac m{};
+  PDKV_RETURN_IF_ERROR(r.get(&m, what));
+  PDKV_RETURN_IF_ERROR(r.expect_end(what));
+  return m;
+}
+
+std::string encode_mac(const auth::Mac& m) { return std::string(reinterpret_cast<const char*>(m.data()), m.size()); }
 
 }  // namespace pdkv::tcp

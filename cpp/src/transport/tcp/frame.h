@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 
+#include "pdkv/spi/auth.h"
 #include "pdkv/spi/generations.h"
 #include "pdkv/status.h"
 #include "transport/tcp/wire.h"
@@ -29,6 +30,7 @@ enum class ConnRole : uint8_t {
 // Where the connection is in its life.
 enum class ConnPhase : uint8_t {
   kHandshake,  // inbound: before a valid hello; outbound: hello sent, ack not yet read
+  kProofWait,  // inbound: hello answered with a challenge, the proof not yet read
   kOpen,       // authenticated: data frames flow
   kMetaWait,   // outbound, metadata request sent: only the response (or an error) may come
 };
@@ -134,28 +136,35 @@ inline bool extent_in_region(uint64_t offset, uint64_t len, uint64_t region_len)
   return offset <= region_len && len <= region_len - offset;
 }
 
-// The body of a kHello (aux).
+// The body of a kHello (aux). It carries no secret: the initiator proves it knows
+// one later (kProof, pdkv/spi/auth.h).
 struct HelloBody {
   uint16_t version = 0;
   uint32_t slot = 0;
   uint64_t instance = 0;  // the target instance the initiator expects (0: any)
   std::string from;       // initiator agent name (validated)
   std::string to;         // target agent name ("": any)
-  std::string secret;
+  auth::Nonce nonce{};    // the initiator's
+  auth::Pub pub{};        // the initiator's ephemeral X25519 key
 };
-inline constexpr uint32_t kMaxSecretBytes = 1024;
 
 // Decodes and validates a hello body: VersionMismatch for another wire version,
 // ProtocolError for anything malformed (including trailing bytes).
 Result<HelloBody> decode_hello(std::string_view aux);
 std::string encode_hello(const HelloBody& b);
 
-// The body of a kHelloAck (aux).
-struct HelloAckBody {
-  uint64_t instance = 0;
-  std::string name;
+// The body of a kChallenge (aux): who answered, and its half of the exchange.
+struct ChallengeBody {
+  uint64_t instance = 0;  // the target's
+  std::string name;       // the target's (validated)
+  auth::Nonce nonce{};
+  auth::Pub pub{};
 };
-Result<HelloAckBody> decode_hello_ack(std::string_view aux);
-std::string encode_hello_ack(const HelloAckBody& b);
+Result<ChallengeBody> decode_challenge(std::string_view aux);
+std::string encode_challenge(const ChallengeBody& b);
+
+// The body of a kProof or kHelloAck (aux): exactly one MAC.
+Result<auth::Mac> decode_mac(std::string_view aux, const char* what);
+std::string encode_mac(const auth::Mac& m);
 
 }  // namespace pdkv::tcp

@@ -1,36 +1,78 @@
 #include "transport/tcp/handshake.h"
 
-#include "transport/tcp/frame.h"
 #include "transport/tcp/out_msg.h"
 #include "transport/tcp/wire.h"
 
 namespace pdkv::tcp {
+namespace {
+
+// One handshake frame: header + aux.
+std::string frame_of(FrameType type, const std::string& aux) {
+  FrameHeader h = make_hdr(type, 0, 0);
+  h.aux_len = static_cast<uint32_t>(aux.size());
+  std::string frame(reinterpret_cast<const char*>(&h), kHdr);
+  frame += aux;
+  return frame;
+}
+
+// Reads the target's next handshake frame (checked before its aux is read). A kError
+// becomes its status; otherwise *type and *aux.
+Status read_reply(int fd, const std::string& where, const char* waiting_for,
+                  std::chrono::steady_clock::time_point deadline, FrameType* type, std::string* aux) {
+  FrameHeader r{};
+  PDKV_RETURN_IF_ERROR(util::recv_all(fd, &r, kHdr, deadline).with_context(std::string("waiting for ") + where + " " +
+                                                                              waiting_for));
+  // The target may be anyone: its answer is checked like any frame before reading on.
+  Status valid = check_header(r, ConnState{ConnRole::kOutbound, ConnPhase::kHandshake}, FrameLimits{});
+  if (!valid.ok()) return ProtocolError(where + " answered the handshake with a bad frame: " + valid.message());
+  aux->assign(r.aux_len, '\0');
+  PDKV_RETURN_IF_ERROR(util::recv_all(fd, aux->data(), aux->size(), deadline).with_context("handshake with " + where));
+  if (r.type == static_cast<uint16_t>(FrameType::kError))
+    return Status(status_code_from_wire(r.status), where + " refused the connection: " + *aux);
+  *type = static_cast<FrameType>(r.type);
+  return Status::Ok();
+}
+
+}  // namespace
 
 Result<util::ScopedFd> dial(const util::HostPort& hp, const HelloParams& hello, double timeout_s,
                             std::string* peer_name) {
   const auto deadline = util::deadline_after(timeout_s);
   PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, util::connect_tcp(hp, timeout_s));
-  const std::string body = encode_hello(
-      HelloBody{kWireVersion, 0, hello.instance, hello.self_name, hello.target, std::string(hello.secret)});
-  FrameHeader h = make_hdr(FrameType::kHello, 0, 0);
-  h.aux_len = static_cast<uint32_t>(body.size());
-  std::string frame(reinterpret_cast<const char*>(&h), kHdr);
-  frame += body;
+  PDKV_ASSIGN_OR_RETURN(auth::InitiatorHandshake hs, auth::InitiatorHandshake::begin("tcp", kWireVersion, hello.self_name));
+  HelloBody hb{kWireVersion, 0, hello.instance, hello.self_name, hello.target, hs.nonce(), hs.pub()};
   const std::string where = hello.target.empty() ? hp.str() : "'" + hello.target + "' at " + hp.str();
-  PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), frame.data(), frame.size(), deadline).with_context("hello to " + where));
-  FrameHeader r{};
+  const std::string h = frame_of(FrameType::kHello, encode_hello(hb));
+  PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), h.data(), h.size(), deadline).with_context("hello to " + where));
+
+  FrameType type{};
+  std::string aux;
+  PDKV_RETURN_IF_ERROR(read_reply(fd.get(), where, "to answer the hello", deadline, &type, &aux));
+  if (type != FrameType::kChallenge)
+    return ProtocolError(where + " answered the hello with a " + frame_type_name(static_cast<uint16_t>(type)) +
+                         " frame instead of a challenge");
+  auto ch = decode_challenge(aux);
+  if (!ch.ok()) return ProtocolError(where + " sent a malformed challenge: " + ch.status().message());
+  // Whom we reached, before proving anything to it.
+  if (!hello.target.empty() && ch->name != hello.target)
+    return ProtocolError("agent '" + ch->name + "' answered at the address of '" + hello.target + "' (" + hp.str() +
+                         ")");
+  if (hello.instance != 0 && ch->instance != hello.instance)
+    return StalePeer("agent '" + ch->name + "' restarted since its metadata was fetched; fetch it again and re-add the peer");
+  auth::Mac proof{};
   PDKV_RETURN_IF_ERROR(
-      util::recv_all(fd.get(), &r, kHdr, deadline).with_context("waiting for " + where + " to answer the hello"));
-  // The target may be anyone: its answer is checked like any frame before reading on.
-  Status valid = check_header(r, ConnState{ConnRole::kOutbound, ConnPhase::kHandshake}, FrameLimits{});
-  if (!valid.ok()) return ProtocolError(where + " answered the hello with a bad frame: " + valid.message());
-  std::string aux(r.aux_len, '\0');
-  PDKV_RETURN_IF_ERROR(util::recv_all(fd.get(), aux.data(), aux.size(), deadline).with_context("handshake with " + where));
-  if (r.type == static_cast<uint16_t>(FrameType::kError))
-    return Status(status_code_from_wire(r.status), where + " refused the connection: " + aux);
-  auto ack = decode_hello_ack(aux);
-  if (!ack.ok()) return ProtocolError(where + " sent a malformed hello-ack: " + ack.status().message());
-  if (peer_name) *peer_name = ack->name;
+      hs.answer(ch->name, ch->instance, ch->nonce, ch->pub, hello.key, &proof).with_context("handshake with " + where));
+  const std::string p = frame_of(FrameType::kProof, encode_mac(proof));
+  PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), p.data(), p.size(), deadline).with_context("proof to " + where));
+
+  PDKV_RETURN_IF_ERROR(read_reply(fd.get(), where, "to accept the proof", deadline, &type, &aux));
+  if (type != FrameType::kHelloAck)
+    return ProtocolError(where + " answered the proof with a " + frame_type_name(static_cast<uint16_t>(type)) +
+                         " frame instead of a hello-ack");
+  auto mac = decode_mac(aux, "hello-ack MAC");
+  if (!mac.ok()) return ProtocolError(where + " sent a malformed hello-ack: " + mac.status().message());
+  PDKV_RETURN_IF_ERROR(hs.check_accept(*mac).with_context(hp.str()));
+  if (peer_name) *peer_name = ch->name;
   return fd;
 }
 
@@ -48,6 +90,14 @@ Result<std::string> request_metadata(int fd, const std::string& address,
   if (r.type == static_cast<uint16_t>(FrameType::kError))
     return Status(status_code_from_wire(r.status), address + " refused the metadata request: " + blob);
   return blob;
+}
+
+Result<auth::TargetHandshake> begin_challenge(const HelloBody& hello, const std::string& self_name,
+                                              uint64_t self_instance, std::string* challenge) {
+  PDKV_ASSIGN_OR_RETURN(auth::TargetHandshake hs, auth::TargetHandshake::begin("tcp", kWireVersion, hello.from, self_name,
+                                                                             self_instance, hello.nonce, hello.pub));
+  *challenge = encode_challenge(ChallengeBody{self_instance, self_name, hs.nonce(), hs.pub()});
+  return hs;
 }
 
 }  // namespace pdkv::tcp

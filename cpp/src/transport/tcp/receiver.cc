@@ -248,7 +248,9 @@ bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
   // One place decides what may arrive here, and how large, before anything is
   // allocated (frame.h, docs/wire.md).
   const ConnState state{c->outbound() ? ConnRole::kOutbound : ConnRole::kInbound,
-                        c->outbound() || c->authed() ? ConnPhase::kOpen : ConnPhase::kHandshake};
+                        c->outbound() || c->authed() ? ConnPhase::kOpen
+                        : rx(c).proof                ? ConnPhase::kProofWait
+                                                     : ConnPhase::kHandshake};
   Status valid = check_header(h, state, t_.frame_limits());
   if (!valid.ok()) {
     t_.fail_conn_locked(c, ProtocolError(valid.message() + " from " + c->desc()), h.xfer_id, h.batch);
@@ -380,6 +382,7 @@ bool FrameReceiver::on_control(const std::shared_ptr<TcpConn>& c) {
   rx(c).stage = RxStage::kHeader;
   switch (static_cast<FrameType>(rx(c).cur.type)) {
     case FrameType::kHello: return on_hello(c);
+    case FrameType::kProof: return on_proof(c);
     case FrameType::kMetaReq: return on_metadata_request(c);
     case FrameType::kWrite:
     case FrameType::kWriteZ:
@@ -414,13 +417,6 @@ bool FrameReceiver::on_hello(const std::shared_ptr<TcpConn>& c) {
                                       "'); retry in " + left + " s"));
     return false;
   }
-  if (!hooks->secret_matches(body->secret)) {
-    t_.auth_backoff().failed(c->source(), from, Clock::now());
-    t_.fail_conn_locked(
-        c, AuthFailed("agent '" + from + "' presented the wrong secret to agent '" + hooks->agent_name() + "'"));
-    return false;
-  }
-  t_.auth_backoff().succeeded(c->source(), from);
   const std::string& to = body->to;
   const uint64_t expect = body->instance;
   if (!to.empty() && to != hooks->agent_name()) {
@@ -432,10 +428,42 @@ bool FrameReceiver::on_hello(const std::shared_ptr<TcpConn>& c) {
                                      "' restarted since its metadata was fetched; fetch it again and re-add the peer"));
     return false;
   }
+  // Challenge: the initiator proves first; we prove ourselves only after its proof
+  // checked (on_proof), so a peer without the secret learns nothing from us.
+  auto m = std::make_unique<OutMsg>();
+  auto pending = begin_challenge(*body, hooks->agent_name(), hooks->instance_id(), &m->aux);
+  if (!pending.ok()) {
+    t_.fail_conn_locked(c, pending.status().with_context("handshake with " + c->desc()));
+    return false;
+  }
+  rx(c).proof = std::make_unique<auth::TargetHandshake>(std::move(pending).value());
+  m->hdr = make_hdr(FrameType::kChallenge, 0, 0);
+  m->finalize();
+  reply(c, std::move(m));
+  return true;
+}
+
+bool FrameReceiver::on_proof(const std::shared_ptr<TcpConn>& c) {
+  AgentHooks* hooks = t_.hooks();
+  std::unique_ptr<auth::TargetHandshake> p = std::move(rx(c).proof);
+  auto mac = decode_mac(rx(c).ctrl, "proof");
+  if (!mac.ok()) {  // unreachable: check_header fixed its size
+    t_.fail_conn_locked(c, ProtocolError("malformed proof from " + c->desc() + ": " + mac.status().message()));
+    return false;
+  }
+  const std::string from = p->initiator();
+  auth::Mac ack{};
+  auto matched = p->check(*mac, hooks->accepted_keys(), &ack);
+  if (!matched.ok()) {
+    t_.auth_backoff().failed(c->source(), from, Clock::now());
+    t_.fail_conn_locked(c, matched.status());
+    return false;
+  }
+  t_.auth_backoff().succeeded(c->source(), from);
   c->authenticate(from);
   auto m = std::make_unique<OutMsg>();
+  m->aux = encode_mac(ack);
   m->hdr = make_hdr(FrameType::kHelloAck, 0, 0);
-  m->aux = encode_hello_ack(HelloAckBody{hooks->instance_id(), hooks->agent_name()});
   m->finalize();
   reply(c, std::move(m));
   return true;

@@ -99,6 +99,7 @@ class FrameReceiver {
   // connection was failed.
   bool on_control(const std::shared_ptr<TcpConn>& c);
   bool on_hello(const std::shared_ptr<TcpConn>& c);
+  bool on_proof(const std::shared_ptr<TcpConn>& c);
   bool on_metadata_request(const std::shared_ptr<TcpConn>& c);
   bool on_data_request(const std::shared_ptr<TcpConn>& c);
   bool on_failed_ack(const std::shared_ptr<TcpConn>& c);

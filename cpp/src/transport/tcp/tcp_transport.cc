@@ -443,7 +443,7 @@ Result<std::shared_ptr<TcpConn>> TcpTransport::get_conn(PeerConns& pc, uint32_t 
   std::string name;
   PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd,
                         dial(pc.hp, HelloParams{hooks_->agent_name(), pc.peer->md.name, pc.peer->md.instance_id,
-                                                pc.peer->secret},
+                                                auth::derive_key(pc.peer->secret)},
                              timeout_s, &name));
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
   ProgressThread* owner = pick_thread();
@@ -486,7 +486,7 @@ Result<std::string> TcpTransport::fetch_metadata(const std::string& address, std
   PDKV_ASSIGN_OR_RETURN(util::HostPort hp, util::parse_host_port(address));
   const auto deadline = util::deadline_after(timeout_s);
   PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd,
-                        dial(hp, HelloParams{hooks_->agent_name(), "", 0, secret}, timeout_s, nullptr));
+                        dial(hp, HelloParams{hooks_->agent_name(), "", 0, auth::derive_key(secret)}, timeout_s, nullptr));
   return request_metadata(fd.get(), address, deadline);
 }
 

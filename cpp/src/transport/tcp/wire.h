@@ -1,4 +1,4 @@
-// The tcp transport's wire format (version 1). Documented in docs/wire.md.
+// The tcp transport's wire format (version 2: the challenge-response handshake). Documented in docs/wire.md.
 //
 // Every frame starts with a 40-byte FrameHeader, followed by `count` 24-byte
 // WireExtents (40-byte WireStridedExtents when the frame has kFlagStrided, 56-byte
@@ -11,11 +11,11 @@
 namespace pdkv::tcp {
 
 inline constexpr uint32_t kFrameMagic = 0x464b4450;  // "PDKF"
-inline constexpr uint16_t kWireVersion = 1;
+inline constexpr uint16_t kWireVersion = 2;
 
 enum class FrameType : uint16_t {
-  kHello = 1,     // initiator -> target, first frame; aux = HelloBody
-  kHelloAck = 2,  // target -> initiator; status OK, aux = u64 instance id + agent name
+  kHello = 1,     // initiator -> target, first frame; aux = HelloBody (nonce, ephemeral key)
+  kHelloAck = 2,  // target -> initiator, after a good proof; status OK, aux = the target's MAC
   kMetaReq = 3,   // -> target: send me your metadata
   kMetaResp = 4,  // <- aux = metadata blob
   kWrite = 5,     // descs (target region/offset/len), aux = notification if kFlagNotif, payload
@@ -32,6 +32,10 @@ enum class FrameType : uint16_t {
   // sequence of codec frames decoding, in order, to the bytes of the requested extents
   // (the target may answer such a request with a plain kReadResp instead).
   kReadRespZ = 12,
+  // The handshake's middle (pdkv/spi/auth.h): the target's answer to a hello
+  // (aux = ChallengeBody), then the initiator's proof (aux = its 32-byte MAC).
+  kChallenge = 13,  // target -> initiator
+  kProof = 14,      // initiator -> target
 };
 
 // The tcp transport's metadata extra (Transport::metadata_extra): u32 magic, u32
