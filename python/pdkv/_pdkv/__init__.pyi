@@ -7,7 +7,7 @@ import typing
 import typing_extensions
 from . import bench
 from . import netlab
-__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'netlab', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
+__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'InitiatorHandshake', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TargetHandshake', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'netlab', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
 class XferState:
     """
     Members:
@@ -378,7 +378,7 @@ class AgentMetadata:
         ...
 class Peer:
     """
-    A known peer: its metadata and the secret to present to it.
+    A known peer: its metadata and the secret to prove knowledge of to it (never sent).
     """
     @property
     def md(self) -> AgentMetadata:
@@ -401,8 +401,11 @@ class AgentHooks:
         ...
     def regions(self) -> list:
         ...
-    def secret_matches(self, arg0: bytes) -> bool:
-        ...
+    @property
+    def accepted_secrets(self) -> list:
+        """
+        Every secret this agent accepts, its own first (derive keys from them; never send them).
+        """
     @property
     def agent_name(self) -> str:
         ...
@@ -773,7 +776,7 @@ class AgentConfig:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, name: str = '', secret: bytes = b'', transports: list[str] = ['tcp'], tcp: TcpOptions = ..., shm: ShmOptions = ..., default_timeout_s: float = 60.0, max_notif_bytes: int = 1048576, max_queued_notifs: int = 65536, max_queued_notif_bytes: int = 67108864, wait_spin_us: int = 50) -> None:
+    def __init__(self, *, name: str = '', secret: bytes = b'', accepted_secrets: list[bytes] = [], transports: list[str] = ['tcp'], tcp: TcpOptions = ..., shm: ShmOptions = ..., default_timeout_s: float = 60.0, max_notif_bytes: int = 1048576, max_queued_notifs: int = 65536, max_queued_notif_bytes: int = 67108864, wait_spin_us: int = 50) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -785,6 +788,14 @@ class AgentConfig:
         """
         Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
         """
+    @property
+    def accepted_secrets(self) -> typing.Any:
+        """
+        list[bytes] (at most 7, each 1..1024 bytes): further secrets whose proofs this agent accepts (rotation: docs/security.md).
+        """
+    @accepted_secrets.setter
+    def accepted_secrets(self, value: list[bytes]) -> None:
+        ...
     @property
     def default_timeout_s(self) -> float:
         """
@@ -828,7 +839,7 @@ class AgentConfig:
     @property
     def secret(self) -> typing.Any:
         """
-        bytes (at most 1024): peers must present it; empty: a random one.
+        bytes (at most 1024): the cluster secret this agent proves knowledge of in every handshake (never sent); empty: a random one.
         """
     @secret.setter
     def secret(self, value: bytes) -> None:
@@ -1005,6 +1016,42 @@ class Codec:
         ...
     @property
     def kind(self) -> str:
+        ...
+class InitiatorHandshake:
+    """
+    The initiator's half of one handshake (pdkv/spi/auth.h).
+    """
+    def __init__(self, transport: str, version: typing.SupportsInt | typing.SupportsIndex, self_name: str) -> None:
+        ...
+    def answer(self, target: str, target_instance: typing.SupportsInt | typing.SupportsIndex, nonce: bytes, pub: bytes, secret: bytes) -> bytes:
+        """
+        The target's challenge -> our proof (32 bytes), made with `secret`.
+        """
+    def check_accept(self, mac: bytes) -> None:
+        """
+        AuthFailed unless `mac` is the target's MAC under the secret we proved.
+        """
+    @property
+    def nonce(self) -> bytes:
+        ...
+    @property
+    def pub(self) -> bytes:
+        ...
+class TargetHandshake:
+    """
+    The target's half of one handshake (pdkv/spi/auth.h).
+    """
+    def __init__(self, transport: str, version: typing.SupportsInt | typing.SupportsIndex, initiator: str, self_name: str, self_instance: typing.SupportsInt | typing.SupportsIndex, nonce: bytes, pub: bytes) -> None:
+        ...
+    def check(self, proof: bytes, secrets: collections.abc.Sequence[str]) -> tuple[int, bytes]:
+        """
+        (index of the secret the initiator proved, our MAC to send back), or AuthFailed.
+        """
+    @property
+    def nonce(self) -> bytes:
+        ...
+    @property
+    def pub(self) -> bytes:
         ...
 def available_transports() -> list[str]:
     ...
