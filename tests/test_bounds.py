@@ -225,16 +225,25 @@ def test_compressed_read_of_many_pieces_is_answered_plain_before_encoding(target
 
 # ---------------------------------------------------------------- connection caps
 def test_connections_per_authenticated_peer_are_capped(target):
+    """The fifth connection of one authenticated name is refused with ResourceExhausted
+    naming the peer and the option: at the handshake (admit() called right after the
+    proof) or, at the latest, at its first frame."""
     t = target(regions=[4096], agent={"tcp": {"max_inbound_per_peer": 4}})
-    socks = [t.connect() for _ in range(5)]
+    socks = [t.connect() for _ in range(4)]
     for i, s in enumerate(socks):
         s.sendall(frame(T_NOTIFY, xfer=i + 1, batch=0xFFFFFFFF, aux=b"hi") + b"hi")
-    for s in socks[:4]:
+    for s in socks:
         h, _ = recv_frame(s)
         assert h[1] == 8 and h[8] == 0  # acked
-    err = error_code(socks[4])
-    assert err is not None and err[0] == RESOURCE_EXHAUSTED and "max_inbound_per_peer" in err[1] \
-        and "raw-client" in err[1], err
+    fifth = socket.create_connection(t.hp, timeout=5)
+    t.socks.append(fifth)
+    got = authenticate(fifth)
+    if got is not None and got[0][1] == T_HELLO_ACK:
+        fifth.sendall(frame(T_NOTIFY, xfer=5, batch=0xFFFFFFFF, aux=b"hi") + b"hi")
+        got = recv_frame(fifth)
+    assert got is not None and got[0][1] == T_ERROR, got
+    err = (got[0][8], got[1].decode(errors="replace"))
+    assert err[0] == RESOURCE_EXHAUSTED and "max_inbound_per_peer" in err[1] and "raw-client" in err[1], err
     # Another peer name is not affected, and a slot frees when a connection closes.
     other = t.connect(name="other-client")
     other.sendall(frame(T_NOTIFY, xfer=9, batch=0xFFFFFFFF, aux=b"hi") + b"hi")
