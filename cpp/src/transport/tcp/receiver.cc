@@ -258,7 +258,7 @@ bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
   }
   if (!c->outbound() && c->authed() && !c->admitted()) {
     // The per-peer connection cap (TcpOptions::max_inbound_per_peer), at the first
-    // frame after the hello at the latest (admit() is a no-op once on_hello took it).
+    // frame after the handshake at the latest (admit() is a no-op once taken).
     Status in = t_.admit(c, c->peer_name());
     if (!in.ok()) {
       t_.fail_conn_locked(c, in, h.xfer_id, h.batch);

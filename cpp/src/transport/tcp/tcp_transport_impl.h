@@ -82,8 +82,9 @@ class TcpTransport final : public Transport {
   // Takes a slot for the inbound connection c, authenticated as `name`
   // (max_inbound_per_peer): OK (once per connection; again is a no-op), or
   // ResourceExhausted naming the peer, which the caller answers by failing c.
-  // Call it right after the hello authenticated c (receiver.cc on_hello); until
-  // then the receiver calls it at c's first frame after the hello.
+  // Call it right after the handshake authenticated c (receiver.cc on_proof, after
+  // c->authenticate); the receiver also calls it at c's first frame after the
+  // handshake (on_header), so the cap holds either way.
   Status admit(const std::shared_ptr<TcpConn>& c, const std::string& name);
   DeviceStaging& staging() { return staging_; }
   Decoder& decoder() { return decoder_; }
