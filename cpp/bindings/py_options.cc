@@ -90,6 +90,14 @@ struct FieldType<double> {
   }
 };
 template <>
+struct FieldType<bool> {
+  static constexpr const char* kPyType = "bool";
+  static bool from(py::handle v, const std::string& where) {
+    if (!PyBool_Check(v.ptr())) raise_invalid(where + " must be a bool, got " + describe(v));
+    return v.cast<bool>();
+  }
+};
+template <>
 struct FieldType<std::string> {
   static constexpr const char* kPyType = "str";
   static std::string from(py::handle v, const std::string& where) {
@@ -388,6 +396,9 @@ void bind_options(py::module_& m) {
              "int, bytes: receiver SO_RCVLOWAT cap while a large payload arrives (0 disables).")
       .field("connect_timeout_s", &TcpOptions::connect_timeout_s,
              "float, seconds (0, 86400]: TCP connect plus handshake.")
+      .field("tls", &TcpOptions::tls,
+             "bool: encrypt every connection with TLS 1.3; the handshake inside is bound to the session. "
+             "Every agent of a cluster must agree (an agent with it on speaks only TLS). Off by default.")
       .field("handshake_timeout_s", &TcpOptions::handshake_timeout_s,
              "float, seconds (0, 86400]: inbound connections that do not authenticate within this are closed.")
       .field("frame_timeout_s", &TcpOptions::frame_timeout_s,

@@ -232,9 +232,22 @@ void ProgressThread::accept_all() {
       inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
       port = ntohs(a->sin6_port);
     }
+    const auto hello_deadline = util::deadline_after(t_->opts().handshake_timeout_s);
+    std::shared_ptr<TlsChannel> tls;
+    if (t_->tls()) {  // the session's handshake runs on its pump thread; the hello comes through it
+      util::ScopedFd plain;
+      auto ch = TlsChannel::accept(t_->tls(), fd, hello_deadline, &plain);  // takes fd
+      if (!ch.ok()) {
+        t_->log_rejected("tcp: TLS for an inbound connection from " + std::string(host) + ": " + ch.status().message());
+        continue;
+      }
+      tls = std::move(ch).value();
+      fd = plain.release();
+    }
     ProgressThread* owner = t_->pick_thread();
     auto c = TcpConn::accepted(fd, owner, "inbound connection from " + std::string(host) + ":" + std::to_string(port),
-                               host, util::deadline_after(t_->opts().handshake_timeout_s));
+                               host, hello_deadline);
+    c->set_tls(std::move(tls));
     owner->add(c, true);
   }
 }

@@ -76,6 +76,7 @@ class TcpTransport final : public Transport {
   const TcpOptions& opts() const { return opts_; }
   FrameLimits frame_limits() const { return FrameLimits{hooks_->max_notif_bytes()}; }
   AuthBackoff& auth_backoff() { return backoff_; }
+  const std::shared_ptr<const TlsContext>& tls() const { return tls_; }
   DeviceStaging& staging() { return staging_; }
   Decoder& decoder() { return decoder_; }
   Encoder& encoder() { return *encoder_; }
@@ -166,6 +167,7 @@ class TcpTransport final : public Transport {
   // Compressed writes sent and compressed read responses answered (threads start on
   // the first); its codec figures drive kAuto.
   std::unique_ptr<Encoder> encoder_;
+  std::shared_ptr<const TlsContext> tls_;  // TcpOptions::tls: every connection's TLS sessions (tls.h)
   Decoder decoder_;  // compressed writes and read responses received (threads start on the first)
   AuthBackoff backoff_;
   LogLimiter reject_log_{std::chrono::seconds(1)};
