@@ -89,8 +89,11 @@ Result<std::shared_ptr<TlsContext>> TlsContext::create() {
   // Peers are authenticated by pdkv's handshake inside the session, bound to it.
   SSL_CTX_set_verify(client, SSL_VERIFY_NONE, nullptr);
   SSL_CTX_set_num_tickets(server, 0);
-  for (SSL_CTX* s : {server, client})
+  for (SSL_CTX* s : {server, client}) {
     SSL_CTX_set_mode(s, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+    // AES-128-GCM first (AES-NI: the cheapest per byte), then ChaCha20 for CPUs without it.
+    SSL_CTX_set_ciphersuites(s, "TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256:TLS_AES_256_GCM_SHA384");
+  }
   return c;
 }
 
