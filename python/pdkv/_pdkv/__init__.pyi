@@ -7,7 +7,7 @@ import typing
 import typing_extensions
 from . import bench
 from . import netlab
-__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'netlab', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
+__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'InitiatorHandshake', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TargetHandshake', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'netlab', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
 class XferState:
     """
     Members:
@@ -378,7 +378,7 @@ class AgentMetadata:
         ...
 class Peer:
     """
-    A known peer: its metadata and the secret to present to it.
+    A known peer: its metadata and the secret to prove knowledge of to it (never sent).
     """
     @property
     def md(self) -> AgentMetadata:
@@ -401,8 +401,11 @@ class AgentHooks:
         ...
     def regions(self) -> list:
         ...
-    def secret_matches(self, arg0: bytes) -> bool:
-        ...
+    @property
+    def accepted_secrets(self) -> list:
+        """
+        Every secret this agent accepts, its own first (derive keys from them; never send them).
+        """
     @property
     def agent_name(self) -> str:
         ...
@@ -563,7 +566,7 @@ class TcpOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, compress: TcpCompression = ...) -> None:
+    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, tls: bool = False, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, compress: TcpCompression = ...) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -687,6 +690,14 @@ class TcpOptions:
     @stage_chunk_bytes.setter
     def stage_chunk_bytes(self, value: int) -> None:
         ...
+    @property
+    def tls(self) -> bool:
+        """
+        bool: encrypt every connection with TLS 1.3; the handshake inside is bound to the session. Every agent of a cluster must agree (an agent with it on speaks only TLS). Off by default.
+        """
+    @tls.setter
+    def tls(self, value: bool) -> None:
+        ...
 class ShmOptions:
     """
     Options of the shm transport (same host, one copy).
@@ -757,7 +768,7 @@ class AgentConfig:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, name: str = '', secret: bytes = b'', transports: list[str] = ['tcp'], tcp: TcpOptions = ..., shm: ShmOptions = ..., default_timeout_s: float = 60.0, max_notif_bytes: int = 1048576, wait_spin_us: int = 50) -> None:
+    def __init__(self, *, name: str = '', secret: bytes = b'', accepted_secrets: list[bytes] = [], transports: list[str] = ['tcp'], tcp: TcpOptions = ..., shm: ShmOptions = ..., default_timeout_s: float = 60.0, max_notif_bytes: int = 1048576, wait_spin_us: int = 50) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -769,6 +780,14 @@ class AgentConfig:
         """
         Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
         """
+    @property
+    def accepted_secrets(self) -> typing.Any:
+        """
+        list[bytes] (at most 7, each 1..1024 bytes): further secrets whose proofs this agent accepts (rotation: docs/security.md).
+        """
+    @accepted_secrets.setter
+    def accepted_secrets(self, value: list[bytes]) -> None:
+        ...
     @property
     def default_timeout_s(self) -> float:
         """
@@ -796,7 +815,7 @@ class AgentConfig:
     @property
     def secret(self) -> typing.Any:
         """
-        bytes (at most 1024): peers must present it; empty: a random one.
+        bytes (at most 1024): the cluster secret this agent proves knowledge of in every handshake (never sent); empty: a random one.
         """
     @secret.setter
     def secret(self, value: bytes) -> None:
@@ -973,6 +992,42 @@ class Codec:
         ...
     @property
     def kind(self) -> str:
+        ...
+class InitiatorHandshake:
+    """
+    The initiator's half of one handshake (pdkv/spi/auth.h).
+    """
+    def __init__(self, transport: str, version: typing.SupportsInt | typing.SupportsIndex, self_name: str) -> None:
+        ...
+    def answer(self, target: str, target_instance: typing.SupportsInt | typing.SupportsIndex, nonce: bytes, pub: bytes, secret: bytes) -> bytes:
+        """
+        The target's challenge -> our proof (32 bytes), made with `secret`.
+        """
+    def check_accept(self, mac: bytes) -> None:
+        """
+        AuthFailed unless `mac` is the target's MAC under the secret we proved.
+        """
+    @property
+    def nonce(self) -> bytes:
+        ...
+    @property
+    def pub(self) -> bytes:
+        ...
+class TargetHandshake:
+    """
+    The target's half of one handshake (pdkv/spi/auth.h).
+    """
+    def __init__(self, transport: str, version: typing.SupportsInt | typing.SupportsIndex, initiator: str, self_name: str, self_instance: typing.SupportsInt | typing.SupportsIndex, nonce: bytes, pub: bytes) -> None:
+        ...
+    def check(self, proof: bytes, secrets: collections.abc.Sequence[str]) -> tuple[int, bytes]:
+        """
+        (index of the secret the initiator proved, our MAC to send back), or AuthFailed.
+        """
+    @property
+    def nonce(self) -> bytes:
+        ...
+    @property
+    def pub(self) -> bytes:
         ...
 def available_transports() -> list[str]:
     ...
