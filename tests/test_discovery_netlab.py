@@ -63,7 +63,7 @@ def test_registry_deployment_across_lab_hosts(tiny, lab, tmp_path):
                          worker_args=["--block-tokens", "4", "--num-blocks", "256", "--max-num-seqs", "8"])
         with dep:
             second = ServerProcess("proxy", ["--mode", "disagg", "--registry", etcd.url, "--host", lab.address("h0")],
-                                   log_path=tmp_path / "proxy-2.log", env={"PDKV_SECRET": "unused-by-a-proxy"},
+                                   log_path=tmp_path / "proxy-2.log", env={"PDKV_SECRET": dep.secret},
                                    name="proxy-2", prefix=lab.prefix("h0")).start()
             second.wait_ready(60)
             workers = lab.call_in("h0", lambda: Registry(etcd.url).list("workers")[0])

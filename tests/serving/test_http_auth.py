@@ -116,7 +116,11 @@ def _send(method: str, url: str, data: bytes | None, headers: dict[str, str]) ->
                                  headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read() or b"{}")
+            raw = r.read()
+            try:
+                return r.status, json.loads(raw or b"{}")
+            except ValueError:
+                return r.status, {"raw": raw.decode(errors="replace")}
     except urllib.error.HTTPError as e:
         with e:
             raw = e.read()
@@ -159,8 +163,8 @@ class TestWorkerRoutesRefuseUnsignedCalls:
             headers = sign_headers(Credential(SECRET), method, target, raw, ts=int(time.time()) + 3600)
         elif attack == "malformed":
             headers = {AUTH_HEADER: "v1 ts=1 nonce=zz mac=" + SECRET}
-        elif attack == "body_swapped":  # signed for an empty body, sent with this one
-            headers = signed(method, target, b"{}" if raw else b"x")
+        elif attack == "body_swapped":  # signed for another body than the one sent
+            headers = signed(method, target, raw + b" ")
         elif attack == "replayed":
             # A captured call: its original went through (its nonce is in the worker's
             # cache; TestReplayOfAnAcceptedCall replays calls really served first).
@@ -405,19 +409,20 @@ NON_PUBLIC = ["/pd/info", "/pd/stats", "/pd/prefill", "/pd/decode", "/pd/generat
               "/pd/check_peer", "/pd/role", "/pd/drain", "/admin", "/v1/../pd/info", "/debug", "/v2/completions"]
 
 
+@pytest.fixture(scope="module")
+def proxies(tiny, stack):
+    s = Stack()
+    try:
+        open_ = s.proxy("disagg", prefill=[stack.p], decode=[stack.d])
+        keyed = s.proxy("disagg", prefill=[stack.p], decode=[stack.d], api_keys=("key-one", "key-two"))
+        yield open_, keyed
+    finally:
+        s.close()
+
+
 class TestProxyPublicPort:
     """The proxy's port serves the OpenAI API, /health and /metrics only; with API keys,
     everything but /health needs one."""
-
-    @pytest.fixture(scope="class")
-    def proxies(self, tiny, stack):
-        s = Stack()
-        try:
-            open_ = s.proxy("disagg", prefill=[stack.p], decode=[stack.d])
-            keyed = s.proxy("disagg", prefill=[stack.p], decode=[stack.d], api_keys=("key-one", "key-two"))
-            yield open_, keyed
-        finally:
-            s.close()
 
     @pytest.mark.parametrize("path", NON_PUBLIC)
     @pytest.mark.parametrize("method", ["GET", "POST"])
@@ -471,3 +476,29 @@ def test_drain_needs_a_signature(tiny, etcd) -> None:
         assert status == 200 and obj["state"] == "draining"
     finally:
         s.close()
+
+
+def test_decode_worker_survives_hostile_notifications(tiny, stack) -> None:
+    """A peer with the secret sends notifications no prefill worker would (nested JSON
+    past the recursion limit, wrong types, not UTF-8): each is dropped and counted, and
+    the decode worker still receives KV afterwards (its notification loop lives)."""
+    import pdkv
+
+    d = stack.workers[stack.d]
+    before = sum(d.receiver.dropped.values())
+    evil = pdkv.Agent("evil-peer", secret=SECRET)
+    try:
+        peer = evil.connect(d.agent.address, timeout=10)
+        payloads = [b"[" * 5000, b'{"rid": 1, "t": 1, "seed": 1}', b"\xff\xfe", b'{"a":' * 3000 + b"1" + b"}" * 3000]
+        for payload in payloads:
+            evil.notify(peer, payload, timeout=10).wait()
+        deadline = time.monotonic() + 10
+        while sum(d.receiver.dropped.values()) < before + len(payloads) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(d.receiver.dropped.values()) == before + len(payloads)
+        assert "pdkv_notifications_dropped_total" in get(stack.d + "/metrics")[1]
+        base = stack.proxy("disagg", prefill=[stack.p], decode=[stack.d])
+        ids, st = completion_ids(base, tiny.name, tiny.prompts[3])
+        assert ids == tiny.refs[3] and st["recomputed"] is False, st
+    finally:
+        evil.close()

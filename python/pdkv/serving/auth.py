@@ -55,7 +55,7 @@ DEFAULT_WINDOW_S = 30.0
 #: Nonces remembered at once (each ~100 bytes: 100k is ~10 MB).
 DEFAULT_MAX_NONCES = 100_000
 #: Where the middleware leaves the body it read (``read_body`` returns it).
-BODY_KEY = "pdkv.body"
+BODY_KEY: Any = web.RequestKey("pdkv.body", bytes) if hasattr(web, "RequestKey") else "pdkv.body"
 PURPOSE = "http"
 
 _HEADER_RE = re.compile(r"^v1 ts=(\d{1,12}) nonce=([0-9a-f]{32}) mac=([0-9a-f]{64})$")

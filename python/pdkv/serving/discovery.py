@@ -35,6 +35,7 @@ from aiohttp import web
 from ..discovery import Publication, Registry, Watch
 from ..errors import PdkvError
 from .aio import json_error
+from .auth import BODY_KEY
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -239,7 +240,7 @@ class RoleSwitch:
         from .worker import WorkerRole
 
         try:
-            body = json.loads(request.get("pdkv.body") or await request.read())  # read by the auth check
+            body = json.loads(request.get(BODY_KEY) or await request.read())  # read by the auth check
             new = WorkerRole(body["role"])
             timeout = float(body.get("timeout", 60.0))
             if new is WorkerRole.COLOCATED or not 0 < timeout <= 3600:

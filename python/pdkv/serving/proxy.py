@@ -503,8 +503,9 @@ class ProxyBackend:
         want = ("colocated", "decode") if self.config.mode is ProxyMode.COLOCATED and w.role == "decode" else \
             (w.role,)
         if role in want:
-            if w.misconfigured.startswith("is a "):
+            if w.misconfigured.startswith("is a "):  # back in its pool's role
                 w.misconfigured = ""
+                w.info = None  # fetched again: _update_model puts it back into rotation
             return
         why = f"is a {role} worker now, but is in the proxy's {w.role} pool"
         if w.misconfigured != why:

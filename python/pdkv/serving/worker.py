@@ -55,8 +55,8 @@ from aiohttp import web
 import pdkv
 from pdkv.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 
-from ..discovery import Registry as DiscoveryRegistry
 from ..credential import Credential
+from ..discovery import Registry as DiscoveryRegistry
 from .aio import HttpServer, json_error, start_ndjson
 from .auth import DEFAULT_WINDOW_S, WorkerAuth
 from .discovery import RoleSwitch, WorkerRegistration
@@ -456,8 +456,8 @@ class Worker:
         """Live load (``/pd/stats``)."""
         eng = self._engine()
         rx = self.receiver
-        return {"role": self.role.value, "waiting": eng.num_waiting, "running": eng.num_running, "free_blocks": eng.num_free_blocks,
-                "num_blocks": eng.pool.num_blocks, "in_flight": self._in_flight,
+        return {"role": self.role.value, "waiting": eng.num_waiting, "running": eng.num_running,
+                "free_blocks": eng.num_free_blocks, "num_blocks": eng.pool.num_blocks, "in_flight": self._in_flight,
                 "awaiting_kv": rx.awaiting if rx else 0, "invalidated_reservations": rx.invalidated if rx else 0,
                 "steps": eng.num_steps, "preemptions": eng.num_preemptions, "recomputes": eng.num_recomputes,
                 "peers": self.links()}
