@@ -119,6 +119,7 @@ def test_proxy_peak_rss_is_bounded_for_maximal_prompts(long_context) -> None:
     finally:
         if proc is not None:
             proc.stdin.close()
+            proc.stdout.close()
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
