@@ -502,3 +502,34 @@ def test_decode_worker_survives_hostile_notifications(tiny, stack) -> None:
         assert ids == tiny.refs[3] and st["recomputed"] is False, st
     finally:
         evil.close()
+
+
+@pytest.mark.parametrize("kv_timeout", [1e9, 61, "Infinity"])
+def test_decode_refuses_a_kv_timeout_past_the_cap(stack, tiny, kv_timeout) -> None:
+    """Three idle signed-in sockets with kv_timeout_s=1e9 used to hold the whole decode
+    KV pool for 60 s+: now 400, naming the field and the cap, nothing reserved."""
+    body = GenerateRequest("big-timeout", tuple(tiny.prompts[4]), _params()).to_json()
+    raw = json.dumps(body).replace('"kv_timeout_s": 30.0', f'"kv_timeout_s": {kv_timeout}').encode()
+    url = stack.d + "/pd/decode"
+    free = stack.workers[stack.d].engine.num_free_blocks
+    status, obj = _send("POST", url, raw, signed("POST", url, raw))
+    assert status == 400, obj
+    assert "kv_timeout_s" in obj["error"]["message"]
+    if kv_timeout != "Infinity":
+        assert "cap of 60 s" in obj["error"]["message"]
+    assert stack.workers[stack.d].engine.num_free_blocks == free
+    raw = json.dumps(PrefillRequest("big-timeout", tuple(tiny.prompts[4]), _params(),
+                                    Reservation((1,), "127.0.0.1:1", "d", 4), 1e9).to_json()).encode()
+    url = stack.p + "/pd/prefill"
+    status, obj = _send("POST", url, raw, signed("POST", url, raw))
+    assert status == 400 and "kv_timeout_s" in obj["error"]["message"]
+
+
+def test_cli_flags() -> None:
+    from pdkv.serving.cli import build_parser
+
+    a = build_parser().parse_args(["proxy", "--secret", "s", "--api-key", "k1", "--api-key", "k2"])
+    assert (a.secret, a.api_key) == ("s", ["k1", "k2"])
+    for role in ("prefill", "decode", "colocated"):
+        a = build_parser().parse_args([role, "--max-kv-timeout", "5", "--secret", "s"])
+        assert (a.max_kv_timeout, a.secret) == (5.0, "s")
