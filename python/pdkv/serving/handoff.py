@@ -43,7 +43,6 @@ import pdkv
 from pdkv.errors import InvalidArgument, NotFound, PdkvError, ResourceExhausted
 
 from .engine import Engine, RequestHandle, TokenEvent
-from .limits import _rate_limited
 from .metrics import Registry
 from .protocol import KVFailed, KVReady, KVResult, PrefillRequest, Reservation
 from .sampling import SamplingParams
@@ -200,6 +199,7 @@ class KVReceiver:
         self._waiting: dict[str, asyncio.Future] = {}
         self._background = _Background()
         self.dropped: collections.Counter = collections.Counter()  # notifications ignored, by reason
+        self._drop_log: dict[str, tuple[float, int]] = {}  # reason -> (last logged, suppressed since)
         r = registry or Registry()
         self.m_dropped = r.counter("pdkv_notifications_dropped_total",
                                    "Agent notifications ignored (malformed, or for no waiting request), by reason.",
@@ -338,9 +338,17 @@ class KVReceiver:
         return True
 
     def _drop(self, reason: str, msg: str, *args: Any) -> None:
+        """Counts a dropped notification; logs at most one per reason every 10 s (a
+        flooding peer cannot flood the log), with the count suppressed since."""
         self.dropped[reason] += 1
         self.m_dropped.inc((reason,))
-        _rate_limited(f"notification {reason}", logging.WARNING, msg, *args)
+        now = time.monotonic()
+        last, quiet = self._drop_log.get(reason, (-1e9, 0))
+        if now - last < 10.0:
+            self._drop_log[reason] = (last, quiet + 1)
+            return
+        self._drop_log[reason] = (now, 0)
+        log.warning(msg + (f" ({quiet} more like it suppressed)" if quiet else ""), *args)
 
     async def run_notifications(self) -> None:
         """Delivers the agent's notifications until cancelled; survives any payload."""

@@ -94,7 +94,9 @@ def loads(data: bytes | str, *, where: str) -> Any:
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError, TypeError, MemoryError) as e:
-        raise InvalidArgument(f"{where} is not valid JSON ({type(e).__name__})") from None
+        raise InvalidArgument(f"{where} is not JSON ({type(e).__name__}): {bytes(data[:80])!r}"
+                              if isinstance(data, (bytes, bytearray)) else
+                              f"{where} is not JSON ({type(e).__name__})") from None
 
 
 def _cap(v: Any, cap: float, *, where: str, name: str, unit: str = "") -> Any:
