@@ -58,7 +58,7 @@ from pdkv.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from ..credential import Credential
 from ..discovery import Registry as DiscoveryRegistry
 from .aio import HttpServer, json_error, start_ndjson
-from .auth import DEFAULT_WINDOW_S, WorkerAuth
+from .auth import DEFAULT_MAX_NONCES, DEFAULT_WINDOW_S, WorkerAuth
 from .discovery import RoleSwitch, WorkerRegistration
 from .engine import Engine, EngineConfig, FinishReason, RequestHandle, TokenEvent
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut, openai_error_middleware
@@ -154,6 +154,9 @@ class WorkerConfig:
     auth_window_s : float
         Seconds a signed call's timestamp may be off this worker's clock
         (:mod:`pdkv.serving.auth`).
+    auth_max_nonces : int
+        Signed calls remembered at once for replay detection (each for twice
+        ``auth_window_s``); past it signed calls get 503 until older ones expire.
     protocol_limits : ProtocolLimits
         Caps on the timeouts, sizes and counts in ``/pd/*`` bodies (400 above), e.g.
         ``max_kv_timeout_s`` (default 60 s).
@@ -180,6 +183,7 @@ class WorkerConfig:
     registry_ttl: int = 10
     accepted_secrets: tuple[str, ...] | None = None
     auth_window_s: float = DEFAULT_WINDOW_S
+    auth_max_nonces: int = DEFAULT_MAX_NONCES
     protocol_limits: ProtocolLimits = field(default_factory=ProtocolLimits)
 
     def __post_init__(self) -> None:
@@ -193,6 +197,8 @@ class WorkerConfig:
         object.__setattr__(self, "model_aliases", tuple(a for a in self.model_aliases if a and a != self.model_name))
         if not 0 < self.auth_window_s <= 3600:
             raise InvalidArgument(f"auth_window_s must be in (0, 3600], got {self.auth_window_s!r}")
+        if not isinstance(self.auth_max_nonces, int) or self.auth_max_nonces < 1:
+            raise InvalidArgument(f"auth_max_nonces must be an integer >= 1, got {self.auth_max_nonces!r}")
         if not isinstance(self.protocol_limits, ProtocolLimits):
             raise InvalidArgument("protocol_limits must be a ProtocolLimits")
         for k in ("kv_margin_s", "reserve_wait_s"):
@@ -309,6 +315,7 @@ class Worker:
             "pdkv_http_auth_refusals_total", "Calls to /pd/* refused by the signature check, by problem.",
             ("problem",))
         self.auth = WorkerAuth(self.credential, self._read_raw, window_s=config.auth_window_s,
+                               max_nonces=config.auth_max_nonces,
                                on_refuse=lambda problem: self.m_auth_refused.inc((problem,)))
         self.registration = None if config.registry is None else WorkerRegistration(
             self, DiscoveryRegistry(config.registry, ttl=config.registry_ttl))
