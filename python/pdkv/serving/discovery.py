@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
 
-from ..credential import Credential
 from ..discovery import Publication, Registry, Watch
 from ..errors import PdkvError
 from .aio import json_error
@@ -81,9 +80,6 @@ class WorkerRegistration:
     def __init__(self, worker: "Worker", registry: Registry) -> None:
         self.worker = worker
         self.registry = registry
-        secret = getattr(worker.config, "secret", None)
-        if secret:  # the worker's cluster secret (--secret) signs its record, as its agent proves it
-            registry.credential = Credential.from_env(secret)
         self.id = f"{worker.role.value}-{os.getpid()}-{secrets.token_hex(3)}"
         self.state = "serving"
         self._publication: Publication | None = None

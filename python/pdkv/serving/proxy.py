@@ -397,7 +397,8 @@ class ProxyBackend:
                                   "value the workers have) or pass --secret")
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
         if self.config.registry is not None:
-            self._pool_watch = PoolWatch(DiscoveryRegistry(self.config.registry), self._apply_registration)
+            self._pool_watch = PoolWatch(DiscoveryRegistry(self.config.registry, credential=self._credential),
+                                         self._apply_registration)
         self._tasks.append(asyncio.ensure_future(self._discover_loop()))
         self._tasks.append(asyncio.ensure_future(self._liveness_loop()))
         if self.config.rerole is not None:

@@ -318,7 +318,7 @@ class Worker:
                                max_nonces=config.auth_max_nonces,
                                on_refuse=lambda problem: self.m_auth_refused.inc((problem,)))
         self.registration = None if config.registry is None else WorkerRegistration(
-            self, DiscoveryRegistry(config.registry, ttl=config.registry_ttl))
+            self, DiscoveryRegistry(config.registry, ttl=config.registry_ttl, credential=self.credential))
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -382,7 +382,8 @@ class Worker:
         geometry = pdkv.KVGeometry.from_hf_config(self.model.config, num_blocks=cfg.engine.num_blocks,
                                                   block_tokens=cfg.engine.block_tokens, dtype=param.dtype)
         tcp = pdkv.TcpOptions(compress=kv_compression(cfg.kv_compress, geometry))
-        self.agent = pdkv.Agent(name, secret=secret, listen=cfg.agent_listen, transports=cfg.transports, tcp=tcp)
+        self.agent = pdkv.Agent(name, secret=secret, accepted_secrets=cfg.accepted_secrets, listen=cfg.agent_listen,
+                                transports=cfg.transports, tcp=tcp)
         if param.device.type == "cpu":
             pool = PagedKVPool.shared(self.agent, geometry, block_order=self.block_order)
         else:
