@@ -120,7 +120,9 @@ class ShmTransport final : public Transport {
   void add_conn(const std::shared_ptr<ShmConn>& c);
   // Initiator side: connections, region confirmation, copies.
   std::shared_ptr<ShmPeerState> peer_state(const std::shared_ptr<const Peer>& peer);
-  Result<std::shared_ptr<ShmConn>> get_conn(ShmPeerState& ps);
+  // The live connection to ps's peer, dialled by `deadline` (capped at the connect
+  // timeout) if there is none.
+  Result<std::shared_ptr<ShmConn>> get_conn(ShmPeerState& ps, Clock::time_point deadline = Clock::time_point::max());
   // Round trips inside a transfer (region confirmation, block lease) wait until its
   // deadline, or the connect timeout for a transfer without one.
   Clock::time_point answer_by(Clock::time_point deadline) const {
