@@ -46,18 +46,21 @@ def _connected(spec):
 
 
 def _table_words(layout: str) -> np.ndarray:
-    """The owner's own writable mapping of its published table of `layout` (a stand-in
-    for an owner that garbles its own table). The file itself is sealed against every
-    later write (F_SEAL_FUTURE_WRITE), so only the mapping the owner made before
-    sealing it can change the values."""
+    """The owner's own writable mapping of the published table of `layout` that a
+    reader in this process mapped (a stand-in for an owner that garbles its own
+    table). The file itself is sealed against every later write
+    (F_SEAL_FUTURE_WRITE), so only the mapping its owner made before sealing it can
+    change the values."""
     import ctypes
 
     with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[1] == "rw-s" and parts[5].startswith(f"/memfd:pdkv-gens-{layout} "):
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                return np.ctypeslib.as_array((ctypes.c_uint32 * ((hi - lo) // 4)).from_address(lo))
+        maps = [line.split(maxsplit=5) for line in f]
+    maps = [m for m in maps if len(m) == 6 and m[5].startswith(f"/memfd:pdkv-gens-{layout} ")]
+    read = {m[4] for m in maps if m[1] == "r--s"}  # the reader's mapping of the owner's table
+    for m in maps:
+        if m[1] == "rw-s" and m[4] in read:
+            lo, hi = (int(x, 16) for x in m[0].split("-"))
+            return np.ctypeslib.as_array((ctypes.c_uint32 * ((hi - lo) // 4)).from_address(lo))
     raise AssertionError(f"no writable mapping of the generation table of layout {layout!r}")
 
 

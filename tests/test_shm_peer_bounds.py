@@ -65,12 +65,13 @@ def test_unsolicited_revoke_acks_close_the_connection_and_cost_no_memory():
     try:
         before = target.call(cmd="rss")
         s = _hello(target.shm_path)
-        flood = b"".join(struct.pack("<IHHQII", MAGIC, REVOKE_ACK, 0, i + 1, 0, 0) for i in range(4096))
+        one = struct.Struct("<IHHQII")
         sent = 0
         t0 = time.monotonic()
         try:
             while sent < FLOOD and time.monotonic() - t0 < 60:
-                s.sendall(flood)
+                # distinct region ids: each would be a new entry in an unbounded ack set
+                s.sendall(b"".join(one.pack(MAGIC, REVOKE_ACK, 0, sent + i + 1, 0, 0) for i in range(4096)))
                 sent += 4096
         except (BrokenPipeError, ConnectionResetError):
             pass
