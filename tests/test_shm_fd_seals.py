@@ -28,7 +28,6 @@ import socket
 import struct
 import sys
 
-import numpy as np
 import pytest
 
 import pdkv

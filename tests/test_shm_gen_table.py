@@ -10,7 +10,6 @@ succeeds: the mid-copy test below never sees its StaleBlock.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 import pytest

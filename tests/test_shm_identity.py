@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import struct
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
