@@ -7,6 +7,7 @@
 //                     hello, answer region and lease requests, take notifications,
 //                     revoke regions on deregistration
 //   shm_dial.h        the initiator's blocking handshake
+//   peer_identity.h   who the peer is, as the kernel says (SO_PEERCRED, uid policy, pidfd)
 //   shm_conn.h        one control connection, its state and its lock order
 //   remote_region.h   confirming a peer's region before first use, acking revokes
 //   copy_ops.h        a bound transfer's copy ops, built from its runs (bounds checked)
