@@ -116,6 +116,17 @@ struct FieldType<std::vector<std::string>> {
     return out;
   }
 };
+template <>
+struct FieldType<std::vector<uint32_t>> {
+  static constexpr const char* kPyType = "list[int]";
+  static std::vector<uint32_t> from(py::handle v, const std::string& where) {
+    if (!py::isinstance<py::list>(v) && !py::isinstance<py::tuple>(v))
+      raise_invalid(where + " must be a list of int, got " + describe(v));
+    std::vector<uint32_t> out;
+    for (py::handle item : v) out.push_back(integer_field<uint32_t>(item, where + " item"));
+    return out;
+  }
+};
 template <typename Opts>
 struct NestedOptions {
   static Opts from(py::handle v, const std::string& where) {
@@ -430,6 +441,9 @@ void bind_options(py::module_& m) {
              "bool: a transfer's notification completes it once sent (after every byte landed) instead of "
              "on the peer's acknowledgement; one never acknowledged is counted in "
              "Agent.notifications_unacknowledged and logged, not raised (docs/api.md, Notifications).")
+      .field("allowed_peer_uids", &ShmOptions::allowed_peer_uids,
+             "list[int] (at most 64): uids besides this process's own whose processes may be shm peers, in "
+             "either direction; the kernel says who the peer is (SO_PEERCRED). Empty: same uid only.")
       .finish();
 
   OptionsClass<AgentConfig>(m, "AgentConfig", "Everything an agent is created with (pdkv/config.h).")

@@ -711,7 +711,7 @@ class ShmOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144, share_pages_min_bytes: int = 1048576, notify_on_send: bool = False) -> None:
+    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144, share_pages_min_bytes: int = 1048576, notify_on_send: bool = False, allowed_peer_uids: list[int] = []) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -723,6 +723,14 @@ class ShmOptions:
         """
         Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
         """
+    @property
+    def allowed_peer_uids(self) -> list[int]:
+        """
+        list[int] (at most 64): uids besides this process's own whose processes may be shm peers, in either direction; the kernel says who the peer is (SO_PEERCRED). Empty: same uid only.
+        """
+    @allowed_peer_uids.setter
+    def allowed_peer_uids(self, value: list[int]) -> None:
+        ...
     @property
     def copy_threads(self) -> int:
         """
