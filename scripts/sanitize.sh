@@ -36,14 +36,16 @@ case $KIND in
                 tests/test_codec_kernels.py tests/test_hetero_strided_hostile.py tests/test_compress_read.py
                 tests/test_hetero_strided_landing.py tests/test_hetero_strided.py tests/test_shm_strided2.py
                 tests/test_tcp_small_extents.py tests/test_generations.py tests/test_shm_gen_table.py
-                tests/test_shm_notify_on_send.py tests/test_tcp_two_level.py"
+                tests/test_shm_notify_on_send.py tests/test_tcp_two_level.py tests/test_handshake_auth.py
+                tests/test_tcp_tls.py tests/test_shm_identity.py tests/test_shm_fd_seals.py tests/test_shm_peer_bounds.py"
     ;;
   tsan)
     FLAGS="-fsanitize=thread -fno-omit-frame-pointer"
     RUNTIME=libtsan.so
     CANDIDATES="tests/test_agent.py tests/test_threads.py tests/test_compress_tcp.py tests/test_compress_read.py
                 tests/test_shm_strided2.py tests/test_generations.py tests/test_thread_cpus.py
-                tests/test_shm_gen_table.py tests/test_shm_notify_on_send.py"
+                tests/test_shm_gen_table.py tests/test_shm_notify_on_send.py tests/test_handshake_auth.py
+                tests/test_tcp_tls.py"
     ;;
   *)
     echo "usage: $0 asan|tsan [pytest args]" >&2

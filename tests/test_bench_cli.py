@@ -33,6 +33,16 @@ def test_bench_transfer_json(transport):
         assert r["gbps"] > 0 and r["lat_p50_us"] > 0 and r["lat_p99_us"] >= r["lat_p50_us"]
 
 
+def test_bench_transfer_tls_beside_plain():
+    """--tls: each payload plain, then over TLS, in one invocation, with the ratio."""
+    rows = run_bench("--tls")
+    assert [r["payload_bytes"] for r in rows] == [4 << 20, 8 << 20]
+    for r in rows:
+        assert r["tls"] is True and r["verified"] is True and r["gbps"] > 0
+        assert r["plain"]["gbps"] > 0 and r["ratio_tls_over_plain"] == r["gbps"] / r["plain"]["gbps"]
+        assert r["lat_ratio_tls_over_plain"] > 0
+
+
 def test_bench_transfer_device_memory_over_tcp(fakecuda_path):
     """--memory cuda on the fake driver: both pools in device memory, staged over tcp."""
     rows = run_bench("--transport", "tcp", "--memory", "cuda", env={"PDKV_CUDA_DRIVER": fakecuda_path})

@@ -10,7 +10,6 @@ succeeds: the mid-copy test below never sees its StaleBlock.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 import pytest
@@ -45,17 +44,23 @@ def _connected(spec):
         yield a, b, src, dst, a.add_peer(b.metadata())
 
 
-def _table_file(layout: str):
-    """The owner's published table of `layout`, opened writable through /proc (a
-    stand-in for an owner that garbles its own table)."""
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(f"/memfd:pdkv-gens-{layout} "):
-            return open(f"/proc/self/fd/{fd}", "r+b", buffering=0)
-    raise AssertionError(f"no generation table memfd for layout {layout!r}")
+def _table_words(layout: str) -> np.ndarray:
+    """The owner's own writable mapping of the published table of `layout` that a
+    reader in this process mapped (a stand-in for an owner that garbles its own
+    table). The file itself is sealed against every later write
+    (F_SEAL_FUTURE_WRITE), so only the mapping its owner made before sealing it can
+    change the values."""
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        maps = [line.split(maxsplit=5) for line in f]
+    maps = [m for m in maps if len(m) == 6 and m[5].startswith(f"/memfd:pdkv-gens-{layout} ")]
+    read = {m[4] for m in maps if m[1] == "r--s"}  # the reader's mapping of the owner's table
+    for m in maps:
+        if m[1] == "rw-s" and m[4] in read:
+            lo, hi = (int(x, 16) for x in m[0].split("-"))
+            return np.ctypeslib.as_array((ctypes.c_uint32 * ((hi - lo) // 4)).from_address(lo))
+    raise AssertionError(f"no writable mapping of the generation table of layout {layout!r}")
 
 
 def test_read_with_generations_is_bit_exact_and_stale_before_the_read_copies_nothing():
@@ -161,21 +166,18 @@ def test_a_garbled_table_fails_reads_and_never_crashes_the_reader():
     with _connected(SPEC) as (a, b, src, dst, peer):
         gens = b.generations("kv", list(range(SPEC.blocks)))
         assert a.read(peer, "kv", [0], "kv", [0], remote_generations=gens[:1]).wait(10)  # maps the table
-        with _table_file("kv") as f:
-            original = f.read()
-            assert len(original) == 4 * SPEC.blocks
-            assert np.array_equal(np.frombuffer(original, "<u4"), gens)
-            rng = np.random.default_rng(7)
-            for garbage in (rng.integers(0, 2**32, SPEC.blocks, dtype=np.uint32),
-                            np.full(SPEC.blocks, 0xFFFFFFFF, np.uint32), np.zeros(SPEC.blocks, np.uint32)):
-                f.seek(0)
-                f.write(garbage.astype("<u4").tobytes())
-                before = dst.logical(range(SPEC.blocks)).copy()
-                with pytest.raises(pdkv.StaleBlock, match="block 3"):
-                    a.read(peer, "kv", [4], "kv", [3], remote_generations=gens[3:4]).wait(10)
-                assert np.array_equal(dst.logical(range(SPEC.blocks)), before)
-            f.seek(0)
-            f.write(original)
+        words = _table_words("kv")
+        original = words[:SPEC.blocks].copy()
+        assert np.array_equal(original, gens)
+        rng = np.random.default_rng(7)
+        for garbage in (rng.integers(0, 2**32, SPEC.blocks, dtype=np.uint32),
+                        np.full(SPEC.blocks, 0xFFFFFFFF, np.uint32), np.zeros(SPEC.blocks, np.uint32)):
+            words[:SPEC.blocks] = garbage
+            before = dst.logical(range(SPEC.blocks)).copy()
+            with pytest.raises(pdkv.StaleBlock, match="block 3"):
+                a.read(peer, "kv", [4], "kv", [3], remote_generations=gens[3:4]).wait(10)
+            assert np.array_equal(dst.logical(range(SPEC.blocks)), before)
+        words[:SPEC.blocks] = original
         assert a.read(peer, "kv", [4], "kv", [3], remote_generations=gens[3:4]).wait(10)
         assert np.array_equal(dst.logical([4]), src.logical([3]))
 

@@ -90,6 +90,14 @@ struct FieldType<double> {
   }
 };
 template <>
+struct FieldType<bool> {
+  static constexpr const char* kPyType = "bool";
+  static bool from(py::handle v, const std::string& where) {
+    if (!PyBool_Check(v.ptr())) raise_invalid(where + " must be a bool, got " + describe(v));
+    return v.cast<bool>();
+  }
+};
+template <>
 struct FieldType<std::string> {
   static constexpr const char* kPyType = "str";
   static std::string from(py::handle v, const std::string& where) {
@@ -105,6 +113,17 @@ struct FieldType<std::vector<std::string>> {
       raise_invalid(where + " must be a list of str, got " + describe(v));
     std::vector<std::string> out;
     for (py::handle item : v) out.push_back(FieldType<std::string>::from(item, where + " item"));
+    return out;
+  }
+};
+template <>
+struct FieldType<std::vector<uint32_t>> {
+  static constexpr const char* kPyType = "list[int]";
+  static std::vector<uint32_t> from(py::handle v, const std::string& where) {
+    if (!py::isinstance<py::list>(v) && !py::isinstance<py::tuple>(v))
+      raise_invalid(where + " must be a list of int, got " + describe(v));
+    std::vector<uint32_t> out;
+    for (py::handle item : v) out.push_back(integer_field<uint32_t>(item, where + " item"));
     return out;
   }
 };
@@ -388,6 +407,9 @@ void bind_options(py::module_& m) {
              "int, bytes: receiver SO_RCVLOWAT cap while a large payload arrives (0 disables).")
       .field("connect_timeout_s", &TcpOptions::connect_timeout_s,
              "float, seconds (0, 86400]: TCP connect plus handshake.")
+      .field("tls", &TcpOptions::tls,
+             "bool: encrypt every connection with TLS 1.3; the handshake inside is bound to the session. "
+             "Every agent of a cluster must agree (an agent with it on speaks only TLS). Off by default.")
       .field("handshake_timeout_s", &TcpOptions::handshake_timeout_s,
              "float, seconds (0, 86400]: inbound connections that do not authenticate within this are closed.")
       .field("frame_timeout_s", &TcpOptions::frame_timeout_s,
@@ -425,6 +447,9 @@ void bind_options(py::module_& m) {
              "bool: a transfer's notification completes it once sent (after every byte landed) instead of "
              "on the peer's acknowledgement; one never acknowledged is counted in "
              "Agent.notifications_unacknowledged and logged, not raised (docs/api.md, Notifications).")
+      .field("allowed_peer_uids", &ShmOptions::allowed_peer_uids,
+             "list[int] (at most 64): uids besides this process's own whose processes may be shm peers, in "
+             "either direction; the kernel says who the peer is (SO_PEERCRED). Empty: same uid only.")
       .finish();
 
   OptionsClass<AgentConfig>(m, "AgentConfig", "Everything an agent is created with (pdkv/config.h).")

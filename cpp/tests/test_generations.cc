@@ -52,6 +52,11 @@ TEST(Generations, SharedTableMirrorsBumpsAndIsZeroedOnRemoval) {
   EXPECT_TRUE(seals & F_SEAL_SHRINK);
   EXPECT_TRUE(seals & F_SEAL_GROW);
   EXPECT_NE(::ftruncate(*fd, 4), 0);  // a reader's mapping can never be cut short
+  // Read-only, and sealed against writes: the values are the owner's word only.
+  EXPECT_TRUE(seals & F_SEAL_FUTURE_WRITE);
+  EXPECT_EQ(::fcntl(*fd, F_GETFL) & O_ACCMODE, O_RDONLY);
+  EXPECT_LT(::pwrite(*fd, "x", 1, 0), 0);
+  EXPECT_EQ(::mmap(nullptr, 16, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0), MAP_FAILED);
   void* p = ::mmap(nullptr, 16, PROT_READ, MAP_SHARED, *fd, 0);
   ASSERT_NE(p, MAP_FAILED);
   const auto* g = static_cast<const uint32_t*>(p);

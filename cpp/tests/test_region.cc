@@ -1,9 +1,11 @@
 // RegionTable: the table every inbound and outbound access is checked against
 // (pdkv/region.h). Addresses here are plain numbers: the table never dereferences them.
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <future>
@@ -203,7 +205,7 @@ TEST(RegionTable, TakeThenWaitUnpinnedReturnsAtOnceWithoutPins) {
 
 TEST(RegionTable, ShmBackedRegionsKeepTheirOwnFd) {
   RegionTable t;
-  int fd = ::memfd_create("pdkv-test", MFD_CLOEXEC);
+  int fd = ::memfd_create("pdkv-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(::ftruncate(fd, 4096), 0);
   // The memfd must hold at least the registered length.
@@ -215,6 +217,13 @@ TEST(RegionTable, ShmBackedRegionsKeepTheirOwnFd) {
   auto dup = t.dup_shm_fd(shared->id);
   ASSERT_TRUE(dup.ok()) << dup.status().to_string();
   EXPECT_GE(dup.value(), 0);
+  // Peers get it sealed against resizing (a shrink would SIGBUS us), still writable.
+  const int seals = ::fcntl(dup.value(), F_GET_SEALS);
+  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  EXPECT_NE(::ftruncate(dup.value(), 0), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(::ftruncate(dup.value(), 8192), 0);
+  EXPECT_EQ(::pwrite(dup.value(), "x", 1, 0), 1);
   ::close(dup.value());
 
   RegionDesc plain = add_ok(t, 0x20000, 4096);
@@ -223,6 +232,18 @@ TEST(RegionTable, ShmBackedRegionsKeepTheirOwnFd) {
   EXPECT_EQ(t.dup_shm_fd(priv.id).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(t.add(0x40000, 16, MemKind::kHost, -1, true, /*shm_fd=*/1 << 20).status().code(),
             StatusCode::kInvalidArgument);  // not an open fd
+}
+
+// A memfd that cannot be sealed against resizing is never shared with peers.
+TEST(RegionTable, AnUnsealableMemfdIsRefused) {
+  RegionTable t;
+  int fd = ::memfd_create("pdkv-test", MFD_CLOEXEC);  // no MFD_ALLOW_SEALING
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, 4096), 0);
+  auto r = t.add(0x10000, 4096, MemKind::kHost, -1, true, fd);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("MFD_ALLOW_SEALING"), std::string::npos) << r.status().to_string();
+  ::close(fd);
 }
 
 }  // namespace

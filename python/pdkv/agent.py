@@ -720,7 +720,9 @@ class Agent:
 
         nbytes = _validate.positive_int(nbytes, "nbytes")
         remote_access = _validate.flag(remote_access, "remote_access")
-        fd = os.memfd_create(f"pdkv:{self.name}", os.MFD_CLOEXEC)
+        # Sealable: registration seals it against shrinking and growing, so no peer it
+        # is shared with can truncate it under us (SIGBUS).
+        fd = os.memfd_create(f"pdkv:{self.name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -20,7 +20,9 @@ from typing import Any, Sequence
 import pytest
 import torch
 
+from pdkv.credential import Credential
 from pdkv.serving.aio import ServerThread
+from pdkv.serving.auth import sign_headers
 from pdkv.serving.engine import EngineConfig
 from pdkv.serving.models import load_model
 from pdkv.serving.openai_api import TextCodec
@@ -104,6 +106,7 @@ class Stack:
 
     def proxy(self, mode: str, *, prefill: Sequence[str] = (), decode: Sequence[str], wait: bool = True,
               **kw: Any) -> str:
+        kw.setdefault("secret", SECRET)
         p = Proxy(ProxyConfig(mode=mode, prefill=tuple(prefill), decode=tuple(decode), **kw))
         t = ServerThread(p)
         url = t.start()
@@ -124,10 +127,10 @@ class Stack:
         self.threads = []
 
 
-def post(url: str, body: Any, timeout: float = 60.0) -> tuple[int, Any]:
+def post(url: str, body: Any, timeout: float = 60.0, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """POSTs JSON; returns ``(status, decoded JSON body)`` also for HTTP errors."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    data = _data(body)
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -136,9 +139,28 @@ def post(url: str, body: Any, timeout: float = 60.0) -> tuple[int, Any]:
             return e.code, json.loads(e.read())
 
 
-def get(url: str, timeout: float = 30.0) -> tuple[int, str]:
+def signed(method: str, url: str, body: bytes = b"", secret: str = SECRET) -> dict[str, str]:
+    """The ``X-PDKV-Auth`` header of a worker call signed with ``secret`` (what a proxy sends)."""
+    return sign_headers(Credential(secret), method, url, body)
+
+
+def spost(url: str, body: Any, timeout: float = 60.0, secret: str = SECRET) -> tuple[int, Any]:
+    """:func:`post`, signed like a proxy's call to a worker."""
+    return post(url, body, timeout, headers=signed("POST", url, _data(body), secret))
+
+
+def sget(url: str, timeout: float = 30.0, secret: str = SECRET) -> tuple[int, str]:
+    """:func:`get`, signed like a proxy's call to a worker."""
+    return get(url, timeout, headers=signed("GET", url, b"", secret))
+
+
+def _data(body: Any) -> bytes:
+    return body if isinstance(body, bytes) else json.dumps(body).encode()
+
+
+def get(url: str, timeout: float = 30.0, headers: dict[str, str] | None = None) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         with e:

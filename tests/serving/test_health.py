@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
-from servers import Stack, completion_ids, get, post, tiny  # noqa: E402, F401 (tiny: a fixture)
+from servers import SECRET, Stack, completion_ids, get, post, tiny  # noqa: E402, F401 (tiny: a fixture)
 
 from pdkv.serving.aio import ServerThread  # noqa: E402
 from pdkv.serving.cli import PeerAuthError, _ReadyProxy  # noqa: E402
@@ -31,7 +31,9 @@ def stack(tiny):
     s = Stack()
     try:
         s.p = s.worker(tiny, "prefill")
-        s.bad_p = _worker(s, tiny, "prefill", secret="not-the-shared-secret")
+        # Its agent proves another secret; its /pd/* routes accept the proxy's signature too
+        # (rotation's accepted secrets), so the proxy can use it and see the agents disagree.
+        s.bad_p = _worker(s, tiny, "prefill", secret="not-the-shared-secret", accepted_secrets=(SECRET,))
         s.d = s.worker(tiny, "decode", mode="chunked", max_batch_tokens=16)
         # Its own decode worker: an agent briefly refuses a host after failed
         # authentications, which would blur the good pair's results.
@@ -113,7 +115,7 @@ def test_recompute_without_a_prefill_worker_carries_its_cause(tiny, stack) -> No
 
 
 def _start_ready(prefill: str, decode: str) -> None:
-    proxy = Proxy(ProxyConfig("disagg", prefill=[prefill], decode=[decode]))
+    proxy = Proxy(ProxyConfig("disagg", prefill=[prefill], decode=[decode], secret=SECRET))
     ready = _ReadyProxy(proxy, timeout=30)
 
     async def go() -> None:

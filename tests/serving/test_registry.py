@@ -18,7 +18,7 @@ pytest.importorskip("aiohttp")
 from pdkv.discovery import Registry  # noqa: E402
 from pdkv.errors import InvalidArgument  # noqa: E402
 from pdkv.serving.proxy import ProxyConfig  # noqa: E402
-from servers import Stack, completion_ids, get, post, tiny  # noqa: E402, F401 (tiny: a fixture)
+from servers import Stack, completion_ids, get, post, sget, spost, tiny  # noqa: E402, F401 (tiny: a fixture)
 
 
 TTL = 2
@@ -161,10 +161,10 @@ def test_worker_that_stops_refreshing_leaves_rotation(tiny, etcd):
 
 def drain(worker: str, proxies: list[str], etcd) -> None:
     """Drains ``worker`` and waits until it left every proxy's rotation and the registry."""
-    status, state = post(worker + "/pd/drain", {})
+    status, state = spost(worker + "/pd/drain", {})
     assert status == 200 and state["state"] == "draining"
     wait_for(lambda: all(worker not in rotation(p) for p in proxies), 10, f"{worker} left rotation")
-    wait_for(lambda: json.loads(get(worker + "/pd/drain")[1])["state"] == "drained", 60, f"{worker} drained")
+    wait_for(lambda: json.loads(sget(worker + "/pd/drain")[1])["state"] == "drained", 60, f"{worker} drained")
     assert worker not in {w["url"] for w in Registry(etcd.url).list("workers")[0].values()}
 
 
@@ -211,7 +211,7 @@ def test_workers_added_and_drained_under_load_lose_nothing(tiny, etcd):
 # ---------------------------------------------------------------------------- re-roling
 
 def info_role(worker: str) -> str:
-    return json.loads(get(worker + "/pd/info")[1])["role"]
+    return json.loads(sget(worker + "/pd/info")[1])["role"]
 
 
 def test_worker_switches_role_and_serves_the_new_one(tiny):
@@ -222,21 +222,21 @@ def test_worker_switches_role_and_serves_the_new_one(tiny):
         pre = s.worker(tiny, "prefill")
         d1 = s.worker(tiny, "decode")
         d2 = s.worker(tiny, "decode")
-        assert post(d2 + "/pd/role", {"role": "colocated"})[0] == 400
-        assert post(d2 + "/pd/role", {"rol": "prefill"})[0] == 400
-        assert post(d2 + "/pd/role", {"role": "decode"}) == (200, {"role": "decode", "switched": False})
-        assert post(d2 + "/pd/role", {"role": "prefill"}) == (200, {"role": "prefill", "switched": True,
+        assert spost(d2 + "/pd/role", {"role": "colocated"})[0] == 400
+        assert spost(d2 + "/pd/role", {"rol": "prefill"})[0] == 400
+        assert spost(d2 + "/pd/role", {"role": "decode"}) == (200, {"role": "decode", "switched": False})
+        assert spost(d2 + "/pd/role", {"role": "prefill"}) == (200, {"role": "prefill", "switched": True,
                                                                    "from": "decode"})
         assert info_role(d2) == "prefill"
-        status, body = post(d2 + "/pd/decode", {})
+        status, body = spost(d2 + "/pd/decode", {})
         assert status == 404 and body["error"]["code"] == "wrong_role"
         proxy = s.proxy("disagg", prefill=[pre, d2], decode=[d1])
         for _ in range(2):  # both prefill workers get requests (least loaded, round-robin ties)
             for prompt, ref in zip(tiny.prompts, tiny.refs):
                 assert completion_ids(proxy, tiny.name, prompt)[0] == ref
         assert rotation(proxy)[d2]["served"] > 0
-        assert post(d2 + "/pd/role", {"role": "decode"})[1]["switched"]
-        assert post(d2 + "/pd/prefill", {})[0] == 404
+        assert spost(d2 + "/pd/role", {"role": "decode"})[1]["switched"]
+        assert spost(d2 + "/pd/prefill", {})[0] == 404
         back = s.proxy("hybrid", prefill=[pre], decode=[d2], hybrid_threshold=10)
         for prompt, ref in zip(tiny.prompts, tiny.refs):
             assert completion_ids(back, tiny.name, prompt)[0] == ref

@@ -115,13 +115,10 @@ def test_forged_worker_registration_gets_no_request(tiny, etcd, monkeypatch):
         assert set(Registry(etcd.url, credential=Credential(SECRET), etcd=None).list("workers")[0]) == \
             {s.workers[pre].registration.id, dec_id}
 
-        # Control: a proxy without the secret takes the unsigned records and reaches the fake.
-        monkeypatch.delenv("PDKV_SECRET")
-        s.proxy("disagg", decode=[], registry=etcd.url, wait=False)
-        deadline = time.monotonic() + 15
-        while fake.connections == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert fake.connections > 0
+        # Control: the forgeries are there for a reader that checks nothing (a proxy cannot
+        # run without the cluster secret any more: it signs every worker call), naming the fake.
+        unchecked = Registry(etcd.url, credential=None, etcd=None).list("workers")[0]
+        assert sum(fake.url in str(r) for r in unchecked.values()) >= 4, unchecked
     finally:
         s.close()
         fake.close()

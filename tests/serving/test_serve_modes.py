@@ -281,8 +281,12 @@ def _pd_decode(url: str, body: dict) -> list[dict]:
     """The NDJSON lines of a /pd/decode request, in order (the stream is read to its end)."""
     import urllib.request
 
-    req = urllib.request.Request(url + "/pd/decode", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    from servers import signed
+
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url + "/pd/decode", data=data,
+                                 headers={"Content-Type": "application/json",
+                                          **signed("POST", url + "/pd/decode", data)})
     with urllib.request.urlopen(req, timeout=60) as r:
         return [json.loads(line) for line in r.read().decode().splitlines() if line.strip()]
 

@@ -48,6 +48,7 @@ std::string encode(Role role, const Transcript& t) {
   put(&s, t.nonce_t.data(), t.nonce_t.size());
   put(&s, t.pub_i.data(), t.pub_i.size());
   put(&s, t.pub_t.data(), t.pub_t.size());
+  put(&s, t.binding.data(), t.binding.size());
   return s;
 }
 
@@ -153,9 +154,11 @@ bool equal(const Mac& a, const Mac& b) { return CRYPTO_memcmp(a.data(), b.data()
 
 // ---- the two halves
 
-Result<InitiatorHandshake> InitiatorHandshake::begin(std::string transport, uint32_t version, std::string self_name) {
+Result<InitiatorHandshake> InitiatorHandshake::begin(std::string transport, uint32_t version, std::string self_name,
+                                                     const ChannelBinding& binding) {
   PDKV_ASSIGN_OR_RETURN(Exchange ex, Exchange::start());
   InitiatorHandshake h(std::move(ex));
+  h.binding_ = binding;
   h.transport_ = std::move(transport);
   h.version_ = version;
   h.self_ = std::move(self_name);
@@ -173,6 +176,7 @@ Transcript InitiatorHandshake::transcript() const {
   t.pub_i = ex_.pub();
   t.nonce_t = nonce_t_;
   t.pub_t = pub_t_;
+  t.binding = binding_;
   return t;
 }
 
@@ -197,10 +201,11 @@ Status InitiatorHandshake::check_accept(const Mac& got) const {
 
 Result<TargetHandshake> TargetHandshake::begin(std::string transport, uint32_t version, std::string initiator,
                                                std::string self_name, uint64_t self_instance, const Nonce& nonce_i,
-                                               const Pub& pub_i) {
+                                               const Pub& pub_i, const ChannelBinding& binding) {
   PDKV_ASSIGN_OR_RETURN(Exchange ex, Exchange::start());
   PDKV_RETURN_IF_ERROR(ex.agree(pub_i));
   TargetHandshake h(std::move(ex));
+  h.binding_ = binding;
   h.transport_ = std::move(transport);
   h.version_ = version;
   h.initiator_ = std::move(initiator);
@@ -222,6 +227,7 @@ Transcript TargetHandshake::transcript() const {
   t.pub_i = pub_i_;
   t.nonce_t = ex_.nonce();
   t.pub_t = ex_.pub();
+  t.binding = binding_;
   return t;
 }
 

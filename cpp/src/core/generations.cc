@@ -157,8 +157,13 @@ void GenerationTable::share(detail::LayoutGens& l) {
   void* p = MAP_FAILED;
   if (::ftruncate(fd, static_cast<off_t>(len)) == 0)
     p = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  // A reader maps exactly len bytes; the seals keep the file from shrinking under it.
-  if (p == MAP_FAILED || ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+  // A reader maps exactly len bytes; the seals keep the file from shrinking under it,
+  // and the table's values are our word only: F_SEAL_FUTURE_WRITE (after our own
+  // writable mapping exists, which keeps working) refuses every later write(), and
+  // every new writable shared mapping, to anyone holding the file. A kernel without
+  // it (< 5.1) shares no table: readers take leases instead.
+  if (p == MAP_FAILED ||
+      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
     if (p != MAP_FAILED) ::munmap(p, len);
     ::close(fd);
     return;
@@ -172,8 +177,11 @@ void GenerationTable::share(detail::LayoutGens& l) {
 Result<int> GenerationTable::dup_shared_fd(const std::string& layout, uint32_t* num_blocks) const {
   PDKV_ASSIGN_OR_RETURN(auto l, find(layout));
   if (l->fd < 0) return NotSupported("layout '" + layout + "' has no shared generation table");
-  int fd = ::fcntl(l->fd, F_DUPFD_CLOEXEC, 0);
-  if (fd < 0) return ResourceExhausted("dup of a generation table fd failed: " + std::string(std::strerror(errno)));
+  // Peers get a read-only open of the file (not a dup of our read-write one): it can
+  // be neither written nor mapped writable, even before the seals are looked at.
+  int fd = ::open(("/proc/self/fd/" + std::to_string(l->fd)).c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return NotSupported("layout '" + layout + "': reopening its generation table read-only failed (" +
+                                  std::string(std::strerror(errno)) + "; is /proc mounted?)");
   *num_blocks = static_cast<uint32_t>(l->gen.size());
   return fd;
 }

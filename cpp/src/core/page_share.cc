@@ -159,6 +159,16 @@ Status move_chunk_to_private(uint64_t dst, uint64_t n) {
 
 }  // namespace
 
+Status seal_against_resize(int fd) {
+  constexpr int kResize = F_SEAL_SHRINK | F_SEAL_GROW;
+  if (::fcntl(fd, F_ADD_SEALS, kResize | F_SEAL_SEAL) == 0) return Status::Ok();
+  const int err = errno;
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals >= 0 && (seals & kResize) == kResize) return Status::Ok();
+  return InvalidArgument("a memfd shared with peers must be sealed against resizing, and sealing this one failed (" +
+                         util::errno_str(err) + "); create it with MFD_ALLOW_SEALING");
+}
+
 Result<SharedPages> share_pages(uint64_t addr, uint64_t len, uint64_t min_bytes, std::string* why_not) {
   SharedPages none;
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
@@ -177,13 +187,19 @@ Result<SharedPages> share_pages(uint64_t addr, uint64_t len, uint64_t min_bytes,
   if (why_not->empty()) *why_not = cuda_in_use(lo);
   if (!why_not->empty()) return none;
 
-  int fd = ::memfd_create("pdkv-registered", MFD_CLOEXEC);
+  int fd = ::memfd_create("pdkv-registered", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return Internal("memfd_create failed: " + util::errno_str(errno));
   struct stat st {};
   if (::ftruncate(fd, static_cast<off_t>(hi - lo)) != 0 || ::fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);
     return ResourceExhausted("sizing a memfd of " + std::to_string(hi - lo) + " bytes failed: " + util::errno_str(err));
+  }
+  // Peers get this fd: sealed before any page of ours lives in it.
+  if (Status sealed = seal_against_resize(fd); !sealed.ok()) {
+    ::close(fd);
+    *why_not = sealed.message();
+    return none;
   }
   SharedPages sp{fd, lo - addr, hi - lo, st.st_dev, st.st_ino};
   for (uint64_t off = 0; off < sp.len; off += kChunkBytes) {

@@ -40,6 +40,14 @@ struct SharedPages {
   ino_t ino = 0;
 };
 
+// Seals memfd `fd` against shrinking and growing, then against further seals
+// (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL): every memfd an agent hands a peer is
+// sealed so, and a peer that ftruncate()s it gets EPERM instead of killing us with
+// SIGBUS (a peer may still write its bytes: that is what the shm transport is for).
+// OK if the file already carries both seals; InvalidArgument otherwise (a memfd made
+// without MFD_ALLOW_SEALING, or sealed with F_SEAL_SEAL before).
+Status seal_against_resize(int fd);
+
 // Re-maps the whole pages of [addr, addr + len) onto a new memfd when they span at
 // least `min_bytes` and are all private anonymous memory. Returns a window with
 // len 0 (and says why in *why_not) when nothing is shared; an error only when the

@@ -62,6 +62,8 @@ Result<RegionDesc> RegionTable::add(uint64_t addr, uint64_t len, MemKind kind, i
     if (static_cast<uint64_t>(st.st_size) < len)
       return InvalidArgument("shm fd holds " + std::to_string(st.st_size) + " bytes, less than the " +
                              std::to_string(len) + " registered");
+    // Peers get a dup of it: seal it first, so none can shrink it under us (SIGBUS).
+    PDKV_RETURN_IF_ERROR(detail::seal_against_resize(shm_fd));
     fd = ::fcntl(shm_fd, F_DUPFD_CLOEXEC, 0);
     if (fd < 0) return Internal("dup of shm fd failed: errno " + std::to_string(errno));
   }

@@ -566,7 +566,7 @@ class TcpOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, max_inbound_conns: int = 1024, max_inbound_per_peer: int = 128, compress: TcpCompression = ...) -> None:
+    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, tls: bool = False, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, max_inbound_conns: int = 1024, max_inbound_per_peer: int = 128, compress: TcpCompression = ...) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -706,6 +706,14 @@ class TcpOptions:
     @stage_chunk_bytes.setter
     def stage_chunk_bytes(self, value: int) -> None:
         ...
+    @property
+    def tls(self) -> bool:
+        """
+        bool: encrypt every connection with TLS 1.3; the handshake inside is bound to the session. Every agent of a cluster must agree (an agent with it on speaks only TLS). Off by default.
+        """
+    @tls.setter
+    def tls(self, value: bool) -> None:
+        ...
 class ShmOptions:
     """
     Options of the shm transport (same host, one copy).
@@ -719,7 +727,7 @@ class ShmOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144, share_pages_min_bytes: int = 1048576, notify_on_send: bool = False) -> None:
+    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144, share_pages_min_bytes: int = 1048576, notify_on_send: bool = False, allowed_peer_uids: list[int] = []) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -731,6 +739,14 @@ class ShmOptions:
         """
         Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
         """
+    @property
+    def allowed_peer_uids(self) -> list[int]:
+        """
+        list[int] (at most 64): uids besides this process's own whose processes may be shm peers, in either direction; the kernel says who the peer is (SO_PEERCRED). Empty: same uid only.
+        """
+    @allowed_peer_uids.setter
+    def allowed_peer_uids(self, value: list[int]) -> None:
+        ...
     @property
     def copy_threads(self) -> int:
         """

@@ -75,7 +75,7 @@ def percentile(xs: list[float], q: float) -> float:
 
 def tcp_options(args: argparse.Namespace) -> TcpOptions:
     return TcpOptions(conns_per_peer=args.conns, progress_threads=args.threads, rcvlowat_bytes=args.rcvlowat,
-                      batch_bytes=args.batch_bytes)
+                      batch_bytes=args.batch_bytes, tls=bool(getattr(args, "tls_on", False)))
 
 
 def _pool(agent: Agent, geo, seed: int | None, memory: str = "host") -> tuple[object, KVLayout]:
@@ -173,7 +173,8 @@ def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
     cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--child", "--model", args.model,
            "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
            "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
-           "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else [])
+           "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else []) + \
+        (["--tls-on"] if getattr(args, "tls_on", False) else [])
     cpus = sorted(os.sched_getaffinity(0))
     pin_to = {cpus[1]} if args.pin and len(cpus) >= 2 else None
 
@@ -339,6 +340,31 @@ def run(args: argparse.Namespace) -> list[dict]:
         return run_hetero(args, payloads)
     if args.compress:  # compressed writes beside plain ones (compress.py)
         return compress.run(args, payloads)
+    if args.tls:  # the same cases plain, then with TcpOptions(tls=True): the cost of encryption
+        if args.transport != "tcp" or args.target:
+            raise InvalidArgument("--tls measures the tcp transport between two local processes (--transport tcp)")
+        args.tls_on = False
+        plain = _run_cases(args, payloads, quiet=True)
+        args.tls_on = True
+        results = _run_cases(args, payloads, quiet=True)
+        for r, p in zip(results, plain):
+            r["tls"] = True
+            r["plain"] = {k: p[k] for k in ("gbps", "lat_p50_us", "lat_p99_us", "ceilings") if k in p}
+            r["ratio_tls_over_plain"] = r["gbps"] / p["gbps"] if p["gbps"] else None
+            r["lat_ratio_tls_over_plain"] = r["lat_p50_us"] / p["lat_p50_us"] if p["lat_p50_us"] else None
+            if args.json:
+                print(json.dumps(r), flush=True)
+        if not args.json:
+            print_table(args, plain)
+            print_table(args, results)
+            print_tls(results)
+        write_out(args, results)
+        return results
+    return _run_cases(args, payloads)
+
+
+def _run_cases(args: argparse.Namespace, payloads: list[int], quiet: bool = False) -> list[dict]:
+    """Every payload through tcp_options(args) against a fresh target process."""
     args.remote_blocks = args.local_blocks = pool_blocks(args.model, payloads)
     target = start_target(args, args.remote_blocks)
     results = []
@@ -363,8 +389,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                 r.update(lat)
                 r["lat_ratio_vs_raw_rtt"] = r["lat_p50_us"] / r["raw_rtt_p50_us"]
                 r["peers"] = run_peers(args, r) if args.compare else {}
+                r["tls"] = bool(getattr(args, "tls_on", False))
                 results.append(r)
-                if args.json:
+                if args.json and not quiet:
                     print(json.dumps(r), flush=True)
     finally:
         target.close()
@@ -372,10 +399,20 @@ def run(args: argparse.Namespace) -> list[dict]:
         pc = prepare_cost(args.model, args.prepare_blocks)
         for r in results:
             r["prepare"] = pc
-    if not args.json:
-        print_table(args, results)
-    write_out(args, results)
+    if not quiet:
+        if not args.json:
+            print_table(args, results)
+        write_out(args, results)
     return results
+
+
+def print_tls(results: list[dict]) -> None:
+    """The cost of TcpOptions(tls=True): each payload's TLS run over its plain run (one invocation)."""
+    print("TLS 1.3 (TcpOptions.tls) against the plain run of the same invocation:")
+    for r in results:
+        print(f"{human(r['payload_bytes']):>9} {r['gbps']:7.2f} GB/s vs plain {r['plain']['gbps']:7.2f} GB/s "
+              f"({r['ratio_tls_over_plain']:.2f}x); write p50 {r['lat_p50_us']:.1f} us vs {r['plain']['lat_p50_us']:.1f} us "
+              f"({r['lat_ratio_tls_over_plain']:.2f}x)")
 
 
 def run_hetero(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
@@ -424,7 +461,8 @@ def print_table(args, results: list[dict]) -> None:
     if not results:
         return
     r0 = results[0]
-    print(f"\npdkv bench transfer — transport {r0['transport']}, {args.memory} memory, model {args.model} "
+    print(f"\npdkv bench transfer — transport {r0['transport']}{' with TLS' if r0.get('tls') else ''}, "
+          f"{args.memory} memory, model {args.model} "
           f"({human(r0['block_bytes'])} block-halves, destinations permuted), conns={args.conns}, "
           f"threads={args.threads}, target {'remote ' + args.target if args.target else 'local process'}")
     print(f"{'payload':>9} {'extents':>8} {'pdkv':>7} {'plain':>7} {'tuned':>7} {'memcpy':>7} "
@@ -486,6 +524,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compare", default="", help="also run the workload through peers: nixl,mooncake")
     ap.add_argument("--prepare-blocks", type=int, default=100_000, help="report prepare cost for N blocks (0: skip)")
     ap.add_argument("--no-verify", action="store_true", help="skip reading the bytes back")
+    ap.add_argument("--tls", action="store_true",
+                    help="run every payload plain, then with TcpOptions(tls=True), and report the ratio (tcp)")
+    ap.add_argument("--tls-on", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object per payload instead of a table")
     ap.add_argument("--out", default="", help="also write all results to this JSON file")

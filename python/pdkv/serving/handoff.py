@@ -30,6 +30,8 @@ over them, :mod:`pdkv.serving.worker`).
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
 import logging
 import threading
 import time
@@ -45,9 +47,15 @@ from .metrics import Registry
 from .protocol import KVFailed, KVReady, KVResult, PrefillRequest, Reservation
 from .sampling import SamplingParams
 
-__all__ = ["Arrival", "KVReceiver", "KVSender", "LayerStreamer", "Ticket", "error_kind"]
+__all__ = ["Arrival", "KVReceiver", "KVSender", "LayerStreamer", "Ticket", "error_kind", "peer_label"]
 
 log = logging.getLogger("pdkv.serving")
+
+
+def peer_label(address: str) -> str:
+    """An opaque, stable id for a peer agent's address: what public surfaces (``/health``,
+    ``/metrics`` labels) show instead of the address itself."""
+    return "peer-" + hashlib.sha256(address.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 def error_kind(e: BaseException) -> str:
@@ -190,7 +198,12 @@ class KVReceiver:
         self._executor = executor
         self._waiting: dict[str, asyncio.Future] = {}
         self._background = _Background()
+        self.dropped: collections.Counter = collections.Counter()  # notifications ignored, by reason
+        self._drop_log: dict[str, tuple[float, int]] = {}  # reason -> (last logged, suppressed since)
         r = registry or Registry()
+        self.m_dropped = r.counter("pdkv_notifications_dropped_total",
+                                   "Agent notifications ignored (malformed, or for no waiting request), by reason.",
+                                   ("reason",))
         self.m_kv_wait = r.histogram("pdkv_kv_wait_seconds",
                                      "From reserving blocks to the notification that the KV landed.")
         self.m_recompute = r.counter("pdkv_kv_recomputes_total",
@@ -304,23 +317,46 @@ class KVReceiver:
         return "recomputing"
 
     def deliver(self, data: bytes, peer: str = "") -> bool:
-        """Delivers one agent notification (a :class:`KVReady`); False if it was ignored."""
+        """Delivers one agent notification (a :class:`KVReady`); False if it was ignored.
+        Never raises, whatever ``data`` holds: a malformed one is logged (rate-limited)
+        and counted in ``pdkv_notifications_dropped_total``."""
         try:
             kv = KVReady.decode(data)
         except InvalidArgument as e:
-            log.warning("ignoring a notification from %s: %s", peer, e)
+            self._drop("malformed", "ignoring a notification from %s: %s", peer, e)
+            return False
+        except Exception as e:  # noqa: BLE001 - a decoder bug must not end the notification loop
+            self._drop("error", "ignoring a notification from %s that failed to decode: %s: %s", peer,
+                       type(e).__name__, e)
             return False
         fut = self._waiting.get(kv.rid)
         if fut is None or fut.done():
-            log.warning("notification for request %s, which is not waiting for KV (ignored)", kv.rid)
+            self._drop("unknown_request", "notification for request %.80r, which is not waiting for KV (ignored)",
+                       kv.rid)
             return False
         fut.set_result(kv)
         return True
 
+    def _drop(self, reason: str, msg: str, *args: Any) -> None:
+        """Counts a dropped notification; logs at most one per reason every 10 s (a
+        flooding peer cannot flood the log), with the count suppressed since."""
+        self.dropped[reason] += 1
+        self.m_dropped.inc((reason,))
+        now = time.monotonic()
+        last, quiet = self._drop_log.get(reason, (-1e9, 0))
+        if now - last < 10.0:
+            self._drop_log[reason] = (last, quiet + 1)
+            return
+        self._drop_log[reason] = (now, 0)
+        log.warning(msg + (f" ({quiet} more like it suppressed)" if quiet else ""), *args)
+
     async def run_notifications(self) -> None:
-        """Delivers the agent's notifications until cancelled."""
+        """Delivers the agent's notifications until cancelled; survives any payload."""
         async for n in self.agent.notifications():
-            self.deliver(n.data, n.peer)
+            try:
+                self.deliver(n.data, n.peer)
+            except Exception:  # noqa: BLE001 - deliver does not raise; belt and braces for the loop
+                log.exception("delivering a notification failed (dropped)")
 
     async def close(self) -> None:
         """Cancels pending cleanups (the worker is shutting down with its pool)."""
@@ -538,11 +574,12 @@ class KVSender:
                                        "layer, or one write after prefill (monolithic, or a stream that fell "
                                        "back).", ("path",))
         self.m_peer_auth = r.counter("pdkv_peer_auth_failures_total",
-                                     "Decode workers' agents that refused this worker's secret, by agent "
-                                     "address (the KV is then recomputed).", ("peer",))
+                                     "Decode workers' agents that refused this worker's secret, by peer id "
+                                     "(an opaque hash of the agent address; the KV is then recomputed).",
+                                     ("peer",))
         self.m_peer_transport = r.counter("pdkv_peer_transport_errors_total",
-                                          "Failed connections and transfers to decode workers' agents, by agent "
-                                          "address.", ("peer",))
+                                          "Failed connections and transfers to decode workers' agents, by peer "
+                                          "id (an opaque hash of the agent address).", ("peer",))
 
     # ------------------------------------------------------------------ links
     def links(self) -> dict[str, dict[str, Any]]:
@@ -563,10 +600,10 @@ class KVSender:
         link["last_error"] = f"{type(error).__name__}: {error}"
         if kind == "auth":
             link["auth_failures"] += 1
-            self.m_peer_auth.inc((address,))
+            self.m_peer_auth.inc((peer_label(address),))
         elif kind == "transport":
             link["transport_errors"] += 1
-            self.m_peer_transport.inc((address,))
+            self.m_peer_transport.inc((peer_label(address),))
         return kind
 
     async def check_peer(self, address: str, timeout: float) -> tuple[str, str]:

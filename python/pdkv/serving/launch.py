@@ -256,6 +256,9 @@ class Deployment:
             raise InvalidArgument("a deployment needs at least one decode (engine) worker, and one prefill worker "
                                   "in disagg and hybrid modes")
         self._tmp: tempfile.TemporaryDirectory | None = None
+        #: The cluster secret of the running deployment (set by :meth:`start`): what a
+        #: further proxy or a tool calling the workers' ``/pd/*`` routes signs with.
+        self.secret: str = ""
 
     @property
     def url(self) -> str:
@@ -276,6 +279,7 @@ class Deployment:
             log_dir = Path(self.log_dir)
             log_dir.mkdir(parents=True, exist_ok=True)
         env = {"PDKV_SECRET": secrets.token_hex(16), **self.env}
+        self.secret = env["PDKV_SECRET"]  # every worker and the proxy share it (signed /pd/* calls)
         model = ["--model", str(self.model_dir)]
         if self.registry is not None:
             model += ["--registry", self.registry, "--registry-ttl", str(self.registry_ttl)]

@@ -125,6 +125,11 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     aiohttp.web.HTTPRequestTimeout
         Not all there in time (the connection is closed after the answer).
     """
+    from .auth import BODY_KEY
+
+    stashed = request.get(BODY_KEY)  # read (and bounded) already by the signature check (auth.py)
+    if stashed is not None:
+        return stashed
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:

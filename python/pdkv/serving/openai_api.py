@@ -37,11 +37,17 @@ __all__ = ["APIError", "Endpoint", "IncrementalDetokenizer", "ModelInfo", "OpenA
            "TextCodec", "body_limit", "decode_body", "parse_request", "resolve_prompt"]
 
 MAX_STOP_STRINGS = 4
-#: Request body bytes allowed per token of context: a token is rarely over 16 characters,
-#: and JSON escapes (``\\uXXXX``) and chat framing at most quadruple that.
-BODY_BYTES_PER_TOKEN = 64
-#: The smallest body limit, whatever the context.
-MIN_BODY_BYTES = 1 << 20
+#: The default request body limit, whatever the model's context (was 64 bytes per token
+#: of context: 8 MiB at 128k, and a prompt that size cost the proxy ~1.8 GiB to
+#: tokenize). 4 MiB holds a 128k-token prompt as token ids (~7 bytes each) or as text.
+#: ``--max-body-bytes`` raises it for longer contexts.
+DEFAULT_BODY_BYTES = 4 << 20
+#: Kept for compatibility: the smallest default limit (now the same as the default).
+MIN_BODY_BYTES = DEFAULT_BODY_BYTES
+#: Text longer than this is counted in pieces of this many characters before it is
+#: tokenized whole, so a prompt far past the context is refused after tokenizing a
+#: context's worth of it, not all of it (see :meth:`TextCodec.encode`).
+COUNT_CHUNK_CHARS = 1 << 15
 _SEED_MASK = (1 << 63) - 1
 
 
@@ -89,13 +95,11 @@ class APIError(Exception):
 
 def body_limit(info: "ModelInfo | None", configured: int | None = None) -> int:
     """Most request body bytes accepted: ``configured`` if given, else
-    ``max_model_len * BODY_BYTES_PER_TOKEN`` with a floor of ``MIN_BODY_BYTES`` (the
-    floor alone while the model is unknown)."""
+    :data:`DEFAULT_BODY_BYTES`, independent of the model's context (``info`` is ignored:
+    kept for callers)."""
     if configured is not None:
         return int(configured)
-    if info is None:
-        return MIN_BODY_BYTES
-    return max(MIN_BODY_BYTES, min(info.max_model_len, 1 << 40) * BODY_BYTES_PER_TOKEN)
+    return DEFAULT_BODY_BYTES
 
 
 def decode_body(raw: bytes) -> Any:
@@ -185,9 +189,39 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a completion prompt (with the tokenizer's special tokens, as vLLM does)."""
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids of a completion prompt (with the tokenizer's special tokens, as vLLM does).
+
+        With ``max_tokens``, a long text is first counted piece by piece (pieces of
+        :data:`COUNT_CHUNK_CHARS` characters cut at whitespace, each freed before the
+        next); once the count is certainly past ``max_tokens`` (allowing a few tokens per
+        cut), :class:`APIError` 400 is raised without tokenizing the rest. The memory a
+        prompt costs is then bounded by the context, not by its length.
+        """
+        if max_tokens is not None and len(text) > COUNT_CHUNK_CHARS:
+            self.check_length(text, max_tokens)
+        ids = self.tokenizer(text, add_special_tokens=True, return_attention_mask=False)["input_ids"]
+        return ids if isinstance(ids, list) else list(ids)
+
+    def check_length(self, text: str, max_tokens: int, param: str = "prompt") -> None:
+        """Raises :class:`APIError` 400 once ``text`` certainly has more than ``max_tokens``
+        tokens (see :meth:`encode`); returns if it may not."""
+        total, cuts, start, n = 0, 0, 0, len(text)
+        while start < n:
+            end = min(start + COUNT_CHUNK_CHARS, n)
+            if end < n:  # cut before whitespace, so words stay whole
+                ws = max(text.rfind(" ", start + COUNT_CHUNK_CHARS // 2, end),
+                         text.rfind("\n", start + COUNT_CHUNK_CHARS // 2, end))
+                end = ws if ws > start else end
+                cuts += 1
+            total += len(self.tokenizer(text[start:end], add_special_tokens=False,
+                                        return_attention_mask=False)["input_ids"])
+            start = end
+            if total > max_tokens + 16 * cuts:
+                raise APIError.bad(f"This model's maximum context length allows prompts of up to {max_tokens} "
+                                   f"tokens; your {param} has more (over {total - 16 * cuts} in its first "
+                                   f"{start} characters). Please shorten it.", param,
+                                   code="context_length_exceeded")
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat, rendered with the model's chat template plus the
@@ -538,11 +572,16 @@ def resolve_prompt(req: OpenAIRequest, info: ModelInfo, codec: TextCodec | None)
         param = "messages"
         if codec is None or not codec.has_chat_template:
             raise APIError.bad("this model has no chat template; use /v1/completions", "messages")
+        limit = min(info.max_prompt_tokens, info.max_model_len - 1)
+        contents = "\n".join(m.get("content") or "" for m in req.messages or () if isinstance(m.get("content"), str))
+        if len(contents) > COUNT_CHUNK_CHARS:  # the contents alone are past the context: no rendering
+            codec.check_length(contents, limit, "messages")
+        del contents
         ids = codec.chat([dict(m) for m in req.messages or ()])
     elif isinstance(req.prompt, str):
         if codec is None:
             raise APIError.bad("this server has no tokenizer: send the prompt as token ids", "prompt")
-        ids = codec.encode(req.prompt)
+        ids = codec.encode(req.prompt, min(info.max_prompt_tokens, info.max_model_len - 1))
     else:
         ids = list(req.prompt or ())
         bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)

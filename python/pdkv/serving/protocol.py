@@ -36,13 +36,92 @@ on another decode worker, exactly as if this one had died).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from pdkv.errors import InvalidArgument
 
-__all__ = ["BUSY_CODES", "STREAM_ERROR_STATUS", "GenParams", "GenerateRequest", "KVFailed", "KVReady", "KVResult",
-           "PrefillRequest", "Reservation", "StreamError", "WorkerInfo", "dumps_line", "require"]
+__all__ = ["BUSY_CODES", "DEFAULT_LIMITS", "STREAM_ERROR_STATUS", "GenParams", "GenerateRequest", "KVFailed",
+           "KVReady", "KVResult", "PrefillRequest", "ProtocolLimits", "Reservation", "StreamError", "WorkerInfo",
+           "dumps_line", "loads", "require"]
+
+
+@dataclass(frozen=True)
+class ProtocolLimits:
+    """Server-side caps on what a ``/pd/*`` body may ask for (a worker's
+    ``WorkerConfig.protocol_limits``). A value past its cap is refused (400) with a
+    message naming the field and the cap; nothing is clamped silently.
+
+    Attributes
+    ----------
+    max_kv_timeout_s : float
+        ``kv_timeout_s`` of ``/pd/decode`` and ``/pd/prefill``: how long a decode worker
+        holds reserved blocks for a KV that may never come (``pdkv serve decode
+        --max-kv-timeout``). A proxy's ``--kv-timeout`` must not exceed it.
+    max_rid_chars, max_name_chars, max_error_chars : int
+        Request ids; agent names and addresses; a ``kv_failed`` error text.
+    max_prompt_tokens, max_new_tokens, max_stop_token_ids, max_blocks : int
+        Prompt length, ``max_tokens``, ``stop_token_ids`` entries, reserved blocks (and
+        generations) of one request.
+    max_block_tokens, max_index_offset : int
+    """
+
+    max_kv_timeout_s: float = 60.0
+    max_rid_chars: int = 256
+    max_name_chars: int = 256
+    max_error_chars: int = 4096
+    max_prompt_tokens: int = 1 << 22
+    max_new_tokens: int = 1 << 22
+    max_stop_token_ids: int = 256
+    max_blocks: int = 1 << 20
+    max_block_tokens: int = 1 << 16
+    max_index_offset: int = 1 << 22
+
+    def __post_init__(self) -> None:
+        for k, v in asdict(self).items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise InvalidArgument(f"protocol limit {k} must be a finite number > 0, got {v!r}")
+
+
+#: The caps a worker applies unless configured otherwise.
+DEFAULT_LIMITS = ProtocolLimits()
+
+
+def loads(data: bytes | str, *, where: str) -> Any:
+    """``json.loads`` that raises only :class:`InvalidArgument` (not JSON, not UTF-8,
+    nested too deeply, a number too long for Python's int conversion...)."""
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError, TypeError, MemoryError) as e:
+        raise InvalidArgument(f"{where} is not JSON ({type(e).__name__}): {bytes(data[:80])!r}"
+                              if isinstance(data, (bytes, bytearray)) else
+                              f"{where} is not JSON ({type(e).__name__})") from None
+
+
+def _cap(v: Any, cap: float, *, where: str, name: str, unit: str = "") -> Any:
+    if v > cap:
+        raise InvalidArgument(f"{where}: {name} is {v:g}{unit}, above this worker's cap of {cap:g}{unit}"
+                              if isinstance(v, float) else
+                              f"{where}: {name} is {v}, above this worker's cap of {cap}{unit}")
+    return v
+
+
+def _str(obj: Mapping[str, Any], key: str, cap: int, *, where: str) -> str:
+    v = require(obj, key, str, where=where)
+    if len(v) > cap:
+        raise InvalidArgument(f"{where}: {key} has {len(v)} characters, above this worker's cap of {cap}")
+    return v
+
+
+def _finite(v: Any, *, where: str, name: str) -> float:
+    try:
+        f = float(v)
+    except OverflowError:  # an integer past float's range
+        f = math.inf
+    if not math.isfinite(f):
+        raise InvalidArgument(f"{where}: {name} must be a finite number, got {v!r}")
+    return f
 
 
 def require(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, where: str) -> Any:
@@ -65,9 +144,13 @@ def require(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], *, 
     return v
 
 
-def _int_list(v: Any, *, where: str, name: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+def _int_list(v: Any, *, where: str, name: str, cap: int | None = None) -> tuple[int, ...]:
+    if not isinstance(v, list):
         raise InvalidArgument(f"{where}: {name} must be a list of integers")
+    if cap is not None and len(v) > cap:
+        raise InvalidArgument(f"{where}: {name} has {len(v)} entries, above this worker's cap of {cap}")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and -(1 << 63) <= t < (1 << 64) for t in v):
+        raise InvalidArgument(f"{where}: {name} must be a list of integers (64-bit)")
     return tuple(v)
 
 
@@ -165,20 +248,27 @@ class GenParams:
         return d
 
     @classmethod
-    def from_json(cls, obj: Any, *, where: str = "params") -> "GenParams":
+    def from_json(cls, obj: Any, *, where: str = "params", limits: ProtocolLimits = DEFAULT_LIMITS) -> "GenParams":
         if not isinstance(obj, Mapping):
             raise InvalidArgument(f"{where} must be an object")
         seed = obj.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise InvalidArgument(f"{where}: seed must be an integer or null")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 64):
+            raise InvalidArgument(f"{where}: seed must be an integer in [0, 2**64) or null")
         offset = obj.get("index_offset", 0)
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise InvalidArgument(f"{where}: index_offset must be an integer >= 0")
-        return cls(max_tokens=require(obj, "max_tokens", int, where=where),
-                   temperature=float(require(obj, "temperature", (int, float), where=where)),
-                   top_p=float(require(obj, "top_p", (int, float), where=where)),
+        _cap(offset, limits.max_index_offset, where=where, name="index_offset")
+        max_tokens = require(obj, "max_tokens", int, where=where)
+        if max_tokens < 1:
+            raise InvalidArgument(f"{where}: max_tokens must be >= 1")
+        _cap(max_tokens, limits.max_new_tokens, where=where, name="max_tokens")
+        return cls(max_tokens=max_tokens,
+                   temperature=_finite(require(obj, "temperature", (int, float), where=where), where=where,
+                                       name="temperature"),
+                   top_p=_finite(require(obj, "top_p", (int, float), where=where), where=where, name="top_p"),
                    seed=seed,
-                   stop_token_ids=_int_list(obj.get("stop_token_ids", []), where=where, name="stop_token_ids"),
+                   stop_token_ids=_int_list(obj.get("stop_token_ids", []), where=where, name="stop_token_ids",
+                                            cap=limits.max_stop_token_ids),
                    ignore_eos=bool(require(obj, "ignore_eos", bool, where=where)),
                    index_offset=offset)
 
@@ -219,16 +309,21 @@ class GenerateRequest:
                 "kv_timeout_s": self.kv_timeout_s}
 
     @classmethod
-    def from_json(cls, obj: Any) -> "GenerateRequest":
+    def from_json(cls, obj: Any, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "GenerateRequest":
         where = "request"
-        rid = require(obj, "rid", str, where=where)
+        if not isinstance(obj, Mapping):
+            raise InvalidArgument(f"{where} must be a JSON object")
+        rid = _str(obj, "rid", limits.max_rid_chars, where=where)
         if not rid:
             raise InvalidArgument("request: rid is empty")
-        kv = float(obj.get("kv_timeout_s", 30.0))
-        if not kv > 0:
-            raise InvalidArgument("request: kv_timeout_s must be > 0")
-        return cls(rid, _int_list(require(obj, "prompt", list, where=where), where=where, name="prompt"),
-                   GenParams.from_json(require(obj, "params", dict, where=where)), kv)
+        kv = obj.get("kv_timeout_s", 30.0)
+        if isinstance(kv, bool) or not isinstance(kv, (int, float)) or not kv > 0:
+            raise InvalidArgument("request: kv_timeout_s must be a finite number > 0")
+        kv = _cap(_finite(kv, where=where, name="kv_timeout_s"), limits.max_kv_timeout_s, where=where,
+                  name="kv_timeout_s", unit=" s")
+        return cls(rid, _int_list(require(obj, "prompt", list, where=where), where=where, name="prompt",
+                                  cap=limits.max_prompt_tokens),
+                   GenParams.from_json(require(obj, "params", dict, where=where), limits=limits), kv)
 
 
 @dataclass(frozen=True)
@@ -255,15 +350,22 @@ class Reservation:
         return out
 
     @classmethod
-    def from_json(cls, obj: Any) -> "Reservation":
+    def from_json(cls, obj: Any, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "Reservation":
         where = "reservation"
-        gens = obj.get("generations", []) if isinstance(obj, dict) else []
+        if not isinstance(obj, Mapping):
+            raise InvalidArgument(f"{where} must be a JSON object")
+        gens = obj.get("generations", [])
         if not isinstance(gens, list):
             raise InvalidArgument(f"{where}: 'generations' must be a list of integers")
-        return cls(_int_list(require(obj, "blocks", list, where=where), where=where, name="blocks"),
-                   require(obj, "agent", str, where=where), require(obj, "name", str, where=where),
-                   require(obj, "block_tokens", int, where=where),
-                   _int_list(gens, where=where, name="generations"))
+        bt = require(obj, "block_tokens", int, where=where)
+        if bt < 1:
+            raise InvalidArgument(f"{where}: block_tokens must be >= 1")
+        _cap(bt, limits.max_block_tokens, where=where, name="block_tokens")
+        return cls(_int_list(require(obj, "blocks", list, where=where), where=where, name="blocks",
+                             cap=limits.max_blocks),
+                   _str(obj, "agent", limits.max_name_chars, where=where),
+                   _str(obj, "name", limits.max_name_chars, where=where), bt,
+                   _int_list(gens, where=where, name="generations", cap=limits.max_blocks))
 
 
 @dataclass(frozen=True)
@@ -294,10 +396,10 @@ class PrefillRequest:
                 "dst": self.dst.to_json(), "kv_timeout_s": self.kv_timeout_s}
 
     @classmethod
-    def from_json(cls, obj: Any) -> "PrefillRequest":
-        g = GenerateRequest.from_json(obj)
-        return cls(g.rid, g.prompt, g.params, Reservation.from_json(require(obj, "dst", dict, where="request")),
-                   g.kv_timeout_s)
+    def from_json(cls, obj: Any, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "PrefillRequest":
+        g = GenerateRequest.from_json(obj, limits=limits)
+        return cls(g.rid, g.prompt, g.params,
+                   Reservation.from_json(require(obj, "dst", dict, where="request"), limits=limits), g.kv_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -317,14 +419,22 @@ class KVReady:
                           separators=(",", ":")).encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> "KVReady":
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            raise InvalidArgument(f"notification is not JSON: {data[:80]!r}") from None
+    def decode(cls, data: bytes, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "KVReady":
+        """Raises only :class:`InvalidArgument`, whatever ``data`` holds."""
         where = "notification"
-        return cls(require(obj, "rid", str, where=where), require(obj, "t", int, where=where),
-                   require(obj, "seed", int, where=where), bool(obj.get("kv", True)))
+        if not isinstance(data, (bytes, bytearray, memoryview, str)):
+            raise InvalidArgument(f"{where} must be bytes, not {type(data).__name__}")
+        obj = loads(bytes(data) if not isinstance(data, str) else data, where=where)
+        if not isinstance(obj, Mapping):
+            raise InvalidArgument(f"{where} is not a JSON object")
+        kv = obj.get("kv", True)
+        if not isinstance(kv, bool):
+            raise InvalidArgument(f"{where}: kv must be a bool")
+        t = require(obj, "t", int, where=where)
+        seed = require(obj, "seed", int, where=where)
+        if not (0 <= t < 1 << 63 and 0 <= seed < 1 << 64):
+            raise InvalidArgument(f"{where}: t or seed out of range")
+        return cls(_str(obj, "rid", limits.max_rid_chars, where=where), t, seed, kv)
 
 
 @dataclass(frozen=True)
@@ -354,13 +464,23 @@ class KVFailed:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, obj: Any) -> "KVFailed":
+    def from_json(cls, obj: Any, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "KVFailed":
         where = "kv_failed"
-        ft = obj.get("first_token") if isinstance(obj, Mapping) else None
-        if ft is not None and (not isinstance(ft, int) or isinstance(ft, bool)):
-            raise InvalidArgument("kv_failed: first_token must be an integer or null")
-        return cls(require(obj, "rid", str, where=where), ft, str(obj.get("error", "")),
-                   bool(obj.get("terminal", True)))
+        if not isinstance(obj, Mapping):
+            raise InvalidArgument(f"{where} must be a JSON object")
+        ft = obj.get("first_token")
+        if ft is not None and (not isinstance(ft, int) or isinstance(ft, bool) or not 0 <= ft < 1 << 63):
+            raise InvalidArgument("kv_failed: first_token must be an integer >= 0 or null")
+        err = obj.get("error", "")
+        if not isinstance(err, str):
+            raise InvalidArgument("kv_failed: error must be a string")
+        if len(err) > limits.max_error_chars:
+            raise InvalidArgument(f"kv_failed: error has {len(err)} characters, above this worker's cap of "
+                                  f"{limits.max_error_chars}")
+        terminal = obj.get("terminal", True)
+        if not isinstance(terminal, bool):
+            raise InvalidArgument("kv_failed: terminal must be a bool")
+        return cls(_str(obj, "rid", limits.max_rid_chars, where=where), ft, err, terminal)
 
 
 @dataclass(frozen=True)
@@ -396,9 +516,14 @@ class KVResult:
     @classmethod
     def from_json(cls, obj: Any) -> "KVResult":
         where = "kv result"
-        return cls(bool(require(obj, "ok", bool, where=where)), bool(obj.get("posted", False)),
-                   int(obj.get("bytes", 0)), float(obj.get("seconds", 0.0)), str(obj.get("transport", "")),
-                   str(obj.get("error", "")))
+        if not isinstance(obj, Mapping):
+            raise InvalidArgument(f"{where} must be a JSON object")
+        try:
+            return cls(bool(require(obj, "ok", bool, where=where)), bool(obj.get("posted", False)),
+                       int(obj.get("bytes", 0)), float(obj.get("seconds", 0.0)), str(obj.get("transport", ""))[:4096],
+                       str(obj.get("error", ""))[:4096])
+        except (TypeError, ValueError, OverflowError, RecursionError) as e:
+            raise InvalidArgument(f"{where}: {type(e).__name__}") from None
 
 
 @dataclass(frozen=True)
@@ -426,6 +551,15 @@ class WorkerInfo:
     @classmethod
     def from_json(cls, obj: Any) -> "WorkerInfo":
         where = "worker info"
+        if not isinstance(obj, Mapping):
+            raise InvalidArgument(f"{where} must be a JSON object")
+        try:
+            return cls._from_json(obj, where)
+        except (TypeError, ValueError, OverflowError, RecursionError, AttributeError) as e:
+            raise InvalidArgument(f"{where}: {type(e).__name__}: {e}"[:300]) from None
+
+    @classmethod
+    def _from_json(cls, obj: Mapping[str, Any], where: str) -> "WorkerInfo":
         return cls(require(obj, "role", str, where=where), require(obj, "model", str, where=where),
                    str(obj.get("model_dir", "")), require(obj, "vocab_size", int, where=where),
                    require(obj, "max_model_len", int, where=where),

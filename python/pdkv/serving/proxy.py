@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import json
 import logging
 import os
 import time
@@ -61,7 +62,9 @@ from pdkv.errors import InvalidArgument, PdkvError
 
 from ..discovery import Registry as DiscoveryRegistry
 from ..discovery import parse_registry_url
+from ..credential import Credential
 from .aio import HttpServer, ndjson_lines
+from .auth import Signer
 from .discovery import PoolWatch
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut
 from .limits import ServerLimits
@@ -82,6 +85,8 @@ log = logging.getLogger("pdkv.serving")
 #: prefill stalls a decode batch of 8 by about 15-25 ms at 8 tokens and 60-80 ms at 16;
 #: so only prompts of up to 8 tokens are cheaper to prefill locally.
 DEFAULT_HYBRID_THRESHOLD = 8
+#: Environment variable with the proxy's client API keys (comma-separated).
+API_KEY_ENV = "PDKV_API_KEY"
 
 
 class ProxyMode(str, enum.Enum):
@@ -149,6 +154,14 @@ class ProxyConfig:
     rerole : RerolePolicy, optional
         Disagg and hybrid: move idle workers between the prefill and decode pools as
         the measured ratio moves (see :mod:`pdkv.serving.rerole`). Off by default.
+    secret : str, optional
+        The cluster secret the proxy signs every worker call with (default
+        ``$PDKV_SECRET``; required to start; see :mod:`pdkv.serving.auth`). Never shown
+        in ``repr``.
+    api_keys : tuple of str, optional
+        Keys clients must send (``Authorization: Bearer <key>``) on the OpenAI routes;
+        default ``$PDKV_API_KEY`` (comma-separated), else none: the routes are open.
+        ``/health`` stays open.
     """
 
     mode: ProxyMode
@@ -167,6 +180,8 @@ class ProxyConfig:
     max_body_bytes: int | None = None
     registry: str | None = None
     rerole: RerolePolicy | None = None
+    secret: str | None = field(default=None, repr=False)
+    api_keys: tuple[str, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         try:
@@ -194,6 +209,13 @@ class ProxyConfig:
             raise InvalidArgument(f"retries must be >= 0, got {self.retries}")
         if self.max_body_bytes is not None and (not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1):
             raise InvalidArgument(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
+        if self.api_keys is not None:
+            if isinstance(self.api_keys, str):
+                object.__setattr__(self, "api_keys", tuple(k.strip() for k in self.api_keys.split(",") if k.strip()))
+            else:
+                object.__setattr__(self, "api_keys", tuple(self.api_keys))
+            if any(not isinstance(k, str) or not k for k in self.api_keys):
+                raise InvalidArgument("api_keys must be non-empty strings")
         if self.rerole is not None and (self.mode is ProxyMode.COLOCATED or not isinstance(self.rerole, RerolePolicy)):
             raise InvalidArgument("rerole takes a RerolePolicy, in disagg or hybrid mode only")
 
@@ -228,6 +250,7 @@ class _Worker:
     stats: dict[str, Any] = field(default_factory=dict)
     registered_as: str = ""        # its id in the registry ('' when configured by URL)
     switching: bool = False        # being re-roled: out of rotation until it is in its new pool
+    misconfigured: str = ""        # why it cannot serve its pool's routes (401 to our signature, wrong role)
 
     def usable(self, now: float) -> bool:
         return self.info is not None and self.compatible and self.alive and now >= self.down_until \
@@ -310,6 +333,8 @@ class ProxyBackend:
         self._codec: TextCodec | None = None
         self._codec_loaded = False
         self._session: aiohttp.ClientSession | None = None
+        self._credential = Credential.from_env(config.secret)
+        self._signer = Signer(self._credential) if self._credential is not None else None
         self._tasks: list[asyncio.Task] = []
         self._ready = asyncio.Event()
         self._pool_watch: PoolWatch | None = None
@@ -360,10 +385,20 @@ class ProxyBackend:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Opens the HTTP client and starts discovering the workers."""
+        """Opens the HTTP client and starts discovering the workers.
+
+        Raises
+        ------
+        InvalidArgument
+            No cluster secret (``secret`` or ``$PDKV_SECRET``): workers refuse unsigned calls.
+        """
+        if self._signer is None:
+            raise InvalidArgument("the proxy needs the cluster secret to call its workers: set PDKV_SECRET (the "
+                                  "value the workers have) or pass --secret")
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
         if self.config.registry is not None:
-            self._pool_watch = PoolWatch(DiscoveryRegistry(self.config.registry), self._apply_registration)
+            self._pool_watch = PoolWatch(DiscoveryRegistry(self.config.registry, credential=self._credential),
+                                         self._apply_registration)
         self._tasks.append(asyncio.ensure_future(self._discover_loop()))
         self._tasks.append(asyncio.ensure_future(self._liveness_loop()))
         if self.config.rerole is not None:
@@ -399,9 +434,28 @@ class ProxyBackend:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+        if self._session is None or self._signer is None:
             raise APIError(503, "the proxy is not started", code="service_unavailable")
         return self._session
+
+    def _post(self, url: str, body: Any, **kw: Any) -> Any:
+        """A signed ``POST`` of JSON ``body`` to a worker (``async with`` or await it)."""
+        assert self._signer is not None
+        return self._signer.post(self.session, url, json=body, **kw)
+
+    def _get(self, url: str, **kw: Any) -> Any:
+        """A signed ``GET`` to a worker."""
+        assert self._signer is not None
+        return self._signer.get(self.session, url, **kw)
+
+    def _refused(self, w: _Worker, status: int, what: str) -> None:
+        """Records that ``w`` answered 401/403 to a signed call: it does not accept the
+        proxy's secret (or has none), so it cannot serve; ``/health`` lists it."""
+        why = (f"{what} answered HTTP {status} to the proxy's signed call: the worker does not accept the "
+               "proxy's cluster secret (PDKV_SECRET differs, or the worker has none)")
+        if w.misconfigured != why:
+            log.error("%s worker %s: %s", w.role, w.url, why)
+        w.misconfigured = why
 
     # ------------------------------------------------------------------ liveness
     async def _liveness_loop(self) -> None:
@@ -420,10 +474,14 @@ class ProxyBackend:
     async def _probe(self, w: _Worker) -> bool:
         t = self.config.probe_timeout_s
         try:
-            async with self.session.get(w.url + "/pd/stats", timeout=aiohttp.ClientTimeout(total=t)) as r:
-                await r.read()
+            async with self._get(w.url + "/pd/stats", timeout=aiohttp.ClientTimeout(total=t)) as r:
+                raw = await r.read()
                 ok = r.status == 200
                 why = f"/pd/stats answered HTTP {r.status}"
+                if r.status in (401, 403):
+                    self._refused(w, r.status, "/pd/stats")
+                elif ok:
+                    self._check_role(w, raw)
         except asyncio.TimeoutError:
             ok, why = False, f"no answer to a liveness probe within {t:g} s"
         except (aiohttp.ClientError, OSError) as e:
@@ -436,6 +494,30 @@ class ProxyBackend:
             self._mark_down(w, why)
         w.alive = ok
         return ok
+
+    def _check_role(self, w: _Worker, raw: bytes) -> None:
+        """Compares the role a worker's ``/pd/stats`` reports with the pool it is in (a
+        worker re-roled by someone else): a mismatch takes it out of rotation and
+        ``/health`` lists it; its ``/pd/info`` is fetched again."""
+        try:
+            role = json.loads(raw).get("role")
+        except (ValueError, AttributeError, RecursionError):
+            return
+        if not isinstance(role, str) or w.switching:
+            return
+        want = ("colocated", "decode") if self.config.mode is ProxyMode.COLOCATED and w.role == "decode" else \
+            (w.role,)
+        if role in want:
+            if w.misconfigured.startswith("is a "):  # back in its pool's role
+                w.misconfigured = ""
+                w.info = None  # fetched again: _update_model puts it back into rotation
+            return
+        why = f"is a {role} worker now, but is in the proxy's {w.role} pool"
+        if w.misconfigured != why:
+            log.error("worker %s %s: out of rotation", w.url, why)
+        w.misconfigured = why
+        w.compatible = False
+        w.info = None  # fetched again; _update_model keeps it out while the role differs
 
     async def _bounded(self, w: _Worker, aw: Any, limit: float, what: str) -> Any:
         """Awaits ``aw`` (a wait on worker ``w``) for at most ``limit`` seconds; each
@@ -514,8 +596,8 @@ class ProxyBackend:
                 await asyncio.sleep(0.05)
             left = max(end - time.monotonic(), 1.0)
             try:
-                async with self.session.post(w.url + "/pd/role", json={"role": dst.role, "timeout": left},
-                                             timeout=aiohttp.ClientTimeout(total=left + 10)) as r:
+                async with self._post(w.url + "/pd/role", {"role": dst.role, "timeout": left},
+                                      timeout=aiohttp.ClientTimeout(total=left + 10)) as r:
                     body = await r.json(content_type=None)
                     ok = r.status == 200 and body.get("role") == dst.role
                     why = "" if ok else f"HTTP {r.status}: {body}"
@@ -575,9 +657,11 @@ class ProxyBackend:
 
     async def _fetch_info(self, w: _Worker) -> None:
         try:
-            async with self.session.get(w.url + "/pd/info", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+            async with self._get(w.url + "/pd/info", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
                 if r.status != 200:
                     w.error = f"/pd/info answered HTTP {r.status}"
+                    if r.status in (401, 403):
+                        self._refused(w, r.status, "/pd/info")
                     return
                 info = WorkerInfo.from_json(await r.json())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, InvalidArgument) as e:
@@ -585,6 +669,8 @@ class ProxyBackend:
             return
         w.info = info
         w.error = ""
+        if w.misconfigured and not w.misconfigured.startswith("is a "):
+            w.misconfigured = ""  # it accepts our signature now
         log.info("%s worker %s: model %s, pid %d", info.role, w.url, info.model, info.pid)
 
     def _update_model(self) -> None:
@@ -601,6 +687,9 @@ class ProxyBackend:
             want = want_decode if w.role == "decode" else ("prefill",)
             if w.info.role not in want:
                 problem = f"is a {w.info.role} worker, expected {' or '.join(want)}"
+                w.misconfigured = f"is a {w.info.role} worker, but is in the proxy's {w.role} pool"
+            elif w.misconfigured.startswith("is a "):
+                w.misconfigured = ""
             elif w.info.model != ref.model:
                 problem = f"serves model {w.info.model!r}, the others {ref.model!r}"
             elif self.config.mode is not ProxyMode.COLOCATED and not w.info.kv_compatible(ref):
@@ -653,10 +742,12 @@ class ProxyBackend:
                     "switching": w.switching}
                    for w in self._workers()]
         links = self.link_health()
+        bad = [{"url": w.url, "role": w.role, "problem": w.misconfigured} for w in self._workers() if w.misconfigured]
         out: dict[str, Any] = {"workers": workers, "model": self._info.name if self._info else None,
-                               "peer_links": links}
-        if ok and any(not x["ok"] for x in links):
-            out["status"] = "degraded"  # serving, but KV between these pairs is recomputed
+                               "peer_links": links, "misconfigured_workers": bad}
+        if ok and (bad or any(not x["ok"] for x in links)):
+            # serving, but KV between these pairs is recomputed, or some workers cannot serve their routes
+            out["status"] = "degraded"
         return ok, out
 
     # ------------------------------------------------------------------ prefill -> decode links
@@ -703,10 +794,12 @@ class ProxyBackend:
             body = {"agent": d.info.agent.get("address", ""), "timeout": max(min(end - loop.time(), 10.0), 1.0)}
             for attempt in range(4):
                 try:
-                    async with self.session.post(p.url + "/pd/check_peer", json=body,
-                                                 timeout=aiohttp.ClientTimeout(total=body["timeout"] + 5)) as r:
+                    async with self._post(p.url + "/pd/check_peer", body,
+                                          timeout=aiohttp.ClientTimeout(total=body["timeout"] + 5)) as r:
                         res = await r.json(content_type=None) if r.status == 200 else \
                             {"ok": False, "error": f"/pd/check_peer answered HTTP {r.status}"}
+                        if r.status in (401, 403):
+                            self._refused(p, r.status, "/pd/check_peer")
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                     res = {"ok": False, "error": f"prefill worker unreachable: {type(e).__name__}: {e}"}
                 err = "" if res.get("ok") else str(res.get("error") or "unknown error")
@@ -727,7 +820,7 @@ class ProxyBackend:
         async def poll(w: _Worker) -> None:
             labels = (w.role, w.url)
             try:
-                async with self.session.get(w.url + "/pd/stats", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                async with self._get(w.url + "/pd/stats", timeout=aiohttp.ClientTimeout(total=1.0)) as r:
                     st = await r.json() if r.status == 200 else None
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 st = None
@@ -845,7 +938,7 @@ class ProxyBackend:
         """POSTs ``body`` to a decode/engine worker and returns its 200 streaming response;
         a request the worker never received raises _WorkerFailed (safe to retry)."""
         try:
-            r = await self._bounded(d, self.session.post(d.url + path, json=body, timeout=self._timeout()),
+            r = await self._bounded(d, self._post(d.url + path, body, timeout=self._timeout()),
                                     self.config.headers_timeout_s, "response headers")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise _WorkerFailed(d, f"{type(e).__name__}: {e}", before_response=True) from None
@@ -866,6 +959,9 @@ class ProxyBackend:
             msg = f"HTTP {r.status}"
         if r.status == 503:
             raise _WorkerBusy(msg)
+        if r.status in (401, 403):
+            self._refused(w, r.status, r.url.path)
+            raise _WorkerFailed(w, f"HTTP {r.status}: {msg}", before_response=True)
         if 400 <= r.status < 500:
             raise APIError(400 if r.status != 409 else 409, f"{w.role} worker refused the request: {msg}",
                            code="invalid_request")
@@ -966,9 +1062,11 @@ class ProxyBackend:
         if trace is not None and not trace.kv_error:
             trace.kv_error = kf.error or "the KV did not arrive (no reason given)"  # the recompute's cause
         try:
-            async with self.session.post(d.url + "/pd/kv_failed", json=kf.to_json(),
-                                         timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s + 2)) as r:
+            async with self._post(d.url + "/pd/kv_failed", kf.to_json(),
+                                  timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout_s + 2)) as r:
                 await r.read()
+                if r.status in (401, 403):
+                    self._refused(d, r.status, "/pd/kv_failed")
                 if r.status != 200:
                     raise _WorkerFailed(d, f"/pd/kv_failed answered HTTP {r.status}")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -995,8 +1093,7 @@ class ProxyBackend:
             waiting = True
             try:
                 try:
-                    r = await self._bounded(p, self.session.post(p.url + "/pd/prefill", json=body,
-                                                                 timeout=self._timeout()),
+                    r = await self._bounded(p, self._post(p.url + "/pd/prefill", body, timeout=self._timeout()),
                                             cfg.headers_timeout_s, "response headers")
                 except (aiohttp.ClientError, OSError) as e:
                     # It never got the request: no write can come from it; try another.
@@ -1007,6 +1104,9 @@ class ProxyBackend:
                     continue
                 try:
                     if r.status != 200:
+                        if r.status in (401, 403):
+                            self._refused(p, r.status, "/pd/prefill")
+                            self._mark_down(p, f"/pd/prefill answered HTTP {r.status}")
                         out.error = f"prefill worker {p.url} answered HTTP {r.status}: {await r.text()}"[:500]
                         out.terminal = True
                         self.m_kv.inc(("failed",))
@@ -1120,6 +1220,14 @@ async def _next(it: AsyncIterator[Any]) -> Any:
         return _END
 
 
+def api_keys(config: ProxyConfig) -> tuple[str, ...]:
+    """The proxy's client API keys: ``config.api_keys``, else ``$PDKV_API_KEY``
+    (comma-separated), else none."""
+    if config.api_keys is not None:
+        return tuple(config.api_keys)
+    return tuple(k for k in (x.strip() for x in os.environ.get(API_KEY_ENV, "").split(",")) if k)
+
+
 class Proxy:
     """The proxy server: :class:`~pdkv.serving.frontend.OpenAIFrontend` over a
     :class:`ProxyBackend` (a :class:`~pdkv.serving.aio.Serveable`).
@@ -1143,7 +1251,7 @@ class Proxy:
         self.registry = Registry()
         self.backend = ProxyBackend(config, self.registry)
         self.frontend = OpenAIFrontend(self.backend, self.registry, max_body_bytes=config.max_body_bytes,
-                                       body_timeout_s=self.limits.body_timeout_s)
+                                       body_timeout_s=self.limits.body_timeout_s, api_keys=api_keys(config))
         self._http: HttpServer | None = None
         self.url = ""
 

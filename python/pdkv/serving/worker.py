@@ -55,18 +55,20 @@ from aiohttp import web
 import pdkv
 from pdkv.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 
+from ..credential import Credential
 from ..discovery import Registry as DiscoveryRegistry
 from .aio import HttpServer, json_error, start_ndjson
+from .auth import DEFAULT_MAX_NONCES, DEFAULT_WINDOW_S, WorkerAuth
 from .discovery import RoleSwitch, WorkerRegistration
 from .engine import Engine, EngineConfig, FinishReason, RequestHandle, TokenEvent
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut, openai_error_middleware
-from .handoff import KVReceiver, KVSender
+from .handoff import KVReceiver, KVSender, peer_label
 from .kv_pool import PagedKVPool
 from .limits import ServerLimits, read_body
 from .metrics import CONTENT_TYPE, Registry
 from .openai_api import APIError, ModelInfo, TextCodec, body_limit
-from .protocol import (STREAM_ERROR_STATUS, GenerateRequest, GenParams, KVFailed, PrefillRequest, StreamError,
-                       WorkerInfo, dumps_line)
+from .protocol import (STREAM_ERROR_STATUS, GenerateRequest, GenParams, KVFailed, PrefillRequest, ProtocolLimits,
+                       StreamError, WorkerInfo, dumps_line)
 
 __all__ = ["LocalBackend", "Worker", "WorkerConfig", "WorkerRole"]
 
@@ -146,6 +148,18 @@ class WorkerConfig:
         (see :mod:`pdkv.serving.discovery`, docs/discovery.md).
     registry_ttl : int
         Seconds a registration outlives the worker's last refresh (>= 2).
+    accepted_secrets : tuple of str
+        Further secrets whose signatures the worker's ``/pd/*`` routes accept (rotation;
+        default ``$PDKV_ACCEPTED_SECRETS``). The agent proves ``secret`` only.
+    auth_window_s : float
+        Seconds a signed call's timestamp may be off this worker's clock
+        (:mod:`pdkv.serving.auth`).
+    auth_max_nonces : int
+        Signed calls remembered at once for replay detection (each for twice
+        ``auth_window_s``); past it signed calls get 503 until older ones expire.
+    protocol_limits : ProtocolLimits
+        Caps on the timeouts, sizes and counts in ``/pd/*`` bodies (400 above), e.g.
+        ``max_kv_timeout_s`` (default 60 s).
     """
 
     role: WorkerRole
@@ -167,6 +181,10 @@ class WorkerConfig:
     limits: ServerLimits = field(default_factory=ServerLimits)
     registry: str | None = None
     registry_ttl: int = 10
+    accepted_secrets: tuple[str, ...] | None = None
+    auth_window_s: float = DEFAULT_WINDOW_S
+    auth_max_nonces: int = DEFAULT_MAX_NONCES
+    protocol_limits: ProtocolLimits = field(default_factory=ProtocolLimits)
 
     def __post_init__(self) -> None:
         try:
@@ -177,6 +195,12 @@ class WorkerConfig:
         if not self.model_name:
             raise InvalidArgument("model_name is empty")
         object.__setattr__(self, "model_aliases", tuple(a for a in self.model_aliases if a and a != self.model_name))
+        if not 0 < self.auth_window_s <= 3600:
+            raise InvalidArgument(f"auth_window_s must be in (0, 3600], got {self.auth_window_s!r}")
+        if not isinstance(self.auth_max_nonces, int) or self.auth_max_nonces < 1:
+            raise InvalidArgument(f"auth_max_nonces must be an integer >= 1, got {self.auth_max_nonces!r}")
+        if not isinstance(self.protocol_limits, ProtocolLimits):
+            raise InvalidArgument("protocol_limits must be a ProtocolLimits")
         for k in ("kv_margin_s", "reserve_wait_s"):
             if not getattr(self, k) >= 0:
                 raise InvalidArgument(f"{k} must be >= 0, got {getattr(self, k)!r}")
@@ -285,8 +309,16 @@ class Worker:
         self._body_limit = body_limit(None, config.max_body_bytes)
         self._setup_metrics()
         self._role = config.role  # prefill <-> decode may switch (RoleSwitch, POST /pd/role)
+        # Who may call /pd/*: the cluster credential (None: nobody; see pdkv.serving.auth).
+        self.credential = Credential.from_env(config.secret, config.accepted_secrets)
+        self.m_auth_refused = self.registry.counter(
+            "pdkv_http_auth_refusals_total", "Calls to /pd/* refused by the signature check, by problem.",
+            ("problem",))
+        self.auth = WorkerAuth(self.credential, self._read_raw, window_s=config.auth_window_s,
+                               max_nonces=config.auth_max_nonces,
+                               on_refuse=lambda problem: self.m_auth_refused.inc((problem,)))
         self.registration = None if config.registry is None else WorkerRegistration(
-            self, DiscoveryRegistry(config.registry, ttl=config.registry_ttl))
+            self, DiscoveryRegistry(config.registry, ttl=config.registry_ttl, credential=self.credential))
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -306,6 +338,7 @@ class Worker:
         self._routes(app)
         if self.registration is not None:
             self.registration.add_routes(app)
+        app.middlewares.insert(0, self.auth.middleware)  # outermost: before any gate or handler
         self._http = HttpServer(app, limits=cfg.limits)
         self.url = await self._http.start(host, port)
         if self.registration is not None:
@@ -349,7 +382,8 @@ class Worker:
         geometry = pdkv.KVGeometry.from_hf_config(self.model.config, num_blocks=cfg.engine.num_blocks,
                                                   block_tokens=cfg.engine.block_tokens, dtype=param.dtype)
         tcp = pdkv.TcpOptions(compress=kv_compression(cfg.kv_compress, geometry))
-        self.agent = pdkv.Agent(name, secret=secret, listen=cfg.agent_listen, transports=cfg.transports, tcp=tcp)
+        self.agent = pdkv.Agent(name, secret=secret, accepted_secrets=cfg.accepted_secrets, listen=cfg.agent_listen,
+                                transports=cfg.transports, tcp=tcp)
         if param.device.type == "cpu":
             pool = PagedKVPool.shared(self.agent, geometry, block_order=self.block_order)
         else:
@@ -430,8 +464,8 @@ class Worker:
         """Live load (``/pd/stats``)."""
         eng = self._engine()
         rx = self.receiver
-        return {"waiting": eng.num_waiting, "running": eng.num_running, "free_blocks": eng.num_free_blocks,
-                "num_blocks": eng.pool.num_blocks, "in_flight": self._in_flight,
+        return {"role": self.role.value, "waiting": eng.num_waiting, "running": eng.num_running,
+                "free_blocks": eng.num_free_blocks, "num_blocks": eng.pool.num_blocks, "in_flight": self._in_flight,
                 "awaiting_kv": rx.awaiting if rx else 0, "invalidated_reservations": rx.invalidated if rx else 0,
                 "steps": eng.num_steps, "preemptions": eng.num_preemptions, "recomputes": eng.num_recomputes,
                 "peers": self.links()}
@@ -487,8 +521,10 @@ class Worker:
         ok = self.healthy()
         body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "role": self.role.value}
         if self.role is WorkerRole.PREFILL:
+            # Public: opaque peer ids (no agent address, no error text); /pd/stats has the details.
             links = self.links()
-            body["peers"] = links
+            body["peers"] = {peer_label(a): {k: v[k] for k in ("ok", "auth_failures", "transport_errors")}
+                             for a, v in links.items()}
             if ok and any(not v["ok"] for v in links.values()):
                 body["status"] = "degraded"  # serving, but some KV is recomputed (see peers)
         return web.json_response(body, status=200 if ok else 503)
@@ -502,9 +538,13 @@ class Worker:
     async def _h_stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats())
 
+    async def _read_raw(self, request: web.Request) -> bytes:
+        """The body's bytes (aiohttp's 413 past the body limit, 408 past the body deadline)."""
+        return await read_body(request, self._body_limit, self.config.limits.body_timeout_s)
+
     async def _body(self, request: web.Request) -> Any:
         """The JSON body (aiohttp's 413 past the body limit, 408 past the body deadline)."""
-        raw = await read_body(request, self._body_limit, self.config.limits.body_timeout_s)
+        raw = await self._read_raw(request)
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError):
@@ -553,7 +593,7 @@ class Worker:
         eng = self._engine()
         events = _Events(asyncio.get_running_loop())
         try:
-            req = GenerateRequest.from_json(await self._body(request))
+            req = GenerateRequest.from_json(await self._body(request), limits=self.config.protocol_limits)
             h = eng.add_request(req.rid, req.prompt, req.params.to_sampling(), on_event=events)
         except AlreadyExists as e:
             return json_error(409, str(e), code="duplicate_request")
@@ -576,7 +616,7 @@ class Worker:
         assert receiver is not None
         cfg = self.config
         try:
-            req = GenerateRequest.from_json(await self._body(request))
+            req = GenerateRequest.from_json(await self._body(request), limits=self.config.protocol_limits)
             sp = req.params.to_sampling()
             eng.validate(req.rid, req.prompt, sp)
             ticket = await receiver.reserve(req.rid, len(req.prompt), wait_s=cfg.reserve_wait_s,
@@ -607,7 +647,7 @@ class Worker:
     async def _h_kv_failed(self, request: web.Request) -> web.Response:
         assert self.receiver is not None
         try:
-            kf = KVFailed.from_json(await self._body(request))
+            kf = KVFailed.from_json(await self._body(request), limits=self.config.protocol_limits)
         except InvalidArgument as e:
             return json_error(400, str(e), code="invalid_request")
         return web.json_response({"ok": True, "state": self.receiver.kv_failed(kf)})
@@ -622,7 +662,7 @@ class Worker:
         events = _Events(loop)
         streamer = None
         try:
-            req = PrefillRequest.from_json(await self._body(request))
+            req = PrefillRequest.from_json(await self._body(request), limits=self.config.protocol_limits)
             eng.validate(req.rid, req.prompt, req.params.to_sampling(), prefill_only=True)
             streamer = await sender.layer_streamer(req, t_recv + req.kv_timeout_s)
             h = eng.add_request(req.rid, req.prompt, req.params.to_sampling(), on_event=events, prefill_only=True,
@@ -662,10 +702,13 @@ class Worker:
             obj = await self._body(request)
             address = obj["agent"]
             timeout = float(obj.get("timeout", 5.0))
-            if not isinstance(address, str) or not address or not 0 < timeout <= 60:
+            if not isinstance(address, str) or not address or not 0 < timeout <= 60 \
+                    or len(address) > self.config.protocol_limits.max_name_chars:
                 raise ValueError
-        except (InvalidArgument, KeyError, TypeError, ValueError, AttributeError):
-            return json_error(400, "expected {\"agent\": \"host:port\", \"timeout\": seconds (0, 60]}",
+        except (InvalidArgument, KeyError, TypeError, ValueError, AttributeError, OverflowError):
+            return json_error(400, "expected {\"agent\": \"host:port\" (at most "
+                              f"{self.config.protocol_limits.max_name_chars} characters), \"timeout\": seconds "
+                              "(0, 60]}",
                               code="invalid_request")
         kind, error = await self.sender.check_peer(address, timeout)
         return web.json_response({"ok": kind == "ok", "kind": kind, "error": error})

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "pdkv/status.h"
 
@@ -26,6 +27,12 @@ struct ShmOptions {
   // transfer's error: it is counted (Agent::notifications_unacknowledged) and
   // logged. Off: the transfer fails instead (docs/api.md, "Notifications").
   bool notify_on_send = false;
+  // Same-host peers are identified by the kernel (SO_PEERCRED on the control socket,
+  // never by what they say): a peer process whose uid is neither this process's own
+  // uid nor listed here is refused, both when it connects to us (its connection is
+  // closed with AuthFailed before its hello is read) and when we dial it (the dial
+  // fails with AuthFailed). Empty (the default): same uid only. At most 64 uids.
+  std::vector<uint32_t> allowed_peer_uids;
 
   // OK, or InvalidArgument naming the field out of range and its value.
   Status validate() const;

@@ -79,6 +79,11 @@ struct TcpOptions {
   // grown only as its bytes arrive), so this bounds what one peer can make it hold.
   uint32_t max_inbound_per_peer = 128;
   TcpCompression compress;  // off by default; a transfer may override the mode (XferOptions::compress)
+  // Encrypt every connection with TLS 1.3 (OpenSSL), inside which the handshake runs
+  // bound to the session (docs/security.md). Every agent of a cluster must agree: an
+  // agent with it on speaks only TLS. Costs CPU and one more copy each way
+  // (`pdkv bench transfer --tls`). Off by default.
+  bool tls = false;
 
   // OK, or InvalidArgument naming the first field out of range and its value
   // ("tcp.conns_per_peer must be in 1..64, got 0").

@@ -48,6 +48,7 @@ inline constexpr size_t kMacBytes = 32;  // HMAC-SHA256
 using Nonce = std::array<uint8_t, kNonceBytes>;
 using Pub = std::array<uint8_t, kPubBytes>;
 using Mac = std::array<uint8_t, kMacBytes>;
+using ChannelBinding = std::array<uint8_t, 32>;
 
 // The handshake key of one secret (never the secret itself). Derived once per
 // secret per process (~5 ms: PBKDF2), then cached.
@@ -67,6 +68,9 @@ struct Transcript {
   uint64_t target_instance = 0;
   Nonce nonce_i{}, nonce_t{};
   Pub pub_i{}, pub_t{};
+  // The channel the exchange runs in, when it is a TLS session: its exporter keying
+  // material (zeros: none). A machine in the middle of two TLS sessions sees two.
+  ChannelBinding binding{};
 };
 
 // One end's ephemeral state for one handshake: a fresh nonce and X25519 key pair.
@@ -110,7 +114,9 @@ bool equal(const Mac& a, const Mac& b);
 // answer()s the target's challenge with a proof, then check_accept()s the target's MAC.
 class InitiatorHandshake {
  public:
-  static Result<InitiatorHandshake> begin(std::string transport, uint32_t version, std::string self_name);
+  // `binding`: the TLS session it runs in (Transcript::binding), zeros for none.
+  static Result<InitiatorHandshake> begin(std::string transport, uint32_t version, std::string self_name,
+                                          const ChannelBinding& binding = ChannelBinding{});
   const Nonce& nonce() const { return ex_.nonce(); }
   const Pub& pub() const { return ex_.pub(); }
   // The target's challenge: its name, instance, nonce and key. *proof: what to send.
@@ -128,6 +134,7 @@ class InitiatorHandshake {
   uint64_t target_instance_ = 0;
   Nonce nonce_t_{};
   Pub pub_t_{};
+  ChannelBinding binding_{};
   Key key_;
   bool answered_ = false;
 };
@@ -138,7 +145,7 @@ class TargetHandshake {
  public:
   static Result<TargetHandshake> begin(std::string transport, uint32_t version, std::string initiator,
                                        std::string self_name, uint64_t self_instance, const Nonce& nonce_i,
-                                       const Pub& pub_i);
+                                       const Pub& pub_i, const ChannelBinding& binding = ChannelBinding{});
   const Nonce& nonce() const { return ex_.nonce(); }
   const Pub& pub() const { return ex_.pub(); }
   const std::string& initiator() const { return initiator_; }
@@ -155,6 +162,7 @@ class TargetHandshake {
   uint64_t self_instance_ = 0;
   Nonce nonce_i_{};
   Pub pub_i_{};
+  ChannelBinding binding_{};
 };
 
 }  // namespace pdkv::auth

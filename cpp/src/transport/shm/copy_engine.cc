@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "pdkv/spi/transfer_control.h"
+#include "transport/shm/shm_conn.h"
 #include "util/piece_copy.h"
 #include "util/socket.h"
 #include "util/thread_name.h"
@@ -110,6 +111,11 @@ Status run_copies(const Binding& p, Transfer* xfer) {
     size_t i = 0;
     while (i < liov.size()) {
       size_t n = std::min<size_t>(liov.size() - i, 1024);
+      // The pid is the peer's only while its process lives: once it exited (pidfd
+      // readable) the pid may be another process's, which must never be written.
+      if (p.conn && p.conn->peer_exited())
+        return ConnectionError("peer process " + std::to_string(p.pid) +
+                               " exited; nothing more is copied to or from its pid (it may be reused)");
       ssize_t got = p.op == OpKind::kWrite ? ::process_vm_writev(p.pid, &liov[i], n, &riov[i], n, 0)
                                            : ::process_vm_readv(p.pid, &liov[i], n, &riov[i], n, 0);
       if (got < 0) {

@@ -56,6 +56,8 @@ Result<std::shared_ptr<RemoteRegion>> attach(const std::shared_ptr<ShmConn>& c, 
   const uint64_t probe_at = ri.shared_offset > 0 || !ri.shareable ? ri.addr : ri.addr + ri.len - 1;
   char probe;
   iovec l{&probe, 1}, rm{reinterpret_cast<void*>(probe_at), 1};
+  if (c->peer_exited())
+    return ConnectionError("peer '" + peer.md.name + "': its process " + std::to_string(c->peer_pid()) + " exited");
   if (::process_vm_readv(c->peer_pid(), &l, 1, &rm, 1, 0) != 1) {
     const int err = errno;
     std::string why = "region " + std::to_string(d.id) + " of peer '" + peer.md.name + "' is not shared memory" +

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <thread>
 
+#include "transport/shm/peer_identity.h"
 #include "util/socket.h"
 
 namespace pdkv::shm {
@@ -25,32 +26,37 @@ RemoteRegion::~RemoteRegion() {
 
 // ---------------------------------------------------------------- identity
 
-std::shared_ptr<ShmConn> ShmConn::dialled(int fd, std::string desc, std::string peer_name, pid_t peer_pid) {
+std::shared_ptr<ShmConn> ShmConn::dialled(int fd, std::string desc, std::string peer_name, pid_t peer_pid,
+                                          int peer_pidfd) {
   return std::shared_ptr<ShmConn>(
-      new ShmConn(fd, true, std::move(desc), std::move(peer_name), peer_pid, Clock::time_point::max()));
+      new ShmConn(fd, true, std::move(desc), std::move(peer_name), peer_pid, peer_pidfd, Clock::time_point::max()));
 }
 
 std::shared_ptr<ShmConn> ShmConn::accepted(int fd, pid_t peer_pid, Clock::time_point hello_deadline) {
   return std::shared_ptr<ShmConn>(
-      new ShmConn(fd, false, "local process " + std::to_string(peer_pid), "", peer_pid, hello_deadline));
+      new ShmConn(fd, false, "local process " + std::to_string(peer_pid), "", peer_pid, -1, hello_deadline));
 }
 
-ShmConn::ShmConn(int fd, bool outbound, std::string desc, std::string peer_name, pid_t peer_pid,
+ShmConn::ShmConn(int fd, bool outbound, std::string desc, std::string peer_name, pid_t peer_pid, int peer_pidfd,
                  Clock::time_point hello_deadline)
     : fd_(fd),
       outbound_(outbound),
       base_desc_(std::move(desc)),
       peer_pid_(peer_pid),
+      peer_pidfd_(peer_pidfd),
       hello_deadline_(hello_deadline),
       peer_name_(std::move(peer_name)),
       authed_(outbound) {}  // a dialled connection finished its handshake before this
 
 ShmConn::~ShmConn() {
   if (fd_ >= 0) ::close(fd_);
+  if (peer_pidfd_ >= 0) ::close(peer_pidfd_);
   for (int f : fds_) ::close(f);
   for (auto& [id, a] : shared_.answers)
     if (a.fd >= 0) ::close(a.fd);
 }
+
+bool ShmConn::peer_exited() const { return peer_process_exited(peer_pidfd_); }
 
 std::string ShmConn::desc() const {
   if (outbound_ || !authed()) return base_desc_;

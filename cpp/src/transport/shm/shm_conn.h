@@ -119,7 +119,10 @@ struct ShmShared {
   Status reject;
   // Inbound (we are the target).
   std::set<uint64_t> confirmed;      // regions this peer asked about and got
-  std::set<uint64_t> revoke_acks;    // regions the peer acknowledged
+  // Revokes sent and not yet acknowledged; a RevokeAck for anything else is a
+  // protocol error (so revoke_acks never holds more than the revokes in flight).
+  std::set<uint64_t> revoking;
+  std::set<uint64_t> revoke_acks;    // regions the peer acknowledged (a subset of revoking's past)
   std::map<uint64_t, Lease> leases;  // granted, not yet ended; released when the connection dies
   uint64_t leased_blocks = 0;
   // Outbound (we are the initiator).
@@ -143,8 +146,10 @@ struct ShmShared {
 class ShmConn {
  public:
   // A connection this agent dialled and authenticated (shm_dial.h) to agent
-  // `peer_name`, whose process is `peer_pid`.
-  static std::shared_ptr<ShmConn> dialled(int fd, std::string desc, std::string peer_name, pid_t peer_pid);
+  // `peer_name`, whose process is `peer_pid` (SO_PEERCRED), pinned by `peer_pidfd`
+  // (owned).
+  static std::shared_ptr<ShmConn> dialled(int fd, std::string desc, std::string peer_name, pid_t peer_pid,
+                                          int peer_pidfd);
   // A connection accepted from local process `peer_pid` (SO_PEERCRED); it must say
   // hello before `hello_deadline`.
   static std::shared_ptr<ShmConn> accepted(int fd, pid_t peer_pid, Clock::time_point hello_deadline);
@@ -157,6 +162,9 @@ class ShmConn {
   int fd() const { return fd_; }
   bool outbound() const { return outbound_; }
   pid_t peer_pid() const { return peer_pid_; }
+  // Outbound: the peer process (peer_pid) has exited, so its pid may name another
+  // process now; no cross-memory copy may address it any more. Any thread.
+  bool peer_exited() const;
   Clock::time_point hello_deadline() const { return hello_deadline_; }
   // "peer 'x' (shm /path)" / "peer 'x' (local process 123)", for messages.
   std::string desc() const;
@@ -252,7 +260,7 @@ class ShmConn {
   }
 
  private:
-  ShmConn(int fd, bool outbound, std::string desc, std::string peer_name, pid_t peer_pid,
+  ShmConn(int fd, bool outbound, std::string desc, std::string peer_name, pid_t peer_pid, int peer_pidfd,
           Clock::time_point hello_deadline);
 
   // ---- Identity.
@@ -260,6 +268,7 @@ class ShmConn {
   const bool outbound_;
   const std::string base_desc_;
   const pid_t peer_pid_;
+  const int peer_pidfd_;  // outbound: a pidfd of the peer process (owned), else -1
   const Clock::time_point hello_deadline_;
   std::string peer_name_;  // written once, before authed_ is set
   std::atomic<bool> authed_{false};

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 
+#include "transport/shm/peer_identity.h"
 #include "util/socket.h"
 
 namespace pdkv::shm {
@@ -65,10 +66,10 @@ Status recv_ctl(int fd, const Peer& peer, const std::string& where, std::chrono:
 
 }  // namespace
 
-Result<std::shared_ptr<ShmConn>> dial(const Peer& peer, const std::string& self_name, double timeout_s) {
+Result<std::shared_ptr<ShmConn>> dial(const Peer& peer, const std::string& self_name, Clock::time_point deadline,
+                                      const std::vector<uint32_t>& allowed_uids) {
   const Endpoint* e = peer.md.find_endpoint("shm");
   if (!e) return NotSupported("peer '" + peer.md.name + "' publishes no shm endpoint");
-  const auto deadline = util::deadline_after(timeout_s);
   auto fdr = util::connect_unix(e->address, deadline);
   if (!fdr.ok() && fdr.status().code() == StatusCode::kTimeout)  // it listens, but is frozen
     return Status(fdr.status().code(), "peer '" + peer.md.name + "': " + fdr.status().message());
@@ -76,6 +77,11 @@ Result<std::shared_ptr<ShmConn>> dial(const Peer& peer, const std::string& self_
     return explain_unreachable(peer, e->address,
                                Status(fdr.status().code(), "peer '" + peer.md.name + "': " + fdr.status().message()));
   util::ScopedFd fd = std::move(fdr).value();
+  // The kernel's word on who listens there, before anything is sent to it.
+  const std::string who = "the process listening at the shm address of peer '" + peer.md.name + "' (" + e->address + ")";
+  PDKV_ASSIGN_OR_RETURN(PeerCred cred, peer_cred(fd.get()));
+  PDKV_RETURN_IF_ERROR(check_peer_uid(cred, allowed_uids, who));
+  PDKV_ASSIGN_OR_RETURN(util::ScopedFd pidfd, pin_peer_process(fd.get(), cred, who));
   const std::string where = "handshake with peer '" + peer.md.name + "'";
   PDKV_ASSIGN_OR_RETURN(auth::InitiatorHandshake hs, auth::InitiatorHandshake::begin("shm", kShmVersion, self_name));
   PDKV_RETURN_IF_ERROR(send_ctl(fd.get(), Ctl::kHello,
@@ -106,9 +112,16 @@ Result<std::shared_ptr<ShmConn>> dial(const Peer& peer, const std::string& self_
   if (ack.instance != peer.md.instance_id || ack.name != peer.md.name)
     return ProtocolError(where + ": the hello-ack names another agent than the challenge");
   PDKV_RETURN_IF_ERROR(hs.check_accept(ack.mac).with_context(where));
+  if (static_cast<pid_t>(ack.pid) != cred.pid)
+    return AuthFailed("peer '" + peer.md.name + "' says it is process " + std::to_string(ack.pid) +
+                      " but the kernel says process " + std::to_string(cred.pid) + " listens at " + e->address +
+                      "; refusing it (cross-memory copies would go to the wrong process)");
+  if (peer_process_exited(pidfd.get()))
+    return ConnectionError("peer '" + peer.md.name + "': its process " + std::to_string(cred.pid) +
+                           " exited during the handshake");
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
   return ShmConn::dialled(fd.release(), "peer '" + peer.md.name + "' (shm " + e->address + ")", peer.md.name,
-                          static_cast<pid_t>(ack.pid));
+                          cred.pid, pidfd.release());
 }
 
 }  // namespace pdkv::shm

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "transport/shm/peer_identity.h"
 #include "transport/shm/remote_region.h"
 #include "transport/shm/shm_ctl.h"
 #include "transport/shm/shm_transport_impl.h"
@@ -186,9 +187,23 @@ void ShmTransport::accept_all() {
       }
       return;
     }
-    ucred cr{};
-    socklen_t len = sizeof cr;
-    ::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len);
+    // Who connected is the kernel's word (SO_PEERCRED), checked before anything is read.
+    auto cred = peer_cred(fd);
+    Status allowed = cred.ok() ? check_peer_uid(*cred, opts_.allowed_peer_uids, "a local process connecting to agent '" +
+                                                                                  hooks_->agent_name() + "'")
+                               : cred.status();
+    if (!allowed.ok()) {
+      const std::string msg = allowed.message().substr(0, kMaxErrorAux);
+      CtlHdr h{kCtlMagic, static_cast<uint16_t>(Ctl::kError), 0, 0, static_cast<uint32_t>(msg.size()),
+               static_cast<uint32_t>(allowed.code())};
+      std::string frame(reinterpret_cast<const char*>(&h), sizeof h);
+      frame += msg;
+      (void)!::send(fd, frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);  // best effort
+      ::close(fd);
+      log_refusal(allowed);
+      continue;
+    }
+    const PeerCred cr = *cred;
     if (pending_conns() >= kMaxPendingConns && (reap_hung_up_pending() == 0 || pending_conns() >= kMaxPendingConns)) {
       ::close(fd);
       log_refusal(ResourceExhausted("closed a connection from local process " + std::to_string(cr.pid) + ": " +

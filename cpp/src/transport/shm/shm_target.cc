@@ -76,9 +76,19 @@ void ShmTransport::handle_inbound(const std::shared_ptr<ShmConn>& c, const CtlHd
       return;
     }
     case Ctl::kRevokeAck: {
-      auto s = c->lock();
-      s->revoke_acks.insert(h.id);
-      s.notify_all();
+      bool asked;
+      {
+        auto s = c->lock();
+        asked = s->revoking.erase(h.id) > 0;
+        if (asked) {
+          s->revoke_acks.insert(h.id);
+          s.notify_all();
+        }
+      }
+      if (!asked)
+        return refuse(c, ProtocolError(c->desc() + " acknowledged the revocation of region " + std::to_string(h.id) +
+                                       ", which was not revoked at it"),
+                      h.id);
       return;
     }
     case Ctl::kLeaseReq:
@@ -207,6 +217,7 @@ void ShmTransport::region_removed(const RegionDesc& region) {
       auto s = c->lock();
       if (s->confirmed.erase(region.id)) {
         s->revoke_acks.erase(region.id);
+        s->revoking.insert(region.id);  // before the Revoke is sent: its ack may come at once
         holders.push_back(c);
       }
     }
@@ -227,6 +238,7 @@ void ShmTransport::region_removed(const RegionDesc& region) {
       auto s = c->lock();
       acked = s.wait_until(deadline, [&] { return s->dead || s->revoke_acks.count(region.id); });
       s->revoke_acks.erase(region.id);
+      s->revoking.erase(region.id);
     }
     if (!acked) {
       PDKV_LOG_WARN("shm: %s did not release region %llu within %.0f s; closing its connection", c->desc().c_str(),

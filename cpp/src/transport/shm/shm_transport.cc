@@ -163,13 +163,18 @@ std::shared_ptr<ShmPeerState> ShmTransport::peer_state(const std::shared_ptr<con
   return ps;
 }
 
-Result<std::shared_ptr<ShmConn>> ShmTransport::get_conn(ShmPeerState& ps) {
+Result<std::shared_ptr<ShmConn>> ShmTransport::get_conn(ShmPeerState& ps, Clock::time_point deadline) {
   std::lock_guard<std::mutex> lk(ps.mu);
   if (ps.conn) {
     if (!ps.conn->lock()->dead) return ps.conn;
   }
   if (shut_) return ConnectionError("agent is shutting down");
-  PDKV_ASSIGN_OR_RETURN(ps.conn, dial(*ps.peer, hooks_->agent_name(), connect_timeout_));
+  // The first contact is bounded by the transfer's deadline too (a frozen peer that
+  // accepts and never answers must not hold a post for the whole connect timeout).
+  const auto by = std::min(deadline, util::deadline_after(connect_timeout_));
+  if (by <= Clock::now()) return TimeoutError("the transfer's deadline passed before peer '" + ps.peer->md.name +
+                                              "' was connected over shm");
+  PDKV_ASSIGN_OR_RETURN(ps.conn, dial(*ps.peer, hooks_->agent_name(), by, opts_.allowed_peer_uids));
   add_conn(ps.conn);
   return ps.conn;
 }
@@ -377,7 +382,7 @@ Result<std::shared_ptr<const Binding>> ShmTransport::bind(const ShmPrepared& p, 
       if (r->revoked) return NotFound(deregistered(peer.md.name, r->id));
     if (!p.bound->conn->gone()) return p.bound;
   }
-  PDKV_ASSIGN_OR_RETURN(auto conn, get_conn(*p.ps));
+  PDKV_ASSIGN_OR_RETURN(auto conn, get_conn(*p.ps, deadline));
   auto b = std::make_shared<Binding>();
   b->conn = conn;
   b->op = p.op;
@@ -569,7 +574,7 @@ void ShmTransport::run_job(Job& job) {
 }
 
 void ShmTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_ptr<Transfer>& xfer, std::string notif) {
-  auto c = get_conn(*peer_state(peer));
+  auto c = get_conn(*peer_state(peer), xfer->deadline());
   if (!c.ok()) {
     spi::TransferControl(xfer).resolve_part(0, c.status());
     return;
@@ -578,8 +583,8 @@ void ShmTransport::notify(std::shared_ptr<const Peer> peer, const std::shared_pt
 }
 
 Status ShmTransport::connect(std::shared_ptr<const Peer> peer, double timeout_s) {
-  (void)timeout_s;
-  PDKV_ASSIGN_OR_RETURN(auto c, get_conn(*peer_state(peer)));
+  const auto by = timeout_s > 0 ? util::deadline_after(timeout_s) : Clock::time_point::max();
+  PDKV_ASSIGN_OR_RETURN(auto c, get_conn(*peer_state(peer), by));
   (void)c;
   return Status::Ok();
 }

@@ -7,6 +7,7 @@
 //                     hello, answer region and lease requests, take notifications,
 //                     revoke regions on deregistration
 //   shm_dial.h        the initiator's blocking handshake
+//   peer_identity.h   who the peer is, as the kernel says (SO_PEERCRED, uid policy, pidfd)
 //   shm_conn.h        one control connection, its state and its lock order
 //   remote_region.h   confirming a peer's region before first use, acking revokes
 //   copy_ops.h        a bound transfer's copy ops, built from its runs (bounds checked)
@@ -124,7 +125,9 @@ class ShmTransport final : public Transport {
   void add_conn(const std::shared_ptr<ShmConn>& c);
   // Initiator side: connections, region confirmation, copies.
   std::shared_ptr<ShmPeerState> peer_state(const std::shared_ptr<const Peer>& peer);
-  Result<std::shared_ptr<ShmConn>> get_conn(ShmPeerState& ps);
+  // The live connection to ps's peer, dialled by `deadline` (capped at the connect
+  // timeout) if there is none.
+  Result<std::shared_ptr<ShmConn>> get_conn(ShmPeerState& ps, Clock::time_point deadline = Clock::time_point::max());
   // Round trips inside a transfer (region confirmation, block lease) wait until its
   // deadline, or the connect timeout for a transfer without one.
   Clock::time_point answer_by(Clock::time_point deadline) const {

@@ -54,6 +54,7 @@
 #include "pdkv/transfer.h"
 #include "pdkv/codec.h"
 #include "transport/tcp/handshake.h"
+#include "transport/tcp/tls.h"
 #include "transport/tcp/out_msg.h"
 #include "transport/tcp/transfer_parts.h"
 
@@ -168,6 +169,10 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   RxState& rx_state(RxAccess) { return rx_; }
   // The inbound connection's hello from agent `name` was accepted. Once.
   void authenticate(std::string name);
+  // The TLS session this connection's fd is the plaintext end of (tls.h), or null.
+  // Set once, before the connection is handed to a progress thread.
+  void set_tls(std::shared_ptr<TlsChannel> ch) { tls_ = std::move(ch); }
+  const TlsChannel* tls() const { return tls_.get(); }
   // The socket is open and not lingering after kill(): frames may be read.
   bool open() const { return fd() >= 0 && !draining(); }
   // Killed: the write side is shut and the socket lingers until deadline().
@@ -270,6 +275,7 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   const std::weak_ptr<PeerConns> pc_;  // outbound: the slot table it sits in
   const uint32_t slot_;
   std::string peer_name_;           // written once, before authed_ is set
+  std::shared_ptr<TlsChannel> tls_;
   std::atomic<bool> authed_{false};
   std::atomic<int> fd_;             // closed by close_socket() or the destructor
   std::atomic<bool> admitted_{false};

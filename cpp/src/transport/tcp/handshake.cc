@@ -36,12 +36,21 @@ Status read_reply(int fd, const std::string& where, const char* waiting_for,
 }  // namespace
 
 Result<util::ScopedFd> dial(const util::HostPort& hp, const HelloParams& hello, double timeout_s,
-                            std::string* peer_name) {
+                            std::string* peer_name, std::shared_ptr<TlsChannel>* channel) {
   const auto deadline = util::deadline_after(timeout_s);
   PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, util::connect_tcp(hp, timeout_s));
-  PDKV_ASSIGN_OR_RETURN(auth::InitiatorHandshake hs, auth::InitiatorHandshake::begin("tcp", kWireVersion, hello.self_name));
-  HelloBody hb{kWireVersion, 0, hello.instance, hello.self_name, hello.target, hs.nonce(), hs.pub()};
   const std::string where = hello.target.empty() ? hp.str() : "'" + hello.target + "' at " + hp.str();
+  auth::ChannelBinding binding{};
+  std::shared_ptr<TlsChannel> tls;
+  if (hello.tls) {  // the handshake below runs inside the session, bound to it
+    util::ScopedFd plain;
+    PDKV_ASSIGN_OR_RETURN(tls, TlsChannel::connect(hello.tls, std::move(fd), deadline, where, &plain));
+    fd = std::move(plain);
+    binding = tls->binding();
+  }
+  PDKV_ASSIGN_OR_RETURN(auth::InitiatorHandshake hs,
+                        auth::InitiatorHandshake::begin("tcp", kWireVersion, hello.self_name, binding));
+  HelloBody hb{kWireVersion, 0, hello.instance, hello.self_name, hello.target, hs.nonce(), hs.pub()};
   const std::string h = frame_of(FrameType::kHello, encode_hello(hb));
   PDKV_RETURN_IF_ERROR(util::send_all(fd.get(), h.data(), h.size(), deadline).with_context("hello to " + where));
 
@@ -73,6 +82,7 @@ Result<util::ScopedFd> dial(const util::HostPort& hp, const HelloParams& hello, 
   if (!mac.ok()) return ProtocolError(where + " sent a malformed hello-ack: " + mac.status().message());
   PDKV_RETURN_IF_ERROR(hs.check_accept(*mac).with_context(hp.str()));
   if (peer_name) *peer_name = ch->name;
+  if (channel) *channel = std::move(tls);
   return fd;
 }
 
@@ -93,9 +103,11 @@ Result<std::string> request_metadata(int fd, const std::string& address,
 }
 
 Result<auth::TargetHandshake> begin_challenge(const HelloBody& hello, const std::string& self_name,
-                                              uint64_t self_instance, std::string* challenge) {
-  PDKV_ASSIGN_OR_RETURN(auth::TargetHandshake hs, auth::TargetHandshake::begin("tcp", kWireVersion, hello.from, self_name,
-                                                                             self_instance, hello.nonce, hello.pub));
+                                              uint64_t self_instance, std::string* challenge,
+                                              const auth::ChannelBinding& binding) {
+  PDKV_ASSIGN_OR_RETURN(auth::TargetHandshake hs,
+                        auth::TargetHandshake::begin("tcp", kWireVersion, hello.from, self_name, self_instance,
+                                                     hello.nonce, hello.pub, binding));
   *challenge = encode_challenge(ChallengeBody{self_instance, self_name, hs.nonce(), hs.pub()});
   return hs;
 }

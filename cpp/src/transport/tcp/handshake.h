@@ -26,6 +26,7 @@
 #include "pdkv/spi/auth.h"
 #include "pdkv/status.h"
 #include "transport/tcp/frame.h"
+#include "transport/tcp/tls.h"
 #include "util/socket.h"
 
 namespace pdkv::tcp {
@@ -36,14 +37,16 @@ struct HelloParams {
   std::string target;     // "": any agent (a metadata fetch)
   uint64_t instance = 0;  // the target instance we expect (0: any)
   auth::Key key;          // of the secret we prove (auth::derive_key)
+  std::shared_ptr<const TlsContext> tls;  // TcpOptions::tls: the handshake runs inside a TLS session
 };
 
 // Connects to `hp` and completes the handshake within `timeout_s`. The socket is
 // left blocking; *peer_name (if given) receives the target's name. AuthFailed when
 // either side's proof fails (the target's message, or ours when the target could
-// not prove it knows the secret).
+// not prove it knows the secret). With hello.tls the returned fd is the plaintext
+// end of *channel (keep the channel as long as the fd).
 Result<util::ScopedFd> dial(const util::HostPort& hp, const HelloParams& hello, double timeout_s,
-                            std::string* peer_name);
+                            std::string* peer_name, std::shared_ptr<TlsChannel>* channel = nullptr);
 
 // On a socket that completed the handshake: asks for the target's metadata blob
 // and waits for it until `deadline`. `address` names the target in messages.
@@ -52,7 +55,9 @@ Result<std::string> request_metadata(int fd, const std::string& address,
 
 // The target's answer to a valid hello: its half of the exchange (keep it until the
 // proof arrives) and, in *challenge, the kChallenge body to send.
+// `binding`: the connection's TLS session (TlsChannel::binding), zeros without one.
 Result<auth::TargetHandshake> begin_challenge(const HelloBody& hello, const std::string& self_name,
-                                              uint64_t self_instance, std::string* challenge);
+                                              uint64_t self_instance, std::string* challenge,
+                                              const auth::ChannelBinding& binding = auth::ChannelBinding{});
 
 }  // namespace pdkv::tcp

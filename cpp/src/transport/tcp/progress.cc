@@ -232,11 +232,32 @@ void ProgressThread::accept_all() {
       inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
       port = ntohs(a->sin6_port);
     }
-    ProgressThread* owner = t_->pick_thread();
-    auto c = TcpConn::accepted(fd, owner, "inbound connection from " + std::string(host) + ":" + std::to_string(port),
-                               host, util::deadline_after(t_->opts().handshake_timeout_s));
+    // TcpOptions::max_inbound_conns, counted before any work is spent on it (TLS).
     uint32_t open = 0;
     auto slot = t_->admission().accept(&open);
+    const std::string refused = "this agent has " + std::to_string(open) +
+                                " inbound connections open (TcpOptions.max_inbound_conns); refusing one from " + host;
+    const auto hello_deadline = util::deadline_after(t_->opts().handshake_timeout_s);
+    std::shared_ptr<TlsChannel> tls;
+    if (t_->tls()) {  // the session's handshake runs on its pump thread; the hello comes through it
+      if (!slot) {  // (no error frame without a session: closed at once)
+        ::close(fd);
+        t_->log_rejected("tcp: " + refused);
+        continue;
+      }
+      util::ScopedFd plain;
+      auto ch = TlsChannel::accept(t_->tls(), fd, hello_deadline, &plain);  // takes fd
+      if (!ch.ok()) {
+        t_->log_rejected("tcp: TLS for an inbound connection from " + std::string(host) + ": " + ch.status().message());
+        continue;
+      }
+      tls = std::move(ch).value();
+      fd = plain.release();
+    }
+    ProgressThread* owner = t_->pick_thread();
+    auto c = TcpConn::accepted(fd, owner, "inbound connection from " + std::string(host) + ":" + std::to_string(port),
+                               host, hello_deadline);
+    c->set_tls(std::move(tls));
     owner->add(c, true);
     if (slot) {
       c->hold(std::move(slot));
@@ -244,10 +265,7 @@ void ProgressThread::accept_all() {
       // Over TcpOptions::max_inbound_conns: told why (an error frame before its hello
       // is answered), then closed like any refused connection.
       auto lk = c->lock_rx();
-      if (c->fd() >= 0)
-        t_->fail_conn_locked(c, ResourceExhausted("this agent has " + std::to_string(open) +
-                                                  " inbound connections open (TcpOptions.max_inbound_conns); "
-                                                  "refusing " + c->desc()));
+      if (c->fd() >= 0) t_->fail_conn_locked(c, ResourceExhausted(refused));
     }
   }
 }

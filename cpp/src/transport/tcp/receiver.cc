@@ -431,7 +431,8 @@ bool FrameReceiver::on_hello(const std::shared_ptr<TcpConn>& c) {
   // Challenge: the initiator proves first; we prove ourselves only after its proof
   // checked (on_proof), so a peer without the secret learns nothing from us.
   auto m = std::make_unique<OutMsg>();
-  auto pending = begin_challenge(*body, hooks->agent_name(), hooks->instance_id(), &m->aux);
+  auto pending = begin_challenge(*body, hooks->agent_name(), hooks->instance_id(), &m->aux,
+                                 c->tls() ? c->tls()->binding() : auth::ChannelBinding{});
   if (!pending.ok()) {
     t_.fail_conn_locked(c, pending.status().with_context("handshake with " + c->desc()));
     return false;

@@ -105,6 +105,9 @@ Status TcpTransport::start(AgentHooks* hooks) {
   PDKV_ASSIGN_OR_RETURN(listen_fd_, util::listen_tcp(hp, &port));
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(listen_fd_.get(), true));
   addr_ = util::HostPort{advertised_host(opts_.listen_host), port};
+  if (opts_.tls) {
+    PDKV_ASSIGN_OR_RETURN(tls_, TlsContext::create());
+  }
   for (uint32_t i = 0; i < opts_.progress_threads; ++i) {
     threads_.push_back(std::make_unique<ProgressThread>(this, opts_.spin_us));
     PDKV_RETURN_IF_ERROR(threads_.back()->start(i == 0 ? listen_fd_.get() : -1));
@@ -441,14 +444,16 @@ Result<std::shared_ptr<TcpConn>> TcpTransport::get_conn(PeerConns& pc, uint32_t 
     timeout_s = std::min(timeout_s, left);
   }
   std::string name;
+  std::shared_ptr<TlsChannel> tls;
   PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd,
                         dial(pc.hp, HelloParams{hooks_->agent_name(), pc.peer->md.name, pc.peer->md.instance_id,
-                                                auth::derive_key(pc.peer->secret)},
-                             timeout_s, &name));
+                                                auth::derive_key(pc.peer->secret), tls_},
+                             timeout_s, &name, &tls));
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
   ProgressThread* owner = pick_thread();
   auto conn = TcpConn::dialled(fd.release(), owner, "peer '" + pc.peer->md.name + "' at " + pc.hp.str(), name,
                                pc.weak_from_this(), slot);
+  conn->set_tls(std::move(tls));
   c = conn;
   owner->add(conn, false);
   return conn;
@@ -485,8 +490,9 @@ Result<std::string> TcpTransport::fetch_metadata(const std::string& address, std
                                                  double timeout_s) {
   PDKV_ASSIGN_OR_RETURN(util::HostPort hp, util::parse_host_port(address));
   const auto deadline = util::deadline_after(timeout_s);
-  PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd,
-                        dial(hp, HelloParams{hooks_->agent_name(), "", 0, auth::derive_key(secret)}, timeout_s, nullptr));
+  std::shared_ptr<TlsChannel> tls;  // outlives the fd's use below
+  PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, dial(hp, HelloParams{hooks_->agent_name(), "", 0, auth::derive_key(secret), tls_},
+                                                timeout_s, nullptr, &tls));
   return request_metadata(fd.get(), address, deadline);
 }
 

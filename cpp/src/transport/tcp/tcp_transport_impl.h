@@ -86,6 +86,7 @@ class TcpTransport final : public Transport {
   // c->authenticate); the receiver also calls it at c's first frame after the
   // handshake (on_header), so the cap holds either way.
   Status admit(const std::shared_ptr<TcpConn>& c, const std::string& name);
+  const std::shared_ptr<const TlsContext>& tls() const { return tls_; }
   DeviceStaging& staging() { return staging_; }
   Decoder& decoder() { return decoder_; }
   Encoder& encoder() { return *encoder_; }
@@ -180,6 +181,7 @@ class TcpTransport final : public Transport {
   // Compressed writes sent and compressed read responses answered (threads start on
   // the first); its codec figures drive kAuto.
   std::unique_ptr<Encoder> encoder_;
+  std::shared_ptr<const TlsContext> tls_;  // TcpOptions::tls: every connection's TLS sessions (tls.h)
   Decoder decoder_;  // compressed writes and read responses received (threads start on the first)
   AuthBackoff backoff_;
   Admission admission_;
