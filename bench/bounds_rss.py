@@ -1,5 +1,5 @@
 """The memory an authenticated hostile peer makes a target hold (issue 26,
-docs/security-bounds.md): for each attack of tests/test_bounds.py, a target agent in a
+docs/security.md, "Hostile authenticated peers"): for each attack of tests/test_bounds.py, a target agent in a
 child process (tests/bounds_target.py) and its RSS before, its peak (VmHWM) and its RSS
 3 s later. Run from the repository root: ``.venv/bin/python bench/bounds_rss.py``.
 """

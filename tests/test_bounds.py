@@ -1,4 +1,4 @@
-"""What an AUTHENTICATED but hostile peer can make a target hold (issue 26; docs/security-bounds.md).
+"""What an AUTHENTICATED but hostile peer can make a target hold (issue 26; docs/security.md, "Hostile authenticated peers").
 
 Each target runs in its own process (tests/bounds_target.py) and its memory is read from
 /proc/<pid>/status (VmHWM: peak, VmRSS: now). The attacker speaks the tcp wire protocol

@@ -462,6 +462,11 @@ bool FrameReceiver::on_proof(const std::shared_ptr<TcpConn>& c) {
   }
   t_.auth_backoff().succeeded(c->source(), from);
   c->authenticate(from);
+  // The per-peer connection cap, now that the peer's name is proved (admission.h).
+  if (Status in = t_.admit(c, from); !in.ok()) {
+    t_.fail_conn_locked(c, in);
+    return false;
+  }
   auto m = std::make_unique<OutMsg>();
   m->aux = encode_mac(ack);
   m->hdr = make_hdr(FrameType::kHelloAck, 0, 0);
