@@ -10,6 +10,9 @@
 #include <map>
 #include <mutex>
 
+#include "pdkv/metadata.h"
+#include "util/bytes.h"
+
 namespace pdkv::auth {
 namespace {
 
@@ -151,6 +154,40 @@ int Exchange::match(const std::vector<Key>& keys, Role role, const Transcript& t
 }
 
 bool equal(const Mac& a, const Mac& b) { return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0; }
+
+// ---- the wire bodies
+
+std::string encode_challenge(const Challenge& c) {
+  util::ByteWriter w;
+  w.put<uint64_t>(c.instance);
+  w.put_str(c.name);
+  w.put_raw(c.nonce.data(), c.nonce.size());
+  w.put_raw(c.pub.data(), c.pub.size());
+  return w.take();
+}
+
+Result<Challenge> decode_challenge(std::string_view aux) {
+  util::ByteReader r(aux);
+  Challenge c;
+  PDKV_RETURN_IF_ERROR(r.get(&c.instance, "challenge instance"));
+  PDKV_RETURN_IF_ERROR(r.get_str(&c.name, "challenge name", 128));
+  PDKV_RETURN_IF_ERROR(r.get(&c.nonce, "challenge nonce"));
+  PDKV_RETURN_IF_ERROR(r.get(&c.pub, "challenge key"));
+  PDKV_RETURN_IF_ERROR(r.expect_end("challenge"));
+  Status st = validate_name("target name", c.name);
+  if (!st.ok()) return ProtocolError(st.message());
+  return c;
+}
+
+std::string encode_mac(const Mac& m) { return std::string(reinterpret_cast<const char*>(m.data()), m.size()); }
+
+Result<Mac> decode_mac(std::string_view aux, const char* what) {
+  util::ByteReader r(aux);
+  Mac m{};
+  PDKV_RETURN_IF_ERROR(r.get(&m, what));
+  PDKV_RETURN_IF_ERROR(r.expect_end(what));
+  return m;
+}
 
 // ---- the two halves
 

@@ -110,6 +110,22 @@ class Exchange {
 // Constant-time equality.
 bool equal(const Mac& a, const Mac& b);
 
+// The target's challenge as every transport sends it: u64 instance, u32 length + name
+// (1..128 printable ASCII), 32-byte nonce, 32-byte X25519 key, nothing after.
+struct Challenge {
+  uint64_t instance = 0;
+  std::string name;
+  Nonce nonce{};
+  Pub pub{};
+};
+std::string encode_challenge(const Challenge& c);
+// ProtocolError naming the field (truncated, a bad name, trailing bytes).
+Result<Challenge> decode_challenge(std::string_view aux);
+
+// A proof or a hello-ack's MAC on the wire: exactly its 32 bytes. `what` names it in errors.
+std::string encode_mac(const Mac& m);
+Result<Mac> decode_mac(std::string_view aux, const char* what);
+
 // The initiator's half of one handshake. A transport puts nonce()/pub() in its hello,
 // answer()s the target's challenge with a proof, then check_accept()s the target's MAC.
 class InitiatorHandshake {

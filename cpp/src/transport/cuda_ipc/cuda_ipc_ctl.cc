@@ -65,37 +65,6 @@ Result<Hello> parse_hello(std::string_view aux) {
   return h;
 }
 
-std::string encode_challenge(const Challenge& c) {
-  util::ByteWriter w;
-  w.put<uint64_t>(c.instance);
-  w.put_str(c.name);
-  w.put_raw(c.nonce.data(), c.nonce.size());
-  w.put_raw(c.pub.data(), c.pub.size());
-  return w.take();
-}
-
-Result<Challenge> parse_challenge(std::string_view aux) {
-  util::ByteReader r(aux);
-  Challenge c;
-  PDKV_RETURN_IF_ERROR(r.get(&c.instance, "instance"));
-  PDKV_RETURN_IF_ERROR(r.get_str(&c.name, "name", 128));
-  PDKV_RETURN_IF_ERROR(r.get(&c.nonce, "nonce"));
-  PDKV_RETURN_IF_ERROR(r.get(&c.pub, "key"));
-  PDKV_RETURN_IF_ERROR(r.expect_end("challenge"));
-  PDKV_RETURN_IF_ERROR(validate_name("exporter name", c.name));
-  return c;
-}
-
-Result<auth::Mac> parse_mac(std::string_view aux) {
-  util::ByteReader r(aux);
-  auth::Mac m{};
-  PDKV_RETURN_IF_ERROR(r.get(&m, "mac"));
-  PDKV_RETURN_IF_ERROR(r.expect_end("mac"));
-  return m;
-}
-
-std::string encode_mac(const auth::Mac& m) { return std::string(reinterpret_cast<const char*>(m.data()), m.size()); }
-
 Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side) {
   PDKV_RETURN_IF_ERROR(check_ctl_header(h, side));
   if (aux.size() != h.aux_len) return ProtocolError("cuda_ipc control frame aux is incomplete");

@@ -67,18 +67,13 @@ struct Hello {
 std::string encode_hello(const Hello& h);
 Result<Hello> parse_hello(std::string_view aux);
 
-struct Challenge {
-  uint64_t instance = 0;
-  std::string name;
-  auth::Nonce nonce{};
-  auth::Pub pub{};
-};
-std::string encode_challenge(const Challenge& c);
-Result<Challenge> parse_challenge(std::string_view aux);
-
-// A kProof's or kHelloAck's aux: exactly one MAC.
-Result<auth::Mac> parse_mac(std::string_view aux);
-std::string encode_mac(const auth::Mac& m);
+// The challenge, and a kProof's or kHelloAck's aux (exactly one MAC): the handshake's
+// bodies of every transport (pdkv/spi/auth.h).
+using auth::Challenge;
+using auth::encode_challenge;
+using auth::encode_mac;
+inline Result<Challenge> parse_challenge(std::string_view aux) { return auth::decode_challenge(aux); }
+inline Result<auth::Mac> parse_mac(std::string_view aux) { return auth::decode_mac(aux, "mac"); }
 
 // Header limits plus the body of types that have one.
 Status validate_ctl_frame(const CtlHdr& h, std::string_view aux, CtlSide side);

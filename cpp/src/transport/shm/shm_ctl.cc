@@ -106,35 +106,6 @@ std::string encode_hello_ack(const HelloAck& a) {
   return w.take();
 }
 
-std::string encode_challenge(const Challenge& c) {
-  util::ByteWriter w;
-  w.put<uint64_t>(c.instance);
-  w.put_str(c.name);
-  w.put_raw(c.nonce.data(), c.nonce.size());
-  w.put_raw(c.pub.data(), c.pub.size());
-  return w.take();
-}
-
-Result<Challenge> parse_challenge(std::string_view aux) {
-  util::ByteReader r(aux);
-  Challenge c;
-  PDKV_RETURN_IF_ERROR(r.get(&c.instance, "instance"));
-  PDKV_RETURN_IF_ERROR(r.get_str(&c.name, "name", kMaxNameLen));
-  PDKV_RETURN_IF_ERROR(r.get(&c.nonce, "nonce"));
-  PDKV_RETURN_IF_ERROR(r.get(&c.pub, "key"));
-  PDKV_RETURN_IF_ERROR(r.expect_end("challenge"));
-  PDKV_RETURN_IF_ERROR(validate_name("target name", c.name));
-  return c;
-}
-
-Result<auth::Mac> parse_proof(std::string_view aux) {
-  util::ByteReader r(aux);
-  auth::Mac m{};
-  PDKV_RETURN_IF_ERROR(r.get(&m, "proof"));
-  PDKV_RETURN_IF_ERROR(r.expect_end("proof"));
-  return m;
-}
-
 Result<HelloAck> parse_hello_ack(std::string_view aux) {
   util::ByteReader r(aux);
   HelloAck a;

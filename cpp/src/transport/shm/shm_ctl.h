@@ -103,18 +103,12 @@ struct Hello {
 std::string encode_hello(const Hello& h);
 Result<Hello> parse_hello(std::string_view aux);
 
-// The target's answer to a hello: who it is and its half of the exchange.
-struct Challenge {
-  uint64_t instance = 0;
-  std::string name;
-  auth::Nonce nonce{};
-  auth::Pub pub{};
-};
-std::string encode_challenge(const Challenge& c);
-Result<Challenge> parse_challenge(std::string_view aux);
-
-// A Proof's aux (exactly one MAC).
-Result<auth::Mac> parse_proof(std::string_view aux);
+// The target's answer to a hello (who it is, its half of the exchange) and the
+// initiator's Proof (exactly one MAC): the handshake's bodies of every transport.
+using auth::Challenge;
+using auth::encode_challenge;
+inline Result<Challenge> parse_challenge(std::string_view aux) { return auth::decode_challenge(aux); }
+inline Result<auth::Mac> parse_proof(std::string_view aux) { return auth::decode_mac(aux, "proof"); }
 
 // Sent only after the initiator's proof checked: the target's own MAC.
 struct HelloAck {

@@ -329,36 +329,4 @@ std::string encode_hello(const HelloBody& b) {
   return w.take();
 }
 
-Result<ChallengeBody> decode_challenge(std::string_view aux) {
-  util::ByteReader r(aux);
-  ChallengeBody b;
-  PDKV_RETURN_IF_ERROR(r.get(&b.instance, "challenge instance"));
-  PDKV_RETURN_IF_ERROR(r.get_str(&b.name, "challenge name", 128));
-  PDKV_RETURN_IF_ERROR(r.get(&b.nonce, "challenge nonce"));
-  PDKV_RETURN_IF_ERROR(r.get(&b.pub, "challenge key"));
-  PDKV_RETURN_IF_ERROR(r.expect_end("challenge"));
-  Status st = validate_name("target name", b.name);
-  if (!st.ok()) return ProtocolError(st.message());
-  return b;
-}
-
-std::string encode_challenge(const ChallengeBody& b) {
-  util::ByteWriter w;
-  w.put<uint64_t>(b.instance);
-  w.put_str(b.name);
-  w.put_raw(b.nonce.data(), b.nonce.size());
-  w.put_raw(b.pub.data(), b.pub.size());
-  return w.take();
-}
-
-Result<auth::Mac> decode_mac(std::string_view aux, const char* what) {
-  util::ByteReader r(aux);
-  auth::Mac m{};
-  PDKV_RETURN_IF_ERROR(r.get(&m, what));
-  PDKV_RETURN_IF_ERROR(r.expect_end(what));
-  return m;
-}
-
-std::string encode_mac(const auth::Mac& m) { return std::string(reinterpret_cast<const char*>(m.data()), m.size()); }
-
 }  // namespace pdkv::tcp

@@ -153,18 +153,12 @@ struct HelloBody {
 Result<HelloBody> decode_hello(std::string_view aux);
 std::string encode_hello(const HelloBody& b);
 
-// The body of a kChallenge (aux): who answered, and its half of the exchange.
-struct ChallengeBody {
-  uint64_t instance = 0;  // the target's
-  std::string name;       // the target's (validated)
-  auth::Nonce nonce{};
-  auth::Pub pub{};
-};
-Result<ChallengeBody> decode_challenge(std::string_view aux);
-std::string encode_challenge(const ChallengeBody& b);
-
-// The body of a kProof or kHelloAck (aux): exactly one MAC.
-Result<auth::Mac> decode_mac(std::string_view aux, const char* what);
-std::string encode_mac(const auth::Mac& m);
+// The body of a kChallenge (aux), and of a kProof or kHelloAck (exactly one MAC): the
+// handshake's wire bodies, the same on every transport (pdkv/spi/auth.h).
+using ChallengeBody = auth::Challenge;
+using auth::decode_challenge;
+using auth::decode_mac;
+using auth::encode_challenge;
+using auth::encode_mac;
 
 }  // namespace pdkv::tcp

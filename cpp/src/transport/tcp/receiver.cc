@@ -47,6 +47,18 @@ std::unique_ptr<OutMsg> failed_ack(const FrameHeader& h, const Status& why) {
   return m;
 }
 
+
+// One read of up to `want` payload bytes into `buf`; the read that completes the
+// payload also takes the next frame's header (one syscall less per frame). The
+// syscall's result.
+ssize_t recv_with_next_header(int fd, RxState& st, void* buf, size_t want) {
+  iovec iov[2] = {{buf, want}, {&st.hdr, kHdr}};
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = want == st.remaining ? 2 : 1;
+  return ::recvmsg(fd, &mh, MSG_DONTWAIT);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- the byte stream
@@ -140,11 +152,7 @@ ssize_t FrameReceiver::read_landed_payload(const std::shared_ptr<TcpConn>& c, ui
   RxState& st = rx(c);
   if (!st.landing) st.landing.reset(new char[kStageBytes]);  // uninitialized: only received bytes are copied out
   const size_t want = static_cast<size_t>(std::min<uint64_t>(st.remaining, kStageBytes));
-  iovec iov[2] = {{st.landing.get(), want}, {&st.hdr, kHdr}};
-  msghdr mh{};
-  mh.msg_iov = iov;
-  mh.msg_iovlen = want == st.remaining ? 2 : 1;  // the last read picks up the next header
-  ssize_t r = ::recvmsg(c->fd(), &mh, MSG_DONTWAIT);
+  ssize_t r = recv_with_next_header(c->fd(), st, st.landing.get(), want);
   if (r <= 0) return r;
   *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
   const uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), st.remaining);
@@ -164,11 +172,7 @@ ssize_t FrameReceiver::read_zbuf_payload(const std::shared_ptr<TcpConn>& c, uint
     st.zbuf.resize(static_cast<size_t>(st.zgot + grow));
   }
   const size_t want = static_cast<size_t>(std::min<uint64_t>(st.remaining, st.zbuf.size() - st.zgot));
-  iovec iov[2] = {{st.zbuf.data() + st.zgot, want}, {&st.hdr, kHdr}};
-  msghdr mh{};
-  mh.msg_iov = iov;
-  mh.msg_iovlen = want == st.remaining ? 2 : 1;  // the last read picks up the next header
-  ssize_t r = ::recvmsg(c->fd(), &mh, MSG_DONTWAIT);
+  ssize_t r = recv_with_next_header(c->fd(), st, st.zbuf.data() + st.zgot, want);
   if (r <= 0) return r;
   *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
   const uint64_t take = std::min<uint64_t>(static_cast<uint64_t>(r), st.remaining);
