@@ -9,6 +9,7 @@ import select
 import signal
 import socket
 import subprocess
+import threading
 import sys
 import time
 
@@ -271,6 +272,79 @@ def listen_like(real_addr: str) -> tuple[socket.socket, str]:
             return ls, addr
         ls.close()
     raise AssertionError(f"no free port gives an address as long as {real_addr!r}")
+
+
+class Relay:
+    """Forwards every connection made to listening socket `ls` (TCP or Unix) to
+    `target_addr`, recording the bytes each way (`up`: initiator -> target, `down`), and
+    handing each chunk to `observe` before passing it on."""
+
+    def __init__(self, ls: socket.socket, target_addr):
+        self.family, self.target_addr = ls.family, target_addr
+        self.ls = ls
+        self.ls.settimeout(0.2)
+        self.up: list[bytes] = []
+        self.down: list[bytes] = []
+        self.stop = False
+        self.socks: list[socket.socket] = []
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def observe(self, chunk: bytes, upstream: bool, conn: socket.socket) -> None:
+        """Called on each chunk of connection `conn` (its sending end) before it is
+        forwarded (override to parse)."""
+
+    def wire(self) -> bytes:
+        return b"".join(self.up) + b"".join(self.down)
+
+    def _accept(self):
+        while not self.stop:
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                continue
+            t = socket.socket(self.family, socket.SOCK_STREAM)
+            self.socks += [c, t]
+            t.connect(self.target_addr)
+            for src, dst, up in ((c, t, True), (t, c, False)):
+                th = threading.Thread(target=self._pump, args=(src, dst, up), daemon=True)
+                th.start()
+                self.threads.append(th)
+
+    def _pump(self, src, dst, upstream):
+        log = self.up if upstream else self.down
+        try:
+            while True:
+                b = src.recv(1 << 20)
+                if not b:
+                    break
+                log.append(b)
+                self.observe(b, upstream, src)
+                dst.sendall(b)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.stop = True
+        self.threads[0].join(5)
+        for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for th in self.threads[1:]:
+            th.join(5)
+        for s in self.socks:
+            s.close()
+        if self.family == socket.AF_UNIX:
+            os.unlink(self.ls.getsockname())
+        self.ls.close()
 
 
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.01) -> bool:

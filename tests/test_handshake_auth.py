@@ -17,14 +17,13 @@ import hmac
 import os
 import socket
 import struct
-import tempfile
 import threading
 
 import numpy as np
 import pytest
 
 import pdkv
-from conftest import listen_like
+from conftest import Relay, listen_like
 from test_bad_input import (HDR, T_CHALLENGE, challenge, T_ERROR, T_HELLO_ACK, T_PROOF, T_WRITE, WIRE_VERSION, authenticate,
                             frame, parse_challenge, recv_frame)
 
@@ -40,73 +39,6 @@ def derived(secret: str) -> list[bytes]:
     out = [s, s.hex().encode(), base64.b64encode(s), hashlib.sha256(s).digest(), hashlib.sha256(s).hexdigest().encode(),
            master, key, master.hex().encode(), key.hex().encode()]
     return out
-
-
-class Relay:
-    """Forwards connections on listening socket `ls` to `target_addr`, recording every
-    byte each way."""
-
-    def __init__(self, ls: socket.socket, target_addr):
-        self.family, self.target_addr = ls.family, target_addr
-        self.ls = ls
-        self.ls.settimeout(0.2)
-        self.up: list[bytes] = []    # initiator -> target
-        self.down: list[bytes] = []  # target -> initiator
-        self.stop = False
-        self.socks: list[socket.socket] = []
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
-
-    def _accept(self):
-        while not self.stop:
-            try:
-                c, _ = self.ls.accept()
-            except OSError:
-                continue
-            t = socket.socket(self.family, socket.SOCK_STREAM)
-            self.socks += [c, t]
-            t.connect(self.target_addr)
-            for src, dst, log in ((c, t, self.up), (t, c, self.down)):
-                th = threading.Thread(target=self._pump, args=(src, dst, log), daemon=True)
-                th.start()
-                self.threads.append(th)
-
-    @staticmethod
-    def _pump(src, dst, log):
-        try:
-            while True:
-                b = src.recv(65536)
-                if not b:
-                    break
-                log.append(b)
-                dst.sendall(b)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def wire(self) -> bytes:
-        return b"".join(self.up) + b"".join(self.down)
-
-    def close(self):
-        self.stop = True
-        self.threads[0].join(5)
-        for s in self.socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for th in self.threads[1:]:
-            th.join(5)
-        for s in self.socks:
-            s.close()
-        if self.family == socket.AF_UNIX:
-            os.unlink(self.ls.getsockname())
-        self.ls.close()
 
 
 def endpoint(agent: pdkv.Agent, transport: str) -> str:

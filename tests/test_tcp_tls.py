@@ -9,7 +9,6 @@ never finishes the TLS handshake fails the transfer at its deadline."""
 
 from __future__ import annotations
 
-import os
 import socket
 import ssl
 import subprocess
@@ -19,8 +18,8 @@ import numpy as np
 import pytest
 
 import pdkv
-from conftest import listen_like
-from test_handshake_auth import Relay, derived
+from conftest import Relay, listen_like
+from test_handshake_auth import derived
 
 SECRET = "tls-test-secret"
 TLS = pdkv.TcpOptions(tls=True)

@@ -19,15 +19,13 @@ named error and a closed connection, and the target memory stays untouched.
 
 from __future__ import annotations
 
-import socket
 import struct
-import threading
 
 import numpy as np
 import pytest
 
 import pdkv
-from conftest import listen_like
+from conftest import Relay, listen_like
 from test_bad_input import T_ACK, T_READ_REQ, T_READ_RESP, T_WRITE, expect_error_and_close, recv_frame
 from test_hostile_tcp import REGION, U64, raw_header, recv_exact, target  # noqa: F401 (fixture)
 
@@ -166,78 +164,36 @@ HDR = struct.Struct("<IHHQIIQII")
 F_STRIDED, F_STRIDED2 = 8, 32
 
 
-class Relay:
+class FrameRelay(Relay):
     """A TCP relay in front of an agent's tcp endpoint that records the (type, flags,
     count) of every frame the initiator sends through it."""
 
     def __init__(self, real_addr: str):
         host, port = real_addr.rsplit(":", 1)
-        self.real = (host, int(port))
-        self.ls, self.addr = listen_like(real_addr)  # the blob's lengths hold
-        self.ls.settimeout(0.2)
+        ls, self.addr = listen_like(real_addr)  # the blob's lengths hold
         self.frames: list[tuple[int, int, int]] = []
-        self.socks: list[socket.socket] = []
-        self.stop = False
-        self.threads = [threading.Thread(target=self.serve, daemon=True)]
-        self.threads[0].start()
+        self._parse: dict[int, tuple[bytes, int]] = {}  # per connection: header being read, bytes to pass
+        super().__init__(ls, (host, int(port)))
 
-    def serve(self):
-        while not self.stop:
-            try:
-                c, _ = self.ls.accept()
-            except socket.timeout:
+    def observe(self, chunk: bytes, upstream: bool, conn) -> None:
+        if not upstream:
+            return
+        head, skip = self._parse.get(id(conn), (b"", 0))
+        data = chunk
+        while data:  # recorded before it is passed on (and answered)
+            if skip:
+                n = min(skip, len(data))
+                skip, data = skip - n, data[n:]
                 continue
-            u = socket.create_connection(self.real)
-            self.socks += [c, u]
-            for args in ((c, u, True), (u, c, False)):
-                t = threading.Thread(target=self.pump, args=args, daemon=True)
-                t.start()
-                self.threads.append(t)
-
-    def pump(self, src, dst, parse):
-        head, skip = b"", 0  # the header being read; bytes of the current frame still to pass
-        try:
-            while True:
-                chunk = src.recv(1 << 20)
-                if not chunk:
-                    break
-                data = chunk if parse else b""
-                while data:  # recorded before it is passed on (and answered)
-                    if skip:
-                        n = min(skip, len(data))
-                        skip, data = skip - n, data[n:]
-                        continue
-                    take = HDR.size - len(head)
-                    head, data = head + data[:take], data[take:]
-                    if len(head) == HDR.size:
-                        _, ftype, flags, _, _, count, payload, aux, _ = HDR.unpack(head)
-                        desc = 56 if flags & F_STRIDED2 else 40 if flags & F_STRIDED else 24
-                        if ftype in (T_WRITE, T_READ_REQ):
-                            self.frames.append((ftype, flags, count))
-                        head, skip = b"", count * desc + aux + payload
-                dst.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self):
-        self.stop = True
-        self.threads[0].join(5)
-        for s in self.socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for t in self.threads[1:]:
-            t.join(5)
-        for s in self.socks:
-            s.close()
-        self.ls.close()
+            take = HDR.size - len(head)
+            head, data = head + data[:take], data[take:]
+            if len(head) == HDR.size:
+                _, ftype, flags, _, _, count, payload, aux, _ = HDR.unpack(head)
+                desc = 56 if flags & F_STRIDED2 else 40 if flags & F_STRIDED else 24
+                if ftype in (T_WRITE, T_READ_REQ):
+                    self.frames.append((ftype, flags, count))
+                head, skip = b"", count * desc + aux + payload
+        self._parse[id(conn)] = (head, skip)
 
 
 def with_features(blob: bytes, clear: int) -> bytes:
@@ -261,7 +217,7 @@ def test_the_wire_carries_two_level_descriptors_only_to_peers_that_take_them(pee
         remote = KV(b, rt, rh, ro, "bfloat16")
         blob = b.metadata()
         real = b.address
-        relay = Relay(real)
+        relay = FrameRelay(real)
         try:
             blob = blob.replace(real.encode(), relay.addr.encode())
             if clear:
