@@ -370,6 +370,8 @@ class FakeTarget:
         self.instance = pdkv.decode_metadata(blob)["instance_id"]
         self.ls.settimeout(0.2)
         self.stop = False
+        self.done = threading.Event()  # close(): the per-connection threads end
+        self.workers: list[threading.Thread] = []
         self.th = threading.Thread(target=self.serve, daemon=True)
         self.th.start()
 
@@ -381,7 +383,14 @@ class FakeTarget:
             except socket.timeout:
                 continue
             socks.append(s)
-            threading.Thread(target=self.one, args=(s,), daemon=True).start()
+            t = threading.Thread(target=self.one, args=(s,), daemon=True)
+            t.start()
+            self.workers.append(t)
+        # Every thread ends before close() returns (a thread alive at exit keeps its
+        # OpenSSL thread state, which LeakSanitizer reports).
+        self.done.set()
+        for t in self.workers:
+            t.join(10)
         for s in socks:
             s.close()
 
@@ -410,7 +419,7 @@ class FakeTarget:
                     s.sendall(frame(T_META_RESP, xfer=0, aux=self.blob) + self.blob)
                 return
             s.sendall(self.attack)  # in answer to the first write
-            time.sleep(5)
+            self.done.wait(5)
         except (OSError, AssertionError, ConnectionError):
             pass
 
