@@ -196,7 +196,6 @@ void TlsChannel::run(std::chrono::steady_clock::time_point handshake_deadline) {
   // The transport sees its end close; the peer sees the TCP connection close.
   pair_.reset();
   ::shutdown(tcp_.get(), SHUT_RDWR);
-  done_.store(true, std::memory_order_release);
 }
 
 // Moves bytes both ways until a side closes (true: our transport's end closed, so a

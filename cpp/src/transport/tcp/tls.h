@@ -18,7 +18,6 @@
 #pragma once
 
 #include <array>
-#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -68,8 +67,6 @@ class TlsChannel {
   // The session's channel binding (32 bytes of TLS exporter keying material); zeros
   // until the handshake finished.
   TlsBinding binding() const;
-  // True once the pump thread ended (either side closed or failed).
-  bool finished() const { return done_.load(std::memory_order_acquire); }
   // Makes the pump stop (closes the TCP side) and waits for its thread.
   void stop();
 
@@ -85,7 +82,6 @@ class TlsChannel {
   int wake_[2] = {-1, -1};  // stop(): a pipe the pump polls
   mutable std::mutex mu_;
   TlsBinding binding_{};
-  std::atomic<bool> done_{false};
   std::thread th_;
 };
 
