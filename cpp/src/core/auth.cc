@@ -195,45 +195,32 @@ Result<InitiatorHandshake> InitiatorHandshake::begin(std::string transport, uint
                                                      const ChannelBinding& binding) {
   PDKV_ASSIGN_OR_RETURN(Exchange ex, Exchange::start());
   InitiatorHandshake h(std::move(ex));
-  h.binding_ = binding;
-  h.transport_ = std::move(transport);
-  h.version_ = version;
-  h.self_ = std::move(self_name);
+  h.t_.transport = std::move(transport);
+  h.t_.version = version;
+  h.t_.initiator = std::move(self_name);
+  h.t_.nonce_i = h.ex_.nonce();
+  h.t_.pub_i = h.ex_.pub();
+  h.t_.binding = binding;
   return h;
-}
-
-Transcript InitiatorHandshake::transcript() const {
-  Transcript t;
-  t.transport = transport_;
-  t.version = version_;
-  t.initiator = self_;
-  t.target = target_;
-  t.target_instance = target_instance_;
-  t.nonce_i = ex_.nonce();
-  t.pub_i = ex_.pub();
-  t.nonce_t = nonce_t_;
-  t.pub_t = pub_t_;
-  t.binding = binding_;
-  return t;
 }
 
 Status InitiatorHandshake::answer(std::string target, uint64_t target_instance, const Nonce& nonce_t,
                                   const Pub& pub_t, const Key& key, Mac* proof) {
   if (answered_) return Internal("handshake: answer() called twice");
   PDKV_RETURN_IF_ERROR(ex_.agree(pub_t));
-  target_ = std::move(target);
-  target_instance_ = target_instance;
-  nonce_t_ = nonce_t;
-  pub_t_ = pub_t;
+  t_.target = std::move(target);
+  t_.target_instance = target_instance;
+  t_.nonce_t = nonce_t;
+  t_.pub_t = pub_t;
   key_ = key;
   answered_ = true;
-  *proof = ex_.mac(key_, Role::kInitiator, transcript());
+  *proof = ex_.mac(key_, Role::kInitiator, t_);
   return Status::Ok();
 }
 
 Status InitiatorHandshake::check_accept(const Mac& got) const {
-  if (answered_ && ex_.match({key_}, Role::kTarget, transcript(), got) == 0) return Status::Ok();
-  return AuthFailed("agent '" + target_ + "' accepted our proof but could not prove it knows the secret");
+  if (answered_ && ex_.match({key_}, Role::kTarget, t_, got) == 0) return Status::Ok();
+  return AuthFailed("agent '" + t_.target + "' accepted our proof but could not prove it knows the secret");
 }
 
 Result<TargetHandshake> TargetHandshake::begin(std::string transport, uint32_t version, std::string initiator,
@@ -242,39 +229,17 @@ Result<TargetHandshake> TargetHandshake::begin(std::string transport, uint32_t v
   PDKV_ASSIGN_OR_RETURN(Exchange ex, Exchange::start());
   PDKV_RETURN_IF_ERROR(ex.agree(pub_i));
   TargetHandshake h(std::move(ex));
-  h.binding_ = binding;
-  h.transport_ = std::move(transport);
-  h.version_ = version;
-  h.initiator_ = std::move(initiator);
-  h.self_ = std::move(self_name);
-  h.self_instance_ = self_instance;
-  h.nonce_i_ = nonce_i;
-  h.pub_i_ = pub_i;
+  h.t_ = Transcript{std::move(transport), version, std::move(initiator), std::move(self_name), self_instance,
+                    nonce_i, h.ex_.nonce(), pub_i, h.ex_.pub(), binding};
   return h;
 }
 
-Transcript TargetHandshake::transcript() const {
-  Transcript t;
-  t.transport = transport_;
-  t.version = version_;
-  t.initiator = initiator_;
-  t.target = self_;
-  t.target_instance = self_instance_;
-  t.nonce_i = nonce_i_;
-  t.pub_i = pub_i_;
-  t.nonce_t = ex_.nonce();
-  t.pub_t = ex_.pub();
-  t.binding = binding_;
-  return t;
-}
-
 Result<size_t> TargetHandshake::check(const Mac& proof, const std::vector<Key>& keys, Mac* ack) const {
-  const Transcript t = transcript();
-  const int i = ex_.match(keys, Role::kInitiator, t, proof);
+  const int i = ex_.match(keys, Role::kInitiator, t_, proof);
   if (i < 0)
-    return AuthFailed("agent '" + initiator_ + "' proved a wrong secret to agent '" + self_ +
+    return AuthFailed("agent '" + t_.initiator + "' proved a wrong secret to agent '" + t_.target +
                       "' (its proof matches none of the accepted secrets)");
-  *ack = ex_.mac(keys[static_cast<size_t>(i)], Role::kTarget, t);
+  *ack = ex_.mac(keys[static_cast<size_t>(i)], Role::kTarget, t_);
   return static_cast<size_t>(i);
 }
 

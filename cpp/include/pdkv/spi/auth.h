@@ -61,10 +61,10 @@ enum class Role : uint8_t { kInitiator = 1, kTarget = 2 };
 
 // What both proofs cover.
 struct Transcript {
-  std::string_view transport;  // "tcp", "shm", "cuda_ipc", "nixl"
-  uint32_t version = 0;        // the transport's wire version
-  std::string_view initiator;  // agent names
-  std::string_view target;
+  std::string transport;  // "tcp", "shm", "cuda_ipc", "nixl"
+  uint32_t version = 0;   // the transport's wire version
+  std::string initiator;  // agent names
+  std::string target;
   uint64_t target_instance = 0;
   Nonce nonce_i{}, nonce_t{};
   Pub pub_i{}, pub_t{};
@@ -143,14 +143,8 @@ class InitiatorHandshake {
 
  private:
   InitiatorHandshake(Exchange ex) : ex_(std::move(ex)) {}
-  Transcript transcript() const;
   Exchange ex_;
-  std::string transport_, self_, target_;
-  uint32_t version_ = 0;
-  uint64_t target_instance_ = 0;
-  Nonce nonce_t_{};
-  Pub pub_t_{};
-  ChannelBinding binding_{};
+  Transcript t_;  // filled by begin(), completed by answer()
   Key key_;
   bool answered_ = false;
 };
@@ -164,21 +158,15 @@ class TargetHandshake {
                                        const Pub& pub_i, const ChannelBinding& binding = ChannelBinding{});
   const Nonce& nonce() const { return ex_.nonce(); }
   const Pub& pub() const { return ex_.pub(); }
-  const std::string& initiator() const { return initiator_; }
+  const std::string& initiator() const { return t_.initiator; }
   // The index in `keys` of the key the initiator proved (then *ack is our MAC under
   // it, to send), or AuthFailed naming the initiator.
   Result<size_t> check(const Mac& proof, const std::vector<Key>& keys, Mac* ack) const;
 
  private:
   TargetHandshake(Exchange ex) : ex_(std::move(ex)) {}
-  Transcript transcript() const;
   Exchange ex_;
-  std::string transport_, initiator_, self_;
-  uint32_t version_ = 0;
-  uint64_t self_instance_ = 0;
-  Nonce nonce_i_{};
-  Pub pub_i_{};
-  ChannelBinding binding_{};
+  Transcript t_;  // complete after begin()
 };
 
 }  // namespace pdkv::auth
