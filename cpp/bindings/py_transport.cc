@@ -348,7 +348,6 @@ void bind_hooks(py::module_& m) {
       .def_property_readonly("agent_name", [](const HooksRef& r) { return r.h->agent_name(); })
       .def_property_readonly("instance_id", [](const HooksRef& r) { return r.h->instance_id(); })
       .def_property_readonly("host_id", [](const HooksRef& r) { return r.h->host_id(); })
-      .def_property_readonly("secret", [](const HooksRef& r) { return to_bytes(r.h->accepted_secrets().front()); })
       .def_property_readonly(
           "accepted_secrets",
           [](const HooksRef& r) {

@@ -418,9 +418,6 @@ class AgentHooks:
     @property
     def max_notif_bytes(self) -> int:
         ...
-    @property
-    def secret(self) -> bytes:
-        ...
 class PreparedTransfer:
     @property
     def bytes(self) -> int:
