@@ -1,6 +1,6 @@
 """The memory an authenticated hostile peer makes a target hold (issue 26,
-docs/security.md, "Hostile authenticated peers"): for each attack of tests/test_bounds.py, a target agent in a
-child process (tests/bounds_target.py) and its RSS before, its peak (VmHWM) and its RSS
+docs/security.md, "Hostile authenticated peers"): for each attack of tests/library/tcp/test_bounds.py, a target agent in a
+child process (tests/library/tcp/bounds_target.py) and its RSS before, its peak (VmHWM) and its RSS
 3 s later. Run from the repository root: ``.venv/bin/python bench/bounds_rss.py``.
 """
 import os
@@ -8,7 +8,8 @@ import struct
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+sys.path[:0] = [TESTS, os.path.join(TESTS, "library", "tcp")]
 import test_bounds as tb
 from conftest import SECRET
 import pdkv

@@ -21,7 +21,7 @@ $PY -c "import pdkv" 2>/dev/null || $PY -m pip install -q --no-build-isolation -
 $PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || \
   echo "note: torch with CUDA is missing; the torch-based GPU tests and gpu_bench.py need it (pip install torch)"
 rc=0
-$PY -m pytest tests/cuda -v -p no:cacheprovider || rc=$?   # measure even when a check fails
+$PY -m pytest tests/library/cuda -v -p no:cacheprovider || rc=$?   # measure even when a check fails
 if $PY -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
   $PY bench/gpu_bench.py --out "${OUT:-.}/gpu_check.json"
 fi
@@ -32,7 +32,7 @@ $PY -m pdkv.cli bench transfer --transport tcp --memory cuda --payload 256M,1G -
 # plain vs fp8 device writes (GB/s in one run) with every landed byte checked.
 for spec in fp8:bfloat16 fp8:float16 fp8:float32 lossless:bfloat16; do
   COMPRESS=${spec%%:*} DTYPE=${spec##*:} PYTHONPATH=tests PDKV_LOG=error \
-    $PY tests/cuda/compress_device_child.py > "${OUT:-.}/gpu_compress_${spec/:/_}.json" || rc=$?
+    $PY tests/library/cuda/compress_device_child.py > "${OUT:-.}/gpu_compress_${spec/:/_}.json" || rc=$?
 done
 $PY bench/gpu_fp8.py --mib 256 --out "${OUT:-.}/gpu_fp8.json" || rc=$?
 # Heterogeneous device transfers (issue 14): tp4:tp2 and tp2:tp4 pushes of llama-3-70b

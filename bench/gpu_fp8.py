@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 import pdkv
-from pdkv.bench.devmem import DeviceMemory
+from pdkv.lab.transfer.devmem import DeviceMemory
 from pdkv.codec import Codec
 
 HEADS, DIM, TOKENS = 3, 64, 16

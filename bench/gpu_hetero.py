@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 import pdkv
-from pdkv.bench.devmem import DeviceMemory
+from pdkv.lab.transfer.devmem import DeviceMemory
 
 HEAD_DIM, BT, ITEM = 128, 16, 2  # head_dim, block tokens, bf16
 

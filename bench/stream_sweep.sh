@@ -12,7 +12,7 @@ run() {  # preset prompt_len link
   local link_args=() tag="$1-$2-$3"
   [[ $3 != lo ]] && link_args=(--link "$3")
   echo "== $tag" >&2
-  PDKV_LOG=error "$PY" -m pdkv.serving.streambench --preset "$1" --prompt-len "$2" --trials "$TRIALS" \
+  PDKV_LOG=error "$PY" -m pdkv.lab.serve.streambench --preset "$1" --prompt-len "$2" --trials "$TRIALS" \
     "${link_args[@]}" --out "$OUT/$tag.json" >/dev/null
 }
 for len in 1024 4096; do

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdkv.bench.transfer import prepare_cost
+from pdkv.lab.transfer.bench import prepare_cost
 
 
 @pytest.mark.parametrize("blocks", [1_000, 10_000, 100_000])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pdkv
-from pdkv.bench import models
+from pdkv.lab.transfer import models
 
 PAYLOADS = {"64M": 64 << 20, "256M": 256 << 20}
 
@@ -53,7 +53,7 @@ def test_write_one_block_half_latency(benchmark, pair):
     benchmark(lambda: prep.post().wait(10))
 
 
-# ---------------------------------------------------------------- heterogeneous (pdkv.bench.hetero)
+# ---------------------------------------------------------------- heterogeneous (pdkv.lab.transfer.hetero)
 HETERO = ["tp2:tp4", "tp4:tp2", "bs16:bs32", "nhd:hnd"]
 
 
@@ -70,7 +70,7 @@ def hetero_pair(request):
 def test_write_hetero_16M(benchmark, hetero_pair, spec, kind):
     """Decode rank 0 of llama-3-8b receiving 16 MiB pushed by its prefill ranks (--hetero
     SPEC), or the homogeneous write of the same bytes; verified after timing."""
-    from pdkv.bench import hetero
+    from pdkv.lab.transfer import hetero
 
     t, a, b, peer = hetero_pair
     plan = hetero.Plan(hetero.parse_spec(spec, "llama-3-8b"), "llama-3-8b")

@@ -4,7 +4,7 @@
 #   scripts/sanitize.sh asan [PYTEST ARGS]   ASan + UBSan (and LeakSanitizer): the core,
 #                                            shm, bad-input, two-process and hostile-peer tests
 #   scripts/sanitize.sh tsan [PYTEST ARGS]   ThreadSanitizer: the agent, thread and compressed-tcp tests
-#   scripts/sanitize.sh asan tests/test_shm.py -k alloc     only these tests
+#   scripts/sanitize.sh asan tests/library/shm/test_shm.py -k alloc     only these tests
 #   scripts/sanitize.sh asan --build-only    build (or bring up to date) and stop: .ci/run
 #                                            builds both kinds in the background while
 #                                            `make test` runs
@@ -30,22 +30,22 @@ case $KIND in
     FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
     RUNTIME=libasan.so
     # Every file that exists of these (some are added by other work in progress).
-    CANDIDATES="tests/test_agent.py tests/test_shm.py tests/test_bad_input.py tests/test_two_process.py
-                tests/test_hostile_tcp.py tests/test_shm_trust.py tests/test_api_validation.py tests/test_threads.py
-                tests/test_codec.py tests/test_compress_tcp.py tests/test_shm_engine_memory.py
-                tests/test_codec_kernels.py tests/test_hetero_strided_hostile.py tests/test_compress_read.py
-                tests/test_hetero_strided_landing.py tests/test_hetero_strided.py tests/test_shm_strided2.py
-                tests/test_tcp_small_extents.py tests/test_generations.py tests/test_shm_gen_table.py
-                tests/test_shm_notify_on_send.py tests/test_tcp_two_level.py tests/test_handshake_auth.py
-                tests/test_tcp_tls.py tests/test_shm_identity.py tests/test_shm_fd_seals.py tests/test_shm_peer_bounds.py"
+    CANDIDATES="tests/library/test_agent.py tests/library/shm/test_shm.py tests/library/tcp/test_bad_input.py tests/library/test_two_process.py
+                tests/library/tcp/test_hostile_tcp.py tests/library/shm/test_shm_trust.py tests/library/test_api_validation.py tests/library/test_threads.py
+                tests/library/test_codec.py tests/library/tcp/test_compress_tcp.py tests/library/shm/test_shm_engine_memory.py
+                tests/library/test_codec_kernels.py tests/library/tcp/test_hetero_strided_hostile.py tests/library/tcp/test_compress_read.py
+                tests/library/tcp/test_hetero_strided_landing.py tests/library/test_hetero_strided.py tests/library/shm/test_shm_strided2.py
+                tests/library/tcp/test_tcp_small_extents.py tests/library/test_generations.py tests/library/shm/test_shm_gen_table.py
+                tests/library/shm/test_shm_notify_on_send.py tests/library/tcp/test_tcp_two_level.py tests/library/tcp/test_handshake_auth.py
+                tests/library/tcp/test_tcp_tls.py tests/library/shm/test_shm_identity.py tests/library/shm/test_shm_fd_seals.py tests/library/shm/test_shm_peer_bounds.py"
     ;;
   tsan)
     FLAGS="-fsanitize=thread -fno-omit-frame-pointer"
     RUNTIME=libtsan.so
-    CANDIDATES="tests/test_agent.py tests/test_threads.py tests/test_compress_tcp.py tests/test_compress_read.py
-                tests/test_shm_strided2.py tests/test_generations.py tests/test_thread_cpus.py
-                tests/test_shm_gen_table.py tests/test_shm_notify_on_send.py tests/test_handshake_auth.py
-                tests/test_tcp_tls.py"
+    CANDIDATES="tests/library/test_agent.py tests/library/test_threads.py tests/library/tcp/test_compress_tcp.py tests/library/tcp/test_compress_read.py
+                tests/library/shm/test_shm_strided2.py tests/library/test_generations.py tests/library/test_thread_cpus.py
+                tests/library/shm/test_shm_gen_table.py tests/library/shm/test_shm_notify_on_send.py tests/library/tcp/test_handshake_auth.py
+                tests/library/tcp/test_tcp_tls.py"
     ;;
   *)
     echo "usage: $0 asan|tsan [pytest args]" >&2

@@ -70,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
                                             "it crashes under ThreadSanitizer (it runs in `make test`)")
     for item in items:
         # The marker, not the keyword: item.keywords also holds the enclosing directories'
-        # names, so every test under tests/cuda/ (the fake-GPU ones too) would match.
+        # names, so every test under tests/library/cuda/ (the fake-GPU ones too) would match.
         if skip_cuda and item.get_closest_marker("cuda"):
             item.add_marker(skip_cuda)
         if skip_nixl and "nixl" in item.keywords:

@@ -1,10 +1,10 @@
 """Agents over the fake CUDA driver (tests/fakecuda), each in a child process of its own.
 
 The CUDA driver is loaded once per process, so a fake-GPU agent cannot live in the
-pytest process: ``FakePeer`` starts tests/cuda/fake_peer.py with ``PDKV_CUDA_DRIVER``
+pytest process: ``FakePeer`` starts tests/library/cuda/fake_peer.py with ``PDKV_CUDA_DRIVER``
 naming the fake driver and drives it by JSON lines. The ``fake_peer`` fixture is
-imported by the test modules that use it (tests/cuda/test_fake_cuda_ipc.py,
-tests/test_fault_contract.py); the fake driver itself is built by the
+imported by the test modules that use it (tests/library/cuda/test_fake_cuda_ipc.py,
+tests/library/test_fault_contract.py); the fake driver itself is built by the
 ``fakecuda_path`` fixture (tests/conftest.py).
 """
 
@@ -19,7 +19,7 @@ import pytest
 from conftest import JsonLineProc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FAKE_PEER = os.path.join(HERE, "cuda", "fake_peer.py")
+FAKE_PEER = os.path.join(HERE, "library", "cuda", "fake_peer.py")
 
 
 class FakePeer(JsonLineProc):

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import tempfile
 
-from pdkv.bench.devmem import DeviceMemory
+from pdkv.lab.transfer.devmem import DeviceMemory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "fakecuda", "fakecuda.cc")

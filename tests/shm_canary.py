@@ -1,4 +1,4 @@
-"""A bystander process for tests/test_shm_identity.py: maps ``--len`` bytes filled
+"""A bystander process for tests/library/shm/test_shm_identity.py: maps ``--len`` bytes filled
 with 0xCC at the fixed address ``--addr`` (MAP_FIXED_NOREPLACE), prints
 ``{"pid", "addr"}`` and then, for every line on stdin, ``{"intact": bool}`` (whether
 every byte is still 0xCC). A fake shm target names this process and this address to

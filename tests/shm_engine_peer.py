@@ -1,4 +1,4 @@
-"""Peer process of tests/test_shm_engine_memory.py, driven by JSON lines on stdin.
+"""Peer process of tests/library/shm/test_shm_engine_memory.py, driven by JSON lines on stdin.
 
 ``--role target``: an agent exporting one region of ``--kind`` memory (numpy, torch,
 alloc, slice: a numpy slice starting 100 bytes into its buffer, small: below the

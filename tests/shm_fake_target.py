@@ -1,4 +1,4 @@
-"""A fake shm target for tests/test_shm_identity.py: a Unix socket that answers the
+"""A fake shm target for tests/library/shm/test_shm_identity.py: a Unix socket that answers the
 shm control protocol (docs/wire-shm.md) with whatever identity and region it is told
 to claim, the way a hostile same-host process could.
 

@@ -1,4 +1,4 @@
-"""Target side of tests/test_shm_trust.py: an agent whose region is numpy, torch or
+"""Target side of tests/library/shm/test_shm_trust.py: an agent whose region is numpy, torch or
 pdkv-allocated memory, driven by JSON lines on stdin.
 
 Prints ``{"address", "pid", "metadata" (base64), "region"}`` and answers:

@@ -237,7 +237,7 @@ std::vector<LinkCounters> DelayLine::counters() const {
 
 void bind(pybind11::module_& m) {
   namespace py = pybind11;
-  py::class_<DelayLine>(m, "DelayLine", "netlab's userspace delay line (python -m pdkv.netlab_delay runs it)")
+  py::class_<DelayLine>(m, "DelayLine", "netlab's userspace delay line (python -m pdkv.lab.netlab.delay runs it)")
       .def(py::init<const std::vector<std::string>&, double, uint64_t>(), py::arg("links"),
            py::arg("one_way_delay_s"), py::arg("queue_limit_bytes"))
       .def_property_readonly("taps", &DelayLine::taps)

@@ -25,10 +25,10 @@ run `pdkv <command> --help` for a command's options
 COMMANDS = {
     ("demo",): "pdkv.serving.demo:main",
     ("serve",): "pdkv.serving.cli:main",
-    ("bench", "transfer"): "pdkv.bench.transfer:main",
-    ("bench", "serve"): "pdkv.bench.serve_modes:main",
-    ("plan",): "pdkv.bench.plan:main",
-    ("netlab",): "pdkv.netlab_cli:main",
+    ("bench", "transfer"): "pdkv.lab.transfer.bench:main",
+    ("bench", "serve"): "pdkv.lab.serve.modes:main",
+    ("plan",): "pdkv.lab.plan.model:main",
+    ("netlab",): "pdkv.lab.netlab.cli:main",
     ("info",): "pdkv.cli:info",
     ("secret",): "pdkv.cli:secret",
 }

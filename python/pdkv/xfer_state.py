@@ -2,7 +2,7 @@
 
 The C++ core owns the state of every transfer (``pdkv::XferState``, bound as
 ``pdkv._pdkv.XferState``); this enum is its Python face, member for member (same names,
-mapped by name, checked by tests/test_conformance.py). It lives in a module of its own
+mapped by name, checked by tests/library/test_conformance.py). It lives in a module of its own
 so that the agent and transports written in Python can both import it.
 """
 

@@ -54,7 +54,7 @@ def test_bench_transfer_device_memory_over_tcp(fakecuda_path):
 
 
 def test_bench_transfer_compare_peers():
-    from pdkv.bench import peers
+    from pdkv.lab.transfer import peers
 
     avail = peers.available_peers()
     if not avail:

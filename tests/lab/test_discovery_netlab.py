@@ -1,4 +1,4 @@
-"""A registry deployment across lab hosts (pdkv.netlab): etcd on h0, a prefill worker on
+"""A registry deployment across lab hosts (pdkv.lab.netlab.testbed): etcd on h0, a prefill worker on
 h1, a decode worker on h2, a proxy on h3 and a second proxy on h0. The workers register
 in etcd, both proxies find them there, greedy outputs equal ``generate`` and the KV
 crosses the link over tcp. Needs root and the etcd binary (skips with the reason
@@ -17,9 +17,9 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "serving"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 
-from pdkv import netlab  # noqa: E402
+from pdkv.lab.netlab import testbed as netlab  # noqa: E402
 from pdkv.credential import Credential, new_secret  # noqa: E402
 from pdkv.discovery import Registry  # noqa: E402
 from pdkv.discovery_etcd import EtcdServer, etcd_binary  # noqa: E402
@@ -86,13 +86,13 @@ def test_registry_deployment_across_lab_hosts(tiny, lab, tmp_path):
 
 
 def test_documented_lab_command_serves_through_both_proxies(tiny, lab):
-    """``python -m pdkv.discovery_lab --check``: its own three-host lab, etcd, 2 prefill,
+    """``python -m pdkv.lab.netlab.discovery --check``: its own three-host lab, etcd, 2 prefill,
     2 decode and 2 proxies; one completion through each proxy."""
     import os
     import subprocess
 
     env = {**os.environ, "PDKV_LOG": "error"}
-    p = subprocess.run([sys.executable, "-m", "pdkv.discovery_lab", "--model", str(tiny.model_dir), "--check",
+    p = subprocess.run([sys.executable, "-m", "pdkv.lab.netlab.discovery", "--model", str(tiny.model_dir), "--check",
                         "--worker-args", "--block-tokens 4 --num-blocks 128 --max-num-seqs 4"],
                        capture_output=True, text=True, env=env, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""pdkv.netlab: hosts in network namespaces behind shaped links (a test bed on one machine).
+"""pdkv.lab.netlab.testbed: hosts in network namespaces behind shaped links (a test bed on one machine).
 
 Tests that build labs need root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; they
 skip with the reason elsewhere. Every lab has a unique name, so they run in parallel
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from kvpools import Pool, PoolSpec
-from pdkv import netlab
+from pdkv.lab.netlab import testbed as netlab
 from pdkv.errors import InvalidArgument, NotSupported
-from pdkv.netlab_probe import measure_rate
+from pdkv.lab.netlab.probe import measure_rate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")])}
 
 
@@ -108,7 +108,7 @@ def test_without_capabilities_is_netlab_unavailable():
     """Root without CAP_NET_ADMIN/CAP_SYS_ADMIN (dropped from the bounding set): a named error."""
     if os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"):
         pytest.skip("needs root and setpriv to drop capabilities")
-    code = "from pdkv import netlab\ntry:\n    netlab.Lab(2).up()\nexcept netlab.NetlabUnavailable as e:\n" \
+    code = "from pdkv.lab.netlab import testbed as netlab\ntry:\n    netlab.Lab(2).up()\nexcept netlab.NetlabUnavailable as e:\n" \
            "    print('unavailable:', e)\n"
     p = subprocess.run(["setpriv", "--bounding-set", "-net_admin,-sys_admin", "--inh-caps", "-all",
                         sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
@@ -121,7 +121,7 @@ def test_tests_skip_with_the_reason_where_labs_cannot_be_made():
     if os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"):
         pytest.skip("needs root and setpriv to drop capabilities")
     p = subprocess.run(["setpriv", "--bounding-set", "-net_admin,-sys_admin", "--inh-caps", "-all", sys.executable,
-                        "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(REPO / "tests" / "test_netns.py")],
+                        "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(REPO / "tests" / "lab" / "test_netns.py")],
                        capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
     assert p.returncode == 0, p.stdout[-2000:]
     assert "3 skipped" in p.stdout and "netlab needs CAP_NET_ADMIN and CAP_SYS_ADMIN" in p.stdout, p.stdout[-2000:]
@@ -232,7 +232,7 @@ def test_a_lab_left_up_is_removed_when_its_process_exits():
     probe = lab_up(1)
     probe.down()
     name = f"exit{os.getpid() % 100000}"
-    code = f"import sys\nfrom pdkv import netlab\nnetlab.Lab(hosts=2, name={name!r}).up()\nsys.exit(3)\n"
+    code = f"import sys\nfrom pdkv.lab.netlab import testbed as netlab\nnetlab.Lab(hosts=2, name={name!r}).up()\nsys.exit(3)\n"
     p = subprocess.run([sys.executable, "-c", code], env=ENV, timeout=60)
     assert p.returncode == 3
     assert not any(ns.startswith(f"{netlab.PREFIX}{name}-") for ns in live_namespaces())
@@ -244,7 +244,7 @@ def test_down_finds_leftovers_of_a_crashed_lab(tmp_path):
     probe = lab_up(1)  # skips where labs cannot be made
     probe.down()
     name = f"crash{os.getpid() % 100000}"
-    code = f"import os\nfrom pdkv import netlab\nnetlab.Lab(hosts=2, name={name!r}).up()\nos._exit(0)\n"
+    code = f"import os\nfrom pdkv.lab.netlab import testbed as netlab\nnetlab.Lab(hosts=2, name={name!r}).up()\nos._exit(0)\n"
     subprocess.run([sys.executable, "-c", code], check=True, env=ENV, timeout=60)
     leftovers = {ns for ns in live_namespaces() if ns.startswith(f"{netlab.PREFIX}{name}-")}
     assert len(leftovers) == 3

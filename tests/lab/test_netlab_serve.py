@@ -1,4 +1,4 @@
-"""Serving across lab hosts (pdkv.netlab): proxy, prefill and decode worker each on its own
+"""Serving across lab hosts (pdkv.lab.netlab.testbed): proxy, prefill and decode worker each on its own
 network-namespace host behind a 1 Gbit/s link. Greedy output equals ``generate`` and the
 KV crosses the link over tcp (hosts have distinct host ids, so shm is never chosen).
 Needs root (skips with the reason elsewhere), torch, transformers, aiohttp."""
@@ -16,16 +16,16 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "serving"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 
-from pdkv import netlab  # noqa: E402
-from pdkv.bench import serve_link  # noqa: E402
+from pdkv.lab.netlab import testbed as netlab  # noqa: E402
+from pdkv.lab.serve import link as serve_link  # noqa: E402
 from pdkv.serving.launch import Deployment  # noqa: E402
 from servers import completion_ids, tiny  # noqa: E402, F401 (tiny: a fixture)
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]  # three processes, about 15 s on two cores
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Two peers on separate lab hosts (pdkv.netlab: network namespaces on a private
+"""Two peers on separate lab hosts (pdkv.lab.netlab.testbed: network namespaces on a private
 switch; no traffic leaves this machine)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpools import Pool, PoolSpec
-from pdkv import netlab
+from pdkv.lab.netlab import testbed as netlab
 
 pytestmark = pytest.mark.netns
 

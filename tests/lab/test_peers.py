@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from pdkv.bench import peers
-from pdkv.bench.peers import Workload, available_peers, run_mooncake, run_nixl
+from pdkv.lab.transfer import peers
+from pdkv.lab.transfer.peers import Workload, available_peers, run_mooncake, run_nixl
 from pdkv.errors import InvalidArgument, NotSupported, PdkvError, TransferTimeout
 
 SMALL = Workload(block_bytes=32768, num_blocks=64, iters=2, seed=7, lat_iters=20)
@@ -33,7 +33,7 @@ needs_mooncake = pytest.mark.skipif(
 
 
 def _bench_children() -> list[int]:
-    """Live processes running ``pdkv.bench.peers`` whose parent is this process."""
+    """Live processes running ``pdkv.lab.transfer.peers`` whose parent is this process."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -47,7 +47,7 @@ def _bench_children() -> list[int]:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         state = stat.rsplit(")", 1)[1].split()[0]
-        if b"pdkv.bench.peers" in cmd and ppid == os.getpid() and state != "Z":
+        if b"pdkv.lab.transfer.peers" in cmd and ppid == os.getpid() and state != "Z":
             found.append(int(pid))
     return found
 
@@ -86,7 +86,7 @@ def test_workload_is_seeded_and_validated() -> None:
 
 def test_importing_pdkv_imports_no_peer_library() -> None:
     code = (
-        "import sys, pdkv, pdkv.bench.peers as p; p.available_peers(); "
+        "import sys, pdkv, pdkv.lab.transfer.peers as p; p.available_peers(); "
         "bad = [m for m in ('nixl', 'mooncake', 'torch') if m in sys.modules]; "
         "assert not bad, bad"
     )

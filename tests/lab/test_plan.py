@@ -23,10 +23,10 @@ import math
 
 import pytest
 
-from pdkv.bench import plan
-from pdkv.bench.plan import Capacity, Slo, Workload
-from pdkv.bench.plan_measure import fit_line
-from pdkv.bench.plan_sweep import parse_splits, pick_measured, pick_predicted
+from pdkv.lab.plan import model as plan
+from pdkv.lab.plan.model import Capacity, Slo, Workload
+from pdkv.lab.plan.measure import fit_line
+from pdkv.lab.plan.sweep import parse_splits, pick_measured, pick_predicted
 from pdkv.errors import InvalidArgument
 
 CAP = Capacity(prefill_fixed_s=0.0, prefill_s_per_token=0.001, step_fixed_s=0.010, step_per_seq_s=0.001,

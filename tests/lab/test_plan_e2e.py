@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from pdkv.bench import plan
-from pdkv.bench.plan import Capacity
+from pdkv.lab.plan import model as plan
+from pdkv.lab.plan.model import Capacity
 from pdkv.errors import InvalidArgument
 
 TRACE_ARGS = ["--preset", "chat-short", "--prompt-len", "uniform:8:40", "--output-len", "uniform:4:12",
@@ -72,8 +72,8 @@ def test_capacity_from_bench_serve_results(tmp_path):
     """Synthetic disagg runs: TTFT = 1 ms per prompt token (no queueing), and ITLs of
     20 ms with one decode worker at two loads: the prefill fit recovers 1 ms/token; the
     decode fit goes through the two (batch, ITL) points."""
-    from pdkv.bench.plan_measure import from_results
-    from pdkv.bench.serve_metrics import SLO, BenchResults, RunResult, RequestRecord
+    from pdkv.lab.plan.measure import from_results
+    from pdkv.lab.serve.metrics import SLO, BenchResults, RunResult, RequestRecord
 
     runs = []
     for rate, itl, gap in ((1.0, 0.020, 1.0), (4.0, 0.030, 0.25)):

@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from fake_openai import FakeOpenAI
-from pdkv.bench.serve_client import (
+from pdkv.lab.serve.client import (
     ClientConfig,
     _StreamState,
     ProgressBar,
@@ -25,8 +25,8 @@ from pdkv.bench.serve_client import (
     run_trace,
     wait_until_ready,
 )
-from pdkv.bench.serve_metrics import SLO, RequestRecord, summarize
-from pdkv.bench.serve_trace import Trace, TraceRequest
+from pdkv.lab.serve.metrics import SLO, RequestRecord, summarize
+from pdkv.lab.serve.trace import Trace, TraceRequest
 
 
 def _run(coro):

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from pdkv.bench import serve_compress as sc
-from pdkv.bench.serve_metrics import SLO, BenchResults, RequestRecord, RunResult
+from pdkv.lab.serve import compress as sc
+from pdkv.lab.serve.metrics import SLO, BenchResults, RequestRecord, RunResult
 
 LOSSLESS, FP8 = sc.mode_name("lossless"), sc.mode_name("fp8")
 
@@ -101,7 +101,7 @@ def test_modes_and_the_prefill_flags_they_start():
 def test_a_compressed_mode_deploys_disagg_with_the_compress_flags(tmp_path):
     import argparse
 
-    from pdkv.bench.serve_modes import deployment_for
+    from pdkv.lab.serve.modes import deployment_for
 
     args = argparse.Namespace(pd="1:1", worker_arg=[], replicas=None, max_batch_tokens=128, hybrid_threshold=None,
                               pin=False)
@@ -115,7 +115,7 @@ def test_a_compressed_mode_deploys_disagg_with_the_compress_flags(tmp_path):
     (["--compare-compress", "lossless", "--compare-stream"], "separate runs"),
 ])
 def test_compare_compress_refusals(argv, what, capsys):
-    from pdkv.bench.serve_modes import main
+    from pdkv.lab.serve.modes import main
 
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -123,7 +123,7 @@ def test_compare_compress_refusals(argv, what, capsys):
 
 
 def test_compare_compress_names_an_unknown_mode(capsys):
-    from pdkv.bench.serve_modes import main
+    from pdkv.lab.serve.modes import main
 
     assert main(["--compare-compress", "gzip"]) == 2
     assert "gzip" in capsys.readouterr().err

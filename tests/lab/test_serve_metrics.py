@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv.bench import serve_metrics, serve_trace
-from pdkv.bench.serve_metrics import (
+from pdkv.lab.serve import metrics as serve_metrics, trace as serve_trace
+from pdkv.lab.serve.metrics import (
     SCHEMA,
     SLO,
     BenchResults,

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from fake_openai import FakeOpenAI, FakeOpenAIThread
-from pdkv.bench.serve_cli import main, run_sweep
-from pdkv.bench.serve_trace import Fixed, Periodic, TraceSpec
-from pdkv.bench.serve_metrics import SLO, BenchResults, RequestRecord, RunResult
-from pdkv.bench.serve_report import LAG_WARN_S, markdown_table, recommend, sanity_notes, write_report
+from pdkv.lab.serve.cli import main, run_sweep
+from pdkv.lab.serve.trace import Fixed, Periodic, TraceSpec
+from pdkv.lab.serve.metrics import SLO, BenchResults, RequestRecord, RunResult
+from pdkv.lab.serve.report import LAG_WARN_S, markdown_table, recommend, sanity_notes, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

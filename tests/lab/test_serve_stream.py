@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from pdkv.bench.serve_metrics import SLO, BenchResults, RequestRecord, RunResult
-from pdkv.bench.serve_stream import MONOLITHIC, STREAMED, compare, markdown
+from pdkv.lab.serve.metrics import SLO, BenchResults, RequestRecord, RunResult
+from pdkv.lab.serve.stream import MONOLITHIC, STREAMED, compare, markdown
 
 
 def _rec(index: int, ttft: float, t2t: float, ids: list[int] | None) -> RequestRecord:
@@ -68,7 +68,7 @@ def test_comparison_needs_both_modes():
 
 
 def test_client_collects_token_ids():
-    from pdkv.bench.serve_client import _StreamState
+    from pdkv.lab.serve.client import _StreamState
 
     rec = RequestRecord(0, 0.0)
     st = _StreamState(rec)
@@ -106,7 +106,7 @@ def test_compare_stream_end_to_end(tmp_path):
 
 
 def test_stream_report_says_down_to_which_link_the_target_holds():
-    from pdkv.bench.stream_report import min_link_bps, per_layer_s, where_target_stops
+    from pdkv.lab.serve.stream_report import min_link_bps, per_layer_s, where_target_stops
 
     r = {"preset": "m", "prompt_len": 1024, "link_name": "100mbit", "layers": 10, "kv_bytes": 100_000_000,
          "streamed": {"prefill_s": 9.0}, "monolithic": {"transfer_only_s": 8.0}, "target_met": True}
@@ -118,7 +118,7 @@ def test_stream_report_says_down_to_which_link_the_target_holds():
 
 
 def test_compare_stream_refuses_a_url():
-    from pdkv.bench.serve_modes import main
+    from pdkv.lab.serve.modes import main
 
     with pytest.raises(SystemExit) as e:
         main(["--compare-stream", "--url", "http://127.0.0.1:1"])

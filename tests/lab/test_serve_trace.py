@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv.bench import serve_trace
-from pdkv.bench.serve_trace import (
+from pdkv.lab.serve import trace as serve_trace
+from pdkv.lab.serve.trace import (
     PRESETS,
     Fixed,
     Gamma,

@@ -1,4 +1,4 @@
-"""`python -m pdkv.bench.shm_engine`: runs end to end, verifies what it moved, and
+"""`python -m pdkv.lab.transfer.shm_engine`: runs end to end, verifies what it moved, and
 reports the connector's pull against pdkv bench transfer's measurement (a smoke test
 of the benchmark's plumbing, not a speed test)."""
 
@@ -15,7 +15,7 @@ ENV = {**os.environ, "PDKV_LOG": "error"}
 
 
 def test_shm_engine_vllm_json():
-    p = subprocess.run([sys.executable, "-m", "pdkv.bench.shm_engine", "--vllm", "--json", "--pool-mib", "8",
+    p = subprocess.run([sys.executable, "-m", "pdkv.lab.transfer.shm_engine", "--vllm", "--json", "--pool-mib", "8",
                         "--rounds", "1", "--reps", "3"], capture_output=True, text=True, env=ENV, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)

@@ -1,4 +1,4 @@
-"""The streaming report (pdkv.bench.stream_report) and streambench's argument checks."""
+"""The streaming report (pdkv.lab.serve.stream_report) and streambench's argument checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 import pdkv
-from pdkv.bench import stream_report
+from pdkv.lab.serve import stream_report
 
 
 def report(preset: str, prompt_len: int, link: str | None, streamed_ready: float, mono_ready: float,
@@ -44,7 +44,7 @@ def test_an_empty_directory_is_an_error(tmp_path):
 
 def test_streambench_link_runs_over_tcp_only():
     torch = pytest.importorskip("torch")  # noqa: F841  (streambench runs a model)
-    from pdkv.serving import streambench
+    from pdkv.lab.serve import streambench
 
     with pytest.raises(pdkv.InvalidArgument, match="--link runs over tcp"):
         streambench.run("tiny", 64, "shm", 1, 16, link="1gbit")

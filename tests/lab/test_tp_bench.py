@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 import pdkv
-from pdkv.bench import hetero
+from pdkv.lab.transfer import hetero
 from pdkv.errors import InvalidArgument
 
 TRANSPORTS = [t for t in ("tcp", "shm") if t in pdkv.available_transports()]

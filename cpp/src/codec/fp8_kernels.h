@@ -1,6 +1,6 @@
 // The FP8 (e4m3) quantize / dequantize loops written branch-free, so the compiler
 // vectorises them: every rounding rule of fp8.cc and float_bits.h is reproduced with
-// integer arithmetic and selects (bit-identical results; tests/test_codec_kernels.py
+// integer arithmetic and selects (bit-identical results; tests/library/test_codec_kernels.py
 // compares them with the scalar reference on every dtype).
 //
 // This header is compiled more than once with different target flags (fp8_vec.cc:

@@ -1,6 +1,6 @@
 // Names the calling thread so that `top -H`, gdb, perf and /proc/<pid>/task/*/comm
 // show which of pdkv's threads is which. Every thread pdkv starts calls this first;
-// names start with "pdkv-" (tests/test_agent.py measures the idle CPU of exactly
+// names start with "pdkv-" (tests/library/test_agent.py measures the idle CPU of exactly
 // those threads). Linux limits a name to 15 bytes; a longer one is cut, never an error.
 // It also moves the thread onto the CPUs pdkv.set_thread_cpus() chose, if any
 // (util/thread_cpus.h).

@@ -1,6 +1,6 @@
 """What the nixl transport puts on the wire: its metadata extra (``extras["nixl"]``) and
 its control messages (NIXL notifications tagged ``C``), with their size limits and
-validation (docs/wire.md "nixl control messages"; fuzzed by tests/test_nixl_ctl.py)."""
+validation (docs/wire.md "nixl control messages"; fuzzed by tests/library/nixl/test_nixl_ctl.py)."""
 
 from __future__ import annotations
 

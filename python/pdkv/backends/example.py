@@ -7,7 +7,7 @@ completing the native transfer part by part, delivering notifications after the 
 checking inbound access against what the target exports now, failing transfers to a
 dead peer, and making deregistration wait for copies in progress. It is registered
 with priority 0 (``pdkv/backends/__init__.py``): only agents that name it use it.
-The conformance suite (tests/test_conformance.py) runs against it like against tcp.
+The conformance suite (tests/library/test_conformance.py) runs against it like against tcp.
 """
 
 from __future__ import annotations

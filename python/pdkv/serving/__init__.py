@@ -19,8 +19,8 @@ Modules
     :class:`SamplingParams` and token selection.
 :mod:`pdkv.serving.models`
     :func:`load_model`, the default demo model (:func:`default_model_dir`).
-:mod:`pdkv.serving.stepbench`
-    ``python -m pdkv.serving.stepbench``: engine decode step vs plain HF decode.
+:mod:`pdkv.lab.serve.stepbench`
+    ``python -m pdkv.lab.serve.stepbench``: engine decode step vs plain HF decode.
 :mod:`pdkv.serving.worker`
     :class:`Worker` (prefill, decode or colocated role: an engine behind an aiohttp
     server; prefill workers push KV into decode workers' blocks through pdkv).

@@ -224,7 +224,7 @@ class Deployment:
         Extra environment for every process (a random ``PDKV_SECRET`` is added).
     placement : callable, optional
         ``(role, index) -> (argv prefix, bind address)`` of each process (role "proxy"
-        for the proxy), e.g. one host of a :mod:`pdkv.netlab` lab each (default: here, 127.0.0.1).
+        for the proxy), e.g. one host of a :mod:`pdkv.lab.netlab.testbed` lab each (default: here, 127.0.0.1).
     registry : str, optional
         ``etcd://host:port``: the workers register there and the proxy routes to what is
         registered (``--registry``) instead of a list of URLs (docs/discovery.md).

@@ -90,7 +90,7 @@ class RerolePolicy:
         try:
             plan = json.loads(Path(path).read_text())
             cap, itl = plan["capacity"], float(plan["slo"]["itl_s"])
-            from pdkv.bench.plan import Capacity
+            from pdkv.lab.plan.model import Capacity
 
             c = Capacity.from_dict(cap)
         except (OSError, ValueError, KeyError, TypeError) as e:

@@ -2,9 +2,9 @@
 direction, checked against pdkv's host codec byte for byte.
 
 Run as a script in a fresh process (the CUDA driver is loaded once per process):
-``COMPRESS=fp8 DTYPE=bfloat16 python tests/cuda/compress_device_child.py``. It uses the
+``COMPRESS=fp8 DTYPE=bfloat16 python tests/library/cuda/compress_device_child.py``. It uses the
 driver pdkv loads (``$PDKV_CUDA_DRIVER``, else ``libcuda.so.1``), so the same checks run
-on the fake driver in CI (tests/test_compress_device.py) and on a GPU
+on the fake driver in CI (tests/library/cuda/test_compress_device.py) and on a GPU
 (bench/gpu_check.sh). Prints one JSON line: {"checks": [...], "stats": ..., ...};
 any mismatch raises (non-zero exit with the traceback).
 
@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 import pdkv
-from pdkv.bench.devmem import DeviceMemory
+from pdkv.lab.transfer.devmem import DeviceMemory
 from pdkv.codec import Codec
 
 MEM = DeviceMemory()
@@ -124,7 +124,7 @@ def kernel_launches() -> int:
         return 0
     from ctypes import c_ulonglong
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/
     from fakecuda_lib import STATS
 
     arr = (c_ulonglong * len(STATS))()

@@ -1,9 +1,9 @@
 """Device memory over tcp, staged through pinned host buffers: every direction, bit exact.
 
 Run as a script in a fresh process (the CUDA driver is loaded once per process):
-``python tests/cuda/tcp_staging_child.py``. It talks to the driver pdkv loads
+``python tests/library/cuda/tcp_staging_child.py``. It talks to the driver pdkv loads
 (``$PDKV_CUDA_DRIVER``, else ``libcuda.so.1``) through ctypes, so the same checks run
-against the fake driver in CI (tests/cuda/test_tcp_staging.py) and against a real GPU
+against the fake driver in CI (tests/library/cuda/test_tcp_staging.py) and against a real GPU
 (bench/gpu_check.sh). Prints one JSON line: {"ok": true, "checks": [...], "stats": ...};
 any mismatch raises (non-zero exit with the traceback).
 """
@@ -18,7 +18,7 @@ from ctypes import c_ulonglong
 import numpy as np
 
 import pdkv
-from pdkv.bench.devmem import DeviceMemory
+from pdkv.lab.transfer.devmem import DeviceMemory
 
 MEM = DeviceMemory()  # the driver pdkv loads: $PDKV_CUDA_DRIVER, else libcuda.so.1
 LIB = MEM.lib

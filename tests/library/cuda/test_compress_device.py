@@ -6,7 +6,7 @@ docs/compression.md, independently of pdkv's host codec, and what lands is compa
 with the host codec's round trip of the same bytes, so the kernels' host side
 (descriptor tables, frame layout, headers, checksums) and the format agree. Lossless:
 staged, encoded and decoded on the host. The checks live in
-tests/cuda/compress_device_child.py (a fresh process per run: the driver is loaded
+tests/library/cuda/compress_device_child.py (a fresh process per run: the driver is loaded
 once per process); bench/gpu_check.sh runs the same script on a GPU.
 """
 
@@ -20,7 +20,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHILD = os.path.join(HERE, "cuda", "compress_device_child.py")
+CHILD = os.path.join(HERE, "compress_device_child.py")
 
 WRITES = ["write dev->dev", "write dev->host", "write host->dev", "write host->host"]
 # Compressed reads of device memory: the target encodes from its GPU (fp8 quantized

@@ -1,6 +1,6 @@
 """GPU pools on one node: cuda_ipc between two processes (skipped without a GPU).
 
-Run on a GPU machine: `pytest tests/cuda -v` (or bench/gpu_check.sh).
+Run on a GPU machine: `pytest tests/library/cuda -v` (or bench/gpu_check.sh).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ are slowed (FAKECUDA_COPY_DELAY_US) so a notification sent before its bytes land
 would be caught. Not marked ``cuda``: these run in every ``pytest``.
 
 The fake driver itself is built by the ``fakecuda_path`` fixture (tests/conftest.py);
-``fake_peer`` comes from tests/fake_gpu_peers.py (shared with tests/test_fault_contract.py)
-rather than a tests/cuda/conftest.py: test modules import tests/conftest.py as
+``fake_peer`` comes from tests/fake_gpu_peers.py (shared with tests/library/test_fault_contract.py)
+rather than a tests/library/cuda/conftest.py: test modules import tests/conftest.py as
 ``conftest``, and a second conftest.py would shadow it.
 """
 

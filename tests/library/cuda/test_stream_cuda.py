@@ -21,7 +21,7 @@ CHILD = textwrap.dedent('''
     import json
     import numpy as np
     import pdkv
-    from pdkv.bench.devmem import DeviceMemory
+    from pdkv.lab.transfer.devmem import DeviceMemory
 
     MEM = DeviceMemory()
     GEOM = pdkv.KVGeometry(num_layers=6, num_blocks=32, block_tokens=4, kv_heads=2, head_dim=64, dtype="float32")

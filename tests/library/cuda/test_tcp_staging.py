@@ -114,7 +114,7 @@ def test_agents_do_not_initialize_cuda_until_device_memory_is_used(fakecuda_path
                           "copied": bool((dst == src).all())}))
     """)
     env = dict(os.environ, PDKV_CUDA_DRIVER=fakecuda_path, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(HERE)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        [os.path.dirname(os.path.dirname(HERE))] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])

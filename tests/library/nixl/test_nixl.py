@@ -77,7 +77,7 @@ def test_metadata_extra_codec_rejects_corruption():
 
 def test_import_pdkv_never_imports_nixl():
     code = textwrap.dedent("""
-        import sys, pdkv, pdkv.backends.nixl, pdkv.bench.peers
+        import sys, pdkv, pdkv.backends.nixl, pdkv.lab.transfer.peers
         with pdkv.Agent("x", transports=["tcp"]) as a:
             pass
         bad = [m for m in ("nixl", "nixl_cu12", "nixl_cu13", "torch") if m in sys.modules]
@@ -394,7 +394,7 @@ def test_ucx_shared_memory_between_processes(spawn_peer, monkeypatch):
 @pytest.mark.cuda
 def test_vram_regions_between_two_agents():
     """CUDA pools over NIXL (VRAM registration; UCX picks cuda_copy/cuda_ipc). Unrun on
-    CPU-only machines: run ``pytest -m cuda tests/test_nixl.py`` where a GPU is lent."""
+    CPU-only machines: run ``pytest -m cuda tests/library/nixl/test_nixl.py`` where a GPU is lent."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")

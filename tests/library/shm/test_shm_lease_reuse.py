@@ -8,15 +8,19 @@ connection closed (releasing the lease), the target still serves.
 
 from __future__ import annotations
 
+import os
 import struct
+import sys
 
 import pytest
 
 import pdkv
 from conftest import SECRET
 from kvpools import Pool
-from test_generations import LEASE_REQ, LEASE_RESP, SPEC, _claim, _shm_frame, _shm_raw, _shm_recv  # noqa: F401
-from test_generations import _close_raw_sockets  # noqa: F401  (fixture)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/library: test_generations
+from test_generations import LEASE_REQ, LEASE_RESP, SPEC, _claim, _shm_frame, _shm_raw, _shm_recv  # noqa: E402, F401
+from test_generations import _close_raw_sockets  # noqa: E402, F401  (fixture)
 
 SHM_ERROR = 9
 

@@ -1,6 +1,6 @@
 """What an AUTHENTICATED but hostile peer can make a target hold (issue 26; docs/security.md, "Hostile authenticated peers").
 
-Each target runs in its own process (tests/bounds_target.py) and its memory is read from
+Each target runs in its own process (tests/library/tcp/bounds_target.py) and its memory is read from
 /proc/<pid>/status (VmHWM: peak, VmRSS: now). The attacker speaks the tcp wire protocol
 from raw sockets with the right secret (test_bad_input.authenticate), or is a pdkv agent.
 

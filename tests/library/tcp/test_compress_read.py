@@ -515,7 +515,7 @@ LAB_READER = textwrap.dedent("""
 @pytest.mark.skipif(bool(os.environ.get("PDKV_SANITIZER")),
                     reason="the sanitizer runtime preloaded into `ip` makes the lab's set-up fail (its own leak report)")
 def test_auto_reads_turn_compression_on_behind_a_slow_link():
-    """Behind an emulated 50 Mbit/s link (pdkv.netlab; skipped where network namespaces
+    """Behind an emulated 50 Mbit/s link (pdkv.lab.netlab.testbed; skipped where network namespaces
     cannot be made): the first read measures the link and samples the codec on what it
     read; from then on the reads ask for compressed responses, and land bit-exact."""
     import json

@@ -452,7 +452,7 @@ def send_behind_slow_link(sender_script: str, sender_log: str = "error"):
     the target's address, codec) on h0, behind an emulated 50 Mbit/s link (skips where
     network namespaces cannot be made); returns the sender's output lines (and its
     stderr, run with PDKV_LOG=``sender_log``, when that is not "error")."""
-    from pdkv import netlab
+    from pdkv.lab.netlab import testbed as netlab
 
     try:
         lab = netlab.Lab(hosts=2, link="50mbit").up()
@@ -479,7 +479,7 @@ def send_behind_slow_link(sender_script: str, sender_log: str = "error"):
 @pytest.mark.skipif(bool(os.environ.get("PDKV_SANITIZER")),
                     reason="the sanitizer runtime preloaded into `ip` makes the lab's set-up fail (its own leak report)")
 def test_auto_turns_itself_on_behind_a_slow_link():
-    """Behind an emulated 50 Mbit/s link (pdkv.netlab; skipped where network namespaces
+    """Behind an emulated 50 Mbit/s link (pdkv.lab.netlab.testbed; skipped where network namespaces
     cannot be made) one encoder thread compresses faster than the link carries bytes."""
     got = json.loads(send_behind_slow_link(LAB_SENDER)[-1])
     assert all(got["exact"]), got

@@ -151,7 +151,7 @@ def test_tiny_llama_doc_example():
 
 
 def test_bench_table_and_percentiles():
-    from pdkv.integrations.vllm_bench import _pct, table
+    from pdkv.lab.vllm.bench import _pct, table
 
     assert _pct([], 50) is None
     assert _pct([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and _pct([5.0], 90) == 5.0

@@ -7,7 +7,7 @@ import typing
 __all__: list[str] = ['DelayLine']
 class DelayLine:
     """
-    netlab's userspace delay line (python -m pdkv.netlab_delay runs it)
+    netlab's userspace delay line (python -m pdkv.lab.netlab.delay runs it)
     """
     def __init__(self, links: collections.abc.Sequence[str], one_way_delay_s: typing.SupportsFloat | typing.SupportsIndex, queue_limit_bytes: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...

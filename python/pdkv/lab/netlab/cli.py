@@ -5,7 +5,7 @@
   pdkv netlab status                                   # labs, hosts, addresses, leftovers
   pdkv netlab down                                     # remove every lab (also after a crash)
 
-See docs/netlab.md and :mod:`pdkv.netlab`.
+See docs/netlab.md and :mod:`pdkv.lab.netlab.testbed`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from . import netlab
+from pdkv.lab.netlab import testbed as netlab
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -28,7 +28,7 @@ def _up(args: argparse.Namespace) -> int:
         if len(lab.hosts) < 2:
             print("--check needs two hosts", file=sys.stderr)
             return 2
-        from .netlab_probe import measure_rate
+        from pdkv.lab.netlab.probe import measure_rate
 
         print(f"measured h0 -> h1: {measure_rate(lab, 'h0', 'h1') / 1e9:.3f} Gbit/s (one TCP stream)")
     print(f"run commands with `pdkv netlab exec{'' if args.name == 'lab' else ' --lab ' + lab.name} HOST -- CMD`; "

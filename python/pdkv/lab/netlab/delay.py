@@ -1,8 +1,8 @@
 """The userspace delay line of a netlab lab, for kernels without ``sch_netem``.
 
-Run by :class:`pdkv.netlab.Lab` inside the lab's switch namespace (never by hand)::
+Run by :class:`pdkv.lab.netlab.testbed.Lab` inside the lab's switch namespace (never by hand)::
 
-    python -m pdkv.netlab_delay --links h0,h1 --one-way-delay-us 50 --queue-limit-bytes 8388608
+    python -m pdkv.lab.netlab.delay --links h0,h1 --one-way-delay-us 50 --queue-limit-bytes 8388608
 
 For each host link (the switch's end of the host's veth pair, out of the bridge) it
 creates a TAP device ``d-<link>``, prints one JSON line ``{"taps": [...]}`` once they
@@ -21,12 +21,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdkv.netlab_delay", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pdkv.lab.netlab.delay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--links", required=True, help="comma-separated veth names in this namespace")
     ap.add_argument("--one-way-delay-us", type=float, required=True)
     ap.add_argument("--queue-limit-bytes", type=int, default=8 << 20)
     args = ap.parse_args(argv)
-    from ._native import module
+    from pdkv._native import module
 
     try:
         line = module().netlab.DelayLine([x for x in args.links.split(",") if x], args.one_way_delay_us / 1e6,

@@ -1,6 +1,6 @@
 """An elastic serving deployment across netlab hosts, found through etcd:
-``python -m pdkv.discovery_lab [--model DIR] [--prefill 2] [--decode 2] [--proxies 2]
-[--link 1gbit] [--check]`` (root: it builds a :mod:`pdkv.netlab` lab of three hosts).
+``python -m pdkv.lab.netlab.discovery [--model DIR] [--prefill 2] [--decode 2] [--proxies 2]
+[--link 1gbit] [--check]`` (root: it builds a :mod:`pdkv.lab.netlab.testbed` lab of three hosts).
 
 * h0: etcd and the proxies (``pdkv serve proxy --registry``)
 * h1: the prefill workers, h2: the decode workers (``--registry``): every KV byte
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .discovery_etcd import EtcdServer, wait_for_stop
-from .serving.launch import Deployment, ServerProcess
+from pdkv.discovery_etcd import EtcdServer, wait_for_stop
+from pdkv.serving.launch import Deployment, ServerProcess
 
 __all__ = ["LabDeployment", "main"]
 
@@ -130,9 +130,9 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from . import netlab
+    from pdkv.lab.netlab import testbed as netlab
 
-    ap = argparse.ArgumentParser(prog="python -m pdkv.discovery_lab", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pdkv.lab.netlab.discovery", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: the demo model, SmolLM2-135M-Instruct)")
     ap.add_argument("--prefill", type=int, default=2, help="prefill workers on h1 (default 2)")
     ap.add_argument("--decode", type=int, default=2, help="decode workers on h2 (default 2)")
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from .serving.models import default_model_dir
+        from pdkv.serving.models import default_model_dir
         model_dir = default_model_dir()
     lab = netlab.Lab(hosts=3, link=args.link, name=args.name).up()
     try:

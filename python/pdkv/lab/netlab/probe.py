@@ -1,7 +1,7 @@
 """Measures what a lab link actually carries: one TCP stream between two lab hosts.
 
 ``measure_rate(lab, "h0", "h1", nbytes)`` runs a receiver on h1 and a sender on h0
-(``python -m pdkv.netlab_probe recv|send``) and returns the goodput in bits per
+(``python -m pdkv.lab.netlab.probe recv|send``) and returns the goodput in bits per
 second, timed at the receiver from the first byte to the last. Used by the tests
 (the rate a link is shaped to must be what it carries) and ``pdkv netlab up --check``.
 """
@@ -15,8 +15,8 @@ import subprocess
 import sys
 import time
 
-from .errors import InvalidArgument
-from .netlab import Lab, NetlabError
+from pdkv.errors import InvalidArgument
+from pdkv.lab.netlab.testbed import Lab, NetlabError
 
 CHUNK = 1 << 20
 
@@ -52,13 +52,13 @@ def measure_rate(lab: Lab, src: str, dst: str, nbytes: int = 32 << 20, timeout: 
     """Goodput from ``src`` to ``dst`` in bits per second (one TCP stream, ``nbytes``)."""
     if nbytes < 2 * CHUNK:
         raise InvalidArgument(f"measure at least {2 * CHUNK} bytes, got {nbytes}")
-    recv = lab.popen(dst, [sys.executable, "-m", "pdkv.netlab_probe", "recv", lab.address(dst)],
+    recv = lab.popen(dst, [sys.executable, "-m", "pdkv.lab.netlab.probe", "recv", lab.address(dst)],
                      stdout=subprocess.PIPE, text=True)
     try:
         port = json.loads(recv.stdout.readline() or "{}").get("port")
         if port is None:
             raise NetlabError(f"the rate probe's receiver on {dst} did not start (exit {recv.wait(10)})")
-        lab.run(src, [sys.executable, "-m", "pdkv.netlab_probe", "send", lab.address(dst), str(port), str(nbytes)],
+        lab.run(src, [sys.executable, "-m", "pdkv.lab.netlab.probe", "send", lab.address(dst), str(port), str(nbytes)],
                 timeout=timeout)
         out, _ = recv.communicate(timeout=timeout)
     finally:
@@ -72,7 +72,7 @@ def measure_rate(lab: Lab, src: str, dst: str, nbytes: int = 32 << 20, timeout: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdkv.netlab_probe")
+    ap = argparse.ArgumentParser(prog="python -m pdkv.lab.netlab.probe")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("recv")
     r.add_argument("host")

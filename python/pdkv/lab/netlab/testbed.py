@@ -4,7 +4,7 @@ A *lab* is a set of hosts ``h0 .. hN-1``, each a network namespace with one
 interface ``eth0`` (address ``10.211.0.<i+1>/24``), plugged into a switch: a bridge
 in a namespace of its own. Every host's access link is shaped in both directions
 with ``tc`` (an ``htb`` rate limit) and delayed (by ``sch_netem`` where the kernel
-has it, else by a userspace delay line in the switch namespace: :mod:`pdkv.netlab_delay`),
+has it, else by a userspace delay line in the switch namespace: :mod:`pdkv.lab.netlab.delay`),
 so traffic between two hosts crosses exactly one rate limit per direction and sees the
 requested round-trip time. Nothing is added to the machine's own
 network namespace: traffic never leaves namespaces the lab created.
@@ -22,7 +22,7 @@ CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``);
 
 Example
 -------
->>> from pdkv import netlab
+>>> from pdkv.lab.netlab import testbed as netlab
 >>> with netlab.Lab(hosts=2, link="1gbit,rtt=0.2ms") as lab:     # doctest: +SKIP
 ...     server = lab.popen("h1", ["python3", "-m", "http.server", "8000"])
 ...     lab.run("h0", ["curl", f"http://{lab.address('h1')}:8000/"])
@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
-from .errors import InvalidArgument, NotSupported, PdkvError
+from pdkv.errors import InvalidArgument, NotSupported, PdkvError
 
 __all__ = ["Link", "Lab", "NetlabError", "NetlabUnavailable", "parse_link", "check_available", "list_labs",
            "attach", "down", "down_all", "live_namespaces", "PREFIX", "STATE_DIR"]
@@ -447,7 +447,7 @@ class Lab:
         # Room for a few round trips of the link's bytes in flight (netem's `limit`).
         rate = self.link.rate_bps or 100 * 10**9
         limit = int(min(256 << 20, max(8 << 20, 4 * rate / 8 * self.link.one_way_delay_s)))
-        p = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, "-m", "pdkv.netlab_delay",
+        p = subprocess.Popen(["ip", "netns", "exec", sw, sys.executable, "-m", "pdkv.lab.netlab.delay",
                               "--links", ",".join(self.hosts),
                               "--one-way-delay-us", f"{self.link.one_way_delay_s * 1e6:.3f}",
                               "--queue-limit-bytes", str(limit)],

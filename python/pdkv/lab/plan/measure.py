@@ -1,4 +1,4 @@
-"""Per-worker prefill and decode capacity for :mod:`pdkv.bench.plan`.
+"""Per-worker prefill and decode capacity for :mod:`pdkv.lab.plan.model`.
 
 Two sources:
 
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from pdkv.errors import InvalidArgument
 
-from .plan import Capacity, Workload
+from pdkv.lab.plan.model import Capacity, Workload
 
 __all__ = ["fit_line", "from_results", "measure"]
 
@@ -136,7 +136,7 @@ def _decode_step_s(Engine: Any, EngineConfig: Any, SamplingParams: Any, model: A
 
 def from_results(results_dir: Path, *, max_decode_batch: int = 64) -> Capacity:
     """Capacity from the disagg/hybrid runs of a ``pdkv bench serve`` results directory."""
-    from .serve_metrics import BenchResults
+    from pdkv.lab.serve.metrics import BenchResults
 
     path = results_dir / "results.json" if results_dir.is_dir() else results_dir
     try:

@@ -12,7 +12,7 @@ the load idles. This module turns two measured per-worker facts into a split:
   ``step_fixed_s + B * step_per_seq_s`` (one token per request per step, so a worker
   decodes ``B / step(B)`` tokens/s at inter-token latency ``step(B)``).
 
-The capacities come from :mod:`pdkv.bench.plan_measure` (timed on this machine with
+The capacities come from :mod:`pdkv.lab.plan.measure` (timed on this machine with
 the reference engine, or derived from a ``pdkv bench serve`` results directory).
 
 The queueing arithmetic (each function below says which formula it uses):
@@ -159,7 +159,7 @@ class Workload:
 
     @classmethod
     def of_trace(cls, trace: Any, rate: Optional[float] = None) -> "Workload":
-        """From a :class:`~pdkv.bench.serve_trace.Trace` (``rate``: its nominal rate, else the observed one)."""
+        """From a :class:`~pdkv.lab.serve.trace.Trace` (``rate``: its nominal rate, else the observed one)."""
         reqs = list(trace)
         if not reqs:
             raise InvalidArgument("the trace is empty")
@@ -404,7 +404,7 @@ def best_split(cap: Capacity, load: Workload, slo: Slo, workers: int) -> dict[st
 # ------------------------------------------------------------------ CLI
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from . import serve_cli
+    from pdkv.lab.serve import cli as serve_cli
 
     serve_cli.add_arguments(parser)  # the trace and SLO flags of `pdkv bench serve`
     g = parser.add_argument_group("plan")
@@ -426,7 +426,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _capacity(args: argparse.Namespace, load: Workload, model_dir: Optional[Path]) -> Capacity:
-    from . import plan_measure
+    from pdkv.lab.plan import measure as plan_measure
 
     if args.capacity:
         try:
@@ -480,7 +480,7 @@ def _split_row(s: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     """Everything ``pdkv plan`` prints, as one JSON-serialisable dict."""
-    from . import serve_cli
+    from pdkv.lab.serve import cli as serve_cli
 
     try:
         slo_b = serve_cli.slo_from_args(args)
@@ -494,7 +494,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     if not (args.capacity or args.from_results) or args.sweep:
         import os
 
-        from .serve_modes import resolve_model
+        from pdkv.lab.serve.modes import resolve_model
 
         cache = Path(os.environ.get("PDKV_CACHE_DIR", Path.home() / ".cache" / "pdkv")) / "models"
         model_dir = resolve_model(args.serve_model, cache)
@@ -506,7 +506,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
                            "slo": asdict(slo), "capacity": cap.to_dict(), "recommendation": rec, "budget": budget}
     print(format_report(rec, budget, cap), flush=True)
     if args.sweep:
-        from . import plan_sweep
+        from pdkv.lab.plan import sweep as plan_sweep
 
         assert model_dir is not None
         out["sweep"] = plan_sweep.sweep(args, model_dir, trace, rate, cap, load, slo, slo_b)
@@ -537,7 +537,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     if args.list_presets:
-        from .serve_cli import run_from_args
+        from pdkv.lab.serve.cli import run_from_args
 
         return run_from_args(args, argv)
     if args.url:

@@ -1,5 +1,5 @@
 """``pdkv plan --sweep 1:1,1:2,2:1``: run the disaggregated deployment at each split on
-the same trace and compare what was measured with what :mod:`pdkv.bench.plan` predicted.
+the same trace and compare what was measured with what :mod:`pdkv.lab.plan.model` predicted.
 
 Each split is a :class:`pdkv.serving.launch.Deployment` (a disagg proxy, ``P`` prefill
 and ``D`` decode worker processes on 127.0.0.1, pinned to cores where there are
@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from pdkv.errors import InvalidArgument
 
-from .plan import Capacity, Slo, Workload, predict
+from pdkv.lab.plan.model import Capacity, Slo, Workload, predict
 
 __all__ = ["format_sweep", "parse_splits", "pick_measured", "pick_predicted", "sweep"]
 
@@ -53,8 +53,8 @@ def parse_splits(spec: str) -> list[tuple[int, int]]:
 async def _run_split(url: str, trace: Any, rate: float, args: argparse.Namespace, label: str) -> Any:
     import aiohttp
 
-    from . import serve_cli
-    from .serve_client import fetch_model, wait_until_ready
+    from pdkv.lab.serve import cli as serve_cli
+    from pdkv.lab.serve.client import fetch_model, wait_until_ready
 
     await wait_until_ready(url, timeout_s=120)
     async with aiohttp.ClientSession() as session:

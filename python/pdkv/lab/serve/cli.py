@@ -6,8 +6,8 @@ Example (every flag is optional except ``--url``)::
         --duration 60 --out bench/results/serve-x
 
 For each rate it generates the preset's trace at that rate (same seed, so the same
-requests, only closer together: see :mod:`pdkv.bench.serve_trace`), replays it with
-:func:`~pdkv.bench.serve_client.run_trace`, waits for every answer, and then writes
+requests, only closer together: see :mod:`pdkv.lab.serve.trace`), replays it with
+:func:`~pdkv.lab.serve.client.run_trace`, waits for every answer, and then writes
 ``results.json``, ``report.md``, ``itl_cdf.png``, ``rate_sweep.png`` and the traces it
 used (``traces/rate-<r>.jsonl``) into ``--out``, and prints the table and the
 recommendation.
@@ -41,10 +41,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .serve_client import ServerUnavailable, fetch_model, normalize_base_url, run_trace, wait_until_ready
-from .serve_metrics import SLO, BenchResults, RunResult
-from .serve_report import markdown_table, recommend, sanity_notes, write_report
-from .serve_trace import (
+from pdkv.lab.serve.client import ServerUnavailable, fetch_model, normalize_base_url, run_trace, wait_until_ready
+from pdkv.lab.serve.metrics import SLO, BenchResults, RunResult
+from pdkv.lab.serve.report import markdown_table, recommend, sanity_notes, write_report
+from pdkv.lab.serve.trace import (
     PRESETS,
     Trace,
     TraceSpec,
@@ -90,9 +90,9 @@ async def warmup(
     prompt_len, output_len : int
         Their size in tokens.
     **client_kwargs
-        Passed to :func:`~pdkv.bench.serve_client.run_trace` (endpoint, prompt kind...).
+        Passed to :func:`~pdkv.lab.serve.client.run_trace` (endpoint, prompt kind...).
     """
-    from .serve_trace import TraceRequest
+    from pdkv.lab.serve.trace import TraceRequest
 
     for i in range(requests):
         await run_trace(url, [TraceRequest(i, 0.0, prompt_len, output_len)], model=model, **client_kwargs)
@@ -128,7 +128,7 @@ async def run_sweep(
     progress : bool
         Progress line on stderr.
     **client_kwargs
-        Passed to :func:`~pdkv.bench.serve_client.run_trace` (``model``,
+        Passed to :func:`~pdkv.lab.serve.client.run_trace` (``model``,
         ``concurrency``, ``endpoint``, ...).
 
     Returns
@@ -268,19 +268,19 @@ def _list_presets() -> str:
             f"{name:<15} {s.rate:<7g} {utilisation(s):<12.2f} {saturation_rate(s):<19.2f} "
             f"{s.prompt_len.spec()} / {s.output_len.spec()}"
         )
-    lines.append("(rho and saturation from pdkv.bench.serve_trace.CostModel: a ~40M model on one CPU core)")
+    lines.append("(rho and saturation from pdkv.lab.serve.trace.CostModel: a ~40M model on one CPU core)")
     return "\n".join(lines)
 
 
 def client_kwargs(args: argparse.Namespace, model: str) -> Dict[str, Any]:
-    """The :func:`~pdkv.bench.serve_client.run_trace` keyword arguments that ``args`` select.
+    """The :func:`~pdkv.lab.serve.client.run_trace` keyword arguments that ``args`` select.
 
     Parameters
     ----------
     args : argparse.Namespace
         Parsed by a parser that :func:`add_arguments` set up.
     model : str
-        Model name (resolved with :func:`~pdkv.bench.serve_client.fetch_model` if not given).
+        Model name (resolved with :func:`~pdkv.lab.serve.client.fetch_model` if not given).
     """
     return dict(
         model=model,
@@ -359,7 +359,7 @@ def emit_results(
     results : BenchResults
         Everything measured (its SLO is used).
     out : str or None
-        Report directory (:func:`~pdkv.bench.serve_report.write_report`), or ``None``
+        Report directory (:func:`~pdkv.lab.serve.report.write_report`), or ``None``
         to print only.
     traces : sequence of (float, Trace)
         Saved as ``traces/rate-<r>.jsonl`` under ``out`` so the run can be replayed.

@@ -1,9 +1,9 @@
 """Asyncio load generator: replays a trace against any OpenAI-compatible server.
 
-:func:`run_trace` sends every request of a :class:`~pdkv.bench.serve_trace.Trace` at
+:func:`run_trace` sends every request of a :class:`~pdkv.lab.serve.trace.Trace` at
 its arrival time to ``/v1/completions`` (or ``/v1/chat/completions``) with
 ``"stream": true``, timestamps every streamed chunk, and returns one
-:class:`~pdkv.bench.serve_metrics.RequestRecord` per request. It never raises for a
+:class:`~pdkv.lab.serve.metrics.RequestRecord` per request. It never raises for a
 failed request: HTTP errors, refused connections, timeouts, malformed or truncated
 streams and in-stream ``{"error": ...}`` objects are recorded in ``record.error`` and
 the run goes on.
@@ -27,7 +27,7 @@ a per-chunk ``usage.completion_tokens`` (``continuous_usage_stats``) grew. Each 
 is timestamped when its bytes arrive; it counts for the growth of
 ``usage.completion_tokens`` when the server reports per-chunk usage (the record's
 ``usage_per_chunk`` is then true and ITL is per token, see
-:mod:`~pdkv.bench.serve_metrics`), otherwise for one token (ITL is then per chunk: a
+:mod:`~pdkv.lab.serve.metrics`), otherwise for one token (ITL is then per chunk: a
 detokenizer that holds back incomplete text sends several tokens in one chunk). The request's total output tokens is the final ``usage.completion_tokens`` when
 reported, otherwise the sum over chunks. Chunks without output (the chat role chunk,
 a bare ``finish_reason``, the usage-only last chunk) are not token arrivals. A server
@@ -59,8 +59,8 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, TextIO
 
 import aiohttp
 
-from .serve_metrics import RequestRecord
-from .serve_trace import Prompt, Trace, TraceRequest
+from pdkv.lab.serve.metrics import RequestRecord
+from pdkv.lab.serve.trace import Prompt, Trace, TraceRequest
 
 __all__ = [
     "ClientConfig",

@@ -9,7 +9,7 @@ tcp (where compression applies) also when all workers share this host. Layer-wis
 streaming stays on (the prefill worker's default) in every mode.
 
 What compression changes: fewer bytes on the link, at the cost of CPU to encode and
-decode. As with streaming (:mod:`pdkv.bench.serve_stream`), the first token is sampled
+decode. As with streaming (:mod:`pdkv.lab.serve.stream`), the first token is sampled
 by the prefill worker, so TTFT does not wait for the KV; the **time to the second
 token** (t2t) and t2t - TTFT are where a shorter KV hop shows, and the ratios
 compressed / plain of those p50s are the figures. Outputs are compared token for
@@ -30,8 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from .serve_metrics import BenchResults
-from .serve_pair import compare_pair, rows_markdown
+from pdkv.lab.serve.metrics import BenchResults
+from pdkv.lab.serve.pair import compare_pair, rows_markdown
 
 __all__ = ["PLAIN", "COMPRESS_MODES", "mode_name", "parse_modes", "modes_for", "prefill_args", "comparing",
            "parse_kv_wire", "fetch_kv_wire", "wire_summary", "compare", "markdown", "emit"]

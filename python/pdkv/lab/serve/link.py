@@ -1,6 +1,6 @@
 """``pdkv bench serve --link RATE[,rtt=..]``: every serving process on its own lab host.
 
-One :mod:`pdkv.netlab` lab for the whole run: the proxy on h0, prefill workers on
+One :mod:`pdkv.lab.netlab.testbed` lab for the whole run: the proxy on h0, prefill workers on
 h1..hP, decode (or colocated) workers on the hosts after them, each behind the
 emulated link, so every KV byte between prefill and decode crosses it over tcp
 (lab hosts have distinct host ids: shm is never chosen between them). The benchmark
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from ..netlab import Lab
+from pdkv.lab.netlab.testbed import Lab
 
 
 def hosts_needed(num_prefill: int, num_decode: int, replicas: int) -> int:

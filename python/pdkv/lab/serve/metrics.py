@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 #: Version tag of the results JSON written by :meth:`BenchResults.to_dict`.
-SCHEMA = "pdkv.bench.serve/1"
+SCHEMA = "pdkv.lab.serve/1"
 
 
 def _opt_float(x: Any) -> Optional[float]:

@@ -5,7 +5,7 @@ proxy plus workers, :class:`pdkv.serving.launch.Deployment`), replays the same t
 at each request rate, stops the mode, and at the end writes one report comparing
 them (JSON, markdown table, ITL CDF and rate-sweep plots) with a recommendation.
 With ``--url`` it measures a server you started yourself (vLLM, SGLang, pdkv's proxy):
-see :mod:`pdkv.bench.serve_cli`.
+see :mod:`pdkv.lab.serve.cli`.
 
 Same hardware budget: with ``N`` = prefill + decode workers of the disaggregated
 modes (``--pd``, default 1:1), colocated and chunked run ``N`` single-core replicas
@@ -31,14 +31,14 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import serve_cli, serve_compress, serve_link, serve_stream
-from .serve_metrics import BenchResults, RunResult
+from pdkv.lab.serve import cli as serve_cli, compress as serve_compress, link as serve_link, stream as serve_stream
+from pdkv.lab.serve.metrics import BenchResults, RunResult
 
 MODES = ("colocated", "chunked", "disagg", "hybrid", "disagg-nostream", serve_compress.PLAIN,
          *(serve_compress.mode_name(m) for m in serve_compress.COMPRESS_MODES))
 DEFAULT_MODES = ("colocated", "chunked", "disagg", "hybrid")
 #: Layer-wise streaming (the prefill worker's default) against one write after prefill:
-#: disagg twice, the second with ``--no-stream-layers`` (see :mod:`pdkv.bench.serve_stream`).
+#: disagg twice, the second with ``--no-stream-layers`` (see :mod:`pdkv.lab.serve.stream`).
 COMPARE_STREAM = ("disagg", "disagg-nostream")
 
 #: Generated model presets: ``save_tiny_model`` keyword arguments. "tiny-40m" is the
@@ -127,7 +127,7 @@ async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
                    model_name: Optional[str], prefill_urls: Sequence[str] = ()) -> tuple[list[RunResult], str]:
     import aiohttp
 
-    from .serve_client import fetch_model, wait_until_ready
+    from pdkv.lab.serve.client import fetch_model, wait_until_ready
 
     await wait_until_ready(url, timeout_s=120)
     async with aiohttp.ClientSession() as session:
@@ -183,7 +183,7 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"error: --pd must look like 1:1, got {args.pd!r}", file=sys.stderr)
         return 2
     if args.link:
-        from pdkv.netlab import check_available, parse_link
+        from pdkv.lab.netlab.testbed import check_available, parse_link
 
         parse_link(args.link)  # a bad spec or no permission: say so before loading a model
         check_available()
@@ -205,7 +205,7 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with contextlib.ExitStack() as stack:
         lab = None
         if args.link:
-            from pdkv.netlab import Lab
+            from pdkv.lab.netlab.testbed import Lab
 
             lab = stack.enter_context(Lab(hosts=serve_link.hosts_needed(p, d, args.replicas or p + d), link=args.link))
             print(f"== link {lab.link} (rtt emulated: {lab.info['rtt_emulated']}): proxy on lab host h0, "

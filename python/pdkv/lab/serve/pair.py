@@ -1,6 +1,6 @@
 """Two serving modes replayed on one trace, compared rate by rate: the arithmetic that
-``pdkv bench serve --compare-stream`` (:mod:`pdkv.bench.serve_stream`) and
-``--compare-compress`` (:mod:`pdkv.bench.serve_compress`) share.
+``pdkv bench serve --compare-stream`` (:mod:`pdkv.lab.serve.stream`) and
+``--compare-compress`` (:mod:`pdkv.lab.serve.compress`) share.
 
 A *variant* mode is measured against a *baseline* mode of the same run: per rate, each
 mode's TTFT, time to the second token (t2t: the KV-ready time in pdkv's stack, where
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from .serve_metrics import BenchResults, RequestRecord, RunResult, Stats
+from pdkv.lab.serve.metrics import BenchResults, RequestRecord, RunResult, Stats
 
 __all__ = ["summary", "compare_pair", "rows_markdown", "ms", "x"]
 

@@ -2,7 +2,7 @@
 
 :func:`write_report` writes, into one directory:
 
-* ``results.json``: :class:`~pdkv.bench.serve_metrics.BenchResults` with every
+* ``results.json``: :class:`~pdkv.lab.serve.metrics.BenchResults` with every
   request's timeline, so any other SLO can be evaluated later;
 * ``report.md``: provenance, the SLO, :func:`markdown_table`, :func:`sanity_notes` and
   :func:`recommend`'s text;
@@ -16,7 +16,7 @@ How the recommendation is made
 ------------------------------
 A *candidate* is a serving mode with its P:D ratio when it has one. Candidates are
 compared on the rates every one of them ran. Each candidate's score is the fraction
-of those requests that met the SLO (:func:`~pdkv.bench.serve_metrics.meets_slo`): all
+of those requests that met the SLO (:func:`~pdkv.lab.serve.metrics.meets_slo`): all
 candidates replay the same trace, so this is their goodput on the same work. Ties
 break on the best per-rate goodput (requests/s), then on the lower p90 ITL.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .serve_metrics import SLO, BenchResults, RequestRecord, RunResult, RunSummary, meets_slo, summarize
+from pdkv.lab.serve.metrics import SLO, BenchResults, RequestRecord, RunResult, RunSummary, meets_slo, summarize
 
 __all__ = [
     "CandidateScore",

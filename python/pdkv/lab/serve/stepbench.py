@@ -8,7 +8,7 @@ for each batch size times decode steps at the same context length:
 * ``engine``: :meth:`Engine.step` over ``B`` decoding requests (paged pool,
   scattered blocks), which also includes scheduling and sampling.
 
-Run ``python -m pdkv.serving.stepbench --help``. Prints one line per batch size and a
+Run ``python -m pdkv.lab.serve.stepbench --help``. Prints one line per batch size and a
 JSON summary; timings are medians over the timed steps.
 """
 
@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from .attention import register_paged_attention
-from .engine import Engine, EngineConfig
-from .models import parse_dtype, pin_threads
-from .sampling import SamplingParams
+from pdkv.serving.attention import register_paged_attention
+from pdkv.serving.engine import Engine, EngineConfig
+from pdkv.serving.models import parse_dtype, pin_threads
+from pdkv.serving.sampling import SamplingParams
 
 __all__ = ["bench_config", "run"]
 
@@ -121,7 +121,7 @@ def run(batches: list[int], context: int, steps: int, dtype: str, threads: int, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m pdkv.serving.stepbench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pdkv.lab.serve.stepbench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--context", type=int, default=256, help="prompt tokens before the timed decode steps")
     ap.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size")

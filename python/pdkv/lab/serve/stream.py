@@ -29,8 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
-from .serve_metrics import BenchResults
-from .serve_pair import compare_pair, rows_markdown
+from pdkv.lab.serve.metrics import BenchResults
+from pdkv.lab.serve.pair import compare_pair, rows_markdown
 
 __all__ = ["STREAMED", "MONOLITHIC", "comparing", "compare", "markdown", "emit"]
 
@@ -50,7 +50,7 @@ def compare(results: BenchResults) -> Optional[Dict[str, Any]]:
     Returns
     -------
     dict
-        :func:`pdkv.bench.serve_pair.compare_pair` of streamed against monolithic, plus
+        :func:`pdkv.lab.serve.pair.compare_pair` of streamed against monolithic, plus
         ``"streamed": "disagg", "monolithic": "disagg-nostream"``: each rate holds both
         modes' summaries (``ttft_s``, ``t2t_s``, ``itl_s`` statistics in seconds,
         ``output_tok_s``), ``ratio`` (streamed / monolithic of the p50s and of
@@ -100,9 +100,9 @@ def emit(comparison: Mapping[str, Any], *, out: Optional[str]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m pdkv.bench.serve_stream DIR``: the comparison again from DIR/results.json
+    """``python -m pdkv.lab.serve.stream DIR``: the comparison again from DIR/results.json
     (rewrites DIR/stream_comparison.json and the section of DIR/report.md; prints it)."""
-    ap = argparse.ArgumentParser(prog="python -m pdkv.bench.serve_stream", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m pdkv.lab.serve.stream", description=main.__doc__)
     ap.add_argument("dir", type=Path, help="a `pdkv bench serve --compare-stream --out` directory")
     args = ap.parse_args(argv)
     results = BenchResults.load(args.dir / "results.json")

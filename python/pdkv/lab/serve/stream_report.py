@@ -1,6 +1,6 @@
-"""Tables and a plot from :mod:`pdkv.serving.streambench` reports (issue 15's measurements).
+"""Tables and a plot from :mod:`pdkv.lab.serve.streambench` reports (issue 15's measurements).
 
-``python -m pdkv.bench.stream_report DIR [--plot FILE.png]`` reads every ``*.json``
+``python -m pdkv.lab.serve.stream_report DIR [--plot FILE.png]`` reads every ``*.json``
 report in DIR (``bench/stream_sweep.sh`` writes them) and prints a markdown table: per
 model, prompt length and link, the prefill time, when the decode side holds the KV
 (streamed vs one write after prefill), the transfer left exposed after prefill, the
@@ -110,7 +110,7 @@ def plot(reports: list[dict[str, Any]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdkv.bench.stream_report", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pdkv.lab.serve.stream_report", description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--plot", type=Path, default=None, help="also draw the exposed transfer times into this PNG")
     args = ap.parse_args(argv)

@@ -1,11 +1,11 @@
 """Layer-wise KV streaming against one write after prefill, measured in one run.
 
-``python -m pdkv.serving.streambench [--preset tiny|smollm2|...] [--prompt-len 1024]
+``python -m pdkv.lab.serve.streambench [--preset tiny|smollm2|...] [--prompt-len 1024]
 [--transport tcp] [--link 1gbit]``
 
 A prefill engine and two agents (prefill, decode) in this process, over ``tcp`` or
 ``shm`` on loopback, or (``--link RATE``, root) over tcp between two hosts of a
-:mod:`pdkv.netlab` test bed: the prefill agent lives in host h0's network namespace,
+:mod:`pdkv.lab.netlab.testbed` test bed: the prefill agent lives in host h0's network namespace,
 the decode agent in h1's, so every byte crosses the shaped link. For each trial and each path (alternating, so both see the same
 machine load) it prefills one prompt prefill-only and ships its KV into the decode
 agent's blocks:
@@ -40,11 +40,11 @@ import torch
 
 import pdkv
 
-from .engine import Engine, EngineConfig
-from .kv_pool import PagedKVPool
-from .models import load_model
-from .sampling import SamplingParams
-from .tiny import save_tiny_model
+from pdkv.serving.engine import Engine, EngineConfig
+from pdkv.serving.kv_pool import PagedKVPool
+from pdkv.serving.models import load_model
+from pdkv.serving.sampling import SamplingParams
+from pdkv.serving.tiny import save_tiny_model
 
 #: Model presets: ``save_tiny_model`` keyword arguments ("tiny" is the tests' model);
 #: ``smollm2`` is the demo model (SmolLM2-135M-Instruct, converted from the wheel's GGUF).
@@ -92,7 +92,7 @@ class _Bench:
     def __init__(self, preset: str, prompt_len: int, transport: str, block_tokens: int, lab: Any = None) -> None:
         self.dir = tempfile.TemporaryDirectory(prefix="pdkv-streambench-")
         if preset == "smollm2":
-            from .models import default_model_dir
+            from pdkv.serving.models import default_model_dir
 
             d = default_model_dir()
         else:
@@ -177,7 +177,7 @@ def run(preset: str, prompt_len: int, transport: str, trials: int, block_tokens:
     the two agents on two hosts of a netlab test bed behind that link (tcp only)."""
     if link is None:
         return _run(preset, prompt_len, transport, trials, block_tokens, None)
-    from .. import netlab
+    from pdkv.lab.netlab import testbed as netlab
 
     if transport != "tcp":
         raise pdkv.InvalidArgument(f"--link runs over tcp between two lab hosts; --transport {transport} cannot")
@@ -217,7 +217,7 @@ def _run(preset: str, prompt_len: int, transport: str, trials: int, block_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdkv.serving.streambench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pdkv.lab.serve.streambench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--transport", choices=["tcp", "shm"], default="tcp")

@@ -46,7 +46,7 @@ preset            lengths (prompt / output, tokens)      rate     rho    saturat
 ``chat-bursty``   as ``chat-short``, gamma CV 3          1.0/s    0.45   2.24/s
 ================  =====================================  =======  =====  ===========
 
-(``rho`` and ``saturation`` are for one core; ``tests/bench`` checks this table
+(``rho`` and ``saturation`` are for one core; ``tests/lab`` checks this table
 against :func:`utilisation` and :func:`saturation_rate`.)
 
 The decode term assumes full batches of 8; at lower concurrency a step serves fewer

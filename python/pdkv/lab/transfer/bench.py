@@ -17,7 +17,7 @@ Received bytes are verified by reading them back.
 
 ``--hetero SPEC`` (e.g. ``tp2:tp4``, ``bs16:bs32``, ``nhd:hnd``) measures a
 heterogeneous prefill -> decode transfer beside the homogeneous one of the same
-bytes instead: see pdkv.bench.hetero.
+bytes instead: see pdkv.lab.transfer.hetero.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import Agent, KVLayout, TcpOptions, _native, plan_blocks
-from ..errors import InvalidArgument, PdkvError
-from . import compress, hetero, models
+from pdkv import Agent, KVLayout, TcpOptions, _native, plan_blocks
+from pdkv.errors import InvalidArgument, PdkvError
+from pdkv.lab.transfer import compress, hetero, models
 
 SECRET_ENV = "PDKV_BENCH_SECRET"
 
@@ -96,7 +96,7 @@ def _pool(agent: Agent, geo, seed: int | None, memory: str = "host") -> tuple[ob
 
 @functools.cache
 def _device_memory():
-    from .devmem import DeviceMemory
+    from pdkv.lab.transfer.devmem import DeviceMemory
 
     return DeviceMemory()
 
@@ -114,7 +114,7 @@ def serve(args: argparse.Namespace) -> None:
     bench = _native.module().bench
     geo = hetero.target_geometry(args) if args.hetero else models.geometry(args.model, args.blocks)
     # The target offers every transport available here; the initiator picks one.
-    from .. import available_transports
+    from pdkv import available_transports
 
     agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
                   tcp=tcp_options(args),
@@ -170,7 +170,7 @@ def start_target(args: argparse.Namespace, blocks: int) -> Target:
 
 
 def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
-    cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--child", "--model", args.model,
+    cmd = [sys.executable, "-m", "pdkv.lab.transfer.bench", "--serve", "--child", "--model", args.model,
            "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
            "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
            "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else []) + \
@@ -416,7 +416,7 @@ def print_tls(results: list[dict]) -> None:
 
 
 def run_hetero(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
-    """``--hetero SPEC``: pdkv.bench.hetero's run, written to ``--out`` like the others."""
+    """``--hetero SPEC``: pdkv.lab.transfer.hetero's run, written to ``--out`` like the others."""
     if args.pin and len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     results = hetero.run(args, payloads, spawn_target, Target)
@@ -433,9 +433,9 @@ def write_out(args: argparse.Namespace, results: list[dict]) -> None:
 
 
 def run_peers(args, r: dict) -> dict:
-    """The same workload through NIXL and/or Mooncake (pdkv.bench.peers)."""
+    """The same workload through NIXL and/or Mooncake (pdkv.lab.transfer.peers)."""
     try:
-        from . import peers
+        from pdkv.lab.transfer import peers
     except ImportError as e:  # pragma: no cover
         return {"error": f"peer benchmarks unavailable: {e}"}
     out = {}
@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     args.argv = argv
-    from .. import available_transports
+    from pdkv import available_transports
 
     avail = [t for t in available_transports() if t != "cuda_ipc"]
     if args.transport not in avail:
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         except (InvalidArgument, KeyError) as e:
             ap.error(str(e).strip("'\""))
     if args.link:
-        from ..netlab_bench import transfer_behind_link
+        from pdkv.lab.transfer.link import transfer_behind_link
 
         return transfer_behind_link(args, argv)
     if args.serve:

@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
-from .. import Agent, InvalidArgument, KVLayout, TcpCompression, TcpOptions, plan_blocks
-from . import models
+from pdkv import Agent, InvalidArgument, KVLayout, TcpCompression, TcpOptions, plan_blocks
+from pdkv.lab.transfer import models
 
 # Written for this benchmark (a few hundred tokens of ordinary prose and code).
 PROMPTS = [
@@ -65,7 +65,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def compression(args: argparse.Namespace, geo) -> TcpCompression:
-    from .transfer import parse_size
+    from pdkv.lab.transfer.bench import parse_size
 
     return TcpCompression(mode=args.compress, codec=args.compress_codec, threads=args.compress_threads,
                           chunk_bytes=parse_size(args.compress_chunk), policy=args.compress_policy,
@@ -79,7 +79,7 @@ def smollm2_kv() -> np.ndarray | None:
     try:
         import torch
 
-        from ..serving.models import default_model_dir, load_model, load_tokenizer
+        from pdkv.serving.models import default_model_dir, load_model, load_tokenizer
     except ImportError:
         return None
     try:
@@ -128,7 +128,7 @@ def timed(prep, iters: int) -> tuple[float, float, object]:
 
 
 def run(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
-    from .transfer import SECRET_ENV, pool_blocks, start_target, write_out
+    from pdkv.lab.transfer.bench import SECRET_ENV, pool_blocks, start_target, write_out
 
     if args.memory != "host" or args.transport != "tcp":
         raise InvalidArgument("--compress measures tcp transfers of host memory (drop --memory/--transport)")
@@ -216,8 +216,8 @@ def codec_per_core(args, pool: np.ndarray, geo) -> dict:
     """Encode and decode GB/s of the codec this run compares, on one chunk of the pool
     being sent, per core (thread CPU time) and per wall second (what a thread got of
     the shared machine in this run)."""
-    from ..codec import Codec, kernels
-    from .transfer import parse_size
+    from pdkv.codec import Codec, kernels
+    from pdkv.lab.transfer.bench import parse_size
 
     kind = "fp8" if args.compress == "fp8" or args.compress_policy == "lossy-allowed" else args.compress_codec
     opts = {"heads": geo.kv_heads, "head_dim": geo.head_dim, "rows_per_group": geo.block_tokens} if kind == "fp8" else {}
@@ -234,7 +234,7 @@ def codec_per_core(args, pool: np.ndarray, geo) -> dict:
 def verify_read(zipped: Agent, plain: Agent, lids) -> bool:
     """The compressed agent's read blocks equal the plain agent's, bit for bit (both read
     the same remote blocks; the plain read is exact)."""
-    from .transfer import _view
+    from pdkv.lab.transfer.bench import _view
 
     pairs = plan_blocks(zipped.layout("kv").unbound(), lids, plain.layout("kv").unbound(), lids)
     return all(np.array_equal(_view(lo, ln), _view(ro, ln)) for _, lo, _, ro, ln in pairs)
@@ -249,7 +249,7 @@ def verify(agent: Agent, peer: str, lids, rids, geo) -> bool:
         back = agent.prepare("read", peer, "verify", np.arange(n, dtype=np.uint32), "kv", rids)
         x = back.post(timeout=300)
         x.wait(300)
-        from .transfer import _view
+        from pdkv.lab.transfer.bench import _view
 
         pairs = plan_blocks(agent.layout("kv").unbound(), lids, agent.layout("verify").unbound(),
                             np.arange(n, dtype=np.uint32))

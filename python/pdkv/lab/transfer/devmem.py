@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from ..errors import NotSupported
+from pdkv.errors import NotSupported
 
 
 class CudaError(RuntimeError):

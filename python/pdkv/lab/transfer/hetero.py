@@ -40,11 +40,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import Agent, KVLayout
-from ..errors import InvalidArgument
-from ..layout import KVGeometry
-from ..tp import TPMapping, TPTransfer
-from . import models
+from pdkv import Agent, KVLayout
+from pdkv.errors import InvalidArgument
+from pdkv.layout import KVGeometry
+from pdkv.tp import TPMapping, TPTransfer
+from pdkv.lab.transfer import models
 
 DECODE_RANK = 0  # the decode rank whose inbound traffic is measured
 _ORDERS = ("NHD", "HND")
@@ -502,7 +502,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> list[dict]:
     """The --hetero run: spawn (or reach) the target, then one case per payload."""
-    from .transfer import tcp_options, SECRET_ENV
+    from pdkv.lab.transfer.bench import tcp_options, SECRET_ENV
 
     check_arguments(args)
     plan = Plan(parse_spec(args.hetero, args.model), args.model)
@@ -581,7 +581,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hetero", default="",
                     help="measure a heterogeneous transfer beside the homogeneous one of the same bytes: "
                          "comma-separated prefill:decode pairs tpA:tpB, bsA:bsB, nhd:hnd, hnd:nhd "
-                         "(e.g. tp2:tp4,nhd:hnd); see pdkv.bench.hetero")
+                         "(e.g. tp2:tp4,nhd:hnd); see pdkv.lab.transfer.hetero")
     ap.add_argument("--hetero-mode", choices=("push", "pull"), default="push",
                     help="with --hetero: prefill ranks write into decode rank 0 (push, default), or decode rank 0 "
                          "reads from them (pull)")

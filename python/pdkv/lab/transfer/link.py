@@ -1,7 +1,7 @@
 """``pdkv bench transfer --link RATE[,rtt=..]``: the benchmark across two lab hosts.
 
 The target (``--serve``) runs on lab host h1 and the initiator (the same command
-with ``--target h1:7500``) on h0, behind the emulated link (:mod:`pdkv.netlab`), so
+with ``--target h1:7500``) on h0, behind the emulated link (:mod:`pdkv.lab.netlab.testbed`), so
 pdkv and the raw-socket ceilings measured in the same run cross the same link. The
 lab exists for the run only. Results carry a ``link`` entry (``--json``, ``--out``).
 """
@@ -16,8 +16,8 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
-from .errors import InvalidArgument, PdkvError
-from .netlab import Lab, parse_link
+from pdkv.errors import InvalidArgument, PdkvError
+from pdkv.lab.netlab.testbed import Lab, parse_link
 
 TARGET_PORT = 7500  # inside the target's own namespace, so never taken
 # A lab host's one network device. UCX (nixl) must use it: with "all" it also offers lo,
@@ -39,11 +39,11 @@ def _without_link(argv: Sequence[str]) -> list[str]:
 
 def _blocks_needed(args: argparse.Namespace) -> int:
     """The target pool size the initiator's ``run`` will ask for (its largest payload)."""
-    from .bench.transfer import parse_size, pool_blocks
+    from pdkv.lab.transfer.bench import parse_size, pool_blocks
 
     payloads = [parse_size(p) for p in args.payload.split(",")]
     if args.hetero:  # decode rank 0's pool, sized as the --hetero run asks for it
-        from .bench import hetero
+        from pdkv.lab.transfer import hetero
 
         return hetero.target_blocks(args, payloads)
     return pool_blocks(args.model, payloads)
@@ -80,13 +80,13 @@ def _pin(cpu_index: int, enabled: bool):
 
 
 def _start_target(lab: Lab, args: argparse.Namespace) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--listen", f"{lab.address('h1')}:{TARGET_PORT}",
+    cmd = [sys.executable, "-m", "pdkv.lab.transfer.bench", "--serve", "--listen", f"{lab.address('h1')}:{TARGET_PORT}",
            "--host", lab.address("h1"), "--transport", args.transport,
            "--model", args.model, "--blocks", str(_blocks_needed(args)), "--rcvlowat", str(args.rcvlowat),
            "--batch-bytes", str(args.batch_bytes), "--conns", str(args.conns), "--threads", str(args.threads),
            "--memory", args.memory]
     if args.hetero:
-        from .bench import hetero
+        from pdkv.lab.transfer import hetero
 
         cmd += hetero.target_flags(args)
     proc = lab.popen("h1", cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -109,7 +109,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _run_initiator(lab: Lab, args: argparse.Namespace, argv: Sequence[str], link_info: dict[str, Any]) -> int:
-    cmd = [sys.executable, "-m", "pdkv.bench.transfer", *_without_link(argv),
+    cmd = [sys.executable, "-m", "pdkv.lab.transfer.bench", *_without_link(argv),
            "--target", f"{lab.address('h1')}:{TARGET_PORT}", "--host", lab.address("h0")]
     rtt = f"rtt {link_info['rtt_s'] * 1e3:g} ms" + (f" ({link_info['delay']})" if link_info.get("delay") else "")
     print(f"link: {link_info['spec']} between lab hosts h0 {link_info['initiator']} (initiator) and h1 "

@@ -6,7 +6,7 @@ tensor-parallel split, head dim, dtype and the engine's usual page size.
 
 from __future__ import annotations
 
-from ..layout import KVGeometry
+from pdkv.layout import KVGeometry
 
 # name: (layers, kv_heads per rank, head_dim, dtype, block_tokens, kv_parts, note)
 PRESETS: dict[str, tuple[int, int, int, str, int, int, str]] = {

@@ -8,14 +8,14 @@ target's pool at seeded random destinations (so nothing coalesces), ``iters`` ti
 module only sets it up, times it and checks the bytes.
 
 Every run uses three processes: the caller (which imports neither library), a *target*
-and an *initiator*, both ``python -m pdkv.bench.peers`` children that talk to the caller
+and an *initiator*, both ``python -m pdkv.lab.transfer.peers`` children that talk to the caller
 over a private socket pair (JSON lines). Both children die with the caller
 (``PR_SET_PDEATHSIG``), every wait has a deadline, and on any failure both children are
 killed before the error is raised, so no process outlives a call.
 
 Example
 -------
->>> from pdkv.bench.peers import Workload, available_peers, run_nixl
+>>> from pdkv.lab.transfer.peers import Workload, available_peers, run_nixl
 >>> w = Workload(block_bytes=32768, num_blocks=2048, iters=5, seed=0, lat_iters=200)
 >>> if "nixl" in available_peers():
 ...     r = run_nixl(w)
@@ -438,7 +438,7 @@ class _Channel:
 
 
 class _Child:
-    """One ``python -m pdkv.bench.peers`` child process with its control channel and log."""
+    """One ``python -m pdkv.lab.transfer.peers`` child process with its control channel and log."""
 
     def __init__(self, role: str, env: dict[str, str]) -> None:
         self.role = role
@@ -454,7 +454,7 @@ class _Child:
                 [
                     sys.executable,
                     "-m",
-                    "pdkv.bench.peers",
+                    "pdkv.lab.transfer.peers",
                     "--role",
                     role,
                     "--ctl-fd",
@@ -584,7 +584,7 @@ def _run_pair(
 
 
 # ---------------------------------------------------------------------------------------
-# Child side (runs in `python -m pdkv.bench.peers`): the only code that imports the peers
+# Child side (runs in `python -m pdkv.lab.transfer.peers`): the only code that imports the peers
 # ---------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Engine-allocated pools over shm (issue 14): ``python -m pdkv.bench.shm_engine``.
+"""Engine-allocated pools over shm (issue 14): ``python -m pdkv.lab.transfer.shm_engine``.
 
 A target process exports three pools of the same size: one from ``Agent.alloc``, one
 the engine allocated itself (numpy) with its whole pages shared at registration (the
@@ -68,7 +68,7 @@ def _layer_bytes(seed: int, n: int) -> np.ndarray:
 
 def _register_caches(agent: pdkv.Agent, caches) -> list:
     """As the connector's register_kv_caches: each storage once, one exact layout."""
-    from ..integrations.vllm_layout import describe_kv_caches
+    from pdkv.integrations.vllm_layout import describe_kv_caches
 
     regions = [agent.register_address(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
                for t in caches.values()]
@@ -128,7 +128,7 @@ def _polled(start) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     nbytes = args.pool_mib * MIB
-    cmd = [sys.executable, "-m", "pdkv.bench.shm_engine", "--serve", "--pool-mib", str(args.pool_mib)]
+    cmd = [sys.executable, "-m", "pdkv.lab.transfer.shm_engine", "--serve", "--pool-mib", str(args.pool_mib)]
     if args.vllm:
         cmd.append("--vllm")
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -209,7 +209,7 @@ def _measure(args: argparse.Namespace, info: dict, nbytes: int) -> dict:
 # The connector's pull against pdkv bench transfer's measurement of the same bytes
 # (issue 14's target: <= 1.3x), both as they run: bench transfer posts a prepared
 # transfer on an agent with pdkv's default options and waits for it
-# (pdkv.bench.transfer.latency_us); the connector posts an unprepared read with
+# (pdkv.lab.transfer.bench.latency_us); the connector posts an unprepared read with
 # prefill's generations and the release notification on its agent (defaults but
 # notify_on_send) and polls `done` (_Worker._read + _poll_recving).
 BENCH_TRANSFER = "bench transfer: prepared post, default ShmOptions, waited"

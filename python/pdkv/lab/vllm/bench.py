@@ -2,13 +2,13 @@
 
 ::
 
-    python -m pdkv.integrations.vllm_bench --out bench/results/vllm
+    python -m pdkv.lab.vllm.bench --out bench/results/vllm
 
 For each connector it starts the same deployment on this host (prefill vLLM pinned
 to core 0, decode vLLM to core 1, :mod:`~pdkv.integrations.vllm_proxy` in front),
 warms it up, replays one trace through the proxy with ``pdkv bench serve --url``
 (same requests, same arrival times for every connector), and stops it. Both
-connectors run wrapped by :mod:`~pdkv.integrations.vllm_timing`, which times every
+connectors run wrapped by :mod:`~pdkv.lab.vllm.timing`, which times every
 pull the same way on the decode side (from the step that hands the request to the
 connector to the step that reports its KV received).
 
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .vllm_deploy import ProxyProcess, VllmInstance, nixl_kv_config, pdkv_kv_config
+from pdkv.integrations.vllm_deploy import ProxyProcess, VllmInstance, nixl_kv_config, pdkv_kv_config
 
 __all__ = ["main"]
 
@@ -87,12 +87,12 @@ def _kv_config(name: str, role: str, timing: Path, stats: Path) -> dict[str, Any
         extra_n: dict[str, Any] = {"timing_path": str(timing)}
         if name == "nixl-1t":
             extra_n["num_threads"] = 1  # one UCX worker thread instead of vLLM's default 4
-        return nixl_kv_config(role, connector="TimedNixlConnector", module="pdkv.integrations.vllm_timing",
+        return nixl_kv_config(role, connector="TimedNixlConnector", module="pdkv.lab.vllm.timing",
                               **extra_n)
     extra: dict[str, Any] = {"timing_path": str(timing), "stats_path": str(stats)}
     if name == "pdkv-tcp":
         extra["transports"] = ["tcp"]
-    return pdkv_kv_config(role, connector="TimedPdkvConnector", module="pdkv.integrations.vllm_timing", **extra)
+    return pdkv_kv_config(role, connector="TimedPdkvConnector", module="pdkv.lab.vllm.timing", **extra)
 
 
 def _rows(path: Path, skip: int = 0) -> list[dict[str, Any]]:
@@ -191,7 +191,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m pdkv.integrations.vllm_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pdkv.lab.vllm.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/vllm")
     ap.add_argument("--connectors", default=",".join(CONNECTORS), help=f"comma-separated, from {CONNECTORS}")
     ap.add_argument("--model", help="model directory (default: build the tiny Llama 'bench' preset)")
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         model = Path(a.model) if a.model else None
         if model is None:
-            from .tiny_llama import make_model
+            from pdkv.integrations.tiny_llama import make_model
 
             model = make_model(work / "model", seed=0, preset="bench")
         cfg = json.loads((model / "config.json").read_text())
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg.get("head_dim", 0) * 4
     summary = {
         "schema": "pdkv.vllm_bench/1",
-        "command": shlex.join([sys.executable, "-m", "pdkv.integrations.vllm_bench", *(argv or sys.argv[1:])]),
+        "command": shlex.join([sys.executable, "-m", "pdkv.lab.vllm.bench", *(argv or sys.argv[1:])]),
         "started_at": _dt.datetime.fromtimestamp(t0).isoformat(timespec="seconds"),
         "duration_s": time.time() - t0,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},

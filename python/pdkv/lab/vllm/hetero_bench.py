@@ -10,7 +10,7 @@ generations, release notification: the connector's whole path), released, and it
 blocks reused by the next request. Every pull is one ``stats_path`` JSON line; the
 table gives the median ``transfer_s`` per case and its ratio to the equal-size case.
 
-    python -m pdkv.integrations.vllm_hetero_bench --transport shm --requests 20
+    python -m pdkv.lab.vllm.hetero_bench --transport shm --requests 20
 
 Needs vLLM importable (``.venv-vllm``), like the connector.
 """

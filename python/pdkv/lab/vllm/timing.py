@@ -18,7 +18,7 @@ decode side they also append one JSON line per request to
     Whether the connector reported the pull as failed.
 
 Select with ``"kv_connector": "TimedNixlConnector"`` (or ``TimedPdkvConnector``) and
-``"kv_connector_module_path": "pdkv.integrations.vllm_timing"``.
+``"kv_connector_module_path": "pdkv.lab.vllm.timing"``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
-from .vllm import PdkvConnector
+from pdkv.integrations.vllm import PdkvConnector
 
 __all__ = ["TimedNixlConnector", "TimedPdkvConnector"]
 

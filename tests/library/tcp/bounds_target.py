@@ -1,4 +1,4 @@
-"""A target agent in its own process, for the memory-bound tests (tests/test_bounds.py):
+"""A target agent in its own process, for the memory-bound tests (tests/library/tcp/test_bounds.py):
 its RSS is read from /proc/<pid>/status by the test, undisturbed by the test's own
 allocations.
 
