@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 import pdkv
-from pdkv import _native
+from pdkv.lab import _native
 from pdkv.lab.transfer.bench import human, parse_size
 
 SECRET = "tcp-small-extents"

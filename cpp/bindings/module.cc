@@ -13,8 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "bench.h"
-#include "netlab_delay.h"
 #include "py_common.h"
 #include "py_async.h"
 #include "py_auth.h"
@@ -601,11 +599,6 @@ PYBIND11_MODULE(_pdkv, m) {
   bind_stream(m);  // after Agent: its signatures name the class
   bind_codec(m);
   bind_auth(m);
-
-  // Benchmark helpers: raw-socket and memcpy ceilings measured with the same code
-  // path quality as the transport (C++, no Python in the loop).
-  py::module_ bench = m.def_submodule("bench", "ceilings for `pdkv bench transfer`");
-  bench::bind(bench);
-  py::module_ lab = m.def_submodule("netlab", "the delay line of `pdkv netlab` (kernels without sch_netem)");
-  netlab::bind(lab);
+  // The lab's helpers (benchmark ceilings, netlab's delay line) are a module of their
+  // own: cpp/lab/module.cc (pdkv.lab._pdkv_lab).
 }

@@ -53,7 +53,7 @@ class DelayLine {
   uint64_t limit_;
 };
 
-// Binds DelayLine into `m` (the `_pdkv.netlab` submodule).
+// Binds DelayLine into `m` (the `pdkv.lab._pdkv_lab.netlab` submodule).
 void bind(pybind11::module_& m);
 
 }  // namespace netlab

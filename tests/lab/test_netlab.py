@@ -381,7 +381,7 @@ def test_rate_holds_behind_the_delay():
 
 @pytestmark_netns
 def test_delay_line_names_a_missing_interface():
-    from pdkv._native import module
+    from pdkv.lab._native import module
 
     with lab_up(1) as lab:
         def make():

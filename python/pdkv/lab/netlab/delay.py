@@ -8,7 +8,7 @@ For each host link (the switch's end of the host's veth pair, out of the bridge)
 creates a TAP device ``d-<link>``, prints one JSON line ``{"taps": [...]}`` once they
 exist (the lab then plugs them into the bridge), and forwards frames between each veth
 and its TAP after the one-way delay, in native threads (no Python per frame), until
-SIGTERM or SIGINT. The frame forwarding is cpp/bindings/netlab_delay.cc.
+SIGTERM or SIGINT. The frame forwarding is cpp/lab/netlab_delay.cc.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import os
 import signal
 import sys
 
+from pdkv.lab._native import module
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdkv.lab.netlab.delay", description=__doc__.split("\n\n")[0])
@@ -26,8 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-way-delay-us", type=float, required=True)
     ap.add_argument("--queue-limit-bytes", type=int, default=8 << 20)
     args = ap.parse_args(argv)
-    from pdkv._native import module
-
     try:
         line = module().netlab.DelayLine([x for x in args.links.split(",") if x], args.one_way_delay_us / 1e6,
                                       args.queue_limit_bytes)

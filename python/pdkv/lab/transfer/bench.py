@@ -35,8 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdkv import Agent, KVLayout, TcpOptions, _native, plan_blocks
+from pdkv import Agent, KVLayout, TcpOptions, plan_blocks
 from pdkv.errors import InvalidArgument, PdkvError
+from pdkv.lab import _native
 from pdkv.lab.transfer import compress, hetero, models
 
 SECRET_ENV = "PDKV_BENCH_SECRET"
