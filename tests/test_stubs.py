@@ -1,6 +1,6 @@
-"""The committed stubs of the native module (python/pdkv/_pdkv/*.pyi) are what
-pybind11-stubgen generates from the built extension now, and the package says it is
-typed (py.typed)."""
+"""The committed stubs of the native modules (python/pdkv/_pdkv.pyi, the library's, and
+python/pdkv/lab/_pdkv_lab/*.pyi, the lab's) are what pybind11-stubgen generates from the
+built extensions now, and the package says it is typed (py.typed)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,17 @@ def test_stubs_match_the_built_extension():
 
 
 def test_stubs_type_the_options_keywords():
-    with open(os.path.join(ROOT, "python", "pdkv", "_pdkv", "__init__.pyi")) as f:
+    with open(os.path.join(ROOT, "python", "pdkv", "_pdkv.pyi")) as f:
         text = f.read()
     assert "def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0," in text
     assert "def __init__(self, config: AgentConfig) -> None" in text
+
+
+def test_lab_helpers_are_not_in_the_library_module():
+    """The benchmark ceilings and the delay line are the lab's module, not the library's."""
+    with open(os.path.join(ROOT, "python", "pdkv", "_pdkv.pyi")) as f:
+        core = f.read()
+    assert "bench" not in core and "netlab" not in core
+    with open(os.path.join(ROOT, "python", "pdkv", "lab", "_pdkv_lab", "__init__.pyi")) as f:
+        lab = f.read()
+    assert "from . import bench" in lab and "from . import netlab" in lab

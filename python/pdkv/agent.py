@@ -60,7 +60,7 @@ def _native_states():
 # attributes named and documented once, in each transport's C++ header; keyword-only
 # constructors that validate at once (InvalidArgument naming the field). Looked up on
 # first use (module __getattr__ below), so `import pdkv` still loads no native code.
-if TYPE_CHECKING:  # the classes as the stubs (python/pdkv/_pdkv/__init__.pyi) describe them
+if TYPE_CHECKING:  # the classes as the stubs (python/pdkv/_pdkv.pyi) describe them
     from ._pdkv import ShmOptions, TcpCompression, TcpOptions
 
 _NATIVE_OPTIONS = ("TcpOptions", "ShmOptions", "TcpCompression")

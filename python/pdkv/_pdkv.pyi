@@ -5,9 +5,7 @@ from __future__ import annotations
 import collections.abc
 import typing
 import typing_extensions
-from . import bench
-from . import netlab
-__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'InitiatorHandshake', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TargetHandshake', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'netlab', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
+__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'InitiatorHandshake', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TargetHandshake', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
 class XferState:
     """
     Members:
