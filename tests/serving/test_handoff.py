@@ -22,6 +22,7 @@ from pdkv.serving.engine import Engine, EngineConfig  # noqa: E402
 from pdkv.serving.handoff import KVReceiver, KVSender  # noqa: E402
 from pdkv.serving.kv_pool import PagedKVPool  # noqa: E402
 from pdkv.serving.protocol import GenParams, KVFailed, KVReady, PrefillRequest, Reservation  # noqa: E402
+from pdkv.serving.sampling import SamplingParams  # noqa: E402
 from tinylm import MAX_NEW, shuffled, tiny_model  # noqa: E402
 
 SECRET = "handoff-test-secret"
@@ -53,7 +54,7 @@ class Pair:
     def prefill(self, rid: str, prompt: list[int], params: GenParams, res: Reservation):
         """Runs the prompt prefill-only; returns (handle, first token, PrefillRequest)."""
         events = []
-        h = self.pre.add_request(rid, prompt, params.to_sampling(), on_event=events.append, prefill_only=True)
+        h = self.pre.add_request(rid, prompt, SamplingParams.of(params), on_event=events.append, prefill_only=True)
         self.pre.run_until_idle()
         [ev] = events
         return h, ev.token_id, PrefillRequest(rid, tuple(prompt), params, res, 10.0)
@@ -90,7 +91,7 @@ async def streamed_prefill(pair: Pair, rid: str, prompt: list[int], res):
     streamer = await pair.sender.layer_streamer(req, loop.time() + 10)
     assert streamer is not None
     events: list = []
-    h = pair.pre.add_request(rid, prompt, _params().to_sampling(), on_event=events.append, prefill_only=True,
+    h = pair.pre.add_request(rid, prompt, SamplingParams.of(_params()), on_event=events.append, prefill_only=True,
                              layer_sink=streamer)
     steps = 0
     while not h.finished:
@@ -129,7 +130,7 @@ def test_pushed_kv_is_decoded_into_the_reference(pair) -> None:
             arrival = await pair.receiver.wait(t)
             assert arrival.ready == KVReady("r1", first, h.seed) and arrival.reason == "" and arrival.error == ""
             events: list = []
-            hd = pair.receiver.admit(t, arrival, prompt, _params().to_sampling(), events.append)
+            hd = pair.receiver.admit(t, arrival, prompt, SamplingParams.of(_params()), events.append)
             pair.receiver.finish(t)
             assert [first] + pair.decode(hd, events) == ref
             assert not hd.recomputed
@@ -157,7 +158,7 @@ def test_a_terminal_failure_recomputes_without_invalidating(pair) -> None:
         assert pair.receiver.invalidated == 0
         assert tuple(pair.dec_agent.generations("kv", t.blocks)) == gens  # no write could land: no bump
         events: list = []
-        hd = pair.receiver.admit(t, arrival, prompt, _params().to_sampling(), events.append)
+        hd = pair.receiver.admit(t, arrival, prompt, SamplingParams.of(_params()), events.append)
         pair.receiver.finish(t)
         assert [ref[0]] + pair.decode(hd, events) == ref  # the prefill side's first token, then recomputed
         assert hd.recomputed
@@ -177,7 +178,7 @@ def test_a_timeout_bumps_generations_so_a_late_write_cannot_land(pair) -> None:
         assert all(new != old for new, old in zip(pair.dec_agent.generations("kv", t.blocks),
                                                    t.reservation.generations))
         events: list = []
-        hd = pair.receiver.admit(t, arrival, prompt, _params().to_sampling(), events.append)
+        hd = pair.receiver.admit(t, arrival, prompt, SamplingParams.of(_params()), events.append)
         pair.receiver.finish(t)
         assert pair.decode(hd, events) == ref  # recomputed from scratch
         # The prefill side pushes late, into the old generations: refused before landing.

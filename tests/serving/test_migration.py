@@ -35,7 +35,7 @@ def test_index_offset_travels_and_is_checked() -> None:
             GenParams.from_json({**p.to_json(), "index_offset": bad})
     with pytest.raises(InvalidArgument, match="index_offset"):
         SamplingParams(index_offset=-1)
-    assert p.to_sampling().index_offset == 3
+    assert SamplingParams.of(p).index_offset == 3
 
 
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.8, 0.9)])

@@ -19,6 +19,7 @@ import pdkv  # noqa: E402
 from pdkv.serving.engine import Engine, EngineConfig  # noqa: E402
 from pdkv.serving.kv_pool import PagedKVPool  # noqa: E402
 from pdkv.serving.protocol import KVReady, PrefillRequest  # noqa: E402
+from pdkv.serving.sampling import SamplingParams  # noqa: E402
 from test_handoff import NUM_BLOCKS, PROMPT, SECRET, Pair, _params, streamed_prefill  # noqa: E402
 
 BLOCK_TOKENS = 4  # Pair's
@@ -114,7 +115,7 @@ def test_each_chunk_streams_its_blocks_and_the_notification_comes_last(chunk: in
             pair.sender.finish("c1", h, posted, streamer)
             assert pair.pre.num_free_blocks == NUM_BLOCKS
             events: list = []
-            hd = pair.receiver.admit(t, arrival, prompt, _params().to_sampling(), events.append)
+            hd = pair.receiver.admit(t, arrival, prompt, SamplingParams.of(_params()), events.append)
             pair.receiver.finish(t)
             assert [first] + pair.decode(hd, events) == ref and not hd.recomputed
             assert len(src) == len(t.blocks)
@@ -156,7 +157,7 @@ def test_a_restarted_prefill_falls_back_to_one_write() -> None:
             assert blocks_equal(pair, list(h.block_ids), list(t.blocks))
             pair.sender.finish("c2", h, posted, streamer)
             events: list = []
-            hd = pair.receiver.admit(t, arrival, prompt, _params().to_sampling(), events.append)
+            hd = pair.receiver.admit(t, arrival, prompt, SamplingParams.of(_params()), events.append)
             pair.receiver.finish(t)
             assert [first] + pair.decode(hd, events) == ref and not hd.recomputed
         finally:
@@ -201,7 +202,7 @@ def test_a_decode_peer_gone_mid_stream_fails_the_handoff_cleanly() -> None:
             streamer(layer, start, end, blocks)
 
         events: list = []
-        h = pair.pre.add_request("c3", prompt, _params().to_sampling(), on_event=events.append, prefill_only=True,
+        h = pair.pre.add_request("c3", prompt, SamplingParams.of(_params()), on_event=events.append, prefill_only=True,
                                  layer_sink=sink)
         pair.pre.run_until_idle()
         [ev] = events

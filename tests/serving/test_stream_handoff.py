@@ -13,6 +13,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from pdkv.serving.protocol import KVReady  # noqa: E402
+from pdkv.serving.sampling import SamplingParams  # noqa: E402
 from test_handoff import NUM_BLOCKS, PROMPT, Pair, _params, streamed_prefill  # noqa: E402
 
 
@@ -49,7 +50,7 @@ def test_streamed_kv_is_decoded_into_the_reference(pair) -> None:
             arrival = await pair.receiver.wait(t)
             assert arrival.ready == KVReady("s1", first, h.seed)
             events: list = []
-            hd = pair.receiver.admit(t, arrival, prompt, _params().to_sampling(), events.append)
+            hd = pair.receiver.admit(t, arrival, prompt, SamplingParams.of(_params()), events.append)
             pair.receiver.finish(t)
             assert [first] + pair.decode(hd, events) == ref and not hd.recomputed
         finally:

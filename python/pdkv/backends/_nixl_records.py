@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
 from ..errors import NotFound, PdkvError
 from ..xfer_state import XferState
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .nixl import NixlTransport
+
+class _Owner(Protocol):
+    """What a transfer record needs of the transport that made it (NixlTransport, which
+    imports this module: the records name this contract, not the transport)."""
+
+    _lock: threading.Lock
+    _opts: Any  # NixlOptions
+    _graveyard: list  # pooled request groups to release on the progress thread
+
+    def _check(self, x: "NixlTransfer") -> XferState: ...
 
 
 class _Region:
@@ -115,7 +123,7 @@ class NixlTransfer:
     """This transport's record of one posted transfer (or standalone notification):
     the NIXL requests it waits on and the core's transfer it resolves when it ends."""
 
-    def __init__(self, owner: "NixlTransport", xid: int, peer: "_Peer", op: str, nbytes: int,
+    def __init__(self, owner: _Owner, xid: int, peer: "_Peer", op: str, nbytes: int,
                  notify: bytes | None, native: Any, prep: "NixlPrepared | None") -> None:
         self._owner = owner
         self.id = xid
@@ -184,7 +192,7 @@ class NixlPrepared:
     """What prepare() returns to the core: a nixl transfer laid out once (descriptor
     lists and a NIXL request built), posted many times."""
 
-    def __init__(self, owner: "NixlTransport", peer: "_Peer", op: str, ldesc: np.ndarray, rdesc: np.ndarray,
+    def __init__(self, owner: _Owner, peer: "_Peer", op: str, ldesc: np.ndarray, rdesc: np.ndarray,
                  kinds: np.ndarray, local_ids: frozenset, remote_ids: frozenset) -> None:
         self._owner = owner
         self._peer = peer

@@ -87,7 +87,7 @@ _EXPORTS = {
     "KVSender": "handoff",
     "Worker": "worker",
     "WorkerConfig": "worker",
-    "WorkerRole": "worker",
+    "WorkerRole": "roles",
     "Proxy": "proxy",
     "ProxyConfig": "proxy",
     "ProxyMode": "proxy",

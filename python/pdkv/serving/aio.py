@@ -20,14 +20,13 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from aiohttp import web
 
 from pdkv.errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from .limits import ServerLimits
+from .limits import LimitedServer, ServerLimits
 
 __all__ = ["HttpServer", "Serveable", "ServerThread", "json_error", "ndjson_lines", "run_until_signal",
            "start_ndjson", "write_ready_file"]
@@ -138,9 +137,7 @@ class HttpServer:
     """
 
     def __init__(self, app: web.Application, *, shutdown_timeout: float = 1.0,
-                 limits: "ServerLimits | None" = None) -> None:
-        from .limits import LimitedServer, ServerLimits
-
+                 limits: ServerLimits | None = None) -> None:
         self.app = app
         self.shutdown_timeout = shutdown_timeout
         self.server = LimitedServer(app, limits or ServerLimits(), shutdown_timeout=shutdown_timeout)

@@ -42,6 +42,7 @@ from yarl import URL
 from pdkv.credential import Credential
 
 from .aio import json_error
+from .limits import BODY_KEY  # where the middleware leaves the body it read (read_body returns it)
 
 __all__ = ["AUTH_HEADER", "BODY_KEY", "DEFAULT_MAX_NONCES", "DEFAULT_WINDOW_S", "PROTECTED_PREFIX", "Signer",
            "WorkerAuth", "sign_headers"]
@@ -54,8 +55,6 @@ PROTECTED_PREFIX = "/pd/"
 DEFAULT_WINDOW_S = 30.0
 #: Nonces remembered at once (each ~100 bytes: 100k is ~10 MB).
 DEFAULT_MAX_NONCES = 100_000
-#: Where the middleware leaves the body it read (``read_body`` returns it).
-BODY_KEY: Any = web.RequestKey("pdkv.body", bytes) if hasattr(web, "RequestKey") else "pdkv.body"
 PURPOSE = "http"
 
 _HEADER_RE = re.compile(r"^v1 ts=(\d{1,12}) nonce=([0-9a-f]{32}) mac=([0-9a-f]{64})$")

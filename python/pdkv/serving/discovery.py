@@ -28,17 +28,15 @@ import json
 import logging
 import os
 import secrets
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from aiohttp import web
 
 from ..discovery import Publication, Registry, Watch
 from ..errors import PdkvError
 from .aio import json_error
-from .auth import BODY_KEY
-
-if TYPE_CHECKING:
-    from .worker import Worker
+from .limits import BODY_KEY
+from .roles import RoleSwitchable, WorkerRole
 
 __all__ = ["WorkerRegistration", "PoolWatch", "RoleSwitch", "NEW_WORK_PATHS", "ROLE_PATHS", "wait_idle"]
 
@@ -53,7 +51,7 @@ ROLE_PATHS = {"/pd/prefill": "prefill", "/pd/check_peer": "prefill", "/pd/decode
               "/pd/kv_failed": "decode", "/pd/generate": "decode"}
 
 
-async def wait_idle(worker: "Worker", timeout: float | None = None) -> bool:
+async def wait_idle(worker: RoleSwitchable, timeout: float | None = None) -> bool:
     """Waits until ``worker`` has no request in flight or in its engine for 0.2 s (a
     request that just arrived is counted by then); False if ``timeout`` passed first."""
     loop = asyncio.get_running_loop()
@@ -77,7 +75,7 @@ async def wait_idle(worker: "Worker", timeout: float | None = None) -> bool:
 class WorkerRegistration:
     """A worker's entry in etcd and its drain state."""
 
-    def __init__(self, worker: "Worker", registry: Registry) -> None:
+    def __init__(self, worker: RoleSwitchable, registry: Registry) -> None:
         self.worker = worker
         self.registry = registry
         self.id = f"{worker.role.value}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -225,7 +223,7 @@ class RoleSwitch:
     the gate that answers the other role's routes with 404 and refuses new work while
     the worker drains for a switch."""
 
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: RoleSwitchable) -> None:
         self.worker = worker
         self.switching = False
 
@@ -246,8 +244,6 @@ class RoleSwitch:
         return await handler(request)
 
     async def _h_role(self, request: web.Request) -> web.Response:
-        from .worker import WorkerRole
-
         try:
             body = json.loads(request.get(BODY_KEY) or await request.read())  # read by the auth check
             new = WorkerRole(body["role"])

@@ -33,11 +33,14 @@ from aiohttp import web
 
 from pdkv.errors import InvalidArgument
 
-__all__ = ["DEFAULT_BODY_TIMEOUT_S", "DEFAULT_KEEPALIVE_TIMEOUT_S", "LimitedServer", "ServerLimits",
+__all__ = ["BODY_KEY", "DEFAULT_BODY_TIMEOUT_S", "DEFAULT_KEEPALIVE_TIMEOUT_S", "LimitedServer", "ServerLimits",
            "default_max_connections", "raise_nofile_limit", "read_body"]
 
 log = logging.getLogger("pdkv.serving")
 
+#: Where a request's body, once read and bounded (by the signature check, auth.py), is
+#: left for :func:`read_body` to return.
+BODY_KEY: Any = web.RequestKey("pdkv.body", bytes) if hasattr(web, "RequestKey") else "pdkv.body"
 DEFAULT_KEEPALIVE_TIMEOUT_S = 30.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 #: File handles kept free for everything but client connections (worker links, logs...).
@@ -125,8 +128,6 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     aiohttp.web.HTTPRequestTimeout
         Not all there in time (the connection is closed after the answer).
     """
-    from .auth import BODY_KEY
-
     stashed = request.get(BODY_KEY)  # read (and bounded) already by the signature check (auth.py)
     if stashed is not None:
         return stashed

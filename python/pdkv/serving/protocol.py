@@ -229,7 +229,8 @@ class StreamError:
 @dataclass(frozen=True)
 class GenParams:
     """Sampling and stopping parameters as they travel between processes (torch-free;
-    :class:`pdkv.serving.sampling.SamplingParams` adds validation, see it for the meaning)."""
+    :class:`pdkv.serving.sampling.SamplingParams` adds validation, see it for the meaning;
+    ``SamplingParams.of(params)`` is the engine's form of one)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -271,14 +272,6 @@ class GenParams:
                                             cap=limits.max_stop_token_ids),
                    ignore_eos=bool(require(obj, "ignore_eos", bool, where=where)),
                    index_offset=offset)
-
-    def to_sampling(self) -> Any:
-        """The engine's :class:`~pdkv.serving.sampling.SamplingParams` (imports torch)."""
-        from .sampling import SamplingParams
-
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                              index_offset=self.index_offset)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Deque, Optional
 
 from pdkv.errors import InvalidArgument
+from pdkv.serving.capacity import Capacity
 
 __all__ = ["DemandWindow", "RerolePolicy", "decide"]
 
@@ -90,8 +91,6 @@ class RerolePolicy:
         try:
             plan = json.loads(Path(path).read_text())
             cap, itl = plan["capacity"], float(plan["slo"]["itl_s"])
-            from pdkv.lab.plan.model import Capacity
-
             c = Capacity.from_dict(cap)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InvalidArgument(f"{path} is not a `pdkv plan` result ({type(e).__name__}: {e})") from None

@@ -53,6 +53,13 @@ class SamplingParams(GenParams):
         ``n`` so that its random draws are those of the uninterrupted request.
     """
 
+    @classmethod
+    def of(cls, params: GenParams) -> "SamplingParams":
+        """The engine's form of wire parameters (validated: raises InvalidArgument)."""
+        return cls(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                   seed=params.seed, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+                   index_offset=params.index_offset)
+
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")

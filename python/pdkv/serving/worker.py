@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import enum
 import json
 import logging
 import os
@@ -69,18 +68,12 @@ from .metrics import CONTENT_TYPE, Registry
 from .openai_api import APIError, ModelInfo, TextCodec, body_limit
 from .protocol import (STREAM_ERROR_STATUS, GenerateRequest, GenParams, KVFailed, PrefillRequest, ProtocolLimits,
                        StreamError, WorkerInfo, dumps_line)
+from .roles import WorkerRole
+from .sampling import SamplingParams
 
 __all__ = ["LocalBackend", "Worker", "WorkerConfig", "WorkerRole"]
 
 log = logging.getLogger("pdkv.serving")
-
-
-class WorkerRole(str, enum.Enum):
-    """What a worker does."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
 
 
 @dataclass(frozen=True)
@@ -594,7 +587,7 @@ class Worker:
         events = _Events(asyncio.get_running_loop())
         try:
             req = GenerateRequest.from_json(await self._body(request), limits=self.config.protocol_limits)
-            h = eng.add_request(req.rid, req.prompt, req.params.to_sampling(), on_event=events)
+            h = eng.add_request(req.rid, req.prompt, SamplingParams.of(req.params), on_event=events)
         except AlreadyExists as e:
             return json_error(409, str(e), code="duplicate_request")
         except InvalidArgument as e:
@@ -617,7 +610,7 @@ class Worker:
         cfg = self.config
         try:
             req = GenerateRequest.from_json(await self._body(request), limits=self.config.protocol_limits)
-            sp = req.params.to_sampling()
+            sp = SamplingParams.of(req.params)
             eng.validate(req.rid, req.prompt, sp)
             ticket = await receiver.reserve(req.rid, len(req.prompt), wait_s=cfg.reserve_wait_s,
                                             kv_timeout_s=req.kv_timeout_s, margin_s=cfg.kv_margin_s)
@@ -663,9 +656,9 @@ class Worker:
         streamer = None
         try:
             req = PrefillRequest.from_json(await self._body(request), limits=self.config.protocol_limits)
-            eng.validate(req.rid, req.prompt, req.params.to_sampling(), prefill_only=True)
+            eng.validate(req.rid, req.prompt, SamplingParams.of(req.params), prefill_only=True)
             streamer = await sender.layer_streamer(req, t_recv + req.kv_timeout_s)
-            h = eng.add_request(req.rid, req.prompt, req.params.to_sampling(), on_event=events, prefill_only=True,
+            h = eng.add_request(req.rid, req.prompt, SamplingParams.of(req.params), on_event=events, prefill_only=True,
                                 layer_sink=streamer)
         except AlreadyExists as e:
             return json_error(409, str(e), code="duplicate_request")
@@ -746,7 +739,7 @@ class LocalBackend:
         trace.decode_worker = self.worker.url
         events = _Events(asyncio.get_running_loop())
         try:
-            h = eng.add_request(rid, prompt, params.to_sampling(), on_event=events)
+            h = eng.add_request(rid, prompt, SamplingParams.of(params), on_event=events)
         except InvalidArgument as e:
             raise APIError.bad(str(e)) from None
         finished = False
