@@ -23,7 +23,7 @@ import numpy as np
 
 import pdkv
 from pdkv.lab import _native
-from pdkv.lab.transfer.bench import human, parse_size
+from pdkv.lab.transfer.common import human, parse_size
 
 SECRET = "tcp-small-extents"
 

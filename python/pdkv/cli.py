@@ -27,7 +27,7 @@ COMMANDS = {
     ("serve",): "pdkv.serving.cli:main",
     ("bench", "transfer"): "pdkv.lab.transfer.bench:main",
     ("bench", "serve"): "pdkv.lab.serve.modes:main",
-    ("plan",): "pdkv.lab.plan.model:main",
+    ("plan",): "pdkv.lab.plan.cli:main",
     ("netlab",): "pdkv.lab.netlab.cli:main",
     ("info",): "pdkv.cli:info",
     ("secret",): "pdkv.cli:secret",

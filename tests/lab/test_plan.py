@@ -23,11 +23,12 @@ import math
 
 import pytest
 
-from pdkv.lab.plan import model as plan
-from pdkv.lab.plan.model import Capacity, Slo, Workload
-from pdkv.lab.plan.measure import fit_line
-from pdkv.lab.plan.sweep import parse_splits, pick_measured, pick_predicted
 from pdkv.errors import InvalidArgument
+from pdkv.lab.plan import model as plan
+from pdkv.lab.plan.measure import fit_line
+from pdkv.lab.plan.model import Slo, Workload
+from pdkv.lab.plan.sweep import parse_splits, pick_measured, pick_predicted
+from pdkv.serving.capacity import Capacity
 
 CAP = Capacity(prefill_fixed_s=0.0, prefill_s_per_token=0.001, step_fixed_s=0.010, step_per_seq_s=0.001,
                max_decode_batch=64)

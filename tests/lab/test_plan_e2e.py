@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from pdkv.lab.plan import model as plan
-from pdkv.lab.plan.model import Capacity
+from pdkv.lab.plan import cli as plan_cli
+from pdkv.serving.capacity import Capacity
 from pdkv.errors import InvalidArgument
 
 TRACE_ARGS = ["--preset", "chat-short", "--prompt-len", "uniform:8:40", "--output-len", "uniform:4:12",
@@ -22,7 +22,7 @@ def test_plan_measures_the_tiny_model_and_recommends_a_consistent_split(tmp_path
     pytest.importorskip("transformers")
     monkeypatch.setenv("PDKV_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "out"
-    assert plan.main([*TRACE_ARGS, "--max-decode-batch", "16", "--out", str(out)]) == 0
+    assert plan_cli.main([*TRACE_ARGS, "--max-decode-batch", "16", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     res = json.loads((out / "plan.json").read_text())
     cap = Capacity.from_dict(res["capacity"])
@@ -56,7 +56,7 @@ def test_plan_measures_the_tiny_model_and_recommends_a_consistent_split(tmp_path
     if best_row is not None:
         assert best_row["max_rate"] >= 3.0 * (1 - 1e-6)
     # Reading the capacity back gives the same recommendation without measuring.
-    assert plan.main([*TRACE_ARGS, "--capacity", str(out / "plan.json"), "--out", str(tmp_path / "again")]) == 0
+    assert plan_cli.main([*TRACE_ARGS, "--capacity", str(out / "plan.json"), "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "plan.json").read_text())
     assert again["recommendation"] == rec
 

@@ -16,6 +16,7 @@ import os
 import sys
 
 from pdkv.lab.netlab import testbed as netlab
+from pdkv.lab.netlab.probe import measure_rate
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -28,8 +29,6 @@ def _up(args: argparse.Namespace) -> int:
         if len(lab.hosts) < 2:
             print("--check needs two hosts", file=sys.stderr)
             return 2
-        from pdkv.lab.netlab.probe import measure_rate
-
         print(f"measured h0 -> h1: {measure_rate(lab, 'h0', 'h1') / 1e9:.3f} Gbit/s (one TCP stream)")
     print(f"run commands with `pdkv netlab exec{'' if args.name == 'lab' else ' --lab ' + lab.name} HOST -- CMD`; "
           f"remove with `pdkv netlab down`")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pdkv.discovery_etcd import EtcdServer, wait_for_stop
+from pdkv.lab.netlab import testbed as netlab
 from pdkv.serving.launch import Deployment, ServerProcess
 
 __all__ = ["LabDeployment", "main"]
@@ -130,8 +131,6 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pdkv.lab.netlab import testbed as netlab
-
     ap = argparse.ArgumentParser(prog="python -m pdkv.lab.netlab.discovery", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: the demo model, SmolLM2-135M-Instruct)")
     ap.add_argument("--prefill", type=int, default=2, help="prefill workers on h1 (default 2)")

@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pdkv.errors import InvalidArgument
-
-from pdkv.lab.plan.model import Capacity, Workload
+from pdkv.lab.plan.model import Workload
+from pdkv.lab.serve.metrics import BenchResults
+from pdkv.serving.capacity import Capacity
 
 __all__ = ["fit_line", "from_results", "measure"]
 
@@ -136,7 +137,6 @@ def _decode_step_s(Engine: Any, EngineConfig: Any, SamplingParams: Any, model: A
 
 def from_results(results_dir: Path, *, max_decode_batch: int = 64) -> Capacity:
     """Capacity from the disagg/hybrid runs of a ``pdkv bench serve`` results directory."""
-    from pdkv.lab.serve.metrics import BenchResults
 
     path = results_dir / "results.json" if results_dir.is_dir() else results_dir
     try:

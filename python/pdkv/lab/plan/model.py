@@ -12,8 +12,10 @@ the load idles. This module turns two measured per-worker facts into a split:
   ``step_fixed_s + B * step_per_seq_s`` (one token per request per step, so a worker
   decodes ``B / step(B)`` tokens/s at inter-token latency ``step(B)``).
 
-The capacities come from :mod:`pdkv.lab.plan.measure` (timed on this machine with
-the reference engine, or derived from a ``pdkv bench serve`` results directory).
+The capacities (:class:`pdkv.serving.capacity.Capacity`) come from
+:mod:`pdkv.lab.plan.measure` (timed on this machine with the reference engine, or
+derived from a ``pdkv bench serve`` results directory); :mod:`pdkv.lab.plan.cli` is
+the command.
 
 The queueing arithmetic (each function below says which formula it uses):
 
@@ -40,96 +42,19 @@ what the integer split loses against the ideal fractional one.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional
 
 from pdkv.errors import InvalidArgument
+from pdkv.serving.capacity import Capacity
 
-__all__ = ["Capacity", "PoolLoad", "SplitPrediction", "Workload", "best_split", "main", "predict",
-           "recommend"]
+__all__ = ["Capacity", "PoolLoad", "SplitPrediction", "Workload", "best_split", "predict", "recommend"]
 
 #: Pools are never sized beyond this many workers (a search bound, not a limit of pdkv).
 MAX_WORKERS = 256
 #: Utilisations this close to 1 count as saturated (10 req/s * 0.1 s is 0.9999999999999997).
 _EPS = 1e-9
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """Measured per-worker cost model (see the module docstring).
-
-    Attributes
-    ----------
-    prefill_fixed_s, prefill_s_per_token : float
-        Prefill time of an ``L``-token prompt: ``prefill_fixed_s + L * prefill_s_per_token``.
-    step_fixed_s, step_per_seq_s : float
-        Decode step time with ``B`` requests: ``step_fixed_s + B * step_per_seq_s``.
-    max_decode_batch : int
-        Most requests one decode worker runs at once (its ``--max-num-seqs`` and KV pool).
-    source : str
-        Where the numbers come from (for the report).
-    points : dict
-        The raw measurements the fits came from.
-    """
-
-    prefill_fixed_s: float
-    prefill_s_per_token: float
-    step_fixed_s: float
-    step_per_seq_s: float
-    max_decode_batch: int = 64
-    source: str = ""
-    points: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for k in ("prefill_fixed_s", "prefill_s_per_token", "step_fixed_s", "step_per_seq_s"):
-            v = getattr(self, k)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise InvalidArgument(f"capacity {k} must be a finite number >= 0, got {v!r}")
-        if self.prefill_fixed_s + self.prefill_s_per_token <= 0 or self.step_fixed_s + self.step_per_seq_s <= 0:
-            raise InvalidArgument("capacity: prefill and decode step times cannot both be zero")
-        if not isinstance(self.max_decode_batch, int) or self.max_decode_batch < 1:
-            raise InvalidArgument(f"capacity max_decode_batch must be an integer >= 1, got {self.max_decode_batch!r}")
-
-    def prefill_s(self, prompt_len: float) -> float:
-        return self.prefill_fixed_s + prompt_len * self.prefill_s_per_token
-
-    def step_s(self, batch: float) -> float:
-        return self.step_fixed_s + batch * self.step_per_seq_s
-
-    def slo_batch(self, itl_slo_s: float) -> int:
-        """The largest decode batch whose step meets ``itl_slo_s`` (0: not even one request)."""
-        if self.step_s(1) > itl_slo_s:
-            return 0
-        if self.step_per_seq_s == 0:
-            return self.max_decode_batch
-        return min(self.max_decode_batch, int(math.floor((itl_slo_s - self.step_fixed_s) / self.step_per_seq_s
-                                                          + 1e-9)))
-
-    def decode_tok_s_max(self) -> float:
-        """One decode worker's tokens/s with a full batch (its raw throughput)."""
-        return self.max_decode_batch / self.step_s(self.max_decode_batch)
-
-    def decode_tok_s(self, itl_slo_s: float) -> float:
-        """One decode worker's tokens/s under the ITL objective (0 if it cannot meet it)."""
-        b = self.slo_batch(itl_slo_s)
-        return b / self.step_s(b) if b else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Capacity":
-        try:
-            return cls(float(d["prefill_fixed_s"]), float(d["prefill_s_per_token"]), float(d["step_fixed_s"]),
-                       float(d["step_per_seq_s"]), int(d.get("max_decode_batch", 64)), str(d.get("source", "")),
-                       dict(d.get("points", {})))
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidArgument(f"not a capacity record ({type(e).__name__}: {e})") from None
 
 
 @dataclass(frozen=True)
@@ -399,154 +324,3 @@ def best_split(cap: Capacity, load: Workload, slo: Slo, workers: int) -> dict[st
     return {"workers": workers, "splits": rows, "best": best["split"], "best_max_rate": best["max_rate"],
             "fractional_max_rate": fractional,
             "integer_loss": 1 - best["max_rate"] / fractional if 0 < fractional < math.inf else None}
-
-
-# ------------------------------------------------------------------ CLI
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pdkv.lab.serve import cli as serve_cli
-
-    serve_cli.add_arguments(parser)  # the trace and SLO flags of `pdkv bench serve`
-    g = parser.add_argument_group("plan")
-    g.add_argument("--serve-model", default="tiny-4m",
-                   help="model whose workers are measured: a directory, smollm2 or a generated one (default tiny-4m)")
-    g.add_argument("--from-results", metavar="DIR",
-                   help="derive capacity from a `pdkv bench serve` results directory instead of measuring")
-    g.add_argument("--capacity", metavar="JSON", help="read capacity from a file `pdkv plan --out` wrote")
-    g.add_argument("--workers", type=int, help="also rank every split of this many workers (default: the "
-                   "recommended split's total)")
-    g.add_argument("--ttft-overhead", type=float, default=0.0,
-                   help="seconds the proxy and the KV hop add to TTFT (default 0)")
-    g.add_argument("--max-decode-batch", type=int, default=64, help="decode workers' --max-num-seqs (default 64)")
-    g.add_argument("--sweep", metavar="SPLITS",
-                   help="also run disagg at these P:D splits on the trace, e.g. 1:1,1:2,2:1, and compare")
-    g.add_argument("--worker-arg", action="append", default=[],
-                   help="extra option for every swept worker, e.g. --worker-arg=--num-blocks=1024 (repeatable)")
-    g.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin swept workers to cores")
-
-
-def _capacity(args: argparse.Namespace, load: Workload, model_dir: Optional[Path]) -> Capacity:
-    from pdkv.lab.plan import measure as plan_measure
-
-    if args.capacity:
-        try:
-            return Capacity.from_dict(json.loads(Path(args.capacity).read_text())["capacity"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise InvalidArgument(f"--capacity {args.capacity}: {type(e).__name__}: {e}") from None
-    if args.from_results:
-        return plan_measure.from_results(Path(args.from_results), max_decode_batch=args.max_decode_batch)
-    assert model_dir is not None
-    return plan_measure.measure(model_dir, load, max_decode_batch=args.max_decode_batch)
-
-
-def format_report(rec: dict[str, Any], budget: Optional[dict[str, Any]], cap: Capacity) -> str:
-    lines = [f"capacity ({cap.source}): prefill {cap.prefill_fixed_s * 1e3:.2f} ms + "
-             f"{cap.prefill_s_per_token * 1e6:.1f} us/token; decode step {cap.step_fixed_s * 1e3:.2f} ms + "
-             f"{cap.step_per_seq_s * 1e3:.3f} ms/request",
-             f"per worker: {rec['prefill_tok_s_per_worker']:.0f} prompt tokens/s, "
-             f"{rec['decode_tok_s_per_worker']:.0f} decode tokens/s within the ITL objective",
-             f"at {rec['rate']:g} req/s: ideal {rec['ideal_prefill_workers']:.2f} prefill : "
-             f"{rec['ideal_decode_workers']:.2f} decode workers (prefill {rec['prefill_bound']}-bound, "
-             f"decode {rec['decode_bound']}-bound)"]
-    if rec["split"] is None:
-        lines.append(f"no split meets the SLO: {rec['why']}")
-    else:
-        lines.append(f"recommended split {rec['split']} (capacity left idle by integer counts: "
-                     f"{rec['integer_loss']:.0%})")
-        lines.append("split   meets  prefill util  TTFT p90 est  decode util  ITL est")
-        for s in [rec["recommended"], *rec["neighbours"]]:
-            lines.append(_split_row(s))
-    if budget is not None:
-        lines.append(f"budget {budget['workers']} workers: best split {budget['best']} sustains "
-                     f"{budget['best_max_rate']:.3g} req/s within the SLO; the ideal fractional split "
-                     f"{budget['fractional_max_rate']:.3g} req/s (integer loss "
-                     f"{(budget['integer_loss'] or 0):.0%})")
-        for row in budget["splits"]:
-            lines.append(f"  {row['split']:>5}: max {row['max_rate']:.3g} req/s")
-    return "\n".join(lines)
-
-
-def _split_row(s: dict[str, Any]) -> str:
-    def ms(v: Optional[float]) -> str:
-        return "inf" if v is None else f"{v * 1e3:.0f} ms"
-
-    def pct(v: Optional[float]) -> str:
-        return "inf" if v is None else f"{v:.0%}"
-
-    p, d = s["prefill"], s["decode"]
-    return (f"{s['split']:>5}   {'yes' if s['meets_slo'] else 'no':5}  {pct(p['utilisation']):>12}  "
-            f"{ms(p['latency_p90_s']):>12}  {pct(d['utilisation']):>11}  {ms(d['latency_p90_s']):>7}")
-
-
-def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    """Everything ``pdkv plan`` prints, as one JSON-serialisable dict."""
-    from pdkv.lab.serve import cli as serve_cli
-
-    try:
-        slo_b = serve_cli.slo_from_args(args)
-        traces, trace_info = serve_cli.build_traces(args)
-    except (ValueError, OSError) as e:
-        raise InvalidArgument(str(e)) from None
-    rate, trace = traces[0]
-    load = Workload.of_trace(trace, rate)
-    slo = Slo(slo_b.ttft_s, slo_b.itl_s, args.ttft_overhead)
-    model_dir = None
-    if not (args.capacity or args.from_results) or args.sweep:
-        import os
-
-        from pdkv.lab.serve.modes import resolve_model
-
-        cache = Path(os.environ.get("PDKV_CACHE_DIR", Path.home() / ".cache" / "pdkv")) / "models"
-        model_dir = resolve_model(args.serve_model, cache)
-    cap = _capacity(args, load, model_dir)
-    rec = recommend(cap, load, slo)
-    workers = args.workers or (sum(int(x) for x in rec["split"].split(":")) if rec["split"] else None)
-    budget = best_split(cap, load, slo, workers) if workers and workers >= 2 else None
-    out: dict[str, Any] = {"trace": trace_info, "rate": rate, "num_requests": len(trace),
-                           "slo": asdict(slo), "capacity": cap.to_dict(), "recommendation": rec, "budget": budget}
-    print(format_report(rec, budget, cap), flush=True)
-    if args.sweep:
-        from pdkv.lab.plan import sweep as plan_sweep
-
-        assert model_dir is not None
-        out["sweep"] = plan_sweep.sweep(args, model_dir, trace, rate, cap, load, slo, slo_b)
-        print(plan_sweep.format_sweep(out["sweep"]), flush=True)
-    if args.out:
-        d = Path(args.out)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "plan.json").write_text(json.dumps(_finite_tree(out), indent=1, allow_nan=False) + "\n")
-        print(f"wrote {d / 'plan.json'}", file=sys.stderr)
-    return out
-
-
-def _finite_tree(v: Any) -> Any:
-    """``v`` with every infinite or NaN float replaced by None (strict JSON)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _finite_tree(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_finite_tree(x) for x in v]
-    return v
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="pdkv plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.list_presets:
-        from pdkv.lab.serve.cli import run_from_args
-
-        return run_from_args(args, argv)
-    if args.url:
-        parser.error("pdkv plan measures its own workers (or reads --from-results / --capacity); --url is not used")
-    if args.workers is not None and args.workers < 2:
-        parser.error(f"--workers must be >= 2, got {args.workers}")
-    run(args, argv)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,9 +23,14 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from pdkv.errors import InvalidArgument
+import aiohttp
 
-from pdkv.lab.plan.model import Capacity, Slo, Workload, predict
+from pdkv.errors import InvalidArgument
+from pdkv.lab.plan.model import Slo, Workload, predict
+from pdkv.lab.serve import cli as serve_cli
+from pdkv.lab.serve.client import fetch_model, wait_until_ready
+from pdkv.serving.capacity import Capacity
+from pdkv.serving.launch import Deployment
 
 __all__ = ["format_sweep", "parse_splits", "pick_measured", "pick_predicted", "sweep"]
 
@@ -51,11 +56,6 @@ def parse_splits(spec: str) -> list[tuple[int, int]]:
 
 
 async def _run_split(url: str, trace: Any, rate: float, args: argparse.Namespace, label: str) -> Any:
-    import aiohttp
-
-    from pdkv.lab.serve import cli as serve_cli
-    from pdkv.lab.serve.client import fetch_model, wait_until_ready
-
     await wait_until_ready(url, timeout_s=120)
     async with aiohttp.ClientSession() as session:
         model = args.model or await fetch_model(session, url)
@@ -70,8 +70,6 @@ async def _run_split(url: str, trace: Any, rate: float, args: argparse.Namespace
 def sweep(args: argparse.Namespace, model_dir: Path, trace: Any, rate: float, cap: Capacity, load: Workload,
           slo: Slo, bench_slo: Any) -> dict[str, Any]:
     """Runs every split of ``args.sweep`` and returns the comparison (see the module docstring)."""
-    from pdkv.serving.launch import Deployment
-
     worker_args = [a for w in args.worker_arg for a in w.split("=", 1)]
     vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
     if vocab and args.vocab_size > vocab:  # token-id prompts stay inside the model's vocabulary

@@ -47,6 +47,7 @@ from pdkv.lab.serve.report import markdown_table, recommend, sanity_notes, write
 from pdkv.lab.serve.trace import (
     PRESETS,
     Trace,
+    TraceRequest,
     TraceSpec,
     get_preset,
     load_trace,
@@ -92,8 +93,6 @@ async def warmup(
     **client_kwargs
         Passed to :func:`~pdkv.lab.serve.client.run_trace` (endpoint, prompt kind...).
     """
-    from pdkv.lab.serve.trace import TraceRequest
-
     for i in range(requests):
         await run_trace(url, [TraceRequest(i, 0.0, prompt_len, output_len)], model=model, **client_kwargs)
 

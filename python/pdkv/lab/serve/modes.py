@@ -26,13 +26,23 @@ import argparse
 import asyncio
 import contextlib
 import datetime as _dt
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from pdkv.lab.serve import cli as serve_cli, compress as serve_compress, link as serve_link, stream as serve_stream
+import aiohttp
+
+from pdkv.lab.netlab.testbed import Lab, check_available, parse_link
+from pdkv.lab.serve import cli as serve_cli
+from pdkv.lab.serve import compress as serve_compress
+from pdkv.lab.serve import link as serve_link
+from pdkv.lab.serve import stream as serve_stream
+from pdkv.lab.serve.client import fetch_model, wait_until_ready
 from pdkv.lab.serve.metrics import BenchResults, RunResult
+from pdkv.serving.launch import Deployment
+from pdkv.serving.tiny import save_tiny_model
 
 MODES = ("colocated", "chunked", "disagg", "hybrid", "disagg-nostream", serve_compress.PLAIN,
          *(serve_compress.mode_name(m) for m in serve_compress.COMPRESS_MODES))
@@ -57,8 +67,6 @@ def resolve_model(spec: str, cache: Path) -> Path:
 
         return Path(default_model_dir())
     if spec in GENERATED:
-        from pdkv.serving.tiny import save_tiny_model
-
         out = cache / spec
         if not (out / "config.json").exists():
             save_tiny_model(out, seed=0, **GENERATED[spec])
@@ -101,8 +109,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir: Optional[Path], lab=None):
-    from pdkv.serving.launch import Deployment
-
     p, d = (int(x) for x in args.pd.split(":"))
     place = {}
     if lab is not None:  # each process on its own lab host (--link)
@@ -125,10 +131,6 @@ def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir
 
 async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
                    model_name: Optional[str], prefill_urls: Sequence[str] = ()) -> tuple[list[RunResult], str]:
-    import aiohttp
-
-    from pdkv.lab.serve.client import fetch_model, wait_until_ready
-
     await wait_until_ready(url, timeout_s=120)
     async with aiohttp.ClientSession() as session:
         model = model_name or await fetch_model(session, url)
@@ -183,8 +185,6 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"error: --pd must look like 1:1, got {args.pd!r}", file=sys.stderr)
         return 2
     if args.link:
-        from pdkv.lab.netlab.testbed import check_available, parse_link
-
         parse_link(args.link)  # a bad spec or no permission: say so before loading a model
         check_available()
     try:
@@ -196,8 +196,6 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cache = Path(os.environ.get("PDKV_CACHE_DIR", Path.home() / ".cache" / "pdkv")) / "models"
     model_dir = resolve_model(args.serve_model, cache)
     # Token-id prompts must stay inside the model's vocabulary.
-    import json
-
     vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
     if vocab and args.vocab_size > vocab:
         args.vocab_size = int(vocab)
@@ -205,8 +203,6 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     with contextlib.ExitStack() as stack:
         lab = None
         if args.link:
-            from pdkv.lab.netlab.testbed import Lab
-
             lab = stack.enter_context(Lab(hosts=serve_link.hosts_needed(p, d, args.replicas or p + d), link=args.link))
             print(f"== link {lab.link} (rtt emulated: {lab.info['rtt_emulated']}): proxy on lab host h0, "
                   f"each worker on its own host", file=sys.stderr, flush=True)

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 import pdkv
-
+from pdkv.lab.netlab import testbed as netlab
 from pdkv.serving.engine import Engine, EngineConfig
 from pdkv.serving.kv_pool import PagedKVPool
-from pdkv.serving.models import load_model
+from pdkv.serving.models import default_model_dir, load_model
 from pdkv.serving.sampling import SamplingParams
 from pdkv.serving.tiny import save_tiny_model
 
@@ -92,8 +92,6 @@ class _Bench:
     def __init__(self, preset: str, prompt_len: int, transport: str, block_tokens: int, lab: Any = None) -> None:
         self.dir = tempfile.TemporaryDirectory(prefix="pdkv-streambench-")
         if preset == "smollm2":
-            from pdkv.serving.models import default_model_dir
-
             d = default_model_dir()
         else:
             d = save_tiny_model(Path(self.dir.name) / preset, seed=1, **PRESETS[preset])
@@ -177,8 +175,6 @@ def run(preset: str, prompt_len: int, transport: str, trials: int, block_tokens:
     the two agents on two hosts of a netlab test bed behind that link (tcp only)."""
     if link is None:
         return _run(preset, prompt_len, transport, trials, block_tokens, None)
-    from pdkv.lab.netlab import testbed as netlab
-
     if transport != "tcp":
         raise pdkv.InvalidArgument(f"--link runs over tcp between two lab hosts; --transport {transport} cannot")
     with netlab.Lab(hosts=2, link=link) as lab:

@@ -23,60 +23,24 @@ bytes instead: see pdkv.lab.transfer.hetero.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from pdkv import Agent, KVLayout, TcpOptions, plan_blocks
-from pdkv.errors import InvalidArgument, PdkvError
+from pdkv import Agent, KVLayout, TcpOptions, available_transports, plan_blocks
+from pdkv.errors import InvalidArgument
 from pdkv.lab import _native
-from pdkv.lab.transfer import compress, hetero, models
-
-SECRET_ENV = "PDKV_BENCH_SECRET"
-
-
-def parse_size(s: str) -> int:
-    """'64M', '1G', '32K', '4096' -> bytes (binary units)."""
-    s = s.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    num = s[:-1] if s[-1:] in "KMG" else s
-    try:
-        v = float(num) * mult
-    except ValueError:
-        raise InvalidArgument(f"cannot parse size {s!r} (use e.g. 64M, 1G)") from None
-    if v <= 0:
-        raise InvalidArgument(f"size must be positive, got {s!r}")
-    return int(v)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def percentile(xs: list[float], q: float) -> float:
-    ys = sorted(xs)
-    if not ys:
-        return float("nan")
-    k = (len(ys) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return ys[lo] + (ys[hi] - ys[lo]) * (k - lo)
-
-
-def tcp_options(args: argparse.Namespace) -> TcpOptions:
-    return TcpOptions(conns_per_peer=args.conns, progress_threads=args.threads, rcvlowat_bytes=args.rcvlowat,
-                      batch_bytes=args.batch_bytes, tls=bool(getattr(args, "tls_on", False)))
+from pdkv.lab.transfer import compress, hetero, models, peers
+from pdkv.lab.transfer.common import (SECRET_ENV, host_view, human, parse_size, percentile, pool_blocks, tcp_options,
+                                      write_out)
+from pdkv.lab.transfer.devmem import DeviceMemory
+from pdkv.lab.transfer.link import transfer_behind_link
+from pdkv.lab.transfer.target import Target, spawn_target, start_target
 
 
 def _pool(agent: Agent, geo, seed: int | None, memory: str = "host") -> tuple[object, KVLayout]:
@@ -96,9 +60,7 @@ def _pool(agent: Agent, geo, seed: int | None, memory: str = "host") -> tuple[ob
 
 
 @functools.cache
-def _device_memory():
-    from pdkv.lab.transfer.devmem import DeviceMemory
-
+def _device_memory() -> DeviceMemory:
     return DeviceMemory()
 
 
@@ -106,7 +68,7 @@ def _read(args, addr: int, n: int) -> np.ndarray:
     """n bytes at addr, from host or (``--memory cuda``) device memory."""
     if args.memory == "cuda":
         return _device_memory().dtoh(addr, n, np.uint8)
-    return _view(addr, n)
+    return host_view(addr, n)
 
 
 # ---------------------------------------------------------------- target process
@@ -115,8 +77,6 @@ def serve(args: argparse.Namespace) -> None:
     bench = _native.module().bench
     geo = hetero.target_geometry(args) if args.hetero else models.geometry(args.model, args.blocks)
     # The target offers every transport available here; the initiator picks one.
-    from pdkv import available_transports
-
     agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
                   tcp=tcp_options(args),
                   transports=["tcp"] if args.memory == "cuda" else [t for t in available_transports() if t != "cuda_ipc"])
@@ -139,56 +99,6 @@ def serve(args: argparse.Namespace) -> None:
         sys.stdin.read()  # until the initiator closes our stdin
     sink.stop()
     agent.close()
-
-
-@dataclass
-class Target:
-    address: str
-    sink_host: str
-    sink_port: int
-    proc: subprocess.Popen | None = None
-
-    def close(self) -> None:
-        if self.proc is not None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=20)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-            self.proc.stdout.close()
-
-
-def start_target(args: argparse.Namespace, blocks: int) -> Target:
-    """Pins this process to one core when asked (--pin), then reaches the --target the
-    user started or spawns one with `blocks` blocks."""
-    if args.pin and len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    if args.target:
-        host, _, port = args.target.rpartition(":")
-        return Target(args.target, host.strip("[]"), int(port) + 1)
-    return spawn_target(args, blocks)
-
-
-def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
-    cmd = [sys.executable, "-m", "pdkv.lab.transfer.bench", "--serve", "--child", "--model", args.model,
-           "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
-           "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
-           "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else []) + \
-        (["--tls-on"] if getattr(args, "tls_on", False) else [])
-    cpus = sorted(os.sched_getaffinity(0))
-    pin_to = {cpus[1]} if args.pin and len(cpus) >= 2 else None
-
-    def pre() -> None:  # runs in the child before exec
-        if pin_to is not None:
-            os.sched_setaffinity(0, pin_to)
-
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=pre)
-    line = proc.stdout.readline()
-    if not line:
-        raise PdkvError(f"benchmark target failed to start (exit code {proc.wait()})")
-    info = json.loads(line)
-    return Target(info["address"], info["address"].rsplit(":", 1)[0].strip("[]"), info["sink_port"], proc)
 
 
 # ---------------------------------------------------------------- measurements
@@ -291,10 +201,6 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
     }
 
 
-def _view(addr: int, n: int) -> np.ndarray:
-    return np.frombuffer((ctypes.c_uint8 * n).from_address(addr), np.uint8)
-
-
 def run_latency(args, target: Target, agent: Agent, peer: str) -> dict:
     bench = _native.module().bench
     geo = models.geometry(args.model, 1)
@@ -322,13 +228,6 @@ def run_latency(args, target: Target, agent: Agent, peer: str) -> dict:
         "block_lat_p99_us": percentile(lat_block, 99),
         "raw_block_rtt_p50_us": percentile(raw_block, 50),
     }
-
-
-def pool_blocks(model: str, payloads: list[int]) -> int:
-    """Blocks each side's pool needs for the largest payload (whole blocks, at least 2)."""
-    geo1 = models.geometry(model, 1)
-    block = geo1.num_layers * geo1.kv_parts * geo1.block_bytes
-    return max(2, max(max(1, p // block) for p in payloads))
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -425,20 +324,8 @@ def run_hetero(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
     return results
 
 
-def write_out(args: argparse.Namespace, results: list[dict]) -> None:
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"command": " ".join(["pdkv", "bench", "transfer"] + args.argv), "results": results}, f,
-                      indent=2)
-
-
 def run_peers(args, r: dict) -> dict:
     """The same workload through NIXL and/or Mooncake (pdkv.lab.transfer.peers)."""
-    try:
-        from pdkv.lab.transfer import peers
-    except ImportError as e:  # pragma: no cover
-        return {"error": f"peer benchmarks unavailable: {e}"}
     out = {}
     w = peers.Workload(block_bytes=r["block_bytes"], num_blocks=r["payload_bytes"] // r["block_bytes"],
                        iters=max(2, min(r["iters"], 8)), seed=args.seed, lat_iters=min(args.lat_iters, 200))
@@ -543,8 +430,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     args.argv = argv
-    from pdkv import available_transports
-
     avail = [t for t in available_transports() if t != "cuda_ipc"]
     if args.transport not in avail:
         print(f"pdkv bench transfer: transport {args.transport!r} is not available here "
@@ -560,8 +445,6 @@ def main(argv: list[str] | None = None) -> int:
         except (InvalidArgument, KeyError) as e:
             ap.error(str(e).strip("'\""))
     if args.link:
-        from pdkv.lab.transfer.link import transfer_behind_link
-
         return transfer_behind_link(args, argv)
     if args.serve:
         if args.target:

@@ -30,7 +30,10 @@ import time
 import numpy as np
 
 from pdkv import Agent, InvalidArgument, KVLayout, TcpCompression, TcpOptions, plan_blocks
+from pdkv.codec import Codec, kernels
 from pdkv.lab.transfer import models
+from pdkv.lab.transfer.common import SECRET_ENV, host_view, parse_size, pool_blocks, write_out
+from pdkv.lab.transfer.target import start_target
 
 # Written for this benchmark (a few hundred tokens of ordinary prose and code).
 PROMPTS = [
@@ -65,8 +68,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def compression(args: argparse.Namespace, geo) -> TcpCompression:
-    from pdkv.lab.transfer.bench import parse_size
-
     return TcpCompression(mode=args.compress, codec=args.compress_codec, threads=args.compress_threads,
                           chunk_bytes=parse_size(args.compress_chunk), policy=args.compress_policy,
                           dtype=geo.dtype, fp8_heads=geo.kv_heads, fp8_head_dim=geo.head_dim,
@@ -128,8 +129,6 @@ def timed(prep, iters: int) -> tuple[float, float, object]:
 
 
 def run(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
-    from pdkv.lab.transfer.bench import SECRET_ENV, pool_blocks, start_target, write_out
-
     if args.memory != "host" or args.transport != "tcp":
         raise InvalidArgument("--compress measures tcp transfers of host memory (drop --memory/--transport)")
     blocks = pool_blocks(args.model, payloads)
@@ -216,9 +215,6 @@ def codec_per_core(args, pool: np.ndarray, geo) -> dict:
     """Encode and decode GB/s of the codec this run compares, on one chunk of the pool
     being sent, per core (thread CPU time) and per wall second (what a thread got of
     the shared machine in this run)."""
-    from pdkv.codec import Codec, kernels
-    from pdkv.lab.transfer.bench import parse_size
-
     kind = "fp8" if args.compress == "fp8" or args.compress_policy == "lossy-allowed" else args.compress_codec
     opts = {"heads": geo.kv_heads, "head_dim": geo.head_dim, "rows_per_group": geo.block_tokens} if kind == "fp8" else {}
     chunk = parse_size(args.compress_chunk)
@@ -234,10 +230,8 @@ def codec_per_core(args, pool: np.ndarray, geo) -> dict:
 def verify_read(zipped: Agent, plain: Agent, lids) -> bool:
     """The compressed agent's read blocks equal the plain agent's, bit for bit (both read
     the same remote blocks; the plain read is exact)."""
-    from pdkv.lab.transfer.bench import _view
-
     pairs = plan_blocks(zipped.layout("kv").unbound(), lids, plain.layout("kv").unbound(), lids)
-    return all(np.array_equal(_view(lo, ln), _view(ro, ln)) for _, lo, _, ro, ln in pairs)
+    return all(np.array_equal(host_view(lo, ln), host_view(ro, ln)) for _, lo, _, ro, ln in pairs)
 
 
 def verify(agent: Agent, peer: str, lids, rids, geo) -> bool:
@@ -249,11 +243,9 @@ def verify(agent: Agent, peer: str, lids, rids, geo) -> bool:
         back = agent.prepare("read", peer, "verify", np.arange(n, dtype=np.uint32), "kv", rids)
         x = back.post(timeout=300)
         x.wait(300)
-        from pdkv.lab.transfer.bench import _view
-
         pairs = plan_blocks(agent.layout("kv").unbound(), lids, agent.layout("verify").unbound(),
                             np.arange(n, dtype=np.uint32))
-        return x.error is None and all(np.array_equal(_view(lo, ln), _view(ro, ln)) for _, lo, _, ro, ln in pairs)
+        return x.error is None and all(np.array_equal(host_view(lo, ln), host_view(ro, ln)) for _, lo, _, ro, ln in pairs)
     finally:
         agent.remove_layout("verify")
 

@@ -45,6 +45,7 @@ from pdkv.errors import InvalidArgument
 from pdkv.layout import KVGeometry
 from pdkv.tp import TPMapping, TPTransfer
 from pdkv.lab.transfer import models
+from pdkv.lab.transfer.common import SECRET_ENV, tcp_options
 
 DECODE_RANK = 0  # the decode rank whose inbound traffic is measured
 _ORDERS = ("NHD", "HND")
@@ -502,8 +503,6 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> list[dict]:
     """The --hetero run: spawn (or reach) the target, then one case per payload."""
-    from pdkv.lab.transfer.bench import tcp_options, SECRET_ENV
-
     check_arguments(args)
     plan = Plan(parse_spec(args.hetero, args.model), args.model)
     blocks = target_blocks(args, payloads)

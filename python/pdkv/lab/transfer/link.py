@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 from pdkv.errors import InvalidArgument, PdkvError
 from pdkv.lab.netlab.testbed import Lab, parse_link
+from pdkv.lab.transfer import hetero
+from pdkv.lab.transfer.common import parse_size, pool_blocks
 
 TARGET_PORT = 7500  # inside the target's own namespace, so never taken
 # A lab host's one network device. UCX (nixl) must use it: with "all" it also offers lo,
@@ -39,12 +41,8 @@ def _without_link(argv: Sequence[str]) -> list[str]:
 
 def _blocks_needed(args: argparse.Namespace) -> int:
     """The target pool size the initiator's ``run`` will ask for (its largest payload)."""
-    from pdkv.lab.transfer.bench import parse_size, pool_blocks
-
     payloads = [parse_size(p) for p in args.payload.split(",")]
     if args.hetero:  # decode rank 0's pool, sized as the --hetero run asks for it
-        from pdkv.lab.transfer import hetero
-
         return hetero.target_blocks(args, payloads)
     return pool_blocks(args.model, payloads)
 
@@ -86,8 +84,6 @@ def _start_target(lab: Lab, args: argparse.Namespace) -> subprocess.Popen:
            "--batch-bytes", str(args.batch_bytes), "--conns", str(args.conns), "--threads", str(args.threads),
            "--memory", args.memory]
     if args.hetero:
-        from pdkv.lab.transfer import hetero
-
         cmd += hetero.target_flags(args)
     proc = lab.popen("h1", cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                      text=True, preexec_fn=_pin(1, args.pin), env={**os.environ, **LAB_ENV})

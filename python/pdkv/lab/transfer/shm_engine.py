@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 import pdkv
+from pdkv.integrations.vllm_layout import describe_kv_caches
 
 SECRET = "pdkv-bench-shm-engine"
 MIB = 1 << 20
@@ -68,8 +69,6 @@ def _layer_bytes(seed: int, n: int) -> np.ndarray:
 
 def _register_caches(agent: pdkv.Agent, caches) -> list:
     """As the connector's register_kv_caches: each storage once, one exact layout."""
-    from pdkv.integrations.vllm_layout import describe_kv_caches
-
     regions = [agent.register_address(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
                for t in caches.values()]
     agent.add_layout("vllm", describe_kv_caches(caches).layout)

@@ -1,0 +1,66 @@
+"""The target process of ``pdkv bench transfer``: spawned here (``--serve --child``) or
+reached at ``--target HOST:PORT``; it exports the pool and runs the raw-socket sink."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from pdkv.errors import PdkvError
+from pdkv.lab.transfer import hetero
+
+__all__ = ["Target", "spawn_target", "start_target"]
+
+
+@dataclass
+class Target:
+    address: str
+    sink_host: str
+    sink_port: int
+    proc: subprocess.Popen | None = None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=20)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+
+
+def start_target(args: argparse.Namespace, blocks: int) -> Target:
+    """Pins this process to one core when asked (--pin), then reaches the --target the
+    user started or spawns one with `blocks` blocks."""
+    if args.pin and len(os.sched_getaffinity(0)) >= 2:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    if args.target:
+        host, _, port = args.target.rpartition(":")
+        return Target(args.target, host.strip("[]"), int(port) + 1)
+    return spawn_target(args, blocks)
+
+
+def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
+    cmd = [sys.executable, "-m", "pdkv.lab.transfer.bench", "--serve", "--child", "--model", args.model,
+           "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
+           "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
+           "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else []) + \
+        (["--tls-on"] if getattr(args, "tls_on", False) else [])
+    cpus = sorted(os.sched_getaffinity(0))
+    pin_to = {cpus[1]} if args.pin and len(cpus) >= 2 else None
+
+    def pre() -> None:  # runs in the child before exec
+        if pin_to is not None:
+            os.sched_setaffinity(0, pin_to)
+
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=pre)
+    line = proc.stdout.readline()
+    if not line:
+        raise PdkvError(f"benchmark target failed to start (exit code {proc.wait()})")
+    info = json.loads(line)
+    return Target(info["address"], info["address"].rsplit(":", 1)[0].strip("[]"), info["sink_port"], proc)
