@@ -4,10 +4,12 @@
 # builds the C++ core, then runs.
 #
 #   make demo      the end-to-end demo (see README)
-#   make test      the C++ unit tests (cpp-test), then the Python test suite (what CI runs first)
+#   make test      the C++ unit tests (cpp-test), the layer contracts (lint-imports), then the
+#                  whole Python test suite (what CI runs first)
+#   make test-fast the library's tests only (tests/library and the layer check), a few minutes
 #   make bench     the transfer benchmark
 #   make cpp-test  the C++ unit tests (cpp/tests, GoogleTest + ctest; no Python needed)
-#   make stubs     regenerate python/pdkv/_pdkv/*.pyi after changing the bindings (tests/test_stubs.py checks them)
+#   make stubs     regenerate python/pdkv/_pdkv.pyi and python/pdkv/lab/_pdkv_lab/*.pyi after changing the bindings (tests/test_stubs.py checks them)
 #   make fuzz      every libFuzzer target for FUZZ_SECONDS (default 60) each (scripts/fuzz.sh)
 #   make sanitize  the Python tests under ASan+UBSan, then ThreadSanitizer (scripts/sanitize.sh)
 # docs/testing.md says what each covers and how to add a test or a fuzz target.
@@ -27,7 +29,7 @@ EXTRAS := test,serve,bench
 BUILD_DEPS := "scikit-build-core>=0.10" "pybind11>=2.13"
 FUZZ_SECONDS ?= 60
 
-.PHONY: demo test bench install clean cpp-test fuzz sanitize stubs
+.PHONY: demo test test-fast lint-imports bench install clean cpp-test fuzz sanitize stubs
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,8 +48,17 @@ install: $(STAMP)
 demo: install
 	$(BIN)/pdkv demo
 
-test: install cpp-test
+test: install cpp-test lint-imports
 	$(BIN)/python -m pytest
+
+# The import-linter contracts of pyproject.toml: library < serving < lab < cli, no cycles.
+lint-imports: install
+	$(BIN)/lint-imports
+
+# The library's tests (tests/library: core, tcp, shm, nixl, cuda) and the layer check;
+# serving and lab tests run in `make test`.
+test-fast: install
+	$(BIN)/python -m pytest tests/library tests/test_layers.py
 
 # Without GoogleTest (Debian libgtest-dev, which sysdeps.sh installs when it may) the C++
 # unit tests are skipped with the reason instead of failing `make test`.
