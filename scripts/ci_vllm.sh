@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM integration CI: builds the vLLM venv (vLLM's CPU build, pdkv, NIXL for the
-# benchmark) and runs tests/serving/vllm with it.
+# benchmark) and runs tests/serving/integrations with it.
 #
 #   scripts/ci_vllm.sh [pytest args...]
 #   scripts/ci_vllm.sh --setup-only    build the venv and install pdkv, run nothing
@@ -50,9 +50,9 @@ if [ $SETUP_ONLY = 1 ]; then
   exit 0
 fi
 
-step "running tests/serving/vllm"
+step "running tests/serving/integrations"
 export PDKV_LOG="${PDKV_LOG:-error}"
 rc=0
-"$VENV/bin/python" -m pytest tests/serving/vllm -ra "$@" || rc=$?
+"$VENV/bin/python" -m pytest tests/serving/integrations -ra "$@" || rc=$?
 step "done (pytest exit $rc)"
 exit "$rc"
