@@ -62,7 +62,8 @@ def tcp_gbps(n: int, iters: int, dev: str) -> float:
                                                           [pool[l, 1] for l in range(32)]))
             peer = a.connect(addr)
             assert a.peer_transport(peer) == "tcp"
-            prep = a.prepare("write", peer, "kv", list(range(n)), "kv", torch.randperm(n).tolist())
+            prep = a.prepare("write", peer, pdkv.Blocks("kv", list(range(n))),
+                             pdkv.Blocks("kv", torch.randperm(n).tolist()))
             prep.post().wait(120)
             t0 = time.perf_counter()
             for _ in range(iters):
@@ -87,7 +88,7 @@ def cuda_ipc(n: int, iters: int) -> dict:
             a.add_layout("kv", pdkv.KVLayout.from_tensors([pool[l, 0] for l in range(32)],
                                                           [pool[l, 1] for l in range(32)]))
             peer = a.connect(addr)
-            prep = a.prepare("write", peer, "kv", list(range(n)), "kv", perm)
+            prep = a.prepare("write", peer, pdkv.Blocks("kv", list(range(n))), pdkv.Blocks("kv", perm))
             prep.post().wait(60)
             t0 = time.perf_counter()
             for _ in range(args.iters):
@@ -105,7 +106,7 @@ def cuda_ipc(n: int, iters: int) -> dict:
             torch.cuda.synchronize()
             d2d_s = time.perf_counter() - t0
             lat = []
-            one = a.prepare("write", peer, "kv", [0], "kv", [1])
+            one = a.prepare("write", peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1]))
             for i in range(220):
                 t1 = time.perf_counter()
                 one.post().wait(10)

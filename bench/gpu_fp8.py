@@ -84,7 +84,7 @@ def main() -> None:
                     "gbps": {}, "bit_exact": {}}
     for name, a in senders.items():
         peer = a.connect(rx.address)
-        prep = a.prepare("write", peer, "dev", lids, "dev", rids)
+        prep = a.prepare("write", peer, pdkv.Blocks("dev", lids), pdkv.Blocks("dev", rids))
         prep.post().wait(120)  # warm-up (kernels load, buffers, link measurement)
         times = []
         for _ in range(args.repeats):
@@ -97,7 +97,7 @@ def main() -> None:
             result["wire_ratio"] = raw_bytes / x.wire_bytes
             result["bit_exact"]["dev->dev"] = bool(np.array_equal(landed("dev"), want))
             for src, dst in (("dev", "host"), ("host", "dev")):
-                a.write(peer, src, lids, dst, rids).wait(300)
+                a.write(peer, pdkv.Blocks(src, lids), pdkv.Blocks(dst, rids)).wait(300)
                 result["bit_exact"][f"{src}->{dst}"] = bool(np.array_equal(landed(dst), want))
     result["ratios"] = {"fp8_vs_plain": result["gbps"]["fp8"] / result["gbps"]["plain"]}
     for a in [*senders.values(), rx]:

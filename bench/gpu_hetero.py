@@ -83,9 +83,9 @@ def measure(args) -> list[dict]:
         if not args.prepare_only:
             mem.htod(pools[h][1], np.random.default_rng(h).integers(0, 256, geo.pool_bytes, dtype=np.uint8))
     # name: (local heads, target heads, plan); the pusher's pool is the local one.
-    modes = {"tp4:tp2": (2, 4, dict(num_heads=2, local_head_offset=0, remote_head_offset=2)),
-             "tp2:tp4": (4, 2, dict(num_heads=2, local_head_offset=2, remote_head_offset=0)),
-             "tp4:tp4 (homogeneous)": (2, 2, {})}
+    modes = {"tp4:tp2": (2, 4, pdkv.PlanOptions(num_heads=2, local_head_offset=0, remote_head_offset=2)),
+             "tp2:tp4": (4, 2, pdkv.PlanOptions(num_heads=2, local_head_offset=2, remote_head_offset=0)),
+             "tp4:tp4 (homogeneous)": (2, 2, pdkv.PlanOptions())}
     for transport in args.transport:
         for kind, (lheads, heads, plan) in modes.items():
             src_geo, src = pools[lheads]
@@ -106,14 +106,14 @@ def measure(args) -> list[dict]:
                             best = float("inf")
                             for _ in range(5):
                                 t0 = time.perf_counter()
-                                prep = a.prepare(op, peer, "kv", ids, "kv", rids, **plan)
+                                prep = a.prepare(op, peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", rids), plan=plan)
                                 best = min(best, time.perf_counter() - t0)
                             rows.append(dict(transport=used, mode=kind, op=op, bytes=prep.nbytes,
                                              extents=prep.num_extents, prepare_ms=best * 1e3, gbps=0.0,
                                              bit_exact=True, path=path_name()))
                         continue
                     t0 = time.perf_counter()
-                    prep = a.prepare("write", peer, "kv", ids, "kv", rids, **plan)
+                    prep = a.prepare("write", peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", rids), plan=plan)
                     prep_ms = (time.perf_counter() - t0) * 1e3
                     x = prep.post()
                     x.wait(300)
@@ -122,11 +122,11 @@ def measure(args) -> list[dict]:
                         t0 = time.perf_counter()
                         prep.post().wait(300)
                         best = min(best, time.perf_counter() - t0)
-                    h0 = plan.get("remote_head_offset", 0)
+                    h0 = plan.remote_head_offset
                     proc.stdin.write(json.dumps({"layers": check_layers, "blocks": rids, "h0": h0, "nh": 2}) + "\n")
                     proc.stdin.flush()
                     got = json.loads(proc.stdout.readline())["digest"]
-                    want = head_digest(mem, src, src_geo, check_layers, ids, plan.get("local_head_offset", 0), 2)
+                    want = head_digest(mem, src, src_geo, check_layers, ids, plan.local_head_offset, 2)
                     rows.append(dict(transport=used, mode=kind, op="write", bytes=prep.nbytes,
                                      extents=prep.num_extents, prepare_ms=prep_ms, gbps=prep.nbytes / best / 1e9,
                                      bit_exact=got == want, path=path_name()))

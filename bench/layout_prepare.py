@@ -90,14 +90,16 @@ def measure(args) -> list[dict]:
                 me = a.add_peer(a.metadata())
                 pick = (lambda n: rng.permutation(POOL_BLOCKS)[:n]) if args.random_ids else (lambda n: np.arange(n))
                 lids, rids = pick(TOKENS // lt).astype(np.uint32), pick(TOKENS // rt).astype(np.uint32)
-                kw = dict(num_tokens=TOKENS if lt != rt else 0, num_heads=nh, local_head_offset=lho,
-                          remote_head_offset=rho)
-                pull = dict(num_tokens=kw["num_tokens"], num_heads=nh, local_head_offset=rho, remote_head_offset=lho)
-                for op, (li, lo_, ri, ro_, opts) in (("write", (0, lids, 1, rids, kw)),
+                push = pdkv.PlanOptions(num_tokens=TOKENS if lt != rt else 0, num_heads=nh, local_head_offset=lho,
+                                        remote_head_offset=rho)
+                pull = pdkv.PlanOptions(num_tokens=push.num_tokens, num_heads=nh, local_head_offset=rho,
+                                        remote_head_offset=lho)
+                for op, (li, lo_, ri, ro_, plan) in (("write", (0, lids, 1, rids, push)),
                                                      ("read", (1, rids, 0, lids, pull))):
                     direct, dsecs = (None, 0.0) if args.no_direct else best_of(
-                        lambda: pdkv.plan_blocks(layouts[li], lo_, layouts[ri], ro_, **opts), 2)
-                    prep, secs = best_of(lambda: a.prepare(op, me, f"kv{li}", lo_, f"kv{ri}", ro_, **opts))
+                        lambda: pdkv.plan_blocks(layouts[li], lo_, layouts[ri], ro_, plan=plan), 2)
+                    prep, secs = best_of(lambda: a.prepare(op, me, pdkv.Blocks(f"kv{li}", lo_),
+                                                           pdkv.Blocks(f"kv{ri}", ro_), plan=plan))
                     rows.append(dict(geometry=label, mode=name, op=op, extents=prep.num_extents, ms=secs * 1e3,
                                      direct_extents=len(direct) if direct is not None else -1, direct_ms=dsecs * 1e3))
     return rows

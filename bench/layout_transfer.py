@@ -42,6 +42,7 @@ def main() -> None:
     op = sys.argv[1] if len(sys.argv) > 1 else "write"
     mode = sys.argv[2] if len(sys.argv) > 2 else "nhd:hnd"
     (sh, so), hh, (th, to), opts = MODES[mode]
+    plan = pdkv.PlanOptions(**opts)
     for transport in ("tcp", "shm"):
         with pdkv.Agent("a", secret="s", transports=[transport]) as a, \
                 pdkv.Agent("b", secret="s", transports=[transport]) as b:
@@ -55,10 +56,10 @@ def main() -> None:
                 agent.add_layout(name, pdkv.KVLayout.contiguous(geo, buf))
             peer = a.add_peer(b.metadata())
             ids = list(range(BLOCKS))
-            hetero = a.prepare(op, peer, "src", ids, "hetero", ids, **opts)
-            homog = a.prepare(op, peer, "src_h", ids, "homog", ids)
+            hetero = a.prepare(op, peer, pdkv.Blocks("src", ids), pdkv.Blocks("hetero", ids), plan=plan)
+            homog = a.prepare(op, peer, pdkv.Blocks("src_h", ids), pdkv.Blocks("homog", ids))
             direct = a.prepare_extents(op, peer, pdkv.plan_blocks(
-                a.layout("src"), ids, pdkv.KVLayout(a.peer_info(peer)["layouts"]["hetero"]), ids, **opts))
+                a.layout("src"), ids, pdkv.KVLayout(a.peer_info(peer)["layouts"]["hetero"]), ids, plan=plan))
             assert homog.nbytes == hetero.nbytes == direct.nbytes
             gbps = {k: homog.nbytes / best_seconds(p) / 1e9 for k, p in
                     (("homogeneous", homog), ("staged", hetero), ("direct", direct))}

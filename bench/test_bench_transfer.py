@@ -36,7 +36,8 @@ def test_write_scattered_blocks(benchmark, pair, payload):
     t, a, peer, blocks = pair
     n = PAYLOADS[payload] // (2 << 20)
     rng = np.random.default_rng(0)
-    prep = a.prepare("write", peer, "kv", rng.permutation(blocks)[:n], "kv", rng.permutation(blocks)[:n])
+    prep = a.prepare("write", peer, pdkv.Blocks("kv", rng.permutation(blocks)[:n]),
+                     pdkv.Blocks("kv", rng.permutation(blocks)[:n]))
     prep.post().wait(60)
     benchmark.extra_info.update(transport=t, payload_bytes=prep.nbytes, extents=prep.num_extents)
     benchmark.pedantic(lambda: prep.post().wait(60), rounds=5, iterations=1)
@@ -85,10 +86,11 @@ def test_write_hetero_16M(benchmark, hetero_pair, spec, kind):
         expected = hetero.reference(plan, pools.src, req.src_ids, req.tokens)
         hetero.store(pools.hom[0], pools.hom[1], req.hom_local, expected)
         if kind == "hetero":
-            preps = [a.prepare("write", peer, f"src{p.prefill_rank}", req.src_ids, "kv", req.het_ids,
-                               **hetero._push_kwargs(plan, p, req.tokens)) for p in plan.pushes]
+            preps = [a.prepare("write", peer, pdkv.Blocks(f"src{p.prefill_rank}", req.src_ids),
+                               pdkv.Blocks("kv", req.het_ids), plan=hetero._push_plan(plan, p, req.tokens))
+                     for p in plan.pushes]
         else:
-            preps = [a.prepare("write", peer, "hom", req.hom_local, "kv", req.hom_ids)]
+            preps = [a.prepare("write", peer, pdkv.Blocks("hom", req.hom_local), pdkv.Blocks("kv", req.hom_ids))]
         hetero.time_round(preps)
         benchmark.extra_info.update(transport=t, spec=spec, kind=kind, payload_bytes=sum(p.nbytes for p in preps),
                                     extents=sum(p.num_extents for p in preps))

@@ -70,8 +70,9 @@ def main() -> None:
             try:
                 peer = agent.connect(req["address"])
                 x = (agent.write if req["op"] == "write" else agent.read)(
-                    peer, "kv", req["lblocks"], "kv", req["rblocks"], notify=req.get("notify"), timeout=30,
-                    remote_generations=req.get("rgens"))
+                    peer, pdkv.Blocks("kv", req["lblocks"]),
+                    pdkv.Blocks("kv", req["rblocks"], generations=req.get("rgens")), notify=req.get("notify"),
+                    timeout=30)
                 x.wait(30)
                 out({"ok": True, "error": None, "transport": x.transport})
             except pdkv.PdkvError as e:

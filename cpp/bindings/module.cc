@@ -16,6 +16,7 @@
 #include "py_common.h"
 #include "py_async.h"
 #include "py_auth.h"
+#include "py_blocks.h"
 #include "py_dlpack.h"
 #include "py_options.h"
 #include "py_codec.h"
@@ -30,6 +31,7 @@
 
 namespace py = pybind11;
 using namespace pdkv;
+using bindings::ids_from;
 using bindings::region_dict;
 using bindings::to_bytes;
 
@@ -52,112 +54,6 @@ T unwrap(Result<T>&& r) {
 }
 
 std::string type_name(const py::handle& o) { return py::str(py::type::handle_of(o).attr("__name__")); }
-
-// "block ids", or "block generations" for an argument of generations.
-std::string id_kind(const char* what) {
-  return std::string_view(what).find("generation") != std::string_view::npos ? "block generations" : "block ids";
-}
-
-[[noreturn]] void bad_ids(const char* what, const std::string& why) {
-  throw StatusError(InvalidArgument(std::string(what) + " must be a sequence of integer " + id_kind(what) + ": " + why));
-}
-
-// Appends one id, rejecting negatives and ids that do not fit 32 bits.
-void push_id(std::vector<uint32_t>& v, const char* what, size_t pos, long long x, bool overflow = false) {
-  if (overflow || x < 0 || x > 0xFFFFFFFFll)
-    throw StatusError(OutOfRange(std::string(what) + "[" + std::to_string(pos) + "] = " +
-                                 (overflow ? std::string("a huge integer") : std::to_string(x)) +
-                                 " is not a 32-bit unsigned integer (" + id_kind(what) + " are 0..2^32-1)"));
-  v.push_back(static_cast<uint32_t>(x));
-}
-
-// Block ids from a 1-D integer buffer (numpy array of any integer dtype).
-std::vector<uint32_t> ids_from_buffer(const py::buffer& b, const char* what) {
-  py::buffer_info bi = b.request();
-  if (bi.ndim != 1) bad_ids(what, "got a " + std::to_string(bi.ndim) + "-dimensional array");
-  std::string f = bi.format;
-  if (!f.empty() && (f[0] == '=' || f[0] == '<' || f[0] == '@')) f = f.substr(1);
-  const bool is_signed = f == "b" || f == "h" || f == "i" || f == "l" || f == "q";
-  const bool is_unsigned = f == "B" || f == "H" || f == "I" || f == "L" || f == "Q";
-  if (f.size() != 1 || (!is_signed && !is_unsigned) || (bi.itemsize != 1 && bi.itemsize != 2 && bi.itemsize != 4 &&
-                                                         bi.itemsize != 8))
-    bad_ids(what, "got an array of element format '" + bi.format + "' (" +
-                      (f == "?" ? "booleans" : f == "e" || f == "f" || f == "d" || f == "g" ? "floats" : "not integers") +
-                      ")");
-  std::vector<uint32_t> v;
-  v.reserve(static_cast<size_t>(bi.shape[0]));
-  const char* base = static_cast<const char*>(bi.ptr);
-  for (py::ssize_t i = 0; i < bi.shape[0]; ++i) {
-    const char* p = base + i * bi.strides[0];
-    long long x = 0;
-    bool overflow = false;
-    if (is_signed) {
-      int64_t t = 0;
-      switch (bi.itemsize) {
-        case 1: { int8_t y; std::memcpy(&y, p, 1); t = y; break; }
-        case 2: { int16_t y; std::memcpy(&y, p, 2); t = y; break; }
-        case 4: { int32_t y; std::memcpy(&y, p, 4); t = y; break; }
-        default: std::memcpy(&t, p, 8);
-      }
-      x = t;
-    } else {
-      uint64_t t = 0;
-      switch (bi.itemsize) {
-        case 1: { uint8_t y; std::memcpy(&y, p, 1); t = y; break; }
-        case 2: { uint16_t y; std::memcpy(&y, p, 2); t = y; break; }
-        case 4: { uint32_t y; std::memcpy(&y, p, 4); t = y; break; }
-        default: std::memcpy(&t, p, 8);
-      }
-      overflow = t > 0xFFFFFFFFull;
-      x = overflow ? 0 : static_cast<long long>(t);
-    }
-    push_id(v, what, static_cast<size_t>(i), x, overflow);
-  }
-  return v;
-}
-
-// Block ids, validated once for every public entry point: a 1-D integer buffer (numpy
-// array), or an iterable of ints (Python or numpy integer scalars). Bools, floats,
-// strings and other objects are InvalidArgument naming `what` and the position;
-// negative or > 2^32-1 ids are OutOfRange.
-std::vector<uint32_t> ids_from(const py::object& o, const char* what) {
-  if (py::isinstance<py::str>(o) || py::isinstance<py::bytes>(o) || PyByteArray_Check(o.ptr()))
-    bad_ids(what, "got " + type_name(o));
-  if (py::isinstance<py::buffer>(o)) return ids_from_buffer(py::reinterpret_borrow<py::buffer>(o), what);
-  PyObject* it = PyObject_GetIter(o.ptr());
-  if (!it) {
-    PyErr_Clear();
-    bad_ids(what, "got " + type_name(o));
-  }
-  py::iterator iter = py::reinterpret_steal<py::iterator>(it);
-  std::vector<uint32_t> v;
-  if (PyObject_HasAttrString(o.ptr(), "__len__")) {
-    const Py_ssize_t n = PyObject_Length(o.ptr());
-    if (n < 0) PyErr_Clear();
-    else v.reserve(static_cast<size_t>(n));
-  }
-  for (py::handle item : iter) {
-    const size_t pos = v.size();
-    int overflow = 0;
-    if (PyLong_CheckExact(item.ptr())) {  // the common case: a plain int
-      const long long x = PyLong_AsLongLongAndOverflow(item.ptr(), &overflow);
-      push_id(v, what, pos, x, overflow != 0);
-      continue;
-    }
-    const std::string tn = type_name(item);
-    if (PyBool_Check(item.ptr()) || tn == "bool_" || tn == "bool" || !PyIndex_Check(item.ptr()))
-      bad_ids(what, "position " + std::to_string(pos) + " holds " + tn + " " + std::string(py::repr(item)));
-    PyObject* idx = PyNumber_Index(item.ptr());
-    if (!idx) {
-      PyErr_Clear();
-      bad_ids(what, "position " + std::to_string(pos) + " holds " + tn + " " + std::string(py::repr(item)));
-    }
-    const long long x = PyLong_AsLongLongAndOverflow(idx, &overflow);
-    Py_DECREF(idx);
-    push_id(v, what, pos, x, overflow != 0);
-  }
-  return v;
-}
 
 // A member of the bound XferState enum, handed out as the object py::enum_ made for
 // it: Transfer.wait returns these very objects (pdkv.Transfer compares them with
@@ -310,12 +206,14 @@ PYBIND11_MODULE(_pdkv, m) {
 
   m.def(
       "plan_blocks",
-      [](const KVLayout& local, py::object lids, const KVLayout& remote, py::object rids, uint64_t num_tokens,
-         uint32_t num_heads, uint32_t local_head_offset, uint32_t remote_head_offset,
-         const std::string& distinct_side, uint32_t first_layer, uint32_t num_layers) {
+      [](const KVLayout& local, py::object lids, const KVLayout& remote, py::object rids, py::object plan,
+         const std::string& distinct_side) {
         auto l = ids_from(lids, "local_blocks");
         auto r = ids_from(rids, "remote_blocks");
-        PlanOptions o{num_tokens, num_heads, local_head_offset, remote_head_offset, first_layer, num_layers};
+        // None: move everything (the class is bound after this function, so no typed default).
+        if (!plan.is_none() && !py::isinstance<PlanOptions>(plan))
+          throw StatusError(InvalidArgument("plan must be a PlanOptions or None, got " + type_name(plan)));
+        const PlanOptions o = plan.is_none() ? PlanOptions{} : plan.cast<PlanOptions>();
         std::vector<Extent> ex;
         {
           py::gil_scoped_release rel;
@@ -333,9 +231,8 @@ PYBIND11_MODULE(_pdkv, m) {
         for (auto& e : ex) out.append(py::make_tuple(e.local_region, e.local_offset, e.remote_region, e.remote_offset, e.len));
         return out;
       },
-      py::arg("local"), py::arg("local_ids"), py::arg("remote"), py::arg("remote_ids"), py::arg("num_tokens") = 0,
-      py::arg("num_heads") = 0, py::arg("local_head_offset") = 0, py::arg("remote_head_offset") = 0,
-      py::arg("distinct") = "", py::arg("first_layer") = 0, py::arg("num_layers") = 0);
+      py::arg("local"), py::arg("local_ids"), py::arg("remote"), py::arg("remote_ids"), py::arg("plan") = py::none(),
+      py::arg("distinct") = "");
 
   m.def("decode_metadata", [](py::bytes blob) {
     std::string b = blob;
@@ -403,6 +300,7 @@ PYBIND11_MODULE(_pdkv, m) {
       .def_readonly("checked", &PreparedTransfer::checked);
 
   bind_options(m);
+  bindings::bind_blocks(m);
   bind_async(m);
   bind_dlpack(m);
   py::class_<Agent>(m, "Agent")
@@ -496,30 +394,16 @@ PYBIND11_MODULE(_pdkv, m) {
              check(st);
            })
       .def("prepare_blocks",
-           [](Agent& a, const std::string& peer, OpKind op, const std::string& ll, py::object lids,
-              const std::string& rl, py::object rids, uint64_t num_tokens, uint32_t num_heads, uint32_t lho,
-              uint32_t rho, const std::string& transport, py::object rgens, uint32_t first_layer,
-              uint32_t num_layers, std::optional<std::string> compress) {
-             auto l = ids_from(lids, "local_blocks");
-             auto r = ids_from(rids, "remote_blocks");
-             PlanOptions po{num_tokens, num_heads, lho, rho, first_layer, num_layers};
-             XferOptions xo{transport, {}, transfer_compress(compress)};
-             if (!rgens.is_none()) {
-               xo.remote_generations = ids_from(rgens, "remote_generations");
-               if (xo.remote_generations.empty())
-                 throw StatusError(InvalidArgument("remote_generations is empty (give one per remote block, or None)"));
-             }
+           [](Agent& a, const std::string& peer, OpKind op, const Blocks& local, const Blocks& remote,
+              const PlanOptions& plan, const XferOptions& opts) {
              Result<std::shared_ptr<PreparedTransfer>> res = Status();
              {
                py::gil_scoped_release rel;
-               res = a.prepare_blocks(peer, op, ll, l, rl, r, po, xo);
+               res = a.prepare_blocks(peer, op, local, remote, plan, opts);
              }
              return unwrap(std::move(res));
            },
-           py::arg("peer"), py::arg("op"), py::arg("local_layout"), py::arg("local_ids"), py::arg("remote_layout"),
-           py::arg("remote_ids"), py::arg("num_tokens"), py::arg("num_heads"), py::arg("local_head_offset"),
-           py::arg("remote_head_offset"), py::arg("transport"), py::arg("remote_generations") = py::none(),
-           py::arg("first_layer") = 0, py::arg("num_layers") = 0, py::arg("compress") = py::none())
+           py::arg("peer"), py::arg("op"), py::arg("local"), py::arg("remote"), py::arg("plan"), py::arg("options"))
       .def("generations",
            [](const Agent& a, const std::string& layout, py::object ids) {
              return unwrap(a.generations(layout, ids_from(ids, "block_ids")));
@@ -537,8 +421,7 @@ PYBIND11_MODULE(_pdkv, m) {
       .def("prepare_extents",
            [](Agent& a, const std::string& peer, OpKind op,
               const std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>>& ex,
-              const std::string& transport, std::optional<std::string> compress) {
-             const XferOptions xo{transport, {}, transfer_compress(compress)};
+              const XferOptions& xo) {
              std::vector<Extent> v;
              v.reserve(ex.size());
              for (auto& [lr, lo, rr, ro, len] : ex) v.push_back(Extent{lr, lo, rr, ro, len});
@@ -549,7 +432,7 @@ PYBIND11_MODULE(_pdkv, m) {
              }
              return unwrap(std::move(res));
            },
-           py::arg("peer"), py::arg("op"), py::arg("extents"), py::arg("transport"), py::arg("compress") = py::none())
+           py::arg("peer"), py::arg("op"), py::arg("extents"), py::arg("options"))
       .def("post",
            [](Agent& a, const PreparedTransfer& p, py::bytes notif, double timeout_s) {
              std::string n = notif;

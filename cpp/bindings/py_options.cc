@@ -1,5 +1,7 @@
 // Python classes of the typed options: TcpOptions, ShmOptions (each transport's,
-// pdkv/options/*.h) and AgentConfig (pdkv/config.h), bound once, field by field.
+// pdkv/options/*.h), AgentConfig (pdkv/config.h) and a transfer's PlanOptions,
+// XferOptions and StreamOptions (pdkv/kv_layout.h, agent.h, stream.h), bound once,
+// field by field.
 //
 // Each class is built from one table of fields: a read-write attribute per field, a
 // keyword-only constructor (`TcpOptions(spin_us=5)`) whose signature is written from
@@ -18,7 +20,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "pdkv/agent.h"
 #include "pdkv/config.h"
+#include "pdkv/kv_layout.h"
+#include "pdkv/stream.h"
 #include "py_common.h"
 
 namespace py = pybind11;
@@ -273,7 +278,7 @@ class OptionsClass {
     static const char* const kBuiltins[] = {"int", "float", "str", "bytes", "bool"};
     for (const char* b : kBuiltins)
       if (py_type == b) return py_type;
-    if (py_type.find('[') != std::string::npos) return py_type;
+    if (py_type.find('[') != std::string::npos || py_type.find('|') != std::string::npos) return py_type;
     return std::string(py::str(cls_.attr("__module__"))) + "." + py_type;
   }
 
@@ -296,7 +301,8 @@ class OptionsClass {
     const C defaults;
     for (const Field& f : *fields_) {
       const py::object d = f.get(defaults);
-      const bool literal = py::isinstance<py::int_>(d) || py::isinstance<py::float_>(d) || py::isinstance<py::bool_>(d) ||
+      const bool literal = d.is_none() || py::isinstance<py::int_>(d) || py::isinstance<py::float_>(d) ||
+                           py::isinstance<py::bool_>(d) ||
                            py::isinstance<py::str>(d) || py::isinstance<py::bytes>(d) ||
                            py::isinstance<py::list>(d);
       sig += ", " + f.name + ": " + qualified(f.py_type) + " = " +
@@ -380,15 +386,88 @@ void bind_compression(py::module_& m) {
       .finish();
 }
 
-std::optional<CompressMode> transfer_compress(const std::optional<std::string>& s) {
-  if (!s) return std::nullopt;
-  auto m = parse_compress_mode(*s, "compress");
-  if (!m.ok()) raise_status(m.status());
-  return *m;
+// A transfer's PlanOptions, XferOptions and StreamOptions: what Agent.write, read,
+// prepare and open_stream take besides the blocks (python/pdkv/agent.py documents the
+// calls; the field docs here are the reference).
+void bind_transfer_options(py::module_& m) {
+  OptionsClass<PlanOptions>(m, "PlanOptions",
+                            "What a block transfer moves of layouts of different shape (block size, NHD/HND, a "
+                            "tensor-parallel head split) and which layers: pdkv/kv_layout.h. 0 means 'all'.")
+      .field("num_tokens", &PlanOptions::num_tokens,
+             "int: tokens to move, counted from the start of the first block; 0: all of them, accepted only when "
+             "both block lists hold the same number of tokens (a plan never moves part of the data unless asked).")
+      .field("num_heads", &PlanOptions::num_heads,
+             "int: kv heads to move; 0: all, accepted only when both layouts hold the same number of kv heads.")
+      .field("local_head_offset", &PlanOptions::local_head_offset,
+             "int: first head moved on this agent's side (tensor-parallel splits).")
+      .field("remote_head_offset", &PlanOptions::remote_head_offset, "int: first head moved on the peer's side.")
+      .field("first_layer", &PlanOptions::first_layer,
+             "int: first layer moved; the layers are [first_layer, first_layer + num_layers). A range beyond the "
+             "layouts' layers raises OutOfRange.")
+      .field("num_layers", &PlanOptions::num_layers, "int: layers moved; 0: every layer from first_layer on.")
+      .finish();
+
+  OptionsClass<XferOptions>(m, "XferOptions", "How a transfer travels: pdkv/agent.h.")
+      .property(
+          "transport", "str | None",
+          [](const XferOptions& o) -> py::object {
+            return o.transport.empty() ? py::object(py::none()) : py::object(py::str(o.transport));
+          },
+          [](XferOptions& o, py::handle v) {
+            if (v.is_none()) o.transport.clear();
+            else if (py::isinstance<py::str>(v)) o.transport = v.cast<std::string>();
+            else raise_invalid("XferOptions.transport must be a str or None, got " + describe(v));
+          },
+          "str or None: the transport to use ('tcp', 'shm', ...; it must reach the peer); None: the peer's "
+          "(Agent.peer_transport).")
+      .property(
+          "compress", "str | None",
+          [](const XferOptions& o) -> py::object {
+            return o.compress ? py::object(py::str(std::string(compress_mode_name(*o.compress))))
+                              : py::object(py::none());
+          },
+          [](XferOptions& o, py::handle v) {
+            if (v.is_none()) {
+              o.compress.reset();
+              return;
+            }
+            if (!py::isinstance<py::str>(v))
+              raise_invalid("XferOptions.compress must be one of 'off', 'lossless', 'fp8', 'auto' or None, got " +
+                            describe(v));
+            auto mode = parse_compress_mode(v.cast<std::string>(), "XferOptions.compress");
+            if (!mode.ok()) raise_status(mode.status());
+            o.compress = *mode;
+          },
+          "str or None: how this transfer's payload travels on a tcp wire, overriding the agent's "
+          "TcpOptions.compress.mode for it only ('off', 'lossless', 'fp8', 'auto'; its codec, dtype and fp8 "
+          "grouping apply as they are); None: the agent's mode. 'fp8' (or 'auto' with policy 'lossy-allowed') "
+          "allows lossy KV for this transfer; reads ask the peer for compressed responses. Other transports move "
+          "the bytes exactly (docs/compression.md).")
+      .finish();
+
+  OptionsClass<StreamOptions>(m, "StreamOptions", "How a layer-wise stream batches its layers: pdkv/stream.h.")
+      .field("min_batch_bytes", &StreamOptions::min_batch_bytes,
+             "int, bytes: posted layers holding fewer bytes than this wait for more (or for close); 0: send "
+             "whatever is ready.")
+      .field("max_inflight_batches", &StreamOptions::max_inflight_batches,
+             "int (>= 1): most transfers of the stream in flight; layers posted meanwhile leave together when one "
+             "completes.")
+      .property(
+          "progress_prefix", "bytes", [](const StreamOptions& o) -> py::object { return py::bytes(o.progress_prefix); },
+          [](StreamOptions& o, py::handle v) {
+            if (py::isinstance<py::bytes>(v) || py::isinstance<py::str>(v)) o.progress_prefix = v.cast<std::string>();
+            else if (PyByteArray_Check(v.ptr()) || PyMemoryView_Check(v.ptr()))
+              o.progress_prefix = py::bytes(py::reinterpret_borrow<py::object>(v)).cast<std::string>();
+            else raise_invalid("StreamOptions.progress_prefix must be bytes or str, got " + describe(v));
+          },
+          "bytes (str: UTF-8): when not empty, every batch also delivers the notification progress_prefix + "
+          "b'<first>-<end>' (its layer range) once it landed, for a receiver that starts on early layers.")
+      .finish();
 }
 
 void bind_options(py::module_& m) {
   bind_compression(m);
+  bind_transfer_options(m);
   OptionsClass<TcpOptions>(m, "TcpOptions", "Options of the tcp transport (any host). Units are in the names.")
       .field("listen_host", &TcpOptions::listen_host,
              "str: address to bind and publish (Agent(listen='host:port') sets it).")

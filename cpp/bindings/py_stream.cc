@@ -7,10 +7,8 @@
 
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "py_common.h"
-#include "py_options.h"
 #include "pdkv/agent.h"
 #include "pdkv/stream.h"
 
@@ -23,24 +21,14 @@ void check(const Status& st) {
   if (!st.ok()) bindings::raise_status(st);
 }
 
-std::shared_ptr<StreamingWrite> open_stream(Agent& a, const std::string& peer, const std::string& local_layout,
-                                            std::vector<uint32_t> local_ids, const std::string& remote_layout,
-                                            std::vector<uint32_t> remote_ids, uint64_t num_tokens, uint32_t num_heads,
-                                            uint32_t local_head_offset, uint32_t remote_head_offset,
-                                            uint32_t first_layer, uint32_t num_layers, const std::string& transport,
-                                            std::optional<std::vector<uint32_t>> remote_generations,
-                                            py::bytes notif, double timeout_s, uint64_t min_batch_bytes,
-                                            uint32_t max_inflight_batches, py::bytes progress_prefix,
-                                            std::optional<std::string> compress) {
-  PlanOptions plan{num_tokens, num_heads, local_head_offset, remote_head_offset, first_layer, num_layers};
-  XferOptions xo{transport, remote_generations ? std::move(*remote_generations) : std::vector<uint32_t>{},
-                 transfer_compress(compress)};
-  StreamOptions so{min_batch_bytes, max_inflight_batches, std::string(progress_prefix)};
+std::shared_ptr<StreamingWrite> open_stream(Agent& a, const std::string& peer, const Blocks& local,
+                                            const Blocks& remote, const PlanOptions& plan, const XferOptions& xfer,
+                                            py::bytes notif, double timeout_s, const StreamOptions& stream) {
   std::string n = notif;
   Result<std::shared_ptr<StreamingWrite>> r = Status();
   {
     py::gil_scoped_release rel;
-    r = a.open_stream(peer, local_layout, local_ids, remote_layout, remote_ids, plan, xo, std::move(n), timeout_s, so);
+    r = a.open_stream(peer, local, remote, plan, xfer, std::move(n), timeout_s, stream);
   }
   if (!r.ok()) bindings::raise_status(r.status());
   return std::move(r).value();
@@ -81,12 +69,8 @@ void bind_stream(py::module_& m) {
       .def_property_readonly("layers_landed", &StreamingWrite::layers_landed)
       .def_property_readonly("batches_posted", &StreamingWrite::batches_posted)
       .def_property_readonly("closed", &StreamingWrite::closed);
-  m.def("open_stream", &open_stream, py::arg("agent"), py::arg("peer"), py::arg("local_layout"),
-        py::arg("local_ids"), py::arg("remote_layout"), py::arg("remote_ids"), py::arg("num_tokens"),
-        py::arg("num_heads"), py::arg("local_head_offset"), py::arg("remote_head_offset"), py::arg("first_layer"),
-        py::arg("num_layers"), py::arg("transport"), py::arg("remote_generations"), py::arg("notif"),
-        py::arg("timeout_s"), py::arg("min_batch_bytes"), py::arg("max_inflight_batches"),
-        py::arg("progress_prefix"), py::arg("compress") = py::none(),
+  m.def("open_stream", &open_stream, py::arg("agent"), py::arg("peer"), py::arg("local"), py::arg("remote"),
+        py::arg("plan"), py::arg("options"), py::arg("notif"), py::arg("timeout_s"), py::arg("stream"),
         "Opens a layer-wise streaming write (Agent::open_stream); python/pdkv/agent.py documents it.");
 }
 

@@ -4,6 +4,7 @@
 // the sanitizers (the pump thread, completion callbacks and callers race by design).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -82,7 +83,7 @@ class StreamTest : public ::testing::Test {
     peer = *p;
   }
   std::shared_ptr<StreamingWrite> open(std::string notif, double timeout_s = 20, StreamOptions so = {}) {
-    auto s = a->agent->open_stream(peer, "kv", kSrc, "kv", kDst, {}, {}, std::move(notif), timeout_s, so);
+    auto s = a->agent->open_stream(peer, {"kv", kSrc}, {"kv", kDst}, {}, {}, std::move(notif), timeout_s, so);
     EXPECT_TRUE(s.ok()) << s.status().to_string();
     return s.ok() ? *s : nullptr;
   }
@@ -186,6 +187,43 @@ TEST_F(StreamTest, ConcurrentPostersAndCancel) {
     const XferState st = s->transfer()->wait(20);
     EXPECT_TRUE(st == XferState::kDone || st == XferState::kCancelled);
   }
+}
+
+// The block-selection struct: the remote side's generations are checked at every post
+// (a bumped block fails the transfer with StaleBlock and nothing lands); generations on
+// the local side, or not one per block, and a stream that may never send are refused.
+TEST_F(StreamTest, BlocksCarryTheRemoteGenerationsAndOptionsValidate) {
+  auto gens = b->agent->generations("kv", kDst);
+  ASSERT_TRUE(gens.ok());
+  auto fresh = a->agent->prepare_blocks(peer, OpKind::kWrite, {"kv", kSrc}, {"kv", kDst, *gens});
+  ASSERT_TRUE(fresh.ok()) << fresh.status().to_string();
+  EXPECT_TRUE((*fresh)->checked);
+  auto x = a->agent->post(**fresh, "", 20);
+  ASSERT_TRUE(x.ok());
+  EXPECT_EQ((*x)->wait(20), XferState::kDone);
+  for (uint32_t l = 0; l < 6; ++l) EXPECT_TRUE(landed(*a, *b, l));
+
+  ASSERT_TRUE(b->agent->bump_generations("kv", {kDst[1]}, 5).ok());
+  std::fill(b->pool.begin(), b->pool.end(), 0);
+  auto stale = a->agent->post(**fresh, "never", 20);
+  ASSERT_TRUE(stale.ok());
+  EXPECT_EQ((*stale)->wait(20), XferState::kFailed);
+  EXPECT_EQ((*stale)->error().code(), StatusCode::kStaleBlock);
+  EXPECT_TRUE(std::all_of(b->pool.begin(), b->pool.end(), [](uint8_t v) { return v == 0; }));
+
+  auto local_gens = a->agent->prepare_blocks(peer, OpKind::kWrite, {"kv", kSrc, {1, 1, 1}}, {"kv", kDst});
+  EXPECT_EQ(local_gens.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(local_gens.status().message().find("remote blocks"), std::string::npos);
+  auto short_gens = a->agent->prepare_blocks(peer, OpKind::kWrite, {"kv", kSrc}, {"kv", kDst, {1, 1}});
+  EXPECT_EQ(short_gens.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(short_gens.status().message().find("2 entries for 3 blocks"), std::string::npos);
+
+  StreamOptions none_inflight;
+  none_inflight.max_inflight_batches = 0;
+  EXPECT_EQ(none_inflight.validate().code(), StatusCode::kInvalidArgument);
+  auto s = a->agent->open_stream(peer, {"kv", kSrc}, {"kv", kDst}, {}, {}, "", 20, none_inflight);
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("max_inflight_batches"), std::string::npos);
 }
 
 }  // namespace

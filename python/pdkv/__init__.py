@@ -5,6 +5,9 @@ Core objects (see each one's docstring):
 * :class:`Agent` — one endpoint per process: registers memory and KV layouts, meets
   peers (``connect("host:port")`` or ``add_peer(metadata)``), and moves blocks with
   asynchronous ``write``/``read`` that notify the peer once the bytes have landed.
+* :class:`Blocks`, :class:`PlanOptions`, :class:`XferOptions`, :class:`StreamOptions` —
+  what a transfer moves and how (``agent.write(peer, Blocks("kv", ids), Blocks("kv",
+  remote_ids), plan=PlanOptions(num_tokens=40))``).
 * :class:`KVGeometry`, :class:`KVLayout` — how a paged KV pool is laid out.
 * :mod:`pdkv.errors` — the exception hierarchy (every error is a :class:`PdkvError`).
 
@@ -15,16 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .agent import (
-    Agent,
-    Notification,
-    PreparedTransfer,
-    Region,
-    SharedRegion,
-    StreamingWrite,
-    Transfer,
-    XferState,
-)
+from .agent import Agent, Notification, XferState
 from .errors import (
     AlreadyExists,
     AuthFailed,
@@ -43,12 +37,14 @@ from .errors import (
     VersionMismatch,
 )
 from .layout import KVGeometry, KVLayout, plan_blocks, tensor_address
+from .region import Region, SharedRegion
 from .tp import HeadRange, TPMapping, TPTransfer
+from .transfer import PreparedTransfer, StreamingWrite, Transfer
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ._pdkv import ShmOptions, TcpCompression, TcpOptions
+    from ._pdkv import Blocks, PlanOptions, ShmOptions, StreamOptions, TcpCompression, TcpOptions, XferOptions
 
 
 def __getattr__(name: str) -> Any:
@@ -58,12 +54,17 @@ def __getattr__(name: str) -> Any:
         from . import agent
 
         return getattr(agent, name)
+    if name in ("Blocks", "PlanOptions", "XferOptions", "StreamOptions"):  # likewise (see transfer.py)
+        from . import transfer
+
+        return getattr(transfer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Agent",
     "AlreadyExists",
     "AuthFailed",
+    "Blocks",
     "Cancelled",
     "InvalidArgument",
     "HeadRange",
@@ -73,6 +74,7 @@ __all__ = [
     "NotSupported",
     "Notification",
     "OutOfRange",
+    "PlanOptions",
     "PdkvError",
     "PeerConnectionError",
     "PreparedTransfer",
@@ -85,12 +87,14 @@ __all__ = [
     "StalePeer",
     "TcpOptions",
     "TcpCompression",
+    "StreamOptions",
     "StreamingWrite",
     "TPMapping",
     "TPTransfer",
     "Transfer",
     "TransferTimeout",
     "VersionMismatch",
+    "XferOptions",
     "XferState",
     "available_transports",
     "decode_metadata",

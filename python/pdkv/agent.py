@@ -18,7 +18,7 @@ Two agents in one process (the same calls work across processes and hosts; ship
 ...     d.add_layout("kv", pdkv.KVLayout.contiguous(geo, pools["d"]))
 ...     pools["p"][:] = 7
 ...     peer = p.connect(d.address)                 # fetch decode's metadata by address
-...     xfer = p.write(peer, "kv", [0, 1, 2], "kv", [5, 9, 3], notify=b"req-1")
+...     xfer = p.write(peer, pdkv.Blocks("kv", [0, 1, 2]), pdkv.Blocks("kv", [5, 9, 3]), notify=b"req-1")
 ...     xfer.wait(5.0)
 ...     [n.data for n in d.wait_notifications(5.0)]
 True
@@ -30,30 +30,20 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Sequence
 
 from . import _native, _validate
+from . import transfer as _xfer
 from . import transport as _transport
-from .errors import InvalidArgument, NotFound, OutOfRange, PdkvError, error_class
+from .errors import InvalidArgument, NotFound, PdkvError
 from .layout import KVLayout, _describe_memory
-from .xfer_state import XferState, from_native as _state
+from .region import Region, SharedRegion
+from .transfer import PreparedTransfer, StreamingWrite, Transfer
+from .xfer_state import XferState
 
 __all__ = ["Agent", "TcpOptions", "TcpCompression", "ShmOptions", "Region", "SharedRegion", "Transfer", "PreparedTransfer",
            "StreamingWrite", "Notification", "XferState"]
-
-
-_NATIVE_DONE: list = []
-_NATIVE_PENDING: list = []
-
-
-def _native_states():
-    if not _NATIVE_DONE:
-        m = _native.module().XferState
-        _NATIVE_DONE.append(m.DONE)
-        _NATIVE_PENDING.append(m.PENDING)
-    return _NATIVE_DONE[0], _NATIVE_PENDING[0]
 
 
 # The options classes are the native ones (cpp/bindings/py_options.cc): typed
@@ -61,7 +51,7 @@ def _native_states():
 # constructors that validate at once (InvalidArgument naming the field). Looked up on
 # first use (module __getattr__ below), so `import pdkv` still loads no native code.
 if TYPE_CHECKING:  # the classes as the stubs (python/pdkv/_pdkv.pyi) describe them
-    from ._pdkv import ShmOptions, TcpCompression, TcpOptions
+    from ._pdkv import Blocks, PlanOptions, ShmOptions, StreamOptions, TcpCompression, TcpOptions, XferOptions
 
 _NATIVE_OPTIONS = ("TcpOptions", "ShmOptions", "TcpCompression")
 
@@ -90,416 +80,6 @@ class Notification:
     data: bytes
 
 
-class Region:
-    """Memory registered with an agent. ``close()`` (or leaving a ``with`` block)
-    deregisters it, waiting for transfers that use it. Keeps the registered object
-    alive while registered."""
-
-    def __init__(self, agent: "Agent", desc: dict, obj: Any) -> None:
-        self._agent = agent
-        self._desc = desc
-        self._obj = obj
-        self._mm = obj
-        self._closed = False
-
-    id = property(lambda self: self._desc["id"], doc="Region id (unique in this agent, never reused).")
-    addr = property(lambda self: self._desc["addr"], doc="Start address.")
-    nbytes = property(lambda self: self._desc["len"], doc="Length in bytes.")
-    kind = property(lambda self: self._desc["kind"], doc="'host' or 'cuda'.")
-    device = property(lambda self: self._desc["device"], doc="CUDA ordinal, or -1 for host.")
-    remote_access = property(lambda self: self._desc["remote_access"], doc="Exported to peers.")
-    shared_bytes = property(lambda self: self._desc.get("shared_len", 0),
-                            doc="Bytes same-host peers copy into directly (memfd-backed): all of an "
-                                ":meth:`Agent.alloc` region; the whole pages of engine memory re-mapped at "
-                                "registration (``ShmOptions.share_pages_min_bytes``); 0 otherwise (cross-memory "
-                                "attach).")
-    shared_offset = property(lambda self: self._desc.get("shared_offset", 0),
-                             doc="Offset of the first shared byte from :attr:`addr`.")
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        """Deregisters; blocks until transfers using this region finish. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._agent._deregister(self)
-            self._obj = None
-            self._mm = None
-
-    def __enter__(self) -> "Region":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"Region(id={self.id}, addr=0x{self.addr:x}, nbytes={self.nbytes}, kind={self.kind!r})"
-
-
-class SharedRegion(Region):
-    """Memory pdkv allocated as shareable (memfd) pages: same-host peers map it once
-    and copy straight into it (the shm transport). Use it as your KV pool through
-    :meth:`array` or :meth:`tensor` views; views stay valid even after ``close()``."""
-
-    @property
-    def shareable(self) -> bool:
-        return True
-
-    def array(self, dtype: Any = "uint8", shape: Sequence[int] | None = None, offset: int = 0) -> Any:
-        """A numpy view of the memory (``shape=None``: 1-D over everything after ``offset``)."""
-        import numpy as np
-
-        dt = np.dtype(dtype)
-        count = -1 if shape is None else int(np.prod(shape))
-        a = np.frombuffer(self._mmap, dtype=dt, count=count, offset=offset)
-        return a if shape is None else a.reshape(shape)
-
-    def tensor(self, dtype: Any, shape: Sequence[int], offset: int = 0) -> Any:
-        """A torch CPU tensor view of the memory (needs torch)."""
-        import torch
-
-        n = 1
-        for d in shape:
-            n *= int(d)
-        return torch.frombuffer(self._mmap, dtype=dtype, count=n, offset=offset).view(*shape)
-
-    @property
-    def _mmap(self) -> Any:
-        if self._mm is None:
-            raise InvalidArgument("region is closed")
-        return self._mm
-
-
-class Transfer:
-    """A posted transfer. Completes asynchronously in native threads.
-
-    A ``wait`` timeout does not cancel it: keep the memory alive until
-    :attr:`done` (deregistration waits for it anyway).
-    """
-
-    __slots__ = ("_n",)
-
-    def __init__(self, native: Any) -> None:
-        self._n = native
-
-    id = property(lambda self: self._n.id)
-    peer = property(lambda self: self._n.peer, doc="Peer name.")
-    transport = property(lambda self: self._n.transport, doc="Transport carrying it ('tcp', ...).")
-    bytes_total = property(lambda self: self._n.bytes_total)
-    bytes_done = property(lambda self: self._n.bytes_done, doc="Bytes confirmed landed so far.")
-    elapsed = property(lambda self: self._n.elapsed_s, doc="Seconds from post to completion (0 while pending).")
-    compression = property(lambda self: self._n.compression,
-                           doc="Codec that compressed this write, or this read's responses, on the wire "
-                               "('zstd', 'lz4', 'fp8'; '' = none).")
-    wire_bytes = property(lambda self: self._n.wire_bytes,
-                          doc="Payload bytes on the wire for it: sent (write) or received (read); the "
-                              "compressed size when compressed; tcp only.")
-
-    @property
-    def state(self) -> XferState:
-        return _state(self._n.state)
-
-    @property
-    def done(self) -> bool:
-        """True once terminal (done, failed or cancelled)."""
-        return self.state is not XferState.PENDING
-
-    @property
-    def error(self) -> PdkvError | None:
-        """The failure as an exception (None while pending or when done)."""
-        info = self._n.error_info()
-        if info is None:
-            return None
-        return error_class(info[0])(info[1])
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until terminal or ``timeout`` seconds pass.
-
-        Returns
-        -------
-        bool
-            True when the transfer completed, False if still pending at the timeout.
-
-        Raises
-        ------
-        PdkvError
-            The transfer's error if it failed (:class:`~pdkv.errors.Cancelled` if cancelled).
-        """
-        done, pending = _native_states()
-        timeout = _validate.wait_timeout(timeout)
-        state = self._n.wait(-1.0 if timeout is None else timeout)  # the XferState members themselves
-        if state is done:
-            return True
-        if state is pending:
-            return False
-        raise self.error  # type: ignore[misc]
-
-    def cancel(self) -> None:
-        """Drops the parts not yet on the wire; the state becomes CANCELLED unless all
-        bytes were already sent (then it completes normally)."""
-        self._n.cancel()
-
-    async def wait_async(self, timeout: float | None = None) -> bool:
-        """``await``-able :meth:`wait`: same result, same errors, and no thread.
-
-        The running event loop is woken through one eventfd when the transfer ends
-        (:class:`_LoopCompletions`). Cancelling the awaiting task stops the wait only,
-        never the transfer (use :meth:`cancel` for that).
-        """
-        timeout = _validate.wait_timeout(timeout)
-        if not self.done and timeout != 0:
-            loop = asyncio.get_running_loop()
-            completions = _LoopCompletions.of(loop)
-            ticket, finished = completions.watch(loop, self._n)
-            try:
-                if timeout is None:
-                    await finished
-                else:
-                    await asyncio.wait((finished,), timeout=timeout)
-            finally:  # done, timed out or cancelled: nothing of this wait stays behind
-                completions.forget(loop, ticket)
-        return self.wait(0)
-
-    def __await__(self) -> Generator[Any, None, bool]:
-        """``await transfer`` is ``await transfer.wait_async()`` (no timeout)."""
-        return self.wait_async().__await__()
-
-    def __repr__(self) -> str:
-        return (f"Transfer(id={self.id}, peer={self.peer!r}, {self.state.value}, "
-                f"{self.bytes_done}/{self.bytes_total} bytes)")
-
-
-class _LoopCompletions:
-    """Resolves the futures of transfers awaited on one event loop.
-
-    A native ``CompletionQueue`` gives each watched transfer a ticket and makes its
-    eventfd readable when transfers end (the C++ thread that completes a transfer
-    pushes the ticket: no GIL, no Python thread). The loop reads the fd
-    (``add_reader``) only while some transfer is awaited.
-    """
-
-    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopCompletions]" = weakref.WeakKeyDictionary()
-
-    def __init__(self) -> None:
-        # No reference to the loop here (it keys the WeakKeyDictionary above), and none
-        # through a future once every wait has ended (Transfer.wait_async forgets them).
-        self._queue = _native.module().CompletionQueue()
-        self._waiting: dict[int, asyncio.Future] = {}
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> "_LoopCompletions":
-        lc = cls._by_loop.get(loop)
-        if lc is None:
-            lc = cls._by_loop[loop] = cls()
-        return lc
-
-    def watch(self, loop: asyncio.AbstractEventLoop, native_transfer: Any) -> tuple[int, asyncio.Future]:
-        """(ticket, future of ``loop`` resolved with None once the transfer is terminal);
-        :meth:`forget` the ticket when the wait ends, however it ends."""
-        if not self._waiting:
-            loop.add_reader(self._queue.fd, self._resolve_finished)
-        ticket = self._queue.watch(native_transfer)
-        self._waiting[ticket] = fut = loop.create_future()
-        return ticket, fut
-
-    def forget(self, loop: asyncio.AbstractEventLoop, ticket: int) -> None:
-        # A ticket that comes later (the wait timed out or was cancelled) is skipped.
-        self._waiting.pop(ticket, None)
-        if not self._waiting:
-            loop.remove_reader(self._queue.fd)
-
-    def _resolve_finished(self) -> None:
-        for ticket in self._queue.take():
-            fut = self._waiting.get(ticket)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-
-
-class PreparedTransfer:
-    """A transfer validated and laid out once (``Agent.prepare_*``); post it many times."""
-
-    __slots__ = ("_agent", "_n")
-
-    def __init__(self, agent: "Agent", native: Any) -> None:
-        self._agent = agent
-        self._n = native
-
-    peer = property(lambda self: self._n.peer)
-    transport = property(lambda self: self._n.transport)
-    nbytes = property(lambda self: self._n.bytes)
-    num_extents = property(lambda self: self._n.num_extents, doc="Extents after coalescing.")
-    checked = property(lambda self: self._n.checked,
-                       doc="Whether every post checks the peer's block generations (``remote_generations``).")
-
-    def post(self, *, notify: bytes | str | None = None, timeout: float | None = None) -> Transfer:
-        """Starts the transfer; returns at once.
-
-        Parameters
-        ----------
-        notify : bytes or str, optional
-            Delivered to the peer after every byte of this transfer has landed (at most
-            the agent's ``max_notif_bytes``).
-        timeout : float, optional
-            Seconds (finite, > 0) until the transfer fails with TransferTimeout (None:
-            the agent's ``default_timeout``).
-
-        Faults of the peer (dead, unreachable, frozen, restarted) never raise here: the
-        returned transfer fails and :meth:`Transfer.wait` raises them (docs/faults.md).
-        """
-        data = _validate.notification(notify, self._agent._max_notif_bytes)
-        tmo = _validate.timeout(timeout)
-        return Transfer(self._agent._n.post(self._n, data, -1.0 if tmo is None else tmo))
-
-    def __repr__(self) -> str:
-        return (f"PreparedTransfer(peer={self.peer!r}, transport={self.transport!r}, "
-                f"{self.nbytes} bytes in {self.num_extents} extents)")
-
-
-class StreamingWrite:
-    """A layer-wise streaming write (:meth:`Agent.open_stream`), opened before the KV exists.
-
-    Post layers as they become ready (:meth:`post_layers`); each ready range is planned
-    and posted as an ordinary write (same routing, bounds checks, block generations and
-    transports as :meth:`Agent.write`), adjacent layers that became ready while earlier
-    ones were in flight leaving together. :meth:`close` declares the stream complete;
-    the notification is sent once every layer has landed. The stream's state is a
-    :class:`Transfer` (:attr:`transfer`): ``wait()``, ``await``, ``cancel()``, byte
-    counts and errors work as for any transfer, with one deadline for the whole stream.
-    Nothing here is on the data path: posting, batching and completion run in C++.
-
-    Dropping the object before :meth:`close` cancels the stream. See docs/streaming.md.
-
-    Examples
-    --------
-    >>> s = prefill.open_stream(peer, "kv", ids, "kv", remote_ids, notify=b"req-1")  # doctest: +SKIP
-    >>> for layer in range(num_layers):                                              # doctest: +SKIP
-    ...     compute(layer); s.post_layers(layer)
-    >>> s.close().wait(10.0)                                                          # doctest: +SKIP
-    True
-    """
-
-    __slots__ = ("_n", "_t", "_max_notif_bytes")
-
-    def __init__(self, native: Any, max_notif_bytes: int) -> None:
-        self._n = native
-        self._t = Transfer(native.transfer)
-        self._max_notif_bytes = max_notif_bytes
-
-    first_layer = property(lambda self: self._n.first_layer, doc="First layer of the stream.")
-    num_layers = property(lambda self: self._n.num_layers, doc="Layers in the stream.")
-    layer_bytes = property(lambda self: self._n.layer_bytes, doc="Bytes each layer moves.")
-    layers_posted = property(lambda self: self._n.layers_posted, doc="Layers posted so far.")
-    layers_landed = property(lambda self: self._n.layers_landed, doc="Layers whose bytes landed at the peer.")
-    batches_posted = property(lambda self: self._n.batches_posted, doc="Transfers the layers were sent in.")
-    closed = property(lambda self: self._n.closed, doc="Whether :meth:`close` was called.")
-
-    @property
-    def transfer(self) -> Transfer:
-        """The stream as a :class:`Transfer` (``bytes_total`` = every layer's bytes)."""
-        return self._t
-
-    @property
-    def state(self) -> XferState:
-        return self._t.state
-
-    @property
-    def done(self) -> bool:
-        """True once terminal (done, failed or cancelled)."""
-        return self._t.done
-
-    @property
-    def error(self) -> PdkvError | None:
-        """The failure as an exception (None while pending or when done)."""
-        return self._t.error
-
-    def post_layers(self, first: int, count: int = 1) -> None:
-        """Marks layers ``[first, first + count)`` computed and sends them; returns at once.
-
-        Raises
-        ------
-        OutOfRange
-            Layers outside the stream's.
-        InvalidArgument
-            ``count`` 0, a layer posted twice, or the stream is closed.
-        PdkvError
-            The stream's own error once it failed (a batch failed, it timed out or was
-            cancelled): later posts fail fast.
-        """
-        self._n.post_layers(_validate.count(first, "first"), _validate.count(count, "count"))
-
-    def close(self, *, notify: bytes | str | None = None) -> Transfer:
-        """Declares every layer posted; the notification goes out once all have landed.
-
-        Parameters
-        ----------
-        notify : bytes or str, optional
-            Replaces the notification given to :meth:`Agent.open_stream` (for a message
-            known only at the end, e.g. the first sampled token).
-
-        Returns
-        -------
-        Transfer
-            :attr:`transfer`, to wait for.
-
-        Raises
-        ------
-        InvalidArgument
-            Layers never posted (named), or already closed. The stream stays open.
-        PdkvError
-            The stream's error once it failed.
-        """
-        data = None if notify is None else _validate.notification(notify, self._max_notif_bytes)
-        self._n.close(data)
-        return self._t
-
-    def cancel(self) -> None:
-        """Drops unsent layers, cancels batches in flight; no notification is sent."""
-        self._n.cancel()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """:meth:`Transfer.wait` of :attr:`transfer`."""
-        return self._t.wait(timeout)
-
-    async def wait_async(self, timeout: float | None = None) -> bool:
-        """:meth:`Transfer.wait_async` of :attr:`transfer`."""
-        return await self._t.wait_async(timeout)
-
-    def __await__(self) -> Generator[Any, None, bool]:
-        return self._t.wait_async().__await__()
-
-    def __enter__(self) -> "StreamingWrite":
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        """Leaving the block by an exception before :meth:`close` cancels the stream."""
-        if exc_type is not None and not self.closed:
-            self.cancel()
-
-    def __repr__(self) -> str:
-        return (f"StreamingWrite(peer={self._t.peer!r}, layers {self.first_layer}+{self.num_layers}, "
-                f"posted={self.layers_posted}, landed={self.layers_landed}, {self.state.value})")
-
-
-def _ids32(ids: Any, what: str) -> list[int]:
-    """Block ids (or generations) as a list of 32-bit unsigned ints, checked here because
-    the native open_stream takes a plain list."""
-    ids = _validate.block_ids(ids, what)
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    out: list[int] = []
-    for i, v in enumerate(ids):
-        if isinstance(v, bool) or not _validate._is_int(v):
-            raise InvalidArgument(f"{what} must be a sequence of integer block ids: element {i} is "
-                                  f"{type(v).__name__} {v!r}")
-        v = int(v)
-        if not 0 <= v <= 0xFFFFFFFF:
-            raise OutOfRange(f"{what}[{i}] = {v} is not a 32-bit unsigned integer")
-        out.append(v)
-    return out
-
-
 class _Closed:
     def __init__(self, name: str) -> None:
         self._name = name
@@ -512,17 +92,6 @@ def _transport_name(transport: Any) -> str | None:
     if transport is not None and not isinstance(transport, str):
         raise InvalidArgument(f"transport must be a str, got {type(transport).__name__}")
     return transport
-
-
-_COMPRESS_MODES = ("off", "lossless", "fp8", "auto")
-
-
-def _compress_mode(compress: Any) -> str | None:
-    """A transfer's ``compress=``: None (the agent's mode) or one of _COMPRESS_MODES."""
-    if compress is None or (isinstance(compress, str) and compress in _COMPRESS_MODES):
-        return compress
-    raise InvalidArgument(f"compress must be one of {', '.join(map(repr, _COMPRESS_MODES))} or None, "
-                          f"got {type(compress).__name__} {compress!r}")
 
 
 def _as_bytes(v: bytes | str | None, what: str = "secret") -> bytes:
@@ -798,7 +367,8 @@ class Agent:
         """Current generations of blocks of a local layout (docs/generations.md).
 
         Hand them out with the block ids to whoever will write into (or read from) the
-        blocks; they pass them as ``remote_generations``.
+        blocks; they pass them as the remote side's ``pdkv.Blocks(layout, ids,
+        generations=...)``.
         """
         return self._n.generations(_validate.text(layout, "layout"), _validate.block_ids(block_ids, "block_ids"))
 
@@ -914,25 +484,8 @@ class Agent:
             return m.READ
         raise InvalidArgument(f"op must be 'write' or 'read', got {op!r}")
 
-    def prepare(
-        self,
-        op: str,
-        peer: str,
-        local_layout: str,
-        local_blocks: Iterable[int],
-        remote_layout: str | None = None,
-        remote_blocks: Iterable[int] | None = None,
-        *,
-        num_tokens: int = 0,
-        num_heads: int = 0,
-        local_head_offset: int = 0,
-        remote_head_offset: int = 0,
-        first_layer: int = 0,
-        num_layers: int = 0,
-        transport: str | None = None,
-        remote_generations: Iterable[int] | None = None,
-        compress: str | None = None,
-    ) -> PreparedTransfer:
+    def prepare(self, op: str, peer: str, local: Blocks, remote: Blocks | None = None, *,
+                plan: PlanOptions | None = None, options: XferOptions | None = None) -> PreparedTransfer:
         """Validates and lays out a block transfer once; ``.post()`` it many times.
 
         Parameters
@@ -942,37 +495,36 @@ class Agent:
             blocks into local ones.
         peer : str
             A name returned by :meth:`add_peer` / :meth:`connect`.
-        local_layout, remote_layout : str
-            Layout names (``remote_layout`` defaults to ``local_layout``).
-        local_blocks, remote_blocks : sequence of int
-            Block ids, position i of one mapped to position i of the other
-            (``remote_blocks`` defaults to ``local_blocks``). Integers only (numpy
-            integer arrays are fine); the destination side (remote for a write, local
-            for a read) must not name a block twice.
-        num_tokens, num_heads, local_head_offset, remote_head_offset : int
-            For layouts of different shape (block size, NHD/HND, TP head split). 0
-            means "all", which is accepted only when both block lists hold the same
-            number of tokens and both layouts the same number of kv heads: a plan
-            never moves part of the data unless asked to.
-        first_layer, num_layers : int
-            The layers to move: ``[first_layer, first_layer + num_layers)``
-            (``num_layers`` 0: through the last layer). A range beyond the layouts'
-            layers raises :class:`OutOfRange`.
-        remote_generations : sequence of int, optional
-            The generations the peer handed out with ``remote_blocks`` (one per remote
-            block, see :meth:`generations`). Every post then has the peer check them
-            before any byte lands (write) or is sent (read): a block freed or reused
-            since (the peer called :meth:`bump_generations`) fails the transfer with
-            :class:`StaleBlock` from ``wait()``, with nothing transferred and no
-            notification delivered. tcp and shm only (NotSupported elsewhere).
-        compress : {"off", "lossless", "fp8", "auto"}, optional
-            How this transfer's payload travels on a tcp wire, overriding the agent's
-            ``TcpOptions.compress.mode`` for this transfer only (its codec, dtype and
-            FP8 grouping apply as they are); None: the agent's mode. ``"fp8"`` (or
-            ``"auto"`` with policy ``"lossy-allowed"``) allows lossy KV for this
-            transfer. Reads ask the peer for compressed responses (a peer that cannot
-            answer them sends plain). Other transports move the bytes exactly. See
-            docs/compression.md.
+        local : Blocks
+            Blocks of one of this agent's layouts: ``pdkv.Blocks("kv", [0, 1, 2])``.
+        remote : Blocks, optional
+            Blocks of one of the peer's layouts, position i of ``local.ids`` mapped to
+            position i of ``remote.ids`` (None: the same layout name and ids). The
+            destination side (remote for a write, local for a read) must not name a
+            block twice. ``remote.generations``, the generations the peer handed out
+            with the ids (see :meth:`generations`), make every post have the peer check
+            them before any byte lands (write) or is sent (read): a block freed or
+            reused since (the peer called :meth:`bump_generations`) fails the transfer
+            with :class:`StaleBlock` from ``wait()``, with nothing transferred and no
+            notification delivered. tcp and shm only (NotSupported elsewhere). The
+            local side carries no generations (InvalidArgument).
+        plan : PlanOptions, optional
+            For layouts of different shape (block size, NHD/HND, TP head split) and for
+            a range of layers: ``num_tokens``, ``num_heads``, ``local_head_offset``,
+            ``remote_head_offset``, ``first_layer``, ``num_layers``. 0 means "all",
+            which is accepted only when both block lists hold the same number of tokens
+            and both layouts the same number of kv heads: a plan never moves part of
+            the data unless asked to. A layer range beyond the layouts' layers raises
+            :class:`OutOfRange`. None: everything.
+        options : XferOptions, optional
+            ``transport`` forces one (it must reach the peer). ``compress`` (``"off"``,
+            ``"lossless"``, ``"fp8"``, ``"auto"``) is how this transfer's payload travels
+            on a tcp wire, overriding the agent's ``TcpOptions.compress.mode`` for this
+            transfer only (its codec, dtype and FP8 grouping apply as they are);
+            ``"fp8"`` (or ``"auto"`` with policy ``"lossy-allowed"``) allows lossy KV for
+            this transfer. Reads ask the peer for compressed responses (a peer that
+            cannot answer them sends plain). Other transports move the bytes exactly.
+            See docs/compression.md.
 
         Raises
         ------
@@ -983,76 +535,49 @@ class Agent:
         """
         opk = self._op(op)
         peer = _validate.text(peer, "peer")
-        local_layout = _validate.text(local_layout, "local_layout")
-        remote_layout = local_layout if remote_layout is None else _validate.text(remote_layout, "remote_layout")
-        plan = (_validate.count(num_tokens, "num_tokens", maximum=2**64 - 1), _validate.count(num_heads, "num_heads"),
-                _validate.count(local_head_offset, "local_head_offset"),
-                _validate.count(remote_head_offset, "remote_head_offset"))
-        layers = (_validate.count(first_layer, "first_layer"), _validate.count(num_layers, "num_layers"))
-        lids = _validate.block_ids(local_blocks, "local_blocks")
-        rids = lids if remote_blocks is None else _validate.block_ids(remote_blocks, "remote_blocks")
-        gens = None if remote_generations is None else _validate.block_ids(remote_generations, "remote_generations")
-        transport = _transport_name(transport)
-        native = self._n.prepare_blocks(peer, opk, local_layout, lids, remote_layout, rids, *plan, transport or "",
-                                        gens, *layers, _compress_mode(compress))
+        local, remote = _xfer.sides(local, remote)
+        native = self._n.prepare_blocks(peer, opk, local, remote, _xfer.plan_options(plan),
+                                        _xfer.xfer_options(options))
         return PreparedTransfer(self, native)
 
     def prepare_extents(self, op: str, peer: str, extents: Sequence[tuple[int, int, int, int, int]], *,
-                        transport: str | None = None, compress: str | None = None) -> PreparedTransfer:
+                        options: XferOptions | None = None) -> PreparedTransfer:
         """Raw form: ``(local_region_id, local_offset, remote_region_id, remote_offset,
         nbytes)`` tuples of non-negative integers (remote ids from :meth:`peer_info`).
-        ``compress`` as :meth:`prepare`."""
+        ``options`` as :meth:`prepare`."""
         opk = self._op(op)
         peer = _validate.text(peer, "peer")
         rows = _validate.extents(extents)
-        transport = _transport_name(transport)
-        native = self._n.prepare_extents(peer, opk, rows, transport or "", _compress_mode(compress))
-        return PreparedTransfer(self, native)
+        return PreparedTransfer(self, self._n.prepare_extents(peer, opk, rows, _xfer.xfer_options(options)))
 
-    def write(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
-              remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
-              timeout: float | None = None, num_tokens: int = 0, num_heads: int = 0,
-              local_head_offset: int = 0, remote_head_offset: int = 0, first_layer: int = 0, num_layers: int = 0,
-              transport: str | None = None, remote_generations: Iterable[int] | None = None,
-              compress: str | None = None) -> Transfer:
+    def write(self, peer: str, local: Blocks, remote: Blocks | None = None, *, plan: PlanOptions | None = None,
+              options: XferOptions | None = None, notify: bytes | str | None = None,
+              timeout: float | None = None) -> Transfer:
         """Pushes local blocks into the peer's blocks; returns at once. See :meth:`prepare`
-        (``remote_generations``, ``compress``, plan options) and :meth:`PreparedTransfer.post`."""
+        (the blocks, ``plan``, ``options``) and :meth:`PreparedTransfer.post` (``notify``,
+        ``timeout``)."""
         self._check_post_args(notify, timeout)  # caller errors first, before any peer work
-        return self.prepare("write", peer, local_layout, local_blocks, remote_layout, remote_blocks,
-                            num_tokens=num_tokens, num_heads=num_heads, local_head_offset=local_head_offset,
-                            remote_head_offset=remote_head_offset, first_layer=first_layer,
-                            num_layers=num_layers, transport=transport,
-                            remote_generations=remote_generations, compress=compress).post(notify=notify,
-                                                                                           timeout=timeout)
+        return self.prepare("write", peer, local, remote, plan=plan, options=options).post(notify=notify,
+                                                                                             timeout=timeout)
 
     def _check_post_args(self, notify: Any, timeout: Any) -> None:
         _validate.notification(notify, self._max_notif_bytes)
         _validate.timeout(timeout)
 
-    def read(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
-             remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
-             timeout: float | None = None, num_tokens: int = 0, num_heads: int = 0,
-             local_head_offset: int = 0, remote_head_offset: int = 0, first_layer: int = 0, num_layers: int = 0,
-             transport: str | None = None, remote_generations: Iterable[int] | None = None,
-             compress: str | None = None) -> Transfer:
+    def read(self, peer: str, local: Blocks, remote: Blocks | None = None, *, plan: PlanOptions | None = None,
+             options: XferOptions | None = None, notify: bytes | str | None = None,
+             timeout: float | None = None) -> Transfer:
         """Pulls the peer's blocks into local blocks; ``notify`` reaches the peer once
-        every byte has landed here. ``compress`` as :meth:`prepare` (the peer encodes its
-        responses, this agent decodes them)."""
+        every byte has landed here. See :meth:`prepare`; with ``options.compress`` the
+        peer encodes its responses and this agent decodes them."""
         self._check_post_args(notify, timeout)
-        return self.prepare("read", peer, local_layout, local_blocks, remote_layout, remote_blocks,
-                            num_tokens=num_tokens, num_heads=num_heads, local_head_offset=local_head_offset,
-                            remote_head_offset=remote_head_offset, first_layer=first_layer,
-                            num_layers=num_layers, transport=transport,
-                            remote_generations=remote_generations, compress=compress).post(notify=notify,
-                                                                                           timeout=timeout)
+        return self.prepare("read", peer, local, remote, plan=plan, options=options).post(notify=notify,
+                                                                                            timeout=timeout)
 
-    def open_stream(self, peer: str, local_layout: str, local_blocks: Iterable[int], remote_layout: str | None = None,
-                    remote_blocks: Iterable[int] | None = None, *, notify: bytes | str | None = None,
-                    timeout: float | None = None, first_layer: int = 0, num_layers: int = 0, num_tokens: int = 0,
-                    num_heads: int = 0, local_head_offset: int = 0, remote_head_offset: int = 0,
-                    transport: str | None = None, remote_generations: Iterable[int] | None = None,
-                    min_batch_bytes: int = 0, max_inflight_batches: int = 4,
-                    progress_prefix: bytes | str | None = None, compress: str | None = None) -> StreamingWrite:
+    def open_stream(self, peer: str, local: Blocks, remote: Blocks | None = None, *,
+                    plan: PlanOptions | None = None, options: XferOptions | None = None,
+                    stream: StreamOptions | None = None, notify: bytes | str | None = None,
+                    timeout: float | None = None) -> StreamingWrite:
         """Opens a layer-wise streaming write of local blocks into the peer's blocks.
 
         The same write as :meth:`write`, but its layers are sent as the caller posts
@@ -1062,27 +587,24 @@ class Agent:
 
         Parameters
         ----------
-        peer, local_layout, local_blocks, remote_layout, remote_blocks
+        peer, local, remote, options
             As :meth:`prepare`.
+        plan : PlanOptions, optional
+            As :meth:`prepare`, applied to every layer; ``first_layer`` and
+            ``num_layers`` are the layers the stream carries (``num_layers`` 0: through
+            the last layer).
+        stream : StreamOptions, optional
+            How layers are batched: ``min_batch_bytes`` (posted layers holding fewer
+            bytes wait for more, or for close), ``max_inflight_batches`` (most transfers
+            of this stream in flight; layers posted meanwhile leave together when one
+            completes) and ``progress_prefix`` (when given, every batch also delivers
+            the notification ``progress_prefix + b"<first>-<end>"``, its layer range,
+            once it landed, for a receiver that starts on early layers).
         notify : bytes or str, optional
             Delivered once every layer landed (``close(notify=...)`` may replace it).
         timeout : float, optional
             Seconds (finite, > 0) for the whole stream, from now to the notification's
             delivery (None: the agent's ``default_timeout``).
-        first_layer, num_layers : int
-            The layers the stream carries: ``[first_layer, first_layer + num_layers)``
-            (``num_layers`` 0: through the last layer).
-        num_tokens, num_heads, local_head_offset, remote_head_offset, transport, remote_generations, compress
-            As :meth:`prepare`, applied to every layer.
-        min_batch_bytes : int
-            Posted layers holding fewer bytes than this wait for more (or for close).
-        max_inflight_batches : int
-            Most transfers of this stream in flight; layers posted meanwhile leave
-            together when one completes (>= 1).
-        progress_prefix : bytes or str, optional
-            When given, every batch also delivers the notification
-            ``progress_prefix + b"<first>-<end>"`` (its layer range) once it landed, for
-            a receiver that starts on early layers.
 
         Raises
         ------
@@ -1092,24 +614,10 @@ class Agent:
         notif = _validate.notification(notify, self._max_notif_bytes)
         tmo = _validate.timeout(timeout)
         peer = _validate.text(peer, "peer")
-        local_layout = _validate.text(local_layout, "local_layout")
-        remote_layout = local_layout if remote_layout is None else _validate.text(remote_layout, "remote_layout")
-        lids = _ids32(local_blocks, "local_blocks")
-        rids = lids if remote_blocks is None else _ids32(remote_blocks, "remote_blocks")
-        gens = None if remote_generations is None else _ids32(remote_generations, "remote_generations")
-        if gens is not None and not gens:
-            raise InvalidArgument("remote_generations is empty (give one per remote block, or None)")
-        prefix = b"" if progress_prefix is None else _validate.notification(progress_prefix, self._max_notif_bytes,
-                                                                             "progress_prefix")
-        native = _native.module().open_stream(
-            self._n, peer, local_layout, lids, remote_layout, rids,
-            _validate.count(num_tokens, "num_tokens", maximum=2**64 - 1), _validate.count(num_heads, "num_heads"),
-            _validate.count(local_head_offset, "local_head_offset"),
-            _validate.count(remote_head_offset, "remote_head_offset"), _validate.count(first_layer, "first_layer"),
-            _validate.count(num_layers, "num_layers"), _transport_name(transport) or "", gens, notif,
-            -1.0 if tmo is None else tmo, _validate.count(min_batch_bytes, "min_batch_bytes", maximum=2**64 - 1),
-            _validate.positive_int(max_inflight_batches, "max_inflight_batches", maximum=2**32 - 1), prefix,
-            _compress_mode(compress))
+        local, remote = _xfer.sides(local, remote)
+        native = _native.module().open_stream(self._n, peer, local, remote, _xfer.plan_options(plan),
+                                              _xfer.xfer_options(options), notif, -1.0 if tmo is None else tmo,
+                                              _xfer.stream_options(stream))
         return StreamingWrite(native, self._max_notif_bytes)
 
     def notify(self, peer: str, data: bytes | str, *, timeout: float | None = None) -> Transfer:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Sequence
 
 from . import _native, _validate
+from . import transfer as _xfer
 from .errors import InvalidArgument
 
 __all__ = ["KVGeometry", "KVLayout", "plan_blocks", "tensor_address"]
@@ -620,17 +621,8 @@ class KVLayout:
                                for s in self.segments]), keepalive=self._keepalive)
 
 
-def plan_blocks(
-    local: KVLayout,
-    local_ids: Iterable[int],
-    remote: KVLayout,
-    remote_ids: Iterable[int],
-    *,
-    num_tokens: int = 0,
-    num_heads: int = 0,
-    local_head_offset: int = 0,
-    remote_head_offset: int = 0,
-) -> list[tuple[int, int, int, int, int]]:
+def plan_blocks(local: KVLayout, local_ids: Iterable[int], remote: KVLayout, remote_ids: Iterable[int], *,
+                plan: Any = None) -> list[tuple[int, int, int, int, int]]:
     """Byte extents that move ``local_ids`` of ``local`` to/from ``remote_ids`` of ``remote``.
 
     Returns ``(local_region, local_offset, remote_region, remote_offset, nbytes)`` tuples;
@@ -642,18 +634,15 @@ def plan_blocks(
     instead stage a fragmented host-memory transfer through a local buffer (same bytes,
     few large extents on the wire; docs/api.md#kv-layouts).
 
-    ``num_tokens``/``num_heads`` = 0 mean "all", accepted only when both block lists
-    hold the same number of tokens and both layouts the same number of kv heads;
-    otherwise :class:`~pdkv.errors.InvalidArgument` names both geometries (a plan
-    never moves part of the data unless asked to).
+    ``plan`` is a :class:`~pdkv.PlanOptions` (None: everything). Its ``num_tokens`` /
+    ``num_heads`` = 0 mean "all", accepted only when both block lists hold the same
+    number of tokens and both layouts the same number of kv heads; otherwise
+    :class:`~pdkv.errors.InvalidArgument` names both geometries (a plan never moves part
+    of the data unless asked to).
     """
     for name, layout in (("local", local), ("remote", remote)):
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"{name} must be a KVLayout, got {type(layout).__name__}")
     return _native.module().plan_blocks(local.native, _validate.block_ids(local_ids, "local_ids"), remote.native,
-                                        _validate.block_ids(remote_ids, "remote_ids"),
-                                        _validate.count(num_tokens, "num_tokens", maximum=2**64 - 1),
-                                        _validate.count(num_heads, "num_heads"),
-                                        _validate.count(local_head_offset, "local_head_offset"),
-                                        _validate.count(remote_head_offset, "remote_head_offset"))
+                                        _validate.block_ids(remote_ids, "remote_ids"), _xfer.plan_options(plan))
 

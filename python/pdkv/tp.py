@@ -10,8 +10,8 @@ out, so the caller never computes an offset by hand:
 >>> m = TPMapping(prefill_tp=2, decode_tp=4, kv_heads=8)
 >>> [str(t) for t in m.transfers(side="decode", rank=1, mode="pull")]
 ['read from prefill rank 0: local heads [0, 2) <- remote heads [2, 4) (global 2..3)']
->>> m.transfers(side="decode", rank=1, mode="pull")[0].kwargs()
-{'num_heads': 2, 'local_head_offset': 0, 'remote_head_offset': 2}
+>>> m.transfers(side="decode", rank=1, mode="pull")[0].plan()
+PlanOptions(num_tokens=0, num_heads=2, local_head_offset=0, remote_head_offset=2, first_layer=0, num_layers=0)
 
 Head ownership follows the engines (vLLM, SGLang): with ``tp <= kv_heads`` rank
 ``r`` holds heads ``[r * kv_heads / tp, (r + 1) * kv_heads / tp)`` (``kv_heads``
@@ -28,17 +28,23 @@ a head twice into one decode rank.
 
 Offsets are always from the point of view of the rank that asked: ``local_heads``
 index its own pool, ``remote_heads`` the peer's. In a push the prefill rank is local;
-in a pull the decode rank is. :meth:`TPTransfer.kwargs` hands them to
-:meth:`pdkv.Agent.write` / :meth:`~pdkv.Agent.read` under the right names.
+in a pull the decode rank is. :meth:`TPTransfer.plan` hands them to
+:meth:`pdkv.Agent.write` / :meth:`~pdkv.Agent.read` as the :class:`~pdkv.PlanOptions`
+head fields.
 """
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any
 
+from . import transfer as _xfer
 from .errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from ._pdkv import Blocks, PlanOptions, XferOptions
 
 __all__ = ["HeadRange", "TPMapping", "TPTransfer", "heads_of_rank"]
 
@@ -76,7 +82,7 @@ class TPTransfer:
     initiator : bool
         Whether *this* rank issues it. A decode rank in push mode (or a prefill rank
         in pull mode) gets the list of transfers its peers will issue, for
-        bookkeeping (e.g. how many notifications to expect); :meth:`kwargs` refuses them.
+        bookkeeping (e.g. how many notifications to expect); :meth:`plan` refuses them.
     peer_side, peer_rank : str, int
         The other rank.
     local_heads, remote_heads : HeadRange
@@ -99,9 +105,10 @@ class TPTransfer:
     def num_heads(self) -> int:
         return self.local_heads.count
 
-    def kwargs(self) -> dict[str, int]:
-        """``num_heads``, ``local_head_offset``, ``remote_head_offset`` for
-        ``agent.write``/``agent.read``/``agent.prepare`` of this rank.
+    def plan(self, base: PlanOptions | None = None) -> PlanOptions:
+        """The :class:`~pdkv.PlanOptions` of this rank's transfer: a copy of ``base``
+        (tokens, layers; None: the defaults) with this transfer's ``num_heads``,
+        ``local_head_offset`` and ``remote_head_offset``.
 
         When the range is both pools' whole head set, all three are 0 ("all heads"),
         so equal geometries keep the planner's block-per-block path.
@@ -109,25 +116,26 @@ class TPTransfer:
         if not self.initiator:
             raise InvalidArgument(f"this rank does not issue the {self.op} with {self.peer_side} rank "
                                   f"{self.peer_rank}: that rank does (ask the mapping from its side)")
-        if self.local_whole and self.remote_whole:
-            return {"num_heads": 0, "local_head_offset": 0, "remote_head_offset": 0}
-        return {"num_heads": self.num_heads, "local_head_offset": self.local_heads.start,
-                "remote_head_offset": self.remote_heads.start}
+        plan = copy.copy(_xfer.plan_options(base))
+        whole = self.local_whole and self.remote_whole
+        plan.num_heads = 0 if whole else self.num_heads
+        plan.local_head_offset = 0 if whole else self.local_heads.start
+        plan.remote_head_offset = 0 if whole else self.remote_heads.start
+        return plan
 
-    def prepare(self, agent: Any, peer: str, local_layout: str, local_blocks: Iterable[int],
-                remote_layout: str | None = None, remote_blocks: Iterable[int] | None = None, **options: Any) -> Any:
-        """``agent.prepare(self.op, peer, ..., **self.kwargs(), **options)``; ``peer`` is
-        the agent's name for :attr:`peer_rank`."""
-        return agent.prepare(self.op, peer, local_layout, local_blocks, remote_layout, remote_blocks,
-                             **self.kwargs(), **options)
+    def prepare(self, agent: Any, peer: str, local: Blocks, remote: Blocks | None = None, *,
+                plan: PlanOptions | None = None, options: XferOptions | None = None) -> Any:
+        """``agent.prepare(self.op, peer, local, remote, plan=self.plan(plan),
+        options=options)``; ``peer`` is the agent's name for :attr:`peer_rank`."""
+        return agent.prepare(self.op, peer, local, remote, plan=self.plan(plan), options=options)
 
-    def submit(self, agent: Any, peer: str, local_layout: str, local_blocks: Iterable[int],
-               remote_layout: str | None = None, remote_blocks: Iterable[int] | None = None,
-               **options: Any) -> Any:
-        """Starts it: ``agent.write(...)`` or ``agent.read(...)`` with this transfer's
-        head kwargs (``options``: ``notify``, ``timeout``, ``num_tokens``, ...)."""
+    def submit(self, agent: Any, peer: str, local: Blocks, remote: Blocks | None = None, *,
+               plan: PlanOptions | None = None, options: XferOptions | None = None,
+               notify: bytes | str | None = None, timeout: float | None = None) -> Any:
+        """Starts it: ``agent.write(...)`` or ``agent.read(...)`` with :meth:`plan`
+        (``plan``: the tokens and layers to move besides the heads)."""
         call = agent.write if self.op == "write" else agent.read
-        return call(peer, local_layout, local_blocks, remote_layout, remote_blocks, **self.kwargs(), **options)
+        return call(peer, local, remote, plan=self.plan(plan), options=options, notify=notify, timeout=timeout)
 
     def __str__(self) -> str:
         arrow = "->" if self.peer_side == "decode" else "<-"  # the way the bytes flow

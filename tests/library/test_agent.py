@@ -194,14 +194,14 @@ def test_write_and_read_bit_exact(agent_pair, style):
     spec = PoolSpec(style=style, blocks=32)
     pa, pb, peer = connected(a, b, spec)
     lids, rids = [3, 4, 5, 9, 0], [30, 2, 17, 18, 19]
-    x = a.write(peer, "kv", lids, "kv", rids, notify=b"w")
+    x = a.write(peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), notify=b"w")
     assert x.wait(10) and x.state is pdkv.XferState.DONE
     assert x.bytes_done == x.bytes_total == 5 * 2 * spec.layers * pa.layout.block_bytes
     assert np.array_equal(pb.logical(rids), pa.logical(lids))
     assert [n.data for n in b.wait_notifications(5)] == [b"w"]
     # READ back into different local blocks.
     pb.fill(77)
-    x = a.read(peer, "kv", [10, 11], "kv", [1, 2], notify="r")
+    x = a.read(peer, pdkv.Blocks("kv", [10, 11]), pdkv.Blocks("kv", [1, 2]), notify="r")
     assert x.wait(10)
     assert np.array_equal(pa.logical([10, 11]), pb.logical([1, 2]))
     assert [(n.peer, n.data) for n in b.wait_notifications(5)] == [("initiator", b"r")]
@@ -210,7 +210,7 @@ def test_write_and_read_bit_exact(agent_pair, style):
 def test_prepared_transfer_posts_many_times(agent_pair):
     a, b = agent_pair
     pa, pb, peer = connected(a, b)
-    prep = a.prepare("write", peer, "kv", range(8), "kv", range(8, 16))
+    prep = a.prepare("write", peer, pdkv.Blocks("kv", range(8)), pdkv.Blocks("kv", range(8, 16)))
     assert prep.num_extents == 2 * 2 and prep.nbytes == 8 * 4 * pa.layout.block_bytes
     for i in range(5):
         pa.fill(i)
@@ -246,15 +246,15 @@ def test_transfer_errors_before_post(agent_pair):
     a, b = agent_pair
     pa, pb, peer = connected(a, b)
     with pytest.raises(pdkv.NotFound, match="no peer"):
-        a.write("nobody", "kv", [0])
+        a.write("nobody", pdkv.Blocks("kv", [0]))
     with pytest.raises(pdkv.NotFound, match="exports no layout"):
-        a.write(peer, "kv", [0], "other", [0])
+        a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("other", [0]))
     with pytest.raises(pdkv.OutOfRange):
-        a.write(peer, "kv", [0], "kv", [1000])
+        a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1000]))
     with pytest.raises(pdkv.InvalidArgument, match="op must be"):
-        a.prepare("push", peer, "kv", [0])
+        a.prepare("push", peer, pdkv.Blocks("kv", [0]))
     with pytest.raises(pdkv.InvalidArgument, match="notification"):
-        a.write(peer, "kv", [0], notify=b"x" * (2 << 20))
+        a.write(peer, pdkv.Blocks("kv", [0]), notify=b"x" * (2 << 20))
 
 
 def test_big_multi_batch_transfer_over_several_connections():
@@ -266,13 +266,13 @@ def test_big_multi_batch_transfer_over_several_connections():
         rng = np.random.default_rng(0)
         lids = rng.permutation(64)[:48].tolist()
         rids = rng.permutation(64)[:48].tolist()
-        x = a.write(peer, "kv", lids, "kv", rids, notify=b"done")
+        x = a.write(peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), notify=b"done")
         assert x.wait(20)
         # The notification goes out only after every batch on every connection was acked.
         assert [n.data for n in b.wait_notifications(5)] == [b"done"]
         assert np.array_equal(pb.logical(rids), pa.logical(lids))
         pb.fill(5)
-        x = a.read(peer, "kv", lids, "kv", rids, notify=b"read-done")
+        x = a.read(peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), notify=b"read-done")
         assert x.wait(20)
         assert np.array_equal(pa.logical(lids), pb.logical(rids))
         assert [n.data for n in b.wait_notifications(5)] == [b"read-done"]
@@ -288,7 +288,7 @@ def test_concurrent_transfers_from_threads(agent_pair):
         try:
             for i in range(20):
                 ids = [k * 16 + (i % 16)]
-                assert a.write(peer, "kv", ids, "kv", ids).wait(10)
+                assert a.write(peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids)).wait(10)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -318,7 +318,7 @@ def test_notification_fd_and_asyncio(agent_pair):
     pa, pb, peer = connected(a, b)
     fd = b.notification_fd
     assert select.select([fd], [], [], 0)[0] == []
-    a.write(peer, "kv", [1], notify=b"x").wait(5)
+    a.write(peer, pdkv.Blocks("kv", [1]), notify=b"x").wait(5)
     assert select.select([fd], [], [], 5)[0] == [fd]
     assert [n.data for n in b.get_notifications()] == [b"x"]
     assert select.select([fd], [], [], 0)[0] == []  # readable exactly while non-empty
@@ -327,7 +327,7 @@ def test_notification_fd_and_asyncio(agent_pair):
         it = b.notifications()
         got = []
         for i in range(3):
-            a.write(peer, "kv", [i], notify=f"a{i}")
+            a.write(peer, pdkv.Blocks("kv", [i]), notify=f"a{i}")
         async for n in it:
             got.append(n.data)
             if len(got) == 3:
@@ -354,7 +354,7 @@ def test_transfer_wait_async(agent_pair):
     pa, pb, peer = connected(a, b)
 
     async def go():
-        return await a.write(peer, "kv", [0, 1]).wait_async(5)
+        return await a.write(peer, pdkv.Blocks("kv", [0, 1])).wait_async(5)
 
     assert asyncio.run(go()) is True
 
@@ -364,14 +364,14 @@ def test_deregister_waits_for_inflight_transfer(agent_pair):
     spec = PoolSpec(layers=4, blocks=64, block_tokens=16, heads=8, head_dim=128, dtype="float16")  # 32 MiB
     pa, pb, peer = connected(a, b, spec)
     regions = list(a.regions)
-    x = a.write(peer, "kv", range(64), "kv", range(64))
+    x = a.write(peer, pdkv.Blocks("kv", range(64)), pdkv.Blocks("kv", range(64)))
     for r in regions:
         r.close()  # must block until x no longer touches the memory
     assert x.done
     assert x.wait(0) is True
     assert np.array_equal(pb.logical(range(64)), pa.logical(range(64)))
     with pytest.raises(pdkv.NotFound):
-        a.write(peer, "kv", [0])  # layout was dropped with its regions
+        a.write(peer, pdkv.Blocks("kv", [0]))  # layout was dropped with its regions
 
 
 def test_post_after_local_region_deregistered(agent_pair):
@@ -416,7 +416,7 @@ def test_cancel_before_send(agent_pair, flavor):
         pc = make_pool(spec, 3, c)
         pc.register(c)
         p2 = c.connect(b.address)
-        x = c.write(p2, "kv", range(64), "kv", range(64), notify=b"never")
+        x = c.write(p2, pdkv.Blocks("kv", range(64)), pdkv.Blocks("kv", range(64)), notify=b"never")
         x.cancel()
         try:
             completed = x.wait(10)  # all bytes may already be on the wire: then it completes
@@ -427,7 +427,7 @@ def test_cancel_before_send(agent_pair, flavor):
             assert x.bytes_done < x.bytes_total
             assert b.wait_notifications(0.2) == []
         # The connection is still usable.
-        assert c.write(p2, "kv", [0], "kv", [0]).wait(5)
+        assert c.write(p2, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [0])).wait(5)
     assert b_regions
 
 
@@ -442,16 +442,16 @@ def test_stale_peer_is_detected(agent_pair):
         # Same name, stale metadata pointing at a dead address: connection error.
         a.add_peer(old_md)
         with pytest.raises(pdkv.PeerConnectionError):
-            a.write(peer, "kv", [0], timeout=5).wait(10)
+            a.write(peer, pdkv.Blocks("kv", [0]), timeout=5).wait(10)
         # Re-fetching the new instance's metadata fixes it.
         assert a.connect(b2.address) == "target"
-        assert a.write(peer, "kv", [0]).wait(5)
+        assert a.write(peer, pdkv.Blocks("kv", [0])).wait(5)
 
 
 def test_prepared_transfer_rejects_restarted_peer(agent_pair):
     a, b = agent_pair
     pa, pb, peer = connected(a, b)
-    prep = a.prepare("write", peer, "kv", [0])
+    prep = a.prepare("write", peer, pdkv.Blocks("kv", [0]))
     with pdkv.Agent("target", secret=SECRET, transports=a.transports) as b2:
         make_pool(PoolSpec(), None, b2).register(b2)
         a.connect(b2.address)
@@ -471,7 +471,7 @@ def test_hello_to_wrong_instance_is_refused(agent_pair):
     md[i:i + 8] = struct.pack("<Q", info["instance_id"] ^ 1)
     a.add_peer(bytes(md))
     with pytest.raises(pdkv.StalePeer, match="restarted"):
-        a.write(peer, "kv", [0], timeout=5).wait(10)  # shm connects (and fails) at prepare
+        a.write(peer, pdkv.Blocks("kv", [0]), timeout=5).wait(10)  # shm connects (and fails) at prepare
 
 
 def test_closed_agent_raises_clearly():

@@ -43,11 +43,12 @@ def test_one_head_to_two_heads_without_a_plan_is_an_error_naming_both(pair):
     a, b = pair
     pa, pb, peer = pools(a, b, PoolSpec(heads=1), PoolSpec(heads=2))
     with pytest.raises(pdkv.InvalidArgument, match="num_heads") as info:
-        a.write(peer, "kv", [0, 1], "kv", [2, 3])
+        a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [2, 3]))
     assert "kv_heads=1" in str(info.value) and "kv_heads=2" in str(info.value)
     assert not pb.logical(range(16)).any()  # nothing moved
     # With an explicit plan: head 0 of the 2-head pool, exactly.
-    assert a.write(peer, "kv", [0, 1], "kv", [2, 3], num_heads=1, remote_head_offset=1).wait(10)
+    assert a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [2, 3]),
+                   plan=pdkv.PlanOptions(num_heads=1, remote_head_offset=1)).wait(10)
     got = pb.logical([2, 3])
     assert np.array_equal(got[:, :, :, 1:2], pa.logical([0, 1]))
     assert not got[:, :, :, 0].any()
@@ -57,13 +58,15 @@ def test_different_block_sizes_need_num_tokens_unless_the_lists_hold_equal_token
     a, b = pair
     pa, pb, peer = pools(a, b, PoolSpec(block_tokens=8), PoolSpec(block_tokens=4))
     with pytest.raises(pdkv.InvalidArgument, match="num_tokens") as info:
-        a.write(peer, "kv", [0, 1], "kv", [2, 3])  # 16 tokens vs 8: used to move 8 silently
+        a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [2, 3]))  # 16 tokens vs 8: used to move 8 silently
     assert "block_tokens=8" in str(info.value) and "block_tokens=4" in str(info.value)
     with pytest.raises(pdkv.InvalidArgument, match="num_tokens"):
-        a.read(peer, "kv", [0], "kv", [2, 3, 4])
-    assert a.write(peer, "kv", [0, 1], "kv", [2, 3, 4, 5]).wait(10)  # 16 = 16: a full re-layout
+        a.read(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [2, 3, 4]))
+    assert a.write(peer, pdkv.Blocks("kv", [0, 1]),
+                   pdkv.Blocks("kv", [2, 3, 4, 5])).wait(10)  # 16 = 16: a full re-layout
     assert np.array_equal(pb.logical([2, 3, 4, 5]), pa.logical([0, 1]))
-    assert a.write(peer, "kv", [3], "kv", [9, 10], num_tokens=5).wait(10)
+    assert a.write(peer, pdkv.Blocks("kv", [3]), pdkv.Blocks("kv", [9, 10]),
+                   plan=pdkv.PlanOptions(num_tokens=5)).wait(10)
     assert np.array_equal(pb.logical([9, 10])[:, :, :5], pa.logical([3])[:, :, :5])
     assert not pb.logical([9, 10])[:, :, 5:].any()
 
@@ -72,8 +75,8 @@ def test_same_block_size_but_different_list_lengths_need_num_tokens(pair):
     a, b = pair
     pa, pb, peer = pools(a, b, SPEC, PoolSpec(**{**SPEC.to_dict(), "style": "hnd"}))
     with pytest.raises(pdkv.InvalidArgument, match="differ in length"):
-        a.write(peer, "kv", [0, 1, 2], "kv", [3, 4])  # NHD -> HND used to move 2 blocks of 3
-    assert a.write(peer, "kv", [0, 1, 2], "kv", [3, 4, 5]).wait(10)
+        a.write(peer, pdkv.Blocks("kv", [0, 1, 2]), pdkv.Blocks("kv", [3, 4]))  # NHD -> HND used to move 2 blocks of 3
+    assert a.write(peer, pdkv.Blocks("kv", [0, 1, 2]), pdkv.Blocks("kv", [3, 4, 5])).wait(10)
     assert np.array_equal(pb.logical([3, 4, 5]), pa.logical([0, 1, 2]))
 
 
@@ -91,7 +94,7 @@ def test_hnd_tensor_described_without_order_cannot_move_part_of_the_data(pair):
     dst.register(b)
     peer = a.connect(b.address)
     with pytest.raises(pdkv.InvalidArgument, match="kv heads"):
-        a.write(peer, "kv", [0, 1], "kv", [0, 1])
+        a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [0, 1]))
     assert not dst.logical(range(8)).any()
 
 
@@ -111,11 +114,20 @@ def test_a_transposed_view_contradicting_order_is_rejected():
 def test_plan_arguments_are_non_negative_integers(pair, field, value):
     a, b = pair
     pools(a, b, SPEC, SPEC)
-    with pytest.raises(pdkv.InvalidArgument, match=field):
-        a.write("b", "kv", [0], **{field: value})
+    with pytest.raises(pdkv.InvalidArgument, match=f"PlanOptions.{field}"):
+        pdkv.PlanOptions(**{field: value})
+    plan = pdkv.PlanOptions()
+    with pytest.raises(pdkv.InvalidArgument, match=f"PlanOptions.{field}"):
+        setattr(plan, field, value)
+    assert plan == pdkv.PlanOptions()  # a refused value changes nothing
+    # Only a PlanOptions is a plan: the keywords it replaced are gone, a dict is refused.
+    with pytest.raises(pdkv.InvalidArgument, match="plan must be a pdkv.PlanOptions"):
+        a.write("b", pdkv.Blocks("kv", [0]), plan={field: value})
+    with pytest.raises(TypeError, match=field):
+        a.write("b", pdkv.Blocks("kv", [0]), **{field: 0})
     lay = Pool(SPEC).layout
-    with pytest.raises(pdkv.InvalidArgument, match=field):
-        pdkv.plan_blocks(lay, [0], lay, [0], **{field: value})
+    with pytest.raises(pdkv.InvalidArgument, match="plan must be a pdkv.PlanOptions"):
+        pdkv.plan_blocks(lay, [0], lay, [0], plan={field: value})
 
 
 # ------------------------------------------------------------------ item 10: block ids
@@ -126,11 +138,16 @@ def test_plan_arguments_are_non_negative_integers(pair, field, value):
 def test_block_ids_must_be_integers(pair, ids):
     a, b = pair
     pools(a, b, SPEC, SPEC)
-    with pytest.raises(pdkv.InvalidArgument, match="local_blocks"):
-        a.write("b", "kv", ids, "kv", [0, 1])
-    if ids is not None:  # (remote_blocks=None means "the same as local_blocks")
-        with pytest.raises(pdkv.InvalidArgument, match="remote_blocks"):
-            a.read("b", "kv", [0, 1], "kv", ids)
+    with pytest.raises(pdkv.InvalidArgument, match="Blocks.ids"):
+        pdkv.Blocks("kv", ids)
+    if ids is not None:  # (generations=None means "unchecked")
+        with pytest.raises(pdkv.InvalidArgument, match="Blocks.generations"):
+            pdkv.Blocks("kv", [0], generations=ids)
+    # A transfer takes Blocks only: ids where the Blocks go are refused by name.
+    with pytest.raises(pdkv.InvalidArgument, match="local must be a pdkv.Blocks"):
+        a.write("b", ids, pdkv.Blocks("kv", [0, 1]))
+    with pytest.raises(pdkv.InvalidArgument, match="remote must be a pdkv.Blocks"):
+        a.read("b", pdkv.Blocks("kv", [0, 1]), ids if ids is not None else "kv")
 
 
 @pytest.mark.parametrize("ids", [[-1], [2**32], [2**70], np.array([-3], np.int8), np.array([2**40], np.uint64),
@@ -139,7 +156,7 @@ def test_block_ids_out_of_range(pair, ids):
     a, b = pair
     pools(a, b, SPEC, SPEC)
     with pytest.raises(pdkv.OutOfRange):
-        a.write("b", "kv", [0], "kv", ids)
+        a.write("b", pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", ids))
 
 
 @pytest.mark.parametrize("ids", [[3, 4], np.array([3, 4], np.int8), np.array([3, 4], np.uint16),
@@ -149,7 +166,7 @@ def test_block_ids_out_of_range(pair, ids):
 def test_integer_block_ids_of_every_kind_are_accepted(pair, ids):
     a, b = pair
     pa, pb, peer = pools(a, b, SPEC, SPEC)
-    assert a.write(peer, "kv", ids, "kv", [10, 11]).wait(10)
+    assert a.write(peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", [10, 11])).wait(10)
     assert np.array_equal(pb.logical([10, 11]), pa.logical([3, 4]))
 
 
@@ -157,12 +174,12 @@ def test_destination_blocks_must_be_distinct_sources_may_repeat(pair):
     a, b = pair
     pa, pb, peer = pools(a, b, SPEC, SPEC)
     with pytest.raises(pdkv.InvalidArgument, match="remote block 5 appears twice"):
-        a.write(peer, "kv", [1, 2], "kv", [5, 5])
+        a.write(peer, pdkv.Blocks("kv", [1, 2]), pdkv.Blocks("kv", [5, 5]))
     with pytest.raises(pdkv.InvalidArgument, match="local block 7 appears twice"):
-        a.read(peer, "kv", [7, 1, 7], "kv", [2, 3, 4])
+        a.read(peer, pdkv.Blocks("kv", [7, 1, 7]), pdkv.Blocks("kv", [2, 3, 4]))
     assert not pb.logical(range(16)).any()
     # One source block copied to two destinations is fine.
-    assert a.write(peer, "kv", [1, 1], "kv", [5, 6]).wait(10)
+    assert a.write(peer, pdkv.Blocks("kv", [1, 1]), pdkv.Blocks("kv", [5, 6])).wait(10)
     assert np.array_equal(pb.logical([5]), pa.logical([1])) and np.array_equal(pb.logical([6]), pa.logical([1]))
 
 
@@ -172,9 +189,9 @@ def test_notify_must_be_bytes_or_str(pair, notify):
     a, b = pair
     pools(a, b, SPEC, SPEC)
     with pytest.raises(pdkv.InvalidArgument, match="notify"):
-        a.write("b", "kv", [0], notify=notify)
+        a.write("b", pdkv.Blocks("kv", [0]), notify=notify)
     with pytest.raises(pdkv.InvalidArgument, match="notify"):
-        a.prepare("write", "b", "kv", [0]).post(notify=notify)
+        a.prepare("write", "b", pdkv.Blocks("kv", [0])).post(notify=notify)
     with pytest.raises(pdkv.InvalidArgument, match="data"):
         a.notify("b", notify)
     assert b.wait_notifications(0.2) == []  # nothing was sent (notify=123 used to send 123 zero bytes)
@@ -184,9 +201,9 @@ def test_notify_limit_and_accepted_types(pair):
     a, b = pair
     pools(a, b, SPEC, SPEC)
     with pytest.raises(pdkv.InvalidArgument, match="limit"):
-        a.write("b", "kv", [0], notify=b"x" * ((1 << 20) + 1))
+        a.write("b", pdkv.Blocks("kv", [0]), notify=b"x" * ((1 << 20) + 1))
     for v, want in [("héllo", "héllo".encode()), (bytearray(b"ba"), b"ba"), (memoryview(b"mv"), b"mv")]:
-        assert a.write("b", "kv", [0], notify=v).wait(10)
+        assert a.write("b", pdkv.Blocks("kv", [0]), notify=v).wait(10)
         got = b.wait_notifications(10)
         assert [n.data for n in got] == [want]
 
@@ -196,11 +213,11 @@ def test_transfer_timeouts_must_be_finite_and_positive(pair, timeout):
     a, b = pair
     pools(a, b, SPEC, SPEC)
     with pytest.raises(pdkv.InvalidArgument, match="timeout"):
-        a.write("b", "kv", [0], timeout=timeout)
+        a.write("b", pdkv.Blocks("kv", [0]), timeout=timeout)
     with pytest.raises(pdkv.InvalidArgument, match="timeout"):
-        a.read("b", "kv", [0], timeout=timeout)
+        a.read("b", pdkv.Blocks("kv", [0]), timeout=timeout)
     with pytest.raises(pdkv.InvalidArgument, match="timeout"):
-        a.prepare("write", "b", "kv", [0]).post(timeout=timeout)
+        a.prepare("write", "b", pdkv.Blocks("kv", [0])).post(timeout=timeout)
     with pytest.raises(pdkv.InvalidArgument, match="timeout"):
         a.notify("b", b"n", timeout=timeout)
 
@@ -209,7 +226,7 @@ def test_transfer_timeouts_must_be_finite_and_positive(pair, timeout):
 def test_wait_timeouts_must_be_finite_and_not_negative(pair, timeout):
     a, b = pair
     pools(a, b, SPEC, SPEC)
-    x = a.write("b", "kv", [0])
+    x = a.write("b", pdkv.Blocks("kv", [0]))
     with pytest.raises(pdkv.InvalidArgument, match="timeout"):
         x.wait(timeout)
     with pytest.raises(pdkv.InvalidArgument, match="timeout"):
@@ -313,9 +330,11 @@ def test_metadata_with_non_utf8_strings_is_rejected_at_add_peer(pair, field):
 def test_every_error_is_a_pdkv_error(pair):
     a, b = pair
     pools(a, b, SPEC, SPEC)
-    for call in (lambda: a.write("b", "kv", [0.5]), lambda: a.register([1]), lambda: a.write("b", "kv", [0], notify=1),
-                 lambda: a.write("b", "kv", [0], timeout=-1), lambda: a.add_peer("not bytes"),
-                 lambda: a.write("b", 5, [0])):
+    for call in (lambda: a.write("b", pdkv.Blocks("kv", [0.5])), lambda: a.register([1]), lambda: a.write("b",
+                                                                                             pdkv.Blocks("kv", [0]),
+                                                                                             notify=1),
+                 lambda: a.write("b", pdkv.Blocks("kv", [0]), timeout=-1), lambda: a.add_peer("not bytes"),
+                 lambda: a.write("b", pdkv.Blocks(5, [0]))):
         with pytest.raises(pdkv.PdkvError):
             call()
 

@@ -43,7 +43,7 @@ def frozen_target(spawn_peer):
 
 def test_500_concurrent_awaits_use_no_thread_and_all_complete(frozen_target):
     a, peer, proc = frozen_target
-    xfers = [a.write(peer, "kv", [i % SPEC.blocks], timeout=60) for i in range(500)]
+    xfers = [a.write(peer, pdkv.Blocks("kv", [i % SPEC.blocks]), timeout=60) for i in range(500)]
 
     async def main():
         baseline = threading.active_count()
@@ -69,7 +69,7 @@ def test_500_concurrent_awaits_use_no_thread_and_all_complete(frozen_target):
 
 def test_cancelling_the_awaiting_task_leaves_the_transfer_alone(frozen_target):
     a, peer, proc = frozen_target
-    x = a.write(peer, "kv", [0], timeout=60)
+    x = a.write(peer, pdkv.Blocks("kv", [0]), timeout=60)
 
     async def main():
         task = asyncio.ensure_future(x.wait_async())
@@ -88,7 +88,7 @@ def test_cancelling_the_awaiting_task_leaves_the_transfer_alone(frozen_target):
 
 def test_wait_async_timeout_returns_false_while_pending(frozen_target):
     a, peer, proc = frozen_target
-    slow = a.write(peer, "kv", [1], timeout=60)
+    slow = a.write(peer, pdkv.Blocks("kv", [1]), timeout=60)
 
     async def main():
         assert await slow.wait_async(0.1) is False
@@ -104,7 +104,7 @@ def test_wait_async_timeout_returns_false_while_pending(frozen_target):
 
 def test_awaiting_a_failed_transfer_raises_its_error(frozen_target):
     a, peer, proc = frozen_target
-    doomed = a.write(peer, "kv", [2], timeout=0.3)
+    doomed = a.write(peer, pdkv.Blocks("kv", [2]), timeout=0.3)
 
     async def main():
         await doomed

@@ -36,7 +36,7 @@ def pool_agent(name, etcd, seed, **kw):
 
 
 def write_and_check(src, src_pool, dst_pool, peer):
-    x = src.write(peer, "kv", [1, 2], "kv", [5, 6], notify=b"ready")
+    x = src.write(peer, pdkv.Blocks("kv", [1, 2]), pdkv.Blocks("kv", [5, 6]), notify=b"ready")
     assert x.wait(20)
     assert np.array_equal(dst_pool.logical([5, 6]), src_pool.logical([1, 2]))
 
@@ -109,7 +109,7 @@ def test_restarted_agent_replaces_its_key_and_old_holders_see_stale_peer(etcd):
     b, pb = pool_agent("prefill-0", etcd, 2)
     with b:
         b.connect("decode-0")
-        prepared = b.prepare("write", "decode-0", "kv", [1, 2], "kv", [5, 6])
+        prepared = b.prepare("write", "decode-0", pdkv.Blocks("kv", [1, 2]), pdkv.Blocks("kv", [5, 6]))
         assert prepared.post(notify=b"one").wait(20)
         old_instance = old.instance_id
         old.close()
@@ -118,7 +118,7 @@ def test_restarted_agent_replaces_its_key_and_old_holders_see_stale_peer(etcd):
             rec = b.registry.lookup_agent("decode-0")
             assert rec["instance_id"] == new.instance_id != old_instance
             # The peer entry b holds is the old instance's: never a write into the new one.
-            x = b.write("decode-0", "kv", [1, 2], "kv", [5, 6], notify=b"stale")
+            x = b.write("decode-0", pdkv.Blocks("kv", [1, 2]), pdkv.Blocks("kv", [5, 6]), notify=b"stale")
             with pytest.raises(pdkv.StalePeer):
                 x.wait(20)
             assert not np.array_equal(pnew.logical([5, 6]), pb.logical([1, 2]))

@@ -54,7 +54,7 @@ def agent_for(flavor, name: str) -> pdkv.Agent:
 
 
 def verified_write(agent: pdkv.Agent, peer_proc, local, name: str, src: list[int], dst: list[int]) -> None:
-    assert agent.write(name, "kv", src, "kv", dst, notify=b"healthy").wait(20)
+    assert agent.write(name, pdkv.Blocks("kv", src), pdkv.Blocks("kv", dst), notify=b"healthy").wait(20)
     assert peer_proc.call(cmd="digest", blocks=dst)["digest"] == local.digest(src)
 
 
@@ -91,7 +91,8 @@ def test_peer_fault_fails_the_transfer_and_raises_its_class_from_wait(spawn_peer
             expected = pdkv.PeerConnectionError
         try:
             t0 = time.monotonic()
-            x = a.write(name, "kv", [4, 5, 6], "kv", [7, 8, 9], notify=b"never-delivered", timeout=timeout)
+            x = a.write(name, pdkv.Blocks("kv", [4, 5, 6]), pdkv.Blocks("kv", [7, 8, 9]), notify=b"never-delivered",
+                        timeout=timeout)
             with pytest.raises(expected) as info:
                 x.wait(30)
             assert type(info.value) is expected, f"{type(info.value).__name__}: {info.value}"
@@ -141,7 +142,8 @@ def test_shm_dial_to_a_frozen_peer_with_a_full_backlog_is_bounded(spawn_peer):
         try:
             _fill_backlog(path, held)
             t0 = time.monotonic()
-            x = a.write(name, "kv", [4, 5], "kv", [7, 8], notify=b"never-delivered", timeout=2.0)
+            x = a.write(name, pdkv.Blocks("kv", [4, 5]), pdkv.Blocks("kv", [7, 8]), notify=b"never-delivered",
+                        timeout=2.0)
             with pytest.raises(pdkv.TransferTimeout) as info:
                 x.wait(40)
             assert "backlog" in str(info.value), info.value
@@ -162,15 +164,15 @@ def test_caller_errors_raise_at_once_even_for_a_faulty_peer(spawn_peer, flavor):
         name = a.connect(peer.address)
         peer.kill()
         with pytest.raises(pdkv.NotFound):
-            a.write("nobody", "kv", [0])
+            a.write("nobody", pdkv.Blocks("kv", [0]))
         with pytest.raises(pdkv.OutOfRange):
-            a.write(name, "kv", [0], "kv", [SPEC.blocks])  # beyond the peer's metadata
+            a.write(name, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [SPEC.blocks]))  # beyond the peer's metadata
         with pytest.raises(pdkv.InvalidArgument):
-            a.write(name, "kv", [0, 1], "kv", [5, 5])
+            a.write(name, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [5, 5]))
         with pytest.raises(pdkv.InvalidArgument):
-            a.write(name, "kv", [0], notify=123)
+            a.write(name, pdkv.Blocks("kv", [0]), notify=123)
         with pytest.raises(pdkv.InvalidArgument):
-            a.write(name, "kv", [0], timeout=-1)
+            a.write(name, pdkv.Blocks("kv", [0]), timeout=-1)
 
 
 def test_argument_errors_are_the_same_on_every_transport(agent_pair):
@@ -182,12 +184,12 @@ def test_argument_errors_are_the_same_on_every_transport(agent_pair):
     peer = a.connect(b.address)
     for bad in (dict(notify=5), dict(timeout=-1), dict(timeout=float("nan"))):
         with pytest.raises(pdkv.InvalidArgument):
-            a.prepare("write", peer, "kv", [0]).post(**bad)
+            a.prepare("write", peer, pdkv.Blocks("kv", [0])).post(**bad)
     with pytest.raises(pdkv.InvalidArgument, match="remote block 3 appears twice"):
-        a.write(peer, "kv", [0, 1], "kv", [3, 3])
+        a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [3, 3]))
     with pytest.raises(pdkv.InvalidArgument, match="local_blocks"):
-        a.write(peer, "kv", [0.0])
-    x = a.write(peer, "kv", [0], "kv", [1])
+        a.write(peer, pdkv.Blocks("kv", [0.0]))
+    x = a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1]))
     with pytest.raises(pdkv.InvalidArgument, match="timeout"):
         x.wait(-1)
     assert x.wait(10)

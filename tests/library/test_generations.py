@@ -2,7 +2,8 @@
 reused since their ids were handed out never lands in them.
 
 The target (owner of the blocks) hands out ids with generations; whoever writes into
-(or reads from) them passes ``remote_generations``; the owner bumps the generations
+(or reads from) them gives them with the remote side's ``pdkv.Blocks(layout, ids,
+generations=...)``; the owner bumps the generations
 when it frees or reuses blocks. Every test here fails without the feature: the stale
 transfers below land (or read reused bytes) and report DONE on a pdkv without it.
 """
@@ -99,12 +100,12 @@ def test_correct_generations_transfer_bit_exact(pools, flavor):
     skip_nixl(flavor)
     a, b, src, dst, peer = pools
     gens = b.generations("kv", [4, 5])
-    assert a.write(peer, "kv", [0, 1], "kv", [4, 5], remote_generations=gens, notify="w").wait(10)
+    assert a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [4, 5], generations=gens), notify="w").wait(10)
     assert dst.digest([4, 5]) == src.digest([0, 1])
     assert [n.data for n in b.wait_notifications(timeout=5)] == [b"w"]
     # After a bump the new generations work (the blocks were handed out again).
     gens = b.bump_generations("kv", [6, 7])
-    assert a.read(peer, "kv", [2, 3], "kv", [6, 7], remote_generations=gens).wait(10)
+    assert a.read(peer, pdkv.Blocks("kv", [2, 3]), pdkv.Blocks("kv", [6, 7], generations=gens)).wait(10)
     assert src.digest([2, 3]) == dst.digest([6, 7])
 
 
@@ -114,7 +115,7 @@ def test_stale_write_lands_nowhere_and_delivers_no_notification(pools, flavor):
     gens = b.generations("kv", [3, 4])
     b.bump_generations("kv", [4])  # the owner freed block 4 (3 is still live)
     canary = dst.logical(range(SPEC.blocks)).copy()
-    x = a.write(peer, "kv", [0, 1], "kv", [3, 4], remote_generations=gens, notify="late")
+    x = a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [3, 4], generations=gens), notify="late")
     with pytest.raises(pdkv.StaleBlock) as e:
         x.wait(10)
     msg = str(e.value)
@@ -131,7 +132,7 @@ def test_stale_read_leaves_the_local_buffer_untouched(pools, flavor):
     b.bump_generations("kv", [2])
     before = src.logical(range(SPEC.blocks)).copy()
     with pytest.raises(pdkv.StaleBlock, match="block 2"):
-        a.read(peer, "kv", [5], "kv", [2], remote_generations=gens, notify="r").wait(10)
+        a.read(peer, pdkv.Blocks("kv", [5]), pdkv.Blocks("kv", [2], generations=gens), notify="r").wait(10)
     assert np.array_equal(src.logical(range(SPEC.blocks)), before)
     assert no_notification(b)
 
@@ -146,7 +147,7 @@ def test_late_write_after_timeout_and_reuse_never_lands(pools, flavor):
     b.bump_generations("kv", [6], timeout=5)  # decode gives up on the request
     dst.fill(7)                               # ...and reuses block 6 for another one
     reused = dst.logical([6]).copy()
-    late = a.prepare("write", peer, "kv", [0], "kv", [6], remote_generations=gens)
+    late = a.prepare("write", peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [6], generations=gens))
     assert late.checked
     with pytest.raises(pdkv.StaleBlock):
         late.post(notify="prefill-done").wait(10)
@@ -157,7 +158,8 @@ def test_late_write_after_timeout_and_reuse_never_lands(pools, flavor):
 def test_prepared_transfer_checks_at_every_post(pools, flavor):
     skip_nixl(flavor)
     a, b, src, dst, peer = pools
-    prep = a.prepare("write", peer, "kv", [0, 1], "kv", [2, 3], remote_generations=b.generations("kv", [2, 3]))
+    prep = a.prepare("write", peer, pdkv.Blocks("kv", [0, 1]),
+                     pdkv.Blocks("kv", [2, 3], generations=b.generations("kv", [2, 3])))
     assert prep.post().wait(10)
     assert dst.digest([2, 3]) == src.digest([0, 1])
     b.bump_generations("kv", [3])
@@ -172,26 +174,32 @@ def test_prepared_transfer_checks_at_every_post(pools, flavor):
 def test_transfers_without_generations_are_unchanged(pools, flavor):
     a, b, src, dst, peer = pools
     b.bump_generations("kv", [1])
-    assert a.write(peer, "kv", [0], "kv", [1]).wait(10)  # unchecked: the caller did not ask
+    assert a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1])).wait(10)  # unchecked: the caller did not ask
     assert dst.digest([1]) == src.digest([0])
-    assert not a.prepare("write", peer, "kv", [0], "kv", [1]).checked
+    assert not a.prepare("write", peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1])).checked
 
 
 def test_initiator_arguments_are_validated(pools, flavor):
     skip_nixl(flavor)
     a, b, src, dst, peer = pools
-    with pytest.raises(pdkv.InvalidArgument, match="2 entries for 1 remote blocks"):
-        a.write(peer, "kv", [0], "kv", [1], remote_generations=[1, 1])
-    with pytest.raises(pdkv.InvalidArgument, match="remote_generations must be a sequence of integer block gen"):
-        a.write(peer, "kv", [0], "kv", [1], remote_generations=[1.0])
+    with pytest.raises(pdkv.InvalidArgument, match="Blocks.generations has 2 entries for 1 blocks"):
+        a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1], generations=[1, 1]))
+    with pytest.raises(pdkv.InvalidArgument, match="Blocks.generations must be a sequence of integer block gen"):
+        a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1], generations=[1.0]))
     with pytest.raises(pdkv.InvalidArgument, match="generation 0"):
-        a.write(peer, "kv", [0], "kv", [1], remote_generations=[0])
+        a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1], generations=[0]))
     with pytest.raises(pdkv.InvalidArgument, match="empty"):
-        a.write(peer, "kv", [0], "kv", [1], remote_generations=[])
+        a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1], generations=[]))
     with pytest.raises(pdkv.OutOfRange):
-        a.write(peer, "kv", [0], "kv", [1], remote_generations=[-1])
+        a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1], generations=[-1]))
     with pytest.raises(pdkv.InvalidArgument):
-        a.write(peer, "kv", [0], "kv", [1], remote_generations="1")
+        a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1], generations="1"))
+    # Generations are the remote side's: on the local side (or with remote=None) they are refused.
+    with pytest.raises(pdkv.InvalidArgument, match="give the peer's generations with the remote blocks"):
+        a.write(peer, pdkv.Blocks("kv", [1], generations=[1]))
+    with pytest.raises(pdkv.InvalidArgument, match="local blocks carry generations"):
+        a.read(peer, pdkv.Blocks("kv", [0], generations=[1]), pdkv.Blocks("kv", [1]))
+    assert no_notification(b)
 
 
 def test_nixl_refuses_generations(pools, flavor):
@@ -199,7 +207,7 @@ def test_nixl_refuses_generations(pools, flavor):
         pytest.skip("nixl only")
     a, b, src, dst, peer = pools
     with pytest.raises(pdkv.NotSupported, match="cannot check block generations"):
-        a.write(peer, "kv", [0], "kv", [1], remote_generations=b.generations("kv", [1]))
+        a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1], generations=b.generations("kv", [1])))
 
 
 # ---------------------------------------------------------------- bump vs. transfers in flight
@@ -400,13 +408,15 @@ def test_two_processes_stale_write_is_refused_by_the_decode_process(spawn_peer):
         src.register(a)
         peer = a.connect(decode.address)
         handed = decode.call(cmd="gens", blocks=[1, 2])["gens"]
-        assert a.write(peer, "kv", [0, 1], "kv", [1, 2], remote_generations=handed, notify="ok").wait(10)
+        assert a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [1, 2], generations=handed),
+                       notify="ok").wait(10)
         assert decode.call(cmd="digest", blocks=[1, 2])["digest"] == src.digest([0, 1])
         assert decode.call(cmd="bump", blocks=[2])["gens"] == [handed[1] + 1]
         before = decode.call(cmd="digest", blocks=list(range(SPEC.blocks)))["digest"]
         src.fill(3)
         with pytest.raises(pdkv.StaleBlock, match="block 2"):
-            a.write(peer, "kv", [0, 1], "kv", [1, 2], remote_generations=handed, notify="late").wait(10)
+            a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [1, 2], generations=handed),
+                    notify="late").wait(10)
         assert decode.call(cmd="digest", blocks=list(range(SPEC.blocks)))["digest"] == before
         # And the other way: the decode process reads with generations it was given.
         gens = a.generations("kv", [5])

@@ -60,9 +60,9 @@ def test_peer_fragmented_transfers_are_bit_exact(mode, dtype, transport, op, ids
         local.register(a)
         remote.register(b)
         peer = a.add_peer(b.metadata())
-        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
-        prep = a.prepare(op, peer, "kv", lids, "kv", rids, **kw)
-        pieces = len(pdkv.plan_blocks(local.layout, lids, remote.layout, rids, **kw))
+        plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+        prep = a.prepare(op, peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), plan=plan)
+        pieces = len(pdkv.plan_blocks(local.layout, lids, remote.layout, rids, plan=plan))
         # Strided runs: at most one per (layer, part, block, head), never one per token.
         assert prep.num_extents <= LAYERS * 2 * max(nl, nr) * nh
         assert prep.num_extents < pieces or pieces <= LAYERS * 2 * max(nl, nr)
@@ -88,7 +88,8 @@ def test_consecutive_blocks_are_one_run_per_layer_part(transport):
         peer = a.add_peer(b.metadata())
         ids = list(range(32))
         for op in ("write", "read"):
-            prep = a.prepare(op, peer, "kv", ids, "kv", ids, num_heads=2, remote_head_offset=2)
+            prep = a.prepare(op, peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids),
+                             plan=pdkv.PlanOptions(num_heads=2, remote_head_offset=2))
             assert prep.num_extents <= LAYERS * 2
             assert prep.nbytes == LAYERS * 2 * 32 * 16 * 2 * D * 2
             prep.post().wait(10)
@@ -111,7 +112,8 @@ def test_a_compressed_push_into_a_peers_cut_blocks_is_bit_exact():
         remote.register(b)
         peer = a.add_peer(b.metadata())
         ids = list(range(40))
-        x = a.prepare("write", peer, "kv", ids, "kv", ids, num_heads=2, remote_head_offset=2).post()
+        x = a.prepare("write", peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids),
+                      plan=pdkv.PlanOptions(num_heads=2, remote_head_offset=2)).post()
         assert x.wait(20), x.error
         assert x.compression != ""
         check(local, ids, remote, ids, 40 * 16, 2, 0, 2)
@@ -137,6 +139,7 @@ def test_a_peer_without_strided_extents_gets_every_piece_plain():
         peer = a.add_peer(old)
         ids = list(range(8, 24))
         for op in ("write", "read"):
-            x = a.prepare(op, peer, "kv", ids, "kv", ids, num_heads=2, remote_head_offset=1).post()
+            x = a.prepare(op, peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids),
+                          plan=pdkv.PlanOptions(num_heads=2, remote_head_offset=1)).post()
             assert x.wait(10), x.error
         check(local, ids, remote, ids, 16 * 16, 2, 0, 1)

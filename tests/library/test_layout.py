@@ -114,8 +114,8 @@ def mixed_case(draw):
 def test_mixed_geometry_moves_exactly_the_requested_tokens_and_heads(case, seed):
     lspec, rspec, lids, rids, ntok, nh, lho, rho = case
     local, remote = Pool(lspec, seed), Pool(rspec)
-    ext = pdkv.plan_blocks(local.layout, lids, remote.layout, rids, num_tokens=ntok, num_heads=nh,
-                           local_head_offset=lho, remote_head_offset=rho)
+    plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+    ext = pdkv.plan_blocks(local.layout, lids, remote.layout, rids, plan=plan)
     apply(ext)
     got = remote.logical(rids)[:, :, :ntok, rho:rho + nh]
     want = local.logical(lids)[:, :, :ntok, lho:lho + nh]
@@ -202,7 +202,7 @@ def test_plan_rejects_incompatible_layouts():
         pdkv.plan_blocks(a.layout, [0], c.layout, [0])
     d = Pool(PoolSpec(heads=2))
     with pytest.raises(pdkv.OutOfRange, match="heads"):
-        pdkv.plan_blocks(d.layout, [0], d.layout, [0], num_heads=3)
+        pdkv.plan_blocks(d.layout, [0], d.layout, [0], plan=pdkv.PlanOptions(num_heads=3))
 
 
 def test_geometry_from_hf_config_dict():

@@ -67,9 +67,9 @@ def test_staged_transfers_are_bit_exact(op, transport, dtype, mode):
                                     PoolSpec(LAYERS, BLOCKS, rt, rh, D, dtype, rs), pull=op == "read")
         lids = list(range(BLOCKS - 1, BLOCKS - 1 - -(-ntok // lt), -1))  # descending: no two consecutive
         rids = [(3 * i + 1) % BLOCKS for i in range(-(-ntok // rt))]
-        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
-        prep = a.prepare(op, peer, "kv", lids, "kv", rids, **kw)
-        direct = pdkv.plan_blocks(local.layout, lids, remote.layout, rids, **kw)
+        plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+        prep = a.prepare(op, peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), plan=plan)
+        direct = pdkv.plan_blocks(local.layout, lids, remote.layout, rids, plan=plan)
         if transport == "shm":  # a memcpy engine: staging would add a copy (TransportCaps.direct_small_extents);
             # it takes the direct plan as strided runs (one per run of pieces, never more than the pieces)
             assert prep.num_extents <= len(direct)
@@ -101,7 +101,7 @@ def test_each_post_gathers_the_rows_as_they_are_then():
         local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"),
                                     PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"))
         ids = list(range(BLOCKS))  # 4096 direct runs (block x head x segment): staged
-        prep = a.prepare("write", peer, "kv", ids, "kv", ids)
+        prep = a.prepare("write", peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids))
         assert prep.num_extents < 64
         for seed in (1, 2):
             local.fill(seed)
@@ -116,7 +116,7 @@ def test_a_staged_pull_from_a_gone_peer_fails_and_writes_nothing():
             local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"),
                                         PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"), pull=True)
             ids = list(range(BLOCKS))  # 4096 direct runs (block x head x segment): staged
-            prep = a.prepare("read", peer, "kv", ids, "kv", ids)
+            prep = a.prepare("read", peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids))
             assert prep.num_extents < 64
         with pytest.raises(pdkv.PdkvError):
             prep.post(timeout=5.0).wait(20)
@@ -135,7 +135,7 @@ def test_posts_of_one_staged_transfer_take_turns(op):
         local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"),
                                     PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"), pull=op == "read")
         ids = list(range(BLOCKS))  # 4096 direct runs (block x head x segment): staged
-        prep = a.prepare(op, peer, "kv", ids, "kv", ids)
+        prep = a.prepare(op, peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids))
         errors = []
 
         def post():
@@ -162,16 +162,17 @@ def test_small_or_whole_block_plans_are_not_staged():
         local, remote, peer = pools(a, b, PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "nhd"),
                                     PoolSpec(LAYERS, BLOCKS, 8, 4, D, "float16", "nhd"))
         # bs16 -> bs8: whole runs already, nothing to gain.
-        prep = a.prepare("write", peer, "kv", [0, 1], "kv", [0, 1, 2, 3], num_tokens=32)
+        prep = a.prepare("write", peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [0, 1, 2, 3]),
+                         plan=pdkv.PlanOptions(num_tokens=32))
         assert prep.num_extents == len(pdkv.plan_blocks(local.layout, [0, 1], remote.layout, [0, 1, 2, 3],
-                                                         num_tokens=32))
+                                                        plan=pdkv.PlanOptions(num_tokens=32)))
         # A small NHD -> HND push (below the staging threshold) keeps the direct plan.
         remote2 = Pool(PoolSpec(1, BLOCKS, 16, 4, D, "float16", "hnd"))
         local2 = Pool(PoolSpec(1, BLOCKS, 16, 4, D, "float16", "nhd"), 1)
         remote2.register(b, "small")
         local2.register(a, "small")
         peer = a.add_peer(b.metadata())
-        prep = a.prepare("write", peer, "small", [0], "small", [0])
+        prep = a.prepare("write", peer, pdkv.Blocks("small", [0]), pdkv.Blocks("small", [0]))
         assert len(pdkv.plan_blocks(local2.layout, [0], remote2.layout, [0])) == 2 * 16 * 4
         # The direct plan as strided runs: one per (part, head), 16 tokens each; as two-level
         # runs (what tcp takes unless switched off) one per part, a head's tokens repeated per head.
@@ -189,18 +190,18 @@ def test_a_layer_range_moves_only_those_layers(op):
                                     PoolSpec(LAYERS, BLOCKS, 16, 4, D, "float16", "hnd"), pull=op == "read")
         src, dst = (local, remote) if op == "write" else (remote, local)
         ids = list(range(40))
-        whole = a.prepare(op, peer, "kv", ids)
-        prep = a.prepare(op, peer, "kv", ids, first_layer=2, num_layers=3)
+        whole = a.prepare(op, peer, pdkv.Blocks("kv", ids))
+        prep = a.prepare(op, peer, pdkv.Blocks("kv", ids), plan=pdkv.PlanOptions(first_layer=2, num_layers=3))
         assert prep.nbytes * LAYERS == whole.nbytes * 3
         prep.post().wait(10)
         got, want = dst.logical(ids), src.logical(ids)
         assert np.array_equal(got[2:5], want[2:5]) and want[2:5].any()
         assert not got[:2].any() and not got[5:].any()
         # The rest from layer 5 on (num_layers 0: through the last layer), with write()/read().
-        getattr(a, op)(peer, "kv", ids, first_layer=5).wait(10)
+        getattr(a, op)(peer, pdkv.Blocks("kv", ids), plan=pdkv.PlanOptions(first_layer=5)).wait(10)
         assert np.array_equal(dst.logical(ids)[2:], want[2:]) and not dst.logical(ids)[:2].any()
-        for bad in (dict(first_layer=LAYERS), dict(first_layer=2, num_layers=LAYERS - 1)):
+        for bad in (pdkv.PlanOptions(first_layer=LAYERS), pdkv.PlanOptions(first_layer=2, num_layers=LAYERS - 1)):
             with pytest.raises(pdkv.OutOfRange, match="exceed the 8 layers"):
-                a.prepare(op, peer, "kv", ids, **bad)
+                a.prepare(op, peer, pdkv.Blocks("kv", ids), plan=bad)
         with pytest.raises(pdkv.InvalidArgument, match="first_layer"):
-            a.prepare(op, peer, "kv", ids, first_layer=-1)
+            a.prepare(op, peer, pdkv.Blocks("kv", ids), plan=pdkv.PlanOptions(first_layer=-1))

@@ -44,8 +44,8 @@ def any_layout_case(draw):
 def test_every_layout_kind_moves_exactly_the_requested_rows(case, seed):
     lspec, rspec, lids, rids, ntok, nh, lho, rho = case
     local, remote = Pool(lspec, seed), Pool(rspec)
-    ext = pdkv.plan_blocks(local.layout, lids, remote.layout, rids, num_tokens=ntok, num_heads=nh,
-                           local_head_offset=lho, remote_head_offset=rho)
+    plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+    ext = pdkv.plan_blocks(local.layout, lids, remote.layout, rids, plan=plan)
     apply(ext)
     got = remote.logical(rids)[:, :, :ntok, rho:rho + nh]
     want = local.logical(lids)[:, :, :ntok, lho:lho + nh]
@@ -219,13 +219,13 @@ def test_strided_transfers_are_bit_exact(transport, op, case):
         peer = a.add_peer(b.metadata())
         lids = [7, 2, 5, 0][: -(-ntok // lt)]
         rids = [1, 6, 3, 4][: -(-ntok // rt)]
-        kw = dict(num_tokens=ntok, num_heads=nh or lh, local_head_offset=lho, remote_head_offset=rho)
-        xfer = (a.write if op == "write" else a.read)(peer, "kv", lids, "kv", rids, **kw)
+        plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=nh or lh, local_head_offset=lho, remote_head_offset=rho)
+        xfer = (a.write if op == "write" else a.read)(peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), plan=plan)
         xfer.wait(10)
         src, dst = (local, remote) if op == "write" else (remote, local)
         sids, dids = (lids, rids) if op == "write" else (rids, lids)
         sho, dho = (lho, rho) if op == "write" else (rho, lho)
-        n = kw["num_heads"]
+        n = plan.num_heads
         assert src.logical(sids)[:, :, :ntok, sho:sho + n].any()
         assert np.array_equal(dst.logical(dids)[:, :, :ntok, dho:dho + n], src.logical(sids)[:, :, :ntok, sho:sho + n])
         rest = dst.logical(dids).copy()

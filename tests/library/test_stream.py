@@ -48,7 +48,7 @@ def next_notification(agent, timeout=20.0) -> bytes:
 
 def test_layers_posted_in_order_land_bit_exact_and_notify_after_the_last(pools):
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"req-1", timeout=20)
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"req-1", timeout=20)
     assert s.num_layers == SPEC.layers and s.first_layer == 0
     assert s.transfer.bytes_total == s.layer_bytes * SPEC.layers
     for layer in range(SPEC.layers):
@@ -63,7 +63,7 @@ def test_layers_posted_in_order_land_bit_exact_and_notify_after_the_last(pools):
 
 def test_layers_posted_out_of_order_and_in_ranges(pools):
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"ooo")
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"ooo")
     for first, count in [(5, 3), (0, 1), (2, 2), (1, 1), (4, 1)]:
         s.post_layers(first, count)
     s.close()
@@ -74,10 +74,12 @@ def test_layers_posted_out_of_order_and_in_ranges(pools):
 
 def test_min_batch_bytes_sends_adjacent_layers_together(pools):
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"batched", min_batch_bytes=1)
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST),
+                      stream=pdkv.StreamOptions(min_batch_bytes=1), notify=b"batched")
     per = s.layer_bytes
     s.cancel()
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"batched", min_batch_bytes=4 * per)
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST),
+                      stream=pdkv.StreamOptions(min_batch_bytes=4 * per), notify=b"batched")
     for layer in range(SPEC.layers):
         s.post_layers(layer)
     s.close()
@@ -88,7 +90,8 @@ def test_min_batch_bytes_sends_adjacent_layers_together(pools):
 
 def test_a_stream_of_a_layer_range(pools):
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, first_layer=2, num_layers=3, notify=b"range")
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST),
+                      plan=pdkv.PlanOptions(first_layer=2, num_layers=3), notify=b"range")
     assert (s.first_layer, s.num_layers) == (2, 3)
     with pytest.raises(pdkv.OutOfRange):
         s.post_layers(1)
@@ -100,12 +103,13 @@ def test_a_stream_of_a_layer_range(pools):
     assert landed(pa, pb, [2, 3, 4])
     assert not pb.logical(DST)[[0, 1, 5, 6, 7]].any()  # the other layers untouched
     with pytest.raises(pdkv.OutOfRange):
-        a.open_stream(peer, "kv", SRC, "kv", DST, first_layer=6, num_layers=3)
+        a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST),
+                      plan=pdkv.PlanOptions(first_layer=6, num_layers=3))
 
 
 def test_posting_a_layer_twice_and_closing_with_layers_missing_are_invalid(pools):
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"strict")
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"strict")
     s.post_layers(0, 2)
     with pytest.raises(pdkv.InvalidArgument, match="layers 1 were already posted"):
         s.post_layers(1, 2)
@@ -131,7 +135,7 @@ def test_posting_a_layer_twice_and_closing_with_layers_missing_are_invalid(pools
 
 def test_the_notification_waits_for_close_and_close_may_replace_it(pools):
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"from-open")
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"from-open")
     s.post_layers(0, SPEC.layers)
     assert wait_until(lambda: s.layers_landed == SPEC.layers, 20)
     assert b.get_notifications() == []  # every byte landed, but the stream is not closed
@@ -143,7 +147,8 @@ def test_the_notification_waits_for_close_and_close_may_replace_it(pools):
 
 def test_progress_notifications_follow_each_batch(pools):
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"all", progress_prefix=b"p:", max_inflight_batches=1)
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST),
+                      stream=pdkv.StreamOptions(max_inflight_batches=1, progress_prefix=b"p:"), notify=b"all")
     s.post_layers(0, 3)
     assert next_notification(b) == b"p:0-3"
     assert landed(pa, pb, [0, 1, 2])
@@ -156,7 +161,7 @@ def test_progress_notifications_follow_each_batch(pools):
 
 def test_cancel_mid_stream_sends_no_notification_and_fails_later_posts(pools):
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"never")
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"never")
     s.post_layers(0, 3)
     s.cancel()
     with pytest.raises(pdkv.Cancelled):
@@ -173,12 +178,12 @@ def test_cancel_mid_stream_sends_no_notification_and_fails_later_posts(pools):
 
 def test_cancel_through_the_transfer_and_by_dropping_the_stream(pools):
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"never")
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"never")
     s.post_layers(0)
     s.transfer.cancel()
     with pytest.raises(pdkv.Cancelled):
         s.wait(20)
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"never")
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"never")
     x = s.transfer
     s.post_layers(0)
     del s
@@ -191,7 +196,7 @@ def test_cancel_through_the_transfer_and_by_dropping_the_stream(pools):
 
 def test_one_deadline_covers_the_whole_stream(pools):
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"late", timeout=0.5)
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"late", timeout=0.5)
     s.post_layers(0)  # and never the rest
     with pytest.raises(pdkv.TransferTimeout):
         s.wait(20)
@@ -206,7 +211,7 @@ def test_stale_generations_fail_the_stream(pools, flavor):
     flavor.skip_if("nixl", reason="NIXL cannot check block generations at the target (NotSupported, as for write)")
     a, b, pa, pb, peer = pools
     gens = b.generations("kv", DST)
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"stale", remote_generations=gens)
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST, generations=gens), notify=b"stale")
     s.post_layers(0)
     assert wait_until(lambda: s.layers_landed == 1, 20)
     b.bump_generations("kv", DST[:1])  # the receiver gave the first block up
@@ -223,26 +228,27 @@ def test_stale_generations_fail_the_stream(pools, flavor):
 def test_caller_errors_at_open(pools):
     a, b, pa, pb, peer = pools
     with pytest.raises(pdkv.NotFound):
-        a.open_stream("nobody", "kv", SRC, "kv", DST)
+        a.open_stream("nobody", pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST))
     with pytest.raises(pdkv.NotFound):
-        a.open_stream(peer, "nope", SRC, "kv", DST)
+        a.open_stream(peer, pdkv.Blocks("nope", SRC), pdkv.Blocks("kv", DST))
     with pytest.raises(pdkv.OutOfRange):
-        a.open_stream(peer, "kv", SRC, "kv", [0, 1, 2, 99])
+        a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", [0, 1, 2, 99]))
     with pytest.raises(pdkv.InvalidArgument):
-        a.open_stream(peer, "kv", SRC, "kv", DST, max_inflight_batches=0)
+        a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST),
+                      stream=pdkv.StreamOptions(max_inflight_batches=0))
     with pytest.raises(pdkv.InvalidArgument):
-        a.open_stream(peer, "kv", SRC, "kv", DST, remote_generations=[1, 1])
+        a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST, generations=[1, 1]))
     with pytest.raises(pdkv.OutOfRange):
-        a.open_stream(peer, "kv", [0, -1], "kv", [1, 2])
+        a.open_stream(peer, pdkv.Blocks("kv", [0, -1]), pdkv.Blocks("kv", [1, 2]))
     with pytest.raises(pdkv.InvalidArgument):
-        a.open_stream(peer, "kv", [0, 1.5], "kv", [1, 2])
+        a.open_stream(peer, pdkv.Blocks("kv", [0, 1.5]), pdkv.Blocks("kv", [1, 2]))
 
 
 def test_a_stream_is_awaitable(pools):
     a, b, pa, pb, peer = pools
 
     async def main() -> bool:
-        s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"aw")
+        s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"aw")
         for layer in range(SPEC.layers):
             s.post_layers(layer)
         s.close()
@@ -258,7 +264,7 @@ def test_closing_the_agent_fails_its_open_streams(flavor):
     pa.register(a)
     pb.register(b)
     peer = a.add_peer(b.metadata())
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"x")
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"x")
     s.post_layers(0)
     a.close()
     with pytest.raises(pdkv.PdkvError):
@@ -277,7 +283,7 @@ def test_loopback_example_transport():
         pa.register(a)
         pb.register(b)
         peer = a.add_peer(b.metadata(), transport="loopback")
-        s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"lb")
+        s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"lb")
         for layer in reversed(range(SPEC.layers)):
             s.post_layers(layer)
         s.close()
@@ -293,7 +299,7 @@ def test_peer_killed_mid_stream_fails_it_with_connection_error(spawn_peer, share
         local = make_pool(SPEC, 11, a)
         local.register(a)
         name = a.connect(peer_proc.address)
-        s = a.open_stream(name, "kv", SRC, "kv", DST, notify=b"never")
+        s = a.open_stream(name, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"never")
         s.post_layers(0)
         assert wait_until(lambda: s.layers_landed == 1, 20)
         peer_proc.kill()
@@ -308,7 +314,7 @@ def test_peer_killed_mid_stream_fails_it_with_connection_error(spawn_peer, share
         # This process and its agent are unharmed.
         healthy = spawn_peer("healthy", SPEC, transports=transports, shared=shared)
         hname = a.connect(healthy.address)
-        s = a.open_stream(hname, "kv", SRC, "kv", DST, notify=b"ok")
+        s = a.open_stream(hname, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"ok")
         s.post_layers(0, SPEC.layers)
         assert s.close().wait(20)
         assert healthy.call(cmd="digest", blocks=DST)["digest"] == local.digest(SRC)

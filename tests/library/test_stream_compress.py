@@ -69,7 +69,7 @@ def stream_all_layers(compress: pdkv.TcpCompression, *, notify: bytes = b"req-z"
         src.register(sender)
         dst.register(target)
         peer = sender.connect(target.address)
-        s = sender.open_stream(peer, "kv", SRC, "kv", DST, notify=notify, timeout=30)
+        s = sender.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=notify, timeout=30)
         for layer in range(SPEC.layers):
             s.post_layers(layer)
             assert not target.wait_notifications(0.0), "a notification came before the last layer was posted"

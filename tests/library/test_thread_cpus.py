@@ -54,7 +54,8 @@ CHILD = textwrap.dedent(r"""
     a.add_peer(b.metadata())
     for t in ("tcp", "shm"):
         dst[:] = 0
-        x = a.prepare_extents("write", "b", [(ra.id, 0, rb.id, 0, src.nbytes)], transport=t).post()
+        x = a.prepare_extents("write", "b", [(ra.id, 0, rb.id, 0, src.nbytes)],
+                              options=pdkv.XferOptions(transport=t)).post()
         assert x.wait(30) and x.error is None, (t, x.error)
         assert (dst == src).all(), t
     res["threads"] = pdkv_threads()

@@ -65,11 +65,11 @@ def test_many_initiators_write_and_read_concurrently_while_peers_come_and_go():
                 for r in range(ROUNDS):
                     lids = [(r * 2 + k) % SLICE for k in range(2)]
                     rids = [i * SLICE + b for b in lids]
-                    x = a.write(peer, "kv", lids, "kv", rids, notify=f"w{i}.{r}")
+                    x = a.write(peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), notify=f"w{i}.{r}")
                     assert x.wait(60) and x.state is pdkv.XferState.DONE, x.error
                     expected.update({rb: p.logical([lb]) for lb, rb in zip(lids, rids)})
                     # Read a block of the target's untouched tail into this pool's upper half.
-                    x = a.read(peer, "kv", [SLICE + r], "kv", [TAIL + r])
+                    x = a.read(peer, pdkv.Blocks("kv", [SLICE + r]), pdkv.Blocks("kv", [TAIL + r]))
                     assert x.wait(60), x.error
 
             def churn():

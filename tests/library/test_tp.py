@@ -37,9 +37,15 @@ def expand(t, mine: list[int], theirs: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def heads(plan: pdkv.PlanOptions) -> dict[str, int]:
+    """The head fields of a transfer's plan."""
+    return {"num_heads": plan.num_heads, "local_head_offset": plan.local_head_offset,
+            "remote_head_offset": plan.remote_head_offset}
+
+
 def deliveries(m: TPMapping, mode: str) -> set[tuple[int, int, int]]:
     """Every (prefill rank, decode rank, head) moved in ``mode``, from the initiators'
-    lists, checking each against brute-force ownership and kwargs()."""
+    lists, checking each against brute-force ownership and plan()."""
     side = "prefill" if mode == "push" else "decode"
     other = "decode" if side == "prefill" else "prefill"
     tp, otp = (m.prefill_tp, m.decode_tp) if side == "prefill" else (m.decode_tp, m.prefill_tp)
@@ -50,7 +56,7 @@ def deliveries(m: TPMapping, mode: str) -> set[tuple[int, int, int]]:
             assert t.initiator and t.op == ("write" if mode == "push" else "read") and t.peer_side == other
             assert 0 <= t.peer_rank < otp
             theirs = held(otp, m.kv_heads, t.peer_rank)
-            kw = t.kwargs()
+            kw = heads(t.plan())
             if kw["num_heads"] == 0:
                 assert len(mine) == len(theirs) == t.num_heads and kw == dict.fromkeys(kw, 0)
             else:
@@ -91,7 +97,7 @@ def test_mapping_matches_brute_force(prefill_tp, decode_tp, kv_heads):
             for t in m.transfers(side=side, rank=r, mode=mode):
                 assert not t.initiator
                 with pytest.raises(InvalidArgument, match="does not issue"):
-                    t.kwargs()
+                    t.plan()
                 peer_tp = prefill_tp if side == "decode" else decode_tp
                 mine, theirs = held(tp, kv_heads, r), held(peer_tp, kv_heads, t.peer_rank)
                 for g, _, _ in expand(t, mine, theirs):
@@ -104,13 +110,19 @@ def test_worked_example_tp4_to_tp2_push():
     m = TPMapping(prefill_tp=4, decode_tp=2, kv_heads=8)
     (t,) = m.transfers(side="prefill", rank=2, mode="push")
     assert (t.op, t.peer_rank, t.global_heads) == ("write", 1, HeadRange(4, 2))
-    assert t.kwargs() == {"num_heads": 2, "local_head_offset": 0, "remote_head_offset": 0}
+    assert heads(t.plan()) == {"num_heads": 2, "local_head_offset": 0, "remote_head_offset": 0}
     (t,) = m.transfers(side="prefill", rank=3, mode="push")
     assert (t.op, t.peer_rank, t.local_heads, t.remote_heads) == ("write", 1, HeadRange(0, 2), HeadRange(2, 2))
-    assert t.kwargs() == {"num_heads": 2, "local_head_offset": 0, "remote_head_offset": 2}
+    assert heads(t.plan()) == {"num_heads": 2, "local_head_offset": 0, "remote_head_offset": 2}
+    # The plan keeps what the caller's base says besides the heads, and leaves the base as it was.
+    base = pdkv.PlanOptions(num_tokens=7, first_layer=1)
+    assert t.plan(base) == pdkv.PlanOptions(num_tokens=7, num_heads=2, remote_head_offset=2, first_layer=1)
+    assert base == pdkv.PlanOptions(num_tokens=7, first_layer=1)
+    with pytest.raises(InvalidArgument, match="plan must be a pdkv.PlanOptions"):
+        t.plan({"num_tokens": 7})
     # The same pair pulled from the decode side: offsets swap sides.
     pulls = m.transfers(side="decode", rank=1, mode="pull")
-    assert [(p.peer_rank, p.kwargs()) for p in pulls] == [
+    assert [(p.peer_rank, heads(p.plan())) for p in pulls] == [
         (2, {"num_heads": 2, "local_head_offset": 0, "remote_head_offset": 0}),
         (3, {"num_heads": 2, "local_head_offset": 2, "remote_head_offset": 0})]
 
@@ -127,7 +139,7 @@ def test_replicated_heads_pick_one_source_and_spread():
 
 def test_equal_tp_moves_whole_pools():
     for t in TPMapping(4, 4, 8).transfers(side="decode", rank=2, mode="pull"):
-        assert t.peer_rank == 2 and t.kwargs() == {"num_heads": 0, "local_head_offset": 0, "remote_head_offset": 0}
+        assert t.peer_rank == 2 and t.plan() == pdkv.PlanOptions()
 
 
 @pytest.mark.parametrize("args,match", [
@@ -220,10 +232,11 @@ def move_between_groups(m: TPMapping, mode: str, *, decode_style: str = "nhd", d
             for t in m.transfers(side=side, rank=r, mode=mode):
                 peer = a.connect(targets[t.peer_rank].address)
                 if via == "submit":
-                    xfers.append(t.submit(a, peer, "kv", ids[0][r], "kv", ids[1][t.peer_rank], timeout=30,
-                                          num_tokens=num_tokens))
+                    xfers.append(t.submit(a, peer, pdkv.Blocks("kv", ids[0][r]), pdkv.Blocks("kv", ids[1][t.peer_rank]),
+                                          plan=pdkv.PlanOptions(num_tokens=num_tokens), timeout=30))
                 else:
-                    prep = t.prepare(a, peer, "kv", ids[0][r], "kv", ids[1][t.peer_rank], num_tokens=num_tokens)
+                    prep = t.prepare(a, peer, pdkv.Blocks("kv", ids[0][r]), pdkv.Blocks("kv", ids[1][t.peer_rank]),
+                                     plan=pdkv.PlanOptions(num_tokens=num_tokens))
                     xfers.append(prep.post(timeout=30))
         assert xfers
         for x in xfers:

@@ -38,7 +38,8 @@ def test_write_and_read_between_processes_bit_exact(spawn_peer, flavor, lspec, r
         assert name == "decode" and a.peer_transport(name) == flavor.transport
         ntok = min(lspec.blocks * lspec.block_tokens, rspec.blocks * rspec.block_tokens) - 3
         lids, rids = ids_for(lspec, ntok, rng), ids_for(rspec, ntok, rng)
-        x = a.write(name, "kv", lids, "kv", rids, notify=b"kv-ready", num_tokens=ntok)
+        x = a.write(name, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), plan=pdkv.PlanOptions(num_tokens=ntok),
+                    notify=b"kv-ready")
         assert x.wait(30)
         got = peer.call(cmd="logical", blocks=rids)
         theirs = np.frombuffer(base64.b64decode(got["data"]), np.uint8)
@@ -50,7 +51,8 @@ def test_write_and_read_between_processes_bit_exact(spawn_peer, flavor, lspec, r
             fresh.register(r)
             rn = r.connect(peer.address)
             src_ids = ids_for(rspec, ntok, rng)
-            assert r.read(rn, "kv", lids, "kv", src_ids, num_tokens=ntok).wait(30)
+            assert r.read(rn, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", src_ids),
+                          plan=pdkv.PlanOptions(num_tokens=ntok)).wait(30)
             want = Pool(rspec, 99)  # the peer's pool as it was generated...
             want_bytes = want.logical(src_ids)
             # ...except blocks we overwrote above.
@@ -86,7 +88,7 @@ def test_notifications_never_arrive_before_their_data(spawn_peer, flavor, tcp):
         t = threading.Thread(target=lambda: result.update(peer.call(cmd="expect", items=items, timeout=60)))
         t.start()
         for i in range(16):
-            a.write(name, "kv", srcs[i], "kv", dst[i].tolist(), notify=f"req-{i}")
+            a.write(name, pdkv.Blocks("kv", srcs[i]), pdkv.Blocks("kv", dst[i].tolist()), notify=f"req-{i}")
         t.join(90)
         assert not result["missing"], result
         assert all(r["ok"] for r in result["results"]), result
@@ -100,15 +102,16 @@ def test_dead_peer_is_detected_and_restarted_peer_works(spawn_peer, flavor):
         local = make_pool(spec, 1, a)
         local.register(a)
         name = a.connect(peer.address)
-        assert a.write(name, "kv", [0], "kv", [0]).wait(10)
-        x = a.write(name, "kv", range(256), "kv", range(256), timeout=20, notify=b"all-landed")
+        assert a.write(name, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [0])).wait(10)
+        x = a.write(name, pdkv.Blocks("kv", range(256)), pdkv.Blocks("kv", range(256)), timeout=20,
+                    notify=b"all-landed")
         peer.kill()
         with pytest.raises(pdkv.PeerConnectionError):
             assert x.wait(20)
         # Other work of this agent is unaffected: a new peer process, same name.
         peer2 = spawn_peer("decode", spec, **flavor.peer_args())
         a.connect(peer2.address)
-        assert a.write(name, "kv", [1, 2], "kv", [3, 4], notify=b"ok").wait(10)
+        assert a.write(name, pdkv.Blocks("kv", [1, 2]), pdkv.Blocks("kv", [3, 4]), notify=b"ok").wait(10)
         assert peer2.call(cmd="digest", blocks=[3, 4])["digest"] == local.digest([1, 2])
 
 
@@ -121,13 +124,14 @@ def test_stalled_peer_times_out_within_deadline(spawn_peer, flavor):
         local = make_pool(spec, 1, a)
         local.register(a)
         name = a.connect(peer.address)
-        assert a.write(name, "kv", [0]).wait(10)
+        assert a.write(name, pdkv.Blocks("kv", [0])).wait(10)
         peer.pause()
         try:
             t0 = time.monotonic()
             # (with shm the bytes land in shared memory; the notification waits on the peer)
             # Blocks 8..255: far more bytes than the socket buffers hold.
-            x = a.write(name, "kv", range(8, 256), "kv", range(8, 256), timeout=1.5, notify=b"stalled")
+            x = a.write(name, pdkv.Blocks("kv", range(8, 256)), pdkv.Blocks("kv", range(8, 256)), timeout=1.5,
+                        notify=b"stalled")
             with pytest.raises(pdkv.TransferTimeout, match="timed out"):
                 x.wait(10)
             elapsed = time.monotonic() - t0
@@ -138,7 +142,7 @@ def test_stalled_peer_times_out_within_deadline(spawn_peer, flavor):
         # block is one the timed-out write did not name: its bytes already in the peer's
         # socket still land after the resume, possibly after a later write over a new
         # connection (a timeout does not recall bytes on the wire: docs/faults.md).
-        assert a.write(name, "kv", [5], "kv", [6]).wait(10)
+        assert a.write(name, pdkv.Blocks("kv", [5]), pdkv.Blocks("kv", [6])).wait(10)
         assert peer.call(cmd="digest", blocks=[6])["digest"] == local.digest([5])
 
 
@@ -153,5 +157,5 @@ def test_one_agent_serves_several_peers_while_one_misbehaves(spawn_peer):
         with pytest.raises(pdkv.AuthFailed):
             p2.connect(target.address)
         for i in range(10):
-            assert p1.write(n1, "kv", [i], "kv", [i + 10]).wait(10)
+            assert p1.write(n1, pdkv.Blocks("kv", [i]), pdkv.Blocks("kv", [i + 10])).wait(10)
         assert target.call(cmd="digest", blocks=list(range(10, 20)))["digest"] == l1.digest(range(10))

@@ -70,7 +70,7 @@ def test_disagg_through_pdkv_agents() -> None:
         for i, (p, h) in enumerate(zip(tm.prompts, pre)):
             rid = f"r{i}"
             dst = b.reserve(rid, len(p))
-            pa.write(peer, "kv", list(h.block_ids), "kv", dst, notify=rid.encode()).wait(10)
+            pa.write(peer, pdkv.Blocks("kv", list(h.block_ids)), pdkv.Blocks("kv", dst), notify=rid.encode()).wait(10)
             a.release(rid)
             got = da.wait_notifications(10)
             assert [n.data for n in got] == [rid.encode()]

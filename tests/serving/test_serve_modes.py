@@ -317,14 +317,15 @@ def test_a_late_kv_write_cannot_land_in_reused_blocks(tiny, stack) -> None:
         mine = PagedKVPool.shared(a, worker.engine.pool.geometry)
         peer = a.connect(res.agent)
         n = len(res.blocks)
-        assert a.read(peer, "kv", list(range(n)), "kv", list(res.blocks)).wait(10)  # unchecked: a snapshot
+        assert a.read(peer, pdkv.Blocks("kv", list(range(n))),
+                      pdkv.Blocks("kv", list(res.blocks))).wait(10)  # unchecked: a snapshot
         before = mine.storage.clone()
         mine.storage.fill_(7.0)
-        late = a.write(peer, "kv", list(range(n)), "kv", list(res.blocks), remote_generations=list(res.generations),
-                       notify=b"late-1")
+        late = a.write(peer, pdkv.Blocks("kv", list(range(n))),
+                       pdkv.Blocks("kv", list(res.blocks), generations=list(res.generations)), notify=b"late-1")
         with pytest.raises(pdkv.StaleBlock):
             late.wait(10)
-        assert a.read(peer, "kv", list(range(n)), "kv", list(res.blocks)).wait(10)
+        assert a.read(peer, pdkv.Blocks("kv", list(range(n))), pdkv.Blocks("kv", list(res.blocks))).wait(10)
         # The decode worker's blocks hold what they held before the late write (blocks
         # 0..n-1 of `mine` were just read back from them; `before` is the snapshot).
         assert torch.equal(mine.storage[:, :, :n], before[:, :, :n])

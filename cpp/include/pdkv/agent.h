@@ -8,7 +8,7 @@
 //   auto region = agent->register_memory(addr, len, MemKind::kHost, -1, true);
 //   agent->add_layout("kv", KVLayout::per_layer(geo, k_addrs, v_addrs));
 //   std::string peer = agent->add_peer(blob_from_peer, secret);
-//   auto prep = agent->prepare_blocks(peer, OpKind::kWrite, "kv", ids, "kv", remote_ids, {});
+//   auto prep = agent->prepare_blocks(peer, OpKind::kWrite, {"kv", ids}, {"kv", remote_ids});
 //   auto xfer = agent->post(*prep, "req-42", 5.0);   // async
 //   xfer->wait(-1);
 //
@@ -57,17 +57,34 @@ struct PreparedTransfer {
   std::shared_ptr<StagedTransfer> staged;
 };
 
-// Options applied when preparing.
+// One side of a block transfer: blocks of a KV layout, named by id.
+struct Blocks {
+  // A layout name: this agent's (Agent::add_layout) on the local side, the peer's on
+  // the remote side.
+  std::string layout;
+  // Block ids; position i on one side maps to position i on the other. The
+  // destination side (remote for a write, local for a read) must not name one twice.
+  std::vector<uint32_t> ids;
+  // The owner's generations of these blocks (Agent::generations), one per id, as the
+  // owner handed them out with the ids; empty = unchecked. Only the remote side's are
+  // checked: the peer checks them at every post before any byte lands or is sent, and
+  // a mismatch fails the transfer with StaleBlock (docs/generations.md). The local
+  // side's must be empty (this agent owns those blocks).
+  std::vector<uint32_t> generations;
+
+  // InvalidArgument unless generations is empty or holds one per id.
+  Status validate() const;
+};
+
+// How a prepared transfer travels (beyond what it moves).
 struct XferOptions {
   std::string transport;  // force a transport ("" = the peer's chosen one)
-  // prepare_blocks only: the generations the peer handed out with the remote block
-  // ids (one per remote id; empty = unchecked). The target checks them at every post
-  // before any byte lands or is sent; a mismatch fails the transfer with StaleBlock.
-  std::vector<uint32_t> remote_generations;
   // Compression of this transfer's payload on the wire (tcp, host memory): overrides
   // the agent's TcpOptions::compress.mode for this transfer only (its other fields,
   // codec, dtype, FP8 grouping, apply as they are); nullopt: the agent's mode.
   std::optional<CompressMode> compress;
+
+  Status validate() const { return Status::Ok(); }  // every value is valid (a transport is checked at routing)
 };
 
 class Agent final {
@@ -135,30 +152,35 @@ class Agent final {
   Status connect(const std::string& name, double timeout_s);
 
   // ---- transfers ----
-  Result<std::shared_ptr<PreparedTransfer>> prepare_blocks(
-      const std::string& peer, OpKind op, const std::string& local_layout, const std::vector<uint32_t>& local_ids,
-      const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
-      const XferOptions& opts);
+  // Moves blocks `local` of this agent to or from blocks `remote` of the peer (op
+  // kWrite: local -> remote; kRead: remote -> local), as `plan` says (plan_blocks,
+  // pdkv/kv_layout.h). remote.generations, when given, are checked at every post.
+  // Errors: NotFound (peer, layout), InvalidArgument (no blocks, a destination block
+  // named twice, generations not one per block or given for the local side,
+  // geometries that differ without a plan saying what to move), OutOfRange (block
+  // ids, tokens, heads or layers beyond a side), NotSupported (a transport that
+  // cannot do what was asked).
+  Result<std::shared_ptr<PreparedTransfer>> prepare_blocks(const std::string& peer, OpKind op, const Blocks& local,
+                                                           const Blocks& remote, const PlanOptions& plan = {},
+                                                           const XferOptions& opts = {});
   // Raw extents: local_region/offset are this agent's, remote_* the peer's exported regions.
   Result<std::shared_ptr<PreparedTransfer>> prepare_extents(const std::string& peer, OpKind op,
                                                             const std::vector<Extent>& extents,
-                                                            const XferOptions& opts);
+                                                            const XferOptions& opts = {});
   // Posts a prepared transfer. `timeout_s` < 0 uses the default timeout; 0 = none.
   // Errors after this point arrive through the Transfer, never as a return value,
   // except for a local region deregistered since prepare (NotFound).
   Result<std::shared_ptr<Transfer>> post(const PreparedTransfer& prep, std::string notif, double timeout_s);
-  // Opens a layer-wise streaming write (pdkv/stream.h): blocks `local_ids` of
-  // `local_layout` into blocks `remote_ids` of the peer's `remote_layout`, layers
-  // [plan.first_layer, +plan.num_layers) (num_layers 0: to the last), posted with
-  // StreamingWrite::post_layers as they become ready. `notif` reaches the peer once every
-  // layer landed; `timeout_s` bounds the whole stream (< 0: the default timeout; 0: none).
+  // Opens a layer-wise streaming write (pdkv/stream.h): blocks `local` into the peer's
+  // blocks `remote`, layers [plan.first_layer, +plan.num_layers) (num_layers 0: to the
+  // last), posted with StreamingWrite::post_layers as they become ready. `notif`
+  // reaches the peer once every layer landed; `timeout_s` bounds the whole stream (< 0:
+  // the default timeout; 0: none).
   // Errors: those of prepare_blocks (checked now, on the first layer), InvalidArgument.
-  Result<std::shared_ptr<StreamingWrite>> open_stream(const std::string& peer, const std::string& local_layout,
-                                                      const std::vector<uint32_t>& local_ids,
-                                                      const std::string& remote_layout,
-                                                      const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
+  Result<std::shared_ptr<StreamingWrite>> open_stream(const std::string& peer, const Blocks& local,
+                                                      const Blocks& remote, const PlanOptions& plan,
                                                       const XferOptions& opts, std::string notif, double timeout_s,
-                                                      const StreamOptions& stream_opts);
+                                                      const StreamOptions& stream_opts = {});
   // Sends only a notification to a peer (delivered in order with that transport's data).
   Result<std::shared_ptr<Transfer>> send_notification(const std::string& peer, std::string notif,
                                                       double timeout_s);

@@ -141,6 +141,10 @@ struct PlanOptions {
   // from first_layer on. Layer-wise streaming plans one ready range at a time.
   uint32_t first_layer = 0;
   uint32_t num_layers = 0;
+
+  // Every value is valid on its own; the layouts a plan joins decide what fits
+  // (plan_blocks' errors).
+  Status validate() const { return Status::Ok(); }
 };
 
 // Extents that move blocks `local_ids` of `local` to or from blocks `remote_ids` of

@@ -5,7 +5,7 @@
 // num_layers), so routing, bounds checks, block generations and every transport work
 // as for Agent::post. The notification goes out only after every layer has landed.
 //
-//   auto s = agent->open_stream(peer, "kv", ids, "kv", remote_ids, {}, {}, "req-42", 30.0, {});
+//   auto s = agent->open_stream(peer, {"kv", ids}, {"kv", remote_ids}, {}, {}, "req-42", 30.0);
 //   for (uint32_t l = 0; l < layers; ++l) { compute(l); (void)(*s)->post_layers(l, 1); }
 //   (void)(*s)->close();               // every layer posted exactly once
 //   (*s)->transfer()->wait(-1);        // done: every byte landed, then the notification
@@ -60,6 +60,10 @@ struct StreamOptions {
   uint32_t max_inflight_batches = 4;
   // Non-empty: each batch carries the notification progress_prefix + "<first>-<end>".
   std::string progress_prefix;
+
+  // InvalidArgument naming the field: max_inflight_batches 0. (progress_prefix's
+  // length is checked at open, against the agent's max_notif_bytes.)
+  Status validate() const;
 };
 
 class StreamingWrite final {

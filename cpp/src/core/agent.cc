@@ -156,10 +156,9 @@ class Agent::Impl final : public AgentHooks {
   Result<std::string> fetch_metadata(const std::string& address, std::string secret, double timeout_s);
   Status connect(const std::string& name, double timeout_s);
 
-  Result<std::shared_ptr<PreparedTransfer>> prepare_blocks(
-      const std::string& peer, OpKind op, const std::string& local_layout, const std::vector<uint32_t>& local_ids,
-      const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
-      const XferOptions& opts);
+  Result<std::shared_ptr<PreparedTransfer>> prepare_blocks(const std::string& peer, OpKind op, const Blocks& local,
+                                                           const Blocks& remote, const PlanOptions& plan,
+                                                           const XferOptions& opts);
   Result<std::shared_ptr<PreparedTransfer>> prepare_extents(const std::string& peer, OpKind op,
                                                             const std::vector<Extent>& extents,
                                                             const XferOptions& opts);
@@ -256,6 +255,13 @@ class Agent::Impl final : public AgentHooks {
 Agent::Agent(AgentConfig cfg) : impl_(std::make_unique<Impl>(std::move(cfg))) {}
 Agent::~Agent() = default;
 
+Status Blocks::validate() const {
+  if (!generations.empty() && generations.size() != ids.size())
+    return InvalidArgument("Blocks.generations has " + std::to_string(generations.size()) + " entries for " +
+                           std::to_string(ids.size()) + " blocks (one per block)");
+  return Status::Ok();
+}
+
 Result<std::unique_ptr<Agent>> Agent::create(AgentConfig cfg) {
   PDKV_RETURN_IF_ERROR(validate_name("agent name", cfg.name));
   PDKV_RETURN_IF_ERROR(cfg.validate());
@@ -309,11 +315,10 @@ Result<std::string> Agent::fetch_metadata(const std::string& address, std::strin
 }
 Status Agent::connect(const std::string& name, double timeout_s) { return impl_->connect(name, timeout_s); }
 
-Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_blocks(
-    const std::string& peer, OpKind op, const std::string& local_layout, const std::vector<uint32_t>& local_ids,
-    const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
-    const XferOptions& opts) {
-  return impl_->prepare_blocks(peer, op, local_layout, local_ids, remote_layout, remote_ids, plan, opts);
+Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_blocks(const std::string& peer, OpKind op,
+                                                                const Blocks& local, const Blocks& remote,
+                                                                const PlanOptions& plan, const XferOptions& opts) {
+  return impl_->prepare_blocks(peer, op, local, remote, plan, opts);
 }
 Result<std::shared_ptr<PreparedTransfer>> Agent::prepare_extents(const std::string& peer, OpKind op,
                                                                  const std::vector<Extent>& extents,
@@ -328,13 +333,11 @@ Result<std::shared_ptr<Transfer>> Agent::send_notification(const std::string& pe
   return impl_->send_notification(peer, std::move(notif), timeout_s);
 }
 
-Result<std::shared_ptr<StreamingWrite>> Agent::open_stream(
-    const std::string& peer, const std::string& local_layout, const std::vector<uint32_t>& local_ids,
-    const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
-    const XferOptions& opts, std::string notif, double timeout_s, const StreamOptions& stream_opts) {
-  StreamSpec spec{peer,       local_layout, local_ids,      remote_layout,    remote_ids, plan,
-                  opts.remote_generations, opts.transport, std::move(notif), timeout_s,  stream_opts,
-                  opts.compress};
+Result<std::shared_ptr<StreamingWrite>> Agent::open_stream(const std::string& peer, const Blocks& local,
+                                                           const Blocks& remote, const PlanOptions& plan,
+                                                           const XferOptions& opts, std::string notif, double timeout_s,
+                                                           const StreamOptions& stream_opts) {
+  StreamSpec spec{peer, local, remote, plan, opts, std::move(notif), timeout_s, stream_opts};
   return open_streaming_write(*this, impl_->stream_pump(this), impl_->next_transfer_id(), std::move(spec));
 }
 
@@ -637,11 +640,19 @@ Status Agent::Impl::connect(const std::string& name, double timeout_s) {
   return e.transport->connect(e.peer, timeout_s);
 }
 
-Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_blocks(
-    const std::string& peer_name, OpKind op, const std::string& local_layout, const std::vector<uint32_t>& local_ids,
-    const std::string& remote_layout, const std::vector<uint32_t>& remote_ids, const PlanOptions& plan,
-    const XferOptions& opts) {
-  PDKV_ASSIGN_OR_RETURN(KVLayout local, layout(local_layout));
+Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_blocks(const std::string& peer_name, OpKind op,
+                                                                      const Blocks& local_blocks,
+                                                                      const Blocks& remote_blocks,
+                                                                      const PlanOptions& plan,
+                                                                      const XferOptions& opts) {
+  const std::string& remote_layout = remote_blocks.layout;
+  const std::vector<uint32_t>& local_ids = local_blocks.ids;
+  const std::vector<uint32_t>& remote_ids = remote_blocks.ids;
+  if (!local_blocks.generations.empty())
+    return InvalidArgument("local blocks carry generations: this agent owns them and checks none of its own; give "
+                           "the peer's generations with the remote blocks");
+  PDKV_RETURN_IF_ERROR(remote_blocks.validate());
+  PDKV_ASSIGN_OR_RETURN(KVLayout local, layout(local_blocks.layout));
   PDKV_ASSIGN_OR_RETURN(auto p, peer(peer_name));
   const KVLayout* remote = p->md.find_layout(remote_layout);
   if (!remote) return NotFound("peer '" + peer_name + "' exports no layout named '" + remote_layout + "'");
@@ -649,11 +660,8 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_blocks(
   PDKV_RETURN_IF_ERROR(op == OpKind::kWrite ? check_distinct_blocks(remote_ids, "remote")
                                             : check_distinct_blocks(local_ids, "local"));
   std::shared_ptr<GenClaim> claim;
-  if (!opts.remote_generations.empty()) {
-    claim = std::make_shared<GenClaim>(GenClaim{remote_layout, remote_ids, opts.remote_generations});
-    if (remote_ids.size() != opts.remote_generations.size())
-      return InvalidArgument("remote_generations has " + std::to_string(opts.remote_generations.size()) +
-                             " entries for " + std::to_string(remote_ids.size()) + " remote blocks (one per block)");
+  if (!remote_blocks.generations.empty()) {
+    claim = std::make_shared<GenClaim>(GenClaim{remote_layout, remote_ids, remote_blocks.generations});
     PDKV_RETURN_IF_ERROR(validate_claim(*claim));
   }
   PDKV_ASSIGN_OR_RETURN(auto staged,
@@ -746,8 +754,6 @@ Result<std::shared_ptr<StagingBuffer>> Agent::Impl::staging_buffer(uint64_t byte
 Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_extents(const std::string& peer_name, OpKind op,
                                                                  const std::vector<Extent>& extents,
                                                                  const XferOptions& opts) {
-  if (!opts.remote_generations.empty())
-    return InvalidArgument("remote_generations need block ids: use prepare_blocks (raw extents name no blocks)");
   return prepare_resolved(peer_name, op, extents, opts);
 }
 
@@ -805,7 +811,7 @@ Result<std::shared_ptr<PreparedTransfer>> Agent::Impl::prepare_resolved(const st
   if (op == OpKind::kWrite && !caps.write) return NotSupported(std::string(t->name()) + " cannot write");
   if (claim && !caps.generations)
     return NotSupported("transport '" + std::string(t->name()) + "' cannot check block generations at the target " +
-                        "before bytes land; transfer without remote_generations, or use tcp or shm");
+                        "before bytes land; transfer without the remote blocks' generations, or use tcp or shm");
   // Region lookups: a handful of regions, millions of extents; cache the last hit.
   std::unordered_map<uint64_t, RegionDesc> local;
   std::unordered_map<uint64_t, const RegionDesc*> remote;

@@ -286,9 +286,8 @@ Result<std::shared_ptr<Transfer>> StreamCore::post_run(Run& run) {
     PlanOptions plan = spec_.plan;
     plan.first_layer = run.first;
     plan.num_layers = run.count;
-    PDKV_ASSIGN_OR_RETURN(run.prep, agent->prepare_blocks(spec_.peer, OpKind::kWrite, spec_.local_layout,
-                                                          spec_.local_ids, spec_.remote_layout, spec_.remote_ids, plan,
-                                                          XferOptions{spec_.transport, spec_.remote_generations, spec_.compress}));
+    PDKV_ASSIGN_OR_RETURN(run.prep, agent->prepare_blocks(spec_.peer, OpKind::kWrite, spec_.local, spec_.remote, plan,
+                                                          spec_.xfer));
   }
   if (run.prep->instance_id != instance_id_)
     return StalePeer("peer '" + spec_.peer + "' was re-added (restarted) since the stream was opened");
@@ -405,10 +404,15 @@ bool StreamingWrite::closed() const { return core_->closed(); }
 
 // ---- opening ----
 
+Status StreamOptions::validate() const {
+  if (max_inflight_batches == 0) return InvalidArgument("StreamOptions.max_inflight_batches must be >= 1, got 0");
+  return Status::Ok();
+}
+
 Result<std::shared_ptr<StreamingWrite>> open_streaming_write(Agent& agent, const std::shared_ptr<StreamPump>& pump,
                                                              uint64_t xfer_id, StreamSpec spec) {
   const AgentConfig& cfg = agent.config();
-  if (spec.opts.max_inflight_batches == 0) return InvalidArgument("max_inflight_batches must be >= 1");
+  PDKV_RETURN_IF_ERROR(spec.opts.validate());
   if (!std::isfinite(spec.timeout_s)) return InvalidArgument("stream timeout must be finite");
   if (spec.notif.size() > cfg.max_notif_bytes)
     return InvalidArgument("notification is " + std::to_string(spec.notif.size()) + " bytes (limit " +
@@ -417,22 +421,21 @@ Result<std::shared_ptr<StreamingWrite>> open_streaming_write(Agent& agent, const
     return InvalidArgument("progress_prefix is " + std::to_string(spec.opts.progress_prefix.size()) +
                            " bytes: with its layer range it would exceed the notification limit (" +
                            std::to_string(cfg.max_notif_bytes) + " bytes)");
-  PDKV_ASSIGN_OR_RETURN(KVLayout local, agent.layout(spec.local_layout));
+  PDKV_ASSIGN_OR_RETURN(KVLayout local, agent.layout(spec.local.layout));
   const uint32_t layers = local.geometry().num_layers;
   const uint32_t first = spec.plan.first_layer;
   if (first >= layers || uint64_t(first) + spec.plan.num_layers > layers)
     return OutOfRange("layers [" + std::to_string(first) + ", " +
                       std::to_string(uint64_t(first) + std::max(spec.plan.num_layers, 1u)) + ") exceed the " +
-                      std::to_string(layers) + " layers of layout '" + spec.local_layout + "'");
+                      std::to_string(layers) + " layers of layout '" + spec.local.layout + "'");
   const uint32_t count = spec.plan.num_layers ? spec.plan.num_layers : layers - first;
   // Preparing the first layer checks everything a write checks (peer, layouts, block ids,
   // generations, transport, bounds) before the caller computes anything; every layer
   // moves the same number of bytes.
   PlanOptions one = spec.plan;
   one.num_layers = 1;
-  PDKV_ASSIGN_OR_RETURN(auto prep, agent.prepare_blocks(spec.peer, OpKind::kWrite, spec.local_layout, spec.local_ids,
-                                                        spec.remote_layout, spec.remote_ids, one,
-                                                        XferOptions{spec.transport, spec.remote_generations, spec.compress}));
+  PDKV_ASSIGN_OR_RETURN(auto prep,
+                        agent.prepare_blocks(spec.peer, OpKind::kWrite, spec.local, spec.remote, one, spec.xfer));
   const double timeout_s = spec.timeout_s < 0 ? cfg.default_timeout_s : spec.timeout_s;
   const Clock::time_point deadline = deadline_after(timeout_s);
   auto xfer = std::make_shared<Transfer>(xfer_id, OpKind::kWrite, spec.peer, prep->transport, prep->bytes * count,

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "pdkv/agent.h"
 #include "pdkv/kv_layout.h"
 #include "pdkv/status.h"
 #include "pdkv/stream.h"
@@ -95,17 +96,13 @@ class StreamPump final : public std::enable_shared_from_this<StreamPump> {
 // What Agent::open_stream was given.
 struct StreamSpec {
   std::string peer;
-  std::string local_layout;
-  std::vector<uint32_t> local_ids;
-  std::string remote_layout;
-  std::vector<uint32_t> remote_ids;
+  Blocks local;
+  Blocks remote;
   PlanOptions plan;
-  std::vector<uint32_t> remote_generations;  // XferOptions::remote_generations
-  std::string transport;                     // XferOptions::transport
+  XferOptions xfer;
   std::string notif;
   double timeout_s = -1;  // < 0: the agent's default; 0: none
   StreamOptions opts;
-  std::optional<CompressMode> compress;  // XferOptions::compress
 };
 
 // Validates `spec` (preparing its first layer) and opens the stream; `xfer_id` names

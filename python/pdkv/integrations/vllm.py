@@ -25,7 +25,7 @@ How a request flows (pull, like vLLM's NixlConnector):
    ``update_state_after_alloc`` pairs each local block with the prefill block at
    the same position in the prompt (local prefix-cache hits are skipped).
 3. Decode's worker reads those blocks straight from prefill's KV cache into its
-   own (``Agent.read`` with ``remote_generations``: one copy on the same host via
+   own (``Agent.read`` with prefill's block generations: one copy on the same host via
    ``shm``, scatter-gather TCP across hosts; no staging buffer) and reports them in
    ``get_finished``. The read carries a notification that reaches prefill once
    every byte has landed; prefill's worker passes it to its scheduler
@@ -881,12 +881,13 @@ class _Worker:
         layout = r.layout = self._pull_layout(peer, r, span, rgeo)
         remote_per_block = kernel_blocks_per_block(span.remote_block_size, rgeo.block_tokens, "prefill")
         gens = self._remote_generations(r, remote_per_block)
-        args = (peer, layout, self._phys(r.local_block_ids), layout,
-                kernel_block_ids(r.remote_block_ids, remote_per_block))
-        kw = dict(notify=_RELEASE + r.remote_request_id.encode(), timeout=self.timeout_s, num_tokens=span.plan_tokens)
+        local = pdkv.Blocks(layout, self._phys(r.local_block_ids))
+        remote_ids = kernel_block_ids(r.remote_block_ids, remote_per_block)
+        kw = dict(plan=pdkv.PlanOptions(num_tokens=span.plan_tokens), notify=_RELEASE + r.remote_request_id.encode(),
+                  timeout=self.timeout_s)
         if gens is not None:
             try:
-                return self.agent.read(*args, remote_generations=gens, **kw)
+                return self.agent.read(peer, local, pdkv.Blocks(layout, remote_ids, generations=gens), **kw)
             except pdkv.NotSupported as e:
                 # cuda_ipc and nixl cannot check generations: fall back to the lease.
                 logger.warning("pdkv connector: %s; pulling %s without them (lease check only)", e,
@@ -894,7 +895,7 @@ class _Worker:
                 r.remote_generations = None
         if r.expires_at and time.time() > r.expires_at - _LEASE_MARGIN_S:
             raise pdkv.TransferTimeout(f"prefill's lease on {r.remote_request_id} ran out before the pull")
-        return self.agent.read(*args, **kw)
+        return self.agent.read(peer, local, pdkv.Blocks(layout, remote_ids), **kw)
 
     def _remote_generations(self, r: _Recv, per_block: int) -> list[int] | None:
         """Prefill's generations per kernel block (None: prefill sent none). Prefill

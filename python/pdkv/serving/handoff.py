@@ -409,21 +409,21 @@ class LayerStreamer:
     req : PrefillRequest
     deadline : float
         ``time.monotonic()`` by which the KV must have landed.
-    plan : dict
-        Plan keywords of the write (``num_tokens`` when the block sizes differ).
+    plan : pdkv.PlanOptions or None
+        The write's plan (``num_tokens`` when the block sizes differ); None: block for block.
     block_tokens : int
         Tokens per block of the prefill engine's pool.
     """
 
     def __init__(self, agent: pdkv.Agent, peer: str, req: PrefillRequest, *, deadline: float,
-                 plan: dict[str, int], block_tokens: int) -> None:
+                 plan: pdkv.PlanOptions | None, block_tokens: int) -> None:
         self.agent = agent
         self.peer = peer
         self.req = req
         self.deadline = deadline
         self.plan = plan
         self.block_tokens = block_tokens
-        self.per_chunk = not plan  # block for block: a chunk's blocks map one to one
+        self.per_chunk = plan is None  # block for block: a chunk's blocks map one to one
         self.streams: list[pdkv.StreamingWrite] = []  # in chunk order; all but the last closed
         self.error: PdkvError | None = None
         self._lock = threading.Lock()
@@ -480,9 +480,9 @@ class LayerStreamer:
             self.streams.append(self._step_stream)
 
     def _open(self, local: Sequence[int], remote: Sequence[int], generations: Sequence[int]) -> pdkv.StreamingWrite:
-        return self.agent.open_stream(self.peer, "kv", list(local), "kv", list(remote),
-                                      timeout=max(self.deadline - time.monotonic(), 0.001),
-                                      remote_generations=list(generations) or None, **self.plan)
+        return self.agent.open_stream(self.peer, pdkv.Blocks("kv", local),
+                                      pdkv.Blocks("kv", remote, generations=list(generations) or None), plan=self.plan,
+                                      timeout=max(self.deadline - time.monotonic(), 0.001))
 
     @property
     def usable(self) -> bool:
@@ -658,10 +658,10 @@ class KVSender:
         return LayerStreamer(self.agent, peer, req, deadline=time.monotonic() + (deadline - loop.time()),
                              plan=self._plan(req), block_tokens=self.engine.pool.block_tokens)
 
-    def _plan(self, req: PrefillRequest) -> dict[str, int]:
+    def _plan(self, req: PrefillRequest) -> pdkv.PlanOptions | None:
         if req.dst.block_tokens != self.engine.pool.block_tokens:
-            return {"num_tokens": len(req.prompt)}
-        return {}
+            return pdkv.PlanOptions(num_tokens=len(req.prompt))
+        return None
 
     async def push(self, req: PrefillRequest, handle: RequestHandle, first_token: int, *, with_kv: bool,
                    deadline: float, posted: list[pdkv.Transfer], streamer: LayerStreamer | None = None) -> KVResult:
@@ -768,9 +768,9 @@ class KVSender:
         if not with_kv:
             return self.agent.notify(peer, ready.encode(), timeout=timeout)
         self.m_kv_streamed.inc(("monolithic",))
-        return self.agent.write(peer, "kv", list(handle.block_ids), "kv", list(req.dst.blocks),
-                                notify=ready.encode(), timeout=timeout,
-                                remote_generations=list(req.dst.generations) or None, **self._plan(req))
+        return self.agent.write(peer, pdkv.Blocks("kv", handle.block_ids),
+                                pdkv.Blocks("kv", req.dst.blocks, generations=list(req.dst.generations) or None),
+                                plan=self._plan(req), notify=ready.encode(), timeout=timeout)
 
     def _count_wire(self, xfers: Sequence[pdkv.Transfer], transport: str) -> None:
         for x in xfers:

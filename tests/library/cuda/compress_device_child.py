@@ -152,7 +152,8 @@ def main() -> None:
             assert x.compression == "", f"auto compressed device memory on an emulated driver ({what})"
 
     def write(src: str, dst: str) -> None:
-        x = a.agent.write(peer, src, lids, dst, rids, notify=src.encode() + b"->" + dst.encode())
+        x = a.agent.write(peer, pdkv.Blocks(src, lids), pdkv.Blocks(dst, rids),
+                          notify=src.encode() + b"->" + dst.encode())
         got = b.agent.wait_notifications(timeout=30)
         if not got:
             x.wait(0)
@@ -177,7 +178,7 @@ def main() -> None:
     want_read = np.stack([np.stack([round_trip(blk) for blk in part]) for part in blocks(b.pool("host"), rids)])
 
     def read(src: str, dst: str) -> None:
-        x = a.agent.read(peer, dst, lids, src, rids)
+        x = a.agent.read(peer, pdkv.Blocks(dst, lids), pdkv.Blocks(src, rids))
         assert x.wait(30), x.error
         assert np.array_equal(blocks(a.pool(dst), lids), want_read), f"{MODE} read {src}->{dst}: bytes differ"
         check_codec(x, f"read {src}->{dst}", device_side=dst == "dev")
@@ -214,23 +215,23 @@ def main() -> None:
     if FAKE and MODE == "fp8" and KERNELS:
         # A kernel that faults fails that transfer with the CUDA error, nothing else.
         LIB.fakecuda_fail_launches(1)  # the sender's quantize
-        err = failure(a.agent.write(peer, "dev", lids, "dev", rids, notify=b"never"))
+        err = failure(a.agent.write(peer, pdkv.Blocks("dev", lids), pdkv.Blocks("dev", rids), notify=b"never"))
         assert "CUDA error 700" in err and "pdkv_fp8_quantize" in err, err
         assert b.agent.wait_notifications(timeout=0.3) == []
         write("dev", "dev")
         LIB.fakecuda_fail_launches(1)  # the receiver's dequantize
-        err = failure(a.agent.write(peer, "host", lids, "dev", rids, notify=b"never"))
+        err = failure(a.agent.write(peer, pdkv.Blocks("host", lids), pdkv.Blocks("dev", rids), notify=b"never"))
         assert "CUDA error 700" in err and "pdkv_fp8_dequantize" in err, err
         assert b.agent.wait_notifications(timeout=0.3) == []
         write("host", "dev")
         checks.append("launch failures")
     if FAKE and MODE == "lossless":
         LIB.fakecuda_fail_copies(1)  # the sender's gather
-        err = failure(a.agent.write(peer, "dev", lids, "dev", rids, notify=b"never"))
+        err = failure(a.agent.write(peer, pdkv.Blocks("dev", lids), pdkv.Blocks("dev", rids), notify=b"never"))
         assert "CUDA error 700" in err, err
         write("dev", "dev")
         LIB.fakecuda_fail_copies(1)  # the receiver's copy into device memory
-        err = failure(a.agent.write(peer, "host", lids, "dev", rids, notify=b"never"))
+        err = failure(a.agent.write(peer, pdkv.Blocks("host", lids), pdkv.Blocks("dev", rids), notify=b"never"))
         assert "CUDA error 700" in err, err
         write("host", "dev")
         checks.append("copy failures")

@@ -37,7 +37,7 @@ and then answers one JSON line per command:
   other byte of the blocks is zero (a heterogeneous transfer's target).
 * ``{"cmd": "metadata"}`` -> ``{"blob"}`` (hex); ``{"cmd": "add_peer", "address", "blob"}``
   -> ``{"ok", "error"}``: transfers to ``address`` then use that (possibly altered) metadata.
-* ``xfer`` takes ``"plan"``: prepare()'s heterogeneous options (num_tokens, num_heads,
+* ``xfer`` takes ``"plan"``: the fields of prepare()'s PlanOptions (num_tokens, num_heads,
   local_head_offset, remote_head_offset); its answer has ``num_extents``.
 * ``{"cmd": "exit"}``
 """
@@ -137,7 +137,7 @@ def same_process_pair(cuda: FakeCuda, spec: PoolSpec, transports: list[str]) -> 
         peer = a.connect(b.address)
         out = {"peer_transport": a.peer_transport(peer)}
         try:
-            a.write(peer, "kv", [0, 2], "kv", [1, 3]).wait(30)
+            a.write(peer, pdkv.Blocks("kv", [0, 2]), pdkv.Blocks("kv", [1, 3])).wait(30)
             out.update(ok=pb.digest([1, 3]) == pa.digest([0, 2]), error=None)
         except pdkv.PdkvError as e:
             out.update(ok=False, error=f"{type(e).__name__}: {e}")
@@ -168,8 +168,8 @@ def xfer(agent: pdkv.Agent, cuda: FakeCuda, peers: dict, req: dict) -> dict:
             return res
         if req["op"] == "stream":  # a layer-wise streaming write, layers posted in req["order"]
             stage = "post"
-            s = agent.open_stream(peer, "kv", req["lblocks"], "kv", req["rblocks"], notify=req.get("notify"),
-                                  timeout=req.get("xfer_timeout", 30))
+            s = agent.open_stream(peer, pdkv.Blocks("kv", req["lblocks"]), pdkv.Blocks("kv", req["rblocks"]),
+                                  notify=req.get("notify"), timeout=req.get("xfer_timeout", 30))
             for layer in req.get("order") or range(s.num_layers):
                 s.post_layers(layer)
             x = s.close()
@@ -181,7 +181,8 @@ def xfer(agent: pdkv.Agent, cuda: FakeCuda, peers: dict, req: dict) -> dict:
         if req.get("reuse"):
             prep = KEPT[req["reuse"]]
         else:  # "plan": heterogeneous options (num_tokens, num_heads, head offsets)
-            prep = agent.prepare(req["op"], peer, "kv", req["lblocks"], "kv", req["rblocks"], **req.get("plan", {}))
+            prep = agent.prepare(req["op"], peer, pdkv.Blocks("kv", req["lblocks"]), pdkv.Blocks("kv", req["rblocks"]),
+                                 plan=pdkv.PlanOptions(**req.get("plan", {})))
         res["num_extents"] = prep.num_extents
         if req.get("keep"):
             KEPT[req["keep"]] = prep
@@ -213,7 +214,8 @@ def burst(agent: pdkv.Agent, peers: dict, req: dict) -> dict:
         if req["address"] not in peers:
             peers[req["address"]] = agent.connect(req["address"])
         peer = peers[req["address"]]
-        preps = [agent.prepare("write", peer, "kv", it["lblocks"], "kv", it["rblocks"]) for it in req["items"]]
+        preps = [agent.prepare("write", peer, pdkv.Blocks("kv", it["lblocks"]),
+                               pdkv.Blocks("kv", it["rblocks"])) for it in req["items"]]
         xs = [p.post(notify=it["notify"], timeout=30) for p, it in zip(preps, req["items"])]
         for x in xs:
             x.wait(30)
@@ -281,7 +283,8 @@ def main() -> None:
             if req["address"] not in peers:
                 peers[req["address"]] = agent.connect(req["address"])
             peer = peers[req["address"]]
-            inflight = [agent.prepare("write", peer, "kv", it["lblocks"], "kv", it["rblocks"]).post(timeout=60)
+            inflight = [agent.prepare("write", peer, pdkv.Blocks("kv", it["lblocks"]),
+                                      pdkv.Blocks("kv", it["rblocks"])).post(timeout=60)
                         for it in req["items"]]
             out({"posted": len(inflight)})
         elif cmd == "wait_async":

@@ -77,7 +77,7 @@ def main() -> None:
 
     def write(src: str, dst: str, notif: bytes) -> None:
         want = blocks(a.pool(src), lids)
-        x = a.agent.write(peer, src, lids, dst, rids, notify=notif)
+        x = a.agent.write(peer, pdkv.Blocks(src, lids), pdkv.Blocks(dst, rids), notify=notif)
         # The notification must find every byte already in place.
         got = b.agent.wait_notifications(timeout=30)
         if not got:
@@ -90,7 +90,7 @@ def main() -> None:
 
     def read(dst: str, src: str, ids: list[int], rids_: list[int]) -> None:
         want = blocks(b.pool(src), rids_)
-        x = a.agent.read(peer, dst, ids, src, rids_)
+        x = a.agent.read(peer, pdkv.Blocks(dst, ids), pdkv.Blocks(src, rids_))
         assert x.wait(30), x.error
         assert np.array_equal(blocks(a.pool(dst), ids), want), f"read {src}->{dst}: bytes differ"
         checks.append(f"read {src}->{dst}")
@@ -105,7 +105,7 @@ def main() -> None:
     every = list(range(GEOM.num_blocks))
     read("host", "dev", every, every)
     # A prepared device transfer posted again moves the current bytes.
-    prep = a.agent.prepare("write", peer, "dev", lids, "dev", rids)
+    prep = a.agent.prepare("write", peer, pdkv.Blocks("dev", lids), pdkv.Blocks("dev", rids))
     for _ in range(3):
         MEM.htod(a.dev, np.random.default_rng(len(checks)).integers(0, 256, GEOM.pool_bytes, dtype=np.uint8))
         assert prep.post().wait(30)
@@ -115,17 +115,17 @@ def main() -> None:
     if FAKE:
         # A failing device copy fails that transfer with the CUDA error, nothing else.
         LIB.fakecuda_fail_copies(1)  # the sender's gather
-        err = failure(a.agent.write(peer, "dev", lids, "dev", rids, notify=b"never"))
+        err = failure(a.agent.write(peer, pdkv.Blocks("dev", lids), pdkv.Blocks("dev", rids), notify=b"never"))
         assert "CUDA error 700" in err, err
         LIB.fakecuda_fail_copies(1)  # the receiver's copy into device memory
-        err = failure(a.agent.write(peer, "host", lids, "dev", rids, notify=b"never"))
+        err = failure(a.agent.write(peer, pdkv.Blocks("host", lids), pdkv.Blocks("dev", rids), notify=b"never"))
         assert "device memory" in err and "700" in err, err
         assert b.agent.get_notifications() == [], "a failed transfer notified"
         write("dev", "dev", b"after-failure")
         checks.append("copy failures")
     # Cancelling a staged write in flight ends it (cancelled, or done if every batch
     # was already on the wire) without hanging; the agent keeps working.
-    x = a.agent.write(peer, "dev", lids, "dev", rids)
+    x = a.agent.write(peer, pdkv.Blocks("dev", lids), pdkv.Blocks("dev", rids))
     x.cancel()
     try:
         x.wait(30)
@@ -135,7 +135,7 @@ def main() -> None:
     checks.append("cancel")
     # The peer going away in the middle of a staged write fails that transfer (or it
     # completed first), never the process; the agent then works with a new peer.
-    x = a.agent.write(peer, "dev", lids, "dev", rids)
+    x = a.agent.write(peer, pdkv.Blocks("dev", lids), pdkv.Blocks("dev", rids))
     b.agent.close()
     try:
         x.wait(30)

@@ -56,13 +56,13 @@ def test_cuda_ipc_write_read_bit_exact(target):
         peer = a.connect(addr)
         assert a.peer_transport(peer) == "cuda_ipc"
         lids, rids = [3, 7, 8, 9, 20], [40, 2, 3, 4, 63]
-        assert a.write(peer, "kv", lids, "kv", rids, notify=b"gpu").wait(30)
+        assert a.write(peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), notify=b"gpu").wait(30)
         proc.stdin.write(" ".join(map(str, rids)) + "\n")
         proc.stdin.flush()
         remote_sum = float(proc.stdout.readline())
         assert remote_sum == pytest.approx(float(pool[:, :, lids].float().sum()), rel=0, abs=1e-3)
         # Read them back into other local blocks: bit exact.
-        assert a.read(peer, "kv", [50, 51, 52, 53, 54], "kv", rids).wait(30)
+        assert a.read(peer, pdkv.Blocks("kv", [50, 51, 52, 53, 54]), pdkv.Blocks("kv", rids)).wait(30)
         torch.cuda.synchronize()
         assert torch.equal(pool[:, :, [50, 51, 52, 53, 54]], pool[:, :, lids])
 

@@ -50,7 +50,7 @@ def specs(mode: str) -> tuple[PoolSpec, PoolSpec]:
 
 def pieces_of(la: PoolSpec, lids, lb: PoolSpec, rids, **plan) -> int:
     """How many pieces the plan cuts the transfer into (each a copy on the old path)."""
-    return len(pdkv.plan_blocks(Pool(la).layout, lids, Pool(lb).layout, rids, **plan))
+    return len(pdkv.plan_blocks(Pool(la).layout, lids, Pool(lb).layout, rids, plan=pdkv.PlanOptions(**plan)))
 
 
 def check_moved(src, sids, sh0, dst, dids, dh0, ntok, nh) -> None:

@@ -46,8 +46,8 @@ CHILD = textwrap.dedent('''
     lids, rids = [3, 4, 5, 9, 20, 21], [0, 1, 2, 30, 10, 11]
     checks = []
     for order, inflight in (([0, 1, 2, 3, 4, 5], 1), ([4, 0, 5, 2, 1, 3], 4)):
-        s = a.open_stream(peer, "kv", lids, "kv", rids, notify=b"done", progress_prefix=b"p:",
-                          max_inflight_batches=inflight)
+        s = a.open_stream(peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), notify=b"done",
+                          stream=pdkv.StreamOptions(progress_prefix=b"p:", max_inflight_batches=inflight))
         for layer in order:
             s.post_layers(layer)
         s.close()

@@ -169,7 +169,7 @@ def test_idle_agents_use_almost_no_cpu():
         pa.register(a)
         pb.register(b)
         peer = a.connect(b.address)
-        assert a.write(peer, "kv", [0, 1], notify=b"warm").wait(5)
+        assert a.write(peer, pdkv.Blocks("kv", [0, 1]), notify=b"warm").wait(5)
         assert b.wait_notifications(5)
         time.sleep(0.5)  # pollers back off to their idle period
         c0 = cpu_ticks()
@@ -232,7 +232,7 @@ def test_handles_behave_like_pdkv_transfers_and_never_leak():
         pb.register(b)
         peer = a.connect(b.address)
         eng = transport(a)._eng
-        prep = a.prepare("write", peer, "kv", range(8), "kv", range(8, 16))
+        prep = a.prepare("write", peer, pdkv.Blocks("kv", range(8)), pdkv.Blocks("kv", range(8, 16)))
         for i in range(6):
             x = prep.post(notify=None if i % 2 else f"n{i}")
             assert x.wait(5) and x.transport == "nixl" and x.peer == "b"
@@ -243,7 +243,7 @@ def test_handles_behave_like_pdkv_transfers_and_never_leak():
         assert wait_until(lambda: got.extend(n.data for n in b.get_notifications()) or len(got) >= 3)
         got += [n.data for n in b.wait_notifications(0.3)]
         assert got == [b"n0", b"n2", b"n4"]
-        x = a.read(peer, "kv", [0, 1], "kv", [2, 3])
+        x = a.read(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [2, 3]))
         x.cancel()  # cancel of a finished or pending transfer: either way terminal, no leak
         try:
             x.wait(5)
@@ -251,7 +251,7 @@ def test_handles_behave_like_pdkv_transfers_and_never_leak():
             assert x.state is pdkv.XferState.CANCELLED and x.bytes_done == 0
         import asyncio
 
-        assert asyncio.run(a.write(peer, "kv", [4]).wait_async(5)) is True
+        assert asyncio.run(a.write(peer, pdkv.Blocks("kv", [4])).wait_async(5)) is True
         assert eng.live_reqs >= 1  # prep's pooled requests
         del prep, x
         gc.collect()
@@ -262,7 +262,7 @@ def test_handles_behave_like_pdkv_transfers_and_never_leak():
 @pytest.mark.nixl
 def test_standalone_notification_follows_earlier_transfers():
     with connected_pair() as (a, b, pa, pb, peer):
-        a.write(peer, "kv", range(64))  # nobody waits on it
+        a.write(peer, pdkv.Blocks("kv", range(64)))  # nobody waits on it
         n = a.notify(peer, "after-the-write")
         got = b.wait_notifications(20)
         assert [m.data for m in got] == [b"after-the-write"]
@@ -273,8 +273,8 @@ def test_standalone_notification_follows_earlier_transfers():
 @pytest.mark.nixl
 def test_deregistration_waits_for_the_peers_inflight_write_then_revokes():
     with connected_pair() as (a, b, pa, pb, peer):
-        prep = a.prepare("write", peer, "kv", [0])
-        x = a.write(peer, "kv", range(64))
+        prep = a.prepare("write", peer, pdkv.Blocks("kv", [0]))
+        x = a.write(peer, pdkv.Blocks("kv", range(64)))
         for r in b.regions:
             r.close()  # returns only once a stopped using the memory
         assert x.done and x.wait(0)
@@ -293,10 +293,10 @@ def test_deregistration_waits_for_the_peers_inflight_write_then_revokes():
 @pytest.mark.nixl
 def test_readding_the_same_peer_keeps_transfers_and_prepared_requests():
     with connected_pair() as (a, b, pa, pb, peer):
-        prep = a.prepare("write", peer, "kv", [1, 2], "kv", [3, 4])
+        prep = a.prepare("write", peer, pdkv.Blocks("kv", [1, 2]), pdkv.Blocks("kv", [3, 4]))
         assert prep.post().wait(5)
         state = transport(a)._peers[peer]
-        big = a.write(peer, "kv", range(64))
+        big = a.write(peer, pdkv.Blocks("kv", range(64)))
         extra = b.register(np.zeros(256, np.uint8))  # b gains a region: its NIXL metadata changes
         a.add_peer(b.metadata())  # loaded on top: no reconnect
         a.warm_up(peer)  # (the transport learns re-added metadata on the next prepare or warm-up)
@@ -322,11 +322,11 @@ def test_handshake_with_the_wrong_secret_is_refused():
         Pool(PoolSpec(), 1).register(a)
         Pool(PoolSpec()).register(b)
         peer = a.add_peer(b.metadata())  # a presents its own secret, not b's
-        x = a.write(peer, "kv", [0])  # a peer-side failure: raised by wait() (docs/faults.md)
+        x = a.write(peer, pdkv.Blocks("kv", [0]))  # a peer-side failure: raised by wait() (docs/faults.md)
         with pytest.raises(pdkv.PeerConnectionError, match="wrong secret"):
             x.wait(5)
         a.add_peer(b.metadata(), secret="other")
-        assert a.write(peer, "kv", [0]).wait(5)
+        assert a.write(peer, pdkv.Blocks("kv", [0])).wait(5)
 
 
 @pytest.mark.nixl
@@ -351,7 +351,7 @@ def test_handshake_control_messages_carry_no_secret_and_a_replayed_proof_fails()
         pa.register(a)
         pb.register(b)
         peer = a.add_peer(b.metadata())
-        assert a.write(peer, "kv", [0]).wait(10)
+        assert a.write(peer, pdkv.Blocks("kv", [0])).wait(10)
         kinds = [json.loads(m[1:])["k"] for m in sent if m[:1] == b"C"]
         assert kinds[:4] == ["hello", "challenge", "proof", "hello-ack"], kinds
         wire = b"".join(sent)
@@ -383,10 +383,10 @@ def test_ucx_shared_memory_between_processes(spawn_peer, monkeypatch):
         name = a.connect(peer.address)
         assert a.peer_transport(name) == "nixl"
         items = [{"notif": "shm-w", "blocks": [7, 8], "digest": local.digest([1, 2])}]
-        assert a.write(name, "kv", [1, 2], "kv", [7, 8], notify="shm-w").wait(10)
+        assert a.write(name, pdkv.Blocks("kv", [1, 2]), pdkv.Blocks("kv", [7, 8]), notify="shm-w").wait(10)
         res = peer.call(cmd="expect", items=items, timeout=10)
         assert res["results"] and all(r["ok"] for r in res["results"]), res
-        assert a.read(name, "kv", [3], "kv", [9]).wait(10)
+        assert a.read(name, pdkv.Blocks("kv", [3]), pdkv.Blocks("kv", [9])).wait(10)
         assert local.digest([3]) == Pool(spec, 5).digest([9])
 
 

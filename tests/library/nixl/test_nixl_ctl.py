@@ -87,7 +87,7 @@ def test_a_peer_sending_garbage_changes_nothing():
         for raw in BAD.values():
             eng.notify(target, _CTL + raw)
         eng.notify(target, _USER + b"x" * ((1 << 20) + 1))  # over max_notif_bytes
-        assert a.write(peer, "kv", range(64), notify=b"after-garbage").wait(20)
+        assert a.write(peer, pdkv.Blocks("kv", range(64)), notify=b"after-garbage").wait(20)
         got = b.wait_notifications(20)
         assert [m.data for m in got] == [b"after-garbage"]
         assert np.array_equal(pb.logical(range(64)), pa.logical(range(64)))

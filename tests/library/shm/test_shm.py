@@ -58,7 +58,7 @@ def test_deregistering_mapped_region_revokes_peer_access():
         pb = Pool(spec, None, shared_by=b)
         pb.register(b)
         peer = a.connect(b.address)
-        prep = a.prepare("write", peer, "kv", [0, 1], "kv", [2, 3])  # maps b's regions
+        prep = a.prepare("write", peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [2, 3]))  # maps b's regions
         assert prep.post().wait(5)
         t0 = time.monotonic()
         for r in b.regions:
@@ -77,7 +77,7 @@ def test_deregistration_waits_for_the_peers_inflight_copy():
         pb = Pool(spec, None, shared_by=b)
         pb.register(b)
         peer = a.connect(b.address)
-        prep = a.prepare("write", peer, "kv", range(128), "kv", range(128))
+        prep = a.prepare("write", peer, pdkv.Blocks("kv", range(128)), pdkv.Blocks("kv", range(128)))
         xs = [prep.post() for _ in range(8)]  # ~512 MiB of copying queued on a's copy thread
         done_at_dereg = []
 
@@ -116,7 +116,7 @@ def test_copies_queued_past_their_deadline_or_cancelled_stop(kind):
         pb.register(b)
         peer = a.connect(b.address)
         assert a.peer_transport(peer) == "shm"
-        prep = a.prepare("write", peer, "kv", range(128), "kv", range(128))
+        prep = a.prepare("write", peer, pdkv.Blocks("kv", range(128)), pdkv.Blocks("kv", range(128)))
         # Regions confirmed first: on a loaded machine the first post's confirmation
         # alone can outlast 20 ms (a TransferTimeout that is not the copy's).
         assert prep.post(timeout=60).wait(60)
@@ -137,7 +137,7 @@ def test_copies_queued_past_their_deadline_or_cancelled_stop(kind):
         assert all(o in (True, "timeout") for o in outcomes[:12]), outcomes
         assert all(o in (True, "cancelled") for o in outcomes[12:]), outcomes
         pa.fill(7)
-        assert a.write(peer, "kv", [3, 4], "kv", [9, 10], timeout=30).wait(30)
+        assert a.write(peer, pdkv.Blocks("kv", [3, 4]), pdkv.Blocks("kv", [9, 10]), timeout=30).wait(30)
         assert pb.digest([9, 10]) == pa.digest([3, 4])
 
 

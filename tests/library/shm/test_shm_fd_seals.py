@@ -220,7 +220,7 @@ def test_a_stale_read_is_still_refused_after_the_attacks():
             dst.register(a)
             p = a.add_peer(target.metadata)
             old = target.call(cmd="gens", blocks=[3])["gens"]
-            assert a.read(p, "kv", [3], "kv", [3], remote_generations=old).wait(10)  # maps the table
+            assert a.read(p, pdkv.Blocks("kv", [3]), pdkv.Blocks("kv", [3], generations=old)).wait(10)  # maps the table
             new = target.call(cmd="bump", blocks=[3])["gens"]
             assert new != old
             forged = struct.pack("<I", old[0])
@@ -229,8 +229,8 @@ def test_a_stale_read_is_still_refused_after_the_attacks():
                            lambda: _reopen_and_write(fd, 4 * SPEC.blocks)):
                 assert _refused(attack) != 0
             with pytest.raises(pdkv.StaleBlock, match="block 3"):
-                a.read(p, "kv", [3], "kv", [3], remote_generations=old).wait(10)
-            assert a.read(p, "kv", [3], "kv", [3], remote_generations=new).wait(10)
+                a.read(p, pdkv.Blocks("kv", [3]), pdkv.Blocks("kv", [3], generations=old)).wait(10)
+            assert a.read(p, pdkv.Blocks("kv", [3]), pdkv.Blocks("kv", [3], generations=new)).wait(10)
     finally:
         os.close(fd)
         peer.close()

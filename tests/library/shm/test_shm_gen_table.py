@@ -66,7 +66,8 @@ def _table_words(layout: str) -> np.ndarray:
 def test_read_with_generations_is_bit_exact_and_stale_before_the_read_copies_nothing():
     with _connected(SPEC) as (a, b, src, dst, peer):
         gens = b.generations("kv", [1, 2])
-        assert a.read(peer, "kv", [5, 6], "kv", [1, 2], remote_generations=gens, notify=b"ok").wait(10)
+        assert a.read(peer, pdkv.Blocks("kv", [5, 6]), pdkv.Blocks("kv", [1, 2], generations=gens),
+                      notify=b"ok").wait(10)
         assert np.array_equal(dst.logical([5, 6]), src.logical([1, 2]))
         assert [n.data for n in b.wait_notifications(5)] == [b"ok"]
         # Bumped before the read: StaleBlock, nothing copied, no notification.
@@ -74,15 +75,16 @@ def test_read_with_generations_is_bit_exact_and_stale_before_the_read_copies_not
         before = dst.logical(range(SPEC.blocks)).copy()
         src.fill(3)
         with pytest.raises(pdkv.StaleBlock, match=r"block 2.*nothing was transferred"):
-            a.read(peer, "kv", [5, 6], "kv", [1, 2], remote_generations=gens, notify=b"no").wait(10)
+            a.read(peer, pdkv.Blocks("kv", [5, 6]), pdkv.Blocks("kv", [1, 2], generations=gens), notify=b"no").wait(10)
         assert np.array_equal(dst.logical(range(SPEC.blocks)), before)
         assert b.wait_notifications(0.2) == []
         # The current generations read the new bytes.
-        assert a.read(peer, "kv", [5, 6], "kv", [1, 2], remote_generations=b.generations("kv", [1, 2])).wait(10)
+        assert a.read(peer, pdkv.Blocks("kv", [5, 6]),
+                      pdkv.Blocks("kv", [1, 2], generations=b.generations("kv", [1, 2]))).wait(10)
         assert np.array_equal(dst.logical([5, 6]), src.logical([1, 2]))
         # A block beyond the owner's table is refused before anything moves.
         with pytest.raises((pdkv.OutOfRange, pdkv.InvalidArgument)):
-            a.read(peer, "kv", [5], "kv", [SPEC.blocks], remote_generations=[1]).wait(10)
+            a.read(peer, pdkv.Blocks("kv", [5]), pdkv.Blocks("kv", [SPEC.blocks], generations=[1])).wait(10)
 
 
 def test_a_bump_during_the_read_fails_it_and_does_not_wait_for_it():
@@ -91,13 +93,13 @@ def test_a_bump_during_the_read_fails_it_and_does_not_wait_for_it():
     with StaleBlock (the destination bytes are then not valid); a read that finished
     before the bump must hold the old owner's bytes exactly."""
     with _connected(BIG) as (a, b, src, dst, peer):
-        assert a.read(peer, "kv", [0], "kv", [0]).wait(30)  # connect, confirm, map
+        assert a.read(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [0])).wait(30)  # connect, confirm, map
         mid_copy = 0
         for attempt in range(5):
             src.fill(10 + attempt)
             want = src.logical([1, 2, 3]).copy()
             gens = b.generations("kv", [1, 2, 3])
-            x = a.read(peer, "kv", [1, 2, 3], "kv", [1, 2, 3], remote_generations=gens, timeout=30)
+            x = a.read(peer, pdkv.Blocks("kv", [1, 2, 3]), pdkv.Blocks("kv", [1, 2, 3], generations=gens), timeout=30)
             b.bump_generations("kv", [2], timeout=30)
             src.fill(100 + attempt)  # the new owner's bytes
             try:
@@ -109,7 +111,8 @@ def test_a_bump_during_the_read_fails_it_and_does_not_wait_for_it():
             assert np.array_equal(dst.logical([1, 2, 3]), want)  # finished before the bump
         assert mid_copy >= 1, "no read was still copying when its block was bumped"
         # The agent is unharmed: a verified read with current generations.
-        assert a.read(peer, "kv", [1, 2, 3], "kv", [1, 2, 3], remote_generations=b.generations("kv", [1, 2, 3])).wait(30)
+        assert a.read(peer, pdkv.Blocks("kv", [1, 2, 3]),
+                      pdkv.Blocks("kv", [1, 2, 3], generations=b.generations("kv", [1, 2, 3]))).wait(30)
         assert np.array_equal(dst.logical([1, 2, 3]), src.logical([1, 2, 3]))
 
 
@@ -133,14 +136,15 @@ def test_a_bump_between_the_checks_of_a_queued_read_fails_it_every_time():
         peer = a.add_peer(b.metadata())
         blocker = a.prepare_extents("read", peer, [(lr.id, 0, big.id, 0, n)])
         assert blocker.post().wait(60)  # connect, confirm, map
-        assert a.read(peer, "kv", [0], "kv", [0], remote_generations=b.generations("kv", [0])).wait(30)
+        assert a.read(peer, pdkv.Blocks("kv", [0]),
+                      pdkv.Blocks("kv", [0], generations=b.generations("kv", [0]))).wait(30)
         checked = 0
         for attempt in range(6):
             src.fill(20 + attempt)
             gens = b.generations("kv", [1, 2, 3])
             first = blocker.post(timeout=60)
-            x = a.read(peer, "kv", [1, 2, 3], "kv", [1, 2, 3], remote_generations=gens, notify=b"stale",
-                       timeout=60)
+            x = a.read(peer, pdkv.Blocks("kv", [1, 2, 3]), pdkv.Blocks("kv", [1, 2, 3], generations=gens),
+                       notify=b"stale", timeout=60)
             b.bump_generations("kv", [3], timeout=30)
             queued = not first.done  # the read's copy has not started: its second check is after the bump
             src.fill(200 + attempt)  # the new owner's bytes
@@ -158,14 +162,16 @@ def test_a_bump_between_the_checks_of_a_queued_read_fails_it_every_time():
             assert b.wait_notifications(0.1) == []
         assert checked >= 3, f"the blocker finished before the bump in {6 - checked} of 6 attempts"
         # The agent is unharmed: a verified read with current generations.
-        assert a.read(peer, "kv", [1, 2, 3], "kv", [1, 2, 3], remote_generations=b.generations("kv", [1, 2, 3])).wait(30)
+        assert a.read(peer, pdkv.Blocks("kv", [1, 2, 3]),
+                      pdkv.Blocks("kv", [1, 2, 3], generations=b.generations("kv", [1, 2, 3]))).wait(30)
         assert np.array_equal(dst.logical([1, 2, 3]), src.logical([1, 2, 3]))
 
 
 def test_a_garbled_table_fails_reads_and_never_crashes_the_reader():
     with _connected(SPEC) as (a, b, src, dst, peer):
         gens = b.generations("kv", list(range(SPEC.blocks)))
-        assert a.read(peer, "kv", [0], "kv", [0], remote_generations=gens[:1]).wait(10)  # maps the table
+        assert a.read(peer, pdkv.Blocks("kv", [0]),
+                      pdkv.Blocks("kv", [0], generations=gens[:1])).wait(10)  # maps the table
         words = _table_words("kv")
         original = words[:SPEC.blocks].copy()
         assert np.array_equal(original, gens)
@@ -175,10 +181,10 @@ def test_a_garbled_table_fails_reads_and_never_crashes_the_reader():
             words[:SPEC.blocks] = garbage
             before = dst.logical(range(SPEC.blocks)).copy()
             with pytest.raises(pdkv.StaleBlock, match="block 3"):
-                a.read(peer, "kv", [4], "kv", [3], remote_generations=gens[3:4]).wait(10)
+                a.read(peer, pdkv.Blocks("kv", [4]), pdkv.Blocks("kv", [3], generations=gens[3:4])).wait(10)
             assert np.array_equal(dst.logical(range(SPEC.blocks)), before)
         words[:SPEC.blocks] = original
-        assert a.read(peer, "kv", [4], "kv", [3], remote_generations=gens[3:4]).wait(10)
+        assert a.read(peer, pdkv.Blocks("kv", [4]), pdkv.Blocks("kv", [3], generations=gens[3:4])).wait(10)
         assert np.array_equal(dst.logical([4]), src.logical([3]))
 
 
@@ -187,15 +193,15 @@ def test_a_re_added_layout_is_read_through_its_new_table():
     mark of a removed layout), so it asks for the new one; old claims stay stale."""
     with _connected(SPEC) as (a, b, src, dst, peer):
         old = b.generations("kv", [1])
-        assert a.read(peer, "kv", [1], "kv", [1], remote_generations=old).wait(10)
+        assert a.read(peer, pdkv.Blocks("kv", [1]), pdkv.Blocks("kv", [1], generations=old)).wait(10)
         b.remove_layout("kv")
         b.add_layout("kv", src.layout)
         new = b.generations("kv", [1])
         assert new[0] > old[0]
         with pytest.raises(pdkv.StaleBlock):
-            a.read(peer, "kv", [1], "kv", [1], remote_generations=old).wait(10)
+            a.read(peer, pdkv.Blocks("kv", [1]), pdkv.Blocks("kv", [1], generations=old)).wait(10)
         src.fill(4)
-        assert a.read(peer, "kv", [1], "kv", [1], remote_generations=new).wait(10)
+        assert a.read(peer, pdkv.Blocks("kv", [1]), pdkv.Blocks("kv", [1], generations=new)).wait(10)
         assert np.array_equal(dst.logical([1]), src.logical([1]))
 
 
@@ -208,10 +214,11 @@ def test_a_layout_re_added_with_more_blocks_is_read_through_its_new_table():
         dst = Pool(PoolSpec(layers=2, blocks=16, block_tokens=4, heads=2, head_dim=8), 2)
         dst.register(a)
         peer = a.add_peer(b.metadata())
-        assert a.read(peer, "kv", [1], "kv", [1], remote_generations=b.generations("kv", [1])).wait(10)
+        assert a.read(peer, pdkv.Blocks("kv", [1]),
+                      pdkv.Blocks("kv", [1], generations=b.generations("kv", [1]))).wait(10)
         b.remove_layout("kv")
         b.add_layout("kv", big.layout)
         peer = a.add_peer(b.metadata())
         gens = b.generations("kv", [12])
-        assert a.read(peer, "kv", [3], "kv", [12], remote_generations=gens).wait(10)
+        assert a.read(peer, pdkv.Blocks("kv", [3]), pdkv.Blocks("kv", [12], generations=gens)).wait(10)
         assert np.array_equal(dst.logical([3]), big.logical([12]))

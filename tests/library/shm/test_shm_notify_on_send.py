@@ -38,8 +38,8 @@ def test_read_with_notification_is_bit_exact_and_delivered_after_the_bytes(on_se
         for i in range(20):
             src.fill(10 + i)
             gens = b.generations("kv", [1, 2, 3])
-            x = a.read(peer, "kv", [4, 5, 6], "kv", [1, 2, 3], remote_generations=gens, notify=b"req-%d" % i,
-                       timeout=10)
+            x = a.read(peer, pdkv.Blocks("kv", [4, 5, 6]), pdkv.Blocks("kv", [1, 2, 3], generations=gens),
+                       notify=b"req-%d" % i, timeout=10)
             while not x.done:  # as the connector polls
                 pass
             assert x.error is None and x.state is pdkv.XferState.DONE
@@ -62,11 +62,12 @@ def test_unacknowledged_notification_completes_the_transfer_and_is_counted(spawn
         name = a.connect(peer.address)
         # Connect and map without a notification (an acknowledgement still in flight
         # when the peer is paused would be counted too).
-        assert a.write(name, "kv", [0, 1], "kv", [2, 3]).wait(20)
+        assert a.write(name, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [2, 3])).wait(20)
         assert peer.call(cmd="digest", blocks=[2, 3])["digest"] == local.digest([0, 1])
         peer.pause()
         try:
-            x = a.write(name, "kv", [4, 5, 6], "kv", [7, 8, 9], notify=b"maybe-lost", timeout=1.0)
+            x = a.write(name, pdkv.Blocks("kv", [4, 5, 6]), pdkv.Blocks("kv", [7, 8, 9]), notify=b"maybe-lost",
+                        timeout=1.0)
             assert x.wait(10)  # completed when sent: no TransferTimeout
             assert x.state is pdkv.XferState.DONE
             assert a.notifications_unacknowledged == 0  # not yet: its deadline has not passed
@@ -76,7 +77,7 @@ def test_unacknowledged_notification_completes_the_transfer_and_is_counted(spawn
         # The bytes landed before the notification was sent.
         assert peer.call(cmd="digest", blocks=[7, 8, 9])["digest"] == local.digest([4, 5, 6])
         # The agent is unharmed: a verified write over a new connection, acknowledged.
-        assert a.write(name, "kv", [10, 11], "kv", [12, 13], notify=b"again").wait(20)
+        assert a.write(name, pdkv.Blocks("kv", [10, 11]), pdkv.Blocks("kv", [12, 13]), notify=b"again").wait(20)
         assert peer.call(cmd="digest", blocks=[12, 13])["digest"] == local.digest([10, 11])
         assert wait_until(lambda: a.notifications_unacknowledged == 1, 2)
         assert a.notifications_unacknowledged == 1

@@ -80,8 +80,8 @@ def test_two_level_runs_are_bit_exact(mode, op, memory, ids):
         local.register(a)
         remote.register(b)
         peer = a.add_peer(b.metadata())
-        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
-        prep = a.prepare(op, peer, "kv", lids, "kv", rids, **kw)
+        plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+        prep = a.prepare(op, peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), plan=plan)
         if mode in TWO_LEVEL:
             # At most one run per (layer, part, block): never one per (block, head).
             assert prep.num_extents <= LAYERS * 2 * max(nl, nr), prep.num_extents
@@ -120,7 +120,7 @@ def test_two_level_copies_stop_at_their_deadline_or_on_cancel(kind):
         pa, pb = big_pools(a, b, kind)
         peer = a.connect(b.address)
         assert a.peer_transport(peer) == "shm"
-        prep = a.prepare("write", peer, "kv", range(128), "kv", range(128))
+        prep = a.prepare("write", peer, pdkv.Blocks("kv", range(128)), pdkv.Blocks("kv", range(128)))
         assert prep.num_extents == BIG.layers * 2 * BIG.heads  # two-level runs
         assert prep.post(timeout=60).wait(60)  # regions confirmed: what follows times out in the copy
         xs = [prep.post(timeout=0.02) for _ in range(8)]  # ~512 MiB of scattered 256-byte rows
@@ -140,7 +140,7 @@ def test_two_level_copies_stop_at_their_deadline_or_on_cancel(kind):
         assert all(o in (True, "timeout") for o in outcomes[:8]), outcomes
         assert all(o in (True, "cancelled") for o in outcomes[8:]), outcomes
         pa.fill(9)
-        assert a.write(peer, "kv", [3, 4], "kv", [9, 10], timeout=30).wait(30)
+        assert a.write(peer, pdkv.Blocks("kv", [3, 4]), pdkv.Blocks("kv", [9, 10]), timeout=30).wait(30)
         assert pb.digest([9, 10]) == pa.digest([3, 4])
 
 
@@ -149,7 +149,7 @@ def test_deregistration_waits_for_a_two_level_copy():
             pdkv.Agent("b", secret=SECRET) as b:
         big_pools(a, b, "alloc")
         peer = a.connect(b.address)
-        prep = a.prepare("write", peer, "kv", range(128), "kv", range(128))
+        prep = a.prepare("write", peer, pdkv.Blocks("kv", range(128)), pdkv.Blocks("kv", range(128)))
         assert prep.num_extents == BIG.layers * 2 * BIG.heads
         xs = [prep.post() for _ in range(6)]
         done_at_dereg = []
@@ -182,8 +182,9 @@ def test_a_layer_wise_stream_into_hnd_blocks_lands_bit_exact():
         remote.register(b)
         peer = a.add_peer(b.metadata())
         lids, rids = list(range(3, 13)), list(range(20, 30))
-        s = a.open_stream(peer, "kv", lids, "kv", rids, notify=b"r", timeout=30, num_heads=nh,
-                          local_head_offset=lho, remote_head_offset=rho)
+        s = a.open_stream(peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids),
+                          plan=pdkv.PlanOptions(num_heads=nh, local_head_offset=lho, remote_head_offset=rho),
+                          notify=b"r", timeout=30)
         for layer in (2, 0, 3, 1):
             s.post_layers(layer)
         x = s.close()
@@ -219,8 +220,8 @@ def test_scattered_ids_in_one_region_pools_are_one_run_per_block(mode, style, op
         local.register(a)
         remote.register(b)
         peer = a.add_peer(b.metadata())
-        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
-        prep = a.prepare(op, peer, "kv", lids, "kv", rids, **kw)
+        plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+        prep = a.prepare(op, peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), plan=plan)
         groups = 2 if style == "interleaved" else 1
         assert prep.num_extents <= groups * max(nl, nr), prep.num_extents  # was layers * 2 * blocks
         for _ in range(2):  # the second post reuses the bound ops

@@ -294,7 +294,7 @@ def test_region_confirmation_waits_for_the_transfers_deadline(spawn_peer, frozen
             t0 = time.monotonic()
             if resumed:
                 resumed.start()
-            x = a.write(name, "kv", [1, 2], "kv", [3, 4], timeout=10.0 if resumed else 1.0)
+            x = a.write(name, pdkv.Blocks("kv", [1, 2]), pdkv.Blocks("kv", [3, 4]), timeout=10.0 if resumed else 1.0)
             if resumed:
                 assert x.wait(20)
                 assert time.monotonic() - t0 >= frozen_for - 0.1
@@ -312,9 +312,9 @@ def test_region_confirmation_waits_for_the_transfers_deadline(spawn_peer, frozen
             # (no new socket: the next write does not dial again).
             sockets = _socket_inodes()
             time.sleep(0.5)
-            assert a.write(name, "kv", [7], "kv", [7]).wait(10)
+            assert a.write(name, pdkv.Blocks("kv", [7]), pdkv.Blocks("kv", [7])).wait(10)
             assert _socket_inodes() <= sockets
-        assert a.write(name, "kv", [5], "kv", [6]).wait(10)
+        assert a.write(name, pdkv.Blocks("kv", [5]), pdkv.Blocks("kv", [6])).wait(10)
         assert peer.call(cmd="digest", blocks=[6])["digest"] == local.digest([5])
         if resumed:
             assert peer.call(cmd="digest", blocks=[3, 4])["digest"] == local.digest([1, 2])

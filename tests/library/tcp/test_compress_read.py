@@ -180,11 +180,13 @@ def test_per_transfer_compress_overrides_the_agent_both_ways():
             # write: the agent's src into the target; read: back into mem
             r_src = agent.register(src)
             back[:] = 0
-            w = agent.prepare_extents("write", peer, [(r_src.id, 0, rt.id, 0, total)], compress=override).post()
+            w = agent.prepare_extents("write", peer, [(r_src.id, 0, rt.id, 0, total)],
+                                      options=pdkv.XferOptions(compress=override)).post()
             assert w.wait(30), w.error
             assert w.compression == expect, (agent.name, override)
             assert np.array_equal(back, src)
-            rd = agent.prepare_extents("read", peer, [(r.id, 0, rt.id, 0, total)], compress=override).post()
+            rd = agent.prepare_extents("read", peer, [(r.id, 0, rt.id, 0, total)],
+                                       options=pdkv.XferOptions(compress=override)).post()
             assert rd.wait(30), rd.error
             assert rd.compression == expect, (agent.name, override)
             assert (rd.wire_bytes < total) == bool(expect)
@@ -208,29 +210,33 @@ def test_per_transfer_compress_through_blocks_and_streams():
         theirs.register(target)
         peer = agent.connect(target.address)
         # read, fp8 for this request only: exactly the FP8 round trip of the peer's blocks
-        x = agent.read(peer, "kv", DST, "kv", SRC, compress="fp8", timeout=30)
+        x = agent.read(peer, pdkv.Blocks("kv", DST), pdkv.Blocks("kv", SRC), options=pdkv.XferOptions(compress="fp8"),
+                       timeout=30)
         assert x.wait(30), x.error
         assert x.compression == "fp8"
         assert np.array_equal(mine.logical(DST), fp8_round_trip(theirs, SRC))
         # read with the agent's mode (off): exact
-        y = agent.prepare("read", peer, "kv", DST, "kv", SRC).post(timeout=30)
+        y = agent.prepare("read", peer, pdkv.Blocks("kv", DST), pdkv.Blocks("kv", SRC)).post(timeout=30)
         assert y.wait(30), y.error
         assert y.compression == "" and np.array_equal(mine.logical(DST), theirs.logical(SRC))
         # write, lossless for this request only
-        z = agent.write(peer, "kv", DST, "kv", SRC[::-1][: len(DST)], compress="lossless", timeout=30)
+        z = agent.write(peer, pdkv.Blocks("kv", DST), pdkv.Blocks("kv", SRC[::-1][: len(DST)]),
+                        options=pdkv.XferOptions(compress="lossless"), timeout=30)
         assert z.wait(30), z.error
         assert z.compression == LOSSLESS[0]
         # a stream, fp8 for this stream only
-        s = agent.open_stream(peer, "kv", DST, "kv", SRC, notify=b"s", timeout=30, compress="fp8")
+        s = agent.open_stream(peer, pdkv.Blocks("kv", DST), pdkv.Blocks("kv", SRC),
+                              options=pdkv.XferOptions(compress="fp8"), notify=b"s", timeout=30)
         for layer in range(SPEC.layers):
             s.post_layers(layer)
         t = s.close()
         assert t.wait(30), t.error
         assert t.compression == "fp8"
         with pytest.raises(pdkv.InvalidArgument, match="compress"):
-            agent.open_stream(peer, "kv", DST, "kv", SRC, compress="gzip")
+            agent.open_stream(peer, pdkv.Blocks("kv", DST), pdkv.Blocks("kv", SRC),
+                              options=pdkv.XferOptions(compress="gzip"))
         with pytest.raises(pdkv.InvalidArgument, match="compress"):
-            agent.read(peer, "kv", DST, "kv", SRC, compress="lossy")
+            agent.read(peer, pdkv.Blocks("kv", DST), pdkv.Blocks("kv", SRC), options=pdkv.XferOptions(compress="lossy"))
 
 
 def test_bad_compress_values_are_refused_by_name():
@@ -242,16 +248,16 @@ def test_bad_compress_values_are_refused_by_name():
         ext = [(r.id, 0, rt.id, 0, total)]
         for bad in ("zip", "LOSSLESS", "", 3, b"fp8"):
             with pytest.raises(pdkv.InvalidArgument, match="compress"):
-                reader.prepare_extents("read", peer, ext, compress=bad)
+                reader.prepare_extents("read", peer, ext, options=pdkv.XferOptions(compress=bad))
             with pytest.raises(pdkv.InvalidArgument, match="compress"):
-                reader.prepare_extents("write", peer, ext, compress=bad)
+                reader.prepare_extents("write", peer, ext, options=pdkv.XferOptions(compress=bad))
         with pytest.raises(pdkv.InvalidArgument, match="'zip'"):
-            reader.prepare_extents("read", peer, ext, compress="zip")
+            reader.prepare_extents("read", peer, ext, options=pdkv.XferOptions(compress="zip"))
         # The native layer names the value too (a caller skipping the Python checks).
         with pytest.raises(pdkv.InvalidArgument, match="compress must be off, lossless, fp8 or auto, got 'zip'"):
             reader._n.prepare_extents(peer, pdkv._native.module().OpKind.READ, ext, "", "zip")
         for ok in ("off", "lossless", "fp8", "auto", None):
-            assert reader.prepare_extents("read", peer, ext, compress=ok) is not None
+            assert reader.prepare_extents("read", peer, ext, options=pdkv.XferOptions(compress=ok)) is not None
 
 
 # ---------------------------------------------------------------- peers that answer plain
@@ -498,7 +504,8 @@ LAB_READER = textwrap.dedent("""
         rb = a.register(back)
         peer = a.connect(address)
         remote = a.peer_info(peer)["regions"][0]["id"]
-        w = a.prepare_extents("write", peer, [(rs.id, 0, remote, 0, n)], compress="off").post(timeout=60)
+        w = a.prepare_extents("write", peer, [(rs.id, 0, remote, 0, n)],
+                              options=pdkv.XferOptions(compress="off")).post(timeout=60)
         assert w.wait(60) and w.compression == ""
         read = a.prepare_extents("read", peer, [(rb.id, 0, remote, 0, n)])
         chosen, exact = [], []

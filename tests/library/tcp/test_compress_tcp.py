@@ -691,14 +691,14 @@ def test_auto_plain_writes_keep_their_generation_claims():
         dst.register(b)
         peer = a.add_peer(b.metadata())
         gens = b.generations("kv", [4, 5])
-        x = a.write(peer, "kv", [0, 1], "kv", [4, 5], remote_generations=gens, notify="w")
+        x = a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [4, 5], generations=gens), notify="w")
         assert x.wait(10), x.error
         assert x.compression == ""  # the first write to a peer measures the link: plain
         assert dst.digest([4, 5]) == src.digest([0, 1])
         assert [n.data for n in b.wait_notifications(timeout=5)] == [b"w"]
         b.bump_generations("kv", [5])
         canary = dst.logical(range(spec.blocks)).copy()
-        y = a.write(peer, "kv", [2, 3], "kv", [4, 5], remote_generations=gens)
+        y = a.write(peer, pdkv.Blocks("kv", [2, 3]), pdkv.Blocks("kv", [4, 5], generations=gens))
         with pytest.raises(pdkv.StaleBlock):
             y.wait(10)
         assert y.compression == ""

@@ -86,8 +86,8 @@ def test_small_and_large_strided_pieces_are_bit_exact(case, transport, op, cut, 
         local.register(a)
         remote.register(b)
         peer = a.add_peer(b.metadata())
-        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
-        x = a.prepare(op, peer, "kv", lids, "kv", rids, **kw).post()
+        plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+        x = a.prepare(op, peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), plan=plan).post()
         assert x.wait(30), x.error
         if pull:
             check(remote, rids, local, lids, ntok, nh, rho, lho)
@@ -108,7 +108,8 @@ def test_the_tp4_tp2_pair_of_pushes_into_one_block_is_bit_exact():
             dst.register(dec)
             peer = p.add_peer(dec.metadata())
             ids = list(range(BLOCKS))
-            xs = [p.prepare("write", peer, f"rank{r}", ids, "kv", ids, num_heads=2, remote_head_offset=2 * r).post()
+            xs = [p.prepare("write", peer, pdkv.Blocks(f"rank{r}", ids), pdkv.Blocks("kv", ids),
+                            plan=pdkv.PlanOptions(num_heads=2, remote_head_offset=2 * r)).post()
                   for r in range(2)]
             for x in xs:
                 assert x.wait(30), x.error
@@ -235,8 +236,9 @@ def test_large_tp_splits_over_tcp_walk_the_runs_bit_exact(op, split, ids, dtype,
             prefill.register(b)
             lids, rids, lho, rho = dids, pids, dho, pho
         peer = a.add_peer(b.metadata())
-        kw = dict(num_tokens=ntok, num_heads=2, local_head_offset=lho, remote_head_offset=rho)
-        prep = a.prepare(op, peer, "kv", lids, "kv", rids, compress=compress, **kw)
+        plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=2, local_head_offset=lho, remote_head_offset=rho)
+        prep = a.prepare(op, peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), plan=plan,
+                         options=pdkv.XferOptions(compress=compress))
         # Direct: the transport got the planner's runs (one per block or block range and
         # (layer, part)), not a staging buffer's.
         assert prep.num_extents <= 2 * BIG_LAYERS * n
@@ -267,13 +269,13 @@ def test_a_peer_killed_mid_lazy_tp_split_fails_and_the_next_one_lands(op):
         mine = Pool(PoolSpec(BIG_LAYERS, BIG_BLOCKS, 16, 4, 128, "bfloat16", "nhd"), None if op == "read" else 19)
         mine.register(a)
         ids = list(range(BIG_BLOCKS))
-        kw = dict(num_heads=2, local_head_offset=2)
+        plan = pdkv.PlanOptions(num_heads=2, local_head_offset=2)
         proc = subprocess.Popen([sys.executable, "-c", DOOMED_KV], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True)
         try:
             info = json.loads(proc.stdout.readline())
             doomed = a.connect(info["address"])
-            prep = a.prepare(op, doomed, "kv", ids, "kv", ids, **kw)
+            prep = a.prepare(op, doomed, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids), plan=plan)
             freeze(proc.pid)  # it stops mid-stream: a frame stays half-moved
             x = prep.post(timeout=30)
             proc.kill()
@@ -288,6 +290,6 @@ def test_a_peer_killed_mid_lazy_tp_split_fails_and_the_next_one_lands(op):
             theirs = Pool(PoolSpec(BIG_LAYERS, BIG_BLOCKS, 16, 2, 128, "bfloat16", "nhd"), 17 if op == "read" else None)
             theirs.register(good)
             peer = a.add_peer(good.metadata())
-            x = a.prepare(op, peer, "kv", ids, "kv", ids, **kw).post()
+            x = a.prepare(op, peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids), plan=plan).post()
             assert x.wait(60), x.error
             assert np.array_equal(mine.logical(ids)[:, :, :, 2:4], theirs.logical(ids))

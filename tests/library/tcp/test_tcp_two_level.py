@@ -101,8 +101,8 @@ def run_case(mode, op, dtype, lids, rids, ntok, *, seeds, tcp=None):
         local = KV(a, lt, lh, lo, dtype, None if pull else seeds[0])
         remote = KV(b, rt, rh, ro, dtype, seeds[1] if pull else None)
         peer = a.add_peer(b.metadata())
-        kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
-        prep = a.prepare(op, peer, "kv", lids, "kv", rids, **kw)
+        plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+        prep = a.prepare(op, peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids), plan=plan)
         x = prep.post()
         assert x.wait(30), x.error
         if pull:
@@ -149,8 +149,8 @@ def test_compressed_two_level_transfers_are_bit_exact(op):
         local = KV(a, lt, lh, lo, "bfloat16", None if pull else 8)
         remote = KV(b, rt, rh, ro, "bfloat16", 9 if pull else None)
         peer = a.add_peer(b.metadata())
-        x = a.prepare(op, peer, "kv", ids, "kv", ids, num_heads=nh, local_head_offset=lho,
-                      remote_head_offset=rho).post()
+        x = a.prepare(op, peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids),
+                      plan=pdkv.PlanOptions(num_heads=nh, local_head_offset=lho, remote_head_offset=rho)).post()
         assert x.wait(20), x.error
         assert x.compression != ""
         if pull:
@@ -223,9 +223,9 @@ def test_the_wire_carries_two_level_descriptors_only_to_peers_that_take_them(pee
             if clear:
                 blob = with_features(blob, clear)
             peer = a.add_peer(blob)
-            kw = dict(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
+            plan = pdkv.PlanOptions(num_tokens=ntok, num_heads=nh, local_head_offset=lho, remote_head_offset=rho)
             for op in ("write", "read"):
-                prep = a.prepare(op, peer, "kv", ids, "kv", ids, **kw)
+                prep = a.prepare(op, peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids), plan=plan)
                 x = prep.post()
                 assert x.wait(20), x.error
             check(local, ids, remote, ids, ntok, nh, lho, rho)

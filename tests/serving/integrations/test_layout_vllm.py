@@ -98,7 +98,8 @@ def test_cpu_cache_pulls_from_any_vllm_layout_bit_exact(transport, remote_kind, 
         peer = dec.add_peer(pre.metadata())
         lids = [4, 0, 2]
         rids = [9, 3, 7, 1, 10, 11][: -(-ntok // remote_block)]
-        dec.read(peer, "kv", lids, "kv", rids, num_tokens=ntok).wait(10)
+        dec.read(peer, pdkv.Blocks("kv", lids), pdkv.Blocks("kv", rids),
+                 plan=pdkv.PlanOptions(num_tokens=ntok)).wait(10)
         got = logical(local, "cpu", lids)[:, :, :ntok]
         want = logical(remote, remote_kind, rids)[:, :, :ntok]
         assert want.abs().sum() > 0

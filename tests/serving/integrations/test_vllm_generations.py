@@ -204,15 +204,15 @@ def test_older_prefill_without_generations_keeps_the_lease_check(pd):
 
 
 def test_transport_without_generations_falls_back_to_the_lease(pd, monkeypatch):
-    """cuda_ipc and nixl refuse remote_generations (NotSupported at prepare): the
+    """cuda_ipc and nixl refuse generations (NotSupported at prepare): the
     pull goes without them and decode checks prefill's lease itself, as before."""
     prefill, decode = pd
     real = decode.worker.agent.read
 
-    def read(*args, remote_generations=None, **kw):
-        if remote_generations is not None:
+    def read(peer, local, remote=None, **kw):
+        if remote is not None and remote.generations is not None:
             raise conn.pdkv.NotSupported("transport 'x' cannot check block generations")
-        return real(*args, **kw)
+        return real(peer, local, remote, **kw)
 
     monkeypatch.setattr(decode.worker.agent, "read", read)
     params = _finish(prefill, "a", [1, 2])

@@ -182,8 +182,9 @@ def test_pull_of_a_token_range_is_bit_exact(local_bs, remote_bs, start, end):
                 agent.register(t)
             agent.add_layout("vllm-kv-tokens", cpu_token_layout(caches))
         peer = dec.add_peer(pre.metadata())
-        dec.read(peer, "vllm-kv-tokens", lids, "vllm-kv-tokens", rids, num_tokens=span.num_tokens,
-                 remote_generations=pre.generations("vllm-kv-tokens", rids)).wait(10)
+        dec.read(peer, pdkv.Blocks("vllm-kv-tokens", lids),
+                 pdkv.Blocks("vllm-kv-tokens", rids, generations=pre.generations("vllm-kv-tokens", rids)),
+                 plan=pdkv.PlanOptions(num_tokens=span.num_tokens)).wait(10)
     assert _same(_tokens(decode, local_list, local_bs, start, end), _tokens(prefill, remote_list, remote_bs, start, end))
     # decode's cached prefix, the tail of its last block and every other block are untouched
     assert _same(_tokens(decode, local_list, local_bs, 0, start), _tokens(before, local_list, local_bs, 0, start))
@@ -225,8 +226,9 @@ def test_compressed_pull_through_the_connector_options_is_bit_exact(local_bs, re
                 agent.register(t)
             agent.add_layout("vllm-kv-tokens", cpu_token_layout(caches))
         peer = dec.add_peer(pre.metadata())
-        x = dec.read(peer, "vllm-kv-tokens", local_list[span.local_first:span.local_last], "vllm-kv-tokens",
-                     remote_list[span.remote_first:span.remote_last], num_tokens=span.num_tokens)
+        x = dec.read(peer, pdkv.Blocks("vllm-kv-tokens", local_list[span.local_first:span.local_last]),
+                     pdkv.Blocks("vllm-kv-tokens", remote_list[span.remote_first:span.remote_last]),
+                     plan=pdkv.PlanOptions(num_tokens=span.num_tokens))
         assert x.wait(20)
         assert x.compression == "zstd" and 0 < x.wire_bytes < x.bytes_total, (x.compression, x.wire_bytes)
     assert _same(_tokens(decode, local_list, local_bs, 0, end), _tokens(prefill, remote_list, remote_bs, 0, end))

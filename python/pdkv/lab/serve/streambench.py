@@ -133,7 +133,8 @@ class _Bench:
 
         def sink(layer: int, start: int, end: int, blocks: tuple) -> None:
             if "s" not in state:
-                state["s"] = self.p.open_stream(self.peer, "kv", list(blocks), "kv", self.dst, timeout=60)
+                state["s"] = self.p.open_stream(self.peer, pdkv.Blocks("kv", list(blocks)), pdkv.Blocks("kv", self.dst),
+                                                timeout=60)
             state["s"].post_layers(layer)
 
         t0 = time.perf_counter()
@@ -144,7 +145,8 @@ class _Bench:
         if streamed:
             x = state["s"].close(notify=key)
         else:
-            x = self.p.write(self.peer, "kv", list(h.block_ids), "kv", self.dst, notify=key, timeout=60)
+            x = self.p.write(self.peer, pdkv.Blocks("kv", list(h.block_ids)), pdkv.Blocks("kv", self.dst), notify=key,
+                             timeout=60)
         t_ready = self.arrivals.wait(key)
         x.wait(60)
         self.engine.release(rid)
@@ -158,12 +160,13 @@ class _Bench:
         key = f"t{self.n}".encode()
         t0 = time.perf_counter()
         if streamed:
-            s = self.p.open_stream(self.peer, "kv", self.dst, "kv", self.dst, timeout=60)
+            s = self.p.open_stream(self.peer, pdkv.Blocks("kv", self.dst), pdkv.Blocks("kv", self.dst), timeout=60)
             for layer in range(s.num_layers):
                 s.post_layers(layer)
             x = s.close(notify=key)
         else:
-            x = self.p.write(self.peer, "kv", self.dst, "kv", self.dst, notify=key, timeout=60)
+            x = self.p.write(self.peer, pdkv.Blocks("kv", self.dst), pdkv.Blocks("kv", self.dst), notify=key,
+                             timeout=60)
         self.arrivals.wait(key)
         x.wait(60)
         return time.perf_counter() - t0

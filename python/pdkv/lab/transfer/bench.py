@@ -32,8 +32,8 @@ import time
 
 import numpy as np
 
-from pdkv import Agent, KVLayout, TcpOptions, available_transports, plan_blocks
-from pdkv.errors import InvalidArgument
+from pdkv import Agent, Blocks, KVLayout, TcpOptions, available_transports, plan_blocks
+from pdkv.errors import InvalidArgument, PdkvError
 from pdkv.lab import _native
 from pdkv.lab.transfer import compress, hetero, models, peers
 from pdkv.lab.transfer.common import (SECRET_ENV, host_view, human, parse_size, percentile, pool_blocks, tcp_options,
@@ -139,7 +139,7 @@ def prepare_cost(model: str, num_blocks: int) -> dict:
         lids = rng.permutation(num_blocks).astype(np.uint32)
         rids = rng.permutation(num_blocks).astype(np.uint32)
         t0 = time.perf_counter()
-        prep = a.prepare("write", me, "kv0", lids, "kv1", rids)
+        prep = a.prepare("write", me, Blocks("kv0", lids), Blocks("kv1", rids))
         dt = time.perf_counter() - t0
         extents = prep.num_extents
     return {"blocks": num_blocks, "extents": extents, "seconds": dt, "ns_per_extent": dt / extents * 1e9,
@@ -156,14 +156,15 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
     rng = np.random.default_rng(args.seed)
     lids = rng.permutation(args.local_blocks)[:nblocks].astype(np.uint32)
     rids = rng.permutation(args.remote_blocks)[:nblocks].astype(np.uint32)
-    prep = agent.prepare("write", peer, "kv", lids, "kv", rids)
+    prep = agent.prepare("write", peer, Blocks("kv", lids), Blocks("kv", rids))
     time_transfers(prep, 1)  # warm-up: connections, page faults on the target
     secs = time_transfers(prep, iters)
     gbps = payload * iters / secs / 1e9
     # Verify: read the destination blocks back into scratch blocks and compare.
     verified = None
     if not args.no_verify:
-        back = agent.prepare("read", peer, scratch_layout_name, np.arange(nblocks, dtype=np.uint32), "kv", rids)
+        back = agent.prepare("read", peer, Blocks(scratch_layout_name, np.arange(nblocks, dtype=np.uint32)),
+                             Blocks("kv", rids))
         back.post().wait(120)
         pairs = plan_blocks(agent.layout("kv").unbound(), lids, agent.layout(scratch_layout_name).unbound(),
                             np.arange(nblocks, dtype=np.uint32))
@@ -211,7 +212,7 @@ def run_latency(args, target: Target, agent: Agent, peer: str) -> dict:
     one = agent.prepare_extents("write", peer, [(seg["region_id"], seg["region_offset"], rseg["region_id"],
                                                  rseg["region_offset"], geo.block_bytes)])
     lat_half = latency_us(one, args.lat_iters)
-    whole = agent.prepare("write", peer, "kv", [0], "kv", [1])
+    whole = agent.prepare("write", peer, Blocks("kv", [0]), Blocks("kv", [1]))
     lat_block = latency_us(whole, max(20, args.lat_iters // 4))
     raw = [x / 1000 for x in bench.pingpong(target.sink_host, target.sink_port, geo.block_bytes, args.lat_iters)]
     raw_block = [x / 1000 for x in bench.pingpong(target.sink_host, target.sink_port,

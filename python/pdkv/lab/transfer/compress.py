@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from pdkv import Agent, InvalidArgument, KVLayout, TcpCompression, TcpOptions, plan_blocks
+from pdkv import Agent, Blocks, InvalidArgument, KVLayout, TcpCompression, TcpOptions, plan_blocks
 from pdkv.codec import Codec, kernels
 from pdkv.lab.transfer import models
 from pdkv.lab.transfer.common import SECRET_ENV, host_view, parse_size, pool_blocks, write_out
@@ -177,10 +177,10 @@ def run_case(args, plain: Agent, zipped: Agent, peers: tuple[str, str], geo, pay
     rids = rng.permutation(geo.num_blocks)[:nblocks].astype(np.uint32)
     op = args.compress_op
     if op == "read":  # the target's blocks hold the KV the reads pull
-        timed(plain.prepare("write", peers[0], "kv", lids, "kv", rids), 1)
+        timed(plain.prepare("write", peers[0], Blocks("kv", lids), Blocks("kv", rids)), 1)
         zipped_pool[:] = 0  # the compressed agent's blocks: only what its reads land
-    prep_plain = plain.prepare(op, peers[0], "kv", lids, "kv", rids)
-    prep_zip = zipped.prepare(op, peers[1], "kv", lids, "kv", rids)
+    prep_plain = plain.prepare(op, peers[0], Blocks("kv", lids), Blocks("kv", rids))
+    prep_zip = zipped.prepare(op, peers[1], Blocks("kv", lids), Blocks("kv", rids))
     timed(prep_plain, 1)  # warm-up: connections, page faults on the target
     timed(prep_zip, 3)    # and auto's first measurements of the link and the codec
     plain_s, plain_cpu, _ = timed(prep_plain, iters)
@@ -240,7 +240,7 @@ def verify(agent: Agent, peer: str, lids, rids, geo) -> bool:
     agent.add_layout("verify", KVLayout.contiguous(geo, scratch))
     try:
         n = len(lids)
-        back = agent.prepare("read", peer, "verify", np.arange(n, dtype=np.uint32), "kv", rids)
+        back = agent.prepare("read", peer, Blocks("verify", np.arange(n, dtype=np.uint32)), Blocks("kv", rids))
         x = back.post(timeout=300)
         x.wait(300)
         pairs = plan_blocks(agent.layout("kv").unbound(), lids, agent.layout("verify").unbound(),

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pdkv import Agent, KVLayout
+from pdkv import Agent, Blocks, KVLayout, PlanOptions
 from pdkv.errors import InvalidArgument
 from pdkv.layout import KVGeometry
 from pdkv.tp import TPMapping, TPTransfer
@@ -300,13 +300,13 @@ def prepare_request_ms(plan: Plan, tokens: int, mode: str, transport: str = "tcp
 
         def hetero():
             if mode == "pull":
-                return [a.prepare("read", me, "dst", dids, f"src{t.peer_rank}", sids, **_pull_kwargs(plan, t, tokens))
-                        for t in plan.pulls]
-            return [a.prepare("write", me, f"src{p.prefill_rank}", sids, "dst", dids, **_push_kwargs(plan, p, tokens))
-                    for p in plan.pushes]
+                return [a.prepare("read", me, Blocks("dst", dids), Blocks(f"src{t.peer_rank}", sids),
+                                  plan=_pull_plan(plan, t, tokens)) for t in plan.pulls]
+            return [a.prepare("write", me, Blocks(f"src{p.prefill_rank}", sids), Blocks("dst", dids),
+                              plan=_push_plan(plan, p, tokens)) for p in plan.pushes]
 
         def homogeneous():
-            return [a.prepare("read" if mode == "pull" else "write", me, "hom", dids, "dst", hom_ids)]
+            return [a.prepare("read" if mode == "pull" else "write", me, Blocks("hom", dids), Blocks("dst", hom_ids))]
 
         # Request after request, as a serving engine prepares them: the median of
         # PREPARE_REPEATS (the first, cold, one kept apart: it pays one-time page faults).
@@ -322,19 +322,28 @@ def prepare_request_ms(plan: Plan, tokens: int, mode: str, transport: str = "tcp
     return out
 
 
-def _push_kwargs(plan: Plan, push: Push, tokens: int) -> dict:
-    return _with_tokens(plan, push.transfer.kwargs(), tokens)
+def _push_plan(plan: Plan, push: Push, tokens: int) -> PlanOptions:
+    return _with_tokens(plan, push.transfer.plan(), tokens)
 
 
-def _pull_kwargs(plan: Plan, pull: TPTransfer, tokens: int) -> dict:
-    return _with_tokens(plan, pull.kwargs(), tokens)
+def _pull_plan(plan: Plan, pull: TPTransfer, tokens: int) -> PlanOptions:
+    return _with_tokens(plan, pull.plan(), tokens)
 
 
-def _with_tokens(plan: Plan, kw: dict, tokens: int) -> dict:
+def _with_tokens(plan: Plan, options: PlanOptions, tokens: int) -> PlanOptions:
     """Block lists of different block sizes hold different token counts: say how many move."""
     if plan.spec.src_block_tokens != plan.spec.dst_block_tokens:
-        kw["num_tokens"] = tokens
-    return kw
+        options.num_tokens = tokens
+    return options
+
+
+def _plan_fields(plan: Plan, options: PlanOptions) -> dict:
+    """A transfer's plan as the results record it (``num_tokens`` where the block sizes differ)."""
+    out = {"num_heads": options.num_heads, "local_head_offset": options.local_head_offset,
+           "remote_head_offset": options.remote_head_offset}
+    if plan.spec.src_block_tokens != plan.spec.dst_block_tokens:
+        out["num_tokens"] = options.num_tokens
+    return out
 
 
 @dataclass
@@ -361,10 +370,12 @@ def run_case(args, plan: Plan, agent: Agent, peer: str, payload: int, target_poo
     req = make_request(plan, payload, target_pool_blocks, args.seed)
     if args.hetero_mode == "pull":
         r = run_pull(args, plan, agent, peer, req, target_pool_blocks)
-        transfers = [{"prefill_rank": t.peer_rank, **_pull_kwargs(plan, t, req.tokens)} for t in plan.pulls]
+        transfers = [{"prefill_rank": t.peer_rank, **_plan_fields(plan, _pull_plan(plan, t, req.tokens))}
+                     for t in plan.pulls]
     else:
         r = run_push(args, plan, agent, peer, req)
-        transfers = [{"prefill_rank": p.prefill_rank, **_push_kwargs(plan, p, req.tokens)} for p in plan.pushes]
+        transfers = [{"prefill_rank": p.prefill_rank, **_plan_fields(plan, _push_plan(plan, p, req.tokens))}
+                     for p in plan.pushes]
     what = "receiving pushes from" if args.hetero_mode == "push" else "pulling from"
     return {
         "hetero": plan.spec.text,
@@ -387,9 +398,10 @@ def run_push(args, plan: Plan, agent: Agent, peer: str, req: Request) -> dict:
         expected = reference(plan, pools.src, req.src_ids, req.tokens)
         store(pools.hom[0], pools.hom[1], req.hom_local, expected)
         r = measure(args,
-                    lambda: [agent.prepare("write", peer, f"src{p.prefill_rank}", req.src_ids, "kv", req.het_ids,
-                                           **_push_kwargs(plan, p, req.tokens)) for p in plan.pushes],
-                    lambda: [agent.prepare("write", peer, "hom", req.hom_local, "kv", req.hom_ids)])
+                    lambda: [agent.prepare("write", peer, Blocks(f"src{p.prefill_rank}", req.src_ids),
+                                           Blocks("kv", req.het_ids), plan=_push_plan(plan, p, req.tokens))
+                             for p in plan.pushes],
+                    lambda: [agent.prepare("write", peer, Blocks("hom", req.hom_local), Blocks("kv", req.hom_ids))])
         r["verified"] = None if args.no_verify else verify(args, agent, peer, pools, expected,
                                                               [req.het_ids, req.hom_ids])
     finally:
@@ -416,12 +428,14 @@ def run_pull(args, plan: Plan, agent: Agent, peer: str, req: Request, target_poo
     het_local, hom_local = local[:n], local[n:]
     try:
         store(buf, geo, hom_local, expected)
-        agent.prepare("write", peer, "dst", hom_local, "kv", req.hom_ids).post().wait(120)  # stage, untimed
+        agent.prepare("write", peer, Blocks("dst", hom_local),
+                      Blocks("kv", req.hom_ids)).post().wait(120)  # stage, untimed
         buf[:] = 0
         r = measure(args,
-                    lambda: [agent.prepare("read", peer, "dst", het_local, f"src{t.peer_rank}", req.src_ids,
-                                           **_pull_kwargs(plan, t, req.tokens)) for t in plan.pulls],
-                    lambda: [agent.prepare("read", peer, "dst", hom_local, "kv", req.hom_ids)])
+                    lambda: [agent.prepare("read", peer, Blocks("dst", het_local),
+                                           Blocks(f"src{t.peer_rank}", req.src_ids),
+                                           plan=_pull_plan(plan, t, req.tokens)) for t in plan.pulls],
+                    lambda: [agent.prepare("read", peer, Blocks("dst", hom_local), Blocks("kv", req.hom_ids))])
         if not args.no_verify:
             want = corrupted(expected) if args.corrupt_reference else expected
             r["verified"] = all(np.array_equal(logical(buf, geo, ids, req.tokens), want)
@@ -485,7 +499,7 @@ def verify(args, agent: Agent, peer: str, pools: Pools, expected: np.ndarray, de
     for ids in destinations:
         scratch_ids = np.arange(len(ids), dtype=np.uint32)
         buf[:] = 0
-        agent.prepare("read", peer, "scratch", scratch_ids, "kv", ids).post().wait(120)
+        agent.prepare("read", peer, Blocks("scratch", scratch_ids), Blocks("kv", ids)).post().wait(120)
         ok &= bool(np.array_equal(logical(buf, geo, scratch_ids, expected.shape[2]), expected))
     return ok
 

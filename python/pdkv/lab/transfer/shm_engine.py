@@ -232,29 +232,31 @@ def _measure_connector_path(args: argparse.Namespace, inits: dict, info: dict) -
     n = max(1, MIB // block_bytes)
     remote_ids, local_ids = list(range(1, 1 + n)), list(range(3, 3 + n))
     gens = [info["gens"][b] for b in remote_ids]
-    prep = agent.prepare("read", peer, "vllm", local_ids, "vllm", remote_ids)
-    prep_gens = agent.prepare("read", peer, "vllm", local_ids, "vllm", remote_ids, remote_generations=gens)
-    prep_default = inits["default"][0].prepare("read", peers["default"], "vllm", local_ids, "vllm", remote_ids)
+    local, remote = pdkv.Blocks("vllm", local_ids), pdkv.Blocks("vllm", remote_ids)
+    checked = pdkv.Blocks("vllm", remote_ids, generations=gens)
+    prep = agent.prepare("read", peer, local, remote)
+    prep_gens = agent.prepare("read", peer, local, checked)
+    prep_default = inits["default"][0].prepare("read", peers["default"], local, remote)
     for k, (a, _) in inits.items():  # connect, confirm, map
-        a.read(peers[k], "vllm", local_ids, "vllm", remote_ids).wait(30)
+        a.read(peers[k], local, remote).wait(30)
     counter = [0]
+
+    def sides() -> tuple[pdkv.Blocks, pdkv.Blocks]:  # built per read, as an unprepared read is
+        return pdkv.Blocks("vllm", local_ids), pdkv.Blocks("vllm", remote_ids)
 
     def connector_pull(k: str) -> float:  # _Worker._read + _poll_recving, as the connector runs them
         counter[0] += 1
-        return _polled(lambda: inits[k][0].read(peers[k], "vllm", local_ids, "vllm", remote_ids,
-                                                remote_generations=gens,
+        return _polled(lambda: inits[k][0].read(peers[k], pdkv.Blocks("vllm", local_ids),
+                                                pdkv.Blocks("vllm", remote_ids, generations=gens),
                                                 notify=b"pdkv-release:req-%d" % counter[0], timeout=30.0))
 
     ons, ons_peer = inits["ons"][0], peers["ons"]
     steps = {
         STRICT: lambda: _post_wait(prep),
         "+ generations (prepared, shared table)": lambda: _post_wait(prep_gens),
-        "read() unprepared, no gens/notify": lambda: _timed(lambda: agent.read(peer, "vllm", local_ids, "vllm",
-                                                                               remote_ids).wait(30)),
-        "+ notify (complete on NotifyAck)": lambda: _timed(lambda: agent.read(peer, "vllm", local_ids, "vllm",
-                                                                              remote_ids, notify=b"x").wait(30)),
-        "+ notify (notify_on_send)": lambda: _timed(lambda: ons.read(ons_peer, "vllm", local_ids, "vllm", remote_ids,
-                                                                     notify=b"x").wait(30)),
+        "read() unprepared, no gens/notify": lambda: _timed(lambda: agent.read(peer, *sides()).wait(30)),
+        "+ notify (complete on NotifyAck)": lambda: _timed(lambda: agent.read(peer, *sides(), notify=b"x").wait(30)),
+        "+ notify (notify_on_send)": lambda: _timed(lambda: ons.read(ons_peer, *sides(), notify=b"x").wait(30)),
         "connector pull, NotifyAck, copy in the posting thread": lambda: connector_pull("inline"),
         "connector pull, notify_on_send, copy in the posting thread": lambda: connector_pull("ons"),
         BENCH_TRANSFER: lambda: _post_wait(prep_default),
