@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections.abc
 import typing
 import typing_extensions
-__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'InitiatorHandshake', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TargetHandshake', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
+__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Blocks', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'InitiatorHandshake', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PlanOptions', 'PreparedTransfer', 'ShmOptions', 'StreamOptions', 'StreamingWrite', 'TargetHandshake', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferOptions', 'XferState', 'available_transports', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
 class XferState:
     """
     Members:
@@ -548,6 +548,169 @@ class TcpCompression:
     @threads.setter
     def threads(self, value: int) -> None:
         ...
+class PlanOptions:
+    """
+    What a block transfer moves of layouts of different shape (block size, NHD/HND, a tensor-parallel head split) and which layers: pdkv/kv_layout.h. 0 means 'all'.
+    """
+    __hash__: typing.ClassVar[None] = None
+    def __copy__(self) -> PlanOptions:
+        ...
+    def __deepcopy__(self, memo: typing.Any) -> PlanOptions:
+        ...
+    def __eq__(self, arg0: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> dict:
+        ...
+    def __init__(self, *, num_tokens: int = 0, num_heads: int = 0, local_head_offset: int = 0, remote_head_offset: int = 0, first_layer: int = 0, num_layers: int = 0) -> None:
+        """
+        Keyword arguments are the attributes (defaults shown); validates at once.
+        """
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, arg0: dict) -> None:
+        ...
+    def validate(self) -> None:
+        """
+        Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
+        """
+    @property
+    def first_layer(self) -> int:
+        """
+        int: first layer moved; the layers are [first_layer, first_layer + num_layers). A range beyond the layouts' layers raises OutOfRange.
+        """
+    @first_layer.setter
+    def first_layer(self, value: int) -> None:
+        ...
+    @property
+    def local_head_offset(self) -> int:
+        """
+        int: first head moved on this agent's side (tensor-parallel splits).
+        """
+    @local_head_offset.setter
+    def local_head_offset(self, value: int) -> None:
+        ...
+    @property
+    def num_heads(self) -> int:
+        """
+        int: kv heads to move; 0: all, accepted only when both layouts hold the same number of kv heads.
+        """
+    @num_heads.setter
+    def num_heads(self, value: int) -> None:
+        ...
+    @property
+    def num_layers(self) -> int:
+        """
+        int: layers moved; 0: every layer from first_layer on.
+        """
+    @num_layers.setter
+    def num_layers(self, value: int) -> None:
+        ...
+    @property
+    def num_tokens(self) -> int:
+        """
+        int: tokens to move, counted from the start of the first block; 0: all of them, accepted only when both block lists hold the same number of tokens (a plan never moves part of the data unless asked).
+        """
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        ...
+    @property
+    def remote_head_offset(self) -> int:
+        """
+        int: first head moved on the peer's side.
+        """
+    @remote_head_offset.setter
+    def remote_head_offset(self, value: int) -> None:
+        ...
+class XferOptions:
+    """
+    How a transfer travels: pdkv/agent.h.
+    """
+    __hash__: typing.ClassVar[None] = None
+    def __copy__(self) -> XferOptions:
+        ...
+    def __deepcopy__(self, memo: typing.Any) -> XferOptions:
+        ...
+    def __eq__(self, arg0: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> dict:
+        ...
+    def __init__(self, *, transport: str | None = None, compress: str | None = None) -> None:
+        """
+        Keyword arguments are the attributes (defaults shown); validates at once.
+        """
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, arg0: dict) -> None:
+        ...
+    def validate(self) -> None:
+        """
+        Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
+        """
+    @property
+    def compress(self) -> typing.Any:
+        """
+        str or None: how this transfer's payload travels on a tcp wire, overriding the agent's TcpOptions.compress.mode for it only ('off', 'lossless', 'fp8', 'auto'; its codec, dtype and fp8 grouping apply as they are); None: the agent's mode. 'fp8' (or 'auto' with policy 'lossy-allowed') allows lossy KV for this transfer; reads ask the peer for compressed responses. Other transports move the bytes exactly (docs/compression.md).
+        """
+    @compress.setter
+    def compress(self, value: str | None) -> None:
+        ...
+    @property
+    def transport(self) -> typing.Any:
+        """
+        str or None: the transport to use ('tcp', 'shm', ...; it must reach the peer); None: the peer's (Agent.peer_transport).
+        """
+    @transport.setter
+    def transport(self, value: str | None) -> None:
+        ...
+class StreamOptions:
+    """
+    How a layer-wise stream batches its layers: pdkv/stream.h.
+    """
+    __hash__: typing.ClassVar[None] = None
+    def __copy__(self) -> StreamOptions:
+        ...
+    def __deepcopy__(self, memo: typing.Any) -> StreamOptions:
+        ...
+    def __eq__(self, arg0: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> dict:
+        ...
+    def __init__(self, *, min_batch_bytes: int = 0, max_inflight_batches: int = 4, progress_prefix: bytes = b'') -> None:
+        """
+        Keyword arguments are the attributes (defaults shown); validates at once.
+        """
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, arg0: dict) -> None:
+        ...
+    def validate(self) -> None:
+        """
+        Raises InvalidArgument naming the first field out of range (constructors call it; call it again after changing attributes, or let Agent() do it).
+        """
+    @property
+    def max_inflight_batches(self) -> int:
+        """
+        int (>= 1): most transfers of the stream in flight; layers posted meanwhile leave together when one completes.
+        """
+    @max_inflight_batches.setter
+    def max_inflight_batches(self, value: int) -> None:
+        ...
+    @property
+    def min_batch_bytes(self) -> int:
+        """
+        int, bytes: posted layers holding fewer bytes than this wait for more (or for close); 0: send whatever is ready.
+        """
+    @min_batch_bytes.setter
+    def min_batch_bytes(self, value: int) -> None:
+        ...
+    @property
+    def progress_prefix(self) -> typing.Any:
+        """
+        bytes (str: UTF-8): when not empty, every batch also delivers the notification progress_prefix + b'<first>-<end>' (its layer range) once it landed, for a receiver that starts on early layers.
+        """
+    @progress_prefix.setter
+    def progress_prefix(self, value: bytes) -> None:
+        ...
 class TcpOptions:
     """
     Options of the tcp transport (any host). Units are in the names.
@@ -887,6 +1050,45 @@ class AgentConfig:
     @wait_spin_us.setter
     def wait_spin_us(self, value: int) -> None:
         ...
+class Blocks:
+    """
+    One side of a block transfer: blocks of a KV layout, by id (pdkv/agent.h). Immutable.
+    """
+    def __copy__(self) -> Blocks:
+        ...
+    def __deepcopy__(self, memo: typing.Any) -> Blocks:
+        ...
+    def __eq__(self, arg0: typing.Any) -> bool:
+        ...
+    def __getstate__(self) -> tuple[str, list[int], typing.Any]:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __init__(self, layout: str, ids: typing.Any, *, generations: typing.Any = None) -> None:
+        """
+        layout: a layout name (this agent's on the local side, the peer's on the remote side). ids: block ids, integers only (a numpy integer array, a list, a range); position i on one side maps to position i on the other. generations: the owner's generations of these blocks (Agent.generations), one per id, as the owner handed them out with the ids; only the remote side's are checked: every post then has the peer check them before any byte lands (write) or is sent (read), and a block freed or reused since fails the transfer with StaleBlock (docs/generations.md). tcp and shm only. Validates at once (InvalidArgument naming the field; OutOfRange for ids beyond 32 bits).
+        """
+    def __len__(self) -> int:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def __setstate__(self, arg0: tuple) -> None:
+        ...
+    @property
+    def generations(self) -> typing.Any:
+        """
+        list[int] or None: the owner's generations of the blocks (None: unchecked).
+        """
+    @property
+    def ids(self) -> list[int]:
+        """
+        list[int]: the block ids.
+        """
+    @property
+    def layout(self) -> str:
+        """
+        str: the layout's name.
+        """
 class CompletionQueue:
     """
     Wakes one asyncio event loop when watched transfers finish (see Transfer.wait_async).
@@ -939,9 +1141,9 @@ class Agent:
         ...
     def post(self, arg0: PreparedTransfer, arg1: bytes, arg2: typing.SupportsFloat | typing.SupportsIndex) -> Transfer:
         ...
-    def prepare_blocks(self, peer: str, op: OpKind, local_layout: str, local_ids: typing.Any, remote_layout: str, remote_ids: typing.Any, num_tokens: typing.SupportsInt | typing.SupportsIndex, num_heads: typing.SupportsInt | typing.SupportsIndex, local_head_offset: typing.SupportsInt | typing.SupportsIndex, remote_head_offset: typing.SupportsInt | typing.SupportsIndex, transport: str, remote_generations: typing.Any = None, first_layer: typing.SupportsInt | typing.SupportsIndex = 0, num_layers: typing.SupportsInt | typing.SupportsIndex = 0, compress: str | None = None) -> PreparedTransfer:
+    def prepare_blocks(self, peer: str, op: OpKind, local: Blocks, remote: Blocks, plan: PlanOptions, options: XferOptions) -> PreparedTransfer:
         ...
-    def prepare_extents(self, peer: str, op: OpKind, extents: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], transport: str, compress: str | None = None) -> PreparedTransfer:
+    def prepare_extents(self, peer: str, op: OpKind, extents: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], options: XferOptions) -> PreparedTransfer:
         ...
     def regions(self) -> list:
         ...
@@ -1090,11 +1292,11 @@ def dtype_name(arg0: str) -> str:
     ...
 def dtype_size(arg0: str) -> int:
     ...
-def open_stream(agent: Agent, peer: str, local_layout: str, local_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], remote_layout: str, remote_ids: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], num_tokens: typing.SupportsInt | typing.SupportsIndex, num_heads: typing.SupportsInt | typing.SupportsIndex, local_head_offset: typing.SupportsInt | typing.SupportsIndex, remote_head_offset: typing.SupportsInt | typing.SupportsIndex, first_layer: typing.SupportsInt | typing.SupportsIndex, num_layers: typing.SupportsInt | typing.SupportsIndex, transport: str, remote_generations: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] | None, notif: bytes, timeout_s: typing.SupportsFloat | typing.SupportsIndex, min_batch_bytes: typing.SupportsInt | typing.SupportsIndex, max_inflight_batches: typing.SupportsInt | typing.SupportsIndex, progress_prefix: bytes, compress: str | None = None) -> StreamingWrite:
+def open_stream(agent: Agent, peer: str, local: Blocks, remote: Blocks, plan: PlanOptions, options: XferOptions, notif: bytes, timeout_s: typing.SupportsFloat | typing.SupportsIndex, stream: StreamOptions) -> StreamingWrite:
     """
     Opens a layer-wise streaming write (Agent::open_stream); python/pdkv/agent.py documents it.
     """
-def plan_blocks(local: KVLayout, local_ids: typing.Any, remote: KVLayout, remote_ids: typing.Any, num_tokens: typing.SupportsInt | typing.SupportsIndex = 0, num_heads: typing.SupportsInt | typing.SupportsIndex = 0, local_head_offset: typing.SupportsInt | typing.SupportsIndex = 0, remote_head_offset: typing.SupportsInt | typing.SupportsIndex = 0, distinct: str = '', first_layer: typing.SupportsInt | typing.SupportsIndex = 0, num_layers: typing.SupportsInt | typing.SupportsIndex = 0) -> list:
+def plan_blocks(local: KVLayout, local_ids: typing.Any, remote: KVLayout, remote_ids: typing.Any, plan: typing.Any = None, distinct: str = '') -> list:
     ...
 def register_transport(name: str, description: str, priority: typing.Any, viable: typing.Any, create: typing.Any, metadata_via: str = '') -> None:
     ...
