@@ -80,6 +80,8 @@ void bind_stream(py::module_& m) {
       .def_property_readonly("layers_posted", &StreamingWrite::layers_posted)
       .def_property_readonly("layers_landed", &StreamingWrite::layers_landed)
       .def_property_readonly("batches_posted", &StreamingWrite::batches_posted)
+      .def_property_readonly("wire_s", &StreamingWrite::wire_s)
+      .def_property_readonly("tail_s", &StreamingWrite::tail_s)
       .def_property_readonly("closed", &StreamingWrite::closed);
   m.def("open_stream", &open_stream, py::arg("agent"), py::arg("peer"), py::arg("local_layout"),
         py::arg("local_ids"), py::arg("remote_layout"), py::arg("remote_ids"), py::arg("num_tokens"),
