@@ -68,6 +68,8 @@ void bind_stream(py::module_& m) {
       .def_property_readonly("layers_posted", &StreamingWrite::layers_posted)
       .def_property_readonly("layers_landed", &StreamingWrite::layers_landed)
       .def_property_readonly("batches_posted", &StreamingWrite::batches_posted)
+      .def_property_readonly("wire_s", &StreamingWrite::wire_s)
+      .def_property_readonly("tail_s", &StreamingWrite::tail_s)
       .def_property_readonly("closed", &StreamingWrite::closed);
   m.def("open_stream", &open_stream, py::arg("agent"), py::arg("peer"), py::arg("local"), py::arg("remote"),
         py::arg("plan"), py::arg("options"), py::arg("notif"), py::arg("timeout_s"), py::arg("stream"),

@@ -1209,7 +1209,13 @@ class StreamingWrite:
     def num_layers(self) -> int:
         ...
     @property
+    def tail_s(self) -> float:
+        ...
+    @property
     def transfer(self) -> Transfer:
+        ...
+    @property
+    def wire_s(self) -> float:
         ...
 class Codec:
     def __init__(self, kind: str, level: typing.SupportsInt | typing.SupportsIndex = 1, checksum: bool = False, heads: typing.SupportsInt | typing.SupportsIndex = 1, head_dim: typing.SupportsInt | typing.SupportsIndex = 1, rows_per_group: typing.SupportsInt | typing.SupportsIndex = 128) -> None:

@@ -334,6 +334,14 @@ class StreamingWrite:
     layers_posted = property(lambda self: self._n.layers_posted, doc="Layers posted so far.")
     layers_landed = property(lambda self: self._n.layers_landed, doc="Layers whose bytes landed at the peer.")
     batches_posted = property(lambda self: self._n.batches_posted, doc="Transfers the layers were sent in.")
+    wire_seconds = property(lambda self: self._n.wire_s,
+                            doc="Seconds the stream had bytes on the wire: the union of its landed batches' "
+                                "and its notification's transfers, post to completion each (<= the stream's "
+                                "``elapsed``; grows as batches land).")
+    tail_seconds = property(lambda self: self._n.tail_s,
+                            doc="Seconds from the producer's last call (the later of the last layer's post "
+                                "and :meth:`close`) to the stream's completion (the notification delivered): "
+                                "what the stream adds once its producer is done; 0 until done.")
     closed = property(lambda self: self._n.closed, doc="Whether :meth:`close` was called.")
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -59,6 +60,28 @@ def test_layers_posted_in_order_land_bit_exact_and_notify_after_the_last(pools):
     assert x.wait(20) and s.state is pdkv.XferState.DONE
     assert x.bytes_done == x.bytes_total and s.layers_landed == SPEC.layers
     assert 1 <= s.batches_posted <= SPEC.layers
+
+
+def test_wire_and_tail_seconds_split_the_span(pools):
+    """A stream whose layers trickle in for ~0.2 s: its span covers them, its time on
+    the wire (the union of its batches) is part of the span, and its tail starts at the
+    producer's last call (here close(), well after the last layer)."""
+    a, b, pa, pb, peer = pools
+    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"timed", timeout=20)
+    for layer in range(SPEC.layers):
+        time.sleep(0.02)
+        s.post_layers(layer)
+    assert s.tail_seconds == 0.0  # not done yet
+    time.sleep(0.1)
+    closing = time.monotonic()
+    x = s.close()
+    assert x.wait(20)
+    waited = time.monotonic() - closing
+    assert next_notification(b) == b"timed"
+    span, wire, tail = x.elapsed, s.wire_seconds, s.tail_seconds
+    assert span >= 0.25, span
+    assert 0 < wire <= span and 0 < tail <= span, (span, wire, tail)
+    assert tail <= waited + 0.002, (tail, waited)  # from close(), not from the last layer 0.1 s before it
 
 
 def test_layers_posted_out_of_order_and_in_ranges(pools):

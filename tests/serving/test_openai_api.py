@@ -135,6 +135,9 @@ def test_protocol_round_trips_and_validation() -> None:
     assert KVReady.decode(kv.encode()) == kv
     assert KVFailed.from_json(KVFailed("r", 3, "boom", False).to_json()) == KVFailed("r", 3, "boom", False)
     assert KVResult.from_json(KVResult(True, True, 10, 0.5, "shm").to_json()).transport == "shm"
+    timed = KVResult(True, True, 10, 0.5, "shm", tail_seconds=0.01, wire_seconds=0.02)
+    assert KVResult.from_json(timed.to_json()) == timed
+    assert KVResult.from_json({"ok": True, "seconds": 0.5}).tail_seconds == 0.0  # an older worker's line
     for bad in ({}, {"rid": "", "prompt": [1], "params": gp.to_json()}, {"rid": "x", "prompt": [1, True],
                 "params": gp.to_json()}, {"rid": "x", "prompt": [1], "params": {**gp.to_json(), "max_tokens": "2"}}):
         with pytest.raises(InvalidArgument):

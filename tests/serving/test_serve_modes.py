@@ -215,7 +215,8 @@ def test_metrics_parse_as_prometheus_text(tiny, stack) -> None:
     assert status == 200
     fams = _parse_prometheus(text)
     for name in ("pdkv_time_to_first_token_seconds", "pdkv_inter_token_latency_seconds",
-                 "pdkv_e2e_request_latency_seconds", "pdkv_kv_transfer_seconds"):
+                 "pdkv_e2e_request_latency_seconds", "pdkv_kv_transfer_span_seconds",
+                 "pdkv_kv_transfer_tail_seconds", "pdkv_kv_transfer_wire_seconds"):
         assert fams[name]["type"] == "histogram"
     count = {s[0]: s[2] for s in fams["pdkv_time_to_first_token_seconds"]["samples"]}
     assert count["pdkv_time_to_first_token_seconds_count"] >= 2

@@ -53,3 +53,29 @@ def test_greedy_output_is_unchanged_token_for_token(tiny, stack, which: str, str
         assert after["monolithic"] - before["monolithic"] == n and after["streamed"] == before["streamed"]
     else:
         assert after["streamed"] - before["streamed"] == n and after["monolithic"] == before["monolithic"]
+
+
+def _histogram_counts(registry_text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in registry_text.splitlines()
+               if line.startswith(name + "_count"))
+
+
+@pytest.mark.parametrize("which", ["streamed", "monolithic", "streamed-chunked", "streamed-8"])
+def test_kv_span_tail_and_wire_times_are_reported(tiny, stack, which: str) -> None:
+    """``pdkv_stats`` and the metrics tell the KV's span (a stream's overlaps the
+    prefill), the time it added after the prefill's last layer and its time on the wire."""
+    from servers import get
+
+    prompt = max(tiny.prompts, key=len)
+    ids, st = completion_ids(stack.proxies[which], tiny.name, prompt)
+    assert st["route"] == "disagg" and st["kv_bytes"] > 0 and not st["recomputed"], st
+    span, tail, wire = st["kv_seconds"], st["kv_tail_seconds"], st["kv_wire_seconds"]
+    assert span > 0 and 0 < tail <= span and 0 < wire <= span, st
+    if which == "monolithic":  # one write after the prefill: all of it is tail and wire
+        assert tail == span == wire, st
+    for url in (stack.prefill[which], stack.proxies[which]):
+        status, text = get(url + "/metrics")
+        assert status == 200
+        for name in ("pdkv_kv_transfer_span_seconds", "pdkv_kv_transfer_tail_seconds",
+                     "pdkv_kv_transfer_wire_seconds"):
+            assert _histogram_counts(text, name) >= 1, (url, name)

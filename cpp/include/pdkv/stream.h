@@ -106,6 +106,15 @@ class StreamingWrite final {
   uint32_t layers_landed() const;
   // Batch transfers posted so far.
   uint32_t batches_posted() const;
+  // Seconds the stream had bytes on the wire: the union of its landed batches' and its
+  // notification's transfer intervals (post to completion each), <= transfer()'s
+  // elapsed_s(). Grows as batches land.
+  double wire_s() const;
+  // Seconds from the producer's last call (the later of the last layer's post and
+  // close()) to the stream's completion (the notification delivered): what the stream
+  // adds once its producer is done. 0 until the stream is done; <= transfer()'s
+  // elapsed_s().
+  double tail_s() const;
   bool closed() const;
 
  private:

@@ -74,6 +74,8 @@ class Transfer {
   Clock::time_point deadline() const { return deadline_; }
   // Seconds from post to completion (0 while pending).
   double elapsed_s() const;
+  // When it was posted (completion: started_at() + elapsed_s(), once terminal).
+  Clock::time_point started_at() const { return start_; }
   // How the bytes travelled (set by the transport): the codec that compressed a
   // write or a read's responses ("zstd", "lz4", "fp8"; "" when they travelled as
   // they are), and the payload bytes on the wire for it: sent for a write, received

@@ -72,6 +72,8 @@ class StreamCore final : public PumpedStream, public std::enable_shared_from_thi
   uint32_t layers_landed() const { return read(landed_); }
   uint32_t batches_posted() const { return read(batches_); }
   bool closed() const { return read(closed_); }
+  double wire_s() const;
+  double tail_s() const;
 
  private:
   enum class LayerState : uint8_t { kUnposted, kPending, kSending, kLanded, kSettled };
@@ -103,6 +105,7 @@ class StreamCore final : public PumpedStream, public std::enable_shared_from_thi
   void fail_locked(const Status& why);
   void reap_locked(Settle& s);
   void record_how_it_travelled(const Transfer& batch);
+  void record_on_wire(const Transfer& x);
   void settle_failure_locked(Settle& s);
   std::vector<Run> take_ready_locked();
   Result<std::shared_ptr<Transfer>> post_run(Run& run);
@@ -126,6 +129,9 @@ class StreamCore final : public PumpedStream, public std::enable_shared_from_thi
   uint32_t reserved_ = 0;                      // batches being posted outside the lock; guarded by mu_
   std::shared_ptr<PreparedTransfer> first_prep_;  // prepared at open for the first layer alone; guarded
   uint32_t posted_ = 0, landed_ = 0, batches_ = 0;  // guarded by mu_
+  Clock::time_point all_posted_at_{};          // when the last layer was posted; guarded by mu_
+  Clock::time_point closed_at_{};              // when close() succeeded; guarded by mu_
+  std::vector<std::pair<Clock::time_point, Clock::time_point>> on_wire_;  // landed transfers; guarded by mu_
   bool closed_ = false;                        // guarded by mu_
   std::optional<std::string> close_notif_;     // guarded by mu_
   bool notif_started_ = false;                 // sent, or settled without sending; guarded by mu_
@@ -153,6 +159,7 @@ Status StreamCore::post_layers(uint32_t first, uint32_t count) {
                              "' (post every layer exactly once)");
     for (uint32_t l = first; l < first + count; ++l) layer(l) = LayerState::kPending;
     posted_ += count;
+    if (posted_ == count_) all_posted_at_ = Clock::now();
   }
   service();
   return Status::Ok();
@@ -170,6 +177,7 @@ Status StreamCore::close(std::optional<std::string> notif) {
       return InvalidArgument("close(): layers " + missing + " of the stream's [" + std::to_string(first_) + ", " +
                              std::to_string(first_ + count_) + ") were never posted");
     closed_ = true;
+    closed_at_ = Clock::now();
     close_notif_ = std::move(notif);
   }
   service();
@@ -221,6 +229,7 @@ void StreamCore::reap_locked(Settle& s) {
     Status st = notif_xfer_->state() == XferState::kDone ? Status::Ok() : notif_xfer_->error();
     if (!st.ok() && st.code() == StatusCode::kCancelled && !error_.ok()) st = error_;
     if (!st.ok()) fail_locked(st);
+    if (st.ok()) record_on_wire(*notif_xfer_);
     s.parts.emplace_back(0, st);
     final_settled_ = true;
   }
@@ -230,6 +239,7 @@ void StreamCore::reap_locked(Settle& s) {
 // wire bytes, and the codec of the last batch that was compressed ("" while none was;
 // with mode "auto" a batch that measures the link goes plain among compressed ones).
 void StreamCore::record_how_it_travelled(const Transfer& batch) {
+  record_on_wire(batch);
   spi::TransferControl ctl(xfer_);
   ctl.add_wire_bytes(batch.wire_bytes());
   const std::string_view codec = batch.compression();
@@ -383,6 +393,36 @@ void StreamCore::service() {
   }
 }
 
+void StreamCore::record_on_wire(const Transfer& x) {
+  const auto d = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(x.elapsed_s()));
+  on_wire_.emplace_back(x.started_at(), x.started_at() + d);
+}
+
+double StreamCore::wire_s() const {
+  std::vector<std::pair<Clock::time_point, Clock::time_point>> v = read(on_wire_);
+  std::sort(v.begin(), v.end());
+  Clock::duration busy{0};
+  Clock::time_point covered{};  // the union so far ends here
+  for (const auto& [from, to] : v) {
+    const Clock::time_point a = std::max(from, covered);
+    if (to > a) busy += to - a;
+    covered = std::max(covered, to);
+  }
+  return std::chrono::duration<double>(busy).count();
+}
+
+double StreamCore::tail_s() const {
+  Clock::time_point last;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    last = std::max(all_posted_at_, closed_at_);  // the producer's last call
+  }
+  if (xfer_->state() != XferState::kDone || last == Clock::time_point{}) return 0;
+  const auto end = xfer_->started_at() +
+                   std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(xfer_->elapsed_s()));
+  return std::max(0.0, std::chrono::duration<double>(end - last).count());
+}
+
 // ---- StreamingWrite ----
 
 StreamingWrite::StreamingWrite(std::shared_ptr<StreamCore> core) : core_(std::move(core)) {}
@@ -400,6 +440,8 @@ uint64_t StreamingWrite::layer_bytes() const { return core_->layer_bytes(); }
 uint32_t StreamingWrite::layers_posted() const { return core_->layers_posted(); }
 uint32_t StreamingWrite::layers_landed() const { return core_->layers_landed(); }
 uint32_t StreamingWrite::batches_posted() const { return core_->batches_posted(); }
+double StreamingWrite::wire_s() const { return core_->wire_s(); }
+double StreamingWrite::tail_s() const { return core_->tail_s(); }
 bool StreamingWrite::closed() const { return core_->closed(); }
 
 // ---- opening ----

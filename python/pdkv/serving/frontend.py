@@ -154,7 +154,13 @@ class RequestTrace:
         URLs.
     kv_bytes : int
     kv_seconds : float
-        The KV transfer's own time.
+        The KV transfer's span, post to completion (a layer-wise stream's overlaps
+        the prefill's compute).
+    kv_tail_seconds : float
+        What the KV transfer added after the prefill ended (last layer and first
+        token): what it adds to the second token.
+    kv_wire_seconds : float
+        Time the KV bytes were on the wire.
     kv_transport : str
     kv_error : str
     recomputed : bool
@@ -169,6 +175,8 @@ class RequestTrace:
     decode_worker: str = ""
     kv_bytes: int = 0
     kv_seconds: float = 0.0
+    kv_tail_seconds: float = 0.0
+    kv_wire_seconds: float = 0.0
     kv_transport: str = ""
     kv_error: str = ""
     recomputed: bool = False

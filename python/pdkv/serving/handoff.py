@@ -425,6 +425,7 @@ class LayerStreamer:
         self.block_tokens = block_tokens
         self.per_chunk = plan is None  # block for block: a chunk's blocks map one to one
         self.streams: list[pdkv.StreamingWrite] = []  # in chunk order; all but the last closed
+        self.opened_at: list[float] = []  # time.monotonic() right before each stream's open
         self.error: PdkvError | None = None
         self._lock = threading.Lock()
         self._cancelled = False
@@ -480,6 +481,7 @@ class LayerStreamer:
             self.streams.append(self._step_stream)
 
     def _open(self, local: Sequence[int], remote: Sequence[int], generations: Sequence[int]) -> pdkv.StreamingWrite:
+        self.opened_at.append(time.monotonic())
         return self.agent.open_stream(self.peer, pdkv.Blocks("kv", local),
                                       pdkv.Blocks("kv", remote, generations=list(generations) or None), plan=self.plan,
                                       timeout=max(self.deadline - time.monotonic(), 0.001))
@@ -502,6 +504,18 @@ class LayerStreamer:
     def transfers(self) -> list[pdkv.Transfer]:
         """Every stream opened, as transfers, in chunk order."""
         return [x.transfer for x in self.streams]
+
+    def timings(self) -> tuple[float, float, float]:
+        """``(span, tail, wire)`` seconds of the streams once the last one is done:
+        span from the first stream's open to the last one's completion (it overlaps the
+        prefill), tail from the prefill's end (the later of the post of the prompt's last
+        layer and the close with the first token) to that completion, and
+        the time their batches were on the wire (summed over a chunked prefill's streams,
+        at most the span)."""
+        last = self.streams[-1]  # usable: every open succeeded, one opened_at per stream
+        span = self.opened_at[-1] + last.transfer.elapsed - self.opened_at[0]
+        wire = min(sum(x.wire_seconds for x in self.streams), span)
+        return span, min(last.tail_seconds, span), wire
 
     def close(self, notify: bytes) -> pdkv.Transfer:
         """Closes the last chunk's stream with the hand-off's notification; returns its
@@ -542,7 +556,7 @@ class KVSender:
         For the agent's blocking calls.
     registry : Registry, optional
         Gets ``pdkv_kv_transfers_total``, ``pdkv_kv_transfer_bytes_total``,
-        ``pdkv_kv_transfer_seconds``, ``pdkv_peer_auth_failures_total`` and
+        ``pdkv_kv_transfer_{span,tail,wire}_seconds``, ``pdkv_peer_auth_failures_total`` and
         ``pdkv_peer_transport_errors_total``.
     drop_kv : bool
         Testing only: report success without writing anything.
@@ -565,8 +579,14 @@ class KVSender:
         r = registry or Registry()
         self.m_kv = r.counter("pdkv_kv_transfers_total", "KV pushes to decode workers, by result.", ("result",))
         self.m_kv_bytes = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes pushed, by transport.", ("transport",))
-        self.m_kv_time = r.histogram("pdkv_kv_transfer_seconds", "Time of each KV push (post to completion).",
+        self.m_kv_time = r.histogram("pdkv_kv_transfer_span_seconds", "Span of each KV push, post to completion "
+                                     "(a layer-wise stream: from its open, overlapping the prefill).",
                                      ("transport",))
+        self.m_kv_tail = r.histogram("pdkv_kv_transfer_tail_seconds", "Time each KV push added after the "
+                                     "prefill ended (its last layer posted and first token sampled) to "
+                                     "completion.", ("transport",))
+        self.m_kv_wire_time = r.histogram("pdkv_kv_transfer_wire_seconds", "Time each KV push had bytes on the "
+                                          "wire (the union of its batch transfers).", ("transport",))
         self.m_kv_wire = r.counter("pdkv_kv_wire_bytes_total", "Bytes the KV pushes put on the wire (compressed "
                                    "size when compressed; tcp counts them), by transport and codec ('none': "
                                    "sent as is).", ("transport", "codec"))
@@ -711,9 +731,10 @@ class KVSender:
         self.link_event(req.dst.agent, None)
         self.m_kv.inc(("ok",))
         self.m_kv_bytes.inc((transport,), xfer.bytes_total)
-        self.m_kv_time.observe(xfer.elapsed, (transport,))
+        self._observe_times(xfer.elapsed, xfer.elapsed, xfer.elapsed, transport)  # all of it after the prefill
         self._count_wire([xfer], transport)
-        return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport)
+        return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport, tail_seconds=xfer.elapsed,
+                        wire_seconds=xfer.elapsed)
 
     async def _push_streamed(self, req: PrefillRequest, ready: KVReady, streamer: LayerStreamer,
                              posted: list[pdkv.Transfer]) -> KVResult | None:
@@ -740,14 +761,14 @@ class KVSender:
                 return self._failed(req, e, posted=True, transport=transport)
             else:
                 nbytes = sum(x.bytes_total for x in xfers)
-                elapsed = max(x.elapsed for x in xfers)
+                span, tail, wire = streamer.timings()
                 self.link_event(req.dst.agent, None)
                 self.m_kv.inc(("ok",))
                 self.m_kv_streamed.inc(("streamed",))
                 self.m_kv_bytes.inc((transport,), nbytes)
-                self.m_kv_time.observe(elapsed, (transport,))
+                self._observe_times(span, tail, wire, transport)
                 self._count_wire(xfers, transport)
-                return KVResult(True, True, nbytes, elapsed, transport)
+                return KVResult(True, True, nbytes, span, transport, tail_seconds=tail, wire_seconds=wire)
         # Not streamed in full: nothing of it may still be in flight when one write
         # replaces it (the same bytes, but a deadline of its own).
         pending = streamer.cancel()
@@ -771,6 +792,11 @@ class KVSender:
         return self.agent.write(peer, pdkv.Blocks("kv", handle.block_ids),
                                 pdkv.Blocks("kv", req.dst.blocks, generations=list(req.dst.generations) or None),
                                 plan=self._plan(req), notify=ready.encode(), timeout=timeout)
+
+    def _observe_times(self, span: float, tail: float, wire: float, transport: str) -> None:
+        self.m_kv_time.observe(span, (transport,))
+        self.m_kv_tail.observe(tail, (transport,))
+        self.m_kv_wire_time.observe(wire, (transport,))
 
     def _count_wire(self, xfers: Sequence[pdkv.Transfer], transport: str) -> None:
         for x in xfers:

@@ -489,11 +489,20 @@ class KVResult:
         the deadline passed, or the peer was unreachable).
     bytes : int
     seconds : float
-        The transfer's own time (post to completion).
+        The transfer's span: post (a layer-wise stream: its open, before the prefill's
+        first layer) to completion (the notification delivered). A stream's span
+        overlaps the prefill's compute.
     transport : str
         ``"shm"``, ``"tcp"``, ... (empty if no peer was reached).
     error : str
         Why it failed (empty if ok).
+    tail_seconds : float
+        What the transfer added after the prefill ended: from the later of the post of
+        the last layer and the stream's close with the first token (one write after
+        prefill: from its post) to completion; <= seconds.
+    wire_seconds : float
+        Time the bytes were on the wire: the union of the stream's batch transfers
+        (post to completion each; one write: its time); <= seconds.
     """
 
     ok: bool
@@ -502,6 +511,8 @@ class KVResult:
     seconds: float = 0.0
     transport: str = ""
     error: str = ""
+    tail_seconds: float = 0.0
+    wire_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -514,7 +525,8 @@ class KVResult:
         try:
             return cls(bool(require(obj, "ok", bool, where=where)), bool(obj.get("posted", False)),
                        int(obj.get("bytes", 0)), float(obj.get("seconds", 0.0)), str(obj.get("transport", ""))[:4096],
-                       str(obj.get("error", ""))[:4096])
+                       str(obj.get("error", ""))[:4096], float(obj.get("tail_seconds", 0.0)),
+                       float(obj.get("wire_seconds", 0.0)))
         except (TypeError, ValueError, OverflowError, RecursionError) as e:
             raise InvalidArgument(f"{where}: {type(e).__name__}") from None
 

@@ -346,8 +346,12 @@ class ProxyBackend:
                                   "Requests by route: disagg (prefill worker + KV transfer) or local.", ("route",))
         self.m_kv = r.counter("pdkv_kv_transfers_total", "KV transfers by result (ok, failed, none).", ("result",))
         self.m_kv_bytes = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes moved, by transport.", ("transport",))
-        self.m_kv_time = r.histogram("pdkv_kv_transfer_seconds", "KV transfer time (post to completion).",
-                                     ("transport",))
+        self.m_kv_time = r.histogram("pdkv_kv_transfer_span_seconds", "KV transfer span, post to completion "
+                                     "(a layer-wise stream: from its open, overlapping the prefill).", ("transport",))
+        self.m_kv_tail = r.histogram("pdkv_kv_transfer_tail_seconds", "KV transfer time after the prefill ended "
+                                     "(what it adds to the second token).", ("transport",))
+        self.m_kv_wire_time = r.histogram("pdkv_kv_transfer_wire_seconds", "KV transfer time with bytes on the "
+                                          "wire.", ("transport",))
         self.m_recompute = r.counter("pdkv_kv_recomputes_total",
                                      "Prompts recomputed on the decode worker because their KV did not arrive.",
                                      ("reason",))
@@ -1151,6 +1155,8 @@ class ProxyBackend:
             self._link_event(trace.prefill_worker, trace.decode_worker, "" if kv.ok else kv.error)
         trace.kv_bytes = kv.bytes
         trace.kv_seconds = kv.seconds
+        trace.kv_tail_seconds = kv.tail_seconds
+        trace.kv_wire_seconds = kv.wire_seconds
         trace.kv_transport = kv.transport
         trace.kv_error = kv.error
         if kv.ok:
@@ -1158,6 +1164,8 @@ class ProxyBackend:
             if kv.posted and kv.bytes:
                 self.m_kv_bytes.inc((kv.transport,), kv.bytes)
                 self.m_kv_time.observe(kv.seconds, (kv.transport,))
+                self.m_kv_tail.observe(kv.tail_seconds, (kv.transport,))
+                self.m_kv_wire_time.observe(kv.wire_seconds, (kv.transport,))
         else:
             self.m_kv.inc(("failed",))
 
