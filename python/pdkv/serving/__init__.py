@@ -29,7 +29,13 @@ Modules
     decode worker (reservations, generations, pushes, releases), without HTTP.
 :mod:`pdkv.serving.proxy`
     :class:`Proxy`: the OpenAI-compatible API over the workers (disagg, hybrid,
-    colocated modes), load spreading, retries, recompute on KV failure.
+    colocated modes), load spreading, retries, recompute on KV failure. Its backend is
+    composed of ``proxy_config`` (settings), ``proxy_pool`` (workers and pools),
+    ``proxy_client`` (signed calls), ``proxy_liveness`` (probes, deadlines),
+    ``proxy_discovery`` (registry, worker info, model), ``proxy_routing`` and
+    ``proxy_prefill`` (routing, retries, migration, the prefill leg), ``proxy_links``
+    (prefill -> decode link health), ``proxy_rerole`` (role changes) and
+    ``proxy_metrics``.
 :mod:`pdkv.serving.frontend`, :mod:`pdkv.serving.openai_api`, :mod:`pdkv.serving.protocol`
     OpenAI requests/responses, the proxy-worker protocol (both torch-free).
 :mod:`pdkv.serving.metrics`
@@ -89,9 +95,9 @@ _EXPORTS = {
     "WorkerConfig": "worker",
     "WorkerRole": "worker",
     "Proxy": "proxy",
-    "ProxyConfig": "proxy",
-    "ProxyMode": "proxy",
-    "DEFAULT_HYBRID_THRESHOLD": "proxy",
+    "ProxyConfig": "proxy_config",
+    "ProxyMode": "proxy_config",
+    "DEFAULT_HYBRID_THRESHOLD": "proxy_config",
     "Deployment": "launch",
     "ServerProcess": "launch",
     "ServerThread": "aio",
