@@ -61,7 +61,7 @@ async def wait_idle(worker: "Worker", timeout: float | None = None) -> bool:
     idle_since = None
     while True:
         eng = worker.engine
-        idle = worker._in_flight == 0 and (eng is None or eng.num_waiting + eng.num_running == 0)
+        idle = worker.in_flight == 0 and (eng is None or eng.num_waiting + eng.num_running == 0)
         now = loop.time()
         if not idle:
             idle_since = None
@@ -88,7 +88,7 @@ class WorkerRegistration:
     def record(self) -> dict[str, Any]:
         w = self.worker
         eng = w.engine
-        load = {"in_flight": w._in_flight}
+        load = {"in_flight": w.in_flight}
         if eng is not None:
             load.update(waiting=eng.num_waiting, running=eng.num_running, free_blocks=eng.num_free_blocks)
         return {"url": w.url, "role": w.role.value, "model": w.config.model_name,
@@ -129,7 +129,7 @@ class WorkerRegistration:
         return await self._h_drain_state(request)
 
     async def _h_drain_state(self, request: web.Request) -> web.Response:
-        return web.json_response({"id": self.id, "state": self.state, "in_flight": self.worker._in_flight})
+        return web.json_response({"id": self.id, "state": self.state, "in_flight": self.worker.in_flight})
 
     async def publish_now(self) -> None:
         """Writes the record (state, role) now instead of at the next refresh; etcd

@@ -61,7 +61,7 @@ from .metrics import Registry
 from .openai_api import ModelInfo, TextCodec
 from .protocol import GenParams
 from .proxy_client import WorkerClient
-from .proxy_config import DEFAULT_HYBRID_THRESHOLD, ProxyConfig, ProxyMode
+from .proxy_config import ProxyConfig, ProxyMode
 from .proxy_discovery import WorkerDiscovery
 from .proxy_links import LinkHealth
 from .proxy_liveness import Liveness
@@ -72,7 +72,7 @@ from .proxy_rerole import Reroler
 from .proxy_routing import Router
 from .rerole import DemandWindow
 
-__all__ = ["DEFAULT_HYBRID_THRESHOLD", "Proxy", "ProxyBackend", "ProxyConfig", "ProxyMode"]
+__all__ = ["Proxy", "ProxyBackend", "ProxyConfig", "ProxyMode"]
 
 log = logging.getLogger("pdkv.serving")
 
