@@ -42,8 +42,9 @@ def _agent(name: str, transport: str) -> pdkv.Agent:
 def _stream(src: pdkv.Agent, peer: str, ids: list[int], *, inflight: int = 4, min_batch: int = 0,
             at_once: bool = False) -> tuple[float, int]:
     t0 = time.perf_counter()
-    s = src.open_stream(peer, "kv", ids, "kv", ids, timeout=30, max_inflight_batches=inflight,
-                        min_batch_bytes=min_batch)
+    blocks = pdkv.Blocks("kv", ids)
+    s = src.open_stream(peer, blocks, blocks, timeout=30,
+                        stream=pdkv.StreamOptions(max_inflight_batches=inflight, min_batch_bytes=min_batch))
     if at_once:
         s.post_layers(0, LAYERS)
     else:
@@ -58,11 +59,11 @@ def run(transport: str, repeats: int) -> list[str]:
     try:
         peer = src.add_peer(dst.metadata())
         ids = list(range(BLOCKS))
-        src.write(peer, "kv", ids, "kv", ids, timeout=30).wait(30)  # connect and warm up
+        src.write(peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids), timeout=30).wait(30)  # connect and warm up
 
         def write() -> tuple[float, int]:
             t0 = time.perf_counter()
-            src.write(peer, "kv", ids, "kv", ids, timeout=30).wait(30)
+            src.write(peer, pdkv.Blocks("kv", ids), pdkv.Blocks("kv", ids), timeout=30).wait(30)
             return time.perf_counter() - t0, 1
 
         cases = [("write", write)]

@@ -67,7 +67,7 @@ def test_wire_and_tail_seconds_split_the_span(pools):
     the wire (the union of its batches) is part of the span, and its tail starts at the
     producer's last call (here close(), well after the last layer)."""
     a, b, pa, pb, peer = pools
-    s = a.open_stream(peer, "kv", SRC, "kv", DST, notify=b"timed", timeout=20)
+    s = a.open_stream(peer, pdkv.Blocks("kv", SRC), pdkv.Blocks("kv", DST), notify=b"timed", timeout=20)
     for layer in range(SPEC.layers):
         time.sleep(0.02)
         s.post_layers(layer)

@@ -103,19 +103,19 @@ def test_registrations_enter_and_leave_rotation_by_id():
     b = ProxyBackend(ProxyConfig(mode="disagg", decode=["http://fixed:1"], registry="etcd://127.0.0.1:1"),
                      Metrics())
     urls = lambda pool: [(w.url, w.registered_as) for w in pool.workers]  # noqa: E731
-    b._apply_registration("d-1", {"url": "http://h:2", "role": "decode", "state": "serving"})
-    b._apply_registration("p-1", {"url": "http://h:3/", "role": "prefill", "state": "serving"})
-    b._apply_registration("c-1", {"url": "http://h:4", "role": "colocated", "state": "serving"})
-    b._apply_registration("x-1", {"url": "ftp://h:5", "role": "decode", "state": "serving"})
-    b._apply_registration("f-1", {"url": "http://fixed:1", "role": "decode", "state": "serving"})
+    b.discovery.apply_registration("d-1", {"url": "http://h:2", "role": "decode", "state": "serving"})
+    b.discovery.apply_registration("p-1", {"url": "http://h:3/", "role": "prefill", "state": "serving"})
+    b.discovery.apply_registration("c-1", {"url": "http://h:4", "role": "colocated", "state": "serving"})
+    b.discovery.apply_registration("x-1", {"url": "ftp://h:5", "role": "decode", "state": "serving"})
+    b.discovery.apply_registration("f-1", {"url": "http://fixed:1", "role": "decode", "state": "serving"})
     assert urls(b.decode) == [("http://fixed:1", ""), ("http://h:2", "d-1")]
     assert urls(b.prefill) == [("http://h:3", "p-1")]
-    b._apply_registration("d-2", {"url": "http://h:2", "role": "decode", "state": "serving"})  # restarted
-    b._apply_registration("d-1", None)  # the old instance's lease expires
+    b.discovery.apply_registration("d-2", {"url": "http://h:2", "role": "decode", "state": "serving"})  # restarted
+    b.discovery.apply_registration("d-1", None)  # the old instance's lease expires
     assert urls(b.decode) == [("http://fixed:1", ""), ("http://h:2", "d-2")]
-    b._apply_registration("d-2", {"url": "http://h:2", "role": "decode", "state": "draining"})
-    b._apply_registration("p-1", None)
-    b._apply_registration("f-1", None)
+    b.discovery.apply_registration("d-2", {"url": "http://h:2", "role": "decode", "state": "draining"})
+    b.discovery.apply_registration("p-1", None)
+    b.discovery.apply_registration("f-1", None)
     assert urls(b.decode) == [("http://fixed:1", "")] and urls(b.prefill) == []
 
 

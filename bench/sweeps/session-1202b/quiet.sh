@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 export PDKV_LOG=error UCX_NET_DEVICES=lo
 for i in 1 2; do
   echo "== shm_engine --vllm run $i load=$(cut -d' ' -f1 /proc/loadavg)"
-  .venv/bin/python -m pdkv.bench.shm_engine --vllm --json > "$OUT/shm_engine-$i.json"
+  .venv/bin/python -m pdkv.lab.transfer.shm_engine --vllm --json > "$OUT/shm_engine-$i.json"
   .venv/bin/python - "$OUT/shm_engine-$i.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))

@@ -98,7 +98,7 @@ def cpu_token_layout(kv_caches: Mapping[str, Any]) -> KVLayout:
     then moves a run of tokens per (layer, head, K dimension) and one per (layer, head)
     for V between two block sizes. Only valid for caches the kernel really packs this
     way: the connector checks that on vLLM's own kernel first
-    (:func:`pdkv.integrations.vllm._probe_cpu_packing`).
+    (:func:`pdkv.integrations.vllm_worker._probe_cpu_packing`).
 
     Raises
     ------

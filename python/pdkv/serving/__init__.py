@@ -9,7 +9,11 @@ Modules
 -------
 :mod:`pdkv.serving.engine`
     :class:`Engine`, :class:`EngineConfig`, scheduling modes, request handles and
-    token events, plus the hooks disaggregation uses.
+    token events, plus the hooks disaggregation uses. The engine is composed of
+    ``engine_types`` (config, events, handles), ``engine_checks`` (request checks),
+    ``engine_scheduler`` (scheduling, block growth, preemption), ``engine_requests``
+    (live requests, reservations, finishing) and ``engine_runner`` (pool, batch
+    packing, layer sinks, forward and sampling).
 :mod:`pdkv.serving.kv_pool`
     :class:`PagedKVPool` (per-layer NHD K/V caches in one registrable tensor) and
     :class:`BlockAllocator`.
@@ -23,13 +27,20 @@ Modules
     ``python -m pdkv.lab.serve.stepbench``: engine decode step vs plain HF decode.
 :mod:`pdkv.serving.worker`
     :class:`Worker` (prefill, decode or colocated role: an engine behind an aiohttp
-    server; prefill workers push KV into decode workers' blocks through pdkv).
+    server; prefill workers push KV into decode workers' blocks through pdkv); its
+    ``/pd/*`` request handlers are :mod:`pdkv.serving.worker_handlers`.
 :mod:`pdkv.serving.handoff`
     :class:`KVSender` / :class:`KVReceiver`: the KV hand-off between a prefill and a
     decode worker (reservations, generations, pushes, releases), without HTTP.
 :mod:`pdkv.serving.proxy`
     :class:`Proxy`: the OpenAI-compatible API over the workers (disagg, hybrid,
-    colocated modes), load spreading, retries, recompute on KV failure.
+    colocated modes), load spreading, retries, recompute on KV failure. Its backend is
+    composed of ``proxy_config`` (settings), ``proxy_pool`` (workers and pools),
+    ``proxy_client`` (signed calls), ``proxy_liveness`` (probes, deadlines),
+    ``proxy_discovery`` (registry, worker info, model), ``proxy_routing`` and
+    ``proxy_prefill`` (routing, retries, migration, the prefill leg), ``proxy_links``
+    (prefill -> decode link health), ``proxy_rerole`` (role changes) and
+    ``proxy_metrics``.
 :mod:`pdkv.serving.frontend`, :mod:`pdkv.serving.openai_api`, :mod:`pdkv.serving.protocol`
     OpenAI requests/responses, the proxy-worker protocol (both torch-free).
 :mod:`pdkv.serving.metrics`
@@ -60,12 +71,12 @@ from typing import Any
 
 _EXPORTS = {
     "Engine": "engine",
-    "EngineConfig": "engine",
-    "FinishReason": "engine",
-    "RequestHandle": "engine",
-    "SchedulingMode": "engine",
-    "StepStats": "engine",
-    "TokenEvent": "engine",
+    "EngineConfig": "engine_types",
+    "FinishReason": "engine_types",
+    "RequestHandle": "engine_types",
+    "SchedulingMode": "engine_types",
+    "StepStats": "engine_types",
+    "TokenEvent": "engine_types",
     "BlockAllocator": "kv_pool",
     "PagedKVPool": "kv_pool",
     "PAGED_ATTENTION": "attention",
@@ -89,9 +100,9 @@ _EXPORTS = {
     "WorkerConfig": "worker",
     "WorkerRole": "roles",
     "Proxy": "proxy",
-    "ProxyConfig": "proxy",
-    "ProxyMode": "proxy",
-    "DEFAULT_HYBRID_THRESHOLD": "proxy",
+    "ProxyConfig": "proxy_config",
+    "ProxyMode": "proxy_config",
+    "DEFAULT_HYBRID_THRESHOLD": "proxy_config",
     "Deployment": "launch",
     "ServerProcess": "launch",
     "ServerThread": "aio",

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "come and go (then --prefill/--decode may be empty; see docs/discovery.md)")
     px.add_argument("--rerole", metavar="PLAN_JSON", help="move idle workers between prefill and decode as the "
                     "measured load moves, with the capacity `pdkv plan --out` measured (docs/discovery.md)")
-    from .proxy import DEFAULT_HYBRID_THRESHOLD
+    from .proxy_config import DEFAULT_HYBRID_THRESHOLD
 
     px.add_argument("--hybrid-threshold", type=int, default=DEFAULT_HYBRID_THRESHOLD,
                     help=f"hybrid: prompts up to this many tokens are prefilled on the decode worker "

@@ -59,7 +59,7 @@ async def wait_idle(worker: RoleSwitchable, timeout: float | None = None) -> boo
     idle_since = None
     while True:
         eng = worker.engine
-        idle = worker._in_flight == 0 and (eng is None or eng.num_waiting + eng.num_running == 0)
+        idle = worker.in_flight == 0 and (eng is None or eng.num_waiting + eng.num_running == 0)
         now = loop.time()
         if not idle:
             idle_since = None
@@ -86,7 +86,7 @@ class WorkerRegistration:
     def record(self) -> dict[str, Any]:
         w = self.worker
         eng = w.engine
-        load = {"in_flight": w._in_flight}
+        load = {"in_flight": w.in_flight}
         if eng is not None:
             load.update(waiting=eng.num_waiting, running=eng.num_running, free_blocks=eng.num_free_blocks)
         return {"url": w.url, "role": w.role.value, "model": w.config.model_name,
@@ -127,7 +127,7 @@ class WorkerRegistration:
         return await self._h_drain_state(request)
 
     async def _h_drain_state(self, request: web.Request) -> web.Response:
-        return web.json_response({"id": self.id, "state": self.state, "in_flight": self.worker._in_flight})
+        return web.json_response({"id": self.id, "state": self.state, "in_flight": self.worker.in_flight})
 
     async def publish_now(self) -> None:
         """Writes the record (state, role) now instead of at the next refresh; etcd

@@ -28,7 +28,8 @@ the ``shm`` transport (one memcpy) and others over tcp.
 The KV hand-off itself (reservations, generations, pushes, releases) is
 :mod:`pdkv.serving.handoff` (:class:`~pdkv.serving.handoff.KVSender` in a prefill
 worker, :class:`~pdkv.serving.handoff.KVReceiver` in a decode worker), which knows no
-HTTP; the handlers here parse requests, stream NDJSON and map errors to statuses.
+HTTP; the handlers (:mod:`pdkv.serving.worker_handlers`) parse requests, stream NDJSON
+and map errors to statuses.
 
 A stream that fails after it started ends with an ``{"error": ...}`` line
 (:class:`~pdkv.serving.protocol.StreamError`) whose code says whose fault it is; the
@@ -39,12 +40,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import os
 import secrets
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -52,24 +51,24 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 import pdkv
-from pdkv.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from pdkv.errors import InvalidArgument
 
 from ..credential import Credential
 from ..discovery import Registry as DiscoveryRegistry
-from .aio import HttpServer, json_error, start_ndjson
+from .aio import HttpServer
 from .auth import DEFAULT_MAX_NONCES, DEFAULT_WINDOW_S, WorkerAuth
 from .discovery import RoleSwitch, WorkerRegistration
-from .engine import Engine, EngineConfig, FinishReason, RequestHandle, TokenEvent
+from .engine import Engine, EngineConfig, FinishReason
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut, openai_error_middleware
 from .handoff import KVReceiver, KVSender, peer_label
 from .kv_pool import PagedKVPool
 from .limits import ServerLimits, read_body
 from .metrics import CONTENT_TYPE, Registry
 from .openai_api import APIError, ModelInfo, TextCodec, body_limit
-from .protocol import (STREAM_ERROR_STATUS, GenerateRequest, GenParams, KVFailed, PrefillRequest, ProtocolLimits,
-                       StreamError, WorkerInfo, dumps_line)
+from .protocol import STREAM_ERROR_STATUS, GenParams, ProtocolLimits, WorkerInfo
 from .roles import WorkerRole
 from .sampling import SamplingParams
+from .worker_handlers import EngineEvents, ProtocolHandlers, failure_message
 
 __all__ = ["LocalBackend", "Worker", "WorkerConfig", "WorkerRole"]
 
@@ -227,33 +226,6 @@ def kv_compression(requested: pdkv.TcpCompression | None, geometry: pdkv.KVGeome
     return z
 
 
-class _Events:
-    """Engine events of one request, delivered into the event loop (thread-safe callback)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-
-    def __call__(self, ev: TokenEvent) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-        except RuntimeError:
-            pass  # the loop is closed: the worker is shutting down
-
-
-def _stream_error(h: RequestHandle, ev: TokenEvent) -> StreamError:
-    """The error line for a request the engine ended without finishing it: both are the
-    worker's fault (an abort here means the worker is stopping or its reader left)."""
-    code = "shutting_down" if ev.finish_reason is FinishReason.ABORT else "internal_error"
-    return StreamError.of(code, _failure(h, ev))
-
-
-def _failure(h: RequestHandle, ev: TokenEvent) -> str:
-    if ev.finish_reason is FinishReason.ABORT:
-        return "the request was aborted"
-    return f"the engine failed: {type(h.error).__name__}: {h.error}" if h.error else "the engine failed"
-
-
 class Worker:
     """One engine served over HTTP in a prefill, decode or colocated role.
 
@@ -297,7 +269,7 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         # Threads that wait for transfers and connect to peers (blocking native calls).
         self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pdkv-wait")
-        self._in_flight = 0
+        self.in_flight = 0  # requests its handlers serve now
         self._closed = False
         self._body_limit = body_limit(None, config.max_body_bytes)
         self._setup_metrics()
@@ -307,7 +279,7 @@ class Worker:
         self.m_auth_refused = self.registry.counter(
             "pdkv_http_auth_refusals_total", "Calls to /pd/* refused by the signature check, by problem.",
             ("problem",))
-        self.auth = WorkerAuth(self.credential, self._read_raw, window_s=config.auth_window_s,
+        self.auth = WorkerAuth(self.credential, self.read_raw, window_s=config.auth_window_s,
                                max_nonces=config.auth_max_nonces,
                                on_refuse=lambda problem: self.m_auth_refused.inc((problem,)))
         self.registration = None if config.registry is None else WorkerRegistration(
@@ -434,7 +406,7 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         """What ``/pd/info`` reports."""
-        eng = self._engine()
+        eng = self.started_engine()
         g = eng.pool.geometry
         agent = None
         if self.agent is not None:
@@ -448,17 +420,17 @@ class Worker:
                           aliases=self.config.model_aliases)
 
     def model_info(self) -> ModelInfo:
-        eng = self._engine()
+        eng = self.started_engine()
         cap = eng.pool.capacity_tokens
         return ModelInfo(self.config.model_name, eng.vocab_size, int(min(eng.max_model_len, 1 << 40)), cap, cap,
                          aliases=self.config.model_aliases)
 
     def stats(self) -> dict[str, Any]:
         """Live load (``/pd/stats``)."""
-        eng = self._engine()
+        eng = self.started_engine()
         rx = self.receiver
         return {"role": self.role.value, "waiting": eng.num_waiting, "running": eng.num_running,
-                "free_blocks": eng.num_free_blocks, "num_blocks": eng.pool.num_blocks, "in_flight": self._in_flight,
+                "free_blocks": eng.num_free_blocks, "num_blocks": eng.pool.num_blocks, "in_flight": self.in_flight,
                 "awaiting_kv": rx.awaiting if rx else 0, "invalidated_reservations": rx.invalidated if rx else 0,
                 "steps": eng.num_steps, "preemptions": eng.num_preemptions, "recomputes": eng.num_recomputes,
                 "peers": self.links()}
@@ -471,7 +443,8 @@ class Worker:
         (see :meth:`KVSender.links`); empty in other roles."""
         return self.sender.links() if self.sender is not None else {}
 
-    def _engine(self) -> Engine:
+    def started_engine(self) -> Engine:
+        """The engine (InvalidArgument before :meth:`start`)."""
         if self.engine is None:
             raise InvalidArgument("the worker is not started")
         return self.engine
@@ -495,13 +468,14 @@ class Worker:
     def _routes(self, app: web.Application) -> None:
         app.router.add_get("/pd/info", self._h_info)
         app.router.add_get("/pd/stats", self._h_stats)
+        h = ProtocolHandlers(self)
         if self.role is not WorkerRole.COLOCATED:  # both roles' routes; RoleSwitch answers the other's 404
-            app.router.add_post("/pd/prefill", self._h_prefill)
-            app.router.add_post("/pd/check_peer", self._h_check_peer)
-            app.router.add_post("/pd/decode", self._h_decode)
-            app.router.add_post("/pd/kv_failed", self._h_kv_failed)
+            app.router.add_post("/pd/prefill", h.prefill)
+            app.router.add_post("/pd/check_peer", h.check_peer)
+            app.router.add_post("/pd/decode", h.decode)
+            app.router.add_post("/pd/kv_failed", h.kv_failed)
             RoleSwitch(self).add_routes(app)
-        app.router.add_post("/pd/generate", self._h_generate)
+        app.router.add_post("/pd/generate", h.generate)
         if self.role is WorkerRole.COLOCATED:
             OpenAIFrontend(LocalBackend(self), self.registry, max_body_bytes=self.config.max_body_bytes,
                            body_timeout_s=self.config.limits.body_timeout_s).add_routes(app)
@@ -531,180 +505,9 @@ class Worker:
     async def _h_stats(self, request: web.Request) -> web.Response:
         return web.json_response(self.stats())
 
-    async def _read_raw(self, request: web.Request) -> bytes:
+    async def read_raw(self, request: web.Request) -> bytes:
         """The body's bytes (aiohttp's 413 past the body limit, 408 past the body deadline)."""
         return await read_body(request, self._body_limit, self.config.limits.body_timeout_s)
-
-    async def _body(self, request: web.Request) -> Any:
-        """The JSON body (aiohttp's 413 past the body limit, 408 past the body deadline)."""
-        raw = await self._read_raw(request)
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            raise InvalidArgument("the request body is not valid JSON") from None
-
-    async def _stream_tokens(self, resp: web.StreamResponse, events: _Events, engine_rid: str,
-                             handle: RequestHandle) -> bool:
-        """Writes token lines until the request finishes; aborts it if the reader goes away
-        (or, with ``debug_error_after``, ends the stream with an injected error).
-
-        Returns
-        -------
-        bool
-            True if it finished normally (stop or length).
-        """
-        eng = self._engine()
-        fail_after = self.config.debug_error_after
-        sent = 0
-        try:
-            while True:
-                if fail_after is not None and sent >= fail_after:
-                    eng.abort(engine_rid)
-                    await resp.write(StreamError.of(self.config.debug_error_code,
-                                                    f"debug: injected after {sent} tokens").to_line())
-                    return False
-                ev = await events.queue.get()
-                if ev.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
-                    await resp.write(_stream_error(handle, ev).to_line())
-                    return False
-                line: dict[str, Any] = {}
-                if ev.token_id is not None:
-                    line["t"] = ev.token_id
-                    line["i"] = ev.index
-                    sent += 1
-                if ev.finish_reason is not None:
-                    line["f"] = ev.finish_reason.value
-                await resp.write(dumps_line(line))
-                if ev.finish_reason is not None:
-                    return True
-        except BaseException:
-            eng.abort(engine_rid)
-            raise
-
-    # ------------------------------------------------------------------ local generation
-    async def _h_generate(self, request: web.Request) -> web.StreamResponse:
-        eng = self._engine()
-        events = _Events(asyncio.get_running_loop())
-        try:
-            req = GenerateRequest.from_json(await self._body(request), limits=self.config.protocol_limits)
-            h = eng.add_request(req.rid, req.prompt, SamplingParams.of(req.params), on_event=events)
-        except AlreadyExists as e:
-            return json_error(409, str(e), code="duplicate_request")
-        except InvalidArgument as e:
-            return json_error(400, str(e), code="invalid_request")
-        self._in_flight += 1
-        try:
-            resp = await start_ndjson(request)
-            if await self._stream_tokens(resp, events, req.rid, h):
-                await resp.write(dumps_line({"done": {"recomputed": False, "preemptions": h.num_preemptions}}))
-            await resp.write_eof()
-            return resp
-        finally:
-            self._in_flight -= 1
-
-    # ------------------------------------------------------------------ decode
-    async def _h_decode(self, request: web.Request) -> web.StreamResponse:
-        eng = self._engine()
-        receiver = self.receiver
-        assert receiver is not None
-        cfg = self.config
-        try:
-            req = GenerateRequest.from_json(await self._body(request), limits=self.config.protocol_limits)
-            sp = SamplingParams.of(req.params)
-            eng.validate(req.rid, req.prompt, sp)
-            ticket = await receiver.reserve(req.rid, len(req.prompt), wait_s=cfg.reserve_wait_s,
-                                            kv_timeout_s=req.kv_timeout_s, margin_s=cfg.kv_margin_s)
-        except AlreadyExists as e:
-            return json_error(409, str(e), code="duplicate_request")
-        except InvalidArgument as e:
-            return json_error(400, str(e), code="invalid_request")
-        except ResourceExhausted as e:
-            return json_error(503, f"no KV blocks free for {cfg.reserve_wait_s:g} s: {e}", code="kv_pool_full")
-        events = _Events(asyncio.get_running_loop())
-        self._in_flight += 1
-        try:
-            resp = await start_ndjson(request)
-            await resp.write(dumps_line({"reserved": ticket.reservation.to_json()}))
-            arrival = await receiver.wait(ticket)
-            h = receiver.admit(ticket, arrival, req.prompt, sp, events)
-            if await self._stream_tokens(resp, events, req.rid, h):
-                await resp.write(dumps_line({"done": {"recomputed": h.recomputed, "recompute_reason": arrival.reason,
-                                                      "kv_error": arrival.error, "kv_wait_s": arrival.wait_s,
-                                                      "preemptions": h.num_preemptions}}))
-            await resp.write_eof()
-            return resp
-        finally:
-            self._in_flight -= 1
-            receiver.finish(ticket)
-
-    async def _h_kv_failed(self, request: web.Request) -> web.Response:
-        assert self.receiver is not None
-        try:
-            kf = KVFailed.from_json(await self._body(request), limits=self.config.protocol_limits)
-        except InvalidArgument as e:
-            return json_error(400, str(e), code="invalid_request")
-        return web.json_response({"ok": True, "state": self.receiver.kv_failed(kf)})
-
-    # ------------------------------------------------------------------ prefill
-    async def _h_prefill(self, request: web.Request) -> web.StreamResponse:
-        eng = self._engine()
-        sender = self.sender
-        assert sender is not None
-        loop = asyncio.get_running_loop()
-        t_recv = loop.time()
-        events = _Events(loop)
-        streamer = None
-        try:
-            req = PrefillRequest.from_json(await self._body(request), limits=self.config.protocol_limits)
-            eng.validate(req.rid, req.prompt, SamplingParams.of(req.params), prefill_only=True)
-            streamer = await sender.layer_streamer(req, t_recv + req.kv_timeout_s)
-            h = eng.add_request(req.rid, req.prompt, SamplingParams.of(req.params), on_event=events, prefill_only=True,
-                                layer_sink=streamer)
-        except AlreadyExists as e:
-            return json_error(409, str(e), code="duplicate_request")
-        except InvalidArgument as e:
-            return json_error(400, str(e), code="invalid_request")
-        self._in_flight += 1
-        posted: list[pdkv.Transfer] = []  # the write reading this request's blocks, once posted
-        try:
-            resp = await start_ndjson(request)
-            ev = await events.queue.get()
-            if ev.token_id is None:
-                await resp.write(_stream_error(h, ev).to_line())
-                await resp.write_eof()
-                return resp
-            finish = ev.finish_reason
-            ended = finish in (FinishReason.STOP, FinishReason.LENGTH)
-            await resp.write(dumps_line({"first": {"t": ev.token_id, "seed": h.seed,
-                                                   "f": finish.value if ended else None,
-                                                   "prefill_s": time.perf_counter() - h.arrival_time}}))
-            result = await sender.push(req, h, ev.token_id, with_kv=not ended, deadline=t_recv + req.kv_timeout_s,
-                                       posted=posted, streamer=streamer)
-            await resp.write(dumps_line({"kv": result.to_json()}))
-            await resp.write_eof()
-            return resp
-        finally:
-            self._in_flight -= 1
-            sender.finish(req.rid, h, posted, streamer)
-
-    async def _h_check_peer(self, request: web.Request) -> web.Response:
-        """Connects to a decode worker's agent now (metadata, then the transport
-        handshake, both authenticated); answers ``{"ok", "kind", "error"}``."""
-        assert self.sender is not None
-        try:
-            obj = await self._body(request)
-            address = obj["agent"]
-            timeout = float(obj.get("timeout", 5.0))
-            if not isinstance(address, str) or not address or not 0 < timeout <= 60 \
-                    or len(address) > self.config.protocol_limits.max_name_chars:
-                raise ValueError
-        except (InvalidArgument, KeyError, TypeError, ValueError, AttributeError, OverflowError):
-            return json_error(400, "expected {\"agent\": \"host:port\" (at most "
-                              f"{self.config.protocol_limits.max_name_chars} characters), \"timeout\": seconds "
-                              "(0, 60]}",
-                              code="invalid_request")
-        kind, error = await self.sender.check_peer(address, timeout)
-        return web.json_response({"ok": kind == "ok", "kind": kind, "error": error})
 
 
 class LocalBackend:
@@ -734,22 +537,22 @@ class LocalBackend:
 
     async def generate(self, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace
                        ) -> AsyncIterator[TokenOut]:
-        eng = self.worker._engine()
+        eng = self.worker.started_engine()
         trace.route = "engine"
         trace.decode_worker = self.worker.url
-        events = _Events(asyncio.get_running_loop())
+        events = EngineEvents(asyncio.get_running_loop())
         try:
             h = eng.add_request(rid, prompt, SamplingParams.of(params), on_event=events)
         except InvalidArgument as e:
             raise APIError.bad(str(e)) from None
         finished = False
-        self.worker._in_flight += 1
+        self.worker.in_flight += 1
         try:
             while True:
                 ev = await events.queue.get()
                 if ev.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
                     finished = True
-                    raise APIError(500, _failure(h, ev), code="engine_error")
+                    raise APIError(500, failure_message(h, ev), code="engine_error")
                 if ev.token_id is not None:
                     fin = ev.finish_reason.value if ev.finish_reason is not None else None
                     yield TokenOut(ev.token_id, fin)
@@ -758,7 +561,7 @@ class LocalBackend:
                     trace.extra["preemptions"] = h.num_preemptions
                     return
         finally:
-            self.worker._in_flight -= 1
+            self.worker.in_flight -= 1
             if not finished:
                 eng.abort(rid)
 

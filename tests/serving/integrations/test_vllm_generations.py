@@ -29,7 +29,9 @@ if importlib.util.find_spec("vllm") is not None:
         import torch
         from vllm.v1.request import RequestStatus
 
-        from pdkv.integrations import vllm as conn
+        import pdkv
+        from pdkv.integrations.vllm_scheduler import PdkvConnectorScheduler
+        from pdkv.integrations.vllm_worker import PdkvConnectorWorker
         from pdkv.integrations.vllm_layout import cpu_token
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -53,8 +55,8 @@ class Instance:
                  **extra) -> None:
         cfg = _config(role, tokens, **extra)
         self.tokens = tokens
-        self.sched = conn._Scheduler(cfg)
-        self.worker = conn._Worker(cfg, None)
+        self.sched = PdkvConnectorScheduler(cfg)
+        self.worker = PdkvConnectorWorker(cfg, None)
         g = torch.Generator().manual_seed(seed)
         self.caches = {f"layer{i}": torch.rand(BLOCKS, heads, tokens, 2 * dim, generator=g) for i in range(2)}
         self.worker.register_kv_caches(self.caches)
@@ -211,7 +213,7 @@ def test_transport_without_generations_falls_back_to_the_lease(pd, monkeypatch):
 
     def read(peer, local, remote=None, **kw):
         if remote is not None and remote.generations is not None:
-            raise conn.pdkv.NotSupported("transport 'x' cannot check block generations")
+            raise pdkv.NotSupported("transport 'x' cannot check block generations")
         return real(peer, local, remote, **kw)
 
     monkeypatch.setattr(decode.worker.agent, "read", read)

@@ -11,7 +11,7 @@ initiator, in this process, measures in interleaved rounds of one run:
   (copied in the posting thread, ``ShmOptions.inline_bytes`` raised, so that the copy
   thread's scheduling on a loaded machine does not dominate);
 * the vLLM connector's pull path on vLLM CPU-shaped torch caches (when torch is
-  installed): a 1 MiB pull as ``_Worker._read`` posts it (``agent.read`` of layout
+  installed): a 1 MiB pull as ``PdkvConnectorWorker._read`` posts it (``agent.read`` of layout
   blocks with prefill's generations and the release notification, waited by polling
   ``done``), decomposed step by step against the prepared post of the same bytes.
   Generations over shm are checked against prefill's shared generation table
@@ -210,7 +210,7 @@ def _measure(args: argparse.Namespace, info: dict, nbytes: int) -> dict:
 # transfer on an agent with pdkv's default options and waits for it
 # (pdkv.lab.transfer.bench.latency_us); the connector posts an unprepared read with
 # prefill's generations and the release notification on its agent (defaults but
-# notify_on_send) and polls `done` (_Worker._read + _poll_recving).
+# notify_on_send) and polls `done` (PdkvConnectorWorker._read + _poll_recving).
 BENCH_TRANSFER = "bench transfer: prepared post, default ShmOptions, waited"
 CONNECTOR = "connector pull as deployed: default ShmOptions + notify_on_send, polled"
 STRICT = "prepared post, copy in the posting thread"
@@ -244,7 +244,7 @@ def _measure_connector_path(args: argparse.Namespace, inits: dict, info: dict) -
     def sides() -> tuple[pdkv.Blocks, pdkv.Blocks]:  # built per read, as an unprepared read is
         return pdkv.Blocks("vllm", local_ids), pdkv.Blocks("vllm", remote_ids)
 
-    def connector_pull(k: str) -> float:  # _Worker._read + _poll_recving, as the connector runs them
+    def connector_pull(k: str) -> float:  # PdkvConnectorWorker._read + _poll_recving, as the connector runs them
         counter[0] += 1
         return _polled(lambda: inits[k][0].read(peers[k], pdkv.Blocks("vllm", local_ids),
                                                 pdkv.Blocks("vllm", remote_ids, generations=gens),

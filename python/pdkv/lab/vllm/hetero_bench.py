@@ -28,7 +28,8 @@ from types import SimpleNamespace
 import torch
 from vllm.v1.request import RequestStatus
 
-from pdkv.integrations import vllm as conn
+from pdkv.integrations.vllm_scheduler import PdkvConnectorScheduler
+from pdkv.integrations.vllm_worker import PdkvConnectorWorker
 
 #: (prefill block size, decode block size) per case; the first is the baseline.
 CASES = {"equal 128/128": (128, 128), "prefill 128 -> decode 64": (128, 64), "prefill 64 -> decode 128": (64, 128)}
@@ -47,7 +48,7 @@ class _Side:
         # the agent's address is its tcp endpoint: shm pulls still connect over it
         transports = ["shm", "tcp"] if args.transport == "shm" else ["tcp"]
         cfg = _config(role, block_size, transports=transports, **extra)
-        self.sched, self.worker = conn._Scheduler(cfg), conn._Worker(cfg, None)
+        self.sched, self.worker = PdkvConnectorScheduler(cfg), PdkvConnectorWorker(cfg, None)
         self.caches = {f"layer{i}": torch.rand(blocks, args.kv_heads, block_size, 2 * args.head_size)
                        for i in range(args.layers)}
         self.worker.register_kv_caches(self.caches)
