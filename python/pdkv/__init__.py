@@ -49,6 +49,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from ._pdkv import ShmOptions, TcpCompression, TcpOptions
+    from .backends._nixl_options import NixlOptions
 
 
 def __getattr__(name: str) -> Any:
@@ -58,6 +59,10 @@ def __getattr__(name: str) -> Any:
         from . import agent
 
         return getattr(agent, name)
+    if name == "NixlOptions":  # the nixl transport's (Python) options class; NIXL itself is not imported
+        from .backends._nixl_options import NixlOptions
+
+        return NixlOptions
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
@@ -69,6 +74,7 @@ __all__ = [
     "HeadRange",
     "KVGeometry",
     "KVLayout",
+    "NixlOptions",
     "NotFound",
     "NotSupported",
     "Notification",

@@ -75,7 +75,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 def tcp_options(args: argparse.Namespace) -> TcpOptions:
     return TcpOptions(conns_per_peer=args.conns, progress_threads=args.threads, rcvlowat_bytes=args.rcvlowat,
-                      batch_bytes=args.batch_bytes, tls=bool(getattr(args, "tls_on", False)))
+                      batch_bytes=args.batch_bytes, tls=bool(getattr(args, "tls_on", False)),
+                      gather_below_bytes=getattr(args, "gather_below", TcpOptions().gather_below_bytes),
+                      land_below_bytes=getattr(args, "land_below", TcpOptions().land_below_bytes))
 
 
 def _pool(agent: Agent, geo, seed: int | None, memory: str = "host") -> tuple[object, KVLayout]:
@@ -117,7 +119,7 @@ def serve(args: argparse.Namespace) -> None:
     from .. import available_transports
 
     agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
-                  tcp=tcp_options(args),
+                  options=[tcp_options(args)],
                   transports=["tcp"] if args.memory == "cuda" else [t for t in available_transports() if t != "cuda_ipc"])
     buf, layout = _pool(agent, geo, None, args.memory)
     agent.add_layout("kv", layout)
@@ -172,6 +174,7 @@ def start_target(args: argparse.Namespace, blocks: int) -> Target:
 def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
     cmd = [sys.executable, "-m", "pdkv.bench.transfer", "--serve", "--child", "--model", args.model,
            "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
+           "--gather-below", str(args.gather_below), "--land-below", str(args.land_below),
            "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
            "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else []) + \
         (["--tls-on"] if getattr(args, "tls_on", False) else [])
@@ -371,7 +374,7 @@ def _run_cases(args: argparse.Namespace, payloads: list[int], quiet: bool = Fals
     try:
         secret = os.environ.get(SECRET_ENV, "pdkv-bench")
         transports = [args.transport] + (["tcp"] if args.transport != "tcp" else [])
-        with Agent("bench-initiator", secret=secret, listen=f"{args.host}:0", tcp=tcp_options(args),
+        with Agent("bench-initiator", secret=secret, listen=f"{args.host}:0", options=[tcp_options(args)],
                    transports=transports) as agent:
             geo = models.geometry(args.model, args.local_blocks)
             src, src_layout = _pool(agent, geo, args.seed, args.memory)
@@ -512,6 +515,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     default=TcpOptions().rcvlowat_bytes, help="tcp SO_RCVLOWAT cap (default 1M; 0 disables)")
     ap.add_argument("--batch-bytes", type=parse_size, default=TcpOptions().batch_bytes,
                     help="tcp payload bytes per wire batch (default 16M)")
+    ap.add_argument("--gather-below", type=lambda v: parse_size(v) if v != "0" else 0,
+                    default=TcpOptions().gather_below_bytes,
+                    help="tcp: gather batches whose extents average fewer bytes (TcpOptions.gather_below_bytes; "
+                    "default 8K; 0: never)")
+    ap.add_argument("--land-below", type=lambda v: parse_size(v) if v != "0" else 0,
+                    default=TcpOptions().land_below_bytes,
+                    help="tcp: land payloads whose extents average fewer bytes in a buffer "
+                    "(TcpOptions.land_below_bytes; default 4K; 0: never)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (local mode: both sides)")
     ap.add_argument("--target", default="", help="HOST:PORT of a `pdkv bench transfer --serve` on another host")
     ap.add_argument("--link", default="", help="run target and initiator on two network namespaces behind an "
