@@ -51,7 +51,7 @@ def main() -> None:
     fp8 = pdkv.TcpCompression(mode="fp8", dtype="bfloat16", fp8_heads=HEADS, fp8_head_dim=DIM,
                               fp8_rows_per_group=TOKENS)
     senders = {"plain": pdkv.Agent("gpu-plain", secret="s", transports=["tcp"]),
-               "fp8": pdkv.Agent("gpu-fp8", secret="s", transports=["tcp"], tcp=pdkv.TcpOptions(compress=fp8))}
+               "fp8": pdkv.Agent("gpu-fp8", secret="s", transports=["tcp"], options=[pdkv.TcpOptions(compress=fp8)])}
     rx = pdkv.Agent("gpu-rx", secret="s", transports=["tcp"])
     src_dev, dst_dev = mem.alloc(n), mem.alloc(n)
     mem.htod(src_dev, host_src)

@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--shared", action="store_true", help="KV pool in pdkv-allocated shared memory")
     args = ap.parse_args()
     spec = PoolSpec(**json.loads(args.spec))
-    agent = pdkv.Agent(args.name, secret=args.secret, listen=args.listen, tcp=pdkv.TcpOptions(**json.loads(args.tcp)),
+    agent = pdkv.Agent(args.name, secret=args.secret, listen=args.listen, options=[pdkv.TcpOptions(**json.loads(args.tcp))],
                        transports=args.transports.split(","))
     pool = Pool(spec, args.seed, shared_by=agent if args.shared else None)
     pool.register(agent)

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "util/bench_switches.h"
 #include "py_common.h"
 #include "py_async.h"
 #include "py_auth.h"
@@ -110,6 +111,25 @@ PYBIND11_MODULE(_pdkv, m) {
   m.def("thread_cpus", &util::thread_cpus);
   m.def("registered_transports", &registered_transports);
   m.def("available_transports", &available_transports);
+  m.def(
+      "bench_switches",
+      [] {
+        py::list out;
+        const auto& values = util::bench_switch_values();
+        for (size_t i = 0; i < util::kBenchSwitches.size(); ++i) {
+          const util::BenchSwitchInfo& s = util::kBenchSwitches[i];
+          py::dict d;
+          d["name"] = s.name;
+          d["values"] = s.values;
+          d["meaning"] = s.meaning;
+          d["default"] = s.dflt;
+          d["value"] = values[i];
+          out.append(d);
+        }
+        return out;
+      },
+      "The benchmark switches (cpp/src/util/bench_switches.h): dicts of name, values, meaning, default and "
+      "the value in force ('' when unset), read once per process.");
   m.def("status_code_names", [] {
     std::vector<std::string> out;
     for (int c = 0; c <= static_cast<int>(kLastStatusCode); ++c)

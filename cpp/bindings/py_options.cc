@@ -1,7 +1,9 @@
 // Python classes of the typed options: TcpOptions, ShmOptions (each transport's,
 // pdkv/options/*.h), AgentConfig (pdkv/config.h) and a transfer's PlanOptions,
 // XferOptions and StreamOptions (pdkv/kv_layout.h, agent.h, stream.h), bound once,
-// field by field.
+// field by field; and the conversion of a list of transport options
+// (AgentConfig.options) both ways: a native options class is copied, a Python
+// transport's options object is held.
 //
 // Each class is built from one table of fields: a read-write attribute per field, a
 // keyword-only constructor (`TcpOptions(spin_us=5)`) whose signature is written from
@@ -24,7 +26,10 @@
 #include "pdkv/config.h"
 #include "pdkv/kv_layout.h"
 #include "pdkv/stream.h"
+#include "pdkv/options/shm.h"
+#include "pdkv/options/tcp.h"
 #include "py_common.h"
+#include "py_transport.h"
 
 namespace py = pybind11;
 
@@ -146,14 +151,98 @@ template <>
 struct FieldType<TcpCompression> : NestedOptions<TcpCompression> {
   static constexpr const char* kPyType = "TcpCompression";
 };
-template <>
-struct FieldType<TcpOptions> : NestedOptions<TcpOptions> {
-  static constexpr const char* kPyType = "TcpOptions";
+
+// ---- transport options, both ways
+
+// A Python transport's options object (its class names the transport in a `transport`
+// class attribute), held as it is: a copy shares the object. Its validate() (when it
+// has one) is called with the GIL taken.
+class PyTransportOptions final : public TransportOptions {
+ public:
+  PyTransportOptions(py::object obj, std::string transport) : obj_(std::move(obj)), transport_(std::move(transport)) {}
+  ~PyTransportOptions() override {
+    if (!Py_IsInitialized()) {
+      (void)obj_.release();  // the interpreter is gone: nothing to give back
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    obj_ = py::object();
+  }
+  std::string_view transport() const override { return transport_; }
+  Status validate() const override {
+    py::gil_scoped_acquire gil;
+    try {
+      if (py::hasattr(obj_, "validate")) obj_.attr("validate")();
+      return Status::Ok();
+    } catch (py::error_already_set& e) {
+      return bindings::status_from(e, transport_ + " options validate()");
+    }
+  }
+  std::unique_ptr<TransportOptions> clone() const override {
+    py::gil_scoped_acquire gil;
+    return std::make_unique<PyTransportOptions>(obj_, transport_);
+  }
+  const py::object& object() const { return obj_; }
+
+ private:
+  py::object obj_;
+  std::string transport_;
 };
-template <>
-struct FieldType<ShmOptions> : NestedOptions<ShmOptions> {
-  static constexpr const char* kPyType = "ShmOptions";
+
+// One bound native options class: how to copy a Python instance into C++ and back.
+struct NativeOptionsType {
+  py::handle type;
+  std::function<std::unique_ptr<TransportOptions>(py::handle)> to_cpp;
+  std::function<py::object(const TransportOptions&)> to_py;  // null object: not this type
 };
+
+// Filled once at module init (GIL held); never destroyed (module lifetime).
+std::vector<NativeOptionsType>& native_options_types() {
+  static auto* types = new std::vector<NativeOptionsType>();
+  return *types;
+}
+
+template <typename T>
+void add_native_options_type(py::handle type) {
+  native_options_types().push_back(NativeOptionsType{
+      type, [](py::handle v) -> std::unique_ptr<TransportOptions> { return std::make_unique<T>(v.cast<const T&>()); },
+      [](const TransportOptions& o) -> py::object {
+        if (const T* t = dynamic_cast<const T*>(&o)) return py::cast(T(*t));
+        return py::object();
+      }});
+}
+
+// The registry name a Python options object's class declares, or "" if it declares none.
+std::string declared_transport(py::handle v) {
+  py::handle cls = py::type::handle_of(v);
+  if (!py::hasattr(cls, "transport")) return "";
+  py::object t = cls.attr("transport");
+  if (!py::isinstance<py::str>(t)) return "";
+  return t.cast<std::string>();
+}
+
+// AgentConfig.options from a list of options objects (at most one per transport).
+TransportOptionsSet options_set_from_py(py::handle v) {
+  if (py::isinstance<py::str>(v) || py::isinstance<py::bytes>(v) || py::isinstance<py::dict>(v) ||
+      !py::isinstance<py::sequence>(v))
+    raise_invalid("AgentConfig.options must be a list of transport options (TcpOptions(...), ShmOptions(...), "
+                  "...), got " + describe(v));
+  TransportOptionsSet set;
+  for (py::handle item : v) {
+    std::unique_ptr<TransportOptions> o = options_from_py(item, "AgentConfig.options");
+    if (set.find(o->transport()))
+      raise_invalid("AgentConfig.options holds two options for transport '" + std::string(o->transport()) +
+                    "' (give each transport's options once)");
+    set.set(std::move(o));
+  }
+  return set;
+}
+
+py::list options_set_to_py(const TransportOptionsSet& set) {
+  py::list out;
+  for (const TransportOptions* o : set.all()) out.append(options_to_py(*o));
+  return out;
+}
 
 // ---- one bound options class, built from its field table
 template <typename C>
@@ -179,8 +268,10 @@ class OptionsClass {
     return add_field(name, py_type, get, set, doc, get);
   }
 
-  // Adds the keyword constructor, validate(), ==, repr and pickling.
-  void finish() {
+  // Adds the keyword constructor, validate(), ==, repr and pickling; `transport`: the
+  // registry name a transport's options class declares (its `transport` attribute).
+  void finish(std::string_view transport = {}) {
+    if (!transport.empty()) cls_.attr("transport") = py::str(std::string(transport));
     auto fields = fields_;
     const std::string cls_name = name_;
     auto apply = [fields, cls_name](C& c, const py::dict& kw) {
@@ -318,6 +409,31 @@ class OptionsClass {
 };
 
 }  // namespace
+
+std::unique_ptr<TransportOptions> options_from_py(py::handle v, const std::string& where) {
+  for (const NativeOptionsType& t : native_options_types())
+    if (py::isinstance(v, t.type)) return t.to_cpp(v);
+  const std::string transport = declared_transport(v);
+  if (transport.empty() || py::isinstance<py::type>(v))
+    raise_invalid(where + " entries must be transport options (TcpOptions(...), ShmOptions(...), or the options "
+                  "class a transport registered, which names it in a `transport` class attribute), got " +
+                  describe(v));
+  return std::make_unique<PyTransportOptions>(py::reinterpret_borrow<py::object>(v), transport);
+}
+
+py::object options_to_py(const TransportOptions& o) {
+  if (auto* p = dynamic_cast<const PyTransportOptions*>(&o)) return p->object();
+  for (const NativeOptionsType& t : native_options_types()) {
+    py::object r = t.to_py(o);
+    if (r) return r;
+  }
+  raise_status(Internal("options of transport '" + std::string(o.transport()) + "' have no Python class"));
+  return py::none();
+}
+
+std::unique_ptr<TransportOptions> python_options(py::object obj, const std::string& transport) {
+  return std::make_unique<PyTransportOptions>(std::move(obj), transport);
+}
 
 // A str option parsed into its enum once, here (`parse` returns Result<E>).
 template <typename E>
@@ -507,7 +623,14 @@ void bind_options(py::module_& m) {
              "int (1..65536): inbound connections one authenticated peer (agent name) may hold; one more is "
              "refused with ResourceExhausted naming the peer (its first request fails with it).")
       .field("compress", &TcpOptions::compress, "TcpCompression: compression of writes and reads (off by default).")
-      .finish();
+      .field("gather_below_bytes", &TcpOptions::gather_below_bytes,
+             "int, bytes (0..2**30): a batch whose extents average fewer bytes is gathered by the sender into "
+             "staging chunks and sent as one segment (0: never). Measurements: docs/transports.md.")
+      .field("land_below_bytes", &TcpOptions::land_below_bytes,
+             "int, bytes (0..2**30): a payload whose extents average fewer bytes is landed by the receiver in a "
+             "buffer, then scattered with streaming stores (0: never).")
+      .finish(TcpOptions::kTransport);
+  add_native_options_type<TcpOptions>(m.attr("TcpOptions"));
 
   OptionsClass<ShmOptions>(m, "ShmOptions", "Options of the shm transport (same host, one copy).")
       .field("copy_threads", &ShmOptions::copy_threads, "int (1..64): threads that copy large transfers.")
@@ -529,7 +652,10 @@ void bind_options(py::module_& m) {
       .field("allowed_peer_uids", &ShmOptions::allowed_peer_uids,
              "list[int] (at most 64): uids besides this process's own whose processes may be shm peers, in "
              "either direction; the kernel says who the peer is (SO_PEERCRED). Empty: same uid only.")
-      .finish();
+      .field("connect_timeout_s", &ShmOptions::connect_timeout_s,
+             "float, seconds (0, 86400]: dialing a same-host peer's control socket plus its handshake.")
+      .finish(ShmOptions::kTransport);
+  add_native_options_type<ShmOptions>(m.attr("ShmOptions"));
 
   OptionsClass<AgentConfig>(m, "AgentConfig", "Everything an agent is created with (pdkv/config.h).")
       .field("name", &AgentConfig::name, "str: unique among peers; printable ASCII, no spaces.")
@@ -562,8 +688,11 @@ void bind_options(py::module_& m) {
           "list[bytes] (at most 7, each 1..1024 bytes): further secrets whose proofs this agent accepts "
           "(rotation: docs/security.md).")
       .field("transports", &AgentConfig::transports, "list[str]: native transports in order of preference.")
-      .field("tcp", &AgentConfig::tcp, "TcpOptions: options of the tcp transport.")
-      .field("shm", &AgentConfig::shm, "ShmOptions: options of the shm transport.")
+      .property(
+          "options", "list[object]", [](const AgentConfig& c) -> py::object { return options_set_to_py(c.options); },
+          [](AgentConfig& c, py::handle v) { c.options = options_set_from_py(v); },
+          "list: options of transports, at most one per transport (TcpOptions(...), ShmOptions(...), a Python "
+          "transport's options); a transport without any gets its defaults. The getter returns copies.")
       .field("default_timeout_s", &AgentConfig::default_timeout_s,
              "float, seconds (>= 0): deadline of transfers posted without one (0: none).")
       .field("max_notif_bytes", &AgentConfig::max_notif_bytes,

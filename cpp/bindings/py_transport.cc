@@ -28,11 +28,11 @@
 
 #include "pdkv/spi/registry.h"
 #include "py_common.h"
+#include "py_options.h"
 
 namespace py = pybind11;
 
 namespace pdkv::bindings {
-namespace {
 
 // The Status a Python exception stands for: a pdkv error keeps its code (its class's
 // `code` attribute names the StatusCode); anything else is an Internal error naming
@@ -49,6 +49,8 @@ Status status_from(const py::error_already_set& e, std::string_view what) {
   if (code == StatusCode::kInternal) msg = std::string(what) + " raised " + py::str(type.attr("__name__")).cast<std::string>() + ": " + msg;
   return Status(code == StatusCode::kOk ? StatusCode::kInternal : code, std::move(msg));
 }
+
+namespace {
 
 // The Status for an exception object passed in by Python code (resolve_part(error=)).
 Status status_from_object(const py::handle& err) {
@@ -385,12 +387,24 @@ void bind_hooks(py::module_& m) {
            py::arg("address"), py::arg("secret"), py::arg("timeout_s"));
 }
 
-// A registered Python factory: viable() -> None or a reason; create(agent_name) -> transport.
-// `priority`: an int, or a callable returning one (a priority that depends on the host).
+// A registered Python factory: viable() -> None or a reason; create(config, options) ->
+// transport, `options` an instance of `options_cls` (the config's, else options_cls())
+// or None when options_cls is None. `priority`: an int, or a callable returning one (a
+// priority that depends on the host).
 TransportFactory python_factory(const std::string& name, const std::string& description, py::object priority,
-                                py::object viable, py::object create, const std::string& metadata_via) {
+                                py::object viable, py::object create, const std::string& metadata_via,
+                                py::object options_cls) {
   py::handle v = leak(std::move(viable));
   py::handle c = leak(std::move(create));
+  if (!options_cls.is_none()) {
+    if (!py::isinstance<py::type>(options_cls))
+      raise_status(InvalidArgument("options of transport '" + name + "' must be a class, got " +
+                                   std::string(py::repr(options_cls))));
+    py::object declared = py::getattr(options_cls, "transport", py::none());
+    if (!py::isinstance<py::str>(declared) || declared.cast<std::string>() != name)
+      raise_status(InvalidArgument("the options class of transport '" + name +
+                                   "' must name it in a class attribute: transport = '" + name + "'"));
+  }
   TransportFactory f;
   f.name = name;
   f.description = description;
@@ -422,10 +436,27 @@ TransportFactory python_factory(const std::string& name, const std::string& desc
       return status_from(e, name + " viable()");
     }
   };
-  f.create = [c, name](const AgentConfig& cfg) -> Result<std::unique_ptr<Transport>> {
+  py::handle oc;
+  if (!options_cls.is_none()) {
+    oc = leak(std::move(options_cls));
+    f.default_options = [oc, name]() -> std::unique_ptr<TransportOptions> {
+      py::gil_scoped_acquire gil;
+      return python_options(oc(), name);
+    };
+  }
+  f.create = [c, oc, name](const AgentConfig& cfg, const TransportOptions* options) -> Result<std::unique_ptr<Transport>> {
     py::gil_scoped_acquire gil;
     try {
-      py::object impl = c(cfg.name);
+      py::object opts = py::none();
+      if (options != nullptr) {
+        opts = options_to_py(*options);
+        if (oc && !py::isinstance(opts, oc))
+          return InvalidArgument("transport '" + name + "' takes " + py::str(oc.attr("__name__")).cast<std::string>() +
+                                 " options, got " + py::str(py::type::handle_of(opts).attr("__name__")).cast<std::string>());
+        Status st = options->validate();
+        if (!st.ok()) return st;
+      }
+      py::object impl = c(py::cast(cfg), opts);
       if (!py::hasattr(impl, "name") || py::str(impl.attr("name")).cast<std::string>() != name)
         return Internal("the factory of transport '" + name + "' returned an object whose name is not '" + name + "'");
       return std::unique_ptr<Transport>(std::make_unique<PyTransport>(std::move(impl)));
@@ -446,15 +477,15 @@ void bind_transport_sdk(py::module_& m, py::class_<Transfer, std::shared_ptr<Tra
                                             "remote_offset", "remote_addr");
   m.def("register_transport",
         [](const std::string& name, const std::string& description, py::object priority, py::object viable,
-           py::object create, const std::string& metadata_via) {
+           py::object create, const std::string& metadata_via, py::object options) {
           if (name.empty()) raise_status(InvalidArgument("a transport needs a name"));
           if (!register_transport(python_factory(name, description, priority, std::move(viable), std::move(create),
-                                                 metadata_via)))
+                                                 metadata_via, std::move(options))))
             raise_status(AlreadyExists("a transport named '" + name + "' is registered already"));
           python_transport_names().insert(name);
         },
         py::arg("name"), py::arg("description"), py::arg("priority"), py::arg("viable"), py::arg("create"),
-        py::arg("metadata_via") = "");
+        py::arg("metadata_via") = "", py::arg("options") = py::none());
   m.def("default_transports", &default_transports);
 
   // The transport side of a Transfer (spi/transfer_control.h).

@@ -13,6 +13,10 @@
 
 namespace pdkv::bindings {
 
+// The Status a Python exception stands for: a pdkv error keeps its code; anything else
+// is an Internal error naming the exception and `what` raised it. GIL held.
+Status status_from(const pybind11::error_already_set& e, std::string_view what);
+
 // A transport implemented by a Python object (a pdkv.transport.Transport subclass).
 // Owns a reference to it for as long as the agent holds the transport.
 class __attribute__((visibility("hidden"))) PyTransport final : public Transport {

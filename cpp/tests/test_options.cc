@@ -8,6 +8,8 @@
 
 #include "pdkv/agent.h"
 #include "pdkv/config.h"
+#include "pdkv/options/shm.h"
+#include "pdkv/options/tcp.h"
 
 namespace pdkv {
 namespace {
@@ -117,17 +119,60 @@ TEST(AgentConfig, ChecksItsOwnFieldsAndEveryTransportsOptions) {
   // Options of a transport that is not enabled are still checked.
   c = ok;
   c.transports = {"tcp"};
-  c.shm.copy_threads = 0;
+  c.options.edit<ShmOptions>().copy_threads = 0;
   expect_invalid(c.validate(), "shm.copy_threads", "0");
   c = ok;
-  c.tcp.conns_per_peer = 0;
+  c.options.edit<TcpOptions>().conns_per_peer = 0;
   expect_invalid(c.validate(), "tcp.conns_per_peer", "0");
+  c = ok;
+  c.options.edit<TcpOptions>().gather_below_bytes = (1ull << 30) + 1;
+  expect_invalid(c.validate(), "tcp.gather_below_bytes", "1073741825");
+  c = ok;
+  c.options.edit<ShmOptions>().connect_timeout_s = 0;
+  expect_invalid(c.validate(), "shm.connect_timeout_s", "0");
+}
+
+TEST(AgentConfig, HoldsOneDeepCopiedOptionsObjectPerTransport) {
+  AgentConfig a;
+  TcpOptions t;
+  t.spin_us = 7;
+  a.options.set(t);
+  a.options.edit<ShmOptions>().copy_threads = 3;
+  TcpOptions t2;
+  t2.spin_us = 9;
+  a.options.set(t2);  // replaces the tcp options
+  ASSERT_EQ(a.options.size(), 2u);
+  AgentConfig b = a;  // deep copy
+  b.options.edit<TcpOptions>().spin_us = 11;
+  EXPECT_EQ(a.options.get<TcpOptions>()->spin_us, 9u);
+  EXPECT_EQ(b.options.get<TcpOptions>()->spin_us, 11u);
+  EXPECT_EQ(b.options.get<ShmOptions>()->copy_threads, 3u);
+  EXPECT_EQ(a.options.find("tcp")->transport(), "tcp");
+  EXPECT_EQ(a.options.find("nixl"), nullptr);
+  EXPECT_TRUE(b.options.erase("shm"));
+  EXPECT_EQ(b.options.get<ShmOptions>(), nullptr);
+  EXPECT_TRUE(options_as<TcpOptions>(*a.options.find("tcp")).ok());
+  EXPECT_EQ(options_as<ShmOptions>(*a.options.find("tcp")).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(AgentConfig, AgentCreateRefusesOptionsOfAnUnknownTransport) {
+  struct Stray : TransportOptionsOf<Stray> {
+    static constexpr std::string_view kTransport = "no-such-transport";
+    Status validate() const override { return Status::Ok(); }
+  };
+  AgentConfig c;
+  c.name = "opts-stray";
+  c.options.set(Stray{});
+  auto r = Agent::create(c);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("no-such-transport"), std::string::npos) << r.status().message();
 }
 
 TEST(AgentConfig, AgentCreateRejectsAnInvalidConfigBeforeStartingTransports) {
   AgentConfig c;
   c.name = "opts-test";
-  c.tcp.stage_buffers = 0;
+  c.options.edit<TcpOptions>().stage_buffers = 0;
   auto r = Agent::create(c);
   ASSERT_FALSE(r.ok());
   expect_invalid(r.status(), "tcp.stage_buffers", "0");

@@ -70,9 +70,9 @@ TEST(PieceCopy, EveryStoreWidthEveryShape) {
 TEST(PieceCopy, StridedCopiesAndPiecesTakeTheWidestStores) {
   const PieceStores s = piece_stores();
   const std::vector<PieceStores> k = kinds_here();
-  if (bench_switch_is("PDKV_BENCH_PIECE_COPY", "memcpy")) {
+  if (bench_switch_is(util::BenchSwitch::kPieceCopy, "memcpy")) {
     EXPECT_EQ(s, PieceStores::kMemcpy);
-  } else if (bench_switch_is("PDKV_BENCH_PIECE_COPY", "sse")) {
+  } else if (bench_switch_is(util::BenchSwitch::kPieceCopy, "sse")) {
     EXPECT_EQ(s, PieceStores::kSse);
   } else {
     EXPECT_EQ(s, k.back());

@@ -166,13 +166,15 @@ TEST(TcpOutMsg, SmallExtentsAreGatheredAndSentBitExact) {
 }
 
 TEST(TcpOutMsg, GatheringIsForSmallExtentsOnly) {
-  EXPECT_TRUE(gathers(1000 * 256, 1000));
-  EXPECT_TRUE(gathers(2 * (kGatherBelowBytes - 1), 2));
-  EXPECT_FALSE(gathers(2 * kGatherBelowBytes, 2));  // 8 KiB extents keep their iovecs
-  EXPECT_FALSE(gathers(100, 1));                    // one extent is one segment anyway
-  EXPECT_TRUE(lands(1000 * 256, 1000));
-  EXPECT_FALSE(lands(1000 * kLandBelowBytes, 1000));
-  EXPECT_FALSE(lands(100, 1));
+  const TcpOptions o;  // the thresholds' defaults
+  EXPECT_TRUE(gathers(1000 * 256, 1000, o.gather_below_bytes));
+  EXPECT_TRUE(gathers(2 * (o.gather_below_bytes - 1), 2, o.gather_below_bytes));
+  EXPECT_FALSE(gathers(2 * o.gather_below_bytes, 2, o.gather_below_bytes));  // 8 KiB extents keep their iovecs
+  EXPECT_FALSE(gathers(100, 1, o.gather_below_bytes));  // one extent is one segment anyway
+  EXPECT_FALSE(gathers(1000 * 256, 1000, 0));           // 0: never
+  EXPECT_TRUE(lands(1000 * 256, 1000, o.land_below_bytes));
+  EXPECT_FALSE(lands(1000 * o.land_below_bytes, 1000, o.land_below_bytes));
+  EXPECT_FALSE(lands(100, 1, o.land_below_bytes));
   // The back-pressure cost of a gathered message counts its stage, and does not
   // change once it is sending.
   std::vector<char> pool(1 << 16);

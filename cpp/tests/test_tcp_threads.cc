@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "pdkv/agent.h"
+#include "pdkv/options/tcp.h"
 
 namespace pdkv {
 namespace {
@@ -22,9 +23,9 @@ std::unique_ptr<Agent> make_agent(const std::string& name, uint32_t threads, uin
   cfg.name = name;
   cfg.secret = kSecret;
   cfg.transports = {"tcp"};
-  cfg.tcp.progress_threads = threads;
-  cfg.tcp.conns_per_peer = conns;
-  cfg.tcp.batch_bytes = 64 << 10;  // many batches, spread over the connections
+  cfg.options.edit<TcpOptions>().progress_threads = threads;
+  cfg.options.edit<TcpOptions>().conns_per_peer = conns;
+  cfg.options.edit<TcpOptions>().batch_bytes = 64 << 10;  // many batches, spread over the connections
   auto a = Agent::create(cfg);
   EXPECT_TRUE(a.ok()) << a.status().to_string();
   return a.ok() ? std::move(a).value() : nullptr;

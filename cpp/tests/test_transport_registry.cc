@@ -56,7 +56,7 @@ class MockTransport final : public Transport {
 void register_mock_once() {
   static bool done = register_transport(TransportFactory{
       "mock", "test double", [] { return Status::Ok(); },
-      [](const AgentConfig&) -> Result<std::unique_ptr<Transport>> {
+      [](const AgentConfig&, const TransportOptions*) -> Result<std::unique_ptr<Transport>> {
         return std::unique_ptr<Transport>(std::make_unique<MockTransport>());
       },
       /*priority=*/0, /*host_priority=*/nullptr, /*metadata_via=*/"tcp"});

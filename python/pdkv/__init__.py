@@ -45,6 +45,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from ._pdkv import Blocks, PlanOptions, ShmOptions, StreamOptions, TcpCompression, TcpOptions, XferOptions
+    from .backends._nixl_options import NixlOptions
 
 
 def __getattr__(name: str) -> Any:
@@ -58,6 +59,10 @@ def __getattr__(name: str) -> Any:
         from . import transfer
 
         return getattr(transfer, name)
+    if name == "NixlOptions":  # the nixl transport's (Python) options class; NIXL itself is not imported
+        from .backends._nixl_options import NixlOptions
+
+        return NixlOptions
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
@@ -70,6 +75,7 @@ __all__ = [
     "HeadRange",
     "KVGeometry",
     "KVLayout",
+    "NixlOptions",
     "NotFound",
     "NotSupported",
     "Notification",

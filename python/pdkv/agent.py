@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Sequence
 from . import _native, _validate
 from . import transfer as _xfer
 from . import transport as _transport
-from .errors import InvalidArgument, NotFound, PdkvError
+from .errors import InvalidArgument, NotFound, OutOfRange, PdkvError, error_class
 from .layout import KVLayout, _describe_memory
 from .region import Region, SharedRegion
 from .transfer import PreparedTransfer, StreamingWrite, Transfer
@@ -124,19 +124,21 @@ class Agent:
         ``PDKV_ACCEPTED_SECRETS`` environment variable.
     listen : str, optional
         ``"host:port"`` the tcp transport binds and publishes (port 0: any free port);
-        it overrides ``tcp.listen_host``/``tcp.listen_port`` (default ``127.0.0.1:0``).
-        Use an address peers can reach (not 127.0.0.1) across hosts.
+        a convenience that overrides ``listen_host``/``listen_port`` of the
+        :class:`TcpOptions` in ``options`` (default ``127.0.0.1:0``). Use an address
+        peers can reach (not 127.0.0.1) across hosts.
     transports : sequence of str, optional
         Enabled transports in order of preference (default: every available one,
         ``cuda_ipc`` (GPU pools on this node), then ``shm``, then ``tcp``; ``nixl`` first
         when the host has an RDMA device); each peer uses the first one that can reach it
         (:meth:`peer_transport`), or the one ``add_peer(..., transport=)`` forces.
-    tcp : TcpOptions, optional
-        TCP tuning (default ``TcpOptions()``).
-    shm : ShmOptions, optional
-        Shared-memory tuning (default ``ShmOptions()``).
-    nixl : pdkv.backends.nixl.NixlOptions, optional
-        Tuning of the ``nixl`` transport (RDMA through NIXL/UCX), when enabled.
+    options : sequence, optional
+        Options of transports, at most one per transport, each typed by its transport:
+        :class:`TcpOptions`, :class:`ShmOptions`, :class:`NixlOptions` (RDMA through
+        NIXL/UCX), or the options class a Python transport registered. A transport
+        without options here gets its defaults; options for a transport that is not
+        enabled are still validated. The agent keeps copies (native classes) or the
+        objects themselves (Python classes).
     default_timeout : float
         Deadline of transfers posted without one (0 or None: none).
     max_notif_bytes : int
@@ -162,9 +164,7 @@ class Agent:
         accepted_secrets: Sequence[str | bytes] | None = None,
         listen: str | None = None,
         transports: Sequence[str] | None = None,
-        tcp: TcpOptions | None = None,
-        shm: ShmOptions | None = None,
-        nixl: Any = None,
+        options: Sequence[Any] = (),
         default_timeout: float | None = 60.0,
         max_notif_bytes: int = 1 << 20,
         max_queued_notifs: int = 65536,
@@ -194,16 +194,21 @@ class Agent:
         m = _native.module()
         if transports is None:
             transports = m.default_transports()  # the viable ones, by priority
+        if isinstance(options, (str, bytes, dict)) or not isinstance(options, Sequence):
+            raise InvalidArgument(f"options must be a list of transport options (TcpOptions(...), ...), "
+                                  f"got {type(options).__name__} {options!r}")
         config = m.AgentConfig(
             name=name, secret=_as_bytes(secret),
             accepted_secrets=[_as_bytes(s, "accepted secret") for s in accepted_secrets], transports=list(transports),
-            tcp=m.TcpOptions() if tcp is None else tcp, shm=m.ShmOptions() if shm is None else shm,
-            default_timeout_s=float(default_timeout), max_notif_bytes=max_notif_bytes, wait_spin_us=wait_spin_us,
-            max_queued_notifs=max_queued_notifs, max_queued_notif_bytes=max_queued_notif_bytes)
-        if listen_at is not None:  # the config holds a copy: the caller's tcp options stay as they are
-            config.tcp.listen_host, config.tcp.listen_port = listen_at
-        with _transport.creating_agent({"nixl": nixl}, listen_host=config.tcp.listen_host):
-            self._n = m.Agent(config)
+            options=list(options), default_timeout_s=float(default_timeout), max_notif_bytes=max_notif_bytes,
+            wait_spin_us=wait_spin_us, max_queued_notifs=max_queued_notifs,
+            max_queued_notif_bytes=max_queued_notif_bytes)
+        if listen_at is not None:  # on a copy: the caller's TcpOptions stay as they are
+            held = config.options
+            tcp = next((o for o in held if isinstance(o, m.TcpOptions)), None) or m.TcpOptions()
+            tcp.listen_host, tcp.listen_port = listen_at
+            config.options = [o for o in held if not isinstance(o, m.TcpOptions)] + [tcp]
+        self._n = m.Agent(config)
         self._max_notif_bytes = int(max_notif_bytes)
         self._regions: dict[int, Region] = {}
         self._layout_keep: dict[str, KVLayout] = {}

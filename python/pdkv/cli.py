@@ -51,6 +51,10 @@ def info(argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 - report any import failure
             ver = f"not available ({type(e).__name__})"
         print(f"  {mod:13s} {ver}  ({what})")
+    print("benchmark switches (A/B paths for benchmarks, never settings; cpp/src/util/bench_switches.h):")
+    for s in pdkv._native.module().bench_switches():
+        state = f"{s['value']} ({s['meaning']})" if s["value"] else f"unset ({s['default']})"
+        print(f"  {s['name']}={s['values']}: {state}")
     return 0
 
 

@@ -27,20 +27,21 @@ Contract (see cpp/include/pdkv/spi/transport.h for the full text):
   something needing the GIL; the transport-side Transfer methods never block.
 * ``shutdown`` fails everything in flight; the agent calls it once, then drops the object.
 
-Register with :func:`register_transport` (one line, next to the class); the agent
-creates one instance per :class:`pdkv.Agent` that enables the transport.
+Register with :func:`register_transport` (one line, next to the class), with the
+transport's options class if it has one (a class attribute ``transport`` names the
+transport; ``pdkv.Agent(options=[MyOptions(...)])`` passes an instance, which the
+factory receives); the agent creates one instance per :class:`pdkv.Agent` that
+enables the transport.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from . import _native
 from .errors import NotSupported
 
-__all__ = ["Transport", "register_transport", "options_for", "EXTENT_COLUMNS", "HOST", "CUDA"]
+__all__ = ["Transport", "register_transport", "EXTENT_COLUMNS", "HOST", "CUDA"]
 
 #: Columns of the extents array ``prepare`` gets.
 EXTENT_COLUMNS = ("local_addr", "len", "local_kind", "local_device", "remote_region", "remote_offset",
@@ -117,9 +118,9 @@ class Transport:
         raise NotSupported(f"transport {self.name!r} cannot fetch metadata")
 
 
-def register_transport(name: str, create: Callable[[str], Transport], *, description: str = "",
-                       priority: int | Callable[[], int] = 0, viable: Callable[[], str | None] | None = None,
-                       metadata_via: str = "") -> None:
+def register_transport(name: str, create: Callable[[Any, Any], Transport], *, options: type | None = None,
+                       description: str = "", priority: int | Callable[[], int] = 0,
+                       viable: Callable[[], str | None] | None = None, metadata_via: str = "") -> None:
     """Adds a transport to the registry native transports register in.
 
     Parameters
@@ -127,8 +128,17 @@ def register_transport(name: str, create: Callable[[str], Transport], *, descrip
     name : str
         Registry name (``Agent(transports=[name])``); must equal ``create(...).name``.
     create : callable
-        ``create(agent_name) -> Transport``, called once per agent enabling it.
-        Per-agent options passed to :class:`pdkv.Agent` are at :func:`options_for`.
+        ``create(config, options) -> Transport``, called once per agent enabling it:
+        ``config`` is the agent's :class:`pdkv._pdkv.AgentConfig` (``config.name`` its
+        name), ``options`` the instance of ``options`` the caller of :class:`pdkv.Agent`
+        gave (``options=[...]``), else ``options()``; None when the transport has no
+        options class.
+    options : type, optional
+        The transport's options class: constructible with no arguments (the defaults),
+        with a class attribute ``transport = name``, and optionally ``validate()``
+        raising :class:`pdkv.errors.InvalidArgument` naming a bad field (the agent calls
+        it before creating the transport). An agent given options of another class for
+        this transport refuses them.
     priority : int or callable
         Place in the default transport order (highest first); 0: enabled only when
         named. Native: cuda_ipc 300, shm 200, tcp 100. A callable returning it makes
@@ -144,36 +154,8 @@ def register_transport(name: str, create: Callable[[str], Transport], *, descrip
     ------
     AlreadyExists
         A transport of that name is registered.
+    InvalidArgument
+        ``options`` is not a class naming this transport.
     """
     _native.module().register_transport(name, description, priority if callable(priority) else int(priority),
-                                        viable or (lambda: None), create, metadata_via)
-
-
-_creating = threading.local()
-
-
-@contextlib.contextmanager
-def creating_agent(options: dict[str, Any], *, listen_host: str = "") -> Iterator[None]:
-    """Makes ``options`` (transport name -> options object) and the host the agent
-    listens on visible to the factories (and ``start``) of the transports of the agent
-    being constructed on this thread (see :func:`options_for`)."""
-    outer = getattr(_creating, "ctx", None)
-    _creating.ctx = (options, listen_host)
-    try:
-        yield
-    finally:
-        _creating.ctx = outer
-
-
-def options_for(name: str) -> Any:
-    """Inside a factory: the options the caller of ``pdkv.Agent`` gave transport ``name``
-    (e.g. ``nixl=NixlOptions(...)``), or None."""
-    ctx = getattr(_creating, "ctx", None)
-    return ctx[0].get(name) if ctx else None
-
-
-def listen_host() -> str:
-    """Inside a factory or ``start``: the host the agent being created listens on ("" if
-    unknown); a transport may use it to tell a loopback-only deployment."""
-    ctx = getattr(_creating, "ctx", None)
-    return ctx[1] if ctx else ""
+                                        viable or (lambda: None), create, metadata_via, options)

@@ -260,8 +260,8 @@ def test_transfer_errors_before_post(agent_pair):
 def test_big_multi_batch_transfer_over_several_connections():
     spec = PoolSpec(layers=2, blocks=64, block_tokens=16, heads=4, head_dim=64, dtype="float16")
     tcp = pdkv.TcpOptions(conns_per_peer=3, progress_threads=2, batch_bytes=64 << 10, batch_extents=7)
-    with pdkv.Agent("a", secret=SECRET, tcp=tcp, transports=["tcp"]) as a, \
-            pdkv.Agent("b", secret=SECRET, tcp=tcp, transports=["tcp"]) as b:
+    with pdkv.Agent("a", secret=SECRET, options=[tcp], transports=["tcp"]) as a, \
+            pdkv.Agent("b", secret=SECRET, options=[tcp], transports=["tcp"]) as b:
         pa, pb, peer = connected(a, b, spec)
         rng = np.random.default_rng(0)
         lids = rng.permutation(64)[:48].tolist()
@@ -412,7 +412,7 @@ def test_cancel_before_send(agent_pair, flavor):
     b_regions = b.regions
     # Many small batches so most are still queued when cancel() runs.
     tcp = pdkv.TcpOptions(batch_bytes=64 << 10)
-    with flavor.agent("c", tcp=tcp) as c:
+    with flavor.agent("c", options=[tcp]) as c:
         pc = make_pool(spec, 3, c)
         pc.register(c)
         p2 = c.connect(b.address)

@@ -168,10 +168,10 @@ def test_a_transport_is_one_class_and_one_registration_line(test_transports_on):
         def drop_peer(self, name):
             pass
 
-    register_transport("null-test", lambda agent: Null(), description="test", metadata_via="tcp",
+    register_transport("null-test", lambda config, options: Null(), description="test", metadata_via="tcp",
                        viable=_only_during_test)
     with pytest.raises(pdkv.AlreadyExists):
-        register_transport("null-test", lambda agent: Null())
+        register_transport("null-test", lambda config, options: Null())
     assert "null-test" in pdkv.available_transports()
     assert "null-test" not in _native.module().default_transports()
     with pdkv.Agent("a", secret=SECRET, transports=["null-test"]) as a, \
@@ -192,8 +192,8 @@ def test_python_transport_errors_become_pdkv_errors(test_transports_on):
         def start(self, hooks):
             raise RuntimeError("no hardware")
 
-    register_transport("broken-test", lambda agent: Broken(), viable=_only_during_test)
-    register_transport("unviable-test", lambda agent: Broken(), viable=lambda: "no such device")
+    register_transport("broken-test", lambda config, options: Broken(), viable=_only_during_test)
+    register_transport("unviable-test", lambda config, options: Broken(), viable=lambda: "no such device")
     with pytest.raises(pdkv.PdkvError, match="starting transport 'broken-test'.*RuntimeError: no hardware"):
         pdkv.Agent("a", secret=SECRET, transports=["broken-test"])
     with pytest.raises(pdkv.NotSupported, match="cannot run on this host: no such device"):
@@ -309,9 +309,9 @@ class _Held(Transport):
 _HELD: dict = {}  # agent name -> its held-test transport (the latest one)
 
 
-def _held_for(agent: str) -> _Held:
-    _HELD[agent] = _Held()
-    return _HELD[agent]
+def _held_for(config, options) -> _Held:
+    _HELD[config.name] = _Held()
+    return _HELD[config.name]
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ def agent_for(flavor, name: str) -> pdkv.Agent:
     if flavor.name == "nixl":
         from pdkv.backends.nixl import NixlOptions
 
-        kw["nixl"] = NixlOptions(handshake_timeout_s=2.0)
+        kw["options"] = [NixlOptions(handshake_timeout_s=2.0)]
     return flavor.agent(name, default_timeout=20.0, **kw)
 
 

@@ -104,7 +104,7 @@ def test_a_compressed_push_into_a_peers_cut_blocks_is_bit_exact():
 
     opts = pdkv.TcpCompression(mode="lossless", codec="zstd" if codec.available("zstd") else "raw",
                                dtype="bfloat16", chunk_bytes=64 * 1024)
-    with pdkv.Agent("a", secret="s", transports=["tcp"], tcp=pdkv.TcpOptions(compress=opts)) as a, \
+    with pdkv.Agent("a", secret="s", transports=["tcp"], options=[pdkv.TcpOptions(compress=opts)]) as a, \
             pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
         local, remote = Pool(PoolSpec(LAYERS, BLOCKS, 16, 2, D, "bfloat16", "nhd"), 9), \
             Pool(PoolSpec(LAYERS, BLOCKS, 16, 4, D, "bfloat16", "nhd"))

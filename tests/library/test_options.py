@@ -29,7 +29,10 @@ def test_options_are_the_native_classes_with_the_documented_defaults():
     c = _pdkv.AgentConfig()
     assert (c.name, c.secret, c.transports, c.default_timeout_s, c.max_notif_bytes, c.wait_spin_us) == \
         ("", b"", ["tcp"], 60.0, 1 << 20, 50)
-    assert c.tcp == pdkv.TcpOptions() and c.shm == pdkv.ShmOptions()
+    assert c.options == []  # no transport's options: each transport gets its defaults
+    assert (t.gather_below_bytes, t.land_below_bytes) == (8192, 4096)
+    assert s.connect_timeout_s == 5.0
+    assert (pdkv.TcpOptions.transport, pdkv.ShmOptions.transport, pdkv.NixlOptions.transport) == ("tcp", "shm", "nixl")
 
 
 def test_keyword_constructor_attributes_equality_repr_copy_and_pickle():
@@ -43,10 +46,14 @@ def test_keyword_constructor_attributes_equality_repr_copy_and_pickle():
     assert t.spin_us == 5 and t2.spin_us == 7
     assert pickle.loads(pickle.dumps(t)) == t
     assert copy.deepcopy(pdkv.ShmOptions(inline_bytes=0)).inline_bytes == 0
-    # A nested attribute is a reference: the config changes in place.
-    c = _pdkv.AgentConfig(name="a", tcp=t)
-    c.tcp.spin_us = 9
-    assert c.tcp.spin_us == 9 and t.spin_us == 5
+    # The config holds copies of native options, one per transport.
+    c = _pdkv.AgentConfig(name="a", options=[t, pdkv.ShmOptions(copy_threads=2)])
+    t.spin_us = 9
+    assert c.options == [pdkv.TcpOptions(spin_us=5, conns_per_peer=3, frame_timeout_s=2),
+                         pdkv.ShmOptions(copy_threads=2)]
+    c.options = [pdkv.TcpOptions(spin_us=1)]
+    assert c.options == [pdkv.TcpOptions(spin_us=1)]
+    assert pickle.loads(pickle.dumps(c)).options == [pdkv.TcpOptions(spin_us=1)]
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -91,12 +98,12 @@ def test_shm_options_and_positional_arguments():
     with pytest.raises(pdkv.InvalidArgument, match=r"shm\.copy_threads"):
         s.validate()
     with pytest.raises(pdkv.InvalidArgument, match=r"shm\.copy_threads must be in 1\.\.64, got 0"):
-        pdkv.Agent("a", secret=SECRET, shm=s)
+        pdkv.Agent("a", secret=SECRET, options=[s])
 
 
 def test_agent_takes_the_typed_options_and_listen_stays_a_string_edge():
     tcp = pdkv.TcpOptions(conns_per_peer=2, listen_port=0)
-    with pdkv.Agent("a", secret=SECRET, transports=["tcp"], tcp=tcp, listen="127.0.0.1:0") as a:
+    with pdkv.Agent("a", secret=SECRET, transports=["tcp"], options=[tcp], listen="127.0.0.1:0") as a:
         host, port = a.address.rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) > 0
     assert tcp.listen_host == "127.0.0.1" and tcp.listen_port == 0  # the caller's object is untouched
@@ -105,19 +112,28 @@ def test_agent_takes_the_typed_options_and_listen_stays_a_string_edge():
         free = s.getsockname()[1]
     with pdkv.Agent("a", secret=SECRET, transports=["tcp"], listen=f"127.0.0.1:{free}") as a:
         assert a.address == f"127.0.0.1:{free}"
-    with pdkv.Agent("a", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(listen_port=free)) as a:
+    with pdkv.Agent("a", secret=SECRET, transports=["tcp"], options=[pdkv.TcpOptions(listen_port=free)]) as a:
         assert a.address == f"127.0.0.1:{free}"  # without listen=, the options' address
     with pytest.raises(pdkv.InvalidArgument, match="listen"):
         pdkv.Agent("a", listen="127.0.0.1:99999")
-    with pytest.raises(pdkv.InvalidArgument, match=r"AgentConfig\.tcp must be a TcpOptions, got dict"):
-        pdkv.Agent("a", tcp={"spin_us": 1})
+    with pdkv.Agent("a", secret=SECRET, transports=["tcp"], listen=f"127.0.0.1:{free}",
+                    options=[pdkv.ShmOptions(copy_threads=2)]) as a:
+        assert a.address == f"127.0.0.1:{free}"  # listen= adds tcp options beside the others
+    with pytest.raises(pdkv.InvalidArgument, match=r"options must be a list of transport options"):
+        pdkv.Agent("a", options={"spin_us": 1})
+    with pytest.raises(pdkv.InvalidArgument, match=r"AgentConfig\.options entries must be transport options.*dict"):
+        pdkv.Agent("a", options=[{"spin_us": 1}])
+    with pytest.raises(pdkv.InvalidArgument, match=r"two options for transport 'tcp'"):
+        pdkv.Agent("a", options=[pdkv.TcpOptions(), pdkv.TcpOptions(spin_us=1)])
+    with pytest.raises(TypeError):
+        pdkv.Agent("a", tcp=pdkv.TcpOptions())  # the per-transport keywords are gone
     with pytest.raises(pdkv.InvalidArgument, match=r"AgentConfig\.name must be a str, got int"):
         pdkv.Agent(5)
 
 
 def test_native_agent_takes_one_config():
     cfg = _pdkv.AgentConfig(name="cfg", secret=b"\xff\x00s", transports=["tcp"],
-                            tcp=pdkv.TcpOptions(progress_threads=2), default_timeout_s=0)
+                            options=[pdkv.TcpOptions(progress_threads=2)], default_timeout_s=0)
     a = _pdkv.Agent(cfg)
     assert a.name == "cfg" and a.secret == b"\xff\x00s" and a.transports == ["tcp"]
     with pytest.raises(pdkv.InvalidArgument, match=r"AgentConfig\.secret must be bytes or str"):
@@ -138,3 +154,57 @@ def test_import_pdkv_loads_the_native_module_only_when_options_are_used():
             "assert 'pdkv._pdkv' in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_every_transports_options_are_validated_enabled_or_not():
+    # shm is not enabled, its options are still checked (a bad value is a mistake either way)
+    with pytest.raises(pdkv.InvalidArgument, match=r"shm\.connect_timeout_s"):
+        pdkv.Agent("a", secret=SECRET, transports=["tcp"], options=[pdkv.ShmOptions(connect_timeout_s=0.0)])
+    with pytest.raises(pdkv.InvalidArgument, match=r"tcp\.gather_below_bytes must be in 0\.\.1073741824"):
+        pdkv.TcpOptions(gather_below_bytes=(1 << 30) + 1)
+    with pytest.raises(pdkv.InvalidArgument, match=r"tcp\.land_below_bytes"):
+        pdkv.Agent("a", secret=SECRET, transports=["tcp"],
+                   options=[pdkv.TcpOptions(land_below_bytes=(1 << 30) + 1)])
+
+
+def test_a_python_transport_receives_its_own_options_class():
+    from pdkv.backends.example import LoopbackOptions, LoopbackTransport
+
+    with pdkv.Agent("a", secret=SECRET, transports=["loopback"], options=[LoopbackOptions(max_extents=7)]) as a:
+        assert a.transports[0] == "loopback"
+    with pytest.raises(pdkv.InvalidArgument, match=r"loopback\.max_extents"):
+        pdkv.Agent("a", secret=SECRET, transports=["loopback"], options=[LoopbackOptions(max_extents=0)])
+    # validated even when loopback is not enabled
+    with pytest.raises(pdkv.InvalidArgument, match=r"loopback\.max_extents"):
+        pdkv.Agent("a", secret=SECRET, transports=["tcp"], options=[LoopbackOptions(max_extents=0)])
+    assert LoopbackTransport(LoopbackOptions(max_extents=3))._opts.max_extents == 3
+
+    class Stray:
+        transport = "no-such-transport"
+
+    with pytest.raises(pdkv.InvalidArgument, match=r"options for transport 'no-such-transport'.*not registered"):
+        pdkv.Agent("a", secret=SECRET, transports=["tcp"], options=[Stray()])
+
+    class NotLoopback:
+        transport = "loopback"
+
+    with pytest.raises(pdkv.InvalidArgument, match=r"takes LoopbackOptions options, got NotLoopback"):
+        pdkv.Agent("a", secret=SECRET, transports=["loopback"], options=[NotLoopback()])
+
+
+def test_registering_a_transport_with_an_options_class_that_names_another_is_refused():
+    from pdkv.transport import register_transport
+
+    class Wrong:
+        transport = "elsewhere"
+
+    with pytest.raises(pdkv.InvalidArgument, match=r"transport = 'opts-test-t'"):
+        register_transport("opts-test-t", lambda config, options: None, options=Wrong)
+
+
+def test_bench_switches_are_one_table_listed_with_their_values():
+    switches = _pdkv.bench_switches()
+    names = [s["name"] for s in switches]
+    assert len(names) == len(set(names)) == 10 and all(n.startswith("PDKV_BENCH_") for n in names)
+    assert "PDKV_BENCH_TCP_GATHER_BELOW" not in names  # a TcpOptions field now
+    assert all(s["meaning"] and s["default"] and s["values"] for s in switches)

@@ -62,7 +62,7 @@ def fp8_round_trip(pool: Pool, block_ids) -> np.ndarray:
 def stream_all_layers(compress: pdkv.TcpCompression, *, notify: bytes = b"req-z") -> dict:
     """Streams SRC's layers one by one to a fresh target over tcp with ``compress``;
     returns what landed (as the notification arrived), the stream and its Transfer."""
-    sender = pdkv.Agent("zs-sender", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(compress=compress))
+    sender = pdkv.Agent("zs-sender", secret=SECRET, transports=["tcp"], options=[pdkv.TcpOptions(compress=compress)])
     target = pdkv.Agent("zs-target", secret=SECRET, transports=["tcp"])
     with sender, target:
         src, dst = kv_like_pool(11), Pool(SPEC)
@@ -134,7 +134,7 @@ x = (rng.standard_normal(n // 2) * 1.5).astype(np.float32)
 kv = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
 z = pdkv.TcpCompression(mode="auto", codec=kind, dtype="bfloat16")
 with pdkv.Agent("zsender", secret=secret, transports=["tcp"], listen=host + ":0",
-                tcp=pdkv.TcpOptions(compress=z)) as a:
+                options=[pdkv.TcpOptions(compress=z)]) as a:
     rn, rk = a.register(noise), a.register(kv)
     peer = a.connect(address)
     remote = a.peer_info(peer)["regions"][0]["id"]

@@ -49,10 +49,10 @@ def _run_threads(fns) -> None:
 
 
 def test_many_initiators_write_and_read_concurrently_while_peers_come_and_go():
-    with pdkv.Agent("target", secret=SECRET, tcp=_tcp(3, 2), transports=["tcp"]) as target:
+    with pdkv.Agent("target", secret=SECRET, options=[_tcp(3, 2)], transports=["tcp"]) as target:
         tpool = Pool(SPEC, 100)
         tpool.register(target)
-        agents = [pdkv.Agent(f"init{i}", secret=SECRET, tcp=_tcp(2, 3), transports=["tcp"]) for i in range(N_INIT)]
+        agents = [pdkv.Agent(f"init{i}", secret=SECRET, options=[_tcp(2, 3)], transports=["tcp"]) for i in range(N_INIT)]
         try:
             pools = [Pool(SPEC, i + 1) for i in range(N_INIT)]
             for a, p in zip(agents, pools):
@@ -76,7 +76,7 @@ def test_many_initiators_write_and_read_concurrently_while_peers_come_and_go():
                 # Short-lived peers: each connection the target accepts is added to one
                 # of its progress threads while they carry the initiators' transfers.
                 for r in range(ROUNDS):
-                    with pdkv.Agent(f"churn{r}", secret=SECRET, tcp=_tcp(1, 2), transports=["tcp"]) as c:
+                    with pdkv.Agent(f"churn{r}", secret=SECRET, options=[_tcp(1, 2)], transports=["tcp"]) as c:
                         peer = c.connect(target.address)
                         c.notify(peer, f"c{r}")
 

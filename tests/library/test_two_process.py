@@ -72,7 +72,7 @@ def test_notifications_never_arrive_before_their_data(spawn_peer, flavor, tcp):
     spec = PoolSpec(layers=2, blocks=128, block_tokens=16, heads=4, head_dim=64, dtype="float16")
     peer = spawn_peer("decode", spec, seed=None, **flavor.peer_args())
     rng = np.random.default_rng(3)
-    with flavor.agent("prefill", tcp=pdkv.TcpOptions(**tcp)) as a:
+    with flavor.agent("prefill", options=[pdkv.TcpOptions(**tcp)]) as a:
         local = make_pool(spec, 5, a)
         local.register(a)
         name = a.connect(peer.address)
@@ -98,7 +98,7 @@ def test_notifications_never_arrive_before_their_data(spawn_peer, flavor, tcp):
 def test_dead_peer_is_detected_and_restarted_peer_works(spawn_peer, flavor):
     spec = PoolSpec(layers=4, blocks=256, block_tokens=16, heads=8, head_dim=128, dtype="float16")  # 128 MiB
     peer = spawn_peer("decode", spec, **flavor.peer_args())
-    with flavor.agent("prefill", tcp=pdkv.TcpOptions(batch_bytes=1 << 20)) as a:
+    with flavor.agent("prefill", options=[pdkv.TcpOptions(batch_bytes=1 << 20)]) as a:
         local = make_pool(spec, 1, a)
         local.register(a)
         name = a.connect(peer.address)

@@ -1,6 +1,6 @@
-// pdkv/config.h: the typed configuration of an agent: its own settings plus one
-// options struct per configurable transport (each declared and validated by its
-// transport: pdkv/options/<transport>.h).
+// pdkv/config.h: the typed configuration of an agent: its own settings plus the
+// options of any of its transports (each type declared, registered and validated by
+// its transport: pdkv/options/<transport>.h; the agent names none of them).
 //
 // Strings (CLI flags, env vars, "host:port") are parsed into these structs once, at
 // the edge. Agent::create() rejects a config whose validate() fails.
@@ -11,8 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "pdkv/options/shm.h"
-#include "pdkv/options/tcp.h"
+#include "pdkv/options/transport_options.h"
 #include "pdkv/status.h"
 
 namespace pdkv {
@@ -26,8 +25,10 @@ struct AgentConfig {
   // bytes). A target proves itself with whichever secret the initiator's proof used.
   std::vector<std::string> accepted_secrets;
   std::vector<std::string> transports = {"tcp"};  // in order of preference; not empty
-  TcpOptions tcp;
-  ShmOptions shm;
+  // Options of transports, at most one per transport (held by its name): each reaches
+  // that transport's factory; a transport without any here gets its defaults. E.g.
+  // `cfg.options.set(TcpOptions{...})`, `cfg.options.edit<TcpOptions>().spin_us = 5`.
+  TransportOptionsSet options;
   double default_timeout_s = 60.0;  // s, deadline of transfers posted without one (0: none)
   uint32_t max_notif_bytes = 1u << 20;  // largest notification sent or received (>= 1)
   // Received notifications not yet taken by the application (get_notifications /
@@ -40,8 +41,9 @@ struct AgentConfig {
   uint32_t wait_spin_us = 50;           // µs Transfer::wait spins before sleeping
 
   // OK, or InvalidArgument naming the first bad field and its value. Checks every
-  // transport's options, enabled or not (a bad value is a mistake either way). The
-  // name's syntax and the transports' names are checked by Agent::create.
+  // transport's options held, enabled or not (a bad value is a mistake either way).
+  // The name's syntax, the transports' names and that each options object's transport
+  // is registered (and takes options) are checked by Agent::create.
   Status validate() const;
 };
 

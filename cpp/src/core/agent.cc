@@ -19,7 +19,7 @@
 #include "pdkv/spi/registry.h"
 #include "pdkv/spi/transfer_control.h"
 #include "pdkv/spi/transport.h"
-#include "util/bench_switch.h"
+#include "util/bench_switches.h"
 #include "util/log.h"
 #include "util/socket.h"
 #include "util/thread_name.h"
@@ -27,11 +27,11 @@
 namespace pdkv {
 namespace {
 
-// False under the benchmark switch PDKV_BENCH_FRESH_PLAN=1 (read once per process;
+// False under the benchmark switch BenchSwitch::kFreshPlan=1 (read once per process;
 // docs/benchmarks.md): every prepare plans into a fresh vector, as before, to compare
 // both in one build.
 bool reuse_plan_memory() {
-  static const bool on = !util::bench_switch_is("PDKV_BENCH_FRESH_PLAN", "1");
+  static const bool on = !util::bench_switch_is(util::BenchSwitch::kFreshPlan, "1");
   return on;
 }
 
@@ -265,6 +265,13 @@ Status Blocks::validate() const {
 Result<std::unique_ptr<Agent>> Agent::create(AgentConfig cfg) {
   PDKV_RETURN_IF_ERROR(validate_name("agent name", cfg.name));
   PDKV_RETURN_IF_ERROR(cfg.validate());
+  for (const TransportOptions* o : cfg.options.all()) {
+    const std::string t(o->transport());
+    std::optional<TransportFactory> f = find_transport(t);
+    if (!f) return InvalidArgument("options for transport '" + t + "', which is not registered");
+    if (!f->default_options) return InvalidArgument("transport '" + t + "' takes no options");
+  }
+  (void)util::bench_switch_values();  // read once, here, never on a transfer's path
   if (cfg.secret.empty()) cfg.secret = random_hex(16);
   std::unique_ptr<Agent> a(new Agent(std::move(cfg)));
   PDKV_RETURN_IF_ERROR(a->impl_->start());
@@ -360,7 +367,14 @@ Status Agent::Impl::start() {
     if (Status v = f->viable(); !v.ok())
       return NotSupported("transport '" + tname + "' (" + f->description + ") cannot run on this host: " + v.message());
     if (transport_by_name(tname)) return InvalidArgument("transport '" + tname + "' listed twice");
-    PDKV_ASSIGN_OR_RETURN(auto t, f->create(cfg_));
+    // Its own options (the config's, else its defaults); no other transport's.
+    const TransportOptions* opts = cfg_.options.find(tname);
+    std::unique_ptr<TransportOptions> defaults;
+    if (opts == nullptr && f->default_options) {
+      defaults = f->default_options();
+      opts = defaults.get();
+    }
+    PDKV_ASSIGN_OR_RETURN(auto t, f->create(cfg_, opts));
     transports_.push_back(std::move(t));
   }
   // Started only once the list is complete: a started transport's threads may answer a
@@ -435,11 +449,11 @@ Result<Agent::Impl::PeerEntry> Agent::Impl::route(const std::string& peer_name, 
 
 Result<RegionDesc> Agent::Impl::register_memory(uint64_t addr, uint64_t len, MemKind kind, int32_t device,
                                           bool remote_access, int shm_fd) {
-  // Engine pages become shareable only when a same-host transport can use that.
-  const bool shm = std::any_of(transports_.begin(), transports_.end(),
-                               [](const auto& t) { return std::string_view(t->name()) == "shm"; });
-  PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.add(addr, len, kind, device, remote_access, shm_fd,
-                                                   shm ? cfg_.shm.share_pages_min_bytes : 0));
+  // Engine pages become shareable only when a transport can use that.
+  uint64_t share_min = 0;
+  for (const auto& t : transports_)
+    if (const uint64_t m = t->share_pages_min_bytes(); m > 0) share_min = share_min == 0 ? m : std::min(share_min, m);
+  PDKV_ASSIGN_OR_RETURN(RegionDesc d, regions_.add(addr, len, kind, device, remote_access, shm_fd, share_min));
   for (size_t i = 0; i < transports_.size(); ++i) {
     Status st = transports_[i]->region_added(d);
     if (st.ok()) continue;

@@ -31,8 +31,8 @@ Status AgentConfig::validate() const {
   if (max_notif_bytes == 0) return InvalidArgument("max_notif_bytes must be >= 1, got 0");
   if (max_queued_notifs == 0) return InvalidArgument("max_queued_notifs must be >= 1, got 0");
   if (max_queued_notif_bytes == 0) return InvalidArgument("max_queued_notif_bytes must be >= 1, got 0");
-  PDKV_RETURN_IF_ERROR(tcp.validate());
-  return shm.validate();
+  for (const TransportOptions* o : options.all()) PDKV_RETURN_IF_ERROR(o->validate());
+  return Status::Ok();
 }
 
 }  // namespace pdkv

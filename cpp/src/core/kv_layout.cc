@@ -4,7 +4,7 @@
 #include <string>
 
 #include "core/plan_runs.h"
-#include "util/bench_switch.h"
+#include "util/bench_switches.h"
 
 namespace pdkv {
 namespace {
@@ -442,11 +442,11 @@ uint64_t strided_segment_cost(uint64_t LT, const KVSegment& L, const std::vector
 
 namespace {
 
-// False under the benchmark switch PDKV_BENCH_PER_SEGMENT_RUNS=1 (read once per
+// False under the benchmark switch BenchSwitch::kPerSegmentRuns=1 (read once per
 // process; docs/benchmarks.md): two-level runs stay inside one (layer, part), as
 // before plan_across_segments(), to compare both in one build.
 bool across_segments_allowed() {
-  static const bool on = !util::bench_switch_is("PDKV_BENCH_PER_SEGMENT_RUNS", "1");
+  static const bool on = !util::bench_switch_is(util::BenchSwitch::kPerSegmentRuns, "1");
   return on;
 }
 

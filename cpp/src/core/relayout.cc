@@ -7,7 +7,7 @@
 #include <cstring>
 #include <string>
 
-#include "util/bench_switch.h"
+#include "util/bench_switches.h"
 #include "util/piece_copy.h"
 
 namespace pdkv {
@@ -21,20 +21,20 @@ using planner::walk_segment_runs;
 constexpr uint64_t kMinGain = 4;           // direct extents per staged extent
 constexpr uint64_t kMinDirectExtents = 4096;  // below this the direct plan is cheap anyway
 
-// False under the benchmark switch PDKV_BENCH_NO_STAGING=1 (read once per process;
+// False under the benchmark switch BenchSwitch::kNoStaging=1 (read once per process;
 // docs/benchmarks.md): every plan direct, to compare the two in one build.
 bool staging_allowed() {
-  static const bool on = !util::bench_switch_is("PDKV_BENCH_NO_STAGING", "1");
+  static const bool on = !util::bench_switch_is(util::BenchSwitch::kNoStaging, "1");
   return on;
 }
 
-// True under the benchmark switch PDKV_BENCH_STAGING_BY_PIECES=1 (read once per
+// True under the benchmark switch BenchSwitch::kStagingByPieces=1 (read once per
 // process; docs/benchmarks.md): a strided transport's direct plan is counted with one
 // extent per local piece of each run whose local pieces are apart
 // (planner::strided_segment_cost), the choice made before tcp walked such runs lazily
 // (transport/tcp/scatter.h), to compare both plans in one build.
 bool count_pieces() {
-  static const bool on = util::bench_switch_is("PDKV_BENCH_STAGING_BY_PIECES", "1");
+  static const bool on = util::bench_switch_is(util::BenchSwitch::kStagingByPieces, "1");
   return on;
 }
 

@@ -2,7 +2,7 @@
 
 #include "pdkv/spi/region_table.h"
 #include "pdkv/spi/transfer_control.h"
-#include "util/bench_switch.h"
+#include "util/bench_switches.h"
 
 #include <thread>
 
@@ -13,10 +13,10 @@ namespace {
 // kernel's EEVDF scheduler every sched_yield pushes the caller's deadline back, so a
 // waiter that yields in a loop loses its core to any busy task beside it for as long
 // as those pushes add up (docs/vllm.md: vLLM's workers starved that way); pausing
-// keeps the waiter's place for the (wall-clock bounded) spin. PDKV_BENCH_WAIT_YIELD=1
+// keeps the waiter's place for the (wall-clock bounded) spin. BenchSwitch::kWaitYield=1
 // restores the yield to compare in one build.
 bool wait_spin_yields() {
-  static const bool yields = util::bench_switch_is("PDKV_BENCH_WAIT_YIELD", "1");
+  static const bool yields = util::bench_switch_is(util::BenchSwitch::kWaitYield, "1");
   return yields;
 }
 

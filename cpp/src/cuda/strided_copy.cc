@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "util/bench_switch.h"
+#include "util/bench_switches.h"
 #include "util/log.h"
 
 extern const unsigned char kPdkvStridedCopyFatbin[];
@@ -33,7 +33,7 @@ void append_run(std::vector<StridedRun>& out, uint64_t src, uint64_t dst, uint64
 }
 
 bool strided_kernel_enabled() {
-  static const bool on = !util::bench_switch_is("PDKV_BENCH_DEVICE_PIECES", "1");
+  static const bool on = !util::bench_switch_is(util::BenchSwitch::kDevicePieces, "1");
   return on;
 }
 
@@ -43,7 +43,7 @@ StridedKernel& StridedKernel::get() {
 }
 
 Result<CUfunction> StridedKernel::function(const CudaDriver& drv, int device) {
-  if (!strided_kernel_enabled()) return NotSupported("the strided-copy kernel is off (PDKV_BENCH_DEVICE_PIECES=1)");
+  if (!strided_kernel_enabled()) return NotSupported("the strided-copy kernel is off (benchmark switch kDevicePieces is set, util/bench_switches.h)");
   if (kPdkvStridedCopyFatbinSize == 0) return NotSupported("pdkv was built without nvcc: no strided-copy kernel");
   std::lock_guard<std::mutex> lk(mu_);
   auto it = fn_.find(device);

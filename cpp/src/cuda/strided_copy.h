@@ -15,7 +15,7 @@
 //
 // The kernel runs wherever the fatbin was built (nvcc at build time) and loads; where it
 // does not, callers copy piece by piece with cuMemcpyAsync as before. The benchmark
-// switch PDKV_BENCH_DEVICE_PIECES=1 forces that old path (docs/benchmarks.md).
+// switch BenchSwitch::kDevicePieces=1 forces that old path (docs/benchmarks.md).
 //
 // Thread safety: StridedKernel is thread-safe; a PinnedRuns belongs to one caller.
 #pragma once

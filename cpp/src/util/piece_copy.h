@@ -25,7 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "util/bench_switch.h"
+#include "util/bench_switches.h"
 
 #if defined(__x86_64__) || defined(__SSE2__)
 #include <immintrin.h>
@@ -35,8 +35,8 @@ namespace pdkv::util {
 
 // How stream_piece() writes a piece.
 enum class PieceStores {
-  kMemcpy,  // a plain memcpy per piece (benchmark switch PDKV_BENCH_PIECE_COPY=memcpy)
-  kSse,     // 16-byte streaming stores (PDKV_BENCH_PIECE_COPY=sse; every x86-64)
+  kMemcpy,  // a plain memcpy per piece (benchmark switch BenchSwitch::kPieceCopy=memcpy)
+  kSse,     // 16-byte streaming stores (BenchSwitch::kPieceCopy=sse; every x86-64)
   kAvx2,    // 32-byte streaming stores
   kAvx512,  // 64-byte streaming stores: one instruction per cache line
 };
@@ -49,14 +49,14 @@ enum class PieceStores {
 // runs, thread CPU time: 16-byte 0.77x, 32-byte 0.90-0.94x, 64-byte 0.98-1.01x
 // (bench/piece_copy_bench.cc; docs/benchmarks.md "Full-line streaming stores").
 //
-// The widest the CPU has, unless the benchmark switch PDKV_BENCH_PIECE_COPY=memcpy or
+// The widest the CPU has, unless the benchmark switch BenchSwitch::kPieceCopy=memcpy or
 // =sse asks for an older path (read once per process; docs/benchmarks.md), to compare
 // them in one build.
 inline PieceStores piece_stores() {
   static const PieceStores s = [] {
-    if (bench_switch_is("PDKV_BENCH_PIECE_COPY", "memcpy")) return PieceStores::kMemcpy;
+    if (bench_switch_is(util::BenchSwitch::kPieceCopy, "memcpy")) return PieceStores::kMemcpy;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (bench_switch_is("PDKV_BENCH_PIECE_COPY", "sse")) return PieceStores::kSse;
+    if (bench_switch_is(util::BenchSwitch::kPieceCopy, "sse")) return PieceStores::kSse;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return PieceStores::kAvx512;
     if (__builtin_cpu_supports("avx2")) return PieceStores::kAvx2;
@@ -74,7 +74,7 @@ inline PieceStores piece_stores() {
 // copies): the widest the CPU has too, as copy_strided's. Measured on a quiet machine
 // (load ~1; bench/results/hetero/tcp-quiet/wide-vs-sse.txt: tp2:tp4, tp4:tp2, nhd:hnd at
 // llama-3-8b and llama-3-70b-tp8, push and pull, 3 rounds, 16-byte stores
-// (PDKV_BENCH_PIECE_COPY=sse) and wide back to back): 0.787x -> 0.824x the homogeneous
+// (BenchSwitch::kPieceCopy=sse) and wide back to back): 0.787x -> 0.824x the homogeneous
 // transfer on average over the 36 pairs each, better in 8 of the 12 groups; an earlier
 // comparison at load 8-19 was within noise.
 

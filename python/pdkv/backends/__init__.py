@@ -11,7 +11,7 @@ import importlib
 import os
 
 from .. import _native
-from ..transport import options_for, register_transport
+from ..transport import register_transport
 
 
 def rdma_device_present() -> bool:
@@ -35,10 +35,19 @@ def _nixl_priority() -> int:
     return 400 if rdma_device_present() else 0
 
 
-def _create_nixl(agent_name: str):
+def _nixl_options() -> type:
+    from ._nixl_options import NixlOptions  # stdlib only: NIXL itself is not imported here
+
+    return NixlOptions
+
+
+def _create_nixl(config, options):
     from .nixl import NixlTransport
 
-    return NixlTransport(options_for("nixl"))
+    # UCX stays on the loopback device when the agent's metadata channel (tcp) listens
+    # on a loopback address: every peer it can meet is then on this host.
+    tcp = next((o for o in config.options if getattr(o, "transport", "") == "tcp"), None)
+    return NixlTransport(options, listen_host=tcp.listen_host if tcp is not None else "127.0.0.1")
 
 
 def _load(module: str):
@@ -47,7 +56,9 @@ def _load(module: str):
 
 
 if "nixl" not in _native.module().registered_transports():  # (a re-import registers nothing twice)
-    register_transport("nixl", _create_nixl, description="RDMA through NIXL (UCX)", priority=_nixl_priority,
-                       viable=_nixl_viable, metadata_via="tcp")
-    register_transport("loopback", lambda agent: _load("example").LoopbackTransport(),
-                       description="example: memcpy between agents of one process")
+    register_transport("nixl", _create_nixl, options=_nixl_options(), description="RDMA through NIXL (UCX)",
+                       priority=_nixl_priority, viable=_nixl_viable, metadata_via="tcp")
+    from .example import LoopbackOptions  # (the class only; the module imports nothing heavy)
+
+    register_transport("loopback", lambda config, options: _load("example").LoopbackTransport(options),
+                       options=LoopbackOptions, description="example: memcpy between agents of one process")

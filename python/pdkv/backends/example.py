@@ -6,8 +6,11 @@ publishes in metadata, which peers it reaches, preparing once and posting many t
 completing the native transfer part by part, delivering notifications after the data,
 checking inbound access against what the target exports now, failing transfers to a
 dead peer, and making deregistration wait for copies in progress. It is registered
-with priority 0 (``pdkv/backends/__init__.py``): only agents that name it use it.
-The conformance suite (tests/library/test_conformance.py) runs against it like against tcp.
+with priority 0 (``pdkv/backends/__init__.py``): only agents that name it use it,
+together with its options class (:class:`LoopbackOptions`; ``pdkv.Agent(...,
+transports=["loopback"], options=[LoopbackOptions(max_extents=...)])``), which its
+factory receives. The conformance suite (tests/library/test_conformance.py) runs against it
+like against tcp. (The C++ example beside it: cpp/src/transport/example/.)
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from .. import _native
-from ..errors import NotFound, OutOfRange, PdkvError, PeerConnectionError
+from ..errors import InvalidArgument, NotFound, OutOfRange, PdkvError, PeerConnectionError
 from ..transport import HOST, Transport
 
 # The live transports of this process, by agent instance id: a peer that is not here
@@ -27,13 +31,37 @@ _LIVE: dict[int, "LoopbackTransport"] = {}
 _LIVE_LOCK = threading.Lock()
 
 
+@dataclass(frozen=True)
+class LoopbackOptions:
+    """Options of the ``loopback`` transport (registered with its factory).
+
+    Attributes
+    ----------
+    max_extents : int
+        A transfer of more extents is refused at prepare (InvalidArgument): each extent
+        is one ``memmove`` under the target's lock (1..2**32-1).
+    """
+
+    #: The transport these options configure (the registry name).
+    transport: ClassVar[str] = "loopback"
+
+    max_extents: int = 1 << 20
+
+    def validate(self) -> None:
+        """Raises InvalidArgument naming the field out of range."""
+        if isinstance(self.max_extents, bool) or not isinstance(self.max_extents, int) or \
+                not 1 <= self.max_extents < 2**32:
+            raise InvalidArgument(f"loopback.max_extents must be an integer in 1..2**32-1, got {self.max_extents!r}")
+
+
 class LoopbackTransport(Transport):
     """Copies between agents of this process. Thread-safe (one lock per agent guards
     its exported regions and every copy into or out of them)."""
 
     name = "loopback"
 
-    def __init__(self) -> None:
+    def __init__(self, options: LoopbackOptions | None = None) -> None:
+        self._opts = options or LoopbackOptions()
         self._lock = threading.Lock()
         self._exported: dict[int, tuple[int, int]] = {}  # region id -> (addr, len)
 
@@ -73,6 +101,9 @@ class LoopbackTransport(Transport):
 
     # -------------------------------------------------------------- transfers
     def prepare(self, peer: Any, op: Any, extents: Any) -> tuple:
+        if len(extents) > self._opts.max_extents:
+            raise InvalidArgument(f"loopback: {len(extents)} extents exceed loopback.max_extents "
+                                  f"({self._opts.max_extents})")
         rows = [(int(r[0]), int(r[4]), int(r[5]), int(r[1])) for r in extents.tolist()]
         return peer.md.instance_id, peer.name, op == _native.module().OpKind.WRITE, rows
 

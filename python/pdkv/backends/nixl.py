@@ -32,7 +32,7 @@ Example
 -------
 >>> import numpy as np, pdkv
 >>> from pdkv.backends.nixl import NixlOptions
->>> with pdkv.Agent("p", secret="s", transports=["nixl"], nixl=NixlOptions()) as p, \\
+>>> with pdkv.Agent("p", secret="s", transports=["nixl"], options=[NixlOptions()]) as p, \\
 ...         pdkv.Agent("d", secret="s", transports=["nixl"]) as d:
 ...     src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, np.uint8)
 ...     rs, rd = p.register(src), d.register(dst)
@@ -119,13 +119,13 @@ import itertools
 import os
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 from .. import _native, transport as _transport
 from ..errors import Cancelled, InvalidArgument, NotFound, PdkvError
 from ..transport import Transport
-from ._nixl import PTHR_DELAY_US, NixlEngine, UcxSetup, is_loopback_host, ucx_setup
+from ._nixl import NixlEngine, UcxSetup, is_loopback_host, ucx_setup
+from ._nixl_options import NixlOptions
 # NixlTransport is composed of its seams, one file each, read in this order:
 from ._nixl_peers import _Peers          # connection: peers, NIXL metadata, the hello handshake
 from ._nixl_memory import _Memory        # memory registration, published metadata, revocation
@@ -137,49 +137,6 @@ from ._nixl_wire import (  # noqa: F401 - re-exported (tests, docs/wire.md)
     nixl_agent_name)
 
 __all__ = ["NixlOptions", "NixlTransport", "nixl_agent_name"]
-
-
-@dataclass(frozen=True)
-class NixlOptions:
-    """Tuning of the nixl transport (``pdkv.Agent(..., nixl=NixlOptions(...))``).
-
-    Attributes
-    ----------
-    pthr_delay_us : int
-        NIXL's UCX progress thread wakes at least this often (microseconds, rounded up
-        to ms). 0 is NIXL's busy-polling default; negative runs without a progress
-        thread (the poller and waiters then progress UCX).
-    poll_min_s, poll_busy_max_s, poll_idle_max_s : float
-        The notification/completion poller sleeps ``poll_min_s`` after activity and
-        doubles that while nothing happens, up to ``poll_busy_max_s`` while transfers
-        are in flight and ``poll_idle_max_s`` when idle (the worst-case delay of a
-        notification after a quiet spell, and the idle CPU cost).
-    wait_spin_s : float
-        ``Transfer.wait`` checks continuously this long before sleeping between checks.
-    handshake_timeout_s : float
-        Introducing a peer to NIXL (on the first prepare, notify or warm-up after
-        ``add_peer``) waits this long for the peer's handshake answer.
-    revoke_timeout_s : float
-        Deregistering an exported region waits this long for each peer holding this
-        agent's metadata to confirm it stopped using it (a peer that does not answer is
-        forgotten).
-    max_idle_requests : int
-        Completed NIXL requests kept for reuse per prepared transfer.
-    restart_probe_s : float
-        When a peer's NIXL endpoint fails, its tcp endpoint is asked (this long at most)
-        whether it restarted: the transfer then fails with StalePeer instead of
-        PeerConnectionError (docs/faults.md).
-    """
-
-    pthr_delay_us: int = PTHR_DELAY_US
-    poll_min_s: float = 100e-6
-    poll_busy_max_s: float = 1e-3
-    poll_idle_max_s: float = 10e-3
-    wait_spin_s: float = 200e-6
-    handshake_timeout_s: float = 5.0
-    revoke_timeout_s: float = 5.0
-    max_idle_requests: int = 4
-    restart_probe_s: float = 1.0
 
 
 # ---------------------------------------------------------------------------- transport
@@ -208,10 +165,12 @@ class NixlTransport(_Peers, _Memory, _Transfers, _Control, Transport):
 
     name = "nixl"
 
-    def __init__(self, options: NixlOptions | None = None) -> None:
+    def __init__(self, options: NixlOptions | None = None, *, listen_host: str = "127.0.0.1") -> None:
         if options is not None and not isinstance(options, NixlOptions):
             raise InvalidArgument(f"nixl options must be NixlOptions, got {type(options).__name__}")
         self._opts = options or NixlOptions()
+        self._opts.validate()
+        self._listen_host = listen_host or "127.0.0.1"  # the agent's tcp listen host (UCX devices)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._cond_waiters = 0  # threads in _wait_cond: only then does a finished transfer notify
@@ -261,8 +220,7 @@ class NixlTransport(_Peers, _Memory, _Transfers, _Control, Transport):
         self._secrets = [bytes(s) for s in hooks.accepted_secrets]  # ours first; never sent
         self._max_notif = int(hooks.max_notif_bytes)
         self._nixl_name = nixl_agent_name(hooks.agent_name, hooks.instance_id)
-        host = _transport.listen_host() or "127.0.0.1"
-        self._setup: UcxSetup = ucx_setup(os.environ, loopback=is_loopback_host(host))
+        self._setup: UcxSetup = ucx_setup(os.environ, loopback=is_loopback_host(self._listen_host))
         for k, v in self._setup.env.items():
             os.environ.setdefault(k, v)  # before NIXL loads UCX (process-wide)
         self._eng = NixlEngine(self._nixl_name, self._setup.backend_params, pthr_delay_us=self._opts.pthr_delay_us)

@@ -137,8 +137,8 @@ class PdkvConnectorWorker:
         self.agent = pdkv.Agent(name, secret=secret, listen=f"{host}:{port_n}",
                                 transports=list(transports) if transports else None,
                                 default_timeout=self.timeout_s,
-                                tcp=pdkv.TcpOptions(compress=compress) if compress else None,
-                                shm=pdkv.ShmOptions(notify_on_send=True))
+                                options=([pdkv.TcpOptions(compress=compress)] if compress else [])
+                                + [pdkv.ShmOptions(notify_on_send=True)])
         self._regions: list[pdkv.Region] = []
         self._caches: list[torch.Tensor] = []
         self.geometry: pdkv.KVGeometry | None = None

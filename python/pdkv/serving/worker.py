@@ -348,7 +348,7 @@ class Worker:
                                                   block_tokens=cfg.engine.block_tokens, dtype=param.dtype)
         tcp = pdkv.TcpOptions(compress=kv_compression(cfg.kv_compress, geometry))
         self.agent = pdkv.Agent(name, secret=secret, accepted_secrets=cfg.accepted_secrets, listen=cfg.agent_listen,
-                                transports=cfg.transports, tcp=tcp)
+                                transports=cfg.transports, options=[tcp])
         if param.device.type == "cpu":
             pool = PagedKVPool.shared(self.agent, geometry, block_order=self.block_order)
         else:

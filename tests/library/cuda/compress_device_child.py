@@ -74,7 +74,7 @@ class Side:
     """An agent with a device pool and a host pool holding the same bytes."""
 
     def __init__(self, name: str, seed: int) -> None:
-        self.agent = pdkv.Agent(name, secret="s", transports=["tcp"], tcp=TCP)
+        self.agent = pdkv.Agent(name, secret="s", transports=["tcp"], options=[TCP])
         n = GEOM.pool_bytes
         self.dev = MEM.alloc(n)
         self.host = encode_dtype(kv_values(n // ESIZE, seed)).copy()

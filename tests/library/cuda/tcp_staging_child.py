@@ -39,7 +39,7 @@ class Side:
     """One agent with a device pool ("dev") and a host pool ("host"), same geometry."""
 
     def __init__(self, name: str, seed: int) -> None:
-        self.agent = pdkv.Agent(name, secret="s", transports=["tcp"], tcp=TCP)
+        self.agent = pdkv.Agent(name, secret="s", transports=["tcp"], options=[TCP])
         n = GEOM.pool_bytes
         self.dev = MEM.alloc(n)
         rng = np.random.default_rng(seed)

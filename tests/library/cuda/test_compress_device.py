@@ -89,7 +89,7 @@ def test_compressed_write_into_device_memory_needs_a_cuda_driver():
     buf = bytearray(1 << 16)
     addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
     z = pdkv.TcpCompression(mode="fp8", fp8_heads=1, fp8_head_dim=64, fp8_rows_per_group=16)
-    with pdkv.Agent("a", secret="s", transports=["tcp"], tcp=pdkv.TcpOptions(compress=z)) as a, \
+    with pdkv.Agent("a", secret="s", transports=["tcp"], options=[pdkv.TcpOptions(compress=z)]) as a, \
             pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
         src = a.register(bytearray(b"\x3f\x80" * 4096))
         r = b.register_address(addr, len(buf), kind="cuda", device=0, keepalive=buf)

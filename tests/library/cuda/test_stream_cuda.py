@@ -28,7 +28,7 @@ CHILD = textwrap.dedent('''
     TCP = pdkv.TcpOptions(stage_chunk_bytes=16384, stage_buffers=2)
 
     def side(name, seed):
-        agent = pdkv.Agent(name, secret="s", transports=["tcp"], tcp=TCP)
+        agent = pdkv.Agent(name, secret="s", transports=["tcp"], options=[TCP])
         n = GEOM.pool_bytes
         dev = MEM.alloc(n)
         MEM.htod(dev, np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))

@@ -70,7 +70,7 @@ def test_deregistering_mapped_region_revokes_peer_access():
 
 def test_deregistration_waits_for_the_peers_inflight_copy():
     spec = PoolSpec(layers=4, blocks=128, block_tokens=16, heads=8, head_dim=128, dtype="float16")  # 64 MiB
-    with pdkv.Agent("a", secret=SECRET, shm=pdkv.ShmOptions(inline_bytes=0)) as a, \
+    with pdkv.Agent("a", secret=SECRET, options=[pdkv.ShmOptions(inline_bytes=0)]) as a, \
             pdkv.Agent("b", secret=SECRET) as b:
         pa = Pool(spec, 1, shared_by=a)
         pa.register(a)
@@ -108,7 +108,7 @@ def test_copies_queued_past_their_deadline_or_cancelled_stop(kind):
     every few MiB during the copy), cancelled ones with Cancelled; none hangs, the
     thread goes on, and the next transfer lands bit-exact."""
     spec = PoolSpec(layers=4, blocks=128, block_tokens=16, heads=8, head_dim=128, dtype="float16")  # 64 MiB
-    with pdkv.Agent("a", secret=SECRET, shm=pdkv.ShmOptions(inline_bytes=0)) as a, \
+    with pdkv.Agent("a", secret=SECRET, options=[pdkv.ShmOptions(inline_bytes=0)]) as a, \
             pdkv.Agent("b", secret=SECRET) as b:
         pa = Pool(spec, 1, shared_by=a)
         pa.register(a)

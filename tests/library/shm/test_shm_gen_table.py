@@ -123,7 +123,7 @@ def test_a_bump_between_the_checks_of_a_queued_read_fails_it_every_time():
     blocks while the blocker still copies (checked after the bump: then the read's
     copy and second check cannot have happened yet). The read must fail with
     StaleBlock every such time, and no release notification may reach the owner."""
-    a = pdkv.Agent("reader", secret=SECRET, transports=["shm"], shm=pdkv.ShmOptions(copy_threads=1))
+    a = pdkv.Agent("reader", secret=SECRET, transports=["shm"], options=[pdkv.ShmOptions(copy_threads=1)])
     b = pdkv.Agent("owner", secret=SECRET, transports=["shm"])
     with a, b:
         src, dst = Pool(BIG, 1), Pool(BIG, 2)

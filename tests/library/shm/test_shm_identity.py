@@ -166,7 +166,7 @@ def test_a_reused_pid_is_never_written():
 def test_a_target_of_another_uid_is_refused_unless_allowed(allowed):
     opts = pdkv.ShmOptions(allowed_peer_uids=[NOBODY] if allowed else [])
     with pdkv.Agent("b", secret=SECRET, transports=["shm"]) as b, \
-            pdkv.Agent("a", secret=SECRET, transports=["shm"], shm=opts) as a:
+            pdkv.Agent("a", secret=SECRET, transports=["shm"], options=[opts]) as a:
         forged, _, _ = _victim_setup(b)
         fake = FakeTarget(shm_path(b), forged, uid=NOBODY)  # truthful about its pid
         try:
@@ -217,7 +217,7 @@ print(struct.unpack("<IHHQII", hdr)[1] if len(hdr) == 24 else 0, struct.unpack("
 @pytest.mark.parametrize("allowed", [False, True])
 def test_the_target_refuses_a_peer_of_another_uid_unless_allowed(allowed):
     opts = pdkv.ShmOptions(allowed_peer_uids=[NOBODY] if allowed else [])
-    with pdkv.Agent("b", secret=SECRET, transports=["shm"], shm=opts) as b:
+    with pdkv.Agent("b", secret=SECRET, transports=["shm"], options=[opts]) as b:
         out = subprocess.run([sys.executable, "-c", _CLIENT, shm_path(b), SECRET, str(NOBODY)], capture_output=True,
                              text=True, timeout=30)
         assert out.returncode == 0, out.stderr

@@ -28,7 +28,7 @@ def test_option_is_a_bool_and_off_by_default():
 
 @pytest.mark.parametrize("on_send", [False, True])
 def test_read_with_notification_is_bit_exact_and_delivered_after_the_bytes(on_send):
-    a = pdkv.Agent("reader", secret=SECRET, transports=["shm"], shm=pdkv.ShmOptions(notify_on_send=on_send))
+    a = pdkv.Agent("reader", secret=SECRET, transports=["shm"], options=[pdkv.ShmOptions(notify_on_send=on_send)])
     b = pdkv.Agent("owner", secret=SECRET, transports=["shm"])
     with a, b:
         src, dst = Pool(SPEC, 1, shared_by=b), Pool(SPEC, 2)
@@ -56,7 +56,7 @@ def test_unacknowledged_notification_completes_the_transfer_and_is_counted(spawn
     the option the same write fails with TransferTimeout (test_fault_contract.py)."""
     peer = spawn_peer("decode", SPEC, transports=["shm", "tcp"], shared=True)
     with pdkv.Agent("prefill", secret=SECRET, transports=["shm", "tcp"],
-                    shm=pdkv.ShmOptions(notify_on_send=True)) as a:
+                    options=[pdkv.ShmOptions(notify_on_send=True)]) as a:
         local = make_pool(SPEC, 7, a)
         local.register(a)
         name = a.connect(peer.address)

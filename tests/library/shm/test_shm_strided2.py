@@ -71,7 +71,7 @@ def test_two_level_runs_are_bit_exact(mode, op, memory, ids):
     # The target (b) keeps its numpy pages private with sharing off: cross-memory attach.
     bopts = pdkv.ShmOptions(share_pages_min_bytes=0) if memory == "cma" else None
     with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a, \
-            pdkv.Agent("b", secret=SECRET, transports=["shm"], shm=bopts) as b:
+            pdkv.Agent("b", secret=SECRET, transports=["shm"], options=[bopts] if bopts else []) as b:
         lspec = PoolSpec(LAYERS, BLOCKS, lt, lh, D, "bfloat16", ls)
         rspec = PoolSpec(LAYERS, BLOCKS, rt, rh, D, "bfloat16", rs)
         la, ra = (a, b) if memory == "alloc" else (None, None)
@@ -115,8 +115,8 @@ def test_two_level_copies_stop_at_their_deadline_or_on_cancel(kind):
     TransferTimeout once their deadline passed (checked every few MiB during the
     copy), cancelled ones with Cancelled; the next transfer lands bit-exact."""
     bopts = pdkv.ShmOptions(share_pages_min_bytes=0) if kind == "cma" else None
-    with pdkv.Agent("a", secret=SECRET, shm=pdkv.ShmOptions(inline_bytes=0)) as a, \
-            pdkv.Agent("b", secret=SECRET, shm=bopts) as b:
+    with pdkv.Agent("a", secret=SECRET, options=[pdkv.ShmOptions(inline_bytes=0)]) as a, \
+            pdkv.Agent("b", secret=SECRET, options=[bopts] if bopts else []) as b:
         pa, pb = big_pools(a, b, kind)
         peer = a.connect(b.address)
         assert a.peer_transport(peer) == "shm"
@@ -145,7 +145,7 @@ def test_two_level_copies_stop_at_their_deadline_or_on_cancel(kind):
 
 
 def test_deregistration_waits_for_a_two_level_copy():
-    with pdkv.Agent("a", secret=SECRET, shm=pdkv.ShmOptions(inline_bytes=0)) as a, \
+    with pdkv.Agent("a", secret=SECRET, options=[pdkv.ShmOptions(inline_bytes=0)]) as a, \
             pdkv.Agent("b", secret=SECRET) as b:
         big_pools(a, b, "alloc")
         peer = a.connect(b.address)
@@ -213,7 +213,7 @@ def test_scattered_ids_in_one_region_pools_are_one_run_per_block(mode, style, op
     pull = op == "read"
     bopts = pdkv.ShmOptions(share_pages_min_bytes=0) if memory == "cma" else None
     with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a, \
-            pdkv.Agent("b", secret=SECRET, transports=["shm"], shm=bopts) as b:
+            pdkv.Agent("b", secret=SECRET, transports=["shm"], options=[bopts] if bopts else []) as b:
         la, ra = (a, b) if memory == "alloc" else (None, None)
         local = Pool(PoolSpec(layers, BLOCKS, 16, lh, D, "bfloat16", style), None if pull else 5, shared_by=la)
         remote = Pool(PoolSpec(layers, BLOCKS, 16, rh, D, "bfloat16", style), 5 if pull else None, shared_by=ra)

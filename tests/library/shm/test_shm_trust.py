@@ -281,8 +281,8 @@ def test_region_confirmation_waits_for_the_transfers_deadline(spawn_peer, frozen
 
     spec = PoolSpec(layers=2, blocks=8, block_tokens=4, heads=2, head_dim=16, dtype="float16")
     peer = spawn_peer("decode", spec, transports=("shm", "tcp"), shared=True)
-    opts = pdkv.TcpOptions(connect_timeout_s=0.5)
-    with pdkv.Agent("prefill", secret=SECRET, transports=["shm", "tcp"], tcp=opts) as a:
+    opts = [pdkv.TcpOptions(connect_timeout_s=0.5), pdkv.ShmOptions(connect_timeout_s=0.5)]
+    with pdkv.Agent("prefill", secret=SECRET, transports=["shm", "tcp"], options=opts) as a:
         local = Pool(spec, 3)
         local.register(a)
         name = a.connect(peer.address)

@@ -28,8 +28,8 @@ def main() -> None:
     ap.add_argument("--config", required=True)
     cfg = json.loads(ap.parse_args().config)
     kw = dict(cfg.get("agent", {}))
-    if "tcp" in kw:
-        kw["tcp"] = pdkv.TcpOptions(**kw["tcp"])
+    if "tcp" in kw:  # the tcp options' fields, as JSON
+        kw["options"] = [pdkv.TcpOptions(**kw.pop("tcp"))]
     agent = pdkv.Agent(cfg.get("name", "target"), **kw)
     mems = [np.zeros(n, np.uint8) for n in cfg.get("regions", [])]
     regions = [agent.register(m) for m in mems]

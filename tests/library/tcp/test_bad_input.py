@@ -146,7 +146,7 @@ def expect_error_and_close(s: socket.socket, code: str, match: str, got=None):
 def target():
     """A target agent with one exported region (guarded by a non-exported one after it)
     plus a good initiator to prove it still serves."""
-    with pdkv.Agent("target", secret=SECRET, tcp=pdkv.TcpOptions(handshake_timeout_s=1.0)) as t, \
+    with pdkv.Agent("target", secret=SECRET, options=[pdkv.TcpOptions(handshake_timeout_s=1.0)]) as t, \
             pdkv.Agent("good", secret=SECRET) as good:
         mem = np.zeros(2 * 4096, np.uint8)
         exported = t.register(mem[:4096])

@@ -284,7 +284,7 @@ def test_connection_caps_are_typed_options():
     assert (o.max_inbound_conns, o.max_inbound_per_peer) == (10, 2)
     assert (pdkv.TcpOptions().max_inbound_conns, pdkv.TcpOptions().max_inbound_per_peer) == (1024, 128)
     with pytest.raises(pdkv.InvalidArgument, match="max_inbound_per_peer"):
-        pdkv.Agent("x", tcp=pdkv.TcpOptions(max_inbound_per_peer=0), transports=["tcp"])
+        pdkv.Agent("x", options=[pdkv.TcpOptions(max_inbound_per_peer=0)], transports=["tcp"])
 
 
 # ---------------------------------------------------------------- notifications

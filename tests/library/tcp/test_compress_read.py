@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(not LOSSLESS, reason="this build has neither zst
 def agents(reader_compress: pdkv.TcpCompression | None = None):
     """A reader (the initiator) with `reader_compress` and a target with defaults."""
     reader = pdkv.Agent("zreader", secret=SECRET, transports=["tcp"],
-                        tcp=pdkv.TcpOptions(compress=reader_compress or pdkv.TcpCompression()))
+                        options=[pdkv.TcpOptions(compress=reader_compress or pdkv.TcpCompression())])
     target = pdkv.Agent("ztarget", secret=SECRET, transports=["tcp"])
     return reader, target
 
@@ -166,8 +166,8 @@ def test_per_transfer_compress_overrides_the_agent_both_ways():
     total = 2 << 20
     src = kv_like(total, "bfloat16", seed=11)
     plain_agent = pdkv.Agent("zplain", secret=SECRET, transports=["tcp"])
-    lossless_agent = pdkv.Agent("zlossless", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(
-        compress=pdkv.TcpCompression(mode="lossless", codec=LOSSLESS[0], dtype="bfloat16")))
+    lossless_agent = pdkv.Agent("zlossless", secret=SECRET, transports=["tcp"], options=[pdkv.TcpOptions(
+        compress=pdkv.TcpCompression(mode="lossless", codec=LOSSLESS[0], dtype="bfloat16"))])
     target = pdkv.Agent("ztarget", secret=SECRET, transports=["tcp"])
     with plain_agent, lossless_agent, target:
         back = np.zeros(total, np.uint8)
@@ -202,7 +202,7 @@ def test_per_transfer_compress_through_blocks_and_streams():
 
     fp8 = pdkv.TcpCompression(codec=LOSSLESS[0], dtype="bfloat16", fp8_heads=SPEC.heads, fp8_head_dim=SPEC.head_dim,
                               fp8_rows_per_group=SPEC.block_tokens)  # mode off: only the transfers ask
-    agent = pdkv.Agent("zblocks", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(compress=fp8))
+    agent = pdkv.Agent("zblocks", secret=SECRET, transports=["tcp"], options=[pdkv.TcpOptions(compress=fp8)])
     target = pdkv.Agent("ztarget", secret=SECRET, transports=["tcp"])
     with agent, target:
         mine, theirs = Pool(SPEC), kv_like_pool(5)
@@ -499,7 +499,7 @@ LAB_READER = textwrap.dedent("""
     src = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     z = pdkv.TcpCompression(mode="auto", codec=kind, dtype="bfloat16")
     with pdkv.Agent("zreader", secret=secret, transports=["tcp"], listen=host + ":0",
-                    tcp=pdkv.TcpOptions(compress=z)) as a:
+                    options=[pdkv.TcpOptions(compress=z)]) as a:
         rs, back = a.register(src), np.zeros(n, np.uint8)
         rb = a.register(back)
         peer = a.connect(address)

@@ -54,8 +54,8 @@ def kv_like(nbytes: int, dtype: str, seed: int = 0) -> np.ndarray:
 
 
 def agents(compress: pdkv.TcpCompression, **target_tcp):
-    sender = pdkv.Agent("zsender", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(compress=compress))
-    target = pdkv.Agent("ztarget", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(**target_tcp))
+    sender = pdkv.Agent("zsender", secret=SECRET, transports=["tcp"], options=[pdkv.TcpOptions(compress=compress)])
+    target = pdkv.Agent("ztarget", secret=SECRET, transports=["tcp"], options=[pdkv.TcpOptions(**target_tcp)])
     return sender, target
 
 
@@ -189,7 +189,7 @@ def victim():
     (compressing) that must keep working."""
     good_opts = pdkv.TcpCompression(mode="lossless", codec=LOSSLESS[0], dtype="bfloat16")
     with pdkv.Agent("target", secret=SECRET, transports=["tcp"]) as t, \
-            pdkv.Agent("good", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(compress=good_opts)) as good:
+            pdkv.Agent("good", secret=SECRET, transports=["tcp"], options=[pdkv.TcpOptions(compress=good_opts)]) as good:
         mem = np.zeros(2 * REGION, np.uint8)
         attacked, served = t.register(mem[:REGION]), t.register(mem[REGION:])
         src = kv_like(REGION, "bfloat16", seed=9)
@@ -428,7 +428,7 @@ LAB_SENDER = textwrap.dedent("""
     src = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     z = pdkv.TcpCompression(mode="auto", codec=sys.argv[4], dtype="bfloat16")
     with pdkv.Agent("zsender", secret=secret, transports=["tcp"], listen=host + ":0",
-                    tcp=pdkv.TcpOptions(compress=z)) as a:
+                    options=[pdkv.TcpOptions(compress=z)]) as a:
         rs = a.register(src)
         back = np.zeros(n, np.uint8)
         rb = a.register(back)
@@ -496,7 +496,7 @@ LAB_SENDER_CONCURRENT = textwrap.dedent("""
     src = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     z = pdkv.TcpCompression(mode="auto", codec=sys.argv[4], dtype="bfloat16")
     with pdkv.Agent("zsender", secret=secret, transports=["tcp"], listen=host + ":0",
-                    tcp=pdkv.TcpOptions(compress=z)) as a:
+                    options=[pdkv.TcpOptions(compress=z)]) as a:
         rs = a.register(src)
         peer = a.connect(address)
         remote = a.peer_info(peer)["regions"][0]["id"]
@@ -569,7 +569,7 @@ def test_notification_follows_the_last_decoded_byte(total, conns):
     src, dst = kv_like(total, "bfloat16", seed=3), np.zeros(total, np.uint8)
     opts = pdkv.TcpCompression(mode="lossless", codec=LOSSLESS[0], dtype="bfloat16", chunk_bytes=64 * 1024)
     sender = pdkv.Agent("zsender", secret=SECRET, transports=["tcp"],
-                        tcp=pdkv.TcpOptions(compress=opts, batch_bytes=256 * 1024, conns_per_peer=conns))
+                        options=[pdkv.TcpOptions(compress=opts, batch_bytes=256 * 1024, conns_per_peer=conns)])
     target = pdkv.Agent("ztarget", secret=SECRET, transports=["tcp"])
     with sender, target:
         rs, rd = sender.register(src), target.register(dst)
@@ -628,7 +628,7 @@ KILLED_SENDER = textwrap.dedent("""
     secret, address, kind, total = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     z = pdkv.TcpCompression(mode="lossless", codec=kind, dtype="bfloat16")
     a = pdkv.Agent("zdoomed", secret=secret, transports=["tcp"],
-                   tcp=pdkv.TcpOptions(compress=z, batch_bytes=1 << 20))
+                   options=[pdkv.TcpOptions(compress=z, batch_bytes=1 << 20)])
     x = (np.random.default_rng(0).standard_normal(total // 2) * 1.5).astype(np.float32)
     src = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     rs = a.register(src)
@@ -666,7 +666,7 @@ def test_sender_killed_mid_decode_leaves_the_target_serving():
         # Another sender's compressed writes still decode and land.
         src, back = kv_like(4 << 20, "bfloat16", seed=8), np.zeros(4 << 20, np.uint8)
         opts = pdkv.TcpCompression(mode="lossless", codec=LOSSLESS[0], dtype="bfloat16")
-        with pdkv.Agent("zafter", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(compress=opts)) as s:
+        with pdkv.Agent("zafter", secret=SECRET, transports=["tcp"], options=[pdkv.TcpOptions(compress=opts)]) as s:
             rb = target.register(back)
             rs = s.register(src)
             x = s.prepare_extents("write", s.connect(target.address), [(rs.id, 0, rb.id, 0, src.size)]).post(
@@ -683,7 +683,7 @@ def test_auto_plain_writes_keep_their_generation_claims():
 
     spec = PoolSpec(layers=2, blocks=8, block_tokens=4, heads=2, head_dim=8)
     z = pdkv.TcpCompression(mode="auto", codec=LOSSLESS[0], dtype="float32", chunk_bytes=4096)
-    a = pdkv.Agent("zauto", secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(compress=z))
+    a = pdkv.Agent("zauto", secret=SECRET, transports=["tcp"], options=[pdkv.TcpOptions(compress=z)])
     b = pdkv.Agent("ztarget", secret=SECRET, transports=["tcp"])
     with a, b:
         src, dst = Pool(spec, 1), Pool(spec, 2)

@@ -75,7 +75,7 @@ def target(request):
     """A target agent exporting two regions (one to attack, one to prove it still serves)
     and a good initiator connected to it. Indirect parameter: frame_timeout_s."""
     opts = pdkv.TcpOptions(handshake_timeout_s=1.0, frame_timeout_s=getattr(request, "param", FRAME_TIMEOUT))
-    with pdkv.Agent("target", secret=SECRET, tcp=opts, transports=["tcp"]) as t, \
+    with pdkv.Agent("target", secret=SECRET, options=[opts], transports=["tcp"]) as t, \
             pdkv.Agent("good", secret=SECRET, transports=["tcp"]) as good:
         mem = np.zeros(2 * REGION, np.uint8)
         victim = t.register(mem[:REGION])
@@ -490,7 +490,7 @@ def test_fake_target_cannot_crash_or_balloon_an_initiator(real_target, name):
     ft = FakeTarget(real.metadata(), real.address, phase, attack)
     opts = pdkv.TcpOptions(frame_timeout_s=FRAME_TIMEOUT, connect_timeout_s=3.0)
     try:
-        with pdkv.Agent("initiator", secret=SECRET, tcp=opts, transports=["tcp"]) as ini:
+        with pdkv.Agent("initiator", secret=SECRET, options=[opts], transports=["tcp"]) as ini:
             src = np.random.default_rng(4).integers(0, 256, 4096, dtype=np.uint8)
             rs = ini.register(src)
             before = rss_mib()

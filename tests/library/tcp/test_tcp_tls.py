@@ -26,7 +26,7 @@ TLS = pdkv.TcpOptions(tls=True)
 
 
 def agent(name, tls=True, **kw):
-    return pdkv.Agent(name, secret=SECRET, transports=["tcp"], tcp=pdkv.TcpOptions(tls=tls, **kw))
+    return pdkv.Agent(name, secret=SECRET, transports=["tcp"], options=[pdkv.TcpOptions(tls=tls, **kw)])
 
 
 def test_tls_write_read_notify_bit_exact():

@@ -96,7 +96,7 @@ def run_case(mode, op, dtype, lids, rids, ntok, *, seeds, tcp=None):
     transfer)."""
     lt, lh, lo, rt, rh, ro, nh, lho, rho = MODES[mode]
     pull = op == "read"
-    with pdkv.Agent("a", secret="s", transports=["tcp"], tcp=tcp) as a, \
+    with pdkv.Agent("a", secret="s", transports=["tcp"], options=[tcp] if tcp else []) as a, \
             pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
         local = KV(a, lt, lh, lo, dtype, None if pull else seeds[0])
         remote = KV(b, rt, rh, ro, dtype, seeds[1] if pull else None)
@@ -143,7 +143,7 @@ def test_compressed_two_level_transfers_are_bit_exact(op):
                             chunk_bytes=16 * 1024)
     lt, lh, lo, rt, rh, ro, nh, lho, rho = MODES["tp2:tp4+nhd:hnd"]
     ids = list(range(3, 13))
-    with pdkv.Agent("a", secret="s", transports=["tcp"], tcp=pdkv.TcpOptions(compress=z)) as a, \
+    with pdkv.Agent("a", secret="s", transports=["tcp"], options=[pdkv.TcpOptions(compress=z)]) as a, \
             pdkv.Agent("b", secret="s", transports=["tcp"]) as b:
         pull = op == "read"
         local = KV(a, lt, lh, lo, "bfloat16", None if pull else 8)

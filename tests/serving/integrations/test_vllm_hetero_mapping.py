@@ -219,7 +219,7 @@ def test_compressed_pull_through_the_connector_options_is_bit_exact(local_bs, re
     local_list = random.Random(8).sample(range(BLOCKS), -(-end // local_bs))
     span = pull_span(0, end, local_bs, remote_bs)
     z = connector_compression("lossless", "bfloat16")
-    with pdkv.Agent("d", secret="s", transports=["tcp"], tcp=pdkv.TcpOptions(compress=z)) as dec, \
+    with pdkv.Agent("d", secret="s", transports=["tcp"], options=[pdkv.TcpOptions(compress=z)]) as dec, \
             pdkv.Agent("p", secret="s", transports=["tcp"]) as pre:
         for agent, caches in ((dec, decode), (pre, prefill)):
             for t in caches.values():

@@ -1,18 +1,22 @@
 // pdkv/options/shm.h: the shm transport's options (same host; memfd regions, one copy).
 //
-// Owned by the shm transport (cpp/src/transport/shm): its constructor reads them,
-// its options.cc validates them. AgentConfig (pdkv/config.h) holds one copy.
+// Owned by the shm transport (cpp/src/transport/shm): registered with its factory,
+// read by its constructor, validated by its options.cc. An agent gets them in
+// AgentConfig::options (pdkv/config.h); without them the defaults apply.
 // Thread safety: a plain value.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "pdkv/options/transport_options.h"
 #include "pdkv/status.h"
 
 namespace pdkv {
 
-struct ShmOptions {
+struct ShmOptions : TransportOptionsOf<ShmOptions> {
+  static constexpr std::string_view kTransport = "shm";
+
   uint32_t copy_threads = 1;           // threads copying large transfers (1..64)
   uint64_t inline_bytes = 256u << 10;  // transfers up to this many bytes copy in the posting thread
   // Exported host memory the engine allocated itself (numpy, torch) whose whole pages
@@ -33,9 +37,11 @@ struct ShmOptions {
   // closed with AuthFailed before its hello is read) and when we dial it (the dial
   // fails with AuthFailed). Empty (the default): same uid only. At most 64 uids.
   std::vector<uint32_t> allowed_peer_uids;
+  // s (0, 86400]: dialing a same-host peer's control socket plus its handshake.
+  double connect_timeout_s = 5.0;
 
   // OK, or InvalidArgument naming the field out of range and its value.
-  Status validate() const;
+  Status validate() const override;
 };
 
 }  // namespace pdkv

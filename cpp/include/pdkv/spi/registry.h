@@ -4,6 +4,11 @@
 // no dlopen yet). Python transports register at run time (pdkv.register_transport),
 // into the same table. `available_transports()` lists those viable on this host right
 // now; `default_transports()` is the order an agent uses when none is given.
+//
+// A transport with options registers its options type with its factory
+// (`default_options`, e.g. default_options_of<TcpOptions>): the agent hands `create`
+// the options its config holds under the transport's name (AgentConfig::options), or
+// those defaults, and refuses options for a transport that declares none.
 // Thread safety: every function may be called from any thread (one mutex guards the
 // table); a registration is never removed.
 #pragma once
@@ -24,7 +29,11 @@ struct TransportFactory {
   std::string name;
   std::string description;
   std::function<Status()> viable;  // OK if it can run on this host, else why not
-  std::function<Result<std::unique_ptr<Transport>>(const AgentConfig&)> create;
+  // Creates the transport of one agent. `options`: the transport's own options (those
+  // in cfg.options under its name, else default_options()); null when the transport
+  // declares no options type. The factory checks their type (options_as<T>) and
+  // validates them (AgentConfig::validate did too, but a transport may be created alone).
+  std::function<Result<std::unique_ptr<Transport>>(const AgentConfig& cfg, const TransportOptions* options)> create;
   // Place in the default order: viable transports with priority > 0 are enabled by
   // default, highest first (a peer uses the first that reaches it). 0: only when asked
   // for by name (examples, mocks). Native: cuda_ipc 300, shm 200, tcp 100; nixl 400.
@@ -35,7 +44,30 @@ struct TransportFactory {
   // A transport that cannot exchange metadata by address itself names one that can
   // (e.g. nixl: "tcp"); an agent enabling it without that one gets it added, last.
   std::string metadata_via;
+  // The transport's options type, as its defaults (empty: it takes no options).
+  std::function<std::unique_ptr<TransportOptions>()> default_options;
 };
+
+// `create` of a transport whose options type is Opts (TransportOptionsOf<Opts>):
+// `make(cfg, opts)` gets them checked for type and validated.
+template <typename Opts, typename Make>
+std::function<Result<std::unique_ptr<Transport>>(const AgentConfig&, const TransportOptions*)> create_with(Make make) {
+  return [make](const AgentConfig& cfg, const TransportOptions* options) -> Result<std::unique_ptr<Transport>> {
+    const Opts defaults;
+    const Opts* opts = &defaults;
+    if (options != nullptr) {
+      PDKV_ASSIGN_OR_RETURN(opts, options_as<Opts>(*options));
+    }
+    PDKV_RETURN_IF_ERROR(opts->validate());
+    return make(cfg, *opts);
+  };
+}
+
+// `default_options` of a transport whose options type is Opts.
+template <typename Opts>
+std::unique_ptr<TransportOptions> default_options_of() {
+  return std::make_unique<Opts>();
+}
 
 // False (and nothing changes) when a transport of that name is registered already.
 bool register_transport(TransportFactory f);

@@ -264,6 +264,12 @@ class Transport {
   // Notifications that completed their transfer when sent and that the peer then
   // never acknowledged (ShmOptions::notify_on_send); 0 for transports without it.
   virtual uint64_t notifications_unacknowledged() const { return 0; }
+  // Exported host memory the engine allocated itself whose whole pages span at least
+  // this many bytes is re-mapped at registration onto a memfd, so that this transport
+  // reaches it as it reaches Agent.alloc memory (ShmOptions::share_pages_min_bytes).
+  // 0 (the default): this transport has no use for it. The agent takes the smallest
+  // non-zero value of its transports.
+  virtual uint64_t share_pages_min_bytes() const { return 0; }
   // Called after a region was registered, before anyone can name it in a transfer: a
   // transport whose library must register memory itself (NIXL) does it here. An error
   // undoes the registration and is returned to the caller of register_memory.

@@ -265,7 +265,7 @@ bool in_this_process(uint64_t instance_id) {
 
 class CudaIpcTransport final : public Transport {
  public:
-  explicit CudaIpcTransport(const AgentConfig&) {}
+  CudaIpcTransport() = default;
   ~CudaIpcTransport() override { shutdown(); }
 
   std::string_view name() const override { return "cuda_ipc"; }
@@ -1158,8 +1158,8 @@ void CudaIpcTransport::ctl_closed(const std::shared_ptr<CtlConn>& c) {
 bool registered = register_transport(TransportFactory{
     "cuda_ipc", "same-node GPU memory via CUDA IPC (NVLink/PCIe)",
     [] { return CudaDriver::probe(); },
-    [](const AgentConfig& cfg) -> Result<std::unique_ptr<Transport>> {
-      return std::unique_ptr<Transport>(std::make_unique<CudaIpcTransport>(cfg));
+    [](const AgentConfig&, const TransportOptions*) -> Result<std::unique_ptr<Transport>> {
+      return std::unique_ptr<Transport>(std::make_unique<CudaIpcTransport>());
     },
     /*priority=*/300});
 

@@ -17,7 +17,7 @@ Status ShmOptions::validate() const {
   if (allowed_peer_uids.size() > kMaxAllowedPeerUids)
     return InvalidArgument("shm.allowed_peer_uids lists " + std::to_string(allowed_peer_uids.size()) +
                            " uids; at most " + std::to_string(kMaxAllowedPeerUids));
-  return Status::Ok();
+  return util::check_seconds("shm.connect_timeout_s", connect_timeout_s, 86400);
 }
 
 }  // namespace pdkv

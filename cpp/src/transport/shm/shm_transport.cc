@@ -61,12 +61,12 @@
 #include "util/bytes.h"
 #include "util/log.h"
 #include "util/socket.h"
-#include "util/bench_switch.h"
+#include "util/bench_switches.h"
 
 namespace pdkv::shm {
 
 bool two_level_runs_allowed() {
-  static const bool on = !util::bench_switch_is("PDKV_BENCH_SHM_ONE_LEVEL", "1");
+  static const bool on = !util::bench_switch_is(util::BenchSwitch::kShmOneLevel, "1");
   return on;
 }
 
@@ -615,12 +615,20 @@ Status shm_viable() {
   return Status::Ok();
 }
 
-bool registered = register_transport(TransportFactory{
-    "shm", "same-host shared memory (memfd pools; cross-memory attach otherwise)", shm_viable,
-    [](const AgentConfig& cfg) -> Result<std::unique_ptr<Transport>> {
-      return std::unique_ptr<Transport>(std::make_unique<ShmTransport>(cfg));
-    },
-    /*priority=*/200});
+TransportFactory shm_factory() {
+  TransportFactory f;
+  f.name = "shm";
+  f.description = "same-host shared memory (memfd pools; cross-memory attach otherwise)";
+  f.viable = shm_viable;
+  f.create = create_with<ShmOptions>([](const AgentConfig&, const ShmOptions& opts) -> Result<std::unique_ptr<Transport>> {
+    return std::unique_ptr<Transport>(std::make_unique<ShmTransport>(opts));
+  });
+  f.priority = 200;
+  f.default_options = default_options_of<ShmOptions>;
+  return f;
+}
+
+bool registered = register_transport(shm_factory());
 
 }  // namespace
 

@@ -29,7 +29,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "pdkv/config.h"
+#include "pdkv/options/shm.h"
 #include "pdkv/spi/transport.h"
 #include "transport/shm/copy_engine.h"
 #include "transport/shm/ctl_guard.h"
@@ -50,14 +50,14 @@ struct ShmPrepared final : PreparedOps {
   mutable std::shared_ptr<const Binding> bound;
 };
 
-// False under the benchmark switch PDKV_BENCH_SHM_ONE_LEVEL=1 (read once per process;
+// False under the benchmark switch BenchSwitch::kShmOneLevel=1 (read once per process;
 // docs/benchmarks.md): shm takes one-level runs only, as before two-level runs, to
 // compare the two in one build.
 bool two_level_runs_allowed();
 
 class ShmTransport final : public Transport {
  public:
-  explicit ShmTransport(const AgentConfig& cfg) : opts_(cfg.shm), connect_timeout_(cfg.tcp.connect_timeout_s) {}
+  explicit ShmTransport(const ShmOptions& opts) : opts_(opts), connect_timeout_(opts.connect_timeout_s) {}
   ~ShmTransport() override { shutdown(); }
 
   std::string_view name() const override { return "shm"; }
@@ -92,6 +92,7 @@ class ShmTransport final : public Transport {
   Status connect(std::shared_ptr<const Peer> peer, double timeout_s) override;
   void drop_peer(const std::string& name) override;
   uint64_t notifications_unacknowledged() const override { return unacked_notifs_.load(std::memory_order_relaxed); }
+  uint64_t share_pages_min_bytes() const override { return opts_.share_pages_min_bytes; }
   void region_removed(const RegionDesc& region) override;
 
  private:

@@ -46,7 +46,8 @@ void trim(std::vector<uint8_t>& v) {
 // Appends the frame(s) of `iov[0, n)` encoded by `codec` to `out`. At most
 // kMaxCompressedChunk raw bytes (callers check it first: a compressed batch is one
 // codec chunk), so the gather buffer and the codec's scratch stay bounded.
-Status encode_into(Codec& codec, DType dtype, const iovec* iov, uint32_t n, std::vector<uint8_t>& out) {
+Status encode_into(Codec& codec, DType dtype, const iovec* iov, uint32_t n, uint64_t gather_below,
+                   std::vector<uint8_t>& out) {
   thread_local std::vector<uint8_t> frame;
   thread_local std::vector<uint8_t> gathered;
   out.clear();
@@ -55,7 +56,7 @@ Status encode_into(Codec& codec, DType dtype, const iovec* iov, uint32_t n, std:
     return InvalidArgument("a compressed batch of " + std::to_string(bytes) + " bytes exceeds " +
                            std::to_string(kMaxCompressedChunk));
   Status st;
-  if (gathers(bytes, n)) {  // small extents: one frame for all of them
+  if (gathers(bytes, n, gather_below)) {  // small extents: one frame for all of them
     gathered.resize(bytes);
     uint64_t off = 0;
     for (uint32_t i = 0; i < n; ++i) {
@@ -169,7 +170,7 @@ Result<Codec*> Encoder::codec_for(CodecKind kind) {
 Status Encoder::encode(CodecKind kind, const iovec* iov, uint32_t n, EncodedBatch& out) {
   PDKV_ASSIGN_OR_RETURN(Codec * codec, codec_for(kind));
   const auto t0 = Clock::now();
-  PDKV_RETURN_IF_ERROR(encode_into(*codec, opts_.dtype, iov, n, out.bytes));
+  PDKV_RETURN_IF_ERROR(encode_into(*codec, opts_.dtype, iov, n, gather_below_, out.bytes));
   out.kind = kind;
   record(kind, iov_bytes(iov, n), out.bytes.size(), seconds_since(t0));
   return Status::Ok();
@@ -196,7 +197,7 @@ Status Encoder::encode_with(const CodecOptions& options, DType dtype, const iove
     cache.push_back(Cached{options, std::move(codec)});
     it = cache.end() - 1;
   }
-  PDKV_RETURN_IF_ERROR(encode_into(*it->codec, dtype, iov, n, out.bytes));
+  PDKV_RETURN_IF_ERROR(encode_into(*it->codec, dtype, iov, n, gather_below_, out.bytes));
   out.kind = options.kind;
   return Status::Ok();
 }
@@ -210,7 +211,7 @@ void Encoder::calibrate(CodecKind kind, const iovec* iov, uint32_t n, bool again
   while (take < n && bytes < opts_.chunk_bytes) bytes += iov[take++].iov_len;
   std::vector<uint8_t> out;
   const auto t0 = Clock::now();
-  if (!encode_into(**codec, opts_.dtype, iov, take, out).ok()) return;
+  if (!encode_into(**codec, opts_.dtype, iov, take, gather_below_, out).ok()) return;
   record(kind, bytes, out.size(), seconds_since(t0));
   // Decode the sample the way the peer will (into a scratch copy of its extents).
   std::vector<uint8_t> back(bytes);

@@ -99,7 +99,9 @@ class TaskPool {
 
 class Encoder {
  public:
-  explicit Encoder(const TcpCompression& opts) : opts_(opts), pool_("pdkv-tcp-zip", codec_threads(opts)) {}
+  // `gather_below`: TcpOptions::gather_below_bytes (a batch of smaller extents is one frame).
+  Encoder(const TcpCompression& opts, uint64_t gather_below)
+      : opts_(opts), gather_below_(gather_below), pool_("pdkv-tcp-zip", codec_threads(opts)) {}
   ~Encoder() { stop(); }
   Encoder(const Encoder&) = delete;
   Encoder& operator=(const Encoder&) = delete;
@@ -132,12 +134,14 @@ class Encoder {
   void calibrate(CodecKind kind, const iovec* iov, uint32_t n, bool again = false);
 
   const TcpCompression& options() const { return opts_; }
+  uint64_t gather_below() const { return gather_below_; }
 
  private:
   Result<Codec*> codec_for(CodecKind kind);
   void record(CodecKind kind, uint64_t raw, uint64_t wire, double seconds);
 
   const TcpCompression opts_;
+  const uint64_t gather_below_;
   TaskPool pool_;
   mutable std::mutex mu_;  // guards everything below
   std::vector<std::unique_ptr<EncodedBatch>> free_;

@@ -183,7 +183,7 @@ Status DeviceStaging::encode_device(CodecKind kind, DType dtype, const Fp8Groupi
     // The frames the host encoder writes: one for a batch of small extents, else one
     // per extent. Extents the kernels cannot take (not whole rows, or unaligned) go
     // the host's way below, which also fails where the host codec would.
-    auto plan = k.ok() ? cuda::plan_fp8_batch(src, n, gathers(bytes, n), dtype, g) : Result<cuda::Fp8Plan>(k.status());
+    auto plan = k.ok() ? cuda::plan_fp8_batch(src, n, gathers(bytes, n, t_.opts().gather_below_bytes), dtype, g) : Result<cuda::Fp8Plan>(k.status());
     if (plan.ok()) {
       PDKV_RETURN_IF_ERROR((*k)->encode(device, *plan, dtype, g, checksum, out.bytes));
       out.kind = kind;

@@ -12,7 +12,7 @@
 //   Every copy between the GPU and a pinned buffer is one launch of the strided-copy
 //   kernel per batch (cuda/strided_copy.h) over the batch's runs, strided descriptors
 //   as they are: no iovec or cuMemcpyAsync per piece (where the kernel does not load,
-//   or PDKV_BENCH_DEVICE_PIECES=1, one cuMemcpyAsync per piece as before).
+//   or BenchSwitch::kDevicePieces=1, one cuMemcpyAsync per piece as before).
 //   compressed write, initiator (encode, on an encoder thread): fp8 is quantized on
 //                     the GPU (cuda/fp8_device.h) and only the codes + scales come
 //                     to the host; lossless (or fp8 where the kernels do not load) is

@@ -36,6 +36,8 @@ Status TcpOptions::validate() const {
   PDKV_RETURN_IF_ERROR(check_in_range<uint32_t>("tcp.max_inbound_conns", max_inbound_conns, 1, kMaxInboundConns));
   PDKV_RETURN_IF_ERROR(
       check_in_range<uint32_t>("tcp.max_inbound_per_peer", max_inbound_per_peer, 1, kMaxInboundConns));
+  PDKV_RETURN_IF_ERROR(check_in_range<uint64_t>("tcp.gather_below_bytes", gather_below_bytes, 0, 1ull << 30));
+  PDKV_RETURN_IF_ERROR(check_in_range<uint64_t>("tcp.land_below_bytes", land_below_bytes, 0, 1ull << 30));
   PDKV_RETURN_IF_ERROR(compress.validate());
   if (listen_host.empty()) return InvalidArgument("tcp.listen_host is empty (use an address such as 127.0.0.1)");
   return Status::Ok();

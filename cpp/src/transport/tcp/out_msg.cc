@@ -8,46 +8,18 @@
 #include <cstring>
 
 #include "transport/tcp/scatter.h"
-#include "util/bench_switch.h"
+#include "util/bench_switches.h"
 #include "util/log.h"
 
 namespace pdkv::tcp {
 
-namespace {
-
-// A benchmark switch's value: the bytes in `name`, or `dflt` when unset or not a
-// plain number (a typo must not change a measured path silently: it is logged).
-uint64_t bench_threshold(const char* name, uint64_t dflt) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return dflt;
-  char* end = nullptr;
-  const unsigned long long n = std::strtoull(v, &end, 10);
-  if (*end != '\0') {
-    PDKV_LOG_WARN("ignoring %s=%s (not a byte count)", name, v);
-    return dflt;
-  }
-  return n;
-}
-
-}  // namespace
-
-uint64_t gather_below_bytes() {
-  static const uint64_t v = bench_threshold("PDKV_BENCH_TCP_GATHER_BELOW", kGatherBelowBytes);
-  return v;
-}
-
-uint64_t land_below_bytes() {
-  static const uint64_t v = bench_threshold("PDKV_BENCH_TCP_LAND_BELOW", kLandBelowBytes);
-  return v;
-}
-
 bool lazy_runs_allowed() {
-  static const bool on = !util::bench_switch_is("PDKV_BENCH_TCP_PIECE_IOVECS", "1");
+  static const bool on = !util::bench_switch_is(util::BenchSwitch::kTcpPieceIovecs, "1");
   return on;
 }
 
 bool two_level_wire_allowed() {
-  static const bool on = !util::bench_switch_is("PDKV_BENCH_TCP_ONE_LEVEL", "1");
+  static const bool on = !util::bench_switch_is(util::BenchSwitch::kTcpOneLevel, "1");
   return on;
 }
 
@@ -84,7 +56,7 @@ void OutMsg::finalize() {
       payload += runs[i].bytes();
       pieces += runs[i].extents();
     }
-    gather = gathers(payload, pieces);
+    gather = gathers(payload, pieces, gather_below);
     if (!gather) {
       append_iovecs(runs, nruns, own_iov);
       runs = nullptr;
@@ -98,7 +70,7 @@ void OutMsg::finalize() {
   if (!gather) {  // from the iovecs (those listed from runs hold the same bytes)
     payload = 0;
     for (size_t i = 0; i < ndata; ++i) payload += data[i].iov_len;
-    gather = gathers(payload, ndata);
+    gather = gathers(payload, ndata, gather_below);
   }
   total = kHdr + desc_bytes + aux.size() + payload;
 }

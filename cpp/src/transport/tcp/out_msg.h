@@ -10,10 +10,10 @@
 // Small extents are the exception to pointing: the kernel sets up a copy per iovec
 // segment, which for extents of a few hundred bytes costs more than the bytes
 // (256-byte extents cost the sender ~2x the CPU per byte of gathered ones). A
-// payload whose extents average under kGatherBelowBytes is gathered, kStageBytes at
+// payload whose extents average under TcpOptions::gather_below_bytes is gathered, kStageBytes at
 // a time, into a staging chunk that stays in cache, and sent from there as one
 // segment. The frame on the wire is the same (docs/wire.md); the receiver decides
-// on its own whether to land it in a buffer (kLandBelowBytes, scatter.h). A payload
+// on its own whether to land it in a buffer (TcpOptions::land_below_bytes, scatter.h). A payload
 // may also be given as strided runs (a heterogeneous transfer's pieces): gathered
 // from them piece by piece, or listed as iovecs by finalize when its pieces are large.
 //
@@ -40,19 +40,11 @@ namespace pdkv::tcp {
 inline constexpr int kIovMax = 1024;
 inline constexpr size_t kHdr = sizeof(FrameHeader);
 
-// Payloads whose extents average fewer bytes than this are gathered by the sender.
-// Measured: 256 B to 2 KiB extents cost the sender 1.2-2x less CPU per byte; at 4 KiB
-// (llama-3-70b-tp8 block-halves) the CPU is even but the prefetching gather beats
-// the kernel's per-segment copy from cold, scattered pages (pdkv bench transfer:
-// 1.1-1.3x the plain socket pair instead of 0.9-1.2x, in the same runs); at 8 KiB
-// and 32 KiB it makes no difference, so they keep their iovecs ...
-inline constexpr uint64_t kGatherBelowBytes = 8192;
-// ... and below this landed in a buffer, then scattered with streaming stores, by
-// the receiver (scatter.h). Measured (pdkv bench transfer --hetero tp4:tp2, 512-byte
-// pieces at a 1 KiB stride, llama-3-70b-tp8): landing with streaming stores 0.68-0.70x
-// the homogeneous transfer against 0.51x straight into 512-byte iovecs; 1 KiB and
-// 4 KiB thresholds measured alike. 4 KiB extents (block-halves) stay direct.
-inline constexpr uint64_t kLandBelowBytes = 4096;
+// The small-extent thresholds (TcpOptions::gather_below_bytes, land_below_bytes,
+// pdkv/options/tcp.h, where the measurements behind their defaults are): payloads
+// whose extents average fewer bytes than the first are gathered by the sender, fewer
+// than the second landed in a buffer by the receiver. 4 KiB extents (block-halves)
+// are gathered and stay direct at the receiver.
 // The chunk gathered (sent) or landed (received) at a time: small enough to stay
 // in the core's cache between the memcpy and the socket copy.
 inline constexpr size_t kStageBytes = 256u << 10;
@@ -60,23 +52,21 @@ inline constexpr size_t kStageBytes = 256u << 10;
 // the wire; this keeps one frame's descriptors at 384 KiB).
 inline constexpr uint32_t kMaxGatherExtents = 16384;
 
-// The two thresholds in force: the constants above, unless the benchmark switches
-// PDKV_BENCH_TCP_GATHER_BELOW / PDKV_BENCH_TCP_LAND_BELOW (bytes, read once per
-// process; docs/benchmarks.md) replace them to compare paths in one build.
-uint64_t gather_below_bytes();
-uint64_t land_below_bytes();
-// False under the benchmark switch PDKV_BENCH_TCP_PIECE_IOVECS=1: prepare lists one
-// iovec per local piece of a strided run (as before lazy runs), to compare in one build.
+// False under the benchmark switch BenchSwitch::kTcpPieceIovecs (util/bench_switches.h):
+// prepare lists one iovec per local piece of a strided run (as before lazy runs).
 bool lazy_runs_allowed();
-// False under the benchmark switch PDKV_BENCH_TCP_ONE_LEVEL=1: tcp does not take
-// two-level runs (the agent expands them into one-level runs, as before), to compare
-// in one build.
+// False under the benchmark switch BenchSwitch::kTcpOneLevel: tcp does not take
+// two-level runs (the agent expands them into one-level runs, as before).
 bool two_level_wire_allowed();
 
-// True when the sender gathers a payload of `bytes` over `extents` extents.
-inline bool gathers(uint64_t bytes, uint64_t extents) { return extents > 1 && bytes < extents * gather_below_bytes(); }
-// True when the receiver lands a payload of `bytes` over `extents` extents.
-inline bool lands(uint64_t bytes, uint64_t extents) { return extents > 1 && bytes < extents * land_below_bytes(); }
+// True when the sender gathers a payload of `bytes` over `extents` extents, given
+// TcpOptions::gather_below_bytes (`below`).
+inline bool gathers(uint64_t bytes, uint64_t extents, uint64_t below) {
+  return extents > 1 && bytes < extents * below;
+}
+// True when the receiver lands a payload of `bytes` over `extents` extents, given
+// TcpOptions::land_below_bytes (`below`).
+inline bool lands(uint64_t bytes, uint64_t extents, uint64_t below) { return extents > 1 && bytes < extents * below; }
 
 FrameHeader make_hdr(FrameType t, uint64_t xfer, uint32_t batch);
 
@@ -101,6 +91,9 @@ struct OutMsg {
   uint64_t sent = 0;
   size_t seg = 0;
   size_t seg_off = 0;
+  // A payload whose extents average fewer bytes is gathered: TcpOptions::gather_below_bytes,
+  // set where a payload of several extents is attached (0: never, as for control frames).
+  uint64_t gather_below = 0;
   // Gathered payload (set by finalize): the data goes out through `stage`.
   bool gather = false;
   std::unique_ptr<char[]> stage;  // kStageBytes, allocated when sending starts

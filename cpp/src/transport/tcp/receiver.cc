@@ -315,7 +315,7 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
   rx(c).runs = nullptr;
   rx(c).nruns = 0;
   const bool staged = part.post->prep->staged;
-  if (part.runs && (staged || lands(h.payload, part.extents))) {  // a lazy read's runs, walked while landing
+  if (part.runs && (staged || lands(h.payload, part.extents, t_.opts().land_below_bytes))) {  // a lazy read's runs, walked while landing
     rx(c).runs = part.runs;
     rx(c).nruns = part.nruns;
     rx(c).run_cur = RunCursor{};
@@ -328,7 +328,7 @@ bool FrameReceiver::on_read_response_header(const std::shared_ptr<TcpConn>& c) {
   rx(c).dst_idx = 0;
   rx(c).dst_off = 0;
   rx(c).remaining = h.payload;
-  rx(c).gather = lands(h.payload, part.extents);
+  rx(c).gather = lands(h.payload, part.extents, t_.opts().land_below_bytes);
   rx(c).stage = RxStage::kPayload;
   if (staged) {
     Status st = begin_staged_rx(*c, rx(c).read_part.post->prep->device);
@@ -614,7 +614,7 @@ bool FrameReceiver::answer_read(const std::shared_ptr<TcpConn>& c, Request req) 
                               req.device);
     return true;
   }
-  reply(c, gathered_read_response(h, req));
+  reply(c, gathered_read_response(h, req, t_.opts().gather_below_bytes));
   return true;
 }
 
@@ -624,11 +624,13 @@ void FrameReceiver::list_iovecs(Request& req) {
   append_iovecs(req.runs.data(), req.runs.size(), req.iov);
 }
 
-std::unique_ptr<OutMsg> FrameReceiver::gathered_read_response(const FrameHeader& h, Request& req) {
+std::unique_ptr<OutMsg> FrameReceiver::gathered_read_response(const FrameHeader& h, Request& req,
+                                                              uint64_t gather_below) {
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(FrameType::kReadResp, h.xfer_id, h.batch);
   m->hdr.payload = req.bytes;
   m->own_runs = std::move(req.runs);  // finalize lists them when the pieces are too large to gather
+  m->gather_below = gather_below;
   m->pins = std::move(req.pins);
   m->gens = std::move(req.gens);
   m->finalize();
@@ -636,11 +638,13 @@ std::unique_ptr<OutMsg> FrameReceiver::gathered_read_response(const FrameHeader&
 }
 
 std::unique_ptr<OutMsg> FrameReceiver::plain_read_response(const FrameHeader& h, std::vector<iovec> iov,
-                                                           std::vector<RegionPin> pins, GenPin gens, uint64_t bytes) {
+                                                           std::vector<RegionPin> pins, GenPin gens, uint64_t bytes,
+                                                           uint64_t gather_below) {
   auto m = std::make_unique<OutMsg>();
   m->hdr = make_hdr(FrameType::kReadResp, h.xfer_id, h.batch);
   m->hdr.payload = bytes;
   m->own_iov = std::move(iov);
+  m->gather_below = gather_below;
   m->pins = std::move(pins);
   m->gens = std::move(gens);
   m->finalize();
@@ -711,7 +715,8 @@ void FrameReceiver::encode_reply(TcpTransport& t, const std::shared_ptr<TcpConn>
     c->decode_done();
     return;
   } else if (buf->bytes.size() > kMaxCompressedPayload) {
-    m = plain_read_response(h, std::move(job.iov), std::move(job.pins), std::move(job.gens), job.bytes);
+    m = plain_read_response(h, std::move(job.iov), std::move(job.pins), std::move(job.gens), job.bytes,
+                            t.opts().gather_below_bytes);
   } else {
     job.pins.clear();
     job.gens.reset();  // read: a bump of these blocks may return now
@@ -751,7 +756,7 @@ bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Reque
   // Small pieces in host memory are landed and scattered out of the runs, device
   // memory is staged and copied out to the runs; the others are received straight
   // into their pieces from a list.
-  const bool walk_runs = !req.runs.empty() && (req.device >= 0 || lands(req.bytes, req.extents));
+  const bool walk_runs = !req.runs.empty() && (req.device >= 0 || lands(req.bytes, req.extents, t_.opts().land_below_bytes));
   if (!walk_runs) list_iovecs(req);
   rx(c).gens = std::move(req.gens);
   rx(c).reject = req.reject;
@@ -765,7 +770,7 @@ bool FrameReceiver::begin_write_payload(const std::shared_ptr<TcpConn>& c, Reque
   rx(c).dst_idx = 0;
   rx(c).dst_off = 0;
   rx(c).remaining = req.bytes;
-  rx(c).gather = lands(req.bytes, req.extents);
+  rx(c).gather = lands(req.bytes, req.extents, t_.opts().land_below_bytes);
   rx(c).pins = std::move(req.pins);
   rx(c).stage = RxStage::kPayload;
   if (req.device >= 0) {

@@ -116,11 +116,13 @@ class FrameReceiver {
   bool answer_read_compressed(const std::shared_ptr<TcpConn>& c, Request& req, const ZSpecCodec& codec);
   struct ReplyJob;
   static void encode_reply(TcpTransport& t, const std::shared_ptr<TcpConn>& c, ReplyJob& job);
-  // A plain response carrying the request's extents (pins and claim held until sent).
+  // A plain response carrying the request's extents (pins and claim held until sent);
+  // `gather_below`: TcpOptions::gather_below_bytes.
   static std::unique_ptr<OutMsg> plain_read_response(const FrameHeader& h, std::vector<iovec> iov,
-                                                     std::vector<RegionPin> pins, GenPin gens, uint64_t bytes);
+                                                     std::vector<RegionPin> pins, GenPin gens, uint64_t bytes,
+                                                     uint64_t gather_below);
   // The same, gathering its pieces from the request's runs (host memory, small pieces).
-  static std::unique_ptr<OutMsg> gathered_read_response(const FrameHeader& h, Request& req);
+  static std::unique_ptr<OutMsg> gathered_read_response(const FrameHeader& h, Request& req, uint64_t gather_below);
   // Lists req's runs as iovecs (once): for the paths that are not walked lazily.
   static void list_iovecs(Request& req);
   bool begin_write_payload(const std::shared_ptr<TcpConn>& c, Request req);

@@ -74,14 +74,14 @@ uint64_t compressed_batch_bytes(const TcpCompression& o, uint64_t cap = UINT64_M
 
 // ---------------------------------------------------------------- life
 
-TcpTransport::TcpTransport(const AgentConfig& cfg)
-    : opts_(cfg.tcp),
-      staging_(*this, cfg.tcp.stage_chunk_bytes, cfg.tcp.stage_buffers),
+TcpTransport::TcpTransport(const TcpOptions& opts)
+    : opts_(opts),
+      staging_(*this, opts.stage_chunk_bytes, opts.stage_buffers),
       backoff_(kAuthBackoffBaseS, kAuthBackoffMaxS, kAuthBackoffSources, kAuthFreeFailures),
-      admission_(cfg.tcp.max_inbound_conns, cfg.tcp.max_inbound_per_peer) {
+      admission_(opts.max_inbound_conns, opts.max_inbound_per_peer) {
   // Always there: a transfer may ask for compression with the agent's mode off, and
   // peers may ask for compressed read responses (its threads start on first use).
-  encoder_ = std::make_unique<Encoder>(cfg.tcp.compress);
+  encoder_ = std::make_unique<Encoder>(opts_.compress, opts_.gather_below_bytes);
 }
 
 TransportCaps TcpTransport::caps() const {
@@ -92,7 +92,7 @@ TransportCaps TcpTransport::caps() const {
   c.serves_metadata = true;
   c.strided_extents = true;  // kFlagStrided frames to peers that take them, plain pieces to the others
   // kFlagStrided2 frames to peers that take them, one-level descriptors to the others
-  // (off under the benchmark switch PDKV_BENCH_TCP_ONE_LEVEL=1: the agent expands them).
+  // (off under the benchmark switch BenchSwitch::kTcpOneLevel=1: the agent expands them).
   c.two_level_extents = two_level_wire_allowed();
   return c;
 }
@@ -250,7 +250,7 @@ bool TcpTransport::batch_full(const TcpPrepared& p, const TcpBatch& cur) const {
   const uint64_t n = p.lazy && !p.staged ? cur.extents : cur.count;  // staged: gathered by runs
   if (n == 0) return false;
   if (n < opts_.batch_extents) return false;
-  return p.staged || !gathers(cur.bytes, n) || n >= kMaxGatherExtents;
+  return p.staged || !gathers(cur.bytes, n, opts_.gather_below_bytes) || n >= kMaxGatherExtents;
 }
 
 void TcpTransport::cut_plain_batches(TcpPrepared& p, const std::vector<ResolvedExtent>& extents,
@@ -658,6 +658,7 @@ void TcpTransport::send_batch(const std::shared_ptr<TcpPost>& post, uint32_t i, 
   }
   if (prep->op == OpKind::kWrite) {
     m->hdr.payload = b.bytes;
+    m->gather_below = opts_.gather_below_bytes;
     if (encoded) {
       m->hdr.type = static_cast<uint16_t>(FrameType::kWriteZ);
       m->hdr.payload = encoded->bytes.size();
@@ -1000,17 +1001,26 @@ void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::
 
 namespace {
 
-bool registered = register_transport(TransportFactory{
-    "tcp", "TCP sockets: any host to any host (host memory)", [] { return Status::Ok(); },
-    [](const AgentConfig& cfg) -> Result<std::unique_ptr<Transport>> {
-      return std::unique_ptr<Transport>(std::make_unique<TcpTransport>(cfg));
-    },
-    /*priority=*/100});
+TransportFactory tcp_factory() {
+  TransportFactory f;
+  f.name = "tcp";
+  f.description = "TCP sockets: any host to any host (host memory)";
+  f.viable = [] { return Status::Ok(); };
+  f.create = create_with<TcpOptions>([](const AgentConfig&, const TcpOptions& opts) -> Result<std::unique_ptr<Transport>> {
+    return std::unique_ptr<Transport>(std::make_unique<TcpTransport>(opts));
+  });
+  f.priority = 100;
+  f.default_options = default_options_of<TcpOptions>;
+  return f;
+}
+
+bool registered = register_transport(tcp_factory());
 
 }  // namespace
 
-Result<std::unique_ptr<Transport>> create_tcp_transport(const AgentConfig& cfg) {
-  return std::unique_ptr<Transport>(std::make_unique<TcpTransport>(cfg));
+Result<std::unique_ptr<Transport>> create_tcp_transport(const TcpOptions& opts) {
+  PDKV_RETURN_IF_ERROR(opts.validate());
+  return std::unique_ptr<Transport>(std::make_unique<TcpTransport>(opts));
 }
 
 }  // namespace pdkv::tcp

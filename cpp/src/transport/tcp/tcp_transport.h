@@ -21,12 +21,13 @@
 
 #include <memory>
 
-#include "pdkv/config.h"
+#include "pdkv/options/tcp.h"
 #include "pdkv/status.h"
 #include "pdkv/spi/transport.h"
 
 namespace pdkv::tcp {
 
-Result<std::unique_ptr<Transport>> create_tcp_transport(const AgentConfig& cfg);
+// A tcp transport with `opts` (validated), outside any registry lookup (tests).
+Result<std::unique_ptr<Transport>> create_tcp_transport(const TcpOptions& opts);
 
 }  // namespace pdkv::tcp

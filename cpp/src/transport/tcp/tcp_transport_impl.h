@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "pdkv/config.h"
+#include "pdkv/options/tcp.h"
 #include "pdkv/spi/transport.h"
 #include "transport/tcp/admission.h"
 #include "transport/tcp/compress.h"
@@ -36,7 +36,7 @@ namespace pdkv::tcp {
 
 class TcpTransport final : public Transport {
  public:
-  explicit TcpTransport(const AgentConfig& cfg);
+  explicit TcpTransport(const TcpOptions& opts);
   ~TcpTransport() override { shutdown(); }
 
   std::string_view name() const override { return "tcp"; }

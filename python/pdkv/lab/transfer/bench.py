@@ -78,7 +78,7 @@ def serve(args: argparse.Namespace) -> None:
     geo = hetero.target_geometry(args) if args.hetero else models.geometry(args.model, args.blocks)
     # The target offers every transport available here; the initiator picks one.
     agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
-                  tcp=tcp_options(args),
+                  options=[tcp_options(args)],
                   transports=["tcp"] if args.memory == "cuda" else [t for t in available_transports() if t != "cuda_ipc"])
     buf, layout = _pool(agent, geo, None, args.memory)
     agent.add_layout("kv", layout)
@@ -272,7 +272,7 @@ def _run_cases(args: argparse.Namespace, payloads: list[int], quiet: bool = Fals
     try:
         secret = os.environ.get(SECRET_ENV, "pdkv-bench")
         transports = [args.transport] + (["tcp"] if args.transport != "tcp" else [])
-        with Agent("bench-initiator", secret=secret, listen=f"{args.host}:0", tcp=tcp_options(args),
+        with Agent("bench-initiator", secret=secret, listen=f"{args.host}:0", options=[tcp_options(args)],
                    transports=transports) as agent:
             geo = models.geometry(args.model, args.local_blocks)
             src, src_layout = _pool(agent, geo, args.seed, args.memory)
@@ -401,6 +401,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     default=TcpOptions().rcvlowat_bytes, help="tcp SO_RCVLOWAT cap (default 1M; 0 disables)")
     ap.add_argument("--batch-bytes", type=parse_size, default=TcpOptions().batch_bytes,
                     help="tcp payload bytes per wire batch (default 16M)")
+    ap.add_argument("--gather-below", type=lambda v: parse_size(v) if v != "0" else 0,
+                    default=TcpOptions().gather_below_bytes,
+                    help="tcp: gather batches whose extents average fewer bytes (TcpOptions.gather_below_bytes; "
+                    "default 8K; 0: never)")
+    ap.add_argument("--land-below", type=lambda v: parse_size(v) if v != "0" else 0,
+                    default=TcpOptions().land_below_bytes,
+                    help="tcp: land payloads whose extents average fewer bytes in a buffer "
+                    "(TcpOptions.land_below_bytes; default 4K; 0: never)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (local mode: both sides)")
     ap.add_argument("--target", default="", help="HOST:PORT of a `pdkv bench transfer --serve` on another host")
     ap.add_argument("--link", default="", help="run target and initiator on two network namespaces behind an "

@@ -59,7 +59,9 @@ def percentile(xs: list[float], q: float) -> float:
 
 def tcp_options(args: argparse.Namespace) -> TcpOptions:
     return TcpOptions(conns_per_peer=args.conns, progress_threads=args.threads, rcvlowat_bytes=args.rcvlowat,
-                      batch_bytes=args.batch_bytes, tls=bool(getattr(args, "tls_on", False)))
+                      batch_bytes=args.batch_bytes, tls=bool(getattr(args, "tls_on", False)),
+                      gather_below_bytes=getattr(args, "gather_below", TcpOptions().gather_below_bytes),
+                      land_below_bytes=getattr(args, "land_below", TcpOptions().land_below_bytes))
 
 
 def host_view(addr: int, n: int) -> np.ndarray:

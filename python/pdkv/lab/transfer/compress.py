@@ -139,10 +139,10 @@ def run(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
     kv = smollm2_kv()
     try:
         base = dict(conns_per_peer=args.conns, progress_threads=args.threads, batch_bytes=args.batch_bytes)
-        with Agent("bench-plain", secret=secret, listen=f"{args.host}:0", tcp=TcpOptions(**base),
+        with Agent("bench-plain", secret=secret, listen=f"{args.host}:0", options=[TcpOptions(**base)],
                    transports=["tcp"]) as plain, \
                 Agent("bench-zip", secret=secret, listen=f"{args.host}:0",
-                      tcp=TcpOptions(**base, compress=compression(args, geo)), transports=["tcp"]) as zipped:
+                      options=[TcpOptions(**base, compress=compression(args, geo))], transports=["tcp"]) as zipped:
             buf = plain.alloc(geo.pool_bytes).array()
             data = fill_kv(buf, kv, args.seed)
             zipped_buf = zipped.alloc(geo.pool_bytes).array()

@@ -529,7 +529,7 @@ def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> 
     try:
         transports = [args.transport] + (["tcp"] if args.transport != "tcp" else [])
         with Agent("bench-hetero", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=f"{args.host}:0",
-                   tcp=tcp_options(args), transports=transports) as agent:
+                   options=[tcp_options(args)], transports=transports) as agent:
             peer = agent.connect(target.address, transport=args.transport)
             info = agent.peer_info(peer)["layouts"]["kv"].geometry
             if not info == plan.dst_geometry(info.num_blocks).native() or info.num_blocks < blocks:

@@ -78,7 +78,7 @@ def _register_caches(agent: pdkv.Agent, caches) -> list:
 def serve(args: argparse.Namespace) -> None:
     nbytes = args.pool_mib * MIB
     shared = pdkv.Agent("engine-shared", secret=SECRET, transports=["shm"])
-    cma = pdkv.Agent("engine-cma", secret=SECRET, transports=["shm"], shm=pdkv.ShmOptions(share_pages_min_bytes=0))
+    cma = pdkv.Agent("engine-cma", secret=SECRET, transports=["shm"], options=[pdkv.ShmOptions(share_pages_min_bytes=0)])
     fill = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)  # every pool the same bytes
     alloc = shared.alloc(nbytes)
     alloc.array(np.uint8)[:] = fill
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
 def _measure(args: argparse.Namespace, info: dict, nbytes: int) -> dict:
     # Every copy in the posting thread: on a loaded machine the copy thread's
     # scheduling would otherwise dominate the scattered figures.
-    agent = pdkv.Agent("bench-init", secret=SECRET, transports=["shm"], shm=pdkv.ShmOptions(inline_bytes=1 << 30))
+    agent = pdkv.Agent("bench-init", secret=SECRET, transports=["shm"], options=[pdkv.ShmOptions(inline_bytes=1 << 30)])
     local = np.zeros(nbytes, np.uint8)
     lr = agent.register(local, remote_access=False)
     pools = ("alloc", "engine", "engine-cma")
@@ -184,13 +184,13 @@ def _measure(args: argparse.Namespace, info: dict, nbytes: int) -> dict:
         caches = _torch_caches(*args.vllm_geometry)
         _register_caches(agent, caches)
         ons = pdkv.Agent("bench-init-ons", secret=SECRET, transports=["shm"],
-                         shm=pdkv.ShmOptions(inline_bytes=1 << 30, notify_on_send=True))
+                         options=[pdkv.ShmOptions(inline_bytes=1 << 30, notify_on_send=True)])
         ons_caches = _torch_caches(*args.vllm_geometry)
         _register_caches(ons, ons_caches)
         # As deployed: the connector's agent (pdkv's default ShmOptions but
         # notify_on_send) and pdkv bench transfer's (pdkv's defaults).
         dep = pdkv.Agent("bench-init-deployed", secret=SECRET, transports=["shm"],
-                         shm=pdkv.ShmOptions(notify_on_send=True))
+                         options=[pdkv.ShmOptions(notify_on_send=True)])
         dep_caches = _torch_caches(*args.vllm_geometry)
         _register_caches(dep, dep_caches)
         dflt = pdkv.Agent("bench-init-default", secret=SECRET, transports=["shm"])

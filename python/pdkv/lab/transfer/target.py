@@ -48,6 +48,7 @@ def start_target(args: argparse.Namespace, blocks: int) -> Target:
 def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
     cmd = [sys.executable, "-m", "pdkv.lab.transfer.bench", "--serve", "--child", "--model", args.model,
            "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
+           "--gather-below", str(args.gather_below), "--land-below", str(args.land_below),
            "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
            "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else []) + \
         (["--tls-on"] if getattr(args, "tls_on", False) else [])
