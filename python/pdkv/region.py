@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from .errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from .agent import Agent
+
+
+class _Owner(Protocol):
+    """The agent a region is registered with (what a region uses of it)."""
+
+    def _deregister(self, region: "Region") -> None: ...
 
 __all__ = ["Region", "SharedRegion"]
 
@@ -18,7 +22,7 @@ class Region:
     deregisters it, waiting for transfers that use it. Keeps the registered object
     alive while registered."""
 
-    def __init__(self, agent: "Agent", desc: dict, obj: Any) -> None:
+    def __init__(self, agent: _Owner, desc: dict, obj: Any) -> None:
         self._agent = agent
         self._desc = desc
         self._obj = obj

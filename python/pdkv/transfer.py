@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from typing import TYPE_CHECKING, Any, Generator
+from typing import TYPE_CHECKING, Any, Generator, Protocol
 
 from . import _native, _validate
 from .errors import InvalidArgument, PdkvError, error_class
 from .xfer_state import XferState, from_native as _state
 
-if TYPE_CHECKING:  # the classes as the stubs (python/pdkv/_pdkv/__init__.pyi) describe them
+if TYPE_CHECKING:  # the classes as the stubs (python/pdkv/_pdkv.pyi) describe them
     from ._pdkv import Blocks, PlanOptions, StreamOptions, XferOptions
-    from .agent import Agent
 
 __all__ = ["Blocks", "PlanOptions", "XferOptions", "StreamOptions", "Transfer", "PreparedTransfer",
            "StreamingWrite"]
@@ -256,12 +255,19 @@ class _LoopCompletions:
                 fut.set_result(None)
 
 
+class _Poster(Protocol):
+    """The agent a prepared transfer posts on (what it uses of it)."""
+
+    _n: Any  # the native agent
+    _max_notif_bytes: int
+
+
 class PreparedTransfer:
     """A transfer validated and laid out once (``Agent.prepare_*``); post it many times."""
 
     __slots__ = ("_agent", "_n")
 
-    def __init__(self, agent: "Agent", native: Any) -> None:
+    def __init__(self, agent: _Poster, native: Any) -> None:
         self._agent = agent
         self._n = native
 

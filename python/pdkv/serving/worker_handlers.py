@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -18,12 +18,25 @@ import pdkv
 from pdkv.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 
 from .aio import json_error, start_ndjson
-from .engine import FinishReason, RequestHandle, TokenEvent
+from .engine import Engine, FinishReason, RequestHandle, TokenEvent
+from .handoff import KVReceiver, KVSender
 from .protocol import GenerateRequest, KVFailed, PrefillRequest, StreamError, dumps_line
 from .sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from .worker import Worker
+
+
+class HandlerHost(Protocol):
+    """What the handlers use of their :class:`~pdkv.serving.worker.Worker` (a protocol,
+    so that this module does not import the worker that imports it)."""
+
+    config: Any  # WorkerConfig
+    in_flight: int
+    sender: KVSender | None
+    receiver: KVReceiver | None
+
+    def started_engine(self) -> Engine: ...
+
+    async def read_raw(self, request: web.Request) -> bytes: ...
 
 __all__ = ["EngineEvents", "ProtocolHandlers", "failure_message"]
 
@@ -61,11 +74,11 @@ class ProtocolHandlers:
 
     Parameters
     ----------
-    worker : Worker
+    worker : HandlerHost
         Its engine, KV hand-off side (sender or receiver), config and in-flight count.
     """
 
-    def __init__(self, worker: "Worker") -> None:
+    def __init__(self, worker: HandlerHost) -> None:
         self.worker = worker
 
     async def _body(self, request: web.Request) -> Any:
