@@ -16,8 +16,8 @@ SPEC = PoolSpec(layers=1, blocks=8, block_tokens=4, heads=1, head_dim=8)
 
 
 def _waits_left() -> int:
-    """Waits the running loop still tracks (white box: pdkv.agent._LoopCompletions)."""
-    from pdkv.agent import _LoopCompletions
+    """Waits the running loop still tracks (white box: pdkv.transfer._LoopCompletions)."""
+    from pdkv.transfer import _LoopCompletions
 
     return len(_LoopCompletions.of(asyncio.get_running_loop())._waiting)
 

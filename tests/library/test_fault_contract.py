@@ -187,7 +187,7 @@ def test_argument_errors_are_the_same_on_every_transport(agent_pair):
             a.prepare("write", peer, pdkv.Blocks("kv", [0])).post(**bad)
     with pytest.raises(pdkv.InvalidArgument, match="remote block 3 appears twice"):
         a.write(peer, pdkv.Blocks("kv", [0, 1]), pdkv.Blocks("kv", [3, 3]))
-    with pytest.raises(pdkv.InvalidArgument, match="local_blocks"):
+    with pytest.raises(pdkv.InvalidArgument, match="Blocks.ids must be a sequence of integer block ids"):
         a.write(peer, pdkv.Blocks("kv", [0.0]))
     x = a.write(peer, pdkv.Blocks("kv", [0]), pdkv.Blocks("kv", [1]))
     with pytest.raises(pdkv.InvalidArgument, match="timeout"):

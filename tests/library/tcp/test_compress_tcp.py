@@ -344,8 +344,9 @@ def test_peer_killed_mid_transfer_fails_only_that_transfer(tmp_path):
 AUTO_ON_LOOPBACK = textwrap.dedent("""
     import json, sys
     import numpy as np
+    import os
     import pdkv
-    sys.path.insert(0, sys.argv[1])
+    sys.path[:0] = [sys.argv[1], os.path.dirname(os.path.dirname(sys.argv[1]))]  # this folder, tests/ (conftest)
     from test_compress_tcp import agents, kv_like
     op, total, threads = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     src, dst = kv_like(total, "bfloat16"), np.zeros(total, np.uint8)
