@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from pdkv.lab.transfer import peers
+from pdkv.lab.transfer import peer_nixl, peer_pair, peers
 from pdkv.lab.transfer.peers import Workload, available_peers, run_mooncake, run_nixl
 from pdkv.errors import InvalidArgument, NotSupported, PdkvError, TransferTimeout
 
@@ -104,12 +104,12 @@ def test_missing_library_is_not_supported(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_ucx_error_mode_follows_transports() -> None:
-    assert peers._ucx_error_mode({}) == "peer"
-    assert peers._ucx_error_mode({"UCX_TLS": "tcp"}) == "peer"
-    assert peers._ucx_error_mode({"UCX_TLS": "shm"}) == "none"
-    assert peers._ucx_error_mode({"UCX_TLS": "posix,cma,self"}) == "none"
-    assert peers._ucx_error_mode({"UCX_TLS": "shm,tcp"}) == "peer"
-    assert peers._ucx_error_mode({"UCX_TLS": "^tcp"}) == "peer"
+    assert peer_nixl.ucx_error_mode({}) == "peer"
+    assert peer_nixl.ucx_error_mode({"UCX_TLS": "tcp"}) == "peer"
+    assert peer_nixl.ucx_error_mode({"UCX_TLS": "shm"}) == "none"
+    assert peer_nixl.ucx_error_mode({"UCX_TLS": "posix,cma,self"}) == "none"
+    assert peer_nixl.ucx_error_mode({"UCX_TLS": "shm,tcp"}) == "peer"
+    assert peer_nixl.ucx_error_mode({"UCX_TLS": "^tcp"}) == "peer"
 
 
 @pytest.mark.nixl
@@ -147,5 +147,5 @@ def test_deadline_kills_both_children() -> None:
 def test_failing_child_raises_and_leaves_nothing() -> None:
     # A child that dies at start-up fails the run with its log, and nothing stays.
     with pytest.raises(PdkvError, match="no-such-peer-target exited"):
-        peers._run_pair("no-such-peer", SMALL, dict(os.environ), 30.0)
+        peer_pair.run_pair("no-such-peer", SMALL, dict(os.environ), 30.0)
     assert _bench_children() == []

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv.lab.serve import metrics as serve_metrics, trace as serve_trace
+from pdkv.lab.serve import metrics as serve_metrics, trace as serve_trace, trace_dist, trace_gen
 from pdkv.lab.serve.metrics import (
     SCHEMA,
     SLO,
@@ -208,7 +208,7 @@ def test_properties_of_random_timelines(send, rel, ttft, itl, pct):
     assert back.chunk_tokens == r.chunk_tokens and back.output_tokens == r.output_tokens
 
 
-@pytest.mark.parametrize("mod", [serve_metrics, serve_trace], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("mod", [serve_metrics, serve_trace, trace_dist, trace_gen], ids=lambda m: m.__name__)
 def test_docstring_examples(mod):
     res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert res.attempted > 0 and res.failed == 0

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdkv.lab.serve import trace as serve_trace
+from pdkv.lab.serve import trace as serve_trace, trace_dist
 from pdkv.lab.serve.trace import (
     PRESETS,
     Fixed,
@@ -192,7 +192,7 @@ def test_lognormal_clipped(median, sigma, seed):
     # the sample median's standard error is about 1.2533 * median * sigma / sqrt(n).
     assert abs(np.median(x) - median) <= 0.5 + 6 * 1.2533 * median * sigma / math.sqrt(x.size)
     # Mass clipped onto the upper bound matches P(X > hi) (rounding moves the edge by 1/2 token).
-    p_hi = 1 - serve_trace._norm_cdf((math.log(hi - 0.5) - math.log(median)) / sigma)
+    p_hi = 1 - trace_dist._norm_cdf((math.log(hi - 0.5) - math.log(median)) / sigma)
     assert abs((x == hi).mean() - p_hi) < 5 * math.sqrt(max(p_hi * (1 - p_hi), 1e-6) / x.size) + 0.002
     # Sample mean against the exact mean of the clipped law.
     assert abs(x.mean() - d.mean()) < 5 * x.std() / math.sqrt(x.size) + 0.5
