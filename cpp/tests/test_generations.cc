@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "pdkv/spi/generations.h"
-#include "transport/shm/shm_ctl.h"
+#include "transport/shm/wire.h"
 #include "transport/tcp/frame.h"
 
 namespace pdkv {

@@ -7,7 +7,7 @@ import typing
 import typing_extensions
 from . import bench
 from . import netlab
-__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'InitiatorHandshake', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TargetHandshake', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'netlab', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
+__all__: list[str] = ['Agent', 'AgentConfig', 'AgentHooks', 'AgentMetadata', 'Codec', 'CompletionQueue', 'EXTENT_COLUMNS', 'InitiatorHandshake', 'KVGeometry', 'KVLayout', 'MemKind', 'OpKind', 'Peer', 'PreparedTransfer', 'ShmOptions', 'StreamingWrite', 'TargetHandshake', 'TcpCompression', 'TcpOptions', 'TokenOrder', 'Transfer', 'TransportCaps', 'XferState', 'available_transports', 'bench', 'bench_switches', 'buffer_info', 'codec_available', 'codec_checksum_available', 'codec_header_bytes', 'codec_kernels', 'codec_kernels_available', 'codec_peek_frame', 'decode_metadata', 'default_transports', 'dlpack_memory', 'dtype_name', 'dtype_size', 'netlab', 'open_stream', 'plan_blocks', 'pybind11_version', 'register_transport', 'registered_transports', 'set_codec_kernels', 'set_thread_cpus', 'status_code_names', 'thread_cpus']
 class XferState:
     """
     Members:
@@ -555,6 +555,7 @@ class TcpOptions:
     Options of the tcp transport (any host). Units are in the names.
     """
     __hash__: typing.ClassVar[None] = None
+    transport: typing.ClassVar[str] = 'tcp'
     def __copy__(self) -> TcpOptions:
         ...
     def __deepcopy__(self, memo: typing.Any) -> TcpOptions:
@@ -563,7 +564,7 @@ class TcpOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, tls: bool = False, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, max_inbound_conns: int = 1024, max_inbound_per_peer: int = 128, compress: TcpCompression = ...) -> None:
+    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, tls: bool = False, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, max_inbound_conns: int = 1024, max_inbound_per_peer: int = 128, compress: TcpCompression = ..., gather_below_bytes: int = 8192, land_below_bytes: int = 4096) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -624,12 +625,28 @@ class TcpOptions:
     def frame_timeout_s(self, value: float) -> None:
         ...
     @property
+    def gather_below_bytes(self) -> int:
+        """
+        int, bytes (0..2**30): a batch whose extents average fewer bytes is gathered by the sender into staging chunks and sent as one segment (0: never). Measurements: docs/transports.md.
+        """
+    @gather_below_bytes.setter
+    def gather_below_bytes(self, value: int) -> None:
+        ...
+    @property
     def handshake_timeout_s(self) -> float:
         """
         float, seconds (0, 86400]: inbound connections that do not authenticate within this are closed.
         """
     @handshake_timeout_s.setter
     def handshake_timeout_s(self, value: float) -> None:
+        ...
+    @property
+    def land_below_bytes(self) -> int:
+        """
+        int, bytes (0..2**30): a payload whose extents average fewer bytes is landed by the receiver in a buffer, then scattered with streaming stores (0: never).
+        """
+    @land_below_bytes.setter
+    def land_below_bytes(self, value: int) -> None:
         ...
     @property
     def listen_host(self) -> str:
@@ -716,6 +733,7 @@ class ShmOptions:
     Options of the shm transport (same host, one copy).
     """
     __hash__: typing.ClassVar[None] = None
+    transport: typing.ClassVar[str] = 'shm'
     def __copy__(self) -> ShmOptions:
         ...
     def __deepcopy__(self, memo: typing.Any) -> ShmOptions:
@@ -724,7 +742,7 @@ class ShmOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144, share_pages_min_bytes: int = 1048576, notify_on_send: bool = False, allowed_peer_uids: list[int] = []) -> None:
+    def __init__(self, *, copy_threads: int = 1, inline_bytes: int = 262144, share_pages_min_bytes: int = 1048576, notify_on_send: bool = False, allowed_peer_uids: list[int] = [], connect_timeout_s: float = 5.0) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -743,6 +761,14 @@ class ShmOptions:
         """
     @allowed_peer_uids.setter
     def allowed_peer_uids(self, value: list[int]) -> None:
+        ...
+    @property
+    def connect_timeout_s(self) -> float:
+        """
+        float, seconds (0, 86400]: dialing a same-host peer's control socket plus its handshake.
+        """
+    @connect_timeout_s.setter
+    def connect_timeout_s(self, value: float) -> None:
         ...
     @property
     def copy_threads(self) -> int:
@@ -789,7 +815,7 @@ class AgentConfig:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, name: str = '', secret: bytes = b'', accepted_secrets: list[bytes] = [], transports: list[str] = ['tcp'], tcp: TcpOptions = ..., shm: ShmOptions = ..., default_timeout_s: float = 60.0, max_notif_bytes: int = 1048576, max_queued_notifs: int = 65536, max_queued_notif_bytes: int = 67108864, wait_spin_us: int = 50) -> None:
+    def __init__(self, *, name: str = '', secret: bytes = b'', accepted_secrets: list[bytes] = [], transports: list[str] = ['tcp'], options: list[typing.Any] = [], default_timeout_s: float = 60.0, max_notif_bytes: int = 1048576, max_queued_notifs: int = 65536, max_queued_notif_bytes: int = 67108864, wait_spin_us: int = 50) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """
@@ -850,28 +876,20 @@ class AgentConfig:
     def name(self, value: str) -> None:
         ...
     @property
+    def options(self) -> typing.Any:
+        """
+        list: options of transports, at most one per transport (TcpOptions(...), ShmOptions(...), a Python transport's options); a transport without any gets its defaults. The getter returns copies.
+        """
+    @options.setter
+    def options(self, value: list[typing.Any]) -> None:
+        ...
+    @property
     def secret(self) -> typing.Any:
         """
         bytes (at most 1024): the cluster secret this agent proves knowledge of in every handshake (never sent); empty: a random one.
         """
     @secret.setter
     def secret(self, value: bytes) -> None:
-        ...
-    @property
-    def shm(self) -> ShmOptions:
-        """
-        ShmOptions: options of the shm transport.
-        """
-    @shm.setter
-    def shm(self, value: ShmOptions) -> None:
-        ...
-    @property
-    def tcp(self) -> TcpOptions:
-        """
-        TcpOptions: options of the tcp transport.
-        """
-    @tcp.setter
-    def tcp(self, value: TcpOptions) -> None:
         ...
     @property
     def transports(self) -> list[str]:
@@ -1068,6 +1086,10 @@ class TargetHandshake:
         ...
 def available_transports() -> list[str]:
     ...
+def bench_switches() -> list:
+    """
+    The benchmark switches (cpp/src/util/bench_switches.h): dicts of name, values, meaning, default and the value in force ('' when unset), read once per process.
+    """
 def buffer_info(arg0: typing.Any) -> tuple[int, int, bool, bool]:
     ...
 def codec_available(arg0: str) -> bool:
@@ -1098,7 +1120,7 @@ def open_stream(agent: Agent, peer: str, local_layout: str, local_ids: collectio
     """
 def plan_blocks(local: KVLayout, local_ids: typing.Any, remote: KVLayout, remote_ids: typing.Any, num_tokens: typing.SupportsInt | typing.SupportsIndex = 0, num_heads: typing.SupportsInt | typing.SupportsIndex = 0, local_head_offset: typing.SupportsInt | typing.SupportsIndex = 0, remote_head_offset: typing.SupportsInt | typing.SupportsIndex = 0, distinct: str = '', first_layer: typing.SupportsInt | typing.SupportsIndex = 0, num_layers: typing.SupportsInt | typing.SupportsIndex = 0) -> list:
     ...
-def register_transport(name: str, description: str, priority: typing.Any, viable: typing.Any, create: typing.Any, metadata_via: str = '') -> None:
+def register_transport(name: str, description: str, priority: typing.Any, viable: typing.Any, create: typing.Any, metadata_via: str = '', options: typing.Any = None) -> None:
     ...
 def registered_transports() -> list[str]:
     ...
