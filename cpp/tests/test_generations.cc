@@ -12,7 +12,7 @@
 
 #include "pdkv/spi/generations.h"
 #include "transport/shm/wire.h"
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 
 namespace pdkv {
 namespace {

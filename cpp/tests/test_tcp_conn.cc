@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "transport/tcp/conn.h"
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 #include "transport/tcp/handshake.h"
 #include "transport/tcp/out_msg.h"
 #include "util/socket.h"

@@ -1,11 +1,13 @@
 // CudaIpcTransport: the cuda_ipc Transport (see cuda_ipc_transport.cc for how it
-// works) and the files it is split into, top-down:
+// works) and the files it is split into, in the roles every transport folder shares
+// (docs/architecture.md, "One shape per transport folder"):
 //   cuda_ipc_transport.cc  start-up and shutdown, metadata, prepare (mapping) and post
+//   conn.h                 a control connection and the mappings opened through one
 //   handshake.cc           the importer's side of the control handshake (ctl_to)
 //   progress.cc            the control thread (accept, frames, deadlines, revocation)
 //                          and the completion thread
-//   conn.h                 a control connection and the mappings opened through one
-//   wire.h                 control frames and their limits (fuzzed)
+//   wire.h                 control frames, their limits and decoders (pure, fuzzed)
+// cuda_ipc has no options (its factory registers none), so no options.cc.
 //
 // Thread safety: see pdkv/spi/transport.h; mu_ guards the shared state (noted below).
 #pragma once

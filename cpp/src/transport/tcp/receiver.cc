@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "transport/tcp/compress.h"
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 #include "transport/tcp/progress.h"
 #include "transport/tcp/scatter.h"
 #include "transport/tcp/tcp_transport_impl.h"
@@ -250,7 +250,7 @@ bool FrameReceiver::on_header(const std::shared_ptr<TcpConn>& c) {
   rx(c).hdr_got = 0;
   const FrameHeader& h = rx(c).cur;
   // One place decides what may arrive here, and how large, before anything is
-  // allocated (frame.h, docs/wire.md).
+  // allocated (wire.h, docs/wire.md).
   const ConnState state{c->outbound() ? ConnRole::kOutbound : ConnRole::kInbound,
                         c->outbound() || c->authed() ? ConnPhase::kOpen
                         : rx(c).proof                ? ConnPhase::kProofWait

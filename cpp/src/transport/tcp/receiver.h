@@ -3,7 +3,7 @@
 // initiator side of acks, read responses and errors).
 //
 // A frame arrives in up to three stages (conn.h RxStage): the 40-byte header, which
-// frame.h's check_header() validates for this connection's role and phase before
+// wire.h's check_header() validates for this connection's role and phase before
 // anything is allocated; the control bytes (extent descriptors and aux); and the
 // payload, which is received straight into the destination extents (host memory;
 // small extents through a landing chunk, see out_msg.h),
