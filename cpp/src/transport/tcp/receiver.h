@@ -25,6 +25,10 @@
 // those threads (or encoded and not yet sent); at that many, reading the connection
 // pauses.
 //
+// The class is defined in two files: receiver.cc (the byte stream, headers, the
+// handshake and the other control frames) and receiver_data.cc (data requests: reads
+// answered, write payloads received into place, staged or decoded, and their acks).
+//
 // Thread safety: every function runs with the connection's receive lock held
 // (TcpConn::lock_rx: the owner thread, or a caller driving its own transfer),
 // except finish_decode, finish_read_decode and encode_reply, which run on a decode
@@ -152,5 +156,9 @@ class FrameReceiver {
 
   TcpTransport& t_;
 };
+
+// An ack carrying a refused part's status and message: the connection stays
+// (receiver.cc).
+std::unique_ptr<OutMsg> failed_ack(const FrameHeader& h, const Status& why);
 
 }  // namespace pdkv::tcp

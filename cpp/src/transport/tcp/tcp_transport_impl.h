@@ -11,8 +11,9 @@
 //   device_staging.h  device memory through pinned buffers
 //   transfer_parts.h  prepared transfers, posts and parts in flight
 //   out_msg.h, scatter.h, compress.h, guard.h, admission.h, tls.h
-// and itself holds the peers' connection slots, prepare/post/cancel, and the
-// teardown of a connection (kill), which every part may need.
+// and itself holds the peers' connection slots and the teardown of a connection
+// (kill), which every part may need (tcp_transport.cc), prepare (prepare.cc), and
+// post/notify/cancel (post.cc).
 //
 // Thread safety: the Transport methods as pdkv/transport.h says; the services below
 // from any thread, with the locking each states.
