@@ -74,7 +74,7 @@ def engine_memory(kind: str):
 
 def run_target(args: argparse.Namespace) -> None:
     shm = pdkv.ShmOptions(share_pages_min_bytes=0) if args.kind == "off" else None
-    agent = pdkv.Agent("engine", secret=args.secret, transports=["shm", "tcp"], **({"shm": shm} if shm else {}))
+    agent = pdkv.Agent("engine", secret=args.secret, transports=["shm", "tcp"], options=[shm] if shm else [])
     if args.kind == "alloc":
         region = agent.alloc(NBYTES)
         view = region.array(np.uint8)

@@ -11,8 +11,8 @@
 #include <thread>
 
 #include "pdkv/spi/generations.h"
-#include "transport/shm/shm_ctl.h"
-#include "transport/tcp/frame.h"
+#include "transport/shm/wire.h"
+#include "transport/tcp/wire.h"
 
 namespace pdkv {
 namespace {

@@ -155,11 +155,13 @@ TEST(AgentConfig, HoldsOneDeepCopiedOptionsObjectPerTransport) {
   EXPECT_EQ(options_as<ShmOptions>(*a.options.find("tcp")).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Options naming a transport that nobody registered.
+struct Stray : TransportOptionsOf<Stray> {
+  static constexpr std::string_view kTransport = "no-such-transport";
+  Status validate() const override { return Status::Ok(); }
+};
+
 TEST(AgentConfig, AgentCreateRefusesOptionsOfAnUnknownTransport) {
-  struct Stray : TransportOptionsOf<Stray> {
-    static constexpr std::string_view kTransport = "no-such-transport";
-    Status validate() const override { return Status::Ok(); }
-  };
   AgentConfig c;
   c.name = "opts-stray";
   c.options.set(Stray{});

@@ -19,7 +19,7 @@
 #include "planner_rows.h"
 #include "pdkv/kv_layout.h"
 #include "pdkv/spi/transport.h"
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 
 namespace pdkv {
 namespace {

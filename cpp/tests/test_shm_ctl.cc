@@ -3,9 +3,9 @@
 
 #include <string>
 
-#include "transport/cuda_ipc/cuda_ipc_ctl.h"
+#include "transport/cuda_ipc/wire.h"
 #include "transport/shm/ctl_guard.h"
-#include "transport/shm/shm_ctl.h"
+#include "transport/shm/wire.h"
 
 namespace pdkv {
 namespace {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "transport/tcp/conn.h"
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 #include "transport/tcp/handshake.h"
 #include "transport/tcp/out_msg.h"
 #include "util/socket.h"
@@ -143,6 +143,7 @@ TEST(TcpOutMsg, SmallExtentsAreGatheredAndSentBitExact) {
   m.aux = "notif";
   m.data = ext.data();
   m.ndata = ext.size();
+  m.gather_below = TcpOptions{}.gather_below_bytes;
   m.finalize();
   ASSERT_TRUE(m.gather);
   ASSERT_GT(expect.size(), kStageBytes);  // the stage is refilled
@@ -182,6 +183,7 @@ TEST(TcpOutMsg, GatheringIsForSmallExtentsOnly) {
   OutMsg m;
   m.hdr = make_hdr(FrameType::kReadResp, 1, 0);
   m.own_iov = ext;
+  m.gather_below = o.gather_below_bytes;
   m.finalize();
   ASSERT_TRUE(m.gather);
   const size_t cost = m.cost();

@@ -1,4 +1,4 @@
-// The tcp frame rules (transport/tcp/frame.h) and the listener guards (guard.h).
+// The tcp frame rules (transport/tcp/wire.h) and the listener guards (guard.h).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "transport/tcp/compress.h"
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 #include "transport/tcp/out_msg.h"
 #include "transport/tcp/guard.h"
 

@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "pdkv/options/tcp.h"
 #include "transport/tcp/out_msg.h"
 #include "transport/tcp/scatter.h"
 #include "util/piece_copy.h"
@@ -232,6 +233,7 @@ TEST(TcpScatterRuns, OutMsgGathersSmallPiecesAndListsLargeOnes) {
   std::vector<char> pool(1 << 20);
   OutMsg small;
   small.own_runs.push_back(PieceRun{pool.data(), 512, 100, 1024});
+  small.gather_below = TcpOptions{}.gather_below_bytes;
   small.finalize();
   EXPECT_TRUE(small.gather);
   EXPECT_TRUE(small.own_iov.empty());
@@ -239,6 +241,7 @@ TEST(TcpScatterRuns, OutMsgGathersSmallPiecesAndListsLargeOnes) {
 
   OutMsg large;
   large.own_runs.push_back(PieceRun{pool.data(), 16384, 10, 32768});
+  large.gather_below = TcpOptions{}.gather_below_bytes;
   large.finalize();
   EXPECT_FALSE(large.gather);
   EXPECT_EQ(large.ndata, 10u);

@@ -2,7 +2,7 @@
 // transport/tcp/scatter.h resume at every byte boundary of small two-level shapes
 // (both nesting orders: repetitions after each other, and repetitions interleaved in
 // the inner gaps), against the pieces listed by brute force; make_run folds what
-// touches; the receiver's checks (frame.h check_strided2_extents, check_header) take
+// touches; the receiver's checks (wire.h check_strided2_extents, check_header) take
 // well-formed descriptors and name every violation.
 #include <gtest/gtest.h>
 
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 #include "transport/tcp/scatter.h"
 
 namespace pdkv::tcp {

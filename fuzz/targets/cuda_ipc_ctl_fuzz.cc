@@ -1,11 +1,11 @@
-// libFuzzer target: the cuda_ipc control-frame decoder (transport/cuda_ipc/cuda_ipc_ctl.h).
+// libFuzzer target: the cuda_ipc control-frame decoder (transport/cuda_ipc/wire.h).
 // Input: byte 0 picks the reading side, the rest is a stream of frames.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string_view>
 
-#include "transport/cuda_ipc/cuda_ipc_ctl.h"
+#include "transport/cuda_ipc/wire.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace pdkv::cuda_ipc;

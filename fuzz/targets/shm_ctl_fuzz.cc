@@ -1,4 +1,4 @@
-// libFuzzer target: the shm control-frame decoder (transport/shm/shm_ctl.h).
+// libFuzzer target: the shm control-frame decoder (transport/shm/wire.h).
 // Input: byte 0 picks the reading side (CtlSide), the rest is a stream of frames
 // (24-byte header + aux) decoded as the transport would, stopping at the first error.
 #include <cstddef>
@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string_view>
 
-#include "transport/shm/shm_ctl.h"
+#include "transport/shm/wire.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace pdkv::shm;

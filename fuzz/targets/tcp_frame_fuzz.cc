@@ -1,4 +1,4 @@
-// libFuzzer target: a tcp byte stream as a receiver sees it (transport/tcp/frame.h).
+// libFuzzer target: a tcp byte stream as a receiver sees it (transport/tcp/wire.h).
 //
 // Byte 0 picks the connection's role and phase and the notification limit; the rest is
 // a stream of frames (header, extents, aux, payload) run through the same checks the
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "transport/tcp/compress.h"
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 #include "transport/tcp/scatter.h"
 
 using namespace pdkv::tcp;

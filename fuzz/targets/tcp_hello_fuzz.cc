@@ -1,10 +1,10 @@
-// libFuzzer target: the handshake bodies (transport/tcp/frame.h): hello, challenge,
+// libFuzzer target: the handshake bodies (transport/tcp/wire.h): hello, challenge,
 // and the proof / hello-ack MAC.
 // Invariants: no crash; whatever decodes re-encodes to the same bytes.
 #include <cstdint>
 #include <string_view>
 
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 
 using namespace pdkv::tcp;
 

@@ -1,5 +1,6 @@
-"""One contract, every transport: the same tests against tcp, shm, the in-tree example
-(``loopback``, python/pdkv/backends/example.py) and nixl (when NIXL is installed).
+"""One contract, every transport: the same tests against tcp, shm, the in-tree examples
+(``inproc`` in C++, cpp/src/transport/example/; ``loopback`` in Python,
+python/pdkv/backends/example.py) and nixl (when NIXL is installed).
 
 Each test makes two agents that enable only the transport under test (plus what it
 exchanges metadata through) and forces it for the peer, so a pass says that
@@ -27,7 +28,7 @@ from pdkv.transport import Transport, register_transport
 
 from conftest import SECRET
 
-TRANSPORTS = ["tcp", "shm", "loopback", pytest.param("nixl", marks=pytest.mark.nixl)]
+TRANSPORTS = ["tcp", "shm", "inproc", "loopback", pytest.param("nixl", marks=pytest.mark.nixl)]
 N = 1 << 20
 
 
@@ -139,7 +140,7 @@ def test_default_order_comes_from_priorities():
     order = _native.module().default_transports()
     native = [t for t in ("cuda_ipc", "shm", "tcp") if t in pdkv.available_transports()]
     assert [t for t in order if t in native] == native  # 300, 200, 100
-    assert "loopback" not in order  # priority 0: only when named
+    assert "loopback" not in order and "inproc" not in order  # priority 0: only when named
     from pdkv import backends
 
     assert ("nixl" in order) == (backends.rdma_device_present() and importlib.util.find_spec("nixl") is not None)

@@ -239,7 +239,7 @@ def main() -> None:
     spec = PoolSpec(**json.loads(args.spec))
     transports = args.transports.split(",")
     tcp = pdkv.TcpOptions(stage_chunk_bytes=args.stage_chunk, stage_buffers=2) if args.stage_chunk else None
-    agent = pdkv.Agent(args.name, secret=args.secret, transports=transports, **({"tcp": tcp} if tcp else {}))
+    agent = pdkv.Agent(args.name, secret=args.secret, transports=transports, options=[tcp] if tcp else [])
     pool = DevicePool(cuda, spec, args.seed, args.alloc) if args.memory == "device" else HostPool(spec, args.seed)
     pool.register(agent)
 

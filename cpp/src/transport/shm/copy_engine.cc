@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "pdkv/spi/transfer_control.h"
-#include "transport/shm/shm_conn.h"
+#include "transport/shm/conn.h"
 #include "util/piece_copy.h"
 #include "util/socket.h"
 #include "util/thread_name.h"

@@ -22,7 +22,7 @@
 
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
-#include "transport/shm/shm_conn.h"
+#include "transport/shm/conn.h"
 
 namespace pdkv::shm {
 

@@ -18,7 +18,7 @@
 
 #include "pdkv/status.h"
 #include "pdkv/spi/transport.h"
-#include "transport/shm/shm_conn.h"
+#include "transport/shm/conn.h"
 
 namespace pdkv::shm {
 

@@ -22,7 +22,7 @@
 // Peer faults never fail prepare(): connecting and confirming happen when a
 // transfer is first posted, and their errors fail that transfer.
 //
-// Protocol: shm_ctl.h and docs/wire.md.
+// Protocol: wire.h and docs/wire.md.
 //
 // Files: shm_transport_impl.h lists them.
 #include <fcntl.h>
@@ -55,8 +55,8 @@
 #include "pdkv/spi/registry.h"
 #include "transport/shm/copy_ops.h"
 #include "transport/shm/remote_region.h"
-#include "transport/shm/shm_ctl.h"
-#include "transport/shm/shm_dial.h"
+#include "transport/shm/wire.h"
+#include "transport/shm/handshake.h"
 #include "transport/shm/shm_transport_impl.h"
 #include "util/bytes.h"
 #include "util/log.h"

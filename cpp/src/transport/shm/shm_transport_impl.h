@@ -1,14 +1,18 @@
 // ShmTransport: the shm Transport (see shm_transport.cc for how it works) and
-// the files it is split into:
+// the files it is split into. The roles every transport folder shares
+// (docs/architecture.md, "One shape per transport folder") first:
 //   shm_transport.cc  start-up and shutdown, binding and posting (the initiator)
-//   shm_progress.cc   the progress thread: accepting, reading control frames,
+//   conn.h            one control connection, its state and its lock order
+//   handshake.h       the initiator's blocking handshake
+//   progress.cc       the progress thread: accepting, reading control frames,
 //                     deadlines, the initiator's answers, kill()
-//   shm_target.cc     what this agent does as a peer's target: authenticate its
+//   wire.h            control frames, their limits and decoders (pure, fuzzed)
+//   options.cc        ShmOptions::validate (pdkv/options/shm.h)
+// then shm's own:
+//   target.cc         what this agent does as a peer's target: authenticate its
 //                     hello, answer region and lease requests, take notifications,
 //                     revoke regions on deregistration
-//   shm_dial.h        the initiator's blocking handshake
 //   peer_identity.h   who the peer is, as the kernel says (SO_PEERCRED, uid policy, pidfd)
-//   shm_conn.h        one control connection, its state and its lock order
 //   remote_region.h   confirming a peer's region before first use, acking revokes
 //   copy_ops.h        a bound transfer's copy ops, built from its runs (bounds checked)
 //   copy_engine.h     the copies themselves and the copy threads
@@ -33,7 +37,7 @@
 #include "pdkv/spi/transport.h"
 #include "transport/shm/copy_engine.h"
 #include "transport/shm/ctl_guard.h"
-#include "transport/shm/shm_conn.h"
+#include "transport/shm/conn.h"
 #include "util/socket.h"
 
 namespace pdkv::shm {

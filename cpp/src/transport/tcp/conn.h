@@ -184,7 +184,7 @@ class TcpConn : public std::enable_shared_from_this<TcpConn> {
   bool reading_paused() const {
     return rx_paused_.load(std::memory_order_acquire) || decode_paused_.load(std::memory_order_acquire);
   }
-  // A compressed batch of this connection went to the decode threads (receiver.cc);
+  // A compressed batch of this connection went to the decode threads (receiver_data.cc);
   // at kDecodeAhead (compress.h) of them reading pauses until decode_done().
   // Any thread (take smu_).
   void decode_started();

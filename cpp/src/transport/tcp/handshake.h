@@ -25,7 +25,7 @@
 
 #include "pdkv/spi/auth.h"
 #include "pdkv/status.h"
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 #include "transport/tcp/tls.h"
 #include "util/socket.h"
 

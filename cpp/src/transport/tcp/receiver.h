@@ -3,7 +3,7 @@
 // initiator side of acks, read responses and errors).
 //
 // A frame arrives in up to three stages (conn.h RxStage): the 40-byte header, which
-// frame.h's check_header() validates for this connection's role and phase before
+// wire.h's check_header() validates for this connection's role and phase before
 // anything is allocated; the control bytes (extent descriptors and aux); and the
 // payload, which is received straight into the destination extents (host memory;
 // small extents through a landing chunk, see out_msg.h),
@@ -24,6 +24,10 @@
 // thread (compress.h Encoder). At most kDecodeAhead of them per connection are at
 // those threads (or encoded and not yet sent); at that many, reading the connection
 // pauses.
+//
+// The class is defined in two files: receiver.cc (the byte stream, headers, the
+// handshake and the other control frames) and receiver_data.cc (data requests: reads
+// answered, write payloads received into place, staged or decoded, and their acks).
 //
 // Thread safety: every function runs with the connection's receive lock held
 // (TcpConn::lock_rx: the owner thread, or a caller driving its own transfer),
@@ -152,5 +156,9 @@ class FrameReceiver {
 
   TcpTransport& t_;
 };
+
+// An ack carrying a refused part's status and message: the connection stays
+// (receiver.cc).
+std::unique_ptr<OutMsg> failed_ack(const FrameHeader& h, const Status& why);
 
 }  // namespace pdkv::tcp

@@ -1,13 +1,19 @@
 // TcpTransport: the Transport implementation (tcp_transport.h) and the services
-// its parts share. It wires together:
+// its parts share. It wires together, in the roles every transport folder shares
+// (docs/architecture.md, "One shape per transport folder"):
+//   conn.h            one connection: its queues, tables, locks and lock order
 //   handshake.h       dialling a peer (blocking, on the posting thread)
 //   progress.h        the epoll threads that own connections (accept, back-pressure,
 //                     deadlines) and their FrameReceiver (receiver.h)
-//   conn.h            one connection: its queues, tables, locks and lock order
+//   wire.h            the frames, their rules and decoders (pure, fuzzed)
+//   options.cc        TcpOptions::validate (pdkv/options/tcp.h)
+// and tcp's own:
 //   device_staging.h  device memory through pinned buffers
 //   transfer_parts.h  prepared transfers, posts and parts in flight
-// and itself holds the peers' connection slots, prepare/post/cancel, and the
-// teardown of a connection (kill), which every part may need.
+//   out_msg.h, scatter.h, compress.h, guard.h, admission.h, tls.h
+// and itself holds the peers' connection slots and the teardown of a connection
+// (kill), which every part may need (tcp_transport.cc), prepare (prepare.cc), and
+// post/notify/cancel (post.cc).
 //
 // Thread safety: the Transport methods as pdkv/transport.h says; the services below
 // from any thread, with the locking each states.
@@ -26,7 +32,7 @@
 #include "transport/tcp/compress.h"
 #include "transport/tcp/conn.h"
 #include "transport/tcp/device_staging.h"
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 #include "transport/tcp/guard.h"
 #include "transport/tcp/progress.h"
 #include "transport/tcp/transfer_parts.h"

@@ -3,7 +3,7 @@
 // flight, and the regions the peer confirmed from us.
 //
 // Roles: an outbound connection is ours to a target (we copy into its regions); an
-// inbound one is a peer's to us (it copies into ours). Frames: shm_ctl.h.
+// inbound one is a peer's to us (it copies into ours). Frames: wire.h.
 //
 // Ownership: identity (fd, direction, peer pid, hello deadline) is fixed at
 // construction; the receive state is private and assembled by read_frame(); the
@@ -44,7 +44,7 @@
 #include "pdkv/status.h"
 #include "pdkv/transfer.h"
 #include "pdkv/spi/transport.h"
-#include "transport/shm/shm_ctl.h"
+#include "transport/shm/wire.h"
 
 namespace pdkv::shm {
 
@@ -145,7 +145,7 @@ struct ShmShared {
 
 class ShmConn {
  public:
-  // A connection this agent dialled and authenticated (shm_dial.h) to agent
+  // A connection this agent dialled and authenticated (handshake.h) to agent
   // `peer_name`, whose process is `peer_pid` (SO_PEERCRED), pinned by `peer_pidfd`
   // (owned).
   static std::shared_ptr<ShmConn> dialled(int fd, std::string desc, std::string peer_name, pid_t peer_pid,

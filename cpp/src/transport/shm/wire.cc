@@ -1,4 +1,4 @@
-#include "transport/shm/shm_ctl.h"
+#include "transport/shm/wire.h"
 
 #include "pdkv/metadata.h"
 #include "util/bytes.h"

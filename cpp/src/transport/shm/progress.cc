@@ -1,7 +1,7 @@
 // ShmTransport's progress thread: one epoll thread that accepts same-host peers,
 // reads every control connection (frames are checked by check_ctl_header before
 // anything is allocated), hands each complete frame to the target side
-// (shm_target.cc) or the initiator side (below: region and lease answers,
+// (target.cc) or the initiator side (below: region and lease answers,
 // notification acks, revokes), and enforces the deadlines: a hello within
 // kHandshakeTimeoutS, a started frame within kFrameTimeoutS, block leases within
 // their hold time, notification acks within their transfer's deadline. kill()
@@ -28,7 +28,7 @@
 
 #include "transport/shm/peer_identity.h"
 #include "transport/shm/remote_region.h"
-#include "transport/shm/shm_ctl.h"
+#include "transport/shm/wire.h"
 #include "transport/shm/shm_transport_impl.h"
 #include "util/log.h"
 #include "util/socket.h"

@@ -1,4 +1,4 @@
-#include "transport/cuda_ipc/cuda_ipc_ctl.h"
+#include "transport/cuda_ipc/wire.h"
 
 #include "pdkv/metadata.h"
 #include "util/bytes.h"

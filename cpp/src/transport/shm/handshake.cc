@@ -1,4 +1,4 @@
-#include "transport/shm/shm_dial.h"
+#include "transport/shm/handshake.h"
 
 #include <dirent.h>
 

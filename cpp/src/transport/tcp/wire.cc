@@ -1,4 +1,4 @@
-#include "transport/tcp/frame.h"
+#include "transport/tcp/wire.h"
 
 #include <cstdio>
 #include <cstring>

@@ -2,14 +2,14 @@
 // back-off after failures), answers its region requests from the region table as
 // it is now (recording which regions it confirmed), grants and ends block leases,
 // delivers its notifications, and on deregistration revokes a region at every peer
-// that confirmed it. The initiator's side is in shm_transport.cc, shm_progress.cc, remote_region.cc.
+// that confirmed it. The initiator's side is in shm_transport.cc, progress.cc, remote_region.cc.
 #include <sys/epoll.h>
 #include <unistd.h>
 
 #include <chrono>
 
 #include "pdkv/metadata.h"
-#include "transport/shm/shm_ctl.h"
+#include "transport/shm/wire.h"
 #include "util/bytes.h"
 #include "transport/shm/shm_transport_impl.h"
 #include "util/log.h"

@@ -1,4 +1,4 @@
-#include "transport/shm/shm_conn.h"
+#include "transport/shm/conn.h"
 
 #include <sys/mman.h>
 #include <sys/socket.h>
