@@ -135,7 +135,7 @@ def _observable(stack, url: str) -> dict:
     w = stack.workers[url]
     eng = w.engine
     return {"role": w.role.value, "steps": eng.num_steps, "free": eng.num_free_blocks,
-            "waiting": eng.num_waiting, "running": eng.num_running, "in_flight": w._in_flight,
+            "waiting": eng.num_waiting, "running": eng.num_running, "in_flight": w.in_flight,
             "sender_peers": dict(w.sender._peers) if w.sender is not None else {},
             "links": w.links(), "draining": getattr(w.registration, "state", "serving")}
 
