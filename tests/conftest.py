@@ -17,6 +17,13 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# Test modules import helpers from test modules of other folders (the tcp wire helpers
+# of tests/library/tcp/test_bad_input.py, ...): every test folder is importable, whatever
+# was collected first (one file alone, or an xdist worker). Basenames are unique.
+for _dir, _subdirs, _files in sorted(os.walk(HERE)):
+    _subdirs[:] = [d for d in _subdirs if d not in ("__pycache__", "fakecuda")]
+    if _dir != HERE and any(f.startswith("test_") and f.endswith(".py") for f in _files):
+        sys.path.append(_dir)
 
 
 @pytest.fixture(scope="session")

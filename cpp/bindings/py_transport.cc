@@ -438,7 +438,15 @@ TransportFactory python_factory(const std::string& name, const std::string& desc
   };
   py::handle oc;
   if (!options_cls.is_none()) {
-    oc = leak(std::move(options_cls));
+    // Borrowed: the module's `_transport_options` dict holds the class, so it is freed
+    // with the module when the interpreter finalizes (after atexit handlers, when no
+    // agent is created any more). Leaked from C++ instead, the class would never be
+    // freed, and the code CPython compiled for it (a dataclass's __init__) would be
+    // reported by LeakSanitizer in every process that imports the Python transports.
+    py::module_ mod = py::module_::import("pdkv._pdkv");
+    if (!py::hasattr(mod, "_transport_options")) mod.attr("_transport_options") = py::dict();
+    mod.attr("_transport_options")[py::str(name)] = options_cls;
+    oc = options_cls;
     f.default_options = [oc, name]() -> std::unique_ptr<TransportOptions> {
       py::gil_scoped_acquire gil;
       return python_options(oc(), name);

@@ -340,4 +340,8 @@ class Agent(AgentMemory, AgentTransfers):
     def __repr__(self) -> str:
         if self._closed:
             return "Agent(closed)"
-        return f"Agent({self.name!r}, transports={self.transports}, address={self.address!r})"
+        try:
+            where = f"address={self.address!r}"
+        except InvalidArgument:  # no tcp endpoint
+            where = "no tcp endpoint"
+        return f"Agent({self.name!r}, transports={self.transports}, {where})"

@@ -511,3 +511,11 @@ def test_idle_agent_uses_no_cpu():
         t1 = _pdkv_thread_ticks()
         used = sum(t1.get(tid, 0) - t0.get(tid, 0) for tid in t1)
         assert used <= 2, f"pdkv's threads used {used * 10} ms of CPU in one idle second: {t1}"
+
+
+def test_repr_names_the_address_or_its_absence():
+    with pdkv.Agent("with-tcp", transports=["tcp"]) as a:
+        assert repr(a) == f"Agent('with-tcp', transports=['tcp'], address={a.address!r})"
+    assert repr(a) == "Agent(closed)"
+    with pdkv.Agent("no-tcp", transports=["loopback"]) as b:  # repr must not raise
+        assert repr(b) == "Agent('no-tcp', transports=['loopback'], no tcp endpoint)"
