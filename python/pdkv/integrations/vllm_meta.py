@@ -69,6 +69,8 @@ class _Recv:
     error: str | None = None
     #: The worker's: the pdkv layout the pull went through (for stats_path).
     layout: str = ""
+    #: Prompt tokens decode's own prefix cache held already (not pulled).
+    local_hit_tokens: int = 0
 
 
 @dataclass
@@ -77,6 +79,10 @@ class _Release:
 
     remote_agents: list[str]
     remote_request_id: str
+    #: Prompt tokens decode's own prefix cache held when nothing is pulled because of
+    #: it (``cached``); a release for another reason (an abort) has ``cached`` False.
+    local_hit_tokens: int = 0
+    cached: bool = False
 
 
 @dataclass
@@ -115,21 +121,32 @@ class PdkvConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"transfer_s": [], "bytes": [], "failed": 0}
+        self.data = {"transfer_s": [], "bytes": [], "failed": 0, "pulled_tokens": 0, "local_hit_tokens": 0,
+                     "pulls_avoided": 0}
 
-    def record(self, seconds: float, nbytes: int) -> None:
+    def record(self, seconds: float, nbytes: int, *, tokens: int = 0, local_hit_tokens: int = 0) -> None:
+        """A pull of ``tokens`` prompt tokens (``nbytes``) that decode's prefix cache did
+        not hold; ``local_hit_tokens`` it held already and did not pull."""
         self.data["transfer_s"].append(float(seconds))
         self.data["bytes"].append(int(nbytes))
+        self.data["pulled_tokens"] += int(tokens)
+        self.data["local_hit_tokens"] += int(local_hit_tokens)
+
+    def record_avoided(self, local_hit_tokens: int) -> None:
+        """A request whose whole prompt decode's prefix cache held: nothing pulled."""
+        self.data["pulls_avoided"] += 1
+        self.data["local_hit_tokens"] += int(local_hit_tokens)
 
     def aggregate(self, other: KVConnectorStats) -> "PdkvConnectorStats":
         if not other.is_empty():
             self.data["transfer_s"] += other.data["transfer_s"]
             self.data["bytes"] += other.data["bytes"]
-            self.data["failed"] += other.data["failed"]
+            for key in ("failed", "pulled_tokens", "local_hit_tokens", "pulls_avoided"):
+                self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
         return self
 
     def is_empty(self) -> bool:
-        return not self.data["transfer_s"] and not self.data["failed"]
+        return not self.data["transfer_s"] and not self.data["failed"] and not self.data.get("pulls_avoided")
 
     def reduce(self) -> dict[str, int | float]:
         t = sorted(self.data["transfer_s"])
@@ -141,6 +158,9 @@ class PdkvConnectorStats(KVConnectorStats):
             "P90 pull time (ms)": round(1e3 * t[min(len(t) - 1, int(0.9 * len(t)))], 3) if t else 0,
             "MB pulled": round(total_mb, 1),
             "Throughput (MB/s)": round(total_mb / sum(t), 1) if t and sum(t) > 0 else 0,
+            "Prompt tokens pulled": self.data.get("pulled_tokens", 0),
+            "Prompt tokens cached on decode (not pulled)": self.data.get("local_hit_tokens", 0),
+            "Pulls avoided (whole prompt cached)": self.data.get("pulls_avoided", 0),
         }
 
 def _extra(vllm_config: "VllmConfig") -> dict[str, Any]:

@@ -107,6 +107,7 @@ class PdkvConnectorScheduler:
         self.agents: list[str] = []
         self._recv: dict[str, _Recv] = {}
         self._release: dict[str, _Release] = {}
+        self._local_hit: dict[str, int] = {}  # request id -> decode's prefix-cache hit (tokens), until alloc
         self.held = _HeldBlocks()
         self._finish: list[tuple[str, list[int]]] = []
         policy = vllm_config.kv_transfer_config.kv_load_failure_policy
@@ -148,6 +149,7 @@ class PdkvConnectorScheduler:
         params = request.kv_transfer_params
         if not self._pull_params(params):
             return 0, False
+        self._local_hit[request.request_id] = num_computed_tokens
         count = self._loaded_end(request, params) - num_computed_tokens
         if count <= 0:
             # vLLM recomputes the last prompt token itself when every token is loaded.
@@ -171,16 +173,18 @@ class PdkvConnectorScheduler:
         params["do_remote_prefill"] = False  # one pull per request, even if rescheduled
         agents = list(params["remote_agents"])
         rid = str(params["remote_request_id"])
-        if num_external_tokens <= 0:
-            # Everything is cached here already: prefill may free its blocks.
-            self._release[request.request_id] = _Release(agents, rid)
-            return
         end = self._loaded_end(request, params)
+        local_hit = self._local_hit.pop(request.request_id, 0)
+        if num_external_tokens <= 0:
+            # Nothing to pull (all cached here, or decode computes the rest): prefill may free its blocks.
+            self._release[request.request_id] = _Release(agents, rid, local_hit_tokens=local_hit,
+                                                         cached=local_hit >= end)
+            return
         start = end - num_external_tokens  # local prefix-cache hits are whole blocks
         remote_bs = self._remote_block_size(params) or 0
         recv = _Recv(local_block_ids=[], remote_block_ids=[], remote_agents=agents, remote_request_id=rid,
                      expires_at=float(params.get("remote_expires_at") or 0.0), num_tokens=num_external_tokens,
-                     remote_block_size=remote_bs)
+                     remote_block_size=remote_bs, local_hit_tokens=start)
         try:
             span = pull_span(start, end, self.block_size, remote_bs)
         except pdkv.InvalidArgument as e:  # get_num_new_matched_tokens declined these; be safe anyway
@@ -233,6 +237,7 @@ class PdkvConnectorScheduler:
             # Decode request finished (aborted) before its blocks were allocated:
             # nothing was pulled, let prefill free its blocks now.
             params["do_remote_prefill"] = False
+            self._local_hit.pop(request.request_id, None)
             self._release[request.request_id] = _Release(list(params["remote_agents"]),
                                                          str(params["remote_request_id"]))
             return False, None

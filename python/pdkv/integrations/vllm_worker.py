@@ -261,6 +261,8 @@ class PdkvConnectorWorker:
         for req_id, block_ids in meta.reqs_to_finish:
             self._finishing.append((req_id, self._bumper.submit(self._bump, block_ids)))
         for req_id, rel in meta.reqs_to_release.items():
+            if rel.cached:
+                self.stats.record_avoided(rel.local_hit_tokens)
             self._release(rel.remote_agents, rel.remote_request_id)
         now = time.perf_counter()
         for req_id, r in meta.reqs_to_recv.items():
@@ -374,7 +376,7 @@ class PdkvConnectorWorker:
                 self._fail(req_id, r, addr, err, xfer)
                 continue
             self._done_recving.add(req_id)
-            self.stats.record(xfer.elapsed, xfer.bytes_total)
+            self.stats.record(xfer.elapsed, xfer.bytes_total, tokens=r.num_tokens, local_hit_tokens=r.local_hit_tokens)
             self._record(req_id, r, xfer, None, time.perf_counter() - t_seen)
 
     def _fail(self, req_id: str, r: _Recv, addr: str | None, err: BaseException,
@@ -418,7 +420,8 @@ class PdkvConnectorWorker:
         row = {"request_id": req_id, "remote_request_id": r.remote_request_id, "blocks": len(r.local_block_ids),
                "remote_blocks": len(r.remote_block_ids), "block_size": self.block_size,
                "remote_block_size": r.remote_block_size or self.block_size, "layout": r.layout or None,
-               "tokens": r.num_tokens, "bytes": xfer.bytes_total if xfer is not None else 0,
+               "tokens": r.num_tokens, "local_hit_tokens": r.local_hit_tokens,
+               "bytes": xfer.bytes_total if xfer is not None else 0,
                "transfer_s": xfer.elapsed if xfer is not None and err is None else None,
                "seen_to_done_s": seconds, "transport": xfer.transport if xfer is not None else None,
                "compression": xfer.compression if xfer is not None else None,

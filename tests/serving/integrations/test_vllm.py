@@ -179,6 +179,7 @@ def test_local_prefix_hit_pulls_only_the_rest(deploy):
     ans = deploy["proxy"].complete(prompt, MAX_NEW)
     pull = _wait_pull(deploy, ans["id"])
     assert pull["error"] is None and pull["blocks"] == 1 and pull["tokens"] == 44, pull
+    assert pull["local_hit_tokens"] == 2 * BLOCK, pull  # what decode's prefix cache held: not moved
     assert _tokens(ans) == _tokens(deploy["prefill"].complete(prompt, MAX_NEW))
 
 

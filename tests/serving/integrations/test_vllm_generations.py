@@ -273,9 +273,30 @@ def test_prefix_hit_on_a_prefill_block_boundary_pulls_the_rest():
         assert _pull(decode, "d", _finish(prefill, "a", remote, n), local, cached=BIG) == set()
         assert _same(_request_tokens(decode, local, BIG, n), _request_tokens(prefill, remote, BIG, n))
         assert _same(_request_tokens(decode, local, 0, BIG), cached)
+        # the connector's stats count what moved and what decode's cache saved
+        assert decode.worker.stats.data["pulled_tokens"] == n - BIG
+        assert decode.worker.stats.data["local_hit_tokens"] == BIG
+        assert decode.worker.stats.reduce()["Prompt tokens cached on decode (not pulled)"] == BIG
     finally:
         decode.close()
         prefill.close()
+
+
+def test_whole_prompt_cached_on_decode_pulls_nothing_and_is_counted(pd):
+    """Decode's prefix cache holds every prompt token prefill computed: no pull, prefill
+    frees its blocks, and the stats count the avoided pull and the tokens it saved."""
+    prefill, decode = pd
+    params = _finish(prefill, "a", [1, 2], 2 * TOKENS)
+    req = SimpleNamespace(request_id="d", kv_transfer_params=dict(params), num_prompt_tokens=2 * TOKENS + 1)
+    assert decode.sched.get_num_new_matched_tokens(req, 2 * TOKENS) == (0, False)
+    decode.sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],)), 0)
+    decode.step()  # sends the release
+    prefill.until(lambda r: "a" in r[0], "release of a")
+    data = decode.worker.stats.data
+    assert (data["pulls_avoided"], data["local_hit_tokens"], data["pulled_tokens"], data["bytes"]) == \
+        (1, 2 * TOKENS, 0, [])
+    merged = type(decode.worker.stats)()
+    assert merged.aggregate(decode.worker.stats).data["pulls_avoided"] == 1
 
 
 def test_prefix_hit_inside_a_prefill_block_is_computed_not_pulled():

@@ -161,3 +161,178 @@ def test_bench_table_and_percentiles():
     lines = table([row]).splitlines()
     assert lines[0].startswith("| connector | KV pull p50 (ms)")
     assert lines[2] == "| pdkv (shm) | 6.7 | 21.4 | 296.0 | 410.0 | 16 | 320 | 19/20 | 0.03 |"
+
+
+# ---------------------------------------------------------------- faults (issue 31)
+def _fault_app(handler) -> web.Application:
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    app.router.add_post("/v1/chat/completions", handler)
+    return app
+
+
+async def _dead_url() -> str:
+    """A URL where nothing listens (a port just released)."""
+    runner, url = await _serve(web.Application())
+    await runner.cleanup()
+    return url
+
+
+def _run_faults(prefill_app, decode_app, body: dict, *, dead: str = "", stream_until_done: bool = False,
+                **proxy_kw) -> tuple[int, object, list]:
+    """Serves the two fakes (or a dead URL for ``dead`` = "prefill"/"decode") behind the
+    proxy, posts ``body`` and returns (status, JSON answer or streamed text, seen)."""
+    async def main():
+        runners, urls = [], {}
+        try:
+            for role, app in (("prefill", prefill_app), ("decode", decode_app)):
+                if dead == role:
+                    urls[role] = await _dead_url()
+                else:
+                    r, urls[role] = await _serve(app)
+                    runners.append(r)
+            proxy, purl = await _serve(make_app([urls["prefill"]], [urls["decode"]], **proxy_kw))
+            runners.append(proxy)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(purl + "/v1/completions", json=body) as r:
+                    if stream_until_done:
+                        text = b""
+                        async for chunk in r.content.iter_any():
+                            text += chunk
+                            if b"[DONE]" in text:
+                                break  # leave before the stream ends
+                        r.close()
+                        await asyncio.sleep(0.5)  # the proxy writes the rest to a gone client
+                        return r.status, text.decode()
+                    return r.status, await r.json(content_type=None)
+        finally:
+            for r in reversed(runners):
+                await r.cleanup()
+
+    return asyncio.run(main())
+
+
+def _no_tracebacks(caplog) -> None:
+    bad = [r for r in caplog.records if r.exc_info or r.levelname == "ERROR" or "Traceback" in r.getMessage()]
+    assert bad == [], [r.getMessage() for r in bad]
+
+
+def _openai_error(body, status: int) -> str:
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert err["code"] == status and isinstance(err["message"], str) and err["type"], err
+    return err["message"]
+
+
+def test_prefill_down_is_an_openai_503_with_one_log_line(caplog):
+    seen: list = []
+    status, body = _run_faults(None, _fake_vllm("decode", seen), {"prompt": [1], "max_tokens": 3}, dead="prefill")
+    assert status == 503
+    assert "no prefill instance answered" in _openai_error(body, 503)
+    assert seen == []
+    _no_tracebacks(caplog)
+    assert sum("did not answer" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_prefill_down_falls_back_to_decode_when_asked(caplog):
+    seen: list = []
+    status, body = _run_faults(None, _fake_vllm("decode", seen), {"prompt": [1], "max_tokens": 3}, dead="prefill",
+                               fallback="decode")
+    assert status == 200 and body["choices"][0]["text"] == "hello"
+    (role, _path, d_body), = seen
+    assert role == "decode" and "kv_transfer_params" not in d_body  # decode prefills it itself
+    _no_tracebacks(caplog)
+
+
+def test_frozen_prefill_times_out_to_504_or_the_fallback(caplog):
+    async def frozen(request: web.Request) -> web.Response:
+        await asyncio.sleep(3)  # past the proxy's 0.5 s prefill deadline
+        return web.json_response({})
+
+    seen: list = []
+    status, body = _run_faults(_fault_app(frozen), _fake_vllm("decode", seen), {"prompt": [1], "max_tokens": 3},
+                               prefill_timeout_s=0.5)
+    assert status == 504 and seen == []
+    _openai_error(body, 504)
+    status, body = _run_faults(_fault_app(frozen), _fake_vllm("decode", seen), {"prompt": [1], "max_tokens": 3},
+                               prefill_timeout_s=0.5, fallback="decode")
+    assert status == 200 and [r for r, _, _ in seen] == ["decode"]
+    _no_tracebacks(caplog)
+
+
+def test_keepalive_connection_closed_by_the_instance_is_retried(caplog):
+    """The second request finds the pooled connection closed by prefill without an
+    answer (what a vLLM that was frozen does to idle keep-alive connections): the
+    proxy retries it once on a new connection and the client never sees it."""
+    calls = {"n": 0}
+
+    async def flaky(request: web.Request) -> web.Response:
+        calls["n"] += 1
+        await request.read()
+        if calls["n"] == 2:
+            request.transport.close()  # drop the connection, no answer
+            await asyncio.sleep(0.1)
+        return web.json_response({"id": "p", "choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+
+    seen: list = []
+
+    async def main():
+        runners = []
+        try:
+            rp, up = await _serve(_fault_app(flaky))
+            rd, ud = await _serve(_fake_vllm("decode", seen))
+            rx, ux = await _serve(make_app([up], [ud]))
+            runners += [rp, rd, rx]
+            out = []
+            async with aiohttp.ClientSession() as s:
+                for _ in range(2):
+                    async with s.post(ux + "/v1/completions", json={"prompt": [1], "max_tokens": 2}) as r:
+                        out.append((r.status, await r.json()))
+            return out
+        finally:
+            for r in reversed(runners):
+                await r.cleanup()
+
+    out = asyncio.run(main())
+    assert [st for st, _ in out] == [200, 200], out
+    assert calls["n"] == 3  # one retry
+    assert len(seen) == 2 and all(b["kv_transfer_params"] == PARAMS for _, _, b in seen)
+    _no_tracebacks(caplog)
+
+
+def test_decode_errors_are_json_and_decode_down_is_502(caplog):
+    async def plain500(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="Internal Server Error")
+
+    seen: list = []
+    status, body = _run_faults(_fake_vllm("prefill", seen), _fault_app(plain500), {"prompt": [1], "max_tokens": 3})
+    assert status == 500 and "Internal Server Error" in _openai_error(body, 500)
+    status, body = _run_faults(_fake_vllm("prefill", seen), None, {"prompt": [1], "max_tokens": 3}, dead="decode")
+    assert status == 502
+    _openai_error(body, 502)
+    _no_tracebacks(caplog)
+
+
+def test_bad_bodies_get_openai_400s():
+    seen: list = []
+    status, body = _run_faults(_fake_vllm("prefill", seen), _fake_vllm("decode", seen), ["not", "an", "object"])
+    assert status == 400
+    _openai_error(body, 400)
+    assert seen == []
+
+
+def test_client_leaving_after_done_is_quiet(caplog):
+    async def done_then_more(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: {\"choices\": [{\"text\": \"a\"}]}\n\ndata: [DONE]\n\n")
+        await asyncio.sleep(0.2)
+        await resp.write(b": trailing keep-alive comment\n\n" * 64)
+        return resp
+
+    seen: list = []
+    status, text = _run_faults(_fake_vllm("prefill", seen), _fault_app(done_then_more),
+                               {"prompt": [1], "max_tokens": 3, "stream": True}, stream_until_done=True)
+    assert status == 200 and "[DONE]" in text
+    _no_tracebacks(caplog)
