@@ -227,9 +227,11 @@ class KVRouting:
         if found is None:
             return None
         url, tokens = found
-        hashes = self.index.chain(plan.prompt, url, tokens // max(self.index.block_tokens(url), 1))
+        bt = max(self.index.block_tokens(url), 1)
+        start = have // bt  # the blocks the prefill worker lacks: from the first one neither holds
+        hashes = self.index.chain(plan.prompt, url, tokens // bt)[start:]
         lease_id = f"{rid}.lease"
-        body = {"lease_id": lease_id, "hashes": hashes, "ttl_s": self.config.kv_timeout_s + 5.0}
+        body = {"lease_id": lease_id, "hashes": hashes, "ttl_s": self.config.kv_timeout_s + 5.0, "start": start}
         try:
             async with self._client.post(url + "/pd/kv_lease", body, timeout=aiohttp.ClientTimeout(
                     total=self.config.connect_timeout_s + 2.0)) as r:
@@ -239,7 +241,7 @@ class KVRouting:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             log.info("lease of %d blocks at %s failed: %s: %s", len(hashes), url, type(e).__name__, e)
             raw = None
-        lease = check_lease(raw.get("lease") if isinstance(raw, dict) else None, lease_id, len(hashes))
+        lease = check_lease(raw.get("lease") if isinstance(raw, dict) else None, lease_id, start, len(hashes))
         if lease is None or not lease["blocks"]:
             self.m_leases.inc(("failed" if lease is None else "empty",))
             if raw is not None:
@@ -276,15 +278,17 @@ class KVRouting:
                 pass
 
 
-def check_lease(v: Any, lease_id: str, max_blocks: int) -> dict[str, Any] | None:
-    """``v`` if it is a well-formed ``KVLease`` for ``lease_id`` covering at most
-    ``max_blocks`` blocks, else None (the prefill worker validates it again)."""
+def check_lease(v: Any, lease_id: str, start: int, num_hashes: int) -> dict[str, Any] | None:
+    """``v`` if it is a well-formed ``KVLease`` for ``lease_id`` covering prompt blocks
+    within ``[start, start + num_hashes)`` (what was asked), else None (the prefill
+    worker validates it again)."""
     if not isinstance(v, dict) or v.get("lease_id") != lease_id:
         return None
-    blocks, gens, start, bt = v.get("blocks"), v.get("generations"), v.get("start"), v.get("block_tokens")
+    blocks, gens, first, bt = v.get("blocks"), v.get("generations"), v.get("start"), v.get("block_tokens")
     if not isinstance(blocks, list) or not isinstance(gens, list) or len(gens) != len(blocks):
         return None
-    if type(start) is not int or start < 0 or start + len(blocks) > max_blocks or type(bt) is not int or bt < 1:
+    if type(first) is not int or first < start or first + len(blocks) > start + num_hashes or type(bt) is not int \
+            or bt < 1:
         return None
     if not all(type(b) is int and b >= 0 for b in blocks) or not all(type(g) is int and g >= 0 for g in gens):
         return None
