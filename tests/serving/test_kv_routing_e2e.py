@@ -15,11 +15,30 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
 
-from pdkv.serving.engine import Engine  # noqa: E402
-from pdkv.serving.models import load_model  # noqa: E402
-from servers import Stack, completion_ids, get, post, reference, sget, tiny  # noqa: E402,F401 - tiny: a fixture
+import dataclasses  # noqa: E402
 
-HAS_PREFIX_CACHE = hasattr(Engine, "cache_snapshot")
+from pdkv.serving.aio import ServerThread  # noqa: E402
+from pdkv.serving.engine import Engine, EngineConfig  # noqa: E402
+from pdkv.serving.models import load_model  # noqa: E402
+from pdkv.serving.worker import Worker, WorkerConfig  # noqa: E402
+from servers import (SECRET, Stack, completion_ids, get, post, reference, sget,  # noqa: E402
+                     tiny)  # noqa: F401 - tiny: a fixture
+
+HAS_PREFIX_CACHE = hasattr(Engine, "cache_snapshot") and \
+    "prefix_cache" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def _worker(s: Stack, tiny, role: str) -> str:
+    """Stack.worker with the engine's prefix cache on (where the engine has one)."""
+    eng = EngineConfig(num_blocks=96, block_tokens=4, mode="colocated", max_batch_tokens=64, max_num_seqs=8,
+                       num_threads=1, **({"prefix_cache": True} if HAS_PREFIX_CACHE else {}))
+    w = Worker(tiny.model, WorkerConfig(role=role, engine=eng, model_name=tiny.name, secret=SECRET),
+               model_dir=str(tiny.model_dir))
+    t = ServerThread(w)
+    url = t.start()
+    s.threads.append(t)
+    s.workers[url] = w
+    return url
 
 
 def _index_blocks(proxy: str) -> dict[str, int]:
@@ -33,6 +52,11 @@ def _index_blocks(proxy: str) -> dict[str, int]:
     return out
 
 
+def _up(proxy: str) -> dict[str, bool]:
+    _status, text = get(proxy + "/health")
+    return {w["url"]: w["up"] for w in json.loads(text)["workers"]}
+
+
 def _wait(cond, timeout: float = 20.0) -> None:
     t0 = time.monotonic()
     while not cond():
@@ -44,9 +68,9 @@ def _wait(cond, timeout: float = 20.0) -> None:
 def fleet(tiny):
     s = Stack()
     try:
-        s.p = s.worker(tiny, "prefill")
-        s.d0 = s.worker(tiny, "decode")
-        s.d1 = s.worker(tiny, "decode")
+        s.p = _worker(s, tiny, "prefill")
+        s.d0 = _worker(s, tiny, "decode")
+        s.d1 = _worker(s, tiny, "decode")
         s.px = s.proxy("disagg", prefill=[s.p], decode=[s.d0, s.d1], routing="kv", kv_events_interval_s=0.05)
         yield s
     finally:
@@ -106,9 +130,9 @@ def test_a_request_goes_to_the_decode_worker_holding_its_prefix(tiny, fleet):
 def test_a_dead_decode_worker_leaves_the_index_and_gets_no_request(tiny):
     s = Stack()
     try:
-        p = s.worker(tiny, "prefill")
-        d0 = s.worker(tiny, "decode")
-        d1 = s.worker(tiny, "decode")
+        p = _worker(s, tiny, "prefill")
+        d0 = _worker(s, tiny, "decode")
+        d1 = _worker(s, tiny, "decode")
         px = s.proxy("disagg", prefill=[p], decode=[d0, d1], routing="kv", kv_events_interval_s=0.05,
                      liveness_s=0.2, probe_timeout_s=0.5, down_cooldown_s=60.0)
         _, st = completion_ids(px, tiny.name, tiny.prompts[3], user="carol")
@@ -116,7 +140,8 @@ def test_a_dead_decode_worker_leaves_the_index_and_gets_no_request(tiny):
         other = d1 if gone == d0 else d0
         _wait(lambda: gone in _index_blocks(px))
         s.stop(gone)
-        _wait(lambda: gone not in _index_blocks(px))     # a missed probe or poll drops its entries
+        _wait(lambda: gone not in _index_blocks(px))     # a failed poll drops its entries
+        _wait(lambda: not _up(px)[gone])                 # and a missed probe takes it out of rotation
         for prompt, ref in zip(tiny.prompts, tiny.refs):
             ids, st = completion_ids(px, tiny.name, prompt, user="carol")
             assert ids == ref and st["decode_worker"] == other and st["retries"] == 0
