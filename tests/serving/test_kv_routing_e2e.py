@@ -147,3 +147,58 @@ def test_a_dead_decode_worker_leaves_the_index_and_gets_no_request(tiny):
             assert ids == ref and st["decode_worker"] == other and st["retries"] == 0
     finally:
         s.close()
+
+
+def _has_pull() -> bool:
+    try:
+        import pdkv.serving.kv_pull  # noqa: F401
+    except ImportError:
+        return False
+    return HAS_PREFIX_CACHE
+
+
+def _metric(url: str, name: str) -> float:
+    _status, text = get(url + "/metrics")
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name))
+
+
+@pytest.mark.skipif(not _has_pull(), reason="the workers cannot lease or pull KV (pdkv.serving.kv_pull)")
+def test_a_third_workers_prefix_is_leased_and_pulled_when_the_holder_is_busy(tiny):
+    from pdkv.serving.kv_pull import PullConfig
+
+    s = Stack()
+    try:
+        eng = dict(num_blocks=96, block_tokens=4, mode="colocated", max_batch_tokens=64, max_num_seqs=8,
+                   num_threads=1, prefix_cache=True)
+        urls = []
+        for role, kw in (("prefill", {"kv_pull": PullConfig(policy="always", timeout_s=5.0)}), ("decode", {}),
+                         ("decode", {})):
+            w = Worker(tiny.model, WorkerConfig(role=role, engine=EngineConfig(**eng), model_name=tiny.name,
+                                                secret=SECRET, **kw), model_dir=str(tiny.model_dir))
+            t = ServerThread(w)
+            urls.append(t.start())
+            s.threads.append(t)
+        p, d0, d1 = urls
+        px = s.proxy("disagg", prefill=[p], decode=[d0, d1], routing="kv", kv_events_interval_s=0.05,
+                     kv_load_tokens=1000)
+        proxy = s.threads[-1].server
+        prompt = [(5 + 17 * i) % 90 + 7 for i in range(33)]
+        body = {"ignore_eos": True}
+        first, st = completion_ids(px, tiny.name, prompt, max_tokens=10, **body)
+        holder = st["decode_worker"]
+        other = d1 if holder == d0 else d0
+        # The holder keeps prompt + answer (42 tokens of KV: 10 blocks); the prefill worker the prompt's 8.
+        _wait(lambda: _index_blocks(px).get(holder, 0) >= 10 and _index_blocks(px).get(p, 0) >= 8)
+        next(w for w in proxy.backend.decode.workers if w.url == holder).in_flight += 5   # busy: decode elsewhere
+        longer = prompt + first + [21, 22, 23, 24, 25]
+        ref = reference(load_model(tiny.model_dir, dtype="float32", attn_implementation="sdpa"), [longer], 6,)[0]
+        try:
+            ids, st = completion_ids(px, tiny.name, longer, max_tokens=6, ignore_eos=True)
+        finally:
+            next(w for w in proxy.backend.decode.workers if w.url == holder).in_flight -= 5
+        assert ids == ref
+        assert st["decode_worker"] == other and st["extra"]["kv_lease_worker"] == holder
+        assert _metric(px, 'pdkv_kv_leases_total{result="ok"}') == 1
+        assert _metric(p, "pdkv_kv_pulled_tokens_total") >= 8    # at least the blocks the prefill lacked
+    finally:
+        s.close()
