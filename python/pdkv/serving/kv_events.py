@@ -33,10 +33,12 @@ The route is under ``/pd/``: only callers with the cluster credential may read i
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -54,6 +56,8 @@ log = logging.getLogger("pdkv.serving")
 EVENT_KINDS = ("stored", "evicted", "cleared")
 #: Longest ``epoch`` a query may carry (the log's own are 16 hex digits).
 MAX_EPOCH_CHARS = 64
+#: Seconds a sorted snapshot serves the pages after its first.
+SNAPSHOT_REUSE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,7 @@ class KVEventLog:
         self._seq = 0           # the last event's number (0: none yet)
         self.dropped = 0        # events forgotten to stay within the caps
         self.refused = 0        # malformed events from the engine (logged, not kept)
+        self._sorted: tuple[float, list[str]] | None = None  # (when, the last snapshot sorted)
 
     @property
     def seq(self) -> int:
@@ -209,10 +214,22 @@ class KVEventLog:
                     n += len(e.hashes)
                     last = e.seq
                 return {**head, "seq": last, "events": events, "more": last < seq}
-        # A snapshot page: ``seq`` read before the hashes (see the module docstring).
-        hashes = sorted(h for h in self._snapshot() if h > q.after) if q.after else sorted(self._snapshot())
-        page = hashes[:self.max_response_hashes]
-        return {**head, "seq": seq, "snapshot": page, "more": len(hashes) > len(page)}
+        # A snapshot page: ``seq`` read before the hashes (see the module docstring). The
+        # sorted snapshot is kept for the next pages (SNAPSHOT_REUSE_S): one sort per
+        # snapshot, not per page. Pages of an older snapshot are as good as fresh ones:
+        # the proxy replays the events from its first page's seq on.
+        now = time.monotonic()
+        with self._lock:
+            cached = self._sorted
+        if q.after and cached is not None and now - cached[0] < SNAPSHOT_REUSE_S:
+            hashes = cached[1]
+        else:
+            hashes = sorted(self._snapshot())
+            with self._lock:
+                self._sorted = (now, hashes)
+        i = bisect.bisect_right(hashes, q.after) if q.after else 0
+        page = hashes[i:i + self.max_response_hashes]
+        return {**head, "seq": seq, "snapshot": page, "more": i + len(page) < len(hashes)}
 
     async def handle(self, request: web.Request) -> web.Response:
         """``GET /pd/kv_events`` (400 for a malformed query)."""

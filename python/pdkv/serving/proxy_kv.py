@@ -37,7 +37,7 @@ import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import aiohttp
@@ -68,7 +68,6 @@ class RoutePlan:
     decode_tokens: int = 0            # what the chosen decode worker holds
     lease: dict[str, Any] | None = None
     lease_worker: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class KVRouting:
@@ -122,7 +121,7 @@ class KVRouting:
         """What every worker in rotation holds of ``prompt``."""
         now = self._clock()
         urls = [w.url for w in self.prefill.workers + self.decode.workers if w.usable(now)]
-        return RoutePlan(list(prompt), self.index.match(prompt, urls), session[:MAX_SESSION_CHARS])
+        return RoutePlan(prompt, self.index.match(prompt, urls), session[:MAX_SESSION_CHARS])
 
     def _order(self, pool: WorkerPool) -> dict[str, int]:
         self._rr += 1
