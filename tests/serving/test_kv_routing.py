@@ -279,3 +279,39 @@ def test_a_failed_lease_means_no_src_and_the_prefill_runs(status, answer, result
     assert f'result="{result}"}} 1' in f.metric("pdkv_kv_leases_total")
     # An answered but unusable lease is released at once.
     assert len(fw.bodies["release"]) == (1 if status == 200 else 0)
+
+
+# ---------------------------------------------------------------- flags and config
+def test_proxy_flags_reach_the_config():
+    from pdkv.errors import InvalidArgument
+    from pdkv.serving.cli import _proxy_config, build_parser
+    from pdkv.serving.proxy_config import Routing
+
+    base = ["proxy", "--prefill", P0, "--decode", D0, "--secret", "s"]
+    cfg = _proxy_config(build_parser().parse_args(base))
+    assert cfg.routing is Routing.ROUND_ROBIN and cfg.kv_events_interval_s == 0.25
+    assert cfg.kv_snapshot_interval_s == 10.0 and cfg.kv_load_tokens == 128
+    cfg = _proxy_config(build_parser().parse_args(base + ["--routing", "kv", "--kv-events-interval", "0.5",
+                                                          "--kv-snapshot-interval", "3", "--kv-load-tokens", "7"]))
+    assert (cfg.routing, cfg.kv_events_interval_s, cfg.kv_snapshot_interval_s, cfg.kv_load_tokens) == \
+        (Routing.KV, 0.5, 3.0, 7)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(base + ["--routing", "random"])
+    for bad in ({"routing": "nope"}, {"kv_events_interval_s": 0}, {"kv_snapshot_interval_s": -1},
+                {"kv_load_tokens": -1}):
+        with pytest.raises(InvalidArgument, match=next(iter(bad))):
+            ProxyConfig("disagg", prefill=[P0], decode=[D0], **bad)
+
+
+def test_session_ids_are_validated():
+    from pdkv.serving.openai_api import APIError, Endpoint, parse_request, session_id
+
+    assert parse_request({"model": "m", "prompt": [1], "user": "alice"}, Endpoint.COMPLETIONS).user == "alice"
+    assert parse_request({"model": "m", "prompt": [1]}, Endpoint.COMPLETIONS).user == ""
+    for bad in (7, "x" * 257, ["a"], "\ud800"):
+        with pytest.raises(APIError) as e:
+            parse_request({"model": "m", "prompt": [1], "user": bad}, Endpoint.COMPLETIONS)
+        assert e.value.status == 400 and e.value.param == "user"
+    assert session_id(None, "X-Session-Id") == ""
+    with pytest.raises(APIError, match="X-Session-Id"):
+        session_id("y" * 300, "X-Session-Id")

@@ -110,6 +110,9 @@ def test_a_session_stays_on_its_workers_and_outputs_equal_generate(tiny, fleet):
             assert len(seen) == 1, (who, seen)
     status, obj = post(fleet.px + "/v1/completions", {"model": tiny.name, "prompt": [5], "user": "x" * 300})
     assert status == 400 and obj["error"]["param"] == "user"
+    status, obj = post(fleet.px + "/v1/completions", {"model": tiny.name, "prompt": [5]},
+                       headers={"X-Session-Id": "z" * 300})
+    assert status == 400 and obj["error"]["param"] == "X-Session-Id"
 
 
 @pytest.mark.skipif(not HAS_PREFIX_CACHE, reason="the engine has no prefix cache (Engine.cache_snapshot)")

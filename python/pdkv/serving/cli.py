@@ -345,21 +345,28 @@ class _ReadyProxy:
         await self.proxy.close()
 
 
-def _run_proxy(args: argparse.Namespace) -> int:
-    from .aio import run_until_signal
-    from .proxy import Proxy, ProxyConfig
+def _proxy_config(args: argparse.Namespace) -> Any:
+    """The :class:`~pdkv.serving.proxy_config.ProxyConfig` of ``pdkv serve proxy``'s flags."""
+    from .proxy_config import ProxyConfig
     from .rerole import RerolePolicy
 
     decode = ",".join(x for x in (args.decode, args.workers) if x)
-    cfg = ProxyConfig(mode=args.mode, prefill=args.prefill, decode=decode, hybrid_threshold=args.hybrid_threshold,
-                      tokenizer=args.tokenizer, kv_timeout_s=args.kv_timeout, connect_timeout_s=args.connect_timeout,
-                      read_timeout_s=args.read_timeout, headers_timeout_s=args.headers_timeout,
-                      liveness_s=args.liveness, probe_timeout_s=args.probe_timeout, retries=args.retries,
-                      max_body_bytes=args.max_body_bytes, registry=args.registry,
-                      secret=args.secret, api_keys=tuple(args.api_key) if args.api_key else None,
-                      rerole=RerolePolicy.from_plan(args.rerole) if args.rerole else None, routing=args.routing,
-                      kv_events_interval_s=args.kv_events_interval, kv_snapshot_interval_s=args.kv_snapshot_interval,
-                      kv_load_tokens=args.kv_load_tokens)
+    return ProxyConfig(
+        mode=args.mode, prefill=args.prefill, decode=decode, hybrid_threshold=args.hybrid_threshold,
+        tokenizer=args.tokenizer, kv_timeout_s=args.kv_timeout, connect_timeout_s=args.connect_timeout,
+        read_timeout_s=args.read_timeout, headers_timeout_s=args.headers_timeout, liveness_s=args.liveness,
+        probe_timeout_s=args.probe_timeout, retries=args.retries, max_body_bytes=args.max_body_bytes,
+        registry=args.registry, secret=args.secret, api_keys=tuple(args.api_key) if args.api_key else None,
+        rerole=RerolePolicy.from_plan(args.rerole) if args.rerole else None, routing=args.routing,
+        kv_events_interval_s=args.kv_events_interval, kv_snapshot_interval_s=args.kv_snapshot_interval,
+        kv_load_tokens=args.kv_load_tokens)
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from .aio import run_until_signal
+    from .proxy import Proxy
+
+    cfg = _proxy_config(args)
     proxy = Proxy(cfg, limits=_limits(args))
     if cfg.registry is not None:  # an elastic pool: workers may register after the proxy starts
         return run_until_signal(proxy, args.host, args.port, ready_file=args.ready_file,
