@@ -135,7 +135,8 @@ def test_log_refuses_a_malformed_engine_event_and_forces_a_snapshot(caplog):
 @pytest.mark.parametrize("q, word", [({"since": "-1"}, "since"), ({"since": "x"}, "since"), ({"epoch": "a b"}, "epoch"),
                                      ({"epoch": "e" * 65}, "epoch"), ({"snapshot": "2"}, "snapshot"),
                                      ({"snapshot": "1", "after": "zz"}, "after"), ({"after": HS[0]}, "after"),
-                                     ({"bogus": "1"}, "bogus"), ({"since": "9" * 30}, "since")])
+                                     ({"bogus": "1"}, "bogus"), ({"since": "9" * 30}, "since"),
+                                     ({"since": "\u00b2"}, "since"), ({"epoch": "\u00e9t\u00e9"}, "epoch")])
 def test_log_query_validation_names_the_parameter(q, word):
     with pytest.raises(InvalidArgument, match=word):
         parse_query(q)
@@ -404,3 +405,57 @@ def test_poller_refuses_an_oversized_body_and_drops_on_errors():
     poller = KVIndexPoller(idx, client, lambda: list(ws), max_body_bytes=1024)  # type: ignore[arg-type]
     asyncio.run(poller.poll_once())
     assert idx.refusals["oversized"] == 1 and idx.urls() == set()
+
+
+# ---------------------------------------------------------------- fuzzing
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+    given = None
+
+if given is not None:
+    _hash = st.sampled_from(HS + ["0" * 16, "f" * 16])
+    _scalar = st.none() | st.booleans() | st.integers(-3, 1 << 70) | st.text(max_size=20) | _hash
+    _json = st.recursive(_scalar, lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=8), c,
+                                                                                         max_size=5), max_leaves=25)
+    _event = st.fixed_dictionaries({"seq": st.integers(0, 8), "kind": st.sampled_from(["stored", "evicted", "cleared",
+                                                                                        "x"]),
+                                    "hashes": st.lists(_hash | _scalar, max_size=6)})
+    _answer = st.fixed_dictionaries(
+        {"epoch": st.sampled_from(["e1", "e2", "", "e 1"]), "seq": st.integers(-1, 9) | _scalar,
+         "salt": st.sampled_from([SALT, "", "zz"]), "block_tokens": st.sampled_from([BT, 0, 8, "4"]),
+         "more": st.booleans() | _scalar},
+        optional={"events": st.lists(_event | _json, max_size=6) | _json,
+                  "snapshot": st.lists(_hash, max_size=8) | _json})
+    _query = st.sampled_from([{"snapshot": "1"}, {"epoch": "e1", "since": "1"}, {"snapshot": "1", "after": HS[2]}])
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(answers=st.lists(st.tuples(_query, _answer | _json), min_size=1, max_size=8))
+    def test_fuzzed_answers_raise_only_refusals_and_keep_the_index_consistent(answers):
+        idx = KVIndex(max_hashes_per_worker=5, max_response_hashes=6)
+        c = FakeCache(epoch="e1")
+        c.store(HS[:2])
+        sync(idx, "A", c)
+        for q, a in answers:
+            try:
+                idx.apply("A", q, a)
+            except KVEventsRefused as e:
+                assert e.reason in ("malformed", "oversized", "bad_hash", "too_many")
+            w = idx._workers.get("A")  # noqa: SLF001
+            mine = w.hashes if w is not None else set()
+            assert len(mine) <= 5
+            assert {h for h, ws in idx._owners.items() if "A" in ws} == mine  # noqa: SLF001
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(q=st.dictionaries(st.sampled_from(["epoch", "since", "snapshot", "after", "x"]), st.text(max_size=30),
+                             max_size=4))
+    def test_fuzzed_queries_raise_only_invalid_argument(q):
+        c = FakeCache(epoch="e1")
+        c.store(HS)
+        try:
+            parsed = parse_query(q)
+        except InvalidArgument:
+            return
+        a = c.log.query(parsed)
+        assert ("events" in a) != ("snapshot" in a)

@@ -95,12 +95,12 @@ def parse_query(q: Any) -> KVEventsQuery:
         if k not in known:
             raise InvalidArgument(f"unknown query parameter {k!r} (known: {', '.join(sorted(known))})")
     epoch = q.get("epoch")
-    if epoch is not None and (not epoch or len(epoch) > MAX_EPOCH_CHARS or not epoch.isalnum()):
+    if epoch is not None and (not epoch or len(epoch) > MAX_EPOCH_CHARS or not (epoch.isascii() and epoch.isalnum())):
         raise InvalidArgument(f"epoch must be 1 to {MAX_EPOCH_CHARS} letters or digits, got {epoch[:80]!r}")
     since_s = q.get("since")
     since: int | None = None
     if since_s is not None:
-        if not since_s.isdigit() or len(since_s) > 19:
+        if not (since_s.isascii() and since_s.isdigit()) or len(since_s) > 19:
             raise InvalidArgument(f"since must be a non-negative integer, got {since_s[:80]!r}")
         since = int(since_s)
     snap_s = q.get("snapshot", "0")

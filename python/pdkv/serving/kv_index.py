@@ -214,7 +214,8 @@ class KVIndex:
         if not isinstance(body, dict):
             raise KVEventsRefused("malformed", "the answer is not a JSON object")
         epoch, seq, salt, bt, more = (body.get(k) for k in ("epoch", "seq", "salt", "block_tokens", "more"))
-        if not isinstance(epoch, str) or not epoch or len(epoch) > MAX_EPOCH_CHARS or not epoch.isalnum():
+        if not isinstance(epoch, str) or not epoch or len(epoch) > MAX_EPOCH_CHARS or \
+                not (epoch.isascii() and epoch.isalnum()):
             raise KVEventsRefused("malformed", f"epoch must be 1 to {MAX_EPOCH_CHARS} letters or digits")
         if type(seq) is not int or seq < 0:
             raise KVEventsRefused("malformed", "seq must be an integer >= 0")

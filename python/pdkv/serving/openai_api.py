@@ -15,8 +15,8 @@ with a non-default value (``logprobs``, ``echo``, ``best_of``, penalties, ``logi
 ``suffix``, ``tools``, ``n > 1``, batched prompts) are refused with 400; unknown fields
 are ignored. ``user`` (at most :data:`MAX_SESSION_CHARS` characters) names the
 client's session: KV-aware routing keeps a session on the same workers while the fleet
-index is cold (the ``X-Session-Id`` header does the same). ``pdkv_stats: true`` adds a ``pdkv`` object (routing and KV transfer
-figures) to the response (non-standard).
+index is cold (the ``X-Session-Id`` header does the same). ``pdkv_stats: true`` adds a
+``pdkv`` object (routing and KV transfer figures) to the response (non-standard).
 
 Errors are :class:`APIError` and render as OpenAI does:
 ``{"error": {"message", "type", "param", "code"}}``. Bodies that are not UTF-8 JSON
