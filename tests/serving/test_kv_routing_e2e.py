@@ -128,6 +128,13 @@ def test_a_request_goes_to_the_decode_worker_holding_its_prefix(tiny, fleet):
         assert st["decode_worker"] == holder and ids == ref
     _, text = get(fleet.px + "/metrics")
     assert 'pdkv_routed_requests_total{route="kv_prefix"}' in text
+    # A restarted proxy starts with an empty index and converges from the workers' snapshots.
+    fresh = fleet.proxy("disagg", prefill=[fleet.p], decode=[fleet.d0, fleet.d1], routing="kv",
+                        kv_events_interval_s=0.05)
+    _wait(lambda: _index_blocks(fresh).get(holder, 0) >= len(longer) // 4)
+    for _ in range(2):
+        ids, st = completion_ids(fresh, tiny.name, longer, max_tokens=6)
+        assert st["decode_worker"] == holder and ids == ref
 
 
 def test_a_dead_decode_worker_leaves_the_index_and_gets_no_request(tiny):
