@@ -370,7 +370,7 @@ class KVIndexPoller:
 
     def __init__(self, index: KVIndex, client: WorkerClient, workers: Callable[[], list[PoolWorker]], *,
                  interval_s: float = 0.25, timeout_s: float = 2.0, max_body_bytes: int = 4 << 20,
-                 max_pages: int = 8) -> None:
+                 max_pages: int = 64) -> None:
         self.index = index
         self._client = client
         self._workers = workers
