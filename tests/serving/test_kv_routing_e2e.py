@@ -93,6 +93,8 @@ def test_kv_events_are_signed_and_validated(fleet):
 
 def test_the_index_knows_every_worker(fleet):
     _wait(lambda: set(_index_blocks(fleet.px)) == {fleet.p, fleet.d0, fleet.d1})
+    _status, text = get(fleet.px + "/health")
+    assert json.loads(text)["kv_index"]["workers"] == 3
 
 
 def test_a_session_stays_on_its_workers_and_outputs_equal_generate(tiny, fleet):

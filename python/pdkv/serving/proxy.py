@@ -195,6 +195,8 @@ class ProxyBackend:
         bad = [{"url": w.url, "role": w.role, "problem": w.misconfigured} for w in self._workers() if w.misconfigured]
         out: dict[str, Any] = {"workers": workers, "model": self.discovery.model_name(),
                                "peer_links": links, "misconfigured_workers": bad}
+        if self.kv is not None:  # the fleet KV index: workers it knows and blocks it holds
+            out["kv_index"] = {"workers": len(self.kv.index.urls()), "blocks": self.kv.index.blocks()}
         if ok and (bad or any(not x["ok"] for x in links)):
             # serving, but KV between these pairs is recomputed, or some workers cannot serve their routes
             out["status"] = "degraded"
