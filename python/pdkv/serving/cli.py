@@ -197,6 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     px.add_argument("--no-check-links", action="store_true",
                     help="skip the start-up check that every prefill worker can connect to (and authenticate "
                     "with) every decode worker's agent; by default the proxy exits if they cannot authenticate")
+    px.add_argument("--routing", choices=["round-robin", "kv"], default="round-robin",
+                    help="how workers are picked: round-robin (the least-loaded, ties in turn; default) or kv: by the "
+                    "prompt tokens each worker already holds (the fleet KV index, fed by the workers' "
+                    "/pd/kv_events) and its load, with session affinity ('user' field or X-Session-Id header) "
+                    "while the index is cold (docs/serving.md, \"KV-aware routing and the fleet index\")")
+    px.add_argument("--kv-events-interval", type=float, default=0.25,
+                    help="kv routing: seconds between two polls of each worker's KV events (default 0.25)")
+    px.add_argument("--kv-snapshot-interval", type=float, default=10.0,
+                    help="kv routing: a full snapshot of each worker's cache at least this often, in seconds "
+                    "(default 10)")
+    px.add_argument("--kv-load-tokens", type=int, default=128,
+                    help="kv routing: what one request in flight at a worker weighs, in prompt tokens to compute or "
+                    "receive (default 128)")
     px.add_argument("--startup-timeout", type=float, default=600.0,
                     help="seconds to wait for the workers before giving up (default 600)")
     return ap
@@ -332,19 +345,28 @@ class _ReadyProxy:
         await self.proxy.close()
 
 
-def _run_proxy(args: argparse.Namespace) -> int:
-    from .aio import run_until_signal
-    from .proxy import Proxy, ProxyConfig
+def _proxy_config(args: argparse.Namespace) -> Any:
+    """The :class:`~pdkv.serving.proxy_config.ProxyConfig` of ``pdkv serve proxy``'s flags."""
+    from .proxy_config import ProxyConfig
     from .rerole import RerolePolicy
 
     decode = ",".join(x for x in (args.decode, args.workers) if x)
-    cfg = ProxyConfig(mode=args.mode, prefill=args.prefill, decode=decode, hybrid_threshold=args.hybrid_threshold,
-                      tokenizer=args.tokenizer, kv_timeout_s=args.kv_timeout, connect_timeout_s=args.connect_timeout,
-                      read_timeout_s=args.read_timeout, headers_timeout_s=args.headers_timeout,
-                      liveness_s=args.liveness, probe_timeout_s=args.probe_timeout, retries=args.retries,
-                      max_body_bytes=args.max_body_bytes, registry=args.registry,
-                      secret=args.secret, api_keys=tuple(args.api_key) if args.api_key else None,
-                      rerole=RerolePolicy.from_plan(args.rerole) if args.rerole else None)
+    return ProxyConfig(
+        mode=args.mode, prefill=args.prefill, decode=decode, hybrid_threshold=args.hybrid_threshold,
+        tokenizer=args.tokenizer, kv_timeout_s=args.kv_timeout, connect_timeout_s=args.connect_timeout,
+        read_timeout_s=args.read_timeout, headers_timeout_s=args.headers_timeout, liveness_s=args.liveness,
+        probe_timeout_s=args.probe_timeout, retries=args.retries, max_body_bytes=args.max_body_bytes,
+        registry=args.registry, secret=args.secret, api_keys=tuple(args.api_key) if args.api_key else None,
+        rerole=RerolePolicy.from_plan(args.rerole) if args.rerole else None, routing=args.routing,
+        kv_events_interval_s=args.kv_events_interval, kv_snapshot_interval_s=args.kv_snapshot_interval,
+        kv_load_tokens=args.kv_load_tokens)
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from .aio import run_until_signal
+    from .proxy import Proxy
+
+    cfg = _proxy_config(args)
     proxy = Proxy(cfg, limits=_limits(args))
     if cfg.registry is not None:  # an elastic pool: workers may register after the proxy starts
         return run_until_signal(proxy, args.host, args.port, ready_file=args.ready_file,

@@ -39,10 +39,13 @@ from aiohttp import web
 from .limits import DEFAULT_BODY_TIMEOUT_S, read_body
 from .metrics import CONTENT_TYPE, Registry
 from .openai_api import (APIError, Endpoint, IncrementalDetokenizer, ModelInfo, OpenAIRequest, StopMatcher,
-                         TextCodec, body_limit, decode_body, parse_request, resolve_prompt)
+                         TextCodec, body_limit, decode_body, parse_request, resolve_prompt, session_id)
 from .protocol import GenParams
 
-__all__ = ["Backend", "OpenAIFrontend", "RequestTrace", "TokenOut", "openai_error_middleware"]
+__all__ = ["Backend", "OpenAIFrontend", "RequestTrace", "SESSION_HEADER", "TokenOut", "openai_error_middleware"]
+
+#: The request header that names the client's session when the body has no ``user``.
+SESSION_HEADER = "X-Session-Id"
 
 log = logging.getLogger("pdkv.serving")
 
@@ -168,6 +171,10 @@ class RequestTrace:
     recompute_reason : str
     retries : int
         Workers given up on before this request was served.
+    session : str
+        The client's session (the OpenAI ``user`` field, else the ``X-Session-Id``
+        header; '' for none): KV-aware routing keeps a session on the same workers
+        while the fleet index knows nothing of its prompt.
     """
 
     route: str = ""
@@ -182,6 +189,7 @@ class RequestTrace:
     recomputed: bool = False
     recompute_reason: str = ""
     retries: int = 0
+    session: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -339,8 +347,9 @@ class OpenAIFrontend:
                                                                    info, codec)
         # Not kept for the whole request: the body and the prompt's text (the token ids are).
         del raw
-        if req.prompt is not None or req.messages is not None:
-            req = dataclasses.replace(req, prompt=None, messages=None)
+        user = req.user or session_id(request.headers.get(SESSION_HEADER), SESSION_HEADER)
+        if req.prompt is not None or req.messages is not None or user != req.user:
+            req = dataclasses.replace(req, prompt=None, messages=None, user=user)
         rid = f"{'cmpl' if endpoint is Endpoint.COMPLETIONS else 'chatcmpl'}-{uuid.uuid4().hex}"
         run = _Run(self, request, req, rid, prompt, params, info, t0)
         self.m_in_flight.inc()
@@ -370,7 +379,7 @@ class _Run:
         self.params = params
         self.info = info
         self.t0 = t0
-        self.trace = RequestTrace()
+        self.trace = RequestTrace(session=req.user)
         codec = fe.backend.codec()
         self.detok = IncrementalDetokenizer(codec, prompt) if codec is not None else None
         self.stop = StopMatcher(req.stop)

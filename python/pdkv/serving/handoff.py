@@ -461,7 +461,11 @@ class LayerStreamer:
 
     def _begin_step(self, token_start: int, token_end: int, block_ids: tuple, last: bool) -> None:
         """Opens the stream of a step's completed blocks (lock held)."""
-        if token_start != self._next_token or block_ids[:len(self._shipped)] != self._shipped or self._last_seen:
+        # The first step may start past token 0: the prompt's leading blocks were in the
+        # prefix cache (their KV is in the pool, so they ship with this step's blocks).
+        first_step = self._step is None and token_start % self.block_tokens == 0
+        if (token_start != self._next_token and not first_step) or block_ids[:len(self._shipped)] != self._shipped \
+                or self._last_seen:
             raise InvalidArgument(f"prefill of {self.req.rid} started over at token {token_start} "
                                   f"(expected {self._next_token}): its blocks changed under the stream")
         self._step, self._next_token, self._last_seen = (token_start, token_end), token_end, last

@@ -13,8 +13,10 @@ to 4), ``stream``, ``stream_options`` (``include_usage``, and vLLM's
 a string, a list of token ids, or a one-element list of either. Unsupported features
 with a non-default value (``logprobs``, ``echo``, ``best_of``, penalties, ``logit_bias``,
 ``suffix``, ``tools``, ``n > 1``, batched prompts) are refused with 400; unknown fields
-are ignored. ``pdkv_stats: true`` adds a ``pdkv`` object (routing and KV transfer
-figures) to the response (non-standard).
+are ignored. ``user`` (at most :data:`MAX_SESSION_CHARS` characters) names the
+client's session: KV-aware routing keeps a session on the same workers while the fleet
+index is cold (the ``X-Session-Id`` header does the same). ``pdkv_stats: true`` adds a
+``pdkv`` object (routing and KV transfer figures) to the response (non-standard).
 
 Errors are :class:`APIError` and render as OpenAI does:
 ``{"error": {"message", "type", "param", "code"}}``. Bodies that are not UTF-8 JSON
@@ -34,9 +36,11 @@ from typing import Any, Mapping, Sequence
 from .protocol import GenParams
 
 __all__ = ["APIError", "Endpoint", "IncrementalDetokenizer", "ModelInfo", "OpenAIRequest", "StopMatcher",
-           "TextCodec", "body_limit", "decode_body", "parse_request", "resolve_prompt"]
+           "TextCodec", "body_limit", "decode_body", "parse_request", "resolve_prompt", "session_id"]
 
 MAX_STOP_STRINGS = 4
+#: Longest session id (``user`` field, ``X-Session-Id`` header).
+MAX_SESSION_CHARS = 256
 #: The default request body limit, whatever the model's context (was 64 bytes per token
 #: of context: 8 MiB at 128k, and a prompt that size cost the proxy ~1.8 GiB to
 #: tokenize). 4 MiB holds a 128k-token prompt as token ids (~7 bytes each) or as text.
@@ -337,6 +341,8 @@ class OpenAIRequest:
     stop : tuple of str
     stop_token_ids : tuple of int
     ignore_eos, stream, include_usage, continuous_usage, return_token_ids, pdkv_stats : bool
+    user : str
+        The client's session ('' for none; see :func:`session_id`).
     """
 
     endpoint: Endpoint
@@ -355,6 +361,7 @@ class OpenAIRequest:
     continuous_usage: bool
     return_token_ids: bool
     pdkv_stats: bool
+    user: str = ""
 
     def gen_params(self, num_prompt_tokens: int, max_model_len: int, seed: int) -> GenParams:
         """The sampling parameters, with the default ``max_tokens`` resolved and ``seed``
@@ -539,7 +546,24 @@ def parse_request(body: Any, endpoint: Endpoint) -> OpenAIRequest:
         top_p=top_p, seed=seed, stop=stop, stop_token_ids=stop_ids, ignore_eos=_flag(body, "ignore_eos"),
         stream=stream, include_usage=bool(so.get("include_usage", False)),
         continuous_usage=bool(so.get("continuous_usage_stats", False)),
-        return_token_ids=_flag(body, "return_token_ids"), pdkv_stats=_flag(body, "pdkv_stats"))
+        return_token_ids=_flag(body, "return_token_ids"), pdkv_stats=_flag(body, "pdkv_stats"),
+        user=session_id(body.get("user"), "user"))
+
+
+def session_id(v: Any, param: str) -> str:
+    """A client's session id (the ``user`` field or the ``X-Session-Id`` header): ''
+    for None, else a string of at most :data:`MAX_SESSION_CHARS` characters.
+
+    Raises
+    ------
+    APIError
+        400 naming ``param`` for anything else.
+    """
+    if v is None:
+        return ""
+    if not isinstance(v, str) or len(v) > MAX_SESSION_CHARS:
+        raise APIError.bad(f"'{param}' must be a string of at most {MAX_SESSION_CHARS} characters", param)
+    return _text(v, param)
 
 
 def resolve_prompt(req: OpenAIRequest, info: ModelInfo, codec: TextCodec | None) -> tuple[list[int], GenParams]:

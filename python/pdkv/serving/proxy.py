@@ -16,7 +16,8 @@ Modes (:class:`ProxyMode`):
 
 Routing: the least-loaded worker of a pool serves the next request (decode: fewest
 requests in flight; prefill: fewest prompt tokens waiting for their first token), ties
-broken round-robin. A worker that cannot be reached is taken out of rotation for
+broken round-robin; with ``routing="kv"``, the worker that would leave the least work
+by the KV it holds and its load (:mod:`pdkv.serving.proxy_kv`). A worker that cannot be reached is taken out of rotation for
 ``down_cooldown_s`` and the request is retried on another one. A prefill worker
 that fails or a KV transfer that fails never fails the request: the decode worker
 recomputes the prompt (``/pd/kv_failed``).
@@ -61,7 +62,9 @@ from .metrics import Registry
 from .openai_api import ModelInfo, TextCodec
 from .protocol import GenParams
 from .proxy_client import WorkerClient
-from .proxy_config import ProxyConfig, ProxyMode
+from .proxy_config import ProxyConfig, ProxyMode, Routing
+from .proxy_kv import KVRouting
+from .kv_index import KVIndex, KVIndexPoller
 from .proxy_discovery import WorkerDiscovery
 from .proxy_links import LinkHealth
 from .proxy_liveness import Liveness
@@ -116,8 +119,15 @@ class ProxyBackend:
         if config.rerole is not None:
             demand = DemandWindow(config.rerole)
             self.reroler = Reroler(config.rerole, demand, self.prefill, self.decode, self.client, m.m_reroles)
-        leg = PrefillLeg(config, self.prefill, self.client, self.liveness, self.links, m)
-        self.router = Router(config, self.decode, leg, self.client, self.liveness, m, demand)
+        self.kv: KVRouting | None = None
+        self.kv_poller: KVIndexPoller | None = None
+        if config.routing is Routing.KV:
+            index = KVIndex(snapshot_interval_s=config.kv_snapshot_interval_s)
+            self.kv_poller = KVIndexPoller(index, self.client, self._workers, interval_s=config.kv_events_interval_s,
+                                           timeout_s=config.probe_timeout_s)
+            self.kv = KVRouting(config, index, self.prefill, self.decode, self.client, m, registry)
+        leg = PrefillLeg(config, self.prefill, self.client, self.liveness, self.links, m, self.kv)
+        self.router = Router(config, self.decode, leg, self.client, self.liveness, m, demand, self.kv)
 
     def _workers(self) -> list[PoolWorker]:
         return self.prefill.workers + self.decode.workers
@@ -140,6 +150,8 @@ class ProxyBackend:
         self._spawn(self.liveness.run())
         if self.reroler is not None:
             self._spawn(self.reroler.run())
+        if self.kv_poller is not None:
+            self._spawn(self.kv_poller.run())
 
     async def close(self) -> None:
         await self.discovery.close()
@@ -151,6 +163,8 @@ class ProxyBackend:
                 await t
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
                 pass
+        if self.kv is not None:
+            await self.kv.close()
         await self.client.close()
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -181,6 +195,8 @@ class ProxyBackend:
         bad = [{"url": w.url, "role": w.role, "problem": w.misconfigured} for w in self._workers() if w.misconfigured]
         out: dict[str, Any] = {"workers": workers, "model": self.discovery.model_name(),
                                "peer_links": links, "misconfigured_workers": bad}
+        if self.kv is not None:  # the fleet KV index: workers it knows and blocks it holds
+            out["kv_index"] = {"workers": len(self.kv.index.urls()), "blocks": self.kv.index.blocks()}
         if ok and (bad or any(not x["ok"] for x in links)):
             # serving, but KV between these pairs is recomputed, or some workers cannot serve their routes
             out["status"] = "degraded"

@@ -12,7 +12,7 @@ from pdkv.errors import InvalidArgument
 from ..discovery import parse_registry_url
 from .rerole import RerolePolicy
 
-__all__ = ["DEFAULT_HYBRID_THRESHOLD", "ProxyConfig", "ProxyMode", "parse_worker_urls"]
+__all__ = ["DEFAULT_HYBRID_THRESHOLD", "ProxyConfig", "ProxyMode", "Routing", "parse_worker_urls"]
 
 #: Default prompt length (tokens) up to which hybrid mode prefills on the decode
 #: worker. Measured with ``python -m pdkv.serving.calibrate`` on the 2-core development
@@ -29,6 +29,13 @@ class ProxyMode(str, enum.Enum):
     DISAGG = "disagg"
     HYBRID = "hybrid"
     COLOCATED = "colocated"
+
+
+class Routing(str, enum.Enum):
+    """How the proxy picks workers (see :mod:`pdkv.serving.proxy_kv`)."""
+
+    ROUND_ROBIN = "round-robin"   # the least-loaded worker, ties broken round-robin
+    KV = "kv"                     # by the KV a worker holds (the fleet index) and its load
 
 
 def parse_worker_urls(v: Sequence[str] | str) -> tuple[str, ...]:
@@ -103,6 +110,19 @@ class ProxyConfig:
         Keys clients must send (``Authorization: Bearer <key>``) on the OpenAI routes;
         default ``$PDKV_API_KEY`` (comma-separated), else none: the routes are open.
         ``/health`` stays open.
+    routing : Routing or str
+        ``round-robin`` (default: the least-loaded worker) or ``kv``: by the prompt
+        tokens each worker already holds (the fleet KV index) and its load, with
+        session affinity while the index knows nothing of the prompt (see
+        :mod:`pdkv.serving.proxy_kv`).
+    kv_events_interval_s : float
+        ``kv``: seconds between two polls of each worker's ``/pd/kv_events``.
+    kv_snapshot_interval_s : float
+        ``kv``: a full snapshot of each worker's cache at least this often.
+    kv_load_tokens : int
+        ``kv``: what one request in flight at a worker weighs against prompt tokens to
+        compute or receive (a worker holding ``k`` more tokens of a prompt is preferred
+        while it has fewer than ``k / kv_load_tokens`` more requests in flight).
     """
 
     mode: ProxyMode
@@ -123,6 +143,10 @@ class ProxyConfig:
     rerole: RerolePolicy | None = None
     secret: str | None = field(default=None, repr=False)
     api_keys: tuple[str, ...] | None = field(default=None, repr=False)
+    routing: Routing = Routing.ROUND_ROBIN
+    kv_events_interval_s: float = 0.25
+    kv_snapshot_interval_s: float = 10.0
+    kv_load_tokens: int = 128
 
     def __post_init__(self) -> None:
         try:
@@ -142,8 +166,15 @@ class ProxyConfig:
             raise InvalidArgument(f"{self.mode.value} mode needs at least one prefill worker URL")
         if not isinstance(self.hybrid_threshold, int) or self.hybrid_threshold < 0:
             raise InvalidArgument(f"hybrid_threshold must be an integer >= 0, got {self.hybrid_threshold!r}")
+        try:
+            object.__setattr__(self, "routing", Routing(self.routing))
+        except ValueError:
+            raise InvalidArgument(f"routing must be one of {[r.value for r in Routing]}, got {self.routing!r}") \
+                from None
+        if not isinstance(self.kv_load_tokens, int) or self.kv_load_tokens < 0:
+            raise InvalidArgument(f"kv_load_tokens must be an integer >= 0, got {self.kv_load_tokens!r}")
         for k in ("kv_timeout_s", "connect_timeout_s", "read_timeout_s", "down_cooldown_s", "headers_timeout_s",
-                  "liveness_s", "probe_timeout_s"):
+                  "liveness_s", "probe_timeout_s", "kv_events_interval_s", "kv_snapshot_interval_s"):
             if not getattr(self, k) > 0:
                 raise InvalidArgument(f"{k} must be > 0, got {getattr(self, k)!r}")
         if self.retries < 0:

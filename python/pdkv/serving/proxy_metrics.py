@@ -36,7 +36,9 @@ class ProxyMetrics:
         self.m_reroles = r.counter("pdkv_worker_reroles_total", "Workers moved between the prefill and decode pools "
                                    "(from -> to), and switches given up (result).", ("from", "to", "result"))
         self.m_routed = r.counter("pdkv_routed_requests_total",
-                                  "Requests by route: disagg (prefill worker + KV transfer) or local.", ("route",))
+                                  "Requests by route: disagg (prefill worker + KV transfer) or local; with KV-aware "
+                                  "routing each is also counted by how its decode worker was picked: kv_prefix, "
+                                  "kv_load, kv_session or kv_cold.", ("route",))
         self.m_kv = r.counter("pdkv_kv_transfers_total", "KV transfers by result (ok, failed, none).", ("result",))
         self.m_kv_bytes = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes moved, by transport.", ("transport",))
         self.m_kv_time = r.histogram("pdkv_kv_transfer_span_seconds", "KV transfer span, post to completion "

@@ -6,7 +6,7 @@ caller makes the decode worker recompute the prompt."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import aiohttp
 
@@ -16,8 +16,9 @@ from .proxy_client import WorkerClient, as_dict, done_with, error_message
 from .proxy_config import ProxyConfig
 from .proxy_links import LinkHealth
 from .proxy_liveness import Liveness
+from .proxy_kv import KVRouting, RoutePlan
 from .proxy_metrics import ProxyMetrics
-from .proxy_pool import WorkerFailed, WorkerPool
+from .proxy_pool import PoolWorker, WorkerFailed, WorkerPool
 
 __all__ = ["PrefillLeg", "PrefillOutcome"]
 
@@ -46,35 +47,71 @@ class PrefillLeg:
     links : LinkHealth
         Told the outcome of every KV push between two workers.
     metrics : ProxyMetrics
+    kv : KVRouting, optional
+        ``--routing kv``: picks the prefill worker by the KV it (and the decode worker)
+        holds, and leases a third worker's blocks (see :mod:`pdkv.serving.proxy_kv`).
     """
 
     def __init__(self, config: ProxyConfig, pool: WorkerPool, client: WorkerClient, liveness: Liveness,
-                 links: LinkHealth, metrics: ProxyMetrics) -> None:
+                 links: LinkHealth, metrics: ProxyMetrics, kv: KVRouting | None = None) -> None:
         self.config = config
         self.pool = pool
         self._client = client
         self._liveness = liveness
         self._links = links
         self._metrics = metrics
+        self._kv = kv
 
     async def run(self, rid: str, prompt: list[int], params: GenParams, res: Reservation,
-                       trace: RequestTrace, out: PrefillOutcome) -> AsyncIterator[TokenOut]:
+                  trace: RequestTrace, out: PrefillOutcome, *, plan: RoutePlan | None = None
+                  ) -> AsyncIterator[TokenOut]:
         """Runs the prompt on a prefill worker: yields the first token, fills ``out``.
 
         Never raises for a prefill-side failure: ``out.kv_ok`` stays False and the
-        caller makes the decode worker recompute.
+        caller makes the decode worker recompute. With a ``plan`` (KV routing) the
+        worker is picked by what it holds, and a third worker's lease may go with the
+        request as ``src`` (released when this ends).
         """
+        body = PrefillRequest(rid, tuple(prompt), params, res, self.config.kv_timeout_s).to_json()
+        if plan is None or self._kv is None:
+            async for tok in self._run(body, len(prompt), trace, out, lambda ex: self.pool.pick(ex)):
+                yield tok
+            return
+        kv = self._kv
+        # What the decode worker holds: its reservation's cached blocks (exact) or the index's figure.
+        have_d = max(plan.decode_tokens, int(getattr(res, "cached_blocks", 0) or 0) * res.block_tokens)
+        first = kv.pick_prefill(plan, have_d, set())
+        if first is not None:
+            lease = await kv.lease(rid, plan, first.url, trace.decode_worker,
+                                   max(have_d, plan.matched.get(first.url, 0)))
+            if lease is not None:
+                body["src"] = lease
+                trace.extra["kv_lease_worker"] = plan.lease_worker
+        picks = iter([first])
+
+        def pick(ex: set[str]) -> PoolWorker | None:
+            p = next(picks, None)
+            return p if p is not None and p.url not in ex else kv.pick_prefill(plan, have_d, ex)
+
+        try:
+            async for tok in self._run(body, len(prompt), trace, out, pick):
+                yield tok
+        finally:
+            if plan.lease is not None:
+                kv.release(plan.lease_worker, plan.lease["lease_id"])
+
+    async def _run(self, body: dict, n_prompt: int, trace: RequestTrace, out: PrefillOutcome,
+                   pick: Callable[[set[str]], PoolWorker | None]) -> AsyncIterator[TokenOut]:
         cfg = self.config
-        body = PrefillRequest(rid, tuple(prompt), params, res, cfg.kv_timeout_s).to_json()
         exclude: set[str] = set()
         out.error = "no prefill worker is available"
         for _attempt in range(cfg.retries + 1):
-            p = self.pool.pick(exclude)
+            p = pick(exclude)
             if p is None:
                 return
             trace.prefill_worker = p.url
             p.in_flight += 1
-            p.load_tokens += len(prompt)
+            p.load_tokens += n_prompt
             waiting = True
             try:
                 try:
@@ -103,7 +140,7 @@ class PrefillLeg:
                             out.first_token = int(f["t"])
                             out.finish = f.get("f")
                             waiting = False
-                            p.load_tokens -= len(prompt)
+                            p.load_tokens -= n_prompt
                             yield TokenOut(out.first_token, out.finish)
                         elif "kv" in line:
                             kv = KVResult.from_json(line["kv"])
@@ -130,7 +167,7 @@ class PrefillLeg:
             finally:
                 p.in_flight -= 1
                 if waiting:
-                    p.load_tokens -= len(prompt)
+                    p.load_tokens -= n_prompt
 
     def _record_kv(self, kv: KVResult, trace: RequestTrace) -> None:
         if trace.prefill_worker and trace.decode_worker and (kv.posted or kv.error):

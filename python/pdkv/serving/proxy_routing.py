@@ -20,6 +20,7 @@ from .openai_api import APIError
 from .protocol import GenerateRequest, GenParams, KVFailed, Reservation
 from .proxy_client import WorkerClient, as_dict, check_status, done_with, raise_worker_error
 from .proxy_config import ProxyConfig, ProxyMode
+from .proxy_kv import KVRouting, RoutePlan
 from .proxy_liveness import Liveness
 from .proxy_metrics import ProxyMetrics
 from .proxy_pool import PoolWorker, WorkerBusy, WorkerFailed, WorkerPool
@@ -45,10 +46,14 @@ class Router:
     metrics : ProxyMetrics
     demand : DemandWindow, optional
         Told the prompt tokens and decoded tokens served (for re-roling).
+    kv : KVRouting, optional
+        ``--routing kv``: picks the decode worker by the KV it holds (see
+        :mod:`pdkv.serving.proxy_kv`); default: the pool's least-loaded worker.
     """
 
     def __init__(self, config: ProxyConfig, decode: WorkerPool, prefill: PrefillLeg, client: WorkerClient,
-                 liveness: Liveness, metrics: ProxyMetrics, demand: DemandWindow | None) -> None:
+                 liveness: Liveness, metrics: ProxyMetrics, demand: DemandWindow | None,
+                 kv: KVRouting | None = None) -> None:
         self.config = config
         self.decode = decode
         self._prefill = prefill
@@ -56,6 +61,7 @@ class Router:
         self._liveness = liveness
         self._metrics = metrics
         self._demand = demand
+        self._kv = kv
         self._traces: dict[str, RequestTrace] = {}  # request id -> its trace, while it runs
 
     def generate(self, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace
@@ -94,8 +100,9 @@ class Router:
         sent: list[int] = []
         finished = False
         last = ""
+        plan = self._kv.plan(prompt, trace.session) if self._kv is not None else None
         for attempt in range(self.config.retries + 1):
-            d = self.decode.pick(exclude)
+            d = self.decode.pick(exclude) if plan is None else self._kv.pick_decode(plan, exclude)  # type: ignore
             if d is None:
                 break
             arid = rid if attempt == 0 else f"{rid}.r{attempt}"
@@ -114,7 +121,7 @@ class Router:
                     params, max_tokens=left, index_offset=params.index_offset + len(sent)), trace)
             else:
                 trace.route = "disagg" if disagg else "local"
-                gen = self._disagg_on(d, arid, prompt, params, trace) if disagg else \
+                gen = self._disagg_on(d, arid, prompt, params, trace, plan) if disagg else \
                     self._local_on(d, arid, prompt, params, trace)
             try:
                 async for tok in gen:
@@ -188,8 +195,8 @@ class Router:
                     yield TokenOut(line.get("t"), line.get("f"))
             raise WorkerFailed(d, "the stream ended before the request finished")
 
-    async def _disagg_on(self, d: PoolWorker, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace
-                         ) -> AsyncIterator[TokenOut]:
+    async def _disagg_on(self, d: PoolWorker, rid: str, prompt: list[int], params: GenParams, trace: RequestTrace,
+                         plan: RoutePlan | None = None) -> AsyncIterator[TokenOut]:
         body = GenerateRequest(rid, tuple(prompt), params, self.config.kv_timeout_s).to_json()
         async with self._decode_stream(d, "/pd/decode", body) as lines:
             try:
@@ -202,7 +209,7 @@ class Router:
             except InvalidArgument as e:
                 raise WorkerFailed(d, f"bad reservation: {e}") from None
             out = PrefillOutcome()
-            async for tok in self._prefill.run(rid, prompt, params, res, trace, out):
+            async for tok in self._prefill.run(rid, prompt, params, res, trace, out, plan=plan):
                 yield tok
             if not out.kv_ok:
                 await self._kv_failed(d, KVFailed(rid, out.first_token, out.error, out.terminal))

@@ -61,6 +61,7 @@ from .discovery import RoleSwitch, WorkerRegistration
 from .engine import Engine, EngineConfig, FinishReason
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut, openai_error_middleware
 from .handoff import KVReceiver, KVSender, peer_label
+from .kv_events import serve_kv_events
 from .kv_pool import PagedKVPool
 from .limits import ServerLimits, read_body
 from .metrics import CONTENT_TYPE, Registry
@@ -468,6 +469,7 @@ class Worker:
     def _routes(self, app: web.Application) -> None:
         app.router.add_get("/pd/info", self._h_info)
         app.router.add_get("/pd/stats", self._h_stats)
+        self.kv_events = serve_kv_events(app, self.started_engine())  # GET /pd/kv_events (the fleet index)
         h = ProtocolHandlers(self)
         if self.role is not WorkerRole.COLOCATED:  # both roles' routes; RoleSwitch answers the other's 404
             app.router.add_post("/pd/prefill", h.prefill)
