@@ -158,7 +158,7 @@ class ProtocolHandlers:
             req = GenerateRequest.from_json(await self._body(request), limits=self.worker.config.protocol_limits)
             sp = SamplingParams.of(req.params)
             eng.validate(req.rid, req.prompt, sp)
-            ticket = await receiver.reserve(req.rid, len(req.prompt), wait_s=cfg.reserve_wait_s,
+            ticket = await receiver.reserve(req.rid, req.prompt, wait_s=cfg.reserve_wait_s,
                                             kv_timeout_s=req.kv_timeout_s, margin_s=cfg.kv_margin_s)
         except AlreadyExists as e:
             return json_error(409, str(e), code="duplicate_request")
