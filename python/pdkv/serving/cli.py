@@ -144,6 +144,10 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="the lossless codec (default zstd)")
         p.add_argument("--compress-policy", choices=["lossless", "lossy-allowed"], default="lossless",
                        help="what --compress auto may choose besides plain (default lossless; lossy-allowed: fp8)")
+        p.add_argument("--kv-pull", choices=["auto", "always", "off"], default="auto",
+                       help="read a prompt's prefix from the decode worker or another worker that holds it instead "
+                       "of computing it: auto (when the measured link beats the measured prefill speed; default), "
+                       "always, off. Needs the prefix cache and equal block sizes")
         p.add_argument("--debug-drop-kv", action="store_true",
                        help="testing only: skip every KV write but report success")
 
@@ -245,6 +249,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from .aio import run_until_signal
     from .engine import EngineConfig
+    from .kv_pull import PullConfig
     from .models import default_model_dir, load_model, pin_threads
     from .openai_api import TextCodec
     from .protocol import ProtocolLimits
@@ -279,6 +284,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                        stream_layers=getattr(args, "stream_layers", True),
                        kv_compress=_kv_compress(args), transports=_transports(args),
                        debug_drop_kv=getattr(args, "debug_drop_kv", False),
+                       kv_pull=PullConfig(policy=getattr(args, "kv_pull", "auto")),
                        max_body_bytes=args.max_body_bytes, limits=_limits(args),
                        registry=args.registry, registry_ttl=args.registry_ttl)
     pin_threads(args.threads)

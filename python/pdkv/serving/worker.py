@@ -61,6 +61,7 @@ from .discovery import RoleSwitch, WorkerRegistration
 from .engine import Engine, EngineConfig, FinishReason
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut, openai_error_middleware
 from .handoff import KVReceiver, KVSender, peer_label
+from .kv_pull import LeaseTable, PullConfig
 from .kv_pool import PagedKVPool
 from .limits import ServerLimits, read_body
 from .metrics import CONTENT_TYPE, Registry
@@ -152,6 +153,12 @@ class WorkerConfig:
     protocol_limits : ProtocolLimits
         Caps on the timeouts, sizes and counts in ``/pd/*`` bodies (400 above), e.g.
         ``max_kv_timeout_s`` (default 60 s).
+    kv_pull : PullConfig
+        Prefill: when to read a prompt's prefix from the worker that holds it instead
+        of computing it (:mod:`pdkv.serving.kv_pull`; ``pdkv serve prefill --kv-pull``).
+    max_kv_leases : int
+        Prefill and decode: leases on this worker's cached blocks (``/pd/kv_lease``)
+        live at once; past it a lease is refused (503).
     """
 
     role: WorkerRole
@@ -177,6 +184,8 @@ class WorkerConfig:
     auth_window_s: float = DEFAULT_WINDOW_S
     auth_max_nonces: int = DEFAULT_MAX_NONCES
     protocol_limits: ProtocolLimits = field(default_factory=ProtocolLimits)
+    kv_pull: PullConfig = field(default_factory=PullConfig)
+    max_kv_leases: int = 1024
 
     def __post_init__(self) -> None:
         try:
@@ -193,6 +202,10 @@ class WorkerConfig:
             raise InvalidArgument(f"auth_max_nonces must be an integer >= 1, got {self.auth_max_nonces!r}")
         if not isinstance(self.protocol_limits, ProtocolLimits):
             raise InvalidArgument("protocol_limits must be a ProtocolLimits")
+        if not isinstance(self.kv_pull, PullConfig):
+            raise InvalidArgument("kv_pull must be a PullConfig")
+        if not isinstance(self.max_kv_leases, int) or isinstance(self.max_kv_leases, bool) or self.max_kv_leases < 1:
+            raise InvalidArgument(f"max_kv_leases must be an integer >= 1, got {self.max_kv_leases!r}")
         for k in ("kv_margin_s", "reserve_wait_s"):
             if not getattr(self, k) >= 0:
                 raise InvalidArgument(f"{k} must be >= 0, got {getattr(self, k)!r}")
@@ -261,6 +274,7 @@ class Worker:
         self.engine: Engine | None = None
         self.sender: KVSender | None = None      # prefill
         self.receiver: KVReceiver | None = None  # decode
+        self.leases: LeaseTable | None = None    # prefill and decode: readers' leases on cached blocks
         self.url = ""
         self.registry = Registry()
         self._http: HttpServer | None = None
@@ -297,6 +311,10 @@ class Worker:
         self.engine = Engine(self.model, cfg.engine, block_order=self.block_order, pool=pool)
         self._thread = threading.Thread(target=self._step_loop, name=f"engine-{cfg.role.value}", daemon=True)
         self._thread.start()
+        if self.agent is not None:
+            self.leases = LeaseTable(self.agent, self.engine, address=self.agent_address,
+                                     max_leases=cfg.max_kv_leases, registry=self.registry)
+            self._tasks.append(asyncio.ensure_future(self.leases.run()))
         self._start_handoff()
         self._body_limit = body_limit(self.model_info(), cfg.max_body_bytes)
         app = web.Application(client_max_size=self._body_limit)
@@ -319,7 +337,7 @@ class Worker:
         if self._role is WorkerRole.PREFILL and self.sender is None:
             assert self.agent is not None and self.engine is not None
             self.sender = KVSender(self.agent, self.engine, executor=self._executor, registry=self.registry,
-                                   drop_kv=cfg.debug_drop_kv, stream_layers=cfg.stream_layers)
+                                   drop_kv=cfg.debug_drop_kv, stream_layers=cfg.stream_layers, pull=cfg.kv_pull)
         if self._role is WorkerRole.DECODE and self.receiver is None:
             assert self.agent is not None and self.engine is not None
             self.receiver = KVReceiver(self.agent, self.engine, executor=self._executor, address=self.agent_address,
@@ -376,6 +394,8 @@ class Worker:
         for side in (self.sender, self.receiver):
             if side is not None:
                 await side.close()
+        if self.leases is not None:
+            self.leases.close()
         self._stop.set()
         loop = asyncio.get_running_loop()
         if self._thread is not None:
@@ -392,7 +412,9 @@ class Worker:
             if not engine.wait_for_work(0.1):
                 continue
             try:
-                engine.step()
+                stats = engine.step()
+                if stats is not None and self.sender is not None and not stats.num_decode_tokens:
+                    self.sender.cost.observe_prefill(stats.num_prefill_tokens, stats.elapsed_s)
             except Exception:  # noqa: BLE001 - the step's requests got ERROR events; keep serving
                 log.exception("engine step failed")
 
@@ -474,6 +496,8 @@ class Worker:
             app.router.add_post("/pd/check_peer", h.check_peer)
             app.router.add_post("/pd/decode", h.decode)
             app.router.add_post("/pd/kv_failed", h.kv_failed)
+            app.router.add_post("/pd/kv_lease", h.kv_lease)
+            app.router.add_post("/pd/kv_release", h.kv_release)
             RoleSwitch(self).add_routes(app)
         app.router.add_post("/pd/generate", h.generate)
         if self.role is WorkerRole.COLOCATED:
