@@ -716,13 +716,13 @@ class KVResult:
         where = "kv result"
         if not isinstance(obj, Mapping):
             raise InvalidArgument(f"{where} must be a JSON object")
+        reuse = [_nonneg(obj.get(k, 0), where, k) for k in ("cached_tokens", "pulled_tokens", "pulled_bytes",
+                                                              "computed_tokens", "skipped_blocks")]
         try:
             return cls(bool(require(obj, "ok", bool, where=where)), bool(obj.get("posted", False)),
                        int(obj.get("bytes", 0)), float(obj.get("seconds", 0.0)), str(obj.get("transport", ""))[:4096],
                        str(obj.get("error", ""))[:4096], float(obj.get("tail_seconds", 0.0)),
-                       float(obj.get("wire_seconds", 0.0)),
-                       *(_nonneg(obj.get(k, 0), where, k) for k in ("cached_tokens", "pulled_tokens", "pulled_bytes",
-                                                                     "computed_tokens", "skipped_blocks")))
+                       float(obj.get("wire_seconds", 0.0)), *reuse)
         except (TypeError, ValueError, OverflowError, RecursionError) as e:
             raise InvalidArgument(f"{where}: {type(e).__name__}") from None
 
