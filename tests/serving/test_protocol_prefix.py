@@ -80,7 +80,7 @@ class TestValidation:
         (lease_json(generations=[1]), "1 generations for 3 blocks"),
         (lease_json(lease_id=""), "lease_id must be a non-empty printable"),
         (lease_json(lease_id="a\nb"), "lease_id must be a non-empty printable"),
-        (lease_json(lease_id="x" * 257), "lease_id has 257 characters, above this worker's cap of 256"),
+        (lease_json(lease_id="x" * 101), "lease_id has 101 characters, above this worker's cap of 100"),
         (lease_json(start=-1), "start must be an integer >= 0"),
         (lease_json(block_tokens=0), "block_tokens must be >= 1"),
         (lease_json(blocks=[1] * 9, generations=[1] * 9), "blocks has 9 entries, above this worker's cap of 8"),

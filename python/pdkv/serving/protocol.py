@@ -455,8 +455,12 @@ class KVLease:
                              cap=limits.max_blocks))
 
 
+#: Longest lease id (the holder's engine keeps it with a prefix of its own).
+MAX_LEASE_ID_CHARS = 100
+
+
 def _lease_id(obj: Mapping[str, Any], limits: ProtocolLimits, where: str) -> str:
-    v = _str(obj, "lease_id", limits.max_rid_chars, where=where)
+    v = _str(obj, "lease_id", min(limits.max_rid_chars, MAX_LEASE_ID_CHARS), where=where)
     if not v or not v.isprintable():
         raise InvalidArgument(f"{where}: lease_id must be a non-empty printable string")
     return v
