@@ -132,7 +132,7 @@ def metric(worker: Worker, name: str, labels: str = "") -> float:
 
 def block_bytes(w: Worker) -> int:
     g = w.engine.pool.geometry
-    return g.num_layers * g.block_bytes
+    return g.num_layers * g.kv_parts * g.block_bytes
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ def test_second_turn_pulls_decode_held_blocks_and_pushes_only_new_ones(cluster) 
     assert c.pulls("ok") == 1
     assert metric(c.prefill, "pdkv_kv_pushed_skipped_blocks_total") == 8
     assert metric(c.prefill, "pdkv_kv_pull_bytes_total") == 3 * block_bytes(c.decode)
-    assert c.prefill.engine.cached_prefix_tokens(p2) == 32  # the pulled blocks stay in its cache
+    assert c.prefill.engine.cached_prefix_tokens(p2) == 40  # pulled and computed blocks stay cached
     # Nothing leaked: every lease ended, every reservation admitted and finished.
     assert c.prefill.engine.prefix_stats()["leases"] == 0
 
@@ -272,5 +272,6 @@ def test_lease_routes_validate_and_cap() -> None:
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 401
+        e.value.close()
     finally:
         t.stop()

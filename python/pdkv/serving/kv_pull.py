@@ -328,7 +328,7 @@ class PrefixPuller:
 
     def _block_bytes(self) -> int:
         g = self.engine.pool.geometry
-        return g.num_layers * g.block_bytes
+        return g.num_layers * g.kv_parts * g.block_bytes
 
     async def pull(self, req: PrefillRequest, plan: PullPlan, *, deadline: float) -> PullOutcome:
         """Reads ``plan``'s blocks into this worker's prefix cache by event-loop time

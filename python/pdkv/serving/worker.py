@@ -312,6 +312,7 @@ class Worker:
         self._thread = threading.Thread(target=self._step_loop, name=f"engine-{cfg.role.value}", daemon=True)
         self._thread.start()
         if self.agent is not None:
+            self._wire_evict_hook()
             self.leases = LeaseTable(self.agent, self.engine, address=self.agent_address,
                                      max_leases=cfg.max_kv_leases, registry=self.registry)
             self._tasks.append(asyncio.ensure_future(self.leases.run()))
@@ -343,6 +344,17 @@ class Worker:
             self.receiver = KVReceiver(self.agent, self.engine, executor=self._executor, address=self.agent_address,
                                        registry=self.registry)
             self._tasks.append(asyncio.ensure_future(self.receiver.run_notifications()))
+
+    def _wire_evict_hook(self) -> None:
+        """Blocks whose ids and generations went to a peer (a reservation's cached
+        blocks, a lease) get new generations before the engine reuses them, so a late
+        read or write fails with StaleBlock instead of touching another prompt's KV. The
+        bump waits for transfers already accepted under the old generations (each has a
+        deadline)."""
+        agent, engine = self.agent, self.engine
+        assert agent is not None and engine is not None
+        if getattr(engine.config, "prefix_cache", False):
+            engine.set_evict_hook(lambda ids: agent.bump_generations("kv", list(ids), timeout=None))
 
     def switch_role(self, role: WorkerRole) -> None:
         """Prefill <-> decode, for an idle worker (:class:`~pdkv.serving.discovery.RoleSwitch`
