@@ -44,10 +44,12 @@ class Cluster:
     """A prefill, a decode and a third worker (all with the prefix cache on), and a
     cache-off engine for the reference outputs."""
 
-    def __init__(self, tm: Any, *, third_blocks: int = 64) -> None:
+    def __init__(self, tm: Any, *, third_blocks: int = 64, stream_layers: bool = True,
+                 pull_timeout_s: float = 2.0) -> None:
         self.tm = tm
         self.threads: list[ServerThread] = []
-        self.prefill = self._worker("prefill", 64, kv_pull=PullConfig(policy="always"))
+        self.prefill = self._worker("prefill", 64, kv_pull=PullConfig(policy="always", timeout_s=pull_timeout_s),
+                                    stream_layers=stream_layers)
         self.decode = self._worker("decode", 64)
         self.third = self._worker("decode", third_blocks)
         self.reference = Engine(tm.model, engine_config(128, prefix_cache=False))
@@ -144,8 +146,16 @@ def cluster():
         c.close()
 
 
-def test_second_turn_pulls_decode_held_blocks_and_pushes_only_new_ones(cluster) -> None:
-    c = cluster
+@pytest.mark.parametrize("stream_layers", [True, False], ids=["streamed", "one-write"])
+def test_second_turn_pulls_decode_held_blocks_and_pushes_only_new_ones(stream_layers) -> None:
+    c = Cluster(tiny_model("llama_gqa"), stream_layers=stream_layers)
+    try:
+        _two_turns(c)
+    finally:
+        c.close()
+
+
+def _two_turns(c: Cluster) -> None:
     p1 = make_prompts((23,), seed=11)[0]
     out1, kv1, res1 = c.run("turn1", p1)
     assert out1 == c.ref(p1)
@@ -237,6 +247,34 @@ def test_an_unreachable_holder_is_recomputed(cluster) -> None:
     assert out == c.ref(p) and kv.pulled_tokens == 0 and kv.computed_tokens == 17
     assert c.pulls("peer") == 1
     assert c.prefill.engine.prefix_stats()["leases"] == 0
+
+
+def test_a_frozen_holder_costs_the_pull_timeout_then_computes(spawn_peer) -> None:
+    from kvpools import PoolSpec
+
+    c = Cluster(tiny_model("llama_gqa"), pull_timeout_s=0.5)
+    try:
+        g = c.prefill.engine.pool.geometry
+        proc = spawn_peer("frozen-holder", PoolSpec(layers=g.num_layers, blocks=8, block_tokens=BT, heads=g.kv_heads,
+                                                    head_dim=g.head_dim, dtype="float32"), seed=1, secret=SECRET)
+        # The prefill worker reaches the holder once, then the holder freezes (SIGSTOP).
+        status, obj = spost(c.prefill.url + "/pd/check_peer", {"agent": proc.address, "timeout": 10})
+        assert status == 200 and obj["ok"], obj
+        proc.pause()
+        try:
+            p = make_prompts((17,), seed=61)[0]
+            frozen = KVLease("fz", proc.address, "frozen-holder", BT, 0, (0, 1, 2), (1, 1, 1))
+            t0 = time.monotonic()
+            out, kv, _ = c.run("frozen1", p, src=frozen)
+            waited = time.monotonic() - t0
+        finally:
+            proc.resume()
+        assert out == c.ref(p) and kv.pulled_tokens == 0 and kv.computed_tokens == 17
+        assert c.pulls("timeout") + c.pulls("peer") == 1, c.prefill.registry.render()
+        assert waited < 15  # bounded by the pull's timeout, not by the frozen peer
+        assert c.prefill.engine.prefix_stats()["leases"] == 0
+    finally:
+        c.close()
 
 
 def test_lease_routes_validate_and_cap() -> None:
