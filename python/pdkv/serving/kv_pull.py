@@ -337,14 +337,17 @@ class PrefixPuller:
         blocks (or gave up)."""
         loop = asyncio.get_running_loop()
         out = PullOutcome(plan, f"{IMPORT_LEASE_PREFIX}{self._tag}-{next(self._ids)}")
+        xfer: pdkv.Transfer | None = None
+        importing: asyncio.Future | None = None
         t0 = loop.time()
         timeout = min(self.cost.config.timeout_s, max(deadline - t0, 0.0))
         try:
             if timeout <= 0:
                 raise pdkv.TransferTimeout("no time left before the KV deadline")
             peer = await self._connect(plan.holder, timeout)
-            local = await _in_thread(self._executor, lambda: self.engine.import_blocks(out.lease_id,
-                                                                                        list(plan.hashes)))
+            importing = loop.run_in_executor(self._executor,
+                                             lambda: self.engine.import_blocks(out.lease_id, list(plan.hashes)))
+            local = await asyncio.shield(importing)
             if len(local) != plan.num_blocks:
                 raise ResourceExhausted(f"the engine imported {len(local)} of {plan.num_blocks} blocks")
             remaining = max(t0 + timeout - loop.time(), 0.001)
@@ -356,6 +359,11 @@ class PrefixPuller:
             else:
                 xfer.wait(0)
             self.engine.commit_import(out.lease_id)
+        except asyncio.CancelledError:
+            # The client went away: a read still in flight lands in blocks the lease holds
+            # until it is over (then the import is dropped).
+            asyncio.ensure_future(self._drop_after(out, importing, xfer))
+            raise
         except (PdkvError, ConnectionError, TimeoutError) as e:
             self.done(out)  # frees an uncommitted import
             out.reason = failure_reason(e)
@@ -375,6 +383,19 @@ class PrefixPuller:
         self.m_pulls.inc(("ok",))
         self.cost.observe_transfer(plan.holder.agent, xfer.bytes_total, xfer.elapsed)
         return out
+
+    async def _drop_after(self, out: PullOutcome, importing: asyncio.Future | None,
+                          xfer: pdkv.Transfer | None) -> None:
+        """Drops a cancelled pull's import once nothing can still write into it."""
+        try:
+            if importing is not None:
+                await asyncio.wait([importing])
+            if xfer is not None and not xfer.done:
+                await _in_thread(self._executor, lambda: xfer.wait(None))
+        except PdkvError:
+            pass
+        finally:
+            self.done(out)
 
     def done(self, outcome: PullOutcome | None) -> None:
         """Ends the pull's engine lease (its blocks stay cached; an uncommitted import

@@ -282,6 +282,8 @@ class ProtocolHandlers:
                               code="prefix_cache_off")
         try:
             lease = table.grant(req)
+        except InvalidArgument as e:
+            return json_error(400, str(e), code="invalid_request")
         except AlreadyExists as e:
             return json_error(409, str(e), code="duplicate_lease")
         except ResourceExhausted as e:
