@@ -23,6 +23,16 @@ is free, the most recently admitted request is preempted: its blocks are freed a
 its prompt plus the tokens generated so far are recomputed later (output is
 unchanged).
 
+Prefix cache (``EngineConfig(prefix_cache=True)``, :mod:`pdkv.serving.prefix_cache`):
+every full block is cached under the hash of all tokens up to its end as soon as its
+KV is computed (prompt and output tokens alike), and stays cached after its request
+ends until an allocation finds no free block (least recently used first). A request
+admitted from the waiting queue (new, preempted or recomputed) starts from the
+cached blocks of its leading tokens, shared with every other request that holds them,
+and computes only the rest (at least one token). Index changes go to
+:meth:`Engine.set_kv_event_sink`; remote readers pin blocks with :meth:`Engine.lease`,
+pulled KV enters with :meth:`Engine.import_blocks`.
+
 Disaggregation hooks (the prefill and decode workers are built on these):
 
 * prefill side: ``add_request(..., prefill_only=True)`` computes the prompt and the
@@ -45,33 +55,53 @@ the stepping thread, after the step, without engine locks held: they must be qui
 :class:`Engine` composes its parts, each in its own module: the value types
 (:mod:`~pdkv.serving.engine_types`), request checks (:mod:`~pdkv.serving.engine_checks`),
 the scheduler with its block growth and preemption (:mod:`~pdkv.serving.engine_scheduler`),
-the request table and how requests finish (:mod:`~pdkv.serving.engine_requests`), and
+the request table and how requests finish (:mod:`~pdkv.serving.engine_requests`),
 the model side: pool, batch packing, layer sinks, forward and sampling
-(:mod:`~pdkv.serving.engine_runner`).
+(:mod:`~pdkv.serving.engine_runner`), the prefix cache's request side
+(:mod:`~pdkv.serving.engine_prefix`) and the block-level API: reservations, leases,
+imports, cache events and statistics (:mod:`~pdkv.serving.engine_cache`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 from typing import Any, Sequence
 
-from pdkv.errors import InvalidArgument, NotFound
+from pdkv.errors import InvalidArgument
 
+from .engine_cache import EngineBlocks
 from .engine_checks import RequestChecks, eos_ids
+from .engine_prefix import RequestPrefixes
 from .engine_requests import RequestTable
 from .engine_runner import ModelRunner
 from .engine_scheduler import Scheduler
-from .engine_types import (EngineConfig, EngineRequest, EventCallback, FinishReason, LayerSink, RequestHandle,
-                           RequestState, SchedulingMode, StepStats, TokenEvent)
+from .engine_types import (EngineConfig, EngineRequest, EventCallback, FinishReason, KVEvent, LayerSink,
+                           RequestHandle, RequestState, SchedulingMode, StepStats, TokenEvent)
 from .kv_pool import PagedKVPool
+from .prefix_cache import PrefixCache
+from .prefix_hash import cache_salt
 from .sampling import SamplingParams, new_seed
 
-__all__ = ["Engine", "EngineConfig", "FinishReason", "LayerSink", "RequestHandle", "SchedulingMode", "StepStats",
-           "TokenEvent"]
+__all__ = ["Engine", "EngineConfig", "FinishReason", "KVEvent", "LayerSink", "RequestHandle", "SchedulingMode",
+           "StepStats", "TokenEvent", "default_cache_salt"]
 
 
-class Engine:
+def default_cache_salt(model: Any, block_tokens: int) -> str:
+    """The salt an engine derives for ``model`` (:attr:`EngineConfig.cache_salt` empty):
+    its ``name_or_path`` plus a digest of its config, the block size and its dtype."""
+    cfg = model.config
+    d = {k: v for k, v in cfg.to_dict().items() if not k.startswith("_") and k not in ("transformers_version",
+                                                                                       "name_or_path", "dtype",
+                                                                                       "torch_dtype")}
+    digest = hashlib.blake2b(json.dumps(d, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return cache_salt(f"{getattr(cfg, 'name_or_path', '')}#{digest}", block_tokens=block_tokens, dtype=dtype)
+
+
+class Engine(EngineBlocks):
     """Continuous-batching engine for one Hugging Face causal LM and one paged KV pool.
 
     Parameters
@@ -111,7 +141,12 @@ class Engine:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._step_lock = threading.Lock()
-        self._sched = Scheduler(config, self.pool)
+        #: The salt block hashes chain from (:attr:`EngineConfig.cache_salt` or derived).
+        self.cache_salt = config.cache_salt or default_cache_salt(model, config.block_tokens)
+        self._blocks = PrefixCache(self.pool.allocator, enabled=config.prefix_cache)
+        self._prefixes = RequestPrefixes(self._blocks, config.block_tokens, self.cache_salt)
+        self._init_blocks()
+        self._sched = Scheduler(config, self.pool, self._prefixes)
         self._table = RequestTable(self.pool, self._sched, self.eos_token_ids)
         self._stalled = False  # the last step could schedule none of the waiting requests
         self.num_recomputes = 0
@@ -182,31 +217,6 @@ class Engine:
         """
         return self._checks.prompt(request_id, prompt_ids, params, prefill_only=prefill_only)
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
-        """Decode side: allocates blocks for the KV of a ``num_tokens``-token prompt.
-
-        The prefill side writes the prompt's KV into these blocks; then call
-        :meth:`admit_prefilled` (or :meth:`admit_recompute` if the transfer failed, or
-        :meth:`release` to give them back).
-
-        Returns
-        -------
-        list of int
-            ``ceil(num_tokens / block_tokens)`` block ids, in token order.
-
-        Raises
-        ------
-        ResourceExhausted
-            Not enough free blocks now (retry later).
-        AlreadyExists, InvalidArgument
-        """
-        if not isinstance(num_tokens, int) or num_tokens < 1:
-            raise InvalidArgument(f"num_tokens must be a positive integer, got {num_tokens!r}")
-        if num_tokens > self.pool.capacity_tokens:
-            raise InvalidArgument(f"{num_tokens} tokens do not fit the KV pool ({self.pool.capacity_tokens} tokens)")
-        with self._lock:
-            return self._table.reserve(request_id, num_tokens)
-
     def admit_prefilled(self, request_id: str, prompt_ids: Sequence[int], first_token: int,
                         params: SamplingParams | None = None, *, seed: int | None = None,
                         on_event: EventCallback | None = None) -> RequestHandle:
@@ -246,6 +256,7 @@ class Engine:
         with self._lock:
             req.block_ids = self._table.take_reservation(request_id, len(prompt))
             req.num_computed = len(prompt)
+            self._prefixes.prefilled(req, self._table.take_cached_count(request_id))
             self._table.requests[request_id] = req
             reason = self._table.finish_reason(req, int(first_token))
             if reason is not None:
@@ -255,6 +266,7 @@ class Engine:
                 self._sched.prefilled.append(req)
                 self._wake()
         self._table.emit(events)
+        self._flush_kv_events()
         return handle
 
     def admit_recompute(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
@@ -300,24 +312,6 @@ class Engine:
                 self._wake()
         self._table.emit(events)
         return handle
-
-    def release(self, request_id: str) -> None:
-        """Frees the blocks of a reservation or of a finished prefill-only request.
-
-        Raises
-        ------
-        NotFound
-            ``request_id`` holds no reservation and no finished prefill-only blocks.
-        """
-        with self._lock:
-            if self._table.drop_reservation(request_id):
-                self._wake()
-                return
-            req = self._table.requests.get(request_id)
-            if req is None or req.state is not RequestState.HELD:
-                raise NotFound(f"request {request_id!r} holds no reserved or prefilled blocks")
-            self._table.free_held(req)
-            self._wake()
 
     def abort(self, request_id: str) -> bool:
         """Stops a request (its last event has :attr:`FinishReason.ABORT`); also
@@ -400,6 +394,7 @@ class Engine:
                 inputs = self._runner.prepare(sched) if sched else None
             if inputs is None:
                 self._table.emit(events)
+                self._flush_kv_events()
                 return None
             try:
                 samplers, tokens = self._runner.forward(inputs)
@@ -407,12 +402,14 @@ class Engine:
                 with self._lock:
                     self._table.fail_step(sched, exc, events)
                 self._table.emit(events)
+                self._flush_kv_events()
                 raise
             now = time.perf_counter()
             with self._lock:
                 n_prefill, n_decode = self._table.record_step(sched, samplers, tokens, now, events)
                 self.num_steps += 1
             self._table.emit(events)
+            self._flush_kv_events()
             return StepStats(len(sched), n_prefill, n_decode, len(tokens), num_preempted,
                              time.perf_counter() - t0)
 
@@ -463,5 +460,6 @@ class Engine:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: free ones plus cached ones no request holds."""
         with self._lock:
-            return self.pool.allocator.num_free
+            return self._blocks.num_free

@@ -23,9 +23,11 @@ class RequestTable:
     Parameters
     ----------
     pool : PagedKVPool
-        Finished requests' blocks are freed to its allocator.
+        Its geometry (blocks per prompt).
     scheduler : Scheduler
-        Finished running requests leave its running batch.
+        Finished running requests leave its running batch; its block manager
+        (:attr:`Scheduler.blocks`) gets their blocks back, and its
+        :attr:`Scheduler.prefixes` caches the blocks they computed.
     eos_token_ids : tuple of int
         Tokens that end requests (unless ``ignore_eos``).
     """
@@ -33,9 +35,12 @@ class RequestTable:
     def __init__(self, pool: PagedKVPool, scheduler: Scheduler, eos_token_ids: tuple[int, ...]) -> None:
         self.pool = pool
         self._sched = scheduler
+        self.blocks = scheduler.blocks
+        self.prefixes = scheduler.prefixes
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, EngineRequest] = {}     # waiting, running and held
         self.reserved: dict[str, list[int]] = {}         # decode-side reservations
+        self.reserved_cached: dict[str, int] = {}        # their leading blocks cached here (reserve_prefix)
 
     def check_new_id(self, request_id: str) -> None:
         """Raises AlreadyExists if ``request_id`` names a live request or a reservation."""
@@ -46,10 +51,27 @@ class RequestTable:
         """Allocates the blocks of a ``num_tokens``-token prompt under a new id
         (ResourceExhausted when too few are free); returns them in token order."""
         self.check_new_id(request_id)
-        blocks = self.pool.allocator.alloc(self.pool.blocks_for(num_tokens))
+        blocks = self.blocks.alloc(self.pool.blocks_for(num_tokens))
         self.reserved[request_id] = blocks
         return list(blocks)
 
+    def reserve_prefix(self, request_id: str, prompt: tuple[int, ...]) -> tuple[list[int], int]:
+        """Like :meth:`reserve` for ``prompt``, starting from its leading blocks cached
+        here (shared, exposed to the peer); returns the blocks and how many are cached."""
+        self.check_new_id(request_id)
+        p = self.prefixes
+        hits = p.cache.match(p.hashes(prompt, limit=p.max_hit_blocks(len(prompt))))
+        p.cache.acquire(hits)
+        try:
+            new = self.blocks.alloc(self.pool.blocks_for(len(prompt)) - len(hits))
+        except BaseException:
+            self.blocks.free(hits)
+            raise
+        blocks = hits + new
+        p.cache.expose(blocks)
+        self.reserved[request_id] = blocks
+        self.reserved_cached[request_id] = len(hits)
+        return list(blocks), len(hits)
     def take_reservation(self, request_id: str, num_tokens: int) -> list[int]:
         """Ends ``request_id``'s reservation and returns its blocks, which a
         ``num_tokens``-token prompt's KV fills.
@@ -70,17 +92,21 @@ class RequestTable:
         del self.reserved[request_id]
         return blocks
 
+    def take_cached_count(self, request_id: str) -> int:
+        """Forgets how many leading blocks of ``request_id``'s reservation were cached."""
+        return self.reserved_cached.pop(request_id, 0)
     def drop_reservation(self, request_id: str) -> bool:
         """Frees ``request_id``'s reservation; False if it has none."""
         blocks = self.reserved.pop(request_id, None)
         if blocks is None:
             return False
-        self.pool.allocator.free(blocks)
+        self.reserved_cached.pop(request_id, None)
+        self.blocks.free(blocks)
         return True
 
     def free_held(self, req: EngineRequest) -> None:
         """Frees the blocks of a finished prefill-only request and forgets it."""
-        self.pool.allocator.free(req.block_ids)
+        self.blocks.free(req.block_ids)
         req.block_ids = []
         req.state = RequestState.FINISHED
         del self.requests[req.rid]
@@ -104,7 +130,7 @@ class RequestTable:
             h.block_ids = tuple(req.block_ids)
         else:
             if req.block_ids:
-                self.pool.allocator.free(req.block_ids)
+                self.blocks.free(req.block_ids)
             req.block_ids = []
             req.state = RequestState.FINISHED
             self.requests.pop(req.rid, None)
@@ -128,6 +154,7 @@ class RequestTable:
         for req, n in sched:
             was_decode = req.num_computed > 0 and req.pending == 1
             req.num_computed += n
+            self.prefixes.computed(req, req.num_computed - n, n)
             n_decode += n if was_decode else 0
             n_prefill += 0 if was_decode else n
             if req.abort_requested:

@@ -1,11 +1,14 @@
 """The engine's scheduler: which requests compute how many tokens in the next step,
 in ``colocated`` or ``chunked`` mode (see :mod:`pdkv.serving.engine`), the KV blocks
-they grow into as they compute, and preemption when a decode finds no free block."""
+they grow into as they compute, and preemption when a decode finds no free block.
+A request leaving the waiting queue starts from the blocks of its prefix found in
+the prefix cache (:mod:`pdkv.serving.engine_prefix`)."""
 
 from __future__ import annotations
 
 from collections import deque
 
+from .engine_prefix import RequestPrefixes
 from .engine_types import EngineConfig, EngineRequest, RequestState, SchedulingMode
 from .kv_pool import PagedKVPool
 
@@ -20,12 +23,17 @@ class Scheduler:
     config : EngineConfig
         ``mode``, ``max_batch_tokens`` and ``max_num_seqs``.
     pool : PagedKVPool
-        Blocks are allocated from (and preempted requests' blocks freed to) its allocator.
+        Its geometry (tokens per block).
+    prefixes : RequestPrefixes
+        The block manager blocks are allocated from (and preempted requests' blocks
+        freed to), and the prefix lookup of admitted requests.
     """
 
-    def __init__(self, config: EngineConfig, pool: PagedKVPool) -> None:
+    def __init__(self, config: EngineConfig, pool: PagedKVPool, prefixes: RequestPrefixes) -> None:
         self.config = config
         self.pool = pool
+        self.prefixes = prefixes
+        self.blocks = prefixes.cache
         self.waiting: deque[EngineRequest] = deque()     # new, preempted and recompute requests
         self.prefilled: deque[EngineRequest] = deque()   # admit_prefilled: KV present, waiting for a slot
         self.running: list[EngineRequest] = []
@@ -57,9 +65,10 @@ class Scheduler:
     def _preempt(self, req: EngineRequest) -> None:
         """Frees a running request's blocks and requeues it at the front (recompute)."""
         self.running.remove(req)
-        self.pool.allocator.free(req.block_ids)
+        self.blocks.free(req.block_ids)  # its full blocks stay cached: it may find them again
         req.block_ids = []
         req.num_computed = 0
+        req.num_inserted = 0
         req.state = RequestState.WAITING
         req.handle.num_preemptions += 1
         self.num_preemptions += 1
@@ -69,7 +78,7 @@ class Scheduler:
         """Allocates blocks for ``n`` more tokens of a running request, preempting the
         latest-admitted unscheduled requests if needed. False if ``req`` itself had to go."""
         need = self.pool.blocks_for(req.num_computed + n) - len(req.block_ids)
-        alloc = self.pool.allocator
+        alloc = self.blocks
         while need > alloc.num_free:
             victim = next((r for r in reversed(self.running) if id(r) not in scheduled and r is not req), None)
             if victim is None:
@@ -82,18 +91,25 @@ class Scheduler:
     def _admit_waiting(self, budget: int, *, whole: bool, batch: list) -> int:
         """Moves waiting requests to running while they fit (lock held): first those
         admitted with their KV present (they hold blocks, so they go first and cannot be
-        blocked by a new prompt waiting for blocks), then the others, in order."""
-        alloc = self.pool.allocator
+        blocked by a new prompt waiting for blocks), then the others, in order. A waiting
+        request starts from the cached blocks of its prefix (only blocks whose KV is
+        computed are cached, so a request admitted in this same step is never read)."""
+        alloc = self.blocks
         for queue in (self.prefilled, self.waiting):
             while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = queue[0]
-                n = req.pending if whole else min(req.pending, budget)
+                hits = self.prefixes.lookup(req) if queue is self.waiting else []
+                base = len(hits) * self.pool.block_tokens if hits else req.num_computed
+                pending = len(req.tokens) - base
+                n = pending if whole else min(pending, budget)
                 if whole and batch and n > budget:
                     break
-                need = self.pool.blocks_for(req.num_computed + n) - len(req.block_ids)
-                if need > alloc.num_free:
+                need = self.pool.blocks_for(base + n) - (len(hits) if hits else len(req.block_ids))
+                if need > alloc.num_free - alloc.num_evictable_among(hits):
                     break
                 queue.popleft()
+                if queue is self.waiting:
+                    self.prefixes.admit(req, hits)
                 req.block_ids.extend(alloc.alloc(need))
                 req.state = RequestState.RUNNING
                 self.running.append(req)

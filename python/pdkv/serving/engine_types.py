@@ -8,14 +8,15 @@ import enum
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 from pdkv.errors import InvalidArgument
 
+from .prefix_hash import is_block_hash
 from .sampling import SamplingParams
 
-__all__ = ["EngineConfig", "EngineRequest", "EventCallback", "FinishReason", "LayerSink", "RequestHandle",
-           "RequestState", "SchedulingMode", "StepStats", "TokenEvent"]
+__all__ = ["EngineConfig", "EngineRequest", "EventCallback", "FinishReason", "KVEvent", "KVEventSink", "LayerSink",
+           "RequestHandle", "RequestState", "SchedulingMode", "StepStats", "TokenEvent"]
 
 
 class SchedulingMode(str, enum.Enum):
@@ -63,6 +64,14 @@ class EngineConfig:
         ``generation_config.eos_token_id`` (else ``config.eos_token_id``).
     max_model_len : int, optional
         Longest prompt + output; default: the config's ``max_position_embeddings``.
+    prefix_cache : bool
+        Keep the KV of full blocks after their requests end and reuse it for requests
+        whose prompts start with the same tokens (see :mod:`pdkv.serving.prefix_cache`).
+        Default off: blocks are freed as soon as their request ends.
+    cache_salt : str
+        The salt block hashes chain from (:func:`pdkv.serving.prefix_hash.cache_salt`, 16
+        hex digits); empty: derived from the model's name and config, the block size and
+        the dtype. Workers that share KV must use the same salt.
     """
 
     num_blocks: int
@@ -73,6 +82,8 @@ class EngineConfig:
     num_threads: int | None = 1
     eos_token_ids: tuple[int, ...] | None = None
     max_model_len: int | None = None
+    prefix_cache: bool = False
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         try:
@@ -91,6 +102,11 @@ class EngineConfig:
             raise InvalidArgument(f"num_threads must be >= 1 or None, got {self.num_threads}")
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        if not isinstance(self.prefix_cache, bool):
+            raise InvalidArgument(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
+        if self.cache_salt and not is_block_hash(self.cache_salt):
+            raise InvalidArgument(f"cache_salt must be 16 lowercase hex digits (pdkv.serving.prefix_hash.cache_salt) "
+                                  f"or empty, got {self.cache_salt!r:.40}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,27 @@ class TokenEvent:
 
 
 EventCallback = Callable[[TokenEvent], None]
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """A change of an engine's prefix cache index (what workers publish to the fleet index).
+
+    Attributes
+    ----------
+    kind : {"stored", "evicted", "cleared"}
+        ``stored``: the blocks of ``hashes`` hold their KV here now; ``evicted``: they
+        do not any more; ``cleared``: the whole index was dropped (``hashes`` empty).
+    hashes : tuple of str
+        Block hashes (:mod:`pdkv.serving.prefix_hash`), in chain order for ``stored``.
+    """
+
+    kind: Literal["stored", "evicted", "cleared"]
+    hashes: tuple[str, ...]
+
+
+#: ``sink(event)``: called in order, without engine locks held (see :meth:`Engine.set_kv_event_sink`).
+KVEventSink = Callable[[KVEvent], None]
 
 #: ``sink(layer, token_start, token_end, block_ids)``: called in the stepping thread,
 #: during the model's forward, right after ``layer``'s K/V of the request's tokens
@@ -182,6 +219,14 @@ class RequestHandle:
         Times it was preempted and recomputed.
     recomputed : bool
         Admitted through :meth:`Engine.admit_recompute`.
+    num_cached_tokens : int
+        Prompt tokens whose KV the engine found in its prefix cache when it admitted the
+        request (not computed; imported blocks count once committed), or, for
+        :meth:`Engine.admit_prefilled`, the tokens of the reservation's cached blocks.
+    num_imported_tokens : int
+        Of those, tokens of blocks imported from a peer (:meth:`Engine.import_blocks`).
+    num_computed_tokens : int
+        Prompt tokens this engine computed for the request (again after a preemption).
     """
 
     def __init__(self, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, seed: int) -> None:
@@ -196,6 +241,9 @@ class RequestHandle:
         self.block_ids: tuple[int, ...] = ()
         self.num_preemptions = 0
         self.recomputed = False
+        self.num_cached_tokens = 0
+        self.num_imported_tokens = 0
+        self.num_computed_tokens = 0
         self.error: BaseException | None = None
         self._done = threading.Event()
 
@@ -230,7 +278,7 @@ class EngineRequest:
     """Engine-internal request state (guarded by the engine lock)."""
 
     __slots__ = ("handle", "tokens", "num_computed", "block_ids", "state", "prefill_only", "on_event",
-                 "abort_requested", "layer_sink")
+                 "abort_requested", "layer_sink", "hashes", "num_inserted", "looked_up")
 
     def __init__(self, handle: RequestHandle, tokens: list[int], *, prefill_only: bool,
                  on_event: EventCallback | None, layer_sink: LayerSink | None = None) -> None:
@@ -243,6 +291,9 @@ class EngineRequest:
         self.on_event = on_event
         self.abort_requested = False
         self.layer_sink = layer_sink
+        self.hashes: list[str] = []     # prefix cache: hashes of tokens' full blocks so far (chained)
+        self.num_inserted = 0           # leading block_ids already cached (or found cached)
+        self.looked_up = False          # the prefix cache was asked at its first admission
 
     @property
     def rid(self) -> str:
