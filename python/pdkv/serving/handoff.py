@@ -261,7 +261,7 @@ class KVReceiver:
             try:
                 if isinstance(prompt, int):
                     return eng.reserve(rid, prompt), 0
-                if getattr(eng.config, "prefix_cache", False):
+                if eng.config.prefix_cache:
                     # In a thread: reusing a block a reader was given waits for its generation bump.
                     blocks, cached = await _in_thread(self._executor, lambda: eng.reserve_prefix(rid, list(prompt)))
                     return list(blocks), int(cached)

@@ -291,8 +291,7 @@ class PrefixPuller:
 
     @property
     def enabled(self) -> bool:
-        return self.cost.config.policy is not PullPolicy.OFF and bool(getattr(self.engine.config, "prefix_cache",
-                                                                              False))
+        return self.cost.config.policy is not PullPolicy.OFF and self.engine.config.prefix_cache
 
     def plan(self, req: PrefillRequest) -> PullPlan | None:
         """The pull worth doing for ``req``, or None (nothing reaches further than the

@@ -353,7 +353,7 @@ class Worker:
         deadline)."""
         agent, engine = self.agent, self.engine
         assert agent is not None and engine is not None
-        if getattr(engine.config, "prefix_cache", False):
+        if engine.config.prefix_cache:
             engine.set_evict_hook(lambda ids: agent.bump_generations("kv", list(ids), timeout=None))
 
     def switch_role(self, role: WorkerRole) -> None:

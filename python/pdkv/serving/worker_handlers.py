@@ -277,7 +277,7 @@ class ProtocolHandlers:
             req = LeaseRequest.from_json(await self._body(request), limits=self.worker.config.protocol_limits)
         except InvalidArgument as e:
             return json_error(400, str(e), code="invalid_request")
-        if table is None or not getattr(eng.config, "prefix_cache", False):
+        if table is None or not eng.config.prefix_cache:
             return json_error(409, "this worker's prefix cache is off: it has no blocks to lease",
                               code="prefix_cache_off")
         try:
@@ -317,7 +317,7 @@ async def _pull_prefix(puller: PrefixPuller, req: PrefillRequest, deadline: floa
 
 def _reuse(result: KVResult, h: RequestHandle, pull: PullOutcome | None) -> KVResult:
     """``result`` with the prefill's reuse figures: tokens cached, pulled, computed."""
-    cached = int(getattr(h, "num_cached_tokens", 0))
+    cached = h.num_cached_tokens
     ok = pull is not None and pull.ok
     return dataclasses.replace(result, cached_tokens=cached, pulled_tokens=pull.tokens if ok else 0,
                                pulled_bytes=pull.nbytes if ok else 0,
