@@ -746,6 +746,8 @@ class WorkerInfo:
     agent: dict[str, Any] | None = None                # name, address, transports
     pid: int = 0
     aliases: tuple[str, ...] = ()                      # other names clients may use for the model
+    prefix_cache: bool = False                         # caches prompt blocks (docs/serving.md, "Prefix cache")
+    cache_salt: str = ""                               # its block hashes' salt ("" when unknown)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -771,7 +773,9 @@ class WorkerInfo:
                    _int_list(obj.get("eos_token_ids", []), where=where, name="eos_token_ids"),
                    dict(obj.get("kv") or {}), str(obj.get("engine_mode", "")), obj.get("agent"),
                    int(obj.get("pid", 0)),
-                   tuple(str(a) for a in (obj.get("aliases") or ()) if isinstance(a, str)))
+                   tuple(str(a) for a in (obj.get("aliases") or ()) if isinstance(a, str)),
+                   _bool(obj.get("prefix_cache", False), where=where, name="prefix_cache"),
+                   _salt(obj.get("cache_salt", ""), where=where))
 
     @property
     def capacity_tokens(self) -> int:
@@ -783,3 +787,15 @@ class WorkerInfo:
         layers, heads, head size and dtype; block sizes may differ)."""
         keys = ("num_layers", "kv_heads", "head_dim", "dtype")
         return all(self.kv.get(k) == other.kv.get(k) for k in keys)
+
+
+def _bool(v: Any, *, where: str, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise InvalidArgument(f"{where}: {name} must be true or false, got {type(v).__name__}")
+    return v
+
+
+def _salt(v: Any, *, where: str) -> str:
+    if v != "" and not is_block_hash(v):
+        raise InvalidArgument(f"{where}: cache_salt must be 16 lowercase hex digits or empty")
+    return v

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import os
 import secrets
@@ -74,6 +75,9 @@ from .worker_handlers import EngineEvents, ProtocolHandlers, failure_message
 __all__ = ["LocalBackend", "Worker", "WorkerConfig", "WorkerRole"]
 
 log = logging.getLogger("pdkv.serving")
+
+#: Seconds the evict hook waits for transfers still reading blocks it invalidates.
+EVICT_BUMP_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,14 @@ class WorkerConfig:
     protocol_limits : ProtocolLimits
         Caps on the timeouts, sizes and counts in ``/pd/*`` bodies (400 above), e.g.
         ``max_kv_timeout_s`` (default 60 s).
+    prefix_cache : bool
+        Cache the KV of full blocks and reuse it for prompts that start with the same
+        tokens (overrides ``engine.prefix_cache``; default on). Blocks handed to peers
+        get their pdkv generations bumped before they are reused.
+    cache_salt : str
+        The salt of the block hashes (16 hex digits; default: ``engine.cache_salt``, or
+        derived from the model, block size and dtype). Workers share KV only when their
+        salts are equal.
     kv_pull : PullConfig
         Prefill: when to read a prompt's prefix from the worker that holds it instead
         of computing it (:mod:`pdkv.serving.kv_pull`; ``pdkv serve prefill --kv-pull``).
@@ -184,6 +196,8 @@ class WorkerConfig:
     auth_window_s: float = DEFAULT_WINDOW_S
     auth_max_nonces: int = DEFAULT_MAX_NONCES
     protocol_limits: ProtocolLimits = field(default_factory=ProtocolLimits)
+    prefix_cache: bool = True
+    cache_salt: str = ""
     kv_pull: PullConfig = field(default_factory=PullConfig)
     max_kv_leases: int = 1024
 
@@ -223,6 +237,13 @@ class WorkerConfig:
             object.__setattr__(self, "transports", tuple(self.transports))
         if self.registry is not None:  # checked here: before a CLI loads the model
             DiscoveryRegistry(self.registry, ttl=self.registry_ttl)
+        if not isinstance(self.prefix_cache, bool):
+            raise InvalidArgument(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
+        if not isinstance(self.engine, EngineConfig):
+            raise InvalidArgument(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
+        # EngineConfig checks the salt (16 lowercase hex digits or empty).
+        object.__setattr__(self, "engine", dataclasses.replace(
+            self.engine, prefix_cache=self.prefix_cache, cache_salt=self.cache_salt or self.engine.cache_salt))
         if self.debug_error_code not in STREAM_ERROR_STATUS:
             raise InvalidArgument(f"debug_error_code must be one of {sorted(STREAM_ERROR_STATUS)}, "
                                   f"got {self.debug_error_code!r}")
@@ -309,10 +330,12 @@ class Worker:
         cfg = self.config
         pool = self._make_agent_and_pool() if cfg.role is not WorkerRole.COLOCATED else None
         self.engine = Engine(self.model, cfg.engine, block_order=self.block_order, pool=pool)
+        if self.agent is not None:  # a cached block handed to a peer is never reused under its old generation
+            agent = self.agent
+            self.engine.set_evict_hook(lambda ids: agent.bump_generations("kv", ids, timeout=EVICT_BUMP_TIMEOUT_S))
         self._thread = threading.Thread(target=self._step_loop, name=f"engine-{cfg.role.value}", daemon=True)
         self._thread.start()
         if self.agent is not None:
-            self._wire_evict_hook()
             self.leases = LeaseTable(self.agent, self.engine, address=self.agent_address,
                                      max_leases=cfg.max_kv_leases, registry=self.registry)
             self._tasks.append(asyncio.ensure_future(self.leases.run()))
@@ -344,17 +367,6 @@ class Worker:
             self.receiver = KVReceiver(self.agent, self.engine, executor=self._executor, address=self.agent_address,
                                        registry=self.registry)
             self._tasks.append(asyncio.ensure_future(self.receiver.run_notifications()))
-
-    def _wire_evict_hook(self) -> None:
-        """Blocks whose ids and generations went to a peer (a reservation's cached
-        blocks, a lease) get new generations before the engine reuses them, so a late
-        read or write fails with StaleBlock instead of touching another prompt's KV. The
-        bump waits for transfers already accepted under the old generations (each has a
-        deadline)."""
-        agent, engine = self.agent, self.engine
-        assert agent is not None and engine is not None
-        if engine.config.prefix_cache:
-            engine.set_evict_hook(lambda ids: agent.bump_generations("kv", list(ids), timeout=None))
 
     def switch_role(self, role: WorkerRole) -> None:
         """Prefill <-> decode, for an idle worker (:class:`~pdkv.serving.discovery.RoleSwitch`
@@ -451,7 +463,8 @@ class Worker:
                           kv={"num_layers": g.num_layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
                               "dtype": g.dtype, "block_tokens": g.block_tokens, "num_blocks": g.num_blocks},
                           engine_mode=eng.config.mode.value, agent=agent, pid=os.getpid(),
-                          aliases=self.config.model_aliases)
+                          aliases=self.config.model_aliases, prefix_cache=eng.config.prefix_cache,
+                          cache_salt=eng.cache_salt)
 
     def model_info(self) -> ModelInfo:
         eng = self.started_engine()
@@ -497,6 +510,27 @@ class Worker:
             .set_function(lambda: [((), self.engine.num_steps if self.engine else 0)])
         r.counter("pdkv_engine_preemptions_total", "Requests preempted (recomputed later) for lack of blocks.") \
             .set_function(lambda: [((), self.engine.num_preemptions if self.engine else 0)])
+        self._setup_prefix_metrics()
+
+    def _prefix_stat(self, key: str) -> int:
+        return self.engine.prefix_stats()[key] if self.engine else 0
+
+    def _setup_prefix_metrics(self) -> None:
+        """The prefix cache's counters (docs/serving.md, "Prefix cache")."""
+        r, st = self.registry, self._prefix_stat
+        if self.config.role is not WorkerRole.COLOCATED:  # a colocated worker's OpenAI frontend counts them
+            r.counter("pdkv_prompt_tokens_total", "Prompt tokens of the requests admitted to compute here.") \
+                .set_function(lambda: [((), st("queries_tokens"))])
+        r.counter("pdkv_prefill_computed_tokens_total", "Prompt tokens the engine computed (again after "
+                  "preemptions).").set_function(lambda: [((), st("computed_prompt_tokens"))])
+        r.counter("pdkv_prefix_hit_tokens_total", "Prompt tokens not computed because their KV was cached here "
+                  "(local) or imported from a peer (pulled).", ("source",)) \
+            .set_function(lambda: [(("local",), st("hit_tokens") - st("pulled_hit_tokens")),
+                                   (("pulled",), st("pulled_hit_tokens"))])
+        r.gauge("pdkv_prefix_cache_blocks", "KV blocks in the prefix cache's index (held or evictable).") \
+            .set_function(lambda: [((), st("cached_blocks"))])
+        r.counter("pdkv_prefix_evictions_total", "Cached blocks evicted to make room.") \
+            .set_function(lambda: [((), st("evictions"))])
 
     # ------------------------------------------------------------------ routes
     def _routes(self, app: web.Application) -> None:

@@ -147,7 +147,9 @@ class ProtocolHandlers:
         try:
             resp = await start_ndjson(request)
             if await self._stream_tokens(resp, events, req.rid, h):
-                await resp.write(dumps_line({"done": {"recomputed": False, "preemptions": h.num_preemptions}}))
+                await resp.write(dumps_line({"done": {"recomputed": False, "preemptions": h.num_preemptions,
+                                                      "cached_tokens": h.num_cached_tokens,
+                                                      "computed_tokens": h.num_computed_tokens}}))
             await resp.write_eof()
             return resp
         finally:
@@ -181,7 +183,9 @@ class ProtocolHandlers:
             if await self._stream_tokens(resp, events, req.rid, h):
                 await resp.write(dumps_line({"done": {"recomputed": h.recomputed, "recompute_reason": arrival.reason,
                                                       "kv_error": arrival.error, "kv_wait_s": arrival.wait_s,
-                                                      "preemptions": h.num_preemptions}}))
+                                                      "preemptions": h.num_preemptions,
+                                                      "cached_tokens": h.num_cached_tokens,
+                                                      "computed_tokens": h.num_computed_tokens}}))
             await resp.write_eof()
             return resp
         finally:
