@@ -27,7 +27,8 @@ from pdkv.serving.protocol import (GenerateRequest, GenParams, KVLease, KVResult
                                    Reservation)
 from pdkv.serving.sampling import SamplingParams  # noqa: E402
 from pdkv.serving.worker import Worker, WorkerConfig  # noqa: E402
-from servers import SECRET, signed, spost  # noqa: E402
+from servers import SECRET, Stack, build_tiny, completion_ids, signed, spost  # noqa: E402
+from kvpools import PoolSpec  # noqa: E402
 from tinylm import make_prompts, tiny_model  # noqa: E402
 
 BT = 4
@@ -250,8 +251,6 @@ def test_an_unreachable_holder_is_recomputed(cluster) -> None:
 
 
 def test_a_frozen_holder_costs_the_pull_timeout_then_computes(spawn_peer) -> None:
-    from kvpools import PoolSpec
-
     c = Cluster(tiny_model("llama_gqa"), pull_timeout_s=0.5)
     try:
         g = c.prefill.engine.pool.geometry
@@ -313,3 +312,30 @@ def test_lease_routes_validate_and_cap() -> None:
         e.value.close()
     finally:
         t.stop()
+
+
+def test_two_turns_through_the_proxy(tmp_path_factory) -> None:
+    """The proxy carries ``cached_blocks`` from decode to prefill; the client's pdkv
+    stats show the skipped and pulled blocks of turn 2; the answers equal a cache-off
+    colocated worker's."""
+    tiny = build_tiny(tmp_path_factory.mktemp("models"))
+    st = Stack()
+    try:
+        pre = st.worker(tiny, "prefill", mode="chunked", kv_pull=PullConfig(policy="always"))
+        dec = st.worker(tiny, "decode", mode="chunked")
+        ref = st.worker(tiny, "colocated", mode="chunked", prefix_cache=False)
+        px = st.proxy("disagg", prefill=[pre], decode=[dec])
+        p1 = tiny.prompts[3]
+        out1, s1 = completion_ids(px, tiny.name, p1)
+        assert out1 == completion_ids(ref, tiny.name, p1)[0]
+        p2 = p1 + out1 + tiny.prompts[2]
+        out2, s2 = completion_ids(px, tiny.name, p2)
+        assert out2 == completion_ids(ref, tiny.name, p2)[0]
+        held = (len(p1) + len(out1) - 1) // BT  # decode computed turn 1's prompt and all but its last token
+        extra = s2["extra"]
+        assert extra["kv_skipped_blocks"] == held, s2
+        assert extra["kv_pulled_tokens"] == (held - len(p1) // BT) * BT, s2
+        assert extra["prefill_computed_tokens"] == len(p2) - held * BT, s2
+        assert s1["extra"]["kv_skipped_blocks"] == 0
+    finally:
+        st.close()
