@@ -36,8 +36,8 @@ MAX_NEW = 10
 PARAMS = GenParams(max_tokens=MAX_NEW, temperature=0.0, seed=1, ignore_eos=True)
 
 
-def engine_config(num_blocks: int, prefix_cache: bool) -> EngineConfig:
-    return EngineConfig(num_blocks=num_blocks, block_tokens=BT, mode="chunked", max_batch_tokens=64, max_num_seqs=4,
+def engine_config(num_blocks: int, prefix_cache: bool, block_tokens: int = BT) -> EngineConfig:
+    return EngineConfig(num_blocks=num_blocks, block_tokens=block_tokens, mode="chunked", max_batch_tokens=64, max_num_seqs=4,
                         num_threads=1, prefix_cache=prefix_cache)
 
 
@@ -46,17 +46,19 @@ class Cluster:
     cache-off engine for the reference outputs."""
 
     def __init__(self, tm: Any, *, third_blocks: int = 64, stream_layers: bool = True,
-                 pull_timeout_s: float = 2.0) -> None:
+                 pull_timeout_s: float = 2.0, prefill_bt: int = BT, decode_bt: int = BT) -> None:
         self.tm = tm
         self.threads: list[ServerThread] = []
-        self.prefill = self._worker("prefill", 64, kv_pull=PullConfig(policy="always", timeout_s=pull_timeout_s),
+        self.prefill = self._worker("prefill", 64, prefill_bt, kv_pull=PullConfig(policy="always",
+                                                                                  timeout_s=pull_timeout_s),
                                     stream_layers=stream_layers)
-        self.decode = self._worker("decode", 64)
-        self.third = self._worker("decode", third_blocks)
+        self.decode = self._worker("decode", 64, decode_bt)
+        self.third = self._worker("decode", third_blocks, BT)
         self.reference = Engine(tm.model, engine_config(128, prefix_cache=False))
 
-    def _worker(self, role: str, num_blocks: int, **kw: Any) -> Worker:
-        cfg = WorkerConfig(role=role, engine=engine_config(num_blocks, True), model_name="tiny", secret=SECRET, **kw)
+    def _worker(self, role: str, num_blocks: int, block_tokens: int, **kw: Any) -> Worker:
+        cfg = WorkerConfig(role=role, engine=engine_config(num_blocks, True, block_tokens), model_name="tiny",
+                           secret=SECRET, **kw)
         w = Worker(self.tm.model, cfg)
         t = ServerThread(w)
         t.start()
@@ -71,8 +73,8 @@ class Cluster:
         return self.reference.generate([prompt], SamplingParams.of(PARAMS))[0]
 
     # -------------------------------------------------------------- the proxy's part
-    def run(self, rid: str, prompt: list[int], *, src: KVLease | None = None,
-            before_prefill: Any = None) -> tuple[list[int], KVResult, Reservation]:
+    def run(self, rid: str, prompt: list[int], *, src: KVLease | None = None, before_prefill: Any = None,
+            recomputed: bool = False) -> tuple[list[int], KVResult, Reservation]:
         """One disaggregated request as the proxy runs it: reserve on decode, prefill
         (pushing into the reservation), then decode's tokens. Returns (output, the
         prefill's KV result, the reservation)."""
@@ -87,6 +89,10 @@ class Cluster:
             lines = prefill_lines(self.prefill.url, PrefillRequest(rid, tuple(prompt), PARAMS, res, 20.0, src))
             first = lines[0]["first"]["t"]
             kv = KVResult.from_json(lines[-1]["kv"])
+            if not kv.ok:  # as the proxy does: decode recomputes, after the first token
+                status, _ = spost(self.decode.url + "/pd/kv_failed",
+                                  {"rid": rid, "first_token": first, "error": kv.error, "terminal": True})
+                assert status == 200
             out = [first]
             for raw in dresp:
                 line = json.loads(raw)
@@ -94,7 +100,7 @@ class Cluster:
                 if "t" in line:
                     out.append(line["t"])
                 if "done" in line:
-                    assert not line["done"]["recomputed"], line
+                    assert line["done"]["recomputed"] is recomputed, line
         return out, kv, res
 
     def lease(self, worker: Worker, lease_id: str, prompt: list[int], ttl_s: float = 30.0) -> KVLease:
@@ -339,3 +345,30 @@ def test_two_turns_through_the_proxy(tmp_path_factory) -> None:
         assert s1["extra"]["kv_skipped_blocks"] == 0
     finally:
         st.close()
+
+
+@pytest.mark.parametrize("stream_layers", [True, False], ids=["streamed", "one-write"])
+@pytest.mark.parametrize("prefill_bt,decode_bt,p1_len", [(4, 8, 23), (8, 4, 21), (8, 4, 23)],
+                         ids=["decode-larger", "decode-ends-inside", "decode-aligned"])
+def test_different_block_sizes_skip_only_what_aligns(stream_layers, prefill_bt, decode_bt, p1_len) -> None:
+    """No pull across block sizes; the push skips decode's blocks when they end on a
+    block boundary here, and fails (decode computes from its own cache) when not."""
+    c = Cluster(tiny_model("llama_gqa"), stream_layers=stream_layers, prefill_bt=prefill_bt, decode_bt=decode_bt)
+    try:
+        p1 = make_prompts((p1_len,), seed=71)[0]
+        out1, kv1, _ = c.run("bs1", p1)
+        assert out1 == c.ref(p1) and kv1.ok
+        p2 = p1 + out1 + make_prompts((7,), seed=72)[0]
+        held = (len(p1) + len(out1) - 1) // decode_bt
+        aligned = held * decode_bt % prefill_bt == 0
+        out2, kv2, res2 = c.run("bs2", p2, recomputed=not aligned)
+        assert out2 == c.ref(p2)
+        assert res2.cached_blocks == held and kv2.pulled_tokens == 0
+        if aligned:
+            assert kv2.ok and kv2.skipped_blocks == held
+            new_tokens = len(p2) - held * decode_bt
+            assert kv2.bytes == -(-new_tokens // decode_bt) * block_bytes(c.decode)  # only the new blocks
+        else:
+            assert not kv2.ok and "end inside" in kv2.error
+    finally:
+        c.close()
