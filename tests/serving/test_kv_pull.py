@@ -181,6 +181,8 @@ def _two_turns(c: Cluster) -> None:
     assert c.pulls("ok") == 1
     assert metric(c.prefill, "pdkv_kv_pushed_skipped_blocks_total") == 8
     assert metric(c.prefill, "pdkv_kv_pull_bytes_total") == 3 * block_bytes(c.decode)
+    assert metric(c.prefill, "pdkv_prefix_hit_tokens_total", 'source="pulled"') == 12
+    assert metric(c.prefill, "pdkv_prefix_hit_tokens_total", 'source="local"') == 20
     assert c.prefill.engine.cached_prefix_tokens(p2) == 40  # pulled and computed blocks stay cached
     # Nothing leaked: every lease ended, every reservation admitted and finished.
     assert c.prefill.engine.prefix_stats()["leases"] == 0
