@@ -145,3 +145,12 @@ def test_worker_info_rejects_bad_cache_fields(field, value) -> None:
     assert WorkerInfo.from_json(old).prefix_cache is False  # a worker without the fields
     with pytest.raises(InvalidArgument, match=field):
         WorkerInfo.from_json({**good, field: value})
+
+
+def test_colocated_openai_stats_report_cached_tokens(tiny, stack) -> None:
+    prompt = tiny.prompts[3][::-1]  # 23 tokens no other test sends
+    ids1, st1 = completion_ids(stack.col, tiny.name, prompt)
+    ids2, st2 = completion_ids(stack.col, tiny.name, prompt, streamed=True)
+    assert ids1 == ids2
+    assert (st1["extra"]["cached_tokens"], st1["extra"]["computed_tokens"]) == (0, 23)
+    assert (st2["extra"]["cached_tokens"], st2["extra"]["computed_tokens"]) == (20, 3)

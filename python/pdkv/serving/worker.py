@@ -628,7 +628,8 @@ class LocalBackend:
                     yield TokenOut(ev.token_id, fin)
                 if ev.finish_reason is not None:
                     finished = True
-                    trace.extra["preemptions"] = h.num_preemptions
+                    trace.extra.update(preemptions=h.num_preemptions, cached_tokens=h.num_cached_tokens,
+                                       computed_tokens=h.num_computed_tokens)
                     return
         finally:
             self.worker.in_flight -= 1
