@@ -36,9 +36,10 @@ MAX_NEW = 10
 PARAMS = GenParams(max_tokens=MAX_NEW, temperature=0.0, seed=1, ignore_eos=True)
 
 
-def engine_config(num_blocks: int, prefix_cache: bool, block_tokens: int = BT) -> EngineConfig:
-    return EngineConfig(num_blocks=num_blocks, block_tokens=block_tokens, mode="chunked", max_batch_tokens=64, max_num_seqs=4,
-                        num_threads=1, prefix_cache=prefix_cache)
+def engine_config(num_blocks: int, prefix_cache: bool, block_tokens: int = BT,
+                  max_batch_tokens: int = 64) -> EngineConfig:
+    return EngineConfig(num_blocks=num_blocks, block_tokens=block_tokens, mode="chunked",
+                        max_batch_tokens=max_batch_tokens, max_num_seqs=4, num_threads=1, prefix_cache=prefix_cache)
 
 
 class Cluster:
@@ -46,19 +47,20 @@ class Cluster:
     cache-off engine for the reference outputs."""
 
     def __init__(self, tm: Any, *, third_blocks: int = 64, stream_layers: bool = True,
-                 pull_timeout_s: float = 2.0, prefill_bt: int = BT, decode_bt: int = BT) -> None:
+                 pull_timeout_s: float = 2.0, prefill_bt: int = BT, decode_bt: int = BT,
+                 prefill_batch_tokens: int = 64) -> None:
         self.tm = tm
         self.threads: list[ServerThread] = []
         self.prefill = self._worker("prefill", 64, prefill_bt, kv_pull=PullConfig(policy="always",
                                                                                   timeout_s=pull_timeout_s),
-                                    stream_layers=stream_layers)
+                                    stream_layers=stream_layers, batch_tokens=prefill_batch_tokens)
         self.decode = self._worker("decode", 64, decode_bt)
         self.third = self._worker("decode", third_blocks, BT)
         self.reference = Engine(tm.model, engine_config(128, prefix_cache=False))
 
-    def _worker(self, role: str, num_blocks: int, block_tokens: int, **kw: Any) -> Worker:
-        cfg = WorkerConfig(role=role, engine=engine_config(num_blocks, True, block_tokens), model_name="tiny",
-                           secret=SECRET, **kw)
+    def _worker(self, role: str, num_blocks: int, block_tokens: int, batch_tokens: int = 64, **kw: Any) -> Worker:
+        cfg = WorkerConfig(role=role, engine=engine_config(num_blocks, True, block_tokens, batch_tokens),
+                           model_name="tiny", secret=SECRET, **kw)
         w = Worker(self.tm.model, cfg)
         t = ServerThread(w)
         t.start()
@@ -153,37 +155,42 @@ def cluster():
         c.close()
 
 
-@pytest.mark.parametrize("stream_layers", [True, False], ids=["streamed", "one-write"])
-def test_second_turn_pulls_decode_held_blocks_and_pushes_only_new_ones(stream_layers) -> None:
-    c = Cluster(tiny_model("llama_gqa"), stream_layers=stream_layers)
+@pytest.mark.parametrize("stream_layers,batch_tokens,new_len", [(True, 64, 7), (True, 8, 19), (False, 64, 7)],
+                         ids=["streamed", "streamed-in-chunks", "one-write"])
+def test_second_turn_pulls_decode_held_blocks_and_pushes_only_new_ones(stream_layers, batch_tokens,
+                                                                        new_len) -> None:
+    c = Cluster(tiny_model("llama_gqa"), stream_layers=stream_layers, prefill_batch_tokens=batch_tokens)
     try:
-        _two_turns(c)
+        _two_turns(c, new_len)
+        path = "streamed" if stream_layers else "monolithic"  # no stream fell back to one write
+        assert metric(c.prefill, "pdkv_kv_streamed_total", f'path="{path}"') == 2
     finally:
         c.close()
 
 
-def _two_turns(c: Cluster) -> None:
+def _two_turns(c: Cluster, new_len: int) -> None:
     p1 = make_prompts((23,), seed=11)[0]
     out1, kv1, res1 = c.run("turn1", p1)
     assert out1 == c.ref(p1)
     assert res1.cached_blocks == 0 and kv1.skipped_blocks == 0 and kv1.pulled_tokens == 0
     assert kv1.bytes == 6 * block_bytes(c.decode)  # 23 tokens: 6 blocks pushed
     # Turn 2: the history (turn 1's prompt and answer) plus a new user message.
-    p2 = p1 + out1 + make_prompts((7,), seed=12)[0]  # 40 tokens, 10 blocks
+    p2 = p1 + out1 + make_prompts((new_len,), seed=12)[0]  # 33 + new_len tokens
     # Decode computed p1 and out1[:9] (32 tokens): 8 full blocks; prefill holds p1's 5.
     assert c.prefill.engine.cached_prefix_tokens(p2) == 20
     out2, kv2, res2 = c.run("turn2", p2)
     assert out2 == c.ref(p2)
     assert res2.cached_blocks == 8
-    assert kv2.skipped_blocks == 8 and kv2.bytes == 2 * block_bytes(c.decode)  # only the 2 new blocks moved
+    new_blocks = -(-len(p2) // BT) - 8
+    assert kv2.skipped_blocks == 8 and kv2.bytes == new_blocks * block_bytes(c.decode)  # only the new blocks moved
     assert kv2.pulled_tokens == 12 and kv2.pulled_bytes == 3 * block_bytes(c.decode)  # blocks 5..7 read
-    assert kv2.cached_tokens == 32 and kv2.computed_tokens == 8
+    assert kv2.cached_tokens == 32 and kv2.computed_tokens == len(p2) - 32
     assert c.pulls("ok") == 1
     assert metric(c.prefill, "pdkv_kv_pushed_skipped_blocks_total") == 8
     assert metric(c.prefill, "pdkv_kv_pull_bytes_total") == 3 * block_bytes(c.decode)
     assert metric(c.prefill, "pdkv_prefix_hit_tokens_total", 'source="pulled"') == 12
     assert metric(c.prefill, "pdkv_prefix_hit_tokens_total", 'source="local"') == 20
-    assert c.prefill.engine.cached_prefix_tokens(p2) == 40  # pulled and computed blocks stay cached
+    assert c.prefill.engine.cached_prefix_tokens(p2) == len(p2) // BT * BT  # pulled and computed blocks stay
     # Nothing leaked: every lease ended, every reservation admitted and finished.
     assert c.prefill.engine.prefix_stats()["leases"] == 0
 
