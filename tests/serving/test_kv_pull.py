@@ -252,6 +252,7 @@ def test_a_reused_or_evicted_lease_is_recomputed(cluster) -> None:
     out, kv, _ = c.run("stale2", q, src=lease)
     assert out == c.ref(q) and kv.pulled_tokens == 0
     assert c.pulls("stale") == 2 and c.pulls("ok") == 0
+    assert c.prefill.stats()["kv_pulls"] == {"ok": 0, "stale": 2}
     assert c.prefill.engine.prefix_stats()["leases"] == 0
 
 

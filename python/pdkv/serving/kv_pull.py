@@ -279,7 +279,8 @@ class PrefixPuller:
         self._tag = secrets.token_hex(3)
         self.pulled_tokens = 0
         self.pulled_bytes = 0
-        self.failures: dict[str, int] = {}
+        self.ok_pulls = 0
+        self.failures: dict[str, int] = {}  # failed pulls by reason
         r = registry or Registry()
         self.m_pulls = r.counter("pdkv_kv_pulls_total", "Prefix pulls from other workers, by result ('ok', or "
                                  "why the tokens were computed instead: stale, peer, timeout, no_room, error).",
@@ -288,6 +289,10 @@ class PrefixPuller:
             .set_function(lambda: [((), self.pulled_bytes)])
         r.counter("pdkv_kv_pulled_tokens_total", "Prompt tokens whose KV was read from another worker instead "
                   "of computed.").set_function(lambda: [((), self.pulled_tokens)])
+
+    def counts(self) -> dict[str, int]:
+        """Pulls by outcome (``ok`` and each failure reason) so far."""
+        return {"ok": self.ok_pulls, **self.failures}
 
     @property
     def enabled(self) -> bool:
@@ -379,6 +384,7 @@ class PrefixPuller:
         out.nbytes = xfer.bytes_total
         self.pulled_tokens += out.tokens
         self.pulled_bytes += out.nbytes
+        self.ok_pulls += 1
         self.m_pulls.inc(("ok",))
         self.cost.observe_transfer(plan.holder.agent, xfer.bytes_total, xfer.elapsed)
         return out

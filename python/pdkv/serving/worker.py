@@ -480,7 +480,8 @@ class Worker:
                 "free_blocks": eng.num_free_blocks, "num_blocks": eng.pool.num_blocks, "in_flight": self.in_flight,
                 "awaiting_kv": rx.awaiting if rx else 0, "invalidated_reservations": rx.invalidated if rx else 0,
                 "steps": eng.num_steps, "preemptions": eng.num_preemptions, "recomputes": eng.num_recomputes,
-                "peers": self.links()}
+                "peers": self.links(), "kv_leases": len(self.leases) if self.leases else 0,
+                "kv_pulls": self.sender.puller.counts() if self.sender else {}}
 
     def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._closed
