@@ -236,6 +236,21 @@ def test_decode_side_reserve_prefix_then_admit_prefilled() -> None:
     assert hooks and set(blocks) & {b for c in hooks for b in c}
 
 
+def test_admit_prefilled_without_caching_lossy_kv() -> None:
+    tm = tiny_model("llama_gqa")
+    p = toks(17, 14)
+    pre = make(tm.model, cache=False)
+    dec = make(tm.model, cache=True)
+    h = pre.add_request("r", p, GREEDY, prefill_only=True)
+    pre.run_until_idle()
+    blocks = dec.reserve("r", len(p))
+    pre.pool.copy_blocks_to(dec.pool, h.block_ids, blocks)
+    d = dec.admit_prefilled("r", p, h.output_ids[0], GREEDY, seed=h.seed, cache_kv=False)
+    dec.run_until_idle()
+    assert d.output_ids == make(tm.model, cache=False).generate([p], GREEDY)[0]
+    assert dec.cache_snapshot() == () and dec.cached_prefix_tokens(p) == 0  # nothing of it was cached
+
+
 def test_import_blocks_then_hit() -> None:
     tm = tiny_model("llama_gqa")
     p = toks(18, 11)
