@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+import pdkv
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("aiohttp")
@@ -48,13 +50,15 @@ class Cluster:
 
     def __init__(self, tm: Any, *, third_blocks: int = 64, stream_layers: bool = True,
                  pull_timeout_s: float = 2.0, prefill_bt: int = BT, decode_bt: int = BT,
-                 prefill_batch_tokens: int = 64) -> None:
+                 prefill_batch_tokens: int = 64, prefill_kw: dict | None = None,
+                 decode_kw: dict | None = None) -> None:
         self.tm = tm
         self.threads: list[ServerThread] = []
         self.prefill = self._worker("prefill", 64, prefill_bt, kv_pull=PullConfig(policy="always",
                                                                                   timeout_s=pull_timeout_s),
-                                    stream_layers=stream_layers, batch_tokens=prefill_batch_tokens)
-        self.decode = self._worker("decode", 64, decode_bt)
+                                    stream_layers=stream_layers, batch_tokens=prefill_batch_tokens,
+                                    **(prefill_kw or {}))
+        self.decode = self._worker("decode", 64, decode_bt, **(decode_kw or {}))
         self.third = self._worker("decode", third_blocks, BT)
         self.reference = Engine(tm.model, engine_config(128, prefix_cache=False))
 
@@ -380,5 +384,37 @@ def test_different_block_sizes_skip_only_what_aligns(stream_layers, prefill_bt, 
             assert kv2.bytes == -(-new_tokens // decode_bt) * block_bytes(c.decode)  # only the new blocks
         else:
             assert not kv2.ok and "end inside" in kv2.error
+    finally:
+        c.close()
+
+
+def test_lossy_pushes_stay_out_of_decode_cache_and_pulls_are_exact() -> None:
+    """A prefill worker that may push fp8 says so in its notification: the decode
+    worker keeps that KV out of its prefix cache (no other request reuses it). Its
+    pulls still ask for lossless responses: the imported blocks equal the holder's
+    bit for bit."""
+    fp8 = pdkv.TcpCompression(mode="fp8")
+    c = Cluster(tiny_model("llama_gqa"), prefill_kw={"kv_compress": fp8, "transports": ("tcp",)},
+                decode_kw={"transports": ("tcp",)})
+    try:
+        p1 = make_prompts((23,), seed=81)[0]
+        c.run("lossy1", p1)
+        assert c.decode.engine.cached_prefix_tokens(p1) == 0  # fp8-pushed KV is never shared
+        # A third worker's exact KV, read by the lossy prefill worker: lossless on the wire.
+        p = make_prompts((30,), seed=82)[0]
+        c.generate_on(c.third, "warm", p)
+        lease = c.lease(c.third, "L9", p)
+        _, kv, _ = c.run("lossy2", p, src=lease)
+        assert kv.pulled_tokens == 28
+        hashes = c.prefill.engine.block_hashes(p)[:7]
+        mine = c.prefill.engine.lease("probe", hashes)
+        try:
+            assert len(mine) == 7
+            for pool_a, pool_b in ((c.prefill.engine.pool.k_caches, c.third.engine.pool.k_caches),
+                                   (c.prefill.engine.pool.v_caches, c.third.engine.pool.v_caches)):
+                for la, lb in zip(pool_a, pool_b):
+                    assert torch.equal(la[list(mine)], lb[list(lease.blocks)])
+        finally:
+            c.prefill.engine.unlease("probe")
     finally:
         c.close()

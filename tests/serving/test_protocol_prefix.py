@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from pdkv.errors import InvalidArgument
 from pdkv.serving.kv_pull import PullConfig, PullCostModel, PullPolicy, push_span
 from pdkv.serving.prefix_hash import block_hashes, cache_salt
-from pdkv.serving.protocol import (GenParams, KVLease, KVResult, LeaseRelease, LeaseRequest, PrefillRequest,
-                                   ProtocolLimits, Reservation)
+from pdkv.serving.protocol import (GenParams, KVLease, KVReady, KVResult, LeaseRelease, LeaseRequest,
+                                   PrefillRequest, ProtocolLimits, Reservation)
 
 HASHES = block_hashes(list(range(40)), 4, cache_salt("m", block_tokens=4, dtype="float32"))
 PARAMS = GenParams(max_tokens=4, seed=1)
@@ -192,3 +192,11 @@ def test_cost_model_measures_and_decides() -> None:
 def test_pull_config_validates(kw, match) -> None:
     with pytest.raises(InvalidArgument, match=match):
         PullConfig(**kw)
+
+
+def test_kv_ready_says_when_kv_was_lossy() -> None:
+    assert KVReady.decode(KVReady("r", 1, 2).encode()).lossy is False
+    assert b"lossy" not in KVReady("r", 1, 2).encode()  # older decode workers read it unchanged
+    assert KVReady.decode(KVReady("r", 1, 2, lossy=True).encode()) == KVReady("r", 1, 2, True, True)
+    with pytest.raises(InvalidArgument, match="lossy must be bools"):
+        KVReady.decode(b'{"rid": "r", "t": 1, "seed": 2, "lossy": 1}')

@@ -301,7 +301,8 @@ class KVReceiver:
         recomputing the prompt (with the prefill side's first token, if it sent one)."""
         if arrival.ready is not None:
             h = self.engine.admit_prefilled(ticket.rid, prompt, arrival.ready.first_token, params,
-                                            seed=arrival.ready.seed, on_event=on_event)
+                                            seed=arrival.ready.seed, on_event=on_event,
+                                            cache_kv=not arrival.ready.lossy)
         else:
             first = arrival.failed.first_token if arrival.failed is not None else None
             h = self.engine.admit_recompute(ticket.rid, prompt, params, first_token=first, seed=params.seed,
@@ -428,12 +429,17 @@ class KVSender:
     pull : PullConfig, optional
         Reading prefixes other workers hold (:attr:`puller`; default: the cost model
         decides). Pushes skip the blocks the decode worker holds either way.
+    lossy_kv : bool
+        The agent may compress pushes lossily (fp8): every :class:`KVReady` says so
+        (the decode worker keeps such KV out of its prefix cache), and pulls ask for
+        lossless responses (pulled KV enters this worker's cache).
     """
 
     def __init__(self, agent: pdkv.Agent, engine: Engine, *, executor: ThreadPoolExecutor,
                  registry: Registry | None = None, drop_kv: bool = False, stream_layers: bool = True,
-                 pull: PullConfig | None = None) -> None:
+                 pull: PullConfig | None = None, lossy_kv: bool = False) -> None:
         self.agent = agent
+        self.lossy_kv = lossy_kv
         self.engine = engine
         self.drop_kv = drop_kv
         self.stream_layers = stream_layers
@@ -444,7 +450,8 @@ class KVSender:
         self._background = _Background()
         r = registry or Registry()
         self.cost = PullCostModel(pull or PullConfig())
-        self.puller = PrefixPuller(agent, engine, executor=executor, connect=self._peer, cost=self.cost, registry=r)
+        self.puller = PrefixPuller(agent, engine, executor=executor, connect=self._peer, cost=self.cost, registry=r,
+                                   read_options=pdkv.XferOptions(compress="lossless") if lossy_kv else None)
         self.skipped_blocks = 0
         r.counter("pdkv_kv_pushed_skipped_blocks_total", "Reserved blocks not pushed because the decode worker "
                   "held their KV already.").set_function(lambda: [((), self.skipped_blocks)])
@@ -566,7 +573,7 @@ class KVSender:
         stream is the push (a stream that failed or was not opened falls back to one
         write). Never raises for a transfer failure: the result says."""
         loop = asyncio.get_running_loop()
-        ready = KVReady(req.rid, first_token, handle.seed, kv=with_kv)
+        ready = KVReady(req.rid, first_token, handle.seed, kv=with_kv, lossy=with_kv and self.lossy_kv)
         if streamer is not None:
             result = await self._push_streamed(req, ready, streamer, posted)
             if result is not None:

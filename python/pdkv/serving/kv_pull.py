@@ -266,11 +266,16 @@ class PrefixPuller:
     registry : Registry, optional
         Gets ``pdkv_kv_pulls_total{result}``, ``pdkv_kv_pull_bytes_total`` and
         ``pdkv_kv_pulled_tokens_total``.
+    read_options : pdkv.XferOptions, optional
+        Options of the reads; a worker whose agent may compress lossily asks for
+        lossless responses (pulled KV enters its cache and is reused as is).
     """
 
     def __init__(self, agent: pdkv.Agent, engine: Any, *, executor: ThreadPoolExecutor, connect: Connect,
-                 cost: PullCostModel, registry: Registry | None = None) -> None:
+                 cost: PullCostModel, registry: Registry | None = None,
+                 read_options: pdkv.XferOptions | None = None) -> None:
         self.agent = agent
+        self.read_options = read_options
         self.engine = engine
         self.cost = cost
         self._executor = executor
@@ -357,7 +362,7 @@ class PrefixPuller:
             remaining = max(t0 + timeout - loop.time(), 0.001)
             xfer = self.agent.read(peer, pdkv.Blocks("kv", local),
                                    pdkv.Blocks("kv", list(plan.remote), generations=list(plan.generations)),
-                                   timeout=remaining)
+                                   options=self.read_options, timeout=remaining)
             if not xfer.done:
                 await _in_thread(self._executor, lambda: xfer.wait(None))
             else:

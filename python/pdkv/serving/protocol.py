@@ -576,16 +576,21 @@ class KVReady:
     """The pdkv notification a prefill worker attaches to its KV write (JSON bytes).
 
     ``kv`` is False when no KV was written because the first token already ends the
-    request (the decode worker then only finishes it)."""
+    request (the decode worker then only finishes it). ``lossy`` is True when the KV
+    may have travelled lossily compressed (fp8): the decode worker then keeps it out of
+    its prefix cache, so no other request reuses it."""
 
     rid: str
     first_token: int
     seed: int
     kv: bool = True
+    lossy: bool = False
 
     def encode(self) -> bytes:
-        return json.dumps({"rid": self.rid, "t": self.first_token, "seed": self.seed, "kv": self.kv},
-                          separators=(",", ":")).encode()
+        out: dict[str, Any] = {"rid": self.rid, "t": self.first_token, "seed": self.seed, "kv": self.kv}
+        if self.lossy:
+            out["lossy"] = True
+        return json.dumps(out, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, data: bytes, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "KVReady":
@@ -597,13 +602,14 @@ class KVReady:
         if not isinstance(obj, Mapping):
             raise InvalidArgument(f"{where} is not a JSON object")
         kv = obj.get("kv", True)
-        if not isinstance(kv, bool):
-            raise InvalidArgument(f"{where}: kv must be a bool")
+        lossy = obj.get("lossy", False)
+        if not isinstance(kv, bool) or not isinstance(lossy, bool):
+            raise InvalidArgument(f"{where}: kv and lossy must be bools")
         t = require(obj, "t", int, where=where)
         seed = require(obj, "seed", int, where=where)
         if not (0 <= t < 1 << 63 and 0 <= seed < 1 << 64):
             raise InvalidArgument(f"{where}: t or seed out of range")
-        return cls(_str(obj, "rid", limits.max_rid_chars, where=where), t, seed, kv)
+        return cls(_str(obj, "rid", limits.max_rid_chars, where=where), t, seed, kv, lossy)
 
 
 @dataclass(frozen=True)

@@ -249,6 +249,14 @@ class WorkerConfig:
                                   f"got {self.debug_error_code!r}")
 
 
+def lossy_compression(requested: pdkv.TcpCompression | None) -> bool:
+    """True when pushes with ``requested`` compression may be lossy (fp8)."""
+    if requested is None:
+        return False
+    mode = str(requested.mode)
+    return mode == "fp8" or (mode == "auto" and str(requested.policy) == "lossy-allowed")
+
+
 def kv_compression(requested: pdkv.TcpCompression | None, geometry: pdkv.KVGeometry) -> pdkv.TcpCompression:
     """``requested`` (a copy; default: off) with the KV's dtype and the FP8 grouping of
     ``geometry``'s NHD blocks: one scale per block (``block_tokens`` rows) per KV head."""
@@ -361,7 +369,8 @@ class Worker:
         if self._role is WorkerRole.PREFILL and self.sender is None:
             assert self.agent is not None and self.engine is not None
             self.sender = KVSender(self.agent, self.engine, executor=self._executor, registry=self.registry,
-                                   drop_kv=cfg.debug_drop_kv, stream_layers=cfg.stream_layers, pull=cfg.kv_pull)
+                                   drop_kv=cfg.debug_drop_kv, stream_layers=cfg.stream_layers, pull=cfg.kv_pull,
+                                   lossy_kv=lossy_compression(cfg.kv_compress))
         if self._role is WorkerRole.DECODE and self.receiver is None:
             assert self.agent is not None and self.engine is not None
             self.receiver = KVReceiver(self.agent, self.engine, executor=self._executor, address=self.agent_address,
