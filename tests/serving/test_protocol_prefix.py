@@ -163,7 +163,8 @@ def test_push_span_skips_exactly_what_decode_holds() -> None:
     assert push_span(req(0, 4, 10), 4) == (0, 0, 10)
     assert push_span(req(2, 4, 10), 4) == (2, 2, 2)
     assert push_span(req(1, 8, 10), 4) == (2, 1, 2)    # decode blocks of 8 = two local blocks of 4
-    assert push_span(req(1, 4, 10), 8) is None         # 4 tokens end inside a local block of 8
+    assert push_span(req(1, 4, 10), 8) == (0, 0, 10)   # 4 tokens end inside a local block of 8: from 0
+    assert push_span(req(3, 4, 20), 8) == (1, 2, 12)   # 12 tokens: from the shared boundary at 8
     assert push_span(req(2, 4, 8), 4) == (2, 2, 0)     # decode holds every block
 
 

@@ -559,8 +559,7 @@ class KVSender:
 
     def _plan(self, req: PrefillRequest) -> pdkv.PlanOptions | None:
         if req.dst.block_tokens != self.engine.pool.block_tokens:
-            span = push_span(req, self.engine.pool.block_tokens)
-            return pdkv.PlanOptions(num_tokens=span[2] if span is not None else len(req.prompt))
+            return pdkv.PlanOptions(num_tokens=push_span(req, self.engine.pool.block_tokens)[2])
         return None
 
     async def push(self, req: PrefillRequest, handle: RequestHandle, first_token: int, *, with_kv: bool,
@@ -667,12 +666,7 @@ class KVSender:
 
     def _post(self, peer: str, req: PrefillRequest, handle: RequestHandle, ready: KVReady, *, with_kv: bool,
               timeout: float) -> pdkv.Transfer:
-        span = push_span(req, self.engine.pool.block_tokens)
-        if span is None:
-            raise InvalidArgument(f"the decode worker holds {req.dst.cached_blocks} blocks of {req.dst.block_tokens} "
-                                  f"tokens, which end inside a block of {self.engine.pool.block_tokens} here: the push "
-                                  "cannot skip exactly them (the decode worker recomputes)")
-        local_first, remote_first, _ = span
+        local_first, remote_first, _ = push_span(req, self.engine.pool.block_tokens)
         if not with_kv or remote_first >= len(req.dst.blocks):  # nothing to write: decode holds every block
             return self.agent.notify(peer, ready.encode(), timeout=timeout)
         self.m_kv_streamed.inc(("monolithic",))
@@ -685,10 +679,11 @@ class KVSender:
         """Counts a landed push: the blocks it skipped (decode held them) and the link's
         bandwidth (the pull cost model's)."""
         self.cost.observe_transfer(req.dst.agent, result.bytes, result.wire_seconds)
-        if not with_kv or not req.dst.cached_blocks:
+        skipped = push_span(req, self.engine.pool.block_tokens)[1] if with_kv else 0
+        if not skipped:
             return result
-        self.skipped_blocks += req.dst.cached_blocks
-        return dataclasses.replace(result, skipped_blocks=req.dst.cached_blocks)
+        self.skipped_blocks += skipped
+        return dataclasses.replace(result, skipped_blocks=skipped)
 
     def _observe_times(self, span: float, tail: float, wire: float, transport: str) -> None:
         self.m_kv_time.observe(span, (transport,))

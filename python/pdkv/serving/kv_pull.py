@@ -36,6 +36,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import math
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -169,17 +170,19 @@ class PullCostModel:
         return compute is not None and self.pull_seconds(peer, nbytes) < compute
 
 
-def push_span(req: PrefillRequest, local_block_tokens: int) -> tuple[int, int, int] | None:
+def push_span(req: PrefillRequest, local_block_tokens: int) -> tuple[int, int, int]:
     """What the KV push of ``req`` moves, skipping the blocks the decode worker holds
     (``req.dst.cached_blocks``): ``(first local block, first remote block, tokens)``.
-    None when those blocks end inside one of this worker's blocks (different block
-    sizes): the push cannot skip exactly what decode holds, and writing into blocks
-    decode shares with other requests is not allowed."""
+
+    A push starts on a block boundary of both sides. With different block sizes the
+    decode worker's cached blocks may end inside one of this worker's blocks: the push
+    then starts at the last boundary the two share before that, and rewrites the few
+    decode blocks after it (fewer than ``lcm(block sizes) / decode block size``) with the
+    KV of the same tokens."""
     dst = req.dst
-    skip_tokens = dst.cached_blocks * dst.block_tokens
-    if skip_tokens % local_block_tokens:
-        return None
-    return skip_tokens // local_block_tokens, dst.cached_blocks, max(len(req.prompt) - skip_tokens, 0)
+    common = math.lcm(dst.block_tokens, local_block_tokens)
+    skip_tokens = dst.cached_blocks * dst.block_tokens // common * common
+    return skip_tokens // local_block_tokens, skip_tokens // dst.block_tokens, max(len(req.prompt) - skip_tokens, 0)
 
 
 @dataclass(frozen=True)

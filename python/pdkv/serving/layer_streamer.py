@@ -75,7 +75,7 @@ class LayerStreamer:
         self._next_token: int | None = None  # where the next step must start (None: the first may start anywhere)
         self._shipped: tuple[int, ...] = ()  # local blocks given to a stream (or held by decode) so far
         self._last_seen = False  # the step ending the prompt began
-        self.span = push_span(req, block_tokens)  # what decode lacks; None: cannot skip what it holds
+        self.span = push_span(req, block_tokens)  # what decode lacks: (local block, remote block, tokens)
 
     @property
     def stream(self) -> pdkv.StreamingWrite | None:
@@ -103,8 +103,6 @@ class LayerStreamer:
 
     def _begin_step(self, token_start: int, token_end: int, block_ids: tuple, last: bool) -> None:
         """Opens the stream of a step's completed blocks (lock held)."""
-        if self.span is None:
-            raise InvalidArgument("the decode worker's cached blocks end inside one of this worker's blocks")
         if self._next_token is not None and (token_start != self._next_token or block_ids[:len(self._shipped)] != self._shipped or self._last_seen):
             raise InvalidArgument(f"prefill of {self.req.rid} started over at token {token_start} "
                                   f"(expected {self._next_token}): its blocks changed under the stream")
