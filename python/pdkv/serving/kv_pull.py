@@ -454,7 +454,8 @@ class LeaseTable:
         r = registry or Registry()
         r.gauge("pdkv_kv_leases", "Leases on this worker's cached blocks held by readers now.") \
             .set_function(lambda: [((), len(self._leases))])
-        r.counter("pdkv_kv_leases_total", "Leases on this worker's cached blocks, by how they went.", ("result",)) \
+        r.counter("pdkv_kv_leases_served_total", "Leases on this worker's cached blocks granted to readers, by "
+                  "how they went (granted, released, expired, refused).", ("result",)) \
             .set_function(lambda: [((k,), v) for k, v in self.counts.items()])
 
     def __len__(self) -> int:
