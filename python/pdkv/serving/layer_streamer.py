@@ -103,7 +103,8 @@ class LayerStreamer:
 
     def _begin_step(self, token_start: int, token_end: int, block_ids: tuple, last: bool) -> None:
         """Opens the stream of a step's completed blocks (lock held)."""
-        if self._next_token is not None and (token_start != self._next_token or block_ids[:len(self._shipped)] != self._shipped or self._last_seen):
+        if self._next_token is not None and (token_start != self._next_token or self._last_seen
+                                             or block_ids[:len(self._shipped)] != self._shipped):
             raise InvalidArgument(f"prefill of {self.req.rid} started over at token {token_start} "
                                   f"(expected {self._next_token}): its blocks changed under the stream")
         self._step, self._next_token, self._last_seen = (token_start, token_end), token_end, last
