@@ -296,7 +296,9 @@ def _run_worker(args: argparse.Namespace) -> int:
                        registry=args.registry, registry_ttl=args.registry_ttl,
                        prefix_cache=args.prefix_cache == "on", cache_salt=args.cache_salt)
     pin_threads(args.threads)
-    model = load_model(model_dir, dtype=args.dtype)
+    # Loaded from its absolute path: the derived cache salt hashes the model's path, and
+    # workers started from different directories must still share KV.
+    model = load_model(model_dir.resolve(), dtype=args.dtype)
     codec = None
     if role == "colocated" and (model_dir / "tokenizer_config.json").exists():
         codec = TextCodec.load(model_dir)
