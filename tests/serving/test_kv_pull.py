@@ -29,7 +29,7 @@ from pdkv.serving.protocol import (GenerateRequest, GenParams, KVLease, KVResult
                                    Reservation)
 from pdkv.serving.sampling import SamplingParams  # noqa: E402
 from pdkv.serving.worker import Worker, WorkerConfig  # noqa: E402
-from servers import SECRET, Stack, build_tiny, completion_ids, signed, spost  # noqa: E402
+from servers import SECRET, Stack, build_tiny, completion_ids, concurrently, signed, spost  # noqa: E402
 from kvpools import PoolSpec  # noqa: E402
 from tinylm import make_prompts, tiny_model  # noqa: E402
 
@@ -416,3 +416,20 @@ def test_lossy_pushes_stay_out_of_decode_cache_and_pulls_are_exact() -> None:
             c.prefill.engine.unlease("probe")
     finally:
         c.close()
+
+
+def test_concurrent_calls_sharing_a_context_pull_it_once_or_more_and_agree(cluster) -> None:
+    """Agentic traffic: several calls at once extend the same history. Each may import
+    the decode-held blocks (duplicates are dropped at commit) or find them cached by an
+    earlier one; every answer equals the cache-off engine's and nothing stays leased."""
+    c = cluster
+    p1 = make_prompts((23,), seed=91)[0]
+    out1, _, _ = c.run("ctx", p1)
+    calls = [p1 + out1 + tool for tool in make_prompts((5, 9, 13), seed=92)]
+    results = concurrently(lambda i: c.run(f"call{i}", calls[i]), range(len(calls)))
+    for (out, kv, res), p in zip(results, calls):
+        assert out == c.ref(p)
+        assert res.cached_blocks == 8 and kv.skipped_blocks == 8 and kv.cached_tokens == 32
+    assert c.pulls("ok") >= 1 and sum(kv.pulled_tokens for _, kv, _ in results) == 12 * c.pulls("ok")
+    assert c.prefill.engine.prefix_stats()["leases"] == 0
+    assert c.decode.engine.prefix_stats()["leases"] == 0
