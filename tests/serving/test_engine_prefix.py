@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import pdkv  # noqa: E402
-from pdkv.errors import AlreadyExists, InvalidArgument  # noqa: E402
+from pdkv.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted  # noqa: E402
 from pdkv.serving.engine import Engine, EngineConfig, KVEvent  # noqa: E402
 from pdkv.serving.kv_pool import PagedKVPool  # noqa: E402
 from pdkv.serving.sampling import SamplingParams  # noqa: E402
@@ -236,6 +236,21 @@ def test_decode_side_reserve_prefix_then_admit_prefilled() -> None:
     assert hooks and set(blocks) & {b for c in hooks for b in c}
 
 
+def test_admit_prefilled_without_caching_lossy_kv() -> None:
+    tm = tiny_model("llama_gqa")
+    p = toks(17, 14)
+    pre = make(tm.model, cache=False)
+    dec = make(tm.model, cache=True)
+    h = pre.add_request("r", p, GREEDY, prefill_only=True)
+    pre.run_until_idle()
+    blocks = dec.reserve("r", len(p))
+    pre.pool.copy_blocks_to(dec.pool, h.block_ids, blocks)
+    d = dec.admit_prefilled("r", p, h.output_ids[0], GREEDY, seed=h.seed, cache_kv=False)
+    dec.run_until_idle()
+    assert d.output_ids == make(tm.model, cache=False).generate([p], GREEDY)[0]
+    assert dec.cache_snapshot() == () and dec.cached_prefix_tokens(p) == 0  # nothing of it was cached
+
+
 def test_import_blocks_then_hit() -> None:
     tm = tiny_model("llama_gqa")
     p = toks(18, 11)
@@ -312,3 +327,63 @@ def test_late_lease_read_after_eviction_is_stale() -> None:
     finally:
         reader.close()
         owner.close()
+
+
+def test_events_replayed_in_order_equal_the_snapshot_under_concurrency() -> None:
+    """A stepping thread plus threads that add requests, reserve, lease and release at
+    the same time: the events, applied in the order delivered, rebuild the index."""
+    import threading
+
+    tm = tiny_model("llama_gqa")
+    eng = make(tm.model, cache=True, num_blocks=40, max_num_seqs=4)
+    seen: set[str] = set()
+    order_ok = [True]
+
+    def sink(ev: KVEvent) -> None:
+        if ev.kind == "stored":
+            order_ok[0] &= seen.isdisjoint(ev.hashes)  # never stored twice without an eviction between
+            seen.update(ev.hashes)
+        elif ev.kind == "evicted":
+            order_ok[0] &= set(ev.hashes) <= seen
+            seen.difference_update(ev.hashes)
+        else:
+            seen.clear()
+
+    eng.set_kv_event_sink(sink)
+    stop = threading.Event()
+
+    def stepper() -> None:
+        while not stop.is_set():
+            if eng.wait_for_work(0.01):
+                eng.step()
+
+    prompts = [toks(6 + 5 * (i % 4), 200 + i % 6) for i in range(24)]
+
+    def client(k: int) -> None:
+        for i in range(k, len(prompts), 3):
+            p = prompts[i]
+            h = eng.add_request(f"c{i}", p, SamplingParams(max_tokens=3))
+            try:
+                eng.reserve_prefix(f"res{i}", p)
+                eng.lease(f"l{i}", eng.block_hashes(p))
+            except ResourceExhausted:  # a full pool refuses a reservation: fine here
+                pass
+            eng.unlease(f"l{i}")
+            try:
+                eng.release(f"res{i}")
+            except NotFound:  # no reservation was made
+                pass
+            assert h.wait(30)
+
+    t = threading.Thread(target=stepper)
+    t.start()
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(60)
+    stop.set()
+    t.join(10)
+    assert order_ok[0]
+    assert seen == set(eng.cache_snapshot()) and seen
+    assert eng.num_free_blocks == 40 and eng.prefix_stats()["leases"] == 0

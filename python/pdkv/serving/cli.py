@@ -102,6 +102,12 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--num-blocks", type=int, default=512, help="KV pool size in blocks (default 512)")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once (default 64)")
+    p.add_argument("--prefix-cache", choices=["on", "off"], default="on",
+                   help="keep the KV of full prompt blocks and reuse it for prompts that start with the same "
+                   "tokens (default on; see docs/serving.md, \"Prefix cache\")")
+    p.add_argument("--cache-salt", default="", help="salt of the prefix cache's block hashes, 16 hex digits "
+                   "(default: derived from the model, --block-tokens and --dtype); workers share KV only when "
+                   "their salts are equal")
     if role in ("colocated", "decode"):
         p.add_argument("--mode", choices=["colocated", "chunked"], default="chunked" if role == "decode" else
                        "colocated", help="engine scheduling of local prefills: prefill-first (colocated) or "
@@ -144,6 +150,10 @@ def _worker_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="the lossless codec (default zstd)")
         p.add_argument("--compress-policy", choices=["lossless", "lossy-allowed"], default="lossless",
                        help="what --compress auto may choose besides plain (default lossless; lossy-allowed: fp8)")
+        p.add_argument("--kv-pull", choices=["auto", "always", "off"], default="auto",
+                       help="read a prompt's prefix from the decode worker or another worker that holds it instead "
+                       "of computing it: auto (when the measured link beats the measured prefill speed; default), "
+                       "always, off. Needs the prefix cache and equal block sizes")
         p.add_argument("--debug-drop-kv", action="store_true",
                        help="testing only: skip every KV write but report success")
 
@@ -258,6 +268,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from .aio import run_until_signal
     from .engine import EngineConfig
+    from .kv_pull import PullConfig
     from .models import default_model_dir, load_model, pin_threads
     from .openai_api import TextCodec
     from .protocol import ProtocolLimits
@@ -272,10 +283,11 @@ def _run_worker(args: argparse.Namespace) -> int:
     mbt = args.max_batch_tokens or (256 if mode == "chunked" else 2048)
     try:
         eng = EngineConfig(num_blocks=args.num_blocks, block_tokens=args.block_tokens, mode=mode,
-                           max_batch_tokens=mbt, max_num_seqs=args.max_num_seqs, num_threads=args.threads)
+                           max_batch_tokens=mbt, max_num_seqs=args.max_num_seqs, num_threads=args.threads,
+                           prefix_cache=args.prefix_cache == "on", cache_salt=args.cache_salt)
     except InvalidArgument as e:
         raise InvalidArgument(f"{e} (flags --mode, --max-batch-tokens, --max-num-seqs, --num-blocks, "
-                              "--block-tokens, --threads)") from None
+                              "--block-tokens, --threads, --prefix-cache, --cache-salt)") from None
     if args.model and not Path(args.model).is_dir():
         raise InvalidArgument(f"--model {args.model!r} is not a model directory")
     model_dir = Path(args.model) if args.model else default_model_dir()
@@ -292,10 +304,14 @@ def _run_worker(args: argparse.Namespace) -> int:
                        stream_layers=getattr(args, "stream_layers", True),
                        kv_compress=_kv_compress(args), transports=_transports(args),
                        debug_drop_kv=getattr(args, "debug_drop_kv", False),
+                       kv_pull=PullConfig(policy=getattr(args, "kv_pull", "auto")),
                        max_body_bytes=args.max_body_bytes, limits=_limits(args),
-                       registry=args.registry, registry_ttl=args.registry_ttl)
+                       registry=args.registry, registry_ttl=args.registry_ttl,
+                       prefix_cache=args.prefix_cache == "on", cache_salt=args.cache_salt)
     pin_threads(args.threads)
-    model = load_model(model_dir, dtype=args.dtype)
+    # Loaded from its absolute path: the derived cache salt hashes the model's path, and
+    # workers started from different directories must still share KV.
+    model = load_model(model_dir.resolve(), dtype=args.dtype)
     codec = None
     if role == "colocated" and (model_dir / "tokenizer_config.json").exists():
         codec = TextCodec.load(model_dir)

@@ -219,13 +219,14 @@ class Engine(EngineBlocks):
 
     def admit_prefilled(self, request_id: str, prompt_ids: Sequence[int], first_token: int,
                         params: SamplingParams | None = None, *, seed: int | None = None,
-                        on_event: EventCallback | None = None) -> RequestHandle:
+                        on_event: EventCallback | None = None, cache_kv: bool = True) -> RequestHandle:
         """Decode side: starts decoding a request whose prompt KV is in its reserved blocks.
 
         Parameters
         ----------
         request_id : str
-            A reservation made with :meth:`reserve` for ``len(prompt_ids)`` tokens.
+            A reservation made with :meth:`reserve` (or :meth:`reserve_prefix`) for
+            ``len(prompt_ids)`` tokens.
         prompt_ids : sequence of int
             ``[N]`` the prompt whose KV was written into the reserved blocks.
         first_token : int
@@ -236,6 +237,11 @@ class Engine(EngineBlocks):
             The prefill side's :attr:`RequestHandle.seed` (default ``params.seed`` or a
             random one), so sampled output equals a single-engine run.
         on_event : callable, optional
+        cache_kv : bool
+            With the prefix cache on, cache the prompt's full blocks (and the blocks
+            its decoding fills). False for KV that is not exactly what this engine
+            would compute (e.g. shipped with lossy compression): nothing of the request
+            enters the cache then, so no other request reuses it.
 
         Raises
         ------
@@ -252,6 +258,7 @@ class Engine(EngineBlocks):
         handle.output_ids.append(int(first_token))
         handle.token_times.append(handle.arrival_time)
         req = EngineRequest(handle, list(prompt) + [int(first_token)], prefill_only=False, on_event=on_event)
+        req.cacheable = bool(cache_kv)
         events: list[tuple[EngineRequest, TokenEvent]] = []
         with self._lock:
             req.block_ids = self._table.take_reservation(request_id, len(prompt))

@@ -92,7 +92,7 @@ class RequestPrefixes:
         p = max(0, min(start + n, prompt) - start)
         self.computed_prompt_tokens += p
         req.handle.num_computed_tokens += p
-        if not self.enabled:
+        if not self.enabled or not req.cacheable:
             return
         full = min(req.num_computed // self.block_tokens, len(req.block_ids))
         if full > req.num_inserted:

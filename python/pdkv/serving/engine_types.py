@@ -278,7 +278,7 @@ class EngineRequest:
     """Engine-internal request state (guarded by the engine lock)."""
 
     __slots__ = ("handle", "tokens", "num_computed", "block_ids", "state", "prefill_only", "on_event",
-                 "abort_requested", "layer_sink", "hashes", "num_inserted", "looked_up")
+                 "abort_requested", "layer_sink", "hashes", "num_inserted", "looked_up", "cacheable")
 
     def __init__(self, handle: RequestHandle, tokens: list[int], *, prefill_only: bool,
                  on_event: EventCallback | None, layer_sink: LayerSink | None = None) -> None:
@@ -294,6 +294,7 @@ class EngineRequest:
         self.hashes: list[str] = []     # prefix cache: hashes of tokens' full blocks so far (chained)
         self.num_inserted = 0           # leading block_ids already cached (or found cached)
         self.looked_up = False          # the prefix cache was asked at its first admission
+        self.cacheable = True           # its computed blocks may enter the prefix cache
 
     @property
     def rid(self) -> str:

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,8 +43,10 @@ import pdkv
 from pdkv.errors import InvalidArgument, NotFound, PdkvError, ResourceExhausted
 
 from .engine import Engine, RequestHandle, TokenEvent
+from .kv_pull import PrefixPuller, PullConfig, PullCostModel, push_span
+from .layer_streamer import LayerStreamer
 from .metrics import Registry
-from .protocol import KVFailed, KVReady, KVResult, PrefillRequest, Reservation
+from .protocol import KVFailed, KVLease, KVReady, KVResult, PrefillRequest, Reservation
 from .sampling import SamplingParams
 
 __all__ = ["Arrival", "KVReceiver", "KVSender", "LayerStreamer", "Ticket", "error_kind", "peer_label"]
@@ -145,6 +147,12 @@ class Ticket:
     outcome: "asyncio.Future[KVReady | KVFailed]" = field(repr=False)
     admitted: bool = False
 
+    @property
+    def writable(self) -> list[int]:
+        """The blocks a prefill write may land in (not the cached ones, which the
+        engine's eviction hook invalidates when it reuses them)."""
+        return self.blocks[self.reservation.cached_blocks:]
+
 
 @dataclass(frozen=True)
 class Arrival:
@@ -218,12 +226,16 @@ class KVReceiver:
         """Reservations waiting for their KV now."""
         return len(self._waiting)
 
-    async def reserve(self, rid: str, num_tokens: int, *, wait_s: float, kv_timeout_s: float,
+    async def reserve(self, rid: str, prompt: Sequence[int] | int, *, wait_s: float, kv_timeout_s: float,
                       margin_s: float = 0.0) -> Ticket:
-        """Reserves blocks for a prompt of ``num_tokens``, waiting up to ``wait_s`` for
-        free ones; the KV is then awaited until ``kv_timeout_s + margin_s`` after now.
-        From here on a notification for ``rid`` is caught; call :meth:`finish` in every
-        case.
+        """Reserves blocks for ``prompt``, waiting up to ``wait_s`` for free ones; the
+        KV is then awaited until ``kv_timeout_s + margin_s`` after now. From here on a
+        notification for ``rid`` is caught; call :meth:`finish` in every case.
+
+        With the engine's prefix cache on, the leading blocks it holds of ``prompt``
+        are part of the reservation (``Reservation.cached_blocks``): the prefill side
+        writes only the others, and may read these. An int ``prompt`` is a length:
+        blocks for that many tokens, none of them cached.
 
         Raises
         ------
@@ -234,18 +246,26 @@ class KVReceiver:
         """
         loop = asyncio.get_running_loop()
         started = loop.time()
-        blocks = await self._reserve_blocks(rid, num_tokens, started + wait_s)
+        blocks, cached = await self._reserve_blocks(rid, prompt, started + wait_s)
         gens = tuple(self.agent.generations("kv", blocks))
-        res = Reservation(tuple(blocks), self.address, self.agent.name, self.engine.pool.block_tokens, gens)
+        res = Reservation(tuple(blocks), self.address, self.agent.name, self.engine.pool.block_tokens, gens, cached)
         ticket = Ticket(rid, blocks, res, started, started + kv_timeout_s + margin_s, loop.create_future())
         self._waiting[rid] = ticket.outcome
         return ticket
 
-    async def _reserve_blocks(self, rid: str, n: int, deadline: float) -> list[int]:
+    async def _reserve_blocks(self, rid: str, prompt: Sequence[int] | int, deadline: float
+                              ) -> tuple[list[int], int]:
         loop = asyncio.get_running_loop()
+        eng = self.engine
         while True:
             try:
-                return self.engine.reserve(rid, n)
+                if isinstance(prompt, int):
+                    return eng.reserve(rid, prompt), 0
+                if eng.config.prefix_cache:
+                    # In a thread: reusing a block a reader was given waits for its generation bump.
+                    blocks, cached = await _in_thread(self._executor, lambda: eng.reserve_prefix(rid, list(prompt)))
+                    return list(blocks), int(cached)
+                return eng.reserve(rid, len(prompt)), 0
             except ResourceExhausted:
                 if loop.time() >= deadline:
                     raise
@@ -272,7 +292,7 @@ class KVReceiver:
             arrival = Arrival(None, None, wait_s, "kv_timeout", f"no KV within {wait_s:.1f} s")
             log.warning("request %s: no KV within %.1f s; recomputing", ticket.rid, wait_s)
         if not (outcome is not None and outcome.terminal):
-            await self._invalidate(ticket.blocks)
+            await self._invalidate(ticket.writable)
         return arrival
 
     def admit(self, ticket: Ticket, arrival: Arrival, prompt: Sequence[int], params: SamplingParams,
@@ -281,7 +301,8 @@ class KVReceiver:
         recomputing the prompt (with the prefill side's first token, if it sent one)."""
         if arrival.ready is not None:
             h = self.engine.admit_prefilled(ticket.rid, prompt, arrival.ready.first_token, params,
-                                            seed=arrival.ready.seed, on_event=on_event)
+                                            seed=arrival.ready.seed, on_event=on_event,
+                                            cache_kv=not arrival.ready.lossy)
         else:
             first = arrival.failed.first_token if arrival.failed is not None else None
             h = self.engine.admit_recompute(ticket.rid, prompt, params, first_token=first, seed=params.seed,
@@ -301,7 +322,7 @@ class KVReceiver:
             if isinstance(outcome, KVReady) or (isinstance(outcome, KVFailed) and outcome.terminal):
                 self._release(ticket.rid)
             else:
-                self._background.spawn(self._invalidate_and_release(ticket.rid, ticket.blocks))
+                self._background.spawn(self._invalidate_and_release(ticket.rid, ticket.writable))
         if not fut.done():
             fut.cancel()
 
@@ -380,168 +401,6 @@ class KVReceiver:
 
 
 # ---------------------------------------------------------------------- prefill side
-class LayerStreamer:
-    """Streams one prefill request's KV to its decode worker layer by layer: the
-    engine's :data:`~pdkv.serving.engine.LayerSink` for that request.
-
-    Each step that computes part of the prompt (the whole prompt, or one chunk of a
-    chunked prefill) opens a stream over the blocks that step completes -- those not
-    shipped before whose every token is computed once it ends, plus, in the step that
-    ends the prompt, the last partial block -- and posts each layer as soon as the
-    engine wrote it. Every block is streamed exactly once, by the step that completed
-    it, so chunks never write the same remote block. A chunk that completes no block
-    streams nothing (its tokens go with the chunk that completes their block). A chunk's
-    stream is closed (without a notification) after its last layer; the last chunk's
-    stream stays open for :meth:`close`, which KVSender calls only after every earlier
-    chunk's stream landed, so the decode side's notification comes after every chunk's
-    every layer. With block sizes that differ between the two sides the plan counts
-    tokens from the first block, so the whole prompt streams in the step that ends it.
-
-    Errors never reach the forward: the streamer records them (and cancels its streams)
-    and :meth:`KVSender.push` falls back to one ordinary write. A prefill that starts
-    over (the engine preempted and recomputes it) is such an error.
-
-    Parameters
-    ----------
-    agent : pdkv.Agent
-    peer : str
-        The decode worker's agent, already connected.
-    req : PrefillRequest
-    deadline : float
-        ``time.monotonic()`` by which the KV must have landed.
-    plan : pdkv.PlanOptions or None
-        The write's plan (``num_tokens`` when the block sizes differ); None: block for block.
-    block_tokens : int
-        Tokens per block of the prefill engine's pool.
-    """
-
-    def __init__(self, agent: pdkv.Agent, peer: str, req: PrefillRequest, *, deadline: float,
-                 plan: pdkv.PlanOptions | None, block_tokens: int) -> None:
-        self.agent = agent
-        self.peer = peer
-        self.req = req
-        self.deadline = deadline
-        self.plan = plan
-        self.block_tokens = block_tokens
-        self.per_chunk = plan is None  # block for block: a chunk's blocks map one to one
-        self.streams: list[pdkv.StreamingWrite] = []  # in chunk order; all but the last closed
-        self.opened_at: list[float] = []  # time.monotonic() right before each stream's open
-        self.error: PdkvError | None = None
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._step: tuple[int, int] | None = None  # (token_start, token_end) of the step being streamed
-        self._step_stream: pdkv.StreamingWrite | None = None  # its stream, None when it completed no block
-        self._next_token = 0  # where the next step must start
-        self._shipped: tuple[int, ...] = ()  # local blocks given to a stream so far
-        self._last_seen = False  # the step ending the prompt began
-
-    @property
-    def stream(self) -> pdkv.StreamingWrite | None:
-        """The stream :meth:`close` finishes (the last chunk's), once opened."""
-        return self.streams[-1] if self._last_seen and self.streams else None
-
-    def __call__(self, layer: int, token_start: int, token_end: int, block_ids: tuple) -> None:
-        last = token_end >= len(self.req.prompt)
-        if not (last or self.per_chunk):
-            return  # the plan covers the whole prompt: stream it in the step that ends it
-        with self._lock:
-            if self._cancelled or self.error is not None:
-                return
-            try:
-                if (token_start, token_end) != self._step:
-                    self._begin_step(token_start, token_end, tuple(block_ids), last)
-                s = self._step_stream
-                if s is not None:
-                    s.post_layers(layer)
-                    if not last and s.layers_posted == s.num_layers:
-                        s.close()  # its bytes land meanwhile; KVSender waits for them
-            except PdkvError as e:
-                self.error = e
-                self._cancel_locked()
-
-    def _begin_step(self, token_start: int, token_end: int, block_ids: tuple, last: bool) -> None:
-        """Opens the stream of a step's completed blocks (lock held)."""
-        # The first step may start past token 0: the prompt's leading blocks were in the
-        # prefix cache (their KV is in the pool, so they ship with this step's blocks).
-        first_step = self._step is None and token_start % self.block_tokens == 0
-        if (token_start != self._next_token and not first_step) or block_ids[:len(self._shipped)] != self._shipped \
-                or self._last_seen:
-            raise InvalidArgument(f"prefill of {self.req.rid} started over at token {token_start} "
-                                  f"(expected {self._next_token}): its blocks changed under the stream")
-        self._step, self._next_token, self._last_seen = (token_start, token_end), token_end, last
-        self._step_stream = None
-        if not self.per_chunk:
-            self._step_stream = self._open(block_ids, self.req.dst.blocks, self.req.dst.generations)
-        else:
-            bt = self.block_tokens
-            end = -(-token_end // bt) if last else token_end // bt
-            first = len(self._shipped)
-            if end > first:
-                dst = self.req.dst
-                self._step_stream = self._open(block_ids[first:end], dst.blocks[first:end],
-                                               dst.generations[first:end])
-                self._shipped = block_ids[:end]
-        if self._step_stream is not None:
-            self.streams.append(self._step_stream)
-
-    def _open(self, local: Sequence[int], remote: Sequence[int], generations: Sequence[int]) -> pdkv.StreamingWrite:
-        self.opened_at.append(time.monotonic())
-        return self.agent.open_stream(self.peer, pdkv.Blocks("kv", local),
-                                      pdkv.Blocks("kv", remote, generations=list(generations) or None), plan=self.plan,
-                                      timeout=max(self.deadline - time.monotonic(), 0.001))
-
-    @property
-    def usable(self) -> bool:
-        """Every step of the prompt streamed every layer without an error: :meth:`close`
-        may finish it (after :attr:`earlier` landed)."""
-        with self._lock:
-            s = self.stream
-            return (self.error is None and not self._cancelled and s is not None
-                    and all(x.layers_posted == x.num_layers for x in self.streams))
-
-    @property
-    def earlier(self) -> list[pdkv.Transfer]:
-        """The earlier chunks' (closed) streams, to wait for before :meth:`close`."""
-        return [x.transfer for x in self.streams[:-1]]
-
-    @property
-    def transfers(self) -> list[pdkv.Transfer]:
-        """Every stream opened, as transfers, in chunk order."""
-        return [x.transfer for x in self.streams]
-
-    def timings(self) -> tuple[float, float, float]:
-        """``(span, tail, wire)`` seconds of the streams once the last one is done:
-        span from the first stream's open to the last one's completion (it overlaps the
-        prefill), tail from the prefill's end (the later of the post of the prompt's last
-        layer and the close with the first token) to that completion, and
-        the time their batches were on the wire (summed over a chunked prefill's streams,
-        at most the span)."""
-        last = self.streams[-1]  # usable: every open succeeded, one opened_at per stream
-        span = self.opened_at[-1] + last.transfer.elapsed - self.opened_at[0]
-        wire = min(sum(x.wire_seconds for x in self.streams), span)
-        return span, min(last.tail_seconds, span), wire
-
-    def close(self, notify: bytes) -> pdkv.Transfer:
-        """Closes the last chunk's stream with the hand-off's notification; returns its
-        transfer. Call it only once :attr:`earlier` are done."""
-        assert self.stream is not None
-        return self.stream.close(notify=notify)
-
-    def cancel(self) -> list[pdkv.Transfer]:
-        """Stops streaming (nothing more is posted; unfinished streams are cancelled);
-        returns the transfers of every stream opened, to wait for before the blocks are
-        released."""
-        with self._lock:
-            self._cancelled = True
-            self._cancel_locked()
-            return self.transfers
-
-    def _cancel_locked(self) -> None:
-        for s in self.streams:
-            if not s.done:
-                s.cancel()  # a closed stream in flight too: its notification (if any) is never sent
-
-
 def _new_link() -> dict[str, Any]:
     return {"auth_failures": 0, "transport_errors": 0, "last_error": "", "ok": True}
 
@@ -567,11 +426,20 @@ class KVSender:
     stream_layers : bool
         Stream each layer while the prompt computes (:meth:`layer_streamer`); False:
         one write after the prefill (the monolithic path).
+    pull : PullConfig, optional
+        Reading prefixes other workers hold (:attr:`puller`; default: the cost model
+        decides). Pushes skip the blocks the decode worker holds either way.
+    lossy_kv : bool
+        The agent may compress pushes lossily (fp8): every :class:`KVReady` says so
+        (the decode worker keeps such KV out of its prefix cache), and pulls ask for
+        lossless responses (pulled KV enters this worker's cache).
     """
 
     def __init__(self, agent: pdkv.Agent, engine: Engine, *, executor: ThreadPoolExecutor,
-                 registry: Registry | None = None, drop_kv: bool = False, stream_layers: bool = True) -> None:
+                 registry: Registry | None = None, drop_kv: bool = False, stream_layers: bool = True,
+                 pull: PullConfig | None = None, lossy_kv: bool = False) -> None:
         self.agent = agent
+        self.lossy_kv = lossy_kv
         self.engine = engine
         self.drop_kv = drop_kv
         self.stream_layers = stream_layers
@@ -581,6 +449,12 @@ class KVSender:
         self._links: dict[str, dict[str, Any]] = {}  # decode agent address -> its link's health
         self._background = _Background()
         r = registry or Registry()
+        self.cost = PullCostModel(pull or PullConfig())
+        self.puller = PrefixPuller(agent, engine, executor=executor, connect=self._peer, cost=self.cost, registry=r,
+                                   read_options=pdkv.XferOptions(compress="lossless") if lossy_kv else None)
+        self.skipped_blocks = 0
+        r.counter("pdkv_kv_pushed_skipped_blocks_total", "Reserved blocks not pushed because the decode worker "
+                  "held their KV already.").set_function(lambda: [((), self.skipped_blocks)])
         self.m_kv = r.counter("pdkv_kv_transfers_total", "KV pushes to decode workers, by result.", ("result",))
         self.m_kv_bytes = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes pushed, by transport.", ("transport",))
         self.m_kv_time = r.histogram("pdkv_kv_transfer_span_seconds", "Span of each KV push, post to completion "
@@ -648,8 +522,9 @@ class KVSender:
         self.link_event(address, None)
         return "ok", ""
 
-    async def _peer(self, dst: Reservation, timeout: float) -> str:
-        """The agent peer name of a decode worker (connects once per address)."""
+    async def _peer(self, dst: Reservation | KVLease, timeout: float) -> str:
+        """The agent peer name of a decode worker, or of a lease's holder (connects once
+        per address)."""
         name = self._peers.get(dst.agent)
         if name == dst.name:
             return name
@@ -684,7 +559,7 @@ class KVSender:
 
     def _plan(self, req: PrefillRequest) -> pdkv.PlanOptions | None:
         if req.dst.block_tokens != self.engine.pool.block_tokens:
-            return pdkv.PlanOptions(num_tokens=len(req.prompt))
+            return pdkv.PlanOptions(num_tokens=push_span(req, self.engine.pool.block_tokens)[2])
         return None
 
     async def push(self, req: PrefillRequest, handle: RequestHandle, first_token: int, *, with_kv: bool,
@@ -697,7 +572,7 @@ class KVSender:
         stream is the push (a stream that failed or was not opened falls back to one
         write). Never raises for a transfer failure: the result says."""
         loop = asyncio.get_running_loop()
-        ready = KVReady(req.rid, first_token, handle.seed, kv=with_kv)
+        ready = KVReady(req.rid, first_token, handle.seed, kv=with_kv, lossy=with_kv and self.lossy_kv)
         if streamer is not None:
             result = await self._push_streamed(req, ready, streamer, posted)
             if result is not None:
@@ -737,8 +612,8 @@ class KVSender:
         self.m_kv_bytes.inc((transport,), xfer.bytes_total)
         self._observe_times(xfer.elapsed, xfer.elapsed, xfer.elapsed, transport)  # all of it after the prefill
         self._count_wire([xfer], transport)
-        return KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport, tail_seconds=xfer.elapsed,
-                        wire_seconds=xfer.elapsed)
+        return self._landed(req, KVResult(True, True, xfer.bytes_total, xfer.elapsed, transport,
+                                          tail_seconds=xfer.elapsed, wire_seconds=xfer.elapsed), with_kv)
 
     async def _push_streamed(self, req: PrefillRequest, ready: KVReady, streamer: LayerStreamer,
                              posted: list[pdkv.Transfer]) -> KVResult | None:
@@ -772,7 +647,8 @@ class KVSender:
                 self.m_kv_bytes.inc((transport,), nbytes)
                 self._observe_times(span, tail, wire, transport)
                 self._count_wire(xfers, transport)
-                return KVResult(True, True, nbytes, span, transport, tail_seconds=tail, wire_seconds=wire)
+                return self._landed(req, KVResult(True, True, nbytes, span, transport, tail_seconds=tail,
+                                                  wire_seconds=wire), True)
         # Not streamed in full: nothing of it may still be in flight when one write
         # replaces it (the same bytes, but a deadline of its own).
         pending = streamer.cancel()
@@ -790,12 +666,24 @@ class KVSender:
 
     def _post(self, peer: str, req: PrefillRequest, handle: RequestHandle, ready: KVReady, *, with_kv: bool,
               timeout: float) -> pdkv.Transfer:
-        if not with_kv:
+        local_first, remote_first, _ = push_span(req, self.engine.pool.block_tokens)
+        if not with_kv or remote_first >= len(req.dst.blocks):  # nothing to write: decode holds every block
             return self.agent.notify(peer, ready.encode(), timeout=timeout)
         self.m_kv_streamed.inc(("monolithic",))
-        return self.agent.write(peer, pdkv.Blocks("kv", handle.block_ids),
-                                pdkv.Blocks("kv", req.dst.blocks, generations=list(req.dst.generations) or None),
+        gens = list(req.dst.generations[remote_first:]) or None
+        return self.agent.write(peer, pdkv.Blocks("kv", handle.block_ids[local_first:]),
+                                pdkv.Blocks("kv", req.dst.blocks[remote_first:], generations=gens),
                                 plan=self._plan(req), notify=ready.encode(), timeout=timeout)
+
+    def _landed(self, req: PrefillRequest, result: KVResult, with_kv: bool) -> KVResult:
+        """Counts a landed push: the blocks it skipped (decode held them) and the link's
+        bandwidth (the pull cost model's)."""
+        self.cost.observe_transfer(req.dst.agent, result.bytes, result.wire_seconds)
+        skipped = push_span(req, self.engine.pool.block_tokens)[1] if with_kv else 0
+        if not skipped:
+            return result
+        self.skipped_blocks += skipped
+        return dataclasses.replace(result, skipped_blocks=skipped)
 
     def _observe_times(self, span: float, tail: float, wire: float, transport: str) -> None:
         self.m_kv_time.observe(span, (transport,))

@@ -23,6 +23,12 @@ flushed as it happens. Every endpoint lives under ``/pd/``:
     with the first token as soon as it is sampled, pushes the prompt's KV blocks into
     the decode worker's reserved blocks with ``Agent.write(..., notify=KVReady)``, and
     ends with ``{"kv": {...}}`` (:class:`KVResult`).
+``POST /pd/kv_lease``, ``POST /pd/kv_release`` (prefill and decode workers)
+    Body :class:`LeaseRequest`: pin the leading run of the given block hashes that this
+    worker's prefix cache holds, for ``ttl_s`` seconds or until ``/pd/kv_release``
+    (:class:`LeaseRelease`), and answer ``{"lease": {...}}`` (:class:`KVLease`: the
+    block ids and their generations), so that another worker may read them
+    (``PrefillRequest.src``; docs/serving.md, "Cross-worker reuse").
 ``GET /pd/info``, ``GET /pd/stats``
     Static facts (:class:`WorkerInfo`) and live load (queue depth, free blocks).
 
@@ -42,9 +48,11 @@ from typing import Any, Mapping
 
 from pdkv.errors import InvalidArgument
 
+from .prefix_hash import is_block_hash
+
 __all__ = ["BUSY_CODES", "DEFAULT_LIMITS", "STREAM_ERROR_STATUS", "GenParams", "GenerateRequest", "KVFailed",
-           "KVReady", "KVResult", "PrefillRequest", "ProtocolLimits", "Reservation", "StreamError", "WorkerInfo",
-           "dumps_line", "loads", "require"]
+           "KVLease", "KVReady", "KVResult", "LeaseRelease", "LeaseRequest", "PrefillRequest", "ProtocolLimits",
+           "Reservation", "StreamError", "WorkerInfo", "dumps_line", "loads", "require"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,10 @@ class ProtocolLimits:
         Prompt length, ``max_tokens``, ``stop_token_ids`` entries, reserved blocks (and
         generations) of one request.
     max_block_tokens, max_index_offset : int
+    max_lease_ttl_s : float
+        ``ttl_s`` of ``/pd/kv_lease``: how long a lease may pin blocks for a reader.
+    max_lease_hashes : int
+        Block hashes of one ``/pd/kv_lease`` body.
     """
 
     max_kv_timeout_s: float = 60.0
@@ -77,6 +89,8 @@ class ProtocolLimits:
     max_blocks: int = 1 << 20
     max_block_tokens: int = 1 << 16
     max_index_offset: int = 1 << 22
+    max_lease_ttl_s: float = 300.0
+    max_lease_hashes: int = 1 << 16
 
     def __post_init__(self) -> None:
         for k, v in asdict(self).items():
@@ -319,27 +333,52 @@ class GenerateRequest:
                    GenParams.from_json(require(obj, "params", dict, where=where), limits=limits), kv)
 
 
+def _block_tokens(obj: Mapping[str, Any], limits: ProtocolLimits, where: str) -> int:
+    bt = require(obj, "block_tokens", int, where=where)
+    if bt < 1:
+        raise InvalidArgument(f"{where}: block_tokens must be >= 1")
+    return _cap(bt, limits.max_block_tokens, where=where, name="block_tokens")
+
+
+def _count(obj: Mapping[str, Any], key: str, cap: int, *, where: str, default: int = 0) -> int:
+    v = obj.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise InvalidArgument(f"{where}: {key} must be an integer >= 0")
+    return _cap(v, cap, where=where, name=key)
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Where a decode worker wants a prompt's KV: its agent, the reserved blocks and
     their generations (docs/generations.md: the prefill worker writes with them, so a
     write that arrives after the decode worker gave up and reused the blocks fails
-    instead of landing; empty: unchecked)."""
+    instead of landing; empty: unchecked).
+
+    ``cached_blocks``: the first ``cached_blocks`` of ``blocks`` already hold the
+    prompt's KV on the decode worker (its prefix cache had them). The prefill worker
+    pushes only ``blocks[cached_blocks:]``, and may *read* ``blocks[:cached_blocks]``
+    (with their generations) into its own cache instead of computing them."""
 
     blocks: tuple[int, ...]
     agent: str          #: ``host:port`` prefill workers ``connect()`` to
     name: str           #: the agent's name
     block_tokens: int   #: tokens per block of the decode worker's pool
     generations: tuple[int, ...] = ()  #: one per block, or empty
+    cached_blocks: int = 0  #: leading blocks that hold the prompt's KV already
 
     def __post_init__(self) -> None:
         if self.generations and len(self.generations) != len(self.blocks):
             raise InvalidArgument(f"reservation: {len(self.generations)} generations for {len(self.blocks)} blocks")
+        if not 0 <= self.cached_blocks <= len(self.blocks):
+            raise InvalidArgument(f"reservation: cached_blocks is {self.cached_blocks}, not in [0, "
+                                  f"{len(self.blocks)}] (the reserved blocks)")
 
     def to_json(self) -> dict[str, Any]:
         out = {"blocks": list(self.blocks), "agent": self.agent, "name": self.name, "block_tokens": self.block_tokens}
         if self.generations:
             out["generations"] = list(self.generations)
+        if self.cached_blocks:
+            out["cached_blocks"] = self.cached_blocks
         return out
 
     @classmethod
@@ -350,15 +389,142 @@ class Reservation:
         gens = obj.get("generations", [])
         if not isinstance(gens, list):
             raise InvalidArgument(f"{where}: 'generations' must be a list of integers")
-        bt = require(obj, "block_tokens", int, where=where)
-        if bt < 1:
-            raise InvalidArgument(f"{where}: block_tokens must be >= 1")
-        _cap(bt, limits.max_block_tokens, where=where, name="block_tokens")
+        bt = _block_tokens(obj, limits, where)
         return cls(_int_list(require(obj, "blocks", list, where=where), where=where, name="blocks",
                              cap=limits.max_blocks),
                    _str(obj, "agent", limits.max_name_chars, where=where),
                    _str(obj, "name", limits.max_name_chars, where=where), bt,
-                   _int_list(gens, where=where, name="generations", cap=limits.max_blocks))
+                   _int_list(gens, where=where, name="generations", cap=limits.max_blocks),
+                   _count(obj, "cached_blocks", limits.max_blocks, where=where))
+
+
+@dataclass(frozen=True)
+class KVLease:
+    """Blocks of a worker's prefix cache pinned for a reader (``/pd/kv_lease``): the
+    worker's agent holds prompt blocks ``[start, start + len(blocks))`` in ``blocks``,
+    readable with ``generations`` (one per block) until the lease is released or
+    expires -- after that a read fails with ``StaleBlock`` once the blocks are reused.
+
+    Attributes
+    ----------
+    lease_id : str
+        The id the lease was asked under (release it with it).
+    agent, name : str
+        The holder's agent address and name.
+    block_tokens : int
+        Tokens per block of the holder's pool.
+    start : int
+        The prompt block the first of ``blocks`` holds.
+    blocks, generations : tuple of int
+    """
+
+    lease_id: str
+    agent: str
+    name: str
+    block_tokens: int
+    start: int
+    blocks: tuple[int, ...]
+    generations: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.generations) != len(self.blocks):
+            raise InvalidArgument(f"kv lease: {len(self.generations)} generations for {len(self.blocks)} blocks")
+        if self.start < 0:
+            raise InvalidArgument(f"kv lease: start is {self.start}, must be >= 0")
+
+    @property
+    def end(self) -> int:
+        """One past the last prompt block it holds."""
+        return self.start + len(self.blocks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lease_id": self.lease_id, "agent": self.agent, "name": self.name, "block_tokens": self.block_tokens,
+                "start": self.start, "blocks": list(self.blocks), "generations": list(self.generations)}
+
+    @classmethod
+    def from_json(cls, obj: Any, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "KVLease":
+        where = "kv lease"
+        if not isinstance(obj, Mapping):
+            raise InvalidArgument(f"{where} must be a JSON object")
+        return cls(_lease_id(obj, limits, where), _str(obj, "agent", limits.max_name_chars, where=where),
+                   _str(obj, "name", limits.max_name_chars, where=where), _block_tokens(obj, limits, where),
+                   _count(obj, "start", limits.max_blocks, where=where),
+                   _int_list(require(obj, "blocks", list, where=where), where=where, name="blocks",
+                             cap=limits.max_blocks),
+                   _int_list(require(obj, "generations", list, where=where), where=where, name="generations",
+                             cap=limits.max_blocks))
+
+
+#: Longest lease id (the holder's engine keeps it with a prefix of its own).
+MAX_LEASE_ID_CHARS = 100
+
+
+def _lease_id(obj: Mapping[str, Any], limits: ProtocolLimits, where: str) -> str:
+    v = _str(obj, "lease_id", min(limits.max_rid_chars, MAX_LEASE_ID_CHARS), where=where)
+    if not v or not v.isprintable():
+        raise InvalidArgument(f"{where}: lease_id must be a non-empty printable string")
+    return v
+
+
+@dataclass(frozen=True)
+class LeaseRequest:
+    """Body of ``/pd/kv_lease``: pin the leading run of ``hashes`` (prompt blocks
+    ``start, start + 1, ...``) that the worker's prefix cache holds.
+
+    Attributes
+    ----------
+    lease_id : str
+        Chosen by the caller, unique while the lease lives (409 otherwise).
+    hashes : tuple of str
+        Block hashes (:mod:`pdkv.serving.prefix_hash`), in prompt order.
+    ttl_s : float
+        The lease ends by itself this long after it was granted.
+    start : int
+        The prompt block ``hashes[0]`` stands for (echoed in :class:`KVLease`).
+    """
+
+    lease_id: str
+    hashes: tuple[str, ...]
+    ttl_s: float = 10.0
+    start: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lease_id": self.lease_id, "hashes": list(self.hashes), "ttl_s": self.ttl_s, "start": self.start}
+
+    @classmethod
+    def from_json(cls, obj: Any, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "LeaseRequest":
+        where = "kv_lease"
+        if not isinstance(obj, Mapping):
+            raise InvalidArgument(f"{where} must be a JSON object")
+        hashes = require(obj, "hashes", list, where=where)
+        _cap(len(hashes), limits.max_lease_hashes, where=where, name="the number of hashes")
+        if not all(isinstance(h, str) and is_block_hash(h) for h in hashes):
+            raise InvalidArgument(f"{where}: hashes must be block hashes (16 lowercase hex digits each)")
+        ttl = obj.get("ttl_s", 10.0)
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+            raise InvalidArgument(f"{where}: ttl_s must be a finite number > 0")
+        ttl = _finite(ttl, where=where, name="ttl_s")
+        if not ttl > 0:
+            raise InvalidArgument(f"{where}: ttl_s must be a finite number > 0")
+        _cap(ttl, limits.max_lease_ttl_s, where=where, name="ttl_s", unit=" s")
+        return cls(_lease_id(obj, limits, where), tuple(hashes), ttl,
+                   _count(obj, "start", limits.max_blocks, where=where))
+
+
+@dataclass(frozen=True)
+class LeaseRelease:
+    """Body of ``/pd/kv_release``: end a lease (its blocks may be evicted again)."""
+
+    lease_id: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lease_id": self.lease_id}
+
+    @classmethod
+    def from_json(cls, obj: Any, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "LeaseRelease":
+        if not isinstance(obj, Mapping):
+            raise InvalidArgument("kv_release must be a JSON object")
+        return cls(_lease_id(obj, limits, "kv_release"))
 
 
 @dataclass(frozen=True)
@@ -376,6 +542,10 @@ class PrefillRequest:
         request: a prefill that finishes later does not write at all, and the write's
         own timeout is what is left. (The decode worker waits longer than this before
         it reuses the blocks.)
+    src : KVLease or None
+        A third worker's lease on blocks of this prompt: the prefill worker may read
+        them instead of computing them (the proxy's KV-aware routing asks for it). The
+        prefill worker does not release it (the proxy does, or its ttl ends it).
     """
 
     rid: str
@@ -383,16 +553,22 @@ class PrefillRequest:
     params: GenParams
     dst: Reservation
     kv_timeout_s: float = 30.0
+    src: KVLease | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"rid": self.rid, "prompt": list(self.prompt), "params": self.params.to_json(),
-                "dst": self.dst.to_json(), "kv_timeout_s": self.kv_timeout_s}
+        out = {"rid": self.rid, "prompt": list(self.prompt), "params": self.params.to_json(),
+               "dst": self.dst.to_json(), "kv_timeout_s": self.kv_timeout_s}
+        if self.src is not None:
+            out["src"] = self.src.to_json()
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "PrefillRequest":
         g = GenerateRequest.from_json(obj, limits=limits)
+        src = obj.get("src")
         return cls(g.rid, g.prompt, g.params,
-                   Reservation.from_json(require(obj, "dst", dict, where="request"), limits=limits), g.kv_timeout_s)
+                   Reservation.from_json(require(obj, "dst", dict, where="request"), limits=limits), g.kv_timeout_s,
+                   None if src is None else KVLease.from_json(src, limits=limits))
 
 
 @dataclass(frozen=True)
@@ -400,16 +576,21 @@ class KVReady:
     """The pdkv notification a prefill worker attaches to its KV write (JSON bytes).
 
     ``kv`` is False when no KV was written because the first token already ends the
-    request (the decode worker then only finishes it)."""
+    request (the decode worker then only finishes it). ``lossy`` is True when the KV
+    may have travelled lossily compressed (fp8): the decode worker then keeps it out of
+    its prefix cache, so no other request reuses it."""
 
     rid: str
     first_token: int
     seed: int
     kv: bool = True
+    lossy: bool = False
 
     def encode(self) -> bytes:
-        return json.dumps({"rid": self.rid, "t": self.first_token, "seed": self.seed, "kv": self.kv},
-                          separators=(",", ":")).encode()
+        out: dict[str, Any] = {"rid": self.rid, "t": self.first_token, "seed": self.seed, "kv": self.kv}
+        if self.lossy:
+            out["lossy"] = True
+        return json.dumps(out, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, data: bytes, *, limits: ProtocolLimits = DEFAULT_LIMITS) -> "KVReady":
@@ -421,13 +602,14 @@ class KVReady:
         if not isinstance(obj, Mapping):
             raise InvalidArgument(f"{where} is not a JSON object")
         kv = obj.get("kv", True)
-        if not isinstance(kv, bool):
-            raise InvalidArgument(f"{where}: kv must be a bool")
+        lossy = obj.get("lossy", False)
+        if not isinstance(kv, bool) or not isinstance(lossy, bool):
+            raise InvalidArgument(f"{where}: kv and lossy must be bools")
         t = require(obj, "t", int, where=where)
         seed = require(obj, "seed", int, where=where)
         if not (0 <= t < 1 << 63 and 0 <= seed < 1 << 64):
             raise InvalidArgument(f"{where}: t or seed out of range")
-        return cls(_str(obj, "rid", limits.max_rid_chars, where=where), t, seed, kv)
+        return cls(_str(obj, "rid", limits.max_rid_chars, where=where), t, seed, kv, lossy)
 
 
 @dataclass(frozen=True)
@@ -476,6 +658,12 @@ class KVFailed:
         return cls(_str(obj, "rid", limits.max_rid_chars, where=where), ft, err, terminal)
 
 
+def _nonneg(v: Any, where: str, name: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 63:
+        raise InvalidArgument(f"{where}: {name} must be an integer >= 0")
+    return v
+
+
 @dataclass(frozen=True)
 class KVResult:
     """The prefill worker's account of its KV write (the ``{"kv": ...}`` line).
@@ -503,6 +691,17 @@ class KVResult:
     wire_seconds : float
         Time the bytes were on the wire: the union of the stream's batch transfers
         (post to completion each; one write: its time); <= seconds.
+    cached_tokens : int
+        Prompt tokens the prefill worker did not compute because its prefix cache held
+        their KV (pulled ones included).
+    pulled_tokens, pulled_bytes : int
+        Of those, the tokens whose KV it read from another worker first, and the bytes
+        read (0 when no pull happened or the pull failed).
+    computed_tokens : int
+        Prompt tokens it computed.
+    skipped_blocks : int
+        Reserved blocks not written because the decode worker held them already
+        (``Reservation.cached_blocks``).
     """
 
     ok: bool
@@ -513,6 +712,11 @@ class KVResult:
     error: str = ""
     tail_seconds: float = 0.0
     wire_seconds: float = 0.0
+    cached_tokens: int = 0
+    pulled_tokens: int = 0
+    pulled_bytes: int = 0
+    computed_tokens: int = 0
+    skipped_blocks: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -522,11 +726,13 @@ class KVResult:
         where = "kv result"
         if not isinstance(obj, Mapping):
             raise InvalidArgument(f"{where} must be a JSON object")
+        reuse = [_nonneg(obj.get(k, 0), where, k) for k in ("cached_tokens", "pulled_tokens", "pulled_bytes",
+                                                              "computed_tokens", "skipped_blocks")]
         try:
             return cls(bool(require(obj, "ok", bool, where=where)), bool(obj.get("posted", False)),
                        int(obj.get("bytes", 0)), float(obj.get("seconds", 0.0)), str(obj.get("transport", ""))[:4096],
                        str(obj.get("error", ""))[:4096], float(obj.get("tail_seconds", 0.0)),
-                       float(obj.get("wire_seconds", 0.0)))
+                       float(obj.get("wire_seconds", 0.0)), *reuse)
         except (TypeError, ValueError, OverflowError, RecursionError) as e:
             raise InvalidArgument(f"{where}: {type(e).__name__}") from None
 
@@ -546,6 +752,8 @@ class WorkerInfo:
     agent: dict[str, Any] | None = None                # name, address, transports
     pid: int = 0
     aliases: tuple[str, ...] = ()                      # other names clients may use for the model
+    prefix_cache: bool = False                         # caches prompt blocks (docs/serving.md, "Prefix cache")
+    cache_salt: str = ""                               # its block hashes' salt ("" when unknown)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -571,7 +779,9 @@ class WorkerInfo:
                    _int_list(obj.get("eos_token_ids", []), where=where, name="eos_token_ids"),
                    dict(obj.get("kv") or {}), str(obj.get("engine_mode", "")), obj.get("agent"),
                    int(obj.get("pid", 0)),
-                   tuple(str(a) for a in (obj.get("aliases") or ()) if isinstance(a, str)))
+                   tuple(str(a) for a in (obj.get("aliases") or ()) if isinstance(a, str)),
+                   _bool(obj.get("prefix_cache", False), where=where, name="prefix_cache"),
+                   _salt(obj.get("cache_salt", ""), where=where))
 
     @property
     def capacity_tokens(self) -> int:
@@ -583,3 +793,15 @@ class WorkerInfo:
         layers, heads, head size and dtype; block sizes may differ)."""
         keys = ("num_layers", "kv_heads", "head_dim", "dtype")
         return all(self.kv.get(k) == other.kv.get(k) for k in keys)
+
+
+def _bool(v: Any, *, where: str, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise InvalidArgument(f"{where}: {name} must be true or false, got {type(v).__name__}")
+    return v
+
+
+def _salt(v: Any, *, where: str) -> str:
+    if v != "" and not is_block_hash(v):
+        raise InvalidArgument(f"{where}: cache_salt must be 16 lowercase hex digits or empty")
+    return v

@@ -178,6 +178,9 @@ class PrefillLeg:
         trace.kv_wire_seconds = kv.wire_seconds
         trace.kv_transport = kv.transport
         trace.kv_error = kv.error
+        trace.extra.update(prefill_cached_tokens=kv.cached_tokens, prefill_computed_tokens=kv.computed_tokens,
+                           kv_pulled_tokens=kv.pulled_tokens, kv_pulled_bytes=kv.pulled_bytes,
+                           kv_skipped_blocks=kv.skipped_blocks)
         if kv.ok:
             self._metrics.m_kv.inc(("ok" if kv.posted else "none",))
             if kv.posted and kv.bytes:

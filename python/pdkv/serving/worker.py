@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import os
 import secrets
@@ -62,6 +63,7 @@ from .engine import Engine, EngineConfig, FinishReason
 from .frontend import OpenAIFrontend, RequestTrace, TokenOut, openai_error_middleware
 from .handoff import KVReceiver, KVSender, peer_label
 from .kv_events import serve_kv_events
+from .kv_pull import LeaseTable, PullConfig
 from .kv_pool import PagedKVPool
 from .limits import ServerLimits, read_body
 from .metrics import CONTENT_TYPE, Registry
@@ -74,6 +76,9 @@ from .worker_handlers import EngineEvents, ProtocolHandlers, failure_message
 __all__ = ["LocalBackend", "Worker", "WorkerConfig", "WorkerRole"]
 
 log = logging.getLogger("pdkv.serving")
+
+#: Seconds the evict hook waits for transfers still reading blocks it invalidates.
+EVICT_BUMP_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,20 @@ class WorkerConfig:
     protocol_limits : ProtocolLimits
         Caps on the timeouts, sizes and counts in ``/pd/*`` bodies (400 above), e.g.
         ``max_kv_timeout_s`` (default 60 s).
+    prefix_cache : bool
+        Cache the KV of full blocks and reuse it for prompts that start with the same
+        tokens (overrides ``engine.prefix_cache``; default on). Blocks handed to peers
+        get their pdkv generations bumped before they are reused.
+    cache_salt : str
+        The salt of the block hashes (16 hex digits; default: ``engine.cache_salt``, or
+        derived from the model, block size and dtype). Workers share KV only when their
+        salts are equal.
+    kv_pull : PullConfig
+        Prefill: when to read a prompt's prefix from the worker that holds it instead
+        of computing it (:mod:`pdkv.serving.kv_pull`; ``pdkv serve prefill --kv-pull``).
+    max_kv_leases : int
+        Prefill and decode: leases on this worker's cached blocks (``/pd/kv_lease``)
+        live at once; past it a lease is refused (503).
     """
 
     role: WorkerRole
@@ -178,6 +197,10 @@ class WorkerConfig:
     auth_window_s: float = DEFAULT_WINDOW_S
     auth_max_nonces: int = DEFAULT_MAX_NONCES
     protocol_limits: ProtocolLimits = field(default_factory=ProtocolLimits)
+    prefix_cache: bool = True
+    cache_salt: str = ""
+    kv_pull: PullConfig = field(default_factory=PullConfig)
+    max_kv_leases: int = 1024
 
     def __post_init__(self) -> None:
         try:
@@ -194,6 +217,10 @@ class WorkerConfig:
             raise InvalidArgument(f"auth_max_nonces must be an integer >= 1, got {self.auth_max_nonces!r}")
         if not isinstance(self.protocol_limits, ProtocolLimits):
             raise InvalidArgument("protocol_limits must be a ProtocolLimits")
+        if not isinstance(self.kv_pull, PullConfig):
+            raise InvalidArgument("kv_pull must be a PullConfig")
+        if not isinstance(self.max_kv_leases, int) or isinstance(self.max_kv_leases, bool) or self.max_kv_leases < 1:
+            raise InvalidArgument(f"max_kv_leases must be an integer >= 1, got {self.max_kv_leases!r}")
         for k in ("kv_margin_s", "reserve_wait_s"):
             if not getattr(self, k) >= 0:
                 raise InvalidArgument(f"{k} must be >= 0, got {getattr(self, k)!r}")
@@ -211,9 +238,24 @@ class WorkerConfig:
             object.__setattr__(self, "transports", tuple(self.transports))
         if self.registry is not None:  # checked here: before a CLI loads the model
             DiscoveryRegistry(self.registry, ttl=self.registry_ttl)
+        if not isinstance(self.prefix_cache, bool):
+            raise InvalidArgument(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
+        if not isinstance(self.engine, EngineConfig):
+            raise InvalidArgument(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
+        # EngineConfig checks the salt (16 lowercase hex digits or empty).
+        object.__setattr__(self, "engine", dataclasses.replace(
+            self.engine, prefix_cache=self.prefix_cache, cache_salt=self.cache_salt or self.engine.cache_salt))
         if self.debug_error_code not in STREAM_ERROR_STATUS:
             raise InvalidArgument(f"debug_error_code must be one of {sorted(STREAM_ERROR_STATUS)}, "
                                   f"got {self.debug_error_code!r}")
+
+
+def lossy_compression(requested: pdkv.TcpCompression | None) -> bool:
+    """True when pushes with ``requested`` compression may be lossy (fp8)."""
+    if requested is None:
+        return False
+    mode = str(requested.mode)
+    return mode == "fp8" or (mode == "auto" and str(requested.policy) == "lossy-allowed")
 
 
 def kv_compression(requested: pdkv.TcpCompression | None, geometry: pdkv.KVGeometry) -> pdkv.TcpCompression:
@@ -262,6 +304,7 @@ class Worker:
         self.engine: Engine | None = None
         self.sender: KVSender | None = None      # prefill
         self.receiver: KVReceiver | None = None  # decode
+        self.leases: LeaseTable | None = None    # prefill and decode: readers' leases on cached blocks
         self.url = ""
         self.registry = Registry()
         self._http: HttpServer | None = None
@@ -296,8 +339,15 @@ class Worker:
         cfg = self.config
         pool = self._make_agent_and_pool() if cfg.role is not WorkerRole.COLOCATED else None
         self.engine = Engine(self.model, cfg.engine, block_order=self.block_order, pool=pool)
+        if self.agent is not None:  # a cached block handed to a peer is never reused under its old generation
+            agent = self.agent
+            self.engine.set_evict_hook(lambda ids: agent.bump_generations("kv", ids, timeout=EVICT_BUMP_TIMEOUT_S))
         self._thread = threading.Thread(target=self._step_loop, name=f"engine-{cfg.role.value}", daemon=True)
         self._thread.start()
+        if self.agent is not None:
+            self.leases = LeaseTable(self.agent, self.engine, address=self.agent_address,
+                                     max_leases=cfg.max_kv_leases, registry=self.registry)
+            self._tasks.append(asyncio.ensure_future(self.leases.run()))
         self._start_handoff()
         self._body_limit = body_limit(self.model_info(), cfg.max_body_bytes)
         app = web.Application(client_max_size=self._body_limit)
@@ -320,7 +370,8 @@ class Worker:
         if self._role is WorkerRole.PREFILL and self.sender is None:
             assert self.agent is not None and self.engine is not None
             self.sender = KVSender(self.agent, self.engine, executor=self._executor, registry=self.registry,
-                                   drop_kv=cfg.debug_drop_kv, stream_layers=cfg.stream_layers)
+                                   drop_kv=cfg.debug_drop_kv, stream_layers=cfg.stream_layers, pull=cfg.kv_pull,
+                                   lossy_kv=lossy_compression(cfg.kv_compress))
         if self._role is WorkerRole.DECODE and self.receiver is None:
             assert self.agent is not None and self.engine is not None
             self.receiver = KVReceiver(self.agent, self.engine, executor=self._executor, address=self.agent_address,
@@ -377,6 +428,8 @@ class Worker:
         for side in (self.sender, self.receiver):
             if side is not None:
                 await side.close()
+        if self.leases is not None:
+            self.leases.close()
         self._stop.set()
         loop = asyncio.get_running_loop()
         if self._thread is not None:
@@ -393,7 +446,9 @@ class Worker:
             if not engine.wait_for_work(0.1):
                 continue
             try:
-                engine.step()
+                stats = engine.step()
+                if stats is not None and self.sender is not None and not stats.num_decode_tokens:
+                    self.sender.cost.observe_prefill(stats.num_prefill_tokens, stats.elapsed_s)
             except Exception:  # noqa: BLE001 - the step's requests got ERROR events; keep serving
                 log.exception("engine step failed")
 
@@ -418,7 +473,8 @@ class Worker:
                           kv={"num_layers": g.num_layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
                               "dtype": g.dtype, "block_tokens": g.block_tokens, "num_blocks": g.num_blocks},
                           engine_mode=eng.config.mode.value, agent=agent, pid=os.getpid(),
-                          aliases=self.config.model_aliases)
+                          aliases=self.config.model_aliases, prefix_cache=eng.config.prefix_cache,
+                          cache_salt=eng.cache_salt)
 
     def model_info(self) -> ModelInfo:
         eng = self.started_engine()
@@ -434,7 +490,8 @@ class Worker:
                 "free_blocks": eng.num_free_blocks, "num_blocks": eng.pool.num_blocks, "in_flight": self.in_flight,
                 "awaiting_kv": rx.awaiting if rx else 0, "invalidated_reservations": rx.invalidated if rx else 0,
                 "steps": eng.num_steps, "preemptions": eng.num_preemptions, "recomputes": eng.num_recomputes,
-                "peers": self.links()}
+                "peers": self.links(), "kv_leases": len(self.leases) if self.leases else 0,
+                "kv_pulls": self.sender.puller.counts() if self.sender else {}}
 
     def healthy(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._closed
@@ -464,6 +521,27 @@ class Worker:
             .set_function(lambda: [((), self.engine.num_steps if self.engine else 0)])
         r.counter("pdkv_engine_preemptions_total", "Requests preempted (recomputed later) for lack of blocks.") \
             .set_function(lambda: [((), self.engine.num_preemptions if self.engine else 0)])
+        self._setup_prefix_metrics()
+
+    def _prefix_stat(self, key: str) -> int:
+        return self.engine.prefix_stats()[key] if self.engine else 0
+
+    def _setup_prefix_metrics(self) -> None:
+        """The prefix cache's counters (docs/serving.md, "Prefix cache")."""
+        r, st = self.registry, self._prefix_stat
+        if self.config.role is not WorkerRole.COLOCATED:  # a colocated worker's OpenAI frontend counts them
+            r.counter("pdkv_prompt_tokens_total", "Prompt tokens of the requests admitted to compute here.") \
+                .set_function(lambda: [((), st("queries_tokens"))])
+        r.counter("pdkv_prefill_computed_tokens_total", "Prompt tokens the engine computed (again after "
+                  "preemptions).").set_function(lambda: [((), st("computed_prompt_tokens"))])
+        r.counter("pdkv_prefix_hit_tokens_total", "Prompt tokens not computed because their KV was cached here "
+                  "(local) or imported from a peer (pulled).", ("source",)) \
+            .set_function(lambda: [(("local",), st("hit_tokens") - st("pulled_hit_tokens")),
+                                   (("pulled",), st("pulled_hit_tokens"))])
+        r.gauge("pdkv_prefix_cache_blocks", "KV blocks in the prefix cache's index (held or evictable).") \
+            .set_function(lambda: [((), st("cached_blocks"))])
+        r.counter("pdkv_prefix_evictions_total", "Cached blocks evicted to make room.") \
+            .set_function(lambda: [((), st("evictions"))])
 
     # ------------------------------------------------------------------ routes
     def _routes(self, app: web.Application) -> None:
@@ -476,6 +554,8 @@ class Worker:
             app.router.add_post("/pd/check_peer", h.check_peer)
             app.router.add_post("/pd/decode", h.decode)
             app.router.add_post("/pd/kv_failed", h.kv_failed)
+            app.router.add_post("/pd/kv_lease", h.kv_lease)
+            app.router.add_post("/pd/kv_release", h.kv_release)
             RoleSwitch(self).add_routes(app)
         app.router.add_post("/pd/generate", h.generate)
         if self.role is WorkerRole.COLOCATED:
@@ -560,7 +640,8 @@ class LocalBackend:
                     yield TokenOut(ev.token_id, fin)
                 if ev.finish_reason is not None:
                     finished = True
-                    trace.extra["preemptions"] = h.num_preemptions
+                    trace.extra.update(preemptions=h.num_preemptions, cached_tokens=h.num_cached_tokens,
+                                       computed_tokens=h.num_computed_tokens)
                     return
         finally:
             self.worker.in_flight -= 1

@@ -1,6 +1,7 @@
 """The worker protocol's request handlers (:mod:`pdkv.serving.protocol`): local
-generation (``/pd/generate``), the decode side (``/pd/decode``, ``/pd/kv_failed``)
-and the prefill side (``/pd/prefill``, ``/pd/check_peer``) of a
+generation (``/pd/generate``), the decode side (``/pd/decode``, ``/pd/kv_failed``),
+the prefill side (``/pd/prefill``, ``/pd/check_peer``) and the leases on cached
+blocks (``/pd/kv_lease``, ``/pd/kv_release``) of a
 :class:`~pdkv.serving.worker.Worker`. They parse requests, stream NDJSON token lines
 from the engine's events and map errors to statuses; the KV hand-off itself is
 :mod:`pdkv.serving.handoff`."""
@@ -8,6 +9,7 @@ from the engine's events and map errors to statuses; the KV hand-off itself is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any, Protocol
@@ -15,12 +17,14 @@ from typing import Any, Protocol
 from aiohttp import web
 
 import pdkv
-from pdkv.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from pdkv.errors import AlreadyExists, InvalidArgument, PdkvError, ResourceExhausted
 
 from .aio import json_error, start_ndjson
 from .engine import Engine, FinishReason, RequestHandle, TokenEvent
 from .handoff import KVReceiver, KVSender
-from .protocol import GenerateRequest, KVFailed, PrefillRequest, StreamError, dumps_line
+from .kv_pull import LeaseTable, PrefixPuller, PullOutcome
+from .protocol import (GenerateRequest, KVFailed, KVResult, LeaseRelease, LeaseRequest, PrefillRequest, StreamError,
+                       dumps_line)
 from .sampling import SamplingParams
 
 
@@ -33,6 +37,7 @@ class HandlerHost(Protocol):
     in_flight: int
     sender: KVSender | None
     receiver: KVReceiver | None
+    leases: LeaseTable | None
 
     def started_engine(self) -> Engine: ...
 
@@ -142,7 +147,9 @@ class ProtocolHandlers:
         try:
             resp = await start_ndjson(request)
             if await self._stream_tokens(resp, events, req.rid, h):
-                await resp.write(dumps_line({"done": {"recomputed": False, "preemptions": h.num_preemptions}}))
+                await resp.write(dumps_line({"done": {"recomputed": False, "preemptions": h.num_preemptions,
+                                                      "cached_tokens": h.num_cached_tokens,
+                                                      "computed_tokens": h.num_computed_tokens}}))
             await resp.write_eof()
             return resp
         finally:
@@ -158,7 +165,7 @@ class ProtocolHandlers:
             req = GenerateRequest.from_json(await self._body(request), limits=self.worker.config.protocol_limits)
             sp = SamplingParams.of(req.params)
             eng.validate(req.rid, req.prompt, sp)
-            ticket = await receiver.reserve(req.rid, len(req.prompt), wait_s=cfg.reserve_wait_s,
+            ticket = await receiver.reserve(req.rid, req.prompt, wait_s=cfg.reserve_wait_s,
                                             kv_timeout_s=req.kv_timeout_s, margin_s=cfg.kv_margin_s)
         except AlreadyExists as e:
             return json_error(409, str(e), code="duplicate_request")
@@ -176,7 +183,9 @@ class ProtocolHandlers:
             if await self._stream_tokens(resp, events, req.rid, h):
                 await resp.write(dumps_line({"done": {"recomputed": h.recomputed, "recompute_reason": arrival.reason,
                                                       "kv_error": arrival.error, "kv_wait_s": arrival.wait_s,
-                                                      "preemptions": h.num_preemptions}}))
+                                                      "preemptions": h.num_preemptions,
+                                                      "cached_tokens": h.num_cached_tokens,
+                                                      "computed_tokens": h.num_computed_tokens}}))
             await resp.write_eof()
             return resp
         finally:
@@ -201,21 +210,29 @@ class ProtocolHandlers:
         t_recv = loop.time()
         events = EngineEvents(loop)
         streamer = None
+        pull: PullOutcome | None = None
         try:
             req = PrefillRequest.from_json(await self._body(request), limits=self.worker.config.protocol_limits)
             eng.validate(req.rid, req.prompt, SamplingParams.of(req.params), prefill_only=True)
+            pull = await _pull_prefix(sender.puller, req, t_recv + req.kv_timeout_s)
             streamer = await sender.layer_streamer(req, t_recv + req.kv_timeout_s)
             h = eng.add_request(req.rid, req.prompt, SamplingParams.of(req.params), on_event=events, prefill_only=True,
                                 layer_sink=streamer)
         except AlreadyExists as e:
+            sender.puller.done(pull)
             return json_error(409, str(e), code="duplicate_request")
         except InvalidArgument as e:
+            sender.puller.done(pull)
             return json_error(400, str(e), code="invalid_request")
+        except BaseException:
+            sender.puller.done(pull)
+            raise
         self.worker.in_flight += 1
         posted: list[pdkv.Transfer] = []  # the write reading this request's blocks, once posted
         try:
             resp = await start_ndjson(request)
             ev = await events.queue.get()
+            sender.puller.done(pull)  # the request holds the pulled blocks now (or failed)
             if ev.token_id is None:
                 await resp.write(stream_error(h, ev).to_line())
                 await resp.write_eof()
@@ -227,11 +244,12 @@ class ProtocolHandlers:
                                                    "prefill_s": time.perf_counter() - h.arrival_time}}))
             result = await sender.push(req, h, ev.token_id, with_kv=not ended, deadline=t_recv + req.kv_timeout_s,
                                        posted=posted, streamer=streamer)
-            await resp.write(dumps_line({"kv": result.to_json()}))
+            await resp.write(dumps_line({"kv": _reuse(result, h, pull).to_json()}))
             await resp.write_eof()
             return resp
         finally:
             self.worker.in_flight -= 1
+            sender.puller.done(pull)
             sender.finish(req.rid, h, posted, streamer)
 
     async def check_peer(self, request: web.Request) -> web.Response:
@@ -253,3 +271,58 @@ class ProtocolHandlers:
                               code="invalid_request")
         kind, error = await sender.check_peer(address, timeout)
         return web.json_response({"ok": kind == "ok", "kind": kind, "error": error})
+
+    # ------------------------------------------------------------------ leases
+    async def kv_lease(self, request: web.Request) -> web.Response:
+        """Pins cached blocks for a reader: ``{"lease": KVLease}`` (maybe no blocks)."""
+        table = self.worker.leases
+        eng = self.worker.started_engine()
+        try:
+            req = LeaseRequest.from_json(await self._body(request), limits=self.worker.config.protocol_limits)
+        except InvalidArgument as e:
+            return json_error(400, str(e), code="invalid_request")
+        if table is None or not eng.config.prefix_cache:
+            return json_error(409, "this worker's prefix cache is off: it has no blocks to lease",
+                              code="prefix_cache_off")
+        try:
+            lease = table.grant(req)
+        except InvalidArgument as e:
+            return json_error(400, str(e), code="invalid_request")
+        except AlreadyExists as e:
+            return json_error(409, str(e), code="duplicate_lease")
+        except ResourceExhausted as e:
+            return json_error(503, str(e), code="too_many_leases")
+        return web.json_response({"lease": lease.to_json()})
+
+    async def kv_release(self, request: web.Request) -> web.Response:
+        """Ends a lease: ``{"ok": true}``, or 404 for an id with no live lease."""
+        table = self.worker.leases
+        try:
+            rel = LeaseRelease.from_json(await self._body(request), limits=self.worker.config.protocol_limits)
+        except InvalidArgument as e:
+            return json_error(400, str(e), code="invalid_request")
+        if table is None or not table.release(rel.lease_id):
+            return json_error(404, f"no live lease {rel.lease_id!r} (released, expired, or never granted)",
+                              code="unknown_lease")
+        return web.json_response({"ok": True})
+
+
+async def _pull_prefix(puller: PrefixPuller, req: PrefillRequest, deadline: float) -> PullOutcome | None:
+    """Reads the prompt's prefix from the worker that holds it when that beats
+    computing it (None: no pull planned). A failed pull is an outcome, not an error."""
+    try:
+        plan = puller.plan(req)
+    except PdkvError:
+        return None
+    if plan is None:
+        return None
+    return await puller.pull(req, plan, deadline=deadline)
+
+
+def _reuse(result: KVResult, h: RequestHandle, pull: PullOutcome | None) -> KVResult:
+    """``result`` with the prefill's reuse figures: tokens cached, pulled, computed."""
+    cached = h.num_cached_tokens
+    ok = pull is not None and pull.ok
+    return dataclasses.replace(result, cached_tokens=cached, pulled_tokens=pull.tokens if ok else 0,
+                               pulled_bytes=pull.nbytes if ok else 0,
+                               computed_tokens=len(h.prompt_ids) - cached)
