@@ -81,6 +81,8 @@ def _initialized() -> Any:
     try:
         (err,) = drv.cuInit(0)
     except Exception as e:  # noqa: BLE001 - cuda-python raises RuntimeError/its own errors when libcuda is missing
+        if type(e).__name__ == "DynamicLibNotFoundError":  # cuda.pathfinder: not on the loader's path
+            raise NotSupported("no CUDA driver: libcuda.so.1 is not installed (no NVIDIA driver)") from None
         raise NotSupported(f"no CUDA driver: {type(e).__name__}: {e}") from None
     if int(err) != 0:
         raise NotSupported(f"the CUDA driver did not initialise: cuInit: {_error_name(drv, err)} ({int(err)})")
