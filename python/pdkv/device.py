@@ -132,10 +132,16 @@ def driver_version() -> str:
     return f"{v // 1000}.{v % 1000 // 10}"
 
 
+def _ordinal(index: Any) -> int:
+    """``index`` as a device ordinal; InvalidArgument for anything but an int >= 0."""
+    if isinstance(index, bool) or not _validate._is_int(index) or int(index) < 0:
+        raise InvalidArgument(f"device must be a CUDA ordinal (an int >= 0), got {index!r}")
+    return int(index)
+
+
 def _device(index: Any) -> Any:
     """The CUdevice of ordinal ``index``, checked."""
-    if not _validate._is_int(index) or int(index) < 0:
-        raise InvalidArgument(f"device must be a CUDA ordinal (an int >= 0), got {index!r}")
+    index = _ordinal(index)
     n = device_count()
     if int(index) >= n:
         raise NotSupported(f"no CUDA device {int(index)}: this host has {n} (ordinals 0..{n - 1})")
@@ -312,6 +318,7 @@ class DeviceBuffer:
 
     def __init__(self, nbytes: int, device: int = 0) -> None:
         nbytes = _validate.positive_int(nbytes, "nbytes")
+        device = _ordinal(device)  # before the driver: a bad argument is that, with or without CUDA
         self._ctx = _PrimaryContext(device)
         self.device = int(device)
         self.nbytes = nbytes
