@@ -49,8 +49,8 @@ def doctor_json(args: list[str] = (), driver: str | None = None, **env) -> dict:
 
 
 def test_json_schema_without_a_gpu():
-    if os.environ.get("PDKV_CUDA_DRIVER"):
-        pytest.skip("a CUDA driver is named in this process")
+    if os.environ.get("PDKV_CUDA_DRIVER") or "cuda_ipc" in pdkv.available_transports():
+        pytest.skip("a CUDA driver is loaded here (a GPU machine): bench/gpu_check.sh checks it for real")
     rep = doctor_json()
     assert set(rep) == TOP and rep["schema"] == doctor.SCHEMA and rep["peer"] is None
     g = rep["gpu"]
@@ -68,8 +68,8 @@ def test_json_schema_without_a_gpu():
 
 
 def test_text_says_there_is_no_gpu_and_which_transports():
-    if os.environ.get("PDKV_CUDA_DRIVER"):
-        pytest.skip("a CUDA driver is named in this process")
+    if os.environ.get("PDKV_CUDA_DRIVER") or "cuda_ipc" in pdkv.available_transports():
+        pytest.skip("a CUDA driver is loaded here (a GPU machine): bench/gpu_check.sh checks it for real")
     r = run(["doctor"])
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()

@@ -63,8 +63,8 @@ def test_device_pools_move_bit_exact_over_tcp_staging_and_cuda_ipc(fakecuda_path
 
 @needs_cuda_python
 def test_alloc_on_a_device_without_a_driver_says_so():
-    if os.environ.get("PDKV_CUDA_DRIVER"):
-        pytest.skip("a CUDA driver is named in this process")
+    if os.environ.get("PDKV_CUDA_DRIVER") or "cuda_ipc" in pdkv.available_transports():
+        pytest.skip("a CUDA driver is loaded here (a GPU machine): bench/gpu_check.sh checks it for real")
     r = run(["-c", textwrap.dedent("""
         import pdkv
         with pdkv.Agent("a", secret="s", transports=["tcp"]) as a:
