@@ -355,11 +355,14 @@ def render(r: dict) -> str:
     lines.append(f"shm: {s['path']} {_size(s['free_bytes'])} free of {_size(s['total_bytes'])}; memfd "
                  f"{'with seals' if s['seals'] else 'without seals' if s['memfd'] else 'unavailable'}; {s['detail']}")
     t = r["transports"]
-    lines.append(f"transports: agents use {', '.join(t['default_order'])} (in this order; available: "
-                 f"{', '.join(t['available'])})")
-    for name in t["default_order"] + [n for n in t["notes"] if n not in t["default_order"]]:
-        if name in t["notes"]:
-            lines.append(f"  {name}: {t['notes'][name]}")
+    lines.append(f"transports: agents use {', '.join(t['default_order'])}, in this order")
+    for name in t["default_order"]:
+        lines.append(f"  {name}: {t['notes'][name]}")
+    if "cuda_ipc" not in t["available"]:
+        lines.append(f"  cuda_ipc: {t['notes']['cuda_ipc']}")
+    extra = [n for n in t["available"] if n not in t["default_order"]]
+    if extra:
+        lines.append(f"  also available, enabled with Agent(transports=[...]): {', '.join(extra)}")
     peer = r.get("peer")
     if peer:
         if "error" in peer:
