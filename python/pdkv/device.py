@@ -213,16 +213,19 @@ class _PrimaryContext:
         self.device = device
         self._dev = _device(device)
         self.ctx = _call("cuDevicePrimaryCtxRetain", drv.cuDevicePrimaryCtxRetain, self._dev)
-        self._prev: list[Any] = []
+        self._tls = threading.local()  # per thread: the contexts to restore (blocks may nest)
 
     def __enter__(self) -> "_PrimaryContext":
         drv = driver()
-        self._prev.append(_call("cuCtxGetCurrent", drv.cuCtxGetCurrent))
+        prev = getattr(self._tls, "prev", None)
+        if prev is None:
+            prev = self._tls.prev = []
+        prev.append(_call("cuCtxGetCurrent", drv.cuCtxGetCurrent))
         _call("cuCtxSetCurrent", drv.cuCtxSetCurrent, self.ctx)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        driver().cuCtxSetCurrent(self._prev.pop())
+        driver().cuCtxSetCurrent(self._tls.prev.pop())
 
     def release(self) -> None:
         drv = driver()
@@ -283,9 +286,12 @@ _capsule_get.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 def _capsule_destructor(cap: int) -> None:
     # Never consumed (still named "dltensor"): the producer deletes, as the spec says.
-    if _capsule_is_valid(cap, b"dltensor"):
-        with _exports_lock:
-            _exports.pop(_capsule_get(cap, b"dltensor"), None)
+    try:
+        if _capsule_is_valid(cap, b"dltensor"):
+            with _exports_lock:
+                _exports.pop(_capsule_get(cap, b"dltensor"), None)
+    except Exception:  # noqa: BLE001 - at interpreter exit the module may be half torn down
+        pass
 
 
 def _export(buffer: "DeviceBuffer") -> Any:
