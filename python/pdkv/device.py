@@ -83,7 +83,8 @@ def _initialized() -> Any:
     except Exception as e:  # noqa: BLE001 - cuda-python raises RuntimeError/its own errors when libcuda is missing
         if type(e).__name__ == "DynamicLibNotFoundError":  # cuda.pathfinder: not on the loader's path
             raise NotSupported("no CUDA driver: libcuda.so.1 is not installed (no NVIDIA driver)") from None
-        raise NotSupported(f"no CUDA driver: {type(e).__name__}: {e}") from None
+        raise NotSupported(f"cuda-python could not use the CUDA driver ({type(e).__name__}: {e}); install the "
+                           "cuda-bindings major version of the driver's CUDA (nvidia-smi: 'CUDA Version')") from None
     if int(err) != 0:
         raise NotSupported(f"the CUDA driver did not initialise: cuInit: {_error_name(drv, err)} ({int(err)})")
     return drv
