@@ -261,8 +261,11 @@ _KDL_CUDA = 2
 _KDL_UINT = 1
 
 # Exported tensors still alive, by the address of their DLManagedTensor: the struct, its
-# shape array and the buffer, kept until the consumer calls the deleter (or the capsule
-# is dropped unconsumed).
+# shape array and the buffer, kept until the consumer calls the deleter, or until the
+# buffer is freed. The capsule has no destructor: one written in Python would run while
+# the consumer that dropped it may have an exception pending (numpy refusing a CUDA
+# tensor), and calling into the C API from there loses that exception. A capsule dropped
+# unconsumed so keeps its entry until free().
 _exports: dict[int, tuple] = {}
 _exports_lock = threading.Lock()
 
@@ -276,23 +279,6 @@ def _dl_deleter(managed: Any) -> None:
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
-_capsule_is_valid.restype = ctypes.c_int
-_capsule_is_valid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_capsule_get = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_get.restype = ctypes.c_void_p
-_capsule_get.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-
-
-@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-def _capsule_destructor(cap: int) -> None:
-    # Never consumed (still named "dltensor"): the producer deletes, as the spec says.
-    try:
-        if _capsule_is_valid(cap, b"dltensor"):
-            with _exports_lock:
-                _exports.pop(_capsule_get(cap, b"dltensor"), None)
-    except Exception:  # noqa: BLE001 - at interpreter exit the module may be half torn down
-        pass
 
 
 def _export(buffer: "DeviceBuffer") -> Any:
@@ -309,7 +295,7 @@ def _export(buffer: "DeviceBuffer") -> Any:
     addr = ctypes.addressof(m)
     with _exports_lock:
         _exports[addr] = (m, shape, buffer)
-    return _capsule_new(addr, b"dltensor", ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+    return _capsule_new(addr, b"dltensor", None)
 
 
 class DeviceBuffer:
@@ -370,10 +356,11 @@ class DeviceBuffer:
                    copy: Any = None) -> Any:
         if self._freed:
             raise InvalidArgument("the device buffer is freed")
+        # BufferError: what the DLPack protocol says a producer raises for what it cannot export.
         if copy:
-            raise NotSupported("DeviceBuffer exports its memory, never a copy (copy=True)")
+            raise BufferError("DeviceBuffer exports its memory, never a copy (copy=True)")
         if dl_device is not None and tuple(dl_device) != (_KDL_CUDA, self.device):
-            raise NotSupported(f"DeviceBuffer lives on cuda:{self.device}, not DLPack device {tuple(dl_device)}")
+            raise BufferError(f"DeviceBuffer lives on cuda:{self.device}, not DLPack device {tuple(dl_device)}")
         # Every copy pdkv made into it was synchronous: nothing for `stream` to wait on.
         return _export(self)
 
@@ -385,6 +372,9 @@ class DeviceBuffer:
         if getattr(self, "_freed", True):
             return
         self._freed = True
+        with _exports_lock:  # views must be gone by now (see the class docstring)
+            for k in [k for k, v in _exports.items() if v[2] is self]:
+                del _exports[k]
         drv = driver()
         with self._ctx:
             _call("cuMemFree", drv.cuMemFree, self.ptr)

@@ -76,12 +76,21 @@ def dlpack_checks(checks: list) -> None:
         r = c.register(buf)  # read natively from the DLPack capsule
         assert (r.addr, r.nbytes, r.kind, r.device) == (buf.ptr, 1 << 16, "cuda", 0), r
         r.close()
-        cap = buf.__dlpack__()
-        del cap  # dropped unconsumed: the producer's deleter runs
         from pdkv import device
 
-        assert not device._exports, device._exports
+        assert not device._exports, device._exports  # pdkv's register consumed it and ran the deleter
+        cap = buf.__dlpack__()
+        del cap  # dropped unconsumed: kept until free()
+        try:
+            import numpy as np
+
+            np.from_dlpack(buf)
+        except ImportError:
+            pass
+        except (BufferError, RuntimeError, TypeError, ValueError) as e:  # numpy refuses CUDA memory, cleanly
+            assert "CUDA" in str(e) or "device" in str(e).lower(), e
         buf.free()
+        assert not device._exports, device._exports
         checks.append("dlpack export")
 
 
