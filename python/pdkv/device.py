@@ -303,9 +303,9 @@ class DeviceBuffer:
     context), freed by :meth:`free` (idempotent) or when collected.
 
     A DLPack exporter (a 1-D ``uint8`` tensor of ``nbytes``): ``torch.from_dlpack(buf)``,
-    ``cupy.from_dlpack(buf)`` or ``Agent.register(buf)`` see the memory without a copy;
-    the memory then stays allocated until those views are gone *and* :meth:`free` ran
-    (freeing with views alive frees the memory under them: don't). Device memory is not
+    ``cupy.from_dlpack(buf)`` or ``Agent.register(buf)`` see the memory without a copy.
+    The views do not keep it allocated: :meth:`free` frees it under them, so drop them
+    (and close such registrations) first. Device memory is not
     host-accessible: use :meth:`copy_from_host` / :meth:`copy_to_host`.
     """
 
