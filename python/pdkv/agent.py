@@ -328,8 +328,11 @@ class Agent(AgentMemory, AgentTransfers):
         n, self._n = self._n, _Closed(name)
         del n
         with self._lock:
+            owned = [r for r in self._regions.values() if hasattr(r, "_agent_closed")]
             self._regions.clear()
             self._layout_keep.clear()
+        for r in owned:  # device memory Agent.alloc made: freed once the agent no longer uses it
+            r._agent_closed()
 
     def __enter__(self) -> "Agent":
         return self

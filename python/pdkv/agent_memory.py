@@ -16,6 +16,7 @@ from .region import Region, SharedRegion
 
 if TYPE_CHECKING:
     from ._pdkv import Blocks
+    from .device import DeviceRegion
 
 __all__: list[str] = []
 
@@ -52,13 +53,25 @@ class AgentMemory:
                                   "peers would write into it (pass remote_access=False for a write source)")
         return self._register(mem.addr, mem.nbytes, mem.kind, mem.device, remote_access, mem.keepalive)
 
-    def alloc(self, nbytes: int, *, remote_access: bool = True) -> SharedRegion:
-        """Allocates ``nbytes`` of shareable memory (a memfd) and registers it.
+    def alloc(self, nbytes: int, *, device: int | None = None,
+              remote_access: bool = True) -> SharedRegion | DeviceRegion:
+        """Allocates ``nbytes`` of memory pdkv owns and registers it.
 
-        Same-host peers then reach it with one memcpy (the ``shm`` transport) instead
-        of a socket. Build your KV pool on it with ``region.array(...)`` or
-        ``region.tensor(...)``; the memory is zero-filled.
+        ``device=None`` (default): shareable host memory (a memfd). Same-host peers
+        then reach it with one memcpy (the ``shm`` transport) instead of a socket. Build
+        your KV pool on it with ``region.array(...)`` or ``region.tensor(...)``; the
+        memory is zero-filled.
+
+        ``device=N``: device memory on CUDA device N, allocated through cuda-python's
+        driver bindings (``cuMemAlloc`` in the device's primary context; not zeroed), as
+        a :class:`~pdkv.device.DeviceRegion`: a DLPack exporter (``torch.from_dlpack``,
+        ``cupy.from_dlpack``), with ``copy_from_host``/``copy_to_host``. Closing the
+        region, or the agent, frees it. Needs cuda-python (``pip install 'pdkv[gpu]'``)
+        and a CUDA driver; without them, or for a device this host does not have, raises
+        :class:`~pdkv.errors.NotSupported`.
         """
+        if device is not None:
+            return self._alloc_device(nbytes, device, remote_access)
         import mmap
 
         nbytes = _validate.positive_int(nbytes, "nbytes")
@@ -78,6 +91,22 @@ class AgentMemory:
         finally:
             os.close(fd)  # the agent keeps its own dup for peers
         region = SharedRegion(self, desc, mm)
+        with self._lock:
+            self._regions[region.id] = region
+        return region
+
+    def _alloc_device(self, nbytes: int, device: Any, remote_access: bool) -> DeviceRegion:
+        from .device import DeviceBuffer, DeviceRegion  # imports cuda-python only when called
+
+        nbytes = _validate.positive_int(nbytes, "nbytes")
+        remote_access = _validate.flag(remote_access, "remote_access")
+        buf = DeviceBuffer(nbytes, device)
+        try:
+            desc = self._n.register_memory(buf.ptr, nbytes, _native.module().MemKind.CUDA, buf.device, remote_access)
+        except BaseException:
+            buf.free()
+            raise
+        region = DeviceRegion(self, desc, buf)
         with self._lock:
             self._regions[region.id] = region
         return region

@@ -1,4 +1,4 @@
-"""The ``pdkv`` command: ``info``, ``secret``, ``bench transfer``, ``bench serve``, ``plan``, ``serve``, ``demo``, ``netlab``."""
+"""The ``pdkv`` command: ``info``, ``doctor``, ``secret``, ``bench transfer``, ``bench serve``, ``plan``, ``serve``, ``demo``, ``netlab``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ commands:
   bench serve        TTFT / ITL / goodput of each serving mode on one trace
   plan               the prefill:decode split for a trace and SLO, from measured worker capacity
   netlab             hosts in network namespaces behind emulated links: up | exec | status | down (root)
-  info               version, transports available here, optional dependencies
+  info               version, transports available here, optional dependencies (--doctor: as doctor)
+  doctor             GPUs, peer access, CUDA IPC, pinned memory, RDMA, shm, and the transport pdkv picks (--json, --peer)
   secret             print a new random cluster secret (128 bits, hex) for PDKV_SECRET
 
 run `pdkv <command> --help` for a command's options
@@ -30,13 +31,20 @@ COMMANDS = {
     ("plan",): "pdkv.lab.plan.cli:main",
     ("netlab",): "pdkv.lab.netlab.cli:main",
     ("info",): "pdkv.cli:info",
+    ("doctor",): "pdkv.lab.doctor:main",
     ("secret",): "pdkv.cli:secret",
 }
 
 
 def info(argv: list[str]) -> int:
-    """Prints what this installation can do."""
-    argparse.ArgumentParser(prog="pdkv info").parse_args(argv)
+    """Prints what this installation can do (``--doctor``: and what this host offers it)."""
+    if "--doctor" in argv:
+        from .lab.doctor import main as doctor
+
+        return doctor([a for a in argv if a != "--doctor"])
+    ap = argparse.ArgumentParser(prog="pdkv info")
+    ap.add_argument("--doctor", action="store_true", help="run `pdkv doctor` (takes its options too)")
+    ap.parse_args(argv)
     import pdkv
 
     print(f"pdkv {pdkv.__version__}")
@@ -44,6 +52,7 @@ def info(argv: list[str]) -> int:
     for mod, what in (("numpy", "tests, benchmarks"), ("torch", "serving"), ("transformers", "serving"),
                       ("aiohttp", "serving, bench serve"), ("matplotlib", "bench serve plots"),
                       ("nixl", "nixl transport, bench --compare nixl"),
+                      ("cuda.bindings", "Agent.alloc(device=N), pdkv doctor's GPU facts"),
                       ("mooncake", "bench --compare mooncake")):
         try:
             m = importlib.import_module(mod)

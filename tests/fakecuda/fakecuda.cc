@@ -31,7 +31,16 @@
 //   has no code for, so callers take their no-kernel path.
 // * Calls that need a context fail with 201 on a thread without a current one.
 //
-// Not emulated: timing, multiple devices, sticky context errors (an injected 700 is
+// * Devices: FAKECUDA_DEVICES=N (1..8, default 1) emulated devices, each with its own
+//   primary context; an allocation belongs to the device whose context is current, and
+//   cuPointerGetAttribute reports it. Every pair can access each other (peer access,
+//   P2P attributes) unless FAKECUDA_NO_P2P=1. Name, memory, compute capability (9.0),
+//   PCI bus id and driver version (FAKECUDA_DRIVER_VERSION, default 13000) are made up
+//   but stable, for `pdkv doctor`. cuGetProcAddress resolves this library's own symbols
+//   (newest _vN first), so cuda-python's driver bindings load it; built with the soname
+//   libcuda.so.1, a process that loaded it first gets it from a later dlopen("libcuda.so.1").
+//
+// Not emulated: timing, device memory limits, sticky context errors (an injected 700 is
 // reported once, by the next synchronization on that stream, and the context stays
 // usable so tests can check recovery).
 //
@@ -40,6 +49,7 @@
 // launches only (reported by the stream, as a fault inside a kernel is);
 // fakecuda_stats(out, n) fills counters, see enum Stat. Build (tests/fakecuda_lib.py):
 // g++ -std=c++17 -O2 -shared -fPIC -pthread -I../../cpp/src/cuda fakecuda.cc -o libfakecuda.so
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -49,6 +59,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -133,7 +144,27 @@ unsigned copy_delay_us() {
   return v;
 }
 
-CUctx_st g_ctx;
+constexpr int kMaxDevices = 8;
+CUctx_st g_ctx[kMaxDevices];
+
+int device_count() {
+  static const int n = [] {
+    const char* s = std::getenv("FAKECUDA_DEVICES");
+    const long v = s ? std::strtol(s, nullptr, 10) : 1;
+    return static_cast<int>(std::clamp(v, 1L, static_cast<long>(kMaxDevices)));
+  }();
+  return n;
+}
+// The device whose primary context is `ctx`, or -1.
+int ctx_device(const CUctx_st* ctx) {
+  for (int i = 0; i < device_count(); ++i)
+    if (ctx == &g_ctx[i]) return i;
+  return -1;
+}
+bool env_flag(const char* name) {
+  const char* s = std::getenv(name);
+  return s && *s && std::strcmp(s, "0") != 0;
+}
 CUmod_st g_module;
 CUfunc_st g_batch_copy;
 CUfunc_st g_fp8_quantize;
@@ -170,6 +201,7 @@ struct DevRange {
   std::shared_ptr<Backing> mem;
   uint64_t serial = 0;  // ours: the allocation's serial, for handles
   bool imported = false;
+  int device = 0;  // the device whose context was current when it was allocated or opened
   IpcKey key{};
   int refs = 1;  // imported: opens of the same handle
 };
@@ -368,25 +400,134 @@ CUresult cuInit(unsigned flags) {
 }
 CUresult cuDeviceGetCount(int* n) {
   if (!n) return kInvalidValue;
-  *n = 1;
+  *n = device_count();
   return kOk;
 }
 CUresult cuDeviceGet(int* dev, int ordinal) {
   if (!dev) return kInvalidValue;
-  if (ordinal != 0) return kInvalidDevice;
-  *dev = 0;
+  if (ordinal < 0 || ordinal >= device_count()) return kInvalidDevice;
+  *dev = ordinal;
   return kOk;
 }
 CUresult cuDevicePrimaryCtxRetain(CUctx_st** ctx, int dev) {
   if (!ctx) return kInvalidValue;
-  if (dev != 0) return kInvalidDevice;
-  *ctx = &g_ctx;
+  if (dev < 0 || dev >= device_count()) return kInvalidDevice;
+  *ctx = &g_ctx[dev];
   return kOk;
 }
+CUresult cuDevicePrimaryCtxRelease_v2(int dev) {
+  return dev < 0 || dev >= device_count() ? kInvalidDevice : kOk;
+}
 CUresult cuCtxSetCurrent(CUctx_st* ctx) {
-  if (ctx != nullptr && ctx != &g_ctx) return kInvalidContext;
+  if (ctx != nullptr && ctx_device(ctx) < 0) return kInvalidContext;
   t_current = ctx;
   return kOk;
+}
+CUresult cuCtxGetCurrent(CUctx_st** ctx) {
+  if (!ctx) return kInvalidValue;
+  *ctx = t_current;
+  return kOk;
+}
+CUresult cuCtxGetDevice(int* dev) {
+  NEED_CONTEXT();
+  if (!dev) return kInvalidValue;
+  *dev = ctx_device(t_current);
+  return kOk;
+}
+CUresult cuCtxSynchronize() {
+  NEED_CONTEXT();
+  sync_all_streams();
+  return kOk;
+}
+
+// ---- what `pdkv doctor` asks (made-up, stable answers) ----
+
+CUresult cuDriverGetVersion(int* v) {
+  if (!v) return kInvalidValue;
+  const char* s = std::getenv("FAKECUDA_DRIVER_VERSION");
+  *v = s ? static_cast<int>(std::strtol(s, nullptr, 10)) : 13000;
+  return kOk;
+}
+CUresult cuDeviceGetName(char* name, int len, int dev) {
+  if (!name || len <= 0) return kInvalidValue;
+  if (dev < 0 || dev >= device_count()) return kInvalidDevice;
+  std::snprintf(name, static_cast<size_t>(len), "pdkv fakecuda device %d", dev);
+  return kOk;
+}
+CUresult cuDeviceTotalMem_v2(size_t* bytes, int dev) {
+  if (!bytes) return kInvalidValue;
+  if (dev < 0 || dev >= device_count()) return kInvalidDevice;
+  *bytes = size_t{16} << 30;
+  return kOk;
+}
+CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+  NEED_CONTEXT();
+  if (free_bytes) *free_bytes = size_t{15} << 30;
+  if (total) *total = size_t{16} << 30;
+  return kOk;
+}
+CUresult cuDeviceGetAttribute(int* out, int attr, int dev) {
+  if (!out) return kInvalidValue;
+  if (dev < 0 || dev >= device_count()) return kInvalidDevice;
+  switch (attr) {
+    case 16: *out = 4; return kOk;                        // MULTIPROCESSOR_COUNT
+    case 33: *out = 0x10 + dev; return kOk;               // PCI_BUS_ID
+    case 34: *out = 0; return kOk;                        // PCI_DEVICE_ID
+    case 50: *out = 0; return kOk;                        // PCI_DOMAIN_ID
+    case 41: *out = 1; return kOk;                        // UNIFIED_ADDRESSING
+    case 75: *out = 9; return kOk;                        // COMPUTE_CAPABILITY_MAJOR
+    case 76: *out = 0; return kOk;                        // COMPUTE_CAPABILITY_MINOR
+    case 83: *out = 1; return kOk;                        // CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM
+    default: return kInvalidValue;
+  }
+}
+CUresult cuDeviceGetPCIBusId(char* out, int len, int dev) {
+  if (!out || len <= 0) return kInvalidValue;
+  if (dev < 0 || dev >= device_count()) return kInvalidDevice;
+  std::snprintf(out, static_cast<size_t>(len), "0000:%02x:00.0", 0x10 + dev);
+  return kOk;
+}
+CUresult cuDeviceCanAccessPeer(int* can, int dev, int peer) {
+  if (!can) return kInvalidValue;
+  if (dev < 0 || dev >= device_count() || peer < 0 || peer >= device_count()) return kInvalidDevice;
+  *can = dev != peer && !env_flag("FAKECUDA_NO_P2P");
+  return kOk;
+}
+CUresult cuDeviceGetP2PAttribute(int* out, int attr, int src, int dst) {
+  if (!out) return kInvalidValue;
+  if (src < 0 || src >= device_count() || dst < 0 || dst >= device_count() || src == dst) return kInvalidDevice;
+  const int p2p = !env_flag("FAKECUDA_NO_P2P");
+  switch (attr) {
+    case 1: *out = 0; return kOk;    // PERFORMANCE_RANK
+    case 2: *out = p2p; return kOk;  // ACCESS_SUPPORTED
+    case 3: *out = p2p; return kOk;  // NATIVE_ATOMIC_SUPPORTED
+    case 4: *out = p2p; return kOk;  // CUDA_ARRAY_ACCESS_SUPPORTED
+    default: return kInvalidValue;
+  }
+}
+
+// This library's own symbol `name`, newest version first (cuMemAlloc -> cuMemAlloc_v2),
+// as the real driver maps a name to the ABI of the requested version.
+CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int version, unsigned long long flags, int* status) {
+  if (!symbol || !pfn) return kInvalidValue;
+  Dl_info self{};
+  void* handle = nullptr;
+  if (::dladdr(reinterpret_cast<void*>(&cuGetProcAddress_v2), &self) && self.dli_fname)
+    handle = ::dlopen(self.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  void* f = nullptr;
+  if (handle) {
+    for (const char* suffix : {"_v3", "_v2", ""}) {
+      f = ::dlsym(handle, (std::string(symbol) + suffix).c_str());
+      if (f) break;
+    }
+    ::dlclose(handle);
+  }
+  *pfn = f;
+  if (status) *status = f ? 0 : 1;  // CU_GET_PROC_ADDRESS_SUCCESS / _SYMBOL_NOT_FOUND
+  return f ? kOk : kNotFound;
+}
+CUresult cuGetProcAddress(const char* symbol, void** pfn, int version, unsigned long long flags) {
+  return cuGetProcAddress_v2(symbol, pfn, version, flags, nullptr);
 }
 CUresult cuGetErrorString(CUresult r, const char** out) {
   if (!out) return kInvalidValue;
@@ -407,6 +548,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr* out, size_t n) {
   }
   DevRange d;
   d.size = n;
+  d.device = ctx_device(t_current);
   CUresult r = map_device(fd, n, &d.base, &d.mem);
   if (r != kOk) return r;
   std::lock_guard<std::mutex> lk(g_mu);
@@ -445,12 +587,13 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr pt
 CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
   if (!data) return kInvalidValue;
   std::lock_guard<std::mutex> lk(g_mu);
-  const bool dev = find_dev(ptr) != nullptr;
+  const DevRange* range = find_dev(ptr);
+  const bool dev = range != nullptr;
   const bool pinned = !dev && in_pinned(ptr, 1);
   switch (attr) {
     case 1:  // CU_POINTER_ATTRIBUTE_CONTEXT
       if (!dev && !pinned) return kInvalidValue;
-      *static_cast<CUctx_st**>(data) = &g_ctx;
+      *static_cast<CUctx_st**>(data) = &g_ctx[dev ? range->device : 0];
       return kOk;
     case 2:  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE: 1 host, 2 device
       if (!dev && !pinned) return kInvalidValue;
@@ -458,7 +601,7 @@ CUresult cuPointerGetAttribute(void* data, int attr, CUdeviceptr ptr) {
       return kOk;
     case 9:  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
       if (!dev) return kInvalidValue;
-      *static_cast<int*>(data) = 0;
+      *static_cast<int*>(data) = range->device;
       return kOk;
     default:
       return kInvalidValue;
@@ -538,6 +681,7 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr* out, CUipcMemHandle handle, unsigned
   DevRange d;
   d.size = h.size;
   d.imported = true;
+  d.device = ctx_device(t_current);
   d.key = key;
   CUresult r = map_device(fd, h.size, &d.base, &d.mem);
   if (r != kOk) return r;

@@ -1,9 +1,9 @@
-"""`import pdkv` needs neither torch, transformers, numpy, CUDA nor NIXL."""
+"""`import pdkv` needs neither torch, transformers, numpy, CUDA (nor cuda-python) nor NIXL."""
 
 import subprocess
 import sys
 
-HEAVY = ("torch", "transformers", "numpy", "nixl", "mooncake", "aiohttp", "matplotlib", "vllm")
+HEAVY = ("torch", "transformers", "numpy", "nixl", "mooncake", "aiohttp", "matplotlib", "vllm", "cuda")
 
 
 def test_import_pdkv_without_optional_dependencies():
