@@ -1,6 +1,7 @@
 #include "util/socket.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/tcp.h>
@@ -13,6 +14,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <thread>
 
 namespace pdkv::util {
@@ -38,12 +40,42 @@ void advance_iov(msghdr& mh, size_t n) {
   }
 }
 
+size_t reclaim_dead_sockets(const std::string& dir, int min_age_s) {
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return 0;
+  size_t removed = 0, seen = 0;
+  const time_t now = ::time(nullptr);
+  while (dirent* e = ::readdir(d)) {
+    if (++seen > 4096) break;  // bounded: a directory this full is not ours to clean
+    const std::string name = e->d_name;
+    if (name.size() < 6 || name.compare(name.size() - 5, 5, ".sock") != 0) continue;
+    const std::string p = dir + "/" + name;
+    struct stat st{};
+    // Only our own sockets, old enough that no agent is between its bind() and listen().
+    if (::lstat(p.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode) || st.st_uid != ::getuid()) continue;
+    if (now - st.st_mtime < min_age_s) continue;
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    if (p.size() >= sizeof sa.sun_path) continue;
+    std::memcpy(sa.sun_path, p.c_str(), p.size() + 1);
+    ScopedFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd) break;
+    // ECONNREFUSED: nobody listens there any more (its agent was killed); EAGAIN: alive, busy.
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 && errno == ECONNREFUSED &&
+        ::unlink(p.c_str()) == 0)
+      ++removed;
+  }
+  ::closedir(d);
+  return removed;
+}
+
 Result<ScopedFd> listen_unix(const std::string& agent_name, uint64_t instance, const std::string& suffix,
                              std::string* path) {
   const char* env = std::getenv("PDKV_SHM_DIR");
   const std::string dir = env && *env ? std::string(env) : "/tmp/pdkv-" + std::to_string(::getuid());
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
     return Internal("cannot create the socket directory " + dir + ": " + errno_str(errno));
+  reclaim_dead_sockets(dir, 10);  // socket files of killed agents (nobody listening) go
   std::string safe;
   for (char ch : agent_name.substr(0, 40)) safe += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
   char inst[20];

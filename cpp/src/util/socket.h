@@ -56,6 +56,12 @@ Result<sockaddr_storage> resolve(const HostPort& hp, socklen_t* len);
 Result<ScopedFd> listen_tcp(const HostPort& hp, uint16_t* port, int backlog = 128);
 // Connects with a timeout; returns a blocking socket with TCP_NODELAY set.
 Result<ScopedFd> connect_tcp(const HostPort& hp, double timeout_s);
+// Unlinks the Unix sockets (`*.sock`) of `dir` that are this user's, at least
+// `min_age_s` seconds old, and refuse connections (no process listens: their agent
+// was killed before it could unlink them); returns how many went. Looks at 4096
+// entries at most. listen_unix() calls it before it binds.
+size_t reclaim_dead_sockets(const std::string& dir, int min_age_s);
+
 // A listening Unix socket for a same-host control channel, non-blocking, mode 0600:
 // <dir>/<agent name, sanitized>-<instance hex><suffix>, dir = $PDKV_SHM_DIR or
 // /tmp/pdkv-<uid> (created 0700). The path is returned in *path (unlink it at exit).
