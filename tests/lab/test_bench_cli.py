@@ -96,3 +96,26 @@ def test_bench_transfer_rejects_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--memory", "cuda", "--compare",
                           "nixl"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "host memory" in out.stderr
+
+
+def test_table_prints_unknown_cpu_as_dash(capsys):
+    """A target on another host (--target): its CPU cannot be read, the table says '-'."""
+    import argparse
+
+    from pdkv.lab.transfer import bench
+
+    r = {"transport": "tcp", "block_bytes": 32768, "payload_bytes": 64 << 20, "extents": 2048, "gbps": 3.0,
+         "ceilings": {"socket_plain": 2.5, "socket_tuned": 3.1}, "ratios": {"socket_plain": 1.2, "socket_tuned": 0.97},
+         "cpu_s_per_gb": None, "ceilings_cpu_s_per_gb": {"socket_plain": None, "socket_tuned": None},
+         "ratios_cpu": {"socket_plain": None, "socket_tuned": None, "nixl": None}, "verified": True,
+         "peers": {"nixl": {"gbps": 0.6, "cpu_s_per_gb": 1.5, "ratio_cpu_pdkv_over_peer": None, "block_bytes": 32768,
+                            "lat_p50_us": 50.0, "lat_p99_us": 900.0, "verified": True}},
+         "block_half_bytes": 32768, "lat_p50_us": 30.0, "lat_p99_us": 90.0, "raw_rtt_p50_us": 16.0,
+         "raw_rtt_p99_us": 20.0, "lat_ratio_vs_raw_rtt": 1.9, "whole_block_bytes": 2 << 20,
+         "block_lat_p50_us": 400.0, "block_lat_p99_us": 900.0, "raw_block_rtt_p50_us": 420.0}
+    args = argparse.Namespace(memory="host", model="llama-3-8b", conns=1, threads=1, target="hostB:7500")
+    bench.print_table(args, [r])
+    out = capsys.readouterr().out
+    cpu_row = next(line for line in out.splitlines() if line.strip().startswith("CPU/GB"))
+    assert cpu_row.split()[1:] == ["-"] * 7
+    assert "CPU 1.500 s/GB (pdkv -)" in out
