@@ -31,6 +31,20 @@ def test_bench_transfer_json(transport):
         assert set(r["ceilings"]) == {"socket_plain", "socket_tuned", "memcpy"}
         assert set(r["ratios"]) == set(r["ceilings"])
         assert r["gbps"] > 0 and r["lat_p50_us"] > 0 and r["lat_p99_us"] >= r["lat_p50_us"]
+        check_cpu(r, set(r["ceilings"]))
+
+
+def check_cpu(r: dict, ceilings: set[str], peers: tuple[str, ...] = ()) -> None:
+    """CPU seconds per GB of pdkv and of every ceiling (and peer), with pdkv's ratio over each."""
+    assert r["cpu_s_per_gb"] > 0  # the initiator alone spends some
+    assert set(r["ceilings_cpu_s_per_gb"]) == ceilings
+    assert all(v >= 0 for v in r["ceilings_cpu_s_per_gb"].values())
+    assert set(r["ratios_cpu"]) == ceilings | set(peers)
+    for k, v in r["ceilings_cpu_s_per_gb"].items():
+        assert r["ratios_cpu"][k] == (pytest.approx(r["cpu_s_per_gb"] / v) if v > 0 else None)
+    split = r["cpu_s_per_gb_by_process"]
+    assert set(split) == ceilings | {"pdkv"}
+    assert split["pdkv"]["initiator"] + split["pdkv"]["target"] == pytest.approx(r["cpu_s_per_gb"])
 
 
 def test_bench_transfer_tls_beside_plain():
@@ -40,6 +54,7 @@ def test_bench_transfer_tls_beside_plain():
     for r in rows:
         assert r["tls"] is True and r["verified"] is True and r["gbps"] > 0
         assert r["plain"]["gbps"] > 0 and r["ratio_tls_over_plain"] == r["gbps"] / r["plain"]["gbps"]
+        assert r["ratio_cpu_tls_over_plain"] == pytest.approx(r["cpu_s_per_gb"] / r["plain"]["cpu_s_per_gb"])
         assert r["lat_ratio_tls_over_plain"] > 0
 
 
@@ -51,6 +66,7 @@ def test_bench_transfer_device_memory_over_tcp(fakecuda_path):
         assert r["transport"] == "tcp" and r["memory"] == "cuda" and r["verified"] is True
         assert set(r["ceilings"]) == {"socket_plain", "socket_tuned"}  # no host memcpy ceiling
         assert r["gbps"] > 0
+        check_cpu(r, {"socket_plain", "socket_tuned"})
 
 
 def test_bench_transfer_compare_peers():
@@ -65,6 +81,9 @@ def test_bench_transfer_compare_peers():
             p = r["peers"][name]
             assert "error" not in p, p
             assert p["verified"] is True and p["gbps"] > 0 and p["payload_bytes"] == r["payload_bytes"]
+            assert p["cpu_s_per_gb"] > 0 and set(p["cpu_s_per_gb_by_process"]) == {"initiator", "target"}
+            assert p["ratio_cpu_pdkv_over_peer"] == pytest.approx(r["cpu_s_per_gb"] / p["cpu_s_per_gb"])
+        check_cpu(r, set(r["ceilings"]), tuple(avail))
 
 
 def test_bench_transfer_rejects_bad_arguments():
@@ -77,3 +96,26 @@ def test_bench_transfer_rejects_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--memory", "cuda", "--compare",
                           "nixl"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "host memory" in out.stderr
+
+
+def test_table_prints_unknown_cpu_as_dash(capsys):
+    """A target on another host (--target): its CPU cannot be read, the table says '-'."""
+    import argparse
+
+    from pdkv.lab.transfer import bench
+
+    r = {"transport": "tcp", "block_bytes": 32768, "payload_bytes": 64 << 20, "extents": 2048, "gbps": 3.0,
+         "ceilings": {"socket_plain": 2.5, "socket_tuned": 3.1}, "ratios": {"socket_plain": 1.2, "socket_tuned": 0.97},
+         "cpu_s_per_gb": None, "ceilings_cpu_s_per_gb": {"socket_plain": None, "socket_tuned": None},
+         "ratios_cpu": {"socket_plain": None, "socket_tuned": None, "nixl": None}, "verified": True,
+         "peers": {"nixl": {"gbps": 0.6, "cpu_s_per_gb": 1.5, "ratio_cpu_pdkv_over_peer": None, "block_bytes": 32768,
+                            "lat_p50_us": 50.0, "lat_p99_us": 900.0, "verified": True}},
+         "block_half_bytes": 32768, "lat_p50_us": 30.0, "lat_p99_us": 90.0, "raw_rtt_p50_us": 16.0,
+         "raw_rtt_p99_us": 20.0, "lat_ratio_vs_raw_rtt": 1.9, "whole_block_bytes": 2 << 20,
+         "block_lat_p50_us": 400.0, "block_lat_p99_us": 900.0, "raw_block_rtt_p50_us": 420.0}
+    args = argparse.Namespace(memory="host", model="llama-3-8b", conns=1, threads=1, target="hostB:7500")
+    bench.print_table(args, [r])
+    out = capsys.readouterr().out
+    cpu_row = next(line for line in out.splitlines() if line.strip().startswith("CPU/GB"))
+    assert cpu_row.split()[1:] == ["-"] * 7
+    assert "CPU 1.500 s/GB (pdkv -)" in out

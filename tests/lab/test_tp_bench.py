@@ -48,6 +48,12 @@ def test_hetero_json(transport, spec, model, feeds, mode):
     assert [p["prefill_rank"] for p in r["transfers"]] == feeds
     assert r["gbps"] > 0 and r["homogeneous_gbps"] > 0
     assert r["ratios"] == {"homogeneous": pytest.approx(r["gbps"] / r["homogeneous_gbps"])}
+    # CPU seconds per GB, initiator + target, of both transfers, and the ratio.
+    assert r["cpu_s_per_gb"] > 0 and r["homogeneous_cpu_s_per_gb"] > 0
+    assert r["ratios_cpu"] == {"homogeneous": pytest.approx(r["cpu_s_per_gb"] / r["homogeneous_cpu_s_per_gb"])}
+    split = r["cpu_s_per_gb_by_process"]
+    assert sum(split["hetero"].values()) == pytest.approx(r["cpu_s_per_gb"])
+    assert set(split["homogeneous"]) == {"initiator", "target"}
     assert set(r["extents"]) == set(r["prepare_ms"]) == {"hetero", "homogeneous"}
     assert r["prepare_request"]["tokens"] == 256 and r["prepare_request"]["hetero_ms"] > 0
     assert r["prepare_request"]["transport"] == ("shm" if transport == "shm" else "tcp")  # planned as the run's
@@ -109,6 +115,9 @@ def test_hetero_against_a_served_target(mode):
         (r,) = rows_of(run_hetero("--target", address, "--hetero", "tp4:tp2", "--hetero-mode", mode,
                                   "--payload", "2M"))
         assert r["verified"] is True and r["mode"] == mode
+        # A target on "another host": its CPU cannot be read, so no total, only the initiator's share.
+        assert r["cpu_s_per_gb"] is None and r["ratios_cpu"] == {"homogeneous": None}
+        assert r["cpu_s_per_gb_by_process"]["hetero"]["initiator"] > 0
         out = run_hetero("--target", address, "--hetero", "tp2:tp4", "--payload", "2M")
         assert out.returncode != 0 and "the target pool is 32 layers x 2 parts, 8 blocks of 16 tokens, 4 kv heads" \
             in out.stderr, out.stderr[-2000:]

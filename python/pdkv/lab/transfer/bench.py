@@ -36,8 +36,9 @@ from pdkv import Agent, Blocks, KVLayout, TcpOptions, available_transports, plan
 from pdkv.errors import InvalidArgument, PdkvError
 from pdkv.lab import _native
 from pdkv.lab.transfer import compress, hetero, models, peers
-from pdkv.lab.transfer.common import (SECRET_ENV, host_view, human, parse_size, percentile, pool_blocks, tcp_options,
-                                      write_out)
+from pdkv.lab.transfer.common import (SECRET_ENV, cell, host_view, human, parse_size, percentile, pool_blocks,
+                                      tcp_options, write_out)
+from pdkv.lab.transfer.cpu import ratio
 from pdkv.lab.transfer.devmem import DeviceMemory
 from pdkv.lab.transfer.link import transfer_behind_link
 from pdkv.lab.transfer.target import Target, spawn_target, start_target
@@ -157,8 +158,10 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
     lids = rng.permutation(args.local_blocks)[:nblocks].astype(np.uint32)
     rids = rng.permutation(args.remote_blocks)[:nblocks].astype(np.uint32)
     prep = agent.prepare("write", peer, Blocks("kv", lids), Blocks("kv", rids))
+    meter = target.cpu_meter()  # each section's CPU: initiator and target process, every thread
     time_transfers(prep, 1)  # warm-up: connections, page faults on the target
-    secs = time_transfers(prep, iters)
+    with meter.measure() as cpu:
+        secs = time_transfers(prep, iters)
     gbps = payload * iters / secs / 1e9
     # Verify: read the destination blocks back into scratch blocks and compare.
     verified = None
@@ -170,12 +173,14 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
                             np.arange(nblocks, dtype=np.uint32))
         verified = all(np.array_equal(_read(args, lo, n), _read(args, ro, n)) for _, lo, _, ro, n in pairs)
     total = payload * iters
-    ceilings = {}
-    s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
-    ceilings["socket_plain"] = total / s / 1e9
-    s = bench.stream(target.sink_host, target.sink_port, args.conns, total, payload, True,
-                     args.rcvlowat or 0)
-    ceilings["socket_tuned"] = total / s / 1e9
+    ceilings, ceil_cpu, moved = {}, {}, {}
+    with meter.measure() as ceil_cpu["socket_plain"]:
+        s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
+    ceilings["socket_plain"], moved["socket_plain"] = total / s / 1e9, total
+    with meter.measure() as ceil_cpu["socket_tuned"]:
+        s = bench.stream(target.sink_host, target.sink_port, args.conns, total, payload, True,
+                         args.rcvlowat or 0)
+    ceilings["socket_tuned"], moved["socket_tuned"] = total / s / 1e9, total
     if args.memory == "host":
         # memcpy of the same scattered extents between two local pools.
         ext = [(ro, lo, n) for _, lo, _, ro, n in plan_blocks(
@@ -183,7 +188,11 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
             rng.permutation(args.local_blocks)[:nblocks].astype(np.uint32))]
         bench.memcpy_extents(ext, 1)
         mi = max(1, iters)
-        ceilings["memcpy"] = payload * mi / bench.memcpy_extents(ext, mi) / 1e9
+        with meter.measure() as ceil_cpu["memcpy"]:
+            s = bench.memcpy_extents(ext, mi)
+        ceilings["memcpy"], moved["memcpy"] = payload * mi / s / 1e9, payload * mi
+    cpu_per_gb = cpu.per_gb(total)
+    ceil_per_gb = {k: u.per_gb(moved[k]) for k, u in ceil_cpu.items()}
     return {
         "transport": agent.peer_transport(peer),
         "memory": args.memory,
@@ -196,6 +205,12 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
         "gbps": gbps,
         "ceilings": ceilings,
         "ratios": {k: gbps / v for k, v in ceilings.items()},
+        # CPU seconds per GB moved, initiator + target process (None: a target on another host).
+        "cpu_s_per_gb": cpu_per_gb,
+        "ceilings_cpu_s_per_gb": ceil_per_gb,
+        "ratios_cpu": {k: ratio(cpu_per_gb, v) for k, v in ceil_per_gb.items()},
+        "cpu_s_per_gb_by_process": {"pdkv": cpu.per_gb_by_process(total),
+                                    **{k: u.per_gb_by_process(moved[k]) for k, u in ceil_cpu.items()}},
         "verified": verified,
         "conns": args.conns,
         "threads": args.threads,
@@ -250,8 +265,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         results = _run_cases(args, payloads, quiet=True)
         for r, p in zip(results, plain):
             r["tls"] = True
-            r["plain"] = {k: p[k] for k in ("gbps", "lat_p50_us", "lat_p99_us", "ceilings") if k in p}
+            r["plain"] = {k: p[k] for k in ("gbps", "lat_p50_us", "lat_p99_us", "ceilings", "cpu_s_per_gb") if k in p}
             r["ratio_tls_over_plain"] = r["gbps"] / p["gbps"] if p["gbps"] else None
+            r["ratio_cpu_tls_over_plain"] = ratio(r["cpu_s_per_gb"], p["cpu_s_per_gb"])
             r["lat_ratio_tls_over_plain"] = r["lat_p50_us"] / p["lat_p50_us"] if p["lat_p50_us"] else None
             if args.json:
                 print(json.dumps(r), flush=True)
@@ -290,6 +306,9 @@ def _run_cases(args: argparse.Namespace, payloads: list[int], quiet: bool = Fals
                 r.update(lat)
                 r["lat_ratio_vs_raw_rtt"] = r["lat_p50_us"] / r["raw_rtt_p50_us"]
                 r["peers"] = run_peers(args, r) if args.compare else {}
+                for name, p in r["peers"].items():
+                    if "cpu_s_per_gb" in p:
+                        r["ratios_cpu"][name] = p["ratio_cpu_pdkv_over_peer"]
                 r["tls"] = bool(getattr(args, "tls_on", False))
                 results.append(r)
                 if args.json and not quiet:
@@ -313,7 +332,9 @@ def print_tls(results: list[dict]) -> None:
     for r in results:
         print(f"{human(r['payload_bytes']):>9} {r['gbps']:7.2f} GB/s vs plain {r['plain']['gbps']:7.2f} GB/s "
               f"({r['ratio_tls_over_plain']:.2f}x); write p50 {r['lat_p50_us']:.1f} us vs {r['plain']['lat_p50_us']:.1f} us "
-              f"({r['lat_ratio_tls_over_plain']:.2f}x)")
+              f"({r['lat_ratio_tls_over_plain']:.2f}x); CPU {cell(r['cpu_s_per_gb'], 0, '.2f')} s/GB vs "
+              f"{cell(r['plain'].get('cpu_s_per_gb'), 0, '.2f')} s/GB "
+              f"({cell(r['ratio_cpu_tls_over_plain'], 0, '.2f', 'x')})")
 
 
 def run_hetero(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
@@ -340,6 +361,7 @@ def run_peers(args, r: dict) -> dict:
         try:
             res = fn(w)
             res["ratio_pdkv_over_peer"] = r["gbps"] / res["gbps"] if res.get("gbps") else None
+            res["ratio_cpu_pdkv_over_peer"] = ratio(r["cpu_s_per_gb"], res.get("cpu_s_per_gb"))
             out[name] = res
         except Exception as e:  # noqa: BLE001 - reported, never fatal
             out[name] = {"error": f"{type(e).__name__}: {e}"}
@@ -355,19 +377,25 @@ def print_table(args, results: list[dict]) -> None:
           f"({human(r0['block_bytes'])} block-halves, destinations permuted), conns={args.conns}, "
           f"threads={args.threads}, target {'remote ' + args.target if args.target else 'local process'}")
     print(f"{'payload':>9} {'extents':>8} {'pdkv':>7} {'plain':>7} {'tuned':>7} {'memcpy':>7} "
-          f"{'/plain':>7} {'/tuned':>7} {'/memcpy':>8}  verified  (GB/s)")
+          f"{'/plain':>7} {'/tuned':>7} {'/memcpy':>8}  verified  (GB/s; CPU: s/GB, initiator + target, "
+          f"every thread)")
     for r in results:
         c, q = r["ceilings"], r["ratios"]
-        mc = f"{c['memcpy']:7.2f}" if "memcpy" in c else f"{'-':>7}"
-        mq = f"{q['memcpy']:7.2f}x" if "memcpy" in q else f"{'-':>8}"
         print(f"{human(r['payload_bytes']):>9} {r['extents']:>8} {r['gbps']:7.2f} {c['socket_plain']:7.2f} "
-              f"{c['socket_tuned']:7.2f} {mc} {q['socket_plain']:7.2f}x {q['socket_tuned']:6.2f}x "
-              f"{mq}  {r['verified']}")
+              f"{c['socket_tuned']:7.2f} {cell(c.get('memcpy'), 7, '.2f')} {q['socket_plain']:7.2f}x "
+              f"{q['socket_tuned']:6.2f}x {cell(q.get('memcpy'), 8, '.2f', 'x')}  {r['verified']}")
+        cc, cq = r.get("ceilings_cpu_s_per_gb", {}), r.get("ratios_cpu", {})
+        print(f"{'CPU/GB':>18} {cell(r.get('cpu_s_per_gb'), 7, '.3f')} "
+              + " ".join(cell(cc.get(k), 7, ".3f") for k in ("socket_plain", "socket_tuned", "memcpy"))
+              + f" {cell(cq.get('socket_plain'), 8, '.2f', 'x')} {cell(cq.get('socket_tuned'), 7, '.2f', 'x')} "
+              f"{cell(cq.get('memcpy'), 8, '.2f', 'x')}")
         for name, p in r.get("peers", {}).items():
             if "error" in p:
                 print(f"{'':>9} {name}: {p['error']}")
             else:
                 print(f"{'':>9} {name:>8} {p['gbps']:7.2f} GB/s (pdkv {r['gbps'] / p['gbps']:.2f}x), "
+                      f"CPU {cell(p.get('cpu_s_per_gb'), 0, '.3f')} s/GB "
+                      f"(pdkv {cell(p.get('ratio_cpu_pdkv_over_peer'), 0, '.2f', 'x')}), "
                       f"{human(p['block_bytes'])} write p50 {p['lat_p50_us']:.1f} us p99 {p['lat_p99_us']:.1f} us, "
                       f"verified {p.get('verified')}")
     print(f"latency: {human(r0['block_half_bytes'])} write p50 {r0['lat_p50_us']:.1f} us, p99 "

@@ -20,7 +20,7 @@ from pdkv import TcpOptions
 from pdkv.errors import InvalidArgument
 from pdkv.lab.transfer import models
 
-__all__ = ["SECRET_ENV", "host_view", "human", "parse_size", "percentile", "pool_blocks", "tcp_options",
+__all__ = ["SECRET_ENV", "cell", "host_view", "human", "parse_size", "percentile", "pool_blocks", "tcp_options",
            "write_out"]
 
 SECRET_ENV = "PDKV_BENCH_SECRET"
@@ -46,6 +46,11 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     return str(n)
+
+
+def cell(v: float | None, width: int, fmt: str, suffix: str = "") -> str:
+    """A table cell: ``v`` formatted (``fmt``, then ``suffix``), right-aligned to ``width``; ``-`` where unknown."""
+    return f"{format(v, fmt) + suffix if v is not None else '-':>{width}}"
 
 
 def percentile(xs: list[float], q: float) -> float:

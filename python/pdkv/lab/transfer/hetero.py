@@ -45,7 +45,8 @@ from pdkv.errors import InvalidArgument
 from pdkv.layout import KVGeometry
 from pdkv.tp import TPMapping, TPTransfer
 from pdkv.lab.transfer import models
-from pdkv.lab.transfer.common import SECRET_ENV, tcp_options
+from pdkv.lab.transfer.common import SECRET_ENV, cell, tcp_options
+from pdkv.lab.transfer.cpu import CpuMeter, CpuUsage, ratio
 
 DECODE_RANK = 0  # the decode rank whose inbound traffic is measured
 _ORDERS = ("NHD", "HND")
@@ -366,14 +367,17 @@ def make_request(plan: Plan, payload: int, target_pool_blocks: int, seed: int) -
     return Request(tokens, src_ids, dst[:n_dst], dst[n_dst:2 * n_dst], rng.permutation(n_dst).astype(np.uint32))
 
 
-def run_case(args, plan: Plan, agent: Agent, peer: str, payload: int, target_pool_blocks: int) -> dict:
+def run_case(args, plan: Plan, agent: Agent, peer: str, payload: int, target_pool_blocks: int,
+             meter: CpuMeter) -> dict:
+    """One payload, hetero beside homogeneous; ``meter`` reads the initiator and the target
+    process around every timed round."""
     req = make_request(plan, payload, target_pool_blocks, args.seed)
     if args.hetero_mode == "pull":
-        r = run_pull(args, plan, agent, peer, req, target_pool_blocks)
+        r = run_pull(args, plan, agent, peer, req, target_pool_blocks, meter)
         transfers = [{"prefill_rank": t.peer_rank, **_plan_fields(plan, _pull_plan(plan, t, req.tokens))}
                      for t in plan.pulls]
     else:
-        r = run_push(args, plan, agent, peer, req)
+        r = run_push(args, plan, agent, peer, req, meter)
         transfers = [{"prefill_rank": p.prefill_rank, **_plan_fields(plan, _push_plan(plan, p, req.tokens))}
                      for p in plan.pushes]
     what = "receiving pushes from" if args.hetero_mode == "push" else "pulling from"
@@ -391,13 +395,13 @@ def run_case(args, plan: Plan, agent: Agent, peer: str, payload: int, target_poo
     }
 
 
-def run_push(args, plan: Plan, agent: Agent, peer: str, req: Request) -> dict:
+def run_push(args, plan: Plan, agent: Agent, peer: str, req: Request, meter: CpuMeter) -> dict:
     """Push mode: local prefill pools written into the target's decode pool."""
     pools = make_pools(agent, plan, len(req.src_ids), len(req.het_ids), args.seed)
     try:
         expected = reference(plan, pools.src, req.src_ids, req.tokens)
         store(pools.hom[0], pools.hom[1], req.hom_local, expected)
-        r = measure(args,
+        r = measure(args, meter,
                     lambda: [agent.prepare("write", peer, Blocks(f"src{p.prefill_rank}", req.src_ids),
                                            Blocks("kv", req.het_ids), plan=_push_plan(plan, p, req.tokens))
                              for p in plan.pushes],
@@ -409,7 +413,8 @@ def run_push(args, plan: Plan, agent: Agent, peer: str, req: Request) -> dict:
     return r
 
 
-def run_pull(args, plan: Plan, agent: Agent, peer: str, req: Request, target_pool_blocks: int) -> dict:
+def run_pull(args, plan: Plan, agent: Agent, peer: str, req: Request, target_pool_blocks: int,
+             meter: CpuMeter) -> dict:
     """Pull mode: decode rank 0's local pool reads the target's prefill pools; the
     homogeneous baseline reads the same bytes, staged untimed into the target's
     decode-geometry pool, into other local blocks."""
@@ -431,7 +436,7 @@ def run_pull(args, plan: Plan, agent: Agent, peer: str, req: Request, target_poo
         agent.prepare("write", peer, Blocks("dst", hom_local),
                       Blocks("kv", req.hom_ids)).post().wait(120)  # stage, untimed
         buf[:] = 0
-        r = measure(args,
+        r = measure(args, meter,
                     lambda: [agent.prepare("read", peer, Blocks("dst", het_local),
                                            Blocks(f"src{t.peer_rank}", req.src_ids),
                                            plan=_pull_plan(plan, t, req.tokens)) for t in plan.pulls],
@@ -448,9 +453,9 @@ def run_pull(args, plan: Plan, agent: Agent, peer: str, req: Request, target_poo
     return r
 
 
-def measure(args, prepare_hetero, prepare_homogeneous) -> dict:
+def measure(args, meter: CpuMeter, prepare_hetero, prepare_homogeneous) -> dict:
     """Prepares both transfers (each factory returns a list of prepared transfers), then
-    times them in alternating rounds."""
+    times them in alternating rounds, reading ``meter``'s processes around each round."""
     t0 = time.perf_counter()
     het = prepare_hetero()
     het_prepare = time.perf_counter() - t0
@@ -463,16 +468,29 @@ def measure(args, prepare_hetero, prepare_homogeneous) -> dict:
     iters = args.iters or max(3, math.ceil(args.min_bytes / nbytes))
     time_round(het), time_round(hom)  # warm-up: connections, page faults
     het_s = hom_s = 0.0
+    het_cpu, hom_cpu = CpuUsage(), CpuUsage()
     for _ in range(iters):  # alternating, so both see the same machine
-        het_s += time_round(het)
-        hom_s += time_round(hom)
+        with meter.measure() as c:
+            het_s += time_round(het)
+        het_cpu += c
+        with meter.measure() as c:
+            hom_s += time_round(hom)
+        hom_cpu += c
     het_gbps, hom_gbps = nbytes * iters / het_s / 1e9, nbytes * iters / hom_s / 1e9
+    moved = nbytes * iters
+    het_per_gb, hom_per_gb = het_cpu.per_gb(moved), hom_cpu.per_gb(moved)
     return {
         "payload_bytes": nbytes,
         "iters": iters,
         "gbps": het_gbps,
         "homogeneous_gbps": hom_gbps,
         "ratios": {"homogeneous": het_gbps / hom_gbps},
+        # CPU seconds per GB moved, initiator + target process, every thread (None: a remote target).
+        "cpu_s_per_gb": het_per_gb,
+        "homogeneous_cpu_s_per_gb": hom_per_gb,
+        "ratios_cpu": {"homogeneous": ratio(het_per_gb, hom_per_gb)},
+        "cpu_s_per_gb_by_process": {"hetero": het_cpu.per_gb_by_process(moved),
+                                    "homogeneous": hom_cpu.per_gb_by_process(moved)},
         "extents": {"hetero": sum(p.num_extents for p in het), "homogeneous": sum(p.num_extents for p in hom)},
         "prepare_ms": {"hetero": het_prepare * 1e3, "homogeneous": hom_prepare * 1e3},
     }
@@ -526,6 +544,7 @@ def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> 
     else:
         target = spawn_target(args, blocks)
     results = []
+    meter = target.cpu_meter()
     try:
         transports = [args.transport] + (["tcp"] if args.transport != "tcp" else [])
         with Agent("bench-hetero", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=f"{args.host}:0",
@@ -539,7 +558,7 @@ def run(args: argparse.Namespace, payloads: list[int], spawn_target, Target) -> 
             if args.hetero_mode == "pull":
                 check_target_sources(plan, agent.peer_info(peer)["layouts"], info.num_blocks)
             for p in payloads:
-                r = run_case(args, plan, agent, peer, p, info.num_blocks)
+                r = run_case(args, plan, agent, peer, p, info.num_blocks, meter)
                 if args.hetero_request_tokens:
                     r["prepare_request"] = prepare_request_ms(plan, args.hetero_request_tokens, args.hetero_mode,
                                                                 "shm" if args.transport == "shm" else "tcp")
@@ -577,11 +596,14 @@ def print_table(args, results: list[dict]) -> None:
     print(f"\npdkv bench transfer --hetero {r0['hetero']} — transport {r0['transport']}, model {args.model}; "
           f"{r0['measured']}")
     print(f"  prefill: {r0['prefill']}\n  decode:  {r0['decode']}")
-    print(f"{'payload':>9} {'extents':>8} {'hetero':>7} {'homog.':>7} {'ratio':>7} {'prep ms':>8}  verified  (GB/s)")
+    print(f"{'payload':>9} {'extents':>8} {'hetero':>7} {'homog.':>7} {'ratio':>7} {'prep ms':>8}  verified  (GB/s)"
+          f"  {'hetero':>7} {'homog.':>7} {'ratio':>7}  (CPU s/GB, initiator + target)")
     for r in results:
         print(f"{r['payload_bytes'] / 2**20:7.0f}Mi {r['extents']['hetero']:>8} {r['gbps']:7.2f} "
               f"{r['homogeneous_gbps']:7.2f} {r['ratios']['homogeneous']:6.2f}x {r['prepare_ms']['hetero']:8.2f}  "
-              f"{r['verified']}")
+              f"{str(r['verified']):<8}{'':>8}  {cell(r.get('cpu_s_per_gb'), 7, '.3f')} "
+              f"{cell(r.get('homogeneous_cpu_s_per_gb'), 7, '.3f')} "
+              f"{cell(r.get('ratios_cpu', {}).get('homogeneous'), 7, '.2f', 'x')}")
         if "prepare_request" in r:
             q = r["prepare_request"]
             print(f"{'':>9} prepare of a {q['tokens']}-token request (scattered ids, median of {PREPARE_REPEATS}): "

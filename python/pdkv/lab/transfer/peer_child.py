@@ -15,9 +15,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pdkv.lab.transfer.cpu import CpuMeter
 from pdkv.lab.transfer.peer_common import Channel, Workload
 
 __all__ = [
+    "cpu_meter",
     "cpu_s",
     "die_with_parent",
     "expect",
@@ -33,6 +35,12 @@ def cpu_s() -> float:
     """CPU seconds (user + system) this process has used so far."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def cpu_meter(target: dict[str, Any]) -> CpuMeter:
+    """The initiator child (this process) and the target child (pid from the caller's
+    ``run`` message), read together around the timed loop."""
+    return CpuMeter({"initiator": os.getpid(), "target": target.get("pid")})
 
 
 def touched_zeros(nbytes: int) -> np.ndarray:

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from pdkv.lab.transfer.peer_child import cpu_s, expect, latency_loop, timed_loop, touched_zeros, verify, workload_of
+from pdkv.lab.transfer.peer_child import (cpu_meter, cpu_s, expect, latency_loop, timed_loop, touched_zeros,
+                                          verify, workload_of)
 from pdkv.lab.transfer.peer_common import Channel
 
 __all__ = ["MC_QUEUE_MAX", "initiator", "target"]
@@ -79,7 +80,8 @@ def initiator(chan: Channel) -> None:
                 )
 
     post_batch()  # warm-up
-    elapsed = timed_loop(post_batch, w.iters)
+    with cpu_meter(tinfo).measure() as timed_cpu:
+        elapsed = timed_loop(post_batch, w.iters)
 
     def single(b: int) -> None:
         rc = te.transfer_sync_write(session, srcs[b], dsts[b], bs)
@@ -87,6 +89,7 @@ def initiator(chan: Channel) -> None:
             raise RuntimeError(f"Mooncake transfer_sync_write failed (returned {rc})")
 
     lat = latency_loop(single, w.latency_blocks())
-    chan.send({"gbps": w.payload_bytes * w.iters / elapsed / 1e9, "lat_us": lat, "cpu_s": cpu_s()})
+    chan.send({"gbps": w.payload_bytes * w.iters / elapsed / 1e9, "lat_us": lat, "cpu_s": cpu_s(),
+               "cpu_timed_s": timed_cpu.by_process})
     expect(chan, "exit")
     te.unregister_memory(src.ctypes.data)

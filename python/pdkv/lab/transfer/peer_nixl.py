@@ -13,6 +13,7 @@ import numpy as np
 
 from pdkv.backends import _nixl as _nixl_setup
 from pdkv.lab.transfer.peer_child import (
+    cpu_meter,
     cpu_s,
     expect,
     latency_loop,
@@ -179,7 +180,8 @@ def initiator(chan: Channel) -> None:
         _nixl_wait(agent, batch, agent.transfer(batch), deadline)
 
     post_batch()  # warm-up: connection set-up and first touch stay out of the timing
-    elapsed = timed_loop(post_batch, w.iters)
+    with cpu_meter(tinfo).measure() as timed_cpu:
+        elapsed = timed_loop(post_batch, w.iters)
 
     singles: dict[int, Any] = {}
 
@@ -206,6 +208,7 @@ def initiator(chan: Channel) -> None:
             "gbps": w.payload_bytes * w.iters / elapsed / 1e9,
             "lat_us": lat,
             "cpu_s": cpu_s(),
+            "cpu_timed_s": timed_cpu.by_process,
             "progress": progress,
         }
     )

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from pdkv.errors import TransferTimeout
+from pdkv.lab.transfer.cpu import CpuUsage
 from pdkv.lab.transfer.peer_common import Channel, PeerFailed, Workload
 
 __all__ = ["Child", "run_pair"]
@@ -148,7 +149,9 @@ def run_pair(
         tinfo = target.request({"cmd": "setup", "workload": spec}, deadline)
         initiator = Child(f"{peer}-initiator", env)
         children.append(initiator)
-        res = initiator.request({"cmd": "run", "workload": spec, "target": tinfo}, deadline)
+        # The target's pid, so the initiator can read both processes' CPU around its timed loop.
+        res = initiator.request({"cmd": "run", "workload": spec, "target": {**tinfo, "pid": target.proc.pid}},
+                                deadline)
         ver = target.request({"cmd": "verify", "workload": spec}, deadline)
         # Initiator first, so the target never sees its peer vanish mid-transfer.
         rc_i = initiator.finish(max(5.0, deadline - time.monotonic()))
@@ -162,6 +165,8 @@ def run_pair(
     if bad:
         exit_note = f" Child exit status (nonzero): {bad}."
     lat = np.asarray(res.pop("lat_us"), dtype=np.float64)
+    timed = CpuUsage(res.get("cpu_timed_s", {}))
+    moved = w.payload_bytes * w.iters
     return {
         "peer": peer,
         "gbps": res["gbps"],
@@ -175,6 +180,8 @@ def run_pair(
         "num_blocks": w.num_blocks,
         "lat_iters": w.lat_iters,
         "cpu_s": {"initiator": res["cpu_s"], "target": ver["cpu_s"]},
+        "cpu_s_per_gb": timed.per_gb(moved),
+        "cpu_s_per_gb_by_process": timed.per_gb_by_process(moved),
         "progress": res.get("progress"),
         "exit_note": exit_note,
     }

@@ -199,8 +199,11 @@ def run_nixl(
         block equals its source block), ``version``, ``notes``, plus
         ``mismatched_blocks``, ``iters``, ``num_blocks``, ``lat_iters``, ``env`` (the
         UCX/NIXL variables used), ``progress`` (how NIXL progressed: ``"thread"``,
-        ``"thread-spinning"`` or ``"caller"``) and ``cpu_s`` (CPU seconds each child
-        used over its whole life, about 2 s of which is importing NIXL).
+        ``"thread-spinning"`` or ``"caller"``), ``cpu_s`` (CPU seconds each child
+        used over its whole life, about 2 s of which is importing NIXL),
+        ``cpu_s_per_gb`` (CPU seconds of both children together, every thread, over the
+        timed iterations, per GB moved; ``None`` if a child could not be read) and
+        ``cpu_s_per_gb_by_process`` (the same for ``"initiator"`` and ``"target"``).
 
     Raises
     ------

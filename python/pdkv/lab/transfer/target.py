@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pdkv.errors import PdkvError
 from pdkv.lab.transfer import hetero
+from pdkv.lab.transfer.cpu import CpuMeter
 
 __all__ = ["Target", "spawn_target", "start_target"]
 
@@ -22,6 +23,11 @@ class Target:
     sink_host: str
     sink_port: int
     proc: subprocess.Popen | None = None
+
+    def cpu_meter(self) -> CpuMeter:
+        """Reads this process (the initiator) and the target process together; a target
+        on another host (``--target``) reads ``None``."""
+        return CpuMeter({"initiator": os.getpid(), "target": self.proc.pid if self.proc is not None else None})
 
     def close(self) -> None:
         if self.proc is not None:
