@@ -250,7 +250,6 @@ def prefix_summary(records: Sequence[RequestRecord], deltas: Optional[Mapping[st
     pushed, pulled = count("pdkv_kv_transfer_bytes_total"), count("pdkv_kv_pull_bytes_total")
     kv = None if pushed is None and pulled is None else (pushed or 0) + (pulled or 0)
     best = hit_rate_max(records, block_tokens) if any(r.prompt_token_ids is not None for r in records) else None
-    ok = sum(1 for r in records if r.ok)
     hits = {s: count(f"pdkv_prefix_hit_tokens_total:{s}") for s in ("local", "pulled")}
     return {
         "prefix_hit_rate": (1 - computed / prompt_tokens) if computed is not None and prompt_tokens else None,
@@ -264,7 +263,7 @@ def prefix_summary(records: Sequence[RequestRecord], deltas: Optional[Mapping[st
         "prefix_hit_tokens": hits if any(v is not None for v in hits.values()) else None,
         "kv_bytes_pushed": pushed,
         "kv_bytes_pulled": pulled,
-        "kv_bytes_per_turn": kv / ok if kv is not None and ok else None,
+        "kv_bytes_per_turn": kv / len(sent) if kv is not None and sent else None,
         "kv_pushed_skipped_blocks": count("pdkv_kv_pushed_skipped_blocks_total"),
         "prefix_evictions": count("pdkv_prefix_evictions_total"),
         "block_tokens": block_tokens,
