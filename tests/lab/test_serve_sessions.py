@@ -198,6 +198,15 @@ def test_counters_deltas_and_summary_from_metrics_texts():
         prefix.metric_deltas([b], [a, a])
 
 
+def test_kv_bytes_against_the_new_tokens_kv():
+    # Session 0: turn 0 of 20 tokens (all new), turn 1 of 30 (10 new); session 1: turn 0 of 25.
+    recs = [RequestRecord(i, 0.0, prompt_len=n, send_s=0.0, session=s, turn=t)
+            for i, (s, t, n) in enumerate([(0, 0, 20), (0, 1, 30), (1, 0, 25)])]
+    got = prefix.prefix_summary(recs, {"pdkv_kv_transfer_bytes_total": 5500.0}, block_tokens=16, kv_token_bytes=100)
+    assert got["new_prompt_tokens"] == 55 and got["kv_bytes_vs_new_tokens"] == pytest.approx(1.0)
+    assert prefix.prefix_summary(recs, {}, block_tokens=16, kv_token_bytes=100)["kv_bytes_vs_new_tokens"] is None
+
+
 # ------------------------------------------------------------------- outputs_equal
 
 

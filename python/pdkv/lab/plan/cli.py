@@ -25,6 +25,7 @@ from pdkv.lab.plan import sweep as plan_sweep
 from pdkv.lab.plan.model import Slo, Workload, best_split, recommend
 from pdkv.lab.serve import cli as serve_cli
 from pdkv.lab.serve.modes import resolve_model
+from pdkv.lab.serve.prefix import kv_bytes_per_token
 from pdkv.serving.capacity import Capacity
 
 __all__ = ["add_arguments", "format_report", "main", "run"]
@@ -90,21 +91,6 @@ def parse_prefix_hit_rate(spec: str) -> tuple[float, str]:
     if not (math.isfinite(f) and 0 <= f < 1):
         raise InvalidArgument(f"--prefix-hit-rate must be in [0, 1), got {spec}")
     return f, "given"
-
-
-def kv_bytes_per_token(model_dir: Optional[Path]) -> Optional[int]:
-    """K and V bytes of one token over every layer, from the model's config.json (None without one)."""
-    if model_dir is None:
-        return None
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(cfg.get("torch_dtype", "float32")), 4)
-        return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * size
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return None
 
 
 def format_report(rec: dict[str, Any], budget: Optional[dict[str, Any]], cap: Capacity) -> str:

@@ -117,6 +117,7 @@ async def run_sweep(
     progress: bool = True,
     metrics_urls: Sequence[str] = (),
     block_tokens: int = 16,
+    kv_token_bytes: Optional[int] = None,
     **client_kwargs: Any,
 ) -> List[RunResult]:
     """Replay one trace per rate against ``url``, one rate after the other.
@@ -146,6 +147,8 @@ async def run_sweep(
         ``None``).
     block_tokens : int
         The workers' KV block size, for the perfect-cache bound.
+    kv_token_bytes : int, optional
+        The model's KV bytes per token (to relate ``kv_bytes`` to the new tokens' KV).
     **client_kwargs
         Passed to :func:`~pdkv.lab.serve.client.run_trace` (``model``,
         ``concurrency``, ``endpoint``, ...).
@@ -171,7 +174,7 @@ async def run_sweep(
             await asyncio.sleep(0.2)  # counters are bumped as a request ends; let the last ones land
             after = await serve_prefix.fetch_counters(metrics_urls)
             run.prefix = serve_prefix.prefix_summary(records, serve_prefix.metric_deltas(before, after),
-                                                     block_tokens=block_tokens)
+                                                     block_tokens=block_tokens, kv_token_bytes=kv_token_bytes)
         elif sessions:
             run.prefix = serve_prefix.prefix_summary(records, None, block_tokens=block_tokens)
         runs.append(run)

@@ -172,7 +172,8 @@ async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
     config = {"mode": mode, "pd": pd_ratio, **({} if cache is None else {"prefix_cache": cache})}
     runs = await serve_cli.run_sweep(url, traces, mode=run_label(mode, cache), pd_ratio=pd_ratio,
                                      cooldown_s=args.cooldown, progress=args.progress, config=config,
-                                     metrics_urls=worker_urls, block_tokens=args.block_tokens, **client)
+                                     metrics_urls=worker_urls, block_tokens=args.block_tokens,
+                                     kv_token_bytes=getattr(args, "kv_token_bytes", None), **client)
     if serve_compress.comparing(args) and prefill_urls:  # what the KV pushes put on the wire, by codec
         wire = await serve_compress.fetch_kv_wire(prefill_urls)
         for run in runs:
@@ -241,6 +242,7 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
     if vocab and args.vocab_size > vocab:
         args.vocab_size = int(vocab)
+    args.kv_token_bytes = serve_prefix.kv_bytes_per_token(model_dir)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     with contextlib.ExitStack() as stack:
         lab = None

@@ -27,8 +27,9 @@ Each run (one mode at one rate) gets, in its ``summary`` in results.json:
 Also ``prompt_tokens`` (sent by the client), ``worker_prompt_tokens`` (the growth of the
 workers' ``pdkv_prompt_tokens_total``, for reference), ``new_prompt_tokens`` (prompt
 tokens not in the same session's previous prompt: the new message and the previous
-answer), ``prefix_hit_tokens`` (``{"local", "pulled"}``), ``kv_bytes_per_turn`` and
-``block_tokens``. A figure a worker does not expose (a worker that predates the
+answer), ``prefix_hit_tokens`` (``{"local", "pulled"}``), ``kv_bytes_per_turn``,
+``kv_bytes_vs_new_tokens`` (``kv_bytes`` over the KV of the new prompt tokens, when the
+model's KV size per token is known) and ``block_tokens``. A figure a worker does not expose (a worker that predates the
 prefix cache) is ``None`` (JSON ``null``), never 0.
 
 The denominator of ``prefix_hit_rate`` is the client's count and not the workers':
@@ -40,8 +41,10 @@ it and may be counted again by the decode worker that admits it, so the workers'
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sys
+from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from pdkv.lab.serve.metrics import BenchResults, RequestRecord, RunResult
@@ -53,6 +56,7 @@ __all__ = [
     "fetch_counters",
     "fill_outputs_equal",
     "hit_rate_max",
+    "kv_bytes_per_token",
     "markdown",
     "metric_deltas",
     "parse_counters",
@@ -220,7 +224,7 @@ def _new_tokens(records: Sequence[RequestRecord]) -> Optional[int]:
 
 
 def prefix_summary(records: Sequence[RequestRecord], deltas: Optional[Mapping[str, Optional[float]]],
-                   *, block_tokens: int) -> Dict[str, Any]:
+                   *, block_tokens: int, kv_token_bytes: Optional[int] = None) -> Dict[str, Any]:
     """A run's prefix-reuse figures (see the module docstring).
 
     Parameters
@@ -232,6 +236,9 @@ def prefix_summary(records: Sequence[RequestRecord], deltas: Optional[Mapping[st
         were not scraped (every worker figure is then ``None``).
     block_tokens : int
         Tokens per KV block (for :func:`hit_rate_max`).
+    kv_token_bytes : int, optional
+        KV bytes of one token (:func:`kv_bytes_per_token`): adds
+        ``kv_bytes_vs_new_tokens`` = ``kv_bytes`` / the KV of ``new_prompt_tokens``.
 
     Returns
     -------
@@ -267,7 +274,24 @@ def prefix_summary(records: Sequence[RequestRecord], deltas: Optional[Mapping[st
         "kv_pushed_skipped_blocks": count("pdkv_kv_pushed_skipped_blocks_total"),
         "prefix_evictions": count("pdkv_prefix_evictions_total"),
         "block_tokens": block_tokens,
+        "kv_bytes_vs_new_tokens": (kv / (new * kv_token_bytes)
+                                   if kv is not None and kv_token_bytes and (new := _new_tokens(records)) else None),
     }
+
+
+def kv_bytes_per_token(model_dir: Any) -> Optional[int]:
+    """K and V bytes of one token over every layer, from the model's config.json (None without one)."""
+    if model_dir is None:
+        return None
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        size = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(cfg.get("torch_dtype", "float32")), 4)
+        return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * size
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
 
 
 def _cache_off(run: RunResult) -> bool:
@@ -318,6 +342,10 @@ def _pct(v: Optional[float]) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
+def _ratio(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def _num(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:,.0f}"
 
@@ -333,12 +361,13 @@ def markdown(results: BenchResults) -> Optional[str]:
         "",
         "Hit rate = 1 - prompt tokens computed / prompt tokens sent; max = what a perfect infinite cache would hit "
         "on the same prompts (block granularity, send order). Prefill tokens = computed by the workers; KV bytes = "
-        "moved between workers (pushed + pulled). Outputs equal: token for token against the cache-off run "
+        "moved between workers (pushed + pulled); KV / new tokens' KV relates them to the KV of the prompt tokens not in the "
+        "session's previous prompt. Rate: sessions/s for session workloads. Outputs equal: token for token against the cache-off run "
         "(`-`: no cache-off run to compare with). `-` elsewhere: the workers do not expose that counter.",
         "",
         "| Mode | Rate | Hit rate | Max | Of max | Prompt tokens | Prefill tokens | KV bytes | KV bytes/turn | "
-        "TTFT p50 (s) | Goodput | Outputs equal |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+        "KV / new tokens' KV | TTFT p50 (s) | Goodput | Outputs equal |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for run in runs:
         p = run.prefix or {}
@@ -351,7 +380,8 @@ def markdown(results: BenchResults) -> Optional[str]:
         gp = "-" if s.goodput_fraction is None else f"{100 * s.goodput_fraction:.0f}%"
         lines.append(f"| {run.candidate} | {run.rate:g} | {_pct(hr)} | {_pct(mx)} | {_pct(of_max)} | "
                      f"{_num(p.get('prompt_tokens'))} | {_num(p.get('prefill_tokens'))} | {_num(p.get('kv_bytes'))} | "
-                     f"{_num(p.get('kv_bytes_per_turn'))} | {ttft} | {gp} | {eq_s} |")
+                     f"{_num(p.get('kv_bytes_per_turn'))} | {_ratio(p.get('kv_bytes_vs_new_tokens'))} | {ttft} | "
+                     f"{gp} | {eq_s} |")
     if any((r.prefix or {}).get("outputs_equal") is False for r in runs):
         lines += ["", "**Outputs differ from the cache-off run**: that is a bug (see results.json)."]
     return "\n".join(lines) + "\n"
