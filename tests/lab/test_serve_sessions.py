@@ -422,10 +422,10 @@ def test_deployments_get_the_prefix_cache_and_routing_flags(tmp_path):
 def test_emit_results_writes_the_prefix_section_and_the_session_traces(tmp_path):
     trace = _tiny_trace(sessions=1, turns=2)
     on, off = _run("disagg", "on", [[1], [2]]), _run("disagg", "off", [[1], [2]])
-    res = BenchResults([off, on], SLO(1, 1), {"command": "x"})
+    res = BenchResults([off, on], SLO(1, 1), {"command": "x", "trace": {"workload": "multi-turn"}})
     paths = serve_cli.emit_results(res, out=str(tmp_path), traces=[(1.0, trace)], plots=False)
     md = paths["markdown"].read_text()
-    assert "## Prefix reuse" in md and "yes (vs disagg-nocache)" in md
+    assert "## Prefix reuse" in md and "yes (vs disagg-nocache)" in md and "Rate (sessions/s)" in md
     assert load_session_trace(tmp_path / "traces" / "rate-1.json").sessions == trace.sessions
     stored = json.loads((tmp_path / "results.json").read_text())
     assert stored["runs"][1]["summary"]["outputs_equal"] is True
