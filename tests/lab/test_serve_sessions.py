@@ -392,6 +392,11 @@ def test_cli_rejects_bad_session_options(argv, match):
         serve_cli.build_traces(_args(argv))
 
 
+def test_url_mode_checks_worker_metrics_urls(capsys):
+    assert serve_cli.main(["--url", "http://127.0.0.1:9", "--worker-metrics", "127.0.0.1:8100"]) == 2
+    assert "http://" in capsys.readouterr().err
+
+
 def test_modes_cli_checks_prefix_options(capsys):
     assert serve_modes.main(["--modes", "disagg-kv", "--prefix-cache", "off", "--workload", "multi-turn"]) == 2
     assert "needs --prefix-cache on" in capsys.readouterr().err

@@ -570,6 +570,9 @@ def run_from_args(args: argparse.Namespace, argv: Optional[Sequence[str]] = None
         return 2
     try:
         normalize_base_url(args.url)
+        for u in (args.worker_metrics or "").split(","):
+            if u.strip():
+                normalize_base_url(u)
         slo = slo_from_args(args)
         traces, trace_info = build_traces(args)
     except (ValueError, OSError) as exc:

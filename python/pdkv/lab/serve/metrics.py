@@ -127,7 +127,7 @@ class RequestRecord:
         Session and turn of a session workload's request
         (:mod:`pdkv.lab.serve.trace_sessions`); ``None`` for request traces.
     prompt_token_ids : list of int or None
-        The token-id prompt a session turn sent; kept in memory for the prefix-reuse
+        The token-id prompt the request sent; kept in memory for the prefix-reuse
         bounds (:func:`pdkv.lab.serve.prefix.hit_rate_max`), not written to results.
     """
 

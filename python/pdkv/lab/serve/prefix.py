@@ -169,7 +169,7 @@ def hit_rate_max(records: Sequence[RequestRecord], block_tokens: int) -> Dict[st
     Parameters
     ----------
     records : sequence of RequestRecord
-        With ``prompt_token_ids`` (session workloads keep them).
+        With ``prompt_token_ids`` (session turns and token-id request prompts keep them).
     block_tokens : int
         Tokens per KV block of the workers.
 
