@@ -365,9 +365,9 @@ def markdown(results: BenchResults) -> Optional[str]:
         "session's previous prompt. Rate: sessions/s for session workloads. Outputs equal: token for token against the cache-off run "
         "(`-`: no cache-off run to compare with). `-` elsewhere: the workers do not expose that counter.",
         "",
-        "| Mode | Rate | Hit rate | Max | Of max | Prompt tokens | Prefill tokens | KV bytes | KV bytes/turn | "
-        "KV / new tokens' KV | TTFT p50 (s) | Goodput | Outputs equal |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+        "| Mode | Rate | Hit rate | Max | Of max | Prompt tokens | Prefill tokens | Hit tokens local / pulled | "
+        "KV bytes | KV bytes/turn | KV / new tokens' KV | TTFT p50 (s) | Goodput | Outputs equal |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for run in runs:
         p = run.prefix or {}
@@ -378,8 +378,11 @@ def markdown(results: BenchResults) -> Optional[str]:
         eq_s = "-" if eq is None else ("yes" if eq else "**NO**") + f" (vs {p.get('outputs_baseline')})"
         ttft = "-" if s.ttft.p50 is None else f"{s.ttft.p50:.3g}"
         gp = "-" if s.goodput_fraction is None else f"{100 * s.goodput_fraction:.0f}%"
+        h = p.get("prefix_hit_tokens") or {}
+        hits = f"{_num(h.get('local'))} / {_num(h.get('pulled'))}"
         lines.append(f"| {run.candidate} | {run.rate:g} | {_pct(hr)} | {_pct(mx)} | {_pct(of_max)} | "
-                     f"{_num(p.get('prompt_tokens'))} | {_num(p.get('prefill_tokens'))} | {_num(p.get('kv_bytes'))} | "
+                     f"{_num(p.get('prompt_tokens'))} | {_num(p.get('prefill_tokens'))} | {hits} | "
+                     f"{_num(p.get('kv_bytes'))} | "
                      f"{_num(p.get('kv_bytes_per_turn'))} | {_ratio(p.get('kv_bytes_vs_new_tokens'))} | {ttft} | "
                      f"{gp} | {eq_s} |")
     if any((r.prefix or {}).get("outputs_equal") is False for r in runs):
