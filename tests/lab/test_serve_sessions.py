@@ -439,3 +439,31 @@ def test_emit_results_writes_the_prefix_section_and_the_session_traces(tmp_path)
 def test_session_dataclasses_round_trip():
     s = Session(0, 0.0, (Turn(3, 2, 0.0, 10),), 0)
     assert s.to_dict()["turns"][0] == {"new_len": 3, "output_len": 2, "think_s": 0.0, "prompt_len": 10}
+
+
+def test_each_mode_runs_cache_off_then_on_and_disagg_kv_only_on(monkeypatch, tmp_path):
+    seen = []
+
+    class FakeDep:
+        url = "http://127.0.0.1:9"
+        workers = []
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def fake_deployment(mode, model_dir, args, log_dir, lab=None, cache=None):
+        seen.append((mode, cache))
+        return FakeDep(), "1:1"
+
+    async def fake_measure(url, traces, mode, pd_ratio, args, model_name, prefill_urls=(), worker_urls=(),
+                           cache=None):
+        return [], "m"
+
+    monkeypatch.setattr(serve_modes, "deployment_for", fake_deployment)
+    monkeypatch.setattr(serve_modes, "_measure", fake_measure)
+    args = _args(["--prefix-cache", "both"])
+    serve_modes._run_each_mode(["disagg", "disagg-kv"], tmp_path, [], args, None)
+    assert seen == [("disagg", "off"), ("disagg", "on"), ("disagg-kv", "on")]
