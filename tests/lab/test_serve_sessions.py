@@ -231,6 +231,8 @@ def test_outputs_equal_against_the_cache_off_run():
     assert col.prefix["outputs_equal"] is False and col.prefix["outputs_baseline"] == "colocated-nocache"
     assert kv.prefix["outputs_equal"] is False and kv.prefix["outputs_baseline"] == "disagg-nocache"
     assert off.prefix["outputs_equal"] is None and other_rate.prefix["outputs_equal"] is None
+    assert col.prefix["outputs_differ"] == [[1, 1]] and col.prefix["outputs_compared"] == 2
+    assert kv.prefix["outputs_differ"] == [[1, 0]] and on.prefix["outputs_differ"] == []
     # Missing token ids: not comparable, never "equal".
     on2 = _run("disagg", "on", [None, [3]])
     prefix.fill_outputs_equal(BenchResults([off, on2], SLO(1, 1)))
@@ -241,7 +243,7 @@ def test_outputs_equal_against_the_cache_off_run():
     back = BenchResults.from_dict(json.loads(json.dumps(d)))
     assert back.runs[1].prefix["outputs_equal"] is True and back.runs[0].records[0].output_token_ids == [1, 2]
     md = prefix.markdown(res)
-    assert "## Prefix reuse" in md and "**NO**" in md and "disagg-kv" in md
+    assert "## Prefix reuse" in md and "**NO** (1 of 2)" in md and "disagg-kv" in md
 
 
 # ------------------------------------------------------------------- the session client

@@ -22,7 +22,9 @@ Each run (one mode at one rate) gets, in its ``summary`` in results.json:
     The run's outputs equal, token for token and request by request, those of the
     cache-off run of the same mode at the same rate (greedy decoding), else of another
     mode's cache-off run (:func:`fill_outputs_equal`); ``None`` when no cache-off run
-    was measured, or for a cache-off run itself.
+    was measured, or for a cache-off run itself. With it: ``outputs_baseline`` (that
+    run's label), ``outputs_compared`` and ``outputs_differ`` (``[index, first differing
+    output position]`` per request that differs).
 
 Also ``prompt_tokens`` (sent by the client), ``worker_prompt_tokens`` (the growth of the
 workers' ``pdkv_prompt_tokens_total``, for reference), ``new_prompt_tokens`` (prompt
@@ -53,6 +55,7 @@ from pdkv.serving.prefix_hash import block_hashes, cache_salt
 __all__ = [
     "COUNTERS",
     "NOCACHE_SUFFIX",
+    "compare_outputs",
     "fetch_counters",
     "fill_outputs_equal",
     "hit_rate_max",
@@ -302,22 +305,35 @@ def _base_mode(run: RunResult) -> str:
     return run.mode[: -len(NOCACHE_SUFFIX)] if run.mode.endswith(NOCACHE_SUFFIX) else run.mode
 
 
-def _same_outputs(run: Sequence[RequestRecord], base: Sequence[RequestRecord]) -> Optional[bool]:
-    """True when every request of ``run`` has token ids equal to its pair in ``base``
-    (paired by index); None when a pair or its ids are missing for a request that
-    succeeded in both (nothing to compare is not "equal")."""
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def compare_outputs(run: Sequence[RequestRecord], base: Sequence[RequestRecord]) -> Dict[str, Any]:
+    """Requests of ``run`` against their pairs in ``base`` (same index), both successful.
+
+    Returns
+    -------
+    dict
+        ``equal``: True when every compared pair has the same token ids, False when one
+        differs, None when nothing could be compared or a successful pair lacks token
+        ids (nothing to compare is not "equal"); ``compared``; ``differ``: up to 20
+        ``[index, first differing output position]`` pairs.
+    """
     other = {r.index: r for r in base}
-    compared = 0
+    compared, differ, missing = 0, [], False
     for r in run:
         m = other.get(r.index)
         if m is None or not (r.ok and m.ok):
             continue
         if r.output_token_ids is None or m.output_token_ids is None:
-            return None
+            missing = True
+            continue
         compared += 1
         if r.output_token_ids != m.output_token_ids:
-            return False
-    return True if compared else None
+            differ.append([r.index, _first_difference(r.output_token_ids, m.output_token_ids)])
+    equal = False if differ else (None if missing or not compared else True)
+    return {"equal": equal, "compared": compared, "differ": differ[:20], "num_differ": len(differ)}
 
 
 def fill_outputs_equal(results: BenchResults) -> None:
@@ -334,8 +350,11 @@ def fill_outputs_equal(results: BenchResults) -> None:
         if not same_rate:
             continue
         base = same_rate[0]
-        run.prefix["outputs_equal"] = _same_outputs(run.records, base.records)
+        c = compare_outputs(run.records, base.records)
+        run.prefix["outputs_equal"] = c["equal"]
         run.prefix["outputs_baseline"] = base.mode
+        run.prefix["outputs_compared"] = c["compared"]
+        run.prefix["outputs_differ"] = c["differ"]
 
 
 def _pct(v: Optional[float]) -> str:
@@ -375,7 +394,9 @@ def markdown(results: BenchResults) -> Optional[str]:
         hr, mx = p.get("prefix_hit_rate"), p.get("prefix_hit_rate_max")
         of_max = hr / mx if hr is not None and mx else None
         eq = p.get("outputs_equal")
-        eq_s = "-" if eq is None else ("yes" if eq else "**NO**") + f" (vs {p.get('outputs_baseline')})"
+        n_diff = len(p.get("outputs_differ") or [])
+        eq_s = "-" if eq is None else ("yes" if eq else f"**NO** ({n_diff} of {p.get('outputs_compared')})") + \
+            f" (vs {p.get('outputs_baseline')})"
         ttft = "-" if s.ttft.p50 is None else f"{s.ttft.p50:.3g}"
         gp = "-" if s.goodput_fraction is None else f"{100 * s.goodput_fraction:.0f}%"
         h = p.get("prefix_hit_tokens") or {}
@@ -386,7 +407,10 @@ def markdown(results: BenchResults) -> Optional[str]:
                      f"{_num(p.get('kv_bytes_per_turn'))} | {_ratio(p.get('kv_bytes_vs_new_tokens'))} | {ttft} | "
                      f"{gp} | {eq_s} |")
     if any((r.prefix or {}).get("outputs_equal") is False for r in runs):
-        lines += ["", "**Outputs differ from the cache-off run**: that is a bug (see results.json)."]
+        lines += ["", "**Outputs differ from the cache-off run**: `outputs_differ` in results.json lists each request "
+                  "and the first output position that differs. Either a bug, or two logits within float noise of "
+                  "each other (KV computed by another path: one decode step instead of a batched prefill) that "
+                  "greedy decoding broke differently; check the margin at that position."]
     return "\n".join(lines) + "\n"
 
 
