@@ -408,6 +408,12 @@ def test_modes_cli_checks_prefix_options(capsys):
     with pytest.raises(SystemExit):
         serve_modes.main(["--prefix-cache", "maybe"])
     with pytest.raises(SystemExit):
+        serve_modes.main(["--prefix-cache", "on", "--url", "http://127.0.0.1:9"])
+    assert "--worker-metrics" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_modes.main(["--worker-metrics", "http://127.0.0.1:9"])
+    assert "for --url runs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         serve_modes.main(["--workload", "chat-forever"])
     assert serve_modes.cache_settings(_args(["--prefix-cache", "both"])) == ["off", "on"]
     assert serve_modes.cache_settings(_args([])) == [None]

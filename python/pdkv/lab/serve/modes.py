@@ -297,6 +297,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.compare_compress and args.url:
         parser.error("--compare-compress starts the disagg deployments itself; it cannot measure a server given by "
                      "--url")
+    if args.prefix_cache and args.url:
+        parser.error("--prefix-cache sets the flag of the workers this command starts; with --url start your workers "
+                     "with the cache you want and pass their URLs with --worker-metrics")
+    if args.worker_metrics and not args.url:
+        parser.error("--worker-metrics is for --url runs (the launched modes read their own workers' /metrics)")
     if args.compare_compress and args.compare_stream:
         parser.error("--compare-compress and --compare-stream are separate runs (each replaces --modes)")
     if args.url or args.list_presets:
