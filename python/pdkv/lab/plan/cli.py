@@ -93,17 +93,18 @@ def parse_prefix_hit_rate(spec: str) -> tuple[float, str]:
     return f, "given"
 
 
-def format_report(rec: dict[str, Any], budget: Optional[dict[str, Any]], cap: Capacity) -> str:
+def format_report(rec: dict[str, Any], budget: Optional[dict[str, Any]], cap: Capacity,
+                  prefix: Optional[dict[str, Any]] = None) -> str:
     lines = [f"capacity ({cap.source}): prefill {cap.prefill_fixed_s * 1e3:.2f} ms + "
              f"{cap.prefill_s_per_token * 1e6:.1f} us/token; decode step {cap.step_fixed_s * 1e3:.2f} ms + "
              f"{cap.step_per_seq_s * 1e3:.3f} ms/request",
              f"per worker: {rec['prefill_tok_s_per_worker']:.0f} prompt tokens/s, "
              f"{rec['decode_tok_s_per_worker']:.0f} decode tokens/s within the ITL objective",
-             *([f"prefix hit rate {rec['prefix_hit_rate']:.1%} ({rec.get('prefix_hit_rate_source', 'given')}): "
+             *([f"prefix hit rate {rec['prefix_hit_rate']:.1%} ({(prefix or {}).get('source', 'given')}): "
                 f"prefill computes {rec['computed_prompt_tokens_per_request']:.0f} of "
                 f"{rec['prompt_tokens_per_request']:.0f} prompt tokens per request, and moves their KV"
-                + (f" ({rec['kv_bytes_per_request'] / 1e6:.2f} MB per request)"
-                   if rec.get("kv_bytes_per_request") is not None else "")]
+                + (f" ({prefix['kv_bytes_per_request'] / 1e6:.2f} MB per request)"
+                   if prefix and prefix.get("kv_bytes_per_request") is not None else "")]
               if rec.get("prefix_hit_rate") else []),
              f"at {rec['rate']:g} req/s: ideal {rec['ideal_prefill_workers']:.2f} prefill : "
              f"{rec['ideal_decode_workers']:.2f} decode workers (prefill {rec['prefill_bound']}-bound, "
@@ -156,14 +157,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         model_dir = resolve_model(args.serve_model, cache)
     cap = _capacity(args, load, model_dir)
     rec = recommend(cap, load, slo)
-    rec["prefix_hit_rate_source"] = hit_source
-    per_token = kv_bytes_per_token(model_dir)
-    rec["kv_bytes_per_request"] = None if per_token is None else per_token * rec["kv_tokens_moved_per_request"]
+    per_token = kv_bytes_per_token(model_dir)  # known when the model is at hand (measuring or sweeping)
+    prefix = {"hit_rate": hit_rate, "source": hit_source, "kv_bytes_per_token": per_token,
+              "kv_bytes_per_request": None if per_token is None else per_token * rec["kv_tokens_moved_per_request"]}
     workers = args.workers or (sum(int(x) for x in rec["split"].split(":")) if rec["split"] else None)
     budget = best_split(cap, load, slo, workers) if workers and workers >= 2 else None
     out: dict[str, Any] = {"trace": trace_info, "rate": rate, "num_requests": len(trace),
-                           "slo": asdict(slo), "capacity": cap.to_dict(), "recommendation": rec, "budget": budget}
-    print(format_report(rec, budget, cap), flush=True)
+                           "slo": asdict(slo), "capacity": cap.to_dict(), "recommendation": rec, "budget": budget,
+                           "prefix": prefix}
+    print(format_report(rec, budget, cap, prefix), flush=True)
     if args.sweep:
         assert model_dir is not None
         out["sweep"] = plan_sweep.sweep(args, model_dir, trace, rate, cap, load, slo, slo_b)
