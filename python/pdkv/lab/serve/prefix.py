@@ -423,11 +423,11 @@ def plot(results: BenchResults, path: Any) -> Optional[Any]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    labels = [f"{r.candidate}\n@{r.rate:g}" for r in runs]
+    labels = [f"{r.candidate} @{r.rate:g}" for r in runs]
     hr = [(r.prefix or {}).get("prefix_hit_rate") or 0.0 for r in runs]
     mx = [(r.prefix or {}).get("prefix_hit_rate_max") or 0.0 for r in runs]
     ttft = [r.summary(results.slo).ttft.p50 or 0.0 for r in runs]
-    fig = Figure(figsize=(max(6.0, 1.2 * len(runs) + 2), 3.6))
+    fig = Figure(figsize=(max(7.0, 1.6 * len(runs) + 2), 4.2))
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.subplots(1, 2)
     xs = list(range(len(runs)))
@@ -435,12 +435,12 @@ def plot(results: BenchResults, path: Any) -> Optional[Any]:
     ax1.bar([x + 0.2 for x in xs], [100 * v for v in mx], width=0.4, label="perfect cache")
     ax1.set_ylabel("prefix hit rate (%)")
     ax1.set_xticks(xs)
-    ax1.set_xticklabels(labels, fontsize=7)
+    ax1.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
     ax1.legend(fontsize=7)
     ax2.bar(xs, ttft)
     ax2.set_ylabel("TTFT p50 (s)")
     ax2.set_xticks(xs)
-    ax2.set_xticklabels(labels, fontsize=7)
+    ax2.set_xticklabels(labels, fontsize=7, rotation=30, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
