@@ -361,9 +361,7 @@ def build_session_traces(args: argparse.Namespace) -> Tuple[List[Tuple[float, An
     if args.block_tokens < 1:
         raise ValueError(f"--block-tokens must be >= 1, got {args.block_tokens}")
     if overrides:
-        from dataclasses import replace as _replace
-
-        spec = _replace(spec, name=spec.name + "*", **overrides)
+        spec = replace(spec, name=spec.name + "*", **overrides)
     rates = args.rates or [spec.rate]
     traces = [(r, spec.with_rate(r).generate(seed=args.seed + i, duration_s=None if args.sessions else args.duration,
                                              num_sessions=args.sessions))
