@@ -380,6 +380,15 @@ def test_cli_builds_session_traces_with_one_seed_per_rate():
     assert t1.shared_len == 64 and info["workload"] == "multi-turn*" and info["seeds"] == {"0.5": 7, "1": 8}
 
 
+def test_cli_replays_a_saved_session_trace(tmp_path):
+    t = _tiny_trace()
+    t.save(tmp_path / "rate-50.json")
+    traces, info = serve_cli.build_traces(_args(["--trace", str(tmp_path / "rate-50.json")]))
+    assert traces[0][0] == 50.0 and traces[0][1].sessions == t.sessions
+    ((rate, half),), _ = serve_cli.build_traces(_args(["--trace", str(tmp_path / "rate-50.json"), "--rates", "25"]))
+    assert rate == 25.0 and half.sessions[1].start_s == pytest.approx(2 * t.sessions[1].start_s, abs=1e-5)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--workload", "agentic", "--endpoint", "chat"], "token-id prompts"),
     (["--workload", "agentic", "--prompt-format", "text"], "token-id prompts"),

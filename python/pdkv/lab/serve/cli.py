@@ -279,8 +279,8 @@ def build_traces(args: argparse.Namespace) -> Tuple[List[Tuple[float, Trace]], D
     ValueError
         Bad preset, length or arrival specification, or a trace that cannot be rescaled.
     """
-    if getattr(args, "workload", "requests") != "requests":
-        return build_session_traces(args)
+    if getattr(args, "workload", "requests") != "requests" or (args.trace and str(args.trace).endswith(".json")):
+        return build_session_traces(args)  # a saved session trace is .json (request traces are .jsonl)
     if args.trace:
         base = load_trace(args.trace, time_scale=args.time_scale, seed=args.seed)
         if args.num_requests is not None:
