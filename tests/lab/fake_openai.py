@@ -9,6 +9,12 @@ server's ``behaviour``) selects a failure: ``"http500"``, ``"malformed"`` (a non
 ``[DONE]``), ``"stream_error"`` (an ``{"error": ...}`` object mid-stream) or
 ``"json"`` (ignores ``stream`` and answers with one JSON body); ``behaviour_by_max_tokens``
 picks a behaviour per request by its ``max_tokens``, so one run can mix them.
+
+With ``"return_token_ids": true`` every completions choice carries ``token_ids``: the
+answer to a token-id prompt is :meth:`FakeOpenAI.answer` (a function of the prompt, so
+a client that builds the next prompt from it can be checked). ``received_at`` holds the
+:func:`time.perf_counter` arrival time of every body; ``metrics_text`` is served at
+``/metrics``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from typing import Any, Dict, List, Optional
 
 from aiohttp import web
@@ -43,6 +50,8 @@ class FakeOpenAI:
         self.behaviour_by_max_tokens = dict(behaviour_by_max_tokens or {})
         self.model = model
         self.bodies: List[Dict[str, Any]] = []
+        self.received_at: List[float] = []
+        self.metrics_text = ""
         self.in_flight = 0
         self.max_in_flight = 0
         self.url = ""
@@ -52,6 +61,7 @@ class FakeOpenAI:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
@@ -69,6 +79,16 @@ class FakeOpenAI:
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = self.metrics_text() if callable(self.metrics_text) else self.metrics_text
+        return web.Response(text=text)
+
+    @staticmethod
+    def answer(prompt: List[int], n: int) -> List[int]:
+        """The token ids the fake generates for a token-id prompt: a function of the prompt."""
+        base = (sum(prompt) * 31 + len(prompt)) % 800
+        return [100 + (base + 7 * i) % 800 for i in range(n)]
+
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
@@ -85,6 +105,7 @@ class FakeOpenAI:
 
     async def _stream(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await request.json()
+        self.received_at.append(time.perf_counter())
         self.bodies.append(body)
         behaviour = body.get("fake") or self.behaviour_by_max_tokens.get(int(body["max_tokens"]), self.behaviour)
         if behaviour == "http500":
@@ -114,11 +135,14 @@ class FakeOpenAI:
                 await send({"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
             await asyncio.sleep(self.ttft_s)
             sent = chunks = 0
+            ids = self.answer(prompt, n) if isinstance(prompt, list) and body.get("return_token_ids") else None
             while sent < n:
                 k = min(self.tokens_per_chunk, n - sent)
                 sent += k
                 chunks += 1
                 choice = self._choice(chat, k, "length" if sent == n else None)
+                if ids is not None:
+                    choice["token_ids"] = ids[sent - k:sent]
                 chunk: Dict[str, Any] = {"object": "chunk", "choices": [choice]}
                 if self.continuous_usage and (body.get("stream_options") or {}).get("continuous_usage_stats"):
                     chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": sent}

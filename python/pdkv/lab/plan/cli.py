@@ -25,6 +25,7 @@ from pdkv.lab.plan import sweep as plan_sweep
 from pdkv.lab.plan.model import Slo, Workload, best_split, recommend
 from pdkv.lab.serve import cli as serve_cli
 from pdkv.lab.serve.modes import resolve_model
+from pdkv.lab.serve.prefix import kv_bytes_per_token
 from pdkv.serving.capacity import Capacity
 
 __all__ = ["add_arguments", "format_report", "main", "run"]
@@ -40,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity", metavar="JSON", help="read capacity from a file `pdkv plan --out` wrote")
     g.add_argument("--workers", type=int, help="also rank every split of this many workers (default: the "
                    "recommended split's total)")
+    g.add_argument("--prefix-hit-rate", metavar="F|RESULTS", default="0",
+                   help="share of prompt tokens a prefix cache serves, in [0, 1): scales the prompt tokens prefill "
+                   "computes and the KV moved to decode; or a `pdkv bench serve --prefix-cache` results directory "
+                   "or results.json whose measured prefix_hit_rate to use (default 0: no reuse)")
     g.add_argument("--ttft-overhead", type=float, default=0.0,
                    help="seconds the proxy and the KV hop add to TTFT (default 0)")
     g.add_argument("--max-decode-batch", type=int, default=64, help="decode workers' --max-num-seqs (default 64)")
@@ -62,12 +67,45 @@ def _capacity(args: argparse.Namespace, load: Workload, model_dir: Optional[Path
     return plan_measure.measure(model_dir, load, max_decode_batch=args.max_decode_batch)
 
 
-def format_report(rec: dict[str, Any], budget: Optional[dict[str, Any]], cap: Capacity) -> str:
+def parse_prefix_hit_rate(spec: str) -> tuple[float, str]:
+    """``--prefix-hit-rate``: a number in [0, 1), or a results file/directory to read it from.
+
+    Returns
+    -------
+    (float, str)
+        The rate and where it came from.
+
+    Raises
+    ------
+    InvalidArgument
+        A number outside [0, 1), or neither a number nor a readable results file.
+    """
+    try:
+        f = float(spec)
+    except ValueError:
+        p = Path(spec)
+        if not p.exists():
+            raise InvalidArgument(f"--prefix-hit-rate takes a number in [0, 1) or a results directory, got "
+                                  f"{spec!r} (no such file)") from None
+        return plan_measure.prefix_hit_rate_from_results(p)
+    if not (math.isfinite(f) and 0 <= f < 1):
+        raise InvalidArgument(f"--prefix-hit-rate must be in [0, 1), got {spec}")
+    return f, "given"
+
+
+def format_report(rec: dict[str, Any], budget: Optional[dict[str, Any]], cap: Capacity,
+                  prefix: Optional[dict[str, Any]] = None) -> str:
     lines = [f"capacity ({cap.source}): prefill {cap.prefill_fixed_s * 1e3:.2f} ms + "
              f"{cap.prefill_s_per_token * 1e6:.1f} us/token; decode step {cap.step_fixed_s * 1e3:.2f} ms + "
              f"{cap.step_per_seq_s * 1e3:.3f} ms/request",
              f"per worker: {rec['prefill_tok_s_per_worker']:.0f} prompt tokens/s, "
              f"{rec['decode_tok_s_per_worker']:.0f} decode tokens/s within the ITL objective",
+             *([f"prefix hit rate {rec['prefix_hit_rate']:.1%} ({(prefix or {}).get('source', 'given')}): "
+                f"prefill computes {rec['computed_prompt_tokens_per_request']:.0f} of "
+                f"{rec['prompt_tokens_per_request']:.0f} prompt tokens per request, and moves their KV"
+                + (f" ({prefix['kv_bytes_per_request'] / 1e6:.2f} MB per request)"
+                   if prefix and prefix.get("kv_bytes_per_request") is not None else "")]
+              if rec.get("prefix_hit_rate") else []),
              f"at {rec['rate']:g} req/s: ideal {rec['ideal_prefill_workers']:.2f} prefill : "
              f"{rec['ideal_decode_workers']:.2f} decode workers (prefill {rec['prefill_bound']}-bound, "
              f"decode {rec['decode_bound']}-bound)"]
@@ -109,7 +147,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     except (ValueError, OSError) as e:
         raise InvalidArgument(str(e)) from None
     rate, trace = traces[0]
-    load = Workload.of_trace(trace, rate)
+    hit_rate, hit_source = parse_prefix_hit_rate(str(args.prefix_hit_rate))
+    load = Workload.of_trace(trace, rate, prefix_hit_rate=hit_rate)
+    rate = load.rate  # a session workload's sessions/s become requests/s
     slo = Slo(slo_b.ttft_s, slo_b.itl_s, args.ttft_overhead)
     model_dir = None
     if not (args.capacity or args.from_results) or args.sweep:
@@ -117,11 +157,15 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         model_dir = resolve_model(args.serve_model, cache)
     cap = _capacity(args, load, model_dir)
     rec = recommend(cap, load, slo)
+    per_token = kv_bytes_per_token(model_dir)  # known when the model is at hand (measuring or sweeping)
+    prefix = {"hit_rate": hit_rate, "source": hit_source, "kv_bytes_per_token": per_token,
+              "kv_bytes_per_request": None if per_token is None else per_token * rec["kv_tokens_moved_per_request"]}
     workers = args.workers or (sum(int(x) for x in rec["split"].split(":")) if rec["split"] else None)
     budget = best_split(cap, load, slo, workers) if workers and workers >= 2 else None
     out: dict[str, Any] = {"trace": trace_info, "rate": rate, "num_requests": len(trace),
-                           "slo": asdict(slo), "capacity": cap.to_dict(), "recommendation": rec, "budget": budget}
-    print(format_report(rec, budget, cap), flush=True)
+                           "slo": asdict(slo), "capacity": cap.to_dict(), "recommendation": rec, "budget": budget,
+                           "prefix": prefix}
+    print(format_report(rec, budget, cap, prefix), flush=True)
     if args.sweep:
         assert model_dir is not None
         out["sweep"] = plan_sweep.sweep(args, model_dir, trace, rate, cap, load, slo, slo_b)

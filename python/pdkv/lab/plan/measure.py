@@ -17,7 +17,11 @@ Two sources:
     TTFT per prompt token), decode from each run's mean decode batch per worker
     (request-seconds of decoding over the run's span, Little's law) against its
     median inter-token latency. One run gives one decode point: the step is then
-    taken as independent of the batch, which overestimates large batches.
+    taken as independent of the batch, which overestimates large batches. A run with
+    a measured prefix hit rate ``F`` (``pdkv bench serve --prefix-cache``) computed only
+    ``(1 - F)`` of its prompt tokens: its prefill points count that many tokens.
+:func:`prefix_hit_rate_from_results`
+    The measured prefix hit rate of a results file, for ``pdkv plan --prefix-hit-rate``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pdkv.lab.plan.model import Workload
 from pdkv.lab.serve.metrics import BenchResults
 from pdkv.serving.capacity import Capacity
 
-__all__ = ["fit_line", "from_results", "measure"]
+__all__ = ["fit_line", "from_results", "measure", "prefix_hit_rate_from_results"]
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -138,11 +142,7 @@ def _decode_step_s(Engine: Any, EngineConfig: Any, SamplingParams: Any, model: A
 def from_results(results_dir: Path, *, max_decode_batch: int = 64) -> Capacity:
     """Capacity from the disagg/hybrid runs of a ``pdkv bench serve`` results directory."""
 
-    path = results_dir / "results.json" if results_dir.is_dir() else results_dir
-    try:
-        results = BenchResults.load(path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InvalidArgument(f"--from-results {results_dir}: {type(e).__name__}: {e}") from None
+    path, results = _load(results_dir, "--from-results")
     runs = [r for r in results.runs if r.pd_ratio and r.mode in ("disagg", "hybrid")]
     if not runs:
         raise InvalidArgument(f"{path} has no disaggregated run (mode disagg or hybrid with a P:D ratio)")
@@ -150,7 +150,9 @@ def from_results(results_dir: Path, *, max_decode_batch: int = 64) -> Capacity:
     decode_points: list[list[float]] = []
     for run in runs:
         ok = [rec for rec in run.records if rec.ok and rec.prompt_len > 0]
-        per_token += [(rec.ttft_s / rec.prompt_len, rec.prompt_len, rec.ttft_s) for rec in ok]
+        keep = 1 - float((run.prefix or {}).get("prefix_hit_rate") or 0.0)  # share of prompt tokens computed
+        per_token += [(rec.ttft_s / max(rec.prompt_len * keep, 1.0), max(rec.prompt_len * keep, 1.0), rec.ttft_s)
+                      for rec in ok]
         num_decode = int(str(run.pd_ratio).split(":")[1])
         point = _decode_point(ok, num_decode)
         if point is not None:
@@ -163,6 +165,46 @@ def from_results(results_dir: Path, *, max_decode_batch: int = 64) -> Capacity:
     return Capacity(pa, pb, da, db, max_decode_batch, source=f"derived from {path}",
                     points={"prefill_least_queued": [[x[1], x[2]] for x in least_queued],
                             "decode": decode_points})
+
+
+def _load(results_dir: Path, flag: str) -> tuple[Path, BenchResults]:
+    path = results_dir / "results.json" if results_dir.is_dir() else results_dir
+    try:
+        return path, BenchResults.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise InvalidArgument(f"{flag} {results_dir}: {type(e).__name__}: {e}") from None
+
+
+#: Modes whose measured hit rate :func:`prefix_hit_rate_from_results` prefers, best first.
+_HIT_RATE_MODES = ("disagg-kv", "disagg", "hybrid", "colocated", "chunked")
+
+
+def prefix_hit_rate_from_results(results_dir: Path) -> tuple[float, str]:
+    """The measured prefix hit rate of a ``pdkv bench serve`` results file, and which runs it came from.
+
+    Takes the runs of the first mode of ``disagg-kv``, ``disagg``, ``hybrid``,
+    ``colocated``, ``chunked`` (else any mode) that measured a ``prefix_hit_rate``, and
+    returns their hit rate weighted by prompt tokens sent (computed tokens over all of
+    them).
+
+    Raises
+    ------
+    InvalidArgument
+        Unreadable file, or no run with a measured hit rate (a run whose workers do not
+        expose the prefix counters, or without ``--prefix-cache``).
+    """
+    path, results = _load(results_dir, "--prefix-hit-rate")
+    measured = [r for r in results.runs
+                if r.prefix and r.prefix.get("prefix_hit_rate") is not None and r.prefix.get("prompt_tokens")]
+    if not measured:
+        raise InvalidArgument(f"{path} has no run with a measured prefix_hit_rate (run `pdkv bench serve` with "
+                              "--prefix-cache on workers that expose pdkv_prefill_computed_tokens_total)")
+    modes = {r.mode for r in measured}
+    mode = next((m for m in _HIT_RATE_MODES if m in modes), sorted(modes)[0])
+    runs = [r for r in measured if r.mode == mode]
+    sent = sum(r.prefix["prompt_tokens"] for r in runs)  # type: ignore[index]
+    hit = sum(r.prefix["prompt_tokens"] * r.prefix["prefix_hit_rate"] for r in runs)  # type: ignore[index]
+    return hit / sent, f"{mode} in {path} ({len(runs)} run{'s' if len(runs) > 1 else ''})"
 
 
 def _decode_point(records: list, num_decode: int) -> list[float] | None:

@@ -32,6 +32,14 @@ The queueing arithmetic (each function below says which formula it uses):
   ``step(B)``. Capacity under the ITL objective is ``B* / step(B*)`` with ``B*`` the
   largest batch whose step meets it (and at most ``max_decode_batch``).
 
+Prefix reuse: with a prefix cache, a prompt's cached leading blocks are neither
+computed nor moved. ``Workload.prefix_hit_rate`` ``F`` (measured by ``pdkv bench
+serve``'s ``prefix_hit_rate``, or a guess) scales every prompt's computed tokens to
+``(1 - F) L`` in the prefill pool's service time, and the KV each request moves from
+prefill to decode likewise (:func:`recommend` reports both per request). A uniform
+scale is the simplest model that keeps the measured total: the computed tokens of the
+trace are exactly ``(1 - F)`` of those sent.
+
 A split is **throughput-bound** when the smallest pool that keeps up (``rho < 1``)
 also meets the objective, **SLO-bound** when latency needs more workers than
 throughput does. Integer worker counts waste capacity; :func:`recommend` reports each
@@ -68,11 +76,15 @@ class Workload:
     prompt_lens, output_lens : tuple of int
         The trace's lengths (a sample of its distributions); only their moments and p90
         are used.
+    prefix_hit_rate : float
+        Share of the prompt tokens a prefix cache serves (not computed, not moved), in
+        ``[0, 1)``; 0: no reuse.
     """
 
     rate: float
     prompt_lens: tuple[int, ...]
     output_lens: tuple[int, ...]
+    prefix_hit_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.rate) and self.rate > 0):
@@ -81,15 +93,38 @@ class Workload:
             raise InvalidArgument("the workload needs prompt and output lengths of the same, non-zero, count")
         if min(self.output_lens) < 1 or min(self.prompt_lens) < 1:
             raise InvalidArgument("prompt and output lengths must be >= 1")
+        f = self.prefix_hit_rate
+        if not (isinstance(f, (int, float)) and math.isfinite(f) and 0 <= f < 1):
+            raise InvalidArgument(f"the prefix hit rate must be in [0, 1), got {f!r}")
 
     @classmethod
-    def of_trace(cls, trace: Any, rate: Optional[float] = None) -> "Workload":
-        """From a :class:`~pdkv.lab.serve.trace.Trace` (``rate``: its nominal rate, else the observed one)."""
+    def of_trace(cls, trace: Any, rate: Optional[float] = None, prefix_hit_rate: float = 0.0) -> "Workload":
+        """From a :class:`~pdkv.lab.serve.trace.Trace` (``rate``: its nominal rate, else the
+        observed one), or a :class:`~pdkv.lab.serve.trace_sessions.SessionTrace` (its turns
+        are the requests; ``rate`` is sessions/s, turned into requests/s with the mean
+        turns per session)."""
+        sessions = getattr(trace, "sessions", None)
+        if sessions is not None:
+            turns = [t for s in sessions for t in s.turns]
+            if not turns:
+                raise InvalidArgument("the session trace is empty")
+            per_s = (rate if rate is not None else float(trace.info.get("session_rate") or 0)) * len(turns) / len(
+                sessions)
+            return cls(float(per_s), tuple(max(t.prompt_len, 1) for t in turns), tuple(t.output_len for t in turns),
+                       prefix_hit_rate)
         reqs = list(trace)
         if not reqs:
             raise InvalidArgument("the trace is empty")
         r = rate if rate is not None else trace.mean_rate
-        return cls(float(r), tuple(max(int(q.prompt_len), 1) for q in reqs), tuple(int(q.output_len) for q in reqs))
+        return cls(float(r), tuple(max(int(q.prompt_len), 1) for q in reqs), tuple(int(q.output_len) for q in reqs),
+                   prefix_hit_rate)
+
+    def with_prefix_hit_rate(self, rate: float) -> "Workload":
+        return replace(self, prefix_hit_rate=rate)
+
+    def computed(self, prompt_len: float) -> float:
+        """Prompt tokens the prefill pool computes for a prompt of ``prompt_len`` (the rest hit the cache)."""
+        return prompt_len * (1 - self.prefix_hit_rate)
 
     def with_rate(self, rate: float) -> "Workload":
         return replace(self, rate=rate)
@@ -132,7 +167,7 @@ class PoolLoad:
 def prefill_pool(cap: Capacity, load: Workload, workers: float, ttft_slo_s: float, overhead_s: float = 0.0) -> PoolLoad:
     """The prefill pool's utilisation and TTFT p90 (M/G/1 per worker, see the module docstring)."""
     lam = load.rate / workers
-    services = [cap.prefill_s(p) for p in load.prompt_lens]
+    services = [cap.prefill_s(load.computed(p)) for p in load.prompt_lens]
     es = sum(services) / len(services)
     es2 = sum(s * s for s in services) / len(services)
     rho = lam * es
@@ -140,7 +175,7 @@ def prefill_pool(cap: Capacity, load: Workload, workers: float, ttft_slo_s: floa
         return PoolLoad(workers, rho, math.inf, False)
     wq = lam * es2 / (2 * (1 - rho))
     wait_p90 = wq / rho * math.log(10 * rho) if rho > 0.1 else 0.0
-    ttft = cap.prefill_s(load.p90_prompt()) + wait_p90 + overhead_s
+    ttft = cap.prefill_s(load.computed(load.p90_prompt())) + wait_p90 + overhead_s
     return PoolLoad(workers, rho, ttft, ttft <= ttft_slo_s)
 
 
@@ -255,8 +290,13 @@ def recommend(cap: Capacity, load: Workload, slo: Slo) -> dict[str, Any]:
     out: dict[str, Any] = {"rate": load.rate, "ideal_prefill_workers": pre.ideal, "ideal_decode_workers": dec.ideal,
                            "prefill_bound": pre.bound, "decode_bound": dec.bound,
                            "prefill_tok_s_per_worker": load.mean_prompt / (
-                               sum(cap.prefill_s(p) for p in load.prompt_lens) / len(load.prompt_lens)),
-                           "decode_tok_s_per_worker": cap.decode_tok_s(slo.itl_s)}
+                               sum(cap.prefill_s(load.computed(p)) for p in load.prompt_lens) / len(load.prompt_lens)),
+                           "decode_tok_s_per_worker": cap.decode_tok_s(slo.itl_s),
+                           "prefix_hit_rate": load.prefix_hit_rate,
+                           "prompt_tokens_per_request": load.mean_prompt,
+                           "computed_prompt_tokens_per_request": load.computed(load.mean_prompt),
+                           # prefill -> decode: the blocks the decode worker lacks (the cached prefix stays put)
+                           "kv_tokens_moved_per_request": load.computed(load.mean_prompt)}
     if pre.slo_workers is None or dec.slo_workers is None:
         out["split"] = None
         out["why"] = ("no prefill pool meets the TTFT objective" if pre.slo_workers is None else

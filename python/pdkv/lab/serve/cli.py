@@ -39,9 +39,11 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from pdkv.lab.serve import prefix as serve_prefix
 from pdkv.lab.serve.client import ServerUnavailable, fetch_model, normalize_base_url, run_trace, wait_until_ready
+from pdkv.lab.serve.client_sessions import run_sessions
 from pdkv.lab.serve.metrics import SLO, BenchResults, RunResult
 from pdkv.lab.serve.report import markdown_table, recommend, sanity_notes, write_report
 from pdkv.lab.serve.trace import (
@@ -56,6 +58,13 @@ from pdkv.lab.serve.trace import (
     saturation_rate,
     save_trace,
     utilisation,
+)
+from pdkv.lab.serve.trace_sessions import (
+    SESSION_PRESETS,
+    WORKLOADS,
+    SessionTrace,
+    get_session_preset,
+    load_session_trace,
 )
 
 __all__ = [
@@ -99,13 +108,16 @@ async def warmup(
 
 async def run_sweep(
     url: str,
-    traces: Sequence[Tuple[float, Trace]],
+    traces: Sequence[Tuple[float, Union[Trace, SessionTrace]]],
     *,
     mode: str = "url",
     pd_ratio: Optional[str] = None,
     config: Optional[Dict[str, Any]] = None,
     cooldown_s: float = 1.0,
     progress: bool = True,
+    metrics_urls: Sequence[str] = (),
+    block_tokens: int = 16,
+    kv_token_bytes: Optional[int] = None,
     **client_kwargs: Any,
 ) -> List[RunResult]:
     """Replay one trace per rate against ``url``, one rate after the other.
@@ -114,8 +126,10 @@ async def run_sweep(
     ----------
     url : str
         Server base URL.
-    traces : sequence of (float, Trace)
-        ``(rate, trace)`` pairs, run in the given order.
+    traces : sequence of (float, Trace or SessionTrace)
+        ``(rate, trace)`` pairs, run in the given order. A
+        :class:`~pdkv.lab.serve.trace_sessions.SessionTrace` is run by
+        :func:`~pdkv.lab.serve.client_sessions.run_sessions` (its rate is in sessions/s).
     mode : str
         Label of the deployment (``"colocated"``, ``"disagg"``, ``"url"``...).
     pd_ratio : str, optional
@@ -126,6 +140,15 @@ async def run_sweep(
         Pause between rates, so one rate's tail does not bleed into the next.
     progress : bool
         Progress line on stderr.
+    metrics_urls : sequence of str
+        Workers whose ``/metrics`` are read before and after each rate: each run then
+        gets its prefix-reuse figures (:func:`pdkv.lab.serve.prefix.prefix_summary`).
+        Session workloads get them without workers too (the worker figures are then
+        ``None``).
+    block_tokens : int
+        The workers' KV block size, for the perfect-cache bound.
+    kv_token_bytes : int, optional
+        The model's KV bytes per token (to relate ``kv_bytes`` to the new tokens' KV).
     **client_kwargs
         Passed to :func:`~pdkv.lab.serve.client.run_trace` (``model``,
         ``concurrency``, ``endpoint``, ...).
@@ -139,9 +162,22 @@ async def run_sweep(
     for i, (rate, trace) in enumerate(traces):
         if i and cooldown_s > 0:
             await asyncio.sleep(cooldown_s)
-        label = f"{mode}{' ' + pd_ratio if pd_ratio else ''} @ {rate:g} req/s"
-        records = await run_trace(url, trace, progress=progress, label=label, **client_kwargs)
-        runs.append(RunResult(mode=mode, rate=rate, records=records, pd_ratio=pd_ratio, config=dict(config or {})))
+        sessions = isinstance(trace, SessionTrace)
+        label = f"{mode}{' ' + pd_ratio if pd_ratio else ''} @ {rate:g} {'sessions' if sessions else 'req'}/s"
+        before = await serve_prefix.fetch_counters(metrics_urls) if metrics_urls else None
+        if sessions:
+            records = await run_sessions(url, trace, progress=progress, label=label, **client_kwargs)
+        else:
+            records = await run_trace(url, trace, progress=progress, label=label, **client_kwargs)
+        run = RunResult(mode=mode, rate=rate, records=records, pd_ratio=pd_ratio, config=dict(config or {}))
+        if before is not None:
+            await asyncio.sleep(0.2)  # counters are bumped as a request ends; let the last ones land
+            after = await serve_prefix.fetch_counters(metrics_urls)
+            run.prefix = serve_prefix.prefix_summary(records, serve_prefix.metric_deltas(before, after),
+                                                     block_tokens=block_tokens, kv_token_bytes=kv_token_bytes)
+        elif sessions:
+            run.prefix = serve_prefix.prefix_summary(records, None, block_tokens=block_tokens)
+        runs.append(run)
     return runs
 
 
@@ -159,6 +195,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``--url`` mode's options to ``parser`` (for a parent CLI)."""
     src = parser.add_argument_group("trace")
     src.add_argument("--preset", default="mixed", help=f"trace preset: {', '.join(PRESETS)} (default: mixed)")
+    src.add_argument(
+        "--workload", choices=WORKLOADS, default="requests",
+        help="requests: independent requests of --preset (default); multi-turn | agentic: sessions whose next turn "
+        "is sent after the previous answer plus a think time, with the history (answer included) as its prefix "
+        "(see docs/benchmarks.md, prefix reuse). For sessions, --rates is new sessions per second",
+    )
     src.add_argument("--trace", metavar="JSONL", help="replay this JSONL trace instead of a preset")
     src.add_argument("--time-scale", type=float, default=1.0, help="multiply --trace timestamps by this to get seconds")
     src.add_argument(
@@ -177,6 +219,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--list-presets", action="store_true", help="print the presets and their estimated saturation, then exit"
     )
+    ses = parser.add_argument_group("sessions (--workload multi-turn | agentic)")
+    ses.add_argument("--sessions", type=int, help="at most this many sessions per rate (default: --duration of arrivals)")
+    ses.add_argument("--turns", help="turns per session, a length spec (e.g. 4, uniform:3:6)")
+    ses.add_argument("--think-time", type=float, help="mean seconds between an answer and the next turn (exponential)")
+    ses.add_argument("--shared-len", type=int, help="tokens of the prefix shared by every session")
+    ses.add_argument("--turn-len", help="new tokens of each later turn (user message or tool output), a length spec; "
+                     "--prompt-len sets the first message, --output-len the answers")
+    ses.add_argument("--max-context", type=int, help="end a session before a turn whose prompt + answer would pass "
+                     "this many tokens (default 2000)")
+    ses.add_argument("--block-tokens", type=int, default=16,
+                     help="the workers' KV block size, for the perfect-cache hit rate (default 16)")
 
     cli = parser.add_argument_group("client")
     cli.add_argument("--url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
@@ -202,6 +255,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli.add_argument("--wait-ready", type=float, default=0.0, help="wait up to this many seconds for /health first")
     cli.add_argument("--cooldown", type=float, default=1.0, help="pause between rates in seconds (default 1)")
     cli.add_argument("--mode-name", default="url", help="label of this deployment in the results (default: url)")
+    cli.add_argument("--worker-metrics", metavar="URLS",
+                     help="comma-separated worker URLs whose /metrics give the prefix-reuse figures (hit rate, "
+                     "prefill tokens, KV bytes) of a --url run")
     cli.add_argument("--no-progress", dest="progress", action="store_false")
 
     out = parser.add_argument_group("report")
@@ -223,6 +279,8 @@ def build_traces(args: argparse.Namespace) -> Tuple[List[Tuple[float, Trace]], D
     ValueError
         Bad preset, length or arrival specification, or a trace that cannot be rescaled.
     """
+    if getattr(args, "workload", "requests") != "requests" or (args.trace and str(args.trace).endswith(".json")):
+        return build_session_traces(args)  # a saved session trace is .json (request traces are .jsonl)
     if args.trace:
         base = load_trace(args.trace, time_scale=args.time_scale, seed=args.seed)
         if args.num_requests is not None:
@@ -260,6 +318,67 @@ def build_traces(args: argparse.Namespace) -> Tuple[List[Tuple[float, Trace]], D
     return traces, info
 
 
+def build_session_traces(args: argparse.Namespace) -> Tuple[List[Tuple[float, Any]], Dict[str, Any]]:
+    """The ``(rate, SessionTrace)`` list of ``--workload multi-turn | agentic`` and its provenance.
+
+    ``--rates`` are new sessions per second. Each rate gets the content seed
+    ``--seed + i`` (its i-th place in ``--rates``): a deployment keeps its prefix cache
+    from one rate to the next, so the same prompts again would hit what the previous
+    rate left behind, and no rate would measure a cold start. All modes still run the
+    same sessions at the same rate. ``--trace FILE`` replays a session trace that an
+    earlier run saved (``traces/rate-<r>.json``).
+
+    Raises
+    ------
+    ValueError
+        A bad length spec or option, or a session workload combined with options it cannot use.
+    """
+    if args.endpoint != "completions" or (args.prompt_format or "tokens") != "tokens":
+        raise ValueError("session workloads send token-id prompts to /v1/completions "
+                         "(no --endpoint chat, no --prompt-format text)")
+    if args.arrival:
+        raise ValueError("--arrival does not apply to session workloads (sessions start as a Poisson process)")
+    if args.trace:
+        base = load_session_trace(args.trace)
+        info = {**base.info, "description": f"replay of {args.trace}"}
+        rate = float(base.info.get("session_rate") or 0)
+        if not args.rates:
+            return [(rate, base)], info
+        return [(r, base.scaled_to_rate(r)) for r in args.rates], info
+    spec = get_session_preset(args.workload)
+    overrides: Dict[str, Any] = {}
+    for flag, key in (("prompt_len", "first_len"), ("turn_len", "turn_len"), ("output_len", "output_len"),
+                      ("turns", "turns")):
+        if getattr(args, flag, None):
+            overrides[key] = parse_length_dist(getattr(args, flag))
+    for flag, key in (("think_time", "think_s"), ("shared_len", "shared_len"), ("max_context", "max_context")):
+        if getattr(args, flag, None) is not None:
+            overrides[key] = getattr(args, flag)
+    if args.sessions is not None and args.sessions < 1:
+        raise ValueError(f"--sessions must be >= 1, got {args.sessions}")
+    if args.num_requests is not None:
+        raise ValueError("--num-requests does not apply to session workloads: use --sessions")
+    if args.block_tokens < 1:
+        raise ValueError(f"--block-tokens must be >= 1, got {args.block_tokens}")
+    if overrides:
+        spec = replace(spec, name=spec.name + "*", **overrides)
+    rates = args.rates or [spec.rate]
+    traces = [(r, spec.with_rate(r).generate(seed=args.seed + i, duration_s=None if args.sessions else args.duration,
+                                             num_sessions=args.sessions))
+              for i, r in enumerate(rates)]
+    info = {
+        "workload": spec.name,
+        "description": f"{spec.name}: {spec.description}",
+        "spec": spec.to_dict(),
+        "seed": args.seed,
+        "seeds": {f"{r:g}": args.seed + i for i, (r, _) in enumerate(traces)},
+        "duration_s": None if args.sessions else args.duration,
+        "num_sessions": args.sessions,
+        "requests": {f"{r:g}": t.num_requests for r, t in traces},
+    }
+    return traces, info
+
+
 def _list_presets() -> str:
     lines = ["preset          rate    rho(1 core)  saturation(1 core)  prompt / output"]
     for name, s in PRESETS.items():
@@ -268,6 +387,10 @@ def _list_presets() -> str:
             f"{s.prompt_len.spec()} / {s.output_len.spec()}"
         )
     lines.append("(rho and saturation from pdkv.lab.serve.trace.CostModel: a ~40M model on one CPU core)")
+    lines.append("")
+    lines.append("session workload (--workload)  sessions/s  description")
+    for name, ss in SESSION_PRESETS.items():
+        lines.append(f"{name:<30} {ss.session_rate:<11g} {ss.description}")
     return "\n".join(lines)
 
 
@@ -370,18 +493,34 @@ def emit_results(
     dict of str to pathlib.Path
         What was written (empty without ``out``).
     """
+    serve_prefix.fill_outputs_equal(results)
     print(markdown_table(results))
+    prefix_md = serve_prefix.markdown(results)
+    if prefix_md:
+        print(prefix_md)
     for note in sanity_notes(results):
         print(f"warning: {note}")
     print(recommend(results).text)
     if not out:
         return {}
     paths = write_report(results, out, plots=plots)
+    if prefix_md:
+        with open(paths["markdown"], "a", encoding="utf-8") as f:
+            f.write("\n" + prefix_md)
+        if plots and "itl_cdf" in paths:  # matplotlib is there
+            png = serve_prefix.plot(results, Path(out) / "prefix_reuse.png")
+            if png is not None:
+                paths["prefix_reuse"] = Path(png)
+                with open(paths["markdown"], "a", encoding="utf-8") as f:
+                    f.write("\n![Prefix hit rate against a perfect cache, and TTFT](prefix_reuse.png)\n")
     if traces:
         tdir = Path(out) / "traces"
         tdir.mkdir(exist_ok=True)
         for rate, trace in traces:
-            save_trace(trace, tdir / f"rate-{rate:g}.jsonl")
+            if isinstance(trace, SessionTrace):
+                trace.save(tdir / f"rate-{rate:g}.json")
+            else:
+                save_trace(trace, tdir / f"rate-{rate:g}.jsonl")
         paths["traces"] = tdir
     print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return paths
@@ -397,8 +536,10 @@ async def _run(args: argparse.Namespace, traces: List[Tuple[float, Trace]]) -> T
     client = client_kwargs(args, model)
     if args.warmup > 0:
         await warmup(args.url, requests=args.warmup, **client)
+    metrics_urls = [u.strip() for u in (args.worker_metrics or "").split(",") if u.strip()]
     runs = await run_sweep(
-        args.url, traces, mode=args.mode_name, cooldown_s=args.cooldown, progress=args.progress, **client
+        args.url, traces, mode=args.mode_name, cooldown_s=args.cooldown, progress=args.progress,
+        metrics_urls=metrics_urls, block_tokens=args.block_tokens, **client
     )
     return runs, model
 
@@ -427,6 +568,9 @@ def run_from_args(args: argparse.Namespace, argv: Optional[Sequence[str]] = None
         return 2
     try:
         normalize_base_url(args.url)
+        for u in (args.worker_metrics or "").split(","):
+            if u.strip():
+                normalize_base_url(u)
         slo = slo_from_args(args)
         traces, trace_info = build_traces(args)
     except (ValueError, OSError) as exc:

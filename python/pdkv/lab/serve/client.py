@@ -677,8 +677,9 @@ async def run_trace(
         )
         bodies = [build_body(config, p, r.output_len) for p, r in zip(prompts, trace.requests)]
         records = [
-            RequestRecord(index=r.index, scheduled_s=r.arrival_s, prompt_len=r.prompt_len, max_tokens=r.output_len)
-            for r in trace.requests
+            RequestRecord(index=r.index, scheduled_s=r.arrival_s, prompt_len=r.prompt_len, max_tokens=r.output_len,
+                          prompt_token_ids=p if isinstance(p, list) else None)  # for the perfect-cache bound
+            for p, r in zip(prompts, trace.requests)
         ]
         bar: Optional[ProgressBar] = None
         if progress:

@@ -123,6 +123,12 @@ class RequestRecord:
     output_token_ids : list of int or None
         The generated token ids, when the server returned them (``return_token_ids``,
         sent by the streaming comparison to check that two modes answered alike).
+    session, turn : int or None
+        Session and turn of a session workload's request
+        (:mod:`pdkv.lab.serve.trace_sessions`); ``None`` for request traces.
+    prompt_token_ids : list of int or None
+        The token-id prompt the request sent; kept in memory for the prefix-reuse
+        bounds (:func:`pdkv.lab.serve.prefix.hit_rate_max`), not written to results.
     """
 
     index: int
@@ -140,6 +146,9 @@ class RequestRecord:
     error: Optional[str] = None
     usage_per_chunk: bool = False
     output_token_ids: Optional[List[int]] = None
+    session: Optional[int] = None
+    turn: Optional[int] = None
+    prompt_token_ids: Optional[List[int]] = field(default=None, repr=False, compare=False)
 
     def add_chunk(self, t: float, tokens: int = 1) -> None:
         """Record an output chunk that arrived at ``t`` carrying ``tokens`` tokens."""
@@ -237,6 +246,7 @@ class RequestRecord:
             "error": self.error,
             "usage_per_chunk": self.usage_per_chunk,
             **({} if self.output_token_ids is None else {"output_token_ids": list(self.output_token_ids)}),
+            **({} if self.session is None else {"session": self.session, "turn": self.turn}),
         }
 
     @classmethod
@@ -258,6 +268,8 @@ class RequestRecord:
             error=d.get("error"),
             usage_per_chunk=bool(d.get("usage_per_chunk", False)),
             output_token_ids=None if d.get("output_token_ids") is None else [int(t) for t in d["output_token_ids"]],
+            session=None if d.get("session") is None else int(d["session"]),
+            turn=None if d.get("turn") is None else int(d["turn"]),
         )
 
 
@@ -529,6 +541,10 @@ class RunResult:
         Prefill:decode worker ratio such as ``"1:1"`` for disaggregated modes.
     config : dict
         Free-form JSON-serialisable details of the deployment (cores, chunk size...).
+    prefix : dict or None
+        Prefix-reuse figures of the run (:func:`pdkv.lab.serve.prefix.prefix_summary`:
+        ``prefix_hit_rate``, ``prefix_hit_rate_max``, ``prefill_tokens``, ``kv_bytes``,
+        ``outputs_equal``...), merged into the stored ``summary``; ``None`` when not measured.
     """
 
     mode: str
@@ -536,6 +552,7 @@ class RunResult:
     records: List[RequestRecord]
     pd_ratio: Optional[str] = None
     config: Dict[str, Any] = field(default_factory=dict)
+    prefix: Optional[Dict[str, Any]] = None
 
     @property
     def candidate(self) -> str:
@@ -553,7 +570,8 @@ class RunResult:
             "pd_ratio": self.pd_ratio,
             "rate": self.rate,
             "config": dict(self.config),
-            "summary": self.summary(slo).to_dict(),
+            "summary": {**self.summary(slo).to_dict(), **(self.prefix or {})},
+            **({} if self.prefix is None else {"prefix": dict(self.prefix)}),
             "records": [r.to_dict() for r in self.records],
         }
 
@@ -566,6 +584,7 @@ class RunResult:
             records=[RequestRecord.from_dict(r) for r in d.get("records", [])],
             pd_ratio=d.get("pd_ratio"),
             config=dict(d.get("config", {})),
+            prefix=None if d.get("prefix") is None else dict(d["prefix"]),
         )
 
 

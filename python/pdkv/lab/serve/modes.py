@@ -38,13 +38,16 @@ from pdkv.lab.netlab.testbed import Lab, check_available, parse_link
 from pdkv.lab.serve import cli as serve_cli
 from pdkv.lab.serve import compress as serve_compress
 from pdkv.lab.serve import link as serve_link
+from pdkv.lab.serve import prefix as serve_prefix
 from pdkv.lab.serve import stream as serve_stream
 from pdkv.lab.serve.client import fetch_model, wait_until_ready
 from pdkv.lab.serve.metrics import BenchResults, RunResult
 from pdkv.serving.launch import Deployment
 from pdkv.serving.tiny import save_tiny_model
 
-MODES = ("colocated", "chunked", "disagg", "hybrid", "disagg-nostream", serve_compress.PLAIN,
+#: disagg with the proxy's KV-aware routing (``--routing kv``; needs the workers' prefix cache).
+KV_ROUTED = "disagg-kv"
+MODES = ("colocated", "chunked", "disagg", "hybrid", "disagg-nostream", KV_ROUTED, serve_compress.PLAIN,
          *(serve_compress.mode_name(m) for m in serve_compress.COMPRESS_MODES))
 DEFAULT_MODES = ("colocated", "chunked", "disagg", "hybrid")
 #: Layer-wise streaming (the prefill worker's default) against one write after prefill:
@@ -94,6 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    f"for each of MODES ({','.join(serve_compress.COMPRESS_MODES)}, comma-separated; the prefill "
                    "worker's --compress), with TTFT, time to 2nd token, ITL, throughput, their ratios and a "
                    "token-for-token check of the outputs in the report")
+    g.add_argument("--prefix-cache", choices=("on", "off", "both"),
+                   help="the workers' prefix cache (their --prefix-cache): on, off, or both (each mode twice; the "
+                   f"cache-off runs are labelled <mode>{serve_prefix.NOCACHE_SUFFIX} and every cache-on run's "
+                   "outputs are checked token for token against them). Default: the workers' default, flag not "
+                   f"passed. {KV_ROUTED} (the proxy's --routing kv) runs with the cache on only")
     g.add_argument("--serve-model", default="smollm2",
                    help=f"model directory, smollm2 (the demo model) or a generated one: {', '.join(GENERATED)}")
     g.add_argument("--pd", default="1:1", help="prefill:decode workers of disagg and hybrid (default 1:1)")
@@ -108,12 +116,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "RATE[,rtt=..], e.g. 1gbit,rtt=0.2ms (root; see pdkv netlab)")
 
 
-def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir: Optional[Path], lab=None):
+def cache_settings(args: argparse.Namespace) -> list[Optional[str]]:
+    """The prefix-cache settings each mode runs with: ``[None]`` (the workers' default),
+    ``["on"]``, ``["off"]``, or ``["off", "on"]`` for ``both`` (the baseline first)."""
+    pc = getattr(args, "prefix_cache", None)
+    return [None] if pc is None else ["off", "on"] if pc == "both" else [pc]
+
+
+def run_label(mode: str, cache: Optional[str]) -> str:
+    """The mode's label in the results: ``disagg``, or ``disagg-nocache`` with the cache off."""
+    return mode + serve_prefix.NOCACHE_SUFFIX if cache == "off" else mode
+
+
+def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir: Optional[Path], lab=None,
+                   cache: Optional[str] = None):
     p, d = (int(x) for x in args.pd.split(":"))
     place = {}
     if lab is not None:  # each process on its own lab host (--link)
         place["placement"] = serve_link.placement(lab, 0 if mode in ("colocated", "chunked") else p)
     worker_args = [a for w in args.worker_arg for a in w.split("=", 1)] if args.worker_arg else []
+    if cache is not None:
+        worker_args += ["--prefix-cache", cache]
+    if getattr(args, "block_tokens", 16) != 16:
+        worker_args += ["--block-tokens", str(args.block_tokens)]
     if mode in ("colocated", "chunked"):
         replicas = args.replicas or (p + d)
         extra = ["--max-batch-tokens", str(args.max_batch_tokens)] if mode == "chunked" else []
@@ -122,15 +147,18 @@ def deployment_for(mode: str, model_dir: Path, args: argparse.Namespace, log_dir
     proxy_args = []
     if mode == "hybrid" and args.hybrid_threshold is not None:
         proxy_args = ["--hybrid-threshold", str(args.hybrid_threshold)]
+    if mode == KV_ROUTED:
+        proxy_args = ["--routing", "kv"]
     prefill_args = ["--no-stream-layers"] if mode == "disagg-nostream" else serve_compress.prefill_args(mode) or []
-    disagg_variant = mode == "disagg-nostream" or serve_compress.prefill_args(mode) is not None
+    disagg_variant = mode in ("disagg-nostream", KV_ROUTED) or serve_compress.prefill_args(mode) is not None
     return Deployment("disagg" if disagg_variant else mode, model_dir, num_prefill=p, num_decode=d,
                       worker_args=worker_args, prefill_args=prefill_args, proxy_args=proxy_args,
                       pin=args.pin, log_dir=log_dir, **place), f"{p}:{d}"
 
 
 async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
-                   model_name: Optional[str], prefill_urls: Sequence[str] = ()) -> tuple[list[RunResult], str]:
+                   model_name: Optional[str], prefill_urls: Sequence[str] = (), worker_urls: Sequence[str] = (),
+                   cache: Optional[str] = None) -> tuple[list[RunResult], str]:
     await wait_until_ready(url, timeout_s=120)
     async with aiohttp.ClientSession() as session:
         model = model_name or await fetch_model(session, url)
@@ -139,8 +167,13 @@ async def _measure(url: str, traces, mode: str, pd_ratio: str, args,
         client["extra_body"] = {"return_token_ids": True}
     if args.warmup > 0:
         await serve_cli.warmup(url, requests=args.warmup, **client)
-    runs = await serve_cli.run_sweep(url, traces, mode=mode, pd_ratio=pd_ratio, cooldown_s=args.cooldown,
-                                     progress=args.progress, config={"mode": mode, "pd": pd_ratio}, **client)
+    if args.prefix_cache is not None:  # outputs_equal compares token ids with the cache-off run
+        client["extra_body"] = {**client.get("extra_body", {}), "return_token_ids": True}
+    config = {"mode": mode, "pd": pd_ratio, **({} if cache is None else {"prefix_cache": cache})}
+    runs = await serve_cli.run_sweep(url, traces, mode=run_label(mode, cache), pd_ratio=pd_ratio,
+                                     cooldown_s=args.cooldown, progress=args.progress, config=config,
+                                     metrics_urls=worker_urls, block_tokens=args.block_tokens,
+                                     kv_token_bytes=getattr(args, "kv_token_bytes", None), **client)
     if serve_compress.comparing(args) and prefill_urls:  # what the KV pushes put on the wire, by codec
         wire = await serve_compress.fetch_kv_wire(prefill_urls)
         for run in runs:
@@ -153,13 +186,19 @@ def _run_each_mode(modes, model_dir: Path, traces, args, lab) -> tuple[list[RunR
     model_name = args.model
     run_client = serve_link.client_runner(lab) if lab is not None else asyncio.run
     for mode in modes:
-        log_dir = Path(args.keep_logs) / mode if args.keep_logs else None
-        dep, pd_ratio = deployment_for(mode, model_dir, args, log_dir, lab)
-        print(f"== {mode} ({pd_ratio}) on {model_dir}", file=sys.stderr, flush=True)
-        with dep:
-            prefill_urls = [w.url for w in dep.workers if w.role == "prefill"]
-            got, model_name = run_client(_measure(dep.url, traces, mode, pd_ratio, args, model_name, prefill_urls))
-        runs += got
+        for cache in cache_settings(args):
+            if mode == KV_ROUTED and cache == "off":
+                continue  # KV-aware routing needs the cache; its baseline is another mode's cache-off run
+            label = run_label(mode, cache)
+            log_dir = Path(args.keep_logs) / label if args.keep_logs else None
+            dep, pd_ratio = deployment_for(mode, model_dir, args, log_dir, lab, cache)
+            print(f"== {label} ({pd_ratio}) on {model_dir}", file=sys.stderr, flush=True)
+            with dep:
+                prefill_urls = [w.url for w in dep.workers if w.role == "prefill"]
+                worker_urls = [w.url for w in dep.workers]
+                got, model_name = run_client(_measure(dep.url, traces, mode, pd_ratio, args, model_name,
+                                                      prefill_urls, worker_urls, cache))
+            runs += got
     return runs, model_name
 
 
@@ -176,6 +215,10 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         print(f"error: unknown mode(s) {bad}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
+    problem = check_prefix_options(args, modes)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         p, d = (int(x) for x in args.pd.split(":"))
@@ -199,6 +242,7 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
     if vocab and args.vocab_size > vocab:
         args.vocab_size = int(vocab)
+    args.kv_token_bytes = serve_prefix.kv_bytes_per_token(model_dir)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     with contextlib.ExitStack() as stack:
         lab = None
@@ -228,6 +272,18 @@ def run_modes(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
+def check_prefix_options(args: argparse.Namespace, modes: Sequence[str]) -> Optional[str]:
+    """What is wrong with the prefix-reuse options for ``modes``, or None."""
+    if KV_ROUTED in modes and args.prefix_cache == "off":
+        return (f"{KV_ROUTED} routes by the workers' cached KV and needs --prefix-cache on (or both, which runs "
+                f"it with the cache on and the other modes both ways)")
+    if args.prefix_cache is not None and serve_stream.comparing(args) and getattr(args, "compare_stream", False):
+        return "--prefix-cache and --compare-stream are separate runs"
+    if getattr(args, "block_tokens", 16) < 1:
+        return f"--block-tokens must be >= 1, got {args.block_tokens}"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="pdkv bench serve", description=__doc__,
@@ -241,6 +297,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.compare_compress and args.url:
         parser.error("--compare-compress starts the disagg deployments itself; it cannot measure a server given by "
                      "--url")
+    if args.prefix_cache and args.url:
+        parser.error("--prefix-cache sets the flag of the workers this command starts; with --url start your workers "
+                     "with the cache you want and pass their URLs with --worker-metrics")
+    if args.worker_metrics and not args.url:
+        parser.error("--worker-metrics is for --url runs (the launched modes read their own workers' /metrics)")
     if args.compare_compress and args.compare_stream:
         parser.error("--compare-compress and --compare-stream are separate runs (each replaces --modes)")
     if args.url or args.list_presets:

@@ -116,8 +116,10 @@ def markdown_table(results: BenchResults, slo: Optional[SLO] = None) -> str:
         GitHub-flavoured markdown, ending with a newline.
     """
     slo = slo or results.slo
+    trace = results.meta.get("trace") if isinstance(results.meta, Mapping) else None
+    sessions = isinstance(trace, Mapping) and trace.get("workload") not in (None, "requests")
     head = [
-        "Mode", "P:D", "Rate (req/s)", "Requests", "Errors",
+        "Mode", "P:D", "Rate (sessions/s)" if sessions else "Rate (req/s)", "Requests", "Errors",
         "TTFT p50 (s)", "TTFT p90 (s)", "TTFT p99 (s)",
         "ITL p50 (ms)", "ITL p90 (ms)", "ITL p99 (ms)",
         "E2E p50 (s)", "E2E p90 (s)", "E2E p99 (s)",
