@@ -49,7 +49,7 @@ demo: install
 	$(BIN)/pdkv demo
 
 test: install cpp-test lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # The import-linter contracts of pyproject.toml: library < serving < lab < cli, no cycles.
 lint-imports: install
