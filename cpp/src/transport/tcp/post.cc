@@ -466,7 +466,7 @@ void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::
     }
     pollfd pf{c->fd(), POLLIN | POLLRDHUP, 0};
     const int r = ::poll(&pf, 1, timeout);
-    if (r > 0) c->owner()->on_readable(c);
+    if (r > 0) c->owner()->on_readable(c, &x);  // stops at our ack: no read to see EAGAIN
   }
   c->set_driven(false);
 }
