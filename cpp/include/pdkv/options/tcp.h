@@ -92,8 +92,8 @@ struct TcpOptions : TransportOptionsOf<TcpOptions> {
   // extents average fewer than `gather_below_bytes` is gathered by the sender into
   // staging chunks and sent as one frame (measured: 256 B..2 KiB extents cost the
   // sender 1.2-2x less CPU per byte; 4 KiB ones are better left to the kernel: not
-  // gathering them spent 0.37 against 0.40-0.46 CPU s/GB and moved 2.6 against
-  // 2.2-2.4 GB/s, alternating in one process, bench/results/tcpperf; 8 KiB and up
+  // gathering them spent 0.36-0.38 against 0.39-0.41 CPU s/GB and moved 2.6 against
+  // 2.4-2.5 GB/s, alternating in one process, bench/results/tcpperf; 8 KiB and up
   // make no difference). A payload whose extents average fewer than
   // `land_below_bytes` is landed by the receiver in a buffer and scattered with
   // streaming stores (0.68-0.70x the homogeneous transfer against 0.51x straight into
