@@ -459,8 +459,9 @@ void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::
     // Blocks at once, in slices of <= 10 ms so deadlines and shutdown are noticed; no
     // busy spin first (wait_spin_us is for waits without a driver). Measured on the
     // 2-core VM, 32 KiB writes, p50: with two busy processes beside it a caller that
-    // polled here for 50 us first waited 80 us for its ack, one blocked in poll 27-30 us;
-    // alone both 30-31 us (bench/results/tcpperf/drive-spin.txt).
+    // polled here for 50 us first waited 80 us for its ack, one blocked in poll 27-33 us;
+    // beside other sessions' work (load ~7) 30.8-31.1 against 27.7-28.4 us
+    // (bench/results/tcpperf/drive-spin.txt).
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1;
     const int timeout = static_cast<int>(std::min<int64_t>(left, 10));
     pollfd pf{c->fd(), POLLIN | POLLRDHUP, 0};
