@@ -34,14 +34,35 @@ def test_bench_transfer_json(transport):
         check_cpu(r, set(r["ceilings"]))
 
 
+def median(xs):
+    xs = sorted(xs)
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
 def check_cpu(r: dict, ceilings: set[str], peers: tuple[str, ...] = ()) -> None:
-    """CPU seconds per GB of pdkv and of every ceiling (and peer), with pdkv's ratio over each."""
+    """CPU seconds per GB of pdkv and of every ceiling (and peer), with pdkv's ratio over each:
+    in every alternating round, and as medians over the rounds."""
     assert r["cpu_s_per_gb"] > 0  # the initiator alone spends some
     assert set(r["ceilings_cpu_s_per_gb"]) == ceilings
     assert all(v >= 0 for v in r["ceilings_cpu_s_per_gb"].values())
     assert set(r["ratios_cpu"]) == ceilings | set(peers)
-    for k, v in r["ceilings_cpu_s_per_gb"].items():
-        assert r["ratios_cpu"][k] == (pytest.approx(r["cpu_s_per_gb"] / v) if v > 0 else None)
+    rounds = r["per_round"]
+    assert len(rounds) == r["rounds"]
+    for rnd in rounds:
+        cpu = rnd["cpu_s_per_gb"]
+        for k in ceilings:
+            assert rnd["ratios"][k] == pytest.approx(rnd["gbps"]["pdkv"] / rnd["gbps"][k])
+            assert rnd["ratios_cpu"][k] == (pytest.approx(cpu["pdkv"] / cpu[k]) if cpu[k] > 0 else None)
+    assert r["gbps"] == pytest.approx(median([x["gbps"]["pdkv"] for x in rounds]))
+    assert r["cpu_s_per_gb"] == pytest.approx(median([x["cpu_s_per_gb"]["pdkv"] for x in rounds]))
+    for k in ceilings:
+        assert r["ceilings"][k] == pytest.approx(median([x["gbps"][k] for x in rounds]))
+        assert r["ratios"][k] == pytest.approx(median([x["ratios"][k] for x in rounds]))
+        lo, hi = r["spread"]["ratios"][k]
+        assert lo <= r["ratios"][k] <= hi
+        known = [x["ratios_cpu"][k] for x in rounds if x["ratios_cpu"][k] is not None]
+        assert r["ratios_cpu"][k] == (pytest.approx(median(known)) if known else None)
     split = r["cpu_s_per_gb_by_process"]
     assert set(split) == ceilings | {"pdkv"}
     assert split["pdkv"]["initiator"] + split["pdkv"]["target"] == pytest.approx(r["cpu_s_per_gb"])

@@ -39,10 +39,15 @@ def scattered_offsets(sizes, pool_bytes, rng):
     return offs
 
 
+# The sizes below were chosen around the former default gather threshold (8 KiB):
+# kept, so 4-8 KiB extents still go through the gathered path here.
+TCP = pdkv.TcpOptions(gather_below_bytes=8192)
+
+
 @pytest.fixture
 def pair():
-    with pdkv.Agent("target", secret=SECRET, transports=["tcp"]) as t, \
-            pdkv.Agent("init", secret=SECRET, transports=["tcp"]) as a:
+    with pdkv.Agent("target", secret=SECRET, transports=["tcp"], options=[TCP]) as t, \
+            pdkv.Agent("init", secret=SECRET, transports=["tcp"], options=[TCP]) as a:
         dst = np.zeros(POOL, np.uint8)
         rd = t.register(dst)
         src = np.random.default_rng(7).integers(0, 256, POOL, dtype=np.uint8)

@@ -57,7 +57,7 @@ struct TcpOptions : TransportOptionsOf<TcpOptions> {
   uint32_t spin_us = 0;                   // µs a progress thread polls after activity before sleeping
   uint64_t batch_bytes = 16ull << 20;     // max payload bytes per wire batch (1..2^30)
   // Max extents per batch sent as iovecs: one sendmsg, IOV_MAX less 4 (1..1020). A
-  // batch of extents averaging under 8 KiB is gathered into a staging chunk instead
+  // batch of extents averaging under gather_below_bytes is gathered into a staging chunk instead
   // and may hold up to 16384 (docs/wire.md, "Many small extents in one frame").
   uint32_t batch_extents = 1020;
   uint32_t rcvlowat_bytes = 1u << 20;     // SO_RCVLOWAT cap while receiving payload (0: off)
@@ -91,13 +91,15 @@ struct TcpOptions : TransportOptionsOf<TcpOptions> {
   // Small extents (docs/wire.md, "Many small extents in one frame"). A batch whose
   // extents average fewer than `gather_below_bytes` is gathered by the sender into
   // staging chunks and sent as one frame (measured: 256 B..2 KiB extents cost the
-  // sender 1.2-2x less CPU per byte, 4 KiB ones go faster from cold pages; 8 KiB and
-  // up make no difference). A payload whose extents average fewer than
+  // sender 1.2-2x less CPU per byte; 4 KiB ones are better left to the kernel: not
+  // gathering them spent 0.36-0.38 against 0.39-0.41 CPU s/GB and moved 2.6 against
+  // 2.4-2.5 GB/s, alternating in one process, bench/results/tcpperf; 8 KiB and up
+  // make no difference). A payload whose extents average fewer than
   // `land_below_bytes` is landed by the receiver in a buffer and scattered with
   // streaming stores (0.68-0.70x the homogeneous transfer against 0.51x straight into
   // 512-byte iovecs). Bytes, 0..2^30 (0: never). Each side uses its own: they change
   // how a frame is laid out, never what it means.
-  uint64_t gather_below_bytes = 8192;
+  uint64_t gather_below_bytes = 4096;
   uint64_t land_below_bytes = 4096;
 
   // OK, or InvalidArgument naming the first field out of range and its value

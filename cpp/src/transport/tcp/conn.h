@@ -109,6 +109,9 @@ struct RxState {
   std::unique_ptr<cuda::ScatterPipe> pipe;
   bool staged = false;
   int cur_lowat = 1;  // SO_RCVLOWAT now set on the socket
+  // Bytes the last read asked the socket for (FrameReceiver::receive: a read that got
+  // fewer found the socket empty, so no read is spent to see EAGAIN).
+  size_t asked = 0;
   // A compressed write (kWriteZ): its payload is received into `zbuf`; then both it
   // and `zdst`, the checked extents, go to a decode thread (compress.h Decoder).
   // zbuf grows as the payload's bytes arrive (doubling from kZbufFirstBytes), never

@@ -443,12 +443,11 @@ void TcpTransport::cancel(const std::shared_ptr<TcpPost>& p) {
 }
 
 void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::time_point deadline,
-                         uint32_t spin_us) {
+                         uint32_t /*spin_us*/) {
   auto rl = c->try_lock_rx();
   if (!rl || !c->open()) return;
   if (!c->set_driven(true)) return;  // the owner thread stops watching EPOLLIN while we read
   deadline = std::min(deadline, x.deadline());
-  const auto spin_end = Clock::now() + std::chrono::microseconds(spin_us);
   while (!x.terminal() && c->open()) {
     const auto now = Clock::now();
     if (now >= deadline) break;
@@ -457,16 +456,17 @@ void TcpTransport::drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::
       kill_locked(c, stalled);
       break;
     }
-    // Spin briefly (the ack of a small write is usually microseconds away), then
-    // block in short slices so deadlines and shutdown are noticed.
-    int timeout = 0;
-    if (now >= spin_end) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1;
-      timeout = static_cast<int>(std::min<int64_t>(left, 10));
-    }
+    // Blocks at once, in slices of <= 10 ms so deadlines and shutdown are noticed; no
+    // busy spin first (wait_spin_us is for waits without a driver). Measured on the
+    // 2-core VM, 32 KiB writes, p50: with two busy processes beside it a caller that
+    // polled here for 50 us first waited 80 us for its ack, one blocked in poll 27-33 us;
+    // beside other sessions' work (load ~7) 30.8-31.1 against 27.7-28.4 us
+    // (bench/results/tcpperf/drive-spin.txt).
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count() + 1;
+    const int timeout = static_cast<int>(std::min<int64_t>(left, 10));
     pollfd pf{c->fd(), POLLIN | POLLRDHUP, 0};
     const int r = ::poll(&pf, 1, timeout);
-    if (r > 0) c->owner()->on_readable(c);
+    if (r > 0) c->owner()->on_readable(c, &x);  // stops at our ack: no read to see EAGAIN
   }
   c->set_driven(false);
 }

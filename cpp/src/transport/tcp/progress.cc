@@ -384,8 +384,8 @@ Status ProgressThread::frame_stalled(TcpConn& c, Clock::time_point now) {
                          limit_s);
 }
 
-void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c) {
-  const uint64_t got = frames_.receive(c);
+void ProgressThread::on_readable(const std::shared_ptr<TcpConn>& c, const Transfer* until) {
+  const uint64_t got = frames_.receive(c, until);
   if (c->open()) c->note_received(got);  // not when it was closed meanwhile
 }
 

@@ -66,8 +66,9 @@ class ProgressThread {
   // Watches c for reading (`in`) and writing (`out`); called by c under its send lock.
   void set_interest(TcpConn& c, bool in, bool out);
   // Receives what c has, then records whether a frame is left half-read (its
-  // deadline). Caller holds c's receive lock (TcpConn::lock_rx).
-  void on_readable(const std::shared_ptr<TcpConn>& c);
+  // deadline). Caller holds c's receive lock (TcpConn::lock_rx). `until`: see
+  // FrameReceiver::receive.
+  void on_readable(const std::shared_ptr<TcpConn>& c, const Transfer* until = nullptr);
   // Timeout if c has a half-read frame or stuck output that did not move for
   // frame_timeout_s; OK otherwise.
   Status frame_stalled(TcpConn& c, Clock::time_point now);

@@ -29,6 +29,7 @@ ssize_t recv_with_next_header(int fd, RxState& st, void* buf, size_t want) {
   msghdr mh{};
   mh.msg_iov = iov;
   mh.msg_iovlen = want == st.remaining ? 2 : 1;
+  st.asked = want + (mh.msg_iovlen == 2 ? kHdr : 0);
   return ::recvmsg(fd, &mh, MSG_DONTWAIT);
 }
 
@@ -46,7 +47,7 @@ std::unique_ptr<OutMsg> failed_ack(const FrameHeader& h, const Status& why) {
 
 // ---------------------------------------------------------------- the byte stream
 
-uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
+uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c, const Transfer* until) {
   uint64_t got = 0;
   uint64_t budget = kReceiveBudget;
   while (c->fd() >= 0 && !c->draining() && budget > 0 && !c->reading_paused()) {
@@ -64,7 +65,15 @@ uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
     }
     if (r > 0) {
       got += static_cast<uint64_t>(r);
-      if (stop) return got;
+      if (stop || (until && until->terminal())) return got;
+      // Fewer bytes than asked: the socket was empty. Return now instead of reading
+      // again to see EAGAIN (a syscall per frame on the latency path); readiness is
+      // level-triggered for both callers (the owner's epoll, drive()'s poll), so bytes
+      // that arrive meanwhile are reported again.
+      if (static_cast<size_t>(r) < rx(c).asked) {
+        if (c->fd() >= 0) lowat_for_payload(c);
+        return got;
+      }
       continue;
     }
     if (r == 0) {
@@ -74,10 +83,7 @@ uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
     }
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      if (rx(c).stage == RxStage::kPayload && t_.opts().rcvlowat_bytes > 0) {
-        set_lowat(*c, static_cast<int>(std::max<uint64_t>(
-                          1, std::min<uint64_t>(t_.opts().rcvlowat_bytes, rx(c).remaining / 2))));
-      }
+      lowat_for_payload(c);
       return got;
     }
     t_.kill_locked(c, ConnectionError("receiving from " + c->desc() + " failed: " + util::errno_str(errno)));
@@ -86,7 +92,17 @@ uint64_t FrameReceiver::receive(const std::shared_ptr<TcpConn>& c) {
   return got;
 }
 
+// Waiting in the middle of a payload: no wake-up until a good share of the rest is
+// there (TcpOptions::rcvlowat_bytes).
+void FrameReceiver::lowat_for_payload(const std::shared_ptr<TcpConn>& c) {
+  if (rx(c).stage == RxStage::kPayload && t_.opts().rcvlowat_bytes > 0) {
+    set_lowat(*c, static_cast<int>(
+                      std::max<uint64_t>(1, std::min<uint64_t>(t_.opts().rcvlowat_bytes, rx(c).remaining / 2))));
+  }
+}
+
 ssize_t FrameReceiver::read_header(const std::shared_ptr<TcpConn>& c, bool* stop) {
+  rx(c).asked = kHdr - rx(c).hdr_got;
   ssize_t r = ::recv(c->fd(), reinterpret_cast<char*>(&rx(c).hdr) + rx(c).hdr_got, kHdr - rx(c).hdr_got, MSG_DONTWAIT);
   if (r > 0) {
     rx(c).hdr_got += static_cast<size_t>(r);
@@ -96,6 +112,7 @@ ssize_t FrameReceiver::read_header(const std::shared_ptr<TcpConn>& c, bool* stop
 }
 
 ssize_t FrameReceiver::read_control(const std::shared_ptr<TcpConn>& c, bool* stop) {
+  rx(c).asked = rx(c).ctrl.size() - rx(c).ctrl_got;
   ssize_t r = ::recv(c->fd(), rx(c).ctrl.data() + rx(c).ctrl_got, rx(c).ctrl.size() - rx(c).ctrl_got, MSG_DONTWAIT);
   if (r > 0) {
     rx(c).ctrl_got += static_cast<size_t>(r);
@@ -120,6 +137,8 @@ ssize_t FrameReceiver::read_payload(const std::shared_ptr<TcpConn>& c, uint64_t*
   msghdr mh{};
   mh.msg_iov = iov;
   mh.msg_iovlen = static_cast<size_t>(n);
+  rx(c).asked = 0;
+  for (int k = 0; k < n; ++k) rx(c).asked += iov[k].iov_len;
   ssize_t r = ::recvmsg(c->fd(), &mh, MSG_DONTWAIT);
   if (r <= 0) return r;
   *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));
@@ -200,6 +219,7 @@ void FrameReceiver::payload_received(const std::shared_ptr<TcpConn>& c, uint64_t
 // Into the pinned buffer the ScatterPipe offers; it copies full ones to the GPU.
 ssize_t FrameReceiver::read_staged_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop) {
   const iovec sp = rx(c).pipe->space();
+  rx(c).asked = sp.iov_len;
   ssize_t r = ::recv(c->fd(), sp.iov_base, sp.iov_len, MSG_DONTWAIT);
   if (r <= 0) return r;
   *budget -= std::min<uint64_t>(*budget, static_cast<uint64_t>(r));

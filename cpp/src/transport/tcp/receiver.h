@@ -58,7 +58,9 @@ class FrameReceiver {
 
   // Reads c until the socket is empty, the connection is closed or paused, or a
   // fairness budget is spent; acts on every frame completed. Returns the bytes read.
-  uint64_t receive(const std::shared_ptr<TcpConn>& c);
+  // With `until` (a caller driving its own transfer, TcpTransport::drive): also stops
+  // once that transfer is terminal, leaving later bytes to the owner thread.
+  uint64_t receive(const std::shared_ptr<TcpConn>& c, const Transfer* until = nullptr);
 
  private:
   // What a write or read request addresses, once its extents are pinned and its
@@ -78,6 +80,7 @@ class FrameReceiver {
   // One read of the current stage. Returns the syscall's result; when it read
   // bytes, *stop says receive() must return (the connection failed or closed).
   ssize_t read_header(const std::shared_ptr<TcpConn>& c, bool* stop);
+  void lowat_for_payload(const std::shared_ptr<TcpConn>& c);
   ssize_t read_control(const std::shared_ptr<TcpConn>& c, bool* stop);
   ssize_t read_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);
   ssize_t read_staged_payload(const std::shared_ptr<TcpConn>& c, uint64_t* budget, bool* stop);

@@ -171,7 +171,8 @@ class TcpTransport final : public Transport {
   void send_separate_notify(const std::shared_ptr<TcpPost>& p);
   void cancel(const std::shared_ptr<TcpPost>& p);
   // Reads `c` in the calling thread until `x` is terminal or `deadline` (see
-  // Transfer::set_driver). Gives up at once if another thread holds the connection.
+  // Transfer::set_driver), blocking in poll (no spin). Gives up at once if another
+  // thread holds the connection.
   void drive(const std::shared_ptr<TcpConn>& c, Transfer& x, Clock::time_point deadline, uint32_t spin_us);
 
   TcpOptions opts_;

@@ -148,21 +148,60 @@ def prepare_cost(model: str, num_blocks: int) -> dict:
 
 
 def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, scratch_layout_name: str) -> dict:
+    """pdkv's writes of ``payload`` bytes beside the ceilings, in alternating rounds.
+
+    Each of ``args.rounds`` rounds measures pdkv, then the plain pair, the tuned pair
+    and memcpy, each moving the same bytes (``args.min_bytes`` split over the rounds),
+    so load that drifts over the run reaches all of them alike. Reported: each figure's
+    median over the rounds, the ratios as the median of each round's ratio (pdkv over
+    the ceiling measured beside it), their spread (min, max), and every round.
+    ``--rounds 1`` is the former single-shot measurement (one sample each).
+    """
     bench = _native.module().bench
     geo = models.geometry(args.model, 1)
     block = geo.num_layers * geo.kv_parts * geo.block_bytes
     nblocks = max(1, payload // block)
     payload = nblocks * block
-    iters = args.iters or max(3, math.ceil(args.min_bytes / payload))
+    rounds = max(1, args.rounds)
+    iters = args.iters or max(3 if rounds == 1 else 1, math.ceil(args.min_bytes / rounds / payload))
     rng = np.random.default_rng(args.seed)
     lids = rng.permutation(args.local_blocks)[:nblocks].astype(np.uint32)
     rids = rng.permutation(args.remote_blocks)[:nblocks].astype(np.uint32)
     prep = agent.prepare("write", peer, Blocks("kv", lids), Blocks("kv", rids))
     meter = target.cpu_meter()  # each section's CPU: initiator and target process, every thread
     time_transfers(prep, 1)  # warm-up: connections, page faults on the target
-    with meter.measure() as cpu:
-        secs = time_transfers(prep, iters)
-    gbps = payload * iters / secs / 1e9
+    total = payload * iters
+    ext = None
+    if args.memory == "host":
+        # memcpy of the same scattered extents between two local pools.
+        ext = [(ro, lo, n) for _, lo, _, ro, n in plan_blocks(
+            agent.layout("kv").unbound(), lids, agent.layout(scratch_layout_name).unbound(),
+            rng.permutation(args.local_blocks)[:nblocks].astype(np.uint32))]
+        bench.memcpy_extents(ext, 1)
+    per_round = []
+    for _ in range(rounds):
+        gb, cpu_gb, by_proc = {}, {}, {}
+        with meter.measure() as u:
+            s = time_transfers(prep, iters)
+        gb["pdkv"], cpu_gb["pdkv"], by_proc["pdkv"] = total / s / 1e9, u.per_gb(total), u.per_gb_by_process(total)
+        with meter.measure() as u:
+            s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
+        gb["socket_plain"], cpu_gb["socket_plain"] = total / s / 1e9, u.per_gb(total)
+        by_proc["socket_plain"] = u.per_gb_by_process(total)
+        with meter.measure() as u:
+            s = bench.stream(target.sink_host, target.sink_port, args.conns, total, payload, True,
+                             args.rcvlowat or 0)
+        gb["socket_tuned"], cpu_gb["socket_tuned"] = total / s / 1e9, u.per_gb(total)
+        by_proc["socket_tuned"] = u.per_gb_by_process(total)
+        if ext is not None:
+            with meter.measure() as u:
+                s = bench.memcpy_extents(ext, iters)
+            gb["memcpy"], cpu_gb["memcpy"], by_proc["memcpy"] = total / s / 1e9, u.per_gb(total), u.per_gb_by_process(total)
+        per_round.append({
+            "gbps": gb, "cpu_s_per_gb": cpu_gb, "cpu_s_per_gb_by_process": by_proc,
+            "ratios": {k: gb["pdkv"] / v for k, v in gb.items() if k != "pdkv"},
+            "ratios_cpu": {k: ratio(cpu_gb["pdkv"], v) for k, v in cpu_gb.items() if k != "pdkv"},
+        })
     # Verify: read the destination blocks back into scratch blocks and compare.
     verified = None
     if not args.no_verify:
@@ -172,27 +211,10 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
         pairs = plan_blocks(agent.layout("kv").unbound(), lids, agent.layout(scratch_layout_name).unbound(),
                             np.arange(nblocks, dtype=np.uint32))
         verified = all(np.array_equal(_read(args, lo, n), _read(args, ro, n)) for _, lo, _, ro, n in pairs)
-    total = payload * iters
-    ceilings, ceil_cpu, moved = {}, {}, {}
-    with meter.measure() as ceil_cpu["socket_plain"]:
-        s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
-    ceilings["socket_plain"], moved["socket_plain"] = total / s / 1e9, total
-    with meter.measure() as ceil_cpu["socket_tuned"]:
-        s = bench.stream(target.sink_host, target.sink_port, args.conns, total, payload, True,
-                         args.rcvlowat or 0)
-    ceilings["socket_tuned"], moved["socket_tuned"] = total / s / 1e9, total
-    if args.memory == "host":
-        # memcpy of the same scattered extents between two local pools.
-        ext = [(ro, lo, n) for _, lo, _, ro, n in plan_blocks(
-            agent.layout("kv").unbound(), lids, agent.layout(scratch_layout_name).unbound(),
-            rng.permutation(args.local_blocks)[:nblocks].astype(np.uint32))]
-        bench.memcpy_extents(ext, 1)
-        mi = max(1, iters)
-        with meter.measure() as ceil_cpu["memcpy"]:
-            s = bench.memcpy_extents(ext, mi)
-        ceilings["memcpy"], moved["memcpy"] = payload * mi / s / 1e9, payload * mi
-    cpu_per_gb = cpu.per_gb(total)
-    ceil_per_gb = {k: u.per_gb(moved[k]) for k, u in ceil_cpu.items()}
+    names = [k for k in per_round[0]["gbps"] if k != "pdkv"]
+    med = lambda key, k: _median([r[key][k] for r in per_round])  # noqa: E731
+    cpu_per_gb = med("cpu_s_per_gb", "pdkv")
+    ceil_per_gb = {k: med("cpu_s_per_gb", k) for k in names}
     return {
         "transport": agent.peer_transport(peer),
         "memory": args.memory,
@@ -202,19 +224,52 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
         "blocks": nblocks,
         "extents": prep.num_extents,
         "iters": iters,
-        "gbps": gbps,
-        "ceilings": ceilings,
-        "ratios": {k: gbps / v for k, v in ceilings.items()},
+        "rounds": rounds,
+        "gbps": med("gbps", "pdkv"),
+        "ceilings": {k: med("gbps", k) for k in names},
+        # The median of each round's pdkv / ceiling (both measured in that round).
+        "ratios": {k: med("ratios", k) for k in names},
         # CPU seconds per GB moved, initiator + target process (None: a target on another host).
         "cpu_s_per_gb": cpu_per_gb,
         "ceilings_cpu_s_per_gb": ceil_per_gb,
-        "ratios_cpu": {k: ratio(cpu_per_gb, v) for k, v in ceil_per_gb.items()},
-        "cpu_s_per_gb_by_process": {"pdkv": cpu.per_gb_by_process(total),
-                                    **{k: u.per_gb_by_process(moved[k]) for k, u in ceil_cpu.items()}},
+        "ratios_cpu": {k: med("ratios_cpu", k) for k in names},
+        "spread": {"ratios": {k: _span([r["ratios"][k] for r in per_round]) for k in names},
+                   "ratios_cpu": {k: _span([r["ratios_cpu"][k] for r in per_round]) for k in names}},
+        "per_round": per_round,
+        # Each figure's split by process in its median round (so it adds up to the median).
+        "cpu_s_per_gb_by_process": {k: _median_split(per_round, k) for k in ["pdkv", *names]},
         "verified": verified,
         "conns": args.conns,
         "threads": args.threads,
     }
+
+
+def _median(xs: list) -> float | None:
+    """The median of the known values (``None`` when none is known)."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
+def _median_split(per_round: list[dict], key: str) -> dict:
+    """``key``'s CPU/GB by process in the round of its median total (the mean of the two
+    middle rounds when their number is even), so the parts add up to that median."""
+    known = sorted((r for r in per_round if r["cpu_s_per_gb"][key] is not None), key=lambda r: r["cpu_s_per_gb"][key])
+    if not known:
+        return per_round[0]["cpu_s_per_gb_by_process"][key]
+    m = len(known) // 2
+    mids = [known[m]] if len(known) % 2 else [known[m - 1], known[m]]
+    splits = [r["cpu_s_per_gb_by_process"][key] for r in mids]
+    return {p: None if any(s[p] is None for s in splits) else sum(s[p] for s in splits) / len(splits)
+            for p in splits[0]}
+
+
+def _span(xs: list) -> list | None:
+    """``[min, max]`` of the known values (``None`` when none is known)."""
+    xs = [x for x in xs if x is not None]
+    return [min(xs), max(xs)] if xs else None
 
 
 def run_latency(args, target: Target, agent: Agent, peer: str) -> dict:
@@ -389,6 +444,12 @@ def print_table(args, results: list[dict]) -> None:
               + " ".join(cell(cc.get(k), 7, ".3f") for k in ("socket_plain", "socket_tuned", "memcpy"))
               + f" {cell(cq.get('socket_plain'), 8, '.2f', 'x')} {cell(cq.get('socket_tuned'), 7, '.2f', 'x')} "
               f"{cell(cq.get('memcpy'), 8, '.2f', 'x')}")
+        sp = r.get("spread")
+        if r.get("rounds", 1) > 1 and sp:
+            span = lambda v: "-" if v is None else f"{v[0]:.2f}-{v[1]:.2f}x"  # noqa: E731
+            print(f"{'':>9} medians of {r['rounds']} alternating rounds; spread /plain "
+                  f"{span(sp['ratios'].get('socket_plain'))} /tuned {span(sp['ratios'].get('socket_tuned'))}, "
+                  f"CPU /tuned {span(sp['ratios_cpu'].get('socket_tuned'))}")
         for name, p in r.get("peers", {}).items():
             if "error" in p:
                 print(f"{'':>9} {name}: {p['error']}")
@@ -421,7 +482,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--payload", default="64M,256M,1G", help="comma-separated payload sizes (default 64M,256M,1G)")
     ap.add_argument("--iters", type=int, default=0, help="timed repetitions per payload (default: >= --min-bytes)")
     ap.add_argument("--min-bytes", type=lambda s: parse_size(s), default=parse_size("2G"),
-                    help="bytes moved per measurement when --iters is 0 (default 2G)")
+                    help="bytes moved per measurement when --iters is 0, split over --rounds (default 2G)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating rounds of pdkv / plain / tuned / memcpy; medians and spread reported "
+                         "(default 3; 1: one sample each, the former measurement)")
     ap.add_argument("--lat-iters", type=int, default=1000, help="latency samples (default 1000)")
     ap.add_argument("--conns", type=int, default=TcpOptions().conns_per_peer, help="tcp connections per peer")
     ap.add_argument("--threads", type=int, default=TcpOptions().progress_threads, help="tcp progress threads")
@@ -432,7 +496,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gather-below", type=lambda v: parse_size(v) if v != "0" else 0,
                     default=TcpOptions().gather_below_bytes,
                     help="tcp: gather batches whose extents average fewer bytes (TcpOptions.gather_below_bytes; "
-                    "default 8K; 0: never)")
+                    "default 4K; 0: never)")
     ap.add_argument("--land-below", type=lambda v: parse_size(v) if v != "0" else 0,
                     default=TcpOptions().land_below_bytes,
                     help="tcp: land payloads whose extents average fewer bytes in a buffer "
