@@ -433,3 +433,44 @@ def test_concurrent_calls_sharing_a_context_pull_it_once_or_more_and_agree(clust
     assert c.pulls("ok") >= 1 and sum(kv.pulled_tokens for _, kv, _ in results) == 12 * c.pulls("ok")
     assert c.prefill.engine.prefix_stats()["leases"] == 0
     assert c.decode.engine.prefix_stats()["leases"] == 0
+
+
+def test_leases_together_pin_at_most_their_block_budget() -> None:
+    """However many leases readers with the secret take, they pin at most
+    ``max_blocks`` blocks together (default: a quarter of the pool): the engine keeps
+    the rest to serve with. A lease past the budget is granted the leading hashes that
+    fit (maybe none); released and expired leases give their blocks back."""
+    from types import SimpleNamespace
+
+    from pdkv.serving.kv_pull import LeaseTable
+    from pdkv.serving.protocol import LeaseRequest
+    from pdkv.serving.prefix_hash import block_hashes, cache_salt
+
+    pinned: dict[str, list[int]] = {}
+
+    class Engine:
+        pool = SimpleNamespace(num_blocks=40, block_tokens=4)
+
+        def lease(self, lid: str, hashes: list[str]) -> list[int]:
+            pinned[lid] = list(range(len(hashes)))
+            return pinned[lid]
+
+        def unlease(self, lid: str) -> bool:
+            return pinned.pop(lid, None) is not None
+
+    agent = SimpleNamespace(name="w", generations=lambda layout, ids: [1] * len(ids))
+    now = [0.0]
+    table = LeaseTable(agent, Engine(), address="127.0.0.1:1", clock=lambda: now[0])
+    assert table.max_blocks == 10
+    h = block_hashes(list(range(4 * 8)), 4, cache_salt("m", block_tokens=4, dtype="float32"))  # 8 blocks
+    assert len(table.grant(LeaseRequest("a", tuple(h), 30.0)).blocks) == 8
+    assert len(table.grant(LeaseRequest("b", tuple(h), 1.0)).blocks) == 2   # what is left of the budget
+    assert len(table.grant(LeaseRequest("c", tuple(h), 30.0)).blocks) == 0  # none left: an empty lease
+    assert sum(map(len, pinned.values())) == 10
+    assert table.release("a")
+    assert len(table.grant(LeaseRequest("d", tuple(h), 30.0)).blocks) == 8
+    now[0] = 2.0  # "b" expires: its 2 blocks come back
+    assert len(table.grant(LeaseRequest("e", tuple(h), 30.0)).blocks) == 2
+    assert sum(map(len, pinned.values())) == 10
+    with pytest.raises(pdkv.InvalidArgument):
+        LeaseTable(agent, Engine(), address="x", max_blocks=-1)

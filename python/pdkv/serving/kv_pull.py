@@ -434,6 +434,11 @@ class LeaseTable:
         The agent address readers connect to.
     max_leases : int
         Live leases at most (past it: ResourceExhausted, 503).
+    max_blocks : int, optional
+        Blocks all live leases may pin together (default: a quarter of the engine's
+        pool). A lease is granted only the leading hashes that fit what is left (maybe
+        none), so readers holding leases can never pin the blocks the engine needs to
+        keep serving.
     clock : callable
         ``time.monotonic`` (tests pass their own).
 
@@ -441,9 +446,16 @@ class LeaseTable:
     """
 
     def __init__(self, agent: pdkv.Agent, engine: Any, *, address: str, max_leases: int = 1024,
-                 clock: Callable[[], float] = time.monotonic, registry: Registry | None = None) -> None:
+                 max_blocks: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 registry: Registry | None = None) -> None:
         if not isinstance(max_leases, int) or max_leases < 1:
             raise InvalidArgument(f"max_leases must be an integer >= 1, got {max_leases!r}")
+        if max_blocks is None:
+            max_blocks = max(1, int(engine.pool.num_blocks) // 4)
+        if not isinstance(max_blocks, int) or isinstance(max_blocks, bool) or max_blocks < 0:
+            raise InvalidArgument(f"max_blocks must be an integer >= 0, got {max_blocks!r}")
+        self.max_blocks = max_blocks
+        self._pinned: dict[str, int] = {}  # lease id -> blocks it pins
         self.agent = agent
         self.engine = engine
         self.address = address
@@ -478,8 +490,11 @@ class LeaseTable:
         if len(self._leases) >= self.max_leases:
             self.counts["refused"] += 1
             raise ResourceExhausted(f"{len(self._leases)} leases are live, this worker's cap")
-        ids = list(self.engine.lease(PEER_LEASE_PREFIX + req.lease_id, list(req.hashes)))
+        room = self.max_blocks - sum(self._pinned.values())
+        hashes = list(req.hashes)[:max(0, room)]
+        ids = list(self.engine.lease(PEER_LEASE_PREFIX + req.lease_id, hashes)) if hashes else []
         self._leases[req.lease_id] = self._clock() + req.ttl_s
+        self._pinned[req.lease_id] = len(ids)
         self.counts["granted"] += 1
         gens = tuple(self.agent.generations("kv", ids)) if ids else ()
         return KVLease(req.lease_id, self.address, self.agent.name, self.engine.pool.block_tokens, req.start,
@@ -489,6 +504,7 @@ class LeaseTable:
         """Ends a lease; False if no live lease has this id."""
         if self._leases.pop(lease_id, None) is None:
             return False
+        self._pinned.pop(lease_id, None)
         self.engine.unlease(PEER_LEASE_PREFIX + lease_id)
         self.counts["released"] += 1
         return True
@@ -499,6 +515,7 @@ class LeaseTable:
         gone = [k for k, t in self._leases.items() if t <= now]
         for k in gone:
             del self._leases[k]
+            self._pinned.pop(k, None)
             self.engine.unlease(PEER_LEASE_PREFIX + k)
         self.counts["expired"] += len(gone)
         return len(gone)
@@ -516,5 +533,6 @@ class LeaseTable:
         """Ends every lease (the worker stops)."""
         for k in list(self._leases):
             self._leases.pop(k)
+            self._pinned.pop(k, None)
             self.engine.unlease(PEER_LEASE_PREFIX + k)
 
