@@ -107,6 +107,14 @@ def test_bench_transfer_compare_peers():
         check_cpu(r, set(r["ceilings"]), tuple(avail))
 
 
+def test_bench_transfer_with_busy_co_runners_reports_them():
+    rows = run_bench("--transport", "tcp", "--busy", "2", "--rounds", "1")
+    assert rows and all(r["busy"]["processes"] == 2 and len(r["busy"]["cpus"]) == 2 for r in rows)
+    assert all(r["verified"] is True and r["lat_p50_us"] > 0 for r in rows)
+    quiet = run_bench("--transport", "tcp", "--rounds", "1")
+    assert all(r["busy"] == {"processes": 0, "cpus": []} for r in quiet)
+
+
 def test_bench_transfer_rejects_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--payload", "lots"],
                          capture_output=True, text=True, timeout=60)

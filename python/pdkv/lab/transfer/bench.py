@@ -36,6 +36,7 @@ from pdkv import Agent, Blocks, KVLayout, TcpOptions, available_transports, plan
 from pdkv.errors import InvalidArgument, PdkvError
 from pdkv.lab import _native
 from pdkv.lab.transfer import compress, hetero, models, peers
+from pdkv.lab.transfer.busy import BusyLoad
 from pdkv.lab.transfer.common import (SECRET_ENV, cell, host_view, human, parse_size, percentile, pool_blocks,
                                       tcp_options, write_out)
 from pdkv.lab.transfer.cpu import ratio
@@ -365,6 +366,7 @@ def _run_cases(args: argparse.Namespace, payloads: list[int], quiet: bool = Fals
                     if "cpu_s_per_gb" in p:
                         r["ratios_cpu"][name] = p["ratio_cpu_pdkv_over_peer"]
                 r["tls"] = bool(getattr(args, "tls_on", False))
+                r["busy"] = getattr(args, "busy_info", None) or {"processes": 0, "cpus": []}
                 results.append(r)
                 if args.json and not quiet:
                     print(json.dumps(r), flush=True)
@@ -516,6 +518,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tls", action="store_true",
                     help="run every payload plain, then with TcpOptions(tls=True), and report the ratio (tcp)")
     ap.add_argument("--tls-on", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="run N spinning processes pinned round-robin to this process's CPUs for the whole run "
+                    "(an engine that keeps every core busy; JSON: busy); default 0")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object per payload instead of a table")
     ap.add_argument("--out", default="", help="also write all results to this JSON file")
@@ -545,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             hetero.check_arguments(args)
         except (InvalidArgument, KeyError) as e:
             ap.error(str(e).strip("'\""))
+    if args.busy < 0:
+        ap.error(f"--busy must be >= 0, got {args.busy}")
     if args.link:
         return transfer_behind_link(args, argv)
     if args.serve:
@@ -552,7 +559,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--serve and --target are exclusive")
         serve(args)
         return 0
-    run(args)
+    with BusyLoad(args.busy) as load:
+        args.busy_info = load.describe()
+        if args.busy and not args.json:
+            print(f"busy: {args.busy} spinning co-runner process(es) pinned to CPUs {load.cpus}", flush=True)
+        run(args)
     return 0
 
 
