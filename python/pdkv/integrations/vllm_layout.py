@@ -86,31 +86,56 @@ def describe_kv_caches(kv_caches: Mapping[str, Any], *, logical_blocks: int | No
 
 
 # ---------------------------------------------------------------------------- vLLM CPU caches per token
-def cpu_token_layout(kv_caches: Mapping[str, Any]) -> KVLayout:
-    """Where each token's K and V elements sit in vLLM CPU caches written by the
-    ``vec`` attention kernels (x86 without AMX, any block size that is a multiple of 32).
+#: How vLLM 0.32's CPU attention kernels pack a block, by the ISA its ``_get_attn_isa``
+#: picks, and how many tokens one token of :func:`cpu_token_layout` carries.
+CPU_PACKING_GRANULE = {"vec": 1, "amx": 16}
 
-    Such a cache ``[num_blocks, kv_heads, block_size, 2*head_size]`` holds, per (block,
+
+def cpu_token_layout(kv_caches: Mapping[str, Any], packing: str = "vec") -> KVLayout:
+    """Where each token's K and V elements sit in vLLM CPU caches written by the
+    ``packing`` kernels (:data:`CPU_PACKING_GRANULE`), for pulls between block sizes.
+
+    ``"vec"`` (x86 without AMX, any dtype, block sizes that are multiples of 32): a
+    cache ``[num_blocks, kv_heads, block_size, 2*head_size]`` holds, per (block,
     head), K transposed (``[head_size, block_size]``: a dimension's tokens are
     contiguous) followed by V (``[block_size, head_size]``). No (token, head) row is
     contiguous in K, so this layout has one element per row: layer ``l * kv_heads + h``
     is (layer l, head h), its "heads" are the ``head_size`` dimensions. pdkv's planner
     then moves a run of tokens per (layer, head, K dimension) and one per (layer, head)
-    for V between two block sizes. Only valid for caches the kernel really packs this
-    way: the connector checks that on vLLM's own kernel first
-    (:func:`pdkv.integrations.vllm_worker._probe_cpu_packing`).
+    for V between two block sizes.
+
+    ``"amx"`` (bfloat16 with AMX, ``csrc/cpu/cpu_attn_amx.hpp`` ``reshape_and_cache``):
+    per (block, head), K is groups of 16 tokens, each ``[head_size/2, 16, 2]`` (pairs
+    of dimensions, token-major inside a pair), then V is ``[head_size/16,
+    block_size/2, 16, 2]`` (16 dimensions per group, pairs of tokens innermost). A
+    token's place inside its group of 16 does not depend on the block size, so this
+    layout's "tokens" are 16-token groups (:data:`CPU_PACKING_GRANULE`): its heads are
+    the ``head_size/16`` 256-element rows a group holds in K (16 dimensions x 16
+    tokens, contiguous) and in V (8 token pairs x 16 dimensions, contiguous; the next
+    16 dimensions are ``block_size*16`` elements on). A pull of ``n`` tokens moves
+    ``ceil(n/16)`` such tokens: the last group's places past ``n`` carry prefill's
+    bytes into places decode writes itself before it reads them.
+
+    Only valid for caches the kernel really packs this way: the connector checks that
+    on vLLM's own cache kernel first (:func:`pdkv.integrations.vllm_worker._probe_cpu_packing`).
 
     Raises
     ------
     InvalidArgument
-        Tensors that are not contiguous CPU caches of one shape.
+        Tensors that are not contiguous CPU caches of one shape, an unknown packing, or
+        (``"amx"``) a dtype other than 2 bytes or sizes that are not multiples of 16.
     """
     tensors = list(kv_caches.values())
     if not tensors or any(len(t.shape) != 4 for t in tensors):
         raise InvalidArgument("expected vLLM CPU caches [num_blocks, kv_heads, block_size, 2*head_size]")
+    if packing not in CPU_PACKING_GRANULE:
+        raise InvalidArgument(f"unknown vLLM CPU packing {packing!r} (known: {', '.join(CPU_PACKING_GRANULE)})")
     shape, e = tuple(tensors[0].shape), tensors[0].element_size()
     nb, heads, bs, d2 = shape
     dim = d2 // 2
+    if packing == "amx" and (e != 2 or bs % 16 or dim % 16):
+        raise InvalidArgument(f"vLLM's AMX packing needs 2-byte elements and block and head sizes that are multiples "
+                              f"of 16, got {e}-byte elements, {bs}-token blocks, head size {dim}")
     segments = []
     for i, t in enumerate(tensors):
         if tuple(t.shape) != shape or not t.is_contiguous():
@@ -119,19 +144,35 @@ def cpu_token_layout(kv_caches: Mapping[str, Any]) -> KVLayout:
         block_stride, head_stride = t.stride(0) * e, t.stride(1) * e
         for h in range(heads):
             slab = t.data_ptr() + h * head_stride
-            segments.append((slab, block_stride, e, bs * e))  # K[d, t]: tokens contiguous per dimension
-            segments.append((slab + bs * dim * e, block_stride, dim * e, e))  # V[t, d]
-    geo = KVGeometry(len(tensors) * heads, nb, bs, dim, 1, tensors[0].dtype, kv_parts=2, order="HND")
+            if packing == "vec":
+                segments.append((slab, block_stride, e, bs * e))  # K[d, t]: tokens contiguous per dimension
+                segments.append((slab + bs * dim * e, block_stride, dim * e, e))  # V[t, d]
+            else:
+                segments.append((slab, block_stride, 16 * dim * e, 256 * e))  # K: group g at 16*dim*g
+                segments.append((slab + bs * dim * e, block_stride, 256 * e, bs * 16 * e))  # V: group at 256*g
+    if packing == "vec":
+        geo = KVGeometry(len(tensors) * heads, nb, bs, dim, 1, tensors[0].dtype, kv_parts=2, order="HND")
+    else:
+        geo = KVGeometry(len(tensors) * heads, nb, bs // 16, dim // 16, 256, tensors[0].dtype, kv_parts=2,
+                         order="HND")
     return KVLayout.from_strided(geo, segments, keepalive=tensors)
 
 
-def cpu_token(cache: Any, block: int, head: int, token: int) -> tuple[Any, Any]:
-    """(K, V) of one token and head in a ``vec``-packed CPU cache (the reference the
-    probe and the tests compare with)."""
+def cpu_token(cache: Any, block: int, head: int, token: int, packing: str = "vec") -> tuple[Any, Any]:
+    """(K, V) of one token and head, ``head_size`` elements each, in a CPU cache of
+    ``packing`` (the reference the probe and the tests compare with; K and V as
+    vLLM's ``reshape_and_cache`` placed them, written out index by index)."""
     nb, heads, bs, d2 = cache.shape
     dim = d2 // 2
-    slab = cache.view(nb, heads, bs * d2)[block, head]
-    return slab[token:bs * dim:bs], slab[bs * dim + token * dim:bs * dim + (token + 1) * dim]
+    slab = cache.reshape(nb, heads, bs * d2)[block, head]
+    if packing == "vec":
+        return slab[token:bs * dim:bs], slab[bs * dim + token * dim:bs * dim + (token + 1) * dim]
+    if packing != "amx":
+        raise InvalidArgument(f"unknown vLLM CPU packing {packing!r}")
+    group, t = divmod(token, 16)
+    k = [group * 16 * dim + (d // 2) * 32 + t * 2 + d % 2 for d in range(dim)]
+    v = [bs * dim + (token // 2) * 32 + token % 2 + (d // 16) * bs * 16 + (d % 16) * 2 for d in range(dim)]
+    return slab[k], slab[v]
 
 
 # ---------------------------------------------------------------------------- pulls between block sizes

@@ -34,10 +34,12 @@ _RELEASE = b"pdkv-vllm release "
 _LEASE_MARGIN_S = 5.0
 _GEN_MAX = 2**32 - 1
 _LAYOUT = "vllm-kv"
-#: vLLM CPU caches packed by the ``vec`` kernels also export where each token's K and
-#: V elements sit (:func:`~pdkv.integrations.vllm_layout.cpu_token_layout`); pulls
-#: between different block sizes go through it (``_LAYOUT`` only tells whole blocks).
+#: vLLM CPU caches whose packing the connector knows also export where each token's K
+#: and V elements sit (:func:`~pdkv.integrations.vllm_layout.cpu_token_layout`), under
+#: the name of their packing; pulls between different block sizes go through it
+#: (``_LAYOUT`` only tells whole blocks), and the names tell two packings apart.
 _TOKEN_LAYOUT = "vllm-kv-tokens"
+_TOKEN_LAYOUTS = {"vec": _TOKEN_LAYOUT, "amx": "vllm-kv-tokens-amx"}
 #: ``PDKV_VLLM_DEBUG_GENS=1``: log every hand-out's generations (scheduler) and every
 #: bump's new generations per layout (worker), to tell a stalled instance from a
 #: mirror that disagrees with the agent when a pull fails with ``StaleBlock``.

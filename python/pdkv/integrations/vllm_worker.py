@@ -20,6 +20,7 @@ import pdkv
 from pdkv.integrations.vllm_layout import (
     check_pullable,
     connector_compression,
+    CPU_PACKING_GRANULE,
     cpu_token,
     cpu_token_layout,
     describe_kv_caches,
@@ -28,13 +29,14 @@ from pdkv.integrations.vllm_layout import (
     PullSpan,
     pull_span,
 )
+from pdkv.integrations.vllm_amx import ensure_amx_tiles
 from pdkv.integrations.vllm_meta import (
     _DEBUG_GENS,
     _GEN_MAX,
     _LAYOUT,
     _LEASE_MARGIN_S,
     _RELEASE,
-    _TOKEN_LAYOUT,
+    _TOKEN_LAYOUTS,
     PdkvConnectorMetadata,
     PdkvConnectorStats,
     PdkvHandshakeMetadata,
@@ -70,17 +72,47 @@ def _kv_cpus(value: Any) -> list[int] | None:
     return list(value)  # pdkv.set_thread_cpus checks each
 
 
+def _cpu_attn_isa(dtype: torch.dtype, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """The kernels vLLM's CPU attention picks for this cache (its own ``_get_attn_isa``)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+
+
+def _check_amx_tiles(vllm_config: "VllmConfig") -> None:
+    """On the CPU platform, asks Linux for AMX tile state when vLLM's attention will
+    run its AMX kernels (:func:`pdkv.integrations.vllm_amx.ensure_amx_tiles`); raises
+    ``AmxTileError`` naming the cause and the flag when it cannot."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return  # not a real vLLM config (a unit test): no engine will run attention here
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    block_size = vllm_config.cache_config.block_size
+    try:
+        isa = _cpu_attn_isa(model_config.dtype, block_size, model_config.get_head_size(),
+                            getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    except Exception as e:  # noqa: BLE001 - vLLM refuses this cache itself, later and by name
+        logger.debug("pdkv connector: no CPU attention ISA for this cache (%s: %s)", type(e).__name__, e)
+        return
+    if ensure_amx_tiles(isa, dtype=str(model_config.dtype).removeprefix("torch."), block_size=block_size):
+        logger.info("pdkv connector: vLLM's CPU attention uses AMX: asked Linux for AMX tile state for this "
+                    "process (a pulled prompt skips the prefill that would otherwise have asked)")
+
+
 def _probe_cpu_packing(dtype: torch.dtype, block_size: int, kv_heads: int, head_size: int,
-                       cache_dtype: str) -> str | None:
-    """Writes known K/V through vLLM's own CPU cache kernel into a scratch cache of
-    this geometry and checks every element where :func:`cpu_token_layout` says it
-    is. Returns None when it matches, else why not (another ISA's packing, e.g. AMX
-    for bfloat16, or a kernel this vLLM lacks)."""
+                       cache_dtype: str) -> tuple[str | None, str | None]:
+    """Writes known K/V through vLLM's own CPU cache kernel, with the ISA its attention
+    picks for this geometry, into a scratch cache and checks every element where
+    :func:`cpu_token` says that ISA's packing puts it. Returns (packing, None) when
+    it matches, else (None, why not: a packing pdkv does not describe, or a kernel
+    this vLLM lacks)."""
     try:
         from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isa = _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+        isa = _cpu_attn_isa(dtype, block_size, head_size, cache_dtype)
         cache = torch.zeros(2, kv_heads, block_size, 2 * head_size, dtype=dtype)
         key_cache, value_cache = cache.view(2, kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
         n = block_size + 3  # a whole block and part of the next
@@ -88,14 +120,16 @@ def _probe_cpu_packing(dtype: torch.dtype, block_size: int, kv_heads: int, head_
         value = torch.randn(n, kv_heads, head_size).to(dtype)
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n), isa)
     except Exception as e:  # noqa: BLE001 - any failure only means "no per-token layout"
-        return f"could not run vLLM's CPU cache kernel to learn its packing ({type(e).__name__}: {e})"
+        return None, f"could not run vLLM's CPU cache kernel to learn its packing ({type(e).__name__}: {e})"
+    if isa not in CPU_PACKING_GRANULE:
+        return None, f"pdkv does not know how vLLM's {isa} CPU attention kernels ({dtype}) pack a block"
     for t in range(n):
         for h in range(kv_heads):
-            k, v = cpu_token(cache, t // block_size, h, t % block_size)
+            k, v = cpu_token(cache, t // block_size, h, t % block_size, isa)
             if not (torch.equal(k, key[t, h]) and torch.equal(v, value[t, h])):
-                return (f"vLLM's CPU attention ({isa} kernels, {dtype}) packs its KV cache in a way pdkv does not "
-                        f"describe per token")
-    return None
+                return None, (f"vLLM's CPU attention ({isa} kernels, {dtype}) packs its KV cache in a way pdkv does "
+                              f"not describe per token")
+    return isa, None
 
 
 class PdkvConnectorWorker:
@@ -110,6 +144,7 @@ class PdkvConnectorWorker:
         self.block_size = vllm_config.cache_config.block_size
         self.timeout_s = float(extra.get("transfer_timeout_s", 30.0))
         self.stats_path = extra.get("stats_path")
+        _check_amx_tiles(vllm_config)  # before anything starts: a refusal stops this worker by name
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -142,7 +177,8 @@ class PdkvConnectorWorker:
         self._regions: list[pdkv.Region] = []
         self._caches: list[torch.Tensor] = []
         self.geometry: pdkv.KVGeometry | None = None
-        self.has_tokens = False  # registered _TOKEN_LAYOUT too
+        self.has_tokens = False  # registered a per-token layout too (_TOKEN_LAYOUTS[self.packing])
+        self.packing: str | None = None  # how vLLM's CPU kernels pack this cache, when pdkv knows
         self.phys_per_block = 1
         self.block_bytes = 0
         # decode
@@ -150,7 +186,7 @@ class PdkvConnectorWorker:
         self._peers: dict[str, concurrent.futures.Future] = {}
         #: Connected prefill peer -> its layout's geometry (set by the connect thread).
         self._peer_geometry: dict[str, pdkv.KVGeometry] = {}
-        self._peer_tokens: set[str] = set()  # peers that export _TOKEN_LAYOUT
+        self._peer_packing: dict[str, str] = {}  # peers that export a per-token layout -> its packing
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdkv-connect")
         self._parked: dict[str, tuple[_Recv, str, concurrent.futures.Future, float]] = {}
         self._recving: dict[str, tuple[pdkv.Transfer, _Recv, str, float]] = {}
@@ -207,11 +243,12 @@ class PdkvConnectorWorker:
         vLLM's kernel packs it the way :func:`cpu_token_layout` says."""
         t = next(iter(kv_caches.values()))
         cache_dtype = getattr(self.vllm_config.cache_config, "cache_dtype", "auto")
-        why = _probe_cpu_packing(t.dtype, self.block_size, t.shape[1], t.shape[3] // 2, cache_dtype)
-        if why is not None:
-            logger.info("pdkv connector: %s; pulls between different block sizes will be recomputed", why)
+        packing, why = _probe_cpu_packing(t.dtype, self.block_size, t.shape[1], t.shape[3] // 2, cache_dtype)
+        if packing is None:
+            logger.warning("pdkv connector: %s; pulls between different block sizes will be recomputed", why)
             return
-        self.agent.add_layout(_TOKEN_LAYOUT, cpu_token_layout(kv_caches))
+        self.agent.add_layout(_TOKEN_LAYOUTS[packing], cpu_token_layout(kv_caches, packing))
+        self.packing = packing
         self.has_tokens = True
 
     def handshake_metadata(self) -> PdkvHandshakeMetadata:
@@ -239,8 +276,9 @@ class PdkvConnectorWorker:
         rgeo = pdkv.KVLayout(layouts[_LAYOUT]).geometry
         with self._lock:
             self._peer_geometry[peer] = rgeo
-            if _TOKEN_LAYOUT in layouts:
-                self._peer_tokens.add(peer)
+            for packing, name in _TOKEN_LAYOUTS.items():
+                if name in layouts:
+                    self._peer_packing[peer] = packing
         logger.info("pdkv connector: connected to %s at %s over %s", peer, address, self.agent.peer_transport(peer))
         return peer
 
@@ -302,25 +340,32 @@ class PdkvConnectorWorker:
                 f"{len(r.remote_block_ids)}")
         return span
 
-    def _pull_layout(self, peer: str, r: _Recv, span: PullSpan, rgeo: pdkv.KVGeometry) -> str:
-        """The layout both sides pull through: whole blocks (``_LAYOUT``) for equal
-        block sizes, else the per-token one. Raises when prefill's cache differs in
-        anything but block size, or when either side has no per-token layout."""
+    def _pull_layout(self, peer: str, r: _Recv, span: PullSpan, rgeo: pdkv.KVGeometry) -> tuple[str, int]:
+        """The layout both sides pull through and how many of the pull's tokens one of
+        its tokens carries: whole blocks (``_LAYOUT``, 0) for equal block sizes, else
+        the per-token one of both sides' packing. Raises when prefill's cache differs
+        in anything but block size, when the two sides' vLLM kernels pack blocks
+        differently (AMX and vec: the same bytes mean other elements), or when either
+        side has no per-token layout."""
         assert self.geometry is not None
         check_pullable(self.geometry, rgeo)
         if not r.remote_block_size and rgeo.block_tokens != self.geometry.block_tokens:
             raise pdkv.InvalidArgument(f"prefill sent no remote_block_size (an older prefill) and its KV layout's "
                                        f"blocks hold {rgeo.block_tokens} tokens, decode's "
                                        f"{self.geometry.block_tokens}")
-        if not span.plan_tokens:
-            return _LAYOUT
         with self._lock:
-            peer_tokens = peer in self._peer_tokens
-        if not (self.has_tokens and peer_tokens):
+            peer_packing = self._peer_packing.get(peer)
+        if self.packing and peer_packing and peer_packing != self.packing:
+            raise pdkv.NotSupported(f"prefill's vLLM packs its KV blocks for its {peer_packing} attention kernels, "
+                                    f"decode's for {self.packing}: not pulled, decode recomputes")
+        if not span.plan_tokens:
+            return _LAYOUT, 0
+        if not (self.has_tokens and peer_packing):
             side = "prefill's" if self.has_tokens else "decode's"
             raise pdkv.NotSupported(f"{side} KV cache has no per-token layout (see its log), so blocks of "
                                     f"{span.remote_block_size} tokens cannot become blocks of {span.local_block_size}")
-        return _TOKEN_LAYOUT
+        assert self.packing is not None
+        return _TOKEN_LAYOUTS[self.packing], CPU_PACKING_GRANULE[self.packing]
 
     def _read(self, peer: str, r: _Recv) -> pdkv.Transfer:
         """Posts the pull, with prefill's generations when it sent them: one read of
@@ -329,12 +374,16 @@ class PdkvConnectorWorker:
         span = self._checked_span(r)
         with self._lock:
             rgeo = self._peer_geometry[peer]
-        layout = r.layout = self._pull_layout(peer, r, span, rgeo)
+        layout, granule = self._pull_layout(peer, r, span, rgeo)
+        r.layout = layout
         remote_per_block = kernel_blocks_per_block(span.remote_block_size, rgeo.block_tokens, "prefill")
         gens = self._remote_generations(r, remote_per_block)
         local = pdkv.Blocks(layout, self._phys(r.local_block_ids))
         remote_ids = kernel_block_ids(r.remote_block_ids, remote_per_block)
-        kw = dict(plan=pdkv.PlanOptions(num_tokens=span.plan_tokens), notify=_RELEASE + r.remote_request_id.encode(),
+        # A per-token layout's token may carry several (AMX: 16-token groups); the
+        # places past the prompt in the last one are decode's to write before it reads.
+        num_tokens = -(-span.plan_tokens // granule) if granule else 0
+        kw = dict(plan=pdkv.PlanOptions(num_tokens=num_tokens), notify=_RELEASE + r.remote_request_id.encode(),
                   timeout=self.timeout_s)
         if gens is not None:
             try:
@@ -437,7 +486,7 @@ class PdkvConnectorWorker:
         ``block_ids``; returns once no pull under the old ones still reads them
         (an shm pull is not waited for: one still copying fails with StaleBlock)."""
         if block_ids:
-            for layout in (_LAYOUT, _TOKEN_LAYOUT) if self.has_tokens else (_LAYOUT,):
+            for layout in (_LAYOUT, _TOKEN_LAYOUTS[self.packing]) if self.packing else (_LAYOUT,):
                 # Both layouts name the same blocks: a pull through either must go stale.
                 new = self.agent.bump_generations(layout, self._phys(block_ids), timeout=None)
                 if _DEBUG_GENS:
