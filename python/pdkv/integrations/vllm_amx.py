@@ -81,7 +81,7 @@ def tile_data_permitted() -> bool | None:
 def request_tile_data() -> str | None:
     """Asks the kernel for AMX tile data for the whole process
     (``ARCH_REQ_XCOMP_PERM``). Returns None once granted, else why not (errno name:
-    EOPNOTSUPP on a CPU without AMX, ENOSPC when an installed signal stack is too small
+    ENOTSUP (EOPNOTSUPP) on a CPU without AMX, ENOSPC when an installed signal stack is too small
     for the tile state, EPERM when a seccomp filter forbids it)."""
     call = _syscall()
     if call is None:
