@@ -132,6 +132,28 @@ def _probe_cpu_packing(dtype: torch.dtype, block_size: int, kv_heads: int, head_
     return isa, None
 
 
+def _layout_between(span: PullSpan, tokens: str | None, peer_tokens: str | None,
+                    packing: str | None) -> tuple[str, int]:
+    """The layout a pull goes through and how many of its tokens one token of that
+    layout carries: whole blocks (``_LAYOUT``, 0) for equal block sizes, else the
+    per-token layout of both sides' packing (``tokens``: decode's exported one,
+    ``peer_tokens``: prefill's, ``packing``: decode's probed packing).
+
+    Raises NotSupported when the two sides' vLLM kernels pack blocks differently (AMX
+    and vec: the same bytes mean other elements), even for equal block sizes, or when
+    the block sizes differ and either side exports no per-token layout."""
+    if packing and peer_tokens and peer_tokens != packing:
+        raise pdkv.NotSupported(f"prefill's vLLM packs its KV blocks for its {peer_tokens} attention kernels, "
+                                f"decode's for {packing}: not pulled, decode recomputes")
+    if not span.plan_tokens:
+        return _LAYOUT, 0
+    if not (tokens and peer_tokens):
+        side = "prefill's" if tokens else "decode's"
+        raise pdkv.NotSupported(f"{side} KV cache has no per-token layout (see its log), so blocks of "
+                                f"{span.remote_block_size} tokens cannot become blocks of {span.local_block_size}")
+    return _TOKEN_LAYOUTS[tokens], CPU_PACKING_GRANULE[tokens]
+
+
 class PdkvConnectorWorker:
     """Worker half: owns the pdkv agent, registers vLLM's KV cache, pulls blocks
     (decode) and frees held blocks when decode says so (prefill)."""
@@ -341,12 +363,9 @@ class PdkvConnectorWorker:
         return span
 
     def _pull_layout(self, peer: str, r: _Recv, span: PullSpan, rgeo: pdkv.KVGeometry) -> tuple[str, int]:
-        """The layout both sides pull through and how many of the pull's tokens one of
-        its tokens carries: whole blocks (``_LAYOUT``, 0) for equal block sizes, else
-        the per-token one of both sides' packing. Raises when prefill's cache differs
-        in anything but block size, when the two sides' vLLM kernels pack blocks
-        differently (AMX and vec: the same bytes mean other elements), or when either
-        side has no per-token layout."""
+        """The layout both sides pull through, and the tokens one of its tokens
+        carries (:func:`_layout_between`). Raises when prefill's cache differs in
+        anything but block size, or as :func:`_layout_between` does."""
         assert self.geometry is not None
         check_pullable(self.geometry, rgeo)
         if not r.remote_block_size and rgeo.block_tokens != self.geometry.block_tokens:
@@ -355,17 +374,7 @@ class PdkvConnectorWorker:
                                        f"{self.geometry.block_tokens}")
         with self._lock:
             peer_packing = self._peer_packing.get(peer)
-        if self.packing and peer_packing and peer_packing != self.packing:
-            raise pdkv.NotSupported(f"prefill's vLLM packs its KV blocks for its {peer_packing} attention kernels, "
-                                    f"decode's for {self.packing}: not pulled, decode recomputes")
-        if not span.plan_tokens:
-            return _LAYOUT, 0
-        if not (self.has_tokens and peer_packing):
-            side = "prefill's" if self.has_tokens else "decode's"
-            raise pdkv.NotSupported(f"{side} KV cache has no per-token layout (see its log), so blocks of "
-                                    f"{span.remote_block_size} tokens cannot become blocks of {span.local_block_size}")
-        assert self.packing is not None
-        return _TOKEN_LAYOUTS[self.packing], CPU_PACKING_GRANULE[self.packing]
+        return _layout_between(span, self.packing if self.has_tokens else None, peer_packing, self.packing)
 
     def _read(self, peer: str, r: _Recv) -> pdkv.Transfer:
         """Posts the pull, with prefill's generations when it sent them: one read of
