@@ -3,12 +3,14 @@ write (post().wait()) and for the raw socket round trip of the same size, from /
 (on-CPU ns, run-queue wait ns, timeslices) before and after N writes. Initiator and target pinned to
 different cores as pdkv bench transfer does.
 
-Usage: N=32768 IT=5000 .venv/bin/python bench/sweeps/tcpperf/latency_sched.py
+Usage: N=32768 IT=5000 BUSY=0 .venv/bin/python bench/sweeps/tcpperf/latency_sched.py
+(BUSY=n: n spinning co-runners pinned round-robin to the CPUs, as pdkv bench transfer --busy n)
 """
 import argparse, os, time
 from pdkv import Agent
 from pdkv.lab import _native
 from pdkv.lab.transfer import bench as B, models
+from pdkv.lab.transfer.busy import BusyLoad
 from pdkv.lab.transfer.common import tcp_options, percentile
 
 
@@ -39,6 +41,7 @@ def diff(a, b, n):
 ap = argparse.ArgumentParser(); B.add_arguments(ap); ap.add_argument("--child", action="store_true")
 n = int(os.environ.get("N", "32768")); iters = int(os.environ.get("IT", "5000"))
 args = ap.parse_args(["--transport", "tcp", "--prepare-blocks", "0"]); args.argv = []
+load = BusyLoad(int(os.environ.get("BUSY", "0"))).__enter__()
 target = B.start_target(args, 64)  # pins this process to the first CPU, the target to the second
 tpid = target.proc.pid
 bench = _native.module().bench
@@ -68,3 +71,4 @@ try:
                     print(f"  {side} {row}")
 finally:
     target.close()
+    load.stop()
