@@ -43,3 +43,30 @@ def test_cli_refuses_a_negative_count(capsys):
     with pytest.raises(SystemExit):
         main(["--busy", "-2", "--payload", "1M"])
     assert "--busy must be >= 0" in capsys.readouterr().err
+
+
+_PINNED = """
+import argparse, json, os
+from pdkv.lab.transfer import bench as B
+ap = argparse.ArgumentParser(); B.add_arguments(ap); ap.add_argument("--child", action="store_true")
+args = ap.parse_args(["--transport", "tcp", "--prepare-blocks", "0"]); args.argv = []
+target = B.start_target(args, 2)
+try:
+    print(json.dumps([sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(target.proc.pid))]))
+finally:
+    target.close()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_initiator_and_spawned_target_are_pinned_to_different_cpus():
+    # start_target pins this process to the first CPU before spawning the target, which
+    # used to inherit that one CPU: both sides of every measurement shared a core.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PINNED], capture_output=True, text=True, timeout=120, check=True)
+    mine, target = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    allowed = sorted(os.sched_getaffinity(0))
+    assert mine == [allowed[0]]
+    assert target == [allowed[1]]

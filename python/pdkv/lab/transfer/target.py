@@ -40,6 +40,12 @@ class Target:
             self.proc.stdout.close()
 
 
+# The CPUs this process may use before --pin narrows it to the first of them: the
+# spawned target goes on the second. (Read from the process's affinity after pinning,
+# the target inherited CPU 0 too, so both processes shared one core.)
+_ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
+
+
 def start_target(args: argparse.Namespace, blocks: int) -> Target:
     """Pins this process to one core when asked (--pin), then reaches the --target the
     user started or spawns one with `blocks` blocks."""
@@ -59,6 +65,8 @@ def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
            "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else []) + \
         (["--tls-on"] if getattr(args, "tls_on", False) else [])
     cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 and len(_ALLOWED_CPUS) >= 2:  # this process is pinned already
+        cpus = [c for c in _ALLOWED_CPUS if c in cpus] + [c for c in _ALLOWED_CPUS if c not in cpus]
     pin_to = {cpus[1]} if args.pin and len(cpus) >= 2 else None
 
     def pre() -> None:  # runs in the child before exec
