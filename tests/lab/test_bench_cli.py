@@ -115,6 +115,15 @@ def test_bench_transfer_with_busy_co_runners_reports_them():
     assert all(r["busy"] == {"processes": 0, "cpus": []} for r in quiet)
 
 
+def test_bench_transfer_with_spinning_threads_and_churn_reports_them():
+    rows = run_bench("--transport", "tcp", "--busy-threads", "2", "--busy-churn", "fork:2", "--rounds", "1")
+    assert rows and all(r["verified"] is True for r in rows)
+    for r in rows:
+        b = r["busy"]
+        assert b["processes"] == 0 and b["threads"] == 2 and len(b["thread_cpus"]) == 2
+        assert [(c["kind"], c["arg"]) for c in b["churn"]] == [("fork", "2")] and b["churn"][0]["starts"] >= 0
+
+
 def test_bench_transfer_rejects_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--payload", "lots"],
                          capture_output=True, text=True, timeout=60)

@@ -36,7 +36,7 @@ from pdkv import Agent, Blocks, KVLayout, TcpOptions, available_transports, plan
 from pdkv.errors import InvalidArgument, PdkvError
 from pdkv.lab import _native
 from pdkv.lab.transfer import compress, hetero, models, peers
-from pdkv.lab.transfer.busy import BusyLoad
+from pdkv.lab.transfer.busy import BusyLoad, parse_churn
 from pdkv.lab.transfer.common import (SECRET_ENV, cell, host_view, human, parse_size, percentile, pool_blocks,
                                       tcp_options, write_out)
 from pdkv.lab.transfer.cpu import ratio
@@ -366,7 +366,8 @@ def _run_cases(args: argparse.Namespace, payloads: list[int], quiet: bool = Fals
                     if "cpu_s_per_gb" in p:
                         r["ratios_cpu"][name] = p["ratio_cpu_pdkv_over_peer"]
                 r["tls"] = bool(getattr(args, "tls_on", False))
-                r["busy"] = getattr(args, "busy_info", None) or {"processes": 0, "cpus": []}
+                load = getattr(args, "busy_load", None)
+                r["busy"] = load.describe() if load is not None else {"processes": 0, "cpus": []}
                 results.append(r)
                 if args.json and not quiet:
                     print(json.dumps(r), flush=True)
@@ -521,6 +522,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--busy", type=int, default=0, metavar="N",
                     help="run N spinning processes pinned round-robin to this process's CPUs for the whole run "
                     "(an engine that keeps every core busy; JSON: busy); default 0")
+    ap.add_argument("--busy-threads", type=int, default=0, metavar="N",
+                    help="run N spinning threads in one co-runner process, each bound to one of this process's "
+                    "CPUs in turn (vLLM's OpenMP workers; JSON: busy.threads); default 0")
+    ap.add_argument("--busy-churn", default="", metavar="SPEC",
+                    help="start processes all through the run (engines starting; JSON: busy.churn): comma-separated "
+                    "import[:MODULE] (an interpreter importing MODULE, default torch/numpy), fork[:N] (bursts of N "
+                    "/bin/true), alloc[:MiB] (allocate and touch MiB, default 512), one driver each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object per payload instead of a table")
     ap.add_argument("--out", default="", help="also write all results to this JSON file")
@@ -552,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e).strip("'\""))
     if args.busy < 0:
         ap.error(f"--busy must be >= 0, got {args.busy}")
+    if args.busy_threads < 0:
+        ap.error(f"--busy-threads must be >= 0, got {args.busy_threads}")
+    try:
+        churn = parse_churn(args.busy_churn)
+    except InvalidArgument as e:
+        ap.error(f"--busy-churn: {e}")
     if args.link:
         return transfer_behind_link(args, argv)
     if args.serve:
@@ -559,10 +573,16 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--serve and --target are exclusive")
         serve(args)
         return 0
-    with BusyLoad(args.busy) as load:
-        args.busy_info = load.describe()
-        if args.busy and not args.json:
-            print(f"busy: {args.busy} spinning co-runner process(es) pinned to CPUs {load.cpus}", flush=True)
+    with BusyLoad(args.busy, threads=args.busy_threads, churn=churn) as load:
+        args.busy_load = load
+        if not args.json:
+            if args.busy:
+                print(f"busy: {args.busy} spinning co-runner process(es) pinned to CPUs {load.cpus}", flush=True)
+            if args.busy_threads:
+                print(f"busy: {args.busy_threads} spinning thread(s) in one process bound to CPUs "
+                      f"{load.thread_cpus}", flush=True)
+            if churn:
+                print("busy: churn " + ", ".join(f"{k}:{a}" for k, a in churn), flush=True)
         run(args)
     return 0
 
