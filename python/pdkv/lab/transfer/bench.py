@@ -32,17 +32,17 @@ import time
 
 import numpy as np
 
-from pdkv import Agent, Blocks, KVLayout, TcpOptions, available_transports, plan_blocks
+from pdkv import Agent, Blocks, KVLayout, TcpOptions, available_transports, plan_blocks, set_thread_cpus, thread_cpus
 from pdkv.errors import InvalidArgument, PdkvError
 from pdkv.lab import _native
 from pdkv.lab.transfer import compress, hetero, models, peers
-from pdkv.lab.transfer.busy import BusyLoad, parse_churn
+from pdkv.lab.transfer.busy import BusyLoad, parse_churn, parse_cpus
 from pdkv.lab.transfer.common import (SECRET_ENV, cell, host_view, human, parse_size, percentile, pool_blocks,
                                       tcp_options, write_out)
 from pdkv.lab.transfer.cpu import ratio
 from pdkv.lab.transfer.devmem import DeviceMemory
 from pdkv.lab.transfer.link import transfer_behind_link
-from pdkv.lab.transfer.target import Target, spawn_target, start_target
+from pdkv.lab.transfer.target import Target, all_cpus, pin_initiator, spawn_target, start_target
 
 
 def _pool(agent: Agent, geo, seed: int | None, memory: str = "host") -> tuple[object, KVLayout]:
@@ -77,6 +77,9 @@ def _read(args, addr: int, n: int) -> np.ndarray:
 def serve(args: argparse.Namespace) -> None:
     """Target side: an agent exporting a pool, plus a raw-socket sink for the ceilings."""
     bench = _native.module().bench
+    if args.thread_cpus:
+        # the initiator checked them against its CPUs before it pinned itself and us
+        set_thread_cpus(parse_cpus(args.thread_cpus, range(os.cpu_count() or 1)))
     geo = hetero.target_geometry(args) if args.hetero else models.geometry(args.model, args.blocks)
     # The target offers every transport available here; the initiator picks one.
     agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
@@ -104,10 +107,15 @@ def serve(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- measurements
-def time_transfers(prep, iters: int, timeout: float = 120.0) -> float:
-    t0 = time.perf_counter()
+def time_transfers(prep, iters: int, timeout: float = 120.0, each: list | None = None) -> float:
+    """Seconds for ``iters`` transfers one after the other; ``each`` gets every one's ms."""
+    t0 = t = time.perf_counter()
     for _ in range(iters):
         prep.post(timeout=timeout).wait(timeout)
+        if each is not None:
+            now = time.perf_counter()
+            each.append((now - t) * 1e3)
+            t = now
     return time.perf_counter() - t0
 
 
@@ -181,9 +189,9 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
         bench.memcpy_extents(ext, 1)
     per_round = []
     for _ in range(rounds):
-        gb, cpu_gb, by_proc = {}, {}, {}
+        gb, cpu_gb, by_proc, each = {}, {}, {}, []
         with meter.measure() as u:
-            s = time_transfers(prep, iters)
+            s = time_transfers(prep, iters, each=each)
         gb["pdkv"], cpu_gb["pdkv"], by_proc["pdkv"] = total / s / 1e9, u.per_gb(total), u.per_gb_by_process(total)
         with meter.measure() as u:
             s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
@@ -200,6 +208,7 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
             gb["memcpy"], cpu_gb["memcpy"], by_proc["memcpy"] = total / s / 1e9, u.per_gb(total), u.per_gb_by_process(total)
         per_round.append({
             "gbps": gb, "cpu_s_per_gb": cpu_gb, "cpu_s_per_gb_by_process": by_proc,
+            "pdkv_transfer_ms": [round(v, 3) for v in each],  # each transfer of the round: a stall shows
             "ratios": {k: gb["pdkv"] / v for k, v in gb.items() if k != "pdkv"},
             "ratios_cpu": {k: ratio(cpu_gb["pdkv"], v) for k, v in cpu_gb.items() if k != "pdkv"},
         })
@@ -368,6 +377,9 @@ def _run_cases(args: argparse.Namespace, payloads: list[int], quiet: bool = Fals
                 r["tls"] = bool(getattr(args, "tls_on", False))
                 load = getattr(args, "busy_load", None)
                 r["busy"] = load.describe() if load is not None else {"processes": 0, "cpus": []}
+                r["pdkv_thread_cpus"] = thread_cpus()  # [] : they inherit their starter's (the pin's)
+                r["process_cpus"] = {"initiator": sorted(os.sched_getaffinity(0)),
+                                     "target": sorted(os.sched_getaffinity(target.proc.pid)) if target.proc else None}
                 results.append(r)
                 if args.json and not quiet:
                     print(json.dumps(r), flush=True)
@@ -397,8 +409,7 @@ def print_tls(results: list[dict]) -> None:
 
 def run_hetero(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
     """``--hetero SPEC``: pdkv.lab.transfer.hetero's run, written to ``--out`` like the others."""
-    if args.pin and len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    pin_initiator(args)
     results = hetero.run(args, payloads, spawn_target, Target)
     write_out(args, results)
     return results
@@ -529,6 +540,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="start processes all through the run (engines starting; JSON: busy.churn): comma-separated "
                     "import[:MODULE] (an interpreter importing MODULE, default torch/numpy), fork[:N] (bursts of N "
                     "/bin/true), alloc[:MiB] (allocate and touch MiB, default 512), one driver each")
+    ap.add_argument("--busy-cpus", default="", metavar="LIST",
+                    help="the CPUs the spinning co-runners (--busy, --busy-threads) go to, round-robin, e.g. 1 "
+                    "(default: all of this process's)")
+    ap.add_argument("--thread-cpus", default="", metavar="LIST",
+                    help="pdkv.set_thread_cpus in initiator and target before their agents: the CPUs of pdkv's "
+                    "own threads (the vLLM connector's kv_cpus), e.g. 0 or all (default: they inherit the pin)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object per payload instead of a table")
     ap.add_argument("--out", default="", help="also write all results to this JSON file")
@@ -566,6 +583,14 @@ def main(argv: list[str] | None = None) -> int:
         churn = parse_churn(args.busy_churn)
     except InvalidArgument as e:
         ap.error(f"--busy-churn: {e}")
+    cpus = all_cpus(args) if not args.serve else list(range(os.cpu_count() or 1))  # before any pin
+    try:
+        busy_cpus = parse_cpus(args.busy_cpus, cpus) if args.busy_cpus else None
+        args.thread_cpus_list = parse_cpus(args.thread_cpus, cpus) if args.thread_cpus else []
+    except InvalidArgument as e:
+        ap.error(str(e))
+    if args.thread_cpus_list and not args.serve:
+        set_thread_cpus(args.thread_cpus_list)
     if args.link:
         return transfer_behind_link(args, argv)
     if args.serve:
@@ -573,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--serve and --target are exclusive")
         serve(args)
         return 0
-    with BusyLoad(args.busy, threads=args.busy_threads, churn=churn) as load:
+    with BusyLoad(args.busy, cpus=busy_cpus, threads=args.busy_threads, churn=churn) as load:
         args.busy_load = load
         if not args.json:
             if args.busy:

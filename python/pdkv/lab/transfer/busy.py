@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 from pdkv.errors import InvalidArgument
 
-__all__ = ["BusyLoad", "CHURN_KINDS", "parse_churn"]
+__all__ = ["BusyLoad", "CHURN_KINDS", "parse_churn", "parse_cpus"]
 
 _SPIN = "while 1: pass"
 
@@ -102,6 +102,26 @@ def _heavy_module() -> str:
         if importlib.util.find_spec(m) is not None:
             return m
     return "asyncio"
+
+
+def parse_cpus(spec: str, allowed: Sequence[int]) -> list[int]:
+    """``"0,2"`` -> ``[0, 2]``, ``"all"`` -> ``allowed``; each CPU must be in ``allowed``.
+
+    Raises
+    ------
+    InvalidArgument
+        Not a comma-separated list of CPU numbers, or a CPU outside ``allowed``.
+    """
+    if spec.strip() == "all":
+        return sorted(allowed)
+    try:
+        cpus = [int(c) for c in spec.split(",") if c.strip()]
+    except ValueError:
+        raise InvalidArgument(f"CPU list {spec!r}: use comma-separated CPU numbers or all") from None
+    bad = [c for c in cpus if c not in allowed]
+    if bad or not cpus:
+        raise InvalidArgument(f"CPU list {spec!r}: {bad or 'none'} not among this process's CPUs {sorted(allowed)}")
+    return cpus
 
 
 def parse_churn(spec: str) -> list[tuple[str, str]]:
