@@ -28,11 +28,34 @@ def load() -> float:
         return float(f.read().split()[0])
 
 
+_TCP_COUNTERS = ("RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPFastRetrans", "PruneCalled", "TCPBacklogDrop",
+                 "TCPRcvQDrop", "TCPOFODrop", "TCPMemoryPressures", "TCPRcvCollapsed")
+
+
+def tcp_counters() -> dict[str, int]:
+    """The host's TCP loss and recovery counters (/proc/net/snmp, /proc/net/netstat):
+    machine-wide, so other work on the host counts too."""
+    out: dict[str, int] = {}
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for head, vals in zip(lines[::2], lines[1::2]):
+            for k, v in zip(head.split()[1:], vals.split()[1:]):
+                if k in _TCP_COUNTERS:
+                    out[k] = int(v)
+    return out
+
+
 def one(pdkv: list[str], bench_args: list[str], out: str) -> dict:
-    before = load()
+    before, c0 = load(), tcp_counters()
     t0 = time.time()
     p = subprocess.run(pdkv + ["bench", "transfer", *bench_args, "--out", out], capture_output=True, text=True)
-    row = {"load_before": before, "load_after": load(), "wall_s": round(time.time() - t0, 1), "rc": p.returncode}
+    c1 = tcp_counters()
+    row = {"load_before": before, "load_after": load(), "wall_s": round(time.time() - t0, 1), "rc": p.returncode,
+           "tcp_counters_delta": {k: c1[k] - c0.get(k, 0) for k in c1 if c1[k] - c0.get(k, 0)}}
     if p.returncode != 0:
         row["error"] = p.stderr[-1500:]
         return row
@@ -55,6 +78,13 @@ def one(pdkv: list[str], bench_args: list[str], out: str) -> dict:
     return row
 
 
+def fmt_counters(d: dict[str, int]) -> str:
+    short = {"RetransSegs": "retr", "TCPTimeouts": "rto", "TCPLossProbes": "tlp", "TCPFastRetrans": "fr",
+             "PruneCalled": "prune", "TCPBacklogDrop": "bldrop", "TCPRcvQDrop": "rqdrop", "TCPOFODrop": "ofodrop",
+             "TCPMemoryPressures": "mempress", "TCPRcvCollapsed": "collapsed"}
+    return " ".join(f"{short.get(k, k)}={v}" for k, v in sorted(d.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -69,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"# {cmd}\n# pdkv bench transfer {' '.join(rest)}")
     print(f"{'run':>3} {'load':>5} {'payload':>8} {'pdkv':>6} {'plain':>6} {'/plain':>6} {'worst rnd':>9} "
-          f"{'xfer ms med':>11} {'max':>7} {'p50 us':>7} {'p99 us':>8} {'raw p50':>7} {'raw p99':>7}", flush=True)
+          f"{'xfer ms med':>11} {'max':>7} {'p50 us':>7} {'p99 us':>8} {'raw p50':>7} {'raw p99':>7}  host tcp counters",
+          flush=True)
     for k in range(args.runs):
         row = one([args.pdkv], rest, os.path.join(args.out, f"run-{k + 1}.json"))
         rows.append(row)
@@ -82,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{p['plain_gbps']:6.2f} {p['ratio_plain']:6.2f} {min(p['ratio_plain_rounds']):9.2f} "
                   f"{f(p['transfer_ms_median'], '11.1f')} {f(p['transfer_ms_max'], '7.1f')} "
                   f"{f(p['lat_p50_us'], '7.1f')} {f(p['lat_p99_us'], '8.1f')} {f(p['raw_rtt_p50_us'], '7.1f')} "
-                  f"{f(p['raw_rtt_p99_us'], '7.1f')}", flush=True)
+                  f"{f(p['raw_rtt_p99_us'], '7.1f')}  {fmt_counters(row['tcp_counters_delta'])}", flush=True)
     ok = [p for r in rows for p in r.get("payloads", [])]
     below = [p for p in ok if p["ratio_plain"] < 0.8]
     print(f"# {len(ok)} results, {len(below)} below 0.8x plain (run median); worst round "

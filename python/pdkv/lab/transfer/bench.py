@@ -543,6 +543,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--busy-cpus", default="", metavar="LIST",
                     help="the CPUs the spinning co-runners (--busy, --busy-threads) go to, round-robin, e.g. 1 "
                     "(default: all of this process's)")
+    ap.add_argument("--pin-cpus", default="", metavar="I,T",
+                    help="pin the initiator to CPU I and the target to CPU T (e.g. 0,0: both on one core, "
+                    "as --pin did before 2026-12-07); default: --pin's first and second CPU")
     ap.add_argument("--thread-cpus", default="", metavar="LIST",
                     help="pdkv.set_thread_cpus in initiator and target before their agents: the CPUs of pdkv's "
                     "own threads (the vLLM connector's kv_cpus), e.g. 0 or all (default: they inherit the pin)")
@@ -587,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         busy_cpus = parse_cpus(args.busy_cpus, cpus) if args.busy_cpus else None
         args.thread_cpus_list = parse_cpus(args.thread_cpus, cpus) if args.thread_cpus else []
+        args.pin_cpus = parse_cpus(args.pin_cpus, cpus) if args.pin_cpus else []
+        if args.pin_cpus and len(args.pin_cpus) != 2:
+            raise InvalidArgument(f"--pin-cpus takes two CPUs (initiator,target), got {args.pin_cpus}")
     except InvalidArgument as e:
         ap.error(str(e))
     if args.thread_cpus_list and not args.serve:

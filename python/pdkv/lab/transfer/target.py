@@ -53,7 +53,9 @@ def pin_initiator(args: argparse.Namespace) -> None:
     pin, this process's affinity has one CPU, which put the target on the initiator's
     CPU until 2026-12-07."""
     cpus = all_cpus(args)
-    if args.pin and len(cpus) >= 2:
+    if getattr(args, "pin_cpus", None):
+        os.sched_setaffinity(0, {args.pin_cpus[0]})
+    elif args.pin and len(cpus) >= 2:
         os.sched_setaffinity(0, {cpus[0]})
 
 
@@ -76,7 +78,8 @@ def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
         (["--tls-on"] if getattr(args, "tls_on", False) else []) + \
         (["--thread-cpus", ",".join(map(str, args.thread_cpus_list))] if getattr(args, "thread_cpus_list", None) else [])
     cpus = all_cpus(args)
-    pin_to = {cpus[1]} if args.pin and len(cpus) >= 2 else None
+    pin_to = ({args.pin_cpus[1]} if getattr(args, "pin_cpus", None)
+              else {cpus[1]} if args.pin and len(cpus) >= 2 else None)
 
     def pre() -> None:  # runs in the child before exec
         if pin_to is not None:
