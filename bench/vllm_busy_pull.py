@@ -8,9 +8,10 @@ One command, repeatable before and after a change to the native code:
 For each of ``--runs`` runs it starts the P/D deployment of ``pdkv.lab.vllm.bench``
 (prefill vLLM on core 0, decode vLLM on core 1, pdkv's connector, the proxy in front)
 once per condition and replays the same trace: ``quiet`` (nothing else running) and
-``busy`` (``--background`` long requests kept in flight, so decode's vLLM worker steps
-without pause on the core pdkv's threads share, plus ``--spin`` spinning processes on
-the instances' cores). It prints one table row per run and condition (the pull as the
+``busy`` (``--background`` long requests kept in flight on the decode instance itself,
+so its vLLM worker steps without pause on the core pdkv's threads share while the
+connector pulls the trace's KV, plus ``--spin`` spinning processes on the instances'
+cores). It prints one table row per run and condition (the pull as the
 connector's timing wrapper sees it: engine step that hands the request over to the
 step that reports its KV received; and pdkv's own transfer time) and writes every
 number to OUT/summary.json, each run's raw files under OUT/<condition>-<run>/.

@@ -39,7 +39,7 @@ from pdkv.lab.transfer import compress, hetero, models, peers
 from pdkv.lab.transfer.busy import BusyLoad, parse_churn, parse_cpus
 from pdkv.lab.transfer.common import (SECRET_ENV, cell, host_view, human, parse_size, percentile, pool_blocks,
                                       tcp_options, write_out)
-from pdkv.lab.transfer.cpu import ratio
+from pdkv.lab.transfer.cpu import ratio, voluntary_switches
 from pdkv.lab.transfer.devmem import DeviceMemory
 from pdkv.lab.transfer.link import transfer_behind_link
 from pdkv.lab.transfer.target import Target, all_cpus, pin_initiator, spawn_target, start_target
@@ -107,6 +107,25 @@ def serve(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- measurements
+def _switches(meter) -> dict[str, int] | None:
+    """Voluntary switches per ``process:thread name`` of the metered processes."""
+    out: dict[str, int] = {}
+    for proc, pid in meter.pids.items():
+        v = voluntary_switches(pid)
+        if v is None:
+            return None
+        out.update({f"{proc}:{k}": n for k, n in v.items()})
+    return out
+
+
+def _per(after: dict | None, before: dict | None, n: int) -> dict | None:
+    """``{"total": per payload, "by_thread": {name: per payload}}`` (threads that blocked)."""
+    if after is None or before is None:
+        return None
+    d = {k: (v - before.get(k, 0)) / n for k, v in after.items() if v - before.get(k, 0) > 0}
+    return {"total": sum(d.values()), "by_thread": d}
+
+
 def time_transfers(prep, iters: int, timeout: float = 120.0, each: list | None = None) -> float:
     """Seconds for ``iters`` transfers one after the other; ``each`` gets every one's ms."""
     t0 = t = time.perf_counter()
@@ -190,12 +209,16 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
     per_round = []
     for _ in range(rounds):
         gb, cpu_gb, by_proc, each = {}, {}, {}, []
+        w0 = _switches(meter)
         with meter.measure() as u:
             s = time_transfers(prep, iters, each=each)
+        wakes = {"pdkv": _per(_switches(meter), w0, iters)}
+        w0 = _switches(meter)
         gb["pdkv"], cpu_gb["pdkv"], by_proc["pdkv"] = total / s / 1e9, u.per_gb(total), u.per_gb_by_process(total)
         with meter.measure() as u:
             s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
         gb["socket_plain"], cpu_gb["socket_plain"] = total / s / 1e9, u.per_gb(total)
+        wakes["socket_plain"] = _per(_switches(meter), w0, iters)
         by_proc["socket_plain"] = u.per_gb_by_process(total)
         with meter.measure() as u:
             s = bench.stream(target.sink_host, target.sink_port, args.conns, total, payload, True,
@@ -209,6 +232,9 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
         per_round.append({
             "gbps": gb, "cpu_s_per_gb": cpu_gb, "cpu_s_per_gb_by_process": by_proc,
             "pdkv_transfer_ms": [round(v, 3) for v in each],  # each transfer of the round: a stall shows
+            # voluntary context switches (blocks that needed a wake-up) per payload moved,
+            # initiator + target, every thread: the hand-offs a busy core makes wait
+            "wakeups_per_payload": wakes,
             "ratios": {k: gb["pdkv"] / v for k, v in gb.items() if k != "pdkv"},
             "ratios_cpu": {k: ratio(cpu_gb["pdkv"], v) for k, v in cpu_gb.items() if k != "pdkv"},
         })

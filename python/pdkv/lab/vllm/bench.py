@@ -96,9 +96,10 @@ def _cpu_list(spec: str) -> list[int]:
 
 
 class _Background:
-    """``n`` threads that keep one long request each in flight through the proxy (short
-    prompt, ``output_len`` tokens) while the trace runs: vLLM's own threads busy
-    decoding while the connector pulls. ``n`` = 0: nothing."""
+    """``n`` threads that keep one long request each in flight on the decode instance
+    itself (short prompt, ``output_len`` tokens; no proxy, so no pull of their own) while
+    the trace runs: vLLM's own threads busy decoding while the connector pulls the
+    trace's KV. ``n`` = 0: nothing."""
 
     def __init__(self, proxy: Any, n: int, output_len: int) -> None:
         self.proxy, self.n, self.output_len = proxy, n, output_len
@@ -182,7 +183,7 @@ def run_one(name: str, a: argparse.Namespace, model: Path, work: Path, out: Path
                "--duration", str(a.num_requests / a.rate + 1), "--seed", str(a.seed), "--vocab-size", "384",
                "--warmup", "0", "--mode-name", name, "--out", str(d), "--no-plots", "--no-progress"]
         print(f"[{name}] {shlex.join(cmd)}", file=sys.stderr, flush=True)
-        with _Background(proxy, a.background, a.background_output_len) as bg, \
+        with _Background(decode, a.background, a.background_output_len) as bg, \
                 BusyLoad(a.busy, cpus=_cpu_list(a.prefill_cpus) + _cpu_list(a.decode_cpus)) as load:
             busy = {"background_requests": a.background, "background_output_len": a.background_output_len,
                     "co_runners": load.describe()}
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--idle-seconds", type=float, default=10.0,
                     help="after the trace, measure the instances' CPU use for this long with nothing in flight")
     ap.add_argument("--background", type=int, default=0, metavar="N",
-                    help="keep N long requests in flight during the trace (vLLM's threads busy decoding)")
+                    help="keep N long requests in flight on decode during the trace (vLLM's threads busy "
+                    "decoding; sent to decode directly, so they pull nothing)")
     ap.add_argument("--background-output-len", type=int, default=256)
     ap.add_argument("--busy", type=int, default=0, metavar="N",
                     help="N spinning co-runner processes on the instances' cores during the trace")
