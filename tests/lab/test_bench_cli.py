@@ -144,6 +144,11 @@ def test_bench_transfer_with_spinning_threads_and_churn_reports_them():
         b = r["busy"]
         assert b["processes"] == 0 and b["threads"] == 2 and len(b["thread_cpus"]) == 2
         assert [(c["kind"], c["arg"]) for c in b["churn"]] == [("fork", "2")] and b["churn"][0]["starts"] >= 0
+        rd = r["per_round"][0]
+        assert len(rd["pdkv_transfer_ms"]) == r["iters"] and all(ms > 0 for ms in rd["pdkv_transfer_ms"])
+        w = rd["wakeups_per_payload"]["pdkv"]
+        assert w["total"] == pytest.approx(sum(w["by_thread"].values())) and w["total"] > 0
+        assert all(k.split(":")[0] in ("initiator", "target") for k in w["by_thread"])
 
 
 def test_bench_transfer_rejects_bad_arguments():
