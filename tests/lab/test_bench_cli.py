@@ -115,6 +115,42 @@ def test_bench_transfer_with_busy_co_runners_reports_them():
     assert all(r["busy"] == {"processes": 0, "cpus": []} for r in quiet)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_bench_transfer_pins_initiator_and_target_to_different_cpus_and_sets_thread_cpus():
+    cpus = sorted(os.sched_getaffinity(0))
+    rows = run_bench("--transport", "tcp", "--rounds", "1", "--busy", "1", "--busy-cpus", str(cpus[1]),
+                     "--thread-cpus", str(cpus[0]))
+    for r in rows:
+        # until 2026-12-07 the target inherited the initiator's pin (both on cpus[0])
+        assert r["process_cpus"] == {"initiator": [cpus[0]], "target": [cpus[1]]}
+        assert r["pdkv_thread_cpus"] == [cpus[0]] and r["busy"] == {"processes": 1, "cpus": [cpus[1]]}
+    rows = run_bench("--transport", "tcp", "--rounds", "1", "--no-pin")
+    assert all(r["process_cpus"] == {"initiator": cpus, "target": cpus} and r["pdkv_thread_cpus"] == [] for r in rows)
+    rows = run_bench("--transport", "tcp", "--rounds", "1", "--pin-cpus", f"{cpus[1]},{cpus[1]}")
+    assert all(r["process_cpus"] == {"initiator": [cpus[1]], "target": [cpus[1]]} for r in rows)
+
+
+@pytest.mark.parametrize("argv", [["--busy-cpus", "100000"], ["--thread-cpus", "x"], ["--pin-cpus", "0"]])
+def test_bench_transfer_refuses_cpus_it_cannot_use(argv):
+    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--payload", "1M", *argv],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and ("CPU list" in out.stderr or "two CPUs" in out.stderr)
+
+
+def test_bench_transfer_with_spinning_threads_and_churn_reports_them():
+    rows = run_bench("--transport", "tcp", "--busy-threads", "2", "--busy-churn", "fork:2", "--rounds", "1")
+    assert rows and all(r["verified"] is True for r in rows)
+    for r in rows:
+        b = r["busy"]
+        assert b["processes"] == 0 and b["threads"] == 2 and len(b["thread_cpus"]) == 2
+        assert [(c["kind"], c["arg"]) for c in b["churn"]] == [("fork", "2")] and b["churn"][0]["starts"] >= 0
+        rd = r["per_round"][0]
+        assert len(rd["pdkv_transfer_ms"]) == r["iters"] and all(ms > 0 for ms in rd["pdkv_transfer_ms"])
+        w = rd["wakeups_per_payload"]["pdkv"]
+        assert w["total"] == pytest.approx(sum(w["by_thread"].values())) and w["total"] > 0
+        assert all(k.split(":")[0] in ("initiator", "target") for k in w["by_thread"])
+
+
 def test_bench_transfer_rejects_bad_arguments():
     out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "transfer", "--payload", "lots"],
                          capture_output=True, text=True, timeout=60)

@@ -119,3 +119,25 @@ def test_usages_add_and_ratios_guard():
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat", "rb") as f:
         return f.read().rsplit(b")", 1)[1].split()[0].decode()
+
+
+def test_voluntary_switches_count_each_block_per_thread_name():
+    from pdkv.lab.transfer.cpu import voluntary_switches
+
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time\nsys.stdin.readline()\n"
+                          "for _ in range(200): time.sleep(0.001)\nprint('done', flush=True)\nsys.stdin.readline()"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.2)
+        before = voluntary_switches(p.pid)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "done"
+        after = voluntary_switches(p.pid)
+        name = next(iter(before))
+        assert after[name] - before[name] >= 200  # every sleep blocked once
+    finally:
+        p.stdin.close()
+        p.wait()
+        p.stdout.close()
+    assert voluntary_switches(p.pid) is None and voluntary_switches(None) is None

@@ -32,17 +32,17 @@ import time
 
 import numpy as np
 
-from pdkv import Agent, Blocks, KVLayout, TcpOptions, available_transports, plan_blocks
+from pdkv import Agent, Blocks, KVLayout, TcpOptions, available_transports, plan_blocks, set_thread_cpus, thread_cpus
 from pdkv.errors import InvalidArgument, PdkvError
 from pdkv.lab import _native
 from pdkv.lab.transfer import compress, hetero, models, peers
-from pdkv.lab.transfer.busy import BusyLoad
+from pdkv.lab.transfer.busy import BusyLoad, parse_churn, parse_cpus
 from pdkv.lab.transfer.common import (SECRET_ENV, cell, host_view, human, parse_size, percentile, pool_blocks,
                                       tcp_options, write_out)
-from pdkv.lab.transfer.cpu import ratio
+from pdkv.lab.transfer.cpu import ratio, voluntary_switches
 from pdkv.lab.transfer.devmem import DeviceMemory
 from pdkv.lab.transfer.link import transfer_behind_link
-from pdkv.lab.transfer.target import Target, spawn_target, start_target
+from pdkv.lab.transfer.target import Target, all_cpus, pin_initiator, spawn_target, start_target
 
 
 def _pool(agent: Agent, geo, seed: int | None, memory: str = "host") -> tuple[object, KVLayout]:
@@ -77,6 +77,9 @@ def _read(args, addr: int, n: int) -> np.ndarray:
 def serve(args: argparse.Namespace) -> None:
     """Target side: an agent exporting a pool, plus a raw-socket sink for the ceilings."""
     bench = _native.module().bench
+    if args.thread_cpus:
+        # the initiator checked them against its CPUs before it pinned itself and us
+        set_thread_cpus(parse_cpus(args.thread_cpus, range(os.cpu_count() or 1)))
     geo = hetero.target_geometry(args) if args.hetero else models.geometry(args.model, args.blocks)
     # The target offers every transport available here; the initiator picks one.
     agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
@@ -104,10 +107,34 @@ def serve(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- measurements
-def time_transfers(prep, iters: int, timeout: float = 120.0) -> float:
-    t0 = time.perf_counter()
+def _switches(meter) -> dict[str, int] | None:
+    """Voluntary switches per ``process:thread name`` of the metered processes."""
+    out: dict[str, int] = {}
+    for proc, pid in meter.pids.items():
+        v = voluntary_switches(pid)
+        if v is None:
+            return None
+        out.update({f"{proc}:{k}": n for k, n in v.items()})
+    return out
+
+
+def _per(after: dict | None, before: dict | None, n: int) -> dict | None:
+    """``{"total": per payload, "by_thread": {name: per payload}}`` (threads that blocked)."""
+    if after is None or before is None:
+        return None
+    d = {k: (v - before.get(k, 0)) / n for k, v in after.items() if v - before.get(k, 0) > 0}
+    return {"total": sum(d.values()), "by_thread": d}
+
+
+def time_transfers(prep, iters: int, timeout: float = 120.0, each: list | None = None) -> float:
+    """Seconds for ``iters`` transfers one after the other; ``each`` gets every one's ms."""
+    t0 = t = time.perf_counter()
     for _ in range(iters):
         prep.post(timeout=timeout).wait(timeout)
+        if each is not None:
+            now = time.perf_counter()
+            each.append((now - t) * 1e3)
+            t = now
     return time.perf_counter() - t0
 
 
@@ -181,13 +208,17 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
         bench.memcpy_extents(ext, 1)
     per_round = []
     for _ in range(rounds):
-        gb, cpu_gb, by_proc = {}, {}, {}
+        gb, cpu_gb, by_proc, each = {}, {}, {}, []
+        w0 = _switches(meter)
         with meter.measure() as u:
-            s = time_transfers(prep, iters)
+            s = time_transfers(prep, iters, each=each)
+        wakes = {"pdkv": _per(_switches(meter), w0, iters)}
+        w0 = _switches(meter)
         gb["pdkv"], cpu_gb["pdkv"], by_proc["pdkv"] = total / s / 1e9, u.per_gb(total), u.per_gb_by_process(total)
         with meter.measure() as u:
             s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
         gb["socket_plain"], cpu_gb["socket_plain"] = total / s / 1e9, u.per_gb(total)
+        wakes["socket_plain"] = _per(_switches(meter), w0, iters)
         by_proc["socket_plain"] = u.per_gb_by_process(total)
         with meter.measure() as u:
             s = bench.stream(target.sink_host, target.sink_port, args.conns, total, payload, True,
@@ -200,6 +231,10 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
             gb["memcpy"], cpu_gb["memcpy"], by_proc["memcpy"] = total / s / 1e9, u.per_gb(total), u.per_gb_by_process(total)
         per_round.append({
             "gbps": gb, "cpu_s_per_gb": cpu_gb, "cpu_s_per_gb_by_process": by_proc,
+            "pdkv_transfer_ms": [round(v, 3) for v in each],  # each transfer of the round: a stall shows
+            # voluntary context switches (blocks that needed a wake-up) per payload moved,
+            # initiator + target, every thread: the hand-offs a busy core makes wait
+            "wakeups_per_payload": wakes,
             "ratios": {k: gb["pdkv"] / v for k, v in gb.items() if k != "pdkv"},
             "ratios_cpu": {k: ratio(cpu_gb["pdkv"], v) for k, v in cpu_gb.items() if k != "pdkv"},
         })
@@ -366,7 +401,11 @@ def _run_cases(args: argparse.Namespace, payloads: list[int], quiet: bool = Fals
                     if "cpu_s_per_gb" in p:
                         r["ratios_cpu"][name] = p["ratio_cpu_pdkv_over_peer"]
                 r["tls"] = bool(getattr(args, "tls_on", False))
-                r["busy"] = getattr(args, "busy_info", None) or {"processes": 0, "cpus": []}
+                load = getattr(args, "busy_load", None)
+                r["busy"] = load.describe() if load is not None else {"processes": 0, "cpus": []}
+                r["pdkv_thread_cpus"] = thread_cpus()  # [] : they inherit their starter's (the pin's)
+                r["process_cpus"] = {"initiator": sorted(os.sched_getaffinity(0)),
+                                     "target": sorted(os.sched_getaffinity(target.proc.pid)) if target.proc else None}
                 results.append(r)
                 if args.json and not quiet:
                     print(json.dumps(r), flush=True)
@@ -396,8 +435,7 @@ def print_tls(results: list[dict]) -> None:
 
 def run_hetero(args: argparse.Namespace, payloads: list[int]) -> list[dict]:
     """``--hetero SPEC``: pdkv.lab.transfer.hetero's run, written to ``--out`` like the others."""
-    if args.pin and len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    pin_initiator(args)
     results = hetero.run(args, payloads, spawn_target, Target)
     write_out(args, results)
     return results
@@ -521,6 +559,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--busy", type=int, default=0, metavar="N",
                     help="run N spinning processes pinned round-robin to this process's CPUs for the whole run "
                     "(an engine that keeps every core busy; JSON: busy); default 0")
+    ap.add_argument("--busy-threads", type=int, default=0, metavar="N",
+                    help="run N spinning threads in one co-runner process, each bound to one of this process's "
+                    "CPUs in turn (vLLM's OpenMP workers; JSON: busy.threads); default 0")
+    ap.add_argument("--busy-churn", default="", metavar="SPEC",
+                    help="start processes all through the run (engines starting; JSON: busy.churn): comma-separated "
+                    "import[:MODULE] (an interpreter importing MODULE, default torch/numpy), fork[:N] (bursts of N "
+                    "/bin/true), alloc[:MiB] (allocate and touch MiB, default 512), one driver each")
+    ap.add_argument("--busy-cpus", default="", metavar="LIST",
+                    help="the CPUs the spinning co-runners (--busy, --busy-threads) go to, round-robin, e.g. 1 "
+                    "(default: all of this process's)")
+    ap.add_argument("--pin-cpus", default="", metavar="I,T",
+                    help="pin the initiator to CPU I and the target to CPU T (e.g. 0,0: both on one core, "
+                    "as --pin did before 2026-12-07); default: --pin's first and second CPU")
+    ap.add_argument("--thread-cpus", default="", metavar="LIST",
+                    help="pdkv.set_thread_cpus in initiator and target before their agents: the CPUs of pdkv's "
+                    "own threads (the vLLM connector's kv_cpus), e.g. 0 or all (default: they inherit the pin)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print one JSON object per payload instead of a table")
     ap.add_argument("--out", default="", help="also write all results to this JSON file")
@@ -552,6 +606,23 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(e).strip("'\""))
     if args.busy < 0:
         ap.error(f"--busy must be >= 0, got {args.busy}")
+    if args.busy_threads < 0:
+        ap.error(f"--busy-threads must be >= 0, got {args.busy_threads}")
+    try:
+        churn = parse_churn(args.busy_churn)
+    except InvalidArgument as e:
+        ap.error(f"--busy-churn: {e}")
+    cpus = all_cpus(args) if not args.serve else list(range(os.cpu_count() or 1))  # before any pin
+    try:
+        busy_cpus = parse_cpus(args.busy_cpus, cpus) if args.busy_cpus else None
+        args.thread_cpus_list = parse_cpus(args.thread_cpus, cpus) if args.thread_cpus else []
+        args.pin_cpus = parse_cpus(args.pin_cpus, cpus) if args.pin_cpus else []
+        if args.pin_cpus and len(args.pin_cpus) != 2:
+            raise InvalidArgument(f"--pin-cpus takes two CPUs (initiator,target), got {args.pin_cpus}")
+    except InvalidArgument as e:
+        ap.error(str(e))
+    if args.thread_cpus_list and not args.serve:
+        set_thread_cpus(args.thread_cpus_list)
     if args.link:
         return transfer_behind_link(args, argv)
     if args.serve:
@@ -559,10 +630,16 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--serve and --target are exclusive")
         serve(args)
         return 0
-    with BusyLoad(args.busy) as load:
-        args.busy_info = load.describe()
-        if args.busy and not args.json:
-            print(f"busy: {args.busy} spinning co-runner process(es) pinned to CPUs {load.cpus}", flush=True)
+    with BusyLoad(args.busy, cpus=busy_cpus, threads=args.busy_threads, churn=churn) as load:
+        args.busy_load = load
+        if not args.json:
+            if args.busy:
+                print(f"busy: {args.busy} spinning co-runner process(es) pinned to CPUs {load.cpus}", flush=True)
+            if args.busy_threads:
+                print(f"busy: {args.busy_threads} spinning thread(s) in one process bound to CPUs "
+                      f"{load.thread_cpus}", flush=True)
+            if churn:
+                print("busy: churn " + ", ".join(f"{k}:{a}" for k, a in churn), flush=True)
         run(args)
     return 0
 

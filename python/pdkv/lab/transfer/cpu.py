@@ -59,6 +59,33 @@ def process_cpu_s(pid: int) -> float | None:
     return (utime + stime) / _CLK_TCK
 
 
+def voluntary_switches(pid: int | None) -> dict[str, int] | None:
+    """Voluntary context switches of the live threads of ``pid``, summed per thread name
+    (``pdkv-tcp``, ``python``, ...): each is a block that needed a wake-up, a hand-off.
+    ``None`` when it cannot be read."""
+    if pid is None:
+        return None
+    out: dict[str, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for t in tids:
+        try:
+            with open(f"/proc/{pid}/task/{t}/status") as f:
+                name, n = "?", 0
+                for ln in f:
+                    if ln.startswith("Name:"):
+                        name = ln.split(None, 1)[1].strip()
+                    elif ln.startswith("voluntary_ctxt_switches:"):
+                        n = int(ln.split()[1])
+                        break
+        except OSError:
+            continue  # the thread ended
+        out[name] = out.get(name, 0) + n
+    return out
+
+
 @dataclass
 class CpuUsage:
     """CPU seconds each named process used over a section (``None``: could not be read,

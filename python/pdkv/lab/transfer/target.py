@@ -14,7 +14,7 @@ from pdkv.errors import PdkvError
 from pdkv.lab.transfer import hetero
 from pdkv.lab.transfer.cpu import CpuMeter
 
-__all__ = ["Target", "spawn_target", "start_target"]
+__all__ = ["Target", "pin_initiator", "spawn_target", "start_target"]
 
 
 @dataclass
@@ -40,17 +40,29 @@ class Target:
             self.proc.stdout.close()
 
 
-# The CPUs this process may use before --pin narrows it to the first of them: the
-# spawned target goes on the second. (Read from the process's affinity after pinning,
-# the target inherited CPU 0 too, so both processes shared one core.)
-_ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
+def all_cpus(args: argparse.Namespace) -> list[int]:
+    """The CPUs this process had before :func:`pin_initiator` (recorded on first use)."""
+    if not getattr(args, "all_cpus", None):
+        args.all_cpus = sorted(os.sched_getaffinity(0))
+    return args.all_cpus
+
+
+def pin_initiator(args: argparse.Namespace) -> None:
+    """``--pin``: this process on the first of its CPUs; :func:`spawn_target` puts the
+    target on the second. The CPUs it had are kept (``args.all_cpus``): read after this
+    pin, this process's affinity has one CPU, which put the target on the initiator's
+    CPU until 2026-12-07."""
+    cpus = all_cpus(args)
+    if getattr(args, "pin_cpus", None):
+        os.sched_setaffinity(0, {args.pin_cpus[0]})
+    elif args.pin and len(cpus) >= 2:
+        os.sched_setaffinity(0, {cpus[0]})
 
 
 def start_target(args: argparse.Namespace, blocks: int) -> Target:
     """Pins this process to one core when asked (--pin), then reaches the --target the
     user started or spawns one with `blocks` blocks."""
-    if args.pin and len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    pin_initiator(args)
     if args.target:
         host, _, port = args.target.rpartition(":")
         return Target(args.target, host.strip("[]"), int(port) + 1)
@@ -63,11 +75,11 @@ def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
            "--gather-below", str(args.gather_below), "--land-below", str(args.land_below),
            "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
            "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else []) + \
-        (["--tls-on"] if getattr(args, "tls_on", False) else [])
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2 and len(_ALLOWED_CPUS) >= 2:  # this process is pinned already
-        cpus = [c for c in _ALLOWED_CPUS if c in cpus] + [c for c in _ALLOWED_CPUS if c not in cpus]
-    pin_to = {cpus[1]} if args.pin and len(cpus) >= 2 else None
+        (["--tls-on"] if getattr(args, "tls_on", False) else []) + \
+        (["--thread-cpus", ",".join(map(str, args.thread_cpus_list))] if getattr(args, "thread_cpus_list", None) else [])
+    cpus = all_cpus(args)
+    pin_to = ({args.pin_cpus[1]} if getattr(args, "pin_cpus", None)
+              else {cpus[1]} if args.pin and len(cpus) >= 2 else None)
 
     def pre() -> None:  # runs in the child before exec
         if pin_to is not None:

@@ -37,11 +37,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from pdkv.integrations.vllm_deploy import ProxyProcess, VllmInstance, nixl_kv_config, pdkv_kv_config
+from pdkv.lab.transfer.busy import BusyLoad
 
 __all__ = ["main"]
 
@@ -80,6 +82,54 @@ def _idle_cores(procs: list[Any], seconds: float) -> list[float]:
     time.sleep(seconds)
     dt = time.monotonic() - t0
     return [round((_group_cpu_s(p.proc.pid) - x) / dt, 3) for p, x in zip(procs, a)]
+
+
+def _cpu_list(spec: str) -> list[int]:
+    """``"0"``, ``"0-1"``, ``"0,2"`` -> CPU numbers (``"all"``: this process's)."""
+    if spec == "all":
+        return sorted(os.sched_getaffinity(0))
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+class _Background:
+    """``n`` threads that keep one long request each in flight on the decode instance
+    itself (short prompt, ``output_len`` tokens; no proxy, so no pull of their own) while
+    the trace runs: vLLM's own threads busy decoding while the connector pulls the
+    trace's KV. ``n`` = 0: nothing."""
+
+    def __init__(self, proxy: Any, n: int, output_len: int) -> None:
+        self.proxy, self.n, self.output_len = proxy, n, output_len
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.done = 0
+
+    def _loop(self, k: int) -> None:
+        rng = random.Random(1000 + k)
+        while not self.stop.is_set():
+            try:
+                self.proxy.complete([rng.randrange(100, 384) for _ in range(32)], self.output_len)
+                self.done += 1
+            except Exception:  # noqa: BLE001 - the deployment is closing; the trace reports errors
+                if self.stop.wait(0.5):
+                    return
+
+    def __enter__(self) -> "_Background":
+        for k in range(self.n):
+            t = threading.Thread(target=self._loop, args=(k,), daemon=True)
+            t.start()
+            self.threads.append(t)
+        if self.n:
+            time.sleep(2.0)  # the first ones are decoding when the trace starts
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
 
 
 def _kv_config(name: str, role: str, timing: Path, stats: Path) -> dict[str, Any]:
@@ -133,7 +183,12 @@ def run_one(name: str, a: argparse.Namespace, model: Path, work: Path, out: Path
                "--duration", str(a.num_requests / a.rate + 1), "--seed", str(a.seed), "--vocab-size", "384",
                "--warmup", "0", "--mode-name", name, "--out", str(d), "--no-plots", "--no-progress"]
         print(f"[{name}] {shlex.join(cmd)}", file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with _Background(decode, a.background, a.background_output_len) as bg, \
+                BusyLoad(a.busy, cpus=_cpu_list(a.prefill_cpus) + _cpu_list(a.decode_cpus)) as load:
+            busy = {"background_requests": a.background, "background_output_len": a.background_output_len,
+                    "co_runners": load.describe()}
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        busy["background_done"] = bg.done  # long requests finished while the trace ran
         time.sleep(5.0)
         idle = _idle_cores([prefill, decode], a.idle_seconds)
         pulls = _rows(timing, skip_t)
@@ -166,6 +221,7 @@ def run_one(name: str, a: argparse.Namespace, model: Path, work: Path, out: Path
         "bytes_per_request": statistics.median([r["bytes"] for r in ok]) if ok else None,
         "bytes_total": sum(r["bytes"] for r in ok),
         "idle_cores": {"prefill": idle[0], "decode": idle[1]},
+        "busy": busy,
         "startup_s": ready_s,
     }
 
@@ -207,6 +263,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-cpus", default="1")
     ap.add_argument("--idle-seconds", type=float, default=10.0,
                     help="after the trace, measure the instances' CPU use for this long with nothing in flight")
+    ap.add_argument("--background", type=int, default=0, metavar="N",
+                    help="keep N long requests in flight on decode during the trace (vLLM's threads busy "
+                    "decoding; sent to decode directly, so they pull nothing)")
+    ap.add_argument("--background-output-len", type=int, default=256)
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="N spinning co-runner processes on the instances' cores during the trace")
     ap.add_argument("--python", default=sys.executable, help="interpreter with vLLM and pdkv")
     ap.add_argument("--keep-logs", action="store_true", help="copy the instances' logs into --out/logs")
     a = ap.parse_args(argv)
@@ -242,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "model": {k: cfg.get(k) for k in ("num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size",
                                           "vocab_size", "dtype")} | {"kv_bytes_per_token": kv_per_token},
+        "busy": {"background": a.background, "background_output_len": a.background_output_len, "co_runners": a.busy},
         "trace": {"prompt_len": a.prompt_len, "output_len": a.output_len, "requests": a.num_requests,
                   "rate": a.rate, "arrival": a.arrival, "seed": a.seed, "warmup": a.warmup},
         "deployment": {"prefill_cpus": a.prefill_cpus, "decode_cpus": a.decode_cpus, "enforce_eager": True,
