@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--background", type=int, default=2, help="busy: long requests kept in flight")
     ap.add_argument("--background-output-len", type=int, default=256)
     ap.add_argument("--spin", type=int, default=0, help="busy: spinning co-runner processes on the instances' cores")
+    ap.add_argument("--kv-cpus", default="", help="the connector's kv_cpus on both instances (all or N,N); default inherit")
     ap.add_argument("--num-requests", type=int, default=10)
     ap.add_argument("--rate", type=float, default=0.5, help="trace requests/s")
     ap.add_argument("--prompt-len", type=int, default=1024)
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             load = _load()
             bench = [sys.executable, "-m", "pdkv.lab.vllm.bench", "--connectors", a.connector, "--out", str(d),
                      "--num-requests", str(a.num_requests), "--rate", str(a.rate), "--prompt-len", str(a.prompt_len),
-                     "--warmup", "2", "--idle-seconds", "2"]
+                     "--warmup", "2", "--idle-seconds", "2"] + (["--kv-cpus", a.kv_cpus] if a.kv_cpus else [])
             if c == "busy":
                 bench += ["--background", str(a.background), "--background-output-len", str(a.background_output_len),
                           "--busy", str(a.spin)]
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"#   {c}: pull p50 {med(lambda r: r['kv_wait_s']['p50']) * 1e3:.1f}, "
                   f"p90 {med(lambda r: r['kv_wait_s']['p90']) * 1e3:.1f}; pdkv transfer p50 "
                   f"{med(lambda r: (r['pdkv_transfer_s'] or {}).get('p50')) * 1e3:.1f} ({len(ok)} runs)")
-    (out / "summary.json").write_text(json.dumps({"command": cmd, "label": a.label, "tree": git, "runs": rows},
+    (out / "summary.json").write_text(json.dumps({"command": cmd, "label": a.label, "kv_cpus": a.kv_cpus or "inherit",
+                                                  "tree": git, "runs": rows},
                                                  indent=1) + "\n")
     return 0
 

@@ -42,3 +42,26 @@ def test_no_background_is_a_no_op():
     with _Background(proxy, 0, 64) as bg:
         pass
     assert bg.threads == [] and proxy.calls == []
+
+
+def test_kv_cpus_reach_the_pdkv_connector_config_only(tmp_path):
+    from pdkv.lab.vllm.bench import _kv_config
+
+    def extra(name, kv_cpus):
+        cfg = _kv_config(name, "kv_consumer", tmp_path / "t", tmp_path / "s", kv_cpus)
+        return cfg["kv_connector_extra_config"]
+
+    assert "kv_cpus" not in extra("pdkv-tcp", "")
+    assert extra("pdkv-tcp", "all")["kv_cpus"] == "all"
+    assert extra("pdkv", "0,1")["kv_cpus"] == [0, 1]
+    assert "kv_cpus" not in extra("nixl", "all")  # NixlConnector has no such option
+
+
+def test_bad_kv_cpus_are_refused(capsys):
+    import pytest
+
+    from pdkv.lab.vllm.bench import main
+
+    with pytest.raises(SystemExit):
+        main(["--kv-cpus", "0;1", "--out", "/nonexistent/never-written"])
+    assert "--kv-cpus must be 'all' or CPU numbers" in capsys.readouterr().err

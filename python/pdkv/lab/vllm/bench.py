@@ -132,7 +132,7 @@ class _Background:
             t.join(timeout=120)
 
 
-def _kv_config(name: str, role: str, timing: Path, stats: Path) -> dict[str, Any]:
+def _kv_config(name: str, role: str, timing: Path, stats: Path, kv_cpus: str = "") -> dict[str, Any]:
     if name in ("nixl", "nixl-1t"):
         extra_n: dict[str, Any] = {"timing_path": str(timing)}
         if name == "nixl-1t":
@@ -142,6 +142,8 @@ def _kv_config(name: str, role: str, timing: Path, stats: Path) -> dict[str, Any
     extra: dict[str, Any] = {"timing_path": str(timing), "stats_path": str(stats)}
     if name == "pdkv-tcp":
         extra["transports"] = ["tcp"]
+    if kv_cpus:
+        extra["kv_cpus"] = "all" if kv_cpus == "all" else [int(c) for c in kv_cpus.split(",")]
     return pdkv_kv_config(role, connector="TimedPdkvConnector", module="pdkv.lab.vllm.timing", **extra)
 
 
@@ -163,9 +165,9 @@ def run_one(name: str, a: argparse.Namespace, model: Path, work: Path, out: Path
     t_start = time.time()
     try:
         procs.append(VllmInstance(model, name=f"{name}-prefill", cpus=a.prefill_cpus,
-                                  kv_config=_kv_config(name, "kv_producer", timing, stats), **common))
+                                  kv_config=_kv_config(name, "kv_producer", timing, stats, a.kv_cpus), **common))
         procs.append(VllmInstance(model, name=f"{name}-decode", cpus=a.decode_cpus,
-                                  kv_config=_kv_config(name, "kv_consumer", timing, stats), **common))
+                                  kv_config=_kv_config(name, "kv_consumer", timing, stats, a.kv_cpus), **common))
         for p in procs:
             p.wait_ready(600)
         prefill, decode = procs
@@ -269,10 +271,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--background-output-len", type=int, default=256)
     ap.add_argument("--busy", type=int, default=0, metavar="N",
                     help="N spinning co-runner processes on the instances' cores during the trace")
+    ap.add_argument("--kv-cpus", default="", metavar="all|N[,N...]",
+                    help="the pdkv connector's kv_cpus (its threads' CPUs) on both instances; default: inherit")
     ap.add_argument("--python", default=sys.executable, help="interpreter with vLLM and pdkv")
     ap.add_argument("--keep-logs", action="store_true", help="copy the instances' logs into --out/logs")
     a = ap.parse_args(argv)
     names = [c.strip() for c in a.connectors.split(",") if c.strip()]
+    if a.kv_cpus and a.kv_cpus != "all" and not all(c.strip().isdigit() for c in a.kv_cpus.split(",")):
+        ap.error(f"--kv-cpus must be 'all' or CPU numbers like 0,1, got {a.kv_cpus!r}")
     for n in names:
         if n not in CONNECTORS:
             ap.error(f"unknown connector {n!r}")
