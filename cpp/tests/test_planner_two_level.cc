@@ -131,6 +131,30 @@ TEST(PlanTwoLevel, ConsecutiveIdsAreOneRunPerHeadAndSegment) {
   }
 }
 
+// Where both sides cut tokens and heads (NHD <-> HND), a short plan stays per (layer,
+// part) instead of one run per (block, head) across segments: each block's heads are
+// then moved in one pass (one run per block for large rows), touching its lines once.
+TEST(PlanTwoLevel, SmallCutBothPlansStayPerSegment) {
+  for (const Case& c : kCases) {
+    if (!c.cut_both) continue;
+    for (bool scattered : {false, true}) {
+      Pool a = make_pool(c.lt, c.lh, c.lo, 1ull << 32), b = make_pool(c.rt, c.rh, c.ro, 1ull << 40);
+      std::vector<uint32_t> lids, rids;
+      ids_for(c, 96, scattered, lids, rids);
+      PlanOptions o;
+      o.num_tokens = 96;
+      o.num_heads = c.nh;
+      o.local_head_offset = c.lho;
+      o.remote_head_offset = c.rho;
+      auto runs = plan2(a, lids, b, rids, o);
+      EXPECT_EQ(expand(runs, row_bytes(a.geo)), reference(a, lids, b, rids, 96, c.nh, c.lho, c.rho)) << c.name;
+      const uint64_t segs = a.layout.segments().size();
+      EXPECT_GE(runs.size(), segs) << c.name;  // none spans two segments
+      for (const StridedExtent& e : runs) EXPECT_LT(e.local_stride2, a.layout.segments()[1].addr - a.layout.segments()[0].addr) << c.name;
+    }
+  }
+}
+
 // Scattered ids in contiguous pools (K/V apart, or interleaved per block): each
 // block's run repeats in every (layer, part) at one distance, so it is one two-level
 // run across them: O(blocks) runs per request, not O(blocks x layers x parts), and
@@ -138,7 +162,12 @@ TEST(PlanTwoLevel, ConsecutiveIdsAreOneRunPerHeadAndSegment) {
 TEST(PlanTwoLevel, ScatteredIdsAreOneRunPerBlockAcrossSegments) {
   for (const Case& c : kCases) {
     for (bool interleaved : {false, true}) {
-      const KVGeometry lg = f16_geometry(c.lt, c.lh, c.lo, 8, 24, 4), rg = f16_geometry(c.rt, c.rh, c.ro, 8, 24, 4);
+      // Where both sides cut tokens and heads, a per-segment plan of up to 4096 runs
+      // stays per segment (kv_layout.cc kCheapPerSegmentRuns; SmallCutBothPlansStay...):
+      // enough layers that it would be longer.
+      const uint32_t layers = c.cut_both ? 300 : 8;
+      const KVGeometry lg = f16_geometry(c.lt, c.lh, c.lo, layers, 24, 4),
+                       rg = f16_geometry(c.rt, c.rh, c.ro, layers, 24, 4);
       auto la = KVLayout::contiguous(lg, 1ull << 32, interleaved), lb = KVLayout::contiguous(rg, 1ull << 40, interleaved);
       ASSERT_TRUE(la.ok() && lb.ok());
       Pool a{lg, std::move(la).value()}, b{rg, std::move(lb).value()};
@@ -152,7 +181,7 @@ TEST(PlanTwoLevel, ScatteredIdsAreOneRunPerBlockAcrossSegments) {
       auto runs = plan2(a, lids, b, rids, o);
       EXPECT_EQ(expand(runs, row_bytes(a.geo)), reference(a, lids, b, rids, 96, c.nh, c.lho, c.rho))
           << c.name << (interleaved ? " interleaved" : "");
-      const uint64_t segs = a.layout.segments().size();  // 8 layers x 2 parts
+      const uint64_t segs = a.layout.segments().size();  // layers x 2 parts
       const uint64_t groups = interleaved ? 2 : 1;        // K/V interleaved: one group per part
       const uint64_t chunks = lids.size() + rids.size();
       EXPECT_LE(runs.size(), groups * chunks * (c.cut_both ? c.nh : 1)) << c.name;
