@@ -155,6 +155,33 @@ TEST(PlanTwoLevel, SmallCutBothPlansStayPerSegment) {
   }
 }
 
+// Blocks of 32 KiB (16 tokens x 8 heads x 256 B) NHD -> HND with consecutive ids: a
+// head's pass over the blocks would move more than kHeadPassBytes per head, so each
+// block is one run (its tokens, repeated per head: 32 KiB contiguous on the HND side);
+// a plan over kCheapPerSegmentRuns keeps O(heads) runs per (layer, part) instead.
+TEST(PlanTwoLevel, LargeBlocksMoveTheirHeadsInOneRunWhileThePlanIsShort) {
+  for (uint32_t layers : {3u, 100u}) {
+    Pool a = contiguous_pool(16, 8, N, layers, 24, 128, 1ull << 32), b = contiguous_pool(16, 8, H, layers, 24, 128, 1ull << 40);
+    std::vector<uint32_t> ids(24);
+    for (uint32_t i = 0; i < 24; ++i) ids[i] = i;
+    PlanOptions o;
+    o.num_tokens = 24 * 16;
+    o.num_heads = 8;
+    auto runs = plan2(a, ids, b, ids, o);
+    EXPECT_EQ(expand(runs, row_bytes(a.geo)), reference(a, ids, b, ids, 24 * 16, 8, 0, 0)) << layers;
+    const uint64_t segs = a.layout.segments().size();
+    if (layers == 3) {
+      ASSERT_EQ(runs.size(), segs * 24);  // one per (segment, block)
+      for (const StridedExtent& e : runs) {
+        EXPECT_EQ(e.len * e.count * e.count2, 32768u);
+        EXPECT_EQ(e.count2, 8u);  // the block's heads
+      }
+    } else {
+      EXPECT_EQ(runs.size(), segs * 8);  // 24 x 200 runs would be over 4096: one per (segment, head)
+    }
+  }
+}
+
 // Scattered ids in contiguous pools (K/V apart, or interleaved per block): each
 // block's run repeats in every (layer, part) at one distance, so it is one two-level
 // run across them: O(blocks) runs per request, not O(blocks x layers x parts), and

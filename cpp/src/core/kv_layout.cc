@@ -453,10 +453,10 @@ bool across_segments_allowed() {
 void plan_segment_strided(const KVLayout& local, const KVSegment& L, uint64_t lreg, uint64_t lbase,
                           const std::vector<uint32_t>& lids, const KVLayout& remote, const KVSegment& R, uint64_t rreg,
                           uint64_t rbase, const std::vector<uint32_t>& rids, const RowRange& rr, bool two_level,
-                          std::vector<StridedExtent>& out) {
+                          uint64_t head_pass_bytes, std::vector<StridedExtent>& out) {
   if (two_level) {
     walk_segment_two_level(local.geometry().block_tokens, L, lbase, lids, remote.geometry().block_tokens, R, rbase,
-                           rids, local.geometry().row_bytes(), rr, [&](StridedExtent x) {
+                           rids, local.geometry().row_bytes(), rr, head_pass_bytes, [&](StridedExtent x) {
                              x.local_region = lreg;
                              x.remote_region = rreg;
                              push_strided(out, x);
@@ -496,7 +496,8 @@ uint64_t even_spacing(const std::vector<KVSegment>& segs, size_t first, size_t s
 // each line once per head. Kept per segment instead (walk_segment_two_level: a
 // block's heads in one run, or passes of kHeadPassBytes), while that plan is at most
 // kCheapPerSegmentRuns runs (its prepare well under a millisecond, ~0.15 us a run);
-// longer plans still go across segments, for their prepare time.
+// longer plans still go across segments, and their per-segment plans keep O(heads)
+// runs (no pass limit), for their prepare time.
 constexpr uint64_t kCheapPerSegmentRuns = 4096;
 
 bool cuts_token_and_head(const KVSegment& L, const KVSegment& R, uint64_t row, uint64_t heads) {
@@ -608,7 +609,15 @@ Status plan_strided_into(std::vector<StridedExtent>& out, const KVLayout& local,
   const KVSegment& L0 = ls[scope.seg_begin];
   const KVSegment& R0 = rs[scope.seg_begin];
   std::vector<StridedExtent> tmpl;
-  plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, two_level, tmpl);
+  uint64_t head_pass = kHeadPassBytes;
+  plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, two_level, head_pass, tmpl);
+  if (two_level && tmpl.size() * (scope.seg_end - scope.seg_begin) > kCheapPerSegmentRuns) {
+    // A long plan keeps O(heads) runs per (layer, part) for its prepare time: heads
+    // walk the whole group (walk_segment_two_level without the pass limit).
+    head_pass = UINT64_MAX;
+    tmpl.clear();
+    plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, two_level, head_pass, tmpl);
+  }
   if (two_level && across_segments_allowed() && plan_across_segments(local, lids, remote, rids, scope, tmpl.size(), out))
     return Status::Ok();
   out.reserve(tmpl.size() * (scope.seg_end - scope.seg_begin));
@@ -617,7 +626,7 @@ Status plan_strided_into(std::vector<StridedExtent>& out, const KVLayout& local,
     const KVSegment& R = rs[s];
     if (!same_strides(L, L0) || !same_strides(R, R0)) {
       plan_segment_strided(local, L, L.region_id, seg_base(L), lids, remote, R, R.region_id, seg_base(R), rids,
-                           scope.rows, two_level, out);
+                           scope.rows, two_level, head_pass, out);
       continue;
     }
     const uint64_t lb = seg_base(L), rb = seg_base(R);

@@ -231,16 +231,17 @@ inline constexpr uint64_t kHeadPassBytes = 256u << 10;
 // distance into groups, and a group of g spans becomes one run per head (the head's
 // tokens, repeated per span) when the heads are fewer than the spans, else one run
 // per span (its tokens, repeated per head); a head's run covers at most
-// kHeadPassBytes of spans, so a large group takes several such passes, or one run
-// per span where a pass would hold no more spans than heads. O(chunks) work; with
-// consecutive block ids O(heads) runs per (layer, part) and 256 KiB moved, at most
-// one per span, with scattered ids one per chunk. A run whose
+// `head_pass_bytes` of spans (kHeadPassBytes; UINT64_MAX: no limit), so a large
+// group takes several such passes, or one run per span where a pass would hold no
+// more spans than heads. O(chunks) work; with consecutive block ids O(heads) runs per
+// (layer, part) and head_pass_bytes moved, at most one per span, with scattered ids
+// one per chunk. A run whose
 // levels would not nest (nested_disjoint) is emitted per head instead.
 // emit(const StridedExtent&) gets runs with regions 0, offsets from lbase/rbase.
 template <class Emit>
 void walk_segment_two_level(uint64_t LT, const KVSegment& L, uint64_t lbase, const std::vector<uint32_t>& lids,
                             uint64_t RT, const KVSegment& R, uint64_t rbase, const std::vector<uint32_t>& rids,
-                            uint64_t row, const RowRange& rr, Emit&& emit) {
+                            uint64_t row, const RowRange& rr, uint64_t head_pass_bytes, Emit&& emit) {
   const uint64_t nh = rr.num_heads;
   const bool heads_run = nh == 1 || (L.head_stride == row && R.head_stride == row);
   if (heads_run || (L.token_stride == row && R.token_stride == row)) {
@@ -300,7 +301,7 @@ void walk_segment_two_level(uint64_t LT, const KVSegment& L, uint64_t lbase, con
     // span is its own run (its tokens, repeated per head: every line of the block
     // touched once, one contiguous span on the side whose heads are outermost).
     const uint64_t span_bytes = s.tokens * nh * row;
-    const size_t pass = static_cast<size_t>(std::max<uint64_t>(1, kHeadPassBytes / std::max<uint64_t>(1, span_bytes)));
+    const size_t pass = static_cast<size_t>(std::max<uint64_t>(1, head_pass_bytes / std::max<uint64_t>(1, span_bytes)));
     if (g > 1 && nh < std::min(g, pass) && nested(s.tokens, L.token_stride, R.token_stride, g, dl, dr)) {
       for (size_t at = i; at < i + g;) {
         const size_t k = std::min(pass, i + g - at);
