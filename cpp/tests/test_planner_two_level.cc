@@ -131,6 +131,57 @@ TEST(PlanTwoLevel, ConsecutiveIdsAreOneRunPerHeadAndSegment) {
   }
 }
 
+// Where both sides cut tokens and heads (NHD <-> HND), a short plan stays per (layer,
+// part) instead of one run per (block, head) across segments: each block's heads are
+// then moved in one pass (one run per block for large rows), touching its lines once.
+TEST(PlanTwoLevel, SmallCutBothPlansStayPerSegment) {
+  for (const Case& c : kCases) {
+    if (!c.cut_both) continue;
+    for (bool scattered : {false, true}) {
+      Pool a = make_pool(c.lt, c.lh, c.lo, 1ull << 32), b = make_pool(c.rt, c.rh, c.ro, 1ull << 40);
+      std::vector<uint32_t> lids, rids;
+      ids_for(c, 96, scattered, lids, rids);
+      PlanOptions o;
+      o.num_tokens = 96;
+      o.num_heads = c.nh;
+      o.local_head_offset = c.lho;
+      o.remote_head_offset = c.rho;
+      auto runs = plan2(a, lids, b, rids, o);
+      EXPECT_EQ(expand(runs, row_bytes(a.geo)), reference(a, lids, b, rids, 96, c.nh, c.lho, c.rho)) << c.name;
+      const uint64_t segs = a.layout.segments().size();
+      EXPECT_GE(runs.size(), segs) << c.name;  // none spans two segments
+      for (const StridedExtent& e : runs) EXPECT_LT(e.local_stride2, a.layout.segments()[1].addr - a.layout.segments()[0].addr) << c.name;
+    }
+  }
+}
+
+// Blocks of 32 KiB (16 tokens x 8 heads x 256 B) NHD -> HND with consecutive ids: a
+// head's pass over the blocks would move more than kHeadPassBytes per head, so each
+// block is one run (its tokens, repeated per head: 32 KiB contiguous on the HND side);
+// a plan over kCheapPerSegmentRuns keeps O(heads) runs per (layer, part) instead.
+TEST(PlanTwoLevel, LargeBlocksMoveTheirHeadsInOneRunWhileThePlanIsShort) {
+  for (uint32_t layers : {3u, 100u}) {
+    Pool a = contiguous_pool(16, 8, N, layers, 24, 128, 1ull << 32), b = contiguous_pool(16, 8, H, layers, 24, 128, 1ull << 40);
+    std::vector<uint32_t> ids(24);
+    for (uint32_t i = 0; i < 24; ++i) ids[i] = i;
+    PlanOptions o;
+    o.num_tokens = 24 * 16;
+    o.num_heads = 8;
+    auto runs = plan2(a, ids, b, ids, o);
+    EXPECT_EQ(expand(runs, row_bytes(a.geo)), reference(a, ids, b, ids, 24 * 16, 8, 0, 0)) << layers;
+    const uint64_t segs = a.layout.segments().size();
+    if (layers == 3) {
+      ASSERT_EQ(runs.size(), segs * 24);  // one per (segment, block)
+      for (const StridedExtent& e : runs) {
+        EXPECT_EQ(e.len * e.count * e.count2, 32768u);
+        EXPECT_EQ(e.count2, 8u);  // the block's heads
+      }
+    } else {
+      EXPECT_EQ(runs.size(), segs * 8);  // 24 x 200 runs would be over 4096: one per (segment, head)
+    }
+  }
+}
+
 // Scattered ids in contiguous pools (K/V apart, or interleaved per block): each
 // block's run repeats in every (layer, part) at one distance, so it is one two-level
 // run across them: O(blocks) runs per request, not O(blocks x layers x parts), and
@@ -138,7 +189,12 @@ TEST(PlanTwoLevel, ConsecutiveIdsAreOneRunPerHeadAndSegment) {
 TEST(PlanTwoLevel, ScatteredIdsAreOneRunPerBlockAcrossSegments) {
   for (const Case& c : kCases) {
     for (bool interleaved : {false, true}) {
-      const KVGeometry lg = f16_geometry(c.lt, c.lh, c.lo, 8, 24, 4), rg = f16_geometry(c.rt, c.rh, c.ro, 8, 24, 4);
+      // Where both sides cut tokens and heads, a per-segment plan of up to 4096 runs
+      // stays per segment (kv_layout.cc kCheapPerSegmentRuns; SmallCutBothPlansStay...):
+      // enough layers that it would be longer.
+      const uint32_t layers = c.cut_both ? 300 : 8;
+      const KVGeometry lg = f16_geometry(c.lt, c.lh, c.lo, layers, 24, 4),
+                       rg = f16_geometry(c.rt, c.rh, c.ro, layers, 24, 4);
       auto la = KVLayout::contiguous(lg, 1ull << 32, interleaved), lb = KVLayout::contiguous(rg, 1ull << 40, interleaved);
       ASSERT_TRUE(la.ok() && lb.ok());
       Pool a{lg, std::move(la).value()}, b{rg, std::move(lb).value()};
@@ -152,7 +208,7 @@ TEST(PlanTwoLevel, ScatteredIdsAreOneRunPerBlockAcrossSegments) {
       auto runs = plan2(a, lids, b, rids, o);
       EXPECT_EQ(expand(runs, row_bytes(a.geo)), reference(a, lids, b, rids, 96, c.nh, c.lho, c.rho))
           << c.name << (interleaved ? " interleaved" : "");
-      const uint64_t segs = a.layout.segments().size();  // 8 layers x 2 parts
+      const uint64_t segs = a.layout.segments().size();  // layers x 2 parts
       const uint64_t groups = interleaved ? 2 : 1;        // K/V interleaved: one group per part
       const uint64_t chunks = lids.size() + rids.size();
       EXPECT_LE(runs.size(), groups * chunks * (c.cut_both ? c.nh : 1)) << c.name;

@@ -453,10 +453,10 @@ bool across_segments_allowed() {
 void plan_segment_strided(const KVLayout& local, const KVSegment& L, uint64_t lreg, uint64_t lbase,
                           const std::vector<uint32_t>& lids, const KVLayout& remote, const KVSegment& R, uint64_t rreg,
                           uint64_t rbase, const std::vector<uint32_t>& rids, const RowRange& rr, bool two_level,
-                          std::vector<StridedExtent>& out) {
+                          uint64_t head_pass_bytes, std::vector<StridedExtent>& out) {
   if (two_level) {
     walk_segment_two_level(local.geometry().block_tokens, L, lbase, lids, remote.geometry().block_tokens, R, rbase,
-                           rids, local.geometry().row_bytes(), rr, [&](StridedExtent x) {
+                           rids, local.geometry().row_bytes(), rr, head_pass_bytes, [&](StridedExtent x) {
                              x.local_region = lreg;
                              x.remote_region = rreg;
                              push_strided(out, x);
@@ -489,6 +489,22 @@ uint64_t even_spacing(const std::vector<KVSegment>& segs, size_t first, size_t s
   return d;
 }
 
+// True where both sides cut the rows by token and head (NHD <-> HND with several heads
+// moved): a segment's one-level runs are then one per (block, head), side by side.
+// Repeated per segment, each such run walks every segment before the next head comes
+// back to the same block, whose lines have left the cache in between: both ends touch
+// each line once per head. Kept per segment instead (walk_segment_two_level: a
+// block's heads in one run, or passes of kHeadPassBytes), while that plan is at most
+// kCheapPerSegmentRuns runs (its prepare well under a millisecond, ~0.15 us a run);
+// longer plans still go across segments, and their per-segment plans keep O(heads)
+// runs (no pass limit), for their prepare time.
+constexpr uint64_t kCheapPerSegmentRuns = 4096;
+
+bool cuts_token_and_head(const KVSegment& L, const KVSegment& R, uint64_t row, uint64_t heads) {
+  return heads > 1 && !(L.head_stride == row && R.head_stride == row) &&
+         !(L.token_stride == row && R.token_stride == row);
+}
+
 // Two-level runs across segments, for a transport that takes them: where the segments
 // of the plan (all of them, or each part's) share their strides and follow each other
 // at one distance on both sides (a contiguous pool), a one-level run of the first
@@ -496,8 +512,10 @@ uint64_t even_spacing(const std::vector<KVSegment>& segs, size_t first, size_t s
 // (its pieces, repeated per segment). With scattered block ids that is O(blocks) runs
 // per request instead of O(blocks x layers x parts) (each one checked and bound whole,
 // the pieces walked only while copying). Appends to `out` and returns true only when
-// it gives fewer runs than `per_segment` per segment (the usual plan's count) and
-// every run nests in the segment distance; else leaves `out` alone.
+// it gives fewer runs than `per_segment` per segment (the usual plan's count), every
+// run nests in the segment distance and, where both sides cut tokens and heads, the
+// per-segment plan is over kCheapPerSegmentRuns runs (cuts_token_and_head); else
+// leaves `out` alone.
 bool plan_across_segments(const KVLayout& local, const std::vector<uint32_t>& lids, const KVLayout& remote,
                           const std::vector<uint32_t>& rids, const PlanScope& scope, uint64_t per_segment,
                           std::vector<StridedExtent>& out) {
@@ -536,6 +554,9 @@ bool plan_across_segments(const KVLayout& local, const std::vector<uint32_t>& li
                          over = one.size() > limit;
                        });
   if (over || one.empty() || one.size() * groups >= per_segment * nseg) return false;
+  if (per_segment * nseg <= kCheapPerSegmentRuns &&
+      cuts_token_and_head(ls[scope.seg_begin], rs[scope.seg_begin], local.geometry().row_bytes(), scope.rows.num_heads))
+    return false;
   for (const StridedExtent& x : one)
     for (size_t g = 0; g < groups; ++g)
       if (!nested_disjoint(x.len, x.count, x.local_stride, per_group, gl[g]) ||
@@ -588,7 +609,15 @@ Status plan_strided_into(std::vector<StridedExtent>& out, const KVLayout& local,
   const KVSegment& L0 = ls[scope.seg_begin];
   const KVSegment& R0 = rs[scope.seg_begin];
   std::vector<StridedExtent> tmpl;
-  plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, two_level, tmpl);
+  uint64_t head_pass = kHeadPassBytes;
+  plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, two_level, head_pass, tmpl);
+  if (two_level && tmpl.size() * (scope.seg_end - scope.seg_begin) > kCheapPerSegmentRuns) {
+    // A long plan keeps O(heads) runs per (layer, part) for its prepare time: heads
+    // walk the whole group (walk_segment_two_level without the pass limit).
+    head_pass = UINT64_MAX;
+    tmpl.clear();
+    plan_segment_strided(local, L0, 0, 0, lids, remote, R0, 0, 0, rids, scope.rows, two_level, head_pass, tmpl);
+  }
   if (two_level && across_segments_allowed() && plan_across_segments(local, lids, remote, rids, scope, tmpl.size(), out))
     return Status::Ok();
   out.reserve(tmpl.size() * (scope.seg_end - scope.seg_begin));
@@ -597,7 +626,7 @@ Status plan_strided_into(std::vector<StridedExtent>& out, const KVLayout& local,
     const KVSegment& R = rs[s];
     if (!same_strides(L, L0) || !same_strides(R, R0)) {
       plan_segment_strided(local, L, L.region_id, seg_base(L), lids, remote, R, R.region_id, seg_base(R), rids,
-                           scope.rows, two_level, out);
+                           scope.rows, two_level, head_pass, out);
       continue;
     }
     const uint64_t lb = seg_base(L), rb = seg_base(R);

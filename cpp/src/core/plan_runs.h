@@ -219,20 +219,29 @@ inline StridedExtent two_level_run(uint64_t lo, uint64_t ro, uint64_t len, uint6
   return StridedExtent{0, lo, 0, ro, len, n, ls, rs, n2, ls2, rs2};
 }
 
+// Most bytes one head's pass over a group of spans moves before the next head's pass
+// walks the same spans again (walk_segment_two_level): about what stays in a core's
+// L2 between the passes.
+inline constexpr uint64_t kHeadPassBytes = 256u << 10;
+
 // walk_segment_strided() for a transport that takes two-level runs. Only where both
 // token and head are cut (NHD <-> HND with several heads moved) does it differ: the
 // chunks are joined into spans along which both sides stay affine in the token
 // (consecutive blocks of a contiguous pool), spans that follow each other at one
 // distance into groups, and a group of g spans becomes one run per head (the head's
-// tokens, repeated per span) when the heads are no more than the spans, else one run
-// per span (its tokens, repeated per head). O(chunks) work; with consecutive block ids
-// O(heads) runs per (layer, part), with scattered ids one per chunk. A run whose
+// tokens, repeated per span) when the heads are fewer than the spans, else one run
+// per span (its tokens, repeated per head); a head's run covers at most
+// `head_pass_bytes` of spans (kHeadPassBytes; UINT64_MAX: no limit), so a large
+// group takes several such passes, or one run per span where a pass would hold no
+// more spans than heads. O(chunks) work; with consecutive block ids O(heads) runs per
+// (layer, part) and head_pass_bytes moved, at most one per span, with scattered ids
+// one per chunk. A run whose
 // levels would not nest (nested_disjoint) is emitted per head instead.
 // emit(const StridedExtent&) gets runs with regions 0, offsets from lbase/rbase.
 template <class Emit>
 void walk_segment_two_level(uint64_t LT, const KVSegment& L, uint64_t lbase, const std::vector<uint32_t>& lids,
                             uint64_t RT, const KVSegment& R, uint64_t rbase, const std::vector<uint32_t>& rids,
-                            uint64_t row, const RowRange& rr, Emit&& emit) {
+                            uint64_t row, const RowRange& rr, uint64_t head_pass_bytes, Emit&& emit) {
   const uint64_t nh = rr.num_heads;
   const bool heads_run = nh == 1 || (L.head_stride == row && R.head_stride == row);
   if (heads_run || (L.token_stride == row && R.token_stride == row)) {
@@ -264,6 +273,16 @@ void walk_segment_two_level(uint64_t LT, const KVSegment& L, uint64_t lbase, con
   auto nested = [&](uint64_t n, uint64_t ls, uint64_t rs, uint64_t n2, uint64_t ls2, uint64_t rs2) {
     return nested_disjoint(row, n, ls, n2, ls2) && nested_disjoint(row, n, rs, n2, rs2);
   };
+  auto per_span = [&](const Span& x) {
+    if (nested(x.tokens, L.token_stride, R.token_stride, nh, L.head_stride, R.head_stride)) {
+      emit(two_level_run(x.lo, x.ro, row, x.tokens, L.token_stride, R.token_stride, nh, L.head_stride,
+                         R.head_stride));
+      return;
+    }
+    for (uint64_t h = 0; h < nh; ++h)
+      emit(two_level_run(x.lo + h * L.head_stride, x.ro + h * R.head_stride, row, x.tokens, L.token_stride,
+                         R.token_stride, 1, 0, 0));
+  };
   for (size_t i = 0; i < spans.size();) {
     const Span& s = spans[i];
     size_t g = 1;
@@ -275,24 +294,31 @@ void walk_segment_two_level(uint64_t LT, const KVSegment& L, uint64_t lbase, con
              spans[i + g].ro == s.ro + g * dr)
         ++g;
     }
-    if (g > 1 && nh <= g && nested(s.tokens, L.token_stride, R.token_stride, g, dl, dr)) {
-      for (uint64_t h = 0; h < nh; ++h)
-        emit(two_level_run(s.lo + h * L.head_stride, s.ro + h * R.head_stride, row, s.tokens, L.token_stride,
-                           R.token_stride, g, dl, dr));
+    // A head's run walks every span of its group; the next head walks them again.
+    // Passes of more than kHeadPassBytes leave the cache between heads (both ends
+    // touch each line once per head), so a group is cut into passes of at most `pass`
+    // spans, and where a pass would hold no more spans than there are heads, each
+    // span is its own run (its tokens, repeated per head: every line of the block
+    // touched once, one contiguous span on the side whose heads are outermost).
+    const uint64_t span_bytes = s.tokens * nh * row;
+    const size_t pass = static_cast<size_t>(std::max<uint64_t>(1, head_pass_bytes / std::max<uint64_t>(1, span_bytes)));
+    if (g > 1 && nh < std::min(g, pass) && nested(s.tokens, L.token_stride, R.token_stride, g, dl, dr)) {
+      for (size_t at = i; at < i + g;) {
+        const size_t k = std::min(pass, i + g - at);
+        if (k <= nh) {
+          for (size_t j = at; j < at + k; ++j) per_span(spans[j]);
+        } else {
+          const Span& f = spans[at];
+          for (uint64_t h = 0; h < nh; ++h)
+            emit(two_level_run(f.lo + h * L.head_stride, f.ro + h * R.head_stride, row, f.tokens, L.token_stride,
+                               R.token_stride, k, dl, dr));
+        }
+        at += k;
+      }
       i += g;
       continue;
     }
-    for (size_t k = i; k < i + g; ++k) {
-      const Span& x = spans[k];
-      if (nested(x.tokens, L.token_stride, R.token_stride, nh, L.head_stride, R.head_stride)) {
-        emit(two_level_run(x.lo, x.ro, row, x.tokens, L.token_stride, R.token_stride, nh, L.head_stride,
-                           R.head_stride));
-        continue;
-      }
-      for (uint64_t h = 0; h < nh; ++h)
-        emit(two_level_run(x.lo + h * L.head_stride, x.ro + h * R.head_stride, row, x.tokens, L.token_stride,
-                           R.token_stride, 1, 0, 0));
-    }
+    for (size_t k = i; k < i + g; ++k) per_span(spans[k]);
     i += g;
   }
 }

@@ -121,7 +121,7 @@ def test_two_level_copies_stop_at_their_deadline_or_on_cancel(kind):
         peer = a.connect(b.address)
         assert a.peer_transport(peer) == "shm"
         prep = a.prepare("write", peer, pdkv.Blocks("kv", range(128)), pdkv.Blocks("kv", range(128)))
-        assert prep.num_extents == BIG.layers * 2 * BIG.heads  # two-level runs
+        assert prep.num_extents == BIG.layers * 2 * BIG.blocks  # two-level runs: a block's heads in one (32 KiB spans)
         assert prep.post(timeout=60).wait(60)  # regions confirmed: what follows times out in the copy
         xs = [prep.post(timeout=0.02) for _ in range(8)]  # ~512 MiB of scattered 256-byte rows
         ys = [prep.post(timeout=60) for _ in range(3)]
@@ -150,7 +150,7 @@ def test_deregistration_waits_for_a_two_level_copy():
         big_pools(a, b, "alloc")
         peer = a.connect(b.address)
         prep = a.prepare("write", peer, pdkv.Blocks("kv", range(128)), pdkv.Blocks("kv", range(128)))
-        assert prep.num_extents == BIG.layers * 2 * BIG.heads
+        assert prep.num_extents == BIG.layers * 2 * BIG.blocks
         xs = [prep.post() for _ in range(6)]
         done_at_dereg = []
 

@@ -114,9 +114,13 @@ def run_case(mode, op, dtype, lids, rids, ntok, *, seeds, tcp=None):
 
 def run_bound(mode, nl, nr, nh):
     """At most one two-level run per block (x heads where both sides cut the rows): the
-    one-level plan holds one per (layer, part, block) at least."""
+    one-level plan holds one per (layer, part, block) at least. Where both sides cut the
+    rows, a plan this small stays per (layer, part) (each block's heads in one pass:
+    kv_layout.cc kCheapPerSegmentRuns): one run per (layer, part, block) at most."""
     lo, ro = MODES[mode][2], MODES[mode][5]
-    return max(nl, nr) * (nh if lo != ro else 1)
+    if lo != ro:
+        return LAYERS * 2 * max(nl, nr)
+    return max(nl, nr)
 
 
 @pytest.mark.parametrize("ids", ["consecutive", "scattered"])
