@@ -725,7 +725,7 @@ class TcpOptions:
         ...
     def __getstate__(self) -> dict:
         ...
-    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, tls: bool = False, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, max_inbound_conns: int = 1024, max_inbound_per_peer: int = 128, compress: TcpCompression = ..., gather_below_bytes: int = 4096, land_below_bytes: int = 4096) -> None:
+    def __init__(self, *, listen_host: str = '127.0.0.1', listen_port: int = 0, conns_per_peer: int = 1, progress_threads: int = 1, spin_us: int = 0, batch_bytes: int = 16777216, batch_extents: int = 1020, rcvlowat_bytes: int = 1048576, connect_timeout_s: float = 5.0, tls: bool = False, handshake_timeout_s: float = 5.0, frame_timeout_s: float = 30.0, stage_chunk_bytes: int = 4194304, stage_buffers: int = 4, max_inbound_conns: int = 1024, max_inbound_per_peer: int = 128, compress: TcpCompression = ..., gather_below_bytes: int = 4096, land_below_bytes: int = 8192) -> None:
         """
         Keyword arguments are the attributes (defaults shown); validates at once.
         """

@@ -30,7 +30,7 @@ def test_options_are_the_native_classes_with_the_documented_defaults():
     assert (c.name, c.secret, c.transports, c.default_timeout_s, c.max_notif_bytes, c.wait_spin_us) == \
         ("", b"", ["tcp"], 60.0, 1 << 20, 50)
     assert c.options == []  # no transport's options: each transport gets its defaults
-    assert (t.gather_below_bytes, t.land_below_bytes) == (4096, 4096)
+    assert (t.gather_below_bytes, t.land_below_bytes) == (4096, 8192)
     assert s.connect_timeout_s == 5.0
     assert (pdkv.TcpOptions.transport, pdkv.ShmOptions.transport, pdkv.NixlOptions.transport) == ("tcp", "shm", "nixl")
 

@@ -97,10 +97,13 @@ struct TcpOptions : TransportOptionsOf<TcpOptions> {
   // make no difference). A payload whose extents average fewer than
   // `land_below_bytes` is landed by the receiver in a buffer and scattered with
   // streaming stores (0.68-0.70x the homogeneous transfer against 0.51x straight into
-  // 512-byte iovecs). Bytes, 0..2^30 (0: never). Each side uses its own: they change
-  // how a frame is laid out, never what it means.
+  // 512-byte iovecs; 4 KiB extents, with the two ends on their own cores: 3.24-3.83
+  // against 3.18-3.62 GB/s and 0.365-0.424 against 0.398-0.469 CPU s/GB, six
+  // alternating invocations, bench/results/tcpperf/pinned/land-below-ab.txt).
+  // Bytes, 0..2^30 (0: never). Each side uses its own: they change how a frame is
+  // laid out, never what it means.
   uint64_t gather_below_bytes = 4096;
-  uint64_t land_below_bytes = 4096;
+  uint64_t land_below_bytes = 8192;
 
   // OK, or InvalidArgument naming the first field out of range and its value
   // ("tcp.conns_per_peer must be in 1..64, got 0").

@@ -540,7 +540,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--land-below", type=lambda v: parse_size(v) if v != "0" else 0,
                     default=TcpOptions().land_below_bytes,
                     help="tcp: land payloads whose extents average fewer bytes in a buffer "
-                    "(TcpOptions.land_below_bytes; default 4K; 0: never)")
+                    "(TcpOptions.land_below_bytes; default 8K; 0: never)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (local mode: both sides)")
     ap.add_argument("--target", default="", help="HOST:PORT of a `pdkv bench transfer --serve` on another host")
     ap.add_argument("--link", default="", help="run target and initiator on two network namespaces behind an "
