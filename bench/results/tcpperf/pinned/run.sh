@@ -17,3 +17,7 @@ for i in 1 2 3; do  # (part 1)
   bench "tcp-4k-gather8k-$i" --transport tcp --model llama-3-70b-tp8 --payload 64M --lat-iters 200 --prepare-blocks 0 --gather-below 8192
   bench "tcp-4k-default-$i" --transport tcp --model llama-3-70b-tp8 --payload 64M --lat-iters 200 --prepare-blocks 0
 done
+# after TcpOptions.land_below_bytes defaulted to 8192 (42cdd28): 4 KiB extents with the new default
+for i in 1 2 3; do
+  bench "tcp-4k-land8k-$i" --transport tcp --model llama-3-70b-tp8 --payload 64M --lat-iters 2000 --prepare-blocks 0
+done
