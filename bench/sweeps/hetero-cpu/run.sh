@@ -7,7 +7,7 @@ out=${1:?outdir}; runs=${2:-3}
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p "$out"
 for i in $(seq 1 "$runs"); do
-  for t in tcp shm; do
+  for t in ${TRANSPORTS:-tcp shm}; do
     for spec in tp2:tp4 tp4:tp2 nhd:hnd bs16:bs32; do
       for mode in push pull; do
         name="$t-${spec//:/-}-$mode-$i"
