@@ -267,12 +267,15 @@ TEST(PieceCopy, StridedCopyEveryShape) {
 }
 
 TEST(TcpScatter, LandingThresholdTakesTheTpSplitPieces) {
-  // A TP head split at llama-3-70b-tp8 geometry lands 512-byte pieces in a buffer;
-  // block-halves of 4 KiB and more go straight into place.
+  // A TP head split at llama-3-70b-tp8 geometry lands 512-byte pieces in a buffer, and
+  // so do its 4 KiB block-halves (bench/results/tcpperf/pinned/land-below-ab.txt);
+  // extents of 8 KiB and more go straight into place, and so does a single extent.
   const uint64_t below = TcpOptions{}.land_below_bytes;
   EXPECT_TRUE(lands(1000 * 512, 1000, below));
   EXPECT_TRUE(lands(1000 * 1024, 1000, below));
-  EXPECT_FALSE(lands(1000 * 4096, 1000, below));
+  EXPECT_TRUE(lands(1000 * 4096, 1000, below));
+  EXPECT_FALSE(lands(1000 * 8192, 1000, below));
+  EXPECT_FALSE(lands(1000 * 32768, 1000, below));
   EXPECT_FALSE(lands(100, 1, below));
 }
 
