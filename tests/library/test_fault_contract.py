@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 import socket
 import time
 
@@ -39,9 +40,20 @@ FAULTS = ["dead", "frozen", "restarted", "unreachable"]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free 127.0.0.1 port below the kernel's ephemeral range, in a band of its own per
+    pytest-xdist worker. A port from bind(0) is freed when its peer is killed and can be
+    handed at once to an agent of the other worker's tests, which then answers at the
+    dead peer's address (seen as StalePeer instead of PeerConnectionError)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    lo = 20000 + (int(worker) % 8 if worker.isdigit() else 0) * 1500
+    for _ in range(500):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", random.randrange(lo, lo + 1500)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in {lo}..{lo + 1499}")
 
 
 def agent_for(flavor, name: str) -> pdkv.Agent:

@@ -32,6 +32,8 @@
 // that transfer with the dial's error. Nothing is mapped before the dial succeeded.
 #include "transport/cuda_ipc/cuda_ipc_transport_impl.h"
 
+#include <poll.h>
+
 extern const unsigned char kPdkvBatchCopyFatbin[];
 extern const unsigned long kPdkvBatchCopyFatbinSize;
 
@@ -79,6 +81,17 @@ Result<std::vector<Exported>> decode(std::string_view blob, std::string* ctl_pat
 namespace {
 std::mutex g_local_mu;
 std::set<uint64_t> g_local_agents;
+
+// Whether the exporter's end of a control connection already hung up (it died or
+// closed it) though the progress thread has not read that yet: a post racing the
+// exporter's death checks here, without consuming anything, so it fails instead of
+// writing into memory nobody owns any more.
+bool ctl_hung_up(const std::weak_ptr<CtlConn>& w) {
+  const auto c = w.lock();
+  if (!c) return false;
+  struct pollfd p {c->fd.get(), POLLRDHUP, 0};
+  return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
+}
 }  // namespace
 
 bool in_this_process(uint64_t instance_id) {
@@ -461,8 +474,8 @@ void CudaIpcTransport::post(const std::shared_ptr<const PreparedOps>& ops, const
       if (o->inflight.fetch_sub(1) == 1) maybe_release(o);
   };
   for (const auto& o : m->opened) {
-    if (o->revoked || o->gone) {
-      const bool gone = o->gone;
+    if (o->revoked || o->gone || ctl_hung_up(o->ctl)) {
+      const bool gone = o->gone || !o->revoked;
       const std::string who = o->peer;
       const uint64_t region = o->region;
       unclaim();
