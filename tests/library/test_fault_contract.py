@@ -25,7 +25,9 @@ from __future__ import annotations
 import glob
 import os
 import random
+import shutil
 import socket
+import tempfile
 import time
 
 import pytest
@@ -71,7 +73,13 @@ def verified_write(agent: pdkv.Agent, peer_proc, local, name: str, src: list[int
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_peer_fault_fails_the_transfer_and_raises_its_class_from_wait(spawn_peer, flavor, fault):
+def test_peer_fault_fails_the_transfer_and_raises_its_class_from_wait(spawn_peer, flavor, fault, monkeypatch, request):
+    # Sockets in a directory of this test's own: a dead shm peer is told from a restarted
+    # one by whether another agent of its name listens in its socket directory, and the
+    # other xdist worker's tests start agents named "decode" too.
+    sock_dir = tempfile.mkdtemp(prefix="pdkv-fc-")  # short: socket paths are limited
+    request.addfinalizer(lambda: shutil.rmtree(sock_dir, ignore_errors=True))
+    monkeypatch.setenv("PDKV_SHM_DIR", sock_dir)
     port = free_port()
     args = dict(listen=f"127.0.0.1:{port}", **flavor.peer_args())
     peer = spawn_peer("decode", SPEC, **args)
