@@ -82,6 +82,16 @@ void ids_for(const Case& c, uint64_t ntok, bool scattered, std::vector<uint32_t>
   for (uint32_t i = 0; i < (ntok + c.rt - 1) / c.rt; ++i) rids.push_back(scattered ? 23 - 2 * i : 1 + i);
 }
 
+// The options of case `c` for a request of `tokens` tokens.
+PlanOptions options_for(const Case& c, uint64_t tokens) {
+  PlanOptions o;
+  o.num_tokens = tokens;
+  o.num_heads = c.nh;
+  o.local_head_offset = c.lho;
+  o.remote_head_offset = c.rho;
+  return o;
+}
+
 TEST(PlanTwoLevel, NamesExactlyTheReferenceRowsInEveryMode) {
   for (const Case& c : kCases) {
     for (bool scattered : {false, true}) {
@@ -89,11 +99,7 @@ TEST(PlanTwoLevel, NamesExactlyTheReferenceRowsInEveryMode) {
         Pool a = make_pool(c.lt, c.lh, c.lo, 1ull << 32), b = make_pool(c.rt, c.rh, c.ro, 1ull << 40);
         std::vector<uint32_t> lids, rids;
         ids_for(c, ntok, scattered, lids, rids);
-        PlanOptions o;
-        o.num_tokens = ntok;
-        o.num_heads = c.nh;
-        o.local_head_offset = c.lho;
-        o.remote_head_offset = c.rho;
+        const PlanOptions o = options_for(c, ntok);
         auto runs = plan2(a, lids, b, rids, o);
         const Rows got = expand(runs, row_bytes(a.geo));
         EXPECT_EQ(got, reference(a, lids, b, rids, ntok, c.nh, c.lho, c.rho)) << c.name;
@@ -117,11 +123,7 @@ TEST(PlanTwoLevel, ConsecutiveIdsAreOneRunPerHeadAndSegment) {
     Pool a = make_pool(c.lt, c.lh, c.lo, 1ull << 32), b = make_pool(c.rt, c.rh, c.ro, 1ull << 40);
     std::vector<uint32_t> lids, rids;
     ids_for(c, 96, false, lids, rids);
-    PlanOptions o;
-    o.num_tokens = 96;
-    o.num_heads = c.nh;
-    o.local_head_offset = c.lho;
-    o.remote_head_offset = c.rho;
+    const PlanOptions o = options_for(c, 96);
     auto runs = plan2(a, lids, b, rids, o);
     const uint64_t segs = a.layout.segments().size();
     EXPECT_LE(runs.size(), segs * c.nh) << c.name;
@@ -141,11 +143,7 @@ TEST(PlanTwoLevel, SmallCutBothPlansStayPerSegment) {
       Pool a = make_pool(c.lt, c.lh, c.lo, 1ull << 32), b = make_pool(c.rt, c.rh, c.ro, 1ull << 40);
       std::vector<uint32_t> lids, rids;
       ids_for(c, 96, scattered, lids, rids);
-      PlanOptions o;
-      o.num_tokens = 96;
-      o.num_heads = c.nh;
-      o.local_head_offset = c.lho;
-      o.remote_head_offset = c.rho;
+      const PlanOptions o = options_for(c, 96);
       auto runs = plan2(a, lids, b, rids, o);
       EXPECT_EQ(expand(runs, row_bytes(a.geo)), reference(a, lids, b, rids, 96, c.nh, c.lho, c.rho)) << c.name;
       const uint64_t segs = a.layout.segments().size();
@@ -200,11 +198,7 @@ TEST(PlanTwoLevel, ScatteredIdsAreOneRunPerBlockAcrossSegments) {
       Pool a{lg, std::move(la).value()}, b{rg, std::move(lb).value()};
       std::vector<uint32_t> lids, rids;
       ids_for(c, 96, true, lids, rids);
-      PlanOptions o;
-      o.num_tokens = 96;
-      o.num_heads = c.nh;
-      o.local_head_offset = c.lho;
-      o.remote_head_offset = c.rho;
+      const PlanOptions o = options_for(c, 96);
       auto runs = plan2(a, lids, b, rids, o);
       EXPECT_EQ(expand(runs, row_bytes(a.geo)), reference(a, lids, b, rids, 96, c.nh, c.lho, c.rho))
           << c.name << (interleaved ? " interleaved" : "");
