@@ -71,6 +71,10 @@ def etcd_binary() -> str | None:
     return shutil.which(os.environ.get("PDKV_ETCD") or "etcd")
 
 
+class _PortTaken(Exception):
+    """etcd exited because a port it was told to listen on is taken."""
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -89,6 +93,9 @@ class EtcdServer:
         if binary is None:
             raise NotFound("no etcd binary (install Debian's etcd-server, or set PDKV_ETCD)")
         self.binary, self.host = binary, host
+        # Ports we picked may be taken by someone else before etcd binds them: a first
+        # start that loses that race picks others (a restart keeps them: clients know them).
+        self._pick_ports, self._started = port == 0, False
         self.port = port or _free_port(host)
         self.peer_port = _free_port(host)
         self._tmp = None if data_dir else tempfile.mkdtemp(prefix="pdkv-etcd-")
@@ -109,6 +116,19 @@ class EtcdServer:
 
     def start(self, timeout: float = 20.0) -> str:
         """Starts etcd and waits until it answers; returns its ``etcd://`` URL."""
+        for attempt in range(5):
+            try:
+                url = self._start_once(timeout)
+                self._started = True
+                return url
+            except _PortTaken:
+                if self._started or not self._pick_ports or attempt == 4:
+                    raise PeerConnectionError(f"etcd did not start on {self.host}:{self.port}: "
+                                              f"a port it was given ({self.port} or {self.peer_port}) is in use") from None
+                self.port, self.peer_port = _free_port(self.host), _free_port(self.host)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> str:
         scheme = "https" if self.tls else "http"
         client_url = f"{scheme}://{self.host}:{self.port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
@@ -122,6 +142,7 @@ class EtcdServer:
                 argv += ["--trusted-ca-file", self.tls.ca_file, "--client-cert-auth"]
         argv += self.args
         with open(self.log_path, "ab") as log:
+            log_from = log.tell()
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         probe = None
         end = time.monotonic() + timeout
@@ -143,7 +164,10 @@ class EtcdServer:
                 if self.proc.poll() is not None or time.monotonic() > end:
                     self.stop()
                     with open(self.log_path, "rb") as f:
+                        f.seek(log_from)
                         tail = f.read()[-2000:].decode(errors="replace")
+                    if "address already in use" in tail:
+                        raise _PortTaken()
                     raise PeerConnectionError(f"etcd did not start on {self.host}:{self.port}: {tail}") from None
                 time.sleep(0.1)
 

@@ -242,3 +242,45 @@ def test_watch_of_a_frozen_etcd_is_bounded_and_recovers(etcd):
 def test_watch_idle_time_is_checked():
     with pytest.raises(pdkv.InvalidArgument, match="idle_s"):
         Registry("etcd://127.0.0.1:1").watch("workers", lambda *a: None, idle_s=0)
+
+
+def test_etcd_server_picks_other_ports_when_one_it_picked_was_taken(monkeypatch):
+    """A port picked free can be taken before etcd binds it (seen in CI: another test's
+    connection got it): the first start picks others; a restart keeps its ports."""
+    import socket
+
+    import pdkv.discovery_etcd as de
+    from pdkv.errors import PeerConnectionError
+
+    if de.etcd_binary() is None:
+        pytest.skip("no etcd binary (apt-get install etcd-server, or set PDKV_ETCD)")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    picks = iter([busy, busy])
+    real = de._free_port
+    monkeypatch.setattr(de, "_free_port", lambda host: next(picks, None) or real(host))
+    server = de.EtcdServer()
+    try:
+        assert (server.port, server.peer_port) == (busy, busy)
+        server.start()
+        assert busy not in (server.port, server.peer_port)
+        server.client().put("/k", b"v")
+        port = server.port
+        server.stop()
+        server.start()  # a restart: the same port, which clients know
+        assert server.port == port and server.client().get("/k") == b"v"
+        server.stop()
+        taken2 = socket.socket()
+        taken2.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken2.bind(("127.0.0.1", port))
+        taken2.listen()
+        try:
+            with pytest.raises(PeerConnectionError, match=f"a port it was given \\({port} or .*is in use"):
+                server.start()
+        finally:
+            taken2.close()
+    finally:
+        server.close()
+        taken.close()

@@ -74,6 +74,27 @@ def _read(args, addr: int, n: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- target process
+def _listen(args: argparse.Namespace, bench):
+    """The target's agent and raw-socket sink. A ``--target`` initiator on another host finds
+    the sink at the agent's port + 1; with ``--listen HOST:0`` the kernel picks the agent's
+    port, and when port + 1 is taken we close it and let the kernel pick again."""
+    _, _, want = args.listen.rpartition(":")
+    for attempt in range(20):
+        # The target offers every transport available here; the initiator picks one.
+        agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
+                      options=[tcp_options(args)],
+                      transports=["tcp"] if args.memory == "cuda" else
+                      [t for t in available_transports() if t != "cuda_ipc"])
+        host, _, port = agent.address.rpartition(":")
+        try:
+            return agent, bench.Sink(host.strip("[]"), 0 if args.child else int(port) + 1)
+        except RuntimeError:
+            agent.close()
+            if want != "0" or attempt == 19:
+                raise
+    raise AssertionError("unreachable")
+
+
 def serve(args: argparse.Namespace) -> None:
     """Target side: an agent exporting a pool, plus a raw-socket sink for the ceilings."""
     bench = _native.module().bench
@@ -81,15 +102,10 @@ def serve(args: argparse.Namespace) -> None:
         # the initiator checked them against its CPUs before it pinned itself and us
         set_thread_cpus(parse_cpus(args.thread_cpus, range(os.cpu_count() or 1)))
     geo = hetero.target_geometry(args) if args.hetero else models.geometry(args.model, args.blocks)
-    # The target offers every transport available here; the initiator picks one.
-    agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
-                  options=[tcp_options(args)],
-                  transports=["tcp"] if args.memory == "cuda" else [t for t in available_transports() if t != "cuda_ipc"])
+    agent, sink = _listen(args, bench)
     buf, layout = _pool(agent, geo, None, args.memory)
     agent.add_layout("kv", layout)
     sources = hetero.serve_sources(agent, args) if args.hetero else []  # noqa: F841 - kept alive while serving
-    host, _, port = agent.address.rpartition(":")
-    sink = bench.Sink(host.strip("[]"), 0 if args.child else int(port) + 1)
     sys.stdout.write(json.dumps({"address": agent.address, "sink_port": sink.port}) + "\n")
     sys.stdout.flush()
     if not args.child:
