@@ -354,6 +354,22 @@ class Relay:
         self.ls.close()
 
 
+def post_past_deadline(prep, n: int) -> tuple[list, float]:
+    """``n`` posts of ``prep`` queued behind each other with a deadline 3x the fastest of
+    three copies timed here, so the 4th and later cannot finish in time on a machine of
+    any speed (a fixed 20 ms let 12 x 64 MiB finish on a fast one); returns the
+    transfers and the timeout used. The regions must be confirmed already."""
+    import time
+
+    took = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        assert prep.post(timeout=60).wait(60)
+        took.append(time.perf_counter() - t0)
+    timeout = 3 * min(took)
+    return [prep.post(timeout=timeout) for _ in range(n)], timeout
+
+
 def wait_until(pred, timeout: float = 10.0, interval: float = 0.01) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -60,6 +60,65 @@ TEST(ShmCopy, WriteAndReadThroughMappedRegions) {
   EXPECT_EQ(back, src);
 }
 
+// An NHD -> HND re-layout as one two-level op (a piece per head per token, head-major
+// as the planner lists it): source_order() swaps its levels so the source is read
+// token by token; the pieces are the same, so the copy is bit-exact either way, for
+// a write and for a read, and an op whose outer level already steps further is kept.
+TEST(ShmCopy, TwoLevelTransposeIsCopiedInSourceOrderBitExact) {
+  constexpr uint64_t kTokens = 16, kHeads = 8, kPiece = 256, kBlock = kTokens * kHeads * kPiece;
+  auto r = mapped_region(1);
+  auto nhd = pattern(kBlock, 5);
+  auto planned = [&](char* local, char* remote, OpKind op) {
+    // A write reads NHD locally (token stride kHeads*kPiece) into HND remotely; a read
+    // reads NHD remotely into HND locally.
+    const bool w = op == OpKind::kWrite;
+    CopyOp o{local, reinterpret_cast<uint64_t>(remote), kPiece, 0, true};
+    o.count = kTokens;
+    o.local_stride = w ? kHeads * kPiece : kPiece;
+    o.remote_stride = w ? kPiece : kHeads * kPiece;
+    o.count2 = kHeads;
+    o.local_stride2 = w ? kPiece : kTokens * kPiece;
+    o.remote_stride2 = w ? kTokens * kPiece : kPiece;
+    return o;
+  };
+  auto expect_hnd = [&](const char* hnd) {
+    for (uint64_t h = 0; h < kHeads; ++h)
+      for (uint64_t t = 0; t < kTokens; ++t)
+        ASSERT_EQ(std::memcmp(hnd + (h * kTokens + t) * kPiece, nhd.data() + (t * kHeads + h) * kPiece, kPiece), 0)
+            << "head " << h << " token " << t;
+  };
+  Binding w;
+  w.op = OpKind::kWrite;
+  w.regions = {r};
+  w.ops = {planned(nhd.data(), r->base, OpKind::kWrite)};
+  const CopyOp swapped = source_order(w.ops[0], OpKind::kWrite);
+  EXPECT_EQ(swapped.count, kHeads);
+  EXPECT_EQ(swapped.local_stride, kPiece);
+  EXPECT_EQ(swapped.count2, kTokens);
+  EXPECT_EQ(swapped.local_stride2, kHeads * kPiece);
+  EXPECT_EQ(swapped.remote_stride, kTokens * kPiece);
+  EXPECT_EQ(swapped.remote_stride2, kPiece);
+  ASSERT_TRUE(run_copies(w).ok());
+  expect_hnd(r->base);
+
+  std::memcpy(r->base, nhd.data(), kBlock);  // the peer holds NHD; read it into HND here
+  std::vector<char> hnd(kBlock, 0);
+  Binding rd = w;
+  rd.op = OpKind::kRead;
+  rd.ops = {planned(hnd.data(), r->base, OpKind::kRead)};
+  EXPECT_EQ(source_order(rd.ops[0], OpKind::kRead).count, kHeads);
+  ASSERT_TRUE(run_copies(rd).ok());
+  expect_hnd(hnd.data());
+
+  // The other way round (HND -> NHD written): the source's outer level already steps
+  // further than its inner one, so the op is kept as planned.
+  CopyOp keep = planned(nhd.data(), r->base, OpKind::kRead);
+  const CopyOp same = source_order(keep, OpKind::kWrite);
+  EXPECT_EQ(same.count, keep.count);
+  EXPECT_EQ(same.local_stride, keep.local_stride);
+  EXPECT_EQ(same.count2, keep.count2);
+}
+
 TEST(ShmCopy, CrossMemoryAttachMixedWithMappedRegions) {
   auto mapped = mapped_region(1);
   auto cma = std::make_shared<RemoteRegion>();  // reached by process_vm_writev (base null)

@@ -176,19 +176,30 @@ inline void stream_fence() {
 inline constexpr uint64_t kPiecePrefetchAhead = 8;
 
 // Copies `count` pieces of `len` bytes, piece i from src + i * src_stride to
-// dst + i * dst_stride, with the stores `how`, then fences. The pieces must not
-// overlap across src and dst.
-inline void copy_strided_with(PieceStores how, char* dst, uint64_t dst_stride, const char* src, uint64_t src_stride,
-                              uint64_t len, uint64_t count) {
+// dst + i * dst_stride, with the stores `how`, without a fence: follow a series of
+// these with stream_fence(). The pieces must not overlap across src and dst.
+//
+// Why not a fence per call: an sfence waits until every write-combining buffer has
+// drained, so a fence after each run of 16 pieces stalls the loop 8 times per 32 KiB
+// block. Measured on the 2-core dev VM (AMD EPYC, Zen 4), an NHD -> HND block copy
+// (16 tokens x 8 heads x 256 B, 64 MiB and 1 GiB): 1.59-1.79x the homogeneous memcpy's
+// CPU with a fence per run of one head, 1.36x with one fence per block.
+inline void copy_strided_unfenced(PieceStores how, char* dst, uint64_t dst_stride, const char* src,
+                                  uint64_t src_stride, uint64_t len, uint64_t count) {
   for (uint64_t i = 0; i < count; ++i) {
     if (i + kPiecePrefetchAhead < count) __builtin_prefetch(src + (i + kPiecePrefetchAhead) * src_stride, 0);
     stream_piece_with(how, dst + i * dst_stride, src + i * src_stride, static_cast<size_t>(len));
   }
+}
+
+// copy_strided_unfenced(), then the fence.
+inline void copy_strided_with(PieceStores how, char* dst, uint64_t dst_stride, const char* src, uint64_t src_stride,
+                              uint64_t len, uint64_t count) {
+  copy_strided_unfenced(how, dst, dst_stride, src, src_stride, len, count);
   stream_fence();
 }
 
-// copy_strided_with() the stores piece_stores() picks (the widest: the shm strided
-// copy, transport/shm/copy_engine.cc).
+// copy_strided_with() the stores piece_stores() picks (the widest).
 inline void copy_strided(char* dst, uint64_t dst_stride, const char* src, uint64_t src_stride, uint64_t len,
                          uint64_t count) {
   copy_strided_with(piece_stores(), dst, dst_stride, src, src_stride, len, count);

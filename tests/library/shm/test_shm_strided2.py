@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import pdkv
-from conftest import SECRET
+from conftest import SECRET, post_past_deadline
 from kvpools import Pool, PoolSpec
 
 pytestmark = pytest.mark.skipif("shm" not in pdkv.available_transports(), reason="shm transport not available")
@@ -123,7 +123,7 @@ def test_two_level_copies_stop_at_their_deadline_or_on_cancel(kind):
         prep = a.prepare("write", peer, pdkv.Blocks("kv", range(128)), pdkv.Blocks("kv", range(128)))
         assert prep.num_extents == BIG.layers * 2 * BIG.blocks  # two-level runs: a block's heads in one (32 KiB spans)
         assert prep.post(timeout=60).wait(60)  # regions confirmed: what follows times out in the copy
-        xs = [prep.post(timeout=0.02) for _ in range(8)]  # ~512 MiB of scattered 256-byte rows
+        xs, _ = post_past_deadline(prep, 8)  # ~512 MiB of scattered 256-byte rows
         ys = [prep.post(timeout=60) for _ in range(3)]
         for y in ys:
             y.cancel()

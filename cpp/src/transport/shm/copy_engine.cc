@@ -67,36 +67,63 @@ Status copy_span(char* local, char* remote, uint64_t len, OpKind op, CopyClock& 
 // The pieces of one level of a mapped op (`count` pieces from local/remote at the
 // op's inner strides). A strided run's pieces are written with streaming stores
 // (util/piece_copy.h: scattered small pieces copy 2-3x faster so), in groups of about
-// kCheckBytes, so the clock is read as often as for a plain copy.
+// kCheckBytes, so the clock is read as often as for a plain copy. No fence here:
+// run_copies() fences once, before the transfer can complete.
 Status copy_level(const CopyOp& o, char* local, char* remote, OpKind op, CopyClock& clk) {
   if (o.count == 1) return copy_span(local, remote, o.len, op, clk);
   const uint64_t group = std::max<uint64_t>(1, kCheckBytes / o.len);
+  const util::PieceStores how = util::piece_stores();
   for (uint64_t i = 0; i < o.count;) {
     const uint64_t k = std::min(group, o.count - i);
     char* l = local + i * o.local_stride;
     char* r = remote + i * o.remote_stride;
     if (op == OpKind::kWrite)
-      util::copy_strided(r, o.remote_stride, l, o.local_stride, o.len, k);
+      util::copy_strided_unfenced(how, r, o.remote_stride, l, o.local_stride, o.len, k);
     else
-      util::copy_strided(l, o.local_stride, r, o.remote_stride, o.len, k);
+      util::copy_strided_unfenced(how, l, o.local_stride, r, o.remote_stride, o.len, k);
     i += k;
     PDKV_RETURN_IF_ERROR(clk.advance(k * o.len));
   }
   return Status::Ok();
 }
 
+}  // namespace
+
+CopyOp source_order(const CopyOp& o, OpKind op) {
+  const bool write = op == OpKind::kWrite;
+  const uint64_t inner = write ? o.local_stride : o.remote_stride;
+  const uint64_t outer = write ? o.local_stride2 : o.remote_stride2;
+  if (o.count < 2 || o.count2 < 2 || outer >= inner) return o;
+  CopyOp t = o;
+  std::swap(t.count, t.count2);
+  std::swap(t.local_stride, t.local_stride2);
+  std::swap(t.remote_stride, t.remote_stride2);
+  return t;
+}
+
+namespace {
+
 // Every piece of a mapped op, repetition by repetition (the clock counts every piece,
-// so a two-level run of small repetitions is checked every kCheckBytes too).
-Status copy_mapped(const CopyOp& o, OpKind op, CopyClock& clk) {
+// so a two-level run of small repetitions is checked every kCheckBytes too), in the
+// order that reads the source forwards (source_order()).
+Status copy_mapped(const CopyOp& op_as_planned, OpKind op, CopyClock& clk) {
+  const CopyOp o = source_order(op_as_planned, op);
   char* remote = reinterpret_cast<char*>(o.remote);
   for (uint64_t j = 0; j < o.count2; ++j)
     PDKV_RETURN_IF_ERROR(copy_level(o, o.local + j * o.local_stride2, remote + j * o.remote_stride2, op, clk));
   return Status::Ok();
 }
 
+// Fences the streaming stores of a run_copies() however it ends (the bytes written
+// before an error are the peer's to see as well).
+struct FenceOnExit {
+  ~FenceOnExit() { util::stream_fence(); }
+};
+
 }  // namespace
 
 Status run_copies(const Binding& p, Transfer* xfer) {
+  FenceOnExit fence;
   CopyClock clk(xfer, p.total);
   PDKV_RETURN_IF_ERROR(clk.check());  // the job may have waited in the queue past its deadline
   if (!p.cma) {
