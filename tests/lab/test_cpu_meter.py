@@ -141,3 +141,16 @@ def test_voluntary_switches_count_each_block_per_thread_name():
         p.wait()
         p.stdout.close()
     assert voluntary_switches(p.pid) is None and voluntary_switches(None) is None
+
+
+def test_another_process_is_read_finer_than_clock_ticks(child):
+    """Its CPU-time clock (nanoseconds), not /proc ticks: a 64 MiB round of a fast
+    transfer takes 10-20 ms, which ticks read as 0 or 10 ms."""
+    p, ask = child
+    ask("burn 0.0137")
+    v = process_cpu_s(p.pid)
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert v is not None and abs(v / tick - round(v / tick)) > 1e-6, v
+    with CpuMeter({"child": p.pid}).measure() as cpu:
+        ask("burn 0.0137")
+    assert 0.0137 - 0.001 <= cpu.seconds <= 0.0137 + 0.05, cpu
