@@ -519,3 +519,29 @@ def test_repr_names_the_address_or_its_absence():
     assert repr(a) == "Agent(closed)"
     with pdkv.Agent("no-tcp", transports=["loopback"]) as b:  # repr must not raise
         assert repr(b) == "Agent('no-tcp', transports=['loopback'], no tcp endpoint)"
+
+
+
+def test_readding_a_peer_at_other_addresses_reconnects_there():
+    """The same instance's metadata added again with other addresses (a wrong address
+    corrected): the next transfer connects to the new address instead of the transport
+    keeping the peer it knew at the old one."""
+    with pdkv.Agent("a", secret=SECRET, transports=["tcp"]) as a, \
+            pdkv.Agent("b", secret=SECRET, transports=["tcp"]) as b:
+        src = np.arange(4096, dtype=np.uint8)
+        dst = np.zeros(4096, np.uint8)
+        rs, rd = a.register(src), b.register(dst)
+        md = b.metadata()
+        good = b.address.encode()
+        assert good.startswith(b"127.0.0.1:") and md.count(good) == 1
+        wrong = md.replace(good, good.replace(b"127.0.0.1", b"127.0.0.2"))  # nobody listens there
+        peer = a.add_peer(wrong)
+        with pytest.raises(pdkv.PeerConnectionError):
+            a.prepare_extents("write", peer, [(rs.id, 0, rd.id, 0, 2048)]).post(timeout=5).wait(5)
+        assert a.add_peer(md) == peer
+        assert a.prepare_extents("write", peer, [(rs.id, 0, rd.id, 0, 4096)]).post(timeout=10).wait(10)
+        assert (dst == src).all()
+        assert a.add_peer(md) == peer  # the same addresses again: the connection stays usable
+        dst[:] = 0
+        assert a.prepare_extents("write", peer, [(rs.id, 0, rd.id, 0, 4096)]).post(timeout=10).wait(10)
+        assert (dst == src).all()

@@ -120,9 +120,10 @@ def test_a_session_stays_on_its_workers_and_outputs_equal_generate(tiny, fleet):
 @pytest.mark.skipif(not HAS_PREFIX_CACHE, reason="the engine has no prefix cache (Engine.cache_snapshot)")
 def test_a_request_goes_to_the_decode_worker_holding_its_prefix(tiny, fleet):
     prompt = [(7 + 13 * i) % 90 + 7 for i in range(33)]
+    before = _index_blocks(fleet.px)  # earlier tests' blocks: the wait below is for this prompt's
     first, st = completion_ids(fleet.px, tiny.name, prompt, max_tokens=6, user="prefix-owner")
     holder = st["decode_worker"]
-    _wait(lambda: _index_blocks(fleet.px).get(holder, 0) >= len(prompt) // 4)
+    _wait(lambda: _index_blocks(fleet.px).get(holder, 0) >= before.get(holder, 0) + len(prompt) // 4)
     longer = prompt + first + [11, 12, 13, 14, 15]
     ref = reference(load_model(tiny.model_dir, dtype="float32", attn_implementation="sdpa"), [longer], 6)[0]
     for _ in range(3):                                    # no session: the prefix alone decides

@@ -26,6 +26,15 @@
 namespace pdkv {
 namespace {
 
+// The same transports at the same addresses, in the same order.
+bool same_endpoints(const AgentMetadata& a, const AgentMetadata& b) {
+  if (a.endpoints.size() != b.endpoints.size()) return false;
+  for (size_t i = 0; i < a.endpoints.size(); ++i)
+    if (a.endpoints[i].transport != b.endpoints[i].transport || a.endpoints[i].address != b.endpoints[i].address)
+      return false;
+  return true;
+}
+
 std::string random_hex(size_t bytes) {
   std::random_device rd;
   static const char* hex = "0123456789abcdef";
@@ -408,7 +417,11 @@ Result<std::string> Agent::Impl::add_peer(std::string_view blob, std::string sec
   {
     std::lock_guard<std::mutex> lk(mu_);
     auto it = peers_.find(name);
-    if (it != peers_.end() && (it->second.peer->md.instance_id != peer->md.instance_id || it->second.transport != chosen))
+    // Another instance, another transport, or the same instance at other addresses (its
+    // metadata added again with another via_host): the old transport forgets the peer,
+    // connections to the old addresses included, and the next transfer connects anew.
+    if (it != peers_.end() && (it->second.peer->md.instance_id != peer->md.instance_id ||
+                               it->second.transport != chosen || !same_endpoints(it->second.peer->md, peer->md)))
       old_transport = it->second.transport;
     peers_[name] = PeerEntry{peer, chosen};
   }

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -256,6 +259,37 @@ def test_restarted_peer_is_stale_at_wait():
                 with pytest.raises(pdkv.StalePeer, match="restarted"):
                     x.wait(10)
             legit_write(a, b2, 6)
+
+
+def test_gone_peer_beside_another_agent_of_its_name_is_not_called_restarted(monkeypatch):
+    """Names are not unique on a host: when the peer's socket is gone while its process
+    lives, and another process's agent of the same name listens in the directory, the
+    transfer fails with a connection error naming both, not StalePeer (which would send
+    the caller to fetch the other agent's metadata)."""
+    # A directory of this test's own (short: socket paths are limited): the other xdist
+    # worker's tests start agents named "b" too.
+    sock_dir = tempfile.mkdtemp(prefix="pdkv-gb-")
+    monkeypatch.setenv("PDKV_SHM_DIR", sock_dir)
+    with pdkv.Agent("a", secret=SECRET, transports=["shm"]) as a:
+        b, peer, ext = _peer_b(a)
+        assert a.prepare_extents("write", peer, ext).post().wait(10)
+        b.close()  # this process, the peer's, goes on
+        other = subprocess.Popen([sys.executable, "-c", "import pdkv, sys\n"
+                                  f"b = pdkv.Agent('b', secret={SECRET!r}, transports=['shm'])\n"
+                                  "print('up', flush=True)\nsys.stdin.read()"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert other.stdout.readline().strip() == "up"
+            x = a.prepare_extents("write", peer, ext).post()
+            with pytest.raises(pdkv.PeerConnectionError, match=f"process {os.getpid()} of peer 'b' still runs.*"
+                               f"process {other.pid}\\) listens") as e:
+                x.wait(10)
+            assert not isinstance(e.value, pdkv.StalePeer)
+        finally:
+            other.stdin.close()
+            other.wait(30)
+            other.stdout.close()
+            shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def _socket_inodes() -> set[str]:

@@ -1,9 +1,11 @@
 #include "transport/shm/handshake.h"
 
 #include <dirent.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 
 #include "transport/shm/peer_identity.h"
 #include "util/socket.h"
@@ -12,7 +14,12 @@ namespace pdkv::shm {
 namespace {
 
 // The peer's socket is gone. If another instance of the same agent now listens in
-// the same directory (`<name>-<16 hex instance>.sock`), the peer restarted.
+// the same directory (`<name>-<16 hex instance>.sock`), the peer restarted -- unless
+// the process in the peer's metadata is still alive and that listener is another
+// process: then two agents share the name (names are not unique on a host), and the
+// peer's own socket went away while its process lives; the connection error stays,
+// naming the other listener, instead of a StalePeer that would send the caller to
+// fetch the other agent's metadata.
 Status explain_unreachable(const Peer& peer, const std::string& path, const Status& st) {
   const size_t slash = path.rfind('/');
   if (slash == std::string::npos) return st;
@@ -24,6 +31,7 @@ Status explain_unreachable(const Peer& peer, const std::string& path, const Stat
   DIR* d = ::opendir(dir.c_str());
   if (!d) return st;
   std::string other;
+  pid_t other_pid = 0;
   while (dirent* ent = ::readdir(d)) {
     const std::string n = ent->d_name;
     if (n == base || n.size() != base.size() || n.compare(0, prefix.size(), prefix) != 0 ||
@@ -32,13 +40,20 @@ Status explain_unreachable(const Peer& peer, const std::string& path, const Stat
     const std::string inst = n.substr(prefix.size(), 16);
     if (!std::all_of(inst.begin(), inst.end(), [](char ch) { return std::isxdigit(static_cast<unsigned char>(ch)); }))
       continue;
-    if (util::connect_unix(dir + "/" + n, util::deadline_after(0.5)).ok()) {  // a live listener, not a stale file
+    auto fd = util::connect_unix(dir + "/" + n, util::deadline_after(0.5));
+    if (fd.ok()) {  // a live listener, not a stale file
       other = inst;
+      if (auto cred = peer_cred(fd->get()); cred.ok()) other_pid = cred->pid;
       break;
     }
   }
   ::closedir(d);
   if (other.empty()) return st;
+  const pid_t was = static_cast<pid_t>(peer.md.pid);
+  if (was > 0 && other_pid > 0 && other_pid != was && (::kill(was, 0) == 0 || errno == EPERM))
+    return Status(st.code(), st.message() + "; process " + std::to_string(was) + " of peer '" + peer.md.name +
+                                 "' still runs, and another agent of that name (instance " + other +
+                                 ", process " + std::to_string(other_pid) + ") listens in the same directory");
   return StalePeer("peer '" + peer.md.name + "' restarted: the instance in its metadata is gone and instance " +
                    other + " listens now; fetch its metadata again (" + st.message() + ")");
 }
