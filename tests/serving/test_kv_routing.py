@@ -70,7 +70,8 @@ def test_a_request_goes_to_the_decode_worker_holding_its_prefix():
         plan = f.kv.plan(PROMPT, "")
         assert f.kv.pick_decode(plan, set()).url == D1
         assert plan.how == "kv_prefix" and plan.decode_tokens == 3 * BT
-    assert 'route="kv_prefix"} 4' in f.metric("pdkv_routed_requests_total")
+    assert 'how="kv_prefix"} 4' in f.metric("pdkv_kv_decode_picks_total")
+    assert "kv_" not in f.metric("pdkv_routed_requests_total")  # summing routes counts each request once
     assert 'held_by="decode"} 48' in f.metric("pdkv_kv_route_matched_tokens_total")
 
 

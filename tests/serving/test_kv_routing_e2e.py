@@ -130,7 +130,8 @@ def test_a_request_goes_to_the_decode_worker_holding_its_prefix(tiny, fleet):
         ids, st = completion_ids(fleet.px, tiny.name, longer, max_tokens=6)
         assert st["decode_worker"] == holder and ids == ref
     _, text = get(fleet.px + "/metrics")
-    assert 'pdkv_routed_requests_total{route="kv_prefix"}' in text
+    assert 'pdkv_kv_decode_picks_total{how="kv_prefix"}' in text
+    assert 'route="kv_' not in text  # pdkv_routed_requests_total counts each request once: disagg or local
     # A restarted proxy starts with an empty index and converges from the workers' snapshots.
     fresh = fleet.proxy("disagg", prefill=[fleet.p], decode=[fleet.d0, fleet.d1], routing="kv",
                         kv_events_interval_s=0.05)

@@ -26,7 +26,7 @@ worker ``w`` holds in its prefix cache. Then:
   itself after ``ttl_s`` if that call is lost. A failed lease call only means no
   ``src``.
 
-Each decode pick is counted in ``pdkv_routed_requests_total`` by how it was made:
+Each decode pick is counted in ``pdkv_kv_decode_picks_total`` by how it was made:
 ``kv_prefix`` (the chosen worker held part of the prompt), ``kv_load`` (another held
 more, but its load outweighed it), ``kv_session`` (affinity) or ``kv_cold`` (neither).
 """
@@ -81,7 +81,7 @@ class KVRouting:
     client : WorkerClient
         Signs the lease calls.
     metrics : ProxyMetrics
-        ``m_routed`` counts each decode pick by how it was made.
+        ``m_kv_picks`` counts each decode pick by how it was made.
     registry : Registry
         The routing's own metrics are added to it.
     max_sessions : int
@@ -169,7 +169,7 @@ class KVRouting:
                 if d is None:
                     return None
         plan.decode_tokens = m.get(d.url, 0)
-        self._metrics.m_routed.inc((plan.how,))
+        self._metrics.m_kv_picks.inc((plan.how,))
         if plan.decode_tokens:
             self.m_matched.inc(("decode",), plan.decode_tokens)
         self._remember(plan, 0, d.url)

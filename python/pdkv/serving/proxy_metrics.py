@@ -36,9 +36,13 @@ class ProxyMetrics:
         self.m_reroles = r.counter("pdkv_worker_reroles_total", "Workers moved between the prefill and decode pools "
                                    "(from -> to), and switches given up (result).", ("from", "to", "result"))
         self.m_routed = r.counter("pdkv_routed_requests_total",
-                                  "Requests by route: disagg (prefill worker + KV transfer) or local; with KV-aware "
-                                  "routing each is also counted by how its decode worker was picked: kv_prefix, "
-                                  "kv_load, kv_session or kv_cold.", ("route",))
+                                  "Requests by route: disagg (prefill worker + KV transfer) or local.", ("route",))
+        # Apart from m_routed, so that summing it over its labels counts requests once.
+        self.m_kv_picks = r.counter("pdkv_kv_decode_picks_total",
+                                    "KV-aware routing's decode picks by how each was made: kv_prefix (the chosen "
+                                    "worker held part of the prompt), kv_load (another held more but was busier), "
+                                    "kv_session (affinity) or kv_cold (neither); a retried request is picked again.",
+                                    ("how",))
         self.m_kv = r.counter("pdkv_kv_transfers_total", "KV transfers by result (ok, failed, none).", ("result",))
         self.m_kv_bytes = r.counter("pdkv_kv_transfer_bytes_total", "KV bytes moved, by transport.", ("transport",))
         self.m_kv_time = r.histogram("pdkv_kv_transfer_span_seconds", "KV transfer span, post to completion "
