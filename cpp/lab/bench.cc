@@ -134,10 +134,13 @@ class Sink {
   std::atomic<bool> stopped_{false};
 };
 
-ScopedFd dial(const std::string& host, uint16_t port, bool nodelay) {
+ScopedFd dial(const std::string& host, uint16_t port, bool nodelay, const std::string& congestion) {
   auto r = pdkv::util::connect_tcp({host, port}, 10.0);
   if (!r.ok()) throw std::runtime_error(r.status().message());
   ScopedFd fd = std::move(r).value();
+  // The sender's congestion control decides the data's pace: the same as pdkv's (--congestion-control).
+  if (auto st = pdkv::util::set_congestion_control(fd.get(), congestion); !st.ok())
+    throw std::runtime_error(st.message());
   int v = nodelay ? 1 : 0;
   setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &v, sizeof v);
   return fd;
@@ -146,9 +149,9 @@ ScopedFd dial(const std::string& host, uint16_t port, bool nodelay) {
 // Streams `total` bytes over `conns` connections (one thread each) as messages of
 // `msg_bytes`, each acked. Returns seconds.
 double stream(const std::string& host, uint16_t port, int conns, uint64_t total, uint64_t msg_bytes, bool tuned,
-              uint32_t rcvlowat) {
+              uint32_t rcvlowat, const std::string& congestion) {
   std::vector<ScopedFd> fds;
-  for (int i = 0; i < conns; ++i) fds.push_back(dial(host, port, tuned));
+  for (int i = 0; i < conns; ++i) fds.push_back(dial(host, port, tuned, congestion));
   std::vector<char> src(std::min<uint64_t>(msg_bytes, 64ull << 20), 7);
   std::atomic<bool> ok{true};
   auto t0 = std::chrono::steady_clock::now();
@@ -211,8 +214,9 @@ double stream(const std::string& host, uint16_t port, int conns, uint64_t total,
 }
 
 // Round trips of `bytes`-byte messages, each acked with one byte. Returns ns per trip.
-std::vector<double> pingpong(const std::string& host, uint16_t port, uint64_t bytes, int iters, int warmup) {
-  ScopedFd fd = dial(host, port, true);
+std::vector<double> pingpong(const std::string& host, uint16_t port, uint64_t bytes, int iters, int warmup,
+                             const std::string& congestion) {
+  ScopedFd fd = dial(host, port, true, congestion);
   std::vector<char> src(bytes + sizeof(MsgHdr), 7);
   std::vector<double> out;
   out.reserve(iters);
@@ -245,9 +249,10 @@ void bind(py::module_& m) {
       .def_property_readonly("port", &Sink::port)
       .def("stop", &Sink::stop, py::call_guard<py::gil_scoped_release>());
   m.def("stream", &stream, py::arg("host"), py::arg("port"), py::arg("conns"), py::arg("total"), py::arg("msg_bytes"),
-        py::arg("tuned"), py::arg("rcvlowat") = 1u << 20, py::call_guard<py::gil_scoped_release>());
+        py::arg("tuned"), py::arg("rcvlowat") = 1u << 20, py::arg("congestion") = "",
+        py::call_guard<py::gil_scoped_release>());
   m.def("pingpong", &pingpong, py::arg("host"), py::arg("port"), py::arg("bytes"), py::arg("iters"),
-        py::arg("warmup") = 20, py::call_guard<py::gil_scoped_release>());
+        py::arg("warmup") = 20, py::arg("congestion") = "", py::call_guard<py::gil_scoped_release>());
   m.def("memcpy_extents", &memcpy_extents, py::arg("extents"), py::arg("iters") = 1,
         py::call_guard<py::gil_scoped_release>());
 }

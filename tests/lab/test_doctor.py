@@ -15,7 +15,7 @@ import pytest
 import pdkv
 from pdkv.lab import doctor
 
-TOP = {"schema", "pdkv_version", "gpu", "pinned_memory", "rdma", "shm", "transports", "peer"}
+TOP = {"schema", "pdkv_version", "gpu", "pinned_memory", "rdma", "shm", "transports", "peer", "tcp"}
 GPU = {"available", "reason", "cuda_python", "driver_library", "driver_version", "devices", "peer_access", "cuda_ipc"}
 DEVICE = {"index", "name", "total_bytes", "compute_capability", "pci_bus_id"}
 PEER_CELL = {"can_access_peer", "access_supported", "native_atomics", "performance_rank"}
@@ -61,6 +61,11 @@ def test_json_schema_without_a_gpu():
     assert set(rep["pinned_memory"]) == {"memlock_soft", "memlock_hard", "detail"}
     assert set(rep["rdma"]) == {"devices", "ucx_net_devices", "ucx_tls", "nixl", "detail"}
     assert set(rep["shm"]) >= {"path", "total_bytes", "free_bytes", "memfd", "seals", "detail"}
+    tc = rep["tcp"]
+    assert set(tc) == {"congestion_control", "allowed", "available", "detail"}
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        assert tc["congestion_control"] == f.read().strip()
+    assert tc["congestion_control"] in tc["available"] and tc["detail"]
     t = rep["transports"]
     assert set(t) == {"available", "default_order", "notes"}
     assert t["available"] == pdkv.available_transports() and "tcp" in t["default_order"]
@@ -186,3 +191,24 @@ def test_peer_errors_are_reported_not_raised():
     assert r.returncode == 2 and "needs the cluster secret" in r.stderr
     r = run(["doctor", "--probe"])
     assert r.returncode == 2 and "--probe needs --peer" in r.stderr
+
+
+def test_tcp_facts_warn_of_bbr_and_name_an_allowed_alternative(tmp_path):
+    """A host whose default is bbr gets the measured cost and the option that avoids it;
+    another default gets no warning."""
+    def proc(default, allowed):
+        d = tmp_path / default / "-".join(allowed)
+        d.mkdir(parents=True)
+        (d / "tcp_congestion_control").write_text(default + "\n")
+        (d / "tcp_allowed_congestion_control").write_text(" ".join(allowed) + "\n")
+        (d / "tcp_available_congestion_control").write_text("reno cubic bbr\n")
+        return str(d)
+
+    f = doctor.tcp_facts(proc("bbr", ["reno", "bbr"]))
+    assert f["congestion_control"] == "bbr" and "30% slower" in f["detail"]
+    assert "congestion_control='reno'" in f["detail"]
+    assert "congestion_control='cubic'" in doctor.tcp_facts(proc("bbr", ["cubic", "reno", "bbr"]))["detail"]
+    assert "none of cubic or reno" in doctor.tcp_facts(proc("bbr", ["bbr"]))["detail"]
+    f = doctor.tcp_facts(proc("cubic", ["reno", "cubic"]))
+    assert "slower" not in f["detail"] and f["allowed"] == ["reno", "cubic"]
+    assert doctor.tcp_facts(str(tmp_path / "missing"))["congestion_control"] is None

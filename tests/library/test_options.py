@@ -31,6 +31,7 @@ def test_options_are_the_native_classes_with_the_documented_defaults():
         ("", b"", ["tcp"], 60.0, 1 << 20, 50)
     assert c.options == []  # no transport's options: each transport gets its defaults
     assert (t.gather_below_bytes, t.land_below_bytes) == (4096, 8192)
+    assert t.congestion_control == ""  # the system's
     assert s.connect_timeout_s == 5.0
     assert (pdkv.TcpOptions.transport, pdkv.ShmOptions.transport, pdkv.NixlOptions.transport) == ("tcp", "shm", "nixl")
 
@@ -165,6 +166,9 @@ def test_every_transports_options_are_validated_enabled_or_not():
     with pytest.raises(pdkv.InvalidArgument, match=r"tcp\.land_below_bytes"):
         pdkv.Agent("a", secret=SECRET, transports=["tcp"],
                    options=[pdkv.TcpOptions(land_below_bytes=(1 << 30) + 1)])
+    for bad in ("BBR", "cubic;reboot", "x" * 16, "a b"):
+        with pytest.raises(pdkv.InvalidArgument, match=r"tcp\.congestion_control must be a kernel congestion"):
+            pdkv.TcpOptions(congestion_control=bad)
 
 
 def test_a_python_transport_receives_its_own_options_class():

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <fstream>
 #include <thread>
 
 namespace pdkv::util {
@@ -165,6 +166,29 @@ Result<sockaddr_storage> resolve(const HostPort& hp, socklen_t* len) {
   *len = res->ai_addrlen;
   freeaddrinfo(res);
   return ss;
+}
+
+namespace {
+
+std::string proc_line(const char* path) {
+  std::ifstream f(path);
+  std::string s;
+  std::getline(f, s);
+  return s.empty() ? "?" : s;
+}
+
+}  // namespace
+
+Status set_congestion_control(int fd, const std::string& name) {
+  if (name.empty()) return Status::Ok();
+  if (::setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name.data(), static_cast<socklen_t>(name.size())) == 0)
+    return Status::Ok();
+  const int err = errno;
+  return InvalidArgument("tcp.congestion_control '" + name + "' is refused by the kernel (" + errno_str(err) +
+                         "); allowed for this process: " +
+                         proc_line("/proc/sys/net/ipv4/tcp_allowed_congestion_control") +
+                         "; available: " + proc_line("/proc/sys/net/ipv4/tcp_available_congestion_control") +
+                         " (others need CAP_NET_ADMIN or their module loaded)");
 }
 
 Status set_nonblocking(int fd, bool on) {

@@ -73,6 +73,12 @@ Result<ScopedFd> listen_unix(const std::string& agent_name, uint64_t instance, c
 // naming the full backlog). No listener: ConnectionError at once.
 Result<ScopedFd> connect_unix(const std::string& path, std::chrono::steady_clock::time_point deadline);
 Status set_nonblocking(int fd, bool on);
+
+// setsockopt(TCP_CONGESTION) to `name` ("" leaves the socket's). InvalidArgument when
+// the kernel refuses it, naming the congestion controls this process may use
+// (net.ipv4.tcp_allowed_congestion_control) and those available
+// (net.ipv4.tcp_available_congestion_control).
+Status set_congestion_control(int fd, const std::string& name);
 // Blocking full send/recv with a deadline (poll-based). Fail with Timeout/ConnectionError.
 Status send_all(int fd, const void* buf, size_t n, std::chrono::steady_clock::time_point deadline);
 Status recv_all(int fd, void* buf, size_t n, std::chrono::steady_clock::time_point deadline);

@@ -226,6 +226,25 @@ def shm_facts(path: str = "/dev/shm") -> dict:
     return out
 
 
+def tcp_facts(proc: str = "/proc/sys/net/ipv4") -> dict:
+    """The kernel's TCP congestion control: the default, and those a process may pick."""
+    def words(name: str) -> list[str]:
+        return (_read(os.path.join(proc, name)) or "").split()
+
+    default = (words("tcp_congestion_control") or [None])[0]
+    out = {"congestion_control": default, "allowed": words("tcp_allowed_congestion_control"),
+           "available": words("tcp_available_congestion_control")}
+    if default == "bbr":
+        alt = next((c for c in ("cubic", "reno") if c in out["allowed"]), None)
+        out["detail"] = ("bbr paces at the bandwidth it estimates: loopback transfers measured ~30% slower than with "
+                         "cubic or reno (docs/benchmarks.md, Congestion control); "
+                         + (f"TcpOptions(congestion_control={alt!r}) sets it per agent" if alt else
+                            "none of cubic or reno is allowed to this process"))
+    else:
+        out["detail"] = "TcpOptions(congestion_control=...) sets another per agent"
+    return out
+
+
 def transport_facts(gpu: dict) -> dict:
     """Available transports, the default order an agent uses, and a note on each."""
     available = pdkv.available_transports()
@@ -309,7 +328,7 @@ def gather(*, peer: str | None = None, secret: str | None = None, probe: bool = 
     """Every section of ``pdkv doctor --json`` (docs/doctor.md)."""
     gpu = gpu_facts(ipc_check=ipc_check)
     return {"schema": SCHEMA, "pdkv_version": pdkv.__version__, "gpu": gpu, "pinned_memory": pinned_facts(),
-            "rdma": rdma_facts(), "shm": shm_facts(), "transports": transport_facts(gpu),
+            "rdma": rdma_facts(), "shm": shm_facts(), "tcp": tcp_facts(), "transports": transport_facts(gpu),
             "peer": peer_facts(peer, secret=secret, probe=probe, probe_write=probe_write) if peer else None}
 
 
@@ -354,6 +373,9 @@ def render(r: dict) -> str:
     s = r["shm"]
     lines.append(f"shm: {s['path']} {_size(s['free_bytes'])} free of {_size(s['total_bytes'])}; memfd "
                  f"{'with seals' if s['seals'] else 'without seals' if s['memfd'] else 'unavailable'}; {s['detail']}")
+    tc = r["tcp"]
+    lines.append(f"tcp: congestion control {tc['congestion_control'] or 'unknown'} (allowed: "
+                 f"{' '.join(tc['allowed']) or 'unknown'}); {tc['detail']}")
     t = r["transports"]
     lines.append(f"transports: agents use {', '.join(t['default_order'])}, in this order")
     for name in t["default_order"]:

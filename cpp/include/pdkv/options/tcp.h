@@ -104,6 +104,16 @@ struct TcpOptions : TransportOptionsOf<TcpOptions> {
   // laid out, never what it means.
   uint64_t gather_below_bytes = 4096;
   uint64_t land_below_bytes = 8192;
+  // The TCP congestion control of every connection this agent opens or accepts
+  // (setsockopt TCP_CONGESTION: "cubic", "reno", "bbr", ...); "" keeps the system's
+  // (net.ipv4.tcp_congestion_control). Why it is here: on a host whose default is bbr,
+  // loopback transfers measured 4.7-5.2 GB/s against 6.2-7.0 with cubic or reno, for
+  // pdkv and a raw socket pair alike (bbr paces at the bandwidth it estimates; the
+  // 2-core dev VM, 2026-12-08, docs/benchmarks.md "Congestion control"). A name the kernel
+  // refuses (not loaded, or not in net.ipv4.tcp_allowed_congestion_control for a process
+  // without CAP_NET_ADMIN) fails the agent's start, naming what is allowed. Only the
+  // sending side's choice matters for a transfer's data: set it on both ends.
+  std::string congestion_control;
 
   // OK, or InvalidArgument naming the first field out of range and its value
   // ("tcp.conns_per_peer must be in 1..64, got 0").

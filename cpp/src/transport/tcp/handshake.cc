@@ -39,6 +39,7 @@ Result<util::ScopedFd> dial(const util::HostPort& hp, const HelloParams& hello, 
                             std::string* peer_name, std::shared_ptr<TlsChannel>* channel) {
   const auto deadline = util::deadline_after(timeout_s);
   PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, util::connect_tcp(hp, timeout_s));
+  PDKV_RETURN_IF_ERROR(util::set_congestion_control(fd.get(), hello.congestion_control));
   const std::string where = hello.target.empty() ? hp.str() : "'" + hello.target + "' at " + hp.str();
   auth::ChannelBinding binding{};
   std::shared_ptr<TlsChannel> tls;

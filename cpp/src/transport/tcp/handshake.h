@@ -38,6 +38,7 @@ struct HelloParams {
   uint64_t instance = 0;  // the target instance we expect (0: any)
   auth::Key key;          // of the secret we prove (auth::derive_key)
   std::shared_ptr<const TlsContext> tls;  // TcpOptions::tls: the handshake runs inside a TLS session
+  std::string congestion_control;         // TcpOptions::congestion_control ("": the system's)
 };
 
 // Connects to `hp` and completes the handshake within `timeout_s`. The socket is

@@ -2,6 +2,8 @@
 // format and syscalls impose.
 #include "pdkv/options/tcp.h"
 
+#include <algorithm>
+
 #include "transport/tcp/wire.h"
 #include "util/option_check.h"
 
@@ -40,6 +42,12 @@ Status TcpOptions::validate() const {
   PDKV_RETURN_IF_ERROR(check_in_range<uint64_t>("tcp.land_below_bytes", land_below_bytes, 0, 1ull << 30));
   PDKV_RETURN_IF_ERROR(compress.validate());
   if (listen_host.empty()) return InvalidArgument("tcp.listen_host is empty (use an address such as 127.0.0.1)");
+  // TCP_CA_NAME_MAX is 16 with the terminating NUL; kernel names are lower-case words.
+  if (congestion_control.size() > 15 ||
+      !std::all_of(congestion_control.begin(), congestion_control.end(),
+                   [](char ch) { return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_'; }))
+    return InvalidArgument("tcp.congestion_control must be a kernel congestion control name (a-z, 0-9, _; at most "
+                           "15 characters) or empty for the system's, got '" + congestion_control + "'");
   return Status::Ok();
 }
 

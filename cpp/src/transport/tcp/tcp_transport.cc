@@ -91,6 +91,8 @@ Status TcpTransport::start(AgentHooks* hooks) {
   util::HostPort hp{opts_.listen_host, opts_.listen_port};
   uint16_t port = 0;
   PDKV_ASSIGN_OR_RETURN(listen_fd_, util::listen_tcp(hp, &port));
+  // Accepted connections inherit a congestion control set on their listener.
+  PDKV_RETURN_IF_ERROR(util::set_congestion_control(listen_fd_.get(), opts_.congestion_control));
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(listen_fd_.get(), true));
   addr_ = util::HostPort{advertised_host(opts_.listen_host), port};
   if (opts_.tls) {
@@ -183,7 +185,7 @@ Result<std::shared_ptr<TcpConn>> TcpTransport::get_conn(PeerConns& pc, uint32_t 
   std::shared_ptr<TlsChannel> tls;
   PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd,
                         dial(pc.hp, HelloParams{hooks_->agent_name(), pc.peer->md.name, pc.peer->md.instance_id,
-                                                auth::derive_key(pc.peer->secret), tls_},
+                                                auth::derive_key(pc.peer->secret), tls_, opts_.congestion_control},
                              timeout_s, &name, &tls));
   PDKV_RETURN_IF_ERROR(util::set_nonblocking(fd.get(), true));
   ProgressThread* owner = pick_thread();
@@ -227,7 +229,8 @@ Result<std::string> TcpTransport::fetch_metadata(const std::string& address, std
   PDKV_ASSIGN_OR_RETURN(util::HostPort hp, util::parse_host_port(address));
   const auto deadline = util::deadline_after(timeout_s);
   std::shared_ptr<TlsChannel> tls;  // outlives the fd's use below
-  PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, dial(hp, HelloParams{hooks_->agent_name(), "", 0, auth::derive_key(secret), tls_},
+  PDKV_ASSIGN_OR_RETURN(util::ScopedFd fd, dial(hp, HelloParams{hooks_->agent_name(), "", 0, auth::derive_key(secret), tls_,
+                                                                 opts_.congestion_control},
                                                 timeout_s, nullptr, &tls));
   return request_metadata(fd.get(), address, deadline);
 }

@@ -38,7 +38,7 @@ from pdkv.lab import _native
 from pdkv.lab.transfer import compress, hetero, models, peers
 from pdkv.lab.transfer.busy import BusyLoad, parse_churn, parse_cpus
 from pdkv.lab.transfer.common import (SECRET_ENV, cell, host_view, human, parse_size, percentile, pool_blocks,
-                                      tcp_options, write_out)
+                                      system_congestion_control, tcp_options, write_out)
 from pdkv.lab.transfer.cpu import ratio, voluntary_switches
 from pdkv.lab.transfer.devmem import DeviceMemory
 from pdkv.lab.transfer.link import transfer_behind_link
@@ -232,13 +232,14 @@ def run_case(args, target: Target, agent: Agent, peer: str, payload: int, src, s
         w0 = _switches(meter)
         gb["pdkv"], cpu_gb["pdkv"], by_proc["pdkv"] = total / s / 1e9, u.per_gb(total), u.per_gb_by_process(total)
         with meter.measure() as u:
-            s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False)
+            s = bench.stream(target.sink_host, target.sink_port, 1, total, payload, False,
+                             congestion=args.congestion_control)
         gb["socket_plain"], cpu_gb["socket_plain"] = total / s / 1e9, u.per_gb(total)
         wakes["socket_plain"] = _per(_switches(meter), w0, iters)
         by_proc["socket_plain"] = u.per_gb_by_process(total)
         with meter.measure() as u:
             s = bench.stream(target.sink_host, target.sink_port, args.conns, total, payload, True,
-                             args.rcvlowat or 0)
+                             args.rcvlowat or 0, congestion=args.congestion_control)
         gb["socket_tuned"], cpu_gb["socket_tuned"] = total / s / 1e9, u.per_gb(total)
         by_proc["socket_tuned"] = u.per_gb_by_process(total)
         if ext is not None:
@@ -336,10 +337,12 @@ def run_latency(args, target: Target, agent: Agent, peer: str) -> dict:
     lat_half = latency_us(one, args.lat_iters)
     whole = agent.prepare("write", peer, Blocks("kv", [0]), Blocks("kv", [1]))
     lat_block = latency_us(whole, max(20, args.lat_iters // 4))
-    raw = [x / 1000 for x in bench.pingpong(target.sink_host, target.sink_port, geo.block_bytes, args.lat_iters)]
+    cc = args.congestion_control
+    raw = [x / 1000 for x in bench.pingpong(target.sink_host, target.sink_port, geo.block_bytes, args.lat_iters,
+                                            congestion=cc)]
     raw_block = [x / 1000 for x in bench.pingpong(target.sink_host, target.sink_port,
                                                   geo.num_layers * geo.kv_parts * geo.block_bytes,
-                                                  max(20, args.lat_iters // 4))]
+                                                  max(20, args.lat_iters // 4), congestion=cc)]
     return {
         "block_half_bytes": geo.block_bytes,
         "lat_p50_us": percentile(lat_half, 50),
@@ -417,6 +420,7 @@ def _run_cases(args: argparse.Namespace, payloads: list[int], quiet: bool = Fals
                     if "cpu_s_per_gb" in p:
                         r["ratios_cpu"][name] = p["ratio_cpu_pdkv_over_peer"]
                 r["tls"] = bool(getattr(args, "tls_on", False))
+                r["congestion_control"] = args.congestion_control or system_congestion_control()
                 load = getattr(args, "busy_load", None)
                 r["busy"] = load.describe() if load is not None else {"processes": 0, "cpus": []}
                 r["pdkv_thread_cpus"] = thread_cpus()  # [] : they inherit their starter's (the pin's)
@@ -486,7 +490,8 @@ def print_table(args, results: list[dict]) -> None:
     print(f"\npdkv bench transfer — transport {r0['transport']}{' with TLS' if r0.get('tls') else ''}, "
           f"{args.memory} memory, model {args.model} "
           f"({human(r0['block_bytes'])} block-halves, destinations permuted), conns={args.conns}, "
-          f"threads={args.threads}, target {'remote ' + args.target if args.target else 'local process'}")
+          f"threads={args.threads}, congestion control {r0.get('congestion_control', '?')}, "
+          f"target {'remote ' + args.target if args.target else 'local process'}")
     print(f"{'payload':>9} {'extents':>8} {'pdkv':>7} {'plain':>7} {'tuned':>7} {'memcpy':>7} "
           f"{'/plain':>7} {'/tuned':>7} {'/memcpy':>8}  verified  (GB/s; CPU: s/GB, initiator + target, "
           f"every thread)")
@@ -557,6 +562,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     default=TcpOptions().land_below_bytes,
                     help="tcp: land payloads whose extents average fewer bytes in a buffer "
                     "(TcpOptions.land_below_bytes; default 8K; 0: never)")
+    ap.add_argument("--congestion-control", default="", metavar="NAME",
+                    help="tcp: TcpOptions.congestion_control of both agents and of the raw pairs' senders "
+                    "(cubic, reno, bbr, ...; default: the system's, printed in the header and the JSON)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (local mode: both sides)")
     ap.add_argument("--target", default="", help="HOST:PORT of a `pdkv bench transfer --serve` on another host")
     ap.add_argument("--link", default="", help="run target and initiator on two network namespaces behind an "

@@ -66,7 +66,8 @@ def tcp_options(args: argparse.Namespace) -> TcpOptions:
     return TcpOptions(conns_per_peer=args.conns, progress_threads=args.threads, rcvlowat_bytes=args.rcvlowat,
                       batch_bytes=args.batch_bytes, tls=bool(getattr(args, "tls_on", False)),
                       gather_below_bytes=getattr(args, "gather_below", TcpOptions().gather_below_bytes),
-                      land_below_bytes=getattr(args, "land_below", TcpOptions().land_below_bytes))
+                      land_below_bytes=getattr(args, "land_below", TcpOptions().land_below_bytes),
+                      congestion_control=getattr(args, "congestion_control", ""))
 
 
 def host_view(addr: int, n: int) -> np.ndarray:
@@ -87,3 +88,13 @@ def write_out(args: argparse.Namespace, results: list[dict]) -> None:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(["pdkv", "bench", "transfer"] + args.argv), "results": results}, f,
                       indent=2)
+
+
+def system_congestion_control() -> str:
+    """The kernel's default TCP congestion control (``net.ipv4.tcp_congestion_control``),
+    or ``"?"`` where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip() or "?"
+    except OSError:
+        return "?"

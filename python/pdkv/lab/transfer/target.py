@@ -73,6 +73,7 @@ def spawn_target(args: argparse.Namespace, blocks: int) -> Target:
     cmd = [sys.executable, "-m", "pdkv.lab.transfer.bench", "--serve", "--child", "--model", args.model,
            "--blocks", str(blocks), "--rcvlowat", str(args.rcvlowat), "--batch-bytes", str(args.batch_bytes),
            "--gather-below", str(args.gather_below), "--land-below", str(args.land_below),
+           "--congestion-control", args.congestion_control,
            "--listen", f"{args.host}:0", "--conns", str(args.conns), "--threads", str(args.threads),
            "--memory", args.memory] + (hetero.target_flags(args) if args.hetero else []) + \
         (["--tls-on"] if getattr(args, "tls_on", False) else []) + \
