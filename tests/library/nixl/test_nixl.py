@@ -435,10 +435,16 @@ def test_small_writes_end_in_post_and_slow_ones_keep_deadline_and_cancel():
             assert x.state is pdkv.XferState.DONE and x.error is None
         assert np.array_equal(dst[:50 * 4096], src[:50 * 4096])
         big = a.prepare_extents("write", peer, [(ra.id, 0, rb.id, 0, n)])
-        x = big.post(timeout=1e-3)  # 64 MiB in 1 ms: 64 GB/s, far beyond loopback tcp
-        with pytest.raises(pdkv.TransferTimeout, match="timed out"):
-            x.wait(30)
-        assert x.state is pdkv.XferState.FAILED and isinstance(x.error, pdkv.TransferTimeout)
+        for _ in range(3):  # (a write UCX finished inside post, seen once in CI, has no deadline left to keep)
+            x = big.post(timeout=1e-3)  # 64 MiB in 1 ms: 64 GB/s, beyond loopback
+            try:
+                x.wait(30)
+            except pdkv.TransferTimeout as e:
+                assert "timed out" in str(e)
+                assert x.state is pdkv.XferState.FAILED and isinstance(x.error, pdkv.TransferTimeout)
+                break
+        else:
+            pytest.fail("no 64 MiB write in flight ever kept its 1 ms deadline")
         completed = 0
         for _ in range(3):  # (only a thread stalled for the whole 64 MiB lets one finish before cancel)
             y = big.post(notify=b"finished first")
