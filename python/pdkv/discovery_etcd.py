@@ -116,17 +116,18 @@ class EtcdServer:
 
     def start(self, timeout: float = 20.0) -> str:
         """Starts etcd and waits until it answers; returns its ``etcd://`` URL."""
-        for attempt in range(5):
+        tries = 5 if self._pick_ports and not self._started else 1
+        while True:
+            tries -= 1
             try:
                 url = self._start_once(timeout)
                 self._started = True
                 return url
             except _PortTaken:
-                if self._started or not self._pick_ports or attempt == 4:
+                if tries == 0:
                     raise PeerConnectionError(f"etcd did not start on {self.host}:{self.port}: "
                                               f"a port it was given ({self.port} or {self.peer_port}) is in use") from None
                 self.port, self.peer_port = _free_port(self.host), _free_port(self.host)
-        raise AssertionError("unreachable")
 
     def _start_once(self, timeout: float) -> str:
         scheme = "https" if self.tls else "http"

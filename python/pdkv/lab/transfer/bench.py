@@ -79,7 +79,9 @@ def _listen(args: argparse.Namespace, bench):
     the sink at the agent's port + 1; with ``--listen HOST:0`` the kernel picks the agent's
     port, and when port + 1 is taken we close it and let the kernel pick again."""
     _, _, want = args.listen.rpartition(":")
-    for attempt in range(20):
+    tries = 20 if want == "0" else 1
+    while True:
+        tries -= 1
         # The target offers every transport available here; the initiator picks one.
         agent = Agent("bench-target", secret=os.environ.get(SECRET_ENV, "pdkv-bench"), listen=args.listen,
                       options=[tcp_options(args)],
@@ -90,9 +92,8 @@ def _listen(args: argparse.Namespace, bench):
             return agent, bench.Sink(host.strip("[]"), 0 if args.child else int(port) + 1)
         except RuntimeError:
             agent.close()
-            if want != "0" or attempt == 19:
+            if tries == 0:
                 raise
-    raise AssertionError("unreachable")
 
 
 def serve(args: argparse.Namespace) -> None:
